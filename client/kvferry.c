@@ -1,0 +1,508 @@
+/*
+ * libkvferry: the engine's side of an instance (include/kvferry.h).
+ *
+ * The engine is the producer of engine->sender and engine->connector, the
+ * consumer of sender->engine and connector->engine, and the only writer of
+ * the progress word. One engine client per instance: a second attach while
+ * the first is alive is refused, because the rings are single-producer.
+ */
+#include "kvferry.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include "atomics.h"
+#include "clock.h"
+#include "ctl.h"
+#include "doorbell.h"
+#include "err.h"
+#include "records.h"
+
+struct kvf_client {
+        struct kvf_ctl ctl;
+        pthread_mutex_t submit_mu;
+        pthread_mutex_t poll_mu;
+        uint8_t *cache;
+        uint64_t cache_size;
+        uint32_t tensors; /* per layer: 1 key-only, else 2 */
+        unsigned next_ring; /* poll fairness between the two inbound rings */
+};
+
+const char *kvf_last_error(void)
+{
+        return kvf_err_msg();
+}
+
+static int map_cache(struct kvf_client *c)
+{
+        const struct kvf_ctl_header *h = c->ctl.hdr;
+        if (h->backend != KVF_BACKEND_HOST || h->layout.cache_bytes == 0)
+                return 0;
+        int fd = shm_open(h->cache_name, O_RDWR | O_CLOEXEC, 0);
+        if (fd < 0)
+                return kvf_err_set(-errno, "open cache /dev/shm%s: %s", h->cache_name,
+                                   strerror(errno));
+        void *p = mmap(NULL, h->layout.cache_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+        int e = errno;
+        close(fd);
+        if (p == MAP_FAILED)
+                return kvf_err_set(-e, "map cache /dev/shm%s (%llu bytes): %s", h->cache_name,
+                                   (unsigned long long)h->layout.cache_bytes, strerror(e));
+        c->cache = p;
+        c->cache_size = h->layout.cache_bytes;
+        return 0;
+}
+
+int kvf_attach(const char *name, unsigned wait_ms, struct kvf_client **out)
+{
+        struct kvf_client *c = calloc(1, sizeof(*c));
+        int rc;
+
+        if (!c)
+                return kvf_err_set(-ENOMEM, "out of memory");
+        rc = kvf_ctl_attach_wait(name, true, wait_ms, &c->ctl);
+        if (rc < 0) {
+                kvf_err_ctx(rc, "attach to instance '%s'", name);
+                free(c);
+                return rc;
+        }
+        struct kvf_ctl *ctl = &c->ctl;
+        const struct kvf_role_slot *es = &ctl->roles[KVF_ROLE_ENGINE];
+        int32_t other = kvf_load_acquire(&es->pid);
+        if (other > 0 && other != getpid() && kvf_role_alive(ctl, KVF_ROLE_ENGINE, kvf_now_ns())) {
+                rc = kvf_err_set(-EBUSY,
+                                 "attach to instance '%s': an engine client is already attached (pid %d); "
+                                 "one engine per instance",
+                                 name, other);
+                goto fail;
+        }
+        uint64_t gen = kvf_role_begin(ctl, KVF_ROLE_ENGINE);
+        kvf_ring_producer_attach(&ctl->rings[KVF_RING_ENGINE_TO_SENDER], gen);
+        kvf_ring_producer_attach(&ctl->rings[KVF_RING_ENGINE_TO_CONNECTOR], gen);
+        if (kvf_ring_consumer_attach(&ctl->rings[KVF_RING_SENDER_TO_ENGINE]) > 0)
+                kvf_count(ctl, KVF_CTR_RING_REPAIRS, 1);
+        if (kvf_ring_consumer_attach(&ctl->rings[KVF_RING_CONNECTOR_TO_ENGINE]) > 0)
+                kvf_count(ctl, KVF_CTR_RING_REPAIRS, 1);
+        if ((rc = map_cache(c)) < 0) {
+                kvf_err_ctx(rc, "attach to instance '%s'", name);
+                goto fail;
+        }
+        c->tensors = ctl->hdr->layout.key_only ? 1 : 2;
+        pthread_mutex_init(&c->submit_mu, NULL);
+        pthread_mutex_init(&c->poll_mu, NULL);
+        *out = c;
+        return 0;
+fail:
+        kvf_ctl_detach(&c->ctl);
+        free(c);
+        return rc;
+}
+
+void kvf_detach(struct kvf_client *c)
+{
+        if (!c)
+                return;
+        kvf_role_end(&c->ctl, KVF_ROLE_ENGINE);
+        if (c->cache)
+                munmap(c->cache, c->cache_size);
+        pthread_mutex_destroy(&c->submit_mu);
+        pthread_mutex_destroy(&c->poll_mu);
+        kvf_ctl_detach(&c->ctl);
+        free(c);
+}
+
+int kvf_get_layout(struct kvf_client *c, struct kvf_layout_info *out)
+{
+        const struct kvf_cache_layout *l = &c->ctl.hdr->layout;
+        out->num_layers = l->num_layers;
+        out->extra_layers = l->extra_layers;
+        out->num_blocks = l->num_blocks;
+        out->kv_heads = l->kv_heads;
+        out->block_size = l->block_size;
+        out->head_dim = l->head_dim;
+        out->dtype = l->dtype;
+        out->key_only = l->key_only;
+        out->block_bytes = l->block_bytes;
+        out->cache_bytes = l->cache_bytes;
+        return 0;
+}
+
+void *kvf_cache_tensor(struct kvf_client *c, uint32_t layer, int v)
+{
+        const struct kvf_cache_layout *l = &c->ctl.hdr->layout;
+        if (!c->cache || layer >= l->num_layers + l->extra_layers || v < 0 ||
+            (uint32_t)v >= c->tensors)
+                return NULL;
+        return c->cache + ((uint64_t)layer * c->tensors + (uint64_t)v) * l->num_blocks * l->block_bytes;
+}
+
+static int submit_bytes(struct kvf_client *c, int ring, int type, const void *buf, size_t len)
+{
+        struct kvf_ring *r = &c->ctl.rings[ring];
+        int rc;
+
+        if (len > UINT32_MAX)
+                return kvf_err_set(-EMSGSIZE, "record of %zu bytes is too large", len);
+        pthread_mutex_lock(&c->submit_mu);
+        rc = kvf_ring_write(r, (uint16_t)type, buf, (uint32_t)len, NULL);
+        pthread_mutex_unlock(&c->submit_mu);
+        if (rc == -EAGAIN) {
+                kvf_count(&c->ctl, KVF_CTR_RING_FULL, 1);
+                return kvf_err_set(rc, "ring %s is full (%llu of %llu bytes used): its consumer is behind or not running",
+                                   kvf_ring_name(ring), (unsigned long long)kvf_ring_used(r->hdr),
+                                   (unsigned long long)r->capacity);
+        }
+        if (rc == -EMSGSIZE)
+                return kvf_err_set(rc, "a %zu-byte record can never fit ring %s (%llu bytes)", len,
+                                   kvf_ring_name(ring), (unsigned long long)r->capacity);
+        return rc;
+}
+
+static int submit_record(struct kvf_client *c, int ring, const struct kvf_record *rec)
+{
+        uint8_t *buf;
+        size_t len;
+        int rc = kvf_record_encode_alloc(rec, &buf, &len);
+        if (rc < 0)
+                return kvf_err_set(rc, "encode %s record: %s", kvf_rec_type_name(rec->type),
+                                   strerror(-rc));
+        rc = submit_bytes(c, ring, rec->type, buf, len);
+        free(buf);
+        return rc;
+}
+
+static int copy_str(char *dst, size_t cap, const char *src, const char *what)
+{
+        size_t n = src ? strlen(src) : 0;
+        if (n == 0 || n >= cap)
+                return kvf_err_set(-EINVAL, "%s must be 1 to %zu bytes", what, cap - 1);
+        memcpy(dst, src, n + 1);
+        return 0;
+}
+
+int kvf_submit_task(struct kvf_client *c, const struct kvf_task *t)
+{
+        struct kvf_record r = {.type = KVF_RT_TASK};
+        int rc;
+
+        if ((rc = copy_str(r.request_id, sizeof(r.request_id), t->request_id, "request_id")) < 0 ||
+            (rc = copy_str(r.peer, sizeof(r.peer), t->peer, "peer")) < 0)
+                return rc;
+        r.src = (uint32_t *)t->src_block_ids;
+        r.n_src = t->n_src;
+        r.dst = (uint32_t *)t->dest_block_ids;
+        r.n_dst = t->n_dest;
+        r.current_id = t->current_id;
+        r.transport = t->transport;
+        r.chunked = t->chunked != 0;
+        if (kvf_transport_name(r.transport)[0] == '?')
+                return kvf_err_set(-EINVAL, "transport %d is not ipc, tcp or rdma", t->transport);
+        return submit_record(c, KVF_RING_ENGINE_TO_SENDER, &r);
+}
+
+int kvf_submit_chunk(struct kvf_client *c, const char *request_id, uint64_t step,
+                     uint64_t tokens_done, int last)
+{
+        struct kvf_record r = {.type = KVF_RT_CHUNK, .current_id = step, .tokens = tokens_done,
+                               .last = last != 0};
+        int rc = copy_str(r.request_id, sizeof(r.request_id), request_id, "request_id");
+        return rc < 0 ? rc : submit_record(c, KVF_RING_ENGINE_TO_SENDER, &r);
+}
+
+int kvf_submit_cancel(struct kvf_client *c, const char *request_id)
+{
+        struct kvf_record r = {.type = KVF_RT_CANCEL};
+        int rc = copy_str(r.request_id, sizeof(r.request_id), request_id, "request_id");
+        return rc < 0 ? rc : submit_record(c, KVF_RING_ENGINE_TO_SENDER, &r);
+}
+
+int kvf_submit_connect(struct kvf_client *c, const char *task_id, const char *peer)
+{
+        struct kvf_record r = {.type = KVF_RT_CONNECT};
+        int rc;
+        if ((rc = copy_str(r.request_id, sizeof(r.request_id), task_id, "task_id")) < 0 ||
+            (rc = copy_str(r.peer, sizeof(r.peer), peer, "peer")) < 0)
+                return rc;
+        return submit_record(c, KVF_RING_ENGINE_TO_CONNECTOR, &r);
+}
+
+int kvf_submit_raw(struct kvf_client *c, int target, int record_type, const void *msgpack,
+                   size_t len)
+{
+        if (target != KVF_TO_SENDER && target != KVF_TO_CONNECTOR)
+                return kvf_err_set(-EINVAL, "target %d is not KVF_TO_SENDER or KVF_TO_CONNECTOR",
+                                   target);
+        if (record_type <= 0 || record_type > 0xfffe)
+                return kvf_err_set(-EINVAL, "record type %d is out of range", record_type);
+        return submit_bytes(c, target == KVF_TO_SENDER ? KVF_RING_ENGINE_TO_SENDER
+                                                       : KVF_RING_ENGINE_TO_CONNECTOR,
+                            record_type, msgpack, len);
+}
+
+int kvf_layer_done(struct kvf_client *c, uint64_t step, uint32_t layer)
+{
+        const struct kvf_cache_layout *l = &c->ctl.hdr->layout;
+        struct kvf_progress *pg = c->ctl.progress;
+
+        if (layer >= l->num_layers + l->extra_layers)
+                return kvf_err_set(-EINVAL, "layer %u is beyond the %u layers of this instance", layer,
+                                   l->num_layers + l->extra_layers);
+        if (step >= (1ull << (64 - KVF_PROGRESS_LAYER_BITS)))
+                return kvf_err_set(-EINVAL, "step %llu is too large", (unsigned long long)step);
+        uint64_t want = KVF_PROGRESS_PACK(step, layer + 1);
+        uint64_t cur = kvf_load_relaxed(&pg->word);
+        /* Monotonic max. Release: the engine's cache writes for this layer
+         * happen before the sender can see the new word (its acquire load). */
+        while (cur < want && !kvf_cas_acq_rel(&pg->word, &cur, want)) {
+        }
+        kvf_fetch_add_relaxed(&pg->events, 1);
+        kvf_doorbell_ring(&c->ctl.bells[KVF_BELL_SENDER]);
+        return 0;
+}
+
+struct poll_ctx {
+        struct kvf_event *ev;
+        int rc;
+};
+
+static void fill_event(struct kvf_event *ev, const struct kvf_record *r)
+{
+        memset(ev, 0, sizeof(*ev));
+        switch (r->type) {
+        case KVF_RT_COMPLETION:
+                ev->type = KVF_EVENT_COMPLETION;
+                break;
+        case KVF_RT_ARRIVAL:
+                ev->type = KVF_EVENT_ARRIVAL;
+                break;
+        default:
+                ev->type = KVF_EVENT_CONNECT_RESULT;
+                break;
+        }
+        ev->status = r->status;
+        snprintf(ev->request_id, sizeof(ev->request_id), "%s", r->request_id);
+        snprintf(ev->peer, sizeof(ev->peer), "%s", r->peer);
+        snprintf(ev->reason, sizeof(ev->reason), "%s", r->reason);
+        ev->bytes = r->bytes;
+        ev->blocks = (uint32_t)r->blocks;
+        ev->accept_ns = r->accept_ns;
+        ev->last_layer_ns = r->last_layer_ns;
+        ev->done_ns = r->done_ns;
+}
+
+static int on_record(void *arg, uint16_t type, const uint8_t *p, uint32_t len, uint64_t pos)
+{
+        struct poll_ctx *pc = arg;
+        struct kvf_record r;
+        (void)pos;
+
+        if (type != KVF_RT_COMPLETION && type != KVF_RT_ARRIVAL && type != KVF_RT_CONNECT_RESULT) {
+                pc->rc = kvf_err_set(-EBADMSG, "unexpected record type %u on an engine ring", type);
+                return 0;
+        }
+        int rc = kvf_record_decode(type, p, len, 0, &r);
+        if (rc == 0)
+                fill_event(pc->ev, &r);
+        else
+                pc->rc = kvf_err_ctx(rc, "malformed record from kvferry");
+        kvf_record_free(&r);
+        pc->rc = pc->rc ? pc->rc : 1;
+        return 0;
+}
+
+static int try_read(struct kvf_client *c, struct kvf_event *ev)
+{
+        static const int rings[2] = {KVF_RING_SENDER_TO_ENGINE, KVF_RING_CONNECTOR_TO_ENGINE};
+        for (int i = 0; i < 2; i++) {
+                struct poll_ctx pc = {.ev = ev};
+                int ring = rings[(c->next_ring + (unsigned)i) & 1];
+                int n = kvf_ring_read(&c->ctl.rings[ring], on_record, &pc, 1);
+                if (n < 0)
+                        return kvf_err_ctx(n, "read ring %s", kvf_ring_name(ring));
+                if (n > 0) {
+                        c->next_ring++;
+                        return pc.rc;
+                }
+        }
+        return 0;
+}
+
+static bool engine_has_work(void *arg)
+{
+        struct kvf_client *c = arg;
+        return kvf_ring_readable(&c->ctl.rings[KVF_RING_SENDER_TO_ENGINE]) ||
+               kvf_ring_readable(&c->ctl.rings[KVF_RING_CONNECTOR_TO_ENGINE]);
+}
+
+int kvf_poll(struct kvf_client *c, struct kvf_event *ev, int timeout_ms)
+{
+        uint64_t end = timeout_ms < 0 ? UINT64_MAX : kvf_now_ns() + (uint64_t)timeout_ms * 1000000ull;
+        uint64_t beat = (uint64_t)c->ctl.hdr->heartbeat_ms * 1000000ull;
+        int rc;
+
+        pthread_mutex_lock(&c->poll_mu);
+        for (;;) {
+                rc = try_read(c, ev);
+                if (rc != 0)
+                        break;
+                kvf_role_heartbeat(&c->ctl, KVF_ROLE_ENGINE);
+                uint64_t now = kvf_now_ns();
+                if (now >= end)
+                        break;
+                uint64_t wait = end - now < beat ? end - now : beat;
+                kvf_doorbell_wait(&c->ctl.bells[KVF_BELL_ENGINE], engine_has_work, c, 64, wait);
+        }
+        pthread_mutex_unlock(&c->poll_mu);
+        return rc;
+}
+
+/* ---- groups: one instance per tensor-parallel rank ---- */
+
+struct pending {
+        int type;
+        char id[sizeof(((struct kvf_event *)0)->request_id)];
+        unsigned seen;
+        uint64_t members; /* bit per rank that reported (ranks < 64) */
+        struct kvf_event agg;
+        struct pending *next;
+};
+
+struct kvf_group {
+        unsigned n;
+        struct kvf_client **m;
+        struct pending *pending;
+        unsigned next;
+};
+
+int kvf_group_attach(const char *const *names, unsigned n, unsigned wait_ms, struct kvf_group **out)
+{
+        if (n == 0 || n > 64)
+                return kvf_err_set(-EINVAL, "a group has 1 to 64 ranks, not %u", n);
+        struct kvf_group *g = calloc(1, sizeof(*g));
+        if (!g || !(g->m = calloc(n, sizeof(*g->m)))) {
+                free(g);
+                return kvf_err_set(-ENOMEM, "out of memory");
+        }
+        for (unsigned i = 0; i < n; i++) {
+                int rc = kvf_attach(names[i], wait_ms, &g->m[i]);
+                if (rc < 0) {
+                        g->n = i;
+                        kvf_group_detach(g);
+                        return kvf_err_ctx(rc, "rank %u", i);
+                }
+        }
+        g->n = n;
+        *out = g;
+        return 0;
+}
+
+void kvf_group_detach(struct kvf_group *g)
+{
+        if (!g)
+                return;
+        for (unsigned i = 0; i < g->n; i++)
+                kvf_detach(g->m[i]);
+        while (g->pending) {
+                struct pending *p = g->pending;
+                g->pending = p->next;
+                free(p);
+        }
+        free(g->m);
+        free(g);
+}
+
+struct kvf_client *kvf_group_member(struct kvf_group *g, unsigned rank)
+{
+        return rank < g->n ? g->m[rank] : NULL;
+}
+
+/* Fold one member's event in; returns 1 when the aggregate is complete in *ev. */
+static int fold(struct kvf_group *g, unsigned rank, struct kvf_event *ev)
+{
+        struct pending **pp = &g->pending, *p;
+
+        for (; (p = *pp); pp = &p->next)
+                if (p->type == ev->type && !strcmp(p->id, ev->request_id))
+                        break;
+        if (!p) {
+                if (!(p = calloc(1, sizeof(*p))))
+                        return kvf_err_set(-ENOMEM, "out of memory");
+                p->type = ev->type;
+                snprintf(p->id, sizeof(p->id), "%s", ev->request_id);
+                p->agg = *ev;
+                p->agg.bytes = 0;
+                p->agg.blocks = 0;
+                p->agg.status = KVF_STATUS_FINISHED;
+                p->agg.reason[0] = '\0';
+                p->next = g->pending;
+                g->pending = p;
+                pp = &g->pending;
+        }
+        if (p->members & (1ull << rank))
+                return 0; /* a rank reports each request once; ignore a repeat */
+        p->members |= 1ull << rank;
+        p->seen++;
+        p->agg.bytes += ev->bytes;
+        p->agg.blocks += ev->blocks;
+        if (ev->accept_ns && (!p->agg.accept_ns || ev->accept_ns < p->agg.accept_ns))
+                p->agg.accept_ns = ev->accept_ns;
+        if (ev->last_layer_ns > p->agg.last_layer_ns)
+                p->agg.last_layer_ns = ev->last_layer_ns;
+        if (ev->done_ns > p->agg.done_ns)
+                p->agg.done_ns = ev->done_ns;
+        if (ev->status != KVF_STATUS_FINISHED && p->agg.status == KVF_STATUS_FINISHED) {
+                p->agg.status = ev->status;
+                snprintf(p->agg.reason, sizeof(p->agg.reason), "rank %u: %s", rank, ev->reason);
+        }
+        if (p->seen < g->n)
+                return 0;
+        *ev = p->agg;
+        ev->rank = 0;
+        *pp = p->next;
+        free(p);
+        return 1;
+}
+
+int kvf_group_poll(struct kvf_group *g, struct kvf_event *ev, int timeout_ms)
+{
+        uint64_t end = timeout_ms < 0 ? UINT64_MAX : kvf_now_ns() + (uint64_t)timeout_ms * 1000000ull;
+
+        for (;;) {
+                bool any = false;
+                for (unsigned k = 0; k < g->n; k++) {
+                        unsigned i = (g->next + k) % g->n;
+                        int rc = kvf_poll(g->m[i], ev, 0);
+                        if (rc < 0)
+                                return kvf_err_ctx(rc, "rank %u", i);
+                        if (rc == 0)
+                                continue;
+                        any = true;
+                        ev->rank = i;
+                        if (ev->type == KVF_EVENT_CONNECT_RESULT)
+                                return 1;
+                        rc = fold(g, i, ev);
+                        if (rc != 0) {
+                                g->next = i + 1;
+                                return rc;
+                        }
+                }
+                if (any)
+                        continue;
+                uint64_t now = kvf_now_ns();
+                if (now >= end)
+                        return 0;
+                /* One doorbell per instance and no way to sleep on several:
+                 * sleep on each in turn for at most a millisecond. */
+                unsigned i = g->next++ % g->n;
+                uint64_t left = end - now;
+                struct kvf_client *c = g->m[i];
+                kvf_doorbell_wait(&c->ctl.bells[KVF_BELL_ENGINE], engine_has_work, c, 0,
+                                  left < 1000000ull ? left : 1000000ull);
+        }
+}

@@ -1,0 +1,30 @@
+/* Time: CLOCK_MONOTONIC nanoseconds, comparable across the processes of one boot. */
+#ifndef KVF_CLOCK_H
+#define KVF_CLOCK_H
+
+#include <stdint.h>
+#include <time.h>
+
+static inline uint64_t kvf_now_ns(void)
+{
+        struct timespec ts;
+        clock_gettime(CLOCK_MONOTONIC, &ts);
+        return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+static inline uint64_t kvf_wall_ns(void)
+{
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+static inline void kvf_sleep_ns(uint64_t ns)
+{
+        struct timespec ts = {.tv_sec = (time_t)(ns / 1000000000ull),
+                              .tv_nsec = (long)(ns % 1000000000ull)};
+        while (nanosleep(&ts, &ts) != 0) {
+        }
+}
+
+#endif

@@ -1,0 +1,57 @@
+/*
+ * The counters of an instance: one 64-bit value per cache line in the
+ * control segment, added to by any role, read by tools. The list is the
+ * contract with ring-dump's JSON output: append, never reorder.
+ */
+#ifndef KVF_COUNTERS_H
+#define KVF_COUNTERS_H
+
+#define KVF_COUNTER_LIST(X)                                                                        \
+        X(TASKS_ACCEPTED, "tasks_accepted")                                                        \
+        X(TASKS_REJECTED, "tasks_rejected")                                                        \
+        X(CHUNK_RECORDS, "chunk_records")                                                          \
+        X(CANCEL_RECORDS, "cancel_records")                                                        \
+        X(REQUESTS_FINISHED, "requests_finished")                                                  \
+        X(REQUESTS_FAILED, "requests_failed")                                                      \
+        X(FAILED_BAD_TASK, "failed_bad_task")                                                      \
+        X(FAILED_BLOCK_RANGE, "failed_block_range")                                                \
+        X(FAILED_UNKNOWN_PEER, "failed_unknown_peer")                                              \
+        X(FAILED_CONNECTION, "failed_connection")                                                  \
+        X(FAILED_LAYOUT, "failed_layout_mismatch")                                                 \
+        X(FAILED_CANCELLED, "failed_cancelled")                                                    \
+        X(FAILED_TIMEOUT, "failed_timeout")                                                        \
+        X(FAILED_WRITE, "failed_write")                                                            \
+        X(FAILED_AUTH, "failed_auth")                                                              \
+        X(LAYERS_SENT, "layers_sent")                                                              \
+        X(COPY_BATCHES, "copy_batches")                                                            \
+        X(BLOCKS_IPC, "blocks_moved_ipc")                                                          \
+        X(BYTES_IPC, "bytes_moved_ipc")                                                            \
+        X(BLOCKS_TCP, "blocks_sent_tcp")                                                           \
+        X(BYTES_TCP, "bytes_sent_tcp")                                                             \
+        X(BYTES_TCP_RECEIVED, "bytes_received_tcp")                                                \
+        X(ARRIVALS, "arrivals")                                                                    \
+        X(ARRIVALS_DEDUPED, "arrivals_deduplicated")                                               \
+        X(RING_FULL, "ring_full_events")                                                           \
+        X(RESTARTS, "restarts")                                                                    \
+        X(WAKEUPS_SENDER, "wakeups_sender")                                                        \
+        X(WAKEUPS_CONNECTOR, "wakeups_connector")                                                  \
+        X(RING_REPAIRS, "ring_repairs")                                                            \
+        X(REQUESTS_ADOPTED, "requests_adopted")                                                    \
+        X(NOTICES_REISSUED, "notices_reissued")                                                    \
+        X(PEER_CONNECTS, "peer_connects")                                                          \
+        X(PEER_FAILURES, "peer_failures")                                                          \
+        X(AUTH_FAILURES, "auth_failures")                                                          \
+        X(FRAMES_REJECTED, "frames_rejected")                                                      \
+        X(BAD_RECORDS, "bad_records")                                                              \
+        X(ERRORS_LOGGED, "errors_logged")
+
+enum kvf_counter_id {
+#define KVF_COUNTER_ENUM(id, name) KVF_CTR_##id,
+        KVF_COUNTER_LIST(KVF_COUNTER_ENUM)
+#undef KVF_COUNTER_ENUM
+                KVF_COUNTER_COUNT
+};
+
+extern const char *const kvf_counter_names[KVF_COUNTER_COUNT];
+
+#endif

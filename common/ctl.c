@@ -1,0 +1,667 @@
+#include "ctl.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "atomics.h"
+#include "clock.h"
+#include "err.h"
+#include "log.h"
+
+const char *const kvf_counter_names[KVF_COUNTER_COUNT] = {
+#define KVF_COUNTER_NAME(id, name) name,
+        KVF_COUNTER_LIST(KVF_COUNTER_NAME)
+#undef KVF_COUNTER_NAME
+};
+
+static const char *const role_names[KVF_ROLE_COUNT] = {"allocator", "connector", "sender",
+                                                       "engine"};
+static const char *const ring_names[KVF_RING_COUNT] = {
+        "engine->sender",    "sender->engine",    "engine->connector",
+        "connector->engine", "sender->connector", "connector->sender"};
+/* producer, consumer, consumer's doorbell */
+static const uint32_t ring_roles[KVF_RING_COUNT][3] = {
+        {KVF_ROLE_ENGINE, KVF_ROLE_SENDER, KVF_BELL_SENDER},
+        {KVF_ROLE_SENDER, KVF_ROLE_ENGINE, KVF_BELL_ENGINE},
+        {KVF_ROLE_ENGINE, KVF_ROLE_CONNECTOR, KVF_BELL_CONNECTOR},
+        {KVF_ROLE_CONNECTOR, KVF_ROLE_ENGINE, KVF_BELL_ENGINE},
+        {KVF_ROLE_SENDER, KVF_ROLE_CONNECTOR, KVF_BELL_CONNECTOR},
+        {KVF_ROLE_CONNECTOR, KVF_ROLE_SENDER, KVF_BELL_SENDER},
+};
+
+const char *kvf_role_name(int role)
+{
+        return role >= 0 && role < KVF_ROLE_COUNT ? role_names[role] : "?";
+}
+
+const char *kvf_ring_name(int ring)
+{
+        return ring >= 0 && ring < KVF_RING_COUNT ? ring_names[ring] : "?";
+}
+
+uint64_t kvf_hash64(const void *p, size_t n, uint64_t seed)
+{
+        /* FNV-1a, then a final mix; for de-duplication keys, not security. */
+        const uint8_t *b = p;
+        uint64_t h = 0xcbf29ce484222325ull ^ seed;
+        for (size_t i = 0; i < n; i++)
+                h = (h ^ b[i]) * 0x100000001b3ull;
+        h ^= h >> 33;
+        h *= 0xff51afd7ed558ccdull;
+        h ^= h >> 33;
+        return h ? h : 1;
+}
+
+uint64_t kvf_boot_id(void)
+{
+        char buf[64] = {0};
+        int fd = open("/proc/sys/kernel/random/boot_id", O_RDONLY | O_CLOEXEC);
+        if (fd >= 0) {
+                ssize_t n = read(fd, buf, sizeof(buf) - 1);
+                close(fd);
+                if (n > 0)
+                        return kvf_hash64(buf, (size_t)n, 0);
+        }
+        char host[256] = {0};
+        gethostname(host, sizeof(host) - 1);
+        return kvf_hash64(host, strlen(host), 1);
+}
+
+int kvf_instance_name_check(const char *name)
+{
+        size_t n = name ? strlen(name) : 0;
+
+        if (n == 0 || n >= KVF_INSTANCE_MAX)
+                return kvf_err_set(-EINVAL, "instance name must be 1 to %u characters, got %zu",
+                                   KVF_INSTANCE_MAX - 1, n);
+        for (size_t i = 0; i < n; i++) {
+                char ch = name[i];
+                if (!((ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') ||
+                      (ch >= '0' && ch <= '9') || ch == '_' || ch == '-' || ch == '.'))
+                        return kvf_err_set(-EINVAL,
+                                           "instance name '%s': only letters, digits, '_', '-' and '.' are allowed",
+                                           name);
+        }
+        if (name[0] == '.')
+                return kvf_err_set(-EINVAL, "instance name '%s' must not start with '.'", name);
+        return 0;
+}
+
+void kvf_ctl_shm_name(const char *instance, char *buf, size_t len)
+{
+        snprintf(buf, len, "/kvferry.%s", instance);
+}
+
+void kvf_cache_shm_name(const char *instance, char *buf, size_t len)
+{
+        snprintf(buf, len, "/kvferry.%s.cache", instance);
+}
+
+/* Where every region goes, derived from a few parameters only. */
+struct plan {
+        uint64_t roles, bells, progress, cinfo, rings, counters, errlog, journal, reqtab, blocks,
+                cuda, ring_data[KVF_RING_COUNT], total;
+};
+
+static uint64_t align_up(uint64_t v, uint64_t a)
+{
+        return (v + a - 1) / a * a;
+}
+
+static int make_plan(uint32_t slots, uint32_t max_blocks, uint32_t cuda_handles,
+                     const uint64_t cap[KVF_RING_COUNT], struct plan *p)
+{
+        uint64_t off = KVF_HEADER_SIZE;
+
+        if (slots == 0 || slots > 65536)
+                return kvf_err_set(-EINVAL, "request table slots %u not in [1, 65536]", slots);
+        if (max_blocks == 0 || max_blocks > (1u << 20))
+                return kvf_err_set(-EINVAL, "max blocks per request %u not in [1, 1048576]",
+                                   max_blocks);
+        if (cuda_handles > 4 * KVF_MAX_LAYERS)
+                return kvf_err_set(-EINVAL, "%u CUDA handles is more than %u", cuda_handles,
+                                   4 * KVF_MAX_LAYERS);
+        p->roles = off;
+        off += KVF_ROLE_COUNT * sizeof(struct kvf_role_slot);
+        p->bells = off;
+        off += KVF_BELL_COUNT * sizeof(struct kvf_doorbell);
+        p->progress = off;
+        off += sizeof(struct kvf_progress);
+        p->cinfo = off;
+        off += sizeof(struct kvf_connector_info);
+        p->rings = off;
+        off += KVF_RING_COUNT * sizeof(struct kvf_ring_hdr);
+        p->counters = off;
+        off += KVF_COUNTER_COUNT * sizeof(struct kvf_counter);
+        p->errlog = off;
+        off += (uint64_t)KVF_ROLE_COUNT * KVF_ERRLOG_ENTRIES * sizeof(struct kvf_errlog_entry);
+        p->journal = off;
+        off += KVF_JOURNAL_ENTRIES * sizeof(struct kvf_journal_entry);
+        p->cuda = off;
+        off += (uint64_t)cuda_handles * 64;
+        p->reqtab = off = align_up(off, 4096);
+        off += (uint64_t)slots * sizeof(struct kvf_req_slot);
+        p->blocks = off = align_up(off, 4096);
+        off += (uint64_t)slots * max_blocks * 2 * sizeof(uint32_t);
+        for (int i = 0; i < KVF_RING_COUNT; i++) {
+                if (cap[i] < KVF_RING_MIN_CAPACITY || cap[i] > KVF_RING_MAX_CAPACITY ||
+                    (cap[i] & (cap[i] - 1)))
+                        return kvf_err_set(-EINVAL,
+                                           "ring %s: capacity %llu is not a power of two in [%u, %u]",
+                                           ring_names[i], (unsigned long long)cap[i],
+                                           KVF_RING_MIN_CAPACITY, KVF_RING_MAX_CAPACITY);
+                p->ring_data[i] = off = align_up(off, 4096);
+                off += cap[i];
+        }
+        p->total = align_up(off, 4096);
+        return 0;
+}
+
+static void bind_views(struct kvf_ctl *c, const struct plan *p)
+{
+        uint8_t *b = c->base;
+
+        c->hdr = (struct kvf_ctl_header *)(void *)b;
+        c->roles = (struct kvf_role_slot *)(void *)(b + p->roles);
+        c->bells = (struct kvf_doorbell *)(void *)(b + p->bells);
+        c->progress = (struct kvf_progress *)(void *)(b + p->progress);
+        c->cinfo = (struct kvf_connector_info *)(void *)(b + p->cinfo);
+        c->ring_hdrs = (struct kvf_ring_hdr *)(void *)(b + p->rings);
+        c->counters = (struct kvf_counter *)(void *)(b + p->counters);
+        c->errlog = (struct kvf_errlog_entry *)(void *)(b + p->errlog);
+        c->journal = (struct kvf_journal_entry *)(void *)(b + p->journal);
+        c->reqtab = (struct kvf_req_slot *)(void *)(b + p->reqtab);
+        c->blocks = (uint32_t *)(void *)(b + p->blocks);
+}
+
+int kvf_ctl_create(const struct kvf_ctl_params *prm, struct kvf_ctl *out)
+{
+        char name[96];
+        uint64_t cap[KVF_RING_COUNT];
+        struct plan p;
+        int rc;
+
+        memset(out, 0, sizeof(*out));
+        out->fd = -1;
+        if ((rc = kvf_instance_name_check(prm->instance)) < 0)
+                return rc;
+        for (int i = 0; i < KVF_RING_COUNT; i++)
+                cap[i] = prm->ring_capacity[i] ? prm->ring_capacity[i] : KVF_DEFAULT_RING_CAPACITY;
+        uint32_t slots = prm->reqtab_slots ? prm->reqtab_slots : KVF_DEFAULT_REQTAB_SLOTS;
+        uint32_t maxb = prm->max_blocks ? prm->max_blocks : KVF_DEFAULT_MAX_BLOCKS;
+        if ((rc = make_plan(slots, maxb, prm->cuda_handles, cap, &p)) < 0)
+                return rc;
+
+        kvf_ctl_shm_name(prm->instance, name, sizeof(name));
+        int fd = shm_open(name, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+        if (fd < 0) {
+                rc = -errno;
+                if (rc == -EEXIST)
+                        return kvf_err_set(rc,
+                                           "instance '%s' already exists (/dev/shm%s): is it running? "
+                                           "stop it with `tools/kvferry down --instance %s`",
+                                           prm->instance, name, prm->instance);
+                return kvf_err_set(rc, "create /dev/shm%s: %s", name, strerror(-rc));
+        }
+        /* fchmod: the umask must not widen or narrow 0600. */
+        if (fchmod(fd, 0600) < 0 || ftruncate(fd, (off_t)p.total) < 0) {
+                rc = -errno;
+                kvf_err_set(rc, "size /dev/shm%s to %llu bytes: %s", name,
+                            (unsigned long long)p.total, strerror(-rc));
+                goto fail_unlink;
+        }
+        void *base = mmap(NULL, p.total, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+        if (base == MAP_FAILED) {
+                rc = -errno;
+                kvf_err_set(rc, "map /dev/shm%s: %s", name, strerror(-rc));
+                goto fail_unlink;
+        }
+        out->fd = fd;
+        out->base = base;
+        out->size = p.total;
+        out->writable = true;
+        bind_views(out, &p);
+
+        struct kvf_ctl_header *h = out->hdr;
+        h->magic = KVF_MAGIC;
+        h->header_size = KVF_HEADER_SIZE;
+        h->total_size = p.total;
+        h->owner_uid = (uint32_t)geteuid();
+        h->instance_role = prm->instance_role;
+        h->created_ns = kvf_wall_ns();
+        h->boot_id = kvf_boot_id();
+        snprintf(h->instance, sizeof(h->instance), "%s", prm->instance);
+        h->layout = prm->layout;
+        h->backend = prm->backend;
+        h->device = prm->device;
+        h->rank = prm->rank;
+        h->nranks = prm->nranks ? prm->nranks : 1;
+        kvf_cache_shm_name(prm->instance, h->cache_name, sizeof(h->cache_name));
+        h->roles_off = p.roles;
+        h->bells_off = p.bells;
+        h->progress_off = p.progress;
+        h->connector_info_off = p.cinfo;
+        h->rings_off = p.rings;
+        h->counters_off = p.counters;
+        h->counters_count = KVF_COUNTER_COUNT;
+        h->errlog_off = p.errlog;
+        h->errlog_entries = KVF_ERRLOG_ENTRIES;
+        h->journal_off = p.journal;
+        h->reqtab_off = p.reqtab;
+        h->reqtab_slots = slots;
+        h->max_blocks = maxb;
+        h->blocks_off = p.blocks;
+        h->cuda_handles_off = p.cuda;
+        h->cuda_handles_count = prm->cuda_handles;
+        h->heartbeat_ms = prm->heartbeat_ms ? prm->heartbeat_ms : KVF_DEFAULT_HEARTBEAT_MS;
+        for (int i = 0; i < KVF_RING_COUNT; i++) {
+                h->ring_capacity[i] = cap[i];
+                kvf_ring_format(&out->ring_hdrs[i], (uint32_t)i, ring_roles[i][0], ring_roles[i][1],
+                                ring_roles[i][2], p.ring_data[i], cap[i]);
+                kvf_ring_bind(&out->rings[i], base, p.total, &out->ring_hdrs[i],
+                              &out->bells[ring_roles[i][2]]);
+        }
+        return 0;
+
+fail_unlink:
+        shm_unlink(name);
+        close(fd);
+        out->fd = -1;
+        return rc;
+}
+
+void kvf_ctl_publish(struct kvf_ctl *c)
+{
+        /* Pairs with the acquire load of version in kvf_ctl_validate(): all
+         * of the header and the formatted regions are visible before it. */
+        kvf_store_release(&c->hdr->version, KVF_LAYOUT_VERSION);
+}
+
+static int bad(const char *what, ...) __attribute__((format(printf, 1, 2)));
+static int bad(const char *what, ...)
+{
+        char m[KVF_ERR_MAX];
+        va_list ap;
+        va_start(ap, what);
+        vsnprintf(m, sizeof(m), what, ap);
+        va_end(ap);
+        return kvf_err_set(-EBADMSG, "corrupt control segment: %s", m);
+}
+
+int kvf_ctl_validate(void *base, uint64_t size, uid_t uid, struct kvf_ctl *out)
+{
+        const struct kvf_ctl_header *h = base;
+        uint64_t cap[KVF_RING_COUNT];
+        struct plan p;
+
+        memset(out, 0, sizeof(*out));
+        out->fd = -1;
+        if (size < KVF_HEADER_SIZE)
+                return kvf_err_set(-EBADMSG,
+                                   "truncated control segment: %llu bytes, the header alone needs %u",
+                                   (unsigned long long)size, KVF_HEADER_SIZE);
+        if (h->magic != KVF_MAGIC)
+                return kvf_err_set(-EPROTO,
+                                   "not a kvferry control segment: magic 0x%016llx, expected 0x%016llx",
+                                   (unsigned long long)h->magic, (unsigned long long)KVF_MAGIC);
+        /* Pairs with the release store in kvf_ctl_publish(). */
+        uint32_t version = kvf_load_acquire(&h->version);
+        if (version == 0)
+                return kvf_err_set(-EAGAIN,
+                                   "control segment not ready: its allocator has not finished creating it");
+        if (version != KVF_LAYOUT_VERSION)
+                return kvf_err_set(-EPROTO,
+                                   "control segment layout version %u, this build speaks version %u",
+                                   version, KVF_LAYOUT_VERSION);
+        if (uid != (uid_t)-1 && (h->owner_uid != (uint32_t)uid || uid != geteuid()))
+                return kvf_err_set(-EPERM,
+                                   "control segment owned by uid %u (header says %u), we run as uid %u",
+                                   (unsigned)uid, h->owner_uid, (unsigned)geteuid());
+        if (h->header_size != KVF_HEADER_SIZE)
+                return bad("header size %u, expected %u", h->header_size, KVF_HEADER_SIZE);
+        if (h->total_size != size)
+                return kvf_err_set(-EBADMSG,
+                                   "truncated control segment: the file has %llu bytes, its header says %llu",
+                                   (unsigned long long)size, (unsigned long long)h->total_size);
+        if (memchr(h->instance, 0, sizeof(h->instance)) == NULL ||
+            kvf_instance_name_check(h->instance) < 0)
+                return bad("instance name is not a valid name");
+        if (memchr(h->cache_name, 0, sizeof(h->cache_name)) == NULL)
+                return bad("cache name is not terminated");
+        if (h->counters_count != KVF_COUNTER_COUNT)
+                return bad("%u counters, this build has %u", h->counters_count, KVF_COUNTER_COUNT);
+        if (h->errlog_entries != KVF_ERRLOG_ENTRIES)
+                return bad("%u error-log entries per role, expected %u", h->errlog_entries,
+                           KVF_ERRLOG_ENTRIES);
+        if (h->layout.num_layers + (uint64_t)h->layout.extra_layers > KVF_MAX_LAYERS)
+                return bad("%u + %u layers is more than %u", h->layout.num_layers,
+                           h->layout.extra_layers, KVF_MAX_LAYERS);
+        for (int i = 0; i < KVF_RING_COUNT; i++)
+                cap[i] = h->ring_capacity[i];
+        if (make_plan(h->reqtab_slots, h->max_blocks, h->cuda_handles_count, cap, &p) < 0)
+                return kvf_err_ctx(-EBADMSG, "corrupt control segment");
+        if (p.total != h->total_size)
+                return bad("regions need %llu bytes, the segment has %llu",
+                           (unsigned long long)p.total, (unsigned long long)h->total_size);
+        const struct {
+                const char *name;
+                uint64_t have, want;
+        } offs[] = {
+                {"roles", h->roles_off, p.roles},       {"doorbells", h->bells_off, p.bells},
+                {"progress", h->progress_off, p.progress}, {"connector info", h->connector_info_off, p.cinfo},
+                {"rings", h->rings_off, p.rings},       {"counters", h->counters_off, p.counters},
+                {"error log", h->errlog_off, p.errlog}, {"journal", h->journal_off, p.journal},
+                {"request table", h->reqtab_off, p.reqtab}, {"block arena", h->blocks_off, p.blocks},
+                {"CUDA handles", h->cuda_handles_off, p.cuda},
+        };
+        for (size_t i = 0; i < sizeof(offs) / sizeof(offs[0]); i++)
+                if (offs[i].have != offs[i].want)
+                        return bad("%s at offset %llu, expected %llu", offs[i].name,
+                                   (unsigned long long)offs[i].have,
+                                   (unsigned long long)offs[i].want);
+
+        out->base = base;
+        out->size = size;
+        bind_views(out, &p);
+        for (int i = 0; i < KVF_RING_COUNT; i++) {
+                struct kvf_ring_hdr *rh = &out->ring_hdrs[i];
+                if (rh->id != (uint32_t)i || rh->producer != ring_roles[i][0] ||
+                    rh->consumer != ring_roles[i][1] || rh->bell != ring_roles[i][2])
+                        return bad("ring %d has the wrong identity", i);
+                if (rh->capacity != cap[i] || rh->data_off != p.ring_data[i])
+                        return bad("ring %s: capacity or data offset disagree with the header",
+                                   ring_names[i]);
+                if (kvf_ring_bind(&out->rings[i], base, size, rh, &out->bells[rh->bell]) < 0)
+                        return kvf_err_ctx(-EBADMSG, "corrupt control segment");
+        }
+        return 0;
+}
+
+int kvf_ctl_attach_path(const char *path, bool writable, struct kvf_ctl *out)
+{
+        struct stat st;
+        int rc;
+        int fd = open(path, (writable ? O_RDWR : O_RDONLY) | O_CLOEXEC);
+
+        memset(out, 0, sizeof(*out));
+        out->fd = -1;
+        if (fd < 0) {
+                rc = -errno;
+                if (rc == -ENOENT)
+                        return kvf_err_set(rc, "%s does not exist", path);
+                return kvf_err_set(rc, "open %s: %s", path, strerror(-rc));
+        }
+        if (fstat(fd, &st) < 0) {
+                rc = -errno;
+                close(fd);
+                return kvf_err_set(rc, "stat %s: %s", path, strerror(-rc));
+        }
+        if (st.st_uid != geteuid()) {
+                close(fd);
+                return kvf_err_set(-EPERM, "%s is owned by uid %u, we run as uid %u: refusing it",
+                                   path, (unsigned)st.st_uid, (unsigned)geteuid());
+        }
+        if ((uint64_t)st.st_size < KVF_HEADER_SIZE) {
+                close(fd);
+                return kvf_err_set(st.st_size == 0 ? -EAGAIN : -EBADMSG,
+                                   "%s: truncated control segment: %lld bytes, the header alone needs %u",
+                                   path, (long long)st.st_size, KVF_HEADER_SIZE);
+        }
+        void *base = mmap(NULL, (size_t)st.st_size, PROT_READ | (writable ? PROT_WRITE : 0),
+                          MAP_SHARED, fd, 0);
+        if (base == MAP_FAILED) {
+                rc = -errno;
+                close(fd);
+                return kvf_err_set(rc, "map %s: %s", path, strerror(-rc));
+        }
+        rc = kvf_ctl_validate(base, (uint64_t)st.st_size, st.st_uid, out);
+        if (rc < 0) {
+                kvf_err_ctx(rc, "%s", path);
+                munmap(base, (size_t)st.st_size);
+                close(fd);
+                memset(out, 0, sizeof(*out));
+                out->fd = -1;
+                return rc;
+        }
+        out->fd = fd;
+        out->writable = writable;
+        return 0;
+}
+
+int kvf_ctl_attach(const char *name, bool writable, struct kvf_ctl *out)
+{
+        char shm[96], path[128];
+        int rc;
+
+        if ((rc = kvf_instance_name_check(name)) < 0)
+                return rc;
+        kvf_ctl_shm_name(name, shm, sizeof(shm));
+        snprintf(path, sizeof(path), "/dev/shm%s", shm);
+        rc = kvf_ctl_attach_path(path, writable, out);
+        if (rc == -ENOENT)
+                return kvf_err_set(rc, "no instance '%s' on this host (%s does not exist)", name,
+                                   path);
+        return rc;
+}
+
+int kvf_ctl_attach_wait(const char *name, bool writable, unsigned wait_ms, struct kvf_ctl *out)
+{
+        uint64_t end = kvf_now_ns() + (uint64_t)wait_ms * 1000000ull;
+
+        for (;;) {
+                int rc = kvf_ctl_attach(name, writable, out);
+                if ((rc != -ENOENT && rc != -EAGAIN) || kvf_now_ns() >= end)
+                        return rc;
+                kvf_sleep_ns(5000000);
+        }
+}
+
+void kvf_ctl_detach(struct kvf_ctl *c)
+{
+        if (c->base && c->fd >= 0)
+                munmap(c->base, c->size);
+        if (c->fd >= 0)
+                close(c->fd);
+        memset(c, 0, sizeof(*c));
+        c->fd = -1;
+}
+
+int kvf_ctl_unlink(const char *instance)
+{
+        char name[96];
+        int removed = -ENOENT;
+
+        if (kvf_instance_name_check(instance) < 0)
+                return -EINVAL;
+        kvf_cache_shm_name(instance, name, sizeof(name));
+        if (shm_unlink(name) == 0)
+                removed = 0;
+        kvf_ctl_shm_name(instance, name, sizeof(name));
+        if (shm_unlink(name) == 0)
+                removed = 0;
+        return removed;
+}
+
+uint64_t kvf_pid_starttime(int pid)
+{
+        char path[64], buf[1024];
+        snprintf(path, sizeof(path), "/proc/%d/stat", pid);
+        int fd = open(path, O_RDONLY | O_CLOEXEC);
+        if (fd < 0)
+                return 0;
+        ssize_t n = read(fd, buf, sizeof(buf) - 1);
+        close(fd);
+        if (n <= 0)
+                return 0;
+        buf[n] = '\0';
+        /* Field 22; the command name (field 2) may hold spaces, so count from its ')'. */
+        char *p = strrchr(buf, ')');
+        if (!p)
+                return 0;
+        unsigned long long v = 0;
+        int field = 2;
+        for (p++; *p && field < 22; p++)
+                if (*p == ' ')
+                        field++;
+        if (sscanf(p, "%llu", &v) != 1)
+                return 0;
+        return v;
+}
+
+uint64_t kvf_role_begin(struct kvf_ctl *c, enum kvf_role_id role)
+{
+        struct kvf_role_slot *s = &c->roles[role];
+        uint64_t gen = kvf_load_acquire(&s->generation) + 1;
+
+        kvf_store_relaxed(&s->state, KVF_STATE_STARTING);
+        kvf_store_relaxed(&s->pid, (int32_t)getpid());
+        kvf_store_relaxed(&s->pid_starttime, kvf_pid_starttime(getpid()));
+        kvf_store_relaxed(&s->start_ns, kvf_now_ns());
+        kvf_store_relaxed(&s->heartbeat_ns, kvf_now_ns());
+        if (gen > 1) {
+                kvf_fetch_add_relaxed(&s->restarts, 1);
+                kvf_count(c, KVF_CTR_RESTARTS, 1);
+        }
+        /* Release: peers that see the new generation see the new pid too. */
+        kvf_store_release(&s->generation, gen);
+        kvf_store_release(&s->state, KVF_STATE_RUNNING);
+        return gen;
+}
+
+void kvf_role_heartbeat(struct kvf_ctl *c, enum kvf_role_id role)
+{
+        kvf_store_release(&c->roles[role].heartbeat_ns, kvf_now_ns());
+}
+
+void kvf_role_end(struct kvf_ctl *c, enum kvf_role_id role)
+{
+        kvf_store_release(&c->roles[role].state, KVF_STATE_STOPPED);
+}
+
+bool kvf_role_alive(const struct kvf_ctl *c, enum kvf_role_id role, uint64_t now_ns)
+{
+        const struct kvf_role_slot *s = &c->roles[role];
+        int32_t pid = kvf_load_acquire(&s->pid);
+        uint32_t state = kvf_load_acquire(&s->state);
+
+        if (pid <= 0 || (state != KVF_STATE_RUNNING && state != KVF_STATE_STARTING))
+                return false;
+        if (kill(pid, 0) < 0 && errno == ESRCH)
+                return false;
+        uint64_t st = kvf_load_relaxed(&s->pid_starttime);
+        if (st && kvf_pid_starttime(pid) != st)
+                return false; /* the pid now belongs to someone else */
+        uint64_t hb = kvf_load_acquire(&s->heartbeat_ns);
+        uint64_t limit = (uint64_t)c->hdr->heartbeat_ms * 1000000ull * 10;
+        return now_ns < hb || now_ns - hb <= limit;
+}
+
+void kvf_errlog(struct kvf_ctl *c, enum kvf_role_id role, const char *fmt, ...)
+{
+        char text[KVF_ERRLOG_TEXT];
+        va_list ap;
+
+        va_start(ap, fmt);
+        vsnprintf(text, sizeof(text), fmt, ap);
+        va_end(ap);
+        kvf_error("%s", text);
+        if (!c || !c->errlog || !c->writable)
+                return;
+        kvf_count(c, KVF_CTR_ERRORS_LOGGED, 1);
+
+        struct kvf_errlog_entry *region = c->errlog + (size_t)role * KVF_ERRLOG_ENTRIES;
+        uint64_t hash = kvf_hash64(fmt, strlen(fmt), (uint64_t)role);
+        struct kvf_errlog_entry *e = NULL, *oldest = &region[0];
+        for (unsigned i = 0; i < KVF_ERRLOG_ENTRIES; i++) {
+                if (region[i].hash == hash || region[i].hash == 0) {
+                        e = &region[i];
+                        break;
+                }
+                if (region[i].last_ns < oldest->last_ns)
+                        oldest = &region[i];
+        }
+        if (!e) {
+                e = oldest;
+                e->hash = 0; /* reused below as a new entry */
+        }
+        uint32_t seq = kvf_load_relaxed(&e->seq);
+        if (seq & 1)
+                seq++; /* our predecessor died mid-update */
+        /* Seqlock: odd while writing; the release fence keeps the data stores
+         * after the odd store, the release store of the even value after them. */
+        kvf_store_relaxed(&e->seq, seq + 1);
+        __atomic_thread_fence(__ATOMIC_RELEASE);
+        uint64_t now = kvf_wall_ns();
+        if (e->hash != hash) {
+                e->hash = hash;
+                e->count = 0;
+                e->first_ns = now;
+        }
+        e->count++;
+        e->last_ns = now;
+        memcpy(e->text, text, sizeof(text));
+        kvf_store_release(&e->seq, seq + 2);
+}
+
+int kvf_errlog_read(const struct kvf_ctl *c, int role, unsigned i, struct kvf_errlog_entry *out)
+{
+        const struct kvf_errlog_entry *e = c->errlog + (size_t)role * KVF_ERRLOG_ENTRIES + i;
+
+        for (int tries = 0; tries < 1000; tries++) {
+                uint32_t s1 = kvf_load_acquire(&e->seq);
+                if (s1 & 1)
+                        continue;
+                memcpy(out, e, sizeof(*out));
+                __atomic_thread_fence(__ATOMIC_ACQUIRE);
+                if (kvf_load_relaxed(&e->seq) == s1) {
+                        out->text[KVF_ERRLOG_TEXT - 1] = '\0';
+                        return out->hash != 0;
+                }
+        }
+        return 0;
+}
+
+int kvf_connector_info_read(const struct kvf_ctl *c, char *host, size_t hostlen, uint32_t *port)
+{
+        const struct kvf_connector_info *ci = c->cinfo;
+
+        for (int tries = 0; tries < 1000; tries++) {
+                uint32_t s1 = kvf_load_acquire(&ci->seq);
+                if (s1 == 0)
+                        return -EAGAIN;
+                if (s1 & 1)
+                        continue;
+                char h[sizeof(ci->listen_host)];
+                memcpy(h, ci->listen_host, sizeof(h));
+                uint32_t p = kvf_load_relaxed(&ci->port);
+                __atomic_thread_fence(__ATOMIC_ACQUIRE);
+                if (kvf_load_relaxed(&ci->seq) != s1)
+                        continue;
+                h[sizeof(h) - 1] = '\0';
+                snprintf(host, hostlen, "%s", h);
+                *port = p;
+                return 0;
+        }
+        return -EAGAIN;
+}
+
+void kvf_connector_info_write(struct kvf_ctl *c, const char *host, uint32_t port)
+{
+        struct kvf_connector_info *ci = c->cinfo;
+        uint32_t seq = kvf_load_relaxed(&ci->seq);
+
+        if (seq & 1)
+                seq++; /* a writer died mid-update */
+        kvf_store_relaxed(&ci->seq, seq + 1);
+        __atomic_thread_fence(__ATOMIC_RELEASE);
+        snprintf(ci->listen_host, sizeof(ci->listen_host), "%s", host);
+        kvf_store_relaxed(&ci->port, port);
+        kvf_store_release(&ci->seq, seq + 2);
+}

@@ -1,0 +1,132 @@
+/*
+ * The control segment of an instance: creation (allocator), attachment
+ * (everyone else), role slots, counters and the error log.
+ *
+ * Names: the segment is /dev/shm/kvferry.<instance>, the host cache file
+ * /dev/shm/kvferry.<instance>.cache. Instance names are 1-47 characters of
+ * [A-Za-z0-9_.-].
+ */
+#ifndef KVF_CTL_H
+#define KVF_CTL_H
+
+#include <stdbool.h>
+#include <stdint.h>
+#include <sys/types.h>
+
+#include "counters.h"
+#include "ring.h"
+#include "shm_layout.h"
+
+struct kvf_ctl_params {
+        const char *instance;
+        uint32_t instance_role; /* enum kvf_instance_role */
+        struct kvf_cache_layout layout;
+        uint32_t backend;
+        uint32_t device;
+        uint32_t rank, nranks;
+        uint64_t ring_capacity[KVF_RING_COUNT]; /* 0 = default */
+        uint32_t reqtab_slots;                  /* 0 = default */
+        uint32_t max_blocks;                    /* 0 = default */
+        uint32_t cuda_handles;
+        uint32_t heartbeat_ms; /* 0 = default */
+};
+
+#define KVF_DEFAULT_RING_CAPACITY (1u << 20)
+#define KVF_DEFAULT_REQTAB_SLOTS 1024u
+#define KVF_DEFAULT_MAX_BLOCKS 4096u
+#define KVF_DEFAULT_HEARTBEAT_MS 100u
+
+/* A process's view of a segment. */
+struct kvf_ctl {
+        int fd;
+        bool writable;
+        void *base;
+        uint64_t size;
+        struct kvf_ctl_header *hdr;
+        struct kvf_role_slot *roles;
+        struct kvf_doorbell *bells;
+        struct kvf_progress *progress;
+        struct kvf_connector_info *cinfo;
+        struct kvf_ring_hdr *ring_hdrs;
+        struct kvf_ring rings[KVF_RING_COUNT];
+        struct kvf_counter *counters;
+        struct kvf_errlog_entry *errlog; /* KVF_ROLE_COUNT regions of errlog_entries */
+        struct kvf_journal_entry *journal;
+        struct kvf_req_slot *reqtab;
+        uint32_t *blocks;
+};
+
+/* Check a name; fills kvf_err and returns -EINVAL when it is not one. */
+int kvf_instance_name_check(const char *name);
+/* "/kvferry.<name>" and "/kvferry.<name>.cache" (shm_open names). */
+void kvf_ctl_shm_name(const char *instance, char *buf, size_t len);
+void kvf_cache_shm_name(const char *instance, char *buf, size_t len);
+
+/*
+ * Create a new segment (fails with -EEXIST if the instance exists) and format
+ * it. It is not visible as ready until kvf_ctl_publish().
+ */
+int kvf_ctl_create(const struct kvf_ctl_params *p, struct kvf_ctl *out);
+/* Store the layout version, last, with a release store. */
+void kvf_ctl_publish(struct kvf_ctl *c);
+
+/*
+ * Attach to instance `name`. Returns -ENOENT (no such instance), -EAGAIN
+ * (exists, not ready yet), -EPROTO (not a segment of this version),
+ * -EPERM (owned by another user), -EBADMSG (truncated or inconsistent);
+ * kvf_err says exactly what is wrong.
+ */
+int kvf_ctl_attach(const char *name, bool writable, struct kvf_ctl *out);
+/* Same, waiting up to wait_ms while it is missing or not ready. */
+int kvf_ctl_attach_wait(const char *name, bool writable, unsigned wait_ms, struct kvf_ctl *out);
+/* Attach to a file by path (tools, tests). */
+int kvf_ctl_attach_path(const char *path, bool writable, struct kvf_ctl *out);
+/*
+ * Validate the bytes of a segment (the heart of attach; also what the fuzzer
+ * drives). `uid` is the file owner, or (uid_t)-1 to skip the owner check.
+ * On success fills the pointers of *out (fd -1, nothing mapped by us).
+ */
+int kvf_ctl_validate(void *base, uint64_t size, uid_t uid, struct kvf_ctl *out);
+void kvf_ctl_detach(struct kvf_ctl *c);
+/* Remove the instance's segment and cache file; 0 if anything was removed. */
+int kvf_ctl_unlink(const char *instance);
+
+/* Role slots. kvf_role_begin() bumps the generation and returns it. */
+uint64_t kvf_role_begin(struct kvf_ctl *c, enum kvf_role_id role);
+void kvf_role_heartbeat(struct kvf_ctl *c, enum kvf_role_id role);
+void kvf_role_end(struct kvf_ctl *c, enum kvf_role_id role);
+/* Alive: the pid exists, is the same process (start time) and beats. */
+bool kvf_role_alive(const struct kvf_ctl *c, enum kvf_role_id role, uint64_t now_ns);
+const char *kvf_role_name(int role);
+const char *kvf_ring_name(int ring);
+uint64_t kvf_pid_starttime(int pid);
+
+static inline void kvf_count(struct kvf_ctl *c, enum kvf_counter_id id, uint64_t n)
+{
+        __atomic_fetch_add(&c->counters[id].value, n, __ATOMIC_RELAXED);
+}
+
+/*
+ * Error log: record a message for `role`, de-duplicated by its format string
+ * (count and last time grow; the text is the latest). Also logged to stderr.
+ */
+void kvf_errlog(struct kvf_ctl *c, enum kvf_role_id role, const char *fmt, ...)
+        __attribute__((format(printf, 3, 4)));
+/* Read entry i of role's region consistently; 1 if used, 0 if empty. */
+int kvf_errlog_read(const struct kvf_ctl *c, int role, unsigned i, struct kvf_errlog_entry *out);
+
+/* Block arena of request slot i: src at [0, max_blocks), dst at [max_blocks, 2*max_blocks). */
+static inline uint32_t *kvf_slot_blocks(const struct kvf_ctl *c, uint32_t i)
+{
+        return c->blocks + (uint64_t)i * c->hdr->max_blocks * 2u;
+}
+
+/* The connector's published listen address: 0 and filled, or -EAGAIN. */
+int kvf_connector_info_read(const struct kvf_ctl *c, char *host, size_t hostlen, uint32_t *port);
+void kvf_connector_info_write(struct kvf_ctl *c, const char *host, uint32_t port);
+
+/* A hash of this boot (same host, same boot: same value). */
+uint64_t kvf_boot_id(void);
+uint64_t kvf_hash64(const void *p, size_t n, uint64_t seed);
+
+#endif

@@ -1,0 +1,46 @@
+/*
+ * Futex doorbells: how a consumer sleeps until a producer has work for it.
+ *
+ * A consumer spins briefly, then announces itself (waiters += 1), re-checks
+ * for work, and sleeps on the 32-bit `seq` word with a timeout. A producer,
+ * after committing its record, rings: a full fence, then only if a waiter is
+ * announced, seq += 1 and FUTEX_WAKE. The store-fence-load on both sides
+ * (commit / fence / load waiters against waiters / fence / load record) means
+ * at least one side sees the other, so a wake cannot be lost; and every sleep
+ * has a timeout, so correctness never depends on a wake arriving.
+ *
+ * Shared (not private) futex operations: the word is in a MAP_SHARED mapping
+ * seen by several processes.
+ */
+#ifndef KVF_DOORBELL_H
+#define KVF_DOORBELL_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "shm_layout.h"
+
+/* Producer side: wake the consumer if it announced itself. Any thread, any process. */
+void kvf_doorbell_ring(struct kvf_doorbell *bell);
+
+/*
+ * Consumer side, in this order:
+ *   seq = kvf_doorbell_prepare(bell);
+ *   if (work is visible) kvf_doorbell_cancel(bell); else kvf_doorbell_sleep(bell, seq, ns);
+ * prepare() announces the waiter and returns the word to sleep on; sleep()
+ * returns 0 when woken or the word moved, -ETIMEDOUT on timeout, and always
+ * withdraws the announcement.
+ */
+uint32_t kvf_doorbell_prepare(struct kvf_doorbell *bell);
+void kvf_doorbell_cancel(struct kvf_doorbell *bell);
+int kvf_doorbell_sleep(struct kvf_doorbell *bell, uint32_t seq, uint64_t timeout_ns);
+
+/*
+ * The whole pattern: spin `spins` times calling has_work(ctx), then sleep up
+ * to timeout_ns. Returns 1 if has_work() said yes, 0 after a wake or timeout
+ * (the caller re-checks anyway).
+ */
+int kvf_doorbell_wait(struct kvf_doorbell *bell, bool (*has_work)(void *ctx), void *ctx,
+                      unsigned spins, uint64_t timeout_ns);
+
+#endif

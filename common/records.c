@@ -1,0 +1,503 @@
+#include "records.h"
+
+#include <errno.h>
+#include <inttypes.h>
+#include <msgpack.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "err.h"
+#include "mp_read.h"
+
+enum fkind { F_STR, F_U64, F_BOOL, F_IDS, F_STATUS, F_TRANSPORT, F_PORTS };
+
+struct field {
+        const char *name;
+        enum fkind kind;
+        size_t off;   /* of the value (F_IDS: of the pointer) */
+        size_t aux;   /* F_STR: capacity; F_IDS: offset of the count */
+};
+
+#define FS(n, m) {n, F_STR, offsetof(struct kvf_record, m), sizeof(((struct kvf_record *)0)->m)}
+#define FU(n, m) {n, F_U64, offsetof(struct kvf_record, m), 0}
+#define FB(n, m) {n, F_BOOL, offsetof(struct kvf_record, m), 0}
+#define FI(n, m, c) {n, F_IDS, offsetof(struct kvf_record, m), offsetof(struct kvf_record, c)}
+
+enum fid {
+        REQUEST_ID, TASK_ID, PEER, REASON, IP, PORT, RDMA_PORTS, CURRENT_ID, TOKENS_DONE, LAST,
+        CHUNKED, SRC, DST, RUNS, KEY, LAYER, STATUS, PROTOCOL, BYTES, BLOCKS, ACCEPT_NS,
+        LAST_LAYER_NS, DONE_NS, GENERATION, UP, NFIELDS
+};
+
+static const struct field fields[NFIELDS] = {
+        [REQUEST_ID] = FS("request_id", request_id),
+        [TASK_ID] = FS("task_id", request_id),
+        [PEER] = FS("peer", peer),
+        [REASON] = FS("reason", reason),
+        [IP] = FS("ip", ip),
+        [PORT] = FU("port", port),
+        [RDMA_PORTS] = {"rdma_ports", F_PORTS, offsetof(struct kvf_record, port), 0},
+        [CURRENT_ID] = FU("current_id", current_id),
+        [TOKENS_DONE] = FU("tokens_done", tokens),
+        [LAST] = FB("last", last),
+        [CHUNKED] = FB("chunked", chunked),
+        [SRC] = FI("src_block_ids", src, n_src),
+        [DST] = FI("dest_block_ids", dst, n_dst),
+        [RUNS] = FI("runs", runs, n_runs),
+        [KEY] = FU("key", key),
+        [LAYER] = FU("layer", layer),
+        [STATUS] = {"status", F_STATUS, offsetof(struct kvf_record, status), 0},
+        [PROTOCOL] = {"transfer_protocol", F_TRANSPORT, offsetof(struct kvf_record, transport), 0},
+        [BYTES] = FU("bytes", bytes),
+        [BLOCKS] = FU("blocks", blocks),
+        [ACCEPT_NS] = FU("accept_ns", accept_ns),
+        [LAST_LAYER_NS] = FU("last_layer_ns", last_layer_ns),
+        [DONE_NS] = FU("done_ns", done_ns),
+        [GENERATION] = FU("generation", generation),
+        [UP] = FB("up", up),
+};
+
+/* Per type: the fields it carries. R = required, D = accepted on decode only. */
+#define R 1u
+#define D 2u
+struct use {
+        uint8_t f;
+        uint8_t flags;
+};
+struct spec {
+        const char *name;
+        const struct use *uses;
+        unsigned n;
+        bool needs_peer; /* peer, or ip with port / rdma_ports */
+};
+
+#define USES(...) (const struct use[]){__VA_ARGS__}, sizeof((const struct use[]){__VA_ARGS__}) / sizeof(struct use)
+
+static const struct spec specs[KVF_RT_MAX + 1] = {
+        [KVF_RT_TASK] = {"task",
+                         USES({REQUEST_ID, R}, {SRC, R}, {DST, R}, {CURRENT_ID, R}, {PROTOCOL, R},
+                              {PEER, 0}, {CHUNKED, 0}, {IP, D}, {PORT, D}, {RDMA_PORTS, D}),
+                         true},
+        [KVF_RT_CHUNK] = {"chunk", USES({REQUEST_ID, R}, {CURRENT_ID, R}, {TOKENS_DONE, R}, {LAST, 0}),
+                          false},
+        [KVF_RT_CANCEL] = {"cancel", USES({REQUEST_ID, R}), false},
+        [KVF_RT_COMPLETION] = {"completion",
+                               USES({REQUEST_ID, R}, {STATUS, R}, {REASON, 0}, {PEER, 0},
+                                    {BYTES, 0}, {BLOCKS, 0}, {ACCEPT_NS, 0}, {LAST_LAYER_NS, 0},
+                                    {DONE_NS, 0}),
+                               false},
+        [KVF_RT_CONNECT] = {"connect",
+                            USES({TASK_ID, R}, {PEER, 0}, {PROTOCOL, 0}, {IP, D}, {PORT, D},
+                                 {RDMA_PORTS, D}),
+                            true},
+        [KVF_RT_CONNECT_RESULT] = {"connect result",
+                                   USES({TASK_ID, R}, {PEER, 0}, {STATUS, R}, {REASON, 0}), false},
+        [KVF_RT_ARRIVAL] = {"arrival",
+                            USES({REQUEST_ID, R}, {STATUS, R}, {REASON, 0}, {PEER, 0}, {BYTES, 0},
+                                 {BLOCKS, 0}, {DST, 0}, {DONE_NS, 0}),
+                            false},
+        [KVF_RT_WRITE_BATCH] = {"write batch",
+                                USES({KEY, R}, {REQUEST_ID, R}, {PEER, R}, {LAYER, R}, {RUNS, R},
+                                     {PROTOCOL, R}),
+                                false},
+        [KVF_RT_FINISH] = {"finish",
+                           USES({KEY, R}, {REQUEST_ID, R}, {PEER, R}, {PROTOCOL, R}, {DST, R},
+                                {STATUS, R}, {REASON, 0}, {BYTES, 0}, {BLOCKS, 0}),
+                           false},
+        [KVF_RT_WRITE_RESULT] = {"write result",
+                                 USES({KEY, R}, {REQUEST_ID, R}, {STATUS, R}, {REASON, 0},
+                                      {BYTES, 0}),
+                                 false},
+        [KVF_RT_PEER_STATE] = {"peer state", USES({PEER, R}, {UP, R}, {GENERATION, 0}, {REASON, 0}),
+                               false},
+        [KVF_RT_DISCONNECT] = {"disconnect", USES({PEER, R}), false},
+};
+
+const char *kvf_rec_type_name(int type)
+{
+        return type > 0 && type <= KVF_RT_MAX && specs[type].name ? specs[type].name : "unknown";
+}
+
+static const char *const transports[] = {NULL, "ipc", "tcp", "rdma"};
+
+const char *kvf_transport_name(int t)
+{
+        return t >= KVF_TRANSPORT_IPC && t <= KVF_TRANSPORT_RDMA ? transports[t] : "?";
+}
+
+int kvf_transport_from_name(const char *s, size_t n)
+{
+        for (int t = KVF_TRANSPORT_IPC; t <= KVF_TRANSPORT_RDMA; t++)
+                if (strlen(transports[t]) == n && !memcmp(s, transports[t], n))
+                        return t;
+        return -1;
+}
+
+void kvf_record_free(struct kvf_record *r)
+{
+        free(r->src);
+        free(r->dst);
+        free(r->runs);
+        r->src = r->dst = r->runs = NULL;
+        r->n_src = r->n_dst = r->n_runs = 0;
+}
+
+/* ---- decoding ---- */
+
+static int type_err(const char *field, const char *want, const struct kvf_mp *m)
+{
+        return kvf_err_set(-EBADMSG, "field '%s' must be %s, found %s", field, want,
+                           kvf_mp_kind_name(kvf_mp_peek(m)));
+}
+
+static int dec_str(struct kvf_mp *m, const struct field *f, char *dst, const char **raw,
+                   uint32_t *rawlen)
+{
+        const char *s;
+        uint32_t n;
+        if (kvf_mp_peek(m) != KVF_MP_STR)
+                return type_err(f->name, "a string", m);
+        if (kvf_mp_str(m, &s, &n) < 0)
+                return kvf_err_set(-EBADMSG, "field '%s': string runs past the end of the record",
+                                   f->name);
+        if (raw) {
+                *raw = s;
+                *rawlen = n;
+                return 0;
+        }
+        if (n == 0)
+                return kvf_err_set(-EBADMSG, "field '%s' is empty", f->name);
+        if (n >= f->aux)
+                return kvf_err_set(-EBADMSG, "field '%s' is %u bytes long, at most %zu allowed",
+                                   f->name, n, f->aux - 1);
+        if (memchr(s, 0, n))
+                return kvf_err_set(-EBADMSG, "field '%s' contains a NUL byte", f->name);
+        memcpy(dst, s, n);
+        dst[n] = '\0';
+        return 0;
+}
+
+static int dec_u64(struct kvf_mp *m, const char *name, uint64_t *v)
+{
+        enum kvf_mp_kind k = kvf_mp_peek(m);
+        if (k != KVF_MP_UINT && k != KVF_MP_NINT)
+                return type_err(name, "a non-negative integer", m);
+        int64_t s;
+        struct kvf_mp save = *m;
+        if (kvf_mp_uint(m, v) == 0)
+                return 0;
+        if (kvf_mp_int(&save, &s) == 0)
+                return kvf_err_set(-EBADMSG, "field '%s' must be a non-negative integer, found %" PRId64,
+                                   name, s);
+        return kvf_err_set(-EBADMSG, "field '%s': integer runs past the end of the record", name);
+}
+
+static int dec_ids(struct kvf_mp *m, const char *name, uint32_t **out, uint32_t *count)
+{
+        uint32_t n;
+        if (kvf_mp_peek(m) != KVF_MP_ARRAY)
+                return type_err(name, "an array of block ids", m);
+        if (kvf_mp_array(m, &n) < 0)
+                return kvf_err_set(-EBADMSG, "field '%s': array of %u runs past the end of the record",
+                                   name, n);
+        if (n > KVF_MAX_RECORD_IDS)
+                return kvf_err_set(-EBADMSG, "field '%s' has %u entries, at most %u allowed", name, n,
+                                   KVF_MAX_RECORD_IDS);
+        uint32_t *ids = malloc((size_t)(n ? n : 1) * sizeof(uint32_t));
+        if (!ids)
+                return kvf_err_set(-ENOMEM, "field '%s': out of memory for %u ids", name, n);
+        for (uint32_t i = 0; i < n; i++) {
+                uint64_t v;
+                enum kvf_mp_kind k = kvf_mp_peek(m);
+                int64_t s;
+                struct kvf_mp save = *m;
+                if (k != KVF_MP_UINT && k != KVF_MP_NINT) {
+                        kvf_err_set(-EBADMSG, "field '%s'[%u] must be a non-negative integer, found %s",
+                                    name, i, kvf_mp_kind_name(k));
+                        goto fail;
+                }
+                if (kvf_mp_uint(m, &v) < 0) {
+                        if (kvf_mp_int(&save, &s) == 0)
+                                kvf_err_set(-EBADMSG, "field '%s'[%u] is negative (%" PRId64 ")", name,
+                                            i, s);
+                        else
+                                kvf_err_set(-EBADMSG, "field '%s'[%u]: integer runs past the end",
+                                            name, i);
+                        goto fail;
+                }
+                if (v > UINT32_MAX) {
+                        kvf_err_set(-EBADMSG, "field '%s'[%u] = %" PRIu64 " does not fit 32 bits",
+                                    name, i, v);
+                        goto fail;
+                }
+                ids[i] = (uint32_t)v;
+        }
+        free(*out);
+        *out = ids;
+        *count = n;
+        return 0;
+fail:
+        free(ids);
+        return -EBADMSG;
+}
+
+static int dec_field(struct kvf_mp *m, const struct field *f, struct kvf_record *r, uint32_t rank)
+{
+        char *base = (char *)r;
+        const char *s;
+        uint32_t n;
+        uint64_t v;
+        int rc;
+
+        switch (f->kind) {
+        case F_STR:
+                return dec_str(m, f, base + f->off, NULL, NULL);
+        case F_U64:
+                return dec_u64(m, f->name, (uint64_t *)(void *)(base + f->off));
+        case F_BOOL: {
+                bool b;
+                if (kvf_mp_peek(m) == KVF_MP_BOOL) {
+                        kvf_mp_bool(m, &b);
+                } else if (kvf_mp_peek(m) == KVF_MP_UINT) {
+                        /* Python engines sometimes send 0/1 */
+                        if (dec_u64(m, f->name, &v) < 0 || v > 1)
+                                return kvf_err_set(-EBADMSG, "field '%s' must be a boolean", f->name);
+                        b = v == 1;
+                } else {
+                        return type_err(f->name, "a boolean", m);
+                }
+                *(bool *)(base + f->off) = b;
+                return 0;
+        }
+        case F_IDS:
+                return dec_ids(m, f->name, (uint32_t **)(void *)(base + f->off),
+                               (uint32_t *)(void *)(base + f->aux));
+        case F_STATUS:
+                if ((rc = dec_str(m, f, NULL, &s, &n)) < 0)
+                        return rc;
+                for (int st = 0; st < KVF_STATUS_COUNT; st++) {
+                        const char *name = kvf_status_name(st);
+                        if (strlen(name) == n && !memcmp(name, s, n)) {
+                                r->status = st;
+                                return 0;
+                        }
+                }
+                return kvf_err_set(-EBADMSG, "field 'status' is '%.*s', not a known status",
+                                   (int)(n > 64 ? 64 : n), s);
+        case F_TRANSPORT:
+                if ((rc = dec_str(m, f, NULL, &s, &n)) < 0)
+                        return rc;
+                r->transport = kvf_transport_from_name(s, n);
+                if (r->transport < 0)
+                        return kvf_err_set(-EBADMSG,
+                                           "field 'transfer_protocol' is '%.*s': expected ipc, tcp or rdma",
+                                           (int)(n > 64 ? 64 : n), s);
+                return 0;
+        case F_PORTS: {
+                uint32_t *ports = NULL, np = 0;
+                if ((rc = dec_ids(m, f->name, &ports, &np)) < 0)
+                        return rc;
+                if (rank >= np) {
+                        free(ports);
+                        return kvf_err_set(-EBADMSG,
+                                           "field 'rdma_ports' has %u entries, none for rank %u", np,
+                                           rank);
+                }
+                r->port = ports[rank];
+                free(ports);
+                return 0;
+        }
+        }
+        return -EINVAL;
+}
+
+int kvf_record_decode(int type, const void *buf, size_t len, uint32_t rank,
+                      struct kvf_record *out)
+{
+        struct kvf_mp m = {.p = buf, .end = (const uint8_t *)buf + len};
+        uint32_t n;
+        int rc;
+
+        memset(out, 0, sizeof(*out));
+        if (type <= 0 || type > KVF_RT_MAX || !specs[type].name)
+                return kvf_err_set(-EBADMSG, "unknown record type %d", type);
+        out->type = (uint16_t)type;
+        const struct spec *sp = &specs[type];
+        if (len == 0)
+                return kvf_err_set(-EBADMSG, "empty %s record", sp->name);
+        if (kvf_mp_peek(&m) != KVF_MP_MAP)
+                return kvf_err_set(-EBADMSG, "%s record is not a msgpack map (found %s)", sp->name,
+                                   kvf_mp_kind_name(kvf_mp_peek(&m)));
+        if (kvf_mp_map(&m, &n) < 0)
+                return kvf_err_set(-EBADMSG, "%s record: map of %u entries runs past the end (%zu bytes)",
+                                   sp->name, n, len);
+        for (uint32_t i = 0; i < n; i++) {
+                const char *k;
+                uint32_t kl;
+                if (kvf_mp_peek(&m) != KVF_MP_STR)
+                        return kvf_err_set(-EBADMSG, "%s record: key #%u is not a string (found %s)",
+                                           sp->name, i, kvf_mp_kind_name(kvf_mp_peek(&m)));
+                if (kvf_mp_str(&m, &k, &kl) < 0)
+                        return kvf_err_set(-EBADMSG, "%s record: key #%u runs past the end", sp->name,
+                                           i);
+                const struct field *f = NULL;
+                unsigned fid = 0;
+                for (unsigned u = 0; u < sp->n; u++) {
+                        const struct field *c = &fields[sp->uses[u].f];
+                        if (strlen(c->name) == kl && !memcmp(c->name, k, kl)) {
+                                f = c;
+                                fid = sp->uses[u].f;
+                                break;
+                        }
+                }
+                if (!f) {
+                        if (kvf_mp_skip(&m, 16) < 0)
+                                return kvf_err_set(-EBADMSG,
+                                                   "%s record: value of unknown key '%.*s' is malformed or nested too deep",
+                                                   sp->name, (int)(kl > 64 ? 64 : kl), k);
+                        continue;
+                }
+                if (out->present & (1ull << fid))
+                        return kvf_err_set(-EBADMSG, "%s record: field '%s' appears twice", sp->name,
+                                           f->name);
+                if ((rc = dec_field(&m, f, out, rank)) < 0)
+                        return kvf_err_ctx(rc, "%s record", sp->name);
+                out->present |= 1ull << fid;
+        }
+        if (m.p != m.end)
+                return kvf_err_set(-EBADMSG, "%s record: %zu trailing bytes after the map", sp->name,
+                                   (size_t)(m.end - m.p));
+        for (unsigned u = 0; u < sp->n; u++)
+                if ((sp->uses[u].flags & R) && !(out->present & (1ull << sp->uses[u].f)))
+                        return kvf_err_set(-EBADMSG, "%s record: missing field '%s'", sp->name,
+                                           fields[sp->uses[u].f].name);
+        if (sp->needs_peer && !(out->present & (1ull << PEER))) {
+                bool have_port = out->present & ((1ull << PORT) | (1ull << RDMA_PORTS));
+                if (!(out->present & (1ull << IP)) || !have_port)
+                        return kvf_err_set(-EBADMSG,
+                                           "%s record: missing field 'peer' (or 'ip' with 'port' or 'rdma_ports')",
+                                           sp->name);
+                if (out->port == 0 || out->port > 65535)
+                        return kvf_err_set(-EBADMSG, "%s record: port %llu is not in [1, 65535]",
+                                           sp->name, (unsigned long long)out->port);
+                int w = snprintf(out->peer, sizeof(out->peer), "%s:%llu", out->ip,
+                                 (unsigned long long)out->port);
+                if (w < 0 || (size_t)w >= sizeof(out->peer))
+                        return kvf_err_set(-EBADMSG, "%s record: 'ip' is too long", sp->name);
+        }
+        return 0;
+}
+
+/* ---- encoding ---- */
+
+struct sink {
+        uint8_t *p;
+        size_t len, cap;
+        bool overflow;
+};
+
+static int sink_write(void *data, const char *buf, size_t len)
+{
+        struct sink *s = data;
+        if (s->overflow || len > s->cap - s->len) {
+                s->overflow = true;
+                return -1;
+        }
+        memcpy(s->p + s->len, buf, len);
+        s->len += len;
+        return 0;
+}
+
+static void pack_str(msgpack_packer *pk, const char *s)
+{
+        size_t n = strlen(s);
+        msgpack_pack_str(pk, n);
+        msgpack_pack_str_body(pk, s, n);
+}
+
+static bool has_value(const struct field *f, const struct kvf_record *r)
+{
+        const char *base = (const char *)r;
+        switch (f->kind) {
+        case F_STR:
+                return base[f->off] != '\0';
+        case F_TRANSPORT:
+                return r->transport >= KVF_TRANSPORT_IPC && r->transport <= KVF_TRANSPORT_RDMA;
+        default:
+                return true;
+        }
+}
+
+int kvf_record_encode(const struct kvf_record *r, void *buf, size_t cap)
+{
+        struct sink s = {.p = buf, .cap = cap};
+        msgpack_packer pk;
+        const char *base = (const char *)r;
+
+        if (r->type == 0 || r->type > KVF_RT_MAX || !specs[r->type].name)
+                return kvf_err_set(-EINVAL, "cannot encode record type %d", r->type);
+        const struct spec *sp = &specs[r->type];
+        msgpack_packer_init(&pk, &s, sink_write);
+        unsigned n = 0;
+        for (unsigned u = 0; u < sp->n; u++)
+                if (!(sp->uses[u].flags & D) && has_value(&fields[sp->uses[u].f], r))
+                        n++;
+        msgpack_pack_map(&pk, n);
+        for (unsigned u = 0; u < sp->n; u++) {
+                const struct field *f = &fields[sp->uses[u].f];
+                if ((sp->uses[u].flags & D) || !has_value(f, r))
+                        continue;
+                pack_str(&pk, f->name);
+                switch (f->kind) {
+                case F_STR:
+                        pack_str(&pk, base + f->off);
+                        break;
+                case F_U64:
+                        msgpack_pack_uint64(&pk, *(const uint64_t *)(const void *)(base + f->off));
+                        break;
+                case F_BOOL:
+                        if (*(const bool *)(base + f->off)) {
+                                msgpack_pack_true(&pk);
+                        } else {
+                                msgpack_pack_false(&pk);
+                        }
+                        break;
+                case F_IDS: {
+                        const uint32_t *ids = *(uint32_t *const *)(const void *)(base + f->off);
+                        uint32_t cnt = *(const uint32_t *)(const void *)(base + f->aux);
+                        msgpack_pack_array(&pk, cnt);
+                        for (uint32_t i = 0; i < cnt; i++)
+                                msgpack_pack_uint32(&pk, ids[i]);
+                        break;
+                }
+                case F_STATUS:
+                        pack_str(&pk, kvf_status_name(r->status));
+                        break;
+                case F_TRANSPORT:
+                        pack_str(&pk, kvf_transport_name(r->transport));
+                        break;
+                case F_PORTS:
+                        break;
+                }
+        }
+        if (s.overflow)
+                return -ENOSPC;
+        return (int)s.len;
+}
+
+int kvf_record_encode_alloc(const struct kvf_record *r, uint8_t **buf, size_t *len)
+{
+        size_t cap = 1024 + ((size_t)r->n_src + r->n_dst + r->n_runs) * 5;
+        uint8_t *b = malloc(cap);
+        if (!b)
+                return -ENOMEM;
+        int n = kvf_record_encode(r, b, cap);
+        if (n < 0) {
+                free(b);
+                return n;
+        }
+        *buf = b;
+        *len = (size_t)n;
+        return 0;
+}

@@ -1,0 +1,96 @@
+/*
+ * The records that cross the rings, as msgpack maps with string keys
+ * (docs/records.md is the schema). One C struct holds the fields of every
+ * record type; a table per type says which fields it has, which are
+ * required, and how each is typed, and drives both the encoder and the
+ * decoder.
+ *
+ * Decoding: unknown keys are ignored; a missing or ill-typed required field,
+ * a duplicate field, a non-map, a non-string key, truncated or trailing bytes
+ * reject the record with a message naming the field. Arrays are allocated
+ * (kvf_record_free releases them); nothing else is.
+ */
+#ifndef KVF_RECORDS_H
+#define KVF_RECORDS_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "kvferry.h"
+#include "shm_layout.h"
+
+/* All record types; the engine-facing ones are also in kvferry.h. */
+enum kvf_rec_type {
+        KVF_RT_TASK = KVF_REC_TASK,     /* engine -> sender */
+        KVF_RT_CHUNK = KVF_REC_CHUNK,   /* engine -> sender */
+        KVF_RT_CANCEL = KVF_REC_CANCEL, /* engine -> sender */
+        KVF_RT_COMPLETION = 4,          /* sender -> engine */
+        KVF_RT_CONNECT = KVF_REC_CONNECT, /* engine -> connector */
+        KVF_RT_CONNECT_RESULT = 6,      /* connector -> engine */
+        KVF_RT_ARRIVAL = 7,             /* connector -> engine (decode side) */
+        KVF_RT_WRITE_BATCH = 8,         /* sender -> connector */
+        KVF_RT_FINISH = 9,              /* sender -> connector */
+        KVF_RT_WRITE_RESULT = 10,       /* connector -> sender */
+        KVF_RT_PEER_STATE = 11,         /* connector -> sender */
+        KVF_RT_DISCONNECT = 12,         /* engine -> connector */
+        KVF_RT_MAX = 12,
+};
+
+#define KVF_MAX_RECORD_IDS (1u << 20) /* block ids (or run ints) in one record */
+
+struct kvf_record {
+        uint16_t type;
+        char request_id[KVF_REQ_ID_MAX]; /* connect: the connect task's id */
+        char peer[KVF_PEER_MAX];
+        char reason[KVF_REASON_MAX];
+        char ip[64];    /* decode only: ip + port (or rdma_ports) form `peer` */
+        uint64_t port;  /* decode only */
+        uint64_t current_id; /* task: prefill step; chunk: the step */
+        uint64_t tokens;     /* chunk: tokens complete after the step */
+        uint64_t key;        /* transfer key (sender slot and incarnation) */
+        uint64_t bytes;
+        uint64_t accept_ns, last_layer_ns, done_ns;
+        uint64_t generation;
+        uint64_t layer;
+        uint64_t blocks;
+        int status;    /* enum kvf_status */
+        int transport; /* enum kvf_transport */
+        bool last;
+        bool chunked;
+        bool up; /* peer state */
+        uint32_t *src; /* src_block_ids */
+        uint32_t n_src;
+        uint32_t *dst; /* dest_block_ids */
+        uint32_t n_dst;
+        uint32_t *runs; /* write batch: (src, dst, count) triples, flattened */
+        uint32_t n_runs;
+        /* decode only: which fields were present */
+        uint64_t present;
+};
+
+const char *kvf_rec_type_name(int type);
+
+/*
+ * Decode `len` bytes as a record of `type`. `rank` picks the element of
+ * `rdma_ports` for a peer given FastDeploy-style. Returns 0, or -EBADMSG with
+ * kvf_err describing the problem (field named). *out must be released with
+ * kvf_record_free() either way.
+ */
+int kvf_record_decode(int type, const void *buf, size_t len, uint32_t rank,
+                      struct kvf_record *out);
+void kvf_record_free(struct kvf_record *r);
+
+/*
+ * Encode into buf (cap bytes). Returns the length, -ENOSPC if it does not
+ * fit, -EINVAL for an unknown type.
+ */
+int kvf_record_encode(const struct kvf_record *r, void *buf, size_t cap);
+
+/* Encode into a fresh malloc'd buffer; *len receives its length. */
+int kvf_record_encode_alloc(const struct kvf_record *r, uint8_t **buf, size_t *len);
+
+const char *kvf_transport_name(int t);
+int kvf_transport_from_name(const char *s, size_t n);
+
+#endif

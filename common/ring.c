@@ -1,0 +1,290 @@
+#include "ring.h"
+
+#include <errno.h>
+#include <string.h>
+
+#include "atomics.h"
+#include "doorbell.h"
+#include "err.h"
+
+static inline uint64_t *word_at(const struct kvf_ring *r, uint64_t pos)
+{
+        return (uint64_t *)(void *)(r->data + (pos & r->mask));
+}
+
+void kvf_ring_format(struct kvf_ring_hdr *hdr, uint32_t id, uint32_t producer, uint32_t consumer,
+                     uint32_t bell, uint64_t data_off, uint64_t capacity)
+{
+        memset(hdr, 0, sizeof(*hdr));
+        hdr->capacity = capacity;
+        hdr->data_off = data_off;
+        hdr->id = id;
+        hdr->producer = producer;
+        hdr->consumer = consumer;
+        hdr->bell = bell;
+        hdr->abandoned_pos = ~0ull;
+}
+
+int kvf_ring_bind(struct kvf_ring *r, void *seg, uint64_t seg_size, struct kvf_ring_hdr *hdr,
+                  struct kvf_doorbell *bell)
+{
+        uint64_t cap = kvf_load_relaxed(&hdr->capacity);
+        uint64_t off = kvf_load_relaxed(&hdr->data_off);
+
+        if (cap < KVF_RING_MIN_CAPACITY || cap > KVF_RING_MAX_CAPACITY || (cap & (cap - 1)) != 0)
+                return kvf_err_set(-EINVAL, "ring %u: capacity %llu is not a power of two in [%u, %u]",
+                                   hdr->id, (unsigned long long)cap, KVF_RING_MIN_CAPACITY,
+                                   KVF_RING_MAX_CAPACITY);
+        if (off % KVF_CACHE_LINE != 0 || off > seg_size || cap > seg_size - off)
+                return kvf_err_set(-EINVAL, "ring %u: data [%llu, +%llu) is outside the %llu-byte segment",
+                                   hdr->id, (unsigned long long)off, (unsigned long long)cap,
+                                   (unsigned long long)seg_size);
+        memset(r, 0, sizeof(*r));
+        r->hdr = hdr;
+        r->data = (uint8_t *)seg + off;
+        r->capacity = cap;
+        r->mask = cap - 1;
+        r->bell = bell;
+        r->head_cache = kvf_load_acquire(&hdr->head);
+        return 0;
+}
+
+void kvf_ring_producer_attach(struct kvf_ring *r, uint64_t generation)
+{
+        r->gen16 = (uint16_t)generation;
+        /* Release: a consumer that reads the new generation and then finds a
+         * record stamped with an older one knows that record is abandoned. */
+        kvf_store_release(&r->hdr->producer_gen, generation);
+        r->head_cache = kvf_load_acquire(&r->hdr->head);
+}
+
+static void zero_range(struct kvf_ring *r, uint64_t from, uint64_t to)
+{
+        while (from < to) {
+                uint64_t off = from & r->mask;
+                uint64_t n = to - from;
+                if (n > r->capacity - off)
+                        n = r->capacity - off;
+                memset(r->data + off, 0, n);
+                from += n;
+        }
+}
+
+int kvf_ring_consumer_attach(struct kvf_ring *r)
+{
+        uint64_t head = kvf_load_relaxed(&r->hdr->head);
+        uint64_t to = kvf_load_relaxed(&r->hdr->zeroing_to);
+
+        if (to <= head || to - head > r->capacity)
+                return 0;
+        /* The last consumer handled [head, to) and died while zeroing it. */
+        zero_range(r, head, to);
+        /* Pairs with the acquire load of head in kvf_ring_claim(). */
+        kvf_store_release(&r->hdr->head, to);
+        return 1;
+}
+
+static int write_pad(struct kvf_ring *r, uint64_t tail, uint64_t pad)
+{
+        /* Padding is committed at once: it carries no payload. Tail first, so
+         * a consumer that sees the header (acquire, pairs with this release)
+         * also sees a tail that covers it. */
+        kvf_store_release(&r->hdr->tail, tail + pad);
+        kvf_store_release(word_at(r, tail), KVF_REC_PACK(pad, KVF_REC_TYPE_PAD, r->gen16));
+        return 0;
+}
+
+static bool fits(struct kvf_ring *r, uint64_t tail, uint64_t need)
+{
+        if (tail + need - r->head_cache <= r->capacity)
+                return true;
+        /* Pairs with the release store of head in kvf_ring_read(): the space
+         * we are about to reuse has been zeroed. */
+        r->head_cache = kvf_load_acquire(&r->hdr->head);
+        return tail + need - r->head_cache <= r->capacity;
+}
+
+int kvf_ring_claim(struct kvf_ring *r, uint16_t type, uint32_t len, void **payload, uint64_t *pos)
+{
+        uint64_t size = kvf_ring_align((uint64_t)KVF_REC_HDR_SIZE + len);
+
+        if (type == KVF_REC_TYPE_PAD || size > r->capacity || size > INT32_MAX)
+                return -EMSGSIZE;
+        uint64_t tail = kvf_load_relaxed(&r->hdr->tail);
+        uint64_t to_end = r->capacity - (tail & r->mask);
+        if (size > to_end) {
+                /* Pad to the end on its own if only the padding fits: the
+                 * record is then retried from offset 0 and can use the whole
+                 * ring once the consumer catches up. */
+                if (!fits(r, tail, to_end))
+                        goto full;
+                write_pad(r, tail, to_end);
+                tail += to_end;
+        }
+        if (!fits(r, tail, size))
+                goto full;
+        kvf_store_relaxed(word_at(r, tail), KVF_REC_PACK(-(int32_t)(KVF_REC_HDR_SIZE + len), type,
+                                                         r->gen16));
+        /* Release: a consumer that sees this tail (abandoned-record check)
+         * also sees the claimed header above. */
+        kvf_store_release(&r->hdr->tail, tail + size);
+        *payload = r->data + (tail & r->mask) + KVF_REC_HDR_SIZE;
+        *pos = tail;
+        return 0;
+full:
+        kvf_fetch_add_relaxed(&r->hdr->full_events, 1);
+        return -EAGAIN;
+}
+
+void kvf_ring_publish(struct kvf_ring *r, uint64_t pos)
+{
+        uint64_t *w = word_at(r, pos);
+        uint64_t claimed = kvf_load_relaxed(w);
+
+        /* Release pairs with the consumer's acquire load of the header: the
+         * payload written before this store is visible once length > 0. */
+        kvf_store_release(w, KVF_REC_PACK(-KVF_REC_LEN(claimed), KVF_REC_TYPE(claimed), r->gen16));
+        /* Producer's own line; plain add, read only by tools. */
+        kvf_store_relaxed(&r->hdr->records_written, kvf_load_relaxed(&r->hdr->records_written) + 1);
+}
+
+void kvf_ring_notify(struct kvf_ring *r)
+{
+        kvf_doorbell_ring(r->bell);
+}
+
+void kvf_ring_commit(struct kvf_ring *r, uint64_t pos)
+{
+        kvf_ring_publish(r, pos);
+        kvf_doorbell_ring(r->bell);
+}
+
+int kvf_ring_write(struct kvf_ring *r, uint16_t type, const void *payload, uint32_t len,
+                   uint64_t *pos)
+{
+        void *p;
+        uint64_t at;
+        int rc = kvf_ring_claim(r, type, len, &p, &at);
+
+        if (rc < 0)
+                return rc;
+        if (len)
+                memcpy(p, payload, len);
+        kvf_ring_commit(r, at);
+        if (pos)
+                *pos = at;
+        return 0;
+}
+
+/* A claimed record left behind by a producer generation that is gone. */
+static bool is_abandoned(struct kvf_ring *r, uint64_t pos, uint64_t w)
+{
+        uint64_t gen = kvf_load_acquire(&r->hdr->producer_gen);
+
+        if (KVF_REC_GEN(w) == (uint16_t)gen)
+                return false;
+        /* Pairs with the release store of tail in kvf_ring_claim(). */
+        uint64_t tail = kvf_load_acquire(&r->hdr->tail);
+        /* Re-read after tail: a new producer may have re-claimed this spot
+         * (its predecessor died before moving tail). */
+        if (kvf_load_acquire(word_at(r, pos)) != w)
+                return false;
+        uint64_t size = kvf_ring_align((uint64_t)-(int64_t)KVF_REC_LEN(w));
+        return pos + size <= tail && (pos & r->mask) + size <= r->capacity;
+}
+
+bool kvf_ring_readable(struct kvf_ring *r)
+{
+        uint64_t head = kvf_load_relaxed(&r->hdr->head);
+        uint64_t w = kvf_load_acquire(word_at(r, head));
+        int32_t len = KVF_REC_LEN(w);
+
+        return len > 0 || (len < 0 && is_abandoned(r, head, w));
+}
+
+int kvf_ring_read(struct kvf_ring *r, kvf_ring_handler fn, void *ctx, unsigned max)
+{
+        struct kvf_ring_hdr *h = r->hdr;
+        uint64_t head = kvf_load_relaxed(&h->head);
+        uint64_t pos = head;
+        uint64_t tail = kvf_load_acquire(&h->tail);
+        int n = 0, rc = 0;
+
+        /* Stop after one lap: bytes handled in this call are not zeroed yet,
+         * so a full lap would bring us back to a record we just handled. */
+        while ((unsigned)n < max && pos - head < r->capacity) {
+                /* Pairs with the release store in kvf_ring_commit(). */
+                uint64_t w = kvf_load_acquire(word_at(r, pos));
+                int32_t len = KVF_REC_LEN(w);
+                uint64_t off = pos & r->mask;
+
+                if (len == 0)
+                        break;
+                if (len < 0) {
+                        if (!is_abandoned(r, pos, w))
+                                break;
+                        kvf_store_relaxed(&h->abandoned_pos, pos);
+                        kvf_fetch_add_relaxed(&h->abandoned, 1);
+                        pos += kvf_ring_align((uint64_t)-(int64_t)len);
+                        continue;
+                }
+                uint64_t size = kvf_ring_align((uint64_t)len);
+                if (pos + size > tail)
+                        /* Pairs with the release store of tail in claim. */
+                        tail = kvf_load_acquire(&h->tail);
+                if ((uint32_t)len < KVF_REC_HDR_SIZE || off + size > r->capacity ||
+                    pos + size > tail) {
+                        rc = kvf_err_set(-EBADMSG,
+                                         "ring %u: corrupt record header at position %llu (length %d)",
+                                         h->id, (unsigned long long)pos, len);
+                        break;
+                }
+                if (KVF_REC_TYPE(w) != KVF_REC_TYPE_PAD) {
+                        int hr = fn(ctx, KVF_REC_TYPE(w), r->data + off + KVF_REC_HDR_SIZE,
+                                    (uint32_t)len - KVF_REC_HDR_SIZE, pos);
+                        if (hr == -EAGAIN)
+                                break;
+                        n++;
+                }
+                pos += size;
+        }
+        if (pos != head) {
+                /* Crash window: records [head, pos) are handled. Say so before
+                 * zeroing, so a successor finishes the zeroing instead of
+                 * finding zeros at head and a ring that looks empty. */
+                kvf_store_relaxed(&h->zeroing_to, pos);
+                zero_range(r, head, pos);
+                kvf_store_relaxed(&h->records_read, kvf_load_relaxed(&h->records_read) + (uint64_t)n);
+                /* Pairs with the acquire load of head in fits(). */
+                kvf_store_release(&h->head, pos);
+        }
+        return rc < 0 ? rc : n;
+}
+
+uint64_t kvf_ring_used(const struct kvf_ring_hdr *hdr)
+{
+        uint64_t head = kvf_load_acquire(&hdr->head);
+        uint64_t tail = kvf_load_acquire(&hdr->tail);
+        return tail > head ? tail - head : 0;
+}
+
+int kvf_ring_delivered(struct kvf_ring *r, uint64_t pos)
+{
+        struct kvf_ring_hdr *h = r->hdr;
+
+        if (pos == ~0ull || pos >= kvf_load_acquire(&h->tail))
+                return 0;
+        for (;;) {
+                uint64_t head = kvf_load_acquire(&h->head);
+                if (pos < head)
+                        /* Consumed: delivered unless the consumer skipped it. */
+                        return kvf_load_acquire(&h->abandoned_pos) != pos;
+                uint64_t w = kvf_load_acquire(word_at(r, pos));
+                int32_t len = KVF_REC_LEN(w);
+                if (len > 0)
+                        return 1;
+                if (len < 0)
+                        return 0; /* claimed by an earlier generation, never committed */
+                /* Zeroed under our feet: consumed in the meantime; look again. */
+        }
+}

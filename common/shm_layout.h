@@ -1,0 +1,330 @@
+/*
+ * Every struct that lives in the control segment, in one place.
+ *
+ * The control segment is a file under /dev/shm (mode 0600) created by the
+ * allocator of one instance and mapped by its connector, its sender, the
+ * engine's client library and the ring-dump tool. Everything in it is
+ * addressed by offsets from the start of the segment, never by pointers.
+ * All fields are fixed width with explicit padding; the static asserts at the
+ * bottom pin sizes and offsets, so a change here is a change of the layout
+ * version.
+ *
+ * Ownership (one writer per field, no locks in shared memory):
+ *   header, ring constants ........ allocator, before `version` is stored
+ *   role slot r ................... the process in role r
+ *   ring producer line ............ the ring's producer; consumer line: its consumer
+ *   doorbell ...................... `seq` by producers (atomic add), `waiters` by the consumer
+ *   progress word ................. the engine (layer-done events)
+ *   counters ...................... atomic adds by any role
+ *   error log region r ............ role r only (seqlock per entry for readers)
+ *   request table ................. sender only (engine and tools read)
+ *   arrival journal ............... connector only
+ *   connector info ................ connector only (seqlock)
+ */
+#ifndef KVF_SHM_LAYOUT_H
+#define KVF_SHM_LAYOUT_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#define KVF_MAGIC 0x315952524546564bull /* "KVFERRY1" read little-endian */
+#define KVF_LAYOUT_VERSION 1u
+#define KVF_CACHE_LINE 64u
+#define KVF_HEADER_SIZE 4096u
+
+#define KVF_INSTANCE_MAX 48u  /* instance name incl. NUL */
+#define KVF_REQ_ID_MAX 128u   /* request id incl. NUL */
+#define KVF_PEER_MAX 112u     /* peer (instance name or host:port) incl. NUL */
+#define KVF_REASON_MAX 240u   /* error reason incl. NUL */
+#define KVF_MAX_LAYERS 1024u  /* layers + extra layers */
+#define KVF_CHUNKS_MAX 8u     /* chunk marks queued per request */
+
+enum kvf_role_id {
+        KVF_ROLE_ALLOCATOR = 0,
+        KVF_ROLE_CONNECTOR = 1,
+        KVF_ROLE_SENDER = 2,
+        KVF_ROLE_ENGINE = 3,
+        KVF_ROLE_COUNT = 4,
+};
+
+enum kvf_role_state {
+        KVF_STATE_NONE = 0, /* never started */
+        KVF_STATE_STARTING = 1,
+        KVF_STATE_RUNNING = 2,
+        KVF_STATE_STOPPING = 3,
+        KVF_STATE_STOPPED = 4, /* exited cleanly */
+};
+
+/* Consumers each own one doorbell; every ring they consume rings it. */
+enum kvf_bell_id {
+        KVF_BELL_SENDER = 0,
+        KVF_BELL_CONNECTOR = 1,
+        KVF_BELL_ENGINE = 2,
+        KVF_BELL_COUNT = 3,
+};
+
+enum kvf_ring_id {
+        KVF_RING_ENGINE_TO_SENDER = 0,    /* tasks, chunk progress, cancels */
+        KVF_RING_SENDER_TO_ENGINE = 1,    /* completions */
+        KVF_RING_ENGINE_TO_CONNECTOR = 2, /* connect / disconnect tasks */
+        KVF_RING_CONNECTOR_TO_ENGINE = 3, /* connect results, arrivals */
+        KVF_RING_SENDER_TO_CONNECTOR = 4, /* write batches, finish notices */
+        KVF_RING_CONNECTOR_TO_SENDER = 5, /* write results, peer state */
+        KVF_RING_COUNT = 6,
+};
+
+enum kvf_instance_role {
+        KVF_IROLE_PREFILL = 1,
+        KVF_IROLE_DECODE = 2,
+        KVF_IROLE_MIXED = 3,
+};
+
+enum kvf_dtype {
+        KVF_DTYPE_BF16 = 1,
+        KVF_DTYPE_FP16 = 2,
+        KVF_DTYPE_FP8 = 3,
+        KVF_DTYPE_UINT8 = 4,
+};
+
+enum kvf_backend {
+        KVF_BACKEND_HOST = 1, /* caches in a shared-memory file */
+        KVF_BACKEND_CUDA = 2, /* caches in GPU memory, CUDA IPC handles below */
+};
+
+/* The cache layout; also sent in the handshake (as msgpack, not as bytes). */
+struct kvf_cache_layout {
+        uint32_t num_layers;   /* model layers */
+        uint32_t extra_layers; /* speculative-decoding (MTP) layers after them */
+        uint32_t num_blocks;   /* blocks per layer tensor */
+        uint32_t kv_heads;     /* this rank's share */
+        uint32_t block_size;   /* tokens per block */
+        uint32_t head_dim;
+        uint32_t dtype; /* enum kvf_dtype */
+        uint32_t key_only;     /* 1: one tensor per layer (MLA) */
+        uint64_t block_bytes;  /* kv_heads * block_size * head_dim * elem */
+        uint64_t cache_bytes;  /* whole cache: layers * tensors * blocks * block_bytes */
+};
+
+/* One per role, on its own cache line. */
+struct kvf_role_slot {
+        int32_t pid;
+        uint32_t state;           /* enum kvf_role_state */
+        uint64_t generation;      /* bumped (by the role itself) on every start */
+        uint64_t start_ns;        /* CLOCK_MONOTONIC */
+        uint64_t heartbeat_ns;    /* CLOCK_MONOTONIC, refreshed at least every heartbeat period */
+        uint64_t pid_starttime;   /* /proc/<pid>/stat field 22, to tell a reused pid apart */
+        uint64_t restarts;        /* starts after the first */
+        uint8_t pad[16];
+};
+
+/* A futex word and a waiter count, on their own cache line. */
+struct kvf_doorbell {
+        uint32_t seq;     /* bumped by a producer that saw waiters != 0 */
+        uint32_t waiters; /* consumers announced as about to sleep */
+        uint64_t wakes;   /* futex wakes issued (statistics) */
+        uint64_t sleeps;  /* futex waits entered (statistics) */
+        uint8_t pad[40];
+};
+
+/*
+ * Layer-done progress: one word, written by the engine with a release store,
+ * never torn. (step << 16) | (layers_done), where layers_done counts the
+ * layers of `step` whose cache writes are complete. Monotonic: a later step
+ * or more layers of the same step only ever make it larger.
+ */
+struct kvf_progress {
+        uint64_t word;
+        uint64_t events; /* layer-done events published (statistics) */
+        uint8_t pad[48];
+};
+#define KVF_PROGRESS_LAYER_BITS 16u
+#define KVF_PROGRESS_PACK(step, layers) (((uint64_t)(step) << KVF_PROGRESS_LAYER_BITS) | (layers))
+#define KVF_PROGRESS_STEP(w) ((w) >> KVF_PROGRESS_LAYER_BITS)
+#define KVF_PROGRESS_LAYERS(w) ((uint32_t)((w) & ((1u << KVF_PROGRESS_LAYER_BITS) - 1)))
+
+/*
+ * A single-producer single-consumer ring of variable-length records.
+ * Constants (line 0) are set by the allocator; line 1 belongs to the
+ * producer, line 2 to the consumer. Positions are byte positions that only
+ * grow; the offset in the data area is pos & (capacity - 1).
+ */
+struct kvf_ring_hdr {
+        /* line 0: constants */
+        uint64_t capacity;  /* bytes, a power of two */
+        uint64_t data_off;  /* from the segment start */
+        uint32_t id;        /* enum kvf_ring_id */
+        uint32_t producer;  /* enum kvf_role_id */
+        uint32_t consumer;  /* enum kvf_role_id */
+        uint32_t bell;      /* enum kvf_bell_id: the consumer's doorbell */
+        uint8_t pad0[32];
+        /* line 1: producer */
+        uint64_t tail;          /* end of the last claimed record */
+        uint64_t producer_gen;  /* generation of the producer now attached */
+        uint64_t full_events;   /* writes refused with -EAGAIN */
+        uint64_t records_written;
+        uint8_t pad1[32];
+        /* line 2: consumer */
+        uint64_t head;          /* start of the first unconsumed record */
+        uint64_t zeroing_to;    /* consumer intends head = zeroing_to (crash repair) */
+        uint64_t abandoned_pos; /* position of the last abandoned record skipped, or ~0 */
+        uint64_t abandoned;     /* abandoned records skipped */
+        uint64_t records_read;
+        uint8_t pad2[24];
+};
+
+/* Record header, 8 bytes, 8-byte aligned, stored as one 64-bit word. */
+#define KVF_REC_HDR_SIZE 8u
+#define KVF_REC_ALIGN 8u
+/* length: bytes of header + payload; < 0 while being written; 0 never written */
+#define KVF_REC_PACK(len, type, gen16)                                                             \
+        ((uint64_t)(uint32_t)(int32_t)(len) | ((uint64_t)(uint16_t)(type) << 32) |                 \
+         ((uint64_t)(uint16_t)(gen16) << 48))
+#define KVF_REC_LEN(w) ((int32_t)(uint32_t)((w) & 0xffffffffu))
+#define KVF_REC_TYPE(w) ((uint16_t)((w) >> 32))
+#define KVF_REC_GEN(w) ((uint16_t)((w) >> 48))
+#define KVF_REC_TYPE_PAD 0xffffu
+
+/* Counters: one 64-bit value per cache line. */
+struct kvf_counter {
+        uint64_t value;
+        uint8_t pad[56];
+};
+
+/*
+ * De-duplicated error log: a region of entries per role, written only by
+ * that role. Readers use the per-entry seqlock: seq is odd while an entry is
+ * being written.
+ */
+#define KVF_ERRLOG_ENTRIES 32u
+#define KVF_ERRLOG_TEXT 216u
+struct kvf_errlog_entry {
+        uint32_t seq;
+        uint32_t pad;
+        uint64_t hash; /* of the message template; 0 = unused */
+        uint64_t count;
+        uint64_t first_ns; /* CLOCK_REALTIME */
+        uint64_t last_ns;  /* CLOCK_REALTIME */
+        char text[KVF_ERRLOG_TEXT];
+};
+
+enum kvf_req_state {
+        KVF_REQ_FREE = 0,
+        KVF_REQ_ACTIVE = 1,     /* accepted, moving layers */
+        KVF_REQ_FINISHING = 2,  /* every byte written, waiting for the peer's arrival ack */
+        KVF_REQ_COMPLETING = 3, /* completion being posted at completion_pos */
+};
+
+struct kvf_chunk_mark {
+        uint64_t step;      /* forward step that computes this chunk */
+        uint32_t block_end; /* blocks [.., block_end) are complete after that step */
+        uint32_t pad;
+};
+
+/*
+ * The sender's request table: slots of fixed size, written only by the
+ * sender, so a restarted sender adopts it. The block lists of slot i are in
+ * the block arena at blocks_off + i * max_blocks * 8 (src then dst, u32).
+ */
+struct kvf_req_slot {
+        uint32_t state;    /* enum kvf_req_state */
+        uint32_t status;   /* enum kvf_status once decided */
+        uint64_t incarnation; /* bumped each time the slot is taken; (slot, incarnation) = transfer key */
+        uint64_t task_pos;    /* ring position of the task record (replay detection) */
+        uint64_t completion_pos; /* ring position the completion was claimed at, or ~0 */
+        uint64_t accept_ns;
+        uint64_t first_copy_ns;
+        uint64_t last_layer_ns;  /* when the request's last layer became ready */
+        uint64_t deadline_ns;
+        uint64_t bytes;          /* bytes written so far */
+        uint64_t notice_gen;     /* connector generation the finish notice went to; 0 none */
+        uint32_t transport;      /* enum kvf_transport */
+        uint32_t n_src;          /* source blocks in the task */
+        uint32_t n_send;         /* blocks to send = n_dst (the last n_dst source blocks) */
+        uint32_t sent_full;      /* blocks [0, sent_full) sent for every layer */
+        uint32_t cur_layers;     /* layers [0, cur_layers) sent for the front chunk */
+        uint32_t chunk_head;     /* chunk marks [head, tail) modulo KVF_CHUNKS_MAX */
+        uint32_t chunk_tail;
+        uint32_t last_chunk_seen; /* a chunk mark covering every block was queued */
+        uint32_t peer_idx;       /* sender-local peer slot, or ~0 */
+        uint32_t pad0;
+        struct kvf_chunk_mark chunks[KVF_CHUNKS_MAX];
+        char request_id[KVF_REQ_ID_MAX];
+        char peer[KVF_PEER_MAX];
+        char reason[KVF_REASON_MAX];
+        uint8_t pad1[296];
+};
+
+/*
+ * The decode-side connector's journal of published arrivals, so a notice
+ * re-sent after a crash is acknowledged without a second arrival record.
+ */
+#define KVF_JOURNAL_ENTRIES 4096u
+struct kvf_journal_entry {
+        uint64_t key_hash; /* hash of (prefill instance, slot, incarnation); 0 = unused */
+        uint64_t ring_pos; /* where the arrival record was claimed */
+};
+
+/* What the connector publishes about itself (seqlock: seq odd while writing). */
+struct kvf_connector_info {
+        uint32_t seq;
+        uint32_t port;
+        char listen_host[56];
+};
+
+struct kvf_ctl_header {
+        uint64_t magic;
+        uint32_t version; /* written last, with a release store; 0 = not ready */
+        uint32_t header_size;
+        uint64_t total_size;
+        uint32_t owner_uid;
+        uint32_t instance_role; /* enum kvf_instance_role */
+        uint64_t created_ns;    /* CLOCK_REALTIME */
+        uint64_t boot_id;       /* hash of /proc/sys/kernel/random/boot_id: same host+boot */
+        char instance[KVF_INSTANCE_MAX];
+        struct kvf_cache_layout layout;
+        uint32_t backend; /* enum kvf_backend */
+        uint32_t device;  /* CUDA device ordinal */
+        uint32_t rank;
+        uint32_t nranks;
+        char cache_name[64]; /* host backend: shm name of the cache file */
+        /* regions */
+        uint64_t roles_off;
+        uint64_t bells_off;
+        uint64_t progress_off;
+        uint64_t rings_off;
+        uint64_t counters_off;
+        uint32_t counters_count;
+        uint32_t errlog_entries; /* per role */
+        uint64_t errlog_off;
+        uint64_t reqtab_off;
+        uint32_t reqtab_slots;
+        uint32_t max_blocks; /* per request */
+        uint64_t blocks_off;
+        uint64_t journal_off;
+        uint64_t connector_info_off;
+        uint64_t cuda_handles_off; /* 64-byte cudaIpcMemHandle_t per tensor, layer-major */
+        uint32_t cuda_handles_count;
+        uint32_t heartbeat_ms; /* roles refresh their heartbeat at least this often */
+        uint64_t ring_capacity[KVF_RING_COUNT];
+        uint8_t reserved[3712];
+};
+
+_Static_assert(sizeof(struct kvf_cache_layout) == 48, "layout size");
+_Static_assert(sizeof(struct kvf_role_slot) == KVF_CACHE_LINE, "role slot size");
+_Static_assert(sizeof(struct kvf_doorbell) == KVF_CACHE_LINE, "doorbell size");
+_Static_assert(sizeof(struct kvf_progress) == KVF_CACHE_LINE, "progress size");
+_Static_assert(sizeof(struct kvf_ring_hdr) == 3 * KVF_CACHE_LINE, "ring header size");
+_Static_assert(offsetof(struct kvf_ring_hdr, tail) == KVF_CACHE_LINE, "producer line");
+_Static_assert(offsetof(struct kvf_ring_hdr, head) == 2 * KVF_CACHE_LINE, "consumer line");
+_Static_assert(sizeof(struct kvf_counter) == KVF_CACHE_LINE, "counter size");
+_Static_assert(sizeof(struct kvf_errlog_entry) == 256, "errlog entry size");
+_Static_assert(sizeof(struct kvf_req_slot) == 1024, "request slot size");
+_Static_assert(offsetof(struct kvf_req_slot, chunks) == 120, "request slot chunks");
+_Static_assert(sizeof(struct kvf_journal_entry) == 16, "journal entry size");
+_Static_assert(sizeof(struct kvf_connector_info) == 64, "connector info size");
+_Static_assert(offsetof(struct kvf_ctl_header, version) == 8, "version offset");
+_Static_assert(offsetof(struct kvf_ctl_header, instance) == 48, "instance offset");
+_Static_assert(offsetof(struct kvf_ctl_header, layout) == 96, "layout offset");
+_Static_assert(sizeof(struct kvf_ctl_header) == KVF_HEADER_SIZE, "header size");
+
+#endif

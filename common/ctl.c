@@ -106,8 +106,8 @@ void kvf_cache_shm_name(const char *instance, char *buf, size_t len)
 
 /* Where every region goes, derived from a few parameters only. */
 struct plan {
-        uint64_t roles, bells, progress, cinfo, rings, counters, errlog, journal, reqtab, blocks,
-                cuda, ring_data[KVF_RING_COUNT], total;
+        uint64_t roles, bells, progress, cinfo, rings, counters, errlog, journal, sender_area,
+                reqtab, blocks, cuda, ring_data[KVF_RING_COUNT], total;
 };
 
 static uint64_t align_up(uint64_t v, uint64_t a)
@@ -144,6 +144,8 @@ static int make_plan(uint32_t slots, uint32_t max_blocks, uint32_t cuda_handles,
         off += (uint64_t)KVF_ROLE_COUNT * KVF_ERRLOG_ENTRIES * sizeof(struct kvf_errlog_entry);
         p->journal = off;
         off += KVF_JOURNAL_ENTRIES * sizeof(struct kvf_journal_entry);
+        p->sender_area = off;
+        off += sizeof(struct kvf_sender_area);
         p->cuda = off;
         off += (uint64_t)cuda_handles * 64;
         p->reqtab = off = align_up(off, 4096);
@@ -177,8 +179,15 @@ static void bind_views(struct kvf_ctl *c, const struct plan *p)
         c->counters = (struct kvf_counter *)(void *)(b + p->counters);
         c->errlog = (struct kvf_errlog_entry *)(void *)(b + p->errlog);
         c->journal = (struct kvf_journal_entry *)(void *)(b + p->journal);
+        c->sender = (struct kvf_sender_area *)(void *)(b + p->sender_area);
         c->reqtab = (struct kvf_req_slot *)(void *)(b + p->reqtab);
         c->blocks = (uint32_t *)(void *)(b + p->blocks);
+}
+
+static void c_init_sender_area(struct kvf_sender_area *a)
+{
+        a->reject_task_pos = ~0ull;
+        a->reject_completion_pos = ~0ull;
 }
 
 int kvf_ctl_create(const struct kvf_ctl_params *prm, struct kvf_ctl *out)
@@ -244,6 +253,7 @@ int kvf_ctl_create(const struct kvf_ctl_params *prm, struct kvf_ctl *out)
         h->rank = prm->rank;
         h->nranks = prm->nranks ? prm->nranks : 1;
         kvf_cache_shm_name(prm->instance, h->cache_name, sizeof(h->cache_name));
+        c_init_sender_area(out->sender);
         h->roles_off = p.roles;
         h->bells_off = p.bells;
         h->progress_off = p.progress;
@@ -254,6 +264,7 @@ int kvf_ctl_create(const struct kvf_ctl_params *prm, struct kvf_ctl *out)
         h->errlog_off = p.errlog;
         h->errlog_entries = KVF_ERRLOG_ENTRIES;
         h->journal_off = p.journal;
+        h->sender_area_off = p.sender_area;
         h->reqtab_off = p.reqtab;
         h->reqtab_slots = slots;
         h->max_blocks = maxb;
@@ -358,6 +369,7 @@ int kvf_ctl_validate(void *base, uint64_t size, uid_t uid, struct kvf_ctl *out)
                 {"progress", h->progress_off, p.progress}, {"connector info", h->connector_info_off, p.cinfo},
                 {"rings", h->rings_off, p.rings},       {"counters", h->counters_off, p.counters},
                 {"error log", h->errlog_off, p.errlog}, {"journal", h->journal_off, p.journal},
+                {"sender area", h->sender_area_off, p.sender_area},
                 {"request table", h->reqtab_off, p.reqtab}, {"block arena", h->blocks_off, p.blocks},
                 {"CUDA handles", h->cuda_handles_off, p.cuda},
         };
@@ -664,4 +676,53 @@ void kvf_connector_info_write(struct kvf_ctl *c, const char *host, uint32_t port
         snprintf(ci->listen_host, sizeof(ci->listen_host), "%s", host);
         kvf_store_relaxed(&ci->port, port);
         kvf_store_release(&ci->seq, seq + 2);
+}
+
+static unsigned hist_bucket(uint64_t v)
+{
+        if (v < 8)
+                return (unsigned)v;
+        unsigned lg = 63u - (unsigned)__builtin_clzll(v);
+        unsigned b = (lg - 2) * 8 + (unsigned)((v >> (lg - 3)) & 7);
+        return b < KVF_HIST_BUCKETS ? b : KVF_HIST_BUCKETS - 1;
+}
+
+static uint64_t hist_bucket_low(unsigned b)
+{
+        if (b < 8)
+                return b;
+        unsigned lg = b / 8 + 2;
+        return (1ull << lg) | ((uint64_t)(b % 8) << (lg - 3));
+}
+
+void kvf_hist_add(struct kvf_histogram *h, uint64_t v)
+{
+        kvf_fetch_add_relaxed(&h->count, 1);
+        kvf_fetch_add_relaxed(&h->sum, v);
+        uint64_t m = kvf_load_relaxed(&h->max);
+        if (v > m)
+                kvf_store_relaxed(&h->max, v);
+        kvf_fetch_add_relaxed(&h->buckets[hist_bucket(v)], 1);
+}
+
+uint64_t kvf_hist_quantile(const struct kvf_histogram *h, double q)
+{
+        uint64_t n = 0, total = 0;
+        for (unsigned i = 0; i < KVF_HIST_BUCKETS; i++)
+                total += kvf_load_relaxed(&h->buckets[i]);
+        if (total == 0)
+                return 0;
+        uint64_t want = (uint64_t)(q * (double)total);
+        if (want >= total)
+                want = total - 1;
+        for (unsigned i = 0; i < KVF_HIST_BUCKETS; i++) {
+                n += kvf_load_relaxed(&h->buckets[i]);
+                if (n > want) {
+                        /* midpoint of the bucket */
+                        uint64_t lo = hist_bucket_low(i);
+                        uint64_t hi = i + 1 < KVF_HIST_BUCKETS ? hist_bucket_low(i + 1) : lo;
+                        return lo + (hi - lo) / 2;
+                }
+        }
+        return kvf_load_relaxed(&h->max);
 }

@@ -52,6 +52,7 @@ struct kvf_ctl {
         struct kvf_counter *counters;
         struct kvf_errlog_entry *errlog; /* KVF_ROLE_COUNT regions of errlog_entries */
         struct kvf_journal_entry *journal;
+        struct kvf_sender_area *sender;
         struct kvf_req_slot *reqtab;
         uint32_t *blocks;
 };
@@ -124,6 +125,10 @@ static inline uint32_t *kvf_slot_blocks(const struct kvf_ctl *c, uint32_t i)
 /* The connector's published listen address: 0 and filled, or -EAGAIN. */
 int kvf_connector_info_read(const struct kvf_ctl *c, char *host, size_t hostlen, uint32_t *port);
 void kvf_connector_info_write(struct kvf_ctl *c, const char *host, uint32_t port);
+
+/* Histograms (nanoseconds): add a value; estimate quantile q in [0, 1]. */
+void kvf_hist_add(struct kvf_histogram *h, uint64_t v);
+uint64_t kvf_hist_quantile(const struct kvf_histogram *h, double q);
 
 /* A hash of this boot (same host, same boot: same value). */
 uint64_t kvf_boot_id(void);

@@ -19,6 +19,7 @@
  *   error log region r ............ role r only (seqlock per entry for readers)
  *   request table ................. sender only (engine and tools read)
  *   arrival journal ............... connector only
+ *   sender area ................... sender only
  *   connector info ................ connector only (seqlock)
  */
 #ifndef KVF_SHM_LAYOUT_H
@@ -134,8 +135,9 @@ struct kvf_doorbell {
  */
 struct kvf_progress {
         uint64_t word;
-        uint64_t events; /* layer-done events published (statistics) */
-        uint8_t pad[48];
+        uint64_t events;     /* layer-done events published (statistics) */
+        uint64_t publish_ns; /* CLOCK_MONOTONIC of the latest publish, stored before `word` */
+        uint8_t pad[40];
 };
 #define KVF_PROGRESS_LAYER_BITS 16u
 #define KVF_PROGRESS_PACK(step, layers) (((uint64_t)(step) << KVF_PROGRESS_LAYER_BITS) | (layers))
@@ -264,6 +266,36 @@ struct kvf_journal_entry {
         uint64_t ring_pos; /* where the arrival record was claimed */
 };
 
+/*
+ * Latency histogram: bucket i counts values v with floor(log2(v)) * 8 +
+ * (next 3 bits of v) == i, i.e. 8 sub-buckets per power of two (<= 12.5 %
+ * error). Values in nanoseconds. Written by one role with relaxed adds.
+ */
+#define KVF_HIST_BUCKETS 512u
+struct kvf_histogram {
+        uint64_t count;
+        uint64_t sum;
+        uint64_t max;
+        uint64_t pad;
+        uint64_t buckets[KVF_HIST_BUCKETS];
+};
+
+enum kvf_hist_id {
+        KVF_HIST_LAYER_TO_COPY = 0, /* sender: layer-done published -> its copy starts */
+        KVF_HIST_COPY = 1,          /* sender: one layer's copy batch, start to end */
+        KVF_HIST_LAST_TO_DONE = 2,  /* sender: request's last layer ready -> completion */
+        KVF_HIST_COUNT = 3,
+};
+
+/* The sender's own state that must survive its restart (besides the request table). */
+struct kvf_sender_area {
+        uint64_t reject_task_pos;       /* task record whose rejection was posted last */
+        uint64_t reject_completion_pos; /* where that rejection's completion was claimed */
+        uint64_t progress_seen;         /* last progress word fully handled */
+        uint8_t pad[40];
+        struct kvf_histogram hist[KVF_HIST_COUNT];
+};
+
 /* What the connector publishes about itself (seqlock: seq odd while writing). */
 struct kvf_connector_info {
         uint32_t seq;
@@ -306,7 +338,8 @@ struct kvf_ctl_header {
         uint32_t cuda_handles_count;
         uint32_t heartbeat_ms; /* roles refresh their heartbeat at least this often */
         uint64_t ring_capacity[KVF_RING_COUNT];
-        uint8_t reserved[3712];
+        uint64_t sender_area_off;
+        uint8_t reserved[3704];
 };
 
 _Static_assert(sizeof(struct kvf_cache_layout) == 48, "layout size");
@@ -322,6 +355,8 @@ _Static_assert(sizeof(struct kvf_req_slot) == 1024, "request slot size");
 _Static_assert(offsetof(struct kvf_req_slot, chunks) == 120, "request slot chunks");
 _Static_assert(sizeof(struct kvf_journal_entry) == 16, "journal entry size");
 _Static_assert(sizeof(struct kvf_connector_info) == 64, "connector info size");
+_Static_assert(sizeof(struct kvf_histogram) == 32 + 8 * KVF_HIST_BUCKETS, "histogram size");
+_Static_assert(offsetof(struct kvf_sender_area, hist) == 64, "sender area histograms");
 _Static_assert(offsetof(struct kvf_ctl_header, version) == 8, "version offset");
 _Static_assert(offsetof(struct kvf_ctl_header, instance) == 48, "instance offset");
 _Static_assert(offsetof(struct kvf_ctl_header, layout) == 96, "layout offset");

@@ -1,0 +1,301 @@
+/*
+ * kvf-allocator: creates an instance's control segment and its caches,
+ * publishes "ready", and keeps them alive while the engine and the other
+ * roles map them. Kept trivially simple on purpose: on GPUs the caches die
+ * with this process.
+ *
+ * Host backend: the caches are one shared-memory file, reserved up front
+ * (fallocate) so a cache that does not fit fails here, with a clear message,
+ * instead of as a SIGBUS in the engine later.
+ */
+#include <errno.h>
+#include <fcntl.h>
+#include <getopt.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/statvfs.h>
+#include <unistd.h>
+
+#include "clock.h"
+#include "kvferry.h"
+#include "ctl.h"
+#include "err.h"
+#include "layout.h"
+#include "log.h"
+#include "opts.h"
+
+static const char *prog = "kvf-allocator";
+static volatile int stop;
+
+static void usage(void)
+{
+        printf("Usage: %s --instance NAME [options]\n"
+               "Create the control segment and KV caches of one kvferry instance and keep them alive.\n\n"
+               "  --instance NAME        instance name (letters, digits, _ - .)\n"
+               "  --role ROLE            prefill, decode or mixed (default mixed)\n"
+               "  --model NAME           take layers, kv heads, head dim, dtype from a known model:\n"
+               "                         llama-3.1-8b, llama-3.1-70b, qwen2.5-72b, deepseek-v3-mla\n"
+               "  --tp N                 tensor-parallel degree: this rank holds kv_heads/N heads (min 1)\n"
+               "  --layers N             model layers\n"
+               "  --extra-layers N       speculative-decoding (MTP) layers (default 0)\n"
+               "  --kv-heads N           kv heads of this rank\n"
+               "  --head-dim N           head dimension\n"
+               "  --dtype T              bf16, fp16, fp8 or uint8 (default bf16)\n"
+               "  --key-only             one tensor per layer (MLA)\n"
+               "  --block-size N         tokens per block (default 64)\n"
+               "  --blocks N             blocks per layer tensor\n"
+               "  --cache-mib N          or: size the cache to N MiB and derive --blocks\n"
+               "  --rank N, --nranks N   this instance's rank among its engine's ranks\n"
+               "  --max-requests N       request table slots (default %u)\n"
+               "  --max-blocks-per-request N  (default %u)\n"
+               "  --ring-kib N           capacity of each ring in KiB, a power of two (default %u)\n"
+               "  --heartbeat-ms N       heartbeat period of every role (default %u)\n"
+               "  --adopt                take over an existing segment whose allocator died\n"
+               "  --help, --version\n",
+               prog, KVF_DEFAULT_REQTAB_SLOTS, KVF_DEFAULT_MAX_BLOCKS,
+               KVF_DEFAULT_RING_CAPACITY / 1024, KVF_DEFAULT_HEARTBEAT_MS);
+}
+
+static uint64_t mem_available(void)
+{
+        FILE *f = fopen("/proc/meminfo", "r");
+        char line[256];
+        unsigned long long kb = 0;
+        if (!f)
+                return 0;
+        while (fgets(line, sizeof(line), f))
+                if (sscanf(line, "MemAvailable: %llu kB", &kb) == 1)
+                        break;
+        fclose(f);
+        return kb * 1024;
+}
+
+/* Refuse a cache that cannot fit, saying by how much. */
+static int check_fits(const struct kvf_cache_layout *l)
+{
+        struct statvfs sv;
+        char need[32], shm[32], avail[32];
+        uint64_t shm_free = statvfs("/dev/shm", &sv) == 0 ? (uint64_t)sv.f_bavail * sv.f_frsize : 0;
+        uint64_t mem = mem_available();
+
+        kvf_fmt_bytes(l->cache_bytes, need, sizeof(need));
+        kvf_fmt_bytes(shm_free, shm, sizeof(shm));
+        kvf_fmt_bytes(mem, avail, sizeof(avail));
+        if ((shm_free && l->cache_bytes > shm_free) || (mem && l->cache_bytes > mem))
+                return kvf_err_set(-ENOMEM,
+                                   "a cache of %s (%u layers x %u tensors x %u blocks x %llu bytes) does not fit: "
+                                   "/dev/shm has %s free and the host %s available; use fewer --blocks",
+                                   need, kvf_layout_layers(l), kvf_layout_tensors(l), l->num_blocks,
+                                   (unsigned long long)l->block_bytes, shm, avail);
+        return 0;
+}
+
+static int create_cache(const char *instance, const struct kvf_cache_layout *l)
+{
+        char name[96];
+        kvf_cache_shm_name(instance, name, sizeof(name));
+        int fd = shm_open(name, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+        if (fd < 0)
+                return kvf_err_set(-errno, "create cache /dev/shm%s: %s", name, strerror(errno));
+        int rc = 0;
+        if (fchmod(fd, 0600) < 0 || ftruncate(fd, (off_t)l->cache_bytes) < 0)
+                rc = -errno;
+        /* Reserve every page now: tmpfs then fails here with ENOSPC rather
+         * than with SIGBUS in whoever touches the page first. */
+        if (rc == 0)
+                rc = -posix_fallocate(fd, 0, (off_t)l->cache_bytes);
+        close(fd);
+        if (rc < 0) {
+                shm_unlink(name);
+                char need[32];
+                return kvf_err_set(rc, "reserve %s for cache /dev/shm%s: %s",
+                                   kvf_fmt_bytes(l->cache_bytes, need, sizeof(need)), name,
+                                   strerror(-rc));
+        }
+        return 0;
+}
+
+static int check_cache_file(const struct kvf_ctl *c)
+{
+        char path[128];
+        struct stat st;
+        snprintf(path, sizeof(path), "/dev/shm%s", c->hdr->cache_name);
+        if (stat(path, &st) < 0)
+                return kvf_err_set(-errno, "cache file %s: %s", path, strerror(errno));
+        if ((uint64_t)st.st_size != c->hdr->layout.cache_bytes)
+                return kvf_err_set(-EBADMSG, "cache file %s has %lld bytes, the layout needs %llu",
+                                   path, (long long)st.st_size,
+                                   (unsigned long long)c->hdr->layout.cache_bytes);
+        return 0;
+}
+
+int main(int argc, char **argv)
+{
+        enum { O_ROLE = 1000, O_MODEL, O_TP, O_LAYERS, O_EXTRA, O_HEADS, O_HDIM, O_DTYPE, O_KEYONLY,
+               O_BSIZE, O_BLOCKS, O_MIB, O_RANK, O_NRANKS, O_MAXREQ, O_MAXBLK, O_RING, O_HB,
+               O_ADOPT, O_VERSION };
+        static const struct option opts[] = {
+                {"instance", required_argument, 0, 'i'},  {"role", required_argument, 0, O_ROLE},
+                {"model", required_argument, 0, O_MODEL}, {"tp", required_argument, 0, O_TP},
+                {"layers", required_argument, 0, O_LAYERS},
+                {"extra-layers", required_argument, 0, O_EXTRA},
+                {"kv-heads", required_argument, 0, O_HEADS},
+                {"head-dim", required_argument, 0, O_HDIM}, {"dtype", required_argument, 0, O_DTYPE},
+                {"key-only", no_argument, 0, O_KEYONLY},
+                {"block-size", required_argument, 0, O_BSIZE},
+                {"blocks", required_argument, 0, O_BLOCKS},
+                {"cache-mib", required_argument, 0, O_MIB}, {"rank", required_argument, 0, O_RANK},
+                {"nranks", required_argument, 0, O_NRANKS},
+                {"max-requests", required_argument, 0, O_MAXREQ},
+                {"max-blocks-per-request", required_argument, 0, O_MAXBLK},
+                {"ring-kib", required_argument, 0, O_RING},
+                {"heartbeat-ms", required_argument, 0, O_HB}, {"adopt", no_argument, 0, O_ADOPT},
+                {"help", no_argument, 0, 'h'},            {"version", no_argument, 0, O_VERSION},
+                {0, 0, 0, 0}};
+        struct kvf_ctl_params p = {.backend = KVF_BACKEND_HOST, .instance_role = KVF_IROLE_MIXED,
+                                   .nranks = 1};
+        uint32_t layers = 0, extra = 0, heads = 0, hdim = 0, dtype = KVF_DTYPE_BF16, key_only = 0;
+        uint32_t bsize = 64, blocks = 0, tp = 1;
+        uint64_t mib = 0;
+        bool adopt = false;
+        int c;
+
+        while ((c = getopt_long(argc, argv, "i:h", opts, NULL)) != -1) {
+                switch (c) {
+                case 'i': p.instance = optarg; break;
+                case O_ROLE:
+                        if (!strcmp(optarg, "prefill"))
+                                p.instance_role = KVF_IROLE_PREFILL;
+                        else if (!strcmp(optarg, "decode"))
+                                p.instance_role = KVF_IROLE_DECODE;
+                        else if (!strcmp(optarg, "mixed"))
+                                p.instance_role = KVF_IROLE_MIXED;
+                        else
+                                kvf_opt_die(prog, "--role is prefill, decode or mixed, not '%s'", optarg);
+                        break;
+                case O_MODEL: {
+                        const struct kvf_model *m = kvf_model_find(optarg);
+                        if (!m)
+                                kvf_opt_die(prog, "unknown model '%s'", optarg);
+                        layers = m->layers, heads = m->kv_heads, hdim = m->head_dim;
+                        key_only = m->key_only, dtype = m->dtype;
+                        break;
+                }
+                case O_TP: tp = (uint32_t)kvf_opt_u64("tp", optarg, 1, 1024); break;
+                case O_LAYERS: layers = (uint32_t)kvf_opt_u64("layers", optarg, 1, KVF_MAX_LAYERS); break;
+                case O_EXTRA: extra = (uint32_t)kvf_opt_u64("extra-layers", optarg, 0, KVF_MAX_LAYERS); break;
+                case O_HEADS: heads = (uint32_t)kvf_opt_u64("kv-heads", optarg, 1, 65536); break;
+                case O_HDIM: hdim = (uint32_t)kvf_opt_u64("head-dim", optarg, 1, 65536); break;
+                case O_DTYPE: {
+                        int d = kvf_dtype_from_name(optarg);
+                        if (d < 0)
+                                kvf_opt_die(prog, "--dtype is bf16, fp16, fp8 or uint8, not '%s'", optarg);
+                        dtype = (uint32_t)d;
+                        break;
+                }
+                case O_KEYONLY: key_only = 1; break;
+                case O_BSIZE: bsize = (uint32_t)kvf_opt_u64("block-size", optarg, 1, 65536); break;
+                case O_BLOCKS: blocks = (uint32_t)kvf_opt_u64("blocks", optarg, 1, 1u << 30); break;
+                case O_MIB: mib = kvf_opt_u64("cache-mib", optarg, 1, 1ull << 30); break;
+                case O_RANK: p.rank = (uint32_t)kvf_opt_u64("rank", optarg, 0, 65535); break;
+                case O_NRANKS: p.nranks = (uint32_t)kvf_opt_u64("nranks", optarg, 1, 65536); break;
+                case O_MAXREQ: p.reqtab_slots = (uint32_t)kvf_opt_u64("max-requests", optarg, 1, 65536); break;
+                case O_MAXBLK: p.max_blocks = (uint32_t)kvf_opt_u64("max-blocks-per-request", optarg, 1, 1u << 20); break;
+                case O_RING: {
+                        uint64_t kib = kvf_opt_u64("ring-kib", optarg, 4, 1u << 20);
+                        if (kib & (kib - 1))
+                                kvf_opt_die(prog, "--ring-kib must be a power of two, not %llu",
+                                            (unsigned long long)kib);
+                        for (int i = 0; i < KVF_RING_COUNT; i++)
+                                p.ring_capacity[i] = kib * 1024;
+                        break;
+                }
+                case O_HB: p.heartbeat_ms = (uint32_t)kvf_opt_u64("heartbeat-ms", optarg, 1, 60000); break;
+                case O_ADOPT: adopt = true; break;
+                case 'h': usage(); return 0;
+                case O_VERSION: printf("%s %s\n", prog, KVFERRY_VERSION); return 0;
+                default: kvf_opt_die(prog, "unknown option");
+                }
+        }
+        if (optind < argc)
+                kvf_opt_die(prog, "unexpected argument '%s'", argv[optind]);
+        if (!p.instance)
+                kvf_opt_die(prog, "--instance is required");
+        if (kvf_instance_name_check(p.instance) < 0)
+                kvf_opt_die(prog, "%s", kvf_err_msg());
+        kvf_log_setup(p.instance, "allocator");
+        kvf_opt_signals(&stop);
+
+        struct kvf_ctl ctl;
+        int rc;
+        if (adopt && kvf_ctl_attach(p.instance, true, &ctl) == 0) {
+                if (kvf_role_alive(&ctl, KVF_ROLE_ALLOCATOR, kvf_now_ns()) &&
+                    ctl.roles[KVF_ROLE_ALLOCATOR].pid != getpid()) {
+                        kvf_error("instance %s already has a live allocator (pid %d)", p.instance,
+                                  ctl.roles[KVF_ROLE_ALLOCATOR].pid);
+                        return 1;
+                }
+                if ((rc = check_cache_file(&ctl)) < 0) {
+                        kvf_error("cannot adopt instance %s: %s", p.instance, kvf_err_msg());
+                        return 1;
+                }
+                kvf_role_begin(&ctl, KVF_ROLE_ALLOCATOR);
+                kvf_info("adopted existing instance (generation %llu)",
+                         (unsigned long long)ctl.roles[KVF_ROLE_ALLOCATOR].generation);
+        } else {
+                if (layers == 0 || heads == 0 || hdim == 0)
+                        kvf_opt_die(prog, "give --model, or --layers, --kv-heads and --head-dim");
+                heads = heads / tp ? heads / tp : 1;
+                if (!blocks && mib) {
+                        struct kvf_cache_layout one;
+                        if (kvf_layout_make(&one, layers, extra, 1, heads, bsize, hdim, dtype, key_only) < 0)
+                                kvf_opt_die(prog, "%s", kvf_err_msg());
+                        blocks = (uint32_t)((mib << 20) / one.cache_bytes);
+                        if (!blocks)
+                                kvf_opt_die(prog, "--cache-mib %llu holds no block of %llu bytes x %u layers",
+                                            (unsigned long long)mib, (unsigned long long)one.block_bytes,
+                                            kvf_layout_layers(&one));
+                }
+                if (!blocks)
+                        kvf_opt_die(prog, "give --blocks or --cache-mib");
+                if (kvf_layout_make(&p.layout, layers, extra, blocks, heads, bsize, hdim, dtype,
+                                    key_only) < 0)
+                        kvf_opt_die(prog, "%s", kvf_err_msg());
+                if ((rc = check_fits(&p.layout)) < 0) {
+                        kvf_error("%s", kvf_err_msg());
+                        return 1;
+                }
+                if ((rc = kvf_ctl_create(&p, &ctl)) < 0) {
+                        kvf_error("%s", kvf_err_msg());
+                        return 1;
+                }
+                if ((rc = create_cache(p.instance, &p.layout)) < 0) {
+                        kvf_error("%s", kvf_err_msg());
+                        kvf_ctl_detach(&ctl);
+                        kvf_ctl_unlink(p.instance);
+                        return 1;
+                }
+                kvf_role_begin(&ctl, KVF_ROLE_ALLOCATOR);
+                kvf_ctl_publish(&ctl);
+                char sz[32];
+                const struct kvf_cache_layout *l = &ctl.hdr->layout;
+                kvf_info("ready: %u+%u layers x %u tensors x %u blocks x %llu bytes = %s host cache, "
+                         "%u kv heads, block size %u, head dim %u, %s%s",
+                         l->num_layers, l->extra_layers, kvf_layout_tensors(l), l->num_blocks,
+                         (unsigned long long)l->block_bytes,
+                         kvf_fmt_bytes(l->cache_bytes, sz, sizeof(sz)), l->kv_heads, l->block_size,
+                         l->head_dim, kvf_dtype_name(l->dtype), l->key_only ? ", key only" : "");
+        }
+        uint64_t beat = (uint64_t)ctl.hdr->heartbeat_ms * 1000000ull;
+        while (!stop) {
+                kvf_role_heartbeat(&ctl, KVF_ROLE_ALLOCATOR);
+                kvf_sleep_ns(beat / 2);
+        }
+        kvf_role_end(&ctl, KVF_ROLE_ALLOCATOR);
+        kvf_info("stopping");
+        kvf_ctl_detach(&ctl);
+        return 0;
+}

@@ -1,0 +1,130 @@
+#include "layout.h"
+
+#include <errno.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "err.h"
+
+static const struct {
+        const char *name;
+        uint32_t size;
+} dtypes[] = {[KVF_DTYPE_BF16] = {"bf16", 2},
+              [KVF_DTYPE_FP16] = {"fp16", 2},
+              [KVF_DTYPE_FP8] = {"fp8", 1},
+              [KVF_DTYPE_UINT8] = {"uint8", 1}};
+
+uint32_t kvf_dtype_size(uint32_t dtype)
+{
+        return dtype >= KVF_DTYPE_BF16 && dtype <= KVF_DTYPE_UINT8 ? dtypes[dtype].size : 0;
+}
+
+const char *kvf_dtype_name(uint32_t dtype)
+{
+        return dtype >= KVF_DTYPE_BF16 && dtype <= KVF_DTYPE_UINT8 ? dtypes[dtype].name : "?";
+}
+
+int kvf_dtype_from_name(const char *s)
+{
+        for (int d = KVF_DTYPE_BF16; d <= KVF_DTYPE_UINT8; d++)
+                if (!strcmp(s, dtypes[d].name))
+                        return d;
+        if (!strcmp(s, "bfloat16"))
+                return KVF_DTYPE_BF16;
+        if (!strcmp(s, "float16"))
+                return KVF_DTYPE_FP16;
+        return -1;
+}
+
+int kvf_layout_make(struct kvf_cache_layout *l, uint32_t layers, uint32_t extra_layers,
+                    uint32_t blocks, uint32_t kv_heads, uint32_t block_size, uint32_t head_dim,
+                    uint32_t dtype, uint32_t key_only)
+{
+        memset(l, 0, sizeof(*l));
+        if (layers == 0 || (uint64_t)layers + extra_layers > KVF_MAX_LAYERS)
+                return kvf_err_set(-EINVAL, "layers (%u) + extra layers (%u) must be 1 to %u",
+                                   layers, extra_layers, KVF_MAX_LAYERS);
+        if (blocks == 0 || kv_heads == 0 || block_size == 0 || head_dim == 0)
+                return kvf_err_set(-EINVAL,
+                                   "blocks (%u), kv heads (%u), block size (%u) and head dim (%u) must all be positive",
+                                   blocks, kv_heads, block_size, head_dim);
+        if (kvf_dtype_size(dtype) == 0)
+                return kvf_err_set(-EINVAL, "unknown dtype %u (bf16, fp16, fp8, uint8)", dtype);
+        uint64_t bb = (uint64_t)kv_heads * block_size * head_dim * kvf_dtype_size(dtype);
+        if (bb > (1ull << 32))
+                return kvf_err_set(-EINVAL, "a block of %llu bytes is too large",
+                                   (unsigned long long)bb);
+        l->num_layers = layers;
+        l->extra_layers = extra_layers;
+        l->num_blocks = blocks;
+        l->kv_heads = kv_heads;
+        l->block_size = block_size;
+        l->head_dim = head_dim;
+        l->dtype = dtype;
+        l->key_only = key_only ? 1 : 0;
+        l->block_bytes = bb;
+        l->cache_bytes = (uint64_t)kvf_layout_layers(l) * kvf_layout_tensors(l) * blocks * bb;
+        return 0;
+}
+
+int kvf_layout_compatible(const struct kvf_cache_layout *a, const struct kvf_cache_layout *b,
+                          char *why, size_t whylen)
+{
+#define DIFF(field, what)                                                                          \
+        if (a->field != b->field) {                                                                \
+                snprintf(why, whylen, "%u " what " here, %u there", a->field, b->field);           \
+                return -EPROTO;                                                                    \
+        }
+        DIFF(num_layers, "layers");
+        DIFF(extra_layers, "extra (speculative) layers");
+        DIFF(kv_heads, "kv heads");
+        DIFF(block_size, "tokens per block");
+        DIFF(head_dim, "head dim");
+        DIFF(key_only, "key-only flag");
+#undef DIFF
+        if (a->dtype != b->dtype) {
+                snprintf(why, whylen, "dtype %s here, %s there", kvf_dtype_name(a->dtype),
+                         kvf_dtype_name(b->dtype));
+                return -EPROTO;
+        }
+        if (a->block_bytes != b->block_bytes) {
+                snprintf(why, whylen, "%llu-byte blocks here, %llu there",
+                         (unsigned long long)a->block_bytes, (unsigned long long)b->block_bytes);
+                return -EPROTO;
+        }
+        if (why && whylen)
+                why[0] = '\0';
+        return 0;
+}
+
+const struct kvf_model kvf_models[] = {
+        {"llama-3.1-8b", 32, 8, 128, 0, KVF_DTYPE_BF16},
+        {"llama-3.1-70b", 80, 8, 128, 0, KVF_DTYPE_BF16},
+        {"qwen2.5-72b", 80, 8, 128, 0, KVF_DTYPE_BF16},
+        {"deepseek-v3-mla", 61, 1, 576, 1, KVF_DTYPE_BF16},
+};
+const unsigned kvf_models_count = sizeof(kvf_models) / sizeof(kvf_models[0]);
+
+const struct kvf_model *kvf_model_find(const char *name)
+{
+        for (unsigned i = 0; i < kvf_models_count; i++)
+                if (!strcmp(kvf_models[i].name, name))
+                        return &kvf_models[i];
+        return NULL;
+}
+
+const char *kvf_fmt_bytes(uint64_t n, char *buf, size_t len)
+{
+        static const char *units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+        double v = (double)n;
+        unsigned u = 0;
+        while (v >= 1024 && u < 4) {
+                v /= 1024;
+                u++;
+        }
+        if (u == 0)
+                snprintf(buf, len, "%llu B", (unsigned long long)n);
+        else
+                snprintf(buf, len, "%.2f %s", v, units[u]);
+        return buf;
+}

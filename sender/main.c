@@ -1,0 +1,191 @@
+/*
+ * kvf-sender: the process that turns layer-done events into copies and
+ * writes (see sender.h). One thread, one loop:
+ *   progress word -> engine records -> connector records -> pending posts
+ *   -> housekeeping every heartbeat -> sleep on the doorbell when idle.
+ */
+#include <errno.h>
+#include <fcntl.h>
+#include <getopt.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include "atomics.h"
+#include "clock.h"
+#include "doorbell.h"
+#include "err.h"
+#include "kvferry.h"
+#include "layout.h"
+#include "log.h"
+#include "opts.h"
+#include "sender.h"
+
+static const char *prog = "kvf-sender";
+static volatile int stop;
+
+static void usage(void)
+{
+        printf("Usage: %s --instance NAME [options]\n"
+               "Run the sender of a kvferry instance (started by tools/kvferry up).\n\n"
+               "  --instance NAME           the instance (its allocator must be running)\n"
+               "  --request-timeout-ms N    fail a request not finished N ms after its task (default 60000)\n"
+               "  --spin-us N               busy-wait this long for work before sleeping (default 50)\n"
+               "  --help, --version\n",
+               prog);
+}
+
+static bool has_work(void *arg)
+{
+        struct sender *s = arg;
+        return kvf_load_acquire(&s->ctl.progress->word) != s->progress ||
+               kvf_ring_readable(&s->ctl.rings[KVF_RING_ENGINE_TO_SENDER]) ||
+               kvf_ring_readable(&s->ctl.rings[KVF_RING_CONNECTOR_TO_SENDER]);
+}
+
+static int map_own_cache(struct sender *s)
+{
+        const struct kvf_ctl_header *h = s->ctl.hdr;
+        int fd = shm_open(h->cache_name, O_RDONLY | O_CLOEXEC, 0);
+        if (fd < 0)
+                return kvf_err_set(-errno, "open own cache /dev/shm%s: %s", h->cache_name,
+                                   strerror(errno));
+        void *p = mmap(NULL, h->layout.cache_bytes, PROT_READ, MAP_SHARED, fd, 0);
+        close(fd);
+        if (p == MAP_FAILED)
+                return kvf_err_set(-errno, "map own cache: %s", strerror(errno));
+        s->cache = p;
+        s->cache_size = h->layout.cache_bytes;
+        return 0;
+}
+
+static int run(struct sender *s, uint64_t spin_ns)
+{
+        struct kvf_ring *in = &s->ctl.rings[KVF_RING_ENGINE_TO_SENDER];
+        struct kvf_ring *from_conn = &s->ctl.rings[KVF_RING_CONNECTOR_TO_SENDER];
+        struct kvf_doorbell *bell = &s->ctl.bells[KVF_BELL_SENDER];
+        uint64_t beat = (uint64_t)s->ctl.hdr->heartbeat_ms * 1000000ull;
+        uint64_t next_tick = 0, idle_since = 0;
+
+        while (!stop) {
+                bool worked = false;
+                /* Pairs with the engine's release CAS: its cache writes for
+                 * the layers in this word are visible. */
+                uint64_t w = kvf_load_acquire(&s->ctl.progress->word);
+                if (w != s->progress) {
+                        uint64_t pub = kvf_load_relaxed(&s->ctl.progress->publish_ns);
+                        sender_on_progress(s, w, pub);
+                        worked = true;
+                }
+                /* Tasks one at a time: a crash re-reads at most one (tasks.c). */
+                for (int i = 0; i < 64; i++) {
+                        int n = kvf_ring_read(in, sender_on_engine_record, s, 1);
+                        if (n < 0) {
+                                kvf_errlog(&s->ctl, KVF_ROLE_SENDER, "ring engine->sender: %s",
+                                           kvf_err_msg());
+                                kvf_sleep_ns(beat);
+                                break;
+                        }
+                        if (n == 0)
+                                break;
+                        worked = true;
+                }
+                int n = kvf_ring_read(from_conn, sender_on_connector_record, s, 256);
+                if (n > 0)
+                        worked = true;
+                else if (n < 0)
+                        kvf_errlog(&s->ctl, KVF_ROLE_SENDER, "ring connector->sender: %s",
+                                   kvf_err_msg());
+                if (s->pending)
+                        sender_flush_pending(s);
+
+                uint64_t now = kvf_now_ns();
+                if (now >= next_tick) {
+                        sender_tick(s, now);
+                        next_tick = now + beat;
+                }
+                if (worked) {
+                        idle_since = 0;
+                        continue;
+                }
+                /* Spin a little (a layer event is often microseconds away), then sleep. */
+                if (!idle_since)
+                        idle_since = now;
+                if (now - idle_since < spin_ns) {
+                        kvf_cpu_relax();
+                        continue;
+                }
+                uint64_t wait = next_tick > now ? next_tick - now : 0;
+                if (s->pending && wait > 1000000)
+                        wait = 1000000; /* a full ring drains on the engine's time, poll it */
+                kvf_count(&s->ctl, KVF_CTR_WAKEUPS_SENDER, 1);
+                kvf_doorbell_wait(bell, has_work, s, 0, wait);
+                idle_since = 0;
+        }
+        return 0;
+}
+
+int main(int argc, char **argv)
+{
+        enum { O_TIMEOUT = 1000, O_SPIN, O_VERSION };
+        static const struct option opts[] = {{"instance", required_argument, 0, 'i'},
+                                             {"request-timeout-ms", required_argument, 0, O_TIMEOUT},
+                                             {"spin-us", required_argument, 0, O_SPIN},
+                                             {"help", no_argument, 0, 'h'},
+                                             {"version", no_argument, 0, O_VERSION},
+                                             {0, 0, 0, 0}};
+        const char *instance = NULL;
+        uint64_t timeout_ms = 60000, spin_us = 50;
+        int c;
+
+        while ((c = getopt_long(argc, argv, "i:h", opts, NULL)) != -1) {
+                switch (c) {
+                case 'i': instance = optarg; break;
+                case O_TIMEOUT: timeout_ms = kvf_opt_u64("request-timeout-ms", optarg, 1, 86400000); break;
+                case O_SPIN: spin_us = kvf_opt_u64("spin-us", optarg, 0, 1000000); break;
+                case 'h': usage(); return 0;
+                case O_VERSION: printf("%s %s\n", prog, KVFERRY_VERSION); return 0;
+                default: kvf_opt_die(prog, "unknown option");
+                }
+        }
+        if (!instance)
+                kvf_opt_die(prog, "--instance is required");
+        kvf_log_setup(instance, "sender");
+        kvf_opt_signals(&stop);
+
+        static struct sender s;
+        int rc = kvf_ctl_attach_wait(instance, true, 10000, &s.ctl);
+        if (rc < 0) {
+                kvf_error("%s", kvf_err_msg());
+                return 1;
+        }
+        s.layout = &s.ctl.hdr->layout;
+        s.layers = kvf_layout_layers(s.layout);
+        s.tensors = kvf_layout_tensors(s.layout);
+        s.request_timeout_ns = timeout_ms * 1000000ull;
+        if ((rc = map_own_cache(&s)) < 0 || (rc = sender_table_init(&s)) < 0) {
+                kvf_error("%s", kvf_err_msg());
+                return 1;
+        }
+        s.gen = kvf_role_begin(&s.ctl, KVF_ROLE_SENDER);
+        kvf_ring_producer_attach(&s.ctl.rings[KVF_RING_SENDER_TO_ENGINE], s.gen);
+        kvf_ring_producer_attach(&s.ctl.rings[KVF_RING_SENDER_TO_CONNECTOR], s.gen);
+        for (int r = 0; r < KVF_RING_COUNT; r++)
+                if (s.ctl.ring_hdrs[r].consumer == KVF_ROLE_SENDER &&
+                    kvf_ring_consumer_attach(&s.ctl.rings[r]) > 0) {
+                        kvf_count(&s.ctl, KVF_CTR_RING_REPAIRS, 1);
+                        kvf_warn("repaired ring %s after a crash", kvf_ring_name(r));
+                }
+        s.connector_gen = kvf_load_acquire(&s.ctl.roles[KVF_ROLE_CONNECTOR].generation);
+        s.progress = ~0ull; /* handle the current word on the first pass */
+        sender_adopt(&s);
+        kvf_info("running (generation %llu)", (unsigned long long)s.gen);
+        run(&s, spin_us * 1000);
+        kvf_role_end(&s.ctl, KVF_ROLE_SENDER);
+        kvf_info("stopping");
+        sender_peers_close(&s);
+        kvf_ctl_detach(&s.ctl);
+        return 0;
+}

@@ -1,0 +1,110 @@
+/*
+ * The sender: consumes tasks, chunk progress, cancels and layer-done
+ * progress; decides what to move when; copies same-host (ipc) transfers
+ * itself; hands network writes and finish notices to the connector; and
+ * reports one completion per request.
+ *
+ * Its request table lives in the control segment (struct kvf_req_slot), so a
+ * restarted sender adopts every request in flight. What is kept only in
+ * this process (the request-id map, the step buckets, peer mappings) is
+ * rebuilt from the table at start.
+ *
+ * Single-threaded: everything here runs on the sender's one thread.
+ */
+#ifndef KVF_SENDER_H
+#define KVF_SENDER_H
+
+#include <stdbool.h>
+#include <stdint.h>
+#include <sys/types.h>
+
+#include "ctl.h"
+#include "records.h"
+
+#define SENDER_MAX_PEERS 64u
+
+/* A same-host peer instance whose cache this sender writes into. */
+struct ipc_peer {
+        char name[KVF_PEER_MAX];
+        struct kvf_ctl ctl; /* read-only view of its control segment */
+        uint8_t *cache;     /* its host cache, mapped read-write */
+        uint64_t cache_size;
+        uint64_t created_ns; /* identity of the peer's segment we mapped */
+        ino_t ino;
+        bool in_use;
+};
+
+/* Requests armed at a forward step: their front chunk completes in that step. */
+struct bucket {
+        uint64_t step;
+        uint32_t n, cap;
+        uint32_t *slots;
+};
+
+struct sender {
+        struct kvf_ctl ctl;
+        uint64_t gen;
+        const struct kvf_cache_layout *layout;
+        uint32_t layers;  /* layers + extra layers */
+        uint32_t tensors; /* 1 (key only) or 2 */
+        const uint8_t *cache; /* own cache, read-only */
+        uint64_t cache_size;
+
+        /* request id -> slot: open addressing, 2x the slots, UINT32_MAX = empty */
+        uint32_t *map;
+        uint32_t map_cap;
+        uint64_t *armed;  /* per slot: the step it is armed at, or UINT64_MAX */
+        uint8_t *flags;   /* per slot: SLOT_* below */
+        uint32_t *tmp;    /* scratch list of slots */
+        struct bucket *buckets; /* sorted by step */
+        uint32_t nbuckets, capbuckets;
+
+        uint64_t progress;     /* last progress word handled */
+        uint64_t progress_ns;  /* its publish time */
+        bool copy_timed;       /* the latency of this progress word is recorded */
+        uint64_t connector_gen;
+        uint64_t request_timeout_ns;
+        uint32_t pending; /* slots with a notice or completion still to post */
+
+        struct ipc_peer peers[SENDER_MAX_PEERS];
+        uint8_t *scratch; /* encode buffer */
+        size_t scratch_cap;
+};
+
+#define SLOT_NEEDS_NOTICE 1u     /* FINISHING, finish notice not yet in the ring */
+#define SLOT_NEEDS_COMPLETION 2u /* status decided, completion not yet in the ring */
+#define SLOT_ABORT_NOTICE 4u     /* failed while active: tell the peer (best effort) */
+
+/* table.c */
+int sender_table_init(struct sender *s);
+uint32_t sender_map_find(const struct sender *s, const char *request_id);
+void sender_map_insert(struct sender *s, uint32_t slot);
+void sender_map_remove(struct sender *s, uint32_t slot);
+uint32_t sender_slot_alloc(struct sender *s); /* UINT32_MAX if full */
+void sender_arm(struct sender *s, uint32_t slot);
+void sender_disarm(struct sender *s, uint32_t slot);
+static inline uint64_t sender_key(uint32_t slot, uint64_t incarnation)
+{
+        return ((uint64_t)slot << 40) | (incarnation & ((1ull << 40) - 1));
+}
+
+/* peers.c */
+int sender_peer_get(struct sender *s, const char *name, uint32_t *idx, char *why, size_t whylen);
+void sender_peers_check(struct sender *s);
+void sender_peers_close(struct sender *s);
+
+/* tasks.c */
+int sender_on_engine_record(void *ctx, uint16_t type, const uint8_t *p, uint32_t len, uint64_t pos);
+int sender_on_connector_record(void *ctx, uint16_t type, const uint8_t *p, uint32_t len,
+                               uint64_t pos);
+void sender_fail(struct sender *s, uint32_t slot, int status, const char *fmt, ...)
+        __attribute__((format(printf, 4, 5)));
+void sender_flush_pending(struct sender *s);
+void sender_adopt(struct sender *s);
+void sender_tick(struct sender *s, uint64_t now);
+
+/* progress.c */
+void sender_on_progress(struct sender *s, uint64_t word, uint64_t publish_ns);
+void sender_advance(struct sender *s, uint32_t slot);
+
+#endif

@@ -1,0 +1,161 @@
+/* The sender's in-process indexes over the shared request table. */
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "err.h"
+#include "sender.h"
+
+#define EMPTY UINT32_MAX
+
+int sender_table_init(struct sender *s)
+{
+        uint32_t n = s->ctl.hdr->reqtab_slots;
+        s->map_cap = 1;
+        while (s->map_cap < 2 * n)
+                s->map_cap <<= 1;
+        s->map = malloc(s->map_cap * sizeof(*s->map));
+        s->armed = malloc(n * sizeof(*s->armed));
+        s->flags = calloc(n, 1);
+        s->tmp = malloc(n * sizeof(*s->tmp));
+        if (!s->map || !s->armed || !s->flags || !s->tmp)
+                return kvf_err_set(-ENOMEM, "out of memory for a %u-slot request table", n);
+        memset(s->map, 0xff, s->map_cap * sizeof(*s->map));
+        for (uint32_t i = 0; i < n; i++)
+                s->armed[i] = UINT64_MAX;
+        return 0;
+}
+
+static uint32_t home(const struct sender *s, const char *id)
+{
+        return (uint32_t)kvf_hash64(id, strlen(id), 7) & (s->map_cap - 1);
+}
+
+uint32_t sender_map_find(const struct sender *s, const char *request_id)
+{
+        for (uint32_t i = home(s, request_id);; i = (i + 1) & (s->map_cap - 1)) {
+                uint32_t slot = s->map[i];
+                if (slot == EMPTY)
+                        return EMPTY;
+                if (!strcmp(s->ctl.reqtab[slot].request_id, request_id))
+                        return slot;
+        }
+}
+
+void sender_map_insert(struct sender *s, uint32_t slot)
+{
+        uint32_t i = home(s, s->ctl.reqtab[slot].request_id);
+        while (s->map[i] != EMPTY)
+                i = (i + 1) & (s->map_cap - 1);
+        s->map[i] = slot;
+}
+
+void sender_map_remove(struct sender *s, uint32_t slot)
+{
+        uint32_t mask = s->map_cap - 1;
+        uint32_t i = home(s, s->ctl.reqtab[slot].request_id);
+
+        while (s->map[i] != slot) {
+                if (s->map[i] == EMPTY)
+                        return;
+                i = (i + 1) & mask;
+        }
+        /* Backward-shift deletion keeps every probe chain unbroken. */
+        for (uint32_t j = (i + 1) & mask; s->map[j] != EMPTY; j = (j + 1) & mask) {
+                uint32_t h = home(s, s->ctl.reqtab[s->map[j]].request_id);
+                /* Move j into the hole at i unless its home lies cyclically in (i, j]. */
+                bool stays = i <= j ? (i < h && h <= j) : (i < h || h <= j);
+                if (!stays) {
+                        s->map[i] = s->map[j];
+                        i = j;
+                }
+        }
+        s->map[i] = EMPTY;
+}
+
+uint32_t sender_slot_alloc(struct sender *s)
+{
+        /* Linear scan from a rotating hint: cheap next to a task's decode. */
+        static uint32_t hint;
+        uint32_t n = s->ctl.hdr->reqtab_slots;
+        for (uint32_t k = 0; k < n; k++) {
+                uint32_t i = (hint + k) % n;
+                if (s->ctl.reqtab[i].state == KVF_REQ_FREE && s->flags[i] == 0) {
+                        hint = i + 1;
+                        return i;
+                }
+        }
+        return EMPTY;
+}
+
+static struct bucket *find_bucket(struct sender *s, uint64_t step, bool create)
+{
+        uint32_t i = 0;
+        while (i < s->nbuckets && s->buckets[i].step < step)
+                i++;
+        if (i < s->nbuckets && s->buckets[i].step == step)
+                return &s->buckets[i];
+        if (!create)
+                return NULL;
+        if (s->nbuckets == s->capbuckets) {
+                uint32_t cap = s->capbuckets ? 2 * s->capbuckets : 16;
+                struct bucket *b = realloc(s->buckets, cap * sizeof(*b));
+                if (!b)
+                        abort(); /* a few dozen bytes: nothing sensible to do without them */
+                s->buckets = b;
+                s->capbuckets = cap;
+        }
+        memmove(&s->buckets[i + 1], &s->buckets[i], (s->nbuckets - i) * sizeof(*s->buckets));
+        s->nbuckets++;
+        memset(&s->buckets[i], 0, sizeof(s->buckets[i]));
+        s->buckets[i].step = step;
+        return &s->buckets[i];
+}
+
+void sender_disarm(struct sender *s, uint32_t slot)
+{
+        uint64_t step = s->armed[slot];
+        if (step == UINT64_MAX)
+                return;
+        s->armed[slot] = UINT64_MAX;
+        struct bucket *b = find_bucket(s, step, false);
+        if (!b)
+                return;
+        for (uint32_t k = 0; k < b->n; k++)
+                if (b->slots[k] == slot) {
+                        b->slots[k] = b->slots[--b->n];
+                        break;
+                }
+        if (b->n == 0) {
+                free(b->slots);
+                uint32_t i = (uint32_t)(b - s->buckets);
+                memmove(&s->buckets[i], &s->buckets[i + 1],
+                        (s->nbuckets - i - 1) * sizeof(*s->buckets));
+                s->nbuckets--;
+        }
+}
+
+/* Put the slot in the bucket of its front chunk's step (or nowhere). */
+void sender_arm(struct sender *s, uint32_t slot)
+{
+        const struct kvf_req_slot *r = &s->ctl.reqtab[slot];
+        if (r->state != KVF_REQ_ACTIVE || r->chunk_head == r->chunk_tail) {
+                sender_disarm(s, slot);
+                return;
+        }
+        uint64_t step = r->chunks[r->chunk_head % KVF_CHUNKS_MAX].step;
+        if (s->armed[slot] == step)
+                return;
+        sender_disarm(s, slot);
+        struct bucket *b = find_bucket(s, step, true);
+        if (b->n == b->cap) {
+                uint32_t cap = b->cap ? 2 * b->cap : 8;
+                uint32_t *p = realloc(b->slots, cap * sizeof(*p));
+                if (!p)
+                        abort();
+                b->slots = p;
+                b->cap = cap;
+        }
+        b->slots[b->n++] = slot;
+        s->armed[slot] = step;
+}

@@ -1,0 +1,581 @@
+/*
+ * Tasks in, completions out.
+ *
+ * Exactly one completion per request, across sender crashes:
+ *  - a task record is consumed one at a time, so at most one is re-read
+ *    after a crash; an accepted task is recognised by its ring position
+ *    (slot.task_pos), a rejected one by the sender area's reject_task_pos;
+ *  - a decided request is COMPLETING; its completion's ring position is
+ *    stored before the record is committed, and kvf_ring_delivered() tells a
+ *    successor whether that record made it.
+ */
+#include <errno.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "atomics.h"
+#include "clock.h"
+#include "err.h"
+#include "layout.h"
+#include "log.h"
+#include "sender.h"
+
+static int encode(struct sender *s, const struct kvf_record *r, size_t *len)
+{
+        size_t need = 1024 + ((size_t)r->n_src + r->n_dst + r->n_runs) * 5;
+        if (need > s->scratch_cap) {
+                uint8_t *p = realloc(s->scratch, need);
+                if (!p)
+                        return -ENOMEM;
+                s->scratch = p;
+                s->scratch_cap = need;
+        }
+        int n = kvf_record_encode(r, s->scratch, s->scratch_cap);
+        if (n < 0)
+                return n;
+        *len = (size_t)n;
+        return 0;
+}
+
+static void count_status(struct sender *s, int status)
+{
+        static const enum kvf_counter_id by_status[KVF_STATUS_COUNT] = {
+                [KVF_STATUS_FINISHED] = KVF_CTR_REQUESTS_FINISHED,
+                [KVF_STATUS_BAD_TASK] = KVF_CTR_FAILED_BAD_TASK,
+                [KVF_STATUS_BLOCK_RANGE] = KVF_CTR_FAILED_BLOCK_RANGE,
+                [KVF_STATUS_UNKNOWN_PEER] = KVF_CTR_FAILED_UNKNOWN_PEER,
+                [KVF_STATUS_CONNECTION] = KVF_CTR_FAILED_CONNECTION,
+                [KVF_STATUS_LAYOUT_MISMATCH] = KVF_CTR_FAILED_LAYOUT,
+                [KVF_STATUS_CANCELLED] = KVF_CTR_FAILED_CANCELLED,
+                [KVF_STATUS_TIMEOUT] = KVF_CTR_FAILED_TIMEOUT,
+                [KVF_STATUS_WRITE] = KVF_CTR_FAILED_WRITE,
+                [KVF_STATUS_AUTH] = KVF_CTR_FAILED_AUTH,
+        };
+        if (status < 0 || status >= KVF_STATUS_COUNT)
+                return;
+        kvf_count(&s->ctl, by_status[status], 1);
+        if (status != KVF_STATUS_FINISHED)
+                kvf_count(&s->ctl, KVF_CTR_REQUESTS_FAILED, 1);
+}
+
+static void free_slot(struct sender *s, uint32_t slot)
+{
+        struct kvf_req_slot *r = &s->ctl.reqtab[slot];
+        sender_disarm(s, slot);
+        sender_map_remove(s, slot);
+        s->flags[slot] = 0;
+        /* Release: everything about the old request is done before the slot
+         * can be seen free (and reused). */
+        kvf_store_release(&r->state, KVF_REQ_FREE);
+}
+
+/* Post the completion of a decided (COMPLETING) slot; -EAGAIN if the ring is full. */
+static int post_completion(struct sender *s, uint32_t slot)
+{
+        struct kvf_req_slot *r = &s->ctl.reqtab[slot];
+        struct kvf_ring *ring = &s->ctl.rings[KVF_RING_SENDER_TO_ENGINE];
+        struct kvf_record c = {.type = KVF_RT_COMPLETION, .status = (int)r->status,
+                               .bytes = r->bytes, .blocks = r->n_send,
+                               .accept_ns = r->accept_ns, .last_layer_ns = r->last_layer_ns,
+                               .done_ns = kvf_now_ns()};
+        size_t len;
+        void *p;
+        uint64_t pos;
+
+        memcpy(c.request_id, r->request_id, sizeof(c.request_id));
+        memcpy(c.peer, r->peer, sizeof(c.peer));
+        memcpy(c.reason, r->reason, sizeof(c.reason));
+        if (encode(s, &c, &len) < 0 || kvf_ring_claim(ring, KVF_RT_COMPLETION, (uint32_t)len, &p, &pos) < 0) {
+                kvf_count(&s->ctl, KVF_CTR_RING_FULL, 1);
+                return -EAGAIN;
+        }
+        /* Crash window: with the position stored first, a successor can ask
+         * the ring whether this record was committed. */
+        kvf_store_release(&r->completion_pos, pos);
+        memcpy(p, s->scratch, len);
+        kvf_ring_commit(ring, pos);
+        count_status(s, (int)r->status);
+        if (r->status == KVF_STATUS_FINISHED) {
+                if (r->last_layer_ns && c.done_ns > r->last_layer_ns)
+                        kvf_hist_add(&s->ctl.sender->hist[KVF_HIST_LAST_TO_DONE],
+                                     c.done_ns - r->last_layer_ns);
+                kvf_debug("req %s: finished, %llu bytes", r->request_id, (unsigned long long)r->bytes);
+        } else {
+                kvf_info("req %s: %s: %s", r->request_id, kvf_status_name((int)r->status), r->reason);
+        }
+        free_slot(s, slot);
+        return 0;
+}
+
+/* Decide a request's status; the completion is posted now or when the ring has room. */
+static void decide(struct sender *s, uint32_t slot, int status, const char *reason)
+{
+        struct kvf_req_slot *r = &s->ctl.reqtab[slot];
+        if (r->state == KVF_REQ_FREE || r->state == KVF_REQ_COMPLETING)
+                return;
+        bool was_active = r->state == KVF_REQ_ACTIVE;
+        r->status = (uint32_t)status;
+        snprintf(r->reason, sizeof(r->reason), "%s", reason ? reason : "");
+        r->completion_pos = ~0ull;
+        sender_disarm(s, slot);
+        kvf_store_release(&r->state, KVF_REQ_COMPLETING);
+        if (s->flags[slot] & SLOT_NEEDS_NOTICE)
+                s->pending--;
+        s->flags[slot] = SLOT_NEEDS_COMPLETION;
+        /* A request that fails while moving: tell the peer, so its engine can
+         * free the blocks it reserved (best effort, not waited for). */
+        if (was_active && status != KVF_STATUS_FINISHED && r->peer_idx != UINT32_MAX)
+                s->flags[slot] |= SLOT_ABORT_NOTICE;
+        s->pending++;
+}
+
+void sender_fail(struct sender *s, uint32_t slot, int status, const char *fmt, ...)
+{
+        char reason[KVF_REASON_MAX];
+        va_list ap;
+        va_start(ap, fmt);
+        vsnprintf(reason, sizeof(reason), fmt, ap);
+        va_end(ap);
+        decide(s, slot, status, reason);
+}
+
+/* The finish notice (or abort notice) for the connector. */
+static int post_notice(struct sender *s, uint32_t slot, bool abort_notice)
+{
+        struct kvf_req_slot *r = &s->ctl.reqtab[slot];
+        struct kvf_record f = {.type = KVF_RT_FINISH,
+                               .key = sender_key(slot, r->incarnation),
+                               .transport = (int)r->transport,
+                               .status = abort_notice ? (int)r->status : KVF_STATUS_FINISHED,
+                               .bytes = r->bytes,
+                               .blocks = r->n_send,
+                               .dst = kvf_slot_blocks(&s->ctl, slot) + s->ctl.hdr->max_blocks,
+                               .n_dst = r->n_send};
+        size_t len;
+
+        memcpy(f.request_id, r->request_id, sizeof(f.request_id));
+        memcpy(f.peer, r->peer, sizeof(f.peer));
+        if (abort_notice)
+                memcpy(f.reason, r->reason, sizeof(f.reason));
+        if (r->transport == KVF_TRANSPORT_IPC && r->peer_idx < SENDER_MAX_PEERS &&
+            s->peers[r->peer_idx].in_use)
+                f.generation = s->peers[r->peer_idx].created_ns;
+        if (encode(s, &f, &len) < 0)
+                return -ENOMEM;
+        int rc = kvf_ring_write(&s->ctl.rings[KVF_RING_SENDER_TO_CONNECTOR], KVF_RT_FINISH, s->scratch,
+                                (uint32_t)len, NULL);
+        if (rc < 0) {
+                kvf_count(&s->ctl, KVF_CTR_RING_FULL, 1);
+                return rc;
+        }
+        if (!abort_notice)
+                r->notice_gen = kvf_load_acquire(&s->ctl.roles[KVF_ROLE_CONNECTOR].generation);
+        return 0;
+}
+
+void sender_flush_pending(struct sender *s)
+{
+        uint32_t n = s->ctl.hdr->reqtab_slots;
+        for (uint32_t i = 0; i < n && s->pending > 0; i++) {
+                uint8_t f = s->flags[i];
+                if (!f)
+                        continue;
+                if (f & SLOT_ABORT_NOTICE) {
+                        if (post_notice(s, i, true) == -EAGAIN)
+                                continue;
+                        s->flags[i] &= (uint8_t)~SLOT_ABORT_NOTICE;
+                }
+                if ((f & SLOT_NEEDS_NOTICE) && post_notice(s, i, false) == 0) {
+                        s->flags[i] &= (uint8_t)~SLOT_NEEDS_NOTICE;
+                        s->pending--;
+                }
+                if ((f & SLOT_NEEDS_COMPLETION) && post_completion(s, i) == 0)
+                        s->pending--; /* flags cleared with the slot */
+        }
+}
+
+/* ---- rejections: a completion for a task that never got a slot ---- */
+
+static int reject(struct sender *s, uint64_t task_pos, const char *request_id, const char *peer,
+                  int status, const char *fmt, ...) __attribute__((format(printf, 6, 7)));
+static int reject(struct sender *s, uint64_t task_pos, const char *request_id, const char *peer,
+                  int status, const char *fmt, ...)
+{
+        struct kvf_sender_area *a = s->ctl.sender;
+        struct kvf_ring *ring = &s->ctl.rings[KVF_RING_SENDER_TO_ENGINE];
+        struct kvf_record c = {.type = KVF_RT_COMPLETION, .status = status, .done_ns = kvf_now_ns()};
+        va_list ap;
+        size_t len;
+        void *p;
+        uint64_t pos;
+
+        /* Re-read after a crash: was this rejection already delivered? */
+        if (kvf_load_acquire(&a->reject_task_pos) == task_pos &&
+            kvf_ring_delivered(ring, kvf_load_acquire(&a->reject_completion_pos)))
+                return 0;
+        snprintf(c.request_id, sizeof(c.request_id), "%s",
+                 request_id && request_id[0] ? request_id : "<unknown>");
+        snprintf(c.peer, sizeof(c.peer), "%s", peer ? peer : "");
+        va_start(ap, fmt);
+        vsnprintf(c.reason, sizeof(c.reason), fmt, ap);
+        va_end(ap);
+        if (encode(s, &c, &len) < 0 || kvf_ring_claim(ring, KVF_RT_COMPLETION, (uint32_t)len, &p, &pos) < 0) {
+                kvf_count(&s->ctl, KVF_CTR_RING_FULL, 1);
+                return -EAGAIN; /* the task stays in its ring; retried later */
+        }
+        kvf_store_release(&a->reject_completion_pos, pos);
+        kvf_store_release(&a->reject_task_pos, task_pos);
+        memcpy(p, s->scratch, len);
+        kvf_ring_commit(ring, pos);
+        kvf_count(&s->ctl, KVF_CTR_TASKS_REJECTED, 1);
+        count_status(s, status);
+        kvf_errlog(&s->ctl, KVF_ROLE_SENDER, "req %s: task rejected: %s: %s", c.request_id,
+                   kvf_status_name(status), c.reason);
+        return 0;
+}
+
+/* ---- tasks ---- */
+
+static bool has_duplicate(const uint32_t *ids, uint32_t n, uint32_t range, uint32_t *dup)
+{
+        uint8_t *seen = calloc((range + 7) / 8 + 1, 1);
+        bool found = false;
+        if (!seen)
+                return false;
+        for (uint32_t i = 0; i < n && !found; i++) {
+                if (ids[i] >= range)
+                        continue;
+                if (seen[ids[i] / 8] & (1u << (ids[i] % 8))) {
+                        *dup = ids[i];
+                        found = true;
+                }
+                seen[ids[i] / 8] |= (uint8_t)(1u << (ids[i] % 8));
+        }
+        free(seen);
+        return found;
+}
+
+static int accept_task(struct sender *s, struct kvf_record *t, uint64_t pos)
+{
+        const struct kvf_ctl_header *h = s->ctl.hdr;
+        const char *id = t->request_id;
+        uint32_t slot = sender_map_find(s, id), dup, pidx = UINT32_MAX;
+        char why[KVF_REASON_MAX];
+
+        if (slot != UINT32_MAX && s->ctl.reqtab[slot].task_pos == pos)
+                return 0; /* this very record, re-read after a restart: already accepted */
+        if (h->instance_role == KVF_IROLE_DECODE)
+                return reject(s, pos, id, t->peer, KVF_STATUS_BAD_TASK,
+                              "instance '%s' is a decode instance: it receives, it does not send",
+                              h->instance);
+        if (t->transport != KVF_TRANSPORT_IPC)
+                return reject(s, pos, id, t->peer, KVF_STATUS_BAD_TASK,
+                              "transfer_protocol '%s' is not supported by this build (ipc only)",
+                              kvf_transport_name(t->transport));
+        if (slot != UINT32_MAX)
+                return reject(s, pos, id, t->peer, KVF_STATUS_BAD_TASK,
+                              "duplicate request_id '%s': a request with this id is in flight", id);
+        if (t->n_src == 0)
+                return reject(s, pos, id, t->peer, KVF_STATUS_BAD_TASK, "src_block_ids is empty");
+        if (t->n_dst == 0)
+                return reject(s, pos, id, t->peer, KVF_STATUS_BAD_TASK,
+                              "dest_block_ids is empty: nothing to send");
+        if (t->n_dst > t->n_src)
+                return reject(s, pos, id, t->peer, KVF_STATUS_BAD_TASK,
+                              "dest_block_ids has %u entries, more than the %u of src_block_ids",
+                              t->n_dst, t->n_src);
+        if (t->n_src > h->max_blocks)
+                return reject(s, pos, id, t->peer, KVF_STATUS_BAD_TASK,
+                              "src_block_ids has %u entries, more than this instance's limit of %u blocks per request",
+                              t->n_src, h->max_blocks);
+        for (uint32_t i = 0; i < t->n_src; i++)
+                if (t->src[i] >= s->layout->num_blocks)
+                        return reject(s, pos, id, t->peer, KVF_STATUS_BLOCK_RANGE,
+                                      "src_block_ids[%u] = %u is out of range: this instance has %u blocks",
+                                      i, t->src[i], s->layout->num_blocks);
+        if (has_duplicate(t->dst, t->n_dst, UINT32_MAX / 2, &dup))
+                return reject(s, pos, id, t->peer, KVF_STATUS_BAD_TASK,
+                              "dest_block_ids names block %u twice", dup);
+        if (strchr(t->peer, ':'))
+                return reject(s, pos, id, t->peer, KVF_STATUS_BAD_TASK,
+                              "transfer_protocol ipc needs the name of a same-host instance in 'peer', not the address '%s'",
+                              t->peer);
+        if (!strcmp(t->peer, h->instance))
+                return reject(s, pos, id, t->peer, KVF_STATUS_BAD_TASK,
+                              "peer '%s' is this instance itself", t->peer);
+        int rc = sender_peer_get(s, t->peer, &pidx, why, sizeof(why));
+        if (rc == -ENOENT)
+                return reject(s, pos, id, t->peer, KVF_STATUS_UNKNOWN_PEER, "%s", why);
+        if (rc == -EXDEV)
+                return reject(s, pos, id, t->peer, KVF_STATUS_LAYOUT_MISMATCH, "%s", why);
+        if (rc < 0)
+                return reject(s, pos, id, t->peer, KVF_STATUS_CONNECTION, "%s", why);
+        uint32_t peer_blocks = s->peers[pidx].ctl.hdr->layout.num_blocks;
+        for (uint32_t i = 0; i < t->n_dst; i++)
+                if (t->dst[i] >= peer_blocks)
+                        return reject(s, pos, id, t->peer, KVF_STATUS_BLOCK_RANGE,
+                                      "dest_block_ids[%u] = %u is out of range: peer '%s' has %u blocks",
+                                      i, t->dst[i], t->peer, peer_blocks);
+
+        slot = sender_slot_alloc(s);
+        if (slot == UINT32_MAX)
+                return -EAGAIN; /* table full: back-pressure, the task waits in its ring */
+
+        struct kvf_req_slot *r = &s->ctl.reqtab[slot];
+        uint32_t *blocks = kvf_slot_blocks(&s->ctl, slot);
+        memcpy(blocks, t->src, t->n_src * sizeof(uint32_t));
+        memcpy(blocks + h->max_blocks, t->dst, t->n_dst * sizeof(uint32_t));
+        r->status = KVF_STATUS_FINISHED;
+        r->incarnation++;
+        r->task_pos = pos;
+        r->completion_pos = ~0ull;
+        r->accept_ns = kvf_now_ns();
+        r->first_copy_ns = r->last_layer_ns = 0;
+        r->deadline_ns = r->accept_ns + s->request_timeout_ns;
+        r->bytes = 0;
+        r->notice_gen = 0;
+        r->transport = (uint32_t)t->transport;
+        r->n_src = t->n_src;
+        r->n_send = t->n_dst;
+        r->sent_full = 0;
+        r->cur_layers = 0;
+        r->chunk_head = r->chunk_tail = 0;
+        r->last_chunk_seen = 0;
+        r->peer_idx = pidx;
+        if (!t->chunked) {
+                /* Per-query prefill: every block completes in step current_id. */
+                r->chunks[0].step = t->current_id;
+                r->chunks[0].block_end = t->n_dst;
+                r->chunk_tail = 1;
+                r->last_chunk_seen = 1;
+        }
+        snprintf(r->request_id, sizeof(r->request_id), "%s", id);
+        snprintf(r->peer, sizeof(r->peer), "%s", t->peer);
+        r->reason[0] = '\0';
+        /* Release: the slot is complete before it is seen active. */
+        kvf_store_release(&r->state, KVF_REQ_ACTIVE);
+        sender_map_insert(s, slot);
+        kvf_count(&s->ctl, KVF_CTR_TASKS_ACCEPTED, 1);
+        kvf_debug("req %s: accepted, %u of %u blocks to '%s', step %llu", id, t->n_dst, t->n_src,
+                  t->peer, (unsigned long long)t->current_id);
+        /* Its layers may be done already (task after layer-done): move them now. */
+        sender_advance(s, slot);
+        return 0;
+}
+
+static void on_chunk(struct sender *s, const struct kvf_record *c)
+{
+        uint32_t slot = sender_map_find(s, c->request_id);
+        if (slot == UINT32_MAX) {
+                kvf_errlog(&s->ctl, KVF_ROLE_SENDER,
+                           "req %s: chunk progress for a request that is not in flight (send the task first)",
+                           c->request_id);
+                return;
+        }
+        struct kvf_req_slot *r = &s->ctl.reqtab[slot];
+        if (r->state != KVF_REQ_ACTIVE || r->last_chunk_seen)
+                return; /* already complete (or a re-read after restart) */
+        uint64_t full = c->tokens / s->layout->block_size;
+        uint64_t first = r->n_src - r->n_send; /* prefix the peer already holds */
+        uint32_t end = c->last ? r->n_send
+                               : (uint32_t)(full > first ? (full - first < r->n_send ? full - first : r->n_send) : 0);
+        if (c->last || end >= r->n_send) {
+                end = r->n_send;
+                r->last_chunk_seen = 1;
+        }
+        if (r->chunk_tail != r->chunk_head) {
+                struct kvf_chunk_mark *back = &r->chunks[(r->chunk_tail - 1) % KVF_CHUNKS_MAX];
+                if (c->current_id < back->step) {
+                        kvf_errlog(&s->ctl, KVF_ROLE_SENDER,
+                                   "req %s: chunk for step %llu after one for step %llu: ignored",
+                                   r->request_id, (unsigned long long)c->current_id,
+                                   (unsigned long long)back->step);
+                        return;
+                }
+                if (c->current_id == back->step || r->chunk_tail - r->chunk_head == KVF_CHUNKS_MAX) {
+                        /* same step, or queue full: extend the last mark (later, never wrong) */
+                        back->step = c->current_id;
+                        if (end > back->block_end)
+                                back->block_end = end;
+                        sender_advance(s, slot);
+                        return;
+                }
+        }
+        struct kvf_chunk_mark *m = &r->chunks[r->chunk_tail % KVF_CHUNKS_MAX];
+        m->step = c->current_id;
+        m->block_end = end;
+        r->chunk_tail++;
+        sender_advance(s, slot);
+}
+
+static void on_cancel(struct sender *s, const struct kvf_record *c)
+{
+        uint32_t slot = sender_map_find(s, c->request_id);
+        if (slot == UINT32_MAX) {
+                kvf_warn("req %s: cancel for a request that is not in flight: ignored", c->request_id);
+                return;
+        }
+        struct kvf_req_slot *r = &s->ctl.reqtab[slot];
+        if (r->state == KVF_REQ_ACTIVE)
+                decide(s, slot, KVF_STATUS_CANCELLED, "cancelled by the engine");
+        /* FINISHING: every byte has landed; the completion will say finished. */
+}
+
+int sender_on_engine_record(void *ctx, uint16_t type, const uint8_t *p, uint32_t len, uint64_t pos)
+{
+        struct sender *s = ctx;
+        struct kvf_record r;
+        int rc = 0;
+
+        if (type != KVF_RT_TASK && type != KVF_RT_CHUNK && type != KVF_RT_CANCEL) {
+                kvf_count(&s->ctl, KVF_CTR_BAD_RECORDS, 1);
+                kvf_errlog(&s->ctl, KVF_ROLE_SENDER,
+                           "record type %u (%s) does not belong on ring engine->sender: dropped", type,
+                           kvf_rec_type_name(type));
+                return 0;
+        }
+        if (kvf_record_decode(type, p, len, s->ctl.hdr->rank, &r) < 0) {
+                kvf_count(&s->ctl, KVF_CTR_BAD_RECORDS, 1);
+                if (type == KVF_RT_TASK)
+                        rc = reject(s, pos, r.request_id, r.peer, KVF_STATUS_BAD_TASK, "%s",
+                                    kvf_err_msg());
+                else
+                        kvf_errlog(&s->ctl, KVF_ROLE_SENDER, "malformed %s record: %s",
+                                   kvf_rec_type_name(type), kvf_err_msg());
+                kvf_record_free(&r);
+                return rc;
+        }
+        switch (type) {
+        case KVF_RT_TASK:
+                rc = accept_task(s, &r, pos);
+                break;
+        case KVF_RT_CHUNK:
+                kvf_count(&s->ctl, KVF_CTR_CHUNK_RECORDS, 1);
+                on_chunk(s, &r);
+                break;
+        case KVF_RT_CANCEL:
+                kvf_count(&s->ctl, KVF_CTR_CANCEL_RECORDS, 1);
+                on_cancel(s, &r);
+                break;
+        }
+        kvf_record_free(&r);
+        return rc;
+}
+
+int sender_on_connector_record(void *ctx, uint16_t type, const uint8_t *p, uint32_t len,
+                               uint64_t pos)
+{
+        struct sender *s = ctx;
+        struct kvf_record r;
+        (void)pos;
+
+        if (kvf_record_decode(type, p, len, 0, &r) < 0) {
+                kvf_count(&s->ctl, KVF_CTR_BAD_RECORDS, 1);
+                kvf_errlog(&s->ctl, KVF_ROLE_SENDER, "malformed %s record from the connector: %s",
+                           kvf_rec_type_name(type), kvf_err_msg());
+                kvf_record_free(&r);
+                return 0;
+        }
+        if (type == KVF_RT_WRITE_RESULT) {
+                uint32_t slot = (uint32_t)(r.key >> 40);
+                if (slot < s->ctl.hdr->reqtab_slots) {
+                        struct kvf_req_slot *q = &s->ctl.reqtab[slot];
+                        if (q->state == KVF_REQ_FINISHING &&
+                            sender_key(slot, q->incarnation) == r.key)
+                                decide(s, slot, r.status,
+                                       r.status == KVF_STATUS_FINISHED ? "" : r.reason);
+                }
+        } else if (type == KVF_RT_PEER_STATE) {
+                kvf_info("peer '%s' is %s%s%s", r.peer, r.up ? "up" : "down", r.reason[0] ? ": " : "",
+                         r.reason);
+        }
+        kvf_record_free(&r);
+        return 0;
+}
+
+/* ---- restart and housekeeping ---- */
+
+void sender_adopt(struct sender *s)
+{
+        struct kvf_ring *ring = &s->ctl.rings[KVF_RING_SENDER_TO_ENGINE];
+        uint32_t n = s->ctl.hdr->reqtab_slots, adopted = 0;
+        char why[KVF_REASON_MAX];
+
+        for (uint32_t i = 0; i < n; i++) {
+                struct kvf_req_slot *r = &s->ctl.reqtab[i];
+                uint32_t st = kvf_load_acquire(&r->state);
+                if (st == KVF_REQ_FREE)
+                        continue;
+                adopted++;
+                sender_map_insert(s, i);
+                r->peer_idx = UINT32_MAX;
+                if (st != KVF_REQ_COMPLETING && r->transport == KVF_TRANSPORT_IPC &&
+                    sender_peer_get(s, r->peer, &r->peer_idx, why, sizeof(why)) < 0) {
+                        decide(s, i, KVF_STATUS_CONNECTION, why);
+                        continue;
+                }
+                switch (st) {
+                case KVF_REQ_ACTIVE:
+                        sender_advance(s, i);
+                        break;
+                case KVF_REQ_FINISHING:
+                        /* The notice may be lost with us; the peer de-duplicates. */
+                        s->flags[i] |= SLOT_NEEDS_NOTICE;
+                        s->pending++;
+                        kvf_count(&s->ctl, KVF_CTR_NOTICES_REISSUED, 1);
+                        break;
+                case KVF_REQ_COMPLETING:
+                        if (r->completion_pos != ~0ull && kvf_ring_delivered(ring, r->completion_pos)) {
+                                free_slot(s, i);
+                        } else {
+                                s->flags[i] = SLOT_NEEDS_COMPLETION;
+                                s->pending++;
+                        }
+                        break;
+                default:
+                        decide(s, i, KVF_STATUS_WRITE, "request slot in an unknown state");
+                }
+        }
+        if (adopted) {
+                kvf_count(&s->ctl, KVF_CTR_REQUESTS_ADOPTED, adopted);
+                kvf_info("adopted %u requests from the table", adopted);
+        }
+}
+
+void sender_tick(struct sender *s, uint64_t now)
+{
+        uint32_t n = s->ctl.hdr->reqtab_slots;
+        uint64_t cgen = kvf_load_acquire(&s->ctl.roles[KVF_ROLE_CONNECTOR].generation);
+
+        kvf_role_heartbeat(&s->ctl, KVF_ROLE_SENDER);
+        sender_peers_check(s);
+        for (uint32_t i = 0; i < n; i++) {
+                struct kvf_req_slot *r = &s->ctl.reqtab[i];
+                uint32_t st = r->state;
+                if (st != KVF_REQ_ACTIVE && st != KVF_REQ_FINISHING)
+                        continue;
+                if (now > r->deadline_ns) {
+                        uint64_t w = s->progress;
+                        sender_fail(s, i, KVF_STATUS_TIMEOUT,
+                                    st == KVF_REQ_ACTIVE
+                                            ? "timed out after %llu ms: %u of %u blocks sent for every layer; "
+                                              "progress is at step %llu layer %u"
+                                            : "timed out after %llu ms waiting for the peer to confirm arrival "
+                                              "(%u of %u blocks written, step %llu layer %u)",
+                                    (unsigned long long)(s->request_timeout_ns / 1000000), r->sent_full,
+                                    r->n_send, (unsigned long long)KVF_PROGRESS_STEP(w),
+                                    KVF_PROGRESS_LAYERS(w));
+                        continue;
+                }
+                /* A connector restart loses the notices it held: send them again. */
+                if (st == KVF_REQ_FINISHING && r->notice_gen && r->notice_gen != cgen &&
+                    !(s->flags[i] & SLOT_NEEDS_NOTICE)) {
+                        s->flags[i] |= SLOT_NEEDS_NOTICE;
+                        s->pending++;
+                        kvf_count(&s->ctl, KVF_CTR_NOTICES_REISSUED, 1);
+                }
+        }
+        s->connector_gen = cgen;
+}

@@ -257,6 +257,9 @@ int kvf_layer_done(struct kvf_client *c, uint64_t step, uint32_t layer)
                 return kvf_err_set(-EINVAL, "step %llu is too large", (unsigned long long)step);
         uint64_t want = KVF_PROGRESS_PACK(step, layer + 1);
         uint64_t cur = kvf_load_relaxed(&pg->word);
+        /* Before the word: a sender that sees the word reads a publish time at
+         * least this late (statistics only, so relaxed is enough). */
+        kvf_store_relaxed(&pg->publish_ns, kvf_now_ns());
         /* Monotonic max. Release: the engine's cache writes for this layer
          * happen before the sender can see the new word (its acquire load). */
         while (cur < want && !kvf_cas_acq_rel(&pg->word, &cur, want)) {
@@ -264,6 +267,11 @@ int kvf_layer_done(struct kvf_client *c, uint64_t step, uint32_t layer)
         kvf_fetch_add_relaxed(&pg->events, 1);
         kvf_doorbell_ring(&c->ctl.bells[KVF_BELL_SENDER]);
         return 0;
+}
+
+uint64_t kvf_last_step(struct kvf_client *c)
+{
+        return KVF_PROGRESS_STEP(kvf_load_acquire(&c->ctl.progress->word));
 }
 
 struct poll_ctx {

@@ -255,3 +255,18 @@ int kvf_mp_skip(struct kvf_mp *m, unsigned max_depth)
                 return -EBADMSG;
         }
 }
+
+int kvf_mp_bin(struct kvf_mp *m, const uint8_t **b, uint32_t *len)
+{
+        const uint8_t *q;
+        if (m->p >= m->end)
+                return -EBADMSG;
+        unsigned w = *m->p == 0xc4 ? 1 : *m->p == 0xc5 ? 2 : *m->p == 0xc6 ? 4 : 0;
+        if (!w || take(m, 1 + w, &q) < 0)
+                return -EBADMSG;
+        uint64_t n = be(q + 1, w);
+        if (take(m, n, b) < 0)
+                return -EBADMSG;
+        *len = (uint32_t)n;
+        return 0;
+}

@@ -46,6 +46,8 @@ int kvf_mp_uint(struct kvf_mp *m, uint64_t *v);
 /* Any integer, signed or not, that fits int64. */
 int kvf_mp_int(struct kvf_mp *m, int64_t *v);
 int kvf_mp_bool(struct kvf_mp *m, bool *v);
+/* A binary blob; *b points into the buffer. */
+int kvf_mp_bin(struct kvf_mp *m, const uint8_t **b, uint32_t *len);
 /* Skip one object of any kind, nested at most max_depth deep. */
 int kvf_mp_skip(struct kvf_mp *m, unsigned max_depth);
 

@@ -10,7 +10,7 @@
 #include "err.h"
 #include "mp_read.h"
 
-enum fkind { F_STR, F_U64, F_BOOL, F_IDS, F_STATUS, F_TRANSPORT, F_PORTS };
+enum fkind { F_STR, F_U64, F_BOOL, F_IDS, F_STATUS, F_TRANSPORT, F_PORTS, F_BIN32 };
 
 struct field {
         const char *name;
@@ -27,7 +27,8 @@ struct field {
 enum fid {
         REQUEST_ID, TASK_ID, PEER, REASON, IP, PORT, RDMA_PORTS, CURRENT_ID, TOKENS_DONE, LAST,
         CHUNKED, SRC, DST, RUNS, KEY, LAYER, STATUS, PROTOCOL, BYTES, BLOCKS, ACCEPT_NS,
-        LAST_LAYER_NS, DONE_NS, GENERATION, UP, NFIELDS
+        LAST_LAYER_NS, DONE_NS, GENERATION, UP, INSTANCE, PURPOSE, ROLE, PROTO, BOOT_ID, NONCE,
+        PROOF, L_LAYERS, L_EXTRA, L_BLOCKS, L_HEADS, L_BSIZE, L_HDIM, L_DTYPE, L_KEYONLY, NFIELDS
 };
 
 static const struct field fields[NFIELDS] = {
@@ -56,7 +57,23 @@ static const struct field fields[NFIELDS] = {
         [DONE_NS] = FU("done_ns", done_ns),
         [GENERATION] = FU("generation", generation),
         [UP] = FB("up", up),
+        [INSTANCE] = FS("instance", instance),
+        [PURPOSE] = FS("purpose", purpose),
+        [ROLE] = FU("role", role),
+        [PROTO] = FU("proto", proto),
+        [BOOT_ID] = FU("boot_id", boot_id),
+        [NONCE] = {"nonce", F_BIN32, offsetof(struct kvf_record, nonce), 32},
+        [PROOF] = {"proof", F_BIN32, offsetof(struct kvf_record, proof), 32},
+        [L_LAYERS] = FU("layers", lay_layers),
+        [L_EXTRA] = FU("extra_layers", lay_extra),
+        [L_BLOCKS] = FU("num_blocks", lay_blocks),
+        [L_HEADS] = FU("kv_heads", lay_heads),
+        [L_BSIZE] = FU("block_size", lay_bsize),
+        [L_HDIM] = FU("head_dim", lay_hdim),
+        [L_DTYPE] = FU("dtype", lay_dtype),
+        [L_KEYONLY] = FU("key_only", lay_keyonly),
 };
+_Static_assert(NFIELDS <= 64, "fields are tracked in a 64-bit mask");
 
 /* Per type: the fields it carries. R = required, D = accepted on decode only. */
 #define R 1u
@@ -74,7 +91,10 @@ struct spec {
 
 #define USES(...) (const struct use[]){__VA_ARGS__}, sizeof((const struct use[]){__VA_ARGS__}) / sizeof(struct use)
 
-static const struct spec specs[KVF_RT_MAX + 1] = {
+#define LAYOUT_USES {L_LAYERS, R}, {L_EXTRA, R}, {L_BLOCKS, R}, {L_HEADS, R}, {L_BSIZE, R}, \
+                {L_HDIM, R}, {L_DTYPE, R}, {L_KEYONLY, R}
+
+static const struct spec specs[KVF_RT_WIRE_MAX + 1] = {
         [KVF_RT_TASK] = {"task",
                          USES({REQUEST_ID, R}, {SRC, R}, {DST, R}, {CURRENT_ID, R}, {PROTOCOL, R},
                               {PEER, 0}, {CHUNKED, 0}, {IP, D}, {PORT, D}, {RDMA_PORTS, D}),
@@ -103,7 +123,7 @@ static const struct spec specs[KVF_RT_MAX + 1] = {
                                 false},
         [KVF_RT_FINISH] = {"finish",
                            USES({KEY, R}, {REQUEST_ID, R}, {PEER, R}, {PROTOCOL, R}, {DST, R},
-                                {STATUS, R}, {REASON, 0}, {BYTES, 0}, {BLOCKS, 0}),
+                                {STATUS, R}, {REASON, 0}, {BYTES, 0}, {BLOCKS, 0}, {GENERATION, 0}),
                            false},
         [KVF_RT_WRITE_RESULT] = {"write result",
                                  USES({KEY, R}, {REQUEST_ID, R}, {STATUS, R}, {REASON, 0},
@@ -112,11 +132,29 @@ static const struct spec specs[KVF_RT_MAX + 1] = {
         [KVF_RT_PEER_STATE] = {"peer state", USES({PEER, R}, {UP, R}, {GENERATION, 0}, {REASON, 0}),
                                false},
         [KVF_RT_DISCONNECT] = {"disconnect", USES({PEER, R}), false},
+        [KVF_RT_HELLO] = {"hello", USES({PROTO, R}, {NONCE, R}, {PURPOSE, R}), false},
+        [KVF_RT_CHALLENGE] = {"challenge", USES({NONCE, R}, {PROOF, R}), false},
+        [KVF_RT_AUTH] = {"auth",
+                         USES({PROOF, R}, {INSTANCE, R}, {ROLE, R}, {GENERATION, R}, {BOOT_ID, R},
+                              LAYOUT_USES),
+                         false},
+        [KVF_RT_WELCOME] = {"welcome",
+                            USES({INSTANCE, R}, {ROLE, R}, {GENERATION, R}, {BOOT_ID, R},
+                                 LAYOUT_USES),
+                            false},
+        [KVF_RT_REFUSE] = {"refuse", USES({STATUS, R}, {REASON, 0}), false},
+        [KVF_RT_NOTICE] = {"notice",
+                           USES({KEY, R}, {REQUEST_ID, R}, {PEER, R}, {PROTOCOL, R}, {DST, R},
+                                {STATUS, R}, {REASON, 0}, {BYTES, 0}, {BLOCKS, 0}, {GENERATION, 0}),
+                           false},
+        [KVF_RT_ACK] = {"ack", USES({KEY, R}, {REQUEST_ID, R}, {STATUS, R}, {REASON, 0}), false},
+        [KVF_RT_PING] = {"ping", NULL, 0, false},
+        [KVF_RT_PONG] = {"pong", NULL, 0, false},
 };
 
 const char *kvf_rec_type_name(int type)
 {
-        return type > 0 && type <= KVF_RT_MAX && specs[type].name ? specs[type].name : "unknown";
+        return type > 0 && type <= KVF_RT_WIRE_MAX && specs[type].name ? specs[type].name : "unknown";
 }
 
 static const char *const transports[] = {NULL, "ipc", "tcp", "rdma"};
@@ -195,12 +233,18 @@ static int dec_u64(struct kvf_mp *m, const char *name, uint64_t *v)
 
 static int dec_ids(struct kvf_mp *m, const char *name, uint32_t **out, uint32_t *count)
 {
-        uint32_t n;
+        /* Stays 0 when the header itself is cut short (kvf_mp_array then leaves it unset). */
+        uint32_t n = 0;
         if (kvf_mp_peek(m) != KVF_MP_ARRAY)
                 return type_err(name, "an array of block ids", m);
-        if (kvf_mp_array(m, &n) < 0)
+        if (kvf_mp_array(m, &n) < 0) {
+                if (n == 0)
+                        return kvf_err_set(-EBADMSG,
+                                           "field '%s': array header runs past the end of the record",
+                                           name);
                 return kvf_err_set(-EBADMSG, "field '%s': array of %u runs past the end of the record",
                                    name, n);
+        }
         if (n > KVF_MAX_RECORD_IDS)
                 return kvf_err_set(-EBADMSG, "field '%s' has %u entries, at most %u allowed", name, n,
                                    KVF_MAX_RECORD_IDS);
@@ -294,6 +338,19 @@ static int dec_field(struct kvf_mp *m, const struct field *f, struct kvf_record 
                                            "field 'transfer_protocol' is '%.*s': expected ipc, tcp or rdma",
                                            (int)(n > 64 ? 64 : n), s);
                 return 0;
+        case F_BIN32: {
+                const uint8_t *b;
+                if (kvf_mp_peek(m) != KVF_MP_BIN)
+                        return type_err(f->name, "binary", m);
+                if (kvf_mp_bin(m, &b, &n) < 0)
+                        return kvf_err_set(-EBADMSG, "field '%s': binary runs past the end of the record",
+                                           f->name);
+                if (n != f->aux)
+                        return kvf_err_set(-EBADMSG, "field '%s' is %u bytes, must be %zu", f->name, n,
+                                           f->aux);
+                memcpy(base + f->off, b, n);
+                return 0;
+        }
         case F_PORTS: {
                 uint32_t *ports = NULL, np = 0;
                 if ((rc = dec_ids(m, f->name, &ports, &np)) < 0)
@@ -316,11 +373,12 @@ int kvf_record_decode(int type, const void *buf, size_t len, uint32_t rank,
                       struct kvf_record *out)
 {
         struct kvf_mp m = {.p = buf, .end = (const uint8_t *)buf + len};
-        uint32_t n;
+        /* Stays 0 when the map header itself is cut short: an empty map never fails. */
+        uint32_t n = 0;
         int rc;
 
         memset(out, 0, sizeof(*out));
-        if (type <= 0 || type > KVF_RT_MAX || !specs[type].name)
+        if (type <= 0 || type > KVF_RT_WIRE_MAX || !specs[type].name)
                 return kvf_err_set(-EBADMSG, "unknown record type %d", type);
         out->type = (uint16_t)type;
         const struct spec *sp = &specs[type];
@@ -329,9 +387,13 @@ int kvf_record_decode(int type, const void *buf, size_t len, uint32_t rank,
         if (kvf_mp_peek(&m) != KVF_MP_MAP)
                 return kvf_err_set(-EBADMSG, "%s record is not a msgpack map (found %s)", sp->name,
                                    kvf_mp_kind_name(kvf_mp_peek(&m)));
-        if (kvf_mp_map(&m, &n) < 0)
+        if (kvf_mp_map(&m, &n) < 0) {
+                if (n == 0)
+                        return kvf_err_set(-EBADMSG, "%s record: map header runs past the end (%zu bytes)",
+                                           sp->name, len);
                 return kvf_err_set(-EBADMSG, "%s record: map of %u entries runs past the end (%zu bytes)",
                                    sp->name, n, len);
+        }
         for (uint32_t i = 0; i < n; i++) {
                 const char *k;
                 uint32_t kl;
@@ -435,7 +497,7 @@ int kvf_record_encode(const struct kvf_record *r, void *buf, size_t cap)
         msgpack_packer pk;
         const char *base = (const char *)r;
 
-        if (r->type == 0 || r->type > KVF_RT_MAX || !specs[r->type].name)
+        if (r->type == 0 || r->type > KVF_RT_WIRE_MAX || !specs[r->type].name)
                 return kvf_err_set(-EINVAL, "cannot encode record type %d", r->type);
         const struct spec *sp = &specs[r->type];
         msgpack_packer_init(&pk, &s, sink_write);
@@ -476,6 +538,10 @@ int kvf_record_encode(const struct kvf_record *r, void *buf, size_t cap)
                         break;
                 case F_TRANSPORT:
                         pack_str(&pk, kvf_transport_name(r->transport));
+                        break;
+                case F_BIN32:
+                        msgpack_pack_bin(&pk, f->aux);
+                        msgpack_pack_bin_body(&pk, base + f->off, f->aux);
                         break;
                 case F_PORTS:
                         break;

@@ -34,7 +34,18 @@ enum kvf_rec_type {
         KVF_RT_WRITE_RESULT = 10,       /* connector -> sender */
         KVF_RT_PEER_STATE = 11,         /* connector -> sender */
         KVF_RT_DISCONNECT = 12,         /* engine -> connector */
-        KVF_RT_MAX = 12,
+        KVF_RT_MAX = 12, /* last ring record type */
+        /* Wire records: between two connectors, never on a ring. */
+        KVF_RT_HELLO = 32,     /* client -> server: proto, nonce, purpose */
+        KVF_RT_CHALLENGE = 33, /* server -> client: nonce, proof */
+        KVF_RT_AUTH = 34,      /* client -> server: proof, identity, layout */
+        KVF_RT_WELCOME = 35,   /* server -> client: identity, layout */
+        KVF_RT_REFUSE = 36,    /* either way: status, reason; then close */
+        KVF_RT_NOTICE = 37,    /* prefill -> decode: a request's blocks have landed (or failed) */
+        KVF_RT_ACK = 38,       /* decode -> prefill: the notice's outcome */
+        KVF_RT_PING = 39,
+        KVF_RT_PONG = 40,
+        KVF_RT_WIRE_MAX = 40,
 };
 
 #define KVF_MAX_RECORD_IDS (1u << 20) /* block ids (or run ints) in one record */
@@ -51,7 +62,14 @@ struct kvf_record {
         uint64_t key;        /* transfer key (sender slot and incarnation) */
         uint64_t bytes;
         uint64_t accept_ns, last_layer_ns, done_ns;
-        uint64_t generation;
+        uint64_t generation; /* finish/notice/auth/welcome: the segment's created_ns */
+        /* handshake */
+        char instance[KVF_INSTANCE_MAX];
+        char purpose[16];
+        uint64_t role, proto, boot_id;
+        uint8_t nonce[32], proof[32];
+        uint64_t lay_layers, lay_extra, lay_blocks, lay_heads, lay_bsize, lay_hdim, lay_dtype,
+                lay_keyonly;
         uint64_t layer;
         uint64_t blocks;
         int status;    /* enum kvf_status */

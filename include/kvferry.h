@@ -133,8 +133,15 @@ enum kvf_record_type {
 int kvf_submit_raw(struct kvf_client *c, int target, int record_type, const void *msgpack,
                    size_t len);
 
-/* Layers [0, layer] of forward step `step` are written. Monotonic; lock-free. */
+/*
+ * Layers [0, layer] of forward step `step` are written. Monotonic; lock-free.
+ * Steps only grow for the life of the instance: an engine that (re)attaches
+ * numbers its steps from kvf_last_step() + 1, or its tasks would look as if
+ * their layers were done already.
+ */
 int kvf_layer_done(struct kvf_client *c, uint64_t step, uint32_t layer);
+/* The last step with a published layer-done event (0 if none). */
+uint64_t kvf_last_step(struct kvf_client *c);
 
 /* Next event: 1 = *ev filled, 0 = none within timeout_ms (-1 waits forever), < 0 error. */
 int kvf_poll(struct kvf_client *c, struct kvf_event *ev, int timeout_ms);

@@ -1,0 +1,145 @@
+/*
+ * The connector: owns every network endpoint of an instance.
+ *
+ * Threads (all in this process; only the control thread touches the rings):
+ *   control  - consumes engine->connector and sender->connector, produces
+ *              connector->engine and connector->sender, publishes arrivals
+ *              (with the journal that de-duplicates them), heartbeats;
+ *   listener - accepts connections and starts a session thread for each;
+ *   session  - one per incoming connection: handshake as server, then reads
+ *              notices and pings; its replies are written by the control thread;
+ *   peer     - one per outgoing peer: connects, handshakes as client, sends
+ *              finish notices, matches acknowledgements, pings, reconnects.
+ * Threads hand work to the control thread through an in-process event queue
+ * and ring the connector's doorbell (the futex it sleeps on).
+ */
+#ifndef KVF_CONNECTOR_H
+#define KVF_CONNECTOR_H
+
+#include <pthread.h>
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "auth.h"
+#include "ctl.h"
+#include "net.h"
+#include "records.h"
+
+struct conn_config {
+        char listen_host[64];
+        uint16_t listen_port;
+        uint8_t token[KVF_TOKEN_MAX];
+        size_t token_len;
+        unsigned connect_timeout_ms;
+        unsigned handshake_timeout_ms;
+        unsigned keepalive_ms;
+        unsigned peer_timeout_ms; /* silence (or unreachability) after which a peer is dead */
+};
+
+enum ev_kind {
+        EV_NOTICE,      /* a session received a finish notice (decode side) */
+        EV_RESULT,      /* a peer resolved a notice: write result for the sender */
+        EV_CONNECT,     /* a peer answers a connect task */
+        EV_PEER_STATE,  /* a peer went up or down */
+};
+
+struct event {
+        enum ev_kind kind;
+        uint64_t session; /* EV_NOTICE: who to answer */
+        struct kvf_record rec;
+        struct event *next;
+};
+
+struct notice {
+        uint64_t key;
+        char request_id[KVF_REQ_ID_MAX];
+        uint8_t *frame; /* encoded NOTICE record */
+        uint32_t len;
+        uint64_t first_ns; /* when the connector got it */
+        bool abort_notice; /* fire and forget */
+        struct notice *next;
+};
+
+struct peer {
+        char name[KVF_PEER_MAX];
+        struct connector *cn;
+        pthread_t thread;
+        pthread_mutex_t mu;
+        int wake_fd; /* eventfd: new work for the peer thread */
+        /* under mu */
+        struct notice *queue, *queue_tail; /* to send */
+        struct notice *inflight;           /* sent, waiting for an ack */
+        char *connect_ids[64];             /* connect tasks waiting for an answer */
+        unsigned nconnect;
+        bool up;
+        bool stop;
+        uint64_t last_used_ns;
+};
+
+struct session {
+        uint64_t id;
+        int fd;
+        pthread_mutex_t wmu; /* writes come from the control thread and the session thread */
+        char remote[64];
+        char instance[KVF_INSTANCE_MAX];
+        struct session *next;
+};
+
+#define MAX_PEERS 256u
+
+struct connector {
+        struct kvf_ctl ctl;
+        uint64_t gen;
+        struct conn_config cfg;
+        int listen_fd;
+        volatile int stop;
+
+        pthread_mutex_t evmu;
+        struct event *events, *events_tail;
+        uint64_t nevents; /* queued, for the doorbell's has_work */
+
+        pthread_mutex_t smu;
+        struct session *sessions;
+        uint64_t next_session;
+
+        struct peer *peers[MAX_PEERS];
+        unsigned npeers;
+
+        /* journal index (control thread): key_hash -> journal entry, open addressing */
+        uint32_t *jidx;
+        uint32_t jidx_cap;
+        uint32_t jnext;
+
+        struct event *deferred, *deferred_tail; /* events waiting for ring space */
+};
+
+/* main.c */
+void conn_post(struct connector *cn, struct event *ev);
+
+/* handshake.c: 0 with the peer's layout/identity in *hello_out, or -errno with kvf_err set and
+ * *status (enum kvf_status) saying what kind of failure it was. */
+struct peer_identity {
+        char instance[KVF_INSTANCE_MAX];
+        struct kvf_cache_layout layout;
+        uint64_t created_ns;
+        uint64_t boot_id;
+};
+int conn_handshake_client(struct connector *cn, int fd, struct peer_identity *out, int *status);
+int conn_handshake_server(struct connector *cn, int fd, struct peer_identity *out);
+int conn_send_record(int fd, const struct kvf_record *r, unsigned timeout_ms);
+
+/* peer.c */
+struct peer *conn_peer_get(struct connector *cn, const char *name);
+void conn_peer_enqueue(struct peer *p, struct notice *n);
+void conn_peer_connect_task(struct peer *p, const char *task_id);
+void conn_peers_stop(struct connector *cn);
+
+/* session.c */
+void *conn_listener_main(void *arg);
+int conn_session_send(struct connector *cn, uint64_t session, const struct kvf_record *r);
+void conn_journal_init(struct connector *cn);
+/* Publish the arrival for a notice, once; returns the status to acknowledge with. */
+int conn_publish_arrival(struct connector *cn, const struct kvf_record *notice, const char *from,
+                         char *reason, size_t reasonlen);
+
+#endif

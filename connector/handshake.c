@@ -1,0 +1,202 @@
+/*
+ * The handshake both connectors run on a new connection (see auth.h for the
+ * challenge-response). Nothing about this instance (name, layout) is sent
+ * before the other side has proven it holds the token; a refused peer gets a
+ * REFUSE record with the reason, and both sides log it.
+ */
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "clock.h"
+#include "connector.h"
+#include "err.h"
+#include "layout.h"
+#include "log.h"
+
+#define PROTO_VERSION 1u
+
+int conn_send_record(int fd, const struct kvf_record *r, unsigned timeout_ms)
+{
+        uint8_t *buf;
+        size_t len;
+        int rc = kvf_record_encode_alloc(r, &buf, &len);
+        if (rc < 0)
+                return kvf_err_set(rc, "encode %s: %s", kvf_rec_type_name(r->type), strerror(-rc));
+        rc = kvf_net_send_frame(fd, r->type, buf, (uint32_t)len, timeout_ms);
+        free(buf);
+        if (rc < 0)
+                return kvf_err_set(rc, "send %s: %s", kvf_rec_type_name(r->type),
+                                   rc == -ETIMEDOUT ? "timed out" : strerror(-rc));
+        return 0;
+}
+
+/* Receive a record of type `want`; a REFUSE becomes -EACCES with its reason and *status. */
+static int recv_record(int fd, int want, struct kvf_record *r, unsigned timeout_ms, int *status)
+{
+        static _Thread_local uint8_t buf[16384];
+        struct kvf_frame_hdr h;
+        int rc = kvf_net_recv_frame(fd, &h, buf, sizeof(buf), timeout_ms);
+        memset(r, 0, sizeof(*r));
+        if (rc == -EMSGSIZE)
+                return kvf_err_set(-EPROTO, "handshake frame of %u bytes is too large", h.len);
+        if (rc < 0)
+                return kvf_err_set(rc, "%s", rc == -ETIMEDOUT ? "no answer within the handshake timeout"
+                                                             : rc == -ECONNRESET ? "connection closed by the peer"
+                                                                                 : strerror(-rc));
+        if (h.type == KVF_RT_REFUSE) {
+                if (kvf_record_decode(KVF_RT_REFUSE, buf, h.len, 0, r) < 0)
+                        return kvf_err_set(-EACCES, "refused (unreadable reason)");
+                if (status)
+                        *status = r->status;
+                return kvf_err_set(-EACCES, "refused: %s", r->reason);
+        }
+        if (h.type != want)
+                return kvf_err_set(-EPROTO, "expected a %s record, got type %u", kvf_rec_type_name(want),
+                                   h.type);
+        if (kvf_record_decode(want, buf, h.len, 0, r) < 0)
+                return kvf_err_ctx(-EPROTO, "malformed %s", kvf_rec_type_name(want));
+        return 0;
+}
+
+static void layout_to_rec(struct kvf_record *r, const struct kvf_cache_layout *l)
+{
+        r->lay_layers = l->num_layers;
+        r->lay_extra = l->extra_layers;
+        r->lay_blocks = l->num_blocks;
+        r->lay_heads = l->kv_heads;
+        r->lay_bsize = l->block_size;
+        r->lay_hdim = l->head_dim;
+        r->lay_dtype = l->dtype;
+        r->lay_keyonly = l->key_only;
+}
+
+static int rec_to_layout(const struct kvf_record *r, struct kvf_cache_layout *l)
+{
+        if (r->lay_layers > KVF_MAX_LAYERS || r->lay_extra > KVF_MAX_LAYERS ||
+            r->lay_blocks > UINT32_MAX || r->lay_heads > UINT32_MAX || r->lay_bsize > UINT32_MAX ||
+            r->lay_hdim > UINT32_MAX || r->lay_dtype > UINT32_MAX)
+                return kvf_err_set(-EPROTO, "peer sent an impossible layout");
+        return kvf_layout_make(l, (uint32_t)r->lay_layers, (uint32_t)r->lay_extra,
+                               (uint32_t)r->lay_blocks, (uint32_t)r->lay_heads,
+                               (uint32_t)r->lay_bsize, (uint32_t)r->lay_hdim,
+                               (uint32_t)r->lay_dtype, r->lay_keyonly ? 1 : 0);
+}
+
+static void refuse(int fd, int status, const char *reason, unsigned timeout_ms)
+{
+        struct kvf_record r = {.type = KVF_RT_REFUSE, .status = status};
+        snprintf(r.reason, sizeof(r.reason), "%s", reason);
+        conn_send_record(fd, &r, timeout_ms);
+}
+
+int conn_handshake_client(struct connector *cn, int fd, struct peer_identity *out, int *status)
+{
+        const struct kvf_ctl_header *h = cn->ctl.hdr;
+        unsigned to = cn->cfg.handshake_timeout_ms;
+        uint8_t nonce_c[KVF_NONCE_LEN], want[KVF_SHA256_LEN];
+        struct kvf_record r = {.type = KVF_RT_HELLO, .proto = PROTO_VERSION};
+        char why[160];
+        int rc;
+
+        *status = KVF_STATUS_CONNECTION;
+        kvf_random(nonce_c, sizeof(nonce_c));
+        memcpy(r.nonce, nonce_c, sizeof(nonce_c));
+        snprintf(r.purpose, sizeof(r.purpose), "control");
+        if ((rc = conn_send_record(fd, &r, to)) < 0)
+                return kvf_err_ctx(rc, "handshake");
+        if ((rc = recv_record(fd, KVF_RT_CHALLENGE, &r, to, status)) < 0)
+                return kvf_err_ctx(rc, "handshake");
+        uint8_t nonce_s[KVF_NONCE_LEN];
+        memcpy(nonce_s, r.nonce, sizeof(nonce_s));
+        kvf_auth_proof(cn->cfg.token, cn->cfg.token_len, "kvferry-server", nonce_c, nonce_s, want);
+        if (!kvf_auth_equal(want, r.proof, KVF_SHA256_LEN)) {
+                *status = KVF_STATUS_AUTH;
+                kvf_count(&cn->ctl, KVF_CTR_AUTH_FAILURES, 1);
+                return kvf_err_set(-EACCES,
+                                   "handshake: authentication failed: the peer does not hold our token");
+        }
+        memset(&r, 0, sizeof(r));
+        r.type = KVF_RT_AUTH;
+        kvf_auth_proof(cn->cfg.token, cn->cfg.token_len, "kvferry-client", nonce_s, nonce_c, r.proof);
+        snprintf(r.instance, sizeof(r.instance), "%s", h->instance);
+        r.role = h->instance_role;
+        r.generation = h->created_ns;
+        r.boot_id = h->boot_id;
+        layout_to_rec(&r, &h->layout);
+        if ((rc = conn_send_record(fd, &r, to)) < 0)
+                return kvf_err_ctx(rc, "handshake");
+        if ((rc = recv_record(fd, KVF_RT_WELCOME, &r, to, status)) < 0)
+                return kvf_err_ctx(rc, "handshake");
+        snprintf(out->instance, sizeof(out->instance), "%s", r.instance);
+        out->created_ns = r.generation;
+        out->boot_id = r.boot_id;
+        if ((rc = rec_to_layout(&r, &out->layout)) < 0)
+                return kvf_err_ctx(rc, "handshake");
+        if (kvf_layout_compatible(&h->layout, &out->layout, why, sizeof(why)) < 0) {
+                *status = KVF_STATUS_LAYOUT_MISMATCH;
+                return kvf_err_set(-EXDEV, "handshake: peer layout mismatch with '%s': %s",
+                                   out->instance, why);
+        }
+        *status = KVF_STATUS_FINISHED;
+        return 0;
+}
+
+int conn_handshake_server(struct connector *cn, int fd, struct peer_identity *out)
+{
+        const struct kvf_ctl_header *h = cn->ctl.hdr;
+        unsigned to = cn->cfg.handshake_timeout_ms;
+        uint8_t nonce_c[KVF_NONCE_LEN], nonce_s[KVF_NONCE_LEN], want[KVF_SHA256_LEN];
+        struct kvf_record r;
+        char why[160], reason[KVF_REASON_MAX];
+        int rc;
+
+        if ((rc = recv_record(fd, KVF_RT_HELLO, &r, to, NULL)) < 0)
+                return kvf_err_ctx(rc, "handshake");
+        if (r.proto != PROTO_VERSION) {
+                snprintf(reason, sizeof(reason), "protocol version %llu, this connector speaks %u",
+                         (unsigned long long)r.proto, PROTO_VERSION);
+                refuse(fd, KVF_STATUS_CONNECTION, reason, to);
+                return kvf_err_set(-EPROTO, "handshake: %s", reason);
+        }
+        memcpy(nonce_c, r.nonce, sizeof(nonce_c));
+        kvf_random(nonce_s, sizeof(nonce_s));
+        memset(&r, 0, sizeof(r));
+        r.type = KVF_RT_CHALLENGE;
+        memcpy(r.nonce, nonce_s, sizeof(nonce_s));
+        kvf_auth_proof(cn->cfg.token, cn->cfg.token_len, "kvferry-server", nonce_c, nonce_s, r.proof);
+        if ((rc = conn_send_record(fd, &r, to)) < 0)
+                return kvf_err_ctx(rc, "handshake");
+        if ((rc = recv_record(fd, KVF_RT_AUTH, &r, to, NULL)) < 0)
+                return kvf_err_ctx(rc, "handshake");
+        kvf_auth_proof(cn->cfg.token, cn->cfg.token_len, "kvferry-client", nonce_s, nonce_c, want);
+        if (!kvf_auth_equal(want, r.proof, KVF_SHA256_LEN)) {
+                kvf_count(&cn->ctl, KVF_CTR_AUTH_FAILURES, 1);
+                refuse(fd, KVF_STATUS_AUTH, "authentication failed: wrong token", to);
+                return kvf_err_set(-EACCES, "handshake: authentication failed: the peer sent a wrong proof (wrong token)");
+        }
+        snprintf(out->instance, sizeof(out->instance), "%s", r.instance);
+        out->created_ns = r.generation;
+        out->boot_id = r.boot_id;
+        if ((rc = rec_to_layout(&r, &out->layout)) < 0) {
+                refuse(fd, KVF_STATUS_LAYOUT_MISMATCH, kvf_err_msg(), to);
+                return kvf_err_ctx(rc, "handshake with '%s'", out->instance);
+        }
+        if (kvf_layout_compatible(&h->layout, &out->layout, why, sizeof(why)) < 0) {
+                snprintf(reason, sizeof(reason), "peer layout mismatch (as seen by '%s'): %s",
+                         h->instance, why);
+                refuse(fd, KVF_STATUS_LAYOUT_MISMATCH, reason, to);
+                return kvf_err_set(-EXDEV, "handshake with '%s': %s", out->instance, reason);
+        }
+        memset(&r, 0, sizeof(r));
+        r.type = KVF_RT_WELCOME;
+        snprintf(r.instance, sizeof(r.instance), "%s", h->instance);
+        r.role = h->instance_role;
+        r.generation = h->created_ns;
+        r.boot_id = h->boot_id;
+        layout_to_rec(&r, &h->layout);
+        if ((rc = conn_send_record(fd, &r, to)) < 0)
+                return kvf_err_ctx(rc, "handshake");
+        return 0;
+}

@@ -1,0 +1,356 @@
+/*
+ * kvf-connector: the network side of an instance (see connector.h).
+ * This file holds the options, the control thread and its event queue.
+ */
+#include <errno.h>
+#include <getopt.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "atomics.h"
+#include "clock.h"
+#include "connector.h"
+#include "doorbell.h"
+#include "err.h"
+#include "kvferry.h"
+#include "log.h"
+#include "opts.h"
+
+static const char *prog = "kvf-connector";
+static volatile int stop;
+
+static void usage(void)
+{
+        printf("Usage: %s --instance NAME [options]\n"
+               "Run the connector of a kvferry instance (started by tools/kvferry up).\n\n"
+               "  --instance NAME          the instance (its allocator must be running)\n"
+               "  --listen HOST:PORT       where peers connect (default 127.0.0.1:0 = any free port)\n"
+               "  --token-file PATH        shared secret of the peers (default $KVFERRY_TOKEN_FILE,\n"
+               "                           else ~/.config/kvferry/token)\n"
+               "  --connect-timeout-ms N   (default 2000)\n"
+               "  --keepalive-ms N         ping a quiet peer this often (default 500)\n"
+               "  --peer-timeout-ms N      a peer silent or unreachable this long is dead (default 5000)\n"
+               "  --help, --version\n",
+               prog);
+}
+
+void conn_post(struct connector *cn, struct event *ev)
+{
+        ev->next = NULL;
+        pthread_mutex_lock(&cn->evmu);
+        if (cn->events_tail)
+                cn->events_tail->next = ev;
+        else
+                cn->events = ev;
+        cn->events_tail = ev;
+        kvf_store_release(&cn->nevents, cn->nevents + 1);
+        pthread_mutex_unlock(&cn->evmu);
+        kvf_doorbell_ring(&cn->ctl.bells[KVF_BELL_CONNECTOR]);
+}
+
+static struct event *take_events(struct connector *cn)
+{
+        pthread_mutex_lock(&cn->evmu);
+        struct event *ev = cn->events;
+        cn->events = cn->events_tail = NULL;
+        kvf_store_release(&cn->nevents, 0);
+        pthread_mutex_unlock(&cn->evmu);
+        return ev;
+}
+
+static int ring_write_record(struct connector *cn, int ring, const struct kvf_record *r)
+{
+        uint8_t *buf;
+        size_t len;
+        if (kvf_record_encode_alloc(r, &buf, &len) < 0)
+                return -ENOMEM;
+        int rc = kvf_ring_write(&cn->ctl.rings[ring], r->type, buf, (uint32_t)len, NULL);
+        free(buf);
+        if (rc == -EAGAIN)
+                kvf_count(&cn->ctl, KVF_CTR_RING_FULL, 1);
+        return rc;
+}
+
+/* Handle one event; -EAGAIN = a ring is full, keep it for later. */
+static int handle_event(struct connector *cn, struct event *ev)
+{
+        switch (ev->kind) {
+        case EV_RESULT:
+                return ring_write_record(cn, KVF_RING_CONNECTOR_TO_SENDER, &ev->rec);
+        case EV_PEER_STATE:
+                return ring_write_record(cn, KVF_RING_CONNECTOR_TO_SENDER, &ev->rec);
+        case EV_CONNECT:
+                return ring_write_record(cn, KVF_RING_CONNECTOR_TO_ENGINE, &ev->rec);
+        case EV_NOTICE: {
+                char reason[KVF_REASON_MAX];
+                int st = conn_publish_arrival(cn, &ev->rec, "notice", reason, sizeof(reason));
+                if (st == -EAGAIN)
+                        return -EAGAIN;
+                struct kvf_record ack = {.type = KVF_RT_ACK, .key = ev->rec.key,
+                                         .status = st < 0 ? KVF_STATUS_WRITE : st};
+                snprintf(ack.request_id, sizeof(ack.request_id), "%s", ev->rec.request_id);
+                snprintf(ack.reason, sizeof(ack.reason), "%s",
+                         st < 0 ? "the decode connector could not publish the arrival" : reason);
+                if (ack.status != KVF_STATUS_FINISHED)
+                        kvf_errlog(&cn->ctl, KVF_ROLE_CONNECTOR, "req %s from %s: %s: %s",
+                                   ev->rec.request_id, ev->rec.peer, kvf_status_name(ack.status), reason);
+                /* If the session is gone the prefill side re-sends; the journal de-duplicates. */
+                conn_session_send(cn, ev->session, &ack);
+                return 0;
+        }
+        }
+        return 0;
+}
+
+static void run_events(struct connector *cn)
+{
+        /* Deferred first, to keep order per ring. */
+        struct event *ev = cn->deferred, *more = take_events(cn);
+        if (cn->deferred_tail)
+                cn->deferred_tail->next = more;
+        else
+                ev = more;
+        cn->deferred = cn->deferred_tail = NULL;
+        while (ev) {
+                struct event *next = ev->next;
+                if (handle_event(cn, ev) == -EAGAIN) {
+                        /* keep this and everything after it */
+                        cn->deferred = ev;
+                        while (ev->next)
+                                ev = ev->next;
+                        cn->deferred_tail = ev;
+                        return;
+                }
+                kvf_record_free(&ev->rec);
+                free(ev);
+                ev = next;
+        }
+}
+
+/* A finish (or abort) notice from the sender: hand it to the peer's thread. */
+static void on_finish(struct connector *cn, struct kvf_record *f)
+{
+        struct peer *p = conn_peer_get(cn, f->peer);
+        struct notice *n = calloc(1, sizeof(*n));
+        struct kvf_record w = *f;
+        size_t len;
+
+        if (!p || !n) {
+                struct event *ev = calloc(1, sizeof(*ev));
+                free(n);
+                if (!ev)
+                        return;
+                ev->kind = EV_RESULT;
+                ev->rec.type = KVF_RT_WRITE_RESULT;
+                ev->rec.key = f->key;
+                ev->rec.status = KVF_STATUS_CONNECTION;
+                snprintf(ev->rec.request_id, sizeof(ev->rec.request_id), "%s", f->request_id);
+                snprintf(ev->rec.reason, sizeof(ev->rec.reason), "too many peers (%u) or out of memory",
+                         MAX_PEERS);
+                conn_post(cn, ev);
+                return;
+        }
+        /* On the wire the notice names its source, not its destination. */
+        w.type = KVF_RT_NOTICE;
+        snprintf(w.peer, sizeof(w.peer), "%s", cn->ctl.hdr->instance);
+        if (kvf_record_encode_alloc(&w, &n->frame, &len) < 0) {
+                free(n);
+                return;
+        }
+        n->len = (uint32_t)len;
+        n->key = f->key;
+        n->abort_notice = f->status != KVF_STATUS_FINISHED;
+        n->first_ns = kvf_now_ns();
+        snprintf(n->request_id, sizeof(n->request_id), "%s", f->request_id);
+        conn_peer_enqueue(p, n);
+}
+
+static int on_sender_record(void *ctx, uint16_t type, const uint8_t *pl, uint32_t len, uint64_t pos)
+{
+        struct connector *cn = ctx;
+        struct kvf_record r;
+        (void)pos;
+        if (type != KVF_RT_FINISH || kvf_record_decode(type, pl, len, 0, &r) < 0) {
+                kvf_count(&cn->ctl, KVF_CTR_BAD_RECORDS, 1);
+                kvf_errlog(&cn->ctl, KVF_ROLE_CONNECTOR, "bad %s record from the sender: %s",
+                           kvf_rec_type_name(type), type == KVF_RT_FINISH ? kvf_err_msg() : "unexpected type");
+                if (type == KVF_RT_FINISH)
+                        kvf_record_free(&r);
+                return 0;
+        }
+        on_finish(cn, &r);
+        kvf_record_free(&r);
+        return 0;
+}
+
+static int on_engine_record(void *ctx, uint16_t type, const uint8_t *pl, uint32_t len, uint64_t pos)
+{
+        struct connector *cn = ctx;
+        struct kvf_record r;
+        (void)pos;
+        if ((type != KVF_RT_CONNECT && type != KVF_RT_DISCONNECT) ||
+            kvf_record_decode(type, pl, len, cn->ctl.hdr->rank, &r) < 0) {
+                kvf_count(&cn->ctl, KVF_CTR_BAD_RECORDS, 1);
+                struct event *ev = calloc(1, sizeof(*ev));
+                if (ev && type == KVF_RT_CONNECT) {
+                        /* Answer a malformed connect task, if it had an id. */
+                        ev->kind = EV_CONNECT;
+                        ev->rec.type = KVF_RT_CONNECT_RESULT;
+                        ev->rec.status = KVF_STATUS_BAD_TASK;
+                        snprintf(ev->rec.request_id, sizeof(ev->rec.request_id), "%s",
+                                 r.request_id[0] ? r.request_id : "<unknown>");
+                        snprintf(ev->rec.reason, sizeof(ev->rec.reason), "%s", kvf_err_msg());
+                        conn_post(cn, ev);
+                } else {
+                        free(ev);
+                }
+                kvf_errlog(&cn->ctl, KVF_ROLE_CONNECTOR, "bad %s record from the engine: %s",
+                           kvf_rec_type_name(type), kvf_err_msg());
+                if (type == KVF_RT_CONNECT || type == KVF_RT_DISCONNECT)
+                        kvf_record_free(&r);
+                return 0;
+        }
+        if (type == KVF_RT_CONNECT) {
+                struct peer *p = conn_peer_get(cn, r.peer);
+                if (p)
+                        conn_peer_connect_task(p, r.request_id);
+        }
+        /* DISCONNECT: peers are closed when the connector stops; an idle
+         * connection costs one ping per keepalive period. */
+        kvf_record_free(&r);
+        return 0;
+}
+
+static bool has_work(void *arg)
+{
+        struct connector *cn = arg;
+        return kvf_load_acquire(&cn->nevents) > 0 ||
+               kvf_ring_readable(&cn->ctl.rings[KVF_RING_SENDER_TO_CONNECTOR]) ||
+               kvf_ring_readable(&cn->ctl.rings[KVF_RING_ENGINE_TO_CONNECTOR]);
+}
+
+static void control_loop(struct connector *cn)
+{
+        uint64_t beat = (uint64_t)cn->ctl.hdr->heartbeat_ms * 1000000ull;
+        uint64_t next = 0;
+        while (!stop) {
+                bool worked = false;
+                int n = kvf_ring_read(&cn->ctl.rings[KVF_RING_SENDER_TO_CONNECTOR], on_sender_record, cn, 256);
+                worked |= n > 0;
+                n = kvf_ring_read(&cn->ctl.rings[KVF_RING_ENGINE_TO_CONNECTOR], on_engine_record, cn, 64);
+                worked |= n > 0;
+                if (kvf_load_acquire(&cn->nevents) > 0 || cn->deferred) {
+                        run_events(cn);
+                        worked = true;
+                }
+                uint64_t now = kvf_now_ns();
+                if (now >= next) {
+                        kvf_role_heartbeat(&cn->ctl, KVF_ROLE_CONNECTOR);
+                        next = now + beat;
+                }
+                if (worked && !cn->deferred)
+                        continue;
+                kvf_count(&cn->ctl, KVF_CTR_WAKEUPS_CONNECTOR, 1);
+                uint64_t wait = cn->deferred ? 1000000ull : beat;
+                kvf_doorbell_wait(&cn->ctl.bells[KVF_BELL_CONNECTOR], has_work, cn, 256, wait);
+        }
+}
+
+static void default_token_path(char *buf, size_t len)
+{
+        const char *env = getenv("KVFERRY_TOKEN_FILE");
+        const char *home = getenv("HOME");
+        if (env && env[0])
+                snprintf(buf, len, "%s", env);
+        else
+                snprintf(buf, len, "%s/.config/kvferry/token", home ? home : "");
+}
+
+int main(int argc, char **argv)
+{
+        enum { O_LISTEN = 1000, O_TOKEN, O_CTO, O_KEEP, O_PTO, O_VERSION };
+        static const struct option opts[] = {{"instance", required_argument, 0, 'i'},
+                                             {"listen", required_argument, 0, O_LISTEN},
+                                             {"token-file", required_argument, 0, O_TOKEN},
+                                             {"connect-timeout-ms", required_argument, 0, O_CTO},
+                                             {"keepalive-ms", required_argument, 0, O_KEEP},
+                                             {"peer-timeout-ms", required_argument, 0, O_PTO},
+                                             {"help", no_argument, 0, 'h'},
+                                             {"version", no_argument, 0, O_VERSION},
+                                             {0, 0, 0, 0}};
+        static struct connector cn;
+        const char *instance = NULL, *listen_at = "127.0.0.1:0";
+        char token_path[512];
+        int c;
+
+        default_token_path(token_path, sizeof(token_path));
+        cn.cfg.connect_timeout_ms = 2000;
+        cn.cfg.keepalive_ms = 500;
+        cn.cfg.peer_timeout_ms = 5000;
+        while ((c = getopt_long(argc, argv, "i:h", opts, NULL)) != -1) {
+                switch (c) {
+                case 'i': instance = optarg; break;
+                case O_LISTEN: listen_at = optarg; break;
+                case O_TOKEN: snprintf(token_path, sizeof(token_path), "%s", optarg); break;
+                case O_CTO: cn.cfg.connect_timeout_ms = (unsigned)kvf_opt_u64("connect-timeout-ms", optarg, 1, 600000); break;
+                case O_KEEP: cn.cfg.keepalive_ms = (unsigned)kvf_opt_u64("keepalive-ms", optarg, 1, 600000); break;
+                case O_PTO: cn.cfg.peer_timeout_ms = (unsigned)kvf_opt_u64("peer-timeout-ms", optarg, 10, 3600000); break;
+                case 'h': usage(); return 0;
+                case O_VERSION: printf("%s %s\n", prog, KVFERRY_VERSION); return 0;
+                default: kvf_opt_die(prog, "unknown option");
+                }
+        }
+        if (!instance)
+                kvf_opt_die(prog, "--instance is required");
+        if (kvf_net_parse(listen_at, cn.cfg.listen_host, sizeof(cn.cfg.listen_host), &cn.cfg.listen_port) < 0)
+                kvf_opt_die(prog, "--listen: %s", kvf_err_msg());
+        cn.cfg.handshake_timeout_ms = cn.cfg.connect_timeout_ms;
+        kvf_log_setup(instance, "connector");
+        kvf_opt_signals(&stop);
+        if (kvf_token_load(token_path, cn.cfg.token, &cn.cfg.token_len) < 0) {
+                kvf_error("%s", kvf_err_msg());
+                return 1;
+        }
+        if (kvf_ctl_attach_wait(instance, true, 10000, &cn.ctl) < 0) {
+                kvf_error("%s", kvf_err_msg());
+                return 1;
+        }
+        pthread_mutex_init(&cn.evmu, NULL);
+        pthread_mutex_init(&cn.smu, NULL);
+        cn.gen = kvf_role_begin(&cn.ctl, KVF_ROLE_CONNECTOR);
+        kvf_ring_producer_attach(&cn.ctl.rings[KVF_RING_CONNECTOR_TO_ENGINE], cn.gen);
+        kvf_ring_producer_attach(&cn.ctl.rings[KVF_RING_CONNECTOR_TO_SENDER], cn.gen);
+        for (int r = 0; r < KVF_RING_COUNT; r++)
+                if (cn.ctl.ring_hdrs[r].consumer == KVF_ROLE_CONNECTOR &&
+                    kvf_ring_consumer_attach(&cn.ctl.rings[r]) > 0) {
+                        kvf_count(&cn.ctl, KVF_CTR_RING_REPAIRS, 1);
+                        kvf_warn("repaired ring %s after a crash", kvf_ring_name(r));
+                }
+        conn_journal_init(&cn);
+        uint16_t port;
+        cn.listen_fd = kvf_net_listen(cn.cfg.listen_host, cn.cfg.listen_port, 128, &port);
+        if (cn.listen_fd < 0) {
+                kvf_error("%s", kvf_err_msg());
+                kvf_role_end(&cn.ctl, KVF_ROLE_CONNECTOR);
+                return 1;
+        }
+        kvf_connector_info_write(&cn.ctl, cn.cfg.listen_host, port);
+        pthread_t listener;
+        if (pthread_create(&listener, NULL, conn_listener_main, &cn) != 0) {
+                kvf_error("cannot start the listener thread");
+                return 1;
+        }
+        kvf_info("listening on %s:%u (generation %llu)", cn.cfg.listen_host, port,
+                 (unsigned long long)cn.gen);
+        control_loop(&cn);
+        kvf_info("stopping");
+        cn.stop = 1;
+        pthread_join(listener, NULL);
+        conn_peers_stop(&cn);
+        close(cn.listen_fd);
+        kvf_role_end(&cn.ctl, KVF_ROLE_CONNECTOR);
+        kvf_ctl_detach(&cn.ctl);
+        return 0;
+}

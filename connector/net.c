@@ -1,0 +1,329 @@
+#include "net.h"
+
+#include <arpa/inet.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "clock.h"
+#include "err.h"
+
+int kvf_net_parse(const char *s, char *host, size_t hostlen, uint16_t *port)
+{
+        const char *colon;
+        size_t hl;
+        if (s[0] == '[') {
+                const char *end = strchr(s, ']');
+                if (!end || end[1] != ':')
+                        return kvf_err_set(-EINVAL, "address '%s': expected [ipv6]:port", s);
+                hl = (size_t)(end - s - 1);
+                s++;
+                colon = end + 1;
+        } else {
+                colon = strrchr(s, ':');
+                if (!colon)
+                        return kvf_err_set(-EINVAL, "address '%s': expected host:port", s);
+                hl = (size_t)(colon - s);
+        }
+        if (hl == 0 || hl >= hostlen)
+                return kvf_err_set(-EINVAL, "address '%s': bad host part", s);
+        memcpy(host, s, hl);
+        host[hl] = '\0';
+        char *end;
+        errno = 0;
+        unsigned long p = strtoul(colon + 1, &end, 10);
+        if (errno || end == colon + 1 || *end || p > 65535)
+                return kvf_err_set(-EINVAL, "address '%s': port must be 0 to 65535", s);
+        *port = (uint16_t)p;
+        return 0;
+}
+
+static int resolve(const char *host, uint16_t port, bool passive, struct addrinfo **res)
+{
+        struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM,
+                                 .ai_flags = passive ? AI_PASSIVE : 0};
+        char ps[8];
+        snprintf(ps, sizeof(ps), "%u", port);
+        int rc = getaddrinfo(host, ps, &hints, res);
+        if (rc != 0)
+                return kvf_err_set(-EHOSTUNREACH, "resolve '%s': %s", host, gai_strerror(rc));
+        return 0;
+}
+
+int kvf_net_listen(const char *host, uint16_t port, int backlog, uint16_t *bound_port)
+{
+        struct addrinfo *res;
+        int rc = resolve(host, port, true, &res), fd = -1;
+        if (rc < 0)
+                return rc;
+        rc = -EADDRNOTAVAIL;
+        for (struct addrinfo *ai = res; ai; ai = ai->ai_next) {
+                fd = socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC, 0);
+                if (fd < 0)
+                        continue;
+                int one = 1;
+                setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+                if (bind(fd, ai->ai_addr, ai->ai_addrlen) == 0 && listen(fd, backlog) == 0) {
+                        rc = 0;
+                        break;
+                }
+                rc = -errno;
+                close(fd);
+                fd = -1;
+        }
+        freeaddrinfo(res);
+        if (rc < 0)
+                return kvf_err_set(rc, "listen on %s:%u: %s", host, port, strerror(-rc));
+        struct sockaddr_storage ss;
+        socklen_t sl = sizeof(ss);
+        getsockname(fd, (struct sockaddr *)&ss, &sl);
+        *bound_port = ntohs(ss.ss_family == AF_INET6 ? ((struct sockaddr_in6 *)&ss)->sin6_port
+                                                     : ((struct sockaddr_in *)&ss)->sin_port);
+        return fd;
+}
+
+static void tune(int fd)
+{
+        int one = 1, idle = 2, intvl = 1, cnt = 3;
+        setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+        /* Kernel keepalive as a backstop; the connectors also ping each other. */
+        setsockopt(fd, SOL_SOCKET, SO_KEEPALIVE, &one, sizeof(one));
+        setsockopt(fd, IPPROTO_TCP, TCP_KEEPIDLE, &idle, sizeof(idle));
+        setsockopt(fd, IPPROTO_TCP, TCP_KEEPINTVL, &intvl, sizeof(intvl));
+        setsockopt(fd, IPPROTO_TCP, TCP_KEEPCNT, &cnt, sizeof(cnt));
+}
+
+int kvf_net_connect(const char *host, uint16_t port, unsigned timeout_ms)
+{
+        struct addrinfo *res;
+        int rc = resolve(host, port, false, &res), fd = -1;
+        if (rc < 0)
+                return rc;
+        rc = -ECONNREFUSED;
+        for (struct addrinfo *ai = res; ai; ai = ai->ai_next) {
+                fd = socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+                if (fd < 0) {
+                        rc = -errno;
+                        continue;
+                }
+                if (connect(fd, ai->ai_addr, ai->ai_addrlen) == 0) {
+                        rc = 0;
+                } else if (errno == EINPROGRESS) {
+                        struct pollfd p = {.fd = fd, .events = POLLOUT};
+                        int n = poll(&p, 1, (int)timeout_ms);
+                        int err = 0;
+                        socklen_t el = sizeof(err);
+                        if (n == 0)
+                                rc = -ETIMEDOUT;
+                        else if (n < 0 || getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &el) < 0)
+                                rc = -errno;
+                        else
+                                rc = -err;
+                } else {
+                        rc = -errno;
+                }
+                if (rc == 0)
+                        break;
+                close(fd);
+                fd = -1;
+        }
+        freeaddrinfo(res);
+        if (rc < 0)
+                return kvf_err_set(rc, "connect to %s:%u: %s", host, port,
+                                   rc == -ETIMEDOUT ? "no answer (timed out)" : strerror(-rc));
+        fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) & ~O_NONBLOCK);
+        tune(fd);
+        return fd;
+}
+
+static int wait_fd(int fd, short ev, uint64_t end)
+{
+        uint64_t now = kvf_now_ns();
+        if (now >= end)
+                return -ETIMEDOUT;
+        struct pollfd p = {.fd = fd, .events = ev};
+        int ms = (int)((end - now + 999999) / 1000000);
+        int n = poll(&p, 1, ms);
+        if (n < 0)
+                return errno == EINTR ? 0 : -errno;
+        if (n == 0)
+                return -ETIMEDOUT;
+        return 0;
+}
+
+int kvf_net_write_all(int fd, const void *p, size_t n, unsigned timeout_ms)
+{
+        const uint8_t *b = p;
+        uint64_t end = kvf_now_ns() + (uint64_t)timeout_ms * 1000000ull;
+        while (n > 0) {
+                ssize_t w = send(fd, b, n, MSG_NOSIGNAL | MSG_DONTWAIT);
+                if (w > 0) {
+                        b += w;
+                        n -= (size_t)w;
+                        continue;
+                }
+                if (w < 0 && errno != EAGAIN && errno != EINTR)
+                        return -errno;
+                int rc = wait_fd(fd, POLLOUT, end);
+                if (rc < 0)
+                        return rc;
+        }
+        return 0;
+}
+
+int kvf_net_read_all(int fd, void *p, size_t n, unsigned timeout_ms)
+{
+        uint8_t *b = p;
+        uint64_t end = kvf_now_ns() + (uint64_t)timeout_ms * 1000000ull;
+        while (n > 0) {
+                ssize_t r = recv(fd, b, n, MSG_DONTWAIT);
+                if (r > 0) {
+                        b += r;
+                        n -= (size_t)r;
+                        continue;
+                }
+                if (r == 0)
+                        return -ECONNRESET;
+                if (errno != EAGAIN && errno != EINTR)
+                        return -errno;
+                int rc = wait_fd(fd, POLLIN, end);
+                if (rc < 0)
+                        return rc;
+        }
+        return 0;
+}
+
+static void put_hdr(uint8_t *b, uint32_t len, uint16_t type, uint16_t flags)
+{
+        uint32_t l = htonl(len);
+        uint16_t t = htons(type), f = htons(flags);
+        memcpy(b, &l, 4);
+        memcpy(b + 4, &t, 2);
+        memcpy(b + 6, &f, 2);
+}
+
+static void get_hdr(const uint8_t *b, struct kvf_frame_hdr *h)
+{
+        uint32_t l;
+        uint16_t t, f;
+        memcpy(&l, b, 4);
+        memcpy(&t, b + 4, 2);
+        memcpy(&f, b + 6, 2);
+        h->len = ntohl(l);
+        h->type = ntohs(t);
+        h->flags = ntohs(f);
+}
+
+int kvf_net_send_frame(int fd, uint16_t type, const void *payload, uint32_t len, unsigned timeout_ms)
+{
+        uint8_t hdr[KVF_FRAME_HDR];
+        put_hdr(hdr, len, type, 0);
+        struct iovec iov[2] = {{hdr, sizeof(hdr)}, {(void *)payload, len}};
+        struct msghdr mh = {.msg_iov = iov, .msg_iovlen = len ? 2 : 1};
+        /* Usually one sendmsg does it; fall back to write_all for the rest. */
+        ssize_t w = sendmsg(fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
+        if (w < 0) {
+                if (errno != EAGAIN && errno != EINTR)
+                        return -errno;
+                w = 0;
+        }
+        size_t done = (size_t)w;
+        if (done < sizeof(hdr)) {
+                int rc = kvf_net_write_all(fd, hdr + done, sizeof(hdr) - done, timeout_ms);
+                if (rc < 0)
+                        return rc;
+                done = sizeof(hdr);
+        }
+        return kvf_net_write_all(fd, (const uint8_t *)payload + (done - sizeof(hdr)),
+                                 len - (done - sizeof(hdr)), timeout_ms);
+}
+
+int kvf_net_recv_frame(int fd, struct kvf_frame_hdr *h, void *buf, uint32_t cap, unsigned timeout_ms)
+{
+        uint8_t hdr[KVF_FRAME_HDR];
+        int rc = kvf_net_read_all(fd, hdr, sizeof(hdr), timeout_ms);
+        if (rc < 0)
+                return rc;
+        get_hdr(hdr, h);
+        if (h->len > cap)
+                return -EMSGSIZE;
+        return kvf_net_read_all(fd, buf, h->len, timeout_ms);
+}
+
+void kvf_net_peer_name(int fd, char *buf, size_t len)
+{
+        struct sockaddr_storage ss;
+        socklen_t sl = sizeof(ss);
+        char host[64] = "?";
+        unsigned port = 0;
+        if (getpeername(fd, (struct sockaddr *)&ss, &sl) == 0) {
+                if (ss.ss_family == AF_INET) {
+                        struct sockaddr_in *a = (struct sockaddr_in *)&ss;
+                        inet_ntop(AF_INET, &a->sin_addr, host, sizeof(host));
+                        port = ntohs(a->sin_port);
+                } else if (ss.ss_family == AF_INET6) {
+                        struct sockaddr_in6 *a = (struct sockaddr_in6 *)&ss;
+                        inet_ntop(AF_INET6, &a->sin6_addr, host, sizeof(host));
+                        port = ntohs(a->sin6_port);
+                }
+        }
+        snprintf(buf, len, "%s:%u", host, port);
+}
+
+int kvf_reader_init(struct kvf_reader *r, uint32_t cap)
+{
+        memset(r, 0, sizeof(*r));
+        r->buf = malloc(cap);
+        if (!r->buf)
+                return -ENOMEM;
+        r->cap = cap;
+        return 0;
+}
+
+void kvf_reader_free(struct kvf_reader *r)
+{
+        free(r->buf);
+        memset(r, 0, sizeof(*r));
+}
+
+int kvf_reader_fill(struct kvf_reader *r, int fd)
+{
+        if (r->off > 0) {
+                /* compact: whole frames before off were consumed */
+                memmove(r->buf, r->buf + r->off, r->len - r->off);
+                r->len -= r->off;
+                r->off = 0;
+        }
+        if (r->len == r->cap)
+                return -EMSGSIZE;
+        ssize_t n = recv(fd, r->buf + r->len, r->cap - r->len, MSG_DONTWAIT);
+        if (n > 0) {
+                r->len += (uint32_t)n;
+                return (int)n;
+        }
+        if (n == 0)
+                return 0;
+        return errno == EAGAIN || errno == EINTR ? -EAGAIN : -errno;
+}
+
+int kvf_reader_next(struct kvf_reader *r, struct kvf_frame_hdr *h, const uint8_t **payload)
+{
+        uint32_t have = r->len - r->off;
+        if (have < KVF_FRAME_HDR)
+                return 0;
+        get_hdr(r->buf + r->off, h);
+        if (h->len > r->cap - KVF_FRAME_HDR)
+                return -EMSGSIZE;
+        if (have - KVF_FRAME_HDR < h->len)
+                return 0;
+        *payload = r->buf + r->off + KVF_FRAME_HDR;
+        r->off += KVF_FRAME_HDR + h->len;
+        return 1;
+}

@@ -1,0 +1,58 @@
+/*
+ * Sockets and frames for the connector.
+ *
+ * A frame on a connection between two connectors is an 8-byte header
+ * {u32 length, u16 type, u16 flags} in network byte order followed by
+ * `length` payload bytes. Control frames carry one msgpack record (the
+ * types of records.h, wire section); data frames carry block bytes.
+ */
+#ifndef KVF_NET_H
+#define KVF_NET_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <sys/socket.h>
+
+#define KVF_FRAME_HDR 8u
+#define KVF_FRAME_MAX (16u << 20) /* control frames; data frames have their own limit */
+
+struct kvf_frame_hdr {
+        uint32_t len;
+        uint16_t type;
+        uint16_t flags;
+};
+
+/* Parse "host:port" (IPv4 dotted, [IPv6], or a name); port 0 allowed when listening. */
+int kvf_net_parse(const char *s, char *host, size_t hostlen, uint16_t *port);
+/* Listen on host:port (SO_REUSEADDR); *bound_port receives the port actually bound. */
+int kvf_net_listen(const char *host, uint16_t port, int backlog, uint16_t *bound_port);
+/* Connect with a timeout; returns a blocking socket with TCP_NODELAY and keepalive set. */
+int kvf_net_connect(const char *host, uint16_t port, unsigned timeout_ms);
+/* Send/receive exactly n bytes within timeout_ms (fd may be blocking or not). 0 or -errno. */
+int kvf_net_write_all(int fd, const void *p, size_t n, unsigned timeout_ms);
+int kvf_net_read_all(int fd, void *p, size_t n, unsigned timeout_ms);
+/* Write one frame (header + payload) within timeout_ms. */
+int kvf_net_send_frame(int fd, uint16_t type, const void *payload, uint32_t len, unsigned timeout_ms);
+/* Read one whole frame into buf (cap bytes) within timeout_ms; -EMSGSIZE if longer than cap. */
+int kvf_net_recv_frame(int fd, struct kvf_frame_hdr *h, void *buf, uint32_t cap, unsigned timeout_ms);
+/* "a.b.c.d:port" of the other end. */
+void kvf_net_peer_name(int fd, char *buf, size_t len);
+
+/*
+ * Incremental frame reader for a non-blocking socket: feed it readable
+ * bytes with kvf_reader_fill(), then take whole frames with kvf_reader_next().
+ */
+struct kvf_reader {
+        uint8_t *buf;
+        uint32_t cap, len, off;
+};
+int kvf_reader_init(struct kvf_reader *r, uint32_t cap);
+void kvf_reader_free(struct kvf_reader *r);
+/* Read what the socket has: >0 bytes read, 0 EOF, -EAGAIN nothing now, other -errno. */
+int kvf_reader_fill(struct kvf_reader *r, int fd);
+/* 1 and a frame (payload points into the reader, valid until the next fill), 0 if incomplete,
+ * -EMSGSIZE if the announced frame is larger than the reader can hold. */
+int kvf_reader_next(struct kvf_reader *r, struct kvf_frame_hdr *h, const uint8_t **payload);
+
+#endif

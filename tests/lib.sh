@@ -1,0 +1,43 @@
+# Shared by the shell tests: start instances with the real supervisor, stop them whatever happens.
+# Usage: source tests/lib.sh; then up NAME --role ... ; sim ... ; everything started is stopped at exit.
+set -euo pipefail
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+export KVFERRY_BUILD=${KVFERRY_BUILD:-$ROOT/build}
+B=$KVFERRY_BUILD
+export KVFERRY_RUN_DIR=${KVFERRY_RUN_DIR:-$(mktemp -d /tmp/kvferry-test.XXXXXX)}
+export KVFERRY_TOKEN_FILE=${KVFERRY_TOKEN_FILE:-$KVFERRY_RUN_DIR/token}
+TAG=t$$
+STARTED=()
+
+cleanup() {
+  local rc=$?
+  if [ ${#STARTED[@]} -gt 0 ]; then
+    local args=()
+    for n in "${STARTED[@]}"; do args+=(--instance "$n"); done
+    "$ROOT/tools/kvferry" down "${args[@]}" >/dev/null 2>&1 || true
+  fi
+  if [ $rc -ne 0 ] && [ -d "$KVFERRY_RUN_DIR" ]; then
+    echo "---- logs ($KVFERRY_RUN_DIR) ----" >&2
+    tail -n 20 "$KVFERRY_RUN_DIR"/*/*.log >&2 2>/dev/null || true
+  fi
+  exit $rc
+}
+trap cleanup EXIT
+
+up() {
+  local name=$1; shift
+  STARTED+=("$name")
+  "$ROOT/tools/kvferry" up --instance "$name" "$@" >/dev/null
+}
+
+down() {
+  "$ROOT/tools/kvferry" down --instance "$1" >/dev/null
+}
+
+fail() { echo "FAIL: $*" >&2; exit 1; }
+pass() { echo "ok: $*"; }
+
+# json_get FILE KEY -> value of a top-level key in the simulator's JSON summary
+json_get() {
+  /usr/bin/python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))[sys.argv[2]])' "$1" "$2"
+}

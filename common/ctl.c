@@ -501,7 +501,16 @@ int kvf_ctl_unlink(const char *instance)
         return removed;
 }
 
+/* Field 22 of /proc/<pid>/stat, or 0; *zombie says whether the process has exited unreaped. */
+static uint64_t pid_stat(int pid, bool *zombie);
+
 uint64_t kvf_pid_starttime(int pid)
+{
+        bool z;
+        return pid_stat(pid, &z);
+}
+
+static uint64_t pid_stat(int pid, bool *zombie)
 {
         char path[64], buf[1024];
         snprintf(path, sizeof(path), "/proc/%d/stat", pid);
@@ -517,6 +526,7 @@ uint64_t kvf_pid_starttime(int pid)
         char *p = strrchr(buf, ')');
         if (!p)
                 return 0;
+        *zombie = p[1] == ' ' && (p[2] == 'Z' || p[2] == 'X');
         unsigned long long v = 0;
         int field = 2;
         for (p++; *p && field < 22; p++)
@@ -568,8 +578,10 @@ bool kvf_role_alive(const struct kvf_ctl *c, enum kvf_role_id role, uint64_t now
         if (kill(pid, 0) < 0 && errno == ESRCH)
                 return false;
         uint64_t st = kvf_load_relaxed(&s->pid_starttime);
-        if (st && kvf_pid_starttime(pid) != st)
-                return false; /* the pid now belongs to someone else */
+        bool zombie = false;
+        uint64_t now_st = pid_stat(pid, &zombie);
+        if (zombie || (st && now_st != st))
+                return false; /* exited (not yet reaped), or the pid belongs to someone else */
         uint64_t hb = kvf_load_acquire(&s->heartbeat_ns);
         uint64_t limit = (uint64_t)c->hdr->heartbeat_ms * 1000000ull * 10;
         return now_ns < hb || now_ns - hb <= limit;

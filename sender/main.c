@@ -179,7 +179,10 @@ int main(int argc, char **argv)
                         kvf_warn("repaired ring %s after a crash", kvf_ring_name(r));
                 }
         s.connector_gen = kvf_load_acquire(&s.ctl.roles[KVF_ROLE_CONNECTOR].generation);
-        s.progress = ~0ull; /* handle the current word on the first pass */
+        /* Adopted requests advance against the real progress word, nothing later. */
+        s.progress = kvf_load_acquire(&s.ctl.progress->word);
+        s.progress_ns = kvf_load_relaxed(&s.ctl.progress->publish_ns);
+        s.copy_timed = true;
         sender_adopt(&s);
         kvf_info("running (generation %llu)", (unsigned long long)s.gen);
         run(&s, spin_us * 1000);

@@ -88,6 +88,7 @@ static uint64_t fail_by_status[KVF_STATUS_COUNT];
 static uint64_t *tails; /* ns, per finished request */
 static unsigned ntails;
 static uint64_t t_start;
+static volatile int stop; /* SIGTERM/SIGINT: admit no more, let what was admitted finish */
 
 static uint64_t rng_state;
 static uint64_t rnd(void)
@@ -557,7 +558,8 @@ int main(int argc, char **argv)
         unsigned nactive = 0;
         uint64_t layer_ns = (uint64_t)o.layer_us * 1000;
 
-        while (done_reqs < nreq) {
+        kvf_opt_signals(&stop);
+        while (done_reqs < (stop ? next : nreq)) {
                 /* Admit what the step budget and the free blocks allow. */
                 uint64_t budget = o.step_tokens;
                 for (unsigned i = 0; i < nactive; i++) {
@@ -565,7 +567,7 @@ int main(int argc, char **argv)
                         uint32_t take = o.chunk_tokens && left > o.chunk_tokens ? o.chunk_tokens : left;
                         budget = budget > take ? budget - take : 0;
                 }
-                while (next < nreq && (budget > 0 || nactive == 0)) {
+                while (!stop && next < nreq && (budget > 0 || nactive == 0)) {
                         struct req *r = &reqs[next];
                         if (psrc.n < r->n_src || pdst.n < r->n_dst)
                                 break;
@@ -645,7 +647,9 @@ int main(int argc, char **argv)
                         last_line = kvf_now_ns();
                 }
         }
-        /* Let stragglers land. */
+        /* Let stragglers land. After a stop, only what was admitted counts. */
+        if (stop)
+                nreq = next;
         uint64_t end = kvf_now_ns() + (uint64_t)o.timeout_s * 1000000000ull;
         while (done_reqs < nreq && kvf_now_ns() < end)
                 poll_events(10);

@@ -1,0 +1,299 @@
+/*
+ * The bad-input table: every task an engine can get wrong yields one
+ * completion with its exact status and a message naming what is wrong,
+ * and the instance keeps working (a good request after them finishes).
+ * Real processes: instances are started with tools/kvferry up.
+ */
+#include <errno.h>
+#include <msgpack.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "check.h"
+#include "clock.h"
+#include "ctl.h"
+#include "kvferry.h"
+
+static char P[64], D[64], DX[64], root[512], cmd[2048];
+static struct kvf_client *c;
+
+static void sh(const char *fmt, ...)
+{
+        va_list ap;
+        va_start(ap, fmt);
+        vsnprintf(cmd, sizeof(cmd), fmt, ap);
+        va_end(ap);
+        if (system(cmd) != 0) {
+                fprintf(stderr, "command failed: %s\n", cmd);
+                exit(1);
+        }
+}
+
+static void cleanup(void)
+{
+        snprintf(cmd, sizeof(cmd), "%s/tools/kvferry down --instance %s --instance %s --instance %s >/dev/null 2>&1",
+                 root, P, D, DX);
+        if (system(cmd) != 0)
+                fprintf(stderr, "cleanup: %s failed\n", cmd);
+}
+
+/* ---- building task records ---- */
+
+struct pk {
+        msgpack_sbuffer sb;
+        msgpack_packer p;
+};
+
+static void pk_init(struct pk *k)
+{
+        msgpack_sbuffer_init(&k->sb);
+        msgpack_packer_init(&k->p, &k->sb, msgpack_sbuffer_write);
+}
+
+static void str(struct pk *k, const char *s)
+{
+        msgpack_pack_str(&k->p, strlen(s));
+        msgpack_pack_str_body(&k->p, s, strlen(s));
+}
+
+static void ids(struct pk *k, const long *v, int n)
+{
+        msgpack_pack_array(&k->p, (size_t)n);
+        for (int i = 0; i < n; i++)
+                msgpack_pack_int64(&k->p, v[i]);
+}
+
+/* A task map; NULL / n < 0 leaves a field out; cur_str sends current_id as a string. */
+static void task(struct pk *k, const char *id, const long *src, int ns, const long *dst, int nd,
+                 const char *proto, const char *peer, bool cur_str)
+{
+        int n = (id != NULL) + (ns >= 0) + (nd >= 0) + 1 + (proto != NULL) + (peer != NULL);
+        pk_init(k);
+        msgpack_pack_map(&k->p, (size_t)n);
+        if (id) {
+                str(k, "request_id");
+                str(k, id);
+        }
+        if (ns >= 0) {
+                str(k, "src_block_ids");
+                ids(k, src, ns);
+        }
+        if (nd >= 0) {
+                str(k, "dest_block_ids");
+                ids(k, dst, nd);
+        }
+        str(k, "current_id");
+        if (cur_str)
+                str(k, "7");
+        else
+                msgpack_pack_uint64(&k->p, 1000000); /* far future: never ready by itself */
+        if (proto) {
+                str(k, "transfer_protocol");
+                str(k, proto);
+        }
+        if (peer) {
+                str(k, "peer");
+                str(k, peer);
+        }
+}
+
+/* Next completion, within 10 s. */
+static void next_completion(struct kvf_event *ev)
+{
+        int rc;
+        do {
+                rc = kvf_poll(c, ev, 10000);
+                CHECK(rc >= 0);
+                CHECK(rc == 1);
+        } while (ev->type != KVF_EVENT_COMPLETION);
+}
+
+static int ncase;
+
+static void expect(const char *what, const char *id, int status, const char *needle)
+{
+        struct kvf_event ev;
+        next_completion(&ev);
+        if (strcmp(ev.request_id, id) || ev.status != status || !strstr(ev.reason, needle)) {
+                fprintf(stderr,
+                        "case '%s': got request '%s' status '%s' reason \"%s\"\n"
+                        "         want request '%s' status '%s' reason containing \"%s\"\n",
+                        what, ev.request_id, kvf_status_name(ev.status), ev.reason, id,
+                        kvf_status_name(status), needle);
+                exit(1);
+        }
+        printf("  %-34s -> %-22s \"%s\"\n", what, kvf_status_name(ev.status), ev.reason);
+        ncase++;
+}
+
+static void submit_pk(struct pk *k)
+{
+        CHECK_EQ(kvf_submit_raw(c, KVF_TO_SENDER, KVF_REC_TASK, k->sb.data, k->sb.size), 0);
+        msgpack_sbuffer_destroy(&k->sb);
+}
+
+static void bad(const char *what, const char *id_expected, int status, const char *needle,
+                const char *id, const long *src, int ns, const long *dst, int nd, const char *proto,
+                const char *peer, bool cur_str)
+{
+        struct pk k;
+        task(&k, id, src, ns, dst, nd, proto, peer, cur_str);
+        submit_pk(&k);
+        expect(what, id_expected, status, needle);
+}
+
+int main(void)
+{
+        static const long s3[] = {0, 1, 2}, s4[] = {3, 4, 5, 6}, d3[] = {10, 11, 12},
+                          neg[] = {1, -2, 3}, big[] = {0, 1, 100000}, dbig[] = {100000, 1, 2},
+                          twice[] = {5, 6, 5};
+        long many[80];
+        for (int i = 0; i < 80; i++)
+                many[i] = i;
+
+        /* The repository, for tools/kvferry (the build dir comes from $KVFERRY_BUILD). */
+        snprintf(root, sizeof(root), "%s", KVF_SOURCE_DIR);
+        snprintf(P, sizeof(P), "bt%d-p", (int)getpid());
+        snprintf(D, sizeof(D), "bt%d-d", (int)getpid());
+        snprintf(DX, sizeof(DX), "bt%d-dx", (int)getpid());
+        atexit(cleanup);
+        const char *L = "--model llama-3.1-8b --tp 8 --blocks 64";
+        sh("%s/tools/kvferry up --instance %s --role decode %s >/dev/null", root, D, L);
+        sh("%s/tools/kvferry up --instance %s --role decode --layers 28 --kv-heads 1 --head-dim 128 --blocks 64 >/dev/null",
+           root, DX);
+        sh("%s/tools/kvferry up --instance %s --role prefill %s --max-blocks-per-request 64 >/dev/null", root, P, L);
+        CHECK_EQ(kvf_attach(P, 5000, &c), 0);
+        printf("bad task table (instance %s):\n", P);
+
+        {
+                CHECK_EQ(kvf_submit_raw(c, KVF_TO_SENDER, KVF_REC_TASK, "hello world", 11), 0);
+                expect("garbage bytes", "<unknown>", KVF_STATUS_BAD_TASK, "not a msgpack map (found integer)");
+                static const uint8_t junk[] = {0xc1, 0x00, 0x17};
+                CHECK_EQ(kvf_submit_raw(c, KVF_TO_SENDER, KVF_REC_TASK, junk, sizeof(junk)), 0);
+                expect("invalid msgpack byte 0xc1", "<unknown>", KVF_STATUS_BAD_TASK, "invalid byte 0xc1");
+                struct pk k;
+                pk_init(&k);
+                msgpack_pack_array(&k.p, 2);
+                str(&k, "request_id");
+                str(&k, "x");
+                submit_pk(&k);
+                expect("array instead of a map", "<unknown>", KVF_STATUS_BAD_TASK, "found array");
+        }
+        bad("missing request_id", "<unknown>", KVF_STATUS_BAD_TASK, "missing field 'request_id'", NULL,
+            s3, 3, d3, 3, "ipc", D, false);
+        bad("missing dest_block_ids", "m1", KVF_STATUS_BAD_TASK, "missing field 'dest_block_ids'", "m1",
+            s3, 3, NULL, -1, "ipc", D, false);
+        bad("missing peer", "m2", KVF_STATUS_BAD_TASK, "missing field 'peer'", "m2", s3, 3, d3, 3,
+            "ipc", NULL, false);
+        bad("current_id is a string", "m3", KVF_STATUS_BAD_TASK,
+            "field 'current_id' must be a non-negative integer, found string", "m3", s3, 3, d3, 3, "ipc",
+            D, true);
+        bad("negative block id", "m4", KVF_STATUS_BAD_TASK, "field 'src_block_ids'[1] is negative", "m4",
+            neg, 3, d3, 3, "ipc", D, false);
+        bad("unknown transfer_protocol", "m5", KVF_STATUS_BAD_TASK, "'udp': expected ipc, tcp or rdma",
+            "m5", s3, 3, d3, 3, "udp", D, false);
+        {
+                char longid[201];
+                memset(longid, 'a', 200);
+                longid[200] = '\0';
+                bad("request_id of 200 bytes", "<unknown>", KVF_STATUS_BAD_TASK, "at most 127 allowed",
+                    longid, s3, 3, d3, 3, "ipc", D, false);
+        }
+        bad("empty src_block_ids", "m6", KVF_STATUS_BAD_TASK, "src_block_ids is empty", "m6", s3, 0, d3,
+            0, "ipc", D, false);
+        bad("more dest than src blocks", "m7", KVF_STATUS_BAD_TASK,
+            "dest_block_ids has 4 entries, more than the 3 of src_block_ids", "m7", s3, 3, s4, 4, "ipc",
+            D, false);
+        bad("more blocks than the limit", "m8", KVF_STATUS_BAD_TASK, "limit of 64 blocks per request",
+            "m8", many, 80, many, 80, "ipc", D, false);
+        bad("src block id out of range", "m9", KVF_STATUS_BLOCK_RANGE,
+            "src_block_ids[2] = 100000 is out of range: this instance has 64 blocks", "m9", big, 3, d3,
+            3, "ipc", D, false);
+        bad("dest block id out of range", "m10", KVF_STATUS_BLOCK_RANGE,
+            "dest_block_ids[0] = 100000 is out of range", "m10", s3, 3, dbig, 3, "ipc", D, false);
+        bad("dest block named twice", "m11", KVF_STATUS_BAD_TASK, "names block 5 twice", "m11", s3, 3,
+            twice, 3, "ipc", D, false);
+        bad("unknown peer", "m12", KVF_STATUS_UNKNOWN_PEER, "no instance 'nosuch-peer' on this host",
+            "m12", s3, 3, d3, 3, "ipc", "nosuch-peer", false);
+        bad("peer layout mismatch", "m13", KVF_STATUS_LAYOUT_MISMATCH, "32 layers here, 28 there", "m13",
+            s3, 3, d3, 3, "ipc", DX, false);
+        bad("peer is this instance", "m14", KVF_STATUS_BAD_TASK, "is this instance itself", "m14", s3, 3,
+            d3, 3, "ipc", P, false);
+        bad("ipc peer given as an address", "m15", KVF_STATUS_BAD_TASK,
+            "needs the name of a same-host instance", "m15", s3, 3, d3, 3, "ipc", "127.0.0.1:7000", false);
+        bad("rdma transport", "m16", KVF_STATUS_BAD_TASK, "'rdma' is not supported by this build", "m16",
+            s3, 3, d3, 3, "rdma", D, false);
+
+        /* Duplicate request id: the first is in flight (its step is far away). */
+        {
+                struct pk k;
+                task(&k, "dup", s3, 3, d3, 3, "ipc", D, false);
+                submit_pk(&k);
+                task(&k, "dup", s4, 4, d3, 3, "ipc", D, false);
+                submit_pk(&k);
+                expect("duplicate request_id", "dup", KVF_STATUS_BAD_TASK,
+                       "duplicate request_id 'dup': a request with this id is in flight");
+                CHECK_EQ(kvf_submit_cancel(c, "dup"), 0);
+                expect("cancel of the first one", "dup", KVF_STATUS_CANCELLED, "cancelled by the engine");
+        }
+        /* Records that have no completion to give: counted and logged, nothing else. */
+        struct kvf_ctl ctl;
+        CHECK_EQ(kvf_ctl_attach(P, false, &ctl), 0);
+        uint64_t bad_before = ctl.counters[KVF_CTR_BAD_RECORDS].value;
+        CHECK_EQ(kvf_submit_raw(c, KVF_TO_SENDER, 8, "\x80", 1), 0);
+        CHECK_EQ(kvf_submit_cancel(c, "never-submitted"), 0);
+        {
+                struct pk k;
+                pk_init(&k);
+                msgpack_pack_map(&k.p, 1);
+                str(&k, "request_id");
+                msgpack_pack_uint64(&k.p, 5);
+                CHECK_EQ(kvf_submit_raw(c, KVF_TO_SENDER, KVF_REC_CHUNK, k.sb.data, k.sb.size), 0);
+                msgpack_sbuffer_destroy(&k.sb);
+        }
+
+        /* A good request still finishes. */
+        uint64_t step = kvf_last_step(c) + 1;
+        uint32_t src[3] = {7, 8, 9}, dst[2] = {20, 21};
+        struct kvf_task t = {.request_id = "good", .src_block_ids = src, .n_src = 3,
+                             .dest_block_ids = dst, .n_dest = 2, .current_id = step,
+                             .transport = KVF_TRANSPORT_IPC, .peer = D};
+        CHECK_EQ(kvf_submit_task(c, &t), 0);
+        struct kvf_layout_info li;
+        kvf_get_layout(c, &li);
+        for (uint32_t l = 0; l < li.num_layers; l++)
+                CHECK_EQ(kvf_layer_done(c, step, l), 0);
+        expect("a good request after all of them", "good", KVF_STATUS_FINISHED, "");
+        uint64_t t0 = kvf_now_ns();
+        while (ctl.counters[KVF_CTR_BAD_RECORDS].value < bad_before + 2 && kvf_now_ns() - t0 < 5000000000ull)
+                usleep(10000);
+        CHECK(ctl.counters[KVF_CTR_BAD_RECORDS].value >= bad_before + 2);
+        CHECK(ctl.counters[KVF_CTR_TASKS_REJECTED].value >= 20);
+        kvf_ctl_detach(&ctl);
+
+        /* Connect tasks with a bad peer get an answer too. */
+        CHECK_EQ(kvf_submit_connect(c, "c1", "nosuch-peer"), 0);
+        CHECK_EQ(kvf_submit_connect(c, "c2", "127.0.0.1:1"), 0);
+        CHECK_EQ(kvf_submit_connect(c, "c3", D), 0);
+        int got = 0;
+        while (got < 3) {
+                struct kvf_event ev;
+                CHECK_EQ(kvf_poll(c, &ev, 10000), 1);
+                if (ev.type != KVF_EVENT_CONNECT_RESULT)
+                        continue;
+                printf("  connect %-26s -> %-22s \"%s\"\n", ev.peer, kvf_status_name(ev.status), ev.reason);
+                if (!strcmp(ev.request_id, "c1"))
+                        CHECK(ev.status == KVF_STATUS_UNKNOWN_PEER && strstr(ev.reason, "no instance 'nosuch-peer'"));
+                else if (!strcmp(ev.request_id, "c2"))
+                        CHECK(ev.status == KVF_STATUS_CONNECTION && strstr(ev.reason, "connect to 127.0.0.1:1"));
+                else
+                        CHECK(ev.status == KVF_STATUS_FINISHED);
+                got++;
+        }
+        kvf_detach(c);
+        printf("bad_tasks_test: %d cases, each with its status and message; the good request finished\n", ncase);
+        return 0;
+}

@@ -400,7 +400,8 @@ int kvf_ctl_attach_path(const char *path, bool writable, struct kvf_ctl *out)
 {
         struct stat st;
         int rc;
-        int fd = open(path, (writable ? O_RDWR : O_RDONLY) | O_CLOEXEC);
+        /* O_NONBLOCK: a FIFO at this path must not hang us (it is refused below). */
+        int fd = open(path, (writable ? O_RDWR : O_RDONLY) | O_CLOEXEC | O_NONBLOCK);
 
         memset(out, 0, sizeof(*out));
         out->fd = -1;
@@ -414,6 +415,10 @@ int kvf_ctl_attach_path(const char *path, bool writable, struct kvf_ctl *out)
                 rc = -errno;
                 close(fd);
                 return kvf_err_set(rc, "stat %s: %s", path, strerror(-rc));
+        }
+        if (!S_ISREG(st.st_mode)) {
+                close(fd);
+                return kvf_err_set(-EINVAL, "%s is not a regular file", path);
         }
         if (st.st_uid != geteuid()) {
                 close(fd);
@@ -549,7 +554,9 @@ uint64_t kvf_role_begin(struct kvf_ctl *c, enum kvf_role_id role)
         kvf_store_relaxed(&s->heartbeat_ns, kvf_now_ns());
         if (gen > 1) {
                 kvf_fetch_add_relaxed(&s->restarts, 1);
-                kvf_count(c, KVF_CTR_RESTARTS, 1);
+                /* an engine attaching again is routine, not a crash */
+                if (role != KVF_ROLE_ENGINE)
+                        kvf_count(c, KVF_CTR_RESTARTS, 1);
         }
         /* Release: peers that see the new generation see the new pid too. */
         kvf_store_release(&s->generation, gen);

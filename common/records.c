@@ -28,7 +28,7 @@ enum fid {
         REQUEST_ID, TASK_ID, PEER, REASON, IP, PORT, RDMA_PORTS, CURRENT_ID, TOKENS_DONE, LAST,
         CHUNKED, SRC, DST, RUNS, KEY, LAYER, STATUS, PROTOCOL, BYTES, BLOCKS, ACCEPT_NS,
         LAST_LAYER_NS, DONE_NS, GENERATION, UP, INSTANCE, PURPOSE, ROLE, PROTO, BOOT_ID, NONCE,
-        PROOF, L_LAYERS, L_EXTRA, L_BLOCKS, L_HEADS, L_BSIZE, L_HDIM, L_DTYPE, L_KEYONLY, NFIELDS
+        PROOF, LAYER_COUNT, L_LAYERS, L_EXTRA, L_BLOCKS, L_HEADS, L_BSIZE, L_HDIM, L_DTYPE, L_KEYONLY, NFIELDS
 };
 
 static const struct field fields[NFIELDS] = {
@@ -64,6 +64,7 @@ static const struct field fields[NFIELDS] = {
         [BOOT_ID] = FU("boot_id", boot_id),
         [NONCE] = {"nonce", F_BIN32, offsetof(struct kvf_record, nonce), 32},
         [PROOF] = {"proof", F_BIN32, offsetof(struct kvf_record, proof), 32},
+        [LAYER_COUNT] = FU("layer_count", layer_count),
         [L_LAYERS] = FU("layers", lay_layers),
         [L_EXTRA] = FU("extra_layers", lay_extra),
         [L_BLOCKS] = FU("num_blocks", lay_blocks),
@@ -118,8 +119,8 @@ static const struct spec specs[KVF_RT_WIRE_MAX + 1] = {
                                  {BLOCKS, 0}, {DST, 0}, {DONE_NS, 0}),
                             false},
         [KVF_RT_WRITE_BATCH] = {"write batch",
-                                USES({KEY, R}, {REQUEST_ID, R}, {PEER, R}, {LAYER, R}, {RUNS, R},
-                                     {PROTOCOL, R}),
+                                USES({KEY, R}, {REQUEST_ID, R}, {PEER, R}, {LAYER, R},
+                                     {LAYER_COUNT, R}, {RUNS, R}, {PROTOCOL, R}),
                                 false},
         [KVF_RT_FINISH] = {"finish",
                            USES({KEY, R}, {REQUEST_ID, R}, {PEER, R}, {PROTOCOL, R}, {DST, R},
@@ -132,6 +133,10 @@ static const struct spec specs[KVF_RT_WIRE_MAX + 1] = {
         [KVF_RT_PEER_STATE] = {"peer state", USES({PEER, R}, {UP, R}, {GENERATION, 0}, {REASON, 0}),
                                false},
         [KVF_RT_DISCONNECT] = {"disconnect", USES({PEER, R}), false},
+        [KVF_RT_OPEN] = {"open",
+                         USES({KEY, R}, {REQUEST_ID, R}, {PEER, R}, {PROTOCOL, R}, {DST, R},
+                              {BYTES, 0}),
+                         false},
         [KVF_RT_HELLO] = {"hello", USES({PROTO, R}, {NONCE, R}, {PURPOSE, R}), false},
         [KVF_RT_CHALLENGE] = {"challenge", USES({NONCE, R}, {PROOF, R}), false},
         [KVF_RT_AUTH] = {"auth",
@@ -150,6 +155,7 @@ static const struct spec specs[KVF_RT_WIRE_MAX + 1] = {
         [KVF_RT_ACK] = {"ack", USES({KEY, R}, {REQUEST_ID, R}, {STATUS, R}, {REASON, 0}), false},
         [KVF_RT_PING] = {"ping", NULL, 0, false},
         [KVF_RT_PONG] = {"pong", NULL, 0, false},
+        [KVF_RT_XOPEN] = {"xopen", USES({KEY, R}, {REQUEST_ID, R}, {DST, R}), false},
 };
 
 const char *kvf_rec_type_name(int type)

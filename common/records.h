@@ -34,7 +34,8 @@ enum kvf_rec_type {
         KVF_RT_WRITE_RESULT = 10,       /* connector -> sender */
         KVF_RT_PEER_STATE = 11,         /* connector -> sender */
         KVF_RT_DISCONNECT = 12,         /* engine -> connector */
-        KVF_RT_MAX = 12, /* last ring record type */
+        KVF_RT_OPEN = 13,               /* sender -> connector: a network transfer begins */
+        KVF_RT_MAX = 13, /* last ring record type */
         /* Wire records: between two connectors, never on a ring. */
         KVF_RT_HELLO = 32,     /* client -> server: proto, nonce, purpose */
         KVF_RT_CHALLENGE = 33, /* server -> client: nonce, proof */
@@ -45,7 +46,10 @@ enum kvf_rec_type {
         KVF_RT_ACK = 38,       /* decode -> prefill: the notice's outcome */
         KVF_RT_PING = 39,
         KVF_RT_PONG = 40,
-        KVF_RT_WIRE_MAX = 40,
+        KVF_RT_XOPEN = 41,     /* prefill -> decode, data connection: a transfer's destination blocks */
+        KVF_RT_WIRE_MAX = 41,
+        /* Data frames carry a binary header and block bytes, not a record (connector/data.h). */
+        KVF_RT_DATA = 48,
 };
 
 #define KVF_MAX_RECORD_IDS (1u << 20) /* block ids (or run ints) in one record */
@@ -71,6 +75,7 @@ struct kvf_record {
         uint64_t lay_layers, lay_extra, lay_blocks, lay_heads, lay_bsize, lay_hdim, lay_dtype,
                 lay_keyonly;
         uint64_t layer;
+        uint64_t layer_count; /* write batch: layers [layer, layer + layer_count) */
         uint64_t blocks;
         int status;    /* enum kvf_status */
         int transport; /* enum kvf_transport */

@@ -34,6 +34,8 @@ struct conn_config {
         unsigned handshake_timeout_ms;
         unsigned keepalive_ms;
         unsigned peer_timeout_ms; /* silence (or unreachability) after which a peer is dead */
+        unsigned streams;         /* data connections per peer (tcp transport) */
+        bool zerocopy;            /* send data frames with MSG_ZEROCOPY (io_uring send_zc) */
 };
 
 enum ev_kind {
@@ -41,6 +43,7 @@ enum ev_kind {
         EV_RESULT,      /* a peer resolved a notice: write result for the sender */
         EV_CONNECT,     /* a peer answers a connect task */
         EV_PEER_STATE,  /* a peer went up or down */
+        EV_DATA_DONE,   /* every block of a tcp transfer has been received (decode side) */
 };
 
 struct event {
@@ -74,6 +77,7 @@ struct peer {
         bool up;
         bool stop;
         uint64_t last_used_ns;
+        struct peer_data *data; /* tcp data path (data_tx.c), created on first use */
 };
 
 struct session {
@@ -87,8 +91,13 @@ struct session {
 
 #define MAX_PEERS 256u
 
+struct rx_xfer;
+
 struct connector {
         struct kvf_ctl ctl;
+        uint8_t *cache; /* own host cache: read by data_tx, written by data_rx */
+        pthread_mutex_t rxmu; /* data_rx's table */
+        struct rx_xfer *rx[1024];
         uint64_t gen;
         struct conn_config cfg;
         int listen_fd;
@@ -116,7 +125,7 @@ struct connector {
 /* main.c */
 void conn_post(struct connector *cn, struct event *ev);
 
-/* handshake.c: 0 with the peer's layout/identity in *hello_out, or -errno with kvf_err set and
+/* handshake.c: 0 with the peer's identity in *out, or -errno with kvf_err set and (client)
  * *status (enum kvf_status) saying what kind of failure it was. */
 struct peer_identity {
         char instance[KVF_INSTANCE_MAX];
@@ -124,8 +133,11 @@ struct peer_identity {
         uint64_t created_ns;
         uint64_t boot_id;
 };
-int conn_handshake_client(struct connector *cn, int fd, struct peer_identity *out, int *status);
-int conn_handshake_server(struct connector *cn, int fd, struct peer_identity *out);
+/* purpose: "control" (notices, acks, pings) or "data" (tcp block frames). */
+int conn_handshake_client(struct connector *cn, int fd, const char *purpose,
+                          struct peer_identity *out, int *status);
+int conn_handshake_server(struct connector *cn, int fd, struct peer_identity *out, char *purpose,
+                          size_t purposelen);
 int conn_send_record(int fd, const struct kvf_record *r, unsigned timeout_ms);
 
 /* peer.c */
@@ -133,11 +145,15 @@ struct peer *conn_peer_get(struct connector *cn, const char *name);
 void conn_peer_enqueue(struct peer *p, struct notice *n);
 void conn_peer_connect_task(struct peer *p, const char *task_id);
 void conn_peers_stop(struct connector *cn);
+/* Wake the peer's thread: it has work (a transfer opened) and should connect. */
+void conn_peer_kick(struct peer *p);
 
 /* session.c */
 void *conn_listener_main(void *arg);
 int conn_session_send(struct connector *cn, uint64_t session, const struct kvf_record *r);
 void conn_journal_init(struct connector *cn);
+/* Was the arrival for this notice published already (and committed)? */
+bool conn_arrival_published(struct connector *cn, const struct kvf_record *notice);
 /* Publish the arrival for a notice, once; returns the status to acknowledge with. */
 int conn_publish_arrival(struct connector *cn, const struct kvf_record *notice, const char *from,
                          char *reason, size_t reasonlen);

@@ -91,7 +91,8 @@ static void refuse(int fd, int status, const char *reason, unsigned timeout_ms)
         conn_send_record(fd, &r, timeout_ms);
 }
 
-int conn_handshake_client(struct connector *cn, int fd, struct peer_identity *out, int *status)
+int conn_handshake_client(struct connector *cn, int fd, const char *purpose,
+                          struct peer_identity *out, int *status)
 {
         const struct kvf_ctl_header *h = cn->ctl.hdr;
         unsigned to = cn->cfg.handshake_timeout_ms;
@@ -103,7 +104,7 @@ int conn_handshake_client(struct connector *cn, int fd, struct peer_identity *ou
         *status = KVF_STATUS_CONNECTION;
         kvf_random(nonce_c, sizeof(nonce_c));
         memcpy(r.nonce, nonce_c, sizeof(nonce_c));
-        snprintf(r.purpose, sizeof(r.purpose), "control");
+        snprintf(r.purpose, sizeof(r.purpose), "%s", purpose);
         if ((rc = conn_send_record(fd, &r, to)) < 0)
                 return kvf_err_ctx(rc, "handshake");
         if ((rc = recv_record(fd, KVF_RT_CHALLENGE, &r, to, status)) < 0)
@@ -143,7 +144,8 @@ int conn_handshake_client(struct connector *cn, int fd, struct peer_identity *ou
         return 0;
 }
 
-int conn_handshake_server(struct connector *cn, int fd, struct peer_identity *out)
+int conn_handshake_server(struct connector *cn, int fd, struct peer_identity *out, char *purpose,
+                          size_t purposelen)
 {
         const struct kvf_ctl_header *h = cn->ctl.hdr;
         unsigned to = cn->cfg.handshake_timeout_ms;
@@ -160,6 +162,11 @@ int conn_handshake_server(struct connector *cn, int fd, struct peer_identity *ou
                 refuse(fd, KVF_STATUS_CONNECTION, reason, to);
                 return kvf_err_set(-EPROTO, "handshake: %s", reason);
         }
+        if (strcmp(r.purpose, "control") && strcmp(r.purpose, "data")) {
+                refuse(fd, KVF_STATUS_CONNECTION, "unknown connection purpose", to);
+                return kvf_err_set(-EPROTO, "handshake: unknown connection purpose '%s'", r.purpose);
+        }
+        snprintf(purpose, purposelen, "%s", r.purpose);
         memcpy(nonce_c, r.nonce, sizeof(nonce_c));
         kvf_random(nonce_s, sizeof(nonce_s));
         memset(&r, 0, sizeof(r));

@@ -3,6 +3,8 @@
  * This file holds the options, the control thread and its event queue.
  */
 #include <errno.h>
+#include <fcntl.h>
+#include <sys/mman.h>
 #include <getopt.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -12,6 +14,7 @@
 #include "atomics.h"
 #include "clock.h"
 #include "connector.h"
+#include "data.h"
 #include "doorbell.h"
 #include "err.h"
 #include "kvferry.h"
@@ -32,6 +35,8 @@ static void usage(void)
                "  --connect-timeout-ms N   (default 2000)\n"
                "  --keepalive-ms N         ping a quiet peer this often (default 500)\n"
                "  --peer-timeout-ms N      a peer silent or unreachable this long is dead (default 5000)\n"
+               "  --streams N              tcp data connections per peer (default 2)\n"
+               "  --zerocopy               send data frames with zero-copy sends (io_uring send_zc)\n"
                "  --help, --version\n",
                prog);
 }
@@ -76,6 +81,7 @@ static int ring_write_record(struct connector *cn, int ring, const struct kvf_re
 /* Handle one event; -EAGAIN = a ring is full, keep it for later. */
 static int handle_event(struct connector *cn, struct event *ev)
 {
+        /* (recursive for EV_DATA_DONE, which becomes the waiting EV_NOTICE) */
         switch (ev->kind) {
         case EV_RESULT:
                 return ring_write_record(cn, KVF_RING_CONNECTOR_TO_SENDER, &ev->rec);
@@ -83,8 +89,35 @@ static int handle_event(struct connector *cn, struct event *ev)
                 return ring_write_record(cn, KVF_RING_CONNECTOR_TO_SENDER, &ev->rec);
         case EV_CONNECT:
                 return ring_write_record(cn, KVF_RING_CONNECTOR_TO_ENGINE, &ev->rec);
+        case EV_DATA_DONE: {
+                /* The last block of a tcp transfer is in: publish if its notice waits. */
+                struct kvf_record n;
+                uint64_t session;
+                if (!data_rx_take_ready(cn, ev->rec.peer, ev->rec.key, &n, &session))
+                        return 0;
+                struct event *nev = calloc(1, sizeof(*nev));
+                if (!nev) {
+                        kvf_record_free(&n);
+                        return 0;
+                }
+                nev->kind = EV_NOTICE;
+                nev->session = session;
+                nev->rec = n;
+                int rc = handle_event(cn, nev);
+                if (rc == -EAGAIN) {
+                        /* ring full: keep the notice for the next pass */
+                        conn_post(cn, nev);
+                        return 0;
+                }
+                kvf_record_free(&nev->rec);
+                free(nev);
+                return 0;
+        }
         case EV_NOTICE: {
                 char reason[KVF_REASON_MAX];
+                if (ev->rec.transport != KVF_TRANSPORT_IPC && ev->rec.status == KVF_STATUS_FINISHED &&
+                    !conn_arrival_published(cn, &ev->rec) && !data_rx_notice(cn, &ev->rec, ev->session))
+                        return 0; /* the data is not all in: the arrival waits for it */
                 int st = conn_publish_arrival(cn, &ev->rec, "notice", reason, sizeof(reason));
                 if (st == -EAGAIN)
                         return -EAGAIN;
@@ -98,6 +131,8 @@ static int handle_event(struct connector *cn, struct event *ev)
                                    ev->rec.request_id, ev->rec.peer, kvf_status_name(ack.status), reason);
                 /* If the session is gone the prefill side re-sends; the journal de-duplicates. */
                 conn_session_send(cn, ev->session, &ack);
+                if (ev->rec.transport != KVF_TRANSPORT_IPC)
+                        data_rx_forget(cn, ev->rec.peer, ev->rec.key);
                 return 0;
         }
         }
@@ -167,22 +202,57 @@ static void on_finish(struct connector *cn, struct kvf_record *f)
         conn_peer_enqueue(p, n);
 }
 
+static void result_now(struct connector *cn, const struct kvf_record *r, int status, const char *why)
+{
+        struct event *ev = calloc(1, sizeof(*ev));
+        if (!ev)
+                return;
+        ev->kind = EV_RESULT;
+        ev->rec.type = KVF_RT_WRITE_RESULT;
+        ev->rec.key = r->key;
+        ev->rec.status = status;
+        snprintf(ev->rec.request_id, sizeof(ev->rec.request_id), "%s", r->request_id);
+        snprintf(ev->rec.reason, sizeof(ev->rec.reason), "%s", why);
+        conn_post(cn, ev);
+}
+
 static int on_sender_record(void *ctx, uint16_t type, const uint8_t *pl, uint32_t len, uint64_t pos)
 {
         struct connector *cn = ctx;
         struct kvf_record r;
+        int rc = 0;
         (void)pos;
-        if (type != KVF_RT_FINISH || kvf_record_decode(type, pl, len, 0, &r) < 0) {
+        bool known = type == KVF_RT_FINISH || type == KVF_RT_OPEN || type == KVF_RT_WRITE_BATCH;
+        if (!known || kvf_record_decode(type, pl, len, 0, &r) < 0) {
                 kvf_count(&cn->ctl, KVF_CTR_BAD_RECORDS, 1);
                 kvf_errlog(&cn->ctl, KVF_ROLE_CONNECTOR, "bad %s record from the sender: %s",
-                           kvf_rec_type_name(type), type == KVF_RT_FINISH ? kvf_err_msg() : "unexpected type");
-                if (type == KVF_RT_FINISH)
+                           kvf_rec_type_name(type), known ? kvf_err_msg() : "unexpected type");
+                if (known)
                         kvf_record_free(&r);
                 return 0;
         }
-        on_finish(cn, &r);
+        switch (type) {
+        case KVF_RT_FINISH:
+                on_finish(cn, &r);
+                break;
+        case KVF_RT_OPEN:
+                if (data_tx_open(cn, &r) < 0)
+                        result_now(cn, &r, KVF_STATUS_CONNECTION, "the connector is out of memory or peers");
+                break;
+        case KVF_RT_WRITE_BATCH:
+                rc = data_tx_batch(cn, &r);
+                if (rc == -EAGAIN)
+                        break; /* back-pressure: leave it in the ring */
+                if (rc == -ENOENT)
+                        rc = 0; /* the transfer failed already; its result went out */
+                else if (rc < 0) {
+                        result_now(cn, &r, KVF_STATUS_WRITE, "the connector could not queue a write batch");
+                        rc = 0;
+                }
+                break;
+        }
         kvf_record_free(&r);
-        return 0;
+        return rc;
 }
 
 static int on_engine_record(void *ctx, uint16_t type, const uint8_t *pl, uint32_t len, uint64_t pos)
@@ -248,6 +318,8 @@ static void control_loop(struct connector *cn)
                 uint64_t now = kvf_now_ns();
                 if (now >= next) {
                         kvf_role_heartbeat(&cn->ctl, KVF_ROLE_CONNECTOR);
+                        /* A transfer whose sender went silent for a long while is not coming. */
+                        data_rx_expire(cn, 300ull * 1000000000ull);
                         next = now + beat;
                 }
                 if (worked && !cn->deferred)
@@ -256,6 +328,23 @@ static void control_loop(struct connector *cn)
                 uint64_t wait = cn->deferred ? 1000000ull : beat;
                 kvf_doorbell_wait(&cn->ctl.bells[KVF_BELL_CONNECTOR], has_work, cn, 256, wait);
         }
+}
+
+/* The tcp data path reads (prefill) and writes (decode) the instance's own host cache. */
+static int map_cache(struct connector *cn)
+{
+        const struct kvf_ctl_header *h = cn->ctl.hdr;
+        if (h->backend != KVF_BACKEND_HOST)
+                return 0;
+        int fd = shm_open(h->cache_name, O_RDWR | O_CLOEXEC, 0);
+        if (fd < 0)
+                return kvf_err_set(-errno, "open own cache /dev/shm%s: %s", h->cache_name, strerror(errno));
+        void *p = mmap(NULL, h->layout.cache_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+        close(fd);
+        if (p == MAP_FAILED)
+                return kvf_err_set(-errno, "map own cache: %s", strerror(errno));
+        cn->cache = p;
+        return 0;
 }
 
 static void default_token_path(char *buf, size_t len)
@@ -270,13 +359,15 @@ static void default_token_path(char *buf, size_t len)
 
 int main(int argc, char **argv)
 {
-        enum { O_LISTEN = 1000, O_TOKEN, O_CTO, O_KEEP, O_PTO, O_VERSION };
+        enum { O_LISTEN = 1000, O_TOKEN, O_CTO, O_KEEP, O_PTO, O_STREAMS, O_ZC, O_VERSION };
         static const struct option opts[] = {{"instance", required_argument, 0, 'i'},
                                              {"listen", required_argument, 0, O_LISTEN},
                                              {"token-file", required_argument, 0, O_TOKEN},
                                              {"connect-timeout-ms", required_argument, 0, O_CTO},
                                              {"keepalive-ms", required_argument, 0, O_KEEP},
                                              {"peer-timeout-ms", required_argument, 0, O_PTO},
+                                             {"streams", required_argument, 0, O_STREAMS},
+                                             {"zerocopy", no_argument, 0, O_ZC},
                                              {"help", no_argument, 0, 'h'},
                                              {"version", no_argument, 0, O_VERSION},
                                              {0, 0, 0, 0}};
@@ -289,6 +380,7 @@ int main(int argc, char **argv)
         cn.cfg.connect_timeout_ms = 2000;
         cn.cfg.keepalive_ms = 500;
         cn.cfg.peer_timeout_ms = 5000;
+        cn.cfg.streams = 2;
         while ((c = getopt_long(argc, argv, "i:h", opts, NULL)) != -1) {
                 switch (c) {
                 case 'i': instance = optarg; break;
@@ -297,6 +389,8 @@ int main(int argc, char **argv)
                 case O_CTO: cn.cfg.connect_timeout_ms = (unsigned)kvf_opt_u64("connect-timeout-ms", optarg, 1, 600000); break;
                 case O_KEEP: cn.cfg.keepalive_ms = (unsigned)kvf_opt_u64("keepalive-ms", optarg, 1, 600000); break;
                 case O_PTO: cn.cfg.peer_timeout_ms = (unsigned)kvf_opt_u64("peer-timeout-ms", optarg, 10, 3600000); break;
+                case O_STREAMS: cn.cfg.streams = (unsigned)kvf_opt_u64("streams", optarg, 1, 16); break;
+                case O_ZC: cn.cfg.zerocopy = true; break;
                 case 'h': usage(); return 0;
                 case O_VERSION: printf("%s %s\n", prog, KVFERRY_VERSION); return 0;
                 default: kvf_opt_die(prog, "unknown option");
@@ -319,6 +413,11 @@ int main(int argc, char **argv)
         }
         pthread_mutex_init(&cn.evmu, NULL);
         pthread_mutex_init(&cn.smu, NULL);
+        pthread_mutex_init(&cn.rxmu, NULL);
+        if (map_cache(&cn) < 0) {
+                kvf_error("%s", kvf_err_msg());
+                return 1;
+        }
         cn.gen = kvf_role_begin(&cn.ctl, KVF_ROLE_CONNECTOR);
         kvf_ring_producer_attach(&cn.ctl.rings[KVF_RING_CONNECTOR_TO_ENGINE], cn.gen);
         kvf_ring_producer_attach(&cn.ctl.rings[KVF_RING_CONNECTOR_TO_SENDER], cn.gen);

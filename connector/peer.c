@@ -18,6 +18,7 @@
 
 #include "clock.h"
 #include "connector.h"
+#include "data.h"
 #include "err.h"
 #include "log.h"
 
@@ -101,7 +102,7 @@ static bool has_work(struct peer *p)
         pthread_mutex_lock(&p->mu);
         bool w = p->queue || p->inflight || p->nconnect;
         pthread_mutex_unlock(&p->mu);
-        return w;
+        return w || data_tx_busy(p);
 }
 
 static void drain_wake(struct peer *p)
@@ -240,6 +241,8 @@ static int serve(struct peer *p, int fd, char *why, size_t whylen)
                                 post_result(cn, n, ack.status, ack.reason);
                                 free_notice(n);
                         }
+                        /* Acknowledged (or refused): the transfer's frames are no longer needed. */
+                        data_tx_forget(p, ack.key);
                         kvf_record_free(&ack);
                 }
                 if (rc < 0) {
@@ -291,7 +294,7 @@ static void *peer_main(void *arg)
                 }
                 struct peer_identity id;
                 if (rc >= 0) {
-                        rc = conn_handshake_client(cn, fd, &id, &status);
+                        rc = conn_handshake_client(cn, fd, "control", &id, &status);
                         if (rc < 0)
                                 kvf_err_ctx(rc, "peer '%s' at %s:%u", p->name, host, port);
                 }
@@ -305,6 +308,7 @@ static void *peer_main(void *arg)
                          * work queued now. Unreachable: give it peer_timeout. */
                         bool permanent = status != KVF_STATUS_CONNECTION;
                         fail_queued(p, status, why, permanent ? 0 : dead);
+                        data_tx_fail(p, status, why, permanent ? 0 : dead);
                         kvf_errlog(&cn->ctl, KVF_ROLE_CONNECTOR, "peer %s: %s", p->name, why);
                         struct pollfd pf = {.fd = p->wake_fd, .events = POLLIN};
                         poll(&pf, 1, (int)backoff_ms);
@@ -401,11 +405,17 @@ void conn_peer_connect_task(struct peer *p, const char *task_id)
         wake(p);
 }
 
+void conn_peer_kick(struct peer *p)
+{
+        wake(p);
+}
+
 void conn_peers_stop(struct connector *cn)
 {
         for (unsigned i = 0; i < cn->npeers; i++) {
                 cn->peers[i]->stop = true;
                 wake(cn->peers[i]);
+                data_tx_stop(cn->peers[i]);
         }
         for (unsigned i = 0; i < cn->npeers; i++) {
                 pthread_join(cn->peers[i]->thread, NULL);

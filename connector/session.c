@@ -19,6 +19,7 @@
 #include "atomics.h"
 #include "clock.h"
 #include "connector.h"
+#include "data.h"
 #include "err.h"
 #include "log.h"
 
@@ -77,6 +78,13 @@ void conn_journal_init(struct connector *cn)
                         cn->jnext = (e + 1) % KVF_JOURNAL_ENTRIES;
                 }
         jidx_rebuild(cn);
+}
+
+bool conn_arrival_published(struct connector *cn, const struct kvf_record *n)
+{
+        uint32_t e = jidx_find(cn, journal_key(n));
+        return e != JEMPTY &&
+               kvf_ring_delivered(&cn->ctl.rings[KVF_RING_CONNECTOR_TO_ENGINE], cn->ctl.journal[e].ring_pos);
 }
 
 int conn_publish_arrival(struct connector *cn, const struct kvf_record *n, const char *from,
@@ -202,12 +210,17 @@ static void *session_main(void *arg)
         s->fd = sa->fd;
         pthread_mutex_init(&s->wmu, NULL);
         kvf_net_peer_name(s->fd, s->remote, sizeof(s->remote));
-        if (conn_handshake_server(cn, s->fd, &id) < 0) {
+        char purpose[16];
+        if (conn_handshake_server(cn, s->fd, &id, purpose, sizeof(purpose)) < 0) {
                 kvf_errlog(&cn->ctl, KVF_ROLE_CONNECTOR, "connection from %s refused: %s", s->remote,
                            kvf_err_msg());
                 goto out_free;
         }
         snprintf(s->instance, sizeof(s->instance), "%s", id.instance);
+        if (!strcmp(purpose, "data")) {
+                data_rx_serve(cn, s->fd, s->instance, s->remote);
+                goto out_free;
+        }
         kvf_info("peer instance '%s' connected from %s", s->instance, s->remote);
         if (kvf_reader_init(&rd, KVF_FRAME_MAX + KVF_FRAME_HDR) < 0)
                 goto out_free;

@@ -14,6 +14,8 @@
  * restarted sender resumes from these two numbers (re-sending at most the
  * batch in flight when it died; writes are idempotent).
  */
+#include <errno.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "atomics.h"
@@ -51,12 +53,101 @@ static void copy_ipc(struct sender *s, uint32_t slot, uint32_t l0, uint32_t l1, 
         r->bytes += blocks * bb;
 }
 
-static void send_range(struct sender *s, uint32_t slot, uint32_t l0, uint32_t l1, uint32_t b0,
-                       uint32_t b1)
+/*
+ * Hand layers [l0, l1) of send-blocks [b0, b1) of a network request to the
+ * connector as one write batch: runs contiguous on both sides, as (src, dst
+ * index, count) triples. 0, or -EAGAIN when the ring is full.
+ */
+static int post_batch(struct sender *s, uint32_t slot, uint32_t l0, uint32_t l1, uint32_t b0,
+                      uint32_t b1)
+{
+        struct kvf_req_slot *r = &s->ctl.reqtab[slot];
+        const uint32_t *src = kvf_slot_blocks(&s->ctl, slot) + (r->n_src - r->n_send);
+        const uint32_t *dst = kvf_slot_blocks(&s->ctl, slot) + s->ctl.hdr->max_blocks;
+        uint32_t *runs = s->runs, n = 0;
+
+        for (uint32_t i = b0; i < b1;) {
+                uint32_t k = 1;
+                while (i + k < b1 && src[i + k] == src[i] + k && dst[i + k] == dst[i] + k)
+                        k++;
+                runs[n++] = src[i];
+                runs[n++] = i; /* the receiver maps indexes to its own block ids */
+                runs[n++] = k;
+                i += k;
+        }
+        struct kvf_record w = {.type = KVF_RT_WRITE_BATCH, .key = sender_key(slot, r->incarnation),
+                               .layer = l0, .layer_count = l1 - l0, .runs = runs, .n_runs = n,
+                               .transport = (int)r->transport};
+        memcpy(w.request_id, r->request_id, sizeof(w.request_id));
+        memcpy(w.peer, r->peer, sizeof(w.peer));
+        uint8_t *buf;
+        size_t len;
+        if (kvf_record_encode_alloc(&w, &buf, &len) < 0)
+                return -EAGAIN;
+        int rc = kvf_ring_write(&s->ctl.rings[KVF_RING_SENDER_TO_CONNECTOR], KVF_RT_WRITE_BATCH, buf,
+                                (uint32_t)len, NULL);
+        free(buf);
+        if (rc < 0) {
+                kvf_count(&s->ctl, KVF_CTR_RING_FULL, 1);
+                return -EAGAIN;
+        }
+        return 0; /* the connector counts what it sends */
+}
+
+int sender_post_open(struct sender *s, uint32_t slot)
+{
+        struct kvf_req_slot *r = &s->ctl.reqtab[slot];
+        struct kvf_record o = {.type = KVF_RT_OPEN, .key = sender_key(slot, r->incarnation),
+                               .transport = (int)r->transport,
+                               .dst = kvf_slot_blocks(&s->ctl, slot) + s->ctl.hdr->max_blocks,
+                               .n_dst = r->n_send,
+                               .bytes = (uint64_t)r->n_send * s->layers * s->tensors *
+                                        s->layout->block_bytes};
+        memcpy(o.request_id, r->request_id, sizeof(o.request_id));
+        memcpy(o.peer, r->peer, sizeof(o.peer));
+        uint8_t *buf;
+        size_t len;
+        if (kvf_record_encode_alloc(&o, &buf, &len) < 0)
+                return -EAGAIN;
+        int rc = kvf_ring_write(&s->ctl.rings[KVF_RING_SENDER_TO_CONNECTOR], KVF_RT_OPEN, buf,
+                                (uint32_t)len, NULL);
+        free(buf);
+        if (rc < 0)
+                kvf_count(&s->ctl, KVF_CTR_RING_FULL, 1);
+        return rc < 0 ? -EAGAIN : 0;
+}
+
+/*
+ * Hand a network request's blocks to the connector again (it restarted, or
+ * we did): position p < layers re-sends layer p of blocks [0, sent_full);
+ * then the front chunk's blocks for layers [0, cur_layers). Resumable: the
+ * cursor moves only past what made it into the ring.
+ */
+int sender_resend(struct sender *s, uint32_t slot)
+{
+        struct kvf_req_slot *r = &s->ctl.reqtab[slot];
+        uint32_t front_end = r->chunk_head != r->chunk_tail
+                                     ? r->chunks[r->chunk_head % KVF_CHUNKS_MAX].block_end
+                                     : r->sent_full;
+        for (uint32_t *p = &s->resend[slot]; *p < s->layers + r->cur_layers; (*p)++) {
+                int rc = *p < s->layers
+                                 ? (r->sent_full ? post_batch(s, slot, *p, *p + 1, 0, r->sent_full) : 0)
+                                 : (front_end > r->sent_full
+                                            ? post_batch(s, slot, *p - s->layers, *p - s->layers + 1,
+                                                         r->sent_full, front_end)
+                                            : 0);
+                if (rc < 0)
+                        return rc;
+        }
+        return 0;
+}
+
+static int send_range(struct sender *s, uint32_t slot, uint32_t l0, uint32_t l1, uint32_t b0,
+                      uint32_t b1)
 {
         struct kvf_req_slot *r = &s->ctl.reqtab[slot];
         if (l0 >= l1 || b0 >= b1)
-                return;
+                return 0;
         uint64_t t0 = kvf_now_ns();
         if (!s->copy_timed && s->progress_ns && t0 >= s->progress_ns) {
                 /* first copy caused by this progress word */
@@ -65,10 +156,18 @@ static void send_range(struct sender *s, uint32_t slot, uint32_t l0, uint32_t l1
         }
         if (!r->first_copy_ns)
                 r->first_copy_ns = t0;
-        copy_ipc(s, slot, l0, l1, b0, b1);
+        if (r->transport == KVF_TRANSPORT_IPC) {
+                copy_ipc(s, slot, l0, l1, b0, b1);
+        } else {
+                if (s->flags[slot] & SLOT_NET_BLOCKED)
+                        return -EAGAIN; /* the open record (or a resend) goes first */
+                if (post_batch(s, slot, l0, l1, b0, b1) < 0)
+                        return -EAGAIN;
+        }
         kvf_hist_add(&s->ctl.sender->hist[KVF_HIST_COPY], kvf_now_ns() - t0);
         kvf_count(&s->ctl, KVF_CTR_COPY_BATCHES, 1);
         kvf_count(&s->ctl, KVF_CTR_LAYERS_SENT, l1 - l0);
+        return 0;
 }
 
 /* Every byte of the request is written: ask the connector to tell the peer. */
@@ -81,8 +180,7 @@ static void all_sent(struct sender *s, uint32_t slot)
         /* Release: the copies above are complete before anyone sees FINISHING. */
         kvf_store_release(&r->state, KVF_REQ_FINISHING);
         r->notice_gen = 0;
-        s->flags[slot] |= SLOT_NEEDS_NOTICE;
-        s->pending++;
+        sender_mark(s, slot, SLOT_NEEDS_NOTICE);
 }
 
 /* Move whatever the current progress word allows for one request. */
@@ -104,7 +202,12 @@ void sender_advance(struct sender *s, uint32_t slot)
                 else
                         break;
                 if (ready > r->cur_layers) {
-                        send_range(s, slot, r->cur_layers, ready, r->sent_full, m->block_end);
+                        if (send_range(s, slot, r->cur_layers, ready, r->sent_full, m->block_end) < 0) {
+                                /* the ring is full: try again from the same place later */
+                                sender_mark(s, slot, SLOT_NEEDS_ADVANCE);
+                                sender_arm(s, slot);
+                                return;
+                        }
                         if (r->state != KVF_REQ_ACTIVE)
                                 return;
                         r->cur_layers = ready;

@@ -56,6 +56,8 @@ struct sender {
         uint64_t *armed;  /* per slot: the step it is armed at, or UINT64_MAX */
         uint8_t *flags;   /* per slot: SLOT_* below */
         uint32_t *tmp;    /* scratch list of slots */
+        uint32_t *resend; /* per slot: SLOT_RESEND cursor (see sender_resend) */
+        uint32_t *runs;   /* scratch: (src, dst index, count) triples of one write batch */
         struct bucket *buckets; /* sorted by step */
         uint32_t nbuckets, capbuckets;
 
@@ -64,16 +66,24 @@ struct sender {
         bool copy_timed;       /* the latency of this progress word is recorded */
         uint64_t connector_gen;
         uint64_t request_timeout_ns;
-        uint32_t pending; /* slots with a notice or completion still to post */
+        bool pending; /* some slot has flags set: sender_flush_pending() has work */
 
         struct ipc_peer peers[SENDER_MAX_PEERS];
         uint8_t *scratch; /* encode buffer */
         size_t scratch_cap;
 };
 
+/*
+ * Work a slot still owes the rings, because a ring was full or the connector
+ * restarted. Kept in this process only: a restarted sender recomputes it.
+ */
 #define SLOT_NEEDS_NOTICE 1u     /* FINISHING, finish notice not yet in the ring */
 #define SLOT_NEEDS_COMPLETION 2u /* status decided, completion not yet in the ring */
 #define SLOT_ABORT_NOTICE 4u     /* failed while active: tell the peer (best effort) */
+#define SLOT_NEEDS_OPEN 8u       /* network transfer: the open record is not in the ring */
+#define SLOT_RESEND 16u          /* network transfer: hand everything sent so far again */
+#define SLOT_NEEDS_ADVANCE 32u   /* a write batch did not fit: advance again later */
+#define SLOT_NET_BLOCKED (SLOT_NEEDS_OPEN | SLOT_RESEND)
 
 /* table.c */
 int sender_table_init(struct sender *s);
@@ -103,8 +113,17 @@ void sender_flush_pending(struct sender *s);
 void sender_adopt(struct sender *s);
 void sender_tick(struct sender *s, uint64_t now);
 
+static inline void sender_mark(struct sender *s, uint32_t slot, uint8_t flag)
+{
+        s->flags[slot] |= flag;
+        s->pending = true;
+}
+
 /* progress.c */
 void sender_on_progress(struct sender *s, uint64_t word, uint64_t publish_ns);
 void sender_advance(struct sender *s, uint32_t slot);
+/* Network transfers: the open record, and handing everything sent so far again. 0 or -EAGAIN. */
+int sender_post_open(struct sender *s, uint32_t slot);
+int sender_resend(struct sender *s, uint32_t slot);
 
 #endif

@@ -18,7 +18,9 @@ int sender_table_init(struct sender *s)
         s->armed = malloc(n * sizeof(*s->armed));
         s->flags = calloc(n, 1);
         s->tmp = malloc(n * sizeof(*s->tmp));
-        if (!s->map || !s->armed || !s->flags || !s->tmp)
+        s->resend = calloc(n, sizeof(*s->resend));
+        s->runs = malloc(3ull * s->ctl.hdr->max_blocks * sizeof(*s->runs));
+        if (!s->map || !s->armed || !s->flags || !s->tmp || !s->resend || !s->runs)
                 return kvf_err_set(-ENOMEM, "out of memory for a %u-slot request table", n);
         memset(s->map, 0xff, s->map_cap * sizeof(*s->map));
         for (uint32_t i = 0; i < n; i++)

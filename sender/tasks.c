@@ -76,8 +76,12 @@ static int post_completion(struct sender *s, uint32_t slot)
 {
         struct kvf_req_slot *r = &s->ctl.reqtab[slot];
         struct kvf_ring *ring = &s->ctl.rings[KVF_RING_SENDER_TO_ENGINE];
+        /* Finished means every byte landed, once: report that amount (copies
+         * repeated after a restart are not counted twice). */
+        uint64_t full = (uint64_t)r->n_send * s->layers * s->tensors * s->layout->block_bytes;
         struct kvf_record c = {.type = KVF_RT_COMPLETION, .status = (int)r->status,
-                               .bytes = r->bytes, .blocks = r->n_send,
+                               .bytes = r->status == KVF_STATUS_FINISHED ? full : r->bytes,
+                               .blocks = r->n_send,
                                .accept_ns = r->accept_ns, .last_layer_ns = r->last_layer_ns,
                                .done_ns = kvf_now_ns()};
         size_t len;
@@ -121,14 +125,13 @@ static void decide(struct sender *s, uint32_t slot, int status, const char *reas
         r->completion_pos = ~0ull;
         sender_disarm(s, slot);
         kvf_store_release(&r->state, KVF_REQ_COMPLETING);
-        if (s->flags[slot] & SLOT_NEEDS_NOTICE)
-                s->pending--;
-        s->flags[slot] = SLOT_NEEDS_COMPLETION;
+        s->flags[slot] = 0;
+        sender_mark(s, slot, SLOT_NEEDS_COMPLETION);
         /* A request that fails while moving: tell the peer, so its engine can
          * free the blocks it reserved (best effort, not waited for). */
-        if (was_active && status != KVF_STATUS_FINISHED && r->peer_idx != UINT32_MAX)
-                s->flags[slot] |= SLOT_ABORT_NOTICE;
-        s->pending++;
+        if (was_active && status != KVF_STATUS_FINISHED &&
+            (r->peer_idx != UINT32_MAX || r->transport != KVF_TRANSPORT_IPC))
+                sender_mark(s, slot, SLOT_ABORT_NOTICE);
 }
 
 void sender_fail(struct sender *s, uint32_t slot, int status, const char *fmt, ...)
@@ -175,25 +178,61 @@ static int post_notice(struct sender *s, uint32_t slot, bool abort_notice)
         return 0;
 }
 
+/* Post what one slot owes, in order; stop at the first ring that is full. */
+static void flush_slot(struct sender *s, uint32_t i)
+{
+        uint8_t *f = &s->flags[i];
+        if (*f & SLOT_ABORT_NOTICE) {
+                if (post_notice(s, i, true) < 0)
+                        return;
+                *f &= (uint8_t)~SLOT_ABORT_NOTICE;
+        }
+        if (*f & SLOT_NEEDS_COMPLETION) {
+                post_completion(s, i); /* frees the slot and its flags */
+                return;
+        }
+        if (*f & SLOT_NEEDS_OPEN) {
+                if (sender_post_open(s, i) < 0)
+                        return;
+                *f &= (uint8_t)~SLOT_NEEDS_OPEN;
+        }
+        if (*f & SLOT_RESEND) {
+                if (sender_resend(s, i) < 0)
+                        return;
+                *f &= (uint8_t)~SLOT_RESEND;
+        }
+        if (*f & SLOT_NEEDS_ADVANCE) {
+                *f &= (uint8_t)~SLOT_NEEDS_ADVANCE;
+                sender_advance(s, i); /* sets the flag again if the ring is still full */
+                if (*f & SLOT_NEEDS_ADVANCE)
+                        return;
+        }
+        if ((*f & SLOT_NEEDS_NOTICE) && post_notice(s, i, false) == 0)
+                *f &= (uint8_t)~SLOT_NEEDS_NOTICE;
+}
+
 void sender_flush_pending(struct sender *s)
 {
         uint32_t n = s->ctl.hdr->reqtab_slots;
-        for (uint32_t i = 0; i < n && s->pending > 0; i++) {
-                uint8_t f = s->flags[i];
-                if (!f)
+        bool left = false;
+        s->pending = false;
+        for (uint32_t i = 0; i < n; i++) {
+                if (!s->flags[i])
                         continue;
-                if (f & SLOT_ABORT_NOTICE) {
-                        if (post_notice(s, i, true) == -EAGAIN)
-                                continue;
-                        s->flags[i] &= (uint8_t)~SLOT_ABORT_NOTICE;
-                }
-                if ((f & SLOT_NEEDS_NOTICE) && post_notice(s, i, false) == 0) {
-                        s->flags[i] &= (uint8_t)~SLOT_NEEDS_NOTICE;
-                        s->pending--;
-                }
-                if ((f & SLOT_NEEDS_COMPLETION) && post_completion(s, i) == 0)
-                        s->pending--; /* flags cleared with the slot */
+                flush_slot(s, i);
+                left |= s->flags[i] != 0;
         }
+        s->pending |= left;
+}
+
+/* The connector lost what it held: a network request must be handed over again. */
+static void redo_network(struct sender *s, uint32_t slot)
+{
+        struct kvf_req_slot *r = &s->ctl.reqtab[slot];
+        s->resend[slot] = 0;
+        sender_mark(s, slot, SLOT_NEEDS_OPEN | SLOT_RESEND);
+        if (r->state == KVF_REQ_FINISHING)
+                sender_mark(s, slot, SLOT_NEEDS_NOTICE);
 }
 
 /* ---- rejections: a completion for a task that never got a slot ---- */
@@ -270,9 +309,9 @@ static int accept_task(struct sender *s, struct kvf_record *t, uint64_t pos)
                 return reject(s, pos, id, t->peer, KVF_STATUS_BAD_TASK,
                               "instance '%s' is a decode instance: it receives, it does not send",
                               h->instance);
-        if (t->transport != KVF_TRANSPORT_IPC)
+        if (t->transport != KVF_TRANSPORT_IPC && t->transport != KVF_TRANSPORT_TCP)
                 return reject(s, pos, id, t->peer, KVF_STATUS_BAD_TASK,
-                              "transfer_protocol '%s' is not supported by this build (ipc only)",
+                              "transfer_protocol '%s' is not supported by this build (ipc and tcp are)",
                               kvf_transport_name(t->transport));
         if (slot != UINT32_MAX)
                 return reject(s, pos, id, t->peer, KVF_STATUS_BAD_TASK,
@@ -298,26 +337,29 @@ static int accept_task(struct sender *s, struct kvf_record *t, uint64_t pos)
         if (has_duplicate(t->dst, t->n_dst, UINT32_MAX / 2, &dup))
                 return reject(s, pos, id, t->peer, KVF_STATUS_BAD_TASK,
                               "dest_block_ids names block %u twice", dup);
-        if (strchr(t->peer, ':'))
-                return reject(s, pos, id, t->peer, KVF_STATUS_BAD_TASK,
-                              "transfer_protocol ipc needs the name of a same-host instance in 'peer', not the address '%s'",
-                              t->peer);
         if (!strcmp(t->peer, h->instance))
                 return reject(s, pos, id, t->peer, KVF_STATUS_BAD_TASK,
                               "peer '%s' is this instance itself", t->peer);
-        int rc = sender_peer_get(s, t->peer, &pidx, why, sizeof(why));
-        if (rc == -ENOENT)
-                return reject(s, pos, id, t->peer, KVF_STATUS_UNKNOWN_PEER, "%s", why);
-        if (rc == -EXDEV)
-                return reject(s, pos, id, t->peer, KVF_STATUS_LAYOUT_MISMATCH, "%s", why);
-        if (rc < 0)
-                return reject(s, pos, id, t->peer, KVF_STATUS_CONNECTION, "%s", why);
-        uint32_t peer_blocks = s->peers[pidx].ctl.hdr->layout.num_blocks;
-        for (uint32_t i = 0; i < t->n_dst; i++)
-                if (t->dst[i] >= peer_blocks)
-                        return reject(s, pos, id, t->peer, KVF_STATUS_BLOCK_RANGE,
-                                      "dest_block_ids[%u] = %u is out of range: peer '%s' has %u blocks",
-                                      i, t->dst[i], t->peer, peer_blocks);
+        if (t->transport == KVF_TRANSPORT_IPC) {
+                if (strchr(t->peer, ':'))
+                        return reject(s, pos, id, t->peer, KVF_STATUS_BAD_TASK,
+                                      "transfer_protocol ipc needs the name of a same-host instance in 'peer', not the address '%s'",
+                                      t->peer);
+                int rc = sender_peer_get(s, t->peer, &pidx, why, sizeof(why));
+                if (rc == -ENOENT)
+                        return reject(s, pos, id, t->peer, KVF_STATUS_UNKNOWN_PEER, "%s", why);
+                if (rc == -EXDEV)
+                        return reject(s, pos, id, t->peer, KVF_STATUS_LAYOUT_MISMATCH, "%s", why);
+                if (rc < 0)
+                        return reject(s, pos, id, t->peer, KVF_STATUS_CONNECTION, "%s", why);
+                uint32_t peer_blocks = s->peers[pidx].ctl.hdr->layout.num_blocks;
+                for (uint32_t i = 0; i < t->n_dst; i++)
+                        if (t->dst[i] >= peer_blocks)
+                                return reject(s, pos, id, t->peer, KVF_STATUS_BLOCK_RANGE,
+                                              "dest_block_ids[%u] = %u is out of range: peer '%s' has %u blocks",
+                                              i, t->dst[i], t->peer, peer_blocks);
+        }
+        /* tcp: the connector checks the peer (reachable, token, layout, block ids). */
 
         slot = sender_slot_alloc(s);
         if (slot == UINT32_MAX)
@@ -358,6 +400,8 @@ static int accept_task(struct sender *s, struct kvf_record *t, uint64_t pos)
         kvf_store_release(&r->state, KVF_REQ_ACTIVE);
         sender_map_insert(s, slot);
         kvf_count(&s->ctl, KVF_CTR_TASKS_ACCEPTED, 1);
+        if (r->transport != KVF_TRANSPORT_IPC && sender_post_open(s, slot) < 0)
+                sender_mark(s, slot, SLOT_NEEDS_OPEN);
         kvf_debug("req %s: accepted, %u of %u blocks to '%s', step %llu", id, t->n_dst, t->n_src,
                   t->peer, (unsigned long long)t->current_id);
         /* Its layers may be done already (task after layer-done): move them now. */
@@ -482,8 +526,11 @@ int sender_on_connector_record(void *ctx, uint16_t type, const uint8_t *p, uint3
                 uint32_t slot = (uint32_t)(r.key >> 40);
                 if (slot < s->ctl.hdr->reqtab_slots) {
                         struct kvf_req_slot *q = &s->ctl.reqtab[slot];
-                        if (q->state == KVF_REQ_FINISHING &&
-                            sender_key(slot, q->incarnation) == r.key)
+                        /* Finished only once every byte is written (FINISHING); an error
+                         * (a network transfer that failed early) ends an active one too. */
+                        bool ours = sender_key(slot, q->incarnation) == r.key;
+                        if (ours && (q->state == KVF_REQ_FINISHING ||
+                                     (q->state == KVF_REQ_ACTIVE && r.status != KVF_STATUS_FINISHED)))
                                 decide(s, slot, r.status,
                                        r.status == KVF_STATUS_FINISHED ? "" : r.reason);
                 }
@@ -518,21 +565,23 @@ void sender_adopt(struct sender *s)
                 }
                 switch (st) {
                 case KVF_REQ_ACTIVE:
+                        /* What we handed the connector may be lost with us: hand it again. */
+                        if (r->transport != KVF_TRANSPORT_IPC)
+                                redo_network(s, i);
                         sender_advance(s, i);
                         break;
                 case KVF_REQ_FINISHING:
                         /* The notice may be lost with us; the peer de-duplicates. */
-                        s->flags[i] |= SLOT_NEEDS_NOTICE;
-                        s->pending++;
+                        if (r->transport != KVF_TRANSPORT_IPC)
+                                redo_network(s, i);
+                        sender_mark(s, i, SLOT_NEEDS_NOTICE);
                         kvf_count(&s->ctl, KVF_CTR_NOTICES_REISSUED, 1);
                         break;
                 case KVF_REQ_COMPLETING:
-                        if (r->completion_pos != ~0ull && kvf_ring_delivered(ring, r->completion_pos)) {
+                        if (r->completion_pos != ~0ull && kvf_ring_delivered(ring, r->completion_pos))
                                 free_slot(s, i);
-                        } else {
-                                s->flags[i] = SLOT_NEEDS_COMPLETION;
-                                s->pending++;
-                        }
+                        else
+                                sender_mark(s, i, SLOT_NEEDS_COMPLETION);
                         break;
                 default:
                         decide(s, i, KVF_STATUS_WRITE, "request slot in an unknown state");
@@ -569,11 +618,14 @@ void sender_tick(struct sender *s, uint64_t now)
                                     KVF_PROGRESS_LAYERS(w));
                         continue;
                 }
-                /* A connector restart loses the notices it held: send them again. */
-                if (st == KVF_REQ_FINISHING && r->notice_gen && r->notice_gen != cgen &&
-                    !(s->flags[i] & SLOT_NEEDS_NOTICE)) {
-                        s->flags[i] |= SLOT_NEEDS_NOTICE;
-                        s->pending++;
+                /* A connector restart loses what it held: notices, and for network
+                 * transfers every block not yet acknowledged. Hand them over again. */
+                if (cgen != s->connector_gen && r->transport != KVF_TRANSPORT_IPC) {
+                        redo_network(s, i);
+                        kvf_count(&s->ctl, KVF_CTR_NOTICES_REISSUED, 1);
+                } else if (st == KVF_REQ_FINISHING && r->notice_gen && r->notice_gen != cgen &&
+                           !(s->flags[i] & SLOT_NEEDS_NOTICE)) {
+                        sender_mark(s, i, SLOT_NEEDS_NOTICE);
                         kvf_count(&s->ctl, KVF_CTR_NOTICES_REISSUED, 1);
                 }
         }

@@ -1,0 +1,65 @@
+/*
+ * The TCP data path (transfer_protocol "tcp").
+ *
+ * Prefill side (data_tx.c): the sender hands the connector an OPEN record
+ * per request (its destination block ids), WRITE_BATCH records as layers
+ * complete, and a FINISH. The connector turns batches into frames, one per
+ * contiguous run of blocks of one (layer, tensor), and moves them over
+ * `streams` data connections per peer, each with its own thread and
+ * io_uring. A transfer (xfer) keeps its frames until the peer acknowledges
+ * the finish notice, so anything sent over a connection that broke is sent
+ * again after reconnecting (writes are idempotent).
+ *
+ * Decode side (data_rx.c): each data connection has a receiver thread with
+ * its own io_uring. An XOPEN frame registers a transfer's destination
+ * blocks; a DATA frame's header is validated against it (known transfer,
+ * layer and tensor in range, destination run inside the transfer and
+ * contiguous, exact length) before its payload is received straight into
+ * the cache; anything else disconnects the peer. A bitmap of (layer, tensor,
+ * block) received makes repeats harmless; the arrival is published when the
+ * bitmap is full and the finish notice has come.
+ *
+ * Wire: the 8-byte frame header of net.h, then for DATA a 24-byte
+ * kvf_data_hdr (network byte order) and nblocks * block_bytes of payload.
+ */
+#ifndef KVF_DATA_H
+#define KVF_DATA_H
+
+#include <stdint.h>
+
+#include "connector.h"
+
+struct kvf_data_hdr {
+        uint64_t key;
+        uint32_t layer;
+        uint16_t tensor;
+        uint16_t pad;
+        uint32_t index;   /* first block's position in the transfer's destination list */
+        uint32_t nblocks; /* contiguous destination blocks */
+};
+_Static_assert(sizeof(struct kvf_data_hdr) == 24, "data header size");
+
+#define KVF_DATA_FRAME_MAX (4u << 20) /* payload bytes per frame (a run is split above it) */
+#define KVF_XOPEN_MAX (1u << 20)      /* bytes of an XOPEN record */
+
+/* data_tx.c (control thread, except where noted) */
+int data_tx_open(struct connector *cn, const struct kvf_record *open);
+int data_tx_batch(struct connector *cn, const struct kvf_record *batch);
+/* Peer thread: the notice for `key` was acknowledged, or the transfer failed: forget it. */
+void data_tx_forget(struct peer *p, uint64_t key);
+/* Peer thread: fail transfers waiting longer than older_than (0 = all) with status. */
+void data_tx_fail(struct peer *p, int status, const char *reason, uint64_t older_than);
+bool data_tx_busy(struct peer *p);
+void data_tx_stop(struct peer *p);
+
+/* data_rx.c */
+void data_rx_serve(struct connector *cn, int fd, const char *peer_instance, const char *remote);
+/* Control thread: a notice for a tcp transfer; returns 1 if complete (publish now), 0 if it waits. */
+int data_rx_notice(struct connector *cn, const struct kvf_record *notice, uint64_t session);
+/* Control thread: take the waiting notice of a transfer whose data is complete. */
+int data_rx_take_ready(struct connector *cn, const char *peer, uint64_t key, struct kvf_record *notice,
+                       uint64_t *session);
+void data_rx_forget(struct connector *cn, const char *peer, uint64_t key);
+void data_rx_expire(struct connector *cn, uint64_t older_than_ns);
+
+#endif

@@ -1,0 +1,389 @@
+/*
+ * TCP data path, receiving side (see data.h).
+ *
+ * Every frame header is checked before a byte of its payload is received,
+ * and the payload goes only into the blocks the header names, which must
+ * belong to a transfer the same peer opened. A peer that breaks a rule is
+ * disconnected and reported; what it sent before stays in that transfer's
+ * blocks (the decode engine never sees it as arrived, since the bitmap is
+ * not full and no arrival is published).
+ */
+#include <arpa/inet.h>
+#include <errno.h>
+#include <liburing.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include "clock.h"
+#include "data.h"
+#include "err.h"
+#include "layout.h"
+#include "log.h"
+
+struct rx_xfer {
+        char peer[KVF_INSTANCE_MAX];
+        uint64_t key;
+        char request_id[KVF_REQ_ID_MAX];
+        uint32_t *dst;
+        uint32_t n_dst;
+        uint8_t *got; /* bit per (layer, tensor, index) */
+        uint64_t need, have;
+        bool waiting; /* a finish notice waits for the data */
+        uint64_t session;
+        struct kvf_record notice;
+        uint64_t touched_ns;
+        struct rx_xfer *next;
+};
+
+static unsigned bucket(const char *peer, uint64_t key)
+{
+        return (unsigned)(kvf_hash64(peer, strlen(peer), key) % 1024);
+}
+
+static struct rx_xfer *rx_find(struct connector *cn, const char *peer, uint64_t key)
+{
+        for (struct rx_xfer *x = cn->rx[bucket(peer, key)]; x; x = x->next)
+                if (x->key == key && !strcmp(x->peer, peer))
+                        return x;
+        return NULL;
+}
+
+static void rx_free(struct rx_xfer *x)
+{
+        if (x->waiting)
+                kvf_record_free(&x->notice);
+        free(x->dst);
+        free(x->got);
+        free(x);
+}
+
+static void rx_unlink(struct connector *cn, struct rx_xfer *x)
+{
+        for (struct rx_xfer **pp = &cn->rx[bucket(x->peer, x->key)]; *pp; pp = &(*pp)->next)
+                if (*pp == x) {
+                        *pp = x->next;
+                        return;
+                }
+}
+
+/*
+ * Register (or keep) a transfer, from its XOPEN or from its finish notice,
+ * whichever comes first (they travel on different connections). -EPROTO if
+ * its block ids are not ours to give.
+ */
+static int rx_open(struct connector *cn, const char *peer, const struct kvf_record *o, char *why,
+                   size_t whylen)
+{
+        const struct kvf_cache_layout *L = &cn->ctl.hdr->layout;
+        uint8_t *seen = calloc(L->num_blocks / 8 + 1, 1);
+        if (!seen)
+                return -ENOMEM;
+        for (uint32_t i = 0; i < o->n_dst; i++) {
+                uint32_t b = o->dst[i];
+                if (b >= L->num_blocks || (seen[b / 8] & (1u << (b % 8)))) {
+                        snprintf(why, whylen, "XOPEN for %s names block %u %s", o->request_id, b,
+                                 b >= L->num_blocks ? "beyond this cache" : "twice");
+                        free(seen);
+                        return -EPROTO;
+                }
+                seen[b / 8] |= (uint8_t)(1u << (b % 8));
+        }
+        free(seen);
+        pthread_mutex_lock(&cn->rxmu);
+        struct rx_xfer *x = rx_find(cn, peer, o->key);
+        if (x && (x->n_dst != o->n_dst || memcmp(x->dst, o->dst, o->n_dst * sizeof(uint32_t)))) {
+                /* Same key, other blocks: cannot be a resend. */
+                pthread_mutex_unlock(&cn->rxmu);
+                snprintf(why, whylen, "XOPEN for %s changes the blocks of an open transfer", o->request_id);
+                return -EPROTO;
+        }
+        if (!x) {
+                uint64_t bits = (uint64_t)(L->num_layers + L->extra_layers) * (L->key_only ? 1 : 2) * o->n_dst;
+                x = calloc(1, sizeof(*x));
+                if (x) {
+                        x->dst = malloc((o->n_dst ? o->n_dst : 1) * sizeof(uint32_t));
+                        x->got = calloc(bits / 8 + 1, 1);
+                }
+                if (!x || !x->dst || !x->got) {
+                        if (x)
+                                rx_free(x);
+                        pthread_mutex_unlock(&cn->rxmu);
+                        return -ENOMEM;
+                }
+                snprintf(x->peer, sizeof(x->peer), "%s", peer);
+                snprintf(x->request_id, sizeof(x->request_id), "%s", o->request_id);
+                x->key = o->key;
+                memcpy(x->dst, o->dst, o->n_dst * sizeof(uint32_t));
+                x->n_dst = o->n_dst;
+                x->need = bits;
+                unsigned b = bucket(peer, o->key);
+                x->next = cn->rx[b];
+                cn->rx[b] = x;
+        }
+        x->touched_ns = kvf_now_ns();
+        pthread_mutex_unlock(&cn->rxmu);
+        return 0;
+}
+
+/* Check a DATA header; on success *dst_off is where its payload goes. Lock not held. */
+static int rx_check(struct connector *cn, const char *peer, const struct kvf_data_hdr *h,
+                    uint32_t frame_len, uint64_t *dst_off, char *why, size_t whylen)
+{
+        const struct kvf_cache_layout *L = &cn->ctl.hdr->layout;
+        uint32_t layers = L->num_layers + L->extra_layers, tensors = L->key_only ? 1 : 2;
+        int rc = -EPROTO;
+
+        pthread_mutex_lock(&cn->rxmu);
+        struct rx_xfer *x = rx_find(cn, peer, h->key);
+        if (!x)
+                snprintf(why, whylen, "data for transfer %016llx, which was never opened",
+                         (unsigned long long)h->key);
+        else if (h->layer >= layers || h->tensor >= tensors)
+                snprintf(why, whylen, "data for layer %u tensor %u: this cache has %u layers, %u tensors",
+                         h->layer, h->tensor, layers, tensors);
+        else if (h->nblocks == 0 || (uint64_t)h->index + h->nblocks > x->n_dst)
+                snprintf(why, whylen, "data for blocks [%u, +%u) of %s, which has %u", h->index,
+                         h->nblocks, x->request_id, x->n_dst);
+        else if ((uint64_t)frame_len != sizeof(*h) + (uint64_t)h->nblocks * L->block_bytes)
+                snprintf(why, whylen, "frame of %u bytes for %u blocks of %llu bytes", frame_len,
+                         h->nblocks, (unsigned long long)L->block_bytes);
+        else {
+                rc = 0;
+                for (uint32_t i = 1; i < h->nblocks; i++)
+                        if (x->dst[h->index + i] != x->dst[h->index] + i) {
+                                snprintf(why, whylen, "data run over destination blocks that are not contiguous");
+                                rc = -EPROTO;
+                                break;
+                        }
+                if (rc == 0)
+                        *dst_off = kvf_layout_offset(L, h->layer, h->tensor, x->dst[h->index]);
+        }
+        pthread_mutex_unlock(&cn->rxmu);
+        return rc;
+}
+
+/* Mark blocks received; returns 1 if this completed the transfer. */
+static int rx_mark(struct connector *cn, const char *peer, const struct kvf_data_hdr *h)
+{
+        const struct kvf_cache_layout *L = &cn->ctl.hdr->layout;
+        int done = 0;
+        pthread_mutex_lock(&cn->rxmu);
+        struct rx_xfer *x = rx_find(cn, peer, h->key);
+        if (x && x->have < x->need) {
+                uint64_t base = ((uint64_t)h->layer * (L->key_only ? 1 : 2) + h->tensor) * x->n_dst;
+                for (uint32_t i = 0; i < h->nblocks; i++) {
+                        uint64_t bit = base + h->index + i;
+                        if (!(x->got[bit / 8] & (1u << (bit % 8)))) {
+                                x->got[bit / 8] |= (uint8_t)(1u << (bit % 8));
+                                x->have++;
+                        }
+                }
+                x->touched_ns = kvf_now_ns();
+                done = x->have == x->need;
+        }
+        pthread_mutex_unlock(&cn->rxmu);
+        return done;
+}
+
+/* One receive of exactly n bytes into p, within timeout_ms (0 = wait, watching cn->stop). */
+static int recv_exact(struct connector *cn, struct io_uring *ring, int fd, void *p, uint32_t n,
+                      unsigned timeout_ms)
+{
+        struct io_uring_sqe *sqe = io_uring_get_sqe(ring);
+        io_uring_prep_recv(sqe, fd, p, n, MSG_WAITALL);
+        io_uring_submit(ring);
+        uint64_t start = kvf_now_ns();
+        for (;;) {
+                struct io_uring_cqe *cqe;
+                struct __kernel_timespec ts = {.tv_sec = 0, .tv_nsec = 200000000};
+                int rc = io_uring_wait_cqe_timeout(ring, &cqe, &ts);
+                if (rc == 0) {
+                        int res = cqe->res;
+                        io_uring_cqe_seen(ring, cqe);
+                        if (res < 0)
+                                return res;
+                        return (uint32_t)res == n ? 0 : (res == 0 ? -ECONNRESET : -EPIPE);
+                }
+                if (rc != -ETIME)
+                        return rc;
+                if (cn->stop || (timeout_ms && kvf_now_ns() - start > (uint64_t)timeout_ms * 1000000ull)) {
+                        /* Fail the pending receive, then collect its completion. */
+                        shutdown(fd, SHUT_RDWR);
+                        if (io_uring_wait_cqe(ring, &cqe) == 0)
+                                io_uring_cqe_seen(ring, cqe);
+                        return cn->stop ? -ECANCELED : -ETIMEDOUT;
+                }
+        }
+}
+
+static void post_done(struct connector *cn, const char *peer, uint64_t key)
+{
+        struct event *ev = calloc(1, sizeof(*ev));
+        if (!ev)
+                return;
+        ev->kind = EV_DATA_DONE;
+        ev->rec.key = key;
+        snprintf(ev->rec.peer, sizeof(ev->rec.peer), "%s", peer);
+        conn_post(cn, ev);
+}
+
+void data_rx_serve(struct connector *cn, int fd, const char *peer, const char *remote)
+{
+        struct io_uring ring;
+        uint8_t hb[KVF_FRAME_HDR + sizeof(struct kvf_data_hdr)];
+        uint8_t *xbuf = malloc(KVF_XOPEN_MAX);
+        char why[KVF_REASON_MAX] = "";
+        unsigned to = cn->cfg.peer_timeout_ms;
+
+        if (!xbuf || io_uring_queue_init(8, &ring, 0) < 0) {
+                free(xbuf);
+                kvf_errlog(&cn->ctl, KVF_ROLE_CONNECTOR, "data connection from '%s': no io_uring", peer);
+                return;
+        }
+        for (;;) {
+                int rc = recv_exact(cn, &ring, fd, hb, KVF_FRAME_HDR, 0);
+                if (rc < 0)
+                        break; /* closed, or stopping */
+                uint32_t len;
+                uint16_t type;
+                memcpy(&len, hb, 4);
+                memcpy(&type, hb + 4, 2);
+                len = ntohl(len);
+                type = ntohs(type);
+                if (type == KVF_RT_XOPEN) {
+                        struct kvf_record o;
+                        if (len > KVF_XOPEN_MAX) {
+                                snprintf(why, sizeof(why), "XOPEN of %u bytes", len);
+                                goto violation;
+                        }
+                        if (recv_exact(cn, &ring, fd, xbuf, len, to) < 0)
+                                break;
+                        if (kvf_record_decode(KVF_RT_XOPEN, xbuf, len, 0, &o) < 0) {
+                                snprintf(why, sizeof(why), "malformed XOPEN: %s", kvf_err_msg());
+                                kvf_record_free(&o);
+                                goto violation;
+                        }
+                        rc = rx_open(cn, peer, &o, why, sizeof(why));
+                        kvf_record_free(&o);
+                        if (rc == -EPROTO)
+                                goto violation;
+                        if (rc < 0)
+                                break;
+                        continue;
+                }
+                if (type != KVF_RT_DATA || len < sizeof(struct kvf_data_hdr)) {
+                        snprintf(why, sizeof(why), "frame of type %u and %u bytes on a data connection", type, len);
+                        goto violation;
+                }
+                if (recv_exact(cn, &ring, fd, hb + KVF_FRAME_HDR, sizeof(struct kvf_data_hdr), to) < 0)
+                        break;
+                struct kvf_data_hdr h;
+                memcpy(&h, hb + KVF_FRAME_HDR, sizeof(h));
+                h.key = be64toh(h.key);
+                h.layer = ntohl(h.layer);
+                h.tensor = ntohs(h.tensor);
+                h.index = ntohl(h.index);
+                h.nblocks = ntohl(h.nblocks);
+                uint64_t off;
+                if (rx_check(cn, peer, &h, len, &off, why, sizeof(why)) < 0)
+                        goto violation;
+                /* Straight into the cache: the header named these blocks, and they are ours. */
+                if (recv_exact(cn, &ring, fd, cn->cache + off, len - (uint32_t)sizeof(h), to) < 0) {
+                        snprintf(why, sizeof(why), "frame cut short");
+                        kvf_count(&cn->ctl, KVF_CTR_FRAMES_REJECTED, 1);
+                        break;
+                }
+                kvf_count(&cn->ctl, KVF_CTR_BYTES_TCP_RECEIVED, len - sizeof(h));
+                if (rx_mark(cn, peer, &h))
+                        post_done(cn, peer, h.key);
+        }
+        goto out;
+violation:
+        kvf_count(&cn->ctl, KVF_CTR_FRAMES_REJECTED, 1);
+        kvf_errlog(&cn->ctl, KVF_ROLE_CONNECTOR, "peer '%s' (%s) broke the data protocol: %s: disconnected",
+                   peer, remote, why);
+out:
+        io_uring_queue_exit(&ring);
+        free(xbuf);
+}
+
+int data_rx_notice(struct connector *cn, const struct kvf_record *n, uint64_t session)
+{
+        int ready = 0;
+        char why[KVF_REASON_MAX];
+        /* The notice can overtake the transfer's XOPEN: open it from the notice. */
+        if (rx_open(cn, n->peer, n, why, sizeof(why)) < 0)
+                kvf_errlog(&cn->ctl, KVF_ROLE_CONNECTOR, "notice from '%s': %s", n->peer, why);
+        pthread_mutex_lock(&cn->rxmu);
+        struct rx_xfer *x = rx_find(cn, n->peer, n->key);
+        if (x && x->have == x->need) {
+                ready = 1;
+        } else if (x) {
+                /* Keep the notice until the last block is in. */
+                if (x->waiting)
+                        kvf_record_free(&x->notice);
+                x->notice = *n;
+                x->notice.dst = malloc((n->n_dst ? n->n_dst : 1) * sizeof(uint32_t));
+                x->notice.src = NULL;
+                x->notice.runs = NULL;
+                if (x->notice.dst)
+                        memcpy(x->notice.dst, n->dst, n->n_dst * sizeof(uint32_t));
+                else
+                        x->notice.n_dst = 0;
+                x->waiting = true;
+                x->session = session;
+                x->touched_ns = kvf_now_ns();
+        }
+        pthread_mutex_unlock(&cn->rxmu);
+        return ready;
+}
+
+int data_rx_take_ready(struct connector *cn, const char *peer, uint64_t key, struct kvf_record *notice,
+                       uint64_t *session)
+{
+        int got = 0;
+        pthread_mutex_lock(&cn->rxmu);
+        struct rx_xfer *x = rx_find(cn, peer, key);
+        if (x && x->waiting && x->have == x->need) {
+                *notice = x->notice;
+                *session = x->session;
+                x->waiting = false;
+                got = 1;
+        }
+        pthread_mutex_unlock(&cn->rxmu);
+        return got;
+}
+
+void data_rx_forget(struct connector *cn, const char *peer, uint64_t key)
+{
+        pthread_mutex_lock(&cn->rxmu);
+        struct rx_xfer *x = rx_find(cn, peer, key);
+        if (x) {
+                rx_unlink(cn, x);
+                rx_free(x);
+        }
+        pthread_mutex_unlock(&cn->rxmu);
+}
+
+void data_rx_expire(struct connector *cn, uint64_t older_than_ns)
+{
+        uint64_t now = kvf_now_ns();
+        pthread_mutex_lock(&cn->rxmu);
+        for (unsigned b = 0; b < 1024; b++)
+                for (struct rx_xfer **pp = &cn->rx[b]; *pp;) {
+                        struct rx_xfer *x = *pp;
+                        if (now - x->touched_ns > older_than_ns) {
+                                *pp = x->next;
+                                kvf_warn("req %s from %s: transfer abandoned by its sender (%llu of %llu blocks): dropped",
+                                         x->request_id, x->peer, (unsigned long long)x->have,
+                                         (unsigned long long)x->need);
+                                rx_free(x);
+                                continue;
+                        }
+                        pp = &x->next;
+                }
+        pthread_mutex_unlock(&cn->rxmu);
+}

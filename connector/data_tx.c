@@ -1,0 +1,638 @@
+/*
+ * TCP data path, sending side (see data.h).
+ *
+ * Locking: one mutex per peer's data state guards its transfers, their
+ * frames and the queue. Data threads hold frames (state FLIGHT) outside the
+ * lock while io_uring sends them; a transfer forgotten meanwhile is only
+ * marked dead and freed when its last frame comes back.
+ */
+#include <errno.h>
+#include <liburing.h>
+#include <poll.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <arpa/inet.h>
+#include <unistd.h>
+
+#include "clock.h"
+#include "data.h"
+#include "err.h"
+#include "layout.h"
+#include "log.h"
+
+enum { F_QUEUED = 0, F_FLIGHT = 1, F_SENT = 2 };
+
+struct xfer;
+
+struct frame {
+        struct xfer *x;
+        uint32_t layer, index, nblocks;
+        uint16_t tensor;
+        uint8_t state;
+        int8_t conn; /* the connection that carried it last, or -1 */
+        uint64_t src_off;
+        struct frame *qnext;
+};
+
+struct xfer {
+        uint64_t key;
+        char request_id[KVF_REQ_ID_MAX];
+        uint32_t *dst;
+        uint32_t n_dst;
+        struct frame **fr;
+        uint32_t nfr, capfr;
+        uint64_t opened; /* bit per connection: XOPEN sent on it since it connected */
+        uint64_t first_ns;
+        uint32_t inflight;
+        bool dead;
+        bool checked; /* dst ids checked against the peer's block count */
+        struct xfer *next;
+};
+
+#define MAX_STREAMS 16u
+#define BATCH_FRAMES 32u
+#define BATCH_BYTES (16u << 20)
+#define QUEUE_LIMIT (256ull << 20) /* queued payload bytes before the control thread waits */
+
+struct data_conn {
+        struct peer_data *pd;
+        unsigned idx;
+        pthread_t thread;
+        int fd;
+};
+
+struct peer_data {
+        struct peer *p;
+        pthread_mutex_t mu;
+        pthread_cond_t cv;
+        struct frame *qhead, *qtail;
+        uint64_t qbytes;
+        struct xfer *xfers;
+        unsigned nxfers;
+        uint64_t remote_blocks; /* from the handshake; 0 = not known yet */
+        unsigned nconns;
+        struct data_conn conns[MAX_STREAMS];
+        bool stop;
+};
+
+static uint64_t frame_bytes(const struct connector *cn, const struct frame *f)
+{
+        return (uint64_t)f->nblocks * cn->ctl.hdr->layout.block_bytes;
+}
+
+static void post_result(struct connector *cn, const struct xfer *x, int status, const char *reason)
+{
+        struct event *ev = calloc(1, sizeof(*ev));
+        if (!ev)
+                return;
+        ev->kind = EV_RESULT;
+        ev->rec.type = KVF_RT_WRITE_RESULT;
+        ev->rec.key = x->key;
+        ev->rec.status = status;
+        snprintf(ev->rec.request_id, sizeof(ev->rec.request_id), "%s", x->request_id);
+        snprintf(ev->rec.reason, sizeof(ev->rec.reason), "%s", reason);
+        conn_post(cn, ev);
+}
+
+static struct xfer *find(struct peer_data *pd, uint64_t key)
+{
+        for (struct xfer *x = pd->xfers; x; x = x->next)
+                if (x->key == key && !x->dead)
+                        return x;
+        return NULL;
+}
+
+static void free_xfer(struct xfer *x)
+{
+        for (uint32_t i = 0; i < x->nfr; i++)
+                free(x->fr[i]);
+        free(x->fr);
+        free(x->dst);
+        free(x);
+}
+
+/* Unlink from the list and the queue; free now, or when the data threads give its frames back. */
+static void drop(struct peer_data *pd, struct xfer *x)
+{
+        for (struct xfer **pp = &pd->xfers; *pp; pp = &(*pp)->next)
+                if (*pp == x) {
+                        *pp = x->next;
+                        break;
+                }
+        pd->nxfers--;
+        struct frame **qp = &pd->qhead, *f;
+        pd->qtail = NULL;
+        while ((f = *qp)) {
+                if (f->x == x) {
+                        *qp = f->qnext;
+                        pd->qbytes -= frame_bytes(pd->p->cn, f);
+                        continue;
+                }
+                pd->qtail = f;
+                qp = &f->qnext;
+        }
+        x->dead = true;
+        if (x->inflight == 0)
+                free_xfer(x);
+}
+
+static void enqueue(struct peer_data *pd, struct frame *f, bool front)
+{
+        f->state = F_QUEUED;
+        f->qnext = NULL;
+        if (front) {
+                f->qnext = pd->qhead;
+                pd->qhead = f;
+                if (!pd->qtail)
+                        pd->qtail = f;
+        } else {
+                if (pd->qtail)
+                        pd->qtail->qnext = f;
+                else
+                        pd->qhead = f;
+                pd->qtail = f;
+        }
+        pd->qbytes += frame_bytes(pd->p->cn, f);
+}
+
+/* Destination ids must exist on the peer; fail the transfer otherwise. Lock held. */
+static bool check_dst(struct peer_data *pd, struct xfer *x)
+{
+        if (x->checked || !pd->remote_blocks)
+                return true;
+        for (uint32_t i = 0; i < x->n_dst; i++)
+                if (x->dst[i] >= pd->remote_blocks) {
+                        char why[KVF_REASON_MAX];
+                        snprintf(why, sizeof(why),
+                                 "dest_block_ids[%u] = %u is out of range: peer '%s' has %llu blocks", i,
+                                 x->dst[i], pd->p->name, (unsigned long long)pd->remote_blocks);
+                        post_result(pd->p->cn, x, KVF_STATUS_BLOCK_RANGE, why);
+                        drop(pd, x);
+                        return false;
+                }
+        x->checked = true;
+        return true;
+}
+
+/* ---- data connection threads ---- */
+
+static int resolve_peer(struct peer *p, char *host, size_t hostlen, uint16_t *port)
+{
+        if (strchr(p->name, ':'))
+                return kvf_net_parse(p->name, host, hostlen, port);
+        struct kvf_ctl c;
+        int rc = kvf_ctl_attach(p->name, false, &c);
+        if (rc < 0)
+                return rc;
+        uint32_t pt;
+        rc = kvf_connector_info_read(&c, host, hostlen, &pt);
+        kvf_ctl_detach(&c);
+        *port = (uint16_t)pt;
+        return rc;
+}
+
+struct sendbuf {
+        uint8_t hdr[KVF_FRAME_HDR + sizeof(struct kvf_data_hdr)];
+        uint8_t *xopen; /* frame header + XOPEN record, when this frame needs one first */
+        uint32_t xopen_len;
+        struct iovec iov[2];
+        struct msghdr mh;
+        struct iovec xiov;
+        struct msghdr xmh;
+};
+
+static void put_frame_hdr(uint8_t *b, uint32_t len, uint16_t type)
+{
+        uint32_t l = htonl(len);
+        uint16_t t = htons(type), z = 0;
+        memcpy(b, &l, 4);
+        memcpy(b + 4, &t, 2);
+        memcpy(b + 6, &z, 2);
+}
+
+static int encode_xopen(const struct xfer *x, uint8_t **out, uint32_t *len)
+{
+        struct kvf_record r = {.type = KVF_RT_XOPEN, .key = x->key, .dst = x->dst, .n_dst = x->n_dst};
+        uint8_t *rec;
+        size_t rl;
+        snprintf(r.request_id, sizeof(r.request_id), "%s", x->request_id);
+        if (kvf_record_encode_alloc(&r, &rec, &rl) < 0)
+                return -ENOMEM;
+        uint8_t *b = malloc(KVF_FRAME_HDR + rl);
+        if (!b) {
+                free(rec);
+                return -ENOMEM;
+        }
+        put_frame_hdr(b, (uint32_t)rl, KVF_RT_XOPEN);
+        memcpy(b + KVF_FRAME_HDR, rec, rl);
+        free(rec);
+        *out = b;
+        *len = (uint32_t)(KVF_FRAME_HDR + rl);
+        return 0;
+}
+
+/*
+ * Send one batch of frames as a linked chain of sendmsg (so they go out in
+ * order on the stream) and wait for all of it. 0, or -errno if the
+ * connection must be dropped.
+ */
+static int send_batch(struct data_conn *dc, struct io_uring *ring, struct frame **fs, unsigned n,
+                      struct sendbuf *sb)
+{
+        struct peer_data *pd = dc->pd;
+        struct connector *cn = pd->p->cn;
+        const uint8_t *cache = cn->cache;
+        unsigned ops = 0;
+        int rc = 0;
+
+        for (unsigned i = 0; i < n; i++) {
+                struct frame *f = fs[i];
+                struct sendbuf *b = &sb[i];
+                struct io_uring_sqe *sqe;
+                uint64_t len = frame_bytes(cn, f);
+                if (b->xopen) {
+                        b->xiov = (struct iovec){b->xopen, b->xopen_len};
+                        b->xmh = (struct msghdr){.msg_iov = &b->xiov, .msg_iovlen = 1};
+                        sqe = io_uring_get_sqe(ring);
+                        io_uring_prep_sendmsg(sqe, dc->fd, &b->xmh, MSG_WAITALL | MSG_NOSIGNAL);
+                        sqe->flags |= IOSQE_IO_LINK;
+                        io_uring_sqe_set_data64(sqe, b->xopen_len);
+                        ops++;
+                }
+                struct kvf_data_hdr h = {.key = htobe64(f->x->key), .layer = htonl(f->layer),
+                                         .tensor = htons(f->tensor), .index = htonl(f->index),
+                                         .nblocks = htonl(f->nblocks)};
+                put_frame_hdr(b->hdr, (uint32_t)(sizeof(h) + len), KVF_RT_DATA);
+                memcpy(b->hdr + KVF_FRAME_HDR, &h, sizeof(h));
+                b->iov[0] = (struct iovec){b->hdr, sizeof(b->hdr)};
+                b->iov[1] = (struct iovec){(void *)(cache + f->src_off), len};
+                b->mh = (struct msghdr){.msg_iov = b->iov, .msg_iovlen = 2};
+                sqe = io_uring_get_sqe(ring);
+                if (cn->cfg.zerocopy)
+                        io_uring_prep_sendmsg_zc(sqe, dc->fd, &b->mh, MSG_WAITALL | MSG_NOSIGNAL);
+                else
+                        io_uring_prep_sendmsg(sqe, dc->fd, &b->mh, MSG_WAITALL | MSG_NOSIGNAL);
+                if (i + 1 < n)
+                        sqe->flags |= IOSQE_IO_LINK;
+                io_uring_sqe_set_data64(sqe, sizeof(b->hdr) + len);
+                ops++;
+        }
+        io_uring_submit(ring);
+        /* Results: one per op; zero-copy ops also send a notification when the
+         * pages may be reused (IORING_CQE_F_MORE announces it). */
+        unsigned results = 0, notifs = 0;
+        struct __kernel_timespec ts = {.tv_sec = cn->cfg.peer_timeout_ms / 1000,
+                                       .tv_nsec = (long)(cn->cfg.peer_timeout_ms % 1000) * 1000000};
+        bool shut = false;
+        while (results < ops || notifs > 0) {
+                struct io_uring_cqe *cqe;
+                int w = io_uring_wait_cqe_timeout(ring, &cqe, &ts);
+                if (w == -ETIME) {
+                        /* No progress for peer_timeout: the link or the peer is gone.
+                         * Shutting the socket down fails what is pending. */
+                        if (!shut) {
+                                shutdown(dc->fd, SHUT_RDWR);
+                                shut = true;
+                                rc = -ETIMEDOUT;
+                        }
+                        continue;
+                }
+                if (w < 0) {
+                        rc = w;
+                        break;
+                }
+                if (cqe->flags & IORING_CQE_F_NOTIF) {
+                        notifs--;
+                } else {
+                        results++;
+                        if (cqe->flags & IORING_CQE_F_MORE)
+                                notifs++;
+                        if (cqe->res < 0 || (uint64_t)cqe->res != io_uring_cqe_get_data64(cqe))
+                                if (rc == 0)
+                                        rc = cqe->res < 0 ? cqe->res : -EPIPE;
+                }
+                io_uring_cqe_seen(ring, cqe);
+        }
+        return rc;
+}
+
+/* Give frames back after a batch: sent, or queued again at the front. */
+static void give_back(struct peer_data *pd, struct frame **fs, unsigned n, bool sent)
+{
+        for (unsigned i = n; i-- > 0;) {
+                struct frame *f = fs[i];
+                struct xfer *x = f->x;
+                x->inflight--;
+                if (x->dead) {
+                        if (x->inflight == 0)
+                                free_xfer(x);
+                        continue;
+                }
+                if (sent)
+                        f->state = F_SENT;
+                else
+                        enqueue(pd, f, true);
+        }
+}
+
+static void serve(struct data_conn *dc, struct io_uring *ring)
+{
+        struct peer_data *pd = dc->pd;
+        struct connector *cn = pd->p->cn;
+        struct frame *fs[BATCH_FRAMES];
+        struct sendbuf sb[BATCH_FRAMES];
+        uint64_t bit = 1ull << dc->idx;
+
+        for (;;) {
+                unsigned n = 0;
+                uint64_t bytes = 0;
+                pthread_mutex_lock(&pd->mu);
+                while (!pd->qhead && !pd->stop && !cn->stop) {
+                        struct timespec ts;
+                        clock_gettime(CLOCK_REALTIME, &ts);
+                        ts.tv_nsec += 200000000;
+                        if (ts.tv_nsec >= 1000000000) {
+                                ts.tv_sec++;
+                                ts.tv_nsec -= 1000000000;
+                        }
+                        pthread_cond_timedwait(&pd->cv, &pd->mu, &ts);
+                }
+                while (pd->qhead && n < BATCH_FRAMES && bytes < BATCH_BYTES) {
+                        struct frame *f = pd->qhead;
+                        pd->qhead = f->qnext;
+                        if (!pd->qhead)
+                                pd->qtail = NULL;
+                        pd->qbytes -= frame_bytes(cn, f);
+                        f->state = F_FLIGHT;
+                        f->conn = (int8_t)dc->idx;
+                        f->x->inflight++;
+                        memset(&sb[n], 0, sizeof(sb[n]));
+                        if (!(f->x->opened & bit)) {
+                                f->x->opened |= bit;
+                                encode_xopen(f->x, &sb[n].xopen, &sb[n].xopen_len);
+                        }
+                        bytes += frame_bytes(cn, f);
+                        fs[n++] = f;
+                }
+                bool stopping = pd->stop || cn->stop;
+                pthread_mutex_unlock(&pd->mu);
+                if (n == 0) {
+                        if (stopping)
+                                return;
+                        continue;
+                }
+                int rc = send_batch(dc, ring, fs, n, sb);
+                for (unsigned i = 0; i < n; i++)
+                        free(sb[i].xopen);
+                pthread_mutex_lock(&pd->mu);
+                give_back(pd, fs, n, rc == 0);
+                pthread_mutex_unlock(&pd->mu);
+                if (rc < 0) {
+                        kvf_warn("data connection %u to '%s' lost: %s", dc->idx, pd->p->name,
+                                 strerror(-rc));
+                        return;
+                }
+                kvf_count(&cn->ctl, KVF_CTR_BYTES_TCP, bytes);
+                kvf_count(&cn->ctl, KVF_CTR_BLOCKS_TCP, bytes / cn->ctl.hdr->layout.block_bytes);
+        }
+}
+
+static void *conn_main(void *arg)
+{
+        struct data_conn *dc = arg;
+        struct peer_data *pd = dc->pd;
+        struct peer *p = pd->p;
+        struct connector *cn = p->cn;
+        struct io_uring ring;
+        unsigned backoff_ms = 50;
+        char host[128];
+        uint16_t port;
+
+        if (io_uring_queue_init(4 * BATCH_FRAMES, &ring, 0) < 0) {
+                kvf_errlog(&cn->ctl, KVF_ROLE_CONNECTOR, "io_uring_queue_init failed: data connection %u to '%s' not started",
+                           dc->idx, p->name);
+                return NULL;
+        }
+        while (!pd->stop && !cn->stop) {
+                pthread_mutex_lock(&pd->mu);
+                bool idle = pd->nxfers == 0;
+                pthread_mutex_unlock(&pd->mu);
+                if (idle) {
+                        usleep(20000);
+                        continue;
+                }
+                int status = KVF_STATUS_CONNECTION;
+                struct peer_identity id;
+                int fd = -1, rc = resolve_peer(p, host, sizeof(host), &port);
+                if (rc == 0)
+                        rc = fd = kvf_net_connect(host, port, cn->cfg.connect_timeout_ms);
+                if (rc >= 0)
+                        rc = conn_handshake_client(cn, fd, "data", &id, &status);
+                if (rc < 0) {
+                        /* The control connection reports and fails work; just retry. */
+                        kvf_debug("data connection %u to '%s': %s", dc->idx, p->name, kvf_err_msg());
+                        if (fd >= 0)
+                                close(fd);
+                        usleep(backoff_ms * 1000);
+                        backoff_ms = backoff_ms * 2 > 1000 ? 1000 : backoff_ms * 2;
+                        continue;
+                }
+                backoff_ms = 50;
+                dc->fd = fd;
+                uint64_t bit = 1ull << dc->idx;
+                pthread_mutex_lock(&pd->mu);
+                pd->remote_blocks = id.layout.num_blocks;
+                for (struct xfer *x = pd->xfers, *nx; x; x = nx) {
+                        nx = x->next;
+                        x->opened &= ~bit;
+                        check_dst(pd, x);
+                }
+                pthread_mutex_unlock(&pd->mu);
+                kvf_debug("data connection %u to '%s' up", dc->idx, p->name);
+                serve(dc, &ring);
+                close(fd);
+                dc->fd = -1;
+                /* What went over this connection and is not acknowledged may be lost. */
+                pthread_mutex_lock(&pd->mu);
+                for (struct xfer *x = pd->xfers; x; x = x->next)
+                        for (uint32_t i = 0; i < x->nfr; i++)
+                                if (x->fr[i]->state == F_SENT && x->fr[i]->conn == (int8_t)dc->idx)
+                                        enqueue(pd, x->fr[i], false);
+                pthread_cond_broadcast(&pd->cv);
+                pthread_mutex_unlock(&pd->mu);
+        }
+        io_uring_queue_exit(&ring);
+        return NULL;
+}
+
+static struct peer_data *peer_data(struct connector *cn, struct peer *p)
+{
+        if (p->data)
+                return p->data;
+        struct peer_data *pd = calloc(1, sizeof(*pd));
+        if (!pd)
+                return NULL;
+        pd->p = p;
+        pthread_mutex_init(&pd->mu, NULL);
+        pthread_cond_init(&pd->cv, NULL);
+        pd->nconns = cn->cfg.streams < MAX_STREAMS ? cn->cfg.streams : MAX_STREAMS;
+        for (unsigned i = 0; i < pd->nconns; i++) {
+                pd->conns[i] = (struct data_conn){.pd = pd, .idx = i, .fd = -1};
+                if (pthread_create(&pd->conns[i].thread, NULL, conn_main, &pd->conns[i]) != 0) {
+                        pd->nconns = i;
+                        break;
+                }
+        }
+        p->data = pd;
+        return pd;
+}
+
+int data_tx_open(struct connector *cn, const struct kvf_record *o)
+{
+        struct peer *p = conn_peer_get(cn, o->peer);
+        struct peer_data *pd = p ? peer_data(cn, p) : NULL;
+        if (!pd)
+                return -ENOMEM;
+        pthread_mutex_lock(&pd->mu);
+        struct xfer *x = find(pd, o->key);
+        if (!x) {
+                x = calloc(1, sizeof(*x));
+                uint32_t *dst = malloc((o->n_dst ? o->n_dst : 1) * sizeof(uint32_t));
+                if (!x || !dst) {
+                        free(x);
+                        free(dst);
+                        pthread_mutex_unlock(&pd->mu);
+                        return -ENOMEM;
+                }
+                memcpy(dst, o->dst, o->n_dst * sizeof(uint32_t));
+                x->key = o->key;
+                x->dst = dst;
+                x->n_dst = o->n_dst;
+                x->first_ns = kvf_now_ns();
+                snprintf(x->request_id, sizeof(x->request_id), "%s", o->request_id);
+                x->next = pd->xfers;
+                pd->xfers = x;
+                pd->nxfers++;
+                check_dst(pd, x);
+        }
+        pthread_mutex_unlock(&pd->mu);
+        conn_peer_kick(p); /* the control connection carries the notice later */
+        return 0;
+}
+
+int data_tx_batch(struct connector *cn, const struct kvf_record *w)
+{
+        const struct kvf_cache_layout *L = &cn->ctl.hdr->layout;
+        struct peer *p = conn_peer_get(cn, w->peer);
+        struct peer_data *pd = p ? peer_data(cn, p) : NULL;
+        if (!pd)
+                return -ENOMEM;
+        uint32_t per = (uint32_t)(KVF_DATA_FRAME_MAX / L->block_bytes);
+        if (per == 0)
+                per = 1;
+        pthread_mutex_lock(&pd->mu);
+        if (pd->qbytes > QUEUE_LIMIT) {
+                pthread_mutex_unlock(&pd->mu);
+                return -EAGAIN; /* back-pressure: the record waits in its ring */
+        }
+        struct xfer *x = find(pd, w->key);
+        int rc = 0;
+        if (!x) {
+                pthread_mutex_unlock(&pd->mu);
+                return -ENOENT; /* forgotten (failed) or never opened */
+        }
+        uint32_t layers = L->num_layers + L->extra_layers, tensors = L->key_only ? 1 : 2;
+        if (w->layer + w->layer_count > layers || w->n_runs % 3) {
+                pthread_mutex_unlock(&pd->mu);
+                return -EINVAL;
+        }
+        for (uint64_t l = w->layer; l < w->layer + w->layer_count; l++)
+                for (uint32_t t = 0; t < tensors; t++)
+                        for (uint32_t r = 0; r < w->n_runs; r += 3) {
+                                uint32_t src = w->runs[r], idx = w->runs[r + 1], n = w->runs[r + 2];
+                                if ((uint64_t)src + n > L->num_blocks || (uint64_t)idx + n > x->n_dst) {
+                                        rc = -EINVAL;
+                                        goto out;
+                                }
+                                for (uint32_t off = 0; off < n; off += per) {
+                                        struct frame *f = calloc(1, sizeof(*f));
+                                        if (!f || (x->nfr == x->capfr &&
+                                                   !(x->fr = realloc(x->fr, (x->capfr = x->capfr ? 2 * x->capfr : 64) * sizeof(*x->fr))))) {
+                                                free(f);
+                                                rc = -ENOMEM;
+                                                goto out;
+                                        }
+                                        f->x = x;
+                                        f->layer = (uint32_t)l;
+                                        f->tensor = (uint16_t)t;
+                                        f->index = idx + off;
+                                        f->nblocks = n - off < per ? n - off : per;
+                                        f->src_off = kvf_layout_offset(L, (uint32_t)l, t, src + off);
+                                        f->conn = -1;
+                                        x->fr[x->nfr++] = f;
+                                        enqueue(pd, f, false);
+                                }
+                        }
+out:
+        pthread_cond_broadcast(&pd->cv);
+        pthread_mutex_unlock(&pd->mu);
+        return rc;
+}
+
+void data_tx_forget(struct peer *p, uint64_t key)
+{
+        struct peer_data *pd = p->data;
+        if (!pd)
+                return;
+        pthread_mutex_lock(&pd->mu);
+        struct xfer *x = find(pd, key);
+        if (x)
+                drop(pd, x);
+        pthread_mutex_unlock(&pd->mu);
+}
+
+void data_tx_fail(struct peer *p, int status, const char *reason, uint64_t older_than)
+{
+        struct peer_data *pd = p->data;
+        if (!pd)
+                return;
+        uint64_t now = kvf_now_ns();
+        pthread_mutex_lock(&pd->mu);
+        for (struct xfer *x = pd->xfers, *nx; x; x = nx) {
+                nx = x->next;
+                if (older_than && now - x->first_ns <= older_than)
+                        continue;
+                post_result(p->cn, x, status, reason);
+                drop(pd, x);
+        }
+        pthread_mutex_unlock(&pd->mu);
+}
+
+bool data_tx_busy(struct peer *p)
+{
+        struct peer_data *pd = p->data;
+        if (!pd)
+                return false;
+        pthread_mutex_lock(&pd->mu);
+        bool busy = pd->nxfers > 0;
+        pthread_mutex_unlock(&pd->mu);
+        return busy;
+}
+
+void data_tx_stop(struct peer *p)
+{
+        struct peer_data *pd = p->data;
+        if (!pd)
+                return;
+        pthread_mutex_lock(&pd->mu);
+        pd->stop = true;
+        pthread_cond_broadcast(&pd->cv);
+        pthread_mutex_unlock(&pd->mu);
+        for (unsigned i = 0; i < pd->nconns; i++) {
+                if (pd->conns[i].fd >= 0)
+                        shutdown(pd->conns[i].fd, SHUT_RDWR);
+                pthread_join(pd->conns[i].thread, NULL);
+        }
+}

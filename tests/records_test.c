@@ -77,6 +77,7 @@ static void check_same(const char *what, const struct kvf_record *a, const struc
         CHECK_U64(what, a->done_ns, b->done_ns);
         CHECK_U64(what, a->generation, b->generation);
         CHECK_U64(what, a->layer, b->layer);
+        CHECK_U64(what, a->layer_count, b->layer_count);
         CHECK_U64(what, a->blocks, b->blocks);
         CHECK_U64(what, a->status, b->status);
         CHECK_U64(what, a->transport, b->transport);
@@ -405,11 +406,30 @@ static void test_round_trips(void)
 
         for (unsigned s = 0; s < sizeof(sizes) / sizeof(sizes[0]); s++) {
                 struct kvf_record r = {.type = KVF_RT_WRITE_BATCH, .key = 0x0123456789abcdefull,
-                                       .layer = 61, .transport = KVF_TRANSPORT_TCP};
+                                       .layer = 61, .layer_count = 3, .transport = KVF_TRANSPORT_TCP};
                 fill(r.request_id, sizeof(r.request_id), "req-batch");
                 fill(r.peer, sizeof(r.peer), "10.0.0.2:7100");
                 r.runs = make_ids(r.n_runs = sizes[s] * 3, 3);
-                round_trip("write batch", &r, "key,request_id,peer,layer,runs,transfer_protocol");
+                round_trip("write batch", &r,
+                           "key,request_id,peer,layer,layer_count,runs,transfer_protocol");
+                kvf_record_free(&r);
+        }
+
+        for (unsigned s = 0; s < sizeof(sizes) / sizeof(sizes[0]); s++) {
+                struct kvf_record r = {.type = KVF_RT_OPEN, .key = 0xfedcba9876543210ull,
+                                       .transport = KVF_TRANSPORT_TCP, .bytes = 123456789012ull};
+                fill(r.request_id, sizeof(r.request_id), "req-open");
+                fill(r.peer, sizeof(r.peer), "10.0.0.2:7100");
+                r.dst = make_ids(r.n_dst = sizes[s], 11);
+                round_trip("open", &r, "key,request_id,peer,transfer_protocol,dest_block_ids,bytes");
+                kvf_record_free(&r);
+        }
+
+        {
+                struct kvf_record r = {.type = KVF_RT_XOPEN, .key = 99};
+                fill(r.request_id, sizeof(r.request_id), "req-xopen");
+                r.dst = make_ids(r.n_dst = 5000, 13);
+                round_trip("xopen", &r, "key,request_id,dest_block_ids");
                 kvf_record_free(&r);
         }
 

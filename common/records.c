@@ -195,6 +195,32 @@ static int type_err(const char *field, const char *want, const struct kvf_mp *m)
                            kvf_mp_kind_name(kvf_mp_peek(m)));
 }
 
+/*
+ * Strings come back to engines (a completion echoes the request id), and a
+ * Python engine decoding with raw=False fails on invalid UTF-8: refuse it here.
+ */
+static bool utf8_ok(const uint8_t *p, uint32_t n)
+{
+        for (uint32_t i = 0; i < n;) {
+                uint8_t c = p[i];
+                uint32_t len = c < 0x80 ? 1 : (c >> 5) == 6 ? 2 : (c >> 4) == 14 ? 3 : (c >> 3) == 30 ? 4 : 0;
+                if (!len || i + len > n)
+                        return false;
+                uint32_t cp = len == 1 ? c : c & (0x7f >> len);
+                for (uint32_t k = 1; k < len; k++) {
+                        if ((p[i + k] & 0xc0) != 0x80)
+                                return false;
+                        cp = (cp << 6) | (p[i + k] & 0x3f);
+                }
+                /* no overlong forms, no surrogates, nothing past U+10FFFF */
+                static const uint32_t min[5] = {0, 0, 0x80, 0x800, 0x10000};
+                if (cp < min[len] || (cp >= 0xd800 && cp <= 0xdfff) || cp > 0x10ffff)
+                        return false;
+                i += len;
+        }
+        return true;
+}
+
 static int dec_str(struct kvf_mp *m, const struct field *f, char *dst, const char **raw,
                    uint32_t *rawlen)
 {
@@ -217,6 +243,8 @@ static int dec_str(struct kvf_mp *m, const struct field *f, char *dst, const cha
                                    f->name, n, f->aux - 1);
         if (memchr(s, 0, n))
                 return kvf_err_set(-EBADMSG, "field '%s' contains a NUL byte", f->name);
+        if (!utf8_ok((const uint8_t *)s, n))
+                return kvf_err_set(-EBADMSG, "field '%s' is not valid UTF-8", f->name);
         memcpy(dst, s, n);
         dst[n] = '\0';
         return 0;
@@ -572,4 +600,29 @@ int kvf_record_encode_alloc(const struct kvf_record *r, uint8_t **buf, size_t *l
         *buf = b;
         *len = (size_t)n;
         return 0;
+}
+
+int kvf_record_peek_request_id(const void *buf, size_t len, char *out, size_t cap)
+{
+        struct kvf_mp m = {.p = buf, .end = (const uint8_t *)buf + len};
+        uint32_t n;
+        if (cap == 0 || kvf_mp_map(&m, &n) < 0)
+                return -EBADMSG;
+        for (uint32_t i = 0; i < n; i++) {
+                const char *k, *v;
+                uint32_t kl, vl;
+                if (kvf_mp_str(&m, &k, &kl) < 0)
+                        return -EBADMSG;
+                if (kl == 10 && !memcmp(k, "request_id", 10) && kvf_mp_peek(&m) == KVF_MP_STR &&
+                    kvf_mp_str(&m, &v, &vl) == 0) {
+                        if (vl == 0 || vl >= cap || memchr(v, 0, vl) || !utf8_ok((const uint8_t *)v, vl))
+                                return -EBADMSG;
+                        memcpy(out, v, vl);
+                        out[vl] = '\0';
+                        return 0;
+                }
+                if (kvf_mp_skip(&m, 16) < 0)
+                        return -EBADMSG;
+        }
+        return -ENOENT;
 }

@@ -105,6 +105,13 @@ int kvf_record_decode(int type, const void *buf, size_t len, uint32_t rank,
 void kvf_record_free(struct kvf_record *r);
 
 /*
+ * Best effort, for a record that failed to decode: find a valid string
+ * "request_id" at the top level, so the rejection can name the request.
+ * 0 and *out filled, or < 0.
+ */
+int kvf_record_peek_request_id(const void *buf, size_t len, char *out, size_t cap);
+
+/*
  * Encode into buf (cap bytes). Returns the length, -ENOSPC if it does not
  * fit, -EINVAL for an unknown type.
  */

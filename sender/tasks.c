@@ -482,9 +482,14 @@ int sender_on_engine_record(void *ctx, uint16_t type, const uint8_t *p, uint32_t
         }
         if (kvf_record_decode(type, p, len, s->ctl.hdr->rank, &r) < 0) {
                 kvf_count(&s->ctl, KVF_CTR_BAD_RECORDS, 1);
-                if (type == KVF_RT_TASK)
-                        rc = reject(s, pos, r.request_id, r.peer, KVF_STATUS_BAD_TASK, "%s",
-                                    kvf_err_msg());
+                if (type == KVF_RT_TASK) {
+                        char why[KVF_ERR_MAX];
+                        snprintf(why, sizeof(why), "%s", kvf_err_msg());
+                        /* The bad field may come before request_id: look for it anyway. */
+                        if (!r.request_id[0])
+                                kvf_record_peek_request_id(p, len, r.request_id, sizeof(r.request_id));
+                        rc = reject(s, pos, r.request_id, r.peer, KVF_STATUS_BAD_TASK, "%s", why);
+                }
                 else
                         kvf_errlog(&s->ctl, KVF_ROLE_SENDER, "malformed %s record: %s",
                                    kvf_rec_type_name(type), kvf_err_msg());

@@ -530,6 +530,9 @@ static void v_str128(msgpack_packer *pk) { v_str(pk, KVF_REQ_ID_MAX); }
 static void v_str112(msgpack_packer *pk) { v_str(pk, KVF_PEER_MAX); }
 
 static void v_str_nul(msgpack_packer *pk) { msgpack_pack_str_with_body(pk, "req\0evil", 8); }
+static void v_str_latin1(msgpack_packer *pk) { msgpack_pack_str_with_body(pk, "caf\xe9", 4); }
+static void v_str_overlong(msgpack_packer *pk) { msgpack_pack_str_with_body(pk, "a\xc0\xaf", 3); }
+static void v_str_surrogate(msgpack_packer *pk) { msgpack_pack_str_with_body(pk, "\xed\xa0\x80", 3); }
 
 static void v_ids_neg(msgpack_packer *pk)
 {
@@ -867,6 +870,12 @@ static const struct bad bads[] = {
          "task record: field 'peer' is 200 bytes long, at most 111 allowed"},
         {"string with a NUL byte", T, 0, NULL, NULL, "request_id", REPLACE, v_str_nul,
          "task record: field 'request_id' contains a NUL byte"},
+        {"string in Latin-1, not UTF-8", T, 0, NULL, NULL, "request_id", REPLACE, v_str_latin1,
+         "task record: field 'request_id' is not valid UTF-8"},
+        {"overlong UTF-8", T, 0, NULL, NULL, "peer", REPLACE, v_str_overlong,
+         "task record: field 'peer' is not valid UTF-8"},
+        {"UTF-8 surrogate", T, 0, NULL, NULL, "request_id", REPLACE, v_str_surrogate,
+         "task record: field 'request_id' is not valid UTF-8"},
         {"current_id negative", T, 0, NULL, NULL, "current_id", REPLACE, v_neg,
          "task record: field 'current_id' must be a non-negative integer, found -3"},
         {"current_id a string", T, 0, NULL, NULL, "current_id", REPLACE, v_str_num,
@@ -1410,6 +1419,35 @@ static int python_main(const char *script, const char *base)
         return 0;
 }
 
+/* A rejected task still names its request when the bad field comes before request_id. */
+static void test_peek_request_id(void)
+{
+        msgpack_sbuffer sb;
+        msgpack_packer pk;
+        struct kvf_record r;
+        char id[KVF_REQ_ID_MAX];
+
+        msgpack_sbuffer_init(&sb);
+        msgpack_packer_init(&pk, &sb, msgpack_sbuffer_write);
+        msgpack_pack_map(&pk, 3);
+        msgpack_pack_str_with_body(&pk, "current_id", 10);
+        msgpack_pack_str_with_body(&pk, "soon", 4);
+        msgpack_pack_str_with_body(&pk, "device_ids", 10);
+        msgpack_pack_array(&pk, 1);
+        msgpack_pack_int(&pk, 0);
+        msgpack_pack_str_with_body(&pk, "request_id", 10);
+        msgpack_pack_str_with_body(&pk, "req-late", 8);
+        CHECK(kvf_record_decode(KVF_RT_TASK, sb.data, sb.size, 0, &r) == -EBADMSG);
+        CHECK(r.request_id[0] == '\0');
+        kvf_record_free(&r);
+        CHECK(kvf_record_peek_request_id(sb.data, sb.size, id, sizeof(id)) == 0);
+        CHECK(!strcmp(id, "req-late"));
+        CHECK(kvf_record_peek_request_id(sb.data, sb.size - 3, id, sizeof(id)) < 0);
+        CHECK(kvf_record_peek_request_id("\x91\x01", 2, id, sizeof(id)) < 0);
+        msgpack_sbuffer_destroy(&sb);
+        printf("ok: request_id found in a task that fails before it\n");
+}
+
 int main(int argc, char **argv)
 {
         if (argc == 4 && !strcmp(argv[1], "--python"))
@@ -1428,5 +1466,6 @@ int main(int argc, char **argv)
         test_partial_free();
         test_unknown_keys();
         printf("ok: unknown keys ignored\n");
+        test_peek_request_id();
         return 0;
 }

@@ -8,6 +8,7 @@
 #include <errno.h>
 #include <signal.h>
 #include <stdint.h>
+#include <sys/prctl.h>
 #include <sys/wait.h>
 
 #include "check.h"
@@ -170,6 +171,7 @@ static void test_two_processes(uint64_t total)
         pid_t pid = fork();
         CHECK(pid >= 0);
         if (pid == 0) {
+                prctl(PR_SET_PDEATHSIG, SIGKILL); /* never outlive a failed test */
                 kvf_ring_producer_attach(r, 1);
                 uint8_t buf[128];
                 for (uint64_t seq = 0; seq < total;) {
@@ -338,6 +340,7 @@ static void test_no_lost_wakeups(unsigned rounds)
         pid_t pid = fork();
         CHECK(pid >= 0);
         if (pid == 0) {
+                prctl(PR_SET_PDEATHSIG, SIGKILL);
                 kvf_ring_producer_attach(pong, 1);
                 uint64_t seqs[4];
                 unsigned timeouts = 0;

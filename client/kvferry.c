@@ -48,7 +48,7 @@ static int map_cache(struct kvf_client *c)
         if (fd < 0)
                 return kvf_err_set(-errno, "open cache /dev/shm%s: %s", h->cache_name,
                                    strerror(errno));
-        void *p = mmap(NULL, h->layout.cache_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+        void *p = mmap(NULL, h->layout.cache_bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
         int e = errno;
         close(fd);
         if (p == MAP_FAILED)

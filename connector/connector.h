@@ -120,10 +120,20 @@ struct connector {
         uint32_t jnext;
 
         struct event *deferred, *deferred_tail; /* events waiting for ring space */
+        pthread_mutex_t engine_mu; /* producer side of connector->engine, and the journal */
+        pthread_mutex_t sender_mu; /* producer side of connector->sender */
 };
 
 /* main.c */
+/* Queue an event for the control thread (it retries what a full ring refused). */
 void conn_post(struct connector *cn, struct event *ev);
+/*
+ * Handle an event now, on the calling thread, or queue it if a ring is full.
+ * Takes ownership of ev. Any thread: the connector's two outbound rings each
+ * have an in-process producer mutex, so several threads of this one producer
+ * process can write them (the ring stays single-producer across processes).
+ */
+void conn_dispatch(struct connector *cn, struct event *ev);
 
 /* handshake.c: 0 with the peer's identity in *out, or -errno with kvf_err set and (client)
  * *status (enum kvf_status) saying what kind of failure it was. */

@@ -59,7 +59,13 @@ int data_rx_notice(struct connector *cn, const struct kvf_record *notice, uint64
 /* Control thread: take the waiting notice of a transfer whose data is complete. */
 int data_rx_take_ready(struct connector *cn, const char *peer, uint64_t key, struct kvf_record *notice,
                        uint64_t *session);
-void data_rx_forget(struct connector *cn, const char *peer, uint64_t key);
-void data_rx_expire(struct connector *cn, uint64_t older_than_ns);
+/*
+ * Control thread: the transfer's arrival is published, or it was aborted:
+ * from now on its frames are read and dropped, never written (late resends,
+ * frames in flight when it was aborted), until it expires.
+ */
+void data_rx_close(struct connector *cn, const char *peer, uint64_t key);
+/* Drop transfers open and silent longer than open_ns, closed ones after closed_ns. */
+void data_rx_expire(struct connector *cn, uint64_t open_ns, uint64_t closed_ns);
 
 #endif

@@ -32,6 +32,7 @@ struct rx_xfer {
         uint8_t *got; /* bit per (layer, tensor, index) */
         uint64_t need, have;
         bool waiting; /* a finish notice waits for the data */
+        bool closed;  /* published or aborted: late frames for it are drained, not written */
         uint64_t session;
         struct kvf_record notice;
         uint64_t touched_ns;
@@ -60,15 +61,6 @@ static void rx_free(struct rx_xfer *x)
         free(x);
 }
 
-static void rx_unlink(struct connector *cn, struct rx_xfer *x)
-{
-        for (struct rx_xfer **pp = &cn->rx[bucket(x->peer, x->key)]; *pp; pp = &(*pp)->next)
-                if (*pp == x) {
-                        *pp = x->next;
-                        return;
-                }
-}
-
 /*
  * Register (or keep) a transfer, from its XOPEN or from its finish notice,
  * whichever comes first (they travel on different connections). -EPROTO if
@@ -94,6 +86,11 @@ static int rx_open(struct connector *cn, const char *peer, const struct kvf_reco
         free(seen);
         pthread_mutex_lock(&cn->rxmu);
         struct rx_xfer *x = rx_find(cn, peer, o->key);
+        if (x && x->closed) {
+                /* a late XOPEN of a transfer already published or aborted */
+                pthread_mutex_unlock(&cn->rxmu);
+                return 0;
+        }
         if (x && (x->n_dst != o->n_dst || memcmp(x->dst, o->dst, o->n_dst * sizeof(uint32_t)))) {
                 /* Same key, other blocks: cannot be a resend. */
                 pthread_mutex_unlock(&cn->rxmu);
@@ -128,7 +125,12 @@ static int rx_open(struct connector *cn, const char *peer, const struct kvf_reco
         return 0;
 }
 
-/* Check a DATA header; on success *dst_off is where its payload goes. Lock not held. */
+/*
+ * Check a DATA header; on success *dst_off is where its payload goes. Returns
+ * 0, 1 when the frame belongs to a transfer already closed (drain it: a
+ * resend that crossed the acknowledgement, or frames that were in flight when
+ * the transfer was aborted), or -EPROTO. Lock not held.
+ */
 static int rx_check(struct connector *cn, const char *peer, const struct kvf_data_hdr *h,
                     uint32_t frame_len, uint64_t *dst_off, char *why, size_t whylen)
 {
@@ -138,7 +140,9 @@ static int rx_check(struct connector *cn, const char *peer, const struct kvf_dat
 
         pthread_mutex_lock(&cn->rxmu);
         struct rx_xfer *x = rx_find(cn, peer, h->key);
-        if (!x)
+        if (x && x->closed)
+                rc = 1;
+        else if (!x)
                 snprintf(why, whylen, "data for transfer %016llx, which was never opened",
                          (unsigned long long)h->key);
         else if (h->layer >= layers || h->tensor >= tensors)
@@ -227,30 +231,107 @@ static void post_done(struct connector *cn, const char *peer, uint64_t key)
         ev->kind = EV_DATA_DONE;
         ev->rec.key = key;
         snprintf(ev->rec.peer, sizeof(ev->rec.peer), "%s", peer);
-        conn_post(cn, ev);
+        conn_dispatch(cn, ev);
+}
+
+/*
+ * Staged reading: one receive takes whatever the socket has (many small
+ * frames at once); a large payload goes from the stage into the cache for
+ * the part already read and straight from the socket into the cache for the
+ * rest.
+ */
+struct stage {
+        uint8_t *b;
+        uint32_t cap, off, len;
+};
+
+/* Make at least `need` unread bytes available in the stage. */
+static int stage_fill(struct connector *cn, struct io_uring *ring, int fd, struct stage *st,
+                      uint32_t need, unsigned timeout_ms)
+{
+        if (st->len - st->off >= need)
+                return 0;
+        if (st->off > 0) {
+                memmove(st->b, st->b + st->off, st->len - st->off);
+                st->len -= st->off;
+                st->off = 0;
+        }
+        uint64_t start = kvf_now_ns();
+        while (st->len < need) {
+                struct io_uring_sqe *sqe = io_uring_get_sqe(ring);
+                io_uring_prep_recv(sqe, fd, st->b + st->len, st->cap - st->len, 0);
+                io_uring_submit(ring);
+                for (;;) {
+                        struct io_uring_cqe *cqe;
+                        struct __kernel_timespec ts = {.tv_sec = 0, .tv_nsec = 200000000};
+                        int rc = io_uring_wait_cqe_timeout(ring, &cqe, &ts);
+                        if (rc == 0) {
+                                int res = cqe->res;
+                                io_uring_cqe_seen(ring, cqe);
+                                if (res <= 0)
+                                        return res == 0 ? -ECONNRESET : res;
+                                st->len += (uint32_t)res;
+                                break;
+                        }
+                        if (rc != -ETIME)
+                                return rc;
+                        /* Idle between frames is fine (timeout_ms 0); inside a frame it is not. */
+                        bool late = st->len > 0 && timeout_ms &&
+                                    kvf_now_ns() - start > (uint64_t)timeout_ms * 1000000ull;
+                        if (cn->stop || late) {
+                                shutdown(fd, SHUT_RDWR);
+                                if (io_uring_wait_cqe(ring, &cqe) == 0)
+                                        io_uring_cqe_seen(ring, cqe);
+                                return cn->stop ? -ECANCELED : -ETIMEDOUT;
+                        }
+                }
+        }
+        return 0;
+}
+
+/* Move `n` payload bytes to dst (NULL: drop them): from the stage first, then the socket. */
+static int stage_payload(struct connector *cn, struct io_uring *ring, int fd, struct stage *st,
+                         uint8_t *dst, uint64_t n, unsigned timeout_ms)
+{
+        uint32_t have = st->len - st->off;
+        uint64_t take = have < n ? have : n;
+        if (dst && take)
+                memcpy(dst, st->b + st->off, take);
+        st->off += (uint32_t)take;
+        n -= take;
+        while (n > 0) {
+                if (dst)
+                        return recv_exact(cn, ring, fd, dst + take, (uint32_t)n, timeout_ms);
+                uint32_t k = n < st->cap ? (uint32_t)n : st->cap;
+                int rc = stage_fill(cn, ring, fd, st, k, timeout_ms);
+                if (rc < 0)
+                        return rc;
+                st->off += k;
+                n -= k;
+        }
+        return 0;
 }
 
 void data_rx_serve(struct connector *cn, int fd, const char *peer, const char *remote)
 {
         struct io_uring ring;
-        uint8_t hb[KVF_FRAME_HDR + sizeof(struct kvf_data_hdr)];
-        uint8_t *xbuf = malloc(KVF_XOPEN_MAX);
+        struct stage st = {.cap = KVF_XOPEN_MAX + KVF_FRAME_HDR};
         char why[KVF_REASON_MAX] = "";
         unsigned to = cn->cfg.peer_timeout_ms;
 
-        if (!xbuf || io_uring_queue_init(8, &ring, 0) < 0) {
-                free(xbuf);
+        st.b = malloc(st.cap);
+        if (!st.b || io_uring_queue_init(8, &ring, 0) < 0) {
+                free(st.b);
                 kvf_errlog(&cn->ctl, KVF_ROLE_CONNECTOR, "data connection from '%s': no io_uring", peer);
                 return;
         }
         for (;;) {
-                int rc = recv_exact(cn, &ring, fd, hb, KVF_FRAME_HDR, 0);
-                if (rc < 0)
+                if (stage_fill(cn, &ring, fd, &st, KVF_FRAME_HDR, 0) < 0)
                         break; /* closed, or stopping */
                 uint32_t len;
                 uint16_t type;
-                memcpy(&len, hb, 4);
-                memcpy(&type, hb + 4, 2);
+                memcpy(&len, st.b + st.off, 4);
+                memcpy(&type, st.b + st.off + 4, 2);
                 len = ntohl(len);
                 type = ntohs(type);
                 if (type == KVF_RT_XOPEN) {
@@ -259,9 +340,11 @@ void data_rx_serve(struct connector *cn, int fd, const char *peer, const char *r
                                 snprintf(why, sizeof(why), "XOPEN of %u bytes", len);
                                 goto violation;
                         }
-                        if (recv_exact(cn, &ring, fd, xbuf, len, to) < 0)
+                        if (stage_fill(cn, &ring, fd, &st, KVF_FRAME_HDR + len, to) < 0)
                                 break;
-                        if (kvf_record_decode(KVF_RT_XOPEN, xbuf, len, 0, &o) < 0) {
+                        int rc = kvf_record_decode(KVF_RT_XOPEN, st.b + st.off + KVF_FRAME_HDR, len, 0, &o);
+                        st.off += KVF_FRAME_HDR + len;
+                        if (rc < 0) {
                                 snprintf(why, sizeof(why), "malformed XOPEN: %s", kvf_err_msg());
                                 kvf_record_free(&o);
                                 goto violation;
@@ -278,25 +361,31 @@ void data_rx_serve(struct connector *cn, int fd, const char *peer, const char *r
                         snprintf(why, sizeof(why), "frame of type %u and %u bytes on a data connection", type, len);
                         goto violation;
                 }
-                if (recv_exact(cn, &ring, fd, hb + KVF_FRAME_HDR, sizeof(struct kvf_data_hdr), to) < 0)
+                if (stage_fill(cn, &ring, fd, &st, KVF_FRAME_HDR + sizeof(struct kvf_data_hdr), to) < 0)
                         break;
                 struct kvf_data_hdr h;
-                memcpy(&h, hb + KVF_FRAME_HDR, sizeof(h));
+                memcpy(&h, st.b + st.off + KVF_FRAME_HDR, sizeof(h));
+                st.off += KVF_FRAME_HDR + sizeof(h);
                 h.key = be64toh(h.key);
                 h.layer = ntohl(h.layer);
                 h.tensor = ntohs(h.tensor);
                 h.index = ntohl(h.index);
                 h.nblocks = ntohl(h.nblocks);
                 uint64_t off;
-                if (rx_check(cn, peer, &h, len, &off, why, sizeof(why)) < 0)
+                uint64_t plen = len - sizeof(h);
+                int rc = rx_check(cn, peer, &h, len, &off, why, sizeof(why));
+                if (rc < 0)
                         goto violation;
-                /* Straight into the cache: the header named these blocks, and they are ours. */
-                if (recv_exact(cn, &ring, fd, cn->cache + off, len - (uint32_t)sizeof(h), to) < 0) {
-                        snprintf(why, sizeof(why), "frame cut short");
+                /* rc 1: a closed transfer, whose payload is read and dropped. Else
+                 * straight into the cache: the header named these blocks, and they are ours. */
+                if (stage_payload(cn, &ring, fd, &st, rc == 1 ? NULL : cn->cache + off, plen, to) < 0) {
                         kvf_count(&cn->ctl, KVF_CTR_FRAMES_REJECTED, 1);
+                        kvf_warn("peer '%s' (%s): data frame cut short", peer, remote);
                         break;
                 }
-                kvf_count(&cn->ctl, KVF_CTR_BYTES_TCP_RECEIVED, len - sizeof(h));
+                if (rc == 1)
+                        continue;
+                kvf_count(&cn->ctl, KVF_CTR_BYTES_TCP_RECEIVED, plen);
                 if (rx_mark(cn, peer, &h))
                         post_done(cn, peer, h.key);
         }
@@ -307,7 +396,7 @@ violation:
                    peer, remote, why);
 out:
         io_uring_queue_exit(&ring);
-        free(xbuf);
+        free(st.b);
 }
 
 int data_rx_notice(struct connector *cn, const struct kvf_record *n, uint64_t session)
@@ -319,7 +408,9 @@ int data_rx_notice(struct connector *cn, const struct kvf_record *n, uint64_t se
                 kvf_errlog(&cn->ctl, KVF_ROLE_CONNECTOR, "notice from '%s': %s", n->peer, why);
         pthread_mutex_lock(&cn->rxmu);
         struct rx_xfer *x = rx_find(cn, n->peer, n->key);
-        if (x && x->have == x->need) {
+        if (x && x->closed) {
+                ready = 1; /* the journal answers the repeat */
+        } else if (x && x->have == x->need) {
                 ready = 1;
         } else if (x) {
                 /* Keep the notice until the last block is in. */
@@ -357,29 +448,47 @@ int data_rx_take_ready(struct connector *cn, const char *peer, uint64_t key, str
         return got;
 }
 
-void data_rx_forget(struct connector *cn, const char *peer, uint64_t key)
+void data_rx_close(struct connector *cn, const char *peer, uint64_t key)
 {
         pthread_mutex_lock(&cn->rxmu);
         struct rx_xfer *x = rx_find(cn, peer, key);
-        if (x) {
-                rx_unlink(cn, x);
-                rx_free(x);
+        if (!x && (x = calloc(1, sizeof(*x)))) {
+                /* closed before anything came (an abort): remember it all the same */
+                snprintf(x->peer, sizeof(x->peer), "%s", peer);
+                x->key = key;
+                unsigned b = bucket(peer, key);
+                x->next = cn->rx[b];
+                cn->rx[b] = x;
         }
+        if (x && !x->closed) {
+                if (x->waiting)
+                        kvf_record_free(&x->notice);
+                x->waiting = false;
+                free(x->dst);
+                free(x->got);
+                x->dst = NULL;
+                x->got = NULL;
+                x->n_dst = 0;
+                x->closed = true;
+        }
+        if (x)
+                x->touched_ns = kvf_now_ns();
         pthread_mutex_unlock(&cn->rxmu);
 }
 
-void data_rx_expire(struct connector *cn, uint64_t older_than_ns)
+void data_rx_expire(struct connector *cn, uint64_t open_ns, uint64_t closed_ns)
 {
         uint64_t now = kvf_now_ns();
         pthread_mutex_lock(&cn->rxmu);
         for (unsigned b = 0; b < 1024; b++)
                 for (struct rx_xfer **pp = &cn->rx[b]; *pp;) {
                         struct rx_xfer *x = *pp;
-                        if (now - x->touched_ns > older_than_ns) {
+                        if (now - x->touched_ns > (x->closed ? closed_ns : open_ns)) {
                                 *pp = x->next;
-                                kvf_warn("req %s from %s: transfer abandoned by its sender (%llu of %llu blocks): dropped",
-                                         x->request_id, x->peer, (unsigned long long)x->have,
-                                         (unsigned long long)x->need);
+                                if (!x->closed)
+                                        kvf_warn("req %s from %s: transfer abandoned by its sender (%llu of %llu blocks): dropped",
+                                                 x->request_id, x->peer, (unsigned long long)x->have,
+                                                 (unsigned long long)x->need);
                                 rx_free(x);
                                 continue;
                         }

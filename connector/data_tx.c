@@ -54,7 +54,7 @@ struct xfer {
 #define MAX_STREAMS 16u
 #define BATCH_FRAMES 32u
 #define BATCH_BYTES (16u << 20)
-#define QUEUE_LIMIT (256ull << 20) /* queued payload bytes before the control thread waits */
+#define QUEUE_LIMIT (64ull << 20) /* queued payload bytes before the control thread waits */
 
 struct data_conn {
         struct peer_data *pd;
@@ -93,7 +93,7 @@ static void post_result(struct connector *cn, const struct xfer *x, int status, 
         ev->rec.status = status;
         snprintf(ev->rec.request_id, sizeof(ev->rec.request_id), "%s", x->request_id);
         snprintf(ev->rec.reason, sizeof(ev->rec.reason), "%s", reason);
-        conn_post(cn, ev);
+        conn_dispatch(cn, ev);
 }
 
 static struct xfer *find(struct peer_data *pd, uint64_t key)

@@ -71,14 +71,17 @@ static int ring_write_record(struct connector *cn, int ring, const struct kvf_re
         size_t len;
         if (kvf_record_encode_alloc(r, &buf, &len) < 0)
                 return -ENOMEM;
+        pthread_mutex_t *mu = ring == KVF_RING_CONNECTOR_TO_ENGINE ? &cn->engine_mu : &cn->sender_mu;
+        pthread_mutex_lock(mu);
         int rc = kvf_ring_write(&cn->ctl.rings[ring], r->type, buf, (uint32_t)len, NULL);
+        pthread_mutex_unlock(mu);
         free(buf);
         if (rc == -EAGAIN)
                 kvf_count(&cn->ctl, KVF_CTR_RING_FULL, 1);
         return rc;
 }
 
-/* Handle one event; -EAGAIN = a ring is full, keep it for later. */
+/* Handle one event; -EAGAIN = a ring is full, keep it for later. Any thread. */
 static int handle_event(struct connector *cn, struct event *ev)
 {
         /* (recursive for EV_DATA_DONE, which becomes the waiting EV_NOTICE) */
@@ -103,18 +106,15 @@ static int handle_event(struct connector *cn, struct event *ev)
                 nev->kind = EV_NOTICE;
                 nev->session = session;
                 nev->rec = n;
-                int rc = handle_event(cn, nev);
-                if (rc == -EAGAIN) {
-                        /* ring full: keep the notice for the next pass */
-                        conn_post(cn, nev);
-                        return 0;
-                }
-                kvf_record_free(&nev->rec);
-                free(nev);
+                conn_dispatch(cn, nev);
                 return 0;
         }
         case EV_NOTICE: {
                 char reason[KVF_REASON_MAX];
+                /* An aborted tcp transfer: fence off its late frames before the engine
+                 * hears of it, so blocks it frees on the error arrival stay untouched. */
+                if (ev->rec.transport != KVF_TRANSPORT_IPC && ev->rec.status != KVF_STATUS_FINISHED)
+                        data_rx_close(cn, ev->rec.peer, ev->rec.key);
                 if (ev->rec.transport != KVF_TRANSPORT_IPC && ev->rec.status == KVF_STATUS_FINISHED &&
                     !conn_arrival_published(cn, &ev->rec) && !data_rx_notice(cn, &ev->rec, ev->session))
                         return 0; /* the data is not all in: the arrival waits for it */
@@ -132,11 +132,21 @@ static int handle_event(struct connector *cn, struct event *ev)
                 /* If the session is gone the prefill side re-sends; the journal de-duplicates. */
                 conn_session_send(cn, ev->session, &ack);
                 if (ev->rec.transport != KVF_TRANSPORT_IPC)
-                        data_rx_forget(cn, ev->rec.peer, ev->rec.key);
+                        data_rx_close(cn, ev->rec.peer, ev->rec.key);
                 return 0;
         }
         }
         return 0;
+}
+
+void conn_dispatch(struct connector *cn, struct event *ev)
+{
+        if (handle_event(cn, ev) == -EAGAIN) {
+                conn_post(cn, ev);
+                return;
+        }
+        kvf_record_free(&ev->rec);
+        free(ev);
 }
 
 static void run_events(struct connector *cn)
@@ -187,6 +197,10 @@ static void on_finish(struct connector *cn, struct kvf_record *f)
                 conn_post(cn, ev);
                 return;
         }
+        /* An abort: stop sending the transfer's blocks now (the notice fences off, on
+         * the decode side, those already in flight). */
+        if (f->status != KVF_STATUS_FINISHED && f->transport != KVF_TRANSPORT_IPC)
+                data_tx_forget(p, f->key);
         /* On the wire the notice names its source, not its destination. */
         w.type = KVF_RT_NOTICE;
         snprintf(w.peer, sizeof(w.peer), "%s", cn->ctl.hdr->instance);
@@ -319,7 +333,7 @@ static void control_loop(struct connector *cn)
                 if (now >= next) {
                         kvf_role_heartbeat(&cn->ctl, KVF_ROLE_CONNECTOR);
                         /* A transfer whose sender went silent for a long while is not coming. */
-                        data_rx_expire(cn, 300ull * 1000000000ull);
+                        data_rx_expire(cn, 300ull * 1000000000ull, 120ull * 1000000000ull);
                         next = now + beat;
                 }
                 if (worked && !cn->deferred)
@@ -339,7 +353,7 @@ static int map_cache(struct connector *cn)
         int fd = shm_open(h->cache_name, O_RDWR | O_CLOEXEC, 0);
         if (fd < 0)
                 return kvf_err_set(-errno, "open own cache /dev/shm%s: %s", h->cache_name, strerror(errno));
-        void *p = mmap(NULL, h->layout.cache_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+        void *p = mmap(NULL, h->layout.cache_bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
         close(fd);
         if (p == MAP_FAILED)
                 return kvf_err_set(-errno, "map own cache: %s", strerror(errno));
@@ -414,6 +428,8 @@ int main(int argc, char **argv)
         pthread_mutex_init(&cn.evmu, NULL);
         pthread_mutex_init(&cn.smu, NULL);
         pthread_mutex_init(&cn.rxmu, NULL);
+        pthread_mutex_init(&cn.engine_mu, NULL);
+        pthread_mutex_init(&cn.sender_mu, NULL);
         if (map_cache(&cn) < 0) {
                 kvf_error("%s", kvf_err_msg());
                 return 1;

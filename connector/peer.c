@@ -35,7 +35,7 @@ static void post_result(struct connector *cn, const struct notice *n, int status
         ev->rec.status = status;
         snprintf(ev->rec.request_id, sizeof(ev->rec.request_id), "%s", n->request_id);
         snprintf(ev->rec.reason, sizeof(ev->rec.reason), "%s", reason ? reason : "");
-        conn_post(cn, ev);
+        conn_dispatch(cn, ev);
 }
 
 static void post_state(struct peer *p, bool up, const char *reason)

@@ -82,13 +82,29 @@ void conn_journal_init(struct connector *cn)
 
 bool conn_arrival_published(struct connector *cn, const struct kvf_record *n)
 {
+        pthread_mutex_lock(&cn->engine_mu);
         uint32_t e = jidx_find(cn, journal_key(n));
-        return e != JEMPTY &&
-               kvf_ring_delivered(&cn->ctl.rings[KVF_RING_CONNECTOR_TO_ENGINE], cn->ctl.journal[e].ring_pos);
+        bool yes = e != JEMPTY && kvf_ring_delivered(&cn->ctl.rings[KVF_RING_CONNECTOR_TO_ENGINE],
+                                                     cn->ctl.journal[e].ring_pos);
+        pthread_mutex_unlock(&cn->engine_mu);
+        return yes;
 }
+
+static int publish_locked(struct connector *cn, const struct kvf_record *n, const char *from,
+                          char *reason, size_t reasonlen);
 
 int conn_publish_arrival(struct connector *cn, const struct kvf_record *n, const char *from,
                          char *reason, size_t reasonlen)
+{
+        /* The journal and the ring's producer side move together. */
+        pthread_mutex_lock(&cn->engine_mu);
+        int rc = publish_locked(cn, n, from, reason, reasonlen);
+        pthread_mutex_unlock(&cn->engine_mu);
+        return rc;
+}
+
+static int publish_locked(struct connector *cn, const struct kvf_record *n, const char *from,
+                          char *reason, size_t reasonlen)
 {
         const struct kvf_ctl_header *h = cn->ctl.hdr;
         struct kvf_ring *ring = &cn->ctl.rings[KVF_RING_CONNECTOR_TO_ENGINE];
@@ -275,7 +291,7 @@ static void *session_main(void *arg)
                         snprintf(ev->rec.peer, sizeof(ev->rec.peer), "%s", s->instance);
                         ev->kind = EV_NOTICE;
                         ev->session = s->id;
-                        conn_post(cn, ev);
+                        conn_dispatch(cn, ev); /* publish and acknowledge from this thread */
                 }
                 if (rc < 0) {
                         kvf_count(&cn->ctl, KVF_CTR_FRAMES_REJECTED, 1);

@@ -52,7 +52,7 @@ static int map_own_cache(struct sender *s)
         if (fd < 0)
                 return kvf_err_set(-errno, "open own cache /dev/shm%s: %s", h->cache_name,
                                    strerror(errno));
-        void *p = mmap(NULL, h->layout.cache_bytes, PROT_READ, MAP_SHARED, fd, 0);
+        void *p = mmap(NULL, h->layout.cache_bytes, PROT_READ, MAP_SHARED | MAP_POPULATE, fd, 0);
         close(fd);
         if (p == MAP_FAILED)
                 return kvf_err_set(-errno, "map own cache: %s", strerror(errno));

@@ -66,7 +66,7 @@ static int open_peer(struct sender *s, struct ipc_peer *p, const char *name, cha
                 rc = -EPROTO;
                 goto fail;
         }
-        p->cache = mmap(NULL, h->layout.cache_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+        p->cache = mmap(NULL, h->layout.cache_bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
         close(fd);
         if (p->cache == MAP_FAILED) {
                 p->cache = NULL;

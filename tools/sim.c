@@ -48,7 +48,7 @@ struct req {
         int completion; /* -1 until known */
         int arrival;    /* -1 until known */
         bool verified;
-        uint64_t bytes, arrival_ns, completion_ns;
+        uint64_t bytes, arrival_ns, completion_ns, completion_seen_ns;
         bool src_freed, dst_freed;
         char reason[240];
 };
@@ -220,6 +220,12 @@ static void maybe_done(struct req *r)
         bool finished_ok = r->completion == KVF_STATUS_FINISHED;
         if (finished_ok && r->arrival < 0)
                 return; /* the arrival is on its way */
+        /* A failed network transfer: its frames may still be in flight. The decode side
+         * frees the blocks on the error arrival (published after those frames are fenced
+         * off), or after a grace period if the peer could not be told. */
+        if (!finished_ok && o.transport != KVF_TRANSPORT_IPC && r->arrival < 0 &&
+            kvf_now_ns() - r->completion_seen_ns < 10000000000ull)
+                return;
         if (r->src_freed && r->dst_freed)
                 return;
         free_src(r);
@@ -281,6 +287,14 @@ static void poll_events(int timeout_ms)
 {
         struct kvf_event ev;
         int rc;
+        static uint64_t last_sweep;
+        if (kvf_now_ns() - last_sweep > 100000000ull) {
+                /* failed network transfers whose grace period ran out */
+                last_sweep = kvf_now_ns();
+                for (unsigned i = 0; i < nreq; i++)
+                        if (reqs[i].completion > 0 && !reqs[i].dst_freed)
+                                maybe_done(&reqs[i]);
+        }
         while ((rc = kvf_group_poll(pg, &ev, timeout_ms)) > 0) {
                 struct req *r = find_req(ev.request_id);
                 timeout_ms = 0;
@@ -296,6 +310,7 @@ static void poll_events(int timeout_ms)
                         continue;
                 }
                 r->completion = ev.status;
+                r->completion_seen_ns = kvf_now_ns();
                 r->bytes = ev.bytes;
                 r->completion_ns = ev.done_ns;
                 snprintf(r->reason, sizeof(r->reason), "%s", ev.reason);

@@ -115,6 +115,8 @@ int conn_handshake_client(struct connector *cn, int fd, const char *purpose,
         if (!kvf_auth_equal(want, r.proof, KVF_SHA256_LEN)) {
                 *status = KVF_STATUS_AUTH;
                 kvf_count(&cn->ctl, KVF_CTR_AUTH_FAILURES, 1);
+                /* Say so before closing, so the other side's operator sees why. */
+                refuse(fd, KVF_STATUS_AUTH, "authentication failed: the client holds another token", to);
                 return kvf_err_set(-EACCES,
                                    "handshake: authentication failed: the peer does not hold our token");
         }
@@ -175,8 +177,12 @@ int conn_handshake_server(struct connector *cn, int fd, struct peer_identity *ou
         kvf_auth_proof(cn->cfg.token, cn->cfg.token_len, "kvferry-server", nonce_c, nonce_s, r.proof);
         if ((rc = conn_send_record(fd, &r, to)) < 0)
                 return kvf_err_ctx(rc, "handshake");
-        if ((rc = recv_record(fd, KVF_RT_AUTH, &r, to, NULL)) < 0)
+        int st = KVF_STATUS_CONNECTION;
+        if ((rc = recv_record(fd, KVF_RT_AUTH, &r, to, &st)) < 0) {
+                if (st == KVF_STATUS_AUTH)
+                        kvf_count(&cn->ctl, KVF_CTR_AUTH_FAILURES, 1);
                 return kvf_err_ctx(rc, "handshake");
+        }
         kvf_auth_proof(cn->cfg.token, cn->cfg.token_len, "kvferry-client", nonce_s, nonce_c, want);
         if (!kvf_auth_equal(want, r.proof, KVF_SHA256_LEN)) {
                 kvf_count(&cn->ctl, KVF_CTR_AUTH_FAILURES, 1);

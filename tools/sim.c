@@ -60,6 +60,7 @@ struct pool {
 
 struct opts {
         const char *prefill[MAX_RANKS], *decode[MAX_RANKS];
+        const char *peer[MAX_RANKS]; /* what tasks name as the peer (default: the decode instance) */
         unsigned ranks;
         unsigned requests;
         const char *trace;
@@ -341,7 +342,7 @@ static int submit_task(struct req *r, uint64_t step)
         for (unsigned k = 0; k < o.ranks; k++) {
                 struct kvf_task t = {.request_id = r->id, .src_block_ids = r->src, .n_src = r->n_src,
                                      .dest_block_ids = r->dst, .n_dest = r->n_dst, .current_id = step,
-                                     .transport = o.transport, .peer = o.decode[k],
+                                     .transport = o.transport, .peer = o.peer[k],
                                      .chunked = o.chunk_tokens > 0};
                 int rc;
                 while ((rc = kvf_submit_task(kvf_group_member(pg, k), &t)) == -EAGAIN)
@@ -447,6 +448,7 @@ static void usage(void)
                "  --late-pct P        P%% of tasks arrive after their layers are done (default 10)\n"
                "  --cancel-pct P      P%% of requests are cancelled mid-step (default 0)\n"
                "  --transport T       ipc or tcp (default ipc)\n"
+               "  --peer-map D=ADDR   name decode instance D in tasks as host:port ADDR (tcp across hosts)\n"
                "  --seed N            (default 1)\n"
                "  --timeout-s N       give up after N seconds without progress (default 60)\n"
                "  --baseline          also time a plain memcpy of the same bytes, for the ratio\n"
@@ -459,7 +461,7 @@ static void usage(void)
 int main(int argc, char **argv)
 {
         enum { O_P = 1000, O_D, O_N, O_TRACE, O_MAXTOK, O_LUS, O_STEP, O_CHUNK, O_PREFIX, O_LATE,
-               O_CANCEL, O_TRANSPORT, O_SEED, O_TO, O_BASE, O_JSON, O_QUIET, O_VERSION };
+               O_CANCEL, O_TRANSPORT, O_SEED, O_TO, O_BASE, O_JSON, O_QUIET, O_VERSION, O_PEERMAP };
         static const struct option lo[] = {
                 {"prefill", required_argument, 0, O_P},  {"decode", required_argument, 0, O_D},
                 {"requests", required_argument, 0, O_N}, {"trace", required_argument, 0, O_TRACE},
@@ -471,11 +473,13 @@ int main(int argc, char **argv)
                 {"late-pct", required_argument, 0, O_LATE},
                 {"cancel-pct", required_argument, 0, O_CANCEL},
                 {"transport", required_argument, 0, O_TRANSPORT},
+                {"peer-map", required_argument, 0, O_PEERMAP},
                 {"seed", required_argument, 0, O_SEED}, {"timeout-s", required_argument, 0, O_TO},
                 {"baseline", no_argument, 0, O_BASE},    {"json", required_argument, 0, O_JSON},
                 {"quiet", no_argument, 0, O_QUIET},      {"help", no_argument, 0, 'h'},
                 {"version", no_argument, 0, O_VERSION},  {0, 0, 0, 0}};
         unsigned np = 0, nd = 0;
+        const char *peermap = NULL;
         int c;
 
         o.requests = 100;
@@ -509,6 +513,7 @@ int main(int argc, char **argv)
                                 kvf_opt_die(prog, "--transport is ipc or tcp");
                         break;
                 case O_SEED: o.seed = kvf_opt_u64("seed", optarg, 0, UINT64_MAX); break;
+                case O_PEERMAP: peermap = optarg; break;
                 case O_TO: o.timeout_s = (unsigned)kvf_opt_u64("timeout-s", optarg, 1, 86400); break;
                 case O_BASE: o.baseline = true; break;
                 case O_JSON: o.json = optarg; break;
@@ -522,6 +527,22 @@ int main(int argc, char **argv)
                 kvf_opt_die(prog, "give --prefill and --decode with the same number of ranks");
         o.ranks = np;
         rng_state = o.seed;
+        for (unsigned k = 0; k < nd; k++)
+                o.peer[k] = o.decode[k];
+        if (peermap) {
+                const char *m[MAX_RANKS];
+                unsigned nm;
+                split_list(peermap, m, &nm);
+                for (unsigned i = 0; i < nm; i++) {
+                        char *eq = strchr(m[i], '=');
+                        if (!eq)
+                                kvf_opt_die(prog, "--peer-map wants DECODE=HOST:PORT, not '%s'", m[i]);
+                        *eq = '\0';
+                        for (unsigned k = 0; k < nd; k++)
+                                if (!strcmp(o.decode[k], m[i]))
+                                        o.peer[k] = eq + 1;
+                }
+        }
 
         if (kvf_group_attach(o.prefill, np, 10000, &pg) < 0 || kvf_group_attach(o.decode, nd, 10000, &dg) < 0) {
                 fprintf(stderr, "%s: %s\n", prog, kvf_last_error());

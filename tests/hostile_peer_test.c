@@ -1,0 +1,341 @@
+/*
+ * A hostile (or broken) peer against a real decode connector: a client that
+ * authenticates and then speaks the data protocol wrongly in each way the
+ * connector must catch: data for a transfer never opened, block ids beyond
+ * the cache, a run beyond the transfer, a layer beyond the cache, a length
+ * beyond the blocks, non-contiguous blocks, a truncated frame, garbage, a
+ * malformed notice, and a wrong token. Each time the connector disconnects
+ * and reports (frames_rejected, error log), nothing outside the
+ * transfer's destination blocks is written (the cache is filled with a
+ * canary first and compared after), and a correct transfer still lands.
+ */
+#include <arpa/inet.h>
+#include <errno.h>
+#include <poll.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include "auth.h"
+#include "check.h"
+#include "clock.h"
+#include "ctl.h"
+#include "kvferry.h"
+#include "layout.h"
+#include "net.h"
+#include "records.h"
+
+static char D[64], cmd[2048], host[64];
+static uint32_t port;
+static struct kvf_client *eng;
+static struct kvf_ctl ctl;
+static struct kvf_layout_info L;
+static uint8_t token[KVF_TOKEN_MAX];
+static size_t toklen;
+
+static void cleanup(void)
+{
+        snprintf(cmd, sizeof(cmd), "%s/tools/kvferry down --instance %s >/dev/null 2>&1", KVF_SOURCE_DIR, D);
+        if (system(cmd) != 0)
+                fprintf(stderr, "cleanup failed\n");
+}
+
+static int send_rec(int fd, struct kvf_record *r)
+{
+        uint8_t *b;
+        size_t n;
+        CHECK(kvf_record_encode_alloc(r, &b, &n) == 0);
+        int rc = kvf_net_send_frame(fd, r->type, b, (uint32_t)n, 2000);
+        free(b);
+        return rc;
+}
+
+static int recv_rec(int fd, int want, struct kvf_record *r)
+{
+        static uint8_t buf[65536];
+        struct kvf_frame_hdr h;
+        int rc = kvf_net_recv_frame(fd, &h, buf, sizeof(buf), 3000);
+        memset(r, 0, sizeof(*r));
+        if (rc < 0)
+                return rc;
+        if (h.type != want)
+                return -(int)h.type - 1000;
+        return kvf_record_decode(want, buf, h.len, 0, r);
+}
+
+/* Connect and authenticate as instance "evil" with our layout; -EACCES if refused. */
+static int dial(const char *purpose, const uint8_t *tok, size_t tl)
+{
+        int fd = kvf_net_connect(host, (uint16_t)port, 2000);
+        CHECK(fd >= 0);
+        uint8_t nc[32], ns[32], want[32];
+        struct kvf_record r = {.type = KVF_RT_HELLO, .proto = 1};
+        kvf_random(nc, 32);
+        memcpy(r.nonce, nc, 32);
+        snprintf(r.purpose, sizeof(r.purpose), "%s", purpose);
+        CHECK(send_rec(fd, &r) == 0);
+        CHECK(recv_rec(fd, KVF_RT_CHALLENGE, &r) == 0);
+        memcpy(ns, r.nonce, 32);
+        kvf_auth_proof(tok, tl, "kvferry-server", nc, ns, want);
+        bool server_ok = kvf_auth_equal(want, r.proof, 32);
+        memset(&r, 0, sizeof(r));
+        r.type = KVF_RT_AUTH;
+        kvf_auth_proof(tok, tl, "kvferry-client", ns, nc, r.proof);
+        snprintf(r.instance, sizeof(r.instance), "evil");
+        r.role = 1;
+        r.generation = 1;
+        r.lay_layers = L.num_layers;
+        r.lay_extra = L.extra_layers;
+        r.lay_blocks = L.num_blocks;
+        r.lay_heads = L.kv_heads;
+        r.lay_bsize = L.block_size;
+        r.lay_hdim = L.head_dim;
+        r.lay_dtype = L.dtype;
+        r.lay_keyonly = L.key_only;
+        CHECK(send_rec(fd, &r) == 0);
+        int rc = recv_rec(fd, KVF_RT_WELCOME, &r);
+        if (rc < 0 || !server_ok) {
+                close(fd);
+                return -EACCES;
+        }
+        return fd;
+}
+
+static void xopen(int fd, uint64_t key, const uint32_t *dst, uint32_t n)
+{
+        struct kvf_record r = {.type = KVF_RT_XOPEN, .key = key, .dst = (uint32_t *)dst, .n_dst = n};
+        snprintf(r.request_id, sizeof(r.request_id), "evil-%llu", (unsigned long long)key);
+        CHECK(send_rec(fd, &r) == 0);
+}
+
+/* A DATA frame; `declared` is the frame length put in the header, `payload` the bytes sent. */
+static void data(int fd, uint64_t key, uint32_t layer, uint16_t tensor, uint32_t index, uint32_t nblocks,
+                 uint32_t declared, uint32_t payload, uint8_t fillb)
+{
+        uint8_t hb[8 + 24];
+        uint32_t l = htonl(declared);
+        uint16_t t = htons(48), z = 0;
+        memcpy(hb, &l, 4);
+        memcpy(hb + 4, &t, 2);
+        memcpy(hb + 6, &z, 2);
+        uint64_t k = htobe64(key);
+        uint32_t ly = htonl(layer), ix = htonl(index), nb = htonl(nblocks);
+        uint16_t tn = htons(tensor);
+        memcpy(hb + 8, &k, 8);
+        memcpy(hb + 16, &ly, 4);
+        memcpy(hb + 20, &tn, 2);
+        memcpy(hb + 22, &z, 2);
+        memcpy(hb + 24, &ix, 4);
+        memcpy(hb + 28, &nb, 4);
+        kvf_net_write_all(fd, hb, sizeof(hb), 2000);
+        uint8_t *p = malloc(payload + 1);
+        memset(p, fillb, payload + 1);
+        kvf_net_write_all(fd, p, payload, 2000);
+        free(p);
+}
+
+/* The peer hangs up on us within 5 s. */
+static bool dropped(int fd)
+{
+        uint8_t b[4096];
+        uint64_t end = kvf_now_ns() + 5000000000ull;
+        while (kvf_now_ns() < end) {
+                struct pollfd pf = {.fd = fd, .events = POLLIN};
+                if (poll(&pf, 1, 100) > 0) {
+                        ssize_t n = recv(fd, b, sizeof(b), 0);
+                        if (n <= 0)
+                                return true;
+                }
+        }
+        return false;
+}
+
+static uint64_t rejected(void)
+{
+        return __atomic_load_n(&ctl.counters[KVF_CTR_FRAMES_REJECTED].value, __ATOMIC_ACQUIRE);
+}
+
+static int ncase;
+
+static void expect_drop(const char *what, int fd, uint64_t before, const char *logged)
+{
+        if (!dropped(fd)) {
+                fprintf(stderr, "case '%s': the connector did not disconnect us\n", what);
+                exit(1);
+        }
+        close(fd);
+        uint64_t end = kvf_now_ns() + 3000000000ull;
+        while (rejected() <= before && kvf_now_ns() < end)
+                usleep(10000);
+        CHECK(rejected() > before);
+        bool found = false;
+        struct kvf_errlog_entry e;
+        for (unsigned i = 0; i < KVF_ERRLOG_ENTRIES; i++)
+                if (kvf_errlog_read(&ctl, KVF_ROLE_CONNECTOR, i, &e) == 1 && strstr(e.text, logged))
+                        found = true;
+        if (!found) {
+                fprintf(stderr, "case '%s': no error-log entry containing \"%s\"\n", what, logged);
+                exit(1);
+        }
+        printf("  %-36s -> disconnected, reported (\"%s\")\n", what, logged);
+        ncase++;
+}
+
+static uint8_t canary(uint32_t l, uint32_t t, uint32_t b, uint64_t i)
+{
+        return (uint8_t)(0xa5 ^ l ^ (t << 3) ^ b ^ (i * 7));
+}
+
+int main(void)
+{
+        snprintf(D, sizeof(D), "hp%d-d", (int)getpid());
+        atexit(cleanup);
+        snprintf(cmd, sizeof(cmd), "%s/tools/kvferry up --instance %s --role decode --layers 4 --kv-heads 2 "
+                                   "--head-dim 64 --block-size 16 --blocks 64 >/dev/null",
+                 KVF_SOURCE_DIR, D);
+        CHECK(system(cmd) == 0);
+        const char *tf = getenv("KVFERRY_TOKEN_FILE");
+        char deftf[512];
+        if (!tf) {
+                snprintf(deftf, sizeof(deftf), "%s/.config/kvferry/token", getenv("HOME"));
+                tf = deftf;
+        }
+        CHECK(kvf_token_load(tf, token, &toklen) == 0);
+        CHECK(kvf_attach(D, 5000, &eng) == 0);
+        CHECK(kvf_ctl_attach(D, false, &ctl) == 0);
+        CHECK(kvf_connector_info_read(&ctl, host, sizeof(host), &port) == 0);
+        kvf_get_layout(eng, &L);
+        uint32_t layers = L.num_layers + L.extra_layers, tensors = L.key_only ? 1 : 2;
+        for (uint32_t l = 0; l < layers; l++)
+                for (uint32_t t = 0; t < tensors; t++) {
+                        uint8_t *base = kvf_cache_tensor(eng, l, (int)t);
+                        for (uint32_t b = 0; b < L.num_blocks; b++)
+                                for (uint64_t i = 0; i < L.block_bytes; i++)
+                                        base[b * L.block_bytes + i] = canary(l, t, b, i);
+                }
+        uint32_t bb = (uint32_t)L.block_bytes;
+        printf("hostile peer against %s (%s:%u), %u blocks of %u bytes:\n", D, host, port, L.num_blocks, bb);
+
+        uint64_t before;
+        int fd;
+        static const uint32_t d3[3] = {10, 11, 12}, big[2] = {5, 64}, gaps[3] = {20, 22, 24};
+
+        before = rejected();
+        fd = dial("data", token, toklen);
+        data(fd, 1, 0, 0, 0, 1, 24 + bb, bb, 0xee);
+        expect_drop("data for a transfer never opened", fd, before, "which was never opened");
+
+        before = rejected();
+        fd = dial("data", token, toklen);
+        xopen(fd, 2, big, 2);
+        expect_drop("open naming a block beyond the cache", fd, before, "names block 64 beyond this cache");
+
+        before = rejected();
+        fd = dial("data", token, toklen);
+        xopen(fd, 3, d3, 3);
+        data(fd, 3, 0, 0, 2, 2, 24 + 2 * bb, 2 * bb, 0xee);
+        expect_drop("run past the transfer's blocks", fd, before, "data for blocks [2, +2)");
+
+        before = rejected();
+        fd = dial("data", token, toklen);
+        xopen(fd, 4, d3, 3);
+        data(fd, 4, layers, 0, 0, 1, 24 + bb, bb, 0xee);
+        expect_drop("layer beyond the cache", fd, before, "this cache has 4 layers");
+
+        before = rejected();
+        fd = dial("data", token, toklen);
+        xopen(fd, 5, d3, 3);
+        data(fd, 5, 0, 0, 0, 1, 24 + bb + 100, bb + 100, 0xee);
+        expect_drop("length beyond the block", fd, before, "for 1 blocks of");
+
+        before = rejected();
+        fd = dial("data", token, toklen);
+        xopen(fd, 6, gaps, 3);
+        data(fd, 6, 0, 0, 0, 2, 24 + 2 * bb, 2 * bb, 0xee);
+        expect_drop("run over non-contiguous blocks", fd, before, "not contiguous");
+
+        before = rejected();
+        fd = dial("data", token, toklen);
+        {
+                uint8_t junk[64];
+                kvf_random(junk, sizeof(junk));
+                junk[4] = 0x7f; /* no such frame type */
+                kvf_net_write_all(fd, junk, sizeof(junk), 2000);
+        }
+        expect_drop("garbage", fd, before, "on a data connection");
+
+        before = rejected();
+        fd = dial("control", token, toklen);
+        kvf_net_send_frame(fd, KVF_RT_NOTICE, "\x81\xa3key\xa1x", 7, 2000);
+        expect_drop("malformed notice", fd, before, "sent a bad frame");
+
+        /* Truncated: half a block for blocks[0] of layer 0, then hang up. Only that block may change. */
+        before = rejected();
+        fd = dial("data", token, toklen);
+        xopen(fd, 7, d3, 3);
+        data(fd, 7, 0, 0, 0, 1, 24 + bb, bb / 2, 0x5a);
+        usleep(100000);
+        close(fd);
+        uint64_t end = kvf_now_ns() + 3000000000ull;
+        while (rejected() <= before && kvf_now_ns() < end)
+                usleep(10000);
+        CHECK(rejected() > before);
+        printf("  %-36s -> dropped; only its own block touched\n", "frame cut short");
+        ncase++;
+
+        /* Wrong token: refused before anything is accepted. */
+        CHECK(dial("data", (const uint8_t *)"not-the-token-at-all", 20) == -EACCES);
+        printf("  %-36s -> refused at the handshake\n", "wrong token");
+        ncase++;
+
+        /* Nothing outside the truncated frame's destination block was written. */
+        uint64_t changed = 0;
+        for (uint32_t l = 0; l < layers; l++)
+                for (uint32_t t = 0; t < tensors; t++) {
+                        const uint8_t *base = kvf_cache_tensor(eng, l, (int)t);
+                        for (uint32_t b = 0; b < L.num_blocks; b++)
+                                for (uint64_t i = 0; i < L.block_bytes; i++)
+                                        if (base[b * L.block_bytes + i] != canary(l, t, b, i)) {
+                                                CHECK(l == 0 && t == 0 && b == 10 && i < bb / 2);
+                                                changed++;
+                                        }
+                }
+        printf("  cache outside the request's destination blocks: untouched (%llu bytes of block 10 written by the cut frame)\n",
+               (unsigned long long)changed);
+
+        /* The connector still works: a correct transfer of 3 blocks x all layers, then its notice. */
+        int dfd = dial("data", token, toklen), cfd = dial("control", token, toklen);
+        CHECK(dfd >= 0 && cfd >= 0);
+        xopen(dfd, 99, d3, 3);
+        for (uint32_t l = 0; l < layers; l++)
+                for (uint16_t t = 0; t < tensors; t++)
+                        data(dfd, 99, l, t, 0, 3, 24 + 3 * bb, 3 * bb, (uint8_t)(l * 2 + t + 1));
+        struct kvf_record n = {.type = KVF_RT_NOTICE, .key = 99, .transport = KVF_TRANSPORT_TCP,
+                               .status = KVF_STATUS_FINISHED, .dst = (uint32_t *)d3, .n_dst = 3,
+                               .bytes = (uint64_t)3 * bb * layers * tensors, .blocks = 3};
+        snprintf(n.request_id, sizeof(n.request_id), "good-after-evil");
+        snprintf(n.peer, sizeof(n.peer), "evil");
+        CHECK(send_rec(cfd, &n) == 0);
+        struct kvf_record ack;
+        int rc;
+        do
+                rc = recv_rec(cfd, KVF_RT_ACK, &ack);
+        while (rc == -(KVF_RT_PING) - 1000 || rc == -(KVF_RT_PONG) - 1000);
+        CHECK(rc == 0);
+        CHECK(ack.status == KVF_STATUS_FINISHED);
+        struct kvf_event ev;
+        CHECK(kvf_poll(eng, &ev, 5000) == 1);
+        CHECK(ev.type == KVF_EVENT_ARRIVAL && !strcmp(ev.request_id, "good-after-evil") &&
+              ev.status == KVF_STATUS_FINISHED && !strcmp(ev.peer, "evil"));
+        const uint8_t *k0 = kvf_cache_tensor(eng, 3, 1);
+        CHECK(k0[11 * bb] == 3 * 2 + 1 + 1);
+        close(dfd);
+        close(cfd);
+        printf("hostile_peer_test: %d cases refused; a correct transfer afterwards arrived\n", ncase);
+        kvf_detach(eng);
+        kvf_ctl_detach(&ctl);
+        return 0;
+}

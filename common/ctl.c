@@ -12,6 +12,7 @@
 
 #include "atomics.h"
 #include "clock.h"
+#include "doorbell.h"
 #include "err.h"
 #include "log.h"
 
@@ -272,6 +273,9 @@ int kvf_ctl_create(const struct kvf_ctl_params *prm, struct kvf_ctl *out)
         h->cuda_handles_off = p.cuda;
         h->cuda_handles_count = prm->cuda_handles;
         h->heartbeat_ms = prm->heartbeat_ms ? prm->heartbeat_ms : KVF_DEFAULT_HEARTBEAT_MS;
+        bool asym = kvf_doorbell_asymmetric_supported();
+        for (int i = 0; i < KVF_BELL_COUNT; i++)
+                out->bells[i].asymmetric = asym;
         for (int i = 0; i < KVF_RING_COUNT; i++) {
                 h->ring_capacity[i] = cap[i];
                 kvf_ring_format(&out->ring_hdrs[i], (uint32_t)i, ring_roles[i][0], ring_roles[i][1],

@@ -24,6 +24,21 @@
 void kvf_doorbell_ring(struct kvf_doorbell *bell);
 
 /*
+ * Dense traffic and the asymmetric barrier (membarrier(2)). The pair above
+ * costs the producer a full fence per record, which under dense traffic is
+ * most of a small record's cost. A producer thread that keeps finding the
+ * consumer awake switches to ringing with a compiler barrier only, after
+ * registering for MEMBARRIER_CMD_GLOBAL_EXPEDITED and announcing itself in
+ * the bell's `unfenced` count; a consumer about to sleep while that count is
+ * non-zero issues one membarrier, which runs the missing fence on every
+ * registered process's CPU. Under sparse traffic (the consumer sleeps between
+ * records) producers keep the fence and nobody pays for membarrier IPIs, so
+ * wake-up latency is that of the plain pair. See doorbell.c for why no wake
+ * can be lost across the switches.
+ */
+bool kvf_doorbell_asymmetric_supported(void);
+
+/*
  * Consumer side, in this order:
  *   seq = kvf_doorbell_prepare(bell);
  *   if (work is visible) kvf_doorbell_cancel(bell); else kvf_doorbell_sleep(bell, seq, ns);

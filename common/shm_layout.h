@@ -13,7 +13,7 @@
  *   header, ring constants ........ allocator, before `version` is stored
  *   role slot r ................... the process in role r
  *   ring producer line ............ the ring's producer; consumer line: its consumer
- *   doorbell ...................... `seq` by producers (atomic add), `waiters` by the consumer
+ *   doorbell ...................... `seq` by producers and consumers (CAS), `waiters` by consumers
  *   progress word ................. the engine (layer-done events)
  *   counters ...................... atomic adds by any role
  *   error log region r ............ role r only (seqlock per entry for readers)
@@ -120,11 +120,14 @@ struct kvf_role_slot {
 
 /* A futex word and a waiter count, on their own cache line. */
 struct kvf_doorbell {
-        uint32_t seq;     /* bumped by a producer that saw waiters != 0 */
+        uint32_t seq;     /* futex word: armed by a consumer about to sleep (low bit), moved by
+                           * the producer that wakes it (doorbell.c) */
         uint32_t waiters; /* consumers announced as about to sleep */
         uint64_t wakes;   /* futex wakes issued (statistics) */
         uint64_t sleeps;  /* futex waits entered (statistics) */
-        uint8_t pad[40];
+        uint32_t asymmetric; /* set at creation: membarrier(2) usable (doorbell.c) */
+        uint32_t unfenced;   /* producers now ringing without a fence (dense traffic) */
+        uint8_t pad[32];
 };
 
 /*

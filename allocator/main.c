@@ -232,17 +232,14 @@ int main(int argc, char **argv)
         struct kvf_ctl ctl;
         int rc;
         if (adopt && kvf_ctl_attach(p.instance, true, &ctl) == 0) {
-                if (kvf_role_alive(&ctl, KVF_ROLE_ALLOCATOR, kvf_now_ns()) &&
-                    ctl.roles[KVF_ROLE_ALLOCATOR].pid != getpid()) {
-                        kvf_error("instance %s already has a live allocator (pid %d)", p.instance,
-                                  ctl.roles[KVF_ROLE_ALLOCATOR].pid);
-                        return 1;
-                }
                 if ((rc = check_cache_file(&ctl)) < 0) {
                         kvf_error("cannot adopt instance %s: %s", p.instance, kvf_err_msg());
                         return 1;
                 }
-                kvf_role_begin(&ctl, KVF_ROLE_ALLOCATOR);
+                if (kvf_role_claim(&ctl, KVF_ROLE_ALLOCATOR) < 0) {
+                        kvf_error("%s", kvf_err_msg());
+                        return 1;
+                }
                 kvf_info("adopted existing instance (generation %llu)",
                          (unsigned long long)ctl.roles[KVF_ROLE_ALLOCATOR].generation);
         } else {
@@ -291,6 +288,10 @@ int main(int argc, char **argv)
         }
         uint64_t beat = (uint64_t)ctl.hdr->heartbeat_ms * 1000000ull;
         while (!stop) {
+                if (kvf_role_fenced(&ctl, KVF_ROLE_ALLOCATOR)) {
+                        kvf_error("another allocator holds this instance now: exiting");
+                        return 1;
+                }
                 kvf_role_heartbeat(&ctl, KVF_ROLE_ALLOCATOR);
                 kvf_sleep_ns(beat / 2);
         }

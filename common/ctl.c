@@ -568,6 +568,26 @@ uint64_t kvf_role_begin(struct kvf_ctl *c, enum kvf_role_id role)
         return gen;
 }
 
+int64_t kvf_role_claim(struct kvf_ctl *c, enum kvf_role_id role)
+{
+        struct kvf_role_slot *s = &c->roles[role];
+        int32_t cur = kvf_load_acquire(&s->pid);
+        int32_t me = (int32_t)getpid();
+
+        if (cur > 0 && cur != me && kvf_role_alive(c, role, kvf_now_ns()))
+                return kvf_err_set(-EBUSY, "instance '%s' already has a running %s (pid %d)",
+                                   c->hdr->instance, kvf_role_name(role), cur);
+        if (!kvf_cas_acq_rel(&s->pid, &cur, me))
+                return kvf_err_set(-EBUSY, "instance '%s': another %s (pid %d) started at the same time",
+                                   c->hdr->instance, kvf_role_name(role), cur);
+        return (int64_t)kvf_role_begin(c, role);
+}
+
+bool kvf_role_fenced(const struct kvf_ctl *c, enum kvf_role_id role)
+{
+        return kvf_load_acquire(&c->roles[role].pid) != (int32_t)getpid();
+}
+
 void kvf_role_heartbeat(struct kvf_ctl *c, enum kvf_role_id role)
 {
         kvf_store_release(&c->roles[role].heartbeat_ns, kvf_now_ns());

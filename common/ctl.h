@@ -92,6 +92,18 @@ void kvf_ctl_detach(struct kvf_ctl *c);
 /* Remove the instance's segment and cache file; 0 if anything was removed. */
 int kvf_ctl_unlink(const char *instance);
 
+/*
+ * Take a role for this process: refused (-EBUSY, kvf_err says who holds it)
+ * while another live process holds it; the pid is swapped in with a CAS, so
+ * of two processes starting at once only one gets it. Then as
+ * kvf_role_begin(). Returns the new generation (> 0) or -EBUSY.
+ */
+int64_t kvf_role_claim(struct kvf_ctl *c, enum kvf_role_id role);
+/*
+ * True when this process no longer holds the role (a successor claimed it
+ * while we were stuck): the caller must stop at once, touching nothing.
+ */
+bool kvf_role_fenced(const struct kvf_ctl *c, enum kvf_role_id role);
 /* Role slots. kvf_role_begin() bumps the generation and returns it. */
 uint64_t kvf_role_begin(struct kvf_ctl *c, enum kvf_role_id role);
 void kvf_role_heartbeat(struct kvf_ctl *c, enum kvf_role_id role);

@@ -331,6 +331,11 @@ static void control_loop(struct connector *cn)
                 }
                 uint64_t now = kvf_now_ns();
                 if (now >= next) {
+                        if (kvf_role_fenced(&cn->ctl, KVF_ROLE_CONNECTOR)) {
+                                kvf_error("another connector (pid %d) holds this instance now: exiting",
+                                          cn->ctl.roles[KVF_ROLE_CONNECTOR].pid);
+                                _exit(1);
+                        }
                         kvf_role_heartbeat(&cn->ctl, KVF_ROLE_CONNECTOR);
                         /* A transfer whose sender went silent for a long while is not coming. */
                         data_rx_expire(cn, 300ull * 1000000000ull, 120ull * 1000000000ull);
@@ -434,7 +439,12 @@ int main(int argc, char **argv)
                 kvf_error("%s", kvf_err_msg());
                 return 1;
         }
-        cn.gen = kvf_role_begin(&cn.ctl, KVF_ROLE_CONNECTOR);
+        int64_t gen = kvf_role_claim(&cn.ctl, KVF_ROLE_CONNECTOR);
+        if (gen < 0) {
+                kvf_error("%s", kvf_err_msg());
+                return 1;
+        }
+        cn.gen = (uint64_t)gen;
         kvf_ring_producer_attach(&cn.ctl.rings[KVF_RING_CONNECTOR_TO_ENGINE], cn.gen);
         kvf_ring_producer_attach(&cn.ctl.rings[KVF_RING_CONNECTOR_TO_SENDER], cn.gen);
         for (int r = 0; r < KVF_RING_COUNT; r++)

@@ -103,6 +103,12 @@ static int run(struct sender *s, uint64_t spin_ns)
 
                 uint64_t now = kvf_now_ns();
                 if (now >= next_tick) {
+                        if (kvf_role_fenced(&s->ctl, KVF_ROLE_SENDER)) {
+                                /* A successor took over while we were stuck: touch nothing more. */
+                                kvf_error("another sender (pid %d) holds this instance now: exiting",
+                                          s->ctl.roles[KVF_ROLE_SENDER].pid);
+                                _exit(1);
+                        }
                         sender_tick(s, now);
                         next_tick = now + beat;
                 }
@@ -169,7 +175,12 @@ int main(int argc, char **argv)
                 kvf_error("%s", kvf_err_msg());
                 return 1;
         }
-        s.gen = kvf_role_begin(&s.ctl, KVF_ROLE_SENDER);
+        int64_t gen = kvf_role_claim(&s.ctl, KVF_ROLE_SENDER);
+        if (gen < 0) {
+                kvf_error("%s", kvf_err_msg());
+                return 1;
+        }
+        s.gen = (uint64_t)gen;
         kvf_ring_producer_attach(&s.ctl.rings[KVF_RING_SENDER_TO_ENGINE], s.gen);
         kvf_ring_producer_attach(&s.ctl.rings[KVF_RING_SENDER_TO_CONNECTOR], s.gen);
         for (int r = 0; r < KVF_RING_COUNT; r++)

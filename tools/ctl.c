@@ -26,8 +26,8 @@ static const char *prog = "kvf-ctl";
 static void usage(void)
 {
         printf("Usage:\n"
-               "  %s wait-ready --instance NAME [--roles allocator,connector,sender] [--timeout-ms N]\n"
-               "      wait until the segment is ready and the listed roles are alive\n"
+               "  %s wait-ready --instance NAME [--roles allocator,connector,sender] [--timeout-ms N] [--pid P]\n"
+               "      wait until the segment is ready and the listed roles are alive (held by pid P)\n"
                "  %s unlink --instance NAME [--force]\n"
                "      remove the instance's shared memory (refused while a role is alive, unless --force)\n"
                "  %s alive --instance NAME --role ROLE\n"
@@ -42,6 +42,8 @@ static int role_id(const char *name)
                         return r;
         return -1;
 }
+
+static int want_pid; /* --pid: the role must be held by this process */
 
 static int wait_ready(const char *inst, const char *roles, unsigned timeout_ms)
 {
@@ -62,7 +64,8 @@ static int wait_ready(const char *inst, const char *roles, unsigned timeout_ms)
                         return 2;
                 }
                 for (;;) {
-                        bool ok = kvf_role_alive(&c, (enum kvf_role_id)id, kvf_now_ns());
+                        bool ok = kvf_role_alive(&c, (enum kvf_role_id)id, kvf_now_ns()) &&
+                                  (!want_pid || c.roles[id].pid == want_pid);
                         if (ok && id == KVF_ROLE_CONNECTOR) {
                                 char host[64];
                                 uint32_t port;
@@ -91,6 +94,7 @@ int main(int argc, char **argv)
                                              {"role", required_argument, 0, 'R'},
                                              {"timeout-ms", required_argument, 0, 't'},
                                              {"force", no_argument, 0, 'f'},
+                                             {"pid", required_argument, 0, 'p'},
                                              {"help", no_argument, 0, 'h'},
                                              {"version", no_argument, 0, 'V'},
                                              {0, 0, 0, 0}};
@@ -116,6 +120,7 @@ int main(int argc, char **argv)
                 case 'R': role = optarg; break;
                 case 't': timeout_ms = (unsigned)kvf_opt_u64("timeout-ms", optarg, 0, 3600000); break;
                 case 'f': force = true; break;
+                case 'p': want_pid = (int)kvf_opt_u64("pid", optarg, 1, 1u << 30); break;
                 case 'h': usage(); return 0;
                 case 'V': printf("%s %s\n", prog, KVFERRY_VERSION); return 0;
                 default: kvf_opt_die(prog, "unknown option");

@@ -143,8 +143,10 @@ void kvf_doorbell_ring(struct kvf_doorbell *bell)
                  * commit. Odd + 1: moves the word and disarms it in one step,
                  * so of several producers exactly one makes the call. */
         } while (!kvf_cas_acq_rel(&bell->seq, &seq, seq + 1));
-        kvf_fetch_add_relaxed(&bell->wakes, 1);
         futex(&bell->seq, FUTEX_WAKE, 0x7fffffff, NULL);
+        /* Statistics: a plain increment, after the wake and without a locked
+         * instruction; concurrent producers may lose a count. */
+        kvf_store_relaxed(&bell->wakes, kvf_load_relaxed(&bell->wakes) + 1);
 }
 
 uint32_t kvf_doorbell_prepare(struct kvf_doorbell *bell)
@@ -183,11 +185,11 @@ int kvf_doorbell_sleep(struct kvf_doorbell *bell, uint32_t seq, uint64_t timeout
                               .tv_nsec = (long)(timeout_ns % 1000000000ull)};
         int rc = 0;
 
-        kvf_fetch_add_relaxed(&bell->sleeps, 1);
         /* FUTEX_WAIT returns at once (EAGAIN) if seq already moved: the wake
          * raced ahead of us and is not lost. */
         if (futex(&bell->seq, FUTEX_WAIT, seq, &ts) != 0 && errno == ETIMEDOUT)
                 rc = -ETIMEDOUT;
+        kvf_store_relaxed(&bell->sleeps, kvf_load_relaxed(&bell->sleeps) + 1); /* statistics */
         kvf_doorbell_cancel(bell);
         return rc;
 }

@@ -19,6 +19,16 @@ static inline uint64_t kvf_wall_ns(void)
         return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 }
 
+/*
+ * Time since `then`, never negative: `then` may have been stamped by another
+ * thread after our `now` was read, and a wrapped difference would look like
+ * an age of centuries.
+ */
+static inline uint64_t kvf_elapsed(uint64_t now, uint64_t then)
+{
+        return now > then ? now - then : 0;
+}
+
 static inline void kvf_sleep_ns(uint64_t ns)
 {
         struct timespec ts = {.tv_sec = (time_t)(ns / 1000000000ull),

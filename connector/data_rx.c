@@ -478,12 +478,12 @@ void data_rx_close(struct connector *cn, const char *peer, uint64_t key)
 
 void data_rx_expire(struct connector *cn, uint64_t open_ns, uint64_t closed_ns)
 {
-        uint64_t now = kvf_now_ns();
         pthread_mutex_lock(&cn->rxmu);
+        uint64_t now = kvf_now_ns();
         for (unsigned b = 0; b < 1024; b++)
                 for (struct rx_xfer **pp = &cn->rx[b]; *pp;) {
                         struct rx_xfer *x = *pp;
-                        if (now - x->touched_ns > (x->closed ? closed_ns : open_ns)) {
+                        if (kvf_elapsed(now, x->touched_ns) > (x->closed ? closed_ns : open_ns)) {
                                 *pp = x->next;
                                 if (!x->closed)
                                         kvf_warn("req %s from %s: transfer abandoned by its sender (%llu of %llu blocks): dropped",

@@ -598,11 +598,11 @@ void data_tx_fail(struct peer *p, int status, const char *reason, uint64_t older
         struct peer_data *pd = p->data;
         if (!pd)
                 return;
-        uint64_t now = kvf_now_ns();
         pthread_mutex_lock(&pd->mu);
+        uint64_t now = kvf_now_ns();
         for (struct xfer *x = pd->xfers, *nx; x; x = nx) {
                 nx = x->next;
-                if (older_than && now - x->first_ns <= older_than)
+                if (older_than && kvf_elapsed(now, x->first_ns) <= older_than)
                         continue;
                 post_result(p->cn, x, status, reason);
                 drop(pd, x);

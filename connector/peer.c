@@ -80,12 +80,12 @@ static void free_notice(struct notice *n)
 /* Fail queued notices: all of them, or (older_than != 0) those waiting longer than that. */
 static void fail_queued(struct peer *p, int status, const char *reason, uint64_t older_than)
 {
-        uint64_t now = kvf_now_ns();
         pthread_mutex_lock(&p->mu);
+        uint64_t now = kvf_now_ns();
         struct notice **pp = &p->queue, *n;
         p->queue_tail = NULL;
         while ((n = *pp)) {
-                if (!older_than || now - n->first_ns > older_than) {
+                if (!older_than || kvf_elapsed(now, n->first_ns) > older_than) {
                         *pp = n->next;
                         post_result(p->cn, n, status, reason);
                         free_notice(n);

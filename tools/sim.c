@@ -157,6 +157,8 @@ static bool check(const uint8_t *p, uint64_t bytes, uint64_t key)
         return true;
 }
 
+static bool scatter; /* --scatter: block ids in random order, so no two are contiguous */
+
 static int pool_init(struct pool *p, uint32_t n)
 {
         p->free = malloc(n * sizeof(uint32_t));
@@ -165,6 +167,11 @@ static int pool_init(struct pool *p, uint32_t n)
         /* Blocks handed out lowest first, like an engine's free list at start. */
         for (uint32_t i = 0; i < n; i++)
                 p->free[i] = n - 1 - i;
+        for (uint32_t i = n; scatter && i > 1; i--) {
+                uint32_t j = (uint32_t)(rnd() % i), t = p->free[i - 1];
+                p->free[i - 1] = p->free[j];
+                p->free[j] = t;
+        }
         p->n = p->cap = n;
         return 0;
 }
@@ -477,6 +484,7 @@ static void usage(void)
                "  --timeout-s N       give up after N seconds without progress (default 60)\n"
                "  --baseline          also time a plain memcpy of the same bytes, for the ratio\n"
                "  --verify MODE       full (every byte, default) or sample (both ends of every block)\n"
+               "  --scatter           hand out blocks in random order: no contiguous runs\n"
                "  --json FILE         write the summary as JSON too\n"
                "  --quiet             no progress line\n"
                "Exit: 0 all requests accounted for and nothing corrupt; 1 otherwise; 2 usage.\n",
@@ -486,7 +494,7 @@ static void usage(void)
 int main(int argc, char **argv)
 {
         enum { O_P = 1000, O_D, O_N, O_TRACE, O_MAXTOK, O_LUS, O_STEP, O_CHUNK, O_PREFIX, O_LATE,
-               O_CANCEL, O_TRANSPORT, O_SEED, O_TO, O_BASE, O_JSON, O_QUIET, O_VERSION, O_PEERMAP, O_VERIFY };
+               O_CANCEL, O_TRANSPORT, O_SEED, O_TO, O_BASE, O_JSON, O_QUIET, O_VERSION, O_PEERMAP, O_VERIFY, O_SCATTER };
         static const struct option lo[] = {
                 {"prefill", required_argument, 0, O_P},  {"decode", required_argument, 0, O_D},
                 {"requests", required_argument, 0, O_N}, {"trace", required_argument, 0, O_TRACE},
@@ -500,6 +508,7 @@ int main(int argc, char **argv)
                 {"transport", required_argument, 0, O_TRANSPORT},
                 {"peer-map", required_argument, 0, O_PEERMAP},
                 {"verify", required_argument, 0, O_VERIFY},
+                {"scatter", no_argument, 0, O_SCATTER},
                 {"seed", required_argument, 0, O_SEED}, {"timeout-s", required_argument, 0, O_TO},
                 {"baseline", no_argument, 0, O_BASE},    {"json", required_argument, 0, O_JSON},
                 {"quiet", no_argument, 0, O_QUIET},      {"help", no_argument, 0, 'h'},
@@ -540,6 +549,7 @@ int main(int argc, char **argv)
                         break;
                 case O_SEED: o.seed = kvf_opt_u64("seed", optarg, 0, UINT64_MAX); break;
                 case O_PEERMAP: peermap = optarg; break;
+                case O_SCATTER: scatter = true; break;
                 case O_VERIFY:
                         if (strcmp(optarg, "full") && strcmp(optarg, "sample"))
                                 kvf_opt_die(prog, "--verify is full or sample");

@@ -49,6 +49,9 @@ enum ev_kind {
 struct event {
         enum ev_kind kind;
         uint64_t session; /* EV_NOTICE: who to answer */
+        uint64_t src_gen; /* EV_NOTICE, EV_DATA_DONE: the sending instance's incarnation (the
+                           * created_ns it proved in the handshake): transfer keys restart
+                           * when a prefill instance is re-created under the same name */
         struct kvf_record rec;
         struct event *next;
 };
@@ -86,6 +89,7 @@ struct session {
         pthread_mutex_t wmu; /* writes come from the control thread and the session thread */
         char remote[64];
         char instance[KVF_INSTANCE_MAX];
+        uint64_t peer_gen; /* the peer's incarnation, from the handshake */
         struct session *next;
 };
 
@@ -163,9 +167,9 @@ void *conn_listener_main(void *arg);
 int conn_session_send(struct connector *cn, uint64_t session, const struct kvf_record *r);
 void conn_journal_init(struct connector *cn);
 /* Was the arrival for this notice published already (and committed)? */
-bool conn_arrival_published(struct connector *cn, const struct kvf_record *notice);
+bool conn_arrival_published(struct connector *cn, const struct kvf_record *notice, uint64_t src_gen);
 /* Publish the arrival for a notice, once; returns the status to acknowledge with. */
-int conn_publish_arrival(struct connector *cn, const struct kvf_record *notice, const char *from,
+int conn_publish_arrival(struct connector *cn, const struct kvf_record *notice, uint64_t src_gen,
                          char *reason, size_t reasonlen);
 
 #endif

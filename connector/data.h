@@ -53,18 +53,19 @@ bool data_tx_busy(struct peer *p);
 void data_tx_stop(struct peer *p);
 
 /* data_rx.c */
-void data_rx_serve(struct connector *cn, int fd, const char *peer_instance, const char *remote);
+void data_rx_serve(struct connector *cn, int fd, const char *peer_instance, uint64_t peer_gen,
+                   const char *remote);
 /* Control thread: a notice for a tcp transfer; returns 1 if complete (publish now), 0 if it waits. */
-int data_rx_notice(struct connector *cn, const struct kvf_record *notice, uint64_t session);
+int data_rx_notice(struct connector *cn, const struct kvf_record *notice, uint64_t gen, uint64_t session);
 /* Control thread: take the waiting notice of a transfer whose data is complete. */
-int data_rx_take_ready(struct connector *cn, const char *peer, uint64_t key, struct kvf_record *notice,
-                       uint64_t *session);
+int data_rx_take_ready(struct connector *cn, const char *peer, uint64_t gen, uint64_t key,
+                       struct kvf_record *notice, uint64_t *session);
 /*
  * Control thread: the transfer's arrival is published, or it was aborted:
  * from now on its frames are read and dropped, never written (late resends,
  * frames in flight when it was aborted), until it expires.
  */
-void data_rx_close(struct connector *cn, const char *peer, uint64_t key);
+void data_rx_close(struct connector *cn, const char *peer, uint64_t gen, uint64_t key);
 /* Drop transfers open and silent longer than open_ns, closed ones after closed_ns. */
 void data_rx_expire(struct connector *cn, uint64_t open_ns, uint64_t closed_ns);
 

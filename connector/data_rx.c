@@ -25,6 +25,7 @@
 
 struct rx_xfer {
         char peer[KVF_INSTANCE_MAX];
+        uint64_t gen; /* the peer's incarnation */
         uint64_t key;
         char request_id[KVF_REQ_ID_MAX];
         uint32_t *dst;
@@ -44,10 +45,10 @@ static unsigned bucket(const char *peer, uint64_t key)
         return (unsigned)(kvf_hash64(peer, strlen(peer), key) % 1024);
 }
 
-static struct rx_xfer *rx_find(struct connector *cn, const char *peer, uint64_t key)
+static struct rx_xfer *rx_find(struct connector *cn, const char *peer, uint64_t gen, uint64_t key)
 {
         for (struct rx_xfer *x = cn->rx[bucket(peer, key)]; x; x = x->next)
-                if (x->key == key && !strcmp(x->peer, peer))
+                if (x->key == key && x->gen == gen && !strcmp(x->peer, peer))
                         return x;
         return NULL;
 }
@@ -66,8 +67,8 @@ static void rx_free(struct rx_xfer *x)
  * whichever comes first (they travel on different connections). -EPROTO if
  * its block ids are not ours to give.
  */
-static int rx_open(struct connector *cn, const char *peer, const struct kvf_record *o, char *why,
-                   size_t whylen)
+static int rx_open(struct connector *cn, const char *peer, uint64_t gen, const struct kvf_record *o,
+                   char *why, size_t whylen)
 {
         const struct kvf_cache_layout *L = &cn->ctl.hdr->layout;
         uint8_t *seen = calloc(L->num_blocks / 8 + 1, 1);
@@ -85,7 +86,7 @@ static int rx_open(struct connector *cn, const char *peer, const struct kvf_reco
         }
         free(seen);
         pthread_mutex_lock(&cn->rxmu);
-        struct rx_xfer *x = rx_find(cn, peer, o->key);
+        struct rx_xfer *x = rx_find(cn, peer, gen, o->key);
         if (x && x->closed) {
                 /* a late XOPEN of a transfer already published or aborted */
                 pthread_mutex_unlock(&cn->rxmu);
@@ -112,6 +113,7 @@ static int rx_open(struct connector *cn, const char *peer, const struct kvf_reco
                 }
                 snprintf(x->peer, sizeof(x->peer), "%s", peer);
                 snprintf(x->request_id, sizeof(x->request_id), "%s", o->request_id);
+                x->gen = gen;
                 x->key = o->key;
                 memcpy(x->dst, o->dst, o->n_dst * sizeof(uint32_t));
                 x->n_dst = o->n_dst;
@@ -131,7 +133,7 @@ static int rx_open(struct connector *cn, const char *peer, const struct kvf_reco
  * resend that crossed the acknowledgement, or frames that were in flight when
  * the transfer was aborted), or -EPROTO. Lock not held.
  */
-static int rx_check(struct connector *cn, const char *peer, const struct kvf_data_hdr *h,
+static int rx_check(struct connector *cn, const char *peer, uint64_t gen, const struct kvf_data_hdr *h,
                     uint32_t frame_len, uint64_t *dst_off, char *why, size_t whylen)
 {
         const struct kvf_cache_layout *L = &cn->ctl.hdr->layout;
@@ -139,7 +141,7 @@ static int rx_check(struct connector *cn, const char *peer, const struct kvf_dat
         int rc = -EPROTO;
 
         pthread_mutex_lock(&cn->rxmu);
-        struct rx_xfer *x = rx_find(cn, peer, h->key);
+        struct rx_xfer *x = rx_find(cn, peer, gen, h->key);
         if (x && x->closed)
                 rc = 1;
         else if (!x)
@@ -170,12 +172,12 @@ static int rx_check(struct connector *cn, const char *peer, const struct kvf_dat
 }
 
 /* Mark blocks received; returns 1 if this completed the transfer. */
-static int rx_mark(struct connector *cn, const char *peer, const struct kvf_data_hdr *h)
+static int rx_mark(struct connector *cn, const char *peer, uint64_t gen, const struct kvf_data_hdr *h)
 {
         const struct kvf_cache_layout *L = &cn->ctl.hdr->layout;
         int done = 0;
         pthread_mutex_lock(&cn->rxmu);
-        struct rx_xfer *x = rx_find(cn, peer, h->key);
+        struct rx_xfer *x = rx_find(cn, peer, gen, h->key);
         if (x && x->have < x->need) {
                 uint64_t base = ((uint64_t)h->layer * (L->key_only ? 1 : 2) + h->tensor) * x->n_dst;
                 for (uint32_t i = 0; i < h->nblocks; i++) {
@@ -223,12 +225,13 @@ static int recv_exact(struct connector *cn, struct io_uring *ring, int fd, void 
         }
 }
 
-static void post_done(struct connector *cn, const char *peer, uint64_t key)
+static void post_done(struct connector *cn, const char *peer, uint64_t gen, uint64_t key)
 {
         struct event *ev = calloc(1, sizeof(*ev));
         if (!ev)
                 return;
         ev->kind = EV_DATA_DONE;
+        ev->src_gen = gen;
         ev->rec.key = key;
         snprintf(ev->rec.peer, sizeof(ev->rec.peer), "%s", peer);
         conn_dispatch(cn, ev);
@@ -312,7 +315,7 @@ static int stage_payload(struct connector *cn, struct io_uring *ring, int fd, st
         return 0;
 }
 
-void data_rx_serve(struct connector *cn, int fd, const char *peer, const char *remote)
+void data_rx_serve(struct connector *cn, int fd, const char *peer, uint64_t gen, const char *remote)
 {
         struct io_uring ring;
         struct stage st = {.cap = KVF_XOPEN_MAX + KVF_FRAME_HDR};
@@ -349,7 +352,7 @@ void data_rx_serve(struct connector *cn, int fd, const char *peer, const char *r
                                 kvf_record_free(&o);
                                 goto violation;
                         }
-                        rc = rx_open(cn, peer, &o, why, sizeof(why));
+                        rc = rx_open(cn, peer, gen, &o, why, sizeof(why));
                         kvf_record_free(&o);
                         if (rc == -EPROTO)
                                 goto violation;
@@ -373,7 +376,7 @@ void data_rx_serve(struct connector *cn, int fd, const char *peer, const char *r
                 h.nblocks = ntohl(h.nblocks);
                 uint64_t off;
                 uint64_t plen = len - sizeof(h);
-                int rc = rx_check(cn, peer, &h, len, &off, why, sizeof(why));
+                int rc = rx_check(cn, peer, gen, &h, len, &off, why, sizeof(why));
                 if (rc < 0)
                         goto violation;
                 /* rc 1: a closed transfer, whose payload is read and dropped. Else
@@ -386,8 +389,8 @@ void data_rx_serve(struct connector *cn, int fd, const char *peer, const char *r
                 if (rc == 1)
                         continue;
                 kvf_count(&cn->ctl, KVF_CTR_BYTES_TCP_RECEIVED, plen);
-                if (rx_mark(cn, peer, &h))
-                        post_done(cn, peer, h.key);
+                if (rx_mark(cn, peer, gen, &h))
+                        post_done(cn, peer, gen, h.key);
         }
         goto out;
 violation:
@@ -399,15 +402,15 @@ out:
         free(st.b);
 }
 
-int data_rx_notice(struct connector *cn, const struct kvf_record *n, uint64_t session)
+int data_rx_notice(struct connector *cn, const struct kvf_record *n, uint64_t gen, uint64_t session)
 {
         int ready = 0;
         char why[KVF_REASON_MAX];
         /* The notice can overtake the transfer's XOPEN: open it from the notice. */
-        if (rx_open(cn, n->peer, n, why, sizeof(why)) < 0)
+        if (rx_open(cn, n->peer, gen, n, why, sizeof(why)) < 0)
                 kvf_errlog(&cn->ctl, KVF_ROLE_CONNECTOR, "notice from '%s': %s", n->peer, why);
         pthread_mutex_lock(&cn->rxmu);
-        struct rx_xfer *x = rx_find(cn, n->peer, n->key);
+        struct rx_xfer *x = rx_find(cn, n->peer, gen, n->key);
         if (x && x->closed) {
                 ready = 1; /* the journal answers the repeat */
         } else if (x && x->have == x->need) {
@@ -432,12 +435,12 @@ int data_rx_notice(struct connector *cn, const struct kvf_record *n, uint64_t se
         return ready;
 }
 
-int data_rx_take_ready(struct connector *cn, const char *peer, uint64_t key, struct kvf_record *notice,
-                       uint64_t *session)
+int data_rx_take_ready(struct connector *cn, const char *peer, uint64_t gen, uint64_t key,
+                       struct kvf_record *notice, uint64_t *session)
 {
         int got = 0;
         pthread_mutex_lock(&cn->rxmu);
-        struct rx_xfer *x = rx_find(cn, peer, key);
+        struct rx_xfer *x = rx_find(cn, peer, gen, key);
         if (x && x->waiting && x->have == x->need) {
                 *notice = x->notice;
                 *session = x->session;
@@ -448,13 +451,14 @@ int data_rx_take_ready(struct connector *cn, const char *peer, uint64_t key, str
         return got;
 }
 
-void data_rx_close(struct connector *cn, const char *peer, uint64_t key)
+void data_rx_close(struct connector *cn, const char *peer, uint64_t gen, uint64_t key)
 {
         pthread_mutex_lock(&cn->rxmu);
-        struct rx_xfer *x = rx_find(cn, peer, key);
+        struct rx_xfer *x = rx_find(cn, peer, gen, key);
         if (!x && (x = calloc(1, sizeof(*x)))) {
                 /* closed before anything came (an abort): remember it all the same */
                 snprintf(x->peer, sizeof(x->peer), "%s", peer);
+                x->gen = gen;
                 x->key = key;
                 unsigned b = bucket(peer, key);
                 x->next = cn->rx[b];

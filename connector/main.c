@@ -96,7 +96,7 @@ static int handle_event(struct connector *cn, struct event *ev)
                 /* The last block of a tcp transfer is in: publish if its notice waits. */
                 struct kvf_record n;
                 uint64_t session;
-                if (!data_rx_take_ready(cn, ev->rec.peer, ev->rec.key, &n, &session))
+                if (!data_rx_take_ready(cn, ev->rec.peer, ev->src_gen, ev->rec.key, &n, &session))
                         return 0;
                 struct event *nev = calloc(1, sizeof(*nev));
                 if (!nev) {
@@ -105,6 +105,7 @@ static int handle_event(struct connector *cn, struct event *ev)
                 }
                 nev->kind = EV_NOTICE;
                 nev->session = session;
+                nev->src_gen = ev->src_gen;
                 nev->rec = n;
                 conn_dispatch(cn, nev);
                 return 0;
@@ -114,11 +115,12 @@ static int handle_event(struct connector *cn, struct event *ev)
                 /* An aborted tcp transfer: fence off its late frames before the engine
                  * hears of it, so blocks it frees on the error arrival stay untouched. */
                 if (ev->rec.transport != KVF_TRANSPORT_IPC && ev->rec.status != KVF_STATUS_FINISHED)
-                        data_rx_close(cn, ev->rec.peer, ev->rec.key);
+                        data_rx_close(cn, ev->rec.peer, ev->src_gen, ev->rec.key);
                 if (ev->rec.transport != KVF_TRANSPORT_IPC && ev->rec.status == KVF_STATUS_FINISHED &&
-                    !conn_arrival_published(cn, &ev->rec) && !data_rx_notice(cn, &ev->rec, ev->session))
+                    !conn_arrival_published(cn, &ev->rec, ev->src_gen) &&
+                    !data_rx_notice(cn, &ev->rec, ev->src_gen, ev->session))
                         return 0; /* the data is not all in: the arrival waits for it */
-                int st = conn_publish_arrival(cn, &ev->rec, "notice", reason, sizeof(reason));
+                int st = conn_publish_arrival(cn, &ev->rec, ev->src_gen, reason, sizeof(reason));
                 if (st == -EAGAIN)
                         return -EAGAIN;
                 struct kvf_record ack = {.type = KVF_RT_ACK, .key = ev->rec.key,
@@ -132,7 +134,7 @@ static int handle_event(struct connector *cn, struct event *ev)
                 /* If the session is gone the prefill side re-sends; the journal de-duplicates. */
                 conn_session_send(cn, ev->session, &ack);
                 if (ev->rec.transport != KVF_TRANSPORT_IPC)
-                        data_rx_close(cn, ev->rec.peer, ev->rec.key);
+                        data_rx_close(cn, ev->rec.peer, ev->src_gen, ev->rec.key);
                 return 0;
         }
         }

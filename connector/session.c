@@ -25,10 +25,12 @@
 
 #define JEMPTY UINT32_MAX
 
-static uint64_t journal_key(const struct kvf_record *n)
+/* A transfer, across restarts of either side: the prefill instance, its incarnation, the key. */
+static uint64_t journal_key(const struct kvf_record *n, uint64_t src_gen)
 {
-        char buf[KVF_PEER_MAX + 24];
-        int len = snprintf(buf, sizeof(buf), "%s/%016llx", n->peer, (unsigned long long)n->key);
+        char buf[KVF_PEER_MAX + 48];
+        int len = snprintf(buf, sizeof(buf), "%s/%016llx/%016llx", n->peer, (unsigned long long)src_gen,
+                           (unsigned long long)n->key);
         return kvf_hash64(buf, (size_t)len, 0x6a);
 }
 
@@ -80,35 +82,35 @@ void conn_journal_init(struct connector *cn)
         jidx_rebuild(cn);
 }
 
-bool conn_arrival_published(struct connector *cn, const struct kvf_record *n)
+bool conn_arrival_published(struct connector *cn, const struct kvf_record *n, uint64_t src_gen)
 {
         pthread_mutex_lock(&cn->engine_mu);
-        uint32_t e = jidx_find(cn, journal_key(n));
+        uint32_t e = jidx_find(cn, journal_key(n, src_gen));
         bool yes = e != JEMPTY && kvf_ring_delivered(&cn->ctl.rings[KVF_RING_CONNECTOR_TO_ENGINE],
                                                      cn->ctl.journal[e].ring_pos);
         pthread_mutex_unlock(&cn->engine_mu);
         return yes;
 }
 
-static int publish_locked(struct connector *cn, const struct kvf_record *n, const char *from,
+static int publish_locked(struct connector *cn, const struct kvf_record *n, uint64_t src_gen,
                           char *reason, size_t reasonlen);
 
-int conn_publish_arrival(struct connector *cn, const struct kvf_record *n, const char *from,
+int conn_publish_arrival(struct connector *cn, const struct kvf_record *n, uint64_t src_gen,
                          char *reason, size_t reasonlen)
 {
         /* The journal and the ring's producer side move together. */
         pthread_mutex_lock(&cn->engine_mu);
-        int rc = publish_locked(cn, n, from, reason, reasonlen);
+        int rc = publish_locked(cn, n, src_gen, reason, reasonlen);
         pthread_mutex_unlock(&cn->engine_mu);
         return rc;
 }
 
-static int publish_locked(struct connector *cn, const struct kvf_record *n, const char *from,
+static int publish_locked(struct connector *cn, const struct kvf_record *n, uint64_t src_gen,
                           char *reason, size_t reasonlen)
 {
         const struct kvf_ctl_header *h = cn->ctl.hdr;
         struct kvf_ring *ring = &cn->ctl.rings[KVF_RING_CONNECTOR_TO_ENGINE];
-        uint64_t key = journal_key(n);
+        uint64_t key = journal_key(n, src_gen);
         uint32_t e = jidx_find(cn, key);
 
         reason[0] = '\0';
@@ -165,7 +167,7 @@ static int publish_locked(struct connector *cn, const struct kvf_record *n, cons
         free(buf);
         kvf_ring_commit(ring, pos);
         kvf_count(&cn->ctl, KVF_CTR_ARRIVALS, 1);
-        kvf_debug("req %s: arrival from %s (%s), %llu bytes", n->request_id, n->peer, from,
+        kvf_debug("req %s: arrival from %s, %llu bytes", n->request_id, n->peer,
                   (unsigned long long)n->bytes);
         return KVF_STATUS_FINISHED;
 }
@@ -233,8 +235,9 @@ static void *session_main(void *arg)
                 goto out_free;
         }
         snprintf(s->instance, sizeof(s->instance), "%s", id.instance);
+        s->peer_gen = id.created_ns;
         if (!strcmp(purpose, "data")) {
-                data_rx_serve(cn, s->fd, s->instance, s->remote);
+                data_rx_serve(cn, s->fd, s->instance, s->peer_gen, s->remote);
                 goto out_free;
         }
         kvf_info("peer instance '%s' connected from %s", s->instance, s->remote);
@@ -291,6 +294,7 @@ static void *session_main(void *arg)
                         snprintf(ev->rec.peer, sizeof(ev->rec.peer), "%s", s->instance);
                         ev->kind = EV_NOTICE;
                         ev->session = s->id;
+                        ev->src_gen = s->peer_gen;
                         conn_dispatch(cn, ev); /* publish and acknowledge from this thread */
                 }
                 if (rc < 0) {

@@ -21,6 +21,16 @@ j=$(case_run "per-query" pq --prefill $TAG-p0 --decode $TAG-d0 --requests 40 --l
 [ "$(json_get "$j" finished)" = 40 ] || fail "per-query: not all 40 finished"
 pass "per-query prefill: 40 requests finished and verified (25% of tasks after their layers, 30% prefix hits)"
 
+# The prefill instance re-created under the same name while the decode instance stays: its
+# transfer keys start over, and the decode side must not take them for repeats of old ones.
+down $TAG-p0
+up $TAG-p0 --role prefill $L
+for t in ipc tcp; do
+  j=$(case_run "re-created prefill ($t)" re-$t --prefill $TAG-p0 --decode $TAG-d0 --requests 10 --layer-us 50 --transport $t)
+  [ "$(json_get "$j" finished)" = 10 ] || fail "re-created prefill ($t): not all 10 finished"
+done
+pass "a prefill instance re-created under the same name: new transfers arrive (ipc and tcp)"
+
 j=$(case_run "chunked" ch --prefill $TAG-p0 --decode $TAG-d0 --requests 20 --layer-us 50 --chunk-tokens 1000 --step-tokens 3000)
 [ "$(json_get "$j" finished)" = 20 ] || fail "chunked: not all finished"
 pass "chunked prefill: 20 requests in 1000-token chunks, partial blocks never sent early"

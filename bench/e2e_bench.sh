@@ -1,0 +1,87 @@
+#!/usr/bin/env bash
+# End-to-end benchmarks, each figure next to its reference measured in the same run:
+#   host path (ipc)  throughput against a plain memcpy of the same bytes in the same block-sized
+#                    runs; transfer tail (last layer-done -> arrival) against one layer's bytes at
+#                    the memcpy rate; layer-done -> copy-start latency.
+#   tcp path         throughput against iperf3 (same path, same number of streams, write size =
+#                    block size) and against UCX over TCP (ucx_perftest ucp_put_bw, UCX_TLS=tcp),
+#                    for 16, 64 and 128 KiB blocks, scattered (one frame per block) and contiguous;
+#                    transfer tail against one layer's bytes at iperf3's rate.
+# Usage: bench/e2e_bench.sh [--quick]      (needs iperf3 and ucx-utils for the tcp references)
+set -euo pipefail
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+B=${KVFERRY_BUILD:-$ROOT/build}
+export KVFERRY_RUN_DIR=$(mktemp -d /tmp/kvferry-bench.XXXXXX)
+export KVFERRY_TOKEN_FILE=$KVFERRY_RUN_DIR/token
+N=60; [ "${1:-}" = --quick ] && N=20
+STARTED=()
+cleanup() {
+  local a=(); for n in "${STARTED[@]}"; do a+=(--instance "$n"); done
+  [ ${#a[@]} -gt 0 ] && "$ROOT/tools/kvferry" down "${a[@]}" >/dev/null 2>&1 || true
+  pkill -f "iperf3 -s -p 15301" 2>/dev/null || true
+}
+trap cleanup EXIT
+up() { local n=$1; shift; STARTED+=("$n"); "$ROOT/tools/kvferry" up --instance "$n" "$@" >/dev/null 2>&1; }
+down() { "$ROOT/tools/kvferry" down --instance "$1" >/dev/null 2>&1; }
+j() { /usr/bin/python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))[sys.argv[2]])' "$1" "$2"; }
+py() { /usr/bin/python3 -c "print($1)"; }
+sim() { local out=$1; shift; "$B/kvf-sim" --quiet --verify sample --json "$out" "$@" >/dev/null; }
+
+echo "kvferry end-to-end benchmarks: $(nproc) CPUs, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs), Linux $(uname -r), $(date -u +%F)"
+echo
+R=$KVFERRY_RUN_DIR
+T=t$$
+L8="--model llama-3.1-8b --tp 8 --cache-mib 2048"
+
+echo "## Host path (ipc), llama-3.1-8b, one tp-8 rank (1 kv head, 16 KiB block tensors), $N requests of the conversation trace"
+up $T-d --role decode $L8
+up $T-p --role prefill $L8
+sim $R/tp.json --prefill $T-p --decode $T-d --requests $N --layer-us 0 --baseline
+rate=$(j $R/tp.json rate_bps); base=$(j $R/tp.json memcpy_bps)
+echo "| throughput | kvferry $(py "round($rate/2**30,2)") GiB/s | memcpy of the same bytes $(py "round($base/2**30,2)") GiB/s | ratio $(py "round($rate/$base,2)") (target >= 0.8) |"
+sim $R/tail.json --prefill $T-p --decode $T-d --requests $N --layer-us 3000 --step-tokens 8192 --baseline
+t50=$(j $R/tail.json tail_p50_ns); t99=$(j $R/tail.json tail_p99_ns); lb=$(j $R/tail.json avg_layer_bytes); mb=$(j $R/tail.json memcpy_bps)
+one=$(py "$lb/$mb*1e9")
+echo "| transfer tail | p50 $(py "round($t50/1e3)") us, p99 $(py "round($t99/1e3)") us | one layer ($(py "round($lb/2**20,2)") MiB) at memcpy rate $(py "round($one/1e3)") us | p50 / (2 x layer + 50 us) = $(py "round($t50/(2*$one+50e3),2)") (target <= 1) |"
+echo "| layer-done -> copy start (sender sleeps between layers, --spin-us 50) | p50 $(py "round($(j $R/tail.json layer_to_copy_p50_ns)/1e3,1)") us, p99 $(py "round($(j $R/tail.json layer_to_copy_p99_ns)/1e3,1)") us | FastDeploy polls every 1000 us | p50 target < 20 us |"
+down $T-p
+# The same with a sender that keeps polling through the 3 ms between layers (--spin-us 4000).
+up $T-p --role prefill $L8 --spin-us 4000
+sim $R/spin.json --prefill $T-p --decode $T-d --requests $N --layer-us 3000 --step-tokens 8192
+echo "| layer-done -> copy start (sender polls, --spin-us 4000) | p50 $(py "round($(j $R/spin.json layer_to_copy_p50_ns)/1e3,1)") us, p99 $(py "round($(j $R/spin.json layer_to_copy_p99_ns)/1e3,1)") us | FastDeploy polls every 1000 us | p50 target < 20 us |"
+t50=$(j $R/spin.json tail_p50_ns)
+echo "| transfer tail (sender polls) | p50 $(py "round($t50/1e3)") us, p99 $(py "round($(j $R/spin.json tail_p99_ns)/1e3)") us | one layer at memcpy rate $(py "round($one/1e3)") us | p50 / (2 x layer + 50 us) = $(py "round($t50/(2*$one+50e3),2)") |"
+down $T-p; down $T-d
+echo
+
+if ! command -v iperf3 >/dev/null || ! command -v ucx_perftest >/dev/null; then
+  echo "(tcp references need iperf3 and ucx-utils: apt-get install -y iperf3 ucx-utils)"
+  exit 0
+fi
+echo "## TCP path on loopback, 2 data connections per peer, llama-3.1-8b"
+echo "| block | layout | kvferry GB/s | iperf3 -P 2 GB/s | kvferry/iperf3 | UCX tcp put_bw GB/s | kvferry/UCX |"
+echo "|---|---|---|---|---|---|---|"
+iperf3 -s -p 15301 -D
+sleep 0.3
+for tp in 8 2 1; do
+  blk=$((128 / tp))   # KiB per block tensor: 8 kv heads / tp x 64 tokens x 128 x 2 bytes
+  up $T-d$tp --role decode --model llama-3.1-8b --tp $tp --cache-mib 2048 --streams 2
+  up $T-p$tp --role prefill --model llama-3.1-8b --tp $tp --cache-mib 2048 --streams 2
+  ip=$(iperf3 -c 127.0.0.1 -p 15301 -P 2 -l ${blk}K -t 4 -J | /usr/bin/python3 -c 'import json,sys; print(json.load(sys.stdin)["end"]["sum_received"]["bits_per_second"]/8e9)')
+  (UCX_TLS=tcp timeout 60 ucx_perftest -t ucp_put_bw -s $((blk * 1024)) -n 20000 -p 15302 >/dev/null 2>&1 &)
+  sleep 0.5
+  ucx=$(UCX_TLS=tcp timeout 60 ucx_perftest 127.0.0.1 -t ucp_put_bw -s $((blk * 1024)) -n 20000 -p 15302 2>/dev/null | awk '/Final:/ {print $7/1000}')
+  for sc in --scatter ""; do
+    sim $R/tcp.json --prefill $T-p$tp --decode $T-d$tp --transport tcp --requests $N --layer-us 0 $sc
+    kv=$(py "$(j $R/tcp.json rate_bps)/1e9")
+    echo "| ${blk} KiB | $([ -n "$sc" ] && echo "scattered: one frame per block" || echo "contiguous runs (frames up to 4 MiB)") | $(py "round($kv,2)") | $(py "round($ip,2)") | $(py "round($kv/$ip,2)") | ${ucx:-n/a} | $(py "round($kv/${ucx:-0}, 2) if ${ucx:-0} else 'n/a'") |"
+  done
+  if [ $tp = 8 ]; then
+    sim $R/tcptail.json --prefill $T-p$tp --decode $T-d$tp --transport tcp --requests $N --layer-us 3000 --step-tokens 8192
+    t50=$(j $R/tcptail.json tail_p50_ns); t99=$(j $R/tcptail.json tail_p99_ns); lb=$(j $R/tcptail.json avg_layer_bytes)
+    TAIL="| tcp transfer tail (16 KiB blocks) | p50 $(py "round($t50/1e3)") us, p99 $(py "round($t99/1e3)") us | one layer ($(py "round($lb/2**20,2)") MiB) at iperf3's rate: $(py "round($lb/($ip*1e9)*1e6)") us | p50 / that = $(py "round($t50/1e3/($lb/($ip*1e9)*1e6),2)") |"
+  fi
+  down $T-p$tp; down $T-d$tp
+done
+echo
+echo "$TAIL"

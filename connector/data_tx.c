@@ -53,7 +53,7 @@ struct xfer {
 
 #define MAX_STREAMS 16u
 #define BATCH_FRAMES 32u
-#define BATCH_BYTES (16u << 20)
+#define BATCH_BYTES (4u << 20)
 #define QUEUE_LIMIT (64ull << 20) /* queued payload bytes before the control thread waits */
 
 struct data_conn {

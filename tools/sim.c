@@ -806,5 +806,14 @@ int main(int argc, char **argv)
         }
         kvf_group_detach(pg);
         kvf_group_detach(dg);
+        for (unsigned i = 0; i < o.requests; i++) {
+                free(reqs[i].src);
+                free(reqs[i].dst);
+        }
+        free(reqs);
+        free(tails);
+        free(active);
+        free(psrc.free);
+        free(pdst.free);
         return ok ? 0 : 1;
 }

@@ -4,7 +4,11 @@ set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 export KVFERRY_BUILD=${KVFERRY_BUILD:-$ROOT/build}
 B=$KVFERRY_BUILD
-export KVFERRY_RUN_DIR=${KVFERRY_RUN_DIR:-$(mktemp -d /tmp/kvferry-test.XXXXXX)}
+if [ -z "${KVFERRY_RUN_DIR:-}" ]; then
+  KVFERRY_RUN_DIR=$(mktemp -d /tmp/kvferry-test.XXXXXX)
+  OWN_RUN_DIR=1 # ours: removed when the test passes
+fi
+export KVFERRY_RUN_DIR
 export KVFERRY_TOKEN_FILE=${KVFERRY_TOKEN_FILE:-$KVFERRY_RUN_DIR/token}
 TAG=t$$
 STARTED=()
@@ -19,6 +23,8 @@ cleanup() {
   if [ $rc -ne 0 ] && [ -d "$KVFERRY_RUN_DIR" ]; then
     echo "---- logs ($KVFERRY_RUN_DIR) ----" >&2
     tail -n 20 "$KVFERRY_RUN_DIR"/*/*.log >&2 2>/dev/null || true
+  elif [ $rc -eq 0 ] && [ -n "${OWN_RUN_DIR:-}" ]; then
+    rm -rf "$KVFERRY_RUN_DIR"
   fi
   exit $rc
 }

@@ -14,12 +14,7 @@ cleanup_ns() {
   ip netns del "$NA" 2>/dev/null || true
   ip netns del "$NB" 2>/dev/null || true
 }
-trap 'rc=$?; cleanup; cleanup_ns; exit $rc' EXIT
-cleanup() {
-  local args=()
-  for n in "${STARTED[@]}"; do args+=(--instance "$n"); done
-  [ ${#args[@]} -gt 0 ] && "$ROOT/tools/kvferry" down "${args[@]}" >/dev/null 2>&1 || true
-}
+trap 'rc=$?; cleanup_ns; (exit $rc); cleanup' EXIT
 ip netns add "$NA"
 ip netns add "$NB"
 ip link add "$VA" type veth peer name "$VB"

@@ -76,6 +76,14 @@ for tp in 8 2 1; do
     kv=$(py "$(j $R/tcp.json rate_bps)/1e9")
     echo "| ${blk} KiB | $([ -n "$sc" ] && echo "scattered: one frame per block" || echo "contiguous runs (frames up to 4 MiB)") | $(py "round($kv,2)") | $(py "round($ip,2)") | $(py "round($kv/$ip,2)") | ${ucx:-n/a} | $(py "round($kv/${ucx:-0}, 2) if ${ucx:-0} else 'n/a'") |"
   done
+  if [ $tp = 2 ]; then
+    # The same with zero-copy sends (io_uring sendmsg_zc) for the contiguous case.
+    down $T-p$tp
+    up $T-p$tp --role prefill --model llama-3.1-8b --tp $tp --cache-mib 2048 --streams 2 --zerocopy
+    sim $R/zc.json --prefill $T-p$tp --decode $T-d$tp --transport tcp --requests $N --layer-us 0
+    kv=$(py "$(j $R/zc.json rate_bps)/1e9")
+    echo "| ${blk} KiB | contiguous, --zerocopy | $(py "round($kv,2)") | $(py "round($ip,2)") | $(py "round($kv/$ip,2)") | ${ucx:-n/a} | $(py "round($kv/${ucx:-0}, 2) if ${ucx:-0} else 'n/a'") |"
+  fi
   if [ $tp = 8 ]; then
     # About a third of the link: 6 MiB per 6 ms layer. (Near the link's rate the tail is
     # queueing, and grows with the backlog.)

@@ -124,6 +124,7 @@ struct connector {
         uint32_t jnext;
 
         struct event *deferred, *deferred_tail; /* events waiting for ring space */
+        uint32_t tx_blocked;       /* a write batch waits for room in a peer's send queue */
         pthread_mutex_t engine_mu; /* producer side of connector->engine, and the journal */
         pthread_mutex_t sender_mu; /* producer side of connector->sender */
 };

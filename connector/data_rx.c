@@ -243,6 +243,8 @@ static void post_done(struct connector *cn, const char *peer, uint64_t gen, uint
  * the part already read and straight from the socket into the cache for the
  * rest.
  */
+#define STAGE_LOOKAHEAD (4u << 10)
+
 struct stage {
         uint8_t *b;
         uint32_t cap, off, len;
@@ -262,7 +264,13 @@ static int stage_fill(struct connector *cn, struct io_uring *ring, int fd, struc
         uint64_t start = kvf_now_ns();
         while (st->len < need) {
                 struct io_uring_sqe *sqe = io_uring_get_sqe(ring);
-                io_uring_prep_recv(sqe, fd, st->b + st->len, st->cap - st->len, 0);
+                /* Read what is needed plus a little: enough to take several small frames
+                 * in one receive, not so much that a large payload lands in the stage
+                 * and must be copied again instead of going straight to the cache. */
+                uint32_t want = need > STAGE_LOOKAHEAD ? need : STAGE_LOOKAHEAD;
+                if (want > st->cap)
+                        want = st->cap;
+                io_uring_prep_recv(sqe, fd, st->b + st->len, want - st->len, 0);
                 io_uring_submit(ring);
                 for (;;) {
                         struct io_uring_cqe *cqe;

@@ -18,6 +18,8 @@
 
 #include "clock.h"
 #include "data.h"
+#include "doorbell.h"
+#include "atomics.h"
 #include "err.h"
 #include "layout.h"
 #include "log.h"
@@ -377,7 +379,14 @@ static void serve(struct data_conn *dc, struct io_uring *ring)
                         fs[n++] = f;
                 }
                 bool stopping = pd->stop || cn->stop;
+                bool room = pd->qbytes < QUEUE_LIMIT / 2;
                 pthread_mutex_unlock(&pd->mu);
+                /* The control thread holds a write batch back while the queue is full:
+                 * tell it there is room again. */
+                if (room && kvf_load_acquire(&cn->tx_blocked)) {
+                        kvf_store_release(&cn->tx_blocked, 0);
+                        kvf_doorbell_ring(&cn->ctl.bells[KVF_BELL_CONNECTOR]);
+                }
                 if (n == 0) {
                         if (stopping)
                                 return;

@@ -257,8 +257,11 @@ static int on_sender_record(void *ctx, uint16_t type, const uint8_t *pl, uint32_
                 break;
         case KVF_RT_WRITE_BATCH:
                 rc = data_tx_batch(cn, &r);
-                if (rc == -EAGAIN)
-                        break; /* back-pressure: leave it in the ring */
+                if (rc == -EAGAIN) {
+                        /* back-pressure: leave it in the ring until the queue drains */
+                        kvf_store_release(&cn->tx_blocked, 1);
+                        break;
+                }
                 if (rc == -ENOENT)
                         rc = 0; /* the transfer failed already; its result went out */
                 else if (rc < 0) {
@@ -312,8 +315,11 @@ static int on_engine_record(void *ctx, uint16_t type, const uint8_t *pl, uint32_
 static bool has_work(void *arg)
 {
         struct connector *cn = arg;
+        /* A write batch held back by a full send queue is no work until the data
+         * threads make room (they ring us), or we would spin on it. */
         return kvf_load_acquire(&cn->nevents) > 0 ||
-               kvf_ring_readable(&cn->ctl.rings[KVF_RING_SENDER_TO_CONNECTOR]) ||
+               (!kvf_load_acquire(&cn->tx_blocked) &&
+                kvf_ring_readable(&cn->ctl.rings[KVF_RING_SENDER_TO_CONNECTOR])) ||
                kvf_ring_readable(&cn->ctl.rings[KVF_RING_ENGINE_TO_CONNECTOR]);
 }
 
@@ -323,6 +329,8 @@ static void control_loop(struct connector *cn)
         uint64_t next = 0;
         while (!stop) {
                 bool worked = false;
+                /* Retried at least every millisecond while blocked (the wait below). */
+                kvf_store_release(&cn->tx_blocked, 0);
                 int n = kvf_ring_read(&cn->ctl.rings[KVF_RING_SENDER_TO_CONNECTOR], on_sender_record, cn, 256);
                 worked |= n > 0;
                 n = kvf_ring_read(&cn->ctl.rings[KVF_RING_ENGINE_TO_CONNECTOR], on_engine_record, cn, 64);
@@ -343,10 +351,10 @@ static void control_loop(struct connector *cn)
                         data_rx_expire(cn, 300ull * 1000000000ull, 120ull * 1000000000ull);
                         next = now + beat;
                 }
-                if (worked && !cn->deferred)
+                if (worked && !cn->deferred && !kvf_load_acquire(&cn->tx_blocked))
                         continue;
                 kvf_count(&cn->ctl, KVF_CTR_WAKEUPS_CONNECTOR, 1);
-                uint64_t wait = cn->deferred ? 1000000ull : beat;
+                uint64_t wait = cn->deferred || cn->tx_blocked ? 1000000ull : beat;
                 kvf_doorbell_wait(&cn->ctl.bells[KVF_BELL_CONNECTOR], has_work, cn, 256, wait);
         }
 }

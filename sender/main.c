@@ -40,8 +40,10 @@ static void usage(void)
 static bool has_work(void *arg)
 {
         struct sender *s = arg;
+        /* A task held back (table full, or no room for its rejection) is no work
+         * until something frees up; the loop retries it every millisecond. */
         return kvf_load_acquire(&s->ctl.progress->word) != s->progress ||
-               kvf_ring_readable(&s->ctl.rings[KVF_RING_ENGINE_TO_SENDER]) ||
+               (!s->engine_blocked && kvf_ring_readable(&s->ctl.rings[KVF_RING_ENGINE_TO_SENDER])) ||
                kvf_ring_readable(&s->ctl.rings[KVF_RING_CONNECTOR_TO_SENDER]);
 }
 
@@ -80,8 +82,14 @@ static int run(struct sender *s, uint64_t spin_ns)
                         worked = true;
                 }
                 /* Tasks one at a time: a crash re-reads at most one (tasks.c). */
+                s->engine_blocked = false;
                 for (int i = 0; i < 64; i++) {
+                        uint64_t head = kvf_load_relaxed(&in->hdr->head);
                         int n = kvf_ring_read(in, sender_on_engine_record, s, 1);
+                        if (n == 0 && kvf_ring_readable(in) && kvf_load_relaxed(&in->hdr->head) == head) {
+                                s->engine_blocked = true; /* a record is there, but waits */
+                                break;
+                        }
                         if (n < 0) {
                                 kvf_errlog(&s->ctl, KVF_ROLE_SENDER, "ring engine->sender: %s",
                                            kvf_err_msg());
@@ -124,7 +132,7 @@ static int run(struct sender *s, uint64_t spin_ns)
                         continue;
                 }
                 uint64_t wait = next_tick > now ? next_tick - now : 0;
-                if (s->pending && wait > 1000000)
+                if ((s->pending || s->engine_blocked) && wait > 1000000)
                         wait = 1000000; /* a full ring drains on the engine's time, poll it */
                 kvf_count(&s->ctl, KVF_CTR_WAKEUPS_SENDER, 1);
                 kvf_doorbell_wait(bell, has_work, s, 0, wait);

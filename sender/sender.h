@@ -67,6 +67,7 @@ struct sender {
         uint64_t connector_gen;
         uint64_t request_timeout_ns;
         bool pending; /* some slot has flags set: sender_flush_pending() has work */
+        bool engine_blocked; /* the next task waits (table full, or its rejection has no room) */
 
         struct ipc_peer peers[SENDER_MAX_PEERS];
         uint8_t *scratch; /* encode buffer */

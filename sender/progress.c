@@ -20,6 +20,7 @@
 
 #include "atomics.h"
 #include "clock.h"
+#include "copy.h"
 #include "layout.h"
 #include "log.h"
 #include "sender.h"
@@ -43,10 +44,12 @@ static void copy_ipc(struct sender *s, uint32_t slot, uint32_t l0, uint32_t l1, 
                                 uint32_t n = 1;
                                 while (i + n < b1 && src[i + n] == src[i] + n && dst[i + n] == dst[i] + n)
                                         n++;
-                                memcpy(p->cache + kvf_layout_offset(PL, l, t, dst[i]),
-                                       s->cache + kvf_layout_offset(L, l, t, src[i]), n * bb);
+                                kvf_copy_stream(p->cache + kvf_layout_offset(PL, l, t, dst[i]),
+                                                s->cache + kvf_layout_offset(L, l, t, src[i]), n * bb);
                                 i += n;
                         }
+        /* The streamed stores are visible before anything that says the layer is there. */
+        kvf_copy_fence();
         uint64_t blocks = (uint64_t)(l1 - l0) * s->tensors * (b1 - b0);
         kvf_count(&s->ctl, KVF_CTR_BLOCKS_IPC, blocks);
         kvf_count(&s->ctl, KVF_CTR_BYTES_IPC, blocks * bb);

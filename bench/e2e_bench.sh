@@ -43,14 +43,7 @@ sim $R/tail.json --prefill $T-p --decode $T-d --requests $N --layer-us 3000 --st
 t50=$(j $R/tail.json tail_p50_ns); t99=$(j $R/tail.json tail_p99_ns); lb=$(j $R/tail.json avg_layer_bytes); mb=$(j $R/tail.json memcpy_bps)
 one=$(py "$lb/$mb*1e9")
 echo "| transfer tail | p50 $(py "round($t50/1e3)") us, p99 $(py "round($t99/1e3)") us | one layer ($(py "round($lb/2**20,2)") MiB) at memcpy rate $(py "round($one/1e3)") us | p50 / (2 x layer + 50 us) = $(py "round($t50/(2*$one+50e3),2)") (target <= 1) |"
-echo "| layer-done -> copy start (sender sleeps between layers, --spin-us 50) | p50 $(py "round($(j $R/tail.json layer_to_copy_p50_ns)/1e3,1)") us, p99 $(py "round($(j $R/tail.json layer_to_copy_p99_ns)/1e3,1)") us | FastDeploy polls every 1000 us | p50 target < 20 us |"
-down $T-p
-# The same with a sender that keeps polling through the 3 ms between layers (--spin-us 4000).
-up $T-p --role prefill $L8 --spin-us 4000
-sim $R/spin.json --prefill $T-p --decode $T-d --requests $N --layer-us 3000 --step-tokens 8192
-echo "| layer-done -> copy start (sender polls, --spin-us 4000) | p50 $(py "round($(j $R/spin.json layer_to_copy_p50_ns)/1e3,1)") us, p99 $(py "round($(j $R/spin.json layer_to_copy_p99_ns)/1e3,1)") us | FastDeploy polls every 1000 us | p50 target < 20 us |"
-t50=$(j $R/spin.json tail_p50_ns)
-echo "| transfer tail (sender polls) | p50 $(py "round($t50/1e3)") us, p99 $(py "round($(j $R/spin.json tail_p99_ns)/1e3)") us | one layer at memcpy rate $(py "round($one/1e3)") us | p50 / (2 x layer + 50 us) = $(py "round($t50/(2*$one+50e3),2)") |"
+echo "| layer-done -> copy start | p50 $(py "round($(j $R/tail.json layer_to_copy_p50_ns)/1e3,1)") us, p99 $(py "round($(j $R/tail.json layer_to_copy_p99_ns)/1e3,1)") us | FastDeploy polls every 1000 us | p50 target < 20 us |"
 down $T-p; down $T-d
 echo
 

@@ -11,6 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/prctl.h>
 #include <unistd.h>
 
 #include "atomics.h"
@@ -24,6 +25,9 @@
 #include "sender.h"
 
 static const char *prog = "kvf-sender";
+
+#define EXPECT_MAX_GAP 20000000ull /* ns: slower than this is not a pace worth polling for */
+#define EXPECT_LEAD 300000ull      /* ns: wake this long before the next layer is due */
 static volatile int stop;
 
 static void usage(void)
@@ -70,6 +74,10 @@ static int run(struct sender *s, uint64_t spin_ns)
         struct kvf_doorbell *bell = &s->ctl.bells[KVF_BELL_SENDER];
         uint64_t beat = (uint64_t)s->ctl.hdr->heartbeat_ms * 1000000ull;
         uint64_t next_tick = 0, idle_since = 0;
+        /* Layer events come at the engine's pace, which is steady within a
+         * step: remember the gap between them, sleep until just before the
+         * next is due, and poll from there (see the idle path below). */
+        uint64_t last_event = 0, gap = 0, poll_until = 0;
 
         while (!stop) {
                 bool worked = false;
@@ -78,6 +86,10 @@ static int run(struct sender *s, uint64_t spin_ns)
                 uint64_t w = kvf_load_acquire(&s->ctl.progress->word);
                 if (w != s->progress) {
                         uint64_t pub = kvf_load_relaxed(&s->ctl.progress->publish_ns);
+                        uint64_t t = kvf_now_ns();
+                        if (last_event && t - last_event < EXPECT_MAX_GAP)
+                                gap = gap ? (gap * 7 + (t - last_event)) / 8 : t - last_event;
+                        last_event = t;
                         sender_on_progress(s, w, pub);
                         worked = true;
                 }
@@ -127,13 +139,28 @@ static int run(struct sender *s, uint64_t spin_ns)
                 /* Spin a little (a layer event is often microseconds away), then sleep. */
                 if (!idle_since)
                         idle_since = now;
-                if (now - idle_since < spin_ns) {
+                if (now - idle_since < spin_ns || now < poll_until) {
                         kvf_cpu_relax();
                         continue;
                 }
                 uint64_t wait = next_tick > now ? next_tick - now : 0;
                 if ((s->pending || s->engine_blocked) && wait > 1000000)
                         wait = 1000000; /* a full ring drains on the engine's time, poll it */
+                /* Requests wait for layers and the engine has a pace: wake EXPECT_LEAD
+                 * before the next layer is due and poll until a gap after it. Waking
+                 * from a futex costs tens of microseconds on an idle core (more in a
+                 * VM); this costs the poll window's CPU time per layer. */
+                poll_until = 0;
+                if (s->nbuckets && gap) {
+                        uint64_t due = last_event + gap;
+                        if (due > now + EXPECT_LEAD && due - EXPECT_LEAD - now < wait) {
+                                wait = due - EXPECT_LEAD - now;
+                                poll_until = due + gap / 2;
+                        } else if (due + gap / 2 > now) {
+                                poll_until = due + gap / 2; /* due now: poll right away */
+                                continue;
+                        }
+                }
                 kvf_count(&s->ctl, KVF_CTR_WAKEUPS_SENDER, 1);
                 kvf_doorbell_wait(bell, has_work, s, 0, wait);
                 idle_since = 0;
@@ -168,6 +195,9 @@ int main(int argc, char **argv)
                 kvf_opt_die(prog, "--instance is required");
         kvf_log_setup(instance, "sender");
         kvf_opt_signals(&stop);
+        /* Timed wake-ups ahead of the next layer (run()) want to be on time, not
+         * batched with others: no timer slack. */
+        prctl(PR_SET_TIMERSLACK, 1UL, 0, 0, 0);
 
         static struct sender s;
         int rc = kvf_ctl_attach_wait(instance, true, 10000, &s.ctl);

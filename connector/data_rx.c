@@ -194,14 +194,18 @@ static int rx_mark(struct connector *cn, const char *peer, uint64_t gen, const s
         return done;
 }
 
-/* One receive of exactly n bytes into p, within timeout_ms (0 = wait, watching cn->stop). */
-static int recv_exact(struct connector *cn, struct io_uring *ring, int fd, void *p, uint32_t n,
-                      unsigned timeout_ms)
+/*
+ * Submit one receive and wait for it. Returns its result (bytes, 0 at end of
+ * stream, -errno), or -ETIMEDOUT once timeout_ms (0 = none) has passed since
+ * `start`, or -ECANCELED when the connector stops; either way the pending
+ * receive is failed and collected first.
+ */
+static int recv_once(struct connector *cn, struct io_uring *ring, int fd, void *p, uint32_t n,
+                     int flags, uint64_t start, unsigned timeout_ms)
 {
         struct io_uring_sqe *sqe = io_uring_get_sqe(ring);
-        io_uring_prep_recv(sqe, fd, p, n, MSG_WAITALL);
+        io_uring_prep_recv(sqe, fd, p, n, flags);
         io_uring_submit(ring);
-        uint64_t start = kvf_now_ns();
         for (;;) {
                 struct io_uring_cqe *cqe;
                 struct __kernel_timespec ts = {.tv_sec = 0, .tv_nsec = 200000000};
@@ -209,20 +213,27 @@ static int recv_exact(struct connector *cn, struct io_uring *ring, int fd, void 
                 if (rc == 0) {
                         int res = cqe->res;
                         io_uring_cqe_seen(ring, cqe);
-                        if (res < 0)
-                                return res;
-                        return (uint32_t)res == n ? 0 : (res == 0 ? -ECONNRESET : -EPIPE);
+                        return res;
                 }
                 if (rc != -ETIME)
                         return rc;
                 if (cn->stop || (timeout_ms && kvf_now_ns() - start > (uint64_t)timeout_ms * 1000000ull)) {
-                        /* Fail the pending receive, then collect its completion. */
                         shutdown(fd, SHUT_RDWR);
                         if (io_uring_wait_cqe(ring, &cqe) == 0)
                                 io_uring_cqe_seen(ring, cqe);
                         return cn->stop ? -ECANCELED : -ETIMEDOUT;
                 }
         }
+}
+
+/* One receive of exactly n bytes into p, within timeout_ms (0 = wait, watching cn->stop). */
+static int recv_exact(struct connector *cn, struct io_uring *ring, int fd, void *p, uint32_t n,
+                      unsigned timeout_ms)
+{
+        int res = recv_once(cn, ring, fd, p, n, MSG_WAITALL, kvf_now_ns(), timeout_ms);
+        if (res < 0)
+                return res;
+        return (uint32_t)res == n ? 0 : (res == 0 ? -ECONNRESET : -EPIPE);
 }
 
 static void post_done(struct connector *cn, const char *peer, uint64_t gen, uint64_t key)
@@ -263,39 +274,18 @@ static int stage_fill(struct connector *cn, struct io_uring *ring, int fd, struc
         }
         uint64_t start = kvf_now_ns();
         while (st->len < need) {
-                struct io_uring_sqe *sqe = io_uring_get_sqe(ring);
                 /* Read what is needed plus a little: enough to take several small frames
                  * in one receive, not so much that a large payload lands in the stage
                  * and must be copied again instead of going straight to the cache. */
                 uint32_t want = need > STAGE_LOOKAHEAD ? need : STAGE_LOOKAHEAD;
                 if (want > st->cap)
                         want = st->cap;
-                io_uring_prep_recv(sqe, fd, st->b + st->len, want - st->len, 0);
-                io_uring_submit(ring);
-                for (;;) {
-                        struct io_uring_cqe *cqe;
-                        struct __kernel_timespec ts = {.tv_sec = 0, .tv_nsec = 200000000};
-                        int rc = io_uring_wait_cqe_timeout(ring, &cqe, &ts);
-                        if (rc == 0) {
-                                int res = cqe->res;
-                                io_uring_cqe_seen(ring, cqe);
-                                if (res <= 0)
-                                        return res == 0 ? -ECONNRESET : res;
-                                st->len += (uint32_t)res;
-                                break;
-                        }
-                        if (rc != -ETIME)
-                                return rc;
-                        /* Idle between frames is fine (timeout_ms 0); inside a frame it is not. */
-                        bool late = st->len > 0 && timeout_ms &&
-                                    kvf_now_ns() - start > (uint64_t)timeout_ms * 1000000ull;
-                        if (cn->stop || late) {
-                                shutdown(fd, SHUT_RDWR);
-                                if (io_uring_wait_cqe(ring, &cqe) == 0)
-                                        io_uring_cqe_seen(ring, cqe);
-                                return cn->stop ? -ECANCELED : -ETIMEDOUT;
-                        }
-                }
+                /* Idle between frames is fine; inside a frame the bound applies. */
+                int res = recv_once(cn, ring, fd, st->b + st->len, want - st->len, 0, start,
+                                    st->len > 0 ? timeout_ms : 0);
+                if (res <= 0)
+                        return res == 0 ? -ECONNRESET : res;
+                st->len += (uint32_t)res;
         }
         return 0;
 }

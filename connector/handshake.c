@@ -72,6 +72,18 @@ static void layout_to_rec(struct kvf_record *r, const struct kvf_cache_layout *l
         r->lay_keyonly = l->key_only;
 }
 
+/* A record of `type` that names this instance: who it is, which incarnation, its layout. */
+static void identity_rec(struct kvf_record *r, uint32_t type, const struct kvf_ctl_header *h)
+{
+        memset(r, 0, sizeof(*r));
+        r->type = type;
+        snprintf(r->instance, sizeof(r->instance), "%s", h->instance);
+        r->role = h->instance_role;
+        r->generation = h->created_ns;
+        r->boot_id = h->boot_id;
+        layout_to_rec(r, &h->layout);
+}
+
 static int rec_to_layout(const struct kvf_record *r, struct kvf_cache_layout *l)
 {
         if (r->lay_layers > KVF_MAX_LAYERS || r->lay_extra > KVF_MAX_LAYERS ||
@@ -120,14 +132,8 @@ int conn_handshake_client(struct connector *cn, int fd, const char *purpose,
                 return kvf_err_set(-EACCES,
                                    "handshake: authentication failed: the peer does not hold our token");
         }
-        memset(&r, 0, sizeof(r));
-        r.type = KVF_RT_AUTH;
+        identity_rec(&r, KVF_RT_AUTH, h);
         kvf_auth_proof(cn->cfg.token, cn->cfg.token_len, "kvferry-client", nonce_s, nonce_c, r.proof);
-        snprintf(r.instance, sizeof(r.instance), "%s", h->instance);
-        r.role = h->instance_role;
-        r.generation = h->created_ns;
-        r.boot_id = h->boot_id;
-        layout_to_rec(&r, &h->layout);
         if ((rc = conn_send_record(fd, &r, to)) < 0)
                 return kvf_err_ctx(rc, "handshake");
         if ((rc = recv_record(fd, KVF_RT_WELCOME, &r, to, status)) < 0)
@@ -202,13 +208,7 @@ int conn_handshake_server(struct connector *cn, int fd, struct peer_identity *ou
                 refuse(fd, KVF_STATUS_LAYOUT_MISMATCH, reason, to);
                 return kvf_err_set(-EXDEV, "handshake with '%s': %s", out->instance, reason);
         }
-        memset(&r, 0, sizeof(r));
-        r.type = KVF_RT_WELCOME;
-        snprintf(r.instance, sizeof(r.instance), "%s", h->instance);
-        r.role = h->instance_role;
-        r.generation = h->created_ns;
-        r.boot_id = h->boot_id;
-        layout_to_rec(&r, &h->layout);
+        identity_rec(&r, KVF_RT_WELCOME, h);
         if ((rc = conn_send_record(fd, &r, to)) < 0)
                 return kvf_err_ctx(rc, "handshake");
         return 0;

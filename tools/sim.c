@@ -86,7 +86,8 @@ static unsigned nreq;
 static struct pool psrc, pdst;
 static uint64_t corrupt, verified_bytes, moved_bytes, done_reqs, finished, failed, bad_status_pairs;
 static uint64_t fail_by_status[KVF_STATUS_COUNT];
-static uint64_t *tails; /* ns, per finished request */
+static uint64_t *tails; /* ns, per finished request: last layer-done -> arrival */
+static uint64_t *ctails; /* the same request's last layer-done -> completion (prefill side) */
 static unsigned ntails;
 static uint64_t t_start;
 static volatile int stop; /* SIGTERM/SIGINT: admit no more, let what was admitted finish */
@@ -272,8 +273,11 @@ static void maybe_done(struct req *r)
                 } else {
                         finished++;
                         moved_bytes += r->bytes;
-                        if (r->arrival_ns > r->last_layer_ns && r->last_layer_ns)
+                        if (r->arrival_ns > r->last_layer_ns && r->last_layer_ns &&
+                            r->completion_ns > r->last_layer_ns) {
+                                ctails[ntails] = r->completion_ns - r->last_layer_ns;
                                 tails[ntails++] = r->arrival_ns - r->last_layer_ns;
+                        }
                 }
         } else {
                 failed++;
@@ -612,6 +616,7 @@ int main(int argc, char **argv)
         if (load_trace(o.trace, o.requests) < 0)
                 return 1;
         tails = calloc(nreq, sizeof(*tails));
+        ctails = calloc(nreq, sizeof(*ctails));
 
         for (unsigned i = 0; i < nreq; i++) {
                 struct req *r = &reqs[i];
@@ -740,6 +745,7 @@ int main(int argc, char **argv)
                 progress_line(true);
 
         qsort(tails, ntails, sizeof(*tails), cmp_u64);
+        qsort(ctails, ntails, sizeof(*ctails), cmp_u64);
         struct kvf_ctl pc;
         uint64_t l2c50 = 0, l2c99 = 0;
         if (kvf_ctl_attach(o.prefill[0], false, &pc) == 0) {
@@ -777,6 +783,8 @@ int main(int argc, char **argv)
         printf("  tail         last layer-done -> arrival: p50 %.1f us, p99 %.1f us (one layer of an average request: %s)\n",
                (double)pct(tails, ntails, 0.5) / 1e3, (double)pct(tails, ntails, 0.99) / 1e3,
                kvf_fmt_bytes((uint64_t)layer_bytes, (char[32]){0}, 32));
+        printf("               last layer-done -> completion (prefill side): p50 %.1f us, p99 %.1f us\n",
+               (double)pct(ctails, ntails, 0.5) / 1e3, (double)pct(ctails, ntails, 0.99) / 1e3);
         printf("  copy start   layer-done -> copy start: p50 %.1f us, p99 %.1f us\n", (double)l2c50 / 1e3,
                (double)l2c99 / 1e3);
         if (o.baseline)
@@ -790,14 +798,17 @@ int main(int argc, char **argv)
                         fprintf(f,
                                 "{\"requests\":%u,\"finished\":%llu,\"failed\":%llu,\"unaccounted\":%u,\"corrupt\":%llu,"
                                 "\"bytes\":%llu,\"verified_bytes\":%llu,\"seconds\":%.6f,\"rate_bps\":%.1f,"
-                                "\"tail_p50_ns\":%llu,\"tail_p99_ns\":%llu,\"layer_to_copy_p50_ns\":%llu,"
+                                "\"tail_p50_ns\":%llu,\"tail_p99_ns\":%llu,\"completion_tail_p50_ns\":%llu,"
+                                "\"completion_tail_p99_ns\":%llu,\"layer_to_copy_p50_ns\":%llu,"
                                 "\"layer_to_copy_p99_ns\":%llu,\"memcpy_bps\":%.1f,\"avg_layer_bytes\":%.1f,\"ok\":%s,"
                                 "\"cancelled\":%llu,\"timed_out\":%llu,\"connection_errors\":%llu,\"finished_but_failed_pairs\":%llu}\n",
                                 nreq, (unsigned long long)finished, (unsigned long long)failed, unaccounted,
                                 (unsigned long long)corrupt, (unsigned long long)moved_bytes,
                                 (unsigned long long)verified_bytes, secs, rate,
                                 (unsigned long long)pct(tails, ntails, 0.5),
-                                (unsigned long long)pct(tails, ntails, 0.99), (unsigned long long)l2c50,
+                                (unsigned long long)pct(tails, ntails, 0.99),
+                                (unsigned long long)pct(ctails, ntails, 0.5),
+                                (unsigned long long)pct(ctails, ntails, 0.99), (unsigned long long)l2c50,
                                 (unsigned long long)l2c99, base, layer_bytes, ok ? "true" : "false",
                                 (unsigned long long)fail_by_status[KVF_STATUS_CANCELLED],
                                 (unsigned long long)fail_by_status[KVF_STATUS_TIMEOUT],
@@ -814,6 +825,7 @@ int main(int argc, char **argv)
         }
         free(reqs);
         free(tails);
+        free(ctails);
         free(active);
         free(psrc.free);
         free(pdst.free);

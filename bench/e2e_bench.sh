@@ -34,7 +34,7 @@ R=$KVFERRY_RUN_DIR
 T=t$$
 L8="--model llama-3.1-8b --tp 8 --cache-mib 2048"
 
-echo "## Host path (ipc), llama-3.1-8b, one tp-8 rank (1 kv head, 16 KiB block tensors), $N requests of the conversation trace"
+echo "## Host path (ipc), llama-3.1-8b, one tp-8 rank (1 kv head, 16 KiB block tensors), requests of the conversation trace: $((N * 3)) for throughput, $N per tail row"
 up $T-d --role decode $L8
 up $T-p --role prefill $L8
 # Warm-up: the sender maps a peer's cache (MAP_POPULATE, 2 GiB here) on its first task for that

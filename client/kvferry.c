@@ -22,6 +22,7 @@
 #include "ctl.h"
 #include "doorbell.h"
 #include "err.h"
+#include "layout.h"
 #include "records.h"
 
 struct kvf_client {
@@ -30,7 +31,6 @@ struct kvf_client {
         pthread_mutex_t poll_mu;
         uint8_t *cache;
         uint64_t cache_size;
-        uint32_t tensors; /* per layer: 1 key-only, else 2 */
         unsigned next_ring; /* poll fairness between the two inbound rings */
 };
 
@@ -44,19 +44,10 @@ static int map_cache(struct kvf_client *c)
         const struct kvf_ctl_header *h = c->ctl.hdr;
         if (h->backend != KVF_BACKEND_HOST || h->layout.cache_bytes == 0)
                 return 0;
-        int fd = shm_open(h->cache_name, O_RDWR | O_CLOEXEC, 0);
-        if (fd < 0)
-                return kvf_err_set(-errno, "open cache /dev/shm%s: %s", h->cache_name,
-                                   strerror(errno));
-        void *p = mmap(NULL, h->layout.cache_bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
-        int e = errno;
-        close(fd);
-        if (p == MAP_FAILED)
-                return kvf_err_set(-e, "map cache /dev/shm%s (%llu bytes): %s", h->cache_name,
-                                   (unsigned long long)h->layout.cache_bytes, strerror(e));
-        c->cache = p;
-        c->cache_size = h->layout.cache_bytes;
-        return 0;
+        int rc = kvf_cache_map(h, true, &c->cache);
+        if (rc == 0)
+                c->cache_size = h->layout.cache_bytes;
+        return rc;
 }
 
 int kvf_attach(const char *name, unsigned wait_ms, struct kvf_client **out)
@@ -73,27 +64,15 @@ int kvf_attach(const char *name, unsigned wait_ms, struct kvf_client **out)
                 return rc;
         }
         struct kvf_ctl *ctl = &c->ctl;
-        const struct kvf_role_slot *es = &ctl->roles[KVF_ROLE_ENGINE];
-        int32_t other = kvf_load_acquire(&es->pid);
-        if (other > 0 && other != getpid() && kvf_role_alive(ctl, KVF_ROLE_ENGINE, kvf_now_ns())) {
-                rc = kvf_err_set(-EBUSY,
-                                 "attach to instance '%s': an engine client is already attached (pid %d); "
-                                 "one engine per instance",
-                                 name, other);
+        int64_t gen = kvf_role_claim(ctl, KVF_ROLE_ENGINE);
+        if (gen < 0) {
+                rc = kvf_err_ctx((int)gen, "attach to instance '%s' (one engine client per instance)", name);
                 goto fail;
         }
-        uint64_t gen = kvf_role_begin(ctl, KVF_ROLE_ENGINE);
-        kvf_ring_producer_attach(&ctl->rings[KVF_RING_ENGINE_TO_SENDER], gen);
-        kvf_ring_producer_attach(&ctl->rings[KVF_RING_ENGINE_TO_CONNECTOR], gen);
-        if (kvf_ring_consumer_attach(&ctl->rings[KVF_RING_SENDER_TO_ENGINE]) > 0)
-                kvf_count(ctl, KVF_CTR_RING_REPAIRS, 1);
-        if (kvf_ring_consumer_attach(&ctl->rings[KVF_RING_CONNECTOR_TO_ENGINE]) > 0)
-                kvf_count(ctl, KVF_CTR_RING_REPAIRS, 1);
         if ((rc = map_cache(c)) < 0) {
                 kvf_err_ctx(rc, "attach to instance '%s'", name);
                 goto fail;
         }
-        c->tensors = ctl->hdr->layout.key_only ? 1 : 2;
         pthread_mutex_init(&c->submit_mu, NULL);
         pthread_mutex_init(&c->poll_mu, NULL);
         *out = c;
@@ -136,10 +115,9 @@ int kvf_get_layout(struct kvf_client *c, struct kvf_layout_info *out)
 void *kvf_cache_tensor(struct kvf_client *c, uint32_t layer, int v)
 {
         const struct kvf_cache_layout *l = &c->ctl.hdr->layout;
-        if (!c->cache || layer >= l->num_layers + l->extra_layers || v < 0 ||
-            (uint32_t)v >= c->tensors)
+        if (!c->cache || layer >= kvf_layout_layers(l) || v < 0 || (uint32_t)v >= kvf_layout_tensors(l))
                 return NULL;
-        return c->cache + ((uint64_t)layer * c->tensors + (uint64_t)v) * l->num_blocks * l->block_bytes;
+        return c->cache + kvf_layout_offset(l, layer, (uint32_t)v, 0);
 }
 
 static int submit_bytes(struct kvf_client *c, int ring, int type, const void *buf, size_t len)
@@ -250,9 +228,9 @@ int kvf_layer_done(struct kvf_client *c, uint64_t step, uint32_t layer)
         const struct kvf_cache_layout *l = &c->ctl.hdr->layout;
         struct kvf_progress *pg = c->ctl.progress;
 
-        if (layer >= l->num_layers + l->extra_layers)
+        if (layer >= kvf_layout_layers(l))
                 return kvf_err_set(-EINVAL, "layer %u is beyond the %u layers of this instance", layer,
-                                   l->num_layers + l->extra_layers);
+                                   kvf_layout_layers(l));
         if (step >= (1ull << (64 - KVF_PROGRESS_LAYER_BITS)))
                 return kvf_err_set(-EINVAL, "step %llu is too large", (unsigned long long)step);
         uint64_t want = KVF_PROGRESS_PACK(step, layer + 1);
@@ -375,7 +353,6 @@ int kvf_poll(struct kvf_client *c, struct kvf_event *ev, int timeout_ms)
 struct pending {
         int type;
         char id[sizeof(((struct kvf_event *)0)->request_id)];
-        unsigned seen;
         uint64_t members; /* bit per rank that reported (ranks < 64) */
         struct kvf_event agg;
         struct pending *next;
@@ -455,7 +432,6 @@ static int fold(struct kvf_group *g, unsigned rank, struct kvf_event *ev)
         if (p->members & (1ull << rank))
                 return 0; /* a rank reports each request once; ignore a repeat */
         p->members |= 1ull << rank;
-        p->seen++;
         p->agg.bytes += ev->bytes;
         p->agg.blocks += ev->blocks;
         if (ev->accept_ns && (!p->agg.accept_ns || ev->accept_ns < p->agg.accept_ns))
@@ -468,7 +444,7 @@ static int fold(struct kvf_group *g, unsigned rank, struct kvf_event *ev)
                 p->agg.status = ev->status;
                 snprintf(p->agg.reason, sizeof(p->agg.reason), "rank %u: %s", rank, ev->reason);
         }
-        if (p->seen < g->n)
+        if ((unsigned)__builtin_popcountll(p->members) < g->n)
                 return 0;
         *ev = p->agg;
         ev->rank = 0;

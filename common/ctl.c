@@ -494,6 +494,28 @@ void kvf_ctl_detach(struct kvf_ctl *c)
         c->fd = -1;
 }
 
+int kvf_cache_map(const struct kvf_ctl_header *h, bool writable, uint8_t **out)
+{
+        uint64_t want = h->layout.cache_bytes;
+        int fd = shm_open(h->cache_name, (writable ? O_RDWR : O_RDONLY) | O_CLOEXEC, 0);
+        if (fd < 0)
+                return kvf_err_set(-ENOENT, "open cache /dev/shm%s: %s", h->cache_name, strerror(errno));
+        struct stat st;
+        if (fstat(fd, &st) < 0 || (uint64_t)st.st_size != want) {
+                close(fd);
+                return kvf_err_set(-EPROTO, "cache /dev/shm%s has the wrong size (the layout needs %llu bytes)",
+                                   h->cache_name, (unsigned long long)want);
+        }
+        void *p = mmap(NULL, want, PROT_READ | (writable ? PROT_WRITE : 0), MAP_SHARED | MAP_POPULATE, fd, 0);
+        int e = errno;
+        close(fd);
+        if (p == MAP_FAILED)
+                return kvf_err_set(-ENOMEM, "map cache /dev/shm%s (%llu bytes): %s", h->cache_name,
+                                   (unsigned long long)want, strerror(e));
+        *out = p;
+        return 0;
+}
+
 int kvf_ctl_unlink(const char *instance)
 {
         char name[96];
@@ -580,7 +602,18 @@ int64_t kvf_role_claim(struct kvf_ctl *c, enum kvf_role_id role)
         if (!kvf_cas_acq_rel(&s->pid, &cur, me))
                 return kvf_err_set(-EBUSY, "instance '%s': another %s (pid %d) started at the same time",
                                    c->hdr->instance, kvf_role_name(role), cur);
-        return (int64_t)kvf_role_begin(c, role);
+        uint64_t gen = kvf_role_begin(c, role);
+        /* The role's ring ends: produce under the new generation (a predecessor's
+         * unfinished claim is then skipped), and finish a predecessor's consume. */
+        for (int r = 0; r < KVF_RING_COUNT; r++) {
+                if (c->ring_hdrs[r].producer == (uint32_t)role)
+                        kvf_ring_producer_attach(&c->rings[r], gen);
+                if (c->ring_hdrs[r].consumer == (uint32_t)role && kvf_ring_consumer_attach(&c->rings[r]) > 0) {
+                        kvf_count(c, KVF_CTR_RING_REPAIRS, 1);
+                        kvf_warn("repaired ring %s after a crash", kvf_ring_name(r));
+                }
+        }
+        return (int64_t)gen;
 }
 
 bool kvf_role_fenced(const struct kvf_ctl *c, enum kvf_role_id role)

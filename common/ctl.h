@@ -89,6 +89,13 @@ int kvf_ctl_attach_path(const char *path, bool writable, struct kvf_ctl *out);
  */
 int kvf_ctl_validate(void *base, uint64_t size, uid_t uid, struct kvf_ctl *out);
 void kvf_ctl_detach(struct kvf_ctl *c);
+/*
+ * Map the instance's host cache file (MAP_SHARED, populated), read-only or
+ * read-write, after checking its size against the layout. 0, or -ENOENT
+ * (cannot open), -EPROTO (wrong size), -ENOMEM (cannot map), with kvf_err set.
+ */
+int kvf_cache_map(const struct kvf_ctl_header *h, bool writable, uint8_t **out);
+
 /* Remove the instance's segment and cache file; 0 if anything was removed. */
 int kvf_ctl_unlink(const char *instance);
 
@@ -96,7 +103,9 @@ int kvf_ctl_unlink(const char *instance);
  * Take a role for this process: refused (-EBUSY, kvf_err says who holds it)
  * while another live process holds it; the pid is swapped in with a CAS, so
  * of two processes starting at once only one gets it. Then as
- * kvf_role_begin(). Returns the new generation (> 0) or -EBUSY.
+ * kvf_role_begin(), and takes the role's ring ends (producer under the new
+ * generation; consumer, repairing a predecessor's interrupted consume).
+ * Returns the new generation (> 0) or -EBUSY.
  */
 int64_t kvf_role_claim(struct kvf_ctl *c, enum kvf_role_id role);
 /*

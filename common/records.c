@@ -586,9 +586,14 @@ int kvf_record_encode(const struct kvf_record *r, void *buf, size_t cap)
         return (int)s.len;
 }
 
+size_t kvf_record_encoded_max(const struct kvf_record *r)
+{
+        return 1024 + ((size_t)r->n_src + r->n_dst + r->n_runs) * 5;
+}
+
 int kvf_record_encode_alloc(const struct kvf_record *r, uint8_t **buf, size_t *len)
 {
-        size_t cap = 1024 + ((size_t)r->n_src + r->n_dst + r->n_runs) * 5;
+        size_t cap = kvf_record_encoded_max(r);
         uint8_t *b = malloc(cap);
         if (!b)
                 return -ENOMEM;

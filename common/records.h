@@ -119,6 +119,8 @@ int kvf_record_encode(const struct kvf_record *r, void *buf, size_t cap);
 
 /* Encode into a fresh malloc'd buffer; *len receives its length. */
 int kvf_record_encode_alloc(const struct kvf_record *r, uint8_t **buf, size_t *len);
+/* A buffer this large always holds the record's encoding. */
+size_t kvf_record_encoded_max(const struct kvf_record *r);
 
 const char *kvf_transport_name(int t);
 int kvf_transport_from_name(const char *s, size_t n);

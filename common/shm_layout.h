@@ -237,7 +237,7 @@ struct kvf_req_slot {
         uint64_t task_pos;    /* ring position of the task record (replay detection) */
         uint64_t completion_pos; /* ring position the completion was claimed at, or ~0 */
         uint64_t accept_ns;
-        uint64_t first_copy_ns;
+        uint64_t reserved0;
         uint64_t last_layer_ns;  /* when the request's last layer became ready */
         uint64_t deadline_ns;
         uint64_t bytes;          /* bytes written so far */
@@ -294,8 +294,7 @@ enum kvf_hist_id {
 struct kvf_sender_area {
         uint64_t reject_task_pos;       /* task record whose rejection was posted last */
         uint64_t reject_completion_pos; /* where that rejection's completion was claimed */
-        uint64_t progress_seen;         /* last progress word fully handled */
-        uint8_t pad[40];
+        uint8_t pad[48];
         struct kvf_histogram hist[KVF_HIST_COUNT];
 };
 

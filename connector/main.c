@@ -365,15 +365,7 @@ static int map_cache(struct connector *cn)
         const struct kvf_ctl_header *h = cn->ctl.hdr;
         if (h->backend != KVF_BACKEND_HOST)
                 return 0;
-        int fd = shm_open(h->cache_name, O_RDWR | O_CLOEXEC, 0);
-        if (fd < 0)
-                return kvf_err_set(-errno, "open own cache /dev/shm%s: %s", h->cache_name, strerror(errno));
-        void *p = mmap(NULL, h->layout.cache_bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
-        close(fd);
-        if (p == MAP_FAILED)
-                return kvf_err_set(-errno, "map own cache: %s", strerror(errno));
-        cn->cache = p;
-        return 0;
+        return kvf_cache_map(h, true, &cn->cache);
 }
 
 static void default_token_path(char *buf, size_t len)
@@ -455,14 +447,6 @@ int main(int argc, char **argv)
                 return 1;
         }
         cn.gen = (uint64_t)gen;
-        kvf_ring_producer_attach(&cn.ctl.rings[KVF_RING_CONNECTOR_TO_ENGINE], cn.gen);
-        kvf_ring_producer_attach(&cn.ctl.rings[KVF_RING_CONNECTOR_TO_SENDER], cn.gen);
-        for (int r = 0; r < KVF_RING_COUNT; r++)
-                if (cn.ctl.ring_hdrs[r].consumer == KVF_ROLE_CONNECTOR &&
-                    kvf_ring_consumer_attach(&cn.ctl.rings[r]) > 0) {
-                        kvf_count(&cn.ctl, KVF_CTR_RING_REPAIRS, 1);
-                        kvf_warn("repaired ring %s after a crash", kvf_ring_name(r));
-                }
         conn_journal_init(&cn);
         uint16_t port;
         cn.listen_fd = kvf_net_listen(cn.cfg.listen_host, cn.cfg.listen_port, 128, &port);

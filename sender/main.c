@@ -45,26 +45,10 @@ static bool has_work(void *arg)
 {
         struct sender *s = arg;
         /* A task held back (table full, or no room for its rejection) is no work
-         * until something frees up; the loop retries it every millisecond. */
+         * until a slot is freed; the loop also retries it every millisecond. */
         return kvf_load_acquire(&s->ctl.progress->word) != s->progress ||
                (!s->engine_blocked && kvf_ring_readable(&s->ctl.rings[KVF_RING_ENGINE_TO_SENDER])) ||
                kvf_ring_readable(&s->ctl.rings[KVF_RING_CONNECTOR_TO_SENDER]);
-}
-
-static int map_own_cache(struct sender *s)
-{
-        const struct kvf_ctl_header *h = s->ctl.hdr;
-        int fd = shm_open(h->cache_name, O_RDONLY | O_CLOEXEC, 0);
-        if (fd < 0)
-                return kvf_err_set(-errno, "open own cache /dev/shm%s: %s", h->cache_name,
-                                   strerror(errno));
-        void *p = mmap(NULL, h->layout.cache_bytes, PROT_READ, MAP_SHARED | MAP_POPULATE, fd, 0);
-        close(fd);
-        if (p == MAP_FAILED)
-                return kvf_err_set(-errno, "map own cache: %s", strerror(errno));
-        s->cache = p;
-        s->cache_size = h->layout.cache_bytes;
-        return 0;
 }
 
 static int run(struct sender *s, uint64_t spin_ns)
@@ -93,13 +77,17 @@ static int run(struct sender *s, uint64_t spin_ns)
                         sender_on_progress(s, w, pub);
                         worked = true;
                 }
-                /* Tasks one at a time: a crash re-reads at most one (tasks.c). */
-                s->engine_blocked = false;
-                for (int i = 0; i < 64; i++) {
+                /* Tasks one at a time: a crash re-reads at most one (tasks.c). A task
+                 * held back is tried again when a slot is freed, or after 1 ms (its
+                 * rejection waits for room in the completion ring), not on every spin. */
+                if (s->engine_blocked && kvf_now_ns() >= s->engine_retry_ns)
+                        s->engine_blocked = false;
+                for (int i = 0; i < 64 && !s->engine_blocked; i++) {
                         uint64_t head = kvf_load_relaxed(&in->hdr->head);
                         int n = kvf_ring_read(in, sender_on_engine_record, s, 1);
                         if (n == 0 && kvf_ring_readable(in) && kvf_load_relaxed(&in->hdr->head) == head) {
                                 s->engine_blocked = true; /* a record is there, but waits */
+                                s->engine_retry_ns = kvf_now_ns() + 1000000;
                                 break;
                         }
                         if (n < 0) {
@@ -209,24 +197,18 @@ int main(int argc, char **argv)
         s.layers = kvf_layout_layers(s.layout);
         s.tensors = kvf_layout_tensors(s.layout);
         s.request_timeout_ns = timeout_ms * 1000000ull;
-        if ((rc = map_own_cache(&s)) < 0 || (rc = sender_table_init(&s)) < 0) {
+        uint8_t *own;
+        if ((rc = kvf_cache_map(s.ctl.hdr, false, &own)) < 0 || (rc = sender_table_init(&s)) < 0) {
                 kvf_error("%s", kvf_err_msg());
                 return 1;
         }
+        s.cache = own;
         int64_t gen = kvf_role_claim(&s.ctl, KVF_ROLE_SENDER);
         if (gen < 0) {
                 kvf_error("%s", kvf_err_msg());
                 return 1;
         }
         s.gen = (uint64_t)gen;
-        kvf_ring_producer_attach(&s.ctl.rings[KVF_RING_SENDER_TO_ENGINE], s.gen);
-        kvf_ring_producer_attach(&s.ctl.rings[KVF_RING_SENDER_TO_CONNECTOR], s.gen);
-        for (int r = 0; r < KVF_RING_COUNT; r++)
-                if (s.ctl.ring_hdrs[r].consumer == KVF_ROLE_SENDER &&
-                    kvf_ring_consumer_attach(&s.ctl.rings[r]) > 0) {
-                        kvf_count(&s.ctl, KVF_CTR_RING_REPAIRS, 1);
-                        kvf_warn("repaired ring %s after a crash", kvf_ring_name(r));
-                }
         s.connector_gen = kvf_load_acquire(&s.ctl.roles[KVF_ROLE_CONNECTOR].generation);
         /* Adopted requests advance against the real progress word, nothing later. */
         s.progress = kvf_load_acquire(&s.ctl.progress->word);

@@ -53,25 +53,8 @@ static int open_peer(struct sender *s, struct ipc_peer *p, const char *name, cha
                 rc = -EXDEV;
                 goto fail;
         }
-        int fd = shm_open(h->cache_name, O_RDWR | O_CLOEXEC, 0);
-        if (fd < 0) {
-                snprintf(why, whylen, "open cache of '%s' (/dev/shm%s): %s", name, h->cache_name,
-                         strerror(errno));
-                rc = -ENOENT;
-                goto fail;
-        }
-        if (fstat(fd, &st) < 0 || (uint64_t)st.st_size != h->layout.cache_bytes) {
-                snprintf(why, whylen, "cache of '%s' has the wrong size", name);
-                close(fd);
-                rc = -EPROTO;
-                goto fail;
-        }
-        p->cache = mmap(NULL, h->layout.cache_bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
-        close(fd);
-        if (p->cache == MAP_FAILED) {
-                p->cache = NULL;
-                snprintf(why, whylen, "map cache of '%s': %s", name, strerror(errno));
-                rc = -ENOMEM;
+        if ((rc = kvf_cache_map(h, true, &p->cache)) < 0) {
+                snprintf(why, whylen, "peer '%s': %s", name, kvf_err_msg());
                 goto fail;
         }
         p->cache_size = h->layout.cache_bytes;

@@ -25,6 +25,30 @@
 #include "log.h"
 #include "sender.h"
 
+/*
+ * Send-blocks [b0, b1) of a request as runs contiguous on both sides, into
+ * s->runs as (src block, send index, count) triples; returns the number of
+ * words written.
+ */
+static uint32_t build_runs(struct sender *s, uint32_t slot, uint32_t b0, uint32_t b1)
+{
+        const struct kvf_req_slot *r = &s->ctl.reqtab[slot];
+        const uint32_t *src = kvf_slot_blocks(&s->ctl, slot) + (r->n_src - r->n_send);
+        const uint32_t *dst = kvf_slot_blocks(&s->ctl, slot) + s->ctl.hdr->max_blocks;
+        uint32_t *runs = s->runs, n = 0;
+
+        for (uint32_t i = b0; i < b1;) {
+                uint32_t k = 1;
+                while (i + k < b1 && src[i + k] == src[i] + k && dst[i + k] == dst[i] + k)
+                        k++;
+                runs[n++] = src[i];
+                runs[n++] = i;
+                runs[n++] = k;
+                i += k;
+        }
+        return n;
+}
+
 /* Copy layers [l0, l1) of send-blocks [b0, b1) of a same-host request. */
 static void copy_ipc(struct sender *s, uint32_t slot, uint32_t l0, uint32_t l1, uint32_t b0,
                      uint32_t b1)
@@ -33,21 +57,16 @@ static void copy_ipc(struct sender *s, uint32_t slot, uint32_t l0, uint32_t l1, 
         const struct ipc_peer *p = &s->peers[r->peer_idx];
         const struct kvf_cache_layout *L = s->layout;
         const struct kvf_cache_layout *PL = &p->ctl.hdr->layout;
-        const uint32_t *src = kvf_slot_blocks(&s->ctl, slot) + (r->n_src - r->n_send);
         const uint32_t *dst = kvf_slot_blocks(&s->ctl, slot) + s->ctl.hdr->max_blocks;
         uint64_t bb = L->block_bytes;
+        uint32_t n = build_runs(s, slot, b0, b1);
 
         for (uint32_t l = l0; l < l1; l++)
                 for (uint32_t t = 0; t < s->tensors; t++)
-                        for (uint32_t i = b0; i < b1;) {
-                                /* a run: contiguous on both sides */
-                                uint32_t n = 1;
-                                while (i + n < b1 && src[i + n] == src[i] + n && dst[i + n] == dst[i] + n)
-                                        n++;
-                                kvf_copy_stream(p->cache + kvf_layout_offset(PL, l, t, dst[i]),
-                                                s->cache + kvf_layout_offset(L, l, t, src[i]), n * bb);
-                                i += n;
-                        }
+                        for (uint32_t k = 0; k < n; k += 3)
+                                kvf_copy_stream(p->cache + kvf_layout_offset(PL, l, t, dst[s->runs[k + 1]]),
+                                                s->cache + kvf_layout_offset(L, l, t, s->runs[k]),
+                                                s->runs[k + 2] * bb);
         /* The streamed stores are visible before anything that says the layer is there. */
         kvf_copy_fence();
         uint64_t blocks = (uint64_t)(l1 - l0) * s->tensors * (b1 - b0);
@@ -59,42 +78,19 @@ static void copy_ipc(struct sender *s, uint32_t slot, uint32_t l0, uint32_t l1, 
 /*
  * Hand layers [l0, l1) of send-blocks [b0, b1) of a network request to the
  * connector as one write batch: runs contiguous on both sides, as (src, dst
- * index, count) triples. 0, or -EAGAIN when the ring is full.
+ * index, count) triples (the receiver maps indexes to its own block ids).
+ * 0, or -EAGAIN when the ring is full.
  */
 static int post_batch(struct sender *s, uint32_t slot, uint32_t l0, uint32_t l1, uint32_t b0,
                       uint32_t b1)
 {
         struct kvf_req_slot *r = &s->ctl.reqtab[slot];
-        const uint32_t *src = kvf_slot_blocks(&s->ctl, slot) + (r->n_src - r->n_send);
-        const uint32_t *dst = kvf_slot_blocks(&s->ctl, slot) + s->ctl.hdr->max_blocks;
-        uint32_t *runs = s->runs, n = 0;
-
-        for (uint32_t i = b0; i < b1;) {
-                uint32_t k = 1;
-                while (i + k < b1 && src[i + k] == src[i] + k && dst[i + k] == dst[i] + k)
-                        k++;
-                runs[n++] = src[i];
-                runs[n++] = i; /* the receiver maps indexes to its own block ids */
-                runs[n++] = k;
-                i += k;
-        }
         struct kvf_record w = {.type = KVF_RT_WRITE_BATCH, .key = sender_key(slot, r->incarnation),
-                               .layer = l0, .layer_count = l1 - l0, .runs = runs, .n_runs = n,
-                               .transport = (int)r->transport};
+                               .layer = l0, .layer_count = l1 - l0, .runs = s->runs,
+                               .n_runs = build_runs(s, slot, b0, b1), .transport = (int)r->transport};
         memcpy(w.request_id, r->request_id, sizeof(w.request_id));
         memcpy(w.peer, r->peer, sizeof(w.peer));
-        uint8_t *buf;
-        size_t len;
-        if (kvf_record_encode_alloc(&w, &buf, &len) < 0)
-                return -EAGAIN;
-        int rc = kvf_ring_write(&s->ctl.rings[KVF_RING_SENDER_TO_CONNECTOR], KVF_RT_WRITE_BATCH, buf,
-                                (uint32_t)len, NULL);
-        free(buf);
-        if (rc < 0) {
-                kvf_count(&s->ctl, KVF_CTR_RING_FULL, 1);
-                return -EAGAIN;
-        }
-        return 0; /* the connector counts what it sends */
+        return sender_post(s, &w) < 0 ? -EAGAIN : 0; /* the connector counts what it sends */
 }
 
 int sender_post_open(struct sender *s, uint32_t slot)
@@ -108,16 +104,7 @@ int sender_post_open(struct sender *s, uint32_t slot)
                                         s->layout->block_bytes};
         memcpy(o.request_id, r->request_id, sizeof(o.request_id));
         memcpy(o.peer, r->peer, sizeof(o.peer));
-        uint8_t *buf;
-        size_t len;
-        if (kvf_record_encode_alloc(&o, &buf, &len) < 0)
-                return -EAGAIN;
-        int rc = kvf_ring_write(&s->ctl.rings[KVF_RING_SENDER_TO_CONNECTOR], KVF_RT_OPEN, buf,
-                                (uint32_t)len, NULL);
-        free(buf);
-        if (rc < 0)
-                kvf_count(&s->ctl, KVF_CTR_RING_FULL, 1);
-        return rc < 0 ? -EAGAIN : 0;
+        return sender_post(s, &o) < 0 ? -EAGAIN : 0;
 }
 
 /*
@@ -157,8 +144,6 @@ static int send_range(struct sender *s, uint32_t slot, uint32_t l0, uint32_t l1,
                 kvf_hist_add(&s->ctl.sender->hist[KVF_HIST_LAYER_TO_COPY], t0 - s->progress_ns);
                 s->copy_timed = true;
         }
-        if (!r->first_copy_ns)
-                r->first_copy_ns = t0;
         if (r->transport == KVF_TRANSPORT_IPC) {
                 copy_ipc(s, slot, l0, l1, b0, b1);
         } else {
@@ -256,5 +241,4 @@ void sender_on_progress(struct sender *s, uint64_t word, uint64_t publish_ns)
                         sender_advance(s, s->tmp[k]);
                 break;
         }
-        kvf_store_relaxed(&s->ctl.sender->progress_seen, word);
 }

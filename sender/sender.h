@@ -48,7 +48,6 @@ struct sender {
         uint32_t layers;  /* layers + extra layers */
         uint32_t tensors; /* 1 (key only) or 2 */
         const uint8_t *cache; /* own cache, read-only */
-        uint64_t cache_size;
 
         /* request id -> slot: open addressing, 2x the slots, UINT32_MAX = empty */
         uint32_t *map;
@@ -58,6 +57,8 @@ struct sender {
         uint32_t *tmp;    /* scratch list of slots */
         uint32_t *resend; /* per slot: SLOT_RESEND cursor (see sender_resend) */
         uint32_t *runs;   /* scratch: (src, dst index, count) triples of one write batch */
+        uint32_t *idset;  /* scratch: open-addressing set of block ids (id + 1; 0 = empty) */
+        uint32_t idset_cap; /* a power of two, at least 2x the blocks of a request */
         struct bucket *buckets; /* sorted by step */
         uint32_t nbuckets, capbuckets;
 
@@ -68,6 +69,7 @@ struct sender {
         uint64_t request_timeout_ns;
         bool pending; /* some slot has flags set: sender_flush_pending() has work */
         bool engine_blocked; /* the next task waits (table full, or its rejection has no room) */
+        uint64_t engine_retry_ns; /* ...and is tried again then, or when a slot is freed */
 
         struct ipc_peer peers[SENDER_MAX_PEERS];
         uint8_t *scratch; /* encode buffer */
@@ -113,6 +115,9 @@ void sender_fail(struct sender *s, uint32_t slot, int status, const char *fmt, .
 void sender_flush_pending(struct sender *s);
 void sender_adopt(struct sender *s);
 void sender_tick(struct sender *s, uint64_t now);
+/* Encode a record into the scratch buffer and write it to the connector's ring; 0, -ENOMEM, or
+ * the ring's error (counted as ring_full). */
+int sender_post(struct sender *s, const struct kvf_record *r);
 
 static inline void sender_mark(struct sender *s, uint32_t slot, uint8_t flag)
 {

@@ -24,7 +24,7 @@
 
 static int encode(struct sender *s, const struct kvf_record *r, size_t *len)
 {
-        size_t need = 1024 + ((size_t)r->n_src + r->n_dst + r->n_runs) * 5;
+        size_t need = kvf_record_encoded_max(r);
         if (need > s->scratch_cap) {
                 uint8_t *p = realloc(s->scratch, need);
                 if (!p)
@@ -37,6 +37,18 @@ static int encode(struct sender *s, const struct kvf_record *r, size_t *len)
                 return n;
         *len = (size_t)n;
         return 0;
+}
+
+int sender_post(struct sender *s, const struct kvf_record *r)
+{
+        size_t len;
+        if (encode(s, r, &len) < 0)
+                return -ENOMEM;
+        int rc = kvf_ring_write(&s->ctl.rings[KVF_RING_SENDER_TO_CONNECTOR], (uint16_t)r->type, s->scratch,
+                                (uint32_t)len, NULL);
+        if (rc < 0)
+                kvf_count(&s->ctl, KVF_CTR_RING_FULL, 1);
+        return rc;
 }
 
 static void count_status(struct sender *s, int status)
@@ -66,6 +78,7 @@ static void free_slot(struct sender *s, uint32_t slot)
         sender_disarm(s, slot);
         sender_map_remove(s, slot);
         s->flags[slot] = 0;
+        s->engine_blocked = false; /* a task waiting for a slot can have this one */
         /* Release: everything about the old request is done before the slot
          * can be seen free (and reused). */
         kvf_store_release(&r->state, KVF_REQ_FREE);
@@ -156,7 +169,6 @@ static int post_notice(struct sender *s, uint32_t slot, bool abort_notice)
                                .blocks = r->n_send,
                                .dst = kvf_slot_blocks(&s->ctl, slot) + s->ctl.hdr->max_blocks,
                                .n_dst = r->n_send};
-        size_t len;
 
         memcpy(f.request_id, r->request_id, sizeof(f.request_id));
         memcpy(f.peer, r->peer, sizeof(f.peer));
@@ -165,14 +177,9 @@ static int post_notice(struct sender *s, uint32_t slot, bool abort_notice)
         if (r->transport == KVF_TRANSPORT_IPC && r->peer_idx < SENDER_MAX_PEERS &&
             s->peers[r->peer_idx].in_use)
                 f.generation = s->peers[r->peer_idx].created_ns;
-        if (encode(s, &f, &len) < 0)
-                return -ENOMEM;
-        int rc = kvf_ring_write(&s->ctl.rings[KVF_RING_SENDER_TO_CONNECTOR], KVF_RT_FINISH, s->scratch,
-                                (uint32_t)len, NULL);
-        if (rc < 0) {
-                kvf_count(&s->ctl, KVF_CTR_RING_FULL, 1);
+        int rc = sender_post(s, &f);
+        if (rc < 0)
                 return rc;
-        }
         if (!abort_notice)
                 r->notice_gen = kvf_load_acquire(&s->ctl.roles[KVF_ROLE_CONNECTOR].generation);
         return 0;
@@ -277,22 +284,28 @@ static int reject(struct sender *s, uint64_t task_pos, const char *request_id, c
 
 /* ---- tasks ---- */
 
-static bool has_duplicate(const uint32_t *ids, uint32_t n, uint32_t range, uint32_t *dup)
+/* The first of ids[0..n) (n <= max_blocks) that appeared earlier in the list; ids too large
+ * for any cache are left to the range check. */
+static bool has_duplicate(struct sender *s, const uint32_t *ids, uint32_t n, uint32_t *dup)
 {
-        uint8_t *seen = calloc((range + 7) / 8 + 1, 1);
+        uint32_t cap = 1;
+        while (cap < 2 * n)
+                cap <<= 1;
+        uint32_t *set = s->idset, mask = cap - 1;
         bool found = false;
-        if (!seen)
-                return false;
         for (uint32_t i = 0; i < n && !found; i++) {
-                if (ids[i] >= range)
+                if (ids[i] >= UINT32_MAX / 2)
                         continue;
-                if (seen[ids[i] / 8] & (1u << (ids[i] % 8))) {
+                uint32_t h = (ids[i] * 2654435761u) & mask;
+                while (set[h] && set[h] != ids[i] + 1u)
+                        h = (h + 1) & mask;
+                if (set[h]) {
                         *dup = ids[i];
                         found = true;
                 }
-                seen[ids[i] / 8] |= (uint8_t)(1u << (ids[i] % 8));
+                set[h] = ids[i] + 1u;
         }
-        free(seen);
+        memset(set, 0, cap * sizeof(*set));
         return found;
 }
 
@@ -334,7 +347,7 @@ static int accept_task(struct sender *s, struct kvf_record *t, uint64_t pos)
                         return reject(s, pos, id, t->peer, KVF_STATUS_BLOCK_RANGE,
                                       "src_block_ids[%u] = %u is out of range: this instance has %u blocks",
                                       i, t->src[i], s->layout->num_blocks);
-        if (has_duplicate(t->dst, t->n_dst, UINT32_MAX / 2, &dup))
+        if (has_duplicate(s, t->dst, t->n_dst, &dup))
                 return reject(s, pos, id, t->peer, KVF_STATUS_BAD_TASK,
                               "dest_block_ids names block %u twice", dup);
         if (!strcmp(t->peer, h->instance))
@@ -374,7 +387,7 @@ static int accept_task(struct sender *s, struct kvf_record *t, uint64_t pos)
         r->task_pos = pos;
         r->completion_pos = ~0ull;
         r->accept_ns = kvf_now_ns();
-        r->first_copy_ns = r->last_layer_ns = 0;
+        r->last_layer_ns = 0;
         r->deadline_ns = r->accept_ns + s->request_timeout_ns;
         r->bytes = 0;
         r->notice_gen = 0;

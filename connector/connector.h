@@ -1,17 +1,20 @@
 /*
  * The connector: owns every network endpoint of an instance.
  *
- * Threads (all in this process; only the control thread touches the rings):
- *   control  - consumes engine->connector and sender->connector, produces
- *              connector->engine and connector->sender, publishes arrivals
- *              (with the journal that de-duplicates them), heartbeats;
+ * Threads (all in this process):
+ *   control  - consumes engine->connector and sender->connector, publishes
+ *              arrivals (with the journal that de-duplicates them), retries
+ *              what a full ring refused, heartbeats;
  *   listener - accepts connections and starts a session thread for each;
  *   session  - one per incoming connection: handshake as server, then reads
- *              notices and pings; its replies are written by the control thread;
+ *              notices and pings (control) or block frames (data, data_rx.c);
  *   peer     - one per outgoing peer: connects, handshakes as client, sends
- *              finish notices, matches acknowledgements, pings, reconnects.
- * Threads hand work to the control thread through an in-process event queue
- * and ring the connector's doorbell (the futex it sleeps on).
+ *              finish notices, matches acknowledgements, pings, reconnects;
+ *   data     - per outgoing peer, --streams of them: tcp block frames (data_tx.c).
+ * The two outbound rings (connector->engine, connector->sender) are written
+ * by whichever thread has something to say, each under its in-process
+ * producer mutex (conn_dispatch); what a full ring refuses goes to the
+ * control thread's event queue and is retried there.
  */
 #ifndef KVF_CONNECTOR_H
 #define KVF_CONNECTOR_H
@@ -30,8 +33,7 @@ struct conn_config {
         uint16_t listen_port;
         uint8_t token[KVF_TOKEN_MAX];
         size_t token_len;
-        unsigned connect_timeout_ms;
-        unsigned handshake_timeout_ms;
+        unsigned connect_timeout_ms; /* also bounds each handshake step */
         unsigned keepalive_ms;
         unsigned peer_timeout_ms; /* silence (or unreachability) after which a peer is dead */
         unsigned streams;         /* data connections per peer (tcp transport) */
@@ -79,7 +81,6 @@ struct peer {
         unsigned nconnect;
         bool up;
         bool stop;
-        uint64_t last_used_ns;
         struct peer_data *data; /* tcp data path (data_tx.c), created on first use */
 };
 
@@ -139,6 +140,13 @@ void conn_post(struct connector *cn, struct event *ev);
  * process can write them (the ring stays single-producer across processes).
  */
 void conn_dispatch(struct connector *cn, struct event *ev);
+/* Tell the sender how a network transfer ended (WRITE_RESULT): dispatched from this thread
+ * when `dispatch`, else queued for the control thread. */
+void conn_write_result(struct connector *cn, uint64_t key, const char *request_id, int status,
+                       const char *reason, bool dispatch);
+/* Answer an engine's connect task (CONNECT_RESULT), queued for the control thread. */
+void conn_connect_result(struct connector *cn, const char *task_id, const char *peer, int status,
+                         const char *reason);
 
 /* handshake.c: 0 with the peer's identity in *out, or -errno with kvf_err set and (client)
  * *status (enum kvf_status) saying what kind of failure it was. */
@@ -146,7 +154,6 @@ struct peer_identity {
         char instance[KVF_INSTANCE_MAX];
         struct kvf_cache_layout layout;
         uint64_t created_ns;
-        uint64_t boot_id;
 };
 /* purpose: "control" (notices, acks, pings) or "data" (tcp block frames). */
 int conn_handshake_client(struct connector *cn, int fd, const char *purpose,
@@ -162,6 +169,9 @@ void conn_peer_connect_task(struct peer *p, const char *task_id);
 void conn_peers_stop(struct connector *cn);
 /* Wake the peer's thread: it has work (a transfer opened) and should connect. */
 void conn_peer_kick(struct peer *p);
+/* Where to connect: "host:port" as given, or a same-host instance's published address. On
+ * failure *status says how a task for this peer fails (unknown peer, or connection error). */
+int conn_peer_resolve(struct peer *p, char *host, size_t hostlen, uint16_t *port, int *status);
 
 /* session.c */
 void *conn_listener_main(void *arg);

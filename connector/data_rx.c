@@ -99,7 +99,7 @@ static int rx_open(struct connector *cn, const char *peer, uint64_t gen, const s
                 return -EPROTO;
         }
         if (!x) {
-                uint64_t bits = (uint64_t)(L->num_layers + L->extra_layers) * (L->key_only ? 1 : 2) * o->n_dst;
+                uint64_t bits = (uint64_t)kvf_layout_layers(L) * kvf_layout_tensors(L) * o->n_dst;
                 x = calloc(1, sizeof(*x));
                 if (x) {
                         x->dst = malloc((o->n_dst ? o->n_dst : 1) * sizeof(uint32_t));
@@ -137,7 +137,7 @@ static int rx_check(struct connector *cn, const char *peer, uint64_t gen, const 
                     uint32_t frame_len, uint64_t *dst_off, char *why, size_t whylen)
 {
         const struct kvf_cache_layout *L = &cn->ctl.hdr->layout;
-        uint32_t layers = L->num_layers + L->extra_layers, tensors = L->key_only ? 1 : 2;
+        uint32_t layers = kvf_layout_layers(L), tensors = kvf_layout_tensors(L);
         int rc = -EPROTO;
 
         pthread_mutex_lock(&cn->rxmu);
@@ -179,7 +179,7 @@ static int rx_mark(struct connector *cn, const char *peer, uint64_t gen, const s
         pthread_mutex_lock(&cn->rxmu);
         struct rx_xfer *x = rx_find(cn, peer, gen, h->key);
         if (x && x->have < x->need) {
-                uint64_t base = ((uint64_t)h->layer * (L->key_only ? 1 : 2) + h->tensor) * x->n_dst;
+                uint64_t base = ((uint64_t)h->layer * kvf_layout_tensors(L) + h->tensor) * x->n_dst;
                 for (uint32_t i = 0; i < h->nblocks; i++) {
                         uint64_t bit = base + h->index + i;
                         if (!(x->got[bit / 8] & (1u << (bit % 8)))) {
@@ -329,12 +329,10 @@ void data_rx_serve(struct connector *cn, int fd, const char *peer, uint64_t gen,
         for (;;) {
                 if (stage_fill(cn, &ring, fd, &st, KVF_FRAME_HDR, 0) < 0)
                         break; /* closed, or stopping */
-                uint32_t len;
-                uint16_t type;
-                memcpy(&len, st.b + st.off, 4);
-                memcpy(&type, st.b + st.off + 4, 2);
-                len = ntohl(len);
-                type = ntohs(type);
+                struct kvf_frame_hdr fh;
+                kvf_net_get_hdr(st.b + st.off, &fh);
+                uint32_t len = fh.len;
+                uint16_t type = fh.type;
                 if (type == KVF_RT_XOPEN) {
                         struct kvf_record o;
                         if (len > KVF_XOPEN_MAX) {

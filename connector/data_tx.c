@@ -45,6 +45,8 @@ struct xfer {
         uint32_t n_dst;
         struct frame **fr;
         uint32_t nfr, capfr;
+        uint8_t *xopen;  /* the XOPEN frame, sent first on each connection that carries the transfer */
+        uint32_t xopen_len;
         uint64_t opened; /* bit per connection: XOPEN sent on it since it connected */
         uint64_t first_ns;
         uint32_t inflight;
@@ -86,16 +88,20 @@ static uint64_t frame_bytes(const struct connector *cn, const struct frame *f)
 
 static void post_result(struct connector *cn, const struct xfer *x, int status, const char *reason)
 {
-        struct event *ev = calloc(1, sizeof(*ev));
-        if (!ev)
-                return;
-        ev->kind = EV_RESULT;
-        ev->rec.type = KVF_RT_WRITE_RESULT;
-        ev->rec.key = x->key;
-        ev->rec.status = status;
-        snprintf(ev->rec.request_id, sizeof(ev->rec.request_id), "%s", x->request_id);
-        snprintf(ev->rec.reason, sizeof(ev->rec.reason), "%s", reason);
-        conn_dispatch(cn, ev);
+        conn_write_result(cn, x->key, x->request_id, status, reason, true);
+}
+
+/* With pd->mu held: wait for a broadcast on pd->cv (new frames, a new transfer), 200 ms at most. */
+static void wait_a_while(struct peer_data *pd)
+{
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        ts.tv_nsec += 200000000;
+        if (ts.tv_nsec >= 1000000000) {
+                ts.tv_sec++;
+                ts.tv_nsec -= 1000000000;
+        }
+        pthread_cond_timedwait(&pd->cv, &pd->mu, &ts);
 }
 
 static struct xfer *find(struct peer_data *pd, uint64_t key)
@@ -112,6 +118,7 @@ static void free_xfer(struct xfer *x)
                 free(x->fr[i]);
         free(x->fr);
         free(x->dst);
+        free(x->xopen);
         free(x);
 }
 
@@ -180,24 +187,9 @@ static bool check_dst(struct peer_data *pd, struct xfer *x)
 
 /* ---- data connection threads ---- */
 
-static int resolve_peer(struct peer *p, char *host, size_t hostlen, uint16_t *port)
-{
-        if (strchr(p->name, ':'))
-                return kvf_net_parse(p->name, host, hostlen, port);
-        struct kvf_ctl c;
-        int rc = kvf_ctl_attach(p->name, false, &c);
-        if (rc < 0)
-                return rc;
-        uint32_t pt;
-        rc = kvf_connector_info_read(&c, host, hostlen, &pt);
-        kvf_ctl_detach(&c);
-        *port = (uint16_t)pt;
-        return rc;
-}
-
 struct sendbuf {
         uint8_t hdr[KVF_FRAME_HDR + sizeof(struct kvf_data_hdr)];
-        uint8_t *xopen; /* frame header + XOPEN record, when this frame needs one first */
+        const uint8_t *xopen; /* the transfer's XOPEN frame, when this frame needs one first */
         uint32_t xopen_len;
         struct iovec iov[2];
         struct msghdr mh;
@@ -205,33 +197,23 @@ struct sendbuf {
         struct msghdr xmh;
 };
 
-static void put_frame_hdr(uint8_t *b, uint32_t len, uint16_t type)
-{
-        uint32_t l = htonl(len);
-        uint16_t t = htons(type), z = 0;
-        memcpy(b, &l, 4);
-        memcpy(b + 4, &t, 2);
-        memcpy(b + 6, &z, 2);
-}
-
-static int encode_xopen(const struct xfer *x, uint8_t **out, uint32_t *len)
+/* The XOPEN frame (header + record) that names a transfer's destination blocks to the receiver. */
+static int encode_xopen(struct xfer *x)
 {
         struct kvf_record r = {.type = KVF_RT_XOPEN, .key = x->key, .dst = x->dst, .n_dst = x->n_dst};
-        uint8_t *rec;
-        size_t rl;
         snprintf(r.request_id, sizeof(r.request_id), "%s", x->request_id);
-        if (kvf_record_encode_alloc(&r, &rec, &rl) < 0)
+        size_t cap = kvf_record_encoded_max(&r);
+        uint8_t *b = malloc(KVF_FRAME_HDR + cap);
+        if (!b)
                 return -ENOMEM;
-        uint8_t *b = malloc(KVF_FRAME_HDR + rl);
-        if (!b) {
-                free(rec);
-                return -ENOMEM;
+        int n = kvf_record_encode(&r, b + KVF_FRAME_HDR, cap);
+        if (n < 0) {
+                free(b);
+                return n;
         }
-        put_frame_hdr(b, (uint32_t)rl, KVF_RT_XOPEN);
-        memcpy(b + KVF_FRAME_HDR, rec, rl);
-        free(rec);
-        *out = b;
-        *len = (uint32_t)(KVF_FRAME_HDR + rl);
+        kvf_net_put_hdr(b, (uint32_t)n, KVF_RT_XOPEN, 0);
+        x->xopen = b;
+        x->xopen_len = KVF_FRAME_HDR + (uint32_t)n;
         return 0;
 }
 
@@ -255,7 +237,7 @@ static int send_batch(struct data_conn *dc, struct io_uring *ring, struct frame 
                 struct io_uring_sqe *sqe;
                 uint64_t len = frame_bytes(cn, f);
                 if (b->xopen) {
-                        b->xiov = (struct iovec){b->xopen, b->xopen_len};
+                        b->xiov = (struct iovec){(void *)b->xopen, b->xopen_len};
                         b->xmh = (struct msghdr){.msg_iov = &b->xiov, .msg_iovlen = 1};
                         sqe = io_uring_get_sqe(ring);
                         io_uring_prep_sendmsg(sqe, dc->fd, &b->xmh, MSG_WAITALL | MSG_NOSIGNAL);
@@ -266,7 +248,7 @@ static int send_batch(struct data_conn *dc, struct io_uring *ring, struct frame 
                 struct kvf_data_hdr h = {.key = htobe64(f->x->key), .layer = htonl(f->layer),
                                          .tensor = htons(f->tensor), .index = htonl(f->index),
                                          .nblocks = htonl(f->nblocks)};
-                put_frame_hdr(b->hdr, (uint32_t)(sizeof(h) + len), KVF_RT_DATA);
+                kvf_net_put_hdr(b->hdr, (uint32_t)(sizeof(h) + len), KVF_RT_DATA, 0);
                 memcpy(b->hdr + KVF_FRAME_HDR, &h, sizeof(h));
                 b->iov[0] = (struct iovec){b->hdr, sizeof(b->hdr)};
                 b->iov[1] = (struct iovec){(void *)(cache + f->src_off), len};
@@ -351,16 +333,8 @@ static void serve(struct data_conn *dc, struct io_uring *ring)
                 unsigned n = 0;
                 uint64_t bytes = 0;
                 pthread_mutex_lock(&pd->mu);
-                while (!pd->qhead && !pd->stop && !cn->stop) {
-                        struct timespec ts;
-                        clock_gettime(CLOCK_REALTIME, &ts);
-                        ts.tv_nsec += 200000000;
-                        if (ts.tv_nsec >= 1000000000) {
-                                ts.tv_sec++;
-                                ts.tv_nsec -= 1000000000;
-                        }
-                        pthread_cond_timedwait(&pd->cv, &pd->mu, &ts);
-                }
+                while (!pd->qhead && !pd->stop && !cn->stop)
+                        wait_a_while(pd);
                 while (pd->qhead && n < BATCH_FRAMES && bytes < BATCH_BYTES) {
                         struct frame *f = pd->qhead;
                         pd->qhead = f->qnext;
@@ -373,7 +347,8 @@ static void serve(struct data_conn *dc, struct io_uring *ring)
                         memset(&sb[n], 0, sizeof(sb[n]));
                         if (!(f->x->opened & bit)) {
                                 f->x->opened |= bit;
-                                encode_xopen(f->x, &sb[n].xopen, &sb[n].xopen_len);
+                                sb[n].xopen = f->x->xopen;
+                                sb[n].xopen_len = f->x->xopen_len;
                         }
                         bytes += frame_bytes(cn, f);
                         fs[n++] = f;
@@ -393,8 +368,6 @@ static void serve(struct data_conn *dc, struct io_uring *ring)
                         continue;
                 }
                 int rc = send_batch(dc, ring, fs, n, sb);
-                for (unsigned i = 0; i < n; i++)
-                        free(sb[i].xopen);
                 pthread_mutex_lock(&pd->mu);
                 give_back(pd, fs, n, rc == 0);
                 pthread_mutex_unlock(&pd->mu);
@@ -425,16 +398,17 @@ static void *conn_main(void *arg)
                 return NULL;
         }
         while (!pd->stop && !cn->stop) {
+                /* Connect only while there are transfers to carry. */
                 pthread_mutex_lock(&pd->mu);
                 bool idle = pd->nxfers == 0;
+                if (idle)
+                        wait_a_while(pd);
                 pthread_mutex_unlock(&pd->mu);
-                if (idle) {
-                        usleep(20000);
+                if (idle)
                         continue;
-                }
                 int status = KVF_STATUS_CONNECTION;
                 struct peer_identity id;
-                int fd = -1, rc = resolve_peer(p, host, sizeof(host), &port);
+                int fd = -1, rc = conn_peer_resolve(p, host, sizeof(host), &port, &status);
                 if (rc == 0)
                         rc = fd = kvf_net_connect(host, port, cn->cfg.connect_timeout_ms);
                 if (rc >= 0)
@@ -521,10 +495,17 @@ int data_tx_open(struct connector *cn, const struct kvf_record *o)
                 x->n_dst = o->n_dst;
                 x->first_ns = kvf_now_ns();
                 snprintf(x->request_id, sizeof(x->request_id), "%s", o->request_id);
+                if (encode_xopen(x) < 0) {
+                        free(dst);
+                        free(x);
+                        pthread_mutex_unlock(&pd->mu);
+                        return -ENOMEM;
+                }
                 x->next = pd->xfers;
                 pd->xfers = x;
                 pd->nxfers++;
                 check_dst(pd, x);
+                pthread_cond_broadcast(&pd->cv); /* idle data threads connect now */
         }
         pthread_mutex_unlock(&pd->mu);
         conn_peer_kick(p); /* the control connection carries the notice later */
@@ -552,8 +533,12 @@ int data_tx_batch(struct connector *cn, const struct kvf_record *w)
                 pthread_mutex_unlock(&pd->mu);
                 return -ENOENT; /* forgotten (failed) or never opened */
         }
-        uint32_t layers = L->num_layers + L->extra_layers, tensors = L->key_only ? 1 : 2;
-        if (w->layer + w->layer_count > layers || w->n_runs % 3) {
+        uint32_t layers = kvf_layout_layers(L), tensors = kvf_layout_tensors(L);
+        bool valid = (uint64_t)w->layer + w->layer_count <= layers && w->n_runs % 3 == 0;
+        for (uint32_t r = 0; valid && r < w->n_runs; r += 3)
+                valid = (uint64_t)w->runs[r] + w->runs[r + 2] <= L->num_blocks &&
+                        (uint64_t)w->runs[r + 1] + w->runs[r + 2] <= x->n_dst;
+        if (!valid) { /* checked whole, so a bad batch queues nothing */
                 pthread_mutex_unlock(&pd->mu);
                 return -EINVAL;
         }
@@ -561,10 +546,6 @@ int data_tx_batch(struct connector *cn, const struct kvf_record *w)
                 for (uint32_t t = 0; t < tensors; t++)
                         for (uint32_t r = 0; r < w->n_runs; r += 3) {
                                 uint32_t src = w->runs[r], idx = w->runs[r + 1], n = w->runs[r + 2];
-                                if ((uint64_t)src + n > L->num_blocks || (uint64_t)idx + n > x->n_dst) {
-                                        rc = -EINVAL;
-                                        goto out;
-                                }
                                 for (uint32_t off = 0; off < n; off += per) {
                                         struct frame *f = calloc(1, sizeof(*f));
                                         if (!f || (x->nfr == x->capfr &&

@@ -107,7 +107,7 @@ int conn_handshake_client(struct connector *cn, int fd, const char *purpose,
                           struct peer_identity *out, int *status)
 {
         const struct kvf_ctl_header *h = cn->ctl.hdr;
-        unsigned to = cn->cfg.handshake_timeout_ms;
+        unsigned to = cn->cfg.connect_timeout_ms;
         uint8_t nonce_c[KVF_NONCE_LEN], want[KVF_SHA256_LEN];
         struct kvf_record r = {.type = KVF_RT_HELLO, .proto = PROTO_VERSION};
         char why[160];
@@ -140,7 +140,6 @@ int conn_handshake_client(struct connector *cn, int fd, const char *purpose,
                 return kvf_err_ctx(rc, "handshake");
         snprintf(out->instance, sizeof(out->instance), "%s", r.instance);
         out->created_ns = r.generation;
-        out->boot_id = r.boot_id;
         if ((rc = rec_to_layout(&r, &out->layout)) < 0)
                 return kvf_err_ctx(rc, "handshake");
         if (kvf_layout_compatible(&h->layout, &out->layout, why, sizeof(why)) < 0) {
@@ -156,7 +155,7 @@ int conn_handshake_server(struct connector *cn, int fd, struct peer_identity *ou
                           size_t purposelen)
 {
         const struct kvf_ctl_header *h = cn->ctl.hdr;
-        unsigned to = cn->cfg.handshake_timeout_ms;
+        unsigned to = cn->cfg.connect_timeout_ms;
         uint8_t nonce_c[KVF_NONCE_LEN], nonce_s[KVF_NONCE_LEN], want[KVF_SHA256_LEN];
         struct kvf_record r;
         char why[160], reason[KVF_REASON_MAX];
@@ -197,7 +196,6 @@ int conn_handshake_server(struct connector *cn, int fd, struct peer_identity *ou
         }
         snprintf(out->instance, sizeof(out->instance), "%s", r.instance);
         out->created_ns = r.generation;
-        out->boot_id = r.boot_id;
         if ((rc = rec_to_layout(&r, &out->layout)) < 0) {
                 refuse(fd, KVF_STATUS_LAYOUT_MISMATCH, kvf_err_msg(), to);
                 return kvf_err_ctx(rc, "handshake with '%s'", out->instance);

@@ -87,7 +87,6 @@ static int handle_event(struct connector *cn, struct event *ev)
         /* (recursive for EV_DATA_DONE, which becomes the waiting EV_NOTICE) */
         switch (ev->kind) {
         case EV_RESULT:
-                return ring_write_record(cn, KVF_RING_CONNECTOR_TO_SENDER, &ev->rec);
         case EV_PEER_STATE:
                 return ring_write_record(cn, KVF_RING_CONNECTOR_TO_SENDER, &ev->rec);
         case EV_CONNECT:
@@ -133,8 +132,8 @@ static int handle_event(struct connector *cn, struct event *ev)
                                    ev->rec.request_id, ev->rec.peer, kvf_status_name(ack.status), reason);
                 /* If the session is gone the prefill side re-sends; the journal de-duplicates. */
                 conn_session_send(cn, ev->session, &ack);
-                if (ev->rec.transport != KVF_TRANSPORT_IPC)
-                        data_rx_close(cn, ev->rec.peer, ev->src_gen, ev->rec.key);
+                if (ev->rec.transport != KVF_TRANSPORT_IPC && ev->rec.status == KVF_STATUS_FINISHED)
+                        data_rx_close(cn, ev->rec.peer, ev->src_gen, ev->rec.key); /* aborts: above */
                 return 0;
         }
         }
@@ -185,18 +184,10 @@ static void on_finish(struct connector *cn, struct kvf_record *f)
         size_t len;
 
         if (!p || !n) {
-                struct event *ev = calloc(1, sizeof(*ev));
+                char why[64];
                 free(n);
-                if (!ev)
-                        return;
-                ev->kind = EV_RESULT;
-                ev->rec.type = KVF_RT_WRITE_RESULT;
-                ev->rec.key = f->key;
-                ev->rec.status = KVF_STATUS_CONNECTION;
-                snprintf(ev->rec.request_id, sizeof(ev->rec.request_id), "%s", f->request_id);
-                snprintf(ev->rec.reason, sizeof(ev->rec.reason), "too many peers (%u) or out of memory",
-                         MAX_PEERS);
-                conn_post(cn, ev);
+                snprintf(why, sizeof(why), "too many peers (%u) or out of memory", MAX_PEERS);
+                conn_write_result(cn, f->key, f->request_id, KVF_STATUS_CONNECTION, why, false);
                 return;
         }
         /* An abort: stop sending the transfer's blocks now (the notice fences off, on
@@ -208,6 +199,9 @@ static void on_finish(struct connector *cn, struct kvf_record *f)
         snprintf(w.peer, sizeof(w.peer), "%s", cn->ctl.hdr->instance);
         if (kvf_record_encode_alloc(&w, &n->frame, &len) < 0) {
                 free(n);
+                if (f->status == KVF_STATUS_FINISHED) /* nobody waits for an abort notice */
+                        conn_write_result(cn, f->key, f->request_id, KVF_STATUS_CONNECTION,
+                                          "the connector could not encode the finish notice", false);
                 return;
         }
         n->len = (uint32_t)len;
@@ -218,17 +212,36 @@ static void on_finish(struct connector *cn, struct kvf_record *f)
         conn_peer_enqueue(p, n);
 }
 
-static void result_now(struct connector *cn, const struct kvf_record *r, int status, const char *why)
+void conn_write_result(struct connector *cn, uint64_t key, const char *request_id, int status,
+                       const char *reason, bool dispatch)
 {
         struct event *ev = calloc(1, sizeof(*ev));
         if (!ev)
                 return;
         ev->kind = EV_RESULT;
         ev->rec.type = KVF_RT_WRITE_RESULT;
-        ev->rec.key = r->key;
+        ev->rec.key = key;
         ev->rec.status = status;
-        snprintf(ev->rec.request_id, sizeof(ev->rec.request_id), "%s", r->request_id);
-        snprintf(ev->rec.reason, sizeof(ev->rec.reason), "%s", why);
+        snprintf(ev->rec.request_id, sizeof(ev->rec.request_id), "%s", request_id);
+        snprintf(ev->rec.reason, sizeof(ev->rec.reason), "%s", reason ? reason : "");
+        if (dispatch)
+                conn_dispatch(cn, ev);
+        else
+                conn_post(cn, ev);
+}
+
+void conn_connect_result(struct connector *cn, const char *task_id, const char *peer, int status,
+                         const char *reason)
+{
+        struct event *ev = calloc(1, sizeof(*ev));
+        if (!ev)
+                return;
+        ev->kind = EV_CONNECT;
+        ev->rec.type = KVF_RT_CONNECT_RESULT;
+        ev->rec.status = status;
+        snprintf(ev->rec.request_id, sizeof(ev->rec.request_id), "%s", task_id);
+        snprintf(ev->rec.peer, sizeof(ev->rec.peer), "%s", peer ? peer : "");
+        snprintf(ev->rec.reason, sizeof(ev->rec.reason), "%s", reason ? reason : "");
         conn_post(cn, ev);
 }
 
@@ -253,7 +266,8 @@ static int on_sender_record(void *ctx, uint16_t type, const uint8_t *pl, uint32_
                 break;
         case KVF_RT_OPEN:
                 if (data_tx_open(cn, &r) < 0)
-                        result_now(cn, &r, KVF_STATUS_CONNECTION, "the connector is out of memory or peers");
+                        conn_write_result(cn, r.key, r.request_id, KVF_STATUS_CONNECTION,
+                                          "the connector is out of memory or peers", false);
                 break;
         case KVF_RT_WRITE_BATCH:
                 rc = data_tx_batch(cn, &r);
@@ -265,7 +279,8 @@ static int on_sender_record(void *ctx, uint16_t type, const uint8_t *pl, uint32_
                 if (rc == -ENOENT)
                         rc = 0; /* the transfer failed already; its result went out */
                 else if (rc < 0) {
-                        result_now(cn, &r, KVF_STATUS_WRITE, "the connector could not queue a write batch");
+                        conn_write_result(cn, r.key, r.request_id, KVF_STATUS_WRITE,
+                                          "the connector could not queue a write batch", false);
                         rc = 0;
                 }
                 break;
@@ -282,19 +297,9 @@ static int on_engine_record(void *ctx, uint16_t type, const uint8_t *pl, uint32_
         if ((type != KVF_RT_CONNECT && type != KVF_RT_DISCONNECT) ||
             kvf_record_decode(type, pl, len, cn->ctl.hdr->rank, &r) < 0) {
                 kvf_count(&cn->ctl, KVF_CTR_BAD_RECORDS, 1);
-                struct event *ev = calloc(1, sizeof(*ev));
-                if (ev && type == KVF_RT_CONNECT) {
-                        /* Answer a malformed connect task, if it had an id. */
-                        ev->kind = EV_CONNECT;
-                        ev->rec.type = KVF_RT_CONNECT_RESULT;
-                        ev->rec.status = KVF_STATUS_BAD_TASK;
-                        snprintf(ev->rec.request_id, sizeof(ev->rec.request_id), "%s",
-                                 r.request_id[0] ? r.request_id : "<unknown>");
-                        snprintf(ev->rec.reason, sizeof(ev->rec.reason), "%s", kvf_err_msg());
-                        conn_post(cn, ev);
-                } else {
-                        free(ev);
-                }
+                if (type == KVF_RT_CONNECT) /* answer a malformed connect task, if it had an id */
+                        conn_connect_result(cn, r.request_id[0] ? r.request_id : "<unknown>", NULL,
+                                            KVF_STATUS_BAD_TASK, kvf_err_msg());
                 kvf_errlog(&cn->ctl, KVF_ROLE_CONNECTOR, "bad %s record from the engine: %s",
                            kvf_rec_type_name(type), kvf_err_msg());
                 if (type == KVF_RT_CONNECT || type == KVF_RT_DISCONNECT)
@@ -421,7 +426,6 @@ int main(int argc, char **argv)
                 kvf_opt_die(prog, "--instance is required");
         if (kvf_net_parse(listen_at, cn.cfg.listen_host, sizeof(cn.cfg.listen_host), &cn.cfg.listen_port) < 0)
                 kvf_opt_die(prog, "--listen: %s", kvf_err_msg());
-        cn.cfg.handshake_timeout_ms = cn.cfg.connect_timeout_ms;
         kvf_log_setup(instance, "connector");
         kvf_opt_signals(&stop);
         if (kvf_token_load(token_path, cn.cfg.token, &cn.cfg.token_len) < 0) {

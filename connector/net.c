@@ -100,6 +100,15 @@ static void tune(int fd)
         setsockopt(fd, IPPROTO_TCP, TCP_KEEPCNT, &cnt, sizeof(cnt));
 }
 
+int kvf_net_accept(int listen_fd)
+{
+        int fd = accept4(listen_fd, NULL, NULL, SOCK_CLOEXEC);
+        if (fd < 0)
+                return -errno;
+        tune(fd);
+        return fd;
+}
+
 int kvf_net_connect(const char *host, uint16_t port, unsigned timeout_ms)
 {
         struct addrinfo *res;
@@ -200,7 +209,7 @@ int kvf_net_read_all(int fd, void *p, size_t n, unsigned timeout_ms)
         return 0;
 }
 
-static void put_hdr(uint8_t *b, uint32_t len, uint16_t type, uint16_t flags)
+void kvf_net_put_hdr(uint8_t *b, uint32_t len, uint16_t type, uint16_t flags)
 {
         uint32_t l = htonl(len);
         uint16_t t = htons(type), f = htons(flags);
@@ -209,7 +218,7 @@ static void put_hdr(uint8_t *b, uint32_t len, uint16_t type, uint16_t flags)
         memcpy(b + 6, &f, 2);
 }
 
-static void get_hdr(const uint8_t *b, struct kvf_frame_hdr *h)
+void kvf_net_get_hdr(const uint8_t *b, struct kvf_frame_hdr *h)
 {
         uint32_t l;
         uint16_t t, f;
@@ -224,7 +233,7 @@ static void get_hdr(const uint8_t *b, struct kvf_frame_hdr *h)
 int kvf_net_send_frame(int fd, uint16_t type, const void *payload, uint32_t len, unsigned timeout_ms)
 {
         uint8_t hdr[KVF_FRAME_HDR];
-        put_hdr(hdr, len, type, 0);
+        kvf_net_put_hdr(hdr, len, type, 0);
         struct iovec iov[2] = {{hdr, sizeof(hdr)}, {(void *)payload, len}};
         struct msghdr mh = {.msg_iov = iov, .msg_iovlen = len ? 2 : 1};
         /* Usually one sendmsg does it; fall back to write_all for the rest. */
@@ -251,7 +260,7 @@ int kvf_net_recv_frame(int fd, struct kvf_frame_hdr *h, void *buf, uint32_t cap,
         int rc = kvf_net_read_all(fd, hdr, sizeof(hdr), timeout_ms);
         if (rc < 0)
                 return rc;
-        get_hdr(hdr, h);
+        kvf_net_get_hdr(hdr, h);
         if (h->len > cap)
                 return -EMSGSIZE;
         return kvf_net_read_all(fd, buf, h->len, timeout_ms);
@@ -318,7 +327,7 @@ int kvf_reader_next(struct kvf_reader *r, struct kvf_frame_hdr *h, const uint8_t
         uint32_t have = r->len - r->off;
         if (have < KVF_FRAME_HDR)
                 return 0;
-        get_hdr(r->buf + r->off, h);
+        kvf_net_get_hdr(r->buf + r->off, h);
         if (h->len > r->cap - KVF_FRAME_HDR)
                 return -EMSGSIZE;
         if (have - KVF_FRAME_HDR < h->len)

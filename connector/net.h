@@ -23,10 +23,15 @@ struct kvf_frame_hdr {
         uint16_t flags;
 };
 
+/* Write / read a frame header (KVF_FRAME_HDR bytes, network byte order). */
+void kvf_net_put_hdr(uint8_t *b, uint32_t len, uint16_t type, uint16_t flags);
+void kvf_net_get_hdr(const uint8_t *b, struct kvf_frame_hdr *h);
 /* Parse "host:port" (IPv4 dotted, [IPv6], or a name); port 0 allowed when listening. */
 int kvf_net_parse(const char *s, char *host, size_t hostlen, uint16_t *port);
 /* Listen on host:port (SO_REUSEADDR); *bound_port receives the port actually bound. */
 int kvf_net_listen(const char *host, uint16_t port, int backlog, uint16_t *bound_port);
+/* Accept one connection: a blocking socket with TCP_NODELAY and keepalive set, or -errno. */
+int kvf_net_accept(int listen_fd);
 /* Connect with a timeout; returns a blocking socket with TCP_NODELAY and keepalive set. */
 int kvf_net_connect(const char *host, uint16_t port, unsigned timeout_ms);
 /* Send/receive exactly n bytes within timeout_ms (fd may be blocking or not). 0 or -errno. */

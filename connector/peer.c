@@ -24,18 +24,8 @@
 
 static void post_result(struct connector *cn, const struct notice *n, int status, const char *reason)
 {
-        if (n->abort_notice)
-                return; /* nobody waits for these */
-        struct event *ev = calloc(1, sizeof(*ev));
-        if (!ev)
-                return;
-        ev->kind = EV_RESULT;
-        ev->rec.type = KVF_RT_WRITE_RESULT;
-        ev->rec.key = n->key;
-        ev->rec.status = status;
-        snprintf(ev->rec.request_id, sizeof(ev->rec.request_id), "%s", n->request_id);
-        snprintf(ev->rec.reason, sizeof(ev->rec.reason), "%s", reason ? reason : "");
-        conn_dispatch(cn, ev);
+        if (!n->abort_notice) /* nobody waits for those */
+                conn_write_result(cn, n->key, n->request_id, status, reason, true);
 }
 
 static void post_state(struct peer *p, bool up, const char *reason)
@@ -55,16 +45,7 @@ static void answer_connects(struct peer *p, int status, const char *reason)
 {
         pthread_mutex_lock(&p->mu);
         for (unsigned i = 0; i < p->nconnect; i++) {
-                struct event *ev = calloc(1, sizeof(*ev));
-                if (ev) {
-                        ev->kind = EV_CONNECT;
-                        ev->rec.type = KVF_RT_CONNECT_RESULT;
-                        ev->rec.status = status;
-                        snprintf(ev->rec.request_id, sizeof(ev->rec.request_id), "%s", p->connect_ids[i]);
-                        snprintf(ev->rec.peer, sizeof(ev->rec.peer), "%s", p->name);
-                        snprintf(ev->rec.reason, sizeof(ev->rec.reason), "%s", reason ? reason : "");
-                        conn_post(p->cn, ev);
-                }
+                conn_connect_result(p->cn, p->connect_ids[i], p->name, status, reason);
                 free(p->connect_ids[i]);
         }
         p->nconnect = 0;
@@ -112,8 +93,7 @@ static void drain_wake(struct peer *p)
         }
 }
 
-/* Where to connect: "host:port" as given, or a same-host instance's published address. */
-static int resolve(struct peer *p, char *host, size_t hostlen, uint16_t *port, int *status)
+int conn_peer_resolve(struct peer *p, char *host, size_t hostlen, uint16_t *port, int *status)
 {
         if (strchr(p->name, ':')) {
                 *status = KVF_STATUS_UNKNOWN_PEER;
@@ -285,7 +265,7 @@ static void *peer_main(void *arg)
                         drain_wake(p);
                         continue;
                 }
-                int rc = resolve(p, host, sizeof(host), &port, &status);
+                int rc = conn_peer_resolve(p, host, sizeof(host), &port, &status);
                 int fd = -1;
                 if (rc == 0) {
                         fd = kvf_net_connect(host, port, cn->cfg.connect_timeout_ms);
@@ -379,7 +359,6 @@ void conn_peer_enqueue(struct peer *p, struct notice *n)
         else
                 p->queue = n;
         p->queue_tail = n;
-        p->last_used_ns = kvf_now_ns();
         pthread_mutex_unlock(&p->mu);
         wake(p);
 }
@@ -387,21 +366,18 @@ void conn_peer_enqueue(struct peer *p, struct notice *n)
 void conn_peer_connect_task(struct peer *p, const char *task_id)
 {
         pthread_mutex_lock(&p->mu);
-        bool up = p->up;
-        if (!up && p->nconnect < sizeof(p->connect_ids) / sizeof(p->connect_ids[0]))
-                p->connect_ids[p->nconnect++] = strdup(task_id);
-        pthread_mutex_unlock(&p->mu);
-        if (up) {
-                struct event *ev = calloc(1, sizeof(*ev));
-                if (ev) {
-                        ev->kind = EV_CONNECT;
-                        ev->rec.type = KVF_RT_CONNECT_RESULT;
-                        ev->rec.status = KVF_STATUS_FINISHED;
-                        snprintf(ev->rec.request_id, sizeof(ev->rec.request_id), "%s", task_id);
-                        snprintf(ev->rec.peer, sizeof(ev->rec.peer), "%s", p->name);
-                        conn_post(p->cn, ev);
-                }
+        bool up = p->up, queued = false;
+        if (!up && p->nconnect < sizeof(p->connect_ids) / sizeof(p->connect_ids[0]) &&
+            (p->connect_ids[p->nconnect] = strdup(task_id))) {
+                p->nconnect++;
+                queued = true;
         }
+        pthread_mutex_unlock(&p->mu);
+        if (up)
+                conn_connect_result(p->cn, task_id, p->name, KVF_STATUS_FINISHED, NULL);
+        else if (!queued)
+                conn_connect_result(p->cn, task_id, p->name, KVF_STATUS_CONNECTION,
+                                    "too many connect tasks wait for this peer already");
         wake(p);
 }
 

@@ -326,7 +326,7 @@ void *conn_listener_main(void *arg)
                 struct pollfd pf = {.fd = cn->listen_fd, .events = POLLIN};
                 if (poll(&pf, 1, 200) <= 0)
                         continue;
-                int fd = accept4(cn->listen_fd, NULL, NULL, SOCK_CLOEXEC);
+                int fd = kvf_net_accept(cn->listen_fd);
                 if (fd < 0)
                         continue;
                 struct session_arg *sa = malloc(sizeof(*sa));

@@ -14,6 +14,7 @@
 #include "clock.h"
 #include "doorbell.h"
 #include "err.h"
+#include "layout.h"
 #include "log.h"
 
 const char *const kvf_counter_names[KVF_COUNTER_COUNT] = {
@@ -154,8 +155,7 @@ static int make_plan(uint32_t slots, uint32_t max_blocks, uint32_t cuda_handles,
         p->blocks = off = align_up(off, 4096);
         off += (uint64_t)slots * max_blocks * 2 * sizeof(uint32_t);
         for (int i = 0; i < KVF_RING_COUNT; i++) {
-                if (cap[i] < KVF_RING_MIN_CAPACITY || cap[i] > KVF_RING_MAX_CAPACITY ||
-                    (cap[i] & (cap[i] - 1)))
+                if (!kvf_ring_capacity_ok(cap[i]))
                         return kvf_err_set(-EINVAL,
                                            "ring %s: capacity %llu is not a power of two in [%u, %u]",
                                            ring_names[i], (unsigned long long)cap[i],
@@ -358,6 +358,17 @@ int kvf_ctl_validate(void *base, uint64_t size, uid_t uid, struct kvf_ctl *out)
         if (h->layout.num_layers + (uint64_t)h->layout.extra_layers > KVF_MAX_LAYERS)
                 return bad("%u + %u layers is more than %u", h->layout.num_layers,
                            h->layout.extra_layers, KVF_MAX_LAYERS);
+        if (h->layout.num_layers != 0) {
+                /* Block and cache sizes must follow from the shape: the sender copies at
+                 * offsets computed from the one into a mapping as long as the other. */
+                const struct kvf_cache_layout *l = &h->layout;
+                struct kvf_cache_layout want;
+                if (kvf_layout_make(&want, l->num_layers, l->extra_layers, l->num_blocks, l->kv_heads,
+                                    l->block_size, l->head_dim, l->dtype, l->key_only) < 0)
+                        return bad("cache layout: %s", kvf_err_msg());
+                if (memcmp(&want, l, sizeof(want)))
+                        return bad("cache layout: block or cache size does not follow from its shape");
+        }
         for (int i = 0; i < KVF_RING_COUNT; i++)
                 cap[i] = h->ring_capacity[i];
         if (make_plan(h->reqtab_slots, h->max_blocks, h->cuda_handles_count, cap, &p) < 0)

@@ -7,7 +7,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-static const char *prog_name = "kvferry";
 
 void kvf_opt_die(const char *prog, const char *fmt, ...)
 {
@@ -26,7 +25,8 @@ uint64_t kvf_opt_u64(const char *opt, const char *s, uint64_t min, uint64_t max)
         errno = 0;
         unsigned long long v = strtoull(s, &end, 10);
         if (errno || end == s || *end || s[0] == '-' || v < min || v > max)
-                kvf_opt_die(prog_name, "--%s wants a whole number from %llu to %llu, not '%s'", opt,
+                kvf_opt_die(program_invocation_short_name, /* glibc: from argv[0] */
+                            "--%s wants a whole number from %llu to %llu, not '%s'", opt,
                             (unsigned long long)min, (unsigned long long)max, s);
         return v;
 }

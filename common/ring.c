@@ -61,7 +61,7 @@ int kvf_ring_bind(struct kvf_ring *r, void *seg, uint64_t seg_size, struct kvf_r
         uint64_t cap = kvf_load_relaxed(&hdr->capacity);
         uint64_t off = kvf_load_relaxed(&hdr->data_off);
 
-        if (cap < KVF_RING_MIN_CAPACITY || cap > KVF_RING_MAX_CAPACITY || (cap & (cap - 1)) != 0)
+        if (!kvf_ring_capacity_ok(cap))
                 return kvf_err_set(-EINVAL, "ring %u: capacity %llu is not a power of two in [%u, %u]",
                                    hdr->id, (unsigned long long)cap, KVF_RING_MIN_CAPACITY,
                                    KVF_RING_MAX_CAPACITY);

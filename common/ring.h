@@ -33,6 +33,12 @@
 #define KVF_RING_MIN_CAPACITY 4096u
 #define KVF_RING_MAX_CAPACITY (1u << 30)
 
+/* A ring's capacity is a power of two in [KVF_RING_MIN_CAPACITY, KVF_RING_MAX_CAPACITY]. */
+static inline bool kvf_ring_capacity_ok(uint64_t cap)
+{
+        return cap >= KVF_RING_MIN_CAPACITY && cap <= KVF_RING_MAX_CAPACITY && (cap & (cap - 1)) == 0;
+}
+
 struct kvf_ring {
         struct kvf_ring_hdr *hdr;
         uint8_t *data;

@@ -58,6 +58,7 @@ static const char *differs(const struct kvf_record *a, const struct kvf_record *
         SAME(done_ns);
         SAME(generation);
         SAME(layer);
+        SAME(layer_count);
         SAME(blocks);
         SAME(status);
         SAME(transport);

@@ -175,7 +175,8 @@ int main(void)
         CHECK(kvf_role_alive(&c, KVF_ROLE_SENDER, kvf_now_ns()));
         CHECK_EQ(c.roles[KVF_ROLE_SENDER].generation, 1);
         kill(pid, SIGKILL);
-        usleep(100000); /* a zombie now: not reaped yet */
+        siginfo_t si;
+        CHECK(waitid(P_PID, (id_t)pid, &si, WEXITED | WNOWAIT) == 0); /* a zombie now: not reaped yet */
         CHECK(!kvf_role_alive(&c, KVF_ROLE_SENDER, kvf_now_ns()));
         waitpid(pid, NULL, 0);
         CHECK(!kvf_role_alive(&c, KVF_ROLE_SENDER, kvf_now_ns()));

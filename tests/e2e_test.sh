@@ -6,8 +6,8 @@ source "$(dirname "$0")/lib.sh"
 cd "$ROOT"
 
 case_run() {
-  local what=$1 json=$KVFERRY_RUN_DIR/$2.json; shift 2
-  "$B/kvf-sim" --quiet --json "$json" --timeout-s 60 "$@" >"$KVFERRY_RUN_DIR/$2.txt" || { cat "$KVFERRY_RUN_DIR/$2.txt" >&2; fail "$what: kvf-sim failed"; }
+  local what=$1 json=$KVFERRY_RUN_DIR/$2.json txt=$KVFERRY_RUN_DIR/$2.txt; shift 2
+  "$B/kvf-sim" --quiet --json "$json" --timeout-s 60 "$@" >"$txt" || { cat "$txt" >&2; fail "$what: kvf-sim failed"; }
   [ "$(json_get "$json" ok)" = True ] || fail "$what: not ok"
   [ "$(json_get "$json" corrupt)" = 0 ] || fail "$what: corrupt requests"
   echo "$json"

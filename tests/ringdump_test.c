@@ -482,6 +482,9 @@ static void test_corrupt(void)
         MUTATE("total size", HDR(b)->total_size += 4096, "its header says");
         MUTATE("counters", HDR(b)->counters_count = 3, "3 counters, this build has");
         MUTATE("layers", HDR(b)->layout.num_layers = 5000, "5000 + 1 layers");
+        MUTATE("cache size", HDR(b)->layout.cache_bytes += 4096,
+               "block or cache size does not follow from its shape");
+        MUTATE("dtype", HDR(b)->layout.dtype = 77, "cache layout: unknown dtype 77");
         MUTATE("slots", HDR(b)->reqtab_slots = 0, "request table slots 0");
         MUTATE("instance name", memset(HDR(b)->instance, 'a', KVF_INSTANCE_MAX),
                "instance name is not a valid name");

@@ -104,6 +104,7 @@ done
 up $TAG-ld --role decode $L
 up $TAG-lp --role prefill $L
 sim loop --prefill $TAG-lp --decode $TAG-ld --transport tcp --requests 20 --layer-us 50 || fail "loopback"
+[ "$(json_get "$KVFERRY_RUN_DIR/loop.json" finished)" = 20 ] || fail "loopback: not all 20 finished"
 pass "tcp on loopback: 20 requests verified"
 
 echo "a-different-token-0123456789abcdef" >"$KVFERRY_RUN_DIR/other-token"; chmod 600 "$KVFERRY_RUN_DIR/other-token"

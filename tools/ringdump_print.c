@@ -21,6 +21,7 @@
 #include "clock.h"
 #include "ctl.h"
 #include "err.h"
+#include "layout.h"
 #include "kvferry.h"
 #include "records.h"
 
@@ -265,17 +266,7 @@ static const char *backend_name(uint32_t b)
 
 static const char *dtype_name(uint32_t t)
 {
-        switch (t) {
-        case KVF_DTYPE_BF16:
-                return "bf16";
-        case KVF_DTYPE_FP16:
-                return "fp16";
-        case KVF_DTYPE_FP8:
-                return "fp8";
-        case KVF_DTYPE_UINT8:
-                return "uint8";
-        }
-        return "unknown";
+        return kvf_dtype_size(t) ? kvf_dtype_name(t) : "unknown";
 }
 
 static const char *state_name(uint32_t s)

@@ -634,6 +634,14 @@ int main(int argc, char **argv)
                 r->cancel = rnd() % 100 < o.cancel_pct;
         }
 
+        /* The sender's layer-done -> copy-start histogram lives as long as the instance:
+         * this run's share is what it holds at the end less what it holds now. */
+        static struct kvf_histogram l2c_before;
+        struct kvf_ctl pc;
+        if (kvf_ctl_attach(o.prefill[0], false, &pc) == 0) {
+                memcpy(&l2c_before, &pc.sender->hist[KVF_HIST_LAYER_TO_COPY], sizeof(l2c_before));
+                kvf_ctl_detach(&pc);
+        }
         t_start = kvf_now_ns();
         /* Steps grow for the life of an instance: continue after the last one published. */
         uint64_t step = 1, last_progress = kvf_now_ns(), last_line = 0;
@@ -746,12 +754,16 @@ int main(int argc, char **argv)
 
         qsort(tails, ntails, sizeof(*tails), cmp_u64);
         qsort(ctails, ntails, sizeof(*ctails), cmp_u64);
-        struct kvf_ctl pc;
         uint64_t l2c50 = 0, l2c99 = 0;
         if (kvf_ctl_attach(o.prefill[0], false, &pc) == 0) {
-                const struct kvf_histogram *h = &pc.sender->hist[KVF_HIST_LAYER_TO_COPY];
-                l2c50 = kvf_hist_quantile(h, 0.50);
-                l2c99 = kvf_hist_quantile(h, 0.99);
+                static struct kvf_histogram run;
+                const struct kvf_histogram *now = &pc.sender->hist[KVF_HIST_LAYER_TO_COPY];
+                for (unsigned i = 0; i < KVF_HIST_BUCKETS; i++) /* (a re-created instance starts at 0) */
+                        run.buckets[i] = now->buckets[i] >= l2c_before.buckets[i]
+                                                 ? now->buckets[i] - l2c_before.buckets[i]
+                                                 : now->buckets[i];
+                l2c50 = kvf_hist_quantile(&run, 0.50);
+                l2c99 = kvf_hist_quantile(&run, 0.99);
                 kvf_ctl_detach(&pc);
         }
         double rate = secs > 0 ? (double)moved_bytes / secs : 0;

@@ -785,12 +785,7 @@ static int lat_recv(struct run *r, bool initiator, uint8_t *buf)
                         if (n != 0)
                                 return n < 0 ? kvf_err_ctx(n, "ring read") : 0;
                         /* No spinning: announce, re-check, sleep. */
-                        uint32_t s = kvf_doorbell_prepare(rx->bell);
-                        if (kvf_ring_readable(rx)) {
-                                kvf_doorbell_cancel(rx->bell);
-                                continue;
-                        }
-                        kvf_doorbell_sleep(rx->bell, s, SLEEP_NS);
+                        kvf_doorbell_wait(rx->bell, ring_has_work, rx, 0, SLEEP_NS);
                 }
         }
         case M_PIPE: {

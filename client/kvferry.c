@@ -130,12 +130,10 @@ static int submit_bytes(struct kvf_client *c, int ring, int type, const void *bu
         pthread_mutex_lock(&c->submit_mu);
         rc = kvf_ring_write(r, (uint16_t)type, buf, (uint32_t)len, NULL);
         pthread_mutex_unlock(&c->submit_mu);
-        if (rc == -EAGAIN) {
-                kvf_count(&c->ctl, KVF_CTR_RING_FULL, 1);
+        if (rc == -EAGAIN)
                 return kvf_err_set(rc, "ring %s is full (%llu of %llu bytes used): its consumer is behind or not running",
                                    kvf_ring_name(ring), (unsigned long long)kvf_ring_used(r->hdr),
                                    (unsigned long long)r->capacity);
-        }
         if (rc == -EMSGSIZE)
                 return kvf_err_set(rc, "a %zu-byte record can never fit ring %s (%llu bytes)", len,
                                    kvf_ring_name(ring), (unsigned long long)r->capacity);

@@ -282,6 +282,7 @@ int kvf_ctl_create(const struct kvf_ctl_params *prm, struct kvf_ctl *out)
                                 ring_roles[i][2], p.ring_data[i], cap[i]);
                 kvf_ring_bind(&out->rings[i], base, p.total, &out->ring_hdrs[i],
                               &out->bells[ring_roles[i][2]]);
+                out->rings[i].full_ctr = &out->counters[KVF_CTR_RING_FULL].value;
         }
         return 0;
 
@@ -407,6 +408,7 @@ int kvf_ctl_validate(void *base, uint64_t size, uid_t uid, struct kvf_ctl *out)
                                    ring_names[i]);
                 if (kvf_ring_bind(&out->rings[i], base, size, rh, &out->bells[rh->bell]) < 0)
                         return kvf_err_ctx(-EBADMSG, "corrupt control segment");
+                out->rings[i].full_ctr = &out->counters[KVF_CTR_RING_FULL].value;
         }
         return 0;
 }

@@ -13,6 +13,7 @@
 #include <stdint.h>
 #include <sys/types.h>
 
+#include "atomics.h"
 #include "counters.h"
 #include "ring.h"
 #include "shm_layout.h"
@@ -125,7 +126,7 @@ uint64_t kvf_pid_starttime(int pid);
 
 static inline void kvf_count(struct kvf_ctl *c, enum kvf_counter_id id, uint64_t n)
 {
-        __atomic_fetch_add(&c->counters[id].value, n, __ATOMIC_RELAXED);
+        kvf_fetch_add_relaxed(&c->counters[id].value, n);
 }
 
 /*

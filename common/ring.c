@@ -75,6 +75,7 @@ int kvf_ring_bind(struct kvf_ring *r, void *seg, uint64_t seg_size, struct kvf_r
         r->capacity = cap;
         r->mask = cap - 1;
         r->bell = bell;
+        r->full_ctr = NULL;
         r->head_cache = kvf_load_acquire(&hdr->head);
         return 0;
 }
@@ -169,6 +170,8 @@ int kvf_ring_claim(struct kvf_ring *r, uint16_t type, uint32_t len, void **paylo
         return 0;
 full:
         kvf_fetch_add_relaxed(&r->hdr->full_events, 1);
+        if (r->full_ctr)
+                kvf_fetch_add_relaxed(r->full_ctr, 1);
         return -EAGAIN;
 }
 

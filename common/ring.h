@@ -47,6 +47,7 @@ struct kvf_ring {
         struct kvf_doorbell *bell; /* the consumer's doorbell */
         uint64_t head_cache;       /* producer: last head seen */
         uint16_t gen16;            /* producer: generation stamped on records */
+        uint64_t *full_ctr;        /* also counted here when a claim finds the ring full (or NULL) */
 };
 
 /* Format a ring header (the allocator, before the segment is published). */

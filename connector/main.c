@@ -76,8 +76,6 @@ static int ring_write_record(struct connector *cn, int ring, const struct kvf_re
         int rc = kvf_ring_write(&cn->ctl.rings[ring], r->type, buf, (uint32_t)len, NULL);
         pthread_mutex_unlock(mu);
         free(buf);
-        if (rc == -EAGAIN)
-                kvf_count(&cn->ctl, KVF_CTR_RING_FULL, 1);
         return rc;
 }
 

@@ -148,7 +148,6 @@ static int publish_locked(struct connector *cn, const struct kvf_record *n, uint
                 return -ENOMEM;
         if (kvf_ring_claim(ring, KVF_RT_ARRIVAL, (uint32_t)len, &p, &pos) < 0) {
                 free(buf);
-                kvf_count(&cn->ctl, KVF_CTR_RING_FULL, 1);
                 return -EAGAIN;
         }
         /* Journal before commit: a successor can then ask the ring whether it landed. */

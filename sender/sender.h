@@ -116,7 +116,7 @@ void sender_flush_pending(struct sender *s);
 void sender_adopt(struct sender *s);
 void sender_tick(struct sender *s, uint64_t now);
 /* Encode a record into the scratch buffer and write it to the connector's ring; 0, -ENOMEM, or
- * the ring's error (counted as ring_full). */
+ * the ring's error. */
 int sender_post(struct sender *s, const struct kvf_record *r);
 
 static inline void sender_mark(struct sender *s, uint32_t slot, uint8_t flag)

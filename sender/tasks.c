@@ -44,11 +44,8 @@ int sender_post(struct sender *s, const struct kvf_record *r)
         size_t len;
         if (encode(s, r, &len) < 0)
                 return -ENOMEM;
-        int rc = kvf_ring_write(&s->ctl.rings[KVF_RING_SENDER_TO_CONNECTOR], (uint16_t)r->type, s->scratch,
-                                (uint32_t)len, NULL);
-        if (rc < 0)
-                kvf_count(&s->ctl, KVF_CTR_RING_FULL, 1);
-        return rc;
+        return kvf_ring_write(&s->ctl.rings[KVF_RING_SENDER_TO_CONNECTOR], (uint16_t)r->type, s->scratch,
+                              (uint32_t)len, NULL);
 }
 
 static void count_status(struct sender *s, int status)
@@ -105,7 +102,6 @@ static int post_completion(struct sender *s, uint32_t slot)
         memcpy(c.peer, r->peer, sizeof(c.peer));
         memcpy(c.reason, r->reason, sizeof(c.reason));
         if (encode(s, &c, &len) < 0 || kvf_ring_claim(ring, KVF_RT_COMPLETION, (uint32_t)len, &p, &pos) < 0) {
-                kvf_count(&s->ctl, KVF_CTR_RING_FULL, 1);
                 return -EAGAIN;
         }
         /* Crash window: with the position stored first, a successor can ask
@@ -268,7 +264,6 @@ static int reject(struct sender *s, uint64_t task_pos, const char *request_id, c
         vsnprintf(c.reason, sizeof(c.reason), fmt, ap);
         va_end(ap);
         if (encode(s, &c, &len) < 0 || kvf_ring_claim(ring, KVF_RT_COMPLETION, (uint32_t)len, &p, &pos) < 0) {
-                kvf_count(&s->ctl, KVF_CTR_RING_FULL, 1);
                 return -EAGAIN; /* the task stays in its ring; retried later */
         }
         kvf_store_release(&a->reject_completion_pos, pos);

@@ -134,20 +134,6 @@ static void report(int rc, const struct cfg *cfg)
                                      "died while creating it\n");
 }
 
-static int attach_file(const char *path, struct kvf_ctl *c)
-{
-        struct stat st;
-
-        /* A FIFO or a device would block or mislead the mapping below. */
-        if (stat(path, &st) == 0 && !S_ISREG(st.st_mode)) {
-                memset(c, 0, sizeof(*c));
-                c->fd = -1;
-                return kvf_err_set(-EBADMSG, "%s is not a regular file, so not a control segment",
-                                   path);
-        }
-        return kvf_ctl_attach_path(path, false, c);
-}
-
 /*
  * A segment file truncated while we read it raises SIGBUS on the pages past
  * its new end; turn that into an error instead of a crash. Armed only while
@@ -190,7 +176,7 @@ static int dump_segment(const char *file, const char *instance, bool brief, FILE
                 goto out;
         }
         bus_armed = 1;
-        rc = file ? attach_file(file, &c) : kvf_ctl_attach(instance, false, &c);
+        rc = file ? kvf_ctl_attach_path(file, false, &c) : kvf_ctl_attach(instance, false, &c);
         if (rc >= 0) {
                 rc = brief ? kvf_dump_brief(c.base, c.size, m, o) : kvf_dump(c.base, c.size, m, o);
                 if (rc < 0)

@@ -321,6 +321,18 @@ static void give_back(struct peer_data *pd, struct frame **fs, unsigned n, bool 
         }
 }
 
+/*
+ * The receiver never writes on a data connection, so an idle one shows its
+ * end only as end-of-stream or an error on a read; a send would show it too,
+ * but only once there is something to send.
+ */
+static bool closed_by_peer(int fd)
+{
+        char c;
+        ssize_t n = recv(fd, &c, 1, MSG_PEEK | MSG_DONTWAIT);
+        return n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR);
+}
+
 static void serve(struct data_conn *dc, struct io_uring *ring)
 {
         struct peer_data *pd = dc->pd;
@@ -333,8 +345,17 @@ static void serve(struct data_conn *dc, struct io_uring *ring)
                 unsigned n = 0;
                 uint64_t bytes = 0;
                 pthread_mutex_lock(&pd->mu);
-                while (!pd->qhead && !pd->stop && !cn->stop)
+                while (!pd->qhead && !pd->stop && !cn->stop) {
                         wait_a_while(pd);
+                        if (!pd->qhead && closed_by_peer(dc->fd)) {
+                                /* The receiver restarted (or went away) while we had nothing to
+                                 * send: what we sent it may be lost; conn_main re-queues it. */
+                                pthread_mutex_unlock(&pd->mu);
+                                kvf_warn("data connection %u to '%s' closed by the peer", dc->idx,
+                                         pd->p->name);
+                                return;
+                        }
+                }
                 while (pd->qhead && n < BATCH_FRAMES && bytes < BATCH_BYTES) {
                         struct frame *f = pd->qhead;
                         pd->qhead = f->qnext;

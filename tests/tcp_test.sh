@@ -120,4 +120,29 @@ for case in "wd:authentication failed" "xd:peer layout mismatch"; do
 done
 grep -q "authentication failed" "$KVFERRY_RUN_DIR/$TAG-wd/connector.log" || fail "the decode side did not report the wrong token"
 pass "the decode side reported the wrong token too"
+# 5. The decode connector dies after a whole request went into its sockets but before it read
+# them (stopped, then killed): the prefill side must notice its idle data connections closed
+# and send the blocks again to the restarted connector, not wait for an arrival that cannot come.
+counter() { "$B/kvf-ringdump" --instance "$1" --json | /usr/bin/python3 -c 'import json,sys; print(json.load(sys.stdin)["counters"][sys.argv[1]])' "$2"; }
+S="--layers 2 --kv-heads 1 --head-dim 64 --block-size 16 --blocks 256"
+up $TAG-sd --role decode $S
+up $TAG-sp --role prefill $S
+SIM1="--prefill $TAG-sp --decode $TAG-sd --transport tcp --requests 1 --max-tokens 16 --prefix-pct 0 --late-pct 0 --layer-us 50"
+sim unread0 $SIM1 || fail "small layout over tcp"
+dp=$(pgrep -f -x "$B/kvf-connector --instance $TAG-sd( .*)?" | head -n1)
+[ -n "$dp" ] || fail "no connector for $TAG-sd"
+sent=$(counter $TAG-sp bytes_sent_tcp)
+kill -STOP "$dp"
+sim_bg unread $SIM1 --seed 2 --timeout-s 30 &
+simpid=$!
+t0=$(date +%s%N)
+until [ "$(counter $TAG-sp bytes_sent_tcp)" -ge $((sent + 8192)) ]; do # 2 layers x 2 tensors x 2 KiB
+  [ $(( ($(date +%s%N) - t0) / 1000000 )) -gt 3000 ] && { kill -KILL "$dp"; fail "unread: the blocks were not sent"; }
+  sleep 0.02
+done
+kill -KILL "$dp"
+wait $simpid || { cat "$KVFERRY_RUN_DIR/unread.txt"; fail "unread: the request did not finish after the decode connector restarted"; }
+[ "$(json_get "$KVFERRY_RUN_DIR/unread.json" finished)" = 1 ] || fail "unread: not finished"
+pass "decode connector killed with a whole request unread in its sockets: the blocks went again and the request finished"
+
 echo "tcp_test: all passed"

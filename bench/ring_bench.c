@@ -82,6 +82,7 @@ struct opts {
         unsigned rounds;   /* measured round trips per latency row */
         unsigned warmup;   /* round trips before measuring */
         unsigned gap_us;   /* initiator's busy wait before each ping */
+        unsigned blocks;   /* latency rows are measured interleaved, in this many blocks */
         unsigned spins;    /* throughput consumers: polls before sleeping */
         unsigned batch;    /* ring-batch: records per notify */
         unsigned read_max; /* ring consumer: records per kvf_ring_read */
@@ -98,6 +99,7 @@ static struct opts o = {
     .rounds = 20000,
     .warmup = 1000,
     .gap_us = 20,
+    .blocks = 20,
     .spins = 64, /* what the client library's kvf_poll() uses */
     .batch = 32,
     .read_max = 256,
@@ -361,8 +363,24 @@ struct run {
         /* results (parent side) */
         uint64_t t_end, received, nvcsw;
         struct sink sink;
+        /* latency: this run's round trips (one block), and where to put their times */
+        unsigned rounds, warmup;
         uint64_t *lat;
+        uint64_t *wake, *user; /* per round trip: the two wake-ups, the two receivers' own work */
+        uint64_t *stamps;      /* shared with the responder: STAMPS per round trip */
+        uint64_t woke_ns;      /* lat_recv: when the blocking call last returned */
 };
+
+/*
+ * Where a round trip goes. Per round trip: [0] initiator starts sending, [1]
+ * responder's blocking call returns (futex wait, read, recv), [2] responder
+ * starts sending the echo, [3] initiator's blocking call returns; the trip
+ * ends when the initiator has the record. wake = ([1]-[0]) + ([3]-[2]): send
+ * call, kernel, wake-up, and for the kernel's mechanisms the copy out of the
+ * kernel; user = ([2]-[1]) + (end-[3]): the receivers' own work after waking
+ * (for the ring: reading the record from shared memory and zeroing it).
+ */
+#define STAMPS 4
 
 enum { M_RING, M_RING_BATCH, M_PIPE, M_PIPE_BULK, M_EVENTFD, M_UNIX, M_COUNT };
 
@@ -515,7 +533,6 @@ static void teardown(struct run *r)
         }
         free(r->src);
         free(r->buf);
-        free(r->lat);
 }
 
 /* ------------------------------------------------------------------ */
@@ -784,12 +801,20 @@ static int lat_recv(struct run *r, bool initiator, uint8_t *buf)
                         int n = kvf_ring_read(rx, copy_out, buf, 1);
                         if (n != 0)
                                 return n < 0 ? kvf_err_ctx(n, "ring read") : 0;
-                        /* No spinning: announce, re-check, sleep. */
-                        kvf_doorbell_wait(rx->bell, ring_has_work, rx, 0, SLEEP_NS);
+                        /* No spinning: announce, re-check, sleep
+                         * (kvf_doorbell_wait, spelled out to time the wake). */
+                        uint32_t seq = kvf_doorbell_prepare(rx->bell);
+                        if (kvf_ring_readable(rx)) {
+                                kvf_doorbell_cancel(rx->bell, seq);
+                        } else {
+                                kvf_doorbell_sleep(rx->bell, seq, SLEEP_NS);
+                                r->woke_ns = kvf_now_ns();
+                        }
                 }
         }
         case M_PIPE: {
                 int rc = read_full(initiator ? r->fd_back[0] : r->fd[0], buf, r->size);
+                r->woke_ns = kvf_now_ns();
                 return rc < 0 ? kvf_err_set(rc, "read: %s", strerror(-rc)) : 0;
         }
         case M_UNIX: {
@@ -797,6 +822,7 @@ static int lat_recv(struct run *r, bool initiator, uint8_t *buf)
                 while ((n = recv(r->fd[initiator ? 0 : 1], buf, r->size, 0)) < 0 &&
                        errno == EINTR) {
                 }
+                r->woke_ns = kvf_now_ns();
                 return n == (ssize_t)r->size
                            ? 0
                            : kvf_err_set(-EIO, "recv: %s", n < 0 ? strerror(errno) : "short");
@@ -809,6 +835,7 @@ static int lat_recv(struct run *r, bool initiator, uint8_t *buf)
                         if (kvf_load_acquire(&e->q->tail) != head)
                                 break;
                         int rc = shmq_sleep(e, head);
+                        r->woke_ns = kvf_now_ns();
                         if (rc < 0)
                                 return kvf_err_set(rc, "read eventfd: %s", strerror(-rc));
                 }
@@ -859,14 +886,18 @@ static int lat_send(struct run *r, bool initiator, const uint8_t *rec)
 
 static int child_respond(struct run *r)
 {
-        uint64_t total = (uint64_t)o.warmup + o.rounds;
+        uint64_t total = (uint64_t)r->warmup + r->rounds;
 
         if (r->mech == M_RING)
                 kvf_ring_producer_attach(r->ring_back, 1);
         for (uint64_t i = 0; i < total; i++) {
+                r->woke_ns = 0;
                 int rc = lat_recv(r, false, r->buf);
                 if (rc < 0)
                         return rc;
+                uint64_t *st = r->stamps + i * STAMPS;
+                st[1] = r->woke_ns;
+                st[2] = kvf_now_ns();
                 uint64_t seq;
                 memcpy(&seq, r->buf, 8);
                 if (seq != i)
@@ -880,11 +911,8 @@ static int child_respond(struct run *r)
 
 static int parent_initiate(struct run *r)
 {
-        uint64_t total = (uint64_t)o.warmup + o.rounds;
+        uint64_t total = (uint64_t)r->warmup + r->rounds;
 
-        r->lat = calloc(o.rounds ? o.rounds : 1, sizeof(uint64_t));
-        if (!r->lat)
-                return kvf_err_set(-ENOMEM, "latency samples");
         if (r->mech == M_RING)
                 kvf_ring_producer_attach(r->ring, 1);
         for (uint64_t i = 0; i < total; i++) {
@@ -894,6 +922,8 @@ static int parent_initiate(struct run *r)
                 while (kvf_now_ns() < until)
                         kvf_cpu_relax();
                 stamp(r->src, r->size, i);
+                uint64_t *st = r->stamps + i * STAMPS;
+                r->woke_ns = 0;
                 uint64_t t0 = kvf_now_ns();
                 int rc = lat_send(r, true, r->src);
                 if (rc < 0)
@@ -903,8 +933,16 @@ static int parent_initiate(struct run *r)
                 uint64_t t1 = kvf_now_ns();
                 if (memcmp(r->buf, r->src, r->size) != 0)
                         r->sink.bad++;
-                if (i >= o.warmup)
-                        r->lat[i - o.warmup] = t1 - t0;
+                st[0] = t0;
+                st[3] = r->woke_ns;
+                if (i >= r->warmup) {
+                        uint64_t k = i - r->warmup;
+                        r->lat[k] = t1 - t0;
+                        /* A side that never slept (woke_ns 0) makes the split meaningless. */
+                        bool slept = st[1] && st[3];
+                        r->wake[k] = slept ? (st[1] - st[0]) + (st[3] - st[2]) : 0;
+                        r->user[k] = slept ? (st[2] - st[1]) + (t1 - st[3]) : 0;
+                }
         }
         return 0;
 }
@@ -992,6 +1030,7 @@ struct lat_row {
         int mech;
         uint32_t size;
         double p50, p99, mean, min; /* microseconds */
+        double wake_p50, user_p50;  /* where a round trip goes (STAMPS), or -1 */
         double sleeps_per_rt;       /* voluntary context switches, both sides */
         double wakes_per_rt;        /* ring only: futex wakes issued */
 };
@@ -1051,34 +1090,120 @@ static int bench_tput(int mech, uint32_t size)
         return rc;
 }
 
-static int bench_lat(int mech, uint32_t size)
+/*
+ * Latency rows are measured interleaved: the round trips are split into
+ * --blocks blocks, and in each block every selected mechanism runs its share
+ * (a fresh fork, a short warm-up), starting from a different mechanism each
+ * block. A shared, noisy machine drifts over seconds (another guest, the
+ * host's frequency); run one after another, whole rows would each see a
+ * different machine, and their ratio would mostly measure the drift.
+ */
+struct lat_acc {
+        int mech;
+        uint64_t *lat, *wake, *user; /* o.rounds samples each */
+        unsigned n;
+        uint64_t trips, nvcsw, wakes;
+};
+
+static int lat_block(struct lat_acc *a, uint32_t size, unsigned rounds, unsigned warmup)
 {
-        struct run r = {.mech = mech, .size = size};
+        struct run r = {.mech = a->mech, .size = size, .rounds = rounds, .warmup = warmup};
+        size_t stamp_bytes = ((size_t)rounds + warmup) * STAMPS * sizeof(uint64_t);
+        r.lat = a->lat + a->n;
+        r.wake = a->wake + a->n;
+        r.user = a->user + a->n;
+        r.stamps = mmap(NULL, stamp_bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+        if (r.stamps == MAP_FAILED)
+                return kvf_err_set(-errno, "map time stamps: %s", strerror(errno));
         int rc = setup(&r, true);
         if (rc == 0)
                 rc = run_one(&r, true);
-        if (rc == 0 && o.rounds) {
-                struct lat_row *l = &lrows[nlrows++];
-                uint64_t total = (uint64_t)o.warmup + o.rounds;
-                double sum = 0;
-                for (unsigned i = 0; i < o.rounds; i++)
-                        sum += (double)r.lat[i];
-                qsort(r.lat, o.rounds, sizeof(uint64_t), cmp_u64);
-                l->mech = mech;
-                l->size = size;
-                l->min = (double)r.lat[0] / 1e3;
-                l->p50 = (double)r.lat[o.rounds / 2] / 1e3;
-                l->p99 = (double)r.lat[(size_t)((double)o.rounds * 0.99)] / 1e3;
-                l->mean = sum / o.rounds / 1e3;
-                l->sleeps_per_rt = (double)r.nvcsw / (double)total;
-                l->wakes_per_rt = -1;
-                if (mech == M_RING)
-                        l->wakes_per_rt = (double)(r.ring->bell->wakes + r.ring_back->bell->wakes) /
-                                          (double)total;
-        } else if (rc < 0) {
-                kvf_err_ctx(rc, "latency, %s, %u B", mechs[mech].name, size);
+        if (rc == 0) {
+                a->n += rounds;
+                a->trips += (uint64_t)rounds + warmup;
+                a->nvcsw += r.nvcsw;
+                if (a->mech == M_RING)
+                        a->wakes += r.ring->bell->wakes + r.ring_back->bell->wakes;
+        } else {
+                kvf_err_ctx(rc, "latency, %s, %u B", mechs[a->mech].name, size);
         }
         teardown(&r);
+        munmap(r.stamps, stamp_bytes);
+        return rc;
+}
+
+/* Median of the non-zero samples (zero: that round trip had a side that never slept). */
+static double p50_nonzero(uint64_t *v, unsigned n)
+{
+        unsigned k = 0;
+        for (unsigned i = 0; i < n; i++)
+                if (v[i])
+                        v[k++] = v[i];
+        if (!k)
+                return -1;
+        qsort(v, k, sizeof(uint64_t), cmp_u64);
+        return (double)v[k / 2] / 1e3;
+}
+
+static void lat_summarize(const struct lat_acc *a, uint32_t size)
+{
+        struct lat_row *l = &lrows[nlrows++];
+        double sum = 0;
+
+        for (unsigned i = 0; i < a->n; i++)
+                sum += (double)a->lat[i];
+        qsort(a->lat, a->n, sizeof(uint64_t), cmp_u64);
+        l->mech = a->mech;
+        l->size = size;
+        l->min = (double)a->lat[0] / 1e3;
+        l->p50 = (double)a->lat[a->n / 2] / 1e3;
+        l->p99 = (double)a->lat[(size_t)((double)a->n * 0.99)] / 1e3;
+        l->mean = sum / a->n / 1e3;
+        l->wake_p50 = p50_nonzero(a->wake, a->n);
+        l->user_p50 = p50_nonzero(a->user, a->n);
+        l->sleeps_per_rt = (double)a->nvcsw / (double)a->trips;
+        l->wakes_per_rt = a->mech == M_RING ? (double)a->wakes / (double)a->trips : -1;
+}
+
+static int bench_lat(uint32_t size)
+{
+        struct lat_acc acc[M_COUNT];
+        unsigned nacc = 0;
+        unsigned blocks = o.blocks < o.rounds ? o.blocks : (o.rounds ? o.rounds : 1);
+        int rc = 0;
+
+        for (int m = 0; m < M_COUNT; m++) {
+                if (!mechs[m].lat || !selected(m))
+                        continue;
+                acc[nacc] = (struct lat_acc){.mech = m};
+                size_t n = o.rounds ? o.rounds : 1;
+                acc[nacc].lat = calloc(n, sizeof(uint64_t));
+                acc[nacc].wake = calloc(n, sizeof(uint64_t));
+                acc[nacc].user = calloc(n, sizeof(uint64_t));
+                if (!acc[nacc].lat || !acc[nacc].wake || !acc[nacc++].user) {
+                        rc = kvf_err_set(-ENOMEM, "latency samples");
+                        goto out;
+                }
+        }
+        for (unsigned b = 0; b < blocks && rc == 0; b++) {
+                /* The last block takes the remainder. */
+                unsigned rounds = o.rounds / blocks + (b == blocks - 1 ? o.rounds % blocks : 0);
+                unsigned warmup = o.warmup / blocks;
+                for (unsigned k = 0; k < nacc && rc == 0; k++)
+                        rc = lat_block(&acc[(b + k) % nacc], size, rounds, warmup);
+        }
+        for (unsigned k = 0; k < nacc && rc == 0 && o.rounds; k++) {
+                lat_summarize(&acc[k], size);
+                if (!o.json)
+                        fprintf(stderr, "  latency    %-10s %5u B: p50 %.2f us\n",
+                                mechs[acc[k].mech].name, size, lrows[nlrows - 1].p50);
+        }
+out:
+        for (unsigned k = 0; k < nacc; k++) {
+                free(acc[k].lat);
+                free(acc[k].wake);
+                free(acc[k].user);
+        }
         return rc;
 }
 
@@ -1185,10 +1310,11 @@ static void print_text(const char *model, const struct utsname *u)
         if (nlrows) {
                 printf(
                     "Wake latency: round trip, receiver asleep (%u round trips after %u warm-up, "
-                    "%u us busy gap before each ping)\n",
-                    o.rounds, o.warmup, o.gap_us);
-                printf("%-11s %-7s %9s %9s %9s %9s %12s %9s %9s\n", "mechanism", "size", "min us",
-                       "p50 us", "p99 us", "mean us", "p50/pipe p50", "sleeps/RT", "wakes/RT");
+                    "%u us busy gap before each ping; mechanisms interleaved in %u blocks)\n",
+                    o.rounds, o.warmup, o.gap_us, o.blocks);
+                printf("%-11s %-7s %9s %9s %9s %9s %12s %9s %9s %9s %9s\n", "mechanism", "size",
+                       "min us", "p50 us", "p99 us", "mean us", "p50/pipe p50", "wake us", "user us",
+                       "sleeps/RT", "wakes/RT");
                 for (unsigned i = 0; i < nlrows; i++) {
                         const struct lat_row *l = &lrows[i];
                         const struct lat_row *p = find_l(M_PIPE, l->size);
@@ -1198,9 +1324,9 @@ static void print_text(const char *model, const struct utsname *u)
                         size_name(l->size, sz, sizeof(sz));
                         char xp[16];
                         fmt_ratio(xp, sizeof(xp), p ? ratio(l->p50, p->p50) : -1);
-                        printf("%-11s %-7s %9.2f %9.2f %9.2f %9.2f %12s %9.2f %9s\n",
+                        printf("%-11s %-7s %9.2f %9.2f %9.2f %9.2f %12s %9.2f %9.2f %9.2f %9s\n",
                                mechs[l->mech].name, sz, l->min, l->p50, l->p99, l->mean, xp,
-                               l->sleeps_per_rt, wk);
+                               l->wake_p50, l->user_p50, l->sleeps_per_rt, wk);
                 }
                 printf("\n");
         }
@@ -1220,7 +1346,11 @@ static void print_text(const char *model, const struct utsname *u)
                "  full/1k: claims refused because the ring was full (the consumer was the "
                "bottleneck when this is high).\n");
         printf("  sleeps/RT: voluntary context switches of both processes per round trip (2 = "
-               "each side slept once); wakes/RT: futex wakes the doorbell issued.\n\n");
+               "each side slept once); wakes/RT: futex wakes the doorbell issued.\n"
+               "  wake us, user us: p50 over round trips of the two wake-ups (send call to the "
+               "receiver's return from its\n"
+               "  blocking call: futex wait, read, recv) and of the two receivers' own work "
+               "after that return.\n\n");
 
         const struct tput_row *rt = find_t(M_RING, 64), *pt = find_t(M_PIPE, 64);
         const struct lat_row *rl = find_l(M_RING, 64), *pl = find_l(M_PIPE, 64);
@@ -1261,9 +1391,11 @@ static void print_json(const char *model, const struct utsname *u)
                 const struct lat_row *p = find_l(M_PIPE, l->size);
                 printf("%s\n  {\"mechanism\":\"%s\",\"size\":%u,\"rounds\":%u,\"min_us\":%.3f,"
                        "\"p50_us\":%.3f,\"p99_us\":%.3f,\"mean_us\":%.3f,\"p50_x_pipe\":%.3f,"
+                       "\"wake_p50_us\":%.3f,\"user_p50_us\":%.3f,"
                        "\"sleeps_per_rt\":%.3f,\"wakes_per_rt\":%.3f}",
                        i ? "," : "", mechs[l->mech].name, l->size, o.rounds, l->min, l->p50, l->p99,
-                       l->mean, p ? ratio(l->p50, p->p50) : 0, l->sleeps_per_rt, l->wakes_per_rt);
+                       l->mean, p ? ratio(l->p50, p->p50) : 0, l->wake_p50, l->user_p50,
+                       l->sleeps_per_rt, l->wakes_per_rt);
         }
         printf("]}\n");
 }
@@ -1283,7 +1415,11 @@ static void usage(FILE *f)
             "  --duration SEC      seconds per throughput row (default 2)\n"
             "  --count N           exactly N records per throughput row instead\n"
             "  --rounds N          measured round trips per latency row (default 20000)\n"
-            "  --warmup N          round trips before measuring (default 1000)\n"
+            "  --warmup N          round trips before measuring (default 1000, spread\n"
+            "                      over the blocks)\n"
+            "  --blocks N          latency rows run interleaved: each mechanism runs its\n"
+            "                      share of the round trips in each of N blocks, a fresh\n"
+            "                      pair of processes each time (default 20)\n"
             "  --gap-us N          initiator busy-waits N us before each ping, so the\n"
             "                      responder is asleep (default 20)\n"
             "  --sizes LIST        payload bytes, comma-separated, %u..%u (default 64,4096)\n"
@@ -1334,6 +1470,7 @@ static int parse_args(int argc, char **argv)
                 O_ROUNDS,
                 O_WARMUP,
                 O_GAP,
+                O_BLOCKS,
                 O_SIZES,
                 O_ONLY,
                 O_SPINS,
@@ -1354,6 +1491,7 @@ static int parse_args(int argc, char **argv)
             {"rounds", required_argument, 0, O_ROUNDS},
             {"warmup", required_argument, 0, O_WARMUP},
             {"gap-us", required_argument, 0, O_GAP},
+            {"blocks", required_argument, 0, O_BLOCKS},
             {"sizes", required_argument, 0, O_SIZES},
             {"only", required_argument, 0, O_ONLY},
             {"spins", required_argument, 0, O_SPINS},
@@ -1395,6 +1533,10 @@ static int parse_args(int argc, char **argv)
                         break;
                 case O_GAP:
                         if (!parse_uint(optarg, 1000000u, &o.gap_us))
+                                goto bad;
+                        break;
+                case O_BLOCKS:
+                        if (!parse_uint(optarg, 100000u, &o.blocks) || !o.blocks)
                                 goto bad;
                         break;
                 case O_SIZES: {
@@ -1529,13 +1671,7 @@ int main(int argc, char **argv)
                                                 mechs[m].name, o.sizes[s], trows[ntrows - 1].rps);
                         }
         for (unsigned s = 0; s < o.nsizes && rc == 0 && !o.no_lat; s++)
-                for (int m = 0; m < M_COUNT && rc == 0; m++)
-                        if (mechs[m].lat && selected(m)) {
-                                rc = bench_lat(m, o.sizes[s]);
-                                if (!o.json && rc == 0 && o.rounds)
-                                        fprintf(stderr, "  latency    %-10s %5u B: p50 %.2f us\n",
-                                                mechs[m].name, o.sizes[s], lrows[nlrows - 1].p50);
-                        }
+                rc = bench_lat(o.sizes[s]);
         if (rc < 0) {
                 fprintf(stderr, "kvf-bench-ring: %s\n", kvf_err_msg());
                 return 1;

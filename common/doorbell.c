@@ -10,36 +10,48 @@
 #include "atomics.h"
 
 /*
- * At most one FUTEX_WAKE per sleep.
+ * The state word. A doorbell's low 32 bits, seq, are the futex word; the
+ * high 32 bits count the consumers announced as about to sleep. Both halves
+ * change together, by CAS, so that a wake can withdraw the announcements it
+ * answers: a woken consumer then writes nothing on the producers' line, and
+ * the wake-up's critical path has no cross-core miss for bookkeeping
+ * (kvf-bench-ring measured the old per-consumer withdrawal, a locked
+ * decrement of a line the waking producer had just written).
  *
- * `waiters` stays non-zero from a consumer's prepare() until it has woken,
- * been scheduled and cancelled; on a busy host that takes milliseconds, and a
- * producer committing records one by one would make a wake call (about a
- * microsecond, shared futex key) for each (kvf-bench-ring measured 314 wakes
- * per 1000 records for 0.17 sleeps). So the low bit of seq, ARMED, means "a
+ * At most one FUTEX_WAKE per sleep. The low bit of seq, ARMED, means "a
  * consumer has prepared to sleep on this value and nobody has moved it
- * since". prepare() sets it before announcing itself and sleeps on the armed
- * value. ring() fences and loads `waiters` first; then it bumps seq only if
- * it finds the bit set, and the bump, odd + 1, clears it. Finding waiters !=
- * 0 with the bit clear means a bump has happened since every announced
- * consumer armed: those consumers cannot block on their value (FUTEX_WAIT
- * checks it) or were woken by that bump's FUTEX_WAKE, and the caller of
- * kvf_doorbell_wait() re-checks its rings before sleeping again.
+ * since". prepare() arms and announces in one CAS and sleeps on the armed
+ * value. ring() fences and loads the word; it makes the call only if it finds
+ * a waiter and the bit set, and its CAS moves seq (odd + 1: disarmed) and
+ * clears the count in one step, so of several producers exactly one makes
+ * the call. Without this, a producer committing records one by one while a
+ * woken consumer has yet to run would make a wake call (about a microsecond,
+ * shared futex key) for each (kvf-bench-ring measured 314 wakes per 1000
+ * records for 0.17 sleeps).
+ *
+ * The count can only be too high, never too low, and only for a while: a
+ * consumer woken by a FUTEX_WAKE whose bump happened before it armed (the
+ * producer was preempted between its CAS and its call) leaves its count in
+ * the word. The next ring() then bumps and calls once for nobody, which
+ * clears it. A consumer that returns from FUTEX_WAIT any other way (timeout,
+ * signal, seq already moved) or cancels withdraws its own count, and only if
+ * seq is still the value it armed: a moved seq means a bump cleared it.
  *
  * Why no wake is lost: let F_p be the producer's fence, F_c the consumer's
  * fence in prepare(), in the single total order of seq_cst fences. F_p first:
- * the consumer's re-check sees the record. F_c first: the producer's loads of
- * `waiters` and `seq` see the consumer's increment and arming or later
- * values; a later value of seq means a bump after the arming, so that sleep
- * ends and the consumer's next prepare() is a new round, whose fence comes
- * after F_p and whose re-check therefore sees the record.
+ * the consumer's re-check sees the record. F_c first: the producer's load of
+ * the word sees the consumer's announcement and arming or later values; a
+ * later seq means a bump after the arming, which woke that sleep (or made
+ * FUTEX_WAIT return at once), and the consumer's next prepare() is a new
+ * round, whose fence comes after F_p and whose re-check therefore sees the
+ * record.
  *
  * Dense traffic (doorbell.h): a producer thread that keeps finding no waiter
  * rings with a compiler barrier only, counted in bell->unfenced; a consumer
  * about to sleep while that count is non-zero runs membarrier(2), which
  * fences every registered process's CPU, standing in for the fences those
- * producers skip. Entering dense mode: unfenced += 1; fence; load waiters.
- * Against the consumer's waiters += 1; fence; load unfenced, one of the two
+ * producers skip. Entering dense mode: unfenced += 1; fence; load the word.
+ * Against the consumer's announce; fence; load unfenced, one of the two
  * sees the other: either the consumer runs membarrier (covering every later
  * unfenced ring), or the producer sees the waiter and wakes it (its next
  * sleep then sees the count). The first ring that finds a waiter leaves dense
@@ -47,12 +59,24 @@
  * whose wake-up is cheaper than one that also pays for IPIs.
  */
 #define ARMED 1u
+#define WAITER (1ull << 32) /* one announced consumer, in the high half */
 #define DENSE_AFTER 64u  /* rings in a row without a waiter */
 #define PRODUCER_SLOTS 8u
 
 static long futex(uint32_t *uaddr, int op, uint32_t val, const struct timespec *ts)
 {
         return syscall(SYS_futex, uaddr, op, val, ts, NULL, 0);
+}
+
+/* seq, the low half of state: where the futex word lies in memory. */
+static uint32_t *futex_word(struct kvf_doorbell *bell)
+{
+        return (uint32_t *)(void *)&bell->state + (__BYTE_ORDER__ == __ORDER_BIG_ENDIAN__);
+}
+
+static bool has_waiter(const struct kvf_doorbell *bell)
+{
+        return kvf_doorbell_waiters(kvf_load_relaxed(&bell->state)) != 0;
 }
 
 static int membarrier(int cmd)
@@ -108,7 +132,7 @@ static bool no_waiter(struct kvf_doorbell *bell, unsigned me)
         mine[me].dense = true;
         /* Entering: the count is ordered before our look for waiters (see above). */
         kvf_fence_seq_cst();
-        return kvf_load_relaxed(&bell->waiters) != 0;
+        return has_waiter(bell);
 }
 
 void kvf_doorbell_ring(struct kvf_doorbell *bell)
@@ -119,31 +143,32 @@ void kvf_doorbell_ring(struct kvf_doorbell *bell)
                 /* A consumer that announced itself has run membarrier: a full
                  * fence on our CPU between our commit and this load. */
                 __atomic_signal_fence(__ATOMIC_SEQ_CST);
-                if (kvf_load_relaxed(&bell->waiters) == 0)
+                if (!has_waiter(bell))
                         return;
                 mine[me].dense = false; /* it sleeps: traffic is sparse again */
                 mine[me].streak = 0;
                 kvf_fetch_sub_acq_rel(&bell->unfenced, 1);
         }
         /* Pairs with the fence in kvf_doorbell_prepare(): our record's commit
-         * (a release store before this call) is ordered before the loads of
-         * `waiters` and `seq`. */
+         * (a release store before this call) is ordered before the load of
+         * the word. */
         kvf_fence_seq_cst();
-        if (kvf_load_relaxed(&bell->waiters) == 0) {
+        uint64_t s = kvf_load_relaxed(&bell->state);
+        if (kvf_doorbell_waiters(s) == 0) {
                 if (!no_waiter(bell, me))
                         return;
+                s = kvf_load_relaxed(&bell->state);
         } else if (me < PRODUCER_SLOTS) {
                 mine[me].streak = 0;
         }
-        uint32_t seq = kvf_load_relaxed(&bell->seq);
         do {
-                if (!(seq & ARMED))
+                if (!(s & ARMED))
                         return; /* moved since every announced consumer armed: see above */
                 /* Release: a consumer that sees the new seq also sees the
-                 * commit. Odd + 1: moves the word and disarms it in one step,
-                 * so of several producers exactly one makes the call. */
-        } while (!kvf_cas_acq_rel(&bell->seq, &seq, seq + 1));
-        futex(&bell->seq, FUTEX_WAKE, 0x7fffffff, NULL);
+                 * commit. Odd + 1 disarms; the high half, the count, goes to
+                 * zero: this wake answers every announcement. */
+        } while (!kvf_cas_acq_rel(&bell->state, &s, (uint64_t)(uint32_t)(s + 1)));
+        futex(futex_word(bell), FUTEX_WAKE, 0x7fffffff, NULL);
         /* Statistics: a plain increment, after the wake and without a locked
          * instruction; concurrent producers may lose a count. */
         kvf_store_relaxed(&bell->wakes, kvf_load_relaxed(&bell->wakes) + 1);
@@ -151,30 +176,33 @@ void kvf_doorbell_ring(struct kvf_doorbell *bell)
 
 uint32_t kvf_doorbell_prepare(struct kvf_doorbell *bell)
 {
-        uint32_t seq = kvf_load_relaxed(&bell->seq);
+        uint64_t s = kvf_load_relaxed(&bell->state), n;
 
-        /* Arm before announcing: a producer that sees the announcement sees
-         * the arming too (both before the fence below). No write when armed
-         * already (a timed-out sleep, or another consumer thread). */
-        while (!(seq & ARMED) && !kvf_cas_acq_rel(&bell->seq, &seq, seq | ARMED)) {
-        }
-        kvf_fetch_add_relaxed(&bell->waiters, 1);
-        /* Pairs with the fence in kvf_doorbell_ring(): the arming and the
-         * announcement are ordered before the producer's loads of them, or
-         * the caller's re-check of the ring is ordered after its commit. This
-         * fence after the load of seq also acquires: a consumer that sees a
-         * moved seq sees the commit that moved it. */
+        /* Arm and announce in one step: a producer that sees the count sees
+         * the arming too. */
+        do {
+                n = (s | ARMED) + WAITER;
+        } while (!kvf_cas_acq_rel(&bell->state, &s, n));
+        /* Pairs with the fence in kvf_doorbell_ring(): the announcement is
+         * ordered before the producer's load of it, or the caller's re-check
+         * of the ring is ordered after its commit. The CAS acquires: a
+         * consumer that saw a moved seq sees the commit that moved it. */
         kvf_fence_seq_cst();
         /* Producers in dense mode skip their fence: run it on their CPUs. If
          * that fails a wake may be missed, so sleep short. */
         short_sleep = kvf_load_relaxed(&bell->unfenced) > 0 &&
                       membarrier(MEMBARRIER_CMD_GLOBAL_EXPEDITED) != 0;
-        return seq | ARMED;
+        return (uint32_t)n;
 }
 
-void kvf_doorbell_cancel(struct kvf_doorbell *bell)
+void kvf_doorbell_cancel(struct kvf_doorbell *bell, uint32_t seq)
 {
-        kvf_fetch_sub_acq_rel(&bell->waiters, 1);
+        uint64_t s = kvf_load_relaxed(&bell->state);
+
+        /* Ours is still counted only if nobody has bumped seq since we armed. */
+        while ((uint32_t)s == seq && kvf_doorbell_waiters(s) != 0 &&
+               !kvf_cas_acq_rel(&bell->state, &s, s - WAITER)) {
+        }
 }
 
 int kvf_doorbell_sleep(struct kvf_doorbell *bell, uint32_t seq, uint64_t timeout_ns)
@@ -183,15 +211,17 @@ int kvf_doorbell_sleep(struct kvf_doorbell *bell, uint32_t seq, uint64_t timeout
                 timeout_ns = 1000000;
         struct timespec ts = {.tv_sec = (time_t)(timeout_ns / 1000000000ull),
                               .tv_nsec = (long)(timeout_ns % 1000000000ull)};
-        int rc = 0;
 
         /* FUTEX_WAIT returns at once (EAGAIN) if seq already moved: the wake
          * raced ahead of us and is not lost. */
-        if (futex(&bell->seq, FUTEX_WAIT, seq, &ts) != 0 && errno == ETIMEDOUT)
-                rc = -ETIMEDOUT;
-        kvf_store_relaxed(&bell->sleeps, kvf_load_relaxed(&bell->sleeps) + 1); /* statistics */
-        kvf_doorbell_cancel(bell);
-        return rc;
+        long rc = futex(futex_word(bell), FUTEX_WAIT, seq, &ts);
+        int err = rc == 0 ? 0 : errno;
+        /* Statistics, on the consumers' own line. */
+        kvf_store_relaxed(&bell->sleeps, kvf_load_relaxed(&bell->sleeps) + 1);
+        if (err == 0)
+                return 0; /* woken: the waker's bump withdrew us */
+        kvf_doorbell_cancel(bell, seq);
+        return err == ETIMEDOUT ? -ETIMEDOUT : 0;
 }
 
 int kvf_doorbell_wait(struct kvf_doorbell *bell, bool (*has_work)(void *ctx), void *ctx,
@@ -204,7 +234,7 @@ int kvf_doorbell_wait(struct kvf_doorbell *bell, bool (*has_work)(void *ctx), vo
         }
         uint32_t seq = kvf_doorbell_prepare(bell);
         if (has_work(ctx)) {
-                kvf_doorbell_cancel(bell);
+                kvf_doorbell_cancel(bell, seq);
                 return 1;
         }
         kvf_doorbell_sleep(bell, seq, timeout_ns);

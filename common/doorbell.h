@@ -1,13 +1,14 @@
 /*
  * Futex doorbells: how a consumer sleeps until a producer has work for it.
  *
- * A consumer spins briefly, then announces itself (waiters += 1), re-checks
- * for work, and sleeps on the 32-bit `seq` word with a timeout. A producer,
- * after committing its record, rings: a full fence, then only if a waiter is
- * announced, seq += 1 and FUTEX_WAKE. The store-fence-load on both sides
- * (commit / fence / load waiters against waiters / fence / load record) means
- * at least one side sees the other, so a wake cannot be lost; and every sleep
- * has a timeout, so correctness never depends on a wake arriving.
+ * A consumer spins briefly, then announces itself (waiters += 1, in the same
+ * word as the futex word `seq`), re-checks for work, and sleeps on seq with a
+ * timeout. A producer, after committing its record, rings: a full fence, then
+ * only if a waiter is announced, seq += 1 with waiters = 0, and FUTEX_WAKE.
+ * The store-fence-load on both sides (commit / fence / load the word against
+ * announce / fence / load record) means at least one side sees the other, so
+ * a wake cannot be lost; and every sleep has a timeout, so correctness never
+ * depends on a wake arriving.
  *
  * Shared (not private) futex operations: the word is in a MAP_SHARED mapping
  * seen by several processes.
@@ -19,6 +20,17 @@
 #include <stdint.h>
 
 #include "shm_layout.h"
+
+/* The two halves of a doorbell's `state` word (ringdump, tests). */
+static inline uint32_t kvf_doorbell_seq(uint64_t state)
+{
+        return (uint32_t)state;
+}
+
+static inline uint32_t kvf_doorbell_waiters(uint64_t state)
+{
+        return (uint32_t)(state >> 32);
+}
 
 /* Producer side: wake the consumer if it announced itself. Any thread, any process. */
 void kvf_doorbell_ring(struct kvf_doorbell *bell);
@@ -41,13 +53,15 @@ bool kvf_doorbell_asymmetric_supported(void);
 /*
  * Consumer side, in this order:
  *   seq = kvf_doorbell_prepare(bell);
- *   if (work is visible) kvf_doorbell_cancel(bell); else kvf_doorbell_sleep(bell, seq, ns);
+ *   if (work is visible) kvf_doorbell_cancel(bell, seq); else kvf_doorbell_sleep(bell, seq, ns);
  * prepare() announces the waiter and returns the word to sleep on; sleep()
- * returns 0 when woken or the word moved, -ETIMEDOUT on timeout, and always
- * withdraws the announcement.
+ * returns 0 when woken or the word moved, -ETIMEDOUT on timeout. Either way
+ * the announcement is gone afterwards: the producer that wakes a consumer
+ * withdraws it (so a woken consumer writes nothing the producers share), and
+ * otherwise sleep() and cancel() withdraw it.
  */
 uint32_t kvf_doorbell_prepare(struct kvf_doorbell *bell);
-void kvf_doorbell_cancel(struct kvf_doorbell *bell);
+void kvf_doorbell_cancel(struct kvf_doorbell *bell, uint32_t seq);
 int kvf_doorbell_sleep(struct kvf_doorbell *bell, uint32_t seq, uint64_t timeout_ns);
 
 /*

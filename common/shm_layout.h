@@ -13,7 +13,7 @@
  *   header, ring constants ........ allocator, before `version` is stored
  *   role slot r ................... the process in role r
  *   ring producer line ............ the ring's producer; consumer line: its consumer
- *   doorbell ...................... `seq` by producers and consumers (CAS), `waiters` by consumers
+ *   doorbell ...................... `state` by producers and consumers (CAS), `sleeps` by consumers
  *   progress word ................. the engine (layer-done events)
  *   counters ...................... atomic adds by any role
  *   error log region r ............ role r only (seqlock per entry for readers)
@@ -29,7 +29,7 @@
 #include <stdint.h>
 
 #define KVF_MAGIC 0x315952524546564bull /* "KVFERRY1" read little-endian */
-#define KVF_LAYOUT_VERSION 1u
+#define KVF_LAYOUT_VERSION 2u
 #define KVF_CACHE_LINE 64u
 #define KVF_HEADER_SIZE 4096u
 
@@ -120,14 +120,18 @@ struct kvf_role_slot {
 
 /* A futex word and a waiter count, on their own cache line. */
 struct kvf_doorbell {
-        uint32_t seq;     /* futex word: armed by a consumer about to sleep (low bit), moved by
-                           * the producer that wakes it (doorbell.c) */
-        uint32_t waiters; /* consumers announced as about to sleep */
-        uint64_t wakes;   /* futex wakes issued (statistics) */
-        uint64_t sleeps;  /* futex waits entered (statistics) */
+        /* line 0: producers and consumers */
+        uint64_t state;      /* one word, changed by CAS only (doorbell.c): the low 32 bits are
+                              * seq, the futex word, armed (low bit) by a consumer about to
+                              * sleep and moved by the producer that wakes it; the high 32 bits
+                              * count the consumers announced as about to sleep */
+        uint64_t wakes;      /* futex wakes issued (statistics) */
         uint32_t asymmetric; /* set at creation: membarrier(2) usable (doorbell.c) */
         uint32_t unfenced;   /* producers now ringing without a fence (dense traffic) */
-        uint8_t pad[32];
+        uint8_t pad0[40];
+        /* line 1: consumers only, so that a woken consumer touches no line a producer writes */
+        uint64_t sleeps;     /* futex waits entered (statistics) */
+        uint8_t pad1[56];
 };
 
 /*
@@ -346,7 +350,8 @@ struct kvf_ctl_header {
 
 _Static_assert(sizeof(struct kvf_cache_layout) == 48, "layout size");
 _Static_assert(sizeof(struct kvf_role_slot) == KVF_CACHE_LINE, "role slot size");
-_Static_assert(sizeof(struct kvf_doorbell) == KVF_CACHE_LINE, "doorbell size");
+_Static_assert(sizeof(struct kvf_doorbell) == 2 * KVF_CACHE_LINE, "doorbell size");
+_Static_assert(offsetof(struct kvf_doorbell, sleeps) == KVF_CACHE_LINE, "doorbell consumer line");
 _Static_assert(sizeof(struct kvf_progress) == KVF_CACHE_LINE, "progress size");
 _Static_assert(sizeof(struct kvf_ring_hdr) == 3 * KVF_CACHE_LINE, "ring header size");
 _Static_assert(offsetof(struct kvf_ring_hdr, tail) == KVF_CACHE_LINE, "producer line");

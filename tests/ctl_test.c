@@ -124,7 +124,10 @@ int main(void)
         printf("refused segments:\n");
         expect_refused("wrong magic", bad_magic, -EPROTO, "not a kvferry control segment");
         expect_refused("version 0 (being created)", not_ready, -EAGAIN, "not ready");
-        expect_refused("wrong version", bad_version, -EPROTO, "layout version 99, this build speaks version 1");
+        char want_version[64];
+        snprintf(want_version, sizeof(want_version), "layout version 99, this build speaks version %u",
+                 KVF_LAYOUT_VERSION);
+        expect_refused("wrong version", bad_version, -EPROTO, want_version);
         expect_refused("truncated to half", truncated, -EBADMSG, "truncated control segment: the file has");
         expect_refused("truncated to 100 bytes", tiny, -EBADMSG, "header alone needs 4096");
         expect_refused("region offset moved", moved_region, -EBADMSG, "corrupt control segment: counters at offset");

@@ -317,10 +317,55 @@ static void test_timeout(void)
         CHECK_EQ(kvf_doorbell_sleep(b, seq, 50000000ull), -ETIMEDOUT);
         uint64_t dt = kvf_now_ns() - t0;
         CHECK(dt >= 45000000ull && dt < 2000000000ull);
-        CHECK_EQ(b->waiters, 0);
+        CHECK_EQ(kvf_doorbell_waiters(b->state), 0);
         /* A ring with no waiter does not touch the futex. */
         kvf_doorbell_ring(b);
         CHECK_EQ(b->wakes, 0);
+        kvf_ctl_detach(&c);
+        cleanup();
+}
+
+/*
+ * The announcement count in the doorbell word: a wake withdraws every
+ * announcement it answers, a cancel withdraws only its own and only if no
+ * wake came in between, and a count left behind (a consumer woken by a wake
+ * that came before its arming keeps its count) costs one spare wake, then
+ * is gone.
+ */
+static void test_doorbell_count(void)
+{
+        struct kvf_ctl c;
+        make_segment(&c, 4096);
+        struct kvf_doorbell *b = &c.bells[KVF_BELL_SENDER];
+
+        uint32_t s1 = kvf_doorbell_prepare(b);
+        uint32_t s2 = kvf_doorbell_prepare(b);
+        CHECK_EQ(s1, s2);
+        CHECK_EQ(s1 & 1u, 1u); /* armed */
+        CHECK_EQ(kvf_doorbell_waiters(b->state), 2);
+        kvf_doorbell_cancel(b, s2);
+        CHECK_EQ(kvf_doorbell_waiters(b->state), 1);
+        /* The wake answers the one left and clears the count. */
+        kvf_doorbell_ring(b);
+        CHECK_EQ(b->wakes, 1);
+        CHECK_EQ(kvf_doorbell_waiters(b->state), 0);
+        CHECK_EQ(kvf_doorbell_seq(b->state), s1 + 1);
+        /* A late cancel of an answered announcement takes nothing away. */
+        kvf_doorbell_cancel(b, s1);
+        CHECK_EQ(kvf_doorbell_waiters(b->state), 0);
+        /* Nobody announced: no wake. */
+        kvf_doorbell_ring(b);
+        CHECK_EQ(b->wakes, 1);
+        /* A count left behind: one spare wake clears it. */
+        uint32_t s3 = kvf_doorbell_prepare(b);
+        CHECK(s3 != s1);
+        kvf_doorbell_ring(b);
+        kvf_doorbell_ring(b);
+        CHECK_EQ(b->wakes, 2);
+        CHECK_EQ(kvf_doorbell_waiters(b->state), 0);
+        /* A sleep on a moved word returns at once and leaves no count. */
+        CHECK_EQ(kvf_doorbell_sleep(b, s3, 5000000000ull), 0);
+        CHECK_EQ(kvf_doorbell_waiters(b->state), 0);
         kvf_ctl_detach(&c);
         cleanup();
 }
@@ -351,7 +396,7 @@ static void test_no_lost_wakeups(unsigned rounds)
                                         break;
                                 uint32_t s = kvf_doorbell_prepare(ping->bell);
                                 if (kvf_ring_readable(ping)) {
-                                        kvf_doorbell_cancel(ping->bell);
+                                        kvf_doorbell_cancel(ping->bell, s);
                                         continue;
                                 }
                                 if (kvf_doorbell_sleep(ping->bell, s, 5000000000ull) == -ETIMEDOUT)
@@ -374,7 +419,7 @@ static void test_no_lost_wakeups(unsigned rounds)
                                 break;
                         uint32_t s = kvf_doorbell_prepare(pong->bell);
                         if (kvf_ring_readable(pong)) {
-                                kvf_doorbell_cancel(pong->bell);
+                                kvf_doorbell_cancel(pong->bell, s);
                                 continue;
                         }
                         if (kvf_doorbell_sleep(pong->bell, s, 5000000000ull) == -ETIMEDOUT)
@@ -406,6 +451,7 @@ int main(int argc, char **argv)
         test_abandoned_claim();
         test_consumer_repair();
         test_timeout();
+        test_doorbell_count();
         test_no_lost_wakeups(20000);
         test_two_processes(total);
         fprintf(stderr, "ring_test: all passed\n");

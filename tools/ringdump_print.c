@@ -20,6 +20,7 @@
 #include "atomics.h"
 #include "clock.h"
 #include "ctl.h"
+#include "doorbell.h"
 #include "err.h"
 #include "layout.h"
 #include "kvferry.h"
@@ -840,7 +841,7 @@ static void load_ring(struct dump *d, int i, struct ring_view *v)
         v->abandoned_pos = kvf_load_relaxed(&rh->abandoned_pos);
         v->pgen = kvf_load_relaxed(&rh->producer_gen);
         /* The doorbell pointer was bound from the validated bell index. */
-        v->waiters = kvf_load_relaxed(&r->bell->waiters);
+        v->waiters = kvf_doorbell_waiters(kvf_load_relaxed(&r->bell->state));
 }
 
 static void print_rings(struct dump *d)
@@ -917,8 +918,8 @@ static void print_bells(struct dump *d)
                         "waiters", "wakes", "sleeps");
         for (int b = 0; b < KVF_BELL_COUNT; b++) {
                 const struct kvf_doorbell *bell = &d->c.bells[b];
-                uint32_t seq = kvf_load_relaxed(&bell->seq);
-                uint32_t waiters = kvf_load_relaxed(&bell->waiters);
+                uint64_t state = kvf_load_relaxed(&bell->state);
+                uint32_t seq = kvf_doorbell_seq(state), waiters = kvf_doorbell_waiters(state);
                 uint64_t wakes = kvf_load_relaxed(&bell->wakes);
                 uint64_t sleeps = kvf_load_relaxed(&bell->sleeps);
                 if (d->json) {

@@ -382,7 +382,7 @@ struct run {
  */
 #define STAMPS 4
 
-enum { M_RING, M_RING_BATCH, M_PIPE, M_PIPE_BULK, M_EVENTFD, M_UNIX, M_COUNT };
+enum { M_RING, M_RING_BATCH, M_RING_UNTIMED, M_PIPE, M_PIPE_BULK, M_EVENTFD, M_UNIX, M_COUNT };
 
 static const struct mech_desc {
         const char *name;
@@ -399,6 +399,9 @@ static const struct mech_desc {
                       "claim + memcpy + kvf_ring_publish per record, kvf_ring_notify per "
                       "batch (BATCHED); same consumer",
                       NULL},
+    [M_RING_UNTIMED] = {"ring-untimed", false, true, NULL,
+                        "as ring, but the receiver's futex wait has no timeout (a diagnostic: "
+                        "kvferry's own waits always time out; the row prices that timer)"},
     [M_PIPE] = {"pipe", true, true, "write() per record, read() of exactly one record",
                 "write(); receiver blocks in read()"},
     [M_PIPE_BULK] = {"pipe-bulk", true, false,
@@ -473,6 +476,7 @@ static int setup(struct run *r, bool latency)
         switch (r->mech) {
         case M_RING:
         case M_RING_BATCH:
+        case M_RING_UNTIMED:
                 rc = make_segment(r);
                 break;
         case M_PIPE:
@@ -511,6 +515,7 @@ static void teardown(struct run *r)
         switch (r->mech) {
         case M_RING:
         case M_RING_BATCH:
+        case M_RING_UNTIMED:
                 if (have_segment) {
                         kvf_ctl_detach(&r->ctl);
                         kvf_ctl_unlink(inst);
@@ -795,7 +800,8 @@ static int copy_out(void *ctx, uint16_t type, const uint8_t *p, uint32_t len, ui
 static int lat_recv(struct run *r, bool initiator, uint8_t *buf)
 {
         switch (r->mech) {
-        case M_RING: {
+        case M_RING:
+        case M_RING_UNTIMED: {
                 struct kvf_ring *rx = initiator ? r->ring_back : r->ring;
                 for (;;) {
                         int n = kvf_ring_read(rx, copy_out, buf, 1);
@@ -807,7 +813,10 @@ static int lat_recv(struct run *r, bool initiator, uint8_t *buf)
                         if (kvf_ring_readable(rx)) {
                                 kvf_doorbell_cancel(rx->bell, seq);
                         } else {
-                                kvf_doorbell_sleep(rx->bell, seq, SLEEP_NS);
+                                if (r->mech == M_RING)
+                                        kvf_doorbell_sleep(rx->bell, seq, SLEEP_NS);
+                                else
+                                        kvf_doorbell_sleep_untimed(rx->bell, seq);
                                 r->woke_ns = kvf_now_ns();
                         }
                 }
@@ -851,7 +860,8 @@ static int lat_recv(struct run *r, bool initiator, uint8_t *buf)
 static int lat_send(struct run *r, bool initiator, const uint8_t *rec)
 {
         switch (r->mech) {
-        case M_RING: {
+        case M_RING:
+        case M_RING_UNTIMED: {
                 struct kvf_ring *tx = initiator ? r->ring : r->ring_back;
                 void *p;
                 uint64_t pos;
@@ -888,7 +898,7 @@ static int child_respond(struct run *r)
 {
         uint64_t total = (uint64_t)r->warmup + r->rounds;
 
-        if (r->mech == M_RING)
+        if (r->mech == M_RING || r->mech == M_RING_UNTIMED)
                 kvf_ring_producer_attach(r->ring_back, 1);
         for (uint64_t i = 0; i < total; i++) {
                 r->woke_ns = 0;
@@ -913,7 +923,7 @@ static int parent_initiate(struct run *r)
 {
         uint64_t total = (uint64_t)r->warmup + r->rounds;
 
-        if (r->mech == M_RING)
+        if (r->mech == M_RING || r->mech == M_RING_UNTIMED)
                 kvf_ring_producer_attach(r->ring, 1);
         for (uint64_t i = 0; i < total; i++) {
                 /* Busy, not asleep: the responder's CPU goes idle and the
@@ -1122,7 +1132,7 @@ static int lat_block(struct lat_acc *a, uint32_t size, unsigned rounds, unsigned
                 a->n += rounds;
                 a->trips += (uint64_t)rounds + warmup;
                 a->nvcsw += r.nvcsw;
-                if (a->mech == M_RING)
+                if (a->mech == M_RING || a->mech == M_RING_UNTIMED)
                         a->wakes += r.ring->bell->wakes + r.ring_back->bell->wakes;
         } else {
                 kvf_err_ctx(rc, "latency, %s, %u B", mechs[a->mech].name, size);
@@ -1162,7 +1172,9 @@ static void lat_summarize(const struct lat_acc *a, uint32_t size)
         l->wake_p50 = p50_nonzero(a->wake, a->n);
         l->user_p50 = p50_nonzero(a->user, a->n);
         l->sleeps_per_rt = (double)a->nvcsw / (double)a->trips;
-        l->wakes_per_rt = a->mech == M_RING ? (double)a->wakes / (double)a->trips : -1;
+        l->wakes_per_rt = a->mech == M_RING || a->mech == M_RING_UNTIMED
+                              ? (double)a->wakes / (double)a->trips
+                              : -1;
 }
 
 static int bench_lat(uint32_t size)
@@ -1195,7 +1207,7 @@ static int bench_lat(uint32_t size)
         for (unsigned k = 0; k < nacc && rc == 0 && o.rounds; k++) {
                 lat_summarize(&acc[k], size);
                 if (!o.json)
-                        fprintf(stderr, "  latency    %-10s %5u B: p50 %.2f us\n",
+                        fprintf(stderr, "  latency    %-12s %5u B: p50 %.2f us\n",
                                 mechs[acc[k].mech].name, size, lrows[nlrows - 1].p50);
         }
 out:
@@ -1312,7 +1324,7 @@ static void print_text(const char *model, const struct utsname *u)
                     "Wake latency: round trip, receiver asleep (%u round trips after %u warm-up, "
                     "%u us busy gap before each ping; mechanisms interleaved in %u blocks)\n",
                     o.rounds, o.warmup, o.gap_us, o.blocks);
-                printf("%-11s %-7s %9s %9s %9s %9s %12s %9s %9s %9s %9s\n", "mechanism", "size",
+                printf("%-13s %-7s %9s %9s %9s %9s %12s %9s %9s %9s %9s\n", "mechanism", "size",
                        "min us", "p50 us", "p99 us", "mean us", "p50/pipe p50", "wake us", "user us",
                        "sleeps/RT", "wakes/RT");
                 for (unsigned i = 0; i < nlrows; i++) {
@@ -1324,7 +1336,7 @@ static void print_text(const char *model, const struct utsname *u)
                         size_name(l->size, sz, sizeof(sz));
                         char xp[16];
                         fmt_ratio(xp, sizeof(xp), p ? ratio(l->p50, p->p50) : -1);
-                        printf("%-11s %-7s %9.2f %9.2f %9.2f %9.2f %12s %9.2f %9.2f %9.2f %9s\n",
+                        printf("%-13s %-7s %9.2f %9.2f %9.2f %9.2f %12s %9.2f %9.2f %9.2f %9s\n",
                                mechs[l->mech].name, sz, l->min, l->p50, l->p99, l->mean, xp,
                                l->wake_p50, l->user_p50, l->sleeps_per_rt, wk);
                 }
@@ -1335,9 +1347,9 @@ static void print_text(const char *model, const struct utsname *u)
                 if (!selected(m))
                         continue;
                 if (mechs[m].tput && !o.no_tput)
-                        printf("  %-11s throughput: %s\n", mechs[m].name, mechs[m].tput_what);
+                        printf("  %-13s throughput: %s\n", mechs[m].name, mechs[m].tput_what);
                 if (mechs[m].lat && !o.no_lat)
-                        printf("  %-11s latency:    %s\n", mechs[m].name, mechs[m].lat_what);
+                        printf("  %-13s latency:    %s\n", mechs[m].name, mechs[m].lat_what);
         }
         printf("  consumers check the sequence number in the first and last 8 bytes of every "
                "record and sum every 8-byte word of it.\n");
@@ -1423,7 +1435,8 @@ static void usage(FILE *f)
             "  --gap-us N          initiator busy-waits N us before each ping, so the\n"
             "                      responder is asleep (default 20)\n"
             "  --sizes LIST        payload bytes, comma-separated, %u..%u (default 64,4096)\n"
-            "  --only LIST         mechanisms: ring,ring-batch,pipe,pipe-bulk,eventfd,unix\n"
+            "  --only LIST         mechanisms: ring,ring-batch,ring-untimed,pipe,pipe-bulk,\n"
+            "                      eventfd,unix\n"
             "                      (ratios need pipe and pipe-bulk)\n"
             "  --spins N           throughput consumers poll N times before sleeping (default 64)\n"
             "  --batch N           ring-batch: records per notify (default 32)\n"

@@ -205,16 +205,11 @@ void kvf_doorbell_cancel(struct kvf_doorbell *bell, uint32_t seq)
         }
 }
 
-int kvf_doorbell_sleep(struct kvf_doorbell *bell, uint32_t seq, uint64_t timeout_ns)
+static int sleep_on(struct kvf_doorbell *bell, uint32_t seq, const struct timespec *ts)
 {
-        if (short_sleep && timeout_ns > 1000000)
-                timeout_ns = 1000000;
-        struct timespec ts = {.tv_sec = (time_t)(timeout_ns / 1000000000ull),
-                              .tv_nsec = (long)(timeout_ns % 1000000000ull)};
-
         /* FUTEX_WAIT returns at once (EAGAIN) if seq already moved: the wake
          * raced ahead of us and is not lost. */
-        long rc = futex(futex_word(bell), FUTEX_WAIT, seq, &ts);
+        long rc = futex(futex_word(bell), FUTEX_WAIT, seq, ts);
         int err = rc == 0 ? 0 : errno;
         /* Statistics, on the consumers' own line. */
         kvf_store_relaxed(&bell->sleeps, kvf_load_relaxed(&bell->sleeps) + 1);
@@ -222,6 +217,20 @@ int kvf_doorbell_sleep(struct kvf_doorbell *bell, uint32_t seq, uint64_t timeout
                 return 0; /* woken: the waker's bump withdrew us */
         kvf_doorbell_cancel(bell, seq);
         return err == ETIMEDOUT ? -ETIMEDOUT : 0;
+}
+
+int kvf_doorbell_sleep(struct kvf_doorbell *bell, uint32_t seq, uint64_t timeout_ns)
+{
+        if (short_sleep && timeout_ns > 1000000)
+                timeout_ns = 1000000;
+        struct timespec ts = {.tv_sec = (time_t)(timeout_ns / 1000000000ull),
+                              .tv_nsec = (long)(timeout_ns % 1000000000ull)};
+        return sleep_on(bell, seq, &ts);
+}
+
+int kvf_doorbell_sleep_untimed(struct kvf_doorbell *bell, uint32_t seq)
+{
+        return sleep_on(bell, seq, short_sleep ? &(struct timespec){.tv_nsec = 1000000} : NULL);
 }
 
 int kvf_doorbell_wait(struct kvf_doorbell *bell, bool (*has_work)(void *ctx), void *ctx,

@@ -65,6 +65,13 @@ void kvf_doorbell_cancel(struct kvf_doorbell *bell, uint32_t seq);
 int kvf_doorbell_sleep(struct kvf_doorbell *bell, uint32_t seq, uint64_t timeout_ns);
 
 /*
+ * kvf_doorbell_sleep() without the timeout, for kvf-bench-ring's diagnostic
+ * row only, which prices the timer every other wait arms. kvferry's own
+ * processes and the client library never call it: their waits always time out.
+ */
+int kvf_doorbell_sleep_untimed(struct kvf_doorbell *bell, uint32_t seq);
+
+/*
  * The whole pattern: spin `spins` times calling has_work(ctx), then sleep up
  * to timeout_ns. Returns 1 if has_work() said yes, 0 after a wake or timeout
  * (the caller re-checks anyway).

@@ -33,11 +33,17 @@
  *              then announces itself and blocks in read(eventfd); the
  *              producer writes the eventfd only when announced.
  *  unix        AF_UNIX SOCK_SEQPACKET socketpair, send()/recv() per record.
+ *
+ * Two latency-only diagnostic rows price the one thing the ring does that the
+ * plain pipe does not: its waits always time out. ring-untimed is the ring
+ * with a futex wait without a timeout; pipe-timed a pipe whose receiver waits
+ * in poll() with the ring's timeout before it reads.
  */
 #include <errno.h>
 #include <fcntl.h>
 #include <getopt.h>
 #include <inttypes.h>
+#include <poll.h>
 #include <sched.h>
 #include <signal.h>
 #include <stdbool.h>
@@ -382,7 +388,17 @@ struct run {
  */
 #define STAMPS 4
 
-enum { M_RING, M_RING_BATCH, M_RING_UNTIMED, M_PIPE, M_PIPE_BULK, M_EVENTFD, M_UNIX, M_COUNT };
+enum {
+        M_RING,
+        M_RING_BATCH,
+        M_RING_UNTIMED,
+        M_PIPE,
+        M_PIPE_BULK,
+        M_PIPE_TIMED,
+        M_EVENTFD,
+        M_UNIX,
+        M_COUNT
+};
 
 static const struct mech_desc {
         const char *name;
@@ -407,6 +423,9 @@ static const struct mech_desc {
     [M_PIPE_BULK] = {"pipe-bulk", true, false,
                      "write() per record, read() of up to 64 KiB, records cut from the stream",
                      NULL},
+    [M_PIPE_TIMED] = {"pipe-timed", false, true, NULL,
+                      "write(); receiver blocks in poll() with the ring's 100 ms timeout, then "
+                      "read() (a diagnostic: a pipe wait that, like kvferry's, always times out)"},
     [M_EVENTFD] = {"eventfd", true, true,
                    "fixed-slot SPSC buffer in MAP_SHARED memory, eventfd write only when the "
                    "consumer announced it sleeps (same spins)",
@@ -481,6 +500,7 @@ static int setup(struct run *r, bool latency)
                 break;
         case M_PIPE:
         case M_PIPE_BULK:
+        case M_PIPE_TIMED:
                 if (pipe2(r->fd, O_CLOEXEC) < 0 || (latency && pipe2(r->fd_back, O_CLOEXEC) < 0))
                         return kvf_err_set(-errno, "pipe: %s", strerror(errno));
                 if ((rc = set_pipe_size(r->fd[1])) < 0)
@@ -826,6 +846,16 @@ static int lat_recv(struct run *r, bool initiator, uint8_t *buf)
                 r->woke_ns = kvf_now_ns();
                 return rc < 0 ? kvf_err_set(rc, "read: %s", strerror(-rc)) : 0;
         }
+        case M_PIPE_TIMED: {
+                struct pollfd pfd = {.fd = initiator ? r->fd_back[0] : r->fd[0], .events = POLLIN};
+                int n;
+                while ((n = poll(&pfd, 1, (int)(SLEEP_NS / 1000000u))) <= 0)
+                        if (n < 0 && errno != EINTR)
+                                return kvf_err_set(-errno, "poll: %s", strerror(errno));
+                r->woke_ns = kvf_now_ns();
+                int rc = read_full(pfd.fd, buf, r->size);
+                return rc < 0 ? kvf_err_set(rc, "read: %s", strerror(-rc)) : 0;
+        }
         case M_UNIX: {
                 ssize_t n;
                 while ((n = recv(r->fd[initiator ? 0 : 1], buf, r->size, 0)) < 0 &&
@@ -874,7 +904,8 @@ static int lat_send(struct run *r, bool initiator, const uint8_t *rec)
                 kvf_ring_commit(tx, pos);
                 return 0;
         }
-        case M_PIPE: {
+        case M_PIPE:
+        case M_PIPE_TIMED: {
                 int rc = write_full(initiator ? r->fd[1] : r->fd_back[1], rec, r->size);
                 return rc < 0 ? kvf_err_set(rc, "write: %s", strerror(-rc)) : 0;
         }
@@ -1436,7 +1467,7 @@ static void usage(FILE *f)
             "                      responder is asleep (default 20)\n"
             "  --sizes LIST        payload bytes, comma-separated, %u..%u (default 64,4096)\n"
             "  --only LIST         mechanisms: ring,ring-batch,ring-untimed,pipe,pipe-bulk,\n"
-            "                      eventfd,unix\n"
+            "                      pipe-timed,eventfd,unix\n"
             "                      (ratios need pipe and pipe-bulk)\n"
             "  --spins N           throughput consumers poll N times before sleeping (default 64)\n"
             "  --batch N           ring-batch: records per notify (default 32)\n"

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # End-to-end benchmarks, each figure next to its reference measured in the same run:
-#   host path (ipc)  throughput against a plain memcpy of the same bytes in the same block-sized
-#                    runs; transfer tail (last layer-done -> arrival) against one layer's bytes at
-#                    the memcpy rate; layer-done -> copy-start latency.
+#   host path (ipc)  throughput against one plain contiguous memcpy of the same number of bytes;
+#                    transfer tail (last layer-done -> arrival) against one layer's bytes at the
+#                    memcpy rate; layer-done -> copy-start latency.
 #   tcp path         throughput against iperf3 (same path, same number of streams, write size =
 #                    block size) and against UCX over TCP (ucx_perftest ucp_put_bw, UCX_TLS=tcp),
 #                    for 16, 64 and 128 KiB blocks, scattered (one frame per block) and contiguous;
@@ -18,13 +18,14 @@ STARTED=()
 cleanup() {
   local a=(); for n in "${STARTED[@]}"; do a+=(--instance "$n"); done
   [ ${#a[@]} -gt 0 ] && "$ROOT/tools/kvferry" down "${a[@]}" >/dev/null 2>&1 || true
-  pkill -f "iperf3 -s -p 15301" 2>/dev/null || true
+  [ -f "$KVFERRY_RUN_DIR/iperf3.pid" ] && kill "$(cat "$KVFERRY_RUN_DIR/iperf3.pid")" 2>/dev/null || true
   rm -rf "$KVFERRY_RUN_DIR"
 }
 trap cleanup EXIT
 up() { local n=$1; shift; STARTED+=("$n"); "$ROOT/tools/kvferry" up --instance "$n" "$@" >/dev/null 2>&1; }
 down() { "$ROOT/tools/kvferry" down --instance "$1" >/dev/null 2>&1; }
-j() { /usr/bin/python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))[sys.argv[2]])' "$1" "$2"; }
+# j FILE KEY...: the keys' values from a JSON summary, space-separated, in one read of the file.
+j() { /usr/bin/python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); print(*(d[k] for k in sys.argv[2:]))' "$@"; }
 py() { /usr/bin/python3 -c "print($1)"; }
 sim() { local out=$1; shift; "$B/kvf-sim" --quiet --verify sample --json "$out" "$@" >/dev/null; }
 
@@ -41,7 +42,7 @@ up $T-p --role prefill $L8
 # peer, once per peer for the life of the instance; the throughput row is the steady state.
 sim $R/warm.json --prefill $T-p --decode $T-d --requests 10 --layer-us 0
 sim $R/tp.json --prefill $T-p --decode $T-d --requests $((N * 3)) --layer-us 0 --baseline
-rate=$(j $R/tp.json rate_bps); base=$(j $R/tp.json memcpy_bps)
+read -r rate base < <(j $R/tp.json rate_bps memcpy_bps)
 echo "| throughput | kvferry $(py "round($rate/2**30,2)") GiB/s | one contiguous memcpy of the same bytes $(py "round($base/2**30,2)") GiB/s | ratio $(py "round($rate/$base,2)") (target >= 0.8) |"
 # Transfer tail at 3 ms of compute per layer, for three shapes of forward step: one request per
 # step (the target's case: after the request's last layer, one layer of it is left to move);
@@ -50,11 +51,12 @@ echo "| throughput | kvferry $(py "round($rate/2**30,2)") GiB/s | one contiguous
 # at its last layer, so later ones also wait for the others' last layers).
 for shape in "one request per step|--step-tokens 1" "chunked prefill, 4096-token chunks, 8192-token steps|--step-tokens 8192 --chunk-tokens 4096" "whole requests batched into 8192-token steps|--step-tokens 8192"; do
   sim $R/tail.json --prefill $T-p --decode $T-d --requests $N --layer-us 3000 ${shape#*|} --baseline
-  t50=$(j $R/tail.json tail_p50_ns); t99=$(j $R/tail.json tail_p99_ns); lb=$(j $R/tail.json avg_layer_bytes); mb=$(j $R/tail.json memcpy_bps)
+  read -r t50 t99 lb mb < <(j $R/tail.json tail_p50_ns tail_p99_ns avg_layer_bytes memcpy_bps)
   one=$(py "$lb/$mb*1e9")
   echo "| transfer tail, ${shape%%|*} | p50 $(py "round($t50/1e3)") us, p99 $(py "round($t99/1e3)") us | one layer ($(py "round($lb/2**20,2)") MiB) at memcpy rate $(py "round($one/1e3)") us | p50 / (2 x layer + 50 us) = $(py "round($t50/(2*$one+50e3),2)") (target <= 1) |"
 done
-echo "| layer-done -> copy start | p50 $(py "round($(j $R/tail.json layer_to_copy_p50_ns)/1e3,1)") us, p99 $(py "round($(j $R/tail.json layer_to_copy_p99_ns)/1e3,1)") us | FastDeploy polls every 1000 us | p50 target < 20 us |"
+read -r l50 l99 < <(j $R/tail.json layer_to_copy_p50_ns layer_to_copy_p99_ns)   # the last shape's run
+echo "| layer-done -> copy start | p50 $(py "round($l50/1e3,1)") us, p99 $(py "round($l99/1e3,1)") us | FastDeploy polls every 1000 us | p50 target < 20 us |"
 down $T-p; down $T-d
 echo
 
@@ -65,7 +67,12 @@ fi
 echo "## TCP path on loopback, 2 data connections per peer, llama-3.1-8b"
 echo "| block | layout | kvferry GB/s | iperf3 -P 2 GB/s | kvferry/iperf3 | UCX tcp put_bw GB/s | kvferry/UCX |"
 echo "|---|---|---|---|---|---|---|"
-iperf3 -s -p 15301 -D
+# tcp_row LAYOUT JSON: one table row, against this block size's iperf3 ($ip) and UCX ($ucx).
+tcp_row() {
+  local kv; kv=$(py "$(j "$2" rate_bps)/1e9")
+  echo "| ${blk} KiB | $1 | $(py "round($kv,2)") | $(py "round($ip,2)") | $(py "round($kv/$ip,2)") | ${ucx:-n/a} | $(py "round($kv/${ucx:-0}, 2) if ${ucx:-0} else 'n/a'") |"
+}
+iperf3 -s -p 15301 -D -I "$R/iperf3.pid"
 sleep 0.3
 for tp in 8 2 1; do
   blk=$((128 / tp))   # KiB per block tensor: 8 kv heads / tp x 64 tokens x 128 x 2 bytes
@@ -77,22 +84,20 @@ for tp in 8 2 1; do
   ucx=$(UCX_TLS=tcp timeout 60 ucx_perftest 127.0.0.1 -t ucp_put_bw -s $((blk * 1024)) -n 20000 -p 15302 2>/dev/null | awk '/Final:/ {print $7/1000}')
   for sc in --scatter ""; do
     sim $R/tcp.json --prefill $T-p$tp --decode $T-d$tp --transport tcp --requests $N --layer-us 0 $sc
-    kv=$(py "$(j $R/tcp.json rate_bps)/1e9")
-    echo "| ${blk} KiB | $([ -n "$sc" ] && echo "scattered: one frame per block" || echo "contiguous runs (frames up to 4 MiB)") | $(py "round($kv,2)") | $(py "round($ip,2)") | $(py "round($kv/$ip,2)") | ${ucx:-n/a} | $(py "round($kv/${ucx:-0}, 2) if ${ucx:-0} else 'n/a'") |"
+    tcp_row "$([ -n "$sc" ] && echo "scattered: one frame per block" || echo "contiguous runs (frames up to 4 MiB)")" $R/tcp.json
   done
   if [ $tp = 2 ]; then
     # The same with zero-copy sends (io_uring sendmsg_zc) for the contiguous case.
     down $T-p$tp
     up $T-p$tp --role prefill --model llama-3.1-8b --tp $tp --cache-mib 2048 --streams 2 --zerocopy
     sim $R/zc.json --prefill $T-p$tp --decode $T-d$tp --transport tcp --requests $N --layer-us 0
-    kv=$(py "$(j $R/zc.json rate_bps)/1e9")
-    echo "| ${blk} KiB | contiguous, --zerocopy | $(py "round($kv,2)") | $(py "round($ip,2)") | $(py "round($kv/$ip,2)") | ${ucx:-n/a} | $(py "round($kv/${ucx:-0}, 2) if ${ucx:-0} else 'n/a'") |"
+    tcp_row "contiguous, --zerocopy" $R/zc.json
   fi
   if [ $tp = 8 ]; then
     # About a third of the link: 6 MiB per 6 ms layer. (Near the link's rate the tail is
     # queueing, and grows with the backlog.)
     sim $R/tcptail.json --prefill $T-p$tp --decode $T-d$tp --transport tcp --requests $N --layer-us 6000 --step-tokens 8192
-    t50=$(j $R/tcptail.json tail_p50_ns); t99=$(j $R/tcptail.json tail_p99_ns); lb=$(j $R/tcptail.json avg_layer_bytes)
+    read -r t50 t99 lb < <(j $R/tcptail.json tail_p50_ns tail_p99_ns avg_layer_bytes)
     TAIL="| tcp transfer tail (16 KiB blocks) | p50 $(py "round($t50/1e3)") us, p99 $(py "round($t99/1e3)") us | one layer ($(py "round($lb/2**20,2)") MiB) at iperf3's rate: $(py "round($lb/($ip*1e9)*1e6)") us | p50 / that = $(py "round($t50/1e3/($lb/($ip*1e9)*1e6),2)") |"
   fi
   down $T-p$tp; down $T-d$tp

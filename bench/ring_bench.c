@@ -247,6 +247,36 @@ static int read_full(int fd, void *buf, size_t n)
         return 0;
 }
 
+/* One record over a pipe (a byte stream: all of it) or a SEQPACKET socket (one send). */
+static int fd_put(int fd, const void *p, uint32_t n, bool seqpacket)
+{
+        if (!seqpacket) {
+                int rc = write_full(fd, p, n);
+                return rc < 0 ? kvf_err_set(rc, "write: %s", strerror(-rc)) : 0;
+        }
+        ssize_t k;
+        while ((k = send(fd, p, n, 0)) < 0 && errno == EINTR) {
+        }
+        if (k == (ssize_t)n)
+                return 0;
+        return kvf_err_set(k < 0 ? -errno : -EIO, "send: %s", k < 0 ? strerror(errno) : "short");
+}
+
+/* One record from a pipe (exactly n bytes) or a SEQPACKET socket (one recv of n bytes). */
+static int fd_get(int fd, void *p, uint32_t n, bool seqpacket)
+{
+        if (!seqpacket) {
+                int rc = read_full(fd, p, n);
+                return rc < 0 ? kvf_err_set(rc, "read: %s", strerror(-rc)) : 0;
+        }
+        ssize_t k;
+        while ((k = recv(fd, p, n, 0)) < 0 && errno == EINTR) {
+        }
+        if (k == (ssize_t)n)
+                return 0;
+        return kvf_err_set(k < 0 ? -errno : -EIO, "recv: %s", k < 0 ? strerror(errno) : "short record");
+}
+
 /* ------------------------------------------------------------------ */
 /* the eventfd + shared-memory comparator                              */
 
@@ -367,7 +397,7 @@ struct run {
         /* eventfd */
         struct shmq_end q, q_back;
         /* results (parent side) */
-        uint64_t t_end, received, nvcsw;
+        uint64_t t_end, nvcsw;
         struct sink sink;
         /* latency: this run's round trips (one block), and where to put their times */
         unsigned rounds, warmup;
@@ -402,35 +432,34 @@ enum {
 
 static const struct mech_desc {
         const char *name;
-        bool tput, lat;
-        const char *tput_what;
-        const char *lat_what;
+        const char *tput_what; /* NULL: no throughput row */
+        const char *lat_what;  /* NULL: no latency row */
 } mechs[M_COUNT] = {
-    [M_RING] = {"ring", true, true,
+    [M_RING] = {"ring",
                 "kvf_ring_claim + memcpy + kvf_ring_commit per record; consumer kvf_ring_read "
                 "(<= read-max per call), kvf_doorbell_wait(kvf_ring_readable) when empty",
                 "claim + memcpy + commit; receiver kvf_doorbell_prepare / re-check / "
                 "kvf_doorbell_sleep (no spinning)"},
-    [M_RING_BATCH] = {"ring-batch", true, false,
+    [M_RING_BATCH] = {"ring-batch",
                       "claim + memcpy + kvf_ring_publish per record, kvf_ring_notify per "
                       "batch (BATCHED); same consumer",
                       NULL},
-    [M_RING_UNTIMED] = {"ring-untimed", false, true, NULL,
+    [M_RING_UNTIMED] = {"ring-untimed", NULL,
                         "as ring, but the receiver's futex wait has no timeout (a diagnostic: "
                         "kvferry's own waits always time out; the row prices that timer)"},
-    [M_PIPE] = {"pipe", true, true, "write() per record, read() of exactly one record",
+    [M_PIPE] = {"pipe", "write() per record, read() of exactly one record",
                 "write(); receiver blocks in read()"},
-    [M_PIPE_BULK] = {"pipe-bulk", true, false,
+    [M_PIPE_BULK] = {"pipe-bulk",
                      "write() per record, read() of up to 64 KiB, records cut from the stream",
                      NULL},
-    [M_PIPE_TIMED] = {"pipe-timed", false, true, NULL,
+    [M_PIPE_TIMED] = {"pipe-timed", NULL,
                       "write(); receiver blocks in poll() with the ring's 100 ms timeout, then "
                       "read() (a diagnostic: a pipe wait that, like kvferry's, always times out)"},
-    [M_EVENTFD] = {"eventfd", true, true,
+    [M_EVENTFD] = {"eventfd",
                    "fixed-slot SPSC buffer in MAP_SHARED memory, eventfd write only when the "
                    "consumer announced it sleeps (same spins)",
                    "slot in shared memory + eventfd write; receiver blocks in read(eventfd)"},
-    [M_UNIX] = {"unix", true, true, "AF_UNIX SOCK_SEQPACKET, send()/recv() per record",
+    [M_UNIX] = {"unix", "AF_UNIX SOCK_SEQPACKET, send()/recv() per record",
                 "send(); receiver blocks in recv()"},
 };
 
@@ -628,18 +657,9 @@ static int produce_fd(struct run *r, bool seqpacket)
         for (;; seq++) {
                 bool end = !keep_going(seq);
                 stamp(r->src, r->size, end ? END_SEQ : seq);
-                if (seqpacket) {
-                        ssize_t n;
-                        while ((n = send(fd, r->src, r->size, 0)) < 0 && errno == EINTR) {
-                        }
-                        if (n != (ssize_t)r->size)
-                                return kvf_err_set(n < 0 ? -errno : -EIO, "send: %s",
-                                                   n < 0 ? strerror(errno) : "short");
-                } else {
-                        int rc = write_full(fd, r->src, r->size);
-                        if (rc < 0)
-                                return kvf_err_set(rc, "write: %s", strerror(-rc));
-                }
+                int rc = fd_put(fd, r->src, r->size, seqpacket);
+                if (rc < 0)
+                        return rc;
                 if (end)
                         break;
         }
@@ -651,7 +671,6 @@ static int produce_shmq(struct run *r)
 {
         uint64_t seq = 0;
 
-        r->q.head_cache = 0;
         producer_start();
         for (;; seq++) {
                 bool end = !keep_going(seq);
@@ -699,18 +718,9 @@ static int consume_fd_each(struct run *r, bool seqpacket)
         int fd = r->fd[0];
 
         while (!r->sink.done) {
-                if (seqpacket) {
-                        ssize_t n;
-                        while ((n = recv(fd, r->buf, r->size, 0)) < 0 && errno == EINTR) {
-                        }
-                        if (n != (ssize_t)r->size)
-                                return kvf_err_set(n < 0 ? -errno : -EIO, "recv: %s",
-                                                   n < 0 ? strerror(errno) : "short record");
-                } else {
-                        int rc = read_full(fd, r->buf, r->size);
-                        if (rc < 0)
-                                return kvf_err_set(rc, "read: %s", strerror(-rc));
-                }
+                int rc = fd_get(fd, r->buf, r->size, seqpacket);
+                if (rc < 0)
+                        return rc;
                 check(&r->sink, r->buf, r->size);
         }
         return 0;
@@ -842,9 +852,9 @@ static int lat_recv(struct run *r, bool initiator, uint8_t *buf)
                 }
         }
         case M_PIPE: {
-                int rc = read_full(initiator ? r->fd_back[0] : r->fd[0], buf, r->size);
+                int rc = fd_get(initiator ? r->fd_back[0] : r->fd[0], buf, r->size, false);
                 r->woke_ns = kvf_now_ns();
-                return rc < 0 ? kvf_err_set(rc, "read: %s", strerror(-rc)) : 0;
+                return rc;
         }
         case M_PIPE_TIMED: {
                 struct pollfd pfd = {.fd = initiator ? r->fd_back[0] : r->fd[0], .events = POLLIN};
@@ -853,18 +863,12 @@ static int lat_recv(struct run *r, bool initiator, uint8_t *buf)
                         if (n < 0 && errno != EINTR)
                                 return kvf_err_set(-errno, "poll: %s", strerror(errno));
                 r->woke_ns = kvf_now_ns();
-                int rc = read_full(pfd.fd, buf, r->size);
-                return rc < 0 ? kvf_err_set(rc, "read: %s", strerror(-rc)) : 0;
+                return fd_get(pfd.fd, buf, r->size, false);
         }
         case M_UNIX: {
-                ssize_t n;
-                while ((n = recv(r->fd[initiator ? 0 : 1], buf, r->size, 0)) < 0 &&
-                       errno == EINTR) {
-                }
+                int rc = fd_get(r->fd[initiator ? 0 : 1], buf, r->size, true);
                 r->woke_ns = kvf_now_ns();
-                return n == (ssize_t)r->size
-                           ? 0
-                           : kvf_err_set(-EIO, "recv: %s", n < 0 ? strerror(errno) : "short");
+                return rc;
         }
         case M_EVENTFD: {
                 struct shmq_end *e = initiator ? &r->q_back : &r->q;
@@ -905,19 +909,10 @@ static int lat_send(struct run *r, bool initiator, const uint8_t *rec)
                 return 0;
         }
         case M_PIPE:
-        case M_PIPE_TIMED: {
-                int rc = write_full(initiator ? r->fd[1] : r->fd_back[1], rec, r->size);
-                return rc < 0 ? kvf_err_set(rc, "write: %s", strerror(-rc)) : 0;
-        }
-        case M_UNIX: {
-                ssize_t n;
-                while ((n = send(r->fd[initiator ? 0 : 1], rec, r->size, 0)) < 0 &&
-                       errno == EINTR) {
-                }
-                return n == (ssize_t)r->size
-                           ? 0
-                           : kvf_err_set(-EIO, "send: %s", n < 0 ? strerror(errno) : "short");
-        }
+        case M_PIPE_TIMED:
+                return fd_put(initiator ? r->fd[1] : r->fd_back[1], rec, r->size, false);
+        case M_UNIX:
+                return fd_put(r->fd[initiator ? 0 : 1], rec, r->size, true);
         case M_EVENTFD:
                 shmq_put(initiator ? &r->q : &r->q_back, rec);
                 return 0;
@@ -929,20 +924,20 @@ static int child_respond(struct run *r)
 {
         uint64_t total = (uint64_t)r->warmup + r->rounds;
 
-        if (r->mech == M_RING || r->mech == M_RING_UNTIMED)
+        if (r->ring) /* the ring rows */
                 kvf_ring_producer_attach(r->ring_back, 1);
         for (uint64_t i = 0; i < total; i++) {
                 r->woke_ns = 0;
                 int rc = lat_recv(r, false, r->buf);
                 if (rc < 0)
                         return rc;
-                uint64_t *st = r->stamps + i * STAMPS;
-                st[1] = r->woke_ns;
-                st[2] = kvf_now_ns();
                 uint64_t seq;
                 memcpy(&seq, r->buf, 8);
                 if (seq != i)
                         sh->bad++;
+                uint64_t *st = r->stamps + i * STAMPS;
+                st[1] = r->woke_ns;
+                st[2] = kvf_now_ns();
                 /* Echo what arrived: the reply costs the same copy as the ping. */
                 if ((rc = lat_send(r, false, r->buf)) < 0)
                         return rc;
@@ -954,7 +949,7 @@ static int parent_initiate(struct run *r)
 {
         uint64_t total = (uint64_t)r->warmup + r->rounds;
 
-        if (r->mech == M_RING || r->mech == M_RING_UNTIMED)
+        if (r->ring)
                 kvf_ring_producer_attach(r->ring, 1);
         for (uint64_t i = 0; i < total; i++) {
                 /* Busy, not asleep: the responder's CPU goes idle and the
@@ -1045,12 +1040,11 @@ static int run_one(struct run *r, bool latency)
                                    sh->err[0] ? sh->err : "no message");
         r->nvcsw += sh->nvcsw;
         r->sink.bad += sh->bad;
-        r->received = r->sink.next;
         if (r->sink.bad)
                 return kvf_err_set(-EBADMSG, "%" PRIu64 " records failed validation", r->sink.bad);
-        if (!latency && r->received != sh->sent)
+        if (!latency && r->sink.next != sh->sent)
                 return kvf_err_set(-EBADMSG, "sent %" PRIu64 " records, received %" PRIu64,
-                                   sh->sent, r->received);
+                                   sh->sent, r->sink.next);
         return 0;
 }
 
@@ -1112,11 +1106,11 @@ static int bench_tput(int mech, uint32_t size)
                 struct tput_row *t = &trows[ntrows++];
                 t->mech = mech;
                 t->size = size;
-                t->records = r.received;
+                t->records = r.sink.next;
                 t->secs = (double)(r.t_end - sh->t_start) / 1e9;
-                t->rps = (double)r.received / t->secs;
+                t->rps = (double)t->records / t->secs;
                 t->gbps = t->rps * size / 1e9;
-                double k = (double)(r.received ? r.received : 1) / 1000.0;
+                double k = (double)(t->records ? t->records : 1) / 1000.0;
                 t->csw_per_k = (double)r.nvcsw / k;
                 t->wakes_per_k = t->sleeps_per_k = t->full_per_k = -1;
                 if (mech == M_RING || mech == M_RING_BATCH) {
@@ -1163,7 +1157,7 @@ static int lat_block(struct lat_acc *a, uint32_t size, unsigned rounds, unsigned
                 a->n += rounds;
                 a->trips += (uint64_t)rounds + warmup;
                 a->nvcsw += r.nvcsw;
-                if (a->mech == M_RING || a->mech == M_RING_UNTIMED)
+                if (r.ring)
                         a->wakes += r.ring->bell->wakes + r.ring_back->bell->wakes;
         } else {
                 kvf_err_ctx(rc, "latency, %s, %u B", mechs[a->mech].name, size);
@@ -1216,14 +1210,15 @@ static int bench_lat(uint32_t size)
         int rc = 0;
 
         for (int m = 0; m < M_COUNT; m++) {
-                if (!mechs[m].lat || !selected(m))
+                if (!mechs[m].lat_what || !selected(m))
                         continue;
-                acc[nacc] = (struct lat_acc){.mech = m};
                 size_t n = o.rounds ? o.rounds : 1;
-                acc[nacc].lat = calloc(n, sizeof(uint64_t));
-                acc[nacc].wake = calloc(n, sizeof(uint64_t));
-                acc[nacc].user = calloc(n, sizeof(uint64_t));
-                if (!acc[nacc].lat || !acc[nacc].wake || !acc[nacc++].user) {
+                struct lat_acc *a = &acc[nacc++]; /* counted now: freed below whatever fails */
+                *a = (struct lat_acc){.mech = m};
+                a->lat = calloc(n, sizeof(uint64_t));
+                a->wake = calloc(n, sizeof(uint64_t));
+                a->user = calloc(n, sizeof(uint64_t));
+                if (!a->lat || !a->wake || !a->user) {
                         rc = kvf_err_set(-ENOMEM, "latency samples");
                         goto out;
                 }
@@ -1377,9 +1372,9 @@ static void print_text(const char *model, const struct utsname *u)
         for (int m = 0; m < M_COUNT; m++) {
                 if (!selected(m))
                         continue;
-                if (mechs[m].tput && !o.no_tput)
+                if (mechs[m].tput_what && !o.no_tput)
                         printf("  %-13s throughput: %s\n", mechs[m].name, mechs[m].tput_what);
-                if (mechs[m].lat && !o.no_lat)
+                if (mechs[m].lat_what && !o.no_lat)
                         printf("  %-13s latency:    %s\n", mechs[m].name, mechs[m].lat_what);
         }
         printf("  consumers check the sequence number in the first and last 8 bytes of every "
@@ -1612,8 +1607,8 @@ static int parse_args(int argc, char **argv)
                                 goto bad;
                         break;
                 case O_CAPACITY:
-                        if (!parse_u64(optarg, &o.capacity) || o.capacity < KVF_RING_MIN_CAPACITY ||
-                            o.capacity > (1u << 26) || (o.capacity & (o.capacity - 1)))
+                        if (!parse_u64(optarg, &o.capacity) || !kvf_ring_capacity_ok(o.capacity) ||
+                            o.capacity > (1u << 26))
                                 goto bad;
                         break;
                 case O_CPUS: {
@@ -1707,7 +1702,7 @@ int main(int argc, char **argv)
 
         for (unsigned s = 0; s < o.nsizes && rc == 0 && !o.no_tput; s++)
                 for (int m = 0; m < M_COUNT && rc == 0; m++)
-                        if (mechs[m].tput && selected(m)) {
+                        if (mechs[m].tput_what && selected(m)) {
                                 rc = bench_tput(m, o.sizes[s]);
                                 if (!o.json && rc == 0)
                                         fprintf(stderr,

@@ -62,6 +62,7 @@
 #define WAITER (1ull << 32) /* one announced consumer, in the high half */
 #define DENSE_AFTER 64u  /* rings in a row without a waiter */
 #define PRODUCER_SLOTS 8u
+#define SHORT_SLEEP_NS 1000000ull /* the bound on a sleep whose membarrier failed */
 
 static long futex(uint32_t *uaddr, int op, uint32_t val, const struct timespec *ts)
 {
@@ -221,8 +222,8 @@ static int sleep_on(struct kvf_doorbell *bell, uint32_t seq, const struct timesp
 
 int kvf_doorbell_sleep(struct kvf_doorbell *bell, uint32_t seq, uint64_t timeout_ns)
 {
-        if (short_sleep && timeout_ns > 1000000)
-                timeout_ns = 1000000;
+        if (short_sleep && timeout_ns > SHORT_SLEEP_NS)
+                timeout_ns = SHORT_SLEEP_NS;
         struct timespec ts = {.tv_sec = (time_t)(timeout_ns / 1000000000ull),
                               .tv_nsec = (long)(timeout_ns % 1000000000ull)};
         return sleep_on(bell, seq, &ts);
@@ -230,7 +231,7 @@ int kvf_doorbell_sleep(struct kvf_doorbell *bell, uint32_t seq, uint64_t timeout
 
 int kvf_doorbell_sleep_untimed(struct kvf_doorbell *bell, uint32_t seq)
 {
-        return sleep_on(bell, seq, short_sleep ? &(struct timespec){.tv_nsec = 1000000} : NULL);
+        return sleep_on(bell, seq, short_sleep ? &(struct timespec){.tv_nsec = SHORT_SLEEP_NS} : NULL);
 }
 
 int kvf_doorbell_wait(struct kvf_doorbell *bell, bool (*has_work)(void *ctx), void *ctx,

@@ -7,7 +7,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-
 void kvf_opt_die(const char *prog, const char *fmt, ...)
 {
         va_list ap;

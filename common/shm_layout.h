@@ -118,7 +118,7 @@ struct kvf_role_slot {
         uint8_t pad[16];
 };
 
-/* A futex word and a waiter count, on their own cache line. */
+/* The futex word and the waiter count in one word, then a line of the consumers' own. */
 struct kvf_doorbell {
         /* line 0: producers and consumers */
         uint64_t state;      /* one word, changed by CAS only (doorbell.c): the low 32 bits are

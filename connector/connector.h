@@ -97,12 +97,13 @@ struct session {
 #define MAX_PEERS 256u
 
 struct rx_xfer;
+#define RX_BUCKETS 1024u /* data_rx's transfer table, hashed by (peer, key) */
 
 struct connector {
         struct kvf_ctl ctl;
         uint8_t *cache; /* own host cache: read by data_tx, written by data_rx */
         pthread_mutex_t rxmu; /* data_rx's table */
-        struct rx_xfer *rx[1024];
+        struct rx_xfer *rx[RX_BUCKETS];
         uint64_t gen;
         struct conn_config cfg;
         int listen_fd;

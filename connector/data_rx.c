@@ -42,7 +42,7 @@ struct rx_xfer {
 
 static unsigned bucket(const char *peer, uint64_t key)
 {
-        return (unsigned)(kvf_hash64(peer, strlen(peer), key) % 1024);
+        return (unsigned)(kvf_hash64(peer, strlen(peer), key) % RX_BUCKETS);
 }
 
 static struct rx_xfer *rx_find(struct connector *cn, const char *peer, uint64_t gen, uint64_t key)
@@ -51,6 +51,14 @@ static struct rx_xfer *rx_find(struct connector *cn, const char *peer, uint64_t 
                 if (x->key == key && x->gen == gen && !strcmp(x->peer, peer))
                         return x;
         return NULL;
+}
+
+/* A new transfer into the table. Lock held. */
+static void rx_insert(struct connector *cn, struct rx_xfer *x)
+{
+        unsigned b = bucket(x->peer, x->key);
+        x->next = cn->rx[b];
+        cn->rx[b] = x;
 }
 
 static void rx_free(struct rx_xfer *x)
@@ -118,9 +126,7 @@ static int rx_open(struct connector *cn, const char *peer, uint64_t gen, const s
                 memcpy(x->dst, o->dst, o->n_dst * sizeof(uint32_t));
                 x->n_dst = o->n_dst;
                 x->need = bits;
-                unsigned b = bucket(peer, o->key);
-                x->next = cn->rx[b];
-                cn->rx[b] = x;
+                rx_insert(cn, x);
         }
         x->touched_ns = kvf_now_ns();
         pthread_mutex_unlock(&cn->rxmu);
@@ -456,9 +462,7 @@ void data_rx_close(struct connector *cn, const char *peer, uint64_t gen, uint64_
                 snprintf(x->peer, sizeof(x->peer), "%s", peer);
                 x->gen = gen;
                 x->key = key;
-                unsigned b = bucket(peer, key);
-                x->next = cn->rx[b];
-                cn->rx[b] = x;
+                rx_insert(cn, x);
         }
         if (x && !x->closed) {
                 if (x->waiting)
@@ -480,7 +484,7 @@ void data_rx_expire(struct connector *cn, uint64_t open_ns, uint64_t closed_ns)
 {
         pthread_mutex_lock(&cn->rxmu);
         uint64_t now = kvf_now_ns();
-        for (unsigned b = 0; b < 1024; b++)
+        for (unsigned b = 0; b < RX_BUCKETS; b++)
                 for (struct rx_xfer **pp = &cn->rx[b]; *pp;) {
                         struct rx_xfer *x = *pp;
                         if (kvf_elapsed(now, x->touched_ns) > (x->closed ? closed_ns : open_ns)) {

@@ -16,10 +16,10 @@
 #include <arpa/inet.h>
 #include <unistd.h>
 
+#include "atomics.h"
 #include "clock.h"
 #include "data.h"
 #include "doorbell.h"
-#include "atomics.h"
 #include "err.h"
 #include "layout.h"
 #include "log.h"
@@ -120,6 +120,21 @@ static void free_xfer(struct xfer *x)
         free(x->dst);
         free(x->xopen);
         free(x);
+}
+
+/* Append a frame to its transfer's list (which owns it); -ENOMEM leaves the list as it was. */
+static int add_frame(struct xfer *x, struct frame *f)
+{
+        if (x->nfr == x->capfr) {
+                uint32_t cap = x->capfr ? 2 * x->capfr : 64;
+                struct frame **fr = realloc(x->fr, cap * sizeof(*fr));
+                if (!fr)
+                        return -ENOMEM;
+                x->fr = fr;
+                x->capfr = cap;
+        }
+        x->fr[x->nfr++] = f;
+        return 0;
 }
 
 /* Unlink from the list and the queue; free now, or when the data threads give its frames back. */
@@ -569,8 +584,7 @@ int data_tx_batch(struct connector *cn, const struct kvf_record *w)
                                 uint32_t src = w->runs[r], idx = w->runs[r + 1], n = w->runs[r + 2];
                                 for (uint32_t off = 0; off < n; off += per) {
                                         struct frame *f = calloc(1, sizeof(*f));
-                                        if (!f || (x->nfr == x->capfr &&
-                                                   !(x->fr = realloc(x->fr, (x->capfr = x->capfr ? 2 * x->capfr : 64) * sizeof(*x->fr))))) {
+                                        if (!f || add_frame(x, f) < 0) {
                                                 free(f);
                                                 rc = -ENOMEM;
                                                 goto out;
@@ -582,7 +596,6 @@ int data_tx_batch(struct connector *cn, const struct kvf_record *w)
                                         f->nblocks = n - off < per ? n - off : per;
                                         f->src_off = kvf_layout_offset(L, (uint32_t)l, t, src + off);
                                         f->conn = -1;
-                                        x->fr[x->nfr++] = f;
                                         enqueue(pd, f, false);
                                 }
                         }

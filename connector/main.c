@@ -3,8 +3,6 @@
  * This file holds the options, the control thread and its event queue.
  */
 #include <errno.h>
-#include <fcntl.h>
-#include <sys/mman.h>
 #include <getopt.h>
 #include <stdio.h>
 #include <stdlib.h>

@@ -58,7 +58,6 @@ struct sender {
         uint32_t *resend; /* per slot: SLOT_RESEND cursor (see sender_resend) */
         uint32_t *runs;   /* scratch: (src, dst index, count) triples of one write batch */
         uint32_t *idset;  /* scratch: open-addressing set of block ids (id + 1; 0 = empty) */
-        uint32_t idset_cap; /* a power of two, at least 2x the blocks of a request */
         struct bucket *buckets; /* sorted by step */
         uint32_t nbuckets, capbuckets;
 
@@ -118,6 +117,12 @@ void sender_tick(struct sender *s, uint64_t now);
 /* Encode a record into the scratch buffer and write it to the connector's ring; 0, -ENOMEM, or
  * the ring's error. */
 int sender_post(struct sender *s, const struct kvf_record *r);
+
+/* Every byte a request moves: its send-blocks in every layer and tensor. */
+static inline uint64_t sender_request_bytes(const struct sender *s, const struct kvf_req_slot *r)
+{
+        return (uint64_t)r->n_send * s->layers * s->tensors * s->layout->block_bytes;
+}
 
 static inline void sender_mark(struct sender *s, uint32_t slot, uint8_t flag)
 {

@@ -88,7 +88,7 @@ static int post_completion(struct sender *s, uint32_t slot)
         struct kvf_ring *ring = &s->ctl.rings[KVF_RING_SENDER_TO_ENGINE];
         /* Finished means every byte landed, once: report that amount (copies
          * repeated after a restart are not counted twice). */
-        uint64_t full = (uint64_t)r->n_send * s->layers * s->tensors * s->layout->block_bytes;
+        uint64_t full = sender_request_bytes(s, r);
         struct kvf_record c = {.type = KVF_RT_COMPLETION, .status = (int)r->status,
                                .bytes = r->status == KVF_STATUS_FINISHED ? full : r->bytes,
                                .blocks = r->n_send,
@@ -101,9 +101,8 @@ static int post_completion(struct sender *s, uint32_t slot)
         memcpy(c.request_id, r->request_id, sizeof(c.request_id));
         memcpy(c.peer, r->peer, sizeof(c.peer));
         memcpy(c.reason, r->reason, sizeof(c.reason));
-        if (encode(s, &c, &len) < 0 || kvf_ring_claim(ring, KVF_RT_COMPLETION, (uint32_t)len, &p, &pos) < 0) {
+        if (encode(s, &c, &len) < 0 || kvf_ring_claim(ring, KVF_RT_COMPLETION, (uint32_t)len, &p, &pos) < 0)
                 return -EAGAIN;
-        }
         /* Crash window: with the position stored first, a successor can ask
          * the ring whether this record was committed. */
         kvf_store_release(&r->completion_pos, pos);
@@ -263,9 +262,8 @@ static int reject(struct sender *s, uint64_t task_pos, const char *request_id, c
         va_start(ap, fmt);
         vsnprintf(c.reason, sizeof(c.reason), fmt, ap);
         va_end(ap);
-        if (encode(s, &c, &len) < 0 || kvf_ring_claim(ring, KVF_RT_COMPLETION, (uint32_t)len, &p, &pos) < 0) {
+        if (encode(s, &c, &len) < 0 || kvf_ring_claim(ring, KVF_RT_COMPLETION, (uint32_t)len, &p, &pos) < 0)
                 return -EAGAIN; /* the task stays in its ring; retried later */
-        }
         kvf_store_release(&a->reject_completion_pos, pos);
         kvf_store_release(&a->reject_task_pos, task_pos);
         memcpy(p, s->scratch, len);

@@ -24,9 +24,8 @@ static void cleanup(void)
         unlink(copy);
 }
 
-/* Copy the good segment to `copy`, let `edit` change it, attach and expect rc and a message. */
-static void expect_refused(const char *what, void (*edit)(uint8_t *b, size_t *n), int rc,
-                           const char *needle)
+/* Copy the good segment to `copy`, changed by `edit` (or not, when NULL). */
+static void copy_segment(void (*edit)(uint8_t *b, size_t *n))
 {
         int in = open(path, O_RDONLY);
         struct stat st;
@@ -35,11 +34,19 @@ static void expect_refused(const char *what, void (*edit)(uint8_t *b, size_t *n)
         uint8_t *b = malloc(n);
         CHECK(b && read(in, b, n) == (ssize_t)n);
         close(in);
-        edit(b, &n);
+        if (edit)
+                edit(b, &n);
         int out = open(copy, O_WRONLY | O_CREAT | O_TRUNC, 0600);
         CHECK(out >= 0 && write(out, b, n) == (ssize_t)n);
         close(out);
         free(b);
+}
+
+/* Copy the good segment, let `edit` change it, attach and expect rc and a message. */
+static void expect_refused(const char *what, void (*edit)(uint8_t *b, size_t *n), int rc,
+                           const char *needle)
+{
+        copy_segment(edit);
         struct kvf_ctl c;
         int got = kvf_ctl_attach_path(copy, false, &c);
         if (got != rc || !strstr(kvf_err_msg(), needle)) {
@@ -142,13 +149,7 @@ int main(void)
                 CHECK_EQ(kvf_ctl_attach_path(path, false, &c2), 0);
                 kvf_ctl_detach(&c2);
                 /* restore a good copy, then give it away */
-                int in = open(path, O_RDONLY), o2 = open(copy, O_WRONLY | O_TRUNC);
-                char buf[65536];
-                ssize_t r;
-                while ((r = read(in, buf, sizeof(buf))) > 0)
-                        CHECK(write(o2, buf, (size_t)r) == r);
-                close(in);
-                close(o2);
+                copy_segment(NULL);
                 CHECK(chown(copy, 12345, 12345) == 0);
                 CHECK_EQ(kvf_ctl_attach_path(copy, false, &c2), -EPERM);
                 CHECK_ERR_HAS("is owned by uid 12345, we run as uid 0: refusing it");

@@ -16,20 +16,15 @@ json=$KVFERRY_RUN_DIR/fault.json
   --timeout-s 90 --json "$json" >"$KVFERRY_RUN_DIR/sim.txt" 2>&1 &
 sim=$!
 
-pid_of() { pgrep -f -x "$B/kvf-$1 --instance $2( .*)?" | head -n1; }
 kills=0
 for round in $(seq "$KILLS"); do
   for target in "sender $TAG-p0" "connector $TAG-p0" "connector $TAG-d0"; do
     set -- $target
     sleep "0.$(( RANDOM % 6 + 2 ))"
     kill -0 $sim 2>/dev/null || fail "the simulator stopped early: $(tail -n 5 "$KVFERRY_RUN_DIR/sim.txt")"
-    p=$(pid_of "$1" "$2") || true
-    [ -n "$p" ] || fail "no $1 of $2 running"
-    kill -KILL "$p"
+    # the supervisor brings it back (it backs off when a role keeps dying)
+    kill_role "$1" "$2"
     kills=$((kills + 1))
-    while kill -0 "$p" 2>/dev/null && [ "$(cut -d' ' -f3 /proc/$p/stat 2>/dev/null)" != Z ]; do sleep 0.01; done
-    # wait for the supervisor to bring it back (it backs off when a role keeps dying)
-    "$B/kvf-ctl" wait-ready --instance "$2" --roles "$1" --timeout-ms 15000 || fail "$1 of $2 did not come back"
   done
 done
 echo "killed $kills roles; stopping the simulator"
@@ -40,6 +35,6 @@ cat "$KVFERRY_RUN_DIR/sim.txt" | tail -n 12
 [ "$(json_get "$json" corrupt)" = 0 ] || fail "a request was reported finished with bytes that differ, or twice"
 [ "$(json_get "$json" unaccounted)" = 0 ] || fail "requests without a completion: $(json_get "$json" unaccounted)"
 [ "$(json_get "$json" finished)" -ge 10 ] || fail "too few requests finished under faults"
-restarts=$("$B/kvf-ringdump" --instance $TAG-p0 --json | /usr/bin/python3 -c 'import json,sys; d=json.load(sys.stdin); print(d["counters"]["restarts"])')
+restarts=$(counter $TAG-p0 restarts)
 [ "$restarts" -ge "$KILLS" ] || fail "prefill instance counted only $restarts restarts"
 pass "$kills SIGKILLs: $(json_get "$json" finished) finished and verified, $(json_get "$json" failed) failed with a status, none corrupt, none lost"

@@ -47,3 +47,22 @@ pass() { echo "ok: $*"; }
 json_get() {
   /usr/bin/python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))[sys.argv[2]])' "$1" "$2"
 }
+
+# counter INSTANCE NAME -> the instance's counter NAME, from kvf-ringdump
+counter() {
+  "$B/kvf-ringdump" --instance "$1" --json |
+    /usr/bin/python3 -c 'import json,sys; print(json.load(sys.stdin)["counters"][sys.argv[1]])' "$2"
+}
+
+# pid_of ROLE INSTANCE -> the pid of the instance's kvf-ROLE process (empty if none)
+pid_of() { pgrep -f -x "$B/kvf-$1 --instance $2( .*)?" | head -n1; }
+
+# kill_role ROLE INSTANCE: SIGKILL the role, wait until it is gone (a zombie counts as gone),
+# then until the supervisor has it running again
+kill_role() {
+  local p; p=$(pid_of "$1" "$2") || true
+  [ -n "$p" ] || fail "no $1 of $2 running"
+  kill -KILL "$p"
+  while kill -0 "$p" 2>/dev/null && [ "$(cut -d' ' -f3 /proc/$p/stat 2>/dev/null)" != Z ]; do sleep 0.01; done
+  "$B/kvf-ctl" wait-ready --instance "$2" --roles "$1" --timeout-ms 15000 || fail "$1 of $2 did not come back"
+}

@@ -57,11 +57,11 @@ sim_bg linkdown --prefill $TAG-p0 --decode $TAG-d0 --transport tcp --requests 40
   --peer-map "$TAG-d0=$IPB:7100" --timeout-s 30 &
 simpid=$!
 sleep 1.5
-before=$("$B/kvf-ringdump" --instance $TAG-p0 --json | /usr/bin/python3 -c 'import json,sys; print(json.load(sys.stdin)["counters"]["failed_connection"])')
+before=$(counter $TAG-p0 failed_connection)
 ip -n "$NA" link set "$VA" down
 t0=$(date +%s%N)
 while :; do
-  now=$("$B/kvf-ringdump" --instance $TAG-p0 --json | /usr/bin/python3 -c 'import json,sys; print(json.load(sys.stdin)["counters"]["failed_connection"])')
+  now=$(counter $TAG-p0 failed_connection)
   [ "$now" -gt "$before" ] && break
   [ $(( ($(date +%s%N) - t0) / 1000000 )) -gt $((PT * 4 + 2000)) ] && fail "link down: no connection error within $((PT * 4 + 2000)) ms"
   sleep 0.05
@@ -87,11 +87,7 @@ for side in $TAG-d0 $TAG-p0 $TAG-d0 $TAG-p0; do
     --peer-map "$TAG-d0=$IPB:7100" --timeout-s 30 &
   simpid=$!
   sleep 1.2
-  p=$(pgrep -f -x "$B/kvf-connector --instance $side( .*)?" | head -n1)
-  [ -n "$p" ] || fail "no connector for $side"
-  kill -KILL "$p"
-  while kill -0 "$p" 2>/dev/null && [ "$(cut -d' ' -f3 /proc/$p/stat 2>/dev/null)" != Z ]; do sleep 0.01; done
-  "$B/kvf-ctl" wait-ready --instance "$side" --roles connector --timeout-ms 15000 || fail "connector of $side not back"
+  kill_role connector "$side"
   sleep 1
   kill -TERM $simpid
   wait $simpid || { cat "$KVFERRY_RUN_DIR/kill.txt"; fail "kill $side: the simulator failed"; }
@@ -112,7 +108,7 @@ up $TAG-wd --role decode $L --token-file "$KVFERRY_RUN_DIR/other-token"
 up $TAG-xd --role decode --layers 28 --kv-heads 1 --head-dim 128 --cache-mib 256
 for case in "wd:authentication failed" "xd:peer layout mismatch"; do
   d=$TAG-${case%%:*} want=${case#*:}
-  sim bad --prefill $TAG-lp --decode $d --transport tcp --requests 3 --layer-us 50 --timeout-s 20 --quiet || true
+  sim bad --prefill $TAG-lp --decode $d --transport tcp --requests 3 --layer-us 50 --timeout-s 20 || true
   out=$(cat "$KVFERRY_RUN_DIR/bad.txt")
   echo "$out" | grep -q "$want" || { echo "$out"; fail "$d: no '$want'"; }
   [ "$(json_get "$KVFERRY_RUN_DIR/bad.json" finished)" = 0 ] || fail "$d: a request finished"
@@ -123,13 +119,12 @@ pass "the decode side reported the wrong token too"
 # 5. The decode connector dies after a whole request went into its sockets but before it read
 # them (stopped, then killed): the prefill side must notice its idle data connections closed
 # and send the blocks again to the restarted connector, not wait for an arrival that cannot come.
-counter() { "$B/kvf-ringdump" --instance "$1" --json | /usr/bin/python3 -c 'import json,sys; print(json.load(sys.stdin)["counters"][sys.argv[1]])' "$2"; }
 S="--layers 2 --kv-heads 1 --head-dim 64 --block-size 16 --blocks 256"
 up $TAG-sd --role decode $S
 up $TAG-sp --role prefill $S
 SIM1="--prefill $TAG-sp --decode $TAG-sd --transport tcp --requests 1 --max-tokens 16 --prefix-pct 0 --late-pct 0 --layer-us 50"
 sim unread0 $SIM1 || fail "small layout over tcp"
-dp=$(pgrep -f -x "$B/kvf-connector --instance $TAG-sd( .*)?" | head -n1)
+dp=$(pid_of connector $TAG-sd)
 [ -n "$dp" ] || fail "no connector for $TAG-sd"
 sent=$(counter $TAG-sp bytes_sent_tcp)
 kill -STOP "$dp"

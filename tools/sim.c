@@ -127,33 +127,32 @@ static uint64_t block_key(uint32_t seq, unsigned rank, uint32_t layer, uint32_t 
  */
 static bool sample_only;
 
+/* Word k of a block stamped with key. */
+static inline uint64_t pattern(uint64_t key, uint64_t k)
+{
+        return key + k * 0x9e3779b97f4a7c15ull;
+}
+
+/* The words of an n-word block that fill() and check() visit: all, or with --verify sample
+ * the first 8 and the last 8 (k jumps from 8 to n - 8). */
+static inline uint64_t next_word(uint64_t k, uint64_t n)
+{
+        return sample_only && n > 16 && k == 7 ? n - 8 : k + 1;
+}
+
 static void fill(uint8_t *p, uint64_t bytes, uint64_t key)
 {
         uint64_t *w = (uint64_t *)(void *)p, n = bytes / 8;
-        if (sample_only && n > 16) {
-                for (uint64_t k = 0; k < 8; k++) {
-                        w[k] = key + k * 0x9e3779b97f4a7c15ull;
-                        w[n - 8 + k] = key + (n - 8 + k) * 0x9e3779b97f4a7c15ull;
-                }
-                return;
-        }
-        for (uint64_t k = 0; k < n; k++)
-                w[k] = key + k * 0x9e3779b97f4a7c15ull;
+        for (uint64_t k = 0; k < n; k = next_word(k, n))
+                w[k] = pattern(key, k);
 }
 
 static bool check(const uint8_t *p, uint64_t bytes, uint64_t key)
 {
         const uint64_t *w = (const uint64_t *)(const void *)p;
         uint64_t n = bytes / 8;
-        if (sample_only && n > 16) {
-                for (uint64_t k = 0; k < 8; k++)
-                        if (w[k] != key + k * 0x9e3779b97f4a7c15ull ||
-                            w[n - 8 + k] != key + (n - 8 + k) * 0x9e3779b97f4a7c15ull)
-                                return false;
-                return true;
-        }
-        for (uint64_t k = 0; k < n; k++)
-                if (w[k] != key + k * 0x9e3779b97f4a7c15ull)
+        for (uint64_t k = 0; k < n; k = next_word(k, n))
+                if (w[k] != pattern(key, k))
                         return false;
         return true;
 }

@@ -2,6 +2,8 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/random.h>
 #include <sys/stat.h>
@@ -155,6 +157,16 @@ int kvf_random(void *p, size_t n)
                 n -= (size_t)r;
         }
         return 0;
+}
+
+void kvf_token_default_path(char *buf, size_t len)
+{
+        const char *env = getenv("KVFERRY_TOKEN_FILE");
+        const char *home = getenv("HOME");
+        if (env && env[0])
+                snprintf(buf, len, "%s", env);
+        else
+                snprintf(buf, len, "%s/.config/kvferry/token", home ? home : "");
 }
 
 int kvf_token_load(const char *path, uint8_t *tok, size_t *len)

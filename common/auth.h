@@ -46,5 +46,8 @@ int kvf_random(void *p, size_t n);
  * with kvf_err set.
  */
 int kvf_token_load(const char *path, uint8_t *tok, size_t *len);
+/* Where the token is when no --token-file names it: $KVFERRY_TOKEN_FILE if set and not
+ * empty, else $HOME/.config/kvferry/token. */
+void kvf_token_default_path(char *buf, size_t len);
 
 #endif

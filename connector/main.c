@@ -369,16 +369,6 @@ static int map_cache(struct connector *cn)
         return kvf_cache_map(h, true, &cn->cache);
 }
 
-static void default_token_path(char *buf, size_t len)
-{
-        const char *env = getenv("KVFERRY_TOKEN_FILE");
-        const char *home = getenv("HOME");
-        if (env && env[0])
-                snprintf(buf, len, "%s", env);
-        else
-                snprintf(buf, len, "%s/.config/kvferry/token", home ? home : "");
-}
-
 int main(int argc, char **argv)
 {
         enum { O_LISTEN = 1000, O_TOKEN, O_CTO, O_KEEP, O_PTO, O_STREAMS, O_ZC, O_VERSION };
@@ -398,7 +388,7 @@ int main(int argc, char **argv)
         char token_path[512];
         int c;
 
-        default_token_path(token_path, sizeof(token_path));
+        kvf_token_default_path(token_path, sizeof(token_path));
         cn.cfg.connect_timeout_ms = 2000;
         cn.cfg.keepalive_ms = 500;
         cn.cfg.peer_timeout_ms = 5000;

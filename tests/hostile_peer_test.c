@@ -195,12 +195,8 @@ int main(void)
                                    "--head-dim 64 --block-size 16 --blocks 64 >/dev/null",
                  KVF_SOURCE_DIR, D);
         CHECK(system(cmd) == 0);
-        const char *tf = getenv("KVFERRY_TOKEN_FILE");
-        char deftf[512];
-        if (!tf) {
-                snprintf(deftf, sizeof(deftf), "%s/.config/kvferry/token", getenv("HOME"));
-                tf = deftf;
-        }
+        char tf[512];
+        kvf_token_default_path(tf, sizeof(tf));
         CHECK(kvf_token_load(tf, token, &toklen) == 0);
         CHECK(kvf_attach(D, 5000, &eng) == 0);
         CHECK(kvf_ctl_attach(D, false, &ctl) == 0);

@@ -21,6 +21,7 @@
 #include <string.h>
 
 #include "err.h"
+#include "record_fields.h"
 #include "records.h"
 
 static void die(const char *what, const struct kvf_record *a, const struct kvf_record *b)
@@ -36,60 +37,26 @@ static bool ids_equal(const uint32_t *a, uint32_t na, const uint32_t *b, uint32_
         return na == nb && (na == 0 || !memcmp(a, b, (size_t)na * sizeof(*a)));
 }
 
-/* Everything the encoder carries; ip, port and present exist on the decode side only. */
+/* Everything the encoder carries (tests/record_fields.h): the first field that differs, or NULL. */
 static const char *differs(const struct kvf_record *a, const struct kvf_record *b)
 {
+#define SAME_NUM(f)                                                                                \
+        if (a->f != b->f)                                                                          \
+                return #f;
 #define SAME_STR(f)                                                                                \
         if (strcmp(a->f, b->f))                                                                    \
-        return #f
-#define SAME(f)                                                                                    \
-        if (a->f != b->f)                                                                          \
-        return #f
-        SAME(type);
-        SAME_STR(request_id);
-        SAME_STR(peer);
-        SAME_STR(reason);
-        SAME(current_id);
-        SAME(tokens);
-        SAME(key);
-        SAME(bytes);
-        SAME(accept_ns);
-        SAME(last_layer_ns);
-        SAME(done_ns);
-        SAME(generation);
-        SAME(layer);
-        SAME(layer_count);
-        SAME(blocks);
-        SAME(status);
-        SAME(transport);
-        SAME(last);
-        SAME(chunked);
-        SAME(up);
-        SAME_STR(instance);
-        SAME_STR(purpose);
-        SAME(role);
-        SAME(proto);
-        SAME(boot_id);
-        SAME(lay_layers);
-        SAME(lay_extra);
-        SAME(lay_blocks);
-        SAME(lay_heads);
-        SAME(lay_bsize);
-        SAME(lay_hdim);
-        SAME(lay_dtype);
-        SAME(lay_keyonly);
-        if (memcmp(a->nonce, b->nonce, sizeof(a->nonce)))
-                return "nonce";
-        if (memcmp(a->proof, b->proof, sizeof(a->proof)))
-                return "proof";
-#undef SAME
+                return #f;
+#define SAME_BIN(f)                                                                                \
+        if (memcmp(a->f, b->f, sizeof(a->f)))                                                      \
+                return #f;
+#define SAME_IDS(p, n, name)                                                                       \
+        if (!ids_equal(a->p, a->n, b->p, b->n))                                                    \
+                return name;
+        KVF_RECORD_FIELDS(SAME_NUM, SAME_STR, SAME_BIN, SAME_IDS)
+#undef SAME_NUM
 #undef SAME_STR
-        if (!ids_equal(a->src, a->n_src, b->src, b->n_src))
-                return "src_block_ids";
-        if (!ids_equal(a->dst, a->n_dst, b->dst, b->n_dst))
-                return "dest_block_ids";
-        if (!ids_equal(a->runs, a->n_runs, b->runs, b->n_runs))
-                return "runs";
+#undef SAME_BIN
+#undef SAME_IDS
         return NULL;
 }
 

@@ -22,6 +22,7 @@
 #include "check.h"
 #include "clock.h"
 #include "mp_read.h"
+#include "record_fields.h"
 #include "records.h"
 
 #define PYTHON "/usr/bin/python3"
@@ -61,47 +62,18 @@ static void check_ids(const char *what, const char *field, const uint32_t *a, ui
                 }
 }
 
-/* Everything the encoder carries; ip, port and present exist on the decode side only. */
+/* Everything the encoder carries (record_fields.h). */
 static void check_same(const char *what, const struct kvf_record *a, const struct kvf_record *b)
 {
-        CHECK_U64(what, a->type, b->type);
-        CHECK_STREQ(what, a->request_id, b->request_id);
-        CHECK_STREQ(what, a->peer, b->peer);
-        CHECK_STREQ(what, a->reason, b->reason);
-        CHECK_U64(what, a->current_id, b->current_id);
-        CHECK_U64(what, a->tokens, b->tokens);
-        CHECK_U64(what, a->key, b->key);
-        CHECK_U64(what, a->bytes, b->bytes);
-        CHECK_U64(what, a->accept_ns, b->accept_ns);
-        CHECK_U64(what, a->last_layer_ns, b->last_layer_ns);
-        CHECK_U64(what, a->done_ns, b->done_ns);
-        CHECK_U64(what, a->generation, b->generation);
-        CHECK_U64(what, a->layer, b->layer);
-        CHECK_U64(what, a->layer_count, b->layer_count);
-        CHECK_U64(what, a->blocks, b->blocks);
-        CHECK_U64(what, a->status, b->status);
-        CHECK_U64(what, a->transport, b->transport);
-        CHECK_U64(what, a->last, b->last);
-        CHECK_U64(what, a->chunked, b->chunked);
-        CHECK_U64(what, a->up, b->up);
-        CHECK_STREQ(what, a->instance, b->instance);
-        CHECK_STREQ(what, a->purpose, b->purpose);
-        CHECK_U64(what, a->role, b->role);
-        CHECK_U64(what, a->proto, b->proto);
-        CHECK_U64(what, a->boot_id, b->boot_id);
-        CHECK(memcmp(a->nonce, b->nonce, sizeof(a->nonce)) == 0);
-        CHECK(memcmp(a->proof, b->proof, sizeof(a->proof)) == 0);
-        CHECK_U64(what, a->lay_layers, b->lay_layers);
-        CHECK_U64(what, a->lay_extra, b->lay_extra);
-        CHECK_U64(what, a->lay_blocks, b->lay_blocks);
-        CHECK_U64(what, a->lay_heads, b->lay_heads);
-        CHECK_U64(what, a->lay_bsize, b->lay_bsize);
-        CHECK_U64(what, a->lay_hdim, b->lay_hdim);
-        CHECK_U64(what, a->lay_dtype, b->lay_dtype);
-        CHECK_U64(what, a->lay_keyonly, b->lay_keyonly);
-        check_ids(what, "src_block_ids", a->src, a->n_src, b->src, b->n_src);
-        check_ids(what, "dest_block_ids", a->dst, a->n_dst, b->dst, b->n_dst);
-        check_ids(what, "runs", a->runs, a->n_runs, b->runs, b->n_runs);
+#define SAME_NUM(f) CHECK_U64(what, a->f, b->f);
+#define SAME_STR(f) CHECK_STREQ(what, a->f, b->f);
+#define SAME_BIN(f) CHECK(memcmp(a->f, b->f, sizeof(a->f)) == 0);
+#define SAME_IDS(p, n, name) check_ids(what, name, a->p, a->n, b->p, b->n);
+        KVF_RECORD_FIELDS(SAME_NUM, SAME_STR, SAME_BIN, SAME_IDS)
+#undef SAME_NUM
+#undef SAME_STR
+#undef SAME_BIN
+#undef SAME_IDS
 }
 
 /* The keys of an encoded map, comma-separated, in order: pins the wire names. */

@@ -682,13 +682,19 @@ static void raw_trailing(msgpack_packer *pk)
 }
 
 /* FastDeploy-style peer, but the rank has no port. */
-static void raw_ports_short(msgpack_packer *pk)
+/* Every base key of a task but the last, "peer", with its value. */
+static void pack_base_but_peer(msgpack_packer *pk)
 {
-        msgpack_pack_map(pk, 7);
-        for (unsigned i = 0; i < N_BASE - 1; i++) { /* all but "peer" */
+        for (unsigned i = 0; i < N_BASE - 1; i++) {
                 msgpack_pack_str_with_body(pk, base_keys[i], strlen(base_keys[i]));
                 pack_base_value(pk, base_keys[i]);
         }
+}
+
+static void raw_ports_short(msgpack_packer *pk)
+{
+        msgpack_pack_map(pk, 7);
+        pack_base_but_peer(pk);
         pack_kv_str(pk, "ip", "10.0.0.2");
         msgpack_pack_str_with_body(pk, "rdma_ports", 10);
         v_ports_short(pk);
@@ -697,10 +703,7 @@ static void raw_ports_short(msgpack_packer *pk)
 static void raw_ip_port0(msgpack_packer *pk)
 {
         msgpack_pack_map(pk, 7);
-        for (unsigned i = 0; i < N_BASE - 1; i++) {
-                msgpack_pack_str_with_body(pk, base_keys[i], strlen(base_keys[i]));
-                pack_base_value(pk, base_keys[i]);
-        }
+        pack_base_but_peer(pk);
         pack_kv_str(pk, "ip", "10.0.0.2");
         msgpack_pack_str_with_body(pk, "port", 4);
         msgpack_pack_int(pk, 0);
@@ -709,10 +712,7 @@ static void raw_ip_port0(msgpack_packer *pk)
 static void raw_ip_no_port(msgpack_packer *pk)
 {
         msgpack_pack_map(pk, 6);
-        for (unsigned i = 0; i < N_BASE - 1; i++) {
-                msgpack_pack_str_with_body(pk, base_keys[i], strlen(base_keys[i]));
-                pack_base_value(pk, base_keys[i]);
-        }
+        pack_base_but_peer(pk);
         pack_kv_str(pk, "ip", "10.0.0.2");
 }
 
@@ -1104,10 +1104,7 @@ static void test_unknown_keys(void)
         msgpack_sbuffer_init(&sb);
         msgpack_packer_init(&pk, &sb, msgpack_sbuffer_write);
         msgpack_pack_map(&pk, 8);
-        for (unsigned i = 0; i < N_BASE - 1; i++) {
-                msgpack_pack_str_with_body(&pk, base_keys[i], strlen(base_keys[i]));
-                pack_base_value(&pk, base_keys[i]);
-        }
+        pack_base_but_peer(&pk);
         pack_kv_str(&pk, "ip", "192.168.7.7");
         msgpack_pack_str_with_body(&pk, "port", 4);
         msgpack_pack_uint64(&pk, 65535);

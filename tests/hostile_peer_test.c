@@ -156,6 +156,15 @@ static uint64_t rejected(void)
         return __atomic_load_n(&ctl.counters[KVF_CTR_FRAMES_REJECTED].value, __ATOMIC_ACQUIRE);
 }
 
+/* The connector counts a rejected frame within 3 s. */
+static void wait_rejected(uint64_t before)
+{
+        uint64_t end = kvf_now_ns() + 3000000000ull;
+        while (rejected() <= before && kvf_now_ns() < end)
+                usleep(10000);
+        CHECK(rejected() > before);
+}
+
 static int ncase;
 
 static void expect_drop(const char *what, int fd, uint64_t before, const char *logged)
@@ -165,10 +174,7 @@ static void expect_drop(const char *what, int fd, uint64_t before, const char *l
                 exit(1);
         }
         close(fd);
-        uint64_t end = kvf_now_ns() + 3000000000ull;
-        while (rejected() <= before && kvf_now_ns() < end)
-                usleep(10000);
-        CHECK(rejected() > before);
+        wait_rejected(before);
         bool found = false;
         struct kvf_errlog_entry e;
         for (unsigned i = 0; i < KVF_ERRLOG_ENTRIES; i++)
@@ -273,10 +279,7 @@ int main(void)
         data(fd, 7, 0, 0, 0, 1, 24 + bb, bb / 2, 0x5a);
         usleep(100000);
         close(fd);
-        uint64_t end = kvf_now_ns() + 3000000000ull;
-        while (rejected() <= before && kvf_now_ns() < end)
-                usleep(10000);
-        CHECK(rejected() > before);
+        wait_rejected(before);
         printf("  %-36s -> dropped; only its own block touched\n", "frame cut short");
         ncase++;
 

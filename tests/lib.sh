@@ -12,9 +12,13 @@ export KVFERRY_RUN_DIR
 export KVFERRY_TOKEN_FILE=${KVFERRY_TOKEN_FILE:-$KVFERRY_RUN_DIR/token}
 TAG=t$$
 STARTED=()
+AT_EXIT=()  # commands a test adds, run at exit before its instances are stopped
+UP_WRAP=()  # a prefix for the supervisor command in up() (tcp_test: ip netns exec NS)
 
 cleanup() {
   local rc=$?
+  local c
+  for c in "${AT_EXIT[@]}"; do eval "$c" || true; done
   if [ ${#STARTED[@]} -gt 0 ]; then
     local args=()
     for n in "${STARTED[@]}"; do args+=(--instance "$n"); done
@@ -33,7 +37,7 @@ trap cleanup EXIT
 up() {
   local name=$1; shift
   STARTED+=("$name")
-  "$ROOT/tools/kvferry" up --instance "$name" "$@" >/dev/null
+  "${UP_WRAP[@]}" "$ROOT/tools/kvferry" up --instance "$name" "$@" >/dev/null
 }
 
 down() {

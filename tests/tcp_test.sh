@@ -14,7 +14,7 @@ cleanup_ns() {
   ip netns del "$NA" 2>/dev/null || true
   ip netns del "$NB" 2>/dev/null || true
 }
-trap 'rc=$?; cleanup_ns; (exit $rc); cleanup' EXIT
+AT_EXIT+=(cleanup_ns)
 ip netns add "$NA"
 ip netns add "$NB"
 ip link add "$VA" type veth peer name "$VB"
@@ -28,9 +28,9 @@ ip -n "$NA" link set lo up
 ip -n "$NB" link set lo up
 
 up_in() { # up_in NS NAME ARGS...: an instance whose processes live in namespace NS
-  local ns=$1 name=$2; shift 2
-  STARTED+=("$name")
-  ip netns exec "$ns" "$ROOT/tools/kvferry" up --instance "$name" "$@" >/dev/null
+  local ns=$1; shift
+  local UP_WRAP=(ip netns exec "$ns")
+  up "$@"
 }
 sim() { # sim NAME ARGS...: kvf-sim with a JSON summary in $KVFERRY_RUN_DIR/NAME.json
   local name=$1; shift

@@ -227,7 +227,18 @@ int kvf_ctl_create(const struct kvf_ctl_params *prm, struct kvf_ctl *out)
                             (unsigned long long)p.total, strerror(-rc));
                 goto fail_unlink;
         }
-        void *base = mmap(NULL, p.total, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+        /* Every page now, not at first touch: a request's first use of its table slot
+         * (block lists, kilobytes) would otherwise take page faults on the sender's path
+         * between a layer-done and the finish notice (tens of microseconds, measured
+         * with kvf-sim), and a /dev/shm too small for the segment fails here, with a
+         * message, instead of as SIGBUS in whichever process touches the page. */
+        rc = -posix_fallocate(fd, 0, (off_t)p.total);
+        if (rc < 0) {
+                kvf_err_set(rc, "reserve %llu bytes for /dev/shm%s: %s (is /dev/shm full?)",
+                            (unsigned long long)p.total, name, strerror(-rc));
+                goto fail_unlink;
+        }
+        void *base = mmap(NULL, p.total, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
         if (base == MAP_FAILED) {
                 rc = -errno;
                 kvf_err_set(rc, "map /dev/shm%s: %s", name, strerror(-rc));
@@ -323,6 +334,11 @@ int kvf_ctl_validate(void *base, uint64_t size, uid_t uid, struct kvf_ctl *out)
                 return kvf_err_set(-EBADMSG,
                                    "truncated control segment: %llu bytes, the header alone needs %u",
                                    (unsigned long long)size, KVF_HEADER_SIZE);
+        /* Its creator sized the file (and reserves its pages) before it writes the
+         * header: a header still zero is a segment being created, like version 0. */
+        if (h->magic == 0 && kvf_load_acquire(&h->version) == 0)
+                return kvf_err_set(-EAGAIN,
+                                   "control segment not ready: its header is still zero (being created)");
         if (h->magic != KVF_MAGIC)
                 return kvf_err_set(-EPROTO,
                                    "not a kvferry control segment: magic 0x%016llx, expected 0x%016llx",
@@ -448,8 +464,9 @@ int kvf_ctl_attach_path(const char *path, bool writable, struct kvf_ctl *out)
                                    "%s: truncated control segment: %lld bytes, the header alone needs %u",
                                    path, (long long)st.st_size, KVF_HEADER_SIZE);
         }
+        /* MAP_POPULATE: page-table entries now, not on the hot path (see kvf_ctl_create). */
         void *base = mmap(NULL, (size_t)st.st_size, PROT_READ | (writable ? PROT_WRITE : 0),
-                          MAP_SHARED, fd, 0);
+                          MAP_SHARED | MAP_POPULATE, fd, 0);
         if (base == MAP_FAILED) {
                 rc = -errno;
                 close(fd);

@@ -67,6 +67,11 @@ static void not_ready(uint8_t *b, size_t *n)
         (void)n;
         memset(b + 8, 0, 4);
 }
+static void zero_header(uint8_t *b, size_t *n)
+{
+        (void)n;
+        memset(b, 0, 4096);
+}
 static void bad_version(uint8_t *b, size_t *n)
 {
         (void)n;
@@ -131,6 +136,7 @@ int main(void)
         printf("refused segments:\n");
         expect_refused("wrong magic", bad_magic, -EPROTO, "not a kvferry control segment");
         expect_refused("version 0 (being created)", not_ready, -EAGAIN, "not ready");
+        expect_refused("header all zero (being created)", zero_header, -EAGAIN, "header is still zero");
         char want_version[64];
         snprintf(want_version, sizeof(want_version), "layout version 99, this build speaks version %u",
                  KVF_LAYOUT_VERSION);

@@ -73,7 +73,14 @@ struct peer {
         struct connector *cn;
         pthread_t thread;
         pthread_mutex_t mu;
+        /* Writes on the control socket: the peer thread's, and the control thread's
+         * direct sends of notices (conn_peer_enqueue). Taken before mu. */
+        pthread_mutex_t wmu;
         int wake_fd; /* eventfd: new work for the peer thread */
+        /* changed under both wmu and mu: the connected control socket, or -1, and
+         * which connection it is (a new number per connection) */
+        int fd;
+        uint64_t conn;
         /* under mu */
         struct notice *queue, *queue_tail; /* to send */
         struct notice *inflight;           /* sent, waiting for an ack */

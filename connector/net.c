@@ -230,19 +230,16 @@ void kvf_net_get_hdr(const uint8_t *b, struct kvf_frame_hdr *h)
         h->flags = ntohs(f);
 }
 
-int kvf_net_send_frame(int fd, uint16_t type, const void *payload, uint32_t len, unsigned timeout_ms)
+int kvf_net_try_send_frame(int fd, uint16_t type, const void *payload, uint32_t len, unsigned timeout_ms)
 {
         uint8_t hdr[KVF_FRAME_HDR];
         kvf_net_put_hdr(hdr, len, type, 0);
         struct iovec iov[2] = {{hdr, sizeof(hdr)}, {(void *)payload, len}};
         struct msghdr mh = {.msg_iov = iov, .msg_iovlen = len ? 2 : 1};
-        /* Usually one sendmsg does it; fall back to write_all for the rest. */
+        /* Usually one sendmsg does it; a frame taken in part is finished with write_all. */
         ssize_t w = sendmsg(fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
-        if (w < 0) {
-                if (errno != EAGAIN && errno != EINTR)
-                        return -errno;
-                w = 0;
-        }
+        if (w < 0)
+                return errno == EAGAIN || errno == EINTR ? 0 : -errno;
         size_t done = (size_t)w;
         if (done < sizeof(hdr)) {
                 int rc = kvf_net_write_all(fd, hdr + done, sizeof(hdr) - done, timeout_ms);
@@ -250,8 +247,22 @@ int kvf_net_send_frame(int fd, uint16_t type, const void *payload, uint32_t len,
                         return rc;
                 done = sizeof(hdr);
         }
-        return kvf_net_write_all(fd, (const uint8_t *)payload + (done - sizeof(hdr)),
-                                 len - (done - sizeof(hdr)), timeout_ms);
+        int rc = kvf_net_write_all(fd, (const uint8_t *)payload + (done - sizeof(hdr)),
+                                   len - (done - sizeof(hdr)), timeout_ms);
+        return rc < 0 ? rc : 1;
+}
+
+int kvf_net_send_frame(int fd, uint16_t type, const void *payload, uint32_t len, unsigned timeout_ms)
+{
+        int rc = kvf_net_try_send_frame(fd, type, payload, len, timeout_ms);
+        if (rc != 0)
+                return rc < 0 ? rc : 0;
+        /* The socket took nothing: wait for it, for the whole frame. */
+        uint8_t hdr[KVF_FRAME_HDR];
+        kvf_net_put_hdr(hdr, len, type, 0);
+        if ((rc = kvf_net_write_all(fd, hdr, sizeof(hdr), timeout_ms)) < 0)
+                return rc;
+        return kvf_net_write_all(fd, payload, len, timeout_ms);
 }
 
 int kvf_net_recv_frame(int fd, struct kvf_frame_hdr *h, void *buf, uint32_t cap, unsigned timeout_ms)

@@ -39,6 +39,12 @@ int kvf_net_write_all(int fd, const void *p, size_t n, unsigned timeout_ms);
 int kvf_net_read_all(int fd, void *p, size_t n, unsigned timeout_ms);
 /* Write one frame (header + payload) within timeout_ms. */
 int kvf_net_send_frame(int fd, uint16_t type, const void *payload, uint32_t len, unsigned timeout_ms);
+/*
+ * As kvf_net_send_frame, but 0 without sending a byte when the socket has no
+ * room now; 1 once the whole frame is sent (a frame the socket took in part
+ * is finished with blocking writes: never left half-sent); < 0 on error.
+ */
+int kvf_net_try_send_frame(int fd, uint16_t type, const void *payload, uint32_t len, unsigned timeout_ms);
 /* Read one whole frame into buf (cap bytes) within timeout_ms; -EMSGSIZE if longer than cap. */
 int kvf_net_recv_frame(int fd, struct kvf_frame_hdr *h, void *buf, uint32_t cap, unsigned timeout_ms);
 /* "a.b.c.d:port" of the other end. */

@@ -1,6 +1,7 @@
 /*
  * Outgoing peers: one thread per peer connects, authenticates, sends finish
- * notices, matches their acknowledgements, pings, and reconnects.
+ * notices, matches their acknowledgements, pings, and reconnects. The control
+ * thread sends a notice itself when it can do so at once (conn_peer_enqueue).
  *
  * A notice that cannot be delivered within peer_timeout_ms of reaching the
  * connector fails with "connection error" (or with the permanent reason:
@@ -13,7 +14,10 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <linux/sockios.h>
 #include <sys/eventfd.h>
+#include <sys/ioctl.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include "clock.h"
@@ -116,6 +120,17 @@ int conn_peer_resolve(struct peer *p, char *host, size_t hostlen, uint16_t *port
         return 0;
 }
 
+/* A new connection's socket, for conn_peer_enqueue's direct sends. */
+static void set_socket(struct peer *p, int fd)
+{
+        pthread_mutex_lock(&p->wmu);
+        pthread_mutex_lock(&p->mu);
+        p->fd = fd;
+        p->conn++;
+        pthread_mutex_unlock(&p->mu);
+        pthread_mutex_unlock(&p->wmu);
+}
+
 /* Connected: move notices, match acks, ping. Returns why the connection ended. */
 static int serve(struct peer *p, int fd, char *why, size_t whylen)
 {
@@ -130,6 +145,7 @@ static int serve(struct peer *p, int fd, char *why, size_t whylen)
                 snprintf(why, whylen, "out of memory");
                 return -ENOMEM;
         }
+        set_socket(p, fd);
         while (!p->stop && !cn->stop) {
                 /* Send everything queued. */
                 for (;;) {
@@ -143,7 +159,9 @@ static int serve(struct peer *p, int fd, char *why, size_t whylen)
                         pthread_mutex_unlock(&p->mu);
                         if (!n)
                                 break;
+                        pthread_mutex_lock(&p->wmu);
                         rc = kvf_net_send_frame(fd, KVF_RT_NOTICE, n->frame, n->len, cn->cfg.peer_timeout_ms);
+                        pthread_mutex_unlock(&p->wmu);
                         pthread_mutex_lock(&p->mu);
                         if (rc < 0 || !n->abort_notice) {
                                 /* in flight (or to resend after reconnecting) */
@@ -169,7 +187,10 @@ static int serve(struct peer *p, int fd, char *why, size_t whylen)
                 }
                 if (now - last_tx >= keep) {
                         struct kvf_record ping = {.type = KVF_RT_PING};
-                        if ((rc = conn_send_record(fd, &ping, cn->cfg.peer_timeout_ms)) < 0) {
+                        pthread_mutex_lock(&p->wmu);
+                        rc = conn_send_record(fd, &ping, cn->cfg.peer_timeout_ms);
+                        pthread_mutex_unlock(&p->wmu);
+                        if (rc < 0) {
                                 snprintf(why, whylen, "%s", kvf_err_msg());
                                 goto out;
                         }
@@ -199,7 +220,9 @@ static int serve(struct peer *p, int fd, char *why, size_t whylen)
                 while ((rc = kvf_reader_next(&rd, &h, &pl)) == 1) {
                         if (h.type == KVF_RT_PING) {
                                 struct kvf_record pong = {.type = KVF_RT_PONG};
+                                pthread_mutex_lock(&p->wmu);
                                 conn_send_record(fd, &pong, cn->cfg.peer_timeout_ms);
+                                pthread_mutex_unlock(&p->wmu);
                                 continue;
                         }
                         if (h.type != KVF_RT_ACK)
@@ -234,8 +257,11 @@ static int serve(struct peer *p, int fd, char *why, size_t whylen)
         snprintf(why, whylen, "stopping");
 out:
         kvf_reader_free(&rd);
-        /* In-flight notices go back to the head of the queue. */
+        /* No direct send is under way past this (wmu), and none starts on this socket. */
+        pthread_mutex_lock(&p->wmu);
         pthread_mutex_lock(&p->mu);
+        p->fd = -1;
+        /* In-flight notices go back to the head of the queue. */
         while (p->inflight) {
                 struct notice *n = p->inflight;
                 p->inflight = n->next;
@@ -245,6 +271,7 @@ out:
                         p->queue_tail = n;
         }
         pthread_mutex_unlock(&p->mu);
+        pthread_mutex_unlock(&p->wmu);
         return rc;
 }
 
@@ -331,6 +358,8 @@ struct peer *conn_peer_get(struct connector *cn, const char *name)
         snprintf(p->name, sizeof(p->name), "%s", name);
         p->cn = cn;
         pthread_mutex_init(&p->mu, NULL);
+        pthread_mutex_init(&p->wmu, NULL);
+        p->fd = -1;
         p->wake_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
         if (p->wake_fd < 0 || pthread_create(&p->thread, NULL, peer_main, p) != 0) {
                 if (p->wake_fd >= 0)
@@ -350,17 +379,94 @@ static void wake(struct peer *p)
         }
 }
 
-void conn_peer_enqueue(struct peer *p, struct notice *n)
+static void queue_push(struct peer *p, struct notice *n, bool at_head)
 {
-        pthread_mutex_lock(&p->mu);
+        if (at_head) {
+                n->next = p->queue;
+                p->queue = n;
+                if (!p->queue_tail)
+                        p->queue_tail = n;
+                return;
+        }
         n->next = NULL;
         if (p->queue_tail)
                 p->queue_tail->next = n;
         else
                 p->queue = n;
         p->queue_tail = n;
+}
+
+/* Take n out of the in-flight list; false if it is no longer there. */
+static bool inflight_take(struct peer *p, struct notice *n)
+{
+        struct notice **pp = &p->inflight;
+        while (*pp && *pp != n)
+                pp = &(*pp)->next;
+        if (!*pp)
+                return false;
+        *pp = n->next;
+        return true;
+}
+
+/*
+ * Room for len more bytes in fd's send buffer, with a margin for the kernel's
+ * per-buffer overhead: then one non-blocking send takes the whole frame and
+ * the calling thread never waits on a peer that stopped reading.
+ */
+static bool has_room(int fd, uint32_t len)
+{
+        int queued = 0, sndbuf = 0;
+        socklen_t sl = sizeof(sndbuf);
+        if (ioctl(fd, SIOCOUTQ, &queued) < 0 || getsockopt(fd, SOL_SOCKET, SO_SNDBUF, &sndbuf, &sl) < 0)
+                return false;
+        return sndbuf > queued && (uint64_t)(sndbuf - queued) >= 2ull * len + 4096;
+}
+
+/*
+ * A notice for the peer. When the peer is connected and nothing waits before
+ * it, the calling thread sends it at once: handing it to the peer thread cost
+ * a thread wake-up on the transfer's tail (kvf-sim measured 60 to 100 us on a
+ * loaded 2-vCPU machine). Otherwise, and for abort notices, the peer thread
+ * sends it. A socket without room now is never waited on here.
+ */
+void conn_peer_enqueue(struct peer *p, struct notice *n)
+{
+        pthread_mutex_lock(&p->mu);
+        int fd = p->fd;
+        uint64_t conn = p->conn;
+        bool direct = fd >= 0 && !p->queue && !n->abort_notice;
+        if (direct) {
+                /* In flight before it is sent: its ack can come back at once. */
+                n->next = p->inflight;
+                p->inflight = n;
+        } else {
+                queue_push(p, n, false);
+        }
         pthread_mutex_unlock(&p->mu);
-        wake(p);
+        if (!direct) {
+                wake(p);
+                return;
+        }
+        int rc = -ENOTCONN;
+        pthread_mutex_lock(&p->wmu);
+        /* Still the same connection? If not, its end moved n back to the queue. */
+        if (p->conn == conn && p->fd == fd)
+                rc = has_room(fd, n->len) ? kvf_net_try_send_frame(fd, KVF_RT_NOTICE, n->frame, n->len,
+                                                                   p->cn->cfg.peer_timeout_ms)
+                                          : 0;
+        if (rc == 0) {
+                /* No room now: the peer thread sends it, first. Unsent and with the
+                 * connection held (wmu), n is still in flight: no ack, no requeue. */
+                pthread_mutex_lock(&p->mu);
+                if (inflight_take(p, n))
+                        queue_push(p, n, true);
+                pthread_mutex_unlock(&p->mu);
+        }
+        pthread_mutex_unlock(&p->wmu);
+        /* Sent: n may be acknowledged and freed already; touch it no more. A send
+         * error: the peer thread finds the connection broken and sends n again. */
+        if (rc != 1)
+                wake(p);
 }
 
 void conn_peer_connect_task(struct peer *p, const char *task_id)

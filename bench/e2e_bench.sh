@@ -51,9 +51,9 @@ echo "| throughput | kvferry $(py "round($rate/2**30,2)") GiB/s | one contiguous
 # at its last layer, so later ones also wait for the others' last layers).
 for shape in "one request per step|--step-tokens 1" "chunked prefill, 4096-token chunks, 8192-token steps|--step-tokens 8192 --chunk-tokens 4096" "whole requests batched into 8192-token steps|--step-tokens 8192"; do
   sim $R/tail.json --prefill $T-p --decode $T-d --requests $N --layer-us 3000 ${shape#*|} --baseline
-  read -r t50 t99 lb mb < <(j $R/tail.json tail_p50_ns tail_p99_ns avg_layer_bytes memcpy_bps)
+  read -r t50 t99 i99 nl l50 lb mb < <(j $R/tail.json tail_p50_ns tail_p99_ns tail_in_time_p99_ns late_tasks tail_late_p50_ns avg_layer_bytes memcpy_bps)
   one=$(py "$lb/$mb*1e9")
-  echo "| transfer tail, ${shape%%|*} | p50 $(py "round($t50/1e3)") us, p99 $(py "round($t99/1e3)") us | one layer ($(py "round($lb/2**20,2)") MiB) at memcpy rate $(py "round($one/1e3)") us | p50 / (2 x layer + 50 us) = $(py "round($t50/(2*$one+50e3),2)") (target <= 1) |"
+  echo "| transfer tail, ${shape%%|*} | p50 $(py "round($t50/1e3)") us, p99 $(py "round($t99/1e3)") us (tasks in time: p99 $(py "round($i99/1e3)") us; $nl late tasks, every layer left to send: p50 $(py "round($l50/1e3)") us) | one layer ($(py "round($lb/2**20,2)") MiB) at memcpy rate $(py "round($one/1e3)") us | p50 / (2 x layer + 50 us) = $(py "round($t50/(2*$one+50e3),2)") (target <= 1) |"
 done
 read -r l50 l99 < <(j $R/tail.json layer_to_copy_p50_ns layer_to_copy_p99_ns)   # the last shape's run
 echo "| layer-done -> copy start | p50 $(py "round($l50/1e3,1)") us, p99 $(py "round($l99/1e3,1)") us | FastDeploy polls every 1000 us | p50 target < 20 us |"

@@ -42,6 +42,7 @@ struct req {
         uint32_t *src, *dst;
         uint32_t done_tokens;   /* prefilled so far */
         uint64_t last_layer_ns; /* publish time of its final layer */
+        uint32_t last_blocks;   /* blocks its final step sends per layer and tensor */
         bool late_task;         /* submit the task after its layers are published */
         bool cancel;            /* cancel it halfway through its step */
         bool submitted, computed;
@@ -86,8 +87,15 @@ static unsigned nreq;
 static struct pool psrc, pdst;
 static uint64_t corrupt, verified_bytes, moved_bytes, done_reqs, finished, failed, bad_status_pairs;
 static uint64_t fail_by_status[KVF_STATUS_COUNT];
-static uint64_t *tails; /* ns, per finished request: last layer-done -> arrival */
-static uint64_t *ctails; /* the same request's last layer-done -> completion (prefill side) */
+/* Per finished request: its transfer tail, and what the tail had to carry. */
+struct tail {
+        uint64_t ns;   /* last layer-done -> arrival */
+        uint64_t cns;  /* last layer-done -> completion (prefill side) */
+        uint64_t left; /* bytes left to send at its last layer-done: its final step's share
+                          of one layer, or all of it when its task came after the layers */
+        bool late;     /* its task came after its last layer */
+};
+static struct tail *tails;
 static unsigned ntails;
 static uint64_t t_start;
 static volatile int stop; /* SIGTERM/SIGINT: admit no more, let what was admitted finish */
@@ -274,8 +282,12 @@ static void maybe_done(struct req *r)
                         moved_bytes += r->bytes;
                         if (r->arrival_ns > r->last_layer_ns && r->last_layer_ns &&
                             r->completion_ns > r->last_layer_ns) {
-                                ctails[ntails] = r->completion_ns - r->last_layer_ns;
-                                tails[ntails++] = r->arrival_ns - r->last_layer_ns;
+                                tails[ntails++] = (struct tail){
+                                    .ns = r->arrival_ns - r->last_layer_ns,
+                                    .cns = r->completion_ns - r->last_layer_ns,
+                                    .left = r->late_task ? r->bytes
+                                                         : (uint64_t)r->last_blocks * tensors * L.block_bytes * o.ranks,
+                                    .late = r->late_task};
                         }
                 }
         } else {
@@ -419,18 +431,73 @@ static void progress_line(bool final)
                 s > 0 ? (double)moved_bytes / (1 << 30) / s : 0.0, final ? "\n" : "   ");
 }
 
-static int cmp_u64(const void *a, const void *b)
+struct spread {
+        unsigned n;
+        double p50, p99, max;
+};
+
+static int cmp_double(const void *a, const void *b)
 {
-        uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+        double x = *(const double *)a, y = *(const double *)b;
         return x < y ? -1 : x > y;
 }
 
-static uint64_t pct(const uint64_t *v, unsigned n, double q)
+/* Percentiles of v[0..n), which this sorts. */
+static struct spread spread_of(double *v, unsigned n)
 {
         if (!n)
-                return 0;
-        unsigned i = (unsigned)(q * (n - 1) + 0.5);
-        return v[i];
+                return (struct spread){0};
+        qsort(v, n, sizeof(*v), cmp_double);
+        return (struct spread){.n = n,
+                               .p50 = v[(unsigned)(0.5 * (n - 1) + 0.5)],
+                               .p99 = v[(unsigned)(0.99 * (n - 1) + 0.5)],
+                               .max = v[n - 1]};
+}
+
+struct tail_figures {
+        struct spread all, in_time, late, completion;
+        struct spread norm; /* tail / (2 x its bytes left at memcpy rate + 50 us); with a baseline */
+};
+
+/*
+ * The tail figures. A late task's tail carries its whole request (the task
+ * came after every layer was done), so it is shown apart from the tails of
+ * requests whose task came in time; the ratio puts each request's tail next
+ * to what it had left to send.
+ */
+static struct tail_figures tail_figures(double memcpy_bps)
+{
+        struct tail_figures f = {0};
+        unsigned m = ntails ? ntails : 1, n_in = 0, n_late = 0;
+        double *all = calloc(m, sizeof(double)), *in_time = calloc(m, sizeof(double));
+        double *late = calloc(m, sizeof(double)), *comp = calloc(m, sizeof(double));
+        double *norm = calloc(m, sizeof(double));
+
+        if (all && in_time && late && comp && norm) {
+                for (unsigned i = 0; i < ntails; i++) {
+                        const struct tail *t = &tails[i];
+                        all[i] = (double)t->ns;
+                        comp[i] = (double)t->cns;
+                        if (t->late)
+                                late[n_late++] = (double)t->ns;
+                        else
+                                in_time[n_in++] = (double)t->ns;
+                        if (memcpy_bps > 0)
+                                norm[i] = (double)t->ns / (2e9 * (double)t->left / memcpy_bps + 50e3);
+                }
+                f.all = spread_of(all, ntails);
+                f.in_time = spread_of(in_time, n_in);
+                f.late = spread_of(late, n_late);
+                f.completion = spread_of(comp, ntails);
+                if (memcpy_bps > 0)
+                        f.norm = spread_of(norm, ntails);
+        }
+        free(all);
+        free(in_time);
+        free(late);
+        free(comp);
+        free(norm);
+        return f;
 }
 
 /*
@@ -615,7 +682,6 @@ int main(int argc, char **argv)
         if (load_trace(o.trace, o.requests) < 0)
                 return 1;
         tails = calloc(nreq, sizeof(*tails));
-        ctails = calloc(nreq, sizeof(*ctails));
 
         for (unsigned i = 0; i < nreq; i++) {
                 struct req *r = &reqs[i];
@@ -718,8 +784,12 @@ int main(int argc, char **argv)
                                                                 kvf_submit_cancel(kvf_group_member(pg, k), active[i]->id);
                                 if (l == layers - 1)
                                         for (unsigned i = 0; i < nactive; i++)
-                                                if (to[i] >= active[i]->tokens)
-                                                        active[i]->last_layer_ns = pub;
+                                                if (to[i] >= active[i]->tokens) {
+                                                        struct req *r = active[i];
+                                                        uint32_t b0 = from[i] / L.block_size;
+                                                        r->last_layer_ns = pub;
+                                                        r->last_blocks = r->n_src - (b0 > r->first ? b0 : r->first);
+                                                }
                                 poll_events(0);
                         }
                         /* Tasks that arrive after their layers are done. */
@@ -751,8 +821,6 @@ int main(int argc, char **argv)
         if (!o.quiet)
                 progress_line(true);
 
-        qsort(tails, ntails, sizeof(*tails), cmp_u64);
-        qsort(ctails, ntails, sizeof(*ctails), cmp_u64);
         uint64_t l2c50 = 0, l2c99 = 0;
         if (kvf_ctl_attach(o.prefill[0], false, &pc) == 0) {
                 static struct kvf_histogram run;
@@ -773,6 +841,7 @@ int main(int argc, char **argv)
                 avg_send += reqs[i].n_dst;
         avg_send /= nreq;
         double layer_bytes = avg_send * tensors * (double)L.block_bytes * o.ranks;
+        struct tail_figures tf = tail_figures(base);
         unsigned unaccounted = nreq - (unsigned)done_reqs;
         bool ok = corrupt == 0 && unaccounted == 0;
         char gib[32];
@@ -792,10 +861,17 @@ int main(int argc, char **argv)
                kvf_fmt_bytes(verified_bytes, (char[32]){0}, 32),
                sample_only ? "at both ends of every block (--verify sample)" : "byte for byte");
         printf("  tail         last layer-done -> arrival: p50 %.1f us, p99 %.1f us (one layer of an average request: %s)\n",
-               (double)pct(tails, ntails, 0.5) / 1e3, (double)pct(tails, ntails, 0.99) / 1e3,
-               kvf_fmt_bytes((uint64_t)layer_bytes, (char[32]){0}, 32));
+               tf.all.p50 / 1e3, tf.all.p99 / 1e3, kvf_fmt_bytes((uint64_t)layer_bytes, (char[32]){0}, 32));
+        printf("               %u with the task in time: p50 %.1f us, p99 %.1f us; %u late tasks (every layer "
+               "left to send): p50 %.1f us, p99 %.1f us\n",
+               tf.in_time.n, tf.in_time.p50 / 1e3, tf.in_time.p99 / 1e3, tf.late.n, tf.late.p50 / 1e3,
+               tf.late.p99 / 1e3);
+        if (base > 0)
+                printf("               per request, tail / (2 x its bytes left at memcpy rate + 50 us): p50 %.2f, "
+                       "p99 %.2f, max %.2f\n",
+                       tf.norm.p50, tf.norm.p99, tf.norm.max);
         printf("               last layer-done -> completion (prefill side): p50 %.1f us, p99 %.1f us\n",
-               (double)pct(ctails, ntails, 0.5) / 1e3, (double)pct(ctails, ntails, 0.99) / 1e3);
+               tf.completion.p50 / 1e3, tf.completion.p99 / 1e3);
         printf("  copy start   layer-done -> copy start: p50 %.1f us, p99 %.1f us\n", (double)l2c50 / 1e3,
                (double)l2c99 / 1e3);
         if (o.baseline)
@@ -809,17 +885,19 @@ int main(int argc, char **argv)
                         fprintf(f,
                                 "{\"requests\":%u,\"finished\":%llu,\"failed\":%llu,\"unaccounted\":%u,\"corrupt\":%llu,"
                                 "\"bytes\":%llu,\"verified_bytes\":%llu,\"seconds\":%.6f,\"rate_bps\":%.1f,"
-                                "\"tail_p50_ns\":%llu,\"tail_p99_ns\":%llu,\"completion_tail_p50_ns\":%llu,"
-                                "\"completion_tail_p99_ns\":%llu,\"layer_to_copy_p50_ns\":%llu,"
+                                "\"tail_p50_ns\":%.0f,\"tail_p99_ns\":%.0f,\"tail_in_time_p50_ns\":%.0f,"
+                                "\"tail_in_time_p99_ns\":%.0f,\"late_tasks\":%u,\"tail_late_p50_ns\":%.0f,"
+                                "\"tail_late_p99_ns\":%.0f,\"tail_norm_p50\":%.3f,\"tail_norm_p99\":%.3f,"
+                                "\"tail_norm_max\":%.3f,\"completion_tail_p50_ns\":%.0f,"
+                                "\"completion_tail_p99_ns\":%.0f,\"layer_to_copy_p50_ns\":%llu,"
                                 "\"layer_to_copy_p99_ns\":%llu,\"memcpy_bps\":%.1f,\"avg_layer_bytes\":%.1f,\"ok\":%s,"
                                 "\"cancelled\":%llu,\"timed_out\":%llu,\"connection_errors\":%llu,\"finished_but_failed_pairs\":%llu}\n",
                                 nreq, (unsigned long long)finished, (unsigned long long)failed, unaccounted,
                                 (unsigned long long)corrupt, (unsigned long long)moved_bytes,
                                 (unsigned long long)verified_bytes, secs, rate,
-                                (unsigned long long)pct(tails, ntails, 0.5),
-                                (unsigned long long)pct(tails, ntails, 0.99),
-                                (unsigned long long)pct(ctails, ntails, 0.5),
-                                (unsigned long long)pct(ctails, ntails, 0.99), (unsigned long long)l2c50,
+                                tf.all.p50, tf.all.p99, tf.in_time.p50, tf.in_time.p99, tf.late.n,
+                                tf.late.p50, tf.late.p99, tf.norm.p50, tf.norm.p99, tf.norm.max,
+                                tf.completion.p50, tf.completion.p99, (unsigned long long)l2c50,
                                 (unsigned long long)l2c99, base, layer_bytes, ok ? "true" : "false",
                                 (unsigned long long)fail_by_status[KVF_STATUS_CANCELLED],
                                 (unsigned long long)fail_by_status[KVF_STATUS_TIMEOUT],
@@ -836,7 +914,6 @@ int main(int argc, char **argv)
         }
         free(reqs);
         free(tails);
-        free(ctails);
         free(active);
         free(psrc.free);
         free(pdst.free);

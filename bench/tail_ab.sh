@@ -12,10 +12,18 @@ shift $(( $# >= 3 ? 3 : $# ))
 ARGS=("$@"); [ ${#ARGS[@]} -eq 0 ] && ARGS=(--requests 200 --max-tokens 2048 --layer-us 1000 --step-tokens 1)
 SIM=${KVF_SIM:-$B/build/kvf-sim}
 L8="--model llama-3.1-8b --tp 8 --cache-mib 2048"
+CUR_ROOT= CUR_T=
+cleanup() {
+  [ -n "$CUR_T" ] && "$CUR_ROOT/tools/kvferry" down --instance $CUR_T-p --instance $CUR_T-d >/dev/null 2>&1
+  [ -n "$CUR_T" ] && rm -rf "$KVFERRY_RUN_DIR"
+  return 0
+}
+trap cleanup EXIT
 one() {
   local root=$1 t=ab$$x$RANDOM
   export KVFERRY_RUN_DIR; KVFERRY_RUN_DIR=$(mktemp -d /tmp/kvferry-ab.XXXXXX)
   export KVFERRY_TOKEN_FILE=$KVFERRY_RUN_DIR/token
+  CUR_ROOT=$root CUR_T=$t
   "$root/tools/kvferry" up --instance $t-d --role decode $L8 >/dev/null 2>&1
   "$root/tools/kvferry" up --instance $t-p --role prefill $L8 >/dev/null 2>&1
   "$SIM" --quiet --verify sample --prefill $t-p --decode $t-d --requests 10 --layer-us 0 >/dev/null
@@ -25,8 +33,8 @@ import json,sys; d=json.load(open(sys.argv[1]))
 print('tail, tasks in time: p50 %5.0f us p99 %6.0f us | late tasks %d | all: p50 %5.0f us p99 %6.0f us | ok %s' % (
   d['tail_in_time_p50_ns']/1e3, d['tail_in_time_p99_ns']/1e3, d['late_tasks'], d['tail_p50_ns']/1e3,
   d['tail_p99_ns']/1e3, d['ok']))" "$KVFERRY_RUN_DIR/o.json"
-  "$root/tools/kvferry" down --instance $t-p --instance $t-d >/dev/null 2>&1 || true
-  rm -rf "$KVFERRY_RUN_DIR"
+  cleanup
+  CUR_T=
 }
 for i in $(seq "$ROUNDS"); do
   echo -n "A $i  "; one "$A"

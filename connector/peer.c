@@ -233,6 +233,9 @@ static int serve(struct peer *p, int fd, char *why, size_t whylen)
                                 kvf_record_free(&ack);
                                 continue;
                         }
+                        /* wmu: a direct send of this very notice may still be inside its
+                         * sendmsg (on loopback the ack can come back before it returns). */
+                        pthread_mutex_lock(&p->wmu);
                         pthread_mutex_lock(&p->mu);
                         struct notice **pp = &p->inflight, *n;
                         while ((n = *pp) && n->key != ack.key)
@@ -240,6 +243,7 @@ static int serve(struct peer *p, int fd, char *why, size_t whylen)
                         if (n)
                                 *pp = n->next;
                         pthread_mutex_unlock(&p->mu);
+                        pthread_mutex_unlock(&p->wmu);
                         if (n) {
                                 post_result(cn, n, ack.status, ack.reason);
                                 free_notice(n);
@@ -409,6 +413,23 @@ static bool inflight_take(struct peer *p, struct notice *n)
 }
 
 /*
+ * A notice put in flight for a direct send that did not happen goes to the
+ * head of the queue, for the peer thread. Unsent, it cannot have been
+ * acknowledged. If the connection ended meanwhile, that end already moved it
+ * to the queue and it is no longer in flight (it stays there); if a new
+ * connection has even sent it again, it goes once more, and the decode side
+ * acknowledges the repeat without a second arrival. Only the control thread
+ * makes notices, so the pointer cannot name another one.
+ */
+static void requeue_first(struct peer *p, struct notice *n)
+{
+        pthread_mutex_lock(&p->mu);
+        if (inflight_take(p, n))
+                queue_push(p, n, true);
+        pthread_mutex_unlock(&p->mu);
+}
+
+/*
  * Room for len more bytes in fd's send buffer, with a margin for the kernel's
  * per-buffer overhead: then one non-blocking send takes the whole frame and
  * the calling thread never waits on a peer that stopped reading.
@@ -447,21 +468,21 @@ void conn_peer_enqueue(struct peer *p, struct notice *n)
                 wake(p);
                 return;
         }
+        if (pthread_mutex_trylock(&p->wmu) != 0) {
+                /* The peer thread is writing, perhaps blocked on a full socket: never
+                 * wait for it here. */
+                requeue_first(p, n);
+                wake(p);
+                return;
+        }
         int rc = -ENOTCONN;
-        pthread_mutex_lock(&p->wmu);
         /* Still the same connection? If not, its end moved n back to the queue. */
         if (p->conn == conn && p->fd == fd)
                 rc = has_room(fd, n->len) ? kvf_net_try_send_frame(fd, KVF_RT_NOTICE, n->frame, n->len,
                                                                    p->cn->cfg.peer_timeout_ms)
                                           : 0;
-        if (rc == 0) {
-                /* No room now: the peer thread sends it, first. Unsent and with the
-                 * connection held (wmu), n is still in flight: no ack, no requeue. */
-                pthread_mutex_lock(&p->mu);
-                if (inflight_take(p, n))
-                        queue_push(p, n, true);
-                pthread_mutex_unlock(&p->mu);
-        }
+        if (rc == 0)
+                requeue_first(p, n); /* no room now */
         pthread_mutex_unlock(&p->wmu);
         /* Sent: n may be acknowledged and freed already; touch it no more. A send
          * error: the peer thread finds the connection broken and sends n again. */

@@ -114,6 +114,7 @@ struct connector {
         uint64_t gen;
         struct conn_config cfg;
         int listen_fd;
+        int unix_fd; /* same-host control connections (net.h), or -1 */
         volatile int stop;
 
         pthread_mutex_t evmu;

@@ -446,12 +446,16 @@ int main(int argc, char **argv)
                 return 1;
         }
         kvf_connector_info_write(&cn.ctl, cn.cfg.listen_host, port);
+        cn.unix_fd = kvf_net_listen_unix(cn.ctl.hdr->instance);
+        if (cn.unix_fd < 0)
+                kvf_warn("%s: same-host peers will connect over tcp", kvf_err_msg());
         pthread_t listener;
         if (pthread_create(&listener, NULL, conn_listener_main, &cn) != 0) {
                 kvf_error("cannot start the listener thread");
                 return 1;
         }
-        kvf_info("listening on %s:%u (generation %llu)", cn.cfg.listen_host, port,
+        kvf_info("listening on %s:%u%s (generation %llu)", cn.cfg.listen_host, port,
+                 cn.unix_fd >= 0 ? " and on a unix socket for same-host peers" : "",
                  (unsigned long long)cn.gen);
         control_loop(&cn);
         kvf_info("stopping");
@@ -459,6 +463,8 @@ int main(int argc, char **argv)
         pthread_join(listener, NULL);
         conn_peers_stop(&cn);
         close(cn.listen_fd);
+        if (cn.unix_fd >= 0)
+                close(cn.unix_fd);
         kvf_role_end(&cn.ctl, KVF_ROLE_CONNECTOR);
         kvf_ctl_detach(&cn.ctl);
         return 0;

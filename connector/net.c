@@ -10,6 +10,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/un.h>
 #include <unistd.h>
 
 #include "clock.h"
@@ -105,8 +106,68 @@ int kvf_net_accept(int listen_fd)
         int fd = accept4(listen_fd, NULL, NULL, SOCK_CLOEXEC);
         if (fd < 0)
                 return -errno;
-        tune(fd);
+        struct sockaddr_storage ss;
+        socklen_t sl = sizeof(ss);
+        if (getsockname(fd, (struct sockaddr *)&ss, &sl) == 0 && ss.ss_family != AF_UNIX)
+                tune(fd);
         return fd;
+}
+
+static socklen_t unix_addr(const char *instance, struct sockaddr_un *a)
+{
+        memset(a, 0, sizeof(*a));
+        a->sun_family = AF_UNIX;
+        /* sun_path[0] = 0: the abstract namespace. */
+        int n = snprintf(a->sun_path + 1, sizeof(a->sun_path) - 1, "kvferry.%s.ctl", instance);
+        if (n < 0 || (size_t)n >= sizeof(a->sun_path) - 1)
+                return 0;
+        return (socklen_t)(offsetof(struct sockaddr_un, sun_path) + 1 + (size_t)n);
+}
+
+int kvf_net_listen_unix(const char *instance)
+{
+        struct sockaddr_un a;
+        socklen_t al = unix_addr(instance, &a);
+        if (!al)
+                return kvf_err_set(-ENAMETOOLONG, "instance name '%s' is too long for a unix socket name", instance);
+        int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+        if (fd < 0)
+                return kvf_err_set(-errno, "unix socket: %s", strerror(errno));
+        if (bind(fd, (struct sockaddr *)&a, al) < 0 || listen(fd, 128) < 0) {
+                int e = errno;
+                close(fd);
+                return kvf_err_set(-e, "listen on unix socket @%s: %s", a.sun_path + 1, strerror(e));
+        }
+        return fd;
+}
+
+int kvf_net_connect_unix(const char *instance)
+{
+        struct sockaddr_un a;
+        socklen_t al = unix_addr(instance, &a);
+        if (!al)
+                return -ENAMETOOLONG;
+        int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+        if (fd < 0)
+                return -errno;
+        if (connect(fd, (struct sockaddr *)&a, al) < 0) {
+                int e = errno;
+                close(fd);
+                return -e;
+        }
+        return fd;
+}
+
+int kvf_net_unix_same_user(int fd)
+{
+        struct ucred cr;
+        socklen_t l = sizeof(cr);
+        if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cr, &l) < 0)
+                return kvf_err_set(-errno, "SO_PEERCRED: %s", strerror(errno));
+        if (cr.uid != geteuid())
+                return kvf_err_set(-EPERM, "the other end (pid %d) runs as uid %u, we run as uid %u",
+                                   (int)cr.pid, (unsigned)cr.uid, (unsigned)geteuid());
+        return 0;
 }
 
 int kvf_net_connect(const char *host, uint16_t port, unsigned timeout_ms)
@@ -292,6 +353,14 @@ void kvf_net_peer_name(int fd, char *buf, size_t len)
                         struct sockaddr_in6 *a = (struct sockaddr_in6 *)&ss;
                         inet_ntop(AF_INET6, &a->sin6_addr, host, sizeof(host));
                         port = ntohs(a->sin6_port);
+                } else if (ss.ss_family == AF_UNIX) {
+                        struct ucred cr;
+                        socklen_t l = sizeof(cr);
+                        if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cr, &l) == 0)
+                                snprintf(buf, len, "unix:pid %d", (int)cr.pid);
+                        else
+                                snprintf(buf, len, "unix");
+                        return;
                 }
         }
         snprintf(buf, len, "%s:%u", host, port);

@@ -34,6 +34,18 @@ int kvf_net_listen(const char *host, uint16_t port, int backlog, uint16_t *bound
 int kvf_net_accept(int listen_fd);
 /* Connect with a timeout; returns a blocking socket with TCP_NODELAY and keepalive set. */
 int kvf_net_connect(const char *host, uint16_t port, unsigned timeout_ms);
+/*
+ * Same-host control connections: an abstract AF_UNIX socket named after the
+ * instance ("kvferry.<instance>.ctl" in the abstract namespace, so nothing to
+ * unlink), listened on beside the tcp port. A loopback tcp send of a notice
+ * cost about 70 us of kernel work on its own path (docs/BENCHMARKS.md).
+ * Both ends check that the other runs as the same user (SO_PEERCRED).
+ */
+int kvf_net_listen_unix(const char *instance);
+/* A blocking connected socket, or -errno (-ECONNREFUSED: nobody listens). */
+int kvf_net_connect_unix(const char *instance);
+/* The other end of a unix socket runs as our user: 0, or -EPERM with kvf_err set. */
+int kvf_net_unix_same_user(int fd);
 /* Send/receive exactly n bytes within timeout_ms (fd may be blocking or not). 0 or -errno. */
 int kvf_net_write_all(int fd, const void *p, size_t n, unsigned timeout_ms);
 int kvf_net_read_all(int fd, void *p, size_t n, unsigned timeout_ms);

@@ -279,6 +279,23 @@ out:
         return rc;
 }
 
+/*
+ * A peer named by instance (not host:port) lives on this host: its connector's
+ * unix socket, if it listens on one and runs as our user; else -1 (then tcp).
+ */
+static int connect_local(struct peer *p)
+{
+        if (strchr(p->name, ':'))
+                return -1;
+        int fd = kvf_net_connect_unix(p->name);
+        if (fd >= 0 && kvf_net_unix_same_user(fd) < 0) {
+                kvf_warn("peer '%s': %s: using tcp", p->name, kvf_err_msg());
+                close(fd);
+                return -1;
+        }
+        return fd;
+}
+
 static void *peer_main(void *arg)
 {
         struct peer *p = arg;
@@ -298,9 +315,13 @@ static void *peer_main(void *arg)
                 }
                 int rc = conn_peer_resolve(p, host, sizeof(host), &port, &status);
                 int fd = -1;
+                bool local = false;
                 if (rc == 0) {
-                        fd = kvf_net_connect(host, port, cn->cfg.connect_timeout_ms);
                         status = KVF_STATUS_CONNECTION;
+                        fd = connect_local(p);
+                        local = fd >= 0;
+                        if (!local)
+                                fd = kvf_net_connect(host, port, cn->cfg.connect_timeout_ms);
                         rc = fd;
                 }
                 struct peer_identity id;
@@ -329,7 +350,11 @@ static void *peer_main(void *arg)
                 }
                 backoff_ms = 50;
                 kvf_count(&cn->ctl, KVF_CTR_PEER_CONNECTS, 1);
-                kvf_info("peer '%s' (instance %s at %s:%u) connected", p->name, id.instance, host, port);
+                if (local)
+                        kvf_info("peer '%s' (instance %s, same host) connected over a unix socket", p->name,
+                                 id.instance);
+                else
+                        kvf_info("peer '%s' (instance %s at %s:%u) connected", p->name, id.instance, host, port);
                 pthread_mutex_lock(&p->mu);
                 p->up = true;
                 pthread_mutex_unlock(&p->mu);

@@ -211,6 +211,7 @@ int conn_session_send(struct connector *cn, uint64_t id, const struct kvf_record
 struct session_arg {
         struct connector *cn;
         int fd;
+        bool unix_socket; /* accepted on the same-host listener */
 };
 
 static void *session_main(void *arg)
@@ -227,6 +228,11 @@ static void *session_main(void *arg)
         s->fd = sa->fd;
         pthread_mutex_init(&s->wmu, NULL);
         kvf_net_peer_name(s->fd, s->remote, sizeof(s->remote));
+        if (sa->unix_socket && kvf_net_unix_same_user(s->fd) < 0) {
+                kvf_count(&cn->ctl, KVF_CTR_AUTH_FAILURES, 1);
+                kvf_errlog(&cn->ctl, KVF_ROLE_CONNECTOR, "unix connection refused: %s", kvf_err_msg());
+                goto out_free;
+        }
         char purpose[16];
         if (conn_handshake_server(cn, s->fd, &id, purpose, sizeof(purpose)) < 0) {
                 kvf_errlog(&cn->ctl, KVF_ROLE_CONNECTOR, "connection from %s refused: %s", s->remote,
@@ -322,10 +328,12 @@ void *conn_listener_main(void *arg)
 {
         struct connector *cn = arg;
         while (!cn->stop) {
-                struct pollfd pf = {.fd = cn->listen_fd, .events = POLLIN};
-                if (poll(&pf, 1, 200) <= 0)
+                struct pollfd pf[2] = {{.fd = cn->listen_fd, .events = POLLIN},
+                                       {.fd = cn->unix_fd, .events = POLLIN}}; /* (-1: ignored) */
+                if (poll(pf, 2, 200) <= 0)
                         continue;
-                int fd = kvf_net_accept(cn->listen_fd);
+                bool from_unix = !(pf[0].revents & POLLIN);
+                int fd = kvf_net_accept(from_unix ? cn->unix_fd : cn->listen_fd);
                 if (fd < 0)
                         continue;
                 struct session_arg *sa = malloc(sizeof(*sa));
@@ -337,6 +345,7 @@ void *conn_listener_main(void *arg)
                 }
                 sa->cn = cn;
                 sa->fd = fd;
+                sa->unix_socket = from_unix;
                 pthread_attr_init(&at);
                 pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED);
                 if (pthread_create(&t, &at, session_main, sa) != 0) {

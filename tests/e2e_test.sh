@@ -20,6 +20,10 @@ up $TAG-p0 --role prefill $L
 j=$(case_run "per-query" pq --prefill $TAG-p0 --decode $TAG-d0 --requests 40 --layer-us 100 --late-pct 25 --prefix-pct 30)
 [ "$(json_get "$j" finished)" = 40 ] || fail "per-query: not all 40 finished"
 pass "per-query prefill: 40 requests finished and verified (25% of tasks after their layers, 30% prefix hits)"
+# Same-host peers: the control connection is the connector's unix socket, not loopback tcp.
+grep -q "peer '$TAG-d0' (instance $TAG-d0, same host) connected over a unix socket" "$KVFERRY_RUN_DIR/$TAG-p0/connector.log" ||
+  fail "the prefill connector did not reach its same-host peer over the unix socket"
+pass "same-host peers: the connectors' control connection is a unix socket"
 
 # The prefill instance re-created under the same name while the decode instance stays: its
 # transfer keys start over, and the decode side must not take them for repeats of old ones.

@@ -4,7 +4,8 @@
  * connector must catch: data for a transfer never opened, block ids beyond
  * the cache, a run beyond the transfer, a layer beyond the cache, a length
  * beyond the blocks, non-contiguous blocks, a truncated frame, garbage, a
- * malformed notice, and a wrong token. Each time the connector disconnects
+ * malformed notice, a wrong token, and (as root) a connection to the
+ * same-host unix socket from another user. Each time the connector disconnects
  * and reports (frames_rejected, error log), nothing outside the
  * transfer's destination blocks is written (the cache is filled with a
  * canary first and compared after), and a correct transfer still lands.
@@ -17,6 +18,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include "auth.h"
@@ -167,6 +169,50 @@ static void wait_rejected(uint64_t before)
 
 static int ncase;
 
+static bool in_errlog(const char *text)
+{
+        struct kvf_errlog_entry e;
+        for (unsigned i = 0; i < KVF_ERRLOG_ENTRIES; i++)
+                if (kvf_errlog_read(&ctl, KVF_ROLE_CONNECTOR, i, &e) == 1 && strstr(e.text, text))
+                        return true;
+        return false;
+}
+
+/*
+ * A same-host connection (the connector's unix socket) from another user is
+ * closed before the handshake, counted and reported. Needs root (to be
+ * another user); returns false when skipped.
+ */
+static bool unix_other_user(void)
+{
+        if (geteuid() != 0)
+                return false;
+        uint64_t before = __atomic_load_n(&ctl.counters[KVF_CTR_AUTH_FAILURES].value, __ATOMIC_ACQUIRE);
+        pid_t pid = fork();
+        CHECK(pid >= 0);
+        if (pid == 0) {
+                if (setgid(65534) != 0 || setuid(65534) != 0)
+                        _exit(2);
+                int u = kvf_net_connect_unix(D);
+                if (u < 0)
+                        _exit(3);
+                struct pollfd pf = {.fd = u, .events = POLLIN};
+                char c;
+                /* closed by the connector: end of stream, not a byte */
+                _exit(poll(&pf, 1, 3000) == 1 && read(u, &c, 1) == 0 ? 0 : 4);
+        }
+        int st;
+        CHECK(waitpid(pid, &st, 0) == pid);
+        CHECK(WIFEXITED(st) && WEXITSTATUS(st) == 0);
+        uint64_t end = kvf_now_ns() + 3000000000ull;
+        while (__atomic_load_n(&ctl.counters[KVF_CTR_AUTH_FAILURES].value, __ATOMIC_ACQUIRE) <= before &&
+               kvf_now_ns() < end)
+                usleep(10000);
+        CHECK(__atomic_load_n(&ctl.counters[KVF_CTR_AUTH_FAILURES].value, __ATOMIC_ACQUIRE) > before);
+        CHECK(in_errlog("runs as uid 65534"));
+        return true;
+}
+
 static void expect_drop(const char *what, int fd, uint64_t before, const char *logged)
 {
         if (!dropped(fd)) {
@@ -175,12 +221,7 @@ static void expect_drop(const char *what, int fd, uint64_t before, const char *l
         }
         close(fd);
         wait_rejected(before);
-        bool found = false;
-        struct kvf_errlog_entry e;
-        for (unsigned i = 0; i < KVF_ERRLOG_ENTRIES; i++)
-                if (kvf_errlog_read(&ctl, KVF_ROLE_CONNECTOR, i, &e) == 1 && strstr(e.text, logged))
-                        found = true;
-        if (!found) {
+        if (!in_errlog(logged)) {
                 fprintf(stderr, "case '%s': no error-log entry containing \"%s\"\n", what, logged);
                 exit(1);
         }
@@ -287,6 +328,13 @@ int main(void)
         CHECK(dial("data", (const uint8_t *)"not-the-token-at-all", 20) == -EACCES);
         printf("  %-36s -> refused at the handshake\n", "wrong token");
         ncase++;
+
+        if (unix_other_user()) {
+                printf("  %-36s -> closed before the handshake, reported\n", "unix socket, another user");
+                ncase++;
+        } else {
+                printf("  %-36s -> skipped (needs root to be another user)\n", "unix socket, another user");
+        }
 
         /* Nothing outside the truncated frame's destination block was written. */
         uint64_t changed = 0;

@@ -464,9 +464,11 @@ int kvf_ctl_attach_path(const char *path, bool writable, struct kvf_ctl *out)
                                    "%s: truncated control segment: %lld bytes, the header alone needs %u",
                                    path, (long long)st.st_size, KVF_HEADER_SIZE);
         }
-        /* MAP_POPULATE: page-table entries now, not on the hot path (see kvf_ctl_create). */
+        /* A role or an engine (writable) takes its page-table entries now, not on its hot
+         * path (see kvf_ctl_create); a reader (ringdump, a peer's lookup, wait-ready's
+         * polling) touches a few fields and does not pay for the whole segment. */
         void *base = mmap(NULL, (size_t)st.st_size, PROT_READ | (writable ? PROT_WRITE : 0),
-                          MAP_SHARED | MAP_POPULATE, fd, 0);
+                          MAP_SHARED | (writable ? MAP_POPULATE : 0), fd, 0);
         if (base == MAP_FAILED) {
                 rc = -errno;
                 close(fd);

@@ -101,14 +101,12 @@ static void tune(int fd)
         setsockopt(fd, IPPROTO_TCP, TCP_KEEPCNT, &cnt, sizeof(cnt));
 }
 
-int kvf_net_accept(int listen_fd)
+int kvf_net_accept(int listen_fd, bool tcp)
 {
         int fd = accept4(listen_fd, NULL, NULL, SOCK_CLOEXEC);
         if (fd < 0)
                 return -errno;
-        struct sockaddr_storage ss;
-        socklen_t sl = sizeof(ss);
-        if (getsockname(fd, (struct sockaddr *)&ss, &sl) == 0 && ss.ss_family != AF_UNIX)
+        if (tcp)
                 tune(fd);
         return fd;
 }

@@ -30,8 +30,8 @@ void kvf_net_get_hdr(const uint8_t *b, struct kvf_frame_hdr *h);
 int kvf_net_parse(const char *s, char *host, size_t hostlen, uint16_t *port);
 /* Listen on host:port (SO_REUSEADDR); *bound_port receives the port actually bound. */
 int kvf_net_listen(const char *host, uint16_t port, int backlog, uint16_t *bound_port);
-/* Accept one connection: a blocking socket with TCP_NODELAY and keepalive set, or -errno. */
-int kvf_net_accept(int listen_fd);
+/* Accept one connection: a blocking socket (tcp: with TCP_NODELAY and keepalive set), or -errno. */
+int kvf_net_accept(int listen_fd, bool tcp);
 /* Connect with a timeout; returns a blocking socket with TCP_NODELAY and keepalive set. */
 int kvf_net_connect(const char *host, uint16_t port, unsigned timeout_ms);
 /*

@@ -333,7 +333,7 @@ void *conn_listener_main(void *arg)
                 if (poll(pf, 2, 200) <= 0)
                         continue;
                 bool from_unix = !(pf[0].revents & POLLIN);
-                int fd = kvf_net_accept(from_unix ? cn->unix_fd : cn->listen_fd);
+                int fd = from_unix ? kvf_net_accept(cn->unix_fd, false) : kvf_net_accept(cn->listen_fd, true);
                 if (fd < 0)
                         continue;
                 struct session_arg *sa = malloc(sizeof(*sa));

@@ -153,18 +153,28 @@ static bool dropped(int fd)
         return false;
 }
 
-static uint64_t rejected(void)
+static uint64_t counter(int which)
 {
-        return __atomic_load_n(&ctl.counters[KVF_CTR_FRAMES_REJECTED].value, __ATOMIC_ACQUIRE);
+        return __atomic_load_n(&ctl.counters[which].value, __ATOMIC_ACQUIRE);
 }
 
-/* The connector counts a rejected frame within 3 s. */
-static void wait_rejected(uint64_t before)
+static uint64_t rejected(void)
+{
+        return counter(KVF_CTR_FRAMES_REJECTED);
+}
+
+/* The connector counts what it refused within 3 s. */
+static void wait_counter(int which, uint64_t before)
 {
         uint64_t end = kvf_now_ns() + 3000000000ull;
-        while (rejected() <= before && kvf_now_ns() < end)
+        while (counter(which) <= before && kvf_now_ns() < end)
                 usleep(10000);
-        CHECK(rejected() > before);
+        CHECK(counter(which) > before);
+}
+
+static void wait_rejected(uint64_t before)
+{
+        wait_counter(KVF_CTR_FRAMES_REJECTED, before);
 }
 
 static int ncase;
@@ -187,7 +197,7 @@ static bool unix_other_user(void)
 {
         if (geteuid() != 0)
                 return false;
-        uint64_t before = __atomic_load_n(&ctl.counters[KVF_CTR_AUTH_FAILURES].value, __ATOMIC_ACQUIRE);
+        uint64_t before = counter(KVF_CTR_AUTH_FAILURES);
         pid_t pid = fork();
         CHECK(pid >= 0);
         if (pid == 0) {
@@ -204,11 +214,7 @@ static bool unix_other_user(void)
         int st;
         CHECK(waitpid(pid, &st, 0) == pid);
         CHECK(WIFEXITED(st) && WEXITSTATUS(st) == 0);
-        uint64_t end = kvf_now_ns() + 3000000000ull;
-        while (__atomic_load_n(&ctl.counters[KVF_CTR_AUTH_FAILURES].value, __ATOMIC_ACQUIRE) <= before &&
-               kvf_now_ns() < end)
-                usleep(10000);
-        CHECK(__atomic_load_n(&ctl.counters[KVF_CTR_AUTH_FAILURES].value, __ATOMIC_ACQUIRE) > before);
+        wait_counter(KVF_CTR_AUTH_FAILURES, before);
         CHECK(in_errlog("runs as uid 65534"));
         return true;
 }

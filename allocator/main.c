@@ -49,6 +49,8 @@ static void usage(void)
                "  --blocks N             blocks per layer tensor\n"
                "  --cache-mib N          or: size the cache to N MiB and derive --blocks\n"
                "  --rank N, --nranks N   this instance's rank among its engine's ranks\n"
+               "  --device N             the GPU this instance serves; FastDeploy's ipc tasks name a\n"
+               "                         same-host peer by it (device_ids). Default: none\n"
                "  --max-requests N       request table slots (default %u)\n"
                "  --max-blocks-per-request N  (default %u)\n"
                "  --ring-kib N           capacity of each ring in KiB, a power of two (default %u)\n"
@@ -135,7 +137,7 @@ static int check_cache_file(const struct kvf_ctl *c)
 int main(int argc, char **argv)
 {
         enum { O_ROLE = 1000, O_MODEL, O_TP, O_LAYERS, O_EXTRA, O_HEADS, O_HDIM, O_DTYPE, O_KEYONLY,
-               O_BSIZE, O_BLOCKS, O_MIB, O_RANK, O_NRANKS, O_MAXREQ, O_MAXBLK, O_RING, O_HB,
+               O_BSIZE, O_BLOCKS, O_MIB, O_RANK, O_NRANKS, O_DEVICE, O_MAXREQ, O_MAXBLK, O_RING, O_HB,
                O_ADOPT, O_VERSION };
         static const struct option opts[] = {
                 {"instance", required_argument, 0, 'i'},  {"role", required_argument, 0, O_ROLE},
@@ -149,6 +151,7 @@ int main(int argc, char **argv)
                 {"blocks", required_argument, 0, O_BLOCKS},
                 {"cache-mib", required_argument, 0, O_MIB}, {"rank", required_argument, 0, O_RANK},
                 {"nranks", required_argument, 0, O_NRANKS},
+                {"device", required_argument, 0, O_DEVICE},
                 {"max-requests", required_argument, 0, O_MAXREQ},
                 {"max-blocks-per-request", required_argument, 0, O_MAXBLK},
                 {"ring-kib", required_argument, 0, O_RING},
@@ -156,7 +159,7 @@ int main(int argc, char **argv)
                 {"help", no_argument, 0, 'h'},            {"version", no_argument, 0, O_VERSION},
                 {0, 0, 0, 0}};
         struct kvf_ctl_params p = {.backend = KVF_BACKEND_HOST, .instance_role = KVF_IROLE_MIXED,
-                                   .nranks = 1};
+                                   .nranks = 1, .device = KVF_DEVICE_NONE};
         uint32_t layers = 0, extra = 0, heads = 0, hdim = 0, dtype = KVF_DTYPE_BF16, key_only = 0;
         uint32_t bsize = 64, blocks = 0, tp = 1;
         uint64_t mib = 0;
@@ -202,6 +205,7 @@ int main(int argc, char **argv)
                 case O_MIB: mib = kvf_opt_u64("cache-mib", optarg, 1, 1ull << 30); break;
                 case O_RANK: p.rank = (uint32_t)kvf_opt_u64("rank", optarg, 0, 65535); break;
                 case O_NRANKS: p.nranks = (uint32_t)kvf_opt_u64("nranks", optarg, 1, 65536); break;
+                case O_DEVICE: p.device = (uint32_t)kvf_opt_u64("device", optarg, 0, 65535); break;
                 case O_MAXREQ: p.reqtab_slots = (uint32_t)kvf_opt_u64("max-requests", optarg, 1, 65536); break;
                 case O_MAXBLK: p.max_blocks = (uint32_t)kvf_opt_u64("max-blocks-per-request", optarg, 1, 1u << 20); break;
                 case O_RING: {

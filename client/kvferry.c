@@ -25,13 +25,25 @@
 #include "layout.h"
 #include "records.h"
 
+/* Events of earlier engine sessions, kept for kvf_poll_previous(). */
+#define PREVIOUS_MAX 65536u
+struct previous {
+        struct kvf_event ev;
+        struct previous *next;
+};
+
 struct kvf_client {
         struct kvf_ctl ctl;
+        uint64_t session; /* the engine role generation this attach claimed */
         pthread_mutex_t submit_mu;
-        pthread_mutex_t poll_mu;
+        pthread_mutex_t poll_mu; /* also guards the previous-session list and dst */
         uint8_t *cache;
         uint64_t cache_size;
         unsigned next_ring; /* poll fairness between the two inbound rings */
+        uint32_t *dst;      /* the last arrival's destination blocks (kvf_event.dest_block_ids) */
+        struct previous *prev_head, *prev_tail;
+        uint32_t nprev;
+        uint64_t prev_dropped;
 };
 
 const char *kvf_last_error(void)
@@ -48,6 +60,37 @@ static int map_cache(struct kvf_client *c)
         if (rc == 0)
                 c->cache_size = h->layout.cache_bytes;
         return rc;
+}
+
+static int try_read(struct kvf_client *c, struct kvf_event *ev);
+static void keep_previous(struct kvf_client *c, const struct kvf_event *ev);
+
+/*
+ * A new session: wait until the sender has ended the requests of the ones
+ * before (it acknowledges in the sender area), taking the earlier sessions'
+ * records out of the inbound rings meanwhile (a full completion ring would
+ * otherwise hold the sender up). Bounded: a sender that is not running ends
+ * them when it starts, before it reads any task of ours.
+ */
+static void wait_session_handover(struct kvf_client *c)
+{
+        struct kvf_ctl *ctl = &c->ctl;
+        uint64_t end = kvf_now_ns() + 2000ull * 1000000ull;
+        struct kvf_event ev;
+        pthread_mutex_lock(&c->poll_mu);
+        for (;;) {
+                /* An event of ours cannot come yet (nothing was submitted), but a
+                 * record with no session (0) could: keep it as an earlier one's. */
+                int rc;
+                while ((rc = try_read(c, &ev)) > 0)
+                        if (rc == 1)
+                                keep_previous(c, &ev);
+                if (kvf_load_acquire(&ctl->sender->engine_session_ack) >= c->session ||
+                    !kvf_role_alive(ctl, KVF_ROLE_SENDER, kvf_now_ns()) || kvf_now_ns() > end)
+                        break;
+                kvf_sleep_ns(200000);
+        }
+        pthread_mutex_unlock(&c->poll_mu);
 }
 
 int kvf_attach(const char *name, unsigned wait_ms, struct kvf_client **out)
@@ -69,12 +112,17 @@ int kvf_attach(const char *name, unsigned wait_ms, struct kvf_client **out)
                 rc = kvf_err_ctx((int)gen, "attach to instance '%s' (one engine client per instance)", name);
                 goto fail;
         }
+        c->session = (uint64_t)gen;
         if ((rc = map_cache(c)) < 0) {
                 kvf_err_ctx(rc, "attach to instance '%s'", name);
                 goto fail;
         }
         pthread_mutex_init(&c->submit_mu, NULL);
         pthread_mutex_init(&c->poll_mu, NULL);
+        /* The sender checks the engine's slot when its doorbell rings: no need to wait
+         * for its next heartbeat tick. */
+        kvf_doorbell_ring(&c->ctl.bells[KVF_BELL_SENDER]);
+        wait_session_handover(c);
         *out = c;
         return 0;
 fail:
@@ -90,6 +138,12 @@ void kvf_detach(struct kvf_client *c)
         kvf_role_end(&c->ctl, KVF_ROLE_ENGINE);
         if (c->cache)
                 munmap(c->cache, c->cache_size);
+        while (c->prev_head) {
+                struct previous *p = c->prev_head;
+                c->prev_head = p->next;
+                free(p);
+        }
+        free(c->dst);
         pthread_mutex_destroy(&c->submit_mu);
         pthread_mutex_destroy(&c->poll_mu);
         kvf_ctl_detach(&c->ctl);
@@ -233,6 +287,11 @@ int kvf_layer_done(struct kvf_client *c, uint64_t step, uint32_t layer)
                 return kvf_err_set(-EINVAL, "step %llu is too large", (unsigned long long)step);
         uint64_t want = KVF_PROGRESS_PACK(step, layer + 1);
         uint64_t cur = kvf_load_relaxed(&pg->word);
+        if (step < KVF_PROGRESS_STEP(cur))
+                return kvf_err_set(-EINVAL,
+                                   "layer-done for step %llu after step %llu was published: steps only grow "
+                                   "(an engine that attaches again numbers its steps from kvf_last_step() + 1)",
+                                   (unsigned long long)step, (unsigned long long)KVF_PROGRESS_STEP(cur));
         /* Before the word: a sender that sees the word reads a publish time at
          * least this late (statistics only, so relaxed is enough). */
         kvf_store_relaxed(&pg->publish_ns, kvf_now_ns());
@@ -251,11 +310,12 @@ uint64_t kvf_last_step(struct kvf_client *c)
 }
 
 struct poll_ctx {
+        struct kvf_client *c;
         struct kvf_event *ev;
         int rc;
 };
 
-static void fill_event(struct kvf_event *ev, const struct kvf_record *r)
+static void fill_event(struct kvf_client *c, struct kvf_event *ev, struct kvf_record *r)
 {
         memset(ev, 0, sizeof(*ev));
         switch (r->type) {
@@ -269,6 +329,7 @@ static void fill_event(struct kvf_event *ev, const struct kvf_record *r)
                 ev->type = KVF_EVENT_CONNECT_RESULT;
                 break;
         }
+        ev->session = r->session;
         ev->status = r->status;
         snprintf(ev->request_id, sizeof(ev->request_id), "%s", r->request_id);
         snprintf(ev->peer, sizeof(ev->peer), "%s", r->peer);
@@ -278,6 +339,35 @@ static void fill_event(struct kvf_event *ev, const struct kvf_record *r)
         ev->accept_ns = r->accept_ns;
         ev->last_layer_ns = r->last_layer_ns;
         ev->done_ns = r->done_ns;
+        if (r->type == KVF_RT_ARRIVAL && r->n_dst) {
+                /* The client keeps the last arrival's list (poll_mu held by the caller). */
+                free(c->dst);
+                c->dst = r->dst;
+                r->dst = NULL;
+                ev->dest_block_ids = c->dst;
+                ev->n_dest = r->n_dst;
+                r->n_dst = 0;
+        }
+}
+
+/* Keep an event of an earlier engine session for kvf_poll_previous() (poll_mu held). */
+static void keep_previous(struct kvf_client *c, const struct kvf_event *ev)
+{
+        struct previous *p = c->nprev < PREVIOUS_MAX ? malloc(sizeof(*p)) : NULL;
+        if (!p) {
+                c->prev_dropped++;
+                return;
+        }
+        p->ev = *ev;
+        p->ev.dest_block_ids = NULL; /* not kept: the list is only valid until the next poll */
+        p->ev.n_dest = 0;
+        p->next = NULL;
+        if (c->prev_tail)
+                c->prev_tail->next = p;
+        else
+                c->prev_head = p;
+        c->prev_tail = p;
+        c->nprev++;
 }
 
 static int on_record(void *arg, uint16_t type, const uint8_t *p, uint32_t len, uint64_t pos)
@@ -291,20 +381,27 @@ static int on_record(void *arg, uint16_t type, const uint8_t *p, uint32_t len, u
                 return 0;
         }
         int rc = kvf_record_decode(type, p, len, 0, &r);
-        if (rc == 0)
-                fill_event(pc->ev, &r);
-        else
+        if (rc == 0) {
+                fill_event(pc->c, pc->ev, &r);
+                /* Another session's: never this session's event (kvf_attach). */
+                if (r.session && r.session != pc->c->session) {
+                        keep_previous(pc->c, pc->ev);
+                        pc->rc = 2;
+                }
+        } else {
                 pc->rc = kvf_err_ctx(rc, "malformed record from kvferry");
+        }
         kvf_record_free(&r);
         pc->rc = pc->rc ? pc->rc : 1;
         return 0;
 }
 
+/* One record: 1 = an event of this session in *ev, 2 = one of an earlier session (kept), 0 none. */
 static int try_read(struct kvf_client *c, struct kvf_event *ev)
 {
         static const int rings[2] = {KVF_RING_SENDER_TO_ENGINE, KVF_RING_CONNECTOR_TO_ENGINE};
         for (int i = 0; i < 2; i++) {
-                struct poll_ctx pc = {.ev = ev};
+                struct poll_ctx pc = {.c = c, .ev = ev};
                 int ring = rings[(c->next_ring + (unsigned)i) & 1];
                 int n = kvf_ring_read(&c->ctl.rings[ring], on_record, &pc, 1);
                 if (n < 0)
@@ -315,6 +412,35 @@ static int try_read(struct kvf_client *c, struct kvf_event *ev)
                 }
         }
         return 0;
+}
+
+uint64_t kvf_session(struct kvf_client *c)
+{
+        return c->session;
+}
+
+int kvf_poll_previous(struct kvf_client *c, struct kvf_event *ev)
+{
+        pthread_mutex_lock(&c->poll_mu);
+        struct previous *p = c->prev_head;
+        if (p) {
+                c->prev_head = p->next;
+                if (!c->prev_head)
+                        c->prev_tail = NULL;
+                c->nprev--;
+                *ev = p->ev;
+        }
+        pthread_mutex_unlock(&c->poll_mu);
+        free(p);
+        return p != NULL;
+}
+
+uint64_t kvf_previous_dropped(struct kvf_client *c)
+{
+        pthread_mutex_lock(&c->poll_mu);
+        uint64_t n = c->prev_dropped;
+        pthread_mutex_unlock(&c->poll_mu);
+        return n;
 }
 
 static bool engine_has_work(void *arg)
@@ -333,6 +459,8 @@ int kvf_poll(struct kvf_client *c, struct kvf_event *ev, int timeout_ms)
         pthread_mutex_lock(&c->poll_mu);
         for (;;) {
                 rc = try_read(c, ev);
+                if (rc == 2)
+                        continue; /* an earlier session's: kept apart, read on */
                 if (rc != 0)
                         break;
                 kvf_role_heartbeat(&c->ctl, KVF_ROLE_ENGINE);
@@ -419,6 +547,8 @@ static int fold(struct kvf_group *g, unsigned rank, struct kvf_event *ev)
                 p->type = ev->type;
                 snprintf(p->id, sizeof(p->id), "%s", ev->request_id);
                 p->agg = *ev;
+                p->agg.dest_block_ids = NULL; /* a member's list, valid until its next poll */
+                p->agg.n_dest = 0;
                 p->agg.bytes = 0;
                 p->agg.blocks = 0;
                 p->agg.status = KVF_STATUS_FINISHED;

@@ -43,7 +43,13 @@
         X(AUTH_FAILURES, "auth_failures")                                                          \
         X(FRAMES_REJECTED, "frames_rejected")                                                      \
         X(BAD_RECORDS, "bad_records")                                                              \
-        X(ERRORS_LOGGED, "errors_logged")
+        X(ERRORS_LOGGED, "errors_logged")                                                          \
+        X(FAILED_ENGINE_GONE, "failed_engine_gone")                                                \
+        X(FAILED_PEER_ROLE, "failed_peer_role")                                                    \
+        X(SESSIONS_ENDED, "engine_sessions_ended")                                                 \
+        X(ARRIVALS_STALE, "arrivals_for_ended_sessions")                                           \
+        X(PEERS_RETIRED, "peers_retired")                                                          \
+        X(NOTICES_IN_DOUBT, "notices_in_doubt_resolved")
 
 enum kvf_counter_id {
 #define KVF_COUNTER_ENUM(id, name) KVF_CTR_##id,

@@ -43,6 +43,19 @@ const char *kvf_role_name(int role)
         return role >= 0 && role < KVF_ROLE_COUNT ? role_names[role] : "?";
 }
 
+const char *kvf_irole_name(uint32_t r)
+{
+        switch (r) {
+        case KVF_IROLE_PREFILL:
+                return "prefill";
+        case KVF_IROLE_DECODE:
+                return "decode";
+        case KVF_IROLE_MIXED:
+                return "mixed";
+        }
+        return "unknown";
+}
+
 const char *kvf_ring_name(int ring)
 {
         return ring >= 0 && ring < KVF_RING_COUNT ? ring_names[ring] : "?";
@@ -663,7 +676,7 @@ void kvf_role_end(struct kvf_ctl *c, enum kvf_role_id role)
         kvf_store_release(&c->roles[role].state, KVF_STATE_STOPPED);
 }
 
-bool kvf_role_alive(const struct kvf_ctl *c, enum kvf_role_id role, uint64_t now_ns)
+bool kvf_role_process_alive(const struct kvf_ctl *c, enum kvf_role_id role)
 {
         const struct kvf_role_slot *s = &c->roles[role];
         int32_t pid = kvf_load_acquire(&s->pid);
@@ -676,8 +689,31 @@ bool kvf_role_alive(const struct kvf_ctl *c, enum kvf_role_id role, uint64_t now
         uint64_t st = kvf_load_relaxed(&s->pid_starttime);
         bool zombie = false;
         uint64_t now_st = pid_stat(pid, &zombie);
-        if (zombie || (st && now_st != st))
-                return false; /* exited (not yet reaped), or the pid belongs to someone else */
+        /* exited (not yet reaped), or the pid belongs to someone else */
+        return !zombie && !(st && now_st != st);
+}
+
+uint64_t kvf_engine_session(const struct kvf_ctl *c, bool check_process)
+{
+        const struct kvf_role_slot *s = &c->roles[KVF_ROLE_ENGINE];
+        uint64_t gen = kvf_load_acquire(&s->generation);
+        uint32_t state = kvf_load_acquire(&s->state);
+        if (state != KVF_STATE_RUNNING && state != KVF_STATE_STARTING)
+                return 0;
+        if (check_process && !kvf_role_process_alive(c, KVF_ROLE_ENGINE))
+                return 0;
+        /* Read again: an engine that attached meanwhile is another session. */
+        return kvf_load_acquire(&s->generation) == gen ? gen : 0;
+}
+
+bool kvf_role_alive(const struct kvf_ctl *c, enum kvf_role_id role, uint64_t now_ns)
+{
+        const struct kvf_role_slot *s = &c->roles[role];
+
+        if (!kvf_role_process_alive(c, role))
+                return false;
+        if (role == KVF_ROLE_ENGINE)
+                return true;
         uint64_t hb = kvf_load_acquire(&s->heartbeat_ns);
         uint64_t limit = (uint64_t)c->hdr->heartbeat_ms * 1000000ull * 10;
         return now_ns < hb || now_ns - hb <= limit;

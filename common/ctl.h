@@ -118,9 +118,27 @@ bool kvf_role_fenced(const struct kvf_ctl *c, enum kvf_role_id role);
 uint64_t kvf_role_begin(struct kvf_ctl *c, enum kvf_role_id role);
 void kvf_role_heartbeat(struct kvf_ctl *c, enum kvf_role_id role);
 void kvf_role_end(struct kvf_ctl *c, enum kvf_role_id role);
-/* Alive: the pid exists, is the same process (start time) and beats. */
+/*
+ * Alive: the pid exists, is the same process (start time) and beats. The
+ * engine role is alive while its process is (an engine beats only while it
+ * polls, and a long compute without polling is not death).
+ */
 bool kvf_role_alive(const struct kvf_ctl *c, enum kvf_role_id role, uint64_t now_ns);
+/* The role's process exists, is the same one and has not ended the role (no heartbeat check). */
+bool kvf_role_process_alive(const struct kvf_ctl *c, enum kvf_role_id role);
+
+/*
+ * Engine sessions. A session is one attachment of an engine client: its
+ * number is the engine role's generation. It ends when the engine detaches
+ * (state STOPPED), when another engine attaches (the generation moves) or
+ * when its process is gone. kvf_engine_session() returns the session that is
+ * live now, or 0 for none; with check_process false it skips the /proc read
+ * (a dead process is then noticed by the next call that checks).
+ */
+uint64_t kvf_engine_session(const struct kvf_ctl *c, bool check_process);
 const char *kvf_role_name(int role);
+/* "prefill", "decode", "mixed" (enum kvf_instance_role), or "unknown". */
+const char *kvf_irole_name(uint32_t instance_role);
 const char *kvf_ring_name(int ring);
 uint64_t kvf_pid_starttime(int pid);
 

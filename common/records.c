@@ -10,7 +10,7 @@
 #include "err.h"
 #include "mp_read.h"
 
-enum fkind { F_STR, F_U64, F_BOOL, F_IDS, F_STATUS, F_TRANSPORT, F_PORTS, F_BIN32 };
+enum fkind { F_STR, F_ID, F_U64, F_PORT, F_BOOL, F_IDS, F_STATUS, F_TRANSPORT, F_PORTS, F_BIN32 };
 
 struct field {
         const char *name;
@@ -28,17 +28,21 @@ enum fid {
         REQUEST_ID, TASK_ID, PEER, REASON, IP, PORT, RDMA_PORTS, CURRENT_ID, TOKENS_DONE, LAST,
         CHUNKED, SRC, DST, RUNS, KEY, LAYER, STATUS, PROTOCOL, BYTES, BLOCKS, ACCEPT_NS,
         LAST_LAYER_NS, DONE_NS, GENERATION, UP, INSTANCE, PURPOSE, ROLE, PROTO, BOOT_ID, NONCE,
-        PROOF, LAYER_COUNT, L_LAYERS, L_EXTRA, L_BLOCKS, L_HEADS, L_BSIZE, L_HDIM, L_DTYPE, L_KEYONLY, NFIELDS
+        PROOF, LAYER_COUNT, L_LAYERS, L_EXTRA, L_BLOCKS, L_HEADS, L_BSIZE, L_HDIM, L_DTYPE, L_KEYONLY,
+        SESSION, WITHDRAW, DEVICE_IDS, NFIELDS
 };
 
 static const struct field fields[NFIELDS] = {
-        [REQUEST_ID] = FS("request_id", request_id),
-        [TASK_ID] = FS("task_id", request_id),
+        /* F_ID: a string, or (FastDeploy engines sending bytes) bin, echoed back as it came */
+        [REQUEST_ID] = {"request_id", F_ID, offsetof(struct kvf_record, request_id), KVF_REQ_ID_MAX},
+        [TASK_ID] = {"task_id", F_ID, offsetof(struct kvf_record, request_id), KVF_REQ_ID_MAX},
         [PEER] = FS("peer", peer),
         [REASON] = FS("reason", reason),
         [IP] = FS("ip", ip),
-        [PORT] = FU("port", port),
+        /* FastDeploy reads ports with int(...): integers or decimal strings */
+        [PORT] = {"port", F_PORT, offsetof(struct kvf_record, port), 0},
         [RDMA_PORTS] = {"rdma_ports", F_PORTS, offsetof(struct kvf_record, port), 0},
+        [DEVICE_IDS] = {"device_ids", F_PORTS, offsetof(struct kvf_record, device), 0},
         [CURRENT_ID] = FU("current_id", current_id),
         [TOKENS_DONE] = FU("tokens_done", tokens),
         [LAST] = FB("last", last),
@@ -73,6 +77,8 @@ static const struct field fields[NFIELDS] = {
         [L_HDIM] = FU("head_dim", lay_hdim),
         [L_DTYPE] = FU("dtype", lay_dtype),
         [L_KEYONLY] = FU("key_only", lay_keyonly),
+        [SESSION] = FU("session", session),
+        [WITHDRAW] = FB("withdraw", withdraw),
 };
 _Static_assert(NFIELDS <= 64, "fields are tracked in a 64-bit mask");
 
@@ -98,7 +104,8 @@ struct spec {
 static const struct spec specs[KVF_RT_WIRE_MAX + 1] = {
         [KVF_RT_TASK] = {"task",
                          USES({REQUEST_ID, R}, {SRC, R}, {DST, R}, {CURRENT_ID, R}, {PROTOCOL, R},
-                              {PEER, 0}, {CHUNKED, 0}, {IP, D}, {PORT, D}, {RDMA_PORTS, D}),
+                              {PEER, 0}, {CHUNKED, 0}, {IP, D}, {PORT, D}, {RDMA_PORTS, D},
+                              {DEVICE_IDS, D}),
                          true},
         [KVF_RT_CHUNK] = {"chunk", USES({REQUEST_ID, R}, {CURRENT_ID, R}, {TOKENS_DONE, R}, {LAST, 0}),
                           false},
@@ -106,17 +113,19 @@ static const struct spec specs[KVF_RT_WIRE_MAX + 1] = {
         [KVF_RT_COMPLETION] = {"completion",
                                USES({REQUEST_ID, R}, {STATUS, R}, {REASON, 0}, {PEER, 0},
                                     {BYTES, 0}, {BLOCKS, 0}, {ACCEPT_NS, 0}, {LAST_LAYER_NS, 0},
-                                    {DONE_NS, 0}),
+                                    {DONE_NS, 0}, {SESSION, 0}),
                                false},
         [KVF_RT_CONNECT] = {"connect",
                             USES({TASK_ID, R}, {PEER, 0}, {PROTOCOL, 0}, {IP, D}, {PORT, D},
                                  {RDMA_PORTS, D}),
                             true},
         [KVF_RT_CONNECT_RESULT] = {"connect result",
-                                   USES({TASK_ID, R}, {PEER, 0}, {STATUS, R}, {REASON, 0}), false},
+                                   USES({TASK_ID, R}, {PEER, 0}, {STATUS, R}, {REASON, 0},
+                                        {SESSION, 0}),
+                                   false},
         [KVF_RT_ARRIVAL] = {"arrival",
                             USES({REQUEST_ID, R}, {STATUS, R}, {REASON, 0}, {PEER, 0}, {BYTES, 0},
-                                 {BLOCKS, 0}, {DST, 0}, {DONE_NS, 0}),
+                                 {BLOCKS, 0}, {DST, 0}, {DONE_NS, 0}, {SESSION, 0}),
                             false},
         [KVF_RT_WRITE_BATCH] = {"write batch",
                                 USES({KEY, R}, {REQUEST_ID, R}, {PEER, R}, {LAYER, R},
@@ -124,7 +133,8 @@ static const struct spec specs[KVF_RT_WIRE_MAX + 1] = {
                                 false},
         [KVF_RT_FINISH] = {"finish",
                            USES({KEY, R}, {REQUEST_ID, R}, {PEER, R}, {PROTOCOL, R}, {DST, R},
-                                {STATUS, R}, {REASON, 0}, {BYTES, 0}, {BLOCKS, 0}, {GENERATION, 0}),
+                                {STATUS, R}, {REASON, 0}, {BYTES, 0}, {BLOCKS, 0}, {GENERATION, 0},
+                                {SESSION, 0}, {WITHDRAW, 0}),
                            false},
         [KVF_RT_WRITE_RESULT] = {"write result",
                                  USES({KEY, R}, {REQUEST_ID, R}, {STATUS, R}, {REASON, 0},
@@ -150,7 +160,8 @@ static const struct spec specs[KVF_RT_WIRE_MAX + 1] = {
         [KVF_RT_REFUSE] = {"refuse", USES({STATUS, R}, {REASON, 0}), false},
         [KVF_RT_NOTICE] = {"notice",
                            USES({KEY, R}, {REQUEST_ID, R}, {PEER, R}, {PROTOCOL, R}, {DST, R},
-                                {STATUS, R}, {REASON, 0}, {BYTES, 0}, {BLOCKS, 0}, {GENERATION, 0}),
+                                {STATUS, R}, {REASON, 0}, {BYTES, 0}, {BLOCKS, 0}, {GENERATION, 0},
+                                {SESSION, 0}, {WITHDRAW, 0}),
                            false},
         [KVF_RT_ACK] = {"ack", USES({KEY, R}, {REQUEST_ID, R}, {STATUS, R}, {REASON, 0}), false},
         [KVF_RT_PING] = {"ping", NULL, 0, false},
@@ -265,6 +276,58 @@ static int dec_u64(struct kvf_mp *m, const char *name, uint64_t *v)
         return kvf_err_set(-EBADMSG, "field '%s': integer runs past the end of the record", name);
 }
 
+/*
+ * A request or task id: a string as any other, or msgpack bin (a Python engine
+ * packing bytes ids): 1 to cap - 1 bytes without NUL, not necessarily UTF-8,
+ * since it goes back as bin.
+ */
+static int dec_id(struct kvf_mp *m, const struct field *f, struct kvf_record *r)
+{
+        const uint8_t *b;
+        uint32_t n;
+        if (kvf_mp_peek(m) != KVF_MP_BIN)
+                return dec_str(m, f, (char *)r + f->off, NULL, NULL);
+        if (kvf_mp_bin(m, &b, &n) < 0)
+                return kvf_err_set(-EBADMSG, "field '%s': binary runs past the end of the record",
+                                   f->name);
+        if (n == 0)
+                return kvf_err_set(-EBADMSG, "field '%s' is empty", f->name);
+        if (n >= f->aux)
+                return kvf_err_set(-EBADMSG, "field '%s' is %u bytes long, at most %zu allowed",
+                                   f->name, n, f->aux - 1);
+        if (memchr(b, 0, n))
+                return kvf_err_set(-EBADMSG, "field '%s' contains a NUL byte", f->name);
+        memcpy((char *)r + f->off, b, n);
+        ((char *)r + f->off)[n] = '\0';
+        r->id_bin = true;
+        return 0;
+}
+
+/*
+ * A port or device number as FastDeploy passes it (it reads them with int()):
+ * a non-negative integer, or a string of 1 to 10 decimal digits.
+ */
+static int dec_number(struct kvf_mp *m, const char *name, uint64_t *v)
+{
+        const char *s;
+        uint32_t n;
+        if (kvf_mp_peek(m) != KVF_MP_STR)
+                return dec_u64(m, name, v);
+        if (kvf_mp_str(m, &s, &n) < 0)
+                return kvf_err_set(-EBADMSG, "field '%s': string runs past the end of the record", name);
+        uint64_t x = 0;
+        for (uint32_t i = 0; i < n; i++) {
+                if (s[i] < '0' || s[i] > '9' || n > 10)
+                        return kvf_err_set(-EBADMSG, "field '%s' is '%.*s': not a decimal number", name,
+                                           (int)(n > 32 ? 32 : n), s);
+                x = x * 10 + (uint64_t)(s[i] - '0');
+        }
+        if (n == 0)
+                return kvf_err_set(-EBADMSG, "field '%s' is an empty string, not a number", name);
+        *v = x;
+        return 0;
+}
+
 static int dec_ids(struct kvf_mp *m, const char *name, uint32_t **out, uint32_t *count)
 {
         /* Stays 0 when the header itself is cut short (kvf_mp_array then leaves it unset). */
@@ -331,8 +394,12 @@ static int dec_field(struct kvf_mp *m, const struct field *f, struct kvf_record 
         switch (f->kind) {
         case F_STR:
                 return dec_str(m, f, base + f->off, NULL, NULL);
+        case F_ID:
+                return dec_id(m, f, r);
         case F_U64:
                 return dec_u64(m, f->name, (uint64_t *)(void *)(base + f->off));
+        case F_PORT:
+                return dec_number(m, f->name, (uint64_t *)(void *)(base + f->off));
         case F_BOOL: {
                 bool b;
                 if (kvf_mp_peek(m) == KVF_MP_BOOL) {
@@ -386,17 +453,32 @@ static int dec_field(struct kvf_mp *m, const struct field *f, struct kvf_record 
                 return 0;
         }
         case F_PORTS: {
-                uint32_t *ports = NULL, np = 0;
-                if ((rc = dec_ids(m, f->name, &ports, &np)) < 0)
-                        return rc;
-                if (rank >= np) {
-                        free(ports);
-                        return kvf_err_set(-EBADMSG,
-                                           "field 'rdma_ports' has %u entries, none for rank %u", np,
-                                           rank);
+                /* One entry per rank, integers or decimal strings; only ours is kept. */
+                uint32_t np = 0;
+                if (kvf_mp_peek(m) != KVF_MP_ARRAY)
+                        return type_err(f->name, "an array", m);
+                if (kvf_mp_array(m, &np) < 0)
+                        return kvf_err_set(-EBADMSG, "field '%s': array runs past the end of the record",
+                                           f->name);
+                char elem[48];
+                for (uint32_t i = 0; i < np; i++) {
+                        snprintf(elem, sizeof(elem), "%s[%u]", f->name, i);
+                        if ((rc = dec_number(m, elem, &v)) < 0)
+                                return rc;
+                        if (v > UINT32_MAX)
+                                return kvf_err_set(-EBADMSG, "field '%s'[%u] = %llu does not fit 32 bits",
+                                                   f->name, i, (unsigned long long)v);
+                        if (i == rank)
+                                *(uint64_t *)(void *)(base + f->off) = v;
                 }
-                r->port = ports[rank];
-                free(ports);
+                if (rank >= np && f->off == offsetof(struct kvf_record, device)) {
+                        /* Needed only by an ipc task without a peer (checked there). */
+                        *(uint64_t *)(void *)(base + f->off) = UINT64_MAX;
+                        return 0;
+                }
+                if (rank >= np)
+                        return kvf_err_set(-EBADMSG, "field '%s' has %u entries, none for rank %u",
+                                           f->name, np, rank);
                 return 0;
         }
         }
@@ -468,12 +550,18 @@ int kvf_record_decode(int type, const void *buf, size_t len, uint32_t rank,
                 if ((sp->uses[u].flags & R) && !(out->present & (1ull << sp->uses[u].f)))
                         return kvf_err_set(-EBADMSG, "%s record: missing field '%s'", sp->name,
                                            fields[sp->uses[u].f].name);
+        out->device_given = (out->present & (1ull << DEVICE_IDS)) && out->device != UINT64_MAX;
         if (sp->needs_peer && !(out->present & (1ull << PEER))) {
                 bool have_port = out->present & ((1ull << PORT) | (1ull << RDMA_PORTS));
-                if (!(out->present & (1ull << IP)) || !have_port)
+                bool have_ip = out->present & (1ull << IP);
+                /* FastDeploy's ipc tasks name the peer by its device alone: the sender finds it. */
+                if ((out->present & (1ull << DEVICE_IDS)) && out->transport == KVF_TRANSPORT_IPC &&
+                    !(have_ip && have_port))
+                        return 0;
+                if (!have_ip || !have_port)
                         return kvf_err_set(-EBADMSG,
-                                           "%s record: missing field 'peer' (or 'ip' with 'port' or 'rdma_ports')",
-                                           sp->name);
+                                           "%s record: missing field 'peer' (or 'ip' with 'port' or 'rdma_ports'%s)",
+                                           sp->name, type == KVF_RT_TASK ? ", or 'device_ids' for ipc" : "");
                 if (out->port == 0 || out->port > 65535)
                         return kvf_err_set(-EBADMSG, "%s record: port %llu is not in [1, 65535]",
                                            sp->name, (unsigned long long)out->port);
@@ -481,6 +569,7 @@ int kvf_record_decode(int type, const void *buf, size_t len, uint32_t rank,
                                  (unsigned long long)out->port);
                 if (w < 0 || (size_t)w >= sizeof(out->peer))
                         return kvf_err_set(-EBADMSG, "%s record: 'ip' is too long", sp->name);
+                out->peer_formed = true;
         }
         return 0;
 }
@@ -517,6 +606,7 @@ static bool has_value(const struct field *f, const struct kvf_record *r)
         const char *base = (const char *)r;
         switch (f->kind) {
         case F_STR:
+        case F_ID:
                 return base[f->off] != '\0';
         case F_TRANSPORT:
                 return r->transport >= KVF_TRANSPORT_IPC && r->transport <= KVF_TRANSPORT_RDMA;
@@ -549,6 +639,16 @@ int kvf_record_encode(const struct kvf_record *r, void *buf, size_t cap)
                 case F_STR:
                         pack_str(&pk, base + f->off);
                         break;
+                case F_ID:
+                        if (r->id_bin) {
+                                size_t idn = strlen(base + f->off);
+                                msgpack_pack_bin(&pk, idn);
+                                msgpack_pack_bin_body(&pk, base + f->off, idn);
+                        } else {
+                                pack_str(&pk, base + f->off);
+                        }
+                        break;
+                case F_PORT:
                 case F_U64:
                         msgpack_pack_uint64(&pk, *(const uint64_t *)(const void *)(base + f->off));
                         break;
@@ -607,7 +707,7 @@ int kvf_record_encode_alloc(const struct kvf_record *r, uint8_t **buf, size_t *l
         return 0;
 }
 
-int kvf_record_peek_request_id(const void *buf, size_t len, char *out, size_t cap)
+int kvf_record_peek_request_id(const void *buf, size_t len, char *out, size_t cap, bool *is_bin)
 {
         struct kvf_mp m = {.p = buf, .end = (const uint8_t *)buf + len};
         uint32_t n;
@@ -624,6 +724,17 @@ int kvf_record_peek_request_id(const void *buf, size_t len, char *out, size_t ca
                                 return -EBADMSG;
                         memcpy(out, v, vl);
                         out[vl] = '\0';
+                        *is_bin = false;
+                        return 0;
+                }
+                const uint8_t *bv;
+                if (kl == 10 && !memcmp(k, "request_id", 10) && kvf_mp_peek(&m) == KVF_MP_BIN &&
+                    kvf_mp_bin(&m, &bv, &vl) == 0) {
+                        if (vl == 0 || vl >= cap || memchr(bv, 0, vl))
+                                return -EBADMSG;
+                        memcpy(out, bv, vl);
+                        out[vl] = '\0';
+                        *is_bin = true;
                         return 0;
                 }
                 if (kvf_mp_skip(&m, 16) < 0)

@@ -67,6 +67,10 @@ struct kvf_record {
         uint64_t bytes;
         uint64_t accept_ns, last_layer_ns, done_ns;
         uint64_t generation; /* finish/notice/auth/welcome: the segment's created_ns */
+        uint64_t session;    /* completion, connect result: the engine session it answers;
+                              * arrival: the decode engine session it is for; finish, notice:
+                              * (ipc) the decode engine session the sender bound the transfer to */
+        uint64_t device;     /* decode only: device_ids[rank], a same-host peer's device (ipc) */
         /* handshake */
         char instance[KVF_INSTANCE_MAX];
         char purpose[16];
@@ -82,6 +86,11 @@ struct kvf_record {
         bool last;
         bool chunked;
         bool up; /* peer state */
+        bool withdraw; /* finish, notice (status not finished): the sender gave up waiting and asks
+                        * what became of the transfer; the answer is the arrival's real status */
+        bool id_bin;   /* request_id / task_id came (and goes back) as msgpack bin, not str */
+        bool peer_formed; /* decode only: `peer` was built from ip and port, not given */
+        bool device_given; /* decode only: device_ids was present (`device` holds our rank's) */
         uint32_t *src; /* src_block_ids */
         uint32_t n_src;
         uint32_t *dst; /* dest_block_ids */
@@ -106,10 +115,10 @@ void kvf_record_free(struct kvf_record *r);
 
 /*
  * Best effort, for a record that failed to decode: find a valid string
- * "request_id" at the top level, so the rejection can name the request.
+ * "request_id" (or bin) at the top level, so the rejection can name the request.
  * 0 and *out filled, or < 0.
  */
-int kvf_record_peek_request_id(const void *buf, size_t len, char *out, size_t cap);
+int kvf_record_peek_request_id(const void *buf, size_t len, char *out, size_t cap, bool *is_bin);
 
 /*
  * Encode into buf (cap bytes). Returns the length, -ENOSPC if it does not

@@ -302,6 +302,12 @@ int kvf_ring_read(struct kvf_ring *r, kvf_ring_handler fn, void *ctx, unsigned m
         return rc < 0 ? rc : n;
 }
 
+uint16_t kvf_ring_record_gen(const struct kvf_ring *r, uint64_t pos)
+{
+        /* The consumer's own record, committed and not yet zeroed: no race. */
+        return KVF_REC_GEN(kvf_load_relaxed(word_at(r, pos)));
+}
+
 uint64_t kvf_ring_used(const struct kvf_ring_hdr *hdr)
 {
         uint64_t head = kvf_load_acquire(&hdr->head);

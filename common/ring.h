@@ -101,6 +101,23 @@ typedef int (*kvf_ring_handler)(void *ctx, uint16_t type, const uint8_t *payload
  */
 int kvf_ring_read(struct kvf_ring *r, kvf_ring_handler fn, void *ctx, unsigned max);
 
+/*
+ * Inside a handler: the low 16 bits of the generation of the producer that
+ * wrote the record at `pos` (the engine session of an engine's record).
+ */
+uint16_t kvf_ring_record_gen(const struct kvf_ring *r, uint64_t pos);
+
+/*
+ * The full generation whose low 16 bits are gen16, counting back from `cur`
+ * (the producer's generation now): records are read in order and a producer
+ * restarts far fewer than 65536 times while one of its records waits.
+ */
+static inline uint64_t kvf_gen_from16(uint64_t cur, uint16_t gen16)
+{
+        uint64_t back = (uint16_t)((uint16_t)cur - gen16);
+        return cur >= back ? cur - back : 0;
+}
+
 /* True when the next record is committed or abandoned (consumer side). */
 bool kvf_ring_readable(struct kvf_ring *r);
 

@@ -29,7 +29,7 @@
 #include <stdint.h>
 
 #define KVF_MAGIC 0x315952524546564bull /* "KVFERRY1" read little-endian */
-#define KVF_LAYOUT_VERSION 2u
+#define KVF_LAYOUT_VERSION 3u
 #define KVF_CACHE_LINE 64u
 #define KVF_HEADER_SIZE 4096u
 
@@ -91,6 +91,8 @@ enum kvf_backend {
         KVF_BACKEND_HOST = 1, /* caches in a shared-memory file */
         KVF_BACKEND_CUDA = 2, /* caches in GPU memory, CUDA IPC handles below */
 };
+
+#define KVF_DEVICE_NONE 0xffffffffu
 
 /* The cache layout; also sent in the handshake (as msgpack, not as bytes). */
 struct kvf_cache_layout {
@@ -241,7 +243,7 @@ struct kvf_req_slot {
         uint64_t task_pos;    /* ring position of the task record (replay detection) */
         uint64_t completion_pos; /* ring position the completion was claimed at, or ~0 */
         uint64_t accept_ns;
-        uint64_t reserved0;
+        uint64_t session;        /* the engine session (engine role generation) that submitted it */
         uint64_t last_layer_ns;  /* when the request's last layer became ready */
         uint64_t deadline_ns;
         uint64_t bytes;          /* bytes written so far */
@@ -255,13 +257,17 @@ struct kvf_req_slot {
         uint32_t chunk_tail;
         uint32_t last_chunk_seen; /* a chunk mark covering every block was queued */
         uint32_t peer_idx;       /* sender-local peer slot, or ~0 */
-        uint32_t pad0;
+        uint32_t flags;          /* KVF_REQF_* */
         struct kvf_chunk_mark chunks[KVF_CHUNKS_MAX];
         char request_id[KVF_REQ_ID_MAX];
         char peer[KVF_PEER_MAX];
         char reason[KVF_REASON_MAX];
-        uint8_t pad1[296];
+        uint64_t peer_session;   /* ipc: the peer's engine session when the task was accepted, 0 none */
+        uint64_t withdraw_ns;    /* FINISHING past its deadline: when the sender asked the connector
+                                  * to withdraw the notice (it waits for the peer's answer), or 0 */
+        uint8_t pad1[280];
 };
+#define KVF_REQF_ID_BIN 1u /* the request id came as msgpack bin: echo it as bin */
 
 /*
  * The decode-side connector's journal of published arrivals, so a notice
@@ -271,6 +277,9 @@ struct kvf_req_slot {
 struct kvf_journal_entry {
         uint64_t key_hash; /* hash of (prefill instance, slot, incarnation); 0 = unused */
         uint64_t ring_pos; /* where the arrival record was claimed */
+        uint32_t status;   /* the arrival's status: what a repeated or withdrawn notice is told */
+        uint32_t pad;
+        uint64_t session;  /* the decode engine session the arrival was published for */
 };
 
 /*
@@ -298,7 +307,9 @@ enum kvf_hist_id {
 struct kvf_sender_area {
         uint64_t reject_task_pos;       /* task record whose rejection was posted last */
         uint64_t reject_completion_pos; /* where that rejection's completion was claimed */
-        uint8_t pad[48];
+        uint64_t engine_session_ack;    /* the engine session whose predecessors' requests the
+                                         * sender has ended (kvf_attach waits for it) */
+        uint8_t pad[40];
         struct kvf_histogram hist[KVF_HIST_COUNT];
 };
 
@@ -321,7 +332,7 @@ struct kvf_ctl_header {
         char instance[KVF_INSTANCE_MAX];
         struct kvf_cache_layout layout;
         uint32_t backend; /* enum kvf_backend */
-        uint32_t device;  /* CUDA device ordinal */
+        uint32_t device;  /* CUDA device ordinal (host backend: a label), KVF_DEVICE_NONE if none */
         uint32_t rank;
         uint32_t nranks;
         char cache_name[64]; /* host backend: shm name of the cache file */
@@ -360,7 +371,7 @@ _Static_assert(sizeof(struct kvf_counter) == KVF_CACHE_LINE, "counter size");
 _Static_assert(sizeof(struct kvf_errlog_entry) == 256, "errlog entry size");
 _Static_assert(sizeof(struct kvf_req_slot) == 1024, "request slot size");
 _Static_assert(offsetof(struct kvf_req_slot, chunks) == 120, "request slot chunks");
-_Static_assert(sizeof(struct kvf_journal_entry) == 16, "journal entry size");
+_Static_assert(sizeof(struct kvf_journal_entry) == 32, "journal entry size");
 _Static_assert(sizeof(struct kvf_connector_info) == 64, "connector info size");
 _Static_assert(sizeof(struct kvf_histogram) == 32 + 8 * KVF_HIST_BUCKETS, "histogram size");
 _Static_assert(offsetof(struct kvf_sender_area, hist) == 64, "sender area histograms");

@@ -14,6 +14,8 @@ static const char *const names[KVF_STATUS_COUNT] = {
         [KVF_STATUS_TIMEOUT] = "timed out",
         [KVF_STATUS_WRITE] = "write error",
         [KVF_STATUS_AUTH] = "authentication failed",
+        [KVF_STATUS_ENGINE_GONE] = "engine gone",
+        [KVF_STATUS_PEER_ROLE] = "peer role mismatch",
 };
 
 const char *kvf_status_name(int status)

@@ -37,6 +37,7 @@ struct conn_config {
         unsigned keepalive_ms;
         unsigned peer_timeout_ms; /* silence (or unreachability) after which a peer is dead */
         unsigned streams;         /* data connections per peer (tcp transport) */
+        unsigned peer_idle_ms;    /* a peer without work this long is retired (thread, sockets) */
         bool zerocopy;            /* send data frames with MSG_ZEROCOPY (io_uring send_zc) */
 };
 
@@ -65,7 +66,18 @@ struct notice {
         uint32_t len;
         uint64_t first_ns; /* when the connector got it */
         bool abort_notice; /* fire and forget */
+        bool withdraw;     /* the sender withdraws a finish notice: the ack says what the peer did */
+        /* Sent on some connection at least once: the peer may have published the arrival,
+         * so only the peer's answer may end it (in doubt), never a timeout here. */
+        bool sent;
         struct notice *next;
+};
+
+/* An engine's connect task waiting for its peer. */
+struct connect_wait {
+        char *task_id;
+        uint64_t session; /* the engine session that asked */
+        bool id_bin;
 };
 
 struct peer {
@@ -84,11 +96,16 @@ struct peer {
         /* under mu */
         struct notice *queue, *queue_tail; /* to send */
         struct notice *inflight;           /* sent, waiting for an ack */
-        char *connect_ids[64];             /* connect tasks waiting for an answer */
+        struct connect_wait connects[64];  /* connect tasks waiting for an answer */
         unsigned nconnect;
+        unsigned failures; /* connection attempts failed in a row */
         bool up;
         bool stop;
         struct peer_data *data; /* tcp data path (data_tx.c), created on first use */
+        /* control thread only: retirement (peer.c conn_peers_tick) */
+        uint64_t idle_since; /* no work since then, 0 = busy */
+        struct peer *next_retired;
+        int exited; /* atomic: the peer thread has returned (it may be joined) */
 };
 
 struct session {
@@ -127,6 +144,12 @@ struct connector {
 
         struct peer *peers[MAX_PEERS];
         unsigned npeers;
+        struct peer *retired; /* stopping, to be joined and freed (control thread) */
+
+        /* The decode engine's session (connector.h conn_engine_session): the control
+         * thread reads /proc each heartbeat; a dead one is remembered here. */
+        uint64_t eng_dead; /* atomic */
+        uint64_t eng_seen; /* control thread: the session at the last tick */
 
         /* journal index (control thread): key_hash -> journal entry, open addressing */
         uint32_t *jidx;
@@ -154,8 +177,14 @@ void conn_dispatch(struct connector *cn, struct event *ev);
 void conn_write_result(struct connector *cn, uint64_t key, const char *request_id, int status,
                        const char *reason, bool dispatch);
 /* Answer an engine's connect task (CONNECT_RESULT), queued for the control thread. */
-void conn_connect_result(struct connector *cn, const char *task_id, const char *peer, int status,
-                         const char *reason);
+void conn_connect_result(struct connector *cn, const struct connect_wait *w, const char *peer,
+                         int status, const char *reason);
+/*
+ * The decode engine's session that is live now, or 0 (see ctl.h): a
+ * transfer into this instance is bound to the session live when it opened,
+ * since that session reserved its blocks. Any thread; no /proc read.
+ */
+uint64_t conn_engine_session(struct connector *cn);
 
 /* handshake.c: 0 with the peer's identity in *out, or -errno with kvf_err set and (client)
  * *status (enum kvf_status) saying what kind of failure it was. */
@@ -172,9 +201,18 @@ int conn_handshake_server(struct connector *cn, int fd, struct peer_identity *ou
 int conn_send_record(int fd, const struct kvf_record *r, unsigned timeout_ms);
 
 /* peer.c */
-struct peer *conn_peer_get(struct connector *cn, const char *name);
+/*
+ * The peer named `name`, created on first use (control thread). NULL when
+ * out of memory, or when the table is full of peers that have work and are
+ * reachable (*why says so); idle or unreachable peers are retired to make room.
+ */
+struct peer *conn_peer_get(struct connector *cn, const char *name, char *why, size_t whylen);
 void conn_peer_enqueue(struct peer *p, struct notice *n);
-void conn_peer_connect_task(struct peer *p, const char *task_id);
+/* The sender withdraws the finish notice of n->key (n is the withdrawal): see peer.c. */
+void conn_peer_withdraw(struct peer *p, struct notice *n);
+void conn_peer_connect_task(struct peer *p, const struct connect_wait *w);
+/* Control thread, each heartbeat: retire peers idle longer than peer_idle_ms, reap retired ones. */
+void conn_peers_tick(struct connector *cn, uint64_t now);
 void conn_peers_stop(struct connector *cn);
 /* Wake the peer's thread: it has work (a transfer opened) and should connect. */
 void conn_peer_kick(struct peer *p);
@@ -188,8 +226,15 @@ int conn_session_send(struct connector *cn, uint64_t session, const struct kvf_r
 void conn_journal_init(struct connector *cn);
 /* Was the arrival for this notice published already (and committed)? */
 bool conn_arrival_published(struct connector *cn, const struct kvf_record *notice, uint64_t src_gen);
-/* Publish the arrival for a notice, once; returns the status to acknowledge with. */
+/*
+ * Publish the arrival for a notice, once, with `status` and `why` (the
+ * notice's own for NULL) for the decode engine session `session`. Returns the
+ * status to acknowledge with: for a repeat, the status the arrival was
+ * published with (so a withdrawn notice learns what really happened);
+ * -EAGAIN when the ring is full, -ENOMEM.
+ */
 int conn_publish_arrival(struct connector *cn, const struct kvf_record *notice, uint64_t src_gen,
-                         char *reason, size_t reasonlen);
+                         int status, const char *why, uint64_t session, char *reason,
+                         size_t reasonlen);
 
 #endif

@@ -43,14 +43,23 @@ _Static_assert(sizeof(struct kvf_data_hdr) == 24, "data header size");
 #define KVF_XOPEN_MAX (1u << 20)      /* bytes of an XOPEN record */
 
 /* data_tx.c (control thread, except where noted) */
-int data_tx_open(struct connector *cn, const struct kvf_record *open);
+int data_tx_open(struct connector *cn, const struct kvf_record *open, char *why, size_t whylen);
 int data_tx_batch(struct connector *cn, const struct kvf_record *batch);
+/*
+ * The transfer's finish notice is handed to the peer thread: from now on only
+ * the notice's outcome ends it (data_tx_fail leaves it alone; the notice's
+ * failure or acknowledgement forgets it).
+ */
+void data_tx_noticed(struct peer *p, uint64_t key);
 /* Peer thread: the notice for `key` was acknowledged, or the transfer failed: forget it. */
 void data_tx_forget(struct peer *p, uint64_t key);
-/* Peer thread: fail transfers waiting longer than older_than (0 = all) with status. */
+/* Peer thread: fail transfers waiting longer than older_than (0 = all) with status, except
+ * those whose notice is out (data_tx_noticed). */
 void data_tx_fail(struct peer *p, int status, const char *reason, uint64_t older_than);
 bool data_tx_busy(struct peer *p);
+/* Stop the peer's data threads (joined); data_tx_free releases what is left. */
 void data_tx_stop(struct peer *p);
+void data_tx_free(struct peer *p);
 
 /* data_rx.c */
 void data_rx_serve(struct connector *cn, int fd, const char *peer_instance, uint64_t peer_gen,
@@ -68,5 +77,13 @@ int data_rx_take_ready(struct connector *cn, const char *peer, uint64_t gen, uin
 void data_rx_close(struct connector *cn, const char *peer, uint64_t gen, uint64_t key);
 /* Drop transfers open and silent longer than open_ns, closed ones after closed_ns. */
 void data_rx_expire(struct connector *cn, uint64_t open_ns, uint64_t closed_ns);
+/* The decode engine session a transfer is bound to (the live one if it is not open yet). */
+uint64_t data_rx_session(struct connector *cn, const char *peer, uint64_t gen, uint64_t key);
+/*
+ * Control thread: engine sessions other than `live` are over. Their open
+ * transfers are closed (frames drained from now on), and a notice that waited
+ * for their data is dispatched now, to be answered "engine gone".
+ */
+void data_rx_end_sessions(struct connector *cn, uint64_t live);
 
 #endif

@@ -34,7 +34,8 @@ struct rx_xfer {
         uint64_t need, have;
         bool waiting; /* a finish notice waits for the data */
         bool closed;  /* published or aborted: late frames for it are drained, not written */
-        uint64_t session;
+        uint64_t eng_session; /* the decode engine session that reserved the blocks, 0 none */
+        uint64_t session;     /* the control connection whose notice waits */
         struct kvf_record notice;
         uint64_t touched_ns;
         struct rx_xfer *next;
@@ -121,6 +122,7 @@ static int rx_open(struct connector *cn, const char *peer, uint64_t gen, const s
                 }
                 snprintf(x->peer, sizeof(x->peer), "%s", peer);
                 snprintf(x->request_id, sizeof(x->request_id), "%s", o->request_id);
+                x->eng_session = conn_engine_session(cn);
                 x->gen = gen;
                 x->key = o->key;
                 memcpy(x->dst, o->dst, o->n_dst * sizeof(uint32_t));
@@ -146,10 +148,13 @@ static int rx_check(struct connector *cn, const char *peer, uint64_t gen, const 
         uint32_t layers = kvf_layout_layers(L), tensors = kvf_layout_tensors(L);
         int rc = -EPROTO;
 
+        uint64_t live = conn_engine_session(cn);
         pthread_mutex_lock(&cn->rxmu);
         struct rx_xfer *x = rx_find(cn, peer, gen, h->key);
         if (x && x->closed)
                 rc = 1;
+        else if (x && x->eng_session && x->eng_session != live)
+                rc = 1; /* its engine session is over: the blocks are not its any more */
         else if (!x)
                 snprintf(why, whylen, "data for transfer %016llx, which was never opened",
                          (unsigned long long)h->key);
@@ -462,6 +467,7 @@ void data_rx_close(struct connector *cn, const char *peer, uint64_t gen, uint64_
                 snprintf(x->peer, sizeof(x->peer), "%s", peer);
                 x->gen = gen;
                 x->key = key;
+                x->eng_session = conn_engine_session(cn);
                 rx_insert(cn, x);
         }
         if (x && !x->closed) {
@@ -499,4 +505,44 @@ void data_rx_expire(struct connector *cn, uint64_t open_ns, uint64_t closed_ns)
                         pp = &x->next;
                 }
         pthread_mutex_unlock(&cn->rxmu);
+}
+
+uint64_t data_rx_session(struct connector *cn, const char *peer, uint64_t gen, uint64_t key)
+{
+        uint64_t live = conn_engine_session(cn);
+        pthread_mutex_lock(&cn->rxmu);
+        struct rx_xfer *x = rx_find(cn, peer, gen, key);
+        uint64_t s = x ? x->eng_session : live;
+        pthread_mutex_unlock(&cn->rxmu);
+        return s;
+}
+
+void data_rx_end_sessions(struct connector *cn, uint64_t live)
+{
+        struct event *ready = NULL;
+        pthread_mutex_lock(&cn->rxmu);
+        for (unsigned b = 0; b < RX_BUCKETS; b++)
+                for (struct rx_xfer *x = cn->rx[b]; x; x = x->next) {
+                        if (x->closed || !x->eng_session || x->eng_session == live || !x->waiting)
+                                continue;
+                        /* Its notice waited for data that no longer matters: answer it now
+                         * (on_notice sees the session is over). The transfer stays open
+                         * until then; rx_check already drains its frames. */
+                        struct event *ev = calloc(1, sizeof(*ev));
+                        if (!ev)
+                                continue;
+                        ev->kind = EV_NOTICE;
+                        ev->session = x->session;
+                        ev->src_gen = x->gen;
+                        ev->rec = x->notice;
+                        x->waiting = false;
+                        ev->next = ready;
+                        ready = ev;
+                }
+        pthread_mutex_unlock(&cn->rxmu);
+        while (ready) {
+                struct event *ev = ready;
+                ready = ev->next;
+                conn_dispatch(cn, ev);
+        }
 }

@@ -52,6 +52,7 @@ struct xfer {
         uint32_t inflight;
         bool dead;
         bool checked; /* dst ids checked against the peer's block count */
+        bool noticed; /* the finish notice is out: only its outcome ends the transfer */
         struct xfer *next;
 };
 
@@ -508,12 +509,15 @@ static struct peer_data *peer_data(struct connector *cn, struct peer *p)
         return pd;
 }
 
-int data_tx_open(struct connector *cn, const struct kvf_record *o)
+int data_tx_open(struct connector *cn, const struct kvf_record *o, char *why, size_t whylen)
 {
-        struct peer *p = conn_peer_get(cn, o->peer);
+        struct peer *p = conn_peer_get(cn, o->peer, why, whylen);
         struct peer_data *pd = p ? peer_data(cn, p) : NULL;
-        if (!pd)
+        if (!pd) {
+                if (p)
+                        snprintf(why, whylen, "the connector is out of memory");
                 return -ENOMEM;
+        }
         pthread_mutex_lock(&pd->mu);
         struct xfer *x = find(pd, o->key);
         if (!x) {
@@ -523,6 +527,7 @@ int data_tx_open(struct connector *cn, const struct kvf_record *o)
                         free(x);
                         free(dst);
                         pthread_mutex_unlock(&pd->mu);
+                        snprintf(why, whylen, "the connector is out of memory");
                         return -ENOMEM;
                 }
                 memcpy(dst, o->dst, o->n_dst * sizeof(uint32_t));
@@ -535,6 +540,7 @@ int data_tx_open(struct connector *cn, const struct kvf_record *o)
                         free(dst);
                         free(x);
                         pthread_mutex_unlock(&pd->mu);
+                        snprintf(why, whylen, "the connector is out of memory");
                         return -ENOMEM;
                 }
                 x->next = pd->xfers;
@@ -551,7 +557,8 @@ int data_tx_open(struct connector *cn, const struct kvf_record *o)
 int data_tx_batch(struct connector *cn, const struct kvf_record *w)
 {
         const struct kvf_cache_layout *L = &cn->ctl.hdr->layout;
-        struct peer *p = conn_peer_get(cn, w->peer);
+        char why[KVF_REASON_MAX];
+        struct peer *p = conn_peer_get(cn, w->peer, why, sizeof(why));
         struct peer_data *pd = p ? peer_data(cn, p) : NULL;
         if (!pd)
                 return -ENOMEM;
@@ -617,6 +624,18 @@ void data_tx_forget(struct peer *p, uint64_t key)
         pthread_mutex_unlock(&pd->mu);
 }
 
+void data_tx_noticed(struct peer *p, uint64_t key)
+{
+        struct peer_data *pd = p->data;
+        if (!pd)
+                return;
+        pthread_mutex_lock(&pd->mu);
+        struct xfer *x = find(pd, key);
+        if (x)
+                x->noticed = true;
+        pthread_mutex_unlock(&pd->mu);
+}
+
 void data_tx_fail(struct peer *p, int status, const char *reason, uint64_t older_than)
 {
         struct peer_data *pd = p->data;
@@ -626,7 +645,7 @@ void data_tx_fail(struct peer *p, int status, const char *reason, uint64_t older
         uint64_t now = kvf_now_ns();
         for (struct xfer *x = pd->xfers, *nx; x; x = nx) {
                 nx = x->next;
-                if (older_than && kvf_elapsed(now, x->first_ns) <= older_than)
+                if (x->noticed || (older_than && kvf_elapsed(now, x->first_ns) <= older_than))
                         continue;
                 post_result(p->cn, x, status, reason);
                 drop(pd, x);
@@ -659,4 +678,21 @@ void data_tx_stop(struct peer *p)
                         shutdown(pd->conns[i].fd, SHUT_RDWR);
                 pthread_join(pd->conns[i].thread, NULL);
         }
+}
+
+void data_tx_free(struct peer *p)
+{
+        struct peer_data *pd = p->data;
+        if (!pd)
+                return;
+        /* The data threads are joined (data_tx_stop): no frame is in flight. */
+        while (pd->xfers) {
+                struct xfer *x = pd->xfers;
+                pd->xfers = x->next;
+                free_xfer(x);
+        }
+        pthread_cond_destroy(&pd->cv);
+        pthread_mutex_destroy(&pd->mu);
+        free(pd);
+        p->data = NULL;
 }

@@ -140,6 +140,14 @@ int conn_handshake_client(struct connector *cn, int fd, const char *purpose,
                 return kvf_err_ctx(rc, "handshake");
         snprintf(out->instance, sizeof(out->instance), "%s", r.instance);
         out->created_ns = r.generation;
+        /* Only an instance that receives may be written into (the server refuses
+         * too; this holds against a server that does not). */
+        if (r.role != KVF_IROLE_DECODE && r.role != KVF_IROLE_MIXED) {
+                *status = KVF_STATUS_PEER_ROLE;
+                return kvf_err_set(-EPERM,
+                                   "handshake: peer '%s' is a %s instance: only a decode or mixed instance receives KV caches",
+                                   out->instance, kvf_irole_name((uint32_t)r.role));
+        }
         if ((rc = rec_to_layout(&r, &out->layout)) < 0)
                 return kvf_err_ctx(rc, "handshake");
         if (kvf_layout_compatible(&h->layout, &out->layout, why, sizeof(why)) < 0) {
@@ -196,6 +204,13 @@ int conn_handshake_server(struct connector *cn, int fd, struct peer_identity *ou
         }
         snprintf(out->instance, sizeof(out->instance), "%s", r.instance);
         out->created_ns = r.generation;
+        if (h->instance_role != KVF_IROLE_DECODE && h->instance_role != KVF_IROLE_MIXED) {
+                snprintf(reason, sizeof(reason),
+                         "peer '%s' is a %s instance: only a decode or mixed instance receives KV caches",
+                         h->instance, kvf_irole_name(h->instance_role));
+                refuse(fd, KVF_STATUS_PEER_ROLE, reason, to);
+                return kvf_err_set(-EPERM, "handshake with '%s': refused: %s", out->instance, reason);
+        }
         if ((rc = rec_to_layout(&r, &out->layout)) < 0) {
                 refuse(fd, KVF_STATUS_LAYOUT_MISMATCH, kvf_err_msg(), to);
                 return kvf_err_ctx(rc, "handshake with '%s'", out->instance);

@@ -34,6 +34,7 @@ static void usage(void)
                "  --keepalive-ms N         ping a quiet peer this often (default 500)\n"
                "  --peer-timeout-ms N      a peer silent or unreachable this long is dead (default 5000)\n"
                "  --streams N              tcp data connections per peer (default 2)\n"
+               "  --peer-idle-ms N         close a peer without work for this long (default 60000)\n"
                "  --zerocopy               send data frames with zero-copy sends (io_uring send_zc)\n"
                "  --help, --version\n",
                prog);
@@ -77,6 +78,60 @@ static int ring_write_record(struct connector *cn, int ring, const struct kvf_re
         return rc;
 }
 
+/*
+ * A notice from a prefill instance (decode side): publish the arrival once and
+ * acknowledge with its status. The transfer is bound to the decode engine
+ * session that reserved its blocks (ipc: the one the sender saw; tcp: the one
+ * live when the transfer opened here); if that session is over, the blocks
+ * may be another request's now, so the arrival says "engine gone" and goes to
+ * that ended session, never to a later one.
+ */
+static int on_notice(struct connector *cn, struct event *ev)
+{
+        struct kvf_record *n = &ev->rec;
+        bool tcp = n->transport != KVF_TRANSPORT_IPC;
+        char reason[KVF_REASON_MAX], gone[KVF_REASON_MAX];
+        uint64_t bound = tcp ? data_rx_session(cn, n->peer, ev->src_gen, n->key) : n->session;
+        uint64_t live = conn_engine_session(cn);
+        int status = n->status;
+        const char *why = NULL;
+
+        if (bound && bound != live && status == KVF_STATUS_FINISHED) {
+                snprintf(gone, sizeof(gone),
+                         "the decode engine session %llu that reserved the blocks ended before the transfer finished",
+                         (unsigned long long)bound);
+                status = KVF_STATUS_ENGINE_GONE;
+                why = gone;
+        }
+        /* An aborted (or withdrawn) tcp transfer: fence off its late frames before the
+         * engine hears of it, so blocks it frees on the error arrival stay untouched. */
+        if (tcp && status != KVF_STATUS_FINISHED)
+                data_rx_close(cn, n->peer, ev->src_gen, n->key);
+        if (tcp && status == KVF_STATUS_FINISHED && !conn_arrival_published(cn, n, ev->src_gen) &&
+            !data_rx_notice(cn, n, ev->src_gen, ev->session))
+                return 0; /* the data is not all in: the arrival waits for it */
+        int st = conn_publish_arrival(cn, n, ev->src_gen, status, why, bound, reason, sizeof(reason));
+        if (st == -EAGAIN)
+                return -EAGAIN;
+        struct kvf_record ack = {.type = KVF_RT_ACK, .key = n->key,
+                                 .status = st < 0 ? KVF_STATUS_WRITE : st, .id_bin = n->id_bin};
+        snprintf(ack.request_id, sizeof(ack.request_id), "%s", n->request_id);
+        snprintf(ack.reason, sizeof(ack.reason), "%s",
+                 st < 0 ? "the decode connector could not publish the arrival"
+                        : reason[0] ? reason : why ? why : "");
+        if (ack.status != n->status)
+                kvf_errlog(&cn->ctl, KVF_ROLE_CONNECTOR, "req %s from %s: %s: %s", n->request_id,
+                           n->peer, kvf_status_name(ack.status), ack.reason);
+        if (n->withdraw)
+                kvf_info("req %s from %s: withdrawn by the sender; the arrival is '%s'", n->request_id,
+                         n->peer, kvf_status_name(ack.status));
+        /* If the session is gone the prefill side re-sends; the journal de-duplicates. */
+        conn_session_send(cn, ev->session, &ack);
+        if (tcp && status == KVF_STATUS_FINISHED)
+                data_rx_close(cn, n->peer, ev->src_gen, n->key); /* aborts: above */
+        return 0;
+}
+
 /* Handle one event; -EAGAIN = a ring is full, keep it for later. Any thread. */
 static int handle_event(struct connector *cn, struct event *ev)
 {
@@ -105,33 +160,8 @@ static int handle_event(struct connector *cn, struct event *ev)
                 conn_dispatch(cn, nev);
                 return 0;
         }
-        case EV_NOTICE: {
-                char reason[KVF_REASON_MAX];
-                /* An aborted tcp transfer: fence off its late frames before the engine
-                 * hears of it, so blocks it frees on the error arrival stay untouched. */
-                if (ev->rec.transport != KVF_TRANSPORT_IPC && ev->rec.status != KVF_STATUS_FINISHED)
-                        data_rx_close(cn, ev->rec.peer, ev->src_gen, ev->rec.key);
-                if (ev->rec.transport != KVF_TRANSPORT_IPC && ev->rec.status == KVF_STATUS_FINISHED &&
-                    !conn_arrival_published(cn, &ev->rec, ev->src_gen) &&
-                    !data_rx_notice(cn, &ev->rec, ev->src_gen, ev->session))
-                        return 0; /* the data is not all in: the arrival waits for it */
-                int st = conn_publish_arrival(cn, &ev->rec, ev->src_gen, reason, sizeof(reason));
-                if (st == -EAGAIN)
-                        return -EAGAIN;
-                struct kvf_record ack = {.type = KVF_RT_ACK, .key = ev->rec.key,
-                                         .status = st < 0 ? KVF_STATUS_WRITE : st};
-                snprintf(ack.request_id, sizeof(ack.request_id), "%s", ev->rec.request_id);
-                snprintf(ack.reason, sizeof(ack.reason), "%s",
-                         st < 0 ? "the decode connector could not publish the arrival" : reason);
-                if (ack.status != KVF_STATUS_FINISHED)
-                        kvf_errlog(&cn->ctl, KVF_ROLE_CONNECTOR, "req %s from %s: %s: %s",
-                                   ev->rec.request_id, ev->rec.peer, kvf_status_name(ack.status), reason);
-                /* If the session is gone the prefill side re-sends; the journal de-duplicates. */
-                conn_session_send(cn, ev->session, &ack);
-                if (ev->rec.transport != KVF_TRANSPORT_IPC && ev->rec.status == KVF_STATUS_FINISHED)
-                        data_rx_close(cn, ev->rec.peer, ev->src_gen, ev->rec.key); /* aborts: above */
-                return 0;
-        }
+        case EV_NOTICE:
+                return on_notice(cn, ev);
         }
         return 0;
 }
@@ -171,49 +201,66 @@ static void run_events(struct connector *cn)
         }
 }
 
-/* A finish (or abort) notice from the sender: hand it to the peer's thread. */
+/* A finish, abort or withdraw notice from the sender: hand it to the peer's thread. */
 static void on_finish(struct connector *cn, struct kvf_record *f)
 {
-        struct peer *p = conn_peer_get(cn, f->peer);
-        struct notice *n = calloc(1, sizeof(*n));
+        char why[KVF_REASON_MAX];
+        struct peer *p = conn_peer_get(cn, f->peer, why, sizeof(why));
+        struct notice *n = p ? calloc(1, sizeof(*n)) : NULL;
         struct kvf_record w = *f;
         size_t len;
+        bool aborting = f->status != KVF_STATUS_FINISHED && !f->withdraw;
 
-        if (!p || !n) {
-                char why[64];
-                free(n);
-                snprintf(why, sizeof(why), "too many peers (%u) or out of memory", MAX_PEERS);
-                conn_write_result(cn, f->key, f->request_id, KVF_STATUS_CONNECTION, why, false);
+        if (!n) {
+                if (p)
+                        snprintf(why, sizeof(why), "the connector is out of memory");
+                if (!aborting) /* nobody waits for an abort notice */
+                        conn_write_result(cn, f->key, f->request_id, KVF_STATUS_CONNECTION, why, false);
+                kvf_errlog(&cn->ctl, KVF_ROLE_CONNECTOR, "req %s: notice for '%s' dropped: %s",
+                           f->request_id, f->peer, why);
                 return;
         }
         /* An abort: stop sending the transfer's blocks now (the notice fences off, on
          * the decode side, those already in flight). */
-        if (f->status != KVF_STATUS_FINISHED && f->transport != KVF_TRANSPORT_IPC)
+        if (aborting && f->transport != KVF_TRANSPORT_IPC)
                 data_tx_forget(p, f->key);
         /* On the wire the notice names its source, not its destination. */
         w.type = KVF_RT_NOTICE;
         snprintf(w.peer, sizeof(w.peer), "%s", cn->ctl.hdr->instance);
         if (kvf_record_encode_alloc(&w, &n->frame, &len) < 0) {
                 free(n);
-                if (f->status == KVF_STATUS_FINISHED) /* nobody waits for an abort notice */
+                if (!aborting)
                         conn_write_result(cn, f->key, f->request_id, KVF_STATUS_CONNECTION,
                                           "the connector could not encode the finish notice", false);
+                kvf_errlog(&cn->ctl, KVF_ROLE_CONNECTOR, "req %s: could not encode its notice",
+                           f->request_id);
                 return;
         }
         n->len = (uint32_t)len;
         n->key = f->key;
-        n->abort_notice = f->status != KVF_STATUS_FINISHED;
+        n->abort_notice = aborting;
+        n->withdraw = f->withdraw;
         n->first_ns = kvf_now_ns();
         snprintf(n->request_id, sizeof(n->request_id), "%s", f->request_id);
-        conn_peer_enqueue(p, n);
+        if (f->withdraw) {
+                conn_peer_withdraw(p, n);
+        } else {
+                if (!aborting && f->transport != KVF_TRANSPORT_IPC)
+                        data_tx_noticed(p, f->key); /* its fate is the notice's from now on */
+                conn_peer_enqueue(p, n);
+        }
 }
 
 void conn_write_result(struct connector *cn, uint64_t key, const char *request_id, int status,
                        const char *reason, bool dispatch)
 {
         struct event *ev = calloc(1, sizeof(*ev));
-        if (!ev)
+        if (!ev) {
+                /* The sender times the request out in the end; say why here. */
+                kvf_errlog(&cn->ctl, KVF_ROLE_CONNECTOR, "req %s: out of memory for its write result (%s)",
+                           request_id, kvf_status_name(status));
                 return;
+        }
         ev->kind = EV_RESULT;
         ev->rec.type = KVF_RT_WRITE_RESULT;
         ev->rec.key = key;
@@ -226,19 +273,51 @@ void conn_write_result(struct connector *cn, uint64_t key, const char *request_i
                 conn_post(cn, ev);
 }
 
-void conn_connect_result(struct connector *cn, const char *task_id, const char *peer, int status,
-                         const char *reason)
+void conn_connect_result(struct connector *cn, const struct connect_wait *w, const char *peer,
+                         int status, const char *reason)
 {
         struct event *ev = calloc(1, sizeof(*ev));
-        if (!ev)
+        if (!ev) {
+                kvf_errlog(&cn->ctl, KVF_ROLE_CONNECTOR, "connect task %s: out of memory for its result",
+                           w->task_id);
                 return;
+        }
         ev->kind = EV_CONNECT;
         ev->rec.type = KVF_RT_CONNECT_RESULT;
         ev->rec.status = status;
-        snprintf(ev->rec.request_id, sizeof(ev->rec.request_id), "%s", task_id);
+        ev->rec.session = w->session;
+        ev->rec.id_bin = w->id_bin;
+        snprintf(ev->rec.request_id, sizeof(ev->rec.request_id), "%s", w->task_id);
         snprintf(ev->rec.peer, sizeof(ev->rec.peer), "%s", peer ? peer : "");
         snprintf(ev->rec.reason, sizeof(ev->rec.reason), "%s", reason ? reason : "");
         conn_post(cn, ev);
+}
+
+uint64_t conn_engine_session(struct connector *cn)
+{
+        uint64_t s = kvf_engine_session(&cn->ctl, false);
+        return s && s == kvf_load_acquire(&cn->eng_dead) ? 0 : s;
+}
+
+/*
+ * Each heartbeat: is the decode engine's session still live? When it ended,
+ * the transfers bound to it are closed (their frames are drained, never
+ * written into blocks a later engine may have given to other requests), and
+ * their waiting notices are answered "engine gone".
+ */
+static void engine_check(struct connector *cn)
+{
+        uint64_t live = kvf_engine_session(&cn->ctl, true);
+        if (!live)
+                kvf_store_release(&cn->eng_dead,
+                                  kvf_load_acquire(&cn->ctl.roles[KVF_ROLE_ENGINE].generation));
+        if (live == cn->eng_seen)
+                return;
+        if (cn->eng_seen)
+                kvf_info("decode engine session %llu ended%s", (unsigned long long)cn->eng_seen,
+                         live ? "; a new one attached" : "");
+        cn->eng_seen = live;
+        data_rx_end_sessions(cn, live);
 }
 
 static int on_sender_record(void *ctx, uint16_t type, const uint8_t *pl, uint32_t len, uint64_t pos)
@@ -260,11 +339,12 @@ static int on_sender_record(void *ctx, uint16_t type, const uint8_t *pl, uint32_
         case KVF_RT_FINISH:
                 on_finish(cn, &r);
                 break;
-        case KVF_RT_OPEN:
-                if (data_tx_open(cn, &r) < 0)
-                        conn_write_result(cn, r.key, r.request_id, KVF_STATUS_CONNECTION,
-                                          "the connector is out of memory or peers", false);
+        case KVF_RT_OPEN: {
+                char why[KVF_REASON_MAX];
+                if (data_tx_open(cn, &r, why, sizeof(why)) < 0)
+                        conn_write_result(cn, r.key, r.request_id, KVF_STATUS_CONNECTION, why, false);
                 break;
+        }
         case KVF_RT_WRITE_BATCH:
                 rc = data_tx_batch(cn, &r);
                 if (rc == -EAGAIN) {
@@ -288,27 +368,47 @@ static int on_sender_record(void *ctx, uint16_t type, const uint8_t *pl, uint32_
 static int on_engine_record(void *ctx, uint16_t type, const uint8_t *pl, uint32_t len, uint64_t pos)
 {
         struct connector *cn = ctx;
+        struct kvf_ring *in = &cn->ctl.rings[KVF_RING_ENGINE_TO_CONNECTOR];
         struct kvf_record r;
-        (void)pos;
-        if ((type != KVF_RT_CONNECT && type != KVF_RT_DISCONNECT) ||
-            kvf_record_decode(type, pl, len, cn->ctl.hdr->rank, &r) < 0) {
+        struct connect_wait w = {
+                .session = kvf_gen_from16(kvf_load_acquire(&cn->ctl.roles[KVF_ROLE_ENGINE].generation),
+                                          kvf_ring_record_gen(in, pos))};
+
+        if (type != KVF_RT_CONNECT && type != KVF_RT_DISCONNECT) {
                 kvf_count(&cn->ctl, KVF_CTR_BAD_RECORDS, 1);
-                if (type == KVF_RT_CONNECT) /* answer a malformed connect task, if it had an id */
-                        conn_connect_result(cn, r.request_id[0] ? r.request_id : "<unknown>", NULL,
-                                            KVF_STATUS_BAD_TASK, kvf_err_msg());
+                kvf_errlog(&cn->ctl, KVF_ROLE_CONNECTOR,
+                           "record type %u (%s) does not belong on ring engine->connector: dropped", type,
+                           kvf_rec_type_name(type));
+                return 0;
+        }
+        if (kvf_record_decode(type, pl, len, cn->ctl.hdr->rank, &r) < 0) {
+                char why[KVF_ERR_MAX];
+                snprintf(why, sizeof(why), "%s", kvf_err_msg());
+                kvf_count(&cn->ctl, KVF_CTR_BAD_RECORDS, 1);
+                if (type == KVF_RT_CONNECT) { /* answer a malformed connect task, if it had an id */
+                        if (!r.request_id[0])
+                                snprintf(r.request_id, sizeof(r.request_id), "<unknown>");
+                        w.task_id = r.request_id;
+                        w.id_bin = r.id_bin;
+                        conn_connect_result(cn, &w, NULL, KVF_STATUS_BAD_TASK, why);
+                }
                 kvf_errlog(&cn->ctl, KVF_ROLE_CONNECTOR, "bad %s record from the engine: %s",
-                           kvf_rec_type_name(type), kvf_err_msg());
-                if (type == KVF_RT_CONNECT || type == KVF_RT_DISCONNECT)
-                        kvf_record_free(&r);
+                           kvf_rec_type_name(type), why);
+                kvf_record_free(&r);
                 return 0;
         }
         if (type == KVF_RT_CONNECT) {
-                struct peer *p = conn_peer_get(cn, r.peer);
+                char why[KVF_REASON_MAX];
+                w.task_id = r.request_id;
+                w.id_bin = r.id_bin;
+                struct peer *p = conn_peer_get(cn, r.peer, why, sizeof(why));
                 if (p)
-                        conn_peer_connect_task(p, r.request_id);
+                        conn_peer_connect_task(p, &w);
+                else
+                        conn_connect_result(cn, &w, r.peer, KVF_STATUS_CONNECTION, why);
         }
-        /* DISCONNECT: peers are closed when the connector stops; an idle
-         * connection costs one ping per keepalive period. */
+        /* DISCONNECT: peers are closed when the connector stops or after --peer-idle-ms
+         * without work; an idle connection costs one ping per keepalive period. */
         kvf_record_free(&r);
         return 0;
 }
@@ -348,6 +448,8 @@ static void control_loop(struct connector *cn)
                                 _exit(1);
                         }
                         kvf_role_heartbeat(&cn->ctl, KVF_ROLE_CONNECTOR);
+                        engine_check(cn);
+                        conn_peers_tick(cn, now);
                         /* A transfer whose sender went silent for a long while is not coming. */
                         data_rx_expire(cn, 300ull * 1000000000ull, 120ull * 1000000000ull);
                         next = now + beat;
@@ -371,7 +473,7 @@ static int map_cache(struct connector *cn)
 
 int main(int argc, char **argv)
 {
-        enum { O_LISTEN = 1000, O_TOKEN, O_CTO, O_KEEP, O_PTO, O_STREAMS, O_ZC, O_VERSION };
+        enum { O_LISTEN = 1000, O_TOKEN, O_CTO, O_KEEP, O_PTO, O_STREAMS, O_ZC, O_VERSION, O_IDLE };
         static const struct option opts[] = {{"instance", required_argument, 0, 'i'},
                                              {"listen", required_argument, 0, O_LISTEN},
                                              {"token-file", required_argument, 0, O_TOKEN},
@@ -379,6 +481,7 @@ int main(int argc, char **argv)
                                              {"keepalive-ms", required_argument, 0, O_KEEP},
                                              {"peer-timeout-ms", required_argument, 0, O_PTO},
                                              {"streams", required_argument, 0, O_STREAMS},
+                                             {"peer-idle-ms", required_argument, 0, O_IDLE},
                                              {"zerocopy", no_argument, 0, O_ZC},
                                              {"help", no_argument, 0, 'h'},
                                              {"version", no_argument, 0, O_VERSION},
@@ -393,6 +496,7 @@ int main(int argc, char **argv)
         cn.cfg.keepalive_ms = 500;
         cn.cfg.peer_timeout_ms = 5000;
         cn.cfg.streams = 2;
+        cn.cfg.peer_idle_ms = 60000;
         while ((c = getopt_long(argc, argv, "i:h", opts, NULL)) != -1) {
                 switch (c) {
                 case 'i': instance = optarg; break;
@@ -403,6 +507,7 @@ int main(int argc, char **argv)
                 case O_PTO: cn.cfg.peer_timeout_ms = (unsigned)kvf_opt_u64("peer-timeout-ms", optarg, 10, 3600000); break;
                 case O_STREAMS: cn.cfg.streams = (unsigned)kvf_opt_u64("streams", optarg, 1, 16); break;
                 case O_ZC: cn.cfg.zerocopy = true; break;
+                case O_IDLE: cn.cfg.peer_idle_ms = (unsigned)kvf_opt_u64("peer-idle-ms", optarg, 100, 86400000); break;
                 case 'h': usage(); return 0;
                 case O_VERSION: printf("%s %s\n", prog, KVFERRY_VERSION); return 0;
                 default: kvf_opt_die(prog, "unknown option");

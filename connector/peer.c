@@ -3,11 +3,20 @@
  * notices, matches their acknowledgements, pings, and reconnects. The control
  * thread sends a notice itself when it can do so at once (conn_peer_enqueue).
  *
- * A notice that cannot be delivered within peer_timeout_ms of reaching the
- * connector fails with "connection error" (or with the permanent reason:
- * wrong token, layout mismatch, unknown peer). A notice in flight when the
- * connection drops is sent again after reconnecting; the decode side
- * acknowledges a repeat without publishing a second arrival.
+ * Outcome agreement. A notice that never went out on any connection cannot
+ * have been published by the peer: when it cannot be delivered within
+ * peer_timeout_ms of reaching the connector it fails with "connection error"
+ * (or the permanent reason: wrong token, layout or role mismatch, unknown
+ * peer), and it is taken out of the queue, so it can never arrive later. A
+ * notice that went out at least once is in doubt: the peer may have
+ * published the arrival and died before its ack. It is sent again on every
+ * new connection (the decode side answers a repeat from its journal, with
+ * the status it published) and only that answer ends it; the sender bounds
+ * the wait with a withdrawal (conn_peer_withdraw), which the peer answers the
+ * same way. docs/ARCHITECTURE.md section 7 has the rules for both sides.
+ *
+ * Peers without work are retired after peer_idle_ms (thread, sockets, data
+ * threads), and when the table is full an idle or unreachable peer makes room.
  */
 #include <errno.h>
 #include <poll.h>
@@ -49,8 +58,8 @@ static void answer_connects(struct peer *p, int status, const char *reason)
 {
         pthread_mutex_lock(&p->mu);
         for (unsigned i = 0; i < p->nconnect; i++) {
-                conn_connect_result(p->cn, p->connect_ids[i], p->name, status, reason);
-                free(p->connect_ids[i]);
+                conn_connect_result(p->cn, &p->connects[i], p->name, status, reason);
+                free(p->connects[i].task_id);
         }
         p->nconnect = 0;
         pthread_mutex_unlock(&p->mu);
@@ -62,17 +71,31 @@ static void free_notice(struct notice *n)
         free(n);
 }
 
-/* Fail queued notices: all of them, or (older_than != 0) those waiting longer than that. */
-static void fail_queued(struct peer *p, int status, const char *reason, uint64_t older_than)
+/*
+ * Fail queued notices: all of them, or (older_than != 0) those waiting longer
+ * than that. Notices in doubt (sent before) stay, unless the failure is
+ * permanent (the peer refuses us now: whatever it published before, it will
+ * never answer). A failed finish notice takes its tcp transfer with it.
+ */
+static void fail_queued(struct peer *p, int status, const char *reason, uint64_t older_than,
+                        bool permanent)
 {
+        uint64_t forget[64];
+        unsigned nforget = 0;
         pthread_mutex_lock(&p->mu);
         uint64_t now = kvf_now_ns();
         struct notice **pp = &p->queue, *n;
         p->queue_tail = NULL;
         while ((n = *pp)) {
-                if (!older_than || kvf_elapsed(now, n->first_ns) > older_than) {
+                bool due = !older_than || kvf_elapsed(now, n->first_ns) > older_than;
+                if (due && (!n->sent || permanent) && nforget < 64) {
                         *pp = n->next;
-                        post_result(p->cn, n, status, reason);
+                        char doubt[KVF_REASON_MAX];
+                        snprintf(doubt, sizeof(doubt), "%s (in doubt: the notice had reached the peer)",
+                                 reason);
+                        post_result(p->cn, n, status, n->sent ? doubt : reason);
+                        if (!n->abort_notice)
+                                forget[nforget++] = n->key;
                         free_notice(n);
                         continue;
                 }
@@ -80,6 +103,8 @@ static void fail_queued(struct peer *p, int status, const char *reason, uint64_t
                 pp = &n->next;
         }
         pthread_mutex_unlock(&p->mu);
+        for (unsigned i = 0; i < nforget; i++)
+                data_tx_forget(p, forget[i]);
 }
 
 static bool has_work(struct peer *p)
@@ -159,6 +184,9 @@ static int serve(struct peer *p, int fd, char *why, size_t whylen)
                         pthread_mutex_unlock(&p->mu);
                         if (!n)
                                 break;
+                        pthread_mutex_lock(&p->mu);
+                        n->sent = true; /* from here the peer may have it: in doubt */
+                        pthread_mutex_unlock(&p->mu);
                         pthread_mutex_lock(&p->wmu);
                         rc = kvf_net_send_frame(fd, KVF_RT_NOTICE, n->frame, n->len, cn->cfg.peer_timeout_ms);
                         pthread_mutex_unlock(&p->wmu);
@@ -245,6 +273,8 @@ static int serve(struct peer *p, int fd, char *why, size_t whylen)
                         pthread_mutex_unlock(&p->mu);
                         pthread_mutex_unlock(&p->wmu);
                         if (n) {
+                                if (n->withdraw)
+                                        kvf_count(&cn->ctl, KVF_CTR_NOTICES_IN_DOUBT, 1);
                                 post_result(cn, n, ack.status, ack.reason);
                                 free_notice(n);
                         }
@@ -339,7 +369,10 @@ static void *peer_main(void *arg)
                         /* Wrong token, layout, unknown peer: retrying will not help the
                          * work queued now. Unreachable: give it peer_timeout. */
                         bool permanent = status != KVF_STATUS_CONNECTION;
-                        fail_queued(p, status, why, permanent ? 0 : dead);
+                        pthread_mutex_lock(&p->mu);
+                        p->failures++;
+                        pthread_mutex_unlock(&p->mu);
+                        fail_queued(p, status, why, permanent ? 0 : dead, permanent);
                         data_tx_fail(p, status, why, permanent ? 0 : dead);
                         kvf_errlog(&cn->ctl, KVF_ROLE_CONNECTOR, "peer %s: %s", p->name, why);
                         struct pollfd pf = {.fd = p->wake_fd, .events = POLLIN};
@@ -350,6 +383,9 @@ static void *peer_main(void *arg)
                 }
                 backoff_ms = 50;
                 kvf_count(&cn->ctl, KVF_CTR_PEER_CONNECTS, 1);
+                pthread_mutex_lock(&p->mu);
+                p->failures = 0;
+                pthread_mutex_unlock(&p->mu);
                 if (local)
                         kvf_info("peer '%s' (instance %s, same host) connected over a unix socket", p->name,
                                  id.instance);
@@ -370,20 +406,91 @@ static void *peer_main(void *arg)
                         post_state(p, false, why);
                 }
         }
-        fail_queued(p, KVF_STATUS_CONNECTION, "the connector is stopping", 0);
+        /* Retired (no work by definition) or the connector is stopping: a successor
+         * connector gets everything unacknowledged again from the sender. */
+        fail_queued(p, KVF_STATUS_CONNECTION, "the connector is stopping", 0, false);
+        data_tx_stop(p);
+        kvf_store_release(&p->exited, 1);
         return NULL;
 }
 
-struct peer *conn_peer_get(struct connector *cn, const char *name)
+static void wake(struct peer *p);
+
+/* Take p out of the table and stop it; conn_peers_tick joins and frees it later. */
+static void retire(struct connector *cn, unsigned i, const char *why)
+{
+        struct peer *p = cn->peers[i];
+        cn->peers[i] = cn->peers[--cn->npeers];
+        kvf_info("peer '%s' retired: %s", p->name, why);
+        kvf_count(&cn->ctl, KVF_CTR_PEERS_RETIRED, 1);
+        pthread_mutex_lock(&p->mu);
+        p->stop = true;
+        pthread_mutex_unlock(&p->mu);
+        wake(p);
+        p->next_retired = cn->retired;
+        cn->retired = p;
+}
+
+static bool has_work_now(struct peer *p)
+{
+        return has_work(p);
+}
+
+/*
+ * The table is full: make room. An idle peer first (the longest idle); else
+ * one that cannot be reached (its work fails now, as it would at its timeout).
+ */
+static bool make_room(struct connector *cn)
+{
+        int best = -1;
+        for (unsigned i = 0; i < cn->npeers; i++) {
+                struct peer *q = cn->peers[i];
+                if (!q->idle_since && has_work_now(q))
+                        continue;
+                if (!q->idle_since)
+                        q->idle_since = kvf_now_ns();
+                if (best < 0 || q->idle_since < cn->peers[best]->idle_since)
+                        best = (int)i;
+        }
+        if (best >= 0) {
+                retire(cn, (unsigned)best, "the peer table is full and it had no work");
+                return true;
+        }
+        for (unsigned i = 0; i < cn->npeers; i++) {
+                struct peer *q = cn->peers[i];
+                pthread_mutex_lock(&q->mu);
+                bool dead = !q->up && q->failures > 0;
+                pthread_mutex_unlock(&q->mu);
+                if (!dead)
+                        continue;
+                fail_queued(q, KVF_STATUS_CONNECTION,
+                            "unreachable, and its place in the full peer table went to another peer", 0, true);
+                data_tx_fail(q, KVF_STATUS_CONNECTION,
+                             "unreachable, and its place in the full peer table went to another peer", 0);
+                answer_connects(q, KVF_STATUS_CONNECTION, "unreachable; retired to make room for another peer");
+                retire(cn, i, "the peer table is full and it cannot be reached");
+                return true;
+        }
+        return false;
+}
+
+struct peer *conn_peer_get(struct connector *cn, const char *name, char *why, size_t whylen)
 {
         for (unsigned i = 0; i < cn->npeers; i++)
-                if (!strcmp(cn->peers[i]->name, name))
+                if (!strcmp(cn->peers[i]->name, name)) {
+                        cn->peers[i]->idle_since = 0; /* work is coming */
                         return cn->peers[i];
-        if (cn->npeers == MAX_PEERS)
+                }
+        if (cn->npeers == MAX_PEERS && !make_room(cn)) {
+                snprintf(why, whylen, "the connector has %u peers with work in flight, the most it keeps",
+                         MAX_PEERS);
                 return NULL;
+        }
         struct peer *p = calloc(1, sizeof(*p));
-        if (!p)
+        if (!p) {
+                snprintf(why, whylen, "the connector is out of memory");
                 return NULL;
+        }
         snprintf(p->name, sizeof(p->name), "%s", name);
         p->cn = cn;
         pthread_mutex_init(&p->mu, NULL);
@@ -394,10 +501,51 @@ struct peer *conn_peer_get(struct connector *cn, const char *name)
                 if (p->wake_fd >= 0)
                         close(p->wake_fd);
                 free(p);
+                snprintf(why, whylen, "the connector cannot start a thread for the peer");
                 return NULL;
         }
         cn->peers[cn->npeers++] = p;
         return p;
+}
+
+static void free_peer(struct peer *p)
+{
+        data_tx_free(p);
+        while (p->queue) {
+                struct notice *n = p->queue;
+                p->queue = n->next;
+                free_notice(n);
+        }
+        close(p->wake_fd);
+        pthread_mutex_destroy(&p->mu);
+        pthread_mutex_destroy(&p->wmu);
+        free(p);
+}
+
+void conn_peers_tick(struct connector *cn, uint64_t now)
+{
+        uint64_t idle = (uint64_t)cn->cfg.peer_idle_ms * 1000000ull;
+        for (unsigned i = 0; i < cn->npeers;) {
+                struct peer *p = cn->peers[i];
+                if (has_work_now(p)) {
+                        p->idle_since = 0;
+                } else if (!p->idle_since) {
+                        p->idle_since = now;
+                } else if (now - p->idle_since > idle) {
+                        retire(cn, i, "no work"); /* (moves another peer into slot i) */
+                        continue;
+                }
+                i++;
+        }
+        for (struct peer **pp = &cn->retired, *p; (p = *pp);) {
+                if (!kvf_load_acquire(&p->exited)) {
+                        pp = &p->next_retired;
+                        continue;
+                }
+                *pp = p->next_retired;
+                pthread_join(p->thread, NULL);
+                free_peer(p);
+        }
 }
 
 static void wake(struct peer *p)
@@ -515,21 +663,71 @@ void conn_peer_enqueue(struct peer *p, struct notice *n)
                 wake(p);
 }
 
-void conn_peer_connect_task(struct peer *p, const char *task_id)
+void conn_peer_connect_task(struct peer *p, const struct connect_wait *w)
 {
         pthread_mutex_lock(&p->mu);
         bool up = p->up, queued = false;
-        if (!up && p->nconnect < sizeof(p->connect_ids) / sizeof(p->connect_ids[0]) &&
-            (p->connect_ids[p->nconnect] = strdup(task_id))) {
+        if (!up && p->nconnect < sizeof(p->connects) / sizeof(p->connects[0]) &&
+            (p->connects[p->nconnect].task_id = strdup(w->task_id))) {
+                p->connects[p->nconnect].session = w->session;
+                p->connects[p->nconnect].id_bin = w->id_bin;
                 p->nconnect++;
                 queued = true;
         }
         pthread_mutex_unlock(&p->mu);
         if (up)
-                conn_connect_result(p->cn, task_id, p->name, KVF_STATUS_FINISHED, NULL);
+                conn_connect_result(p->cn, w, p->name, KVF_STATUS_FINISHED, NULL);
         else if (!queued)
-                conn_connect_result(p->cn, task_id, p->name, KVF_STATUS_CONNECTION,
+                conn_connect_result(p->cn, w, p->name, KVF_STATUS_CONNECTION,
                                     "too many connect tasks wait for this peer already");
+        wake(p);
+}
+
+/*
+ * The sender withdraws the finish notice of n->key (it waited past its
+ * deadline). A finish notice that never went out is dropped and the request
+ * ends "timed out" here: the peer cannot have it. Otherwise the withdrawal
+ * takes its place and goes out: the peer answers with what it published (the
+ * arrival, if it had published it; else it publishes the timeout), and that
+ * answer is the request's outcome. A withdrawal for a notice this connector
+ * never saw (it restarted) is in doubt as well.
+ */
+void conn_peer_withdraw(struct peer *p, struct notice *n)
+{
+        bool dropped = false;
+        pthread_mutex_lock(&p->mu);
+        struct notice **pp = &p->queue, *old = NULL, *prev = NULL;
+        for (; *pp; prev = *pp, pp = &(*pp)->next)
+                if ((*pp)->key == n->key) {
+                        old = *pp;
+                        *pp = old->next;
+                        if (p->queue_tail == old)
+                                p->queue_tail = prev;
+                        break;
+                }
+        if (!old)
+                for (pp = &p->inflight; *pp; pp = &(*pp)->next)
+                        if ((*pp)->key == n->key) {
+                                old = *pp;
+                                *pp = old->next;
+                                break;
+                        }
+        if (old && !old->sent && !old->abort_notice) {
+                dropped = true;
+        } else {
+                n->sent = true; /* in doubt: only the peer's answer ends it */
+                queue_push(p, n, true);
+        }
+        pthread_mutex_unlock(&p->mu);
+        if (old)
+                free_notice(old);
+        if (dropped) {
+                conn_write_result(p->cn, n->key, n->request_id, KVF_STATUS_TIMEOUT,
+                                  "timed out: the finish notice never reached the peer (withdrawn)", false);
+                data_tx_forget(p, n->key);
+                free_notice(n);
+                return;
+        }
         wake(p);
 }
 
@@ -543,10 +741,11 @@ void conn_peers_stop(struct connector *cn)
         for (unsigned i = 0; i < cn->npeers; i++) {
                 cn->peers[i]->stop = true;
                 wake(cn->peers[i]);
-                data_tx_stop(cn->peers[i]);
         }
         for (unsigned i = 0; i < cn->npeers; i++) {
                 pthread_join(cn->peers[i]->thread, NULL);
                 close(cn->peers[i]->wake_fd);
         }
+        for (struct peer *p = cn->retired; p; p = p->next_retired)
+                pthread_join(p->thread, NULL);
 }

@@ -21,6 +21,7 @@
 #include "connector.h"
 #include "data.h"
 #include "err.h"
+#include "layout.h"
 #include "log.h"
 
 #define JEMPTY UINT32_MAX
@@ -93,32 +94,40 @@ bool conn_arrival_published(struct connector *cn, const struct kvf_record *n, ui
 }
 
 static int publish_locked(struct connector *cn, const struct kvf_record *n, uint64_t src_gen,
-                          char *reason, size_t reasonlen);
+                          int status, const char *why, uint64_t session, char *reason,
+                          size_t reasonlen);
 
 int conn_publish_arrival(struct connector *cn, const struct kvf_record *n, uint64_t src_gen,
-                         char *reason, size_t reasonlen)
+                         int status, const char *why, uint64_t session, char *reason,
+                         size_t reasonlen)
 {
         /* The journal and the ring's producer side move together. */
         pthread_mutex_lock(&cn->engine_mu);
-        int rc = publish_locked(cn, n, src_gen, reason, reasonlen);
+        int rc = publish_locked(cn, n, src_gen, status, why, session, reason, reasonlen);
         pthread_mutex_unlock(&cn->engine_mu);
         return rc;
 }
 
 static int publish_locked(struct connector *cn, const struct kvf_record *n, uint64_t src_gen,
-                          char *reason, size_t reasonlen)
+                          int status, const char *why, uint64_t session, char *reason,
+                          size_t reasonlen)
 {
         const struct kvf_ctl_header *h = cn->ctl.hdr;
+        const struct kvf_cache_layout *L = &h->layout;
         struct kvf_ring *ring = &cn->ctl.rings[KVF_RING_CONNECTOR_TO_ENGINE];
         uint64_t key = journal_key(n, src_gen);
         uint32_t e = jidx_find(cn, key);
 
         reason[0] = '\0';
         if (e != JEMPTY && kvf_ring_delivered(ring, cn->ctl.journal[e].ring_pos)) {
+                /* Published already: say how, so the sender's side agrees with ours. */
                 kvf_count(&cn->ctl, KVF_CTR_ARRIVALS_DEDUPED, 1);
-                return KVF_STATUS_FINISHED;
+                int was = (int)cn->ctl.journal[e].status;
+                if (was != KVF_STATUS_FINISHED)
+                        snprintf(reason, reasonlen, "the arrival was published as '%s' already",
+                                 kvf_status_name(was));
+                return was;
         }
-        int status = n->status;
         if (status == KVF_STATUS_FINISHED) {
                 if (n->transport == KVF_TRANSPORT_IPC && n->generation != h->created_ns) {
                         snprintf(reason, reasonlen,
@@ -127,19 +136,25 @@ static int publish_locked(struct connector *cn, const struct kvf_record *n, uint
                         return KVF_STATUS_CONNECTION;
                 }
                 for (uint32_t i = 0; i < n->n_dst; i++)
-                        if (n->dst[i] >= h->layout.num_blocks) {
+                        if (n->dst[i] >= L->num_blocks) {
                                 snprintf(reason, reasonlen,
                                          "dest_block_ids[%u] = %u is out of range: '%s' has %u blocks", i,
-                                         n->dst[i], h->instance, h->layout.num_blocks);
+                                         n->dst[i], h->instance, L->num_blocks);
                                 return KVF_STATUS_BLOCK_RANGE;
                         }
         }
-        struct kvf_record a = {.type = KVF_RT_ARRIVAL, .status = status, .bytes = n->bytes,
+        /* Every byte of a finished arrival landed: its blocks in every layer and tensor
+         * (the notice's own count is the sender's, which does not count tcp bytes). */
+        uint64_t bytes = status == KVF_STATUS_FINISHED
+                                 ? (uint64_t)n->n_dst * kvf_layout_layers(L) * kvf_layout_tensors(L) *
+                                           L->block_bytes
+                                 : n->bytes;
+        struct kvf_record a = {.type = KVF_RT_ARRIVAL, .status = status, .bytes = bytes,
                                .blocks = n->n_dst, .dst = n->dst, .n_dst = n->n_dst,
-                               .done_ns = kvf_now_ns()};
+                               .done_ns = kvf_now_ns(), .session = session, .id_bin = n->id_bin};
         snprintf(a.request_id, sizeof(a.request_id), "%s", n->request_id);
         snprintf(a.peer, sizeof(a.peer), "%s", n->peer);
-        snprintf(a.reason, sizeof(a.reason), "%s", n->reason);
+        snprintf(a.reason, sizeof(a.reason), "%s", why ? why : n->reason);
         uint8_t *buf;
         size_t len;
         void *p;
@@ -156,6 +171,8 @@ static int publish_locked(struct connector *cn, const struct kvf_record *n, uint
         struct kvf_journal_entry *je = &cn->ctl.journal[slot];
         kvf_store_relaxed(&je->key_hash, 0);
         kvf_store_relaxed(&je->ring_pos, pos);
+        kvf_store_relaxed(&je->status, (uint32_t)status);
+        kvf_store_relaxed(&je->session, session);
         kvf_store_release(&je->key_hash, key);
         /* The overwritten entry's index position now points at the new key's
          * entry or at a stale hash; rebuild lazily when the index fills up. */
@@ -166,9 +183,13 @@ static int publish_locked(struct connector *cn, const struct kvf_record *n, uint
         free(buf);
         kvf_ring_commit(ring, pos);
         kvf_count(&cn->ctl, KVF_CTR_ARRIVALS, 1);
-        kvf_debug("req %s: arrival from %s, %llu bytes", n->request_id, n->peer,
-                  (unsigned long long)n->bytes);
-        return KVF_STATUS_FINISHED;
+        if (session && session != conn_engine_session(cn))
+                kvf_count(&cn->ctl, KVF_CTR_ARRIVALS_STALE, 1);
+        kvf_debug("req %s: arrival from %s (%s), %llu bytes", n->request_id, n->peer,
+                  kvf_status_name(status), (unsigned long long)bytes);
+        /* The status this notice is answered with: the one just published. (An error
+         * arrival acknowledges an abort; the sender decided that status already.) */
+        return status;
 }
 
 /* ---- sessions ---- */

@@ -40,7 +40,10 @@ enum kvf_status {
         KVF_STATUS_TIMEOUT = 7,        /* "timed out" */
         KVF_STATUS_WRITE = 8,          /* "write error" */
         KVF_STATUS_AUTH = 9,           /* "authentication failed" */
-        KVF_STATUS_COUNT = 10,
+        KVF_STATUS_ENGINE_GONE = 10,   /* "engine gone": the engine session that owned the
+                                        * request ended (detached, or its process died) */
+        KVF_STATUS_PEER_ROLE = 11,     /* "peer role mismatch": the peer does not receive */
+        KVF_STATUS_COUNT = 12,
 };
 
 /* The status's name ("finished", "bad task", ...), or "unknown status". */
@@ -88,6 +91,7 @@ enum kvf_event_type {
 
 struct kvf_event {
         int type;   /* enum kvf_event_type */
+        uint64_t session; /* the engine session it belongs to (kvf_session()); 0 = any */
         int status; /* enum kvf_status */
         char request_id[128]; /* or the connect task's id */
         char peer[112];       /* completion: the peer; arrival: the prefill instance */
@@ -98,6 +102,10 @@ struct kvf_event {
         uint64_t accept_ns;     /* completion: task accepted (CLOCK_MONOTONIC) */
         uint64_t last_layer_ns; /* completion: the request's last layer became ready */
         uint64_t done_ns;       /* completion: status decided; arrival: published */
+        /* arrival: the destination blocks written, valid until the next poll on this client
+         * (NULL when the arrival carries none) */
+        const uint32_t *dest_block_ids;
+        uint32_t n_dest;
 };
 
 struct kvf_client;
@@ -105,9 +113,32 @@ struct kvf_client;
 /* The message of the last failure on this thread. */
 const char *kvf_last_error(void);
 
-/* Attach to instance `name`, waiting up to wait_ms for it to become ready. */
+/*
+ * Attach to instance `name`, waiting up to wait_ms for it to become ready.
+ *
+ * Each attach starts a new engine session (kvf_session()). A request belongs
+ * to the session that submitted it. When a session ends (kvf_detach, or the
+ * engine's process dies), its requests still moving end with "engine gone"
+ * on both sides, and nothing of that session is delivered to a later one:
+ * kvf_poll() returns only this session's completions and arrivals. Before
+ * returning, kvf_attach waits (up to 2 s) until the sender has ended the
+ * previous session's requests, so a restarted engine that submits the same
+ * request ids again never collides with them. What became of the previous
+ * sessions' requests is told by kvf_poll_previous().
+ */
 int kvf_attach(const char *name, unsigned wait_ms, struct kvf_client **out);
 void kvf_detach(struct kvf_client *c);
+/* This client's engine session: a number that grows with every attach to the instance. */
+uint64_t kvf_session(struct kvf_client *c);
+/*
+ * Completions and arrivals of earlier engine sessions, which kvf_poll() kept
+ * apart: what a restarted engine lost (status "engine gone"), or what ended
+ * after its predecessor stopped reading. 1 = *ev filled (ev->session names
+ * the session), 0 = none kept. Those still in the rings are found by kvf_poll()
+ * and kvf_attach(); at most 65536 are kept (kvf_previous_dropped() counts the rest).
+ */
+int kvf_poll_previous(struct kvf_client *c, struct kvf_event *ev);
+uint64_t kvf_previous_dropped(struct kvf_client *c);
 
 int kvf_get_layout(struct kvf_client *c, struct kvf_layout_info *out);
 /* Host backend: the tensor of `layer` (0 = K, 1 = V), [num_blocks, heads, block_size, head_dim]. */
@@ -137,7 +168,8 @@ int kvf_submit_raw(struct kvf_client *c, int target, int record_type, const void
  * Layers [0, layer] of forward step `step` are written. Monotonic; lock-free.
  * Steps only grow for the life of the instance: an engine that (re)attaches
  * numbers its steps from kvf_last_step() + 1, or its tasks would look as if
- * their layers were done already.
+ * their layers were done already. A step below the last one published is an
+ * engine bug: -EINVAL, nothing published (kvf_last_error() says which steps).
  */
 int kvf_layer_done(struct kvf_client *c, uint64_t step, uint32_t layer);
 /* The last step with a published layer-done event (0 if none). */

@@ -47,6 +47,7 @@ static bool has_work(void *arg)
         /* A task held back (table full, or no room for its rejection) is no work
          * until a slot is freed; the loop also retries it every millisecond. */
         return kvf_load_acquire(&s->ctl.progress->word) != s->progress ||
+               kvf_load_acquire(&s->ctl.roles[KVF_ROLE_ENGINE].generation) != s->engine_gen_seen ||
                (!s->engine_blocked && kvf_ring_readable(&s->ctl.rings[KVF_RING_ENGINE_TO_SENDER])) ||
                kvf_ring_readable(&s->ctl.rings[KVF_RING_CONNECTOR_TO_SENDER]);
 }
@@ -65,6 +66,14 @@ static int run(struct sender *s, uint64_t spin_ns)
 
         while (!stop) {
                 bool worked = false;
+                /* An engine attached: end its predecessors' requests now, so its
+                 * kvf_attach (waiting for that) returns soon. */
+                uint64_t eg = kvf_load_acquire(&s->ctl.roles[KVF_ROLE_ENGINE].generation);
+                if (eg != s->engine_gen_seen) {
+                        s->engine_gen_seen = eg;
+                        sender_sessions_check(s, true);
+                        worked = true;
+                }
                 /* Pairs with the engine's release CAS: its cache writes for
                  * the layers in this word are visible. */
                 uint64_t w = kvf_load_acquire(&s->ctl.progress->word);
@@ -74,6 +83,10 @@ static int run(struct sender *s, uint64_t spin_ns)
                         if (last_event && t - last_event < EXPECT_MAX_GAP)
                                 gap = gap ? (gap * 7 + (t - last_event)) / 8 : t - last_event;
                         last_event = t;
+                        /* After the word's acquire load: an engine's generation is stored
+                         * before its first layer-done, so a word of a new engine session
+                         * is never applied to requests of the one before (sessions.c). */
+                        sender_sessions_check(s, false);
                         sender_on_progress(s, w, pub);
                         worked = true;
                         /* Finish notices before new tasks: a request whose last layer was

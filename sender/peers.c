@@ -8,9 +8,14 @@
  * fail with "connection error", and the decode connector independently
  * refuses a finish notice that names another segment incarnation.
  */
+#include <arpa/inet.h>
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <ifaddrs.h>
+#include <netdb.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -41,6 +46,13 @@ static int open_peer(struct sender *s, struct ipc_peer *p, const char *name, cha
                 return rc == -ENOENT || rc == -EAGAIN ? -ENOENT : -EPROTO;
         }
         const struct kvf_ctl_header *h = p->ctl.hdr;
+        if (h->instance_role != KVF_IROLE_DECODE && h->instance_role != KVF_IROLE_MIXED) {
+                snprintf(why, whylen,
+                         "peer '%s' is a %s instance: only a decode or mixed instance receives KV caches",
+                         name, kvf_irole_name(h->instance_role));
+                rc = -EPERM;
+                goto fail;
+        }
         if (h->backend != KVF_BACKEND_HOST) {
                 snprintf(why, whylen, "instance '%s' keeps its caches on a GPU; this sender copies host caches only",
                          name);
@@ -72,8 +84,9 @@ fail:
 
 /*
  * Find or open peer `name`. Returns 0 and its index, or: -ENOENT (no such
- * instance), -EXDEV (layout mismatch), -EPROTO/-ENOMEM (cannot use it),
- * -ENOSPC (too many peers); `why` says it in words.
+ * instance), -EXDEV (layout mismatch), -EPERM (not an instance that receives),
+ * -EPROTO/-ENOMEM (cannot use it), -ENOSPC (too many peers); `why` says it in
+ * words.
  */
 int sender_peer_get(struct sender *s, const char *name, uint32_t *idx, char *why, size_t whylen)
 {
@@ -110,8 +123,20 @@ void sender_peers_check(struct sender *s)
                 if (!p->in_use)
                         continue;
                 snprintf(path, sizeof(path), "/dev/shm/kvferry.%s", p->name);
-                if (stat(path, &st) == 0 && st.st_ino == p->ino)
+                if (stat(path, &st) == 0 && st.st_ino == p->ino) {
+                        /* The peer's engine: a session that ended frees the blocks it reserved. */
+                        uint64_t live = kvf_engine_session(&p->ctl, true);
+                        for (uint32_t k = 0; k < s->ctl.hdr->reqtab_slots; k++) {
+                                struct kvf_req_slot *r = &s->ctl.reqtab[k];
+                                if (r->state == KVF_REQ_ACTIVE && r->peer_idx == i &&
+                                    r->transport == KVF_TRANSPORT_IPC && r->peer_session &&
+                                    r->peer_session != live)
+                                        sender_fail(s, k, KVF_STATUS_ENGINE_GONE,
+                                                    "the engine session %llu of peer '%s' ended during the transfer: its blocks are no longer reserved",
+                                                    (unsigned long long)r->peer_session, p->name);
+                        }
                         continue;
+                }
                 kvf_warn("peer '%s' went away or was restarted: dropping its mapping", p->name);
                 for (uint32_t k = 0; k < s->ctl.hdr->reqtab_slots; k++) {
                         struct kvf_req_slot *r = &s->ctl.reqtab[k];
@@ -130,4 +155,134 @@ void sender_peers_close(struct sender *s)
         for (uint32_t i = 0; i < SENDER_MAX_PEERS; i++)
                 if (s->peers[i].in_use)
                         drop(&s->peers[i]);
+}
+
+/* ---- naming an ipc peer the way FastDeploy does: by device, or by ip and port ---- */
+
+/* Is `ip` one of this host's addresses (or a wildcard/loopback name for it)? */
+static bool local_address(const char *ip)
+{
+        char host[64];
+        size_t n = strlen(ip);
+        if (n >= 2 && ip[0] == '[' && ip[n - 1] == ']') { /* [v6] as records.md asks */
+                snprintf(host, sizeof(host), "%.*s", (int)(n - 2), ip + 1);
+                ip = host;
+        }
+        if (!strcmp(ip, "localhost"))
+                return true;
+        struct in6_addr a6;
+        struct in_addr a4;
+        bool v4 = inet_pton(AF_INET, ip, &a4) == 1, v6 = !v4 && inet_pton(AF_INET6, ip, &a6) == 1;
+        if (!v4 && !v6)
+                return false;
+        if ((v4 && (ntohl(a4.s_addr) >> 24) == 127) || (v6 && IN6_IS_ADDR_LOOPBACK(&a6)))
+                return true;
+        struct ifaddrs *ifa, *i;
+        bool found = false;
+        if (getifaddrs(&ifa) < 0)
+                return false;
+        for (i = ifa; i && !found; i = i->ifa_next) {
+                if (!i->ifa_addr)
+                        continue;
+                if (v4 && i->ifa_addr->sa_family == AF_INET)
+                        found = !memcmp(&((struct sockaddr_in *)(void *)i->ifa_addr)->sin_addr, &a4,
+                                        sizeof(a4));
+                else if (v6 && i->ifa_addr->sa_family == AF_INET6)
+                        found = !memcmp(&((struct sockaddr_in6 *)(void *)i->ifa_addr)->sin6_addr, &a6,
+                                        sizeof(a6));
+        }
+        freeifaddrs(ifa);
+        return found;
+}
+
+/*
+ * The same-host receiving instances (decode or mixed, ours, not this one)
+ * that match: by device when by_device, else by the connector's port (the
+ * address being one of this host's). Names of the first matches go in
+ * names[]; returns how many matched.
+ */
+static unsigned scan_local(struct sender *s, bool by_device, uint64_t want, char names[][KVF_INSTANCE_MAX],
+                           unsigned cap)
+{
+        DIR *d = opendir("/dev/shm");
+        struct dirent *e;
+        unsigned n = 0;
+        if (!d)
+                return 0;
+        while ((e = readdir(d))) {
+                const char *nm = e->d_name;
+                size_t len = strlen(nm);
+                if (strncmp(nm, "kvferry.", 8) || (len > 6 && !strcmp(nm + len - 6, ".cache")))
+                        continue;
+                nm += 8;
+                if (!strcmp(nm, s->ctl.hdr->instance) || kvf_instance_name_check(nm) < 0)
+                        continue;
+                struct kvf_ctl c;
+                if (kvf_ctl_attach(nm, false, &c) < 0)
+                        continue;
+                const struct kvf_ctl_header *h = c.hdr;
+                bool match = h->instance_role == KVF_IROLE_DECODE || h->instance_role == KVF_IROLE_MIXED;
+                if (match && by_device) {
+                        match = h->device == want;
+                } else if (match) {
+                        char host[64];
+                        uint32_t port;
+                        match = kvf_connector_info_read(&c, host, sizeof(host), &port) == 0 && port == want;
+                }
+                kvf_ctl_detach(&c);
+                if (!match)
+                        continue;
+                if (n < cap)
+                        snprintf(names[n], KVF_INSTANCE_MAX, "%s", nm);
+                n++;
+        }
+        closedir(d);
+        return n;
+}
+
+int sender_peer_resolve(struct sender *s, struct kvf_record *t, char *why, size_t whylen)
+{
+        bool by_device = t->device_given && (t->peer_formed || !t->peer[0]);
+        char host[64] = "";
+        unsigned long port = 0;
+        if (!by_device) {
+                const char *colon = strrchr(t->peer, ':');
+                if (!colon)
+                        return 0; /* an instance name */
+                char *end;
+                port = strtoul(colon + 1, &end, 10);
+                if (colon == t->peer || *end || port == 0 || port > 65535 ||
+                    (size_t)(colon - t->peer) >= sizeof(host)) {
+                        snprintf(why, whylen, "peer '%s' is neither an instance name nor host:port", t->peer);
+                        return -EINVAL;
+                }
+                snprintf(host, sizeof(host), "%.*s", (int)(colon - t->peer), t->peer);
+                if (!local_address(host)) {
+                        snprintf(why, whylen,
+                                 "transfer_protocol ipc needs a same-host peer: %s is not an address of this host",
+                                 host);
+                        return -ENOENT;
+                }
+        }
+        char names[4][KVF_INSTANCE_MAX];
+        uint64_t want = by_device ? t->device : port;
+        unsigned n = scan_local(s, by_device, want, names, 4);
+        if (n == 0) {
+                if (by_device)
+                        snprintf(why, whylen, "no decode instance on this host uses device %llu",
+                                 (unsigned long long)want);
+                else
+                        snprintf(why, whylen,
+                                 "transfer_protocol ipc needs a same-host instance: no decode instance of this host listens on %s",
+                                 t->peer);
+                return -ENOENT;
+        }
+        if (n > 1) {
+                snprintf(why, whylen, "%u decode instances on this host use %s %llu (%s, %s%s): name the peer",
+                         n, by_device ? "device" : "port", (unsigned long long)want, names[0], names[1],
+                         n > 2 ? ", ..." : "");
+                return -EINVAL;
+        }
+        snprintf(t->peer, sizeof(t->peer), "%s", names[0]);
+        return 0;
 }

@@ -144,6 +144,16 @@ static int send_range(struct sender *s, uint32_t slot, uint32_t l0, uint32_t l1,
                 s->copy_timed = true;
         }
         if (r->transport == KVF_TRANSPORT_IPC) {
+                /* The blocks were reserved by the peer's engine session of the task's time:
+                 * once that session is over they may belong to another request. */
+                const struct ipc_peer *p = &s->peers[r->peer_idx];
+                uint64_t ps = r->peer_session ? kvf_engine_session(&p->ctl, false) : 0;
+                if (ps != r->peer_session) {
+                        sender_fail(s, slot, KVF_STATUS_ENGINE_GONE,
+                                    "the engine session %llu of peer '%s' ended during the transfer: its blocks are no longer reserved",
+                                    (unsigned long long)r->peer_session, r->peer);
+                        return 0;
+                }
                 copy_ipc(s, slot, l0, l1, b0, b1);
         } else {
                 if (s->flags[slot] & SLOT_NET_BLOCKED)

@@ -65,6 +65,10 @@ struct sender {
         uint64_t progress_ns;  /* its publish time */
         bool copy_timed;       /* the latency of this progress word is recorded */
         uint64_t connector_gen;
+        uint64_t session;      /* the engine session served now (sessions.c), 0 none */
+#define SENDER_SESSION_UNKNOWN UINT64_MAX /* at start: compare every request with the live one */
+        uint64_t dead_session; /* a session whose process was found gone */
+        uint64_t engine_gen_seen; /* the engine role's generation when last looked at */
         uint64_t request_timeout_ns;
         bool pending; /* some slot has flags set: sender_flush_pending() has work */
         bool engine_blocked; /* the next task waits (table full, or its rejection has no room) */
@@ -103,6 +107,13 @@ static inline uint64_t sender_key(uint32_t slot, uint64_t incarnation)
 /* peers.c */
 int sender_peer_get(struct sender *s, const char *name, uint32_t *idx, char *why, size_t whylen);
 void sender_peers_check(struct sender *s);
+/*
+ * An ipc task that names its peer FastDeploy's way (device_ids, or ip and
+ * port of a connector of this host): find the instance and put its name in
+ * t->peer. 0 (t->peer is an instance name), -ENOENT (none), -EINVAL (several);
+ * `why` says it in words.
+ */
+int sender_peer_resolve(struct sender *s, struct kvf_record *t, char *why, size_t whylen);
 void sender_peers_close(struct sender *s);
 
 /* tasks.c */
@@ -129,6 +140,12 @@ static inline void sender_mark(struct sender *s, uint32_t slot, uint8_t flag)
         s->flags[slot] |= flag;
         s->pending = true;
 }
+
+/* sessions.c */
+/* The engine session of the engine->sender record at `pos` (inside a ring handler). */
+uint64_t sender_record_session(struct sender *s, uint64_t pos);
+/* End the requests of engine sessions that are over; check_process reads /proc (ticks). */
+void sender_sessions_check(struct sender *s, bool check_process);
 
 /* progress.c */
 void sender_on_progress(struct sender *s, uint64_t word, uint64_t publish_ns);

@@ -61,6 +61,8 @@ static void count_status(struct sender *s, int status)
                 [KVF_STATUS_TIMEOUT] = KVF_CTR_FAILED_TIMEOUT,
                 [KVF_STATUS_WRITE] = KVF_CTR_FAILED_WRITE,
                 [KVF_STATUS_AUTH] = KVF_CTR_FAILED_AUTH,
+                [KVF_STATUS_ENGINE_GONE] = KVF_CTR_FAILED_ENGINE_GONE,
+                [KVF_STATUS_PEER_ROLE] = KVF_CTR_FAILED_PEER_ROLE,
         };
         if (status < 0 || status >= KVF_STATUS_COUNT)
                 return;
@@ -101,6 +103,8 @@ static int post_completion(struct sender *s, uint32_t slot)
         memcpy(c.request_id, r->request_id, sizeof(c.request_id));
         memcpy(c.peer, r->peer, sizeof(c.peer));
         memcpy(c.reason, r->reason, sizeof(c.reason));
+        c.session = r->session;
+        c.id_bin = r->flags & KVF_REQF_ID_BIN;
         if (encode(s, &c, &len) < 0 || kvf_ring_claim(ring, KVF_RT_COMPLETION, (uint32_t)len, &p, &pos) < 0)
                 return -EAGAIN;
         /* Crash window: with the position stored first, a successor can ask
@@ -152,30 +156,45 @@ void sender_fail(struct sender *s, uint32_t slot, int status, const char *fmt, .
         decide(s, slot, status, reason);
 }
 
-/* The finish notice (or abort notice) for the connector. */
-static int post_notice(struct sender *s, uint32_t slot, bool abort_notice)
+enum notice_kind {
+        NOTICE_FINISH,   /* every byte is written: the peer publishes the arrival */
+        NOTICE_ABORT,    /* the request failed while moving: the peer frees its blocks (best effort) */
+        NOTICE_WITHDRAW, /* FINISHING past its deadline: the peer says what it did (outcome agreement) */
+};
+
+/* A notice for the connector to deliver to the peer. */
+static int post_notice(struct sender *s, uint32_t slot, enum notice_kind kind)
 {
         struct kvf_req_slot *r = &s->ctl.reqtab[slot];
         struct kvf_record f = {.type = KVF_RT_FINISH,
                                .key = sender_key(slot, r->incarnation),
                                .transport = (int)r->transport,
-                               .status = abort_notice ? (int)r->status : KVF_STATUS_FINISHED,
+                               .status = kind == NOTICE_FINISH ? KVF_STATUS_FINISHED
+                                         : kind == NOTICE_WITHDRAW ? KVF_STATUS_TIMEOUT
+                                                                   : (int)r->status,
                                .bytes = r->bytes,
                                .blocks = r->n_send,
                                .dst = kvf_slot_blocks(&s->ctl, slot) + s->ctl.hdr->max_blocks,
-                               .n_dst = r->n_send};
+                               .n_dst = r->n_send,
+                               .session = r->peer_session,
+                               .withdraw = kind == NOTICE_WITHDRAW,
+                               .id_bin = r->flags & KVF_REQF_ID_BIN};
 
         memcpy(f.request_id, r->request_id, sizeof(f.request_id));
         memcpy(f.peer, r->peer, sizeof(f.peer));
-        if (abort_notice)
+        if (kind == NOTICE_ABORT)
                 memcpy(f.reason, r->reason, sizeof(f.reason));
+        else if (kind == NOTICE_WITHDRAW)
+                snprintf(f.reason, sizeof(f.reason),
+                         "timed out after %llu ms waiting for the peer to confirm the arrival",
+                         (unsigned long long)(s->request_timeout_ns / 1000000));
         if (r->transport == KVF_TRANSPORT_IPC && r->peer_idx < SENDER_MAX_PEERS &&
             s->peers[r->peer_idx].in_use)
                 f.generation = s->peers[r->peer_idx].created_ns;
         int rc = sender_post(s, &f);
         if (rc < 0)
                 return rc;
-        if (!abort_notice)
+        if (kind != NOTICE_ABORT)
                 r->notice_gen = kvf_load_acquire(&s->ctl.roles[KVF_ROLE_CONNECTOR].generation);
         return 0;
 }
@@ -185,7 +204,7 @@ static void flush_slot(struct sender *s, uint32_t i)
 {
         uint8_t *f = &s->flags[i];
         if (*f & SLOT_ABORT_NOTICE) {
-                if (post_notice(s, i, true) < 0)
+                if (post_notice(s, i, NOTICE_ABORT) < 0)
                         return;
                 *f &= (uint8_t)~SLOT_ABORT_NOTICE;
         }
@@ -209,7 +228,8 @@ static void flush_slot(struct sender *s, uint32_t i)
                 if (*f & SLOT_NEEDS_ADVANCE)
                         return;
         }
-        if ((*f & SLOT_NEEDS_NOTICE) && post_notice(s, i, false) == 0)
+        if ((*f & SLOT_NEEDS_NOTICE) &&
+            post_notice(s, i, s->ctl.reqtab[i].withdraw_ns ? NOTICE_WITHDRAW : NOTICE_FINISH) == 0)
                 *f &= (uint8_t)~SLOT_NEEDS_NOTICE;
 }
 
@@ -239,14 +259,25 @@ static void redo_network(struct sender *s, uint32_t slot)
 
 /* ---- rejections: a completion for a task that never got a slot ---- */
 
-static int reject(struct sender *s, uint64_t task_pos, const char *request_id, const char *peer,
-                  int status, const char *fmt, ...) __attribute__((format(printf, 6, 7)));
-static int reject(struct sender *s, uint64_t task_pos, const char *request_id, const char *peer,
-                  int status, const char *fmt, ...)
+/* What a rejection answers: the task's position, its request id (and how it came), its session. */
+struct task_ref {
+        uint64_t pos;
+        const char *request_id;
+        bool id_bin;
+        uint64_t session;
+};
+
+static int reject(struct sender *s, const struct task_ref *t, const char *peer, int status,
+                  const char *fmt, ...) __attribute__((format(printf, 5, 6)));
+static int reject(struct sender *s, const struct task_ref *t, const char *peer, int status,
+                  const char *fmt, ...)
 {
         struct kvf_sender_area *a = s->ctl.sender;
         struct kvf_ring *ring = &s->ctl.rings[KVF_RING_SENDER_TO_ENGINE];
-        struct kvf_record c = {.type = KVF_RT_COMPLETION, .status = status, .done_ns = kvf_now_ns()};
+        struct kvf_record c = {.type = KVF_RT_COMPLETION, .status = status, .done_ns = kvf_now_ns(),
+                               .session = t->session, .id_bin = t->id_bin};
+        uint64_t task_pos = t->pos;
+        const char *request_id = t->request_id;
         va_list ap;
         size_t len;
         void *p;
@@ -302,66 +333,78 @@ static bool has_duplicate(struct sender *s, const uint32_t *ids, uint32_t n, uin
         return found;
 }
 
-static int accept_task(struct sender *s, struct kvf_record *t, uint64_t pos)
+static int accept_task(struct sender *s, struct kvf_record *t, const struct task_ref *ref)
 {
         const struct kvf_ctl_header *h = s->ctl.hdr;
         const char *id = t->request_id;
+        uint64_t pos = ref->pos;
         uint32_t slot = sender_map_find(s, id), dup, pidx = UINT32_MAX;
         char why[KVF_REASON_MAX];
 
         if (slot != UINT32_MAX && s->ctl.reqtab[slot].task_pos == pos)
                 return 0; /* this very record, re-read after a restart: already accepted */
+        if (ref->session != s->session)
+                return reject(s, ref, t->peer, KVF_STATUS_ENGINE_GONE,
+                              "engine session %llu ended before this task was read",
+                              (unsigned long long)ref->session);
         if (h->instance_role == KVF_IROLE_DECODE)
-                return reject(s, pos, id, t->peer, KVF_STATUS_BAD_TASK,
+                return reject(s, ref, t->peer, KVF_STATUS_BAD_TASK,
                               "instance '%s' is a decode instance: it receives, it does not send",
                               h->instance);
         if (t->transport != KVF_TRANSPORT_IPC && t->transport != KVF_TRANSPORT_TCP)
-                return reject(s, pos, id, t->peer, KVF_STATUS_BAD_TASK,
+                return reject(s, ref, t->peer, KVF_STATUS_BAD_TASK,
                               "transfer_protocol '%s' is not supported by this build (ipc and tcp are)",
                               kvf_transport_name(t->transport));
         if (slot != UINT32_MAX)
-                return reject(s, pos, id, t->peer, KVF_STATUS_BAD_TASK,
+                return reject(s, ref, t->peer, KVF_STATUS_BAD_TASK,
                               "duplicate request_id '%s': a request with this id is in flight", id);
         if (t->n_src == 0)
-                return reject(s, pos, id, t->peer, KVF_STATUS_BAD_TASK, "src_block_ids is empty");
+                return reject(s, ref, t->peer, KVF_STATUS_BAD_TASK, "src_block_ids is empty");
         if (t->n_dst == 0)
-                return reject(s, pos, id, t->peer, KVF_STATUS_BAD_TASK,
+                return reject(s, ref, t->peer, KVF_STATUS_BAD_TASK,
                               "dest_block_ids is empty: nothing to send");
         if (t->n_dst > t->n_src)
-                return reject(s, pos, id, t->peer, KVF_STATUS_BAD_TASK,
+                return reject(s, ref, t->peer, KVF_STATUS_BAD_TASK,
                               "dest_block_ids has %u entries, more than the %u of src_block_ids",
                               t->n_dst, t->n_src);
         if (t->n_src > h->max_blocks)
-                return reject(s, pos, id, t->peer, KVF_STATUS_BAD_TASK,
+                return reject(s, ref, t->peer, KVF_STATUS_BAD_TASK,
                               "src_block_ids has %u entries, more than this instance's limit of %u blocks per request",
                               t->n_src, h->max_blocks);
         for (uint32_t i = 0; i < t->n_src; i++)
                 if (t->src[i] >= s->layout->num_blocks)
-                        return reject(s, pos, id, t->peer, KVF_STATUS_BLOCK_RANGE,
+                        return reject(s, ref, t->peer, KVF_STATUS_BLOCK_RANGE,
                                       "src_block_ids[%u] = %u is out of range: this instance has %u blocks",
                                       i, t->src[i], s->layout->num_blocks);
         if (has_duplicate(s, t->dst, t->n_dst, &dup))
-                return reject(s, pos, id, t->peer, KVF_STATUS_BAD_TASK,
+                return reject(s, ref, t->peer, KVF_STATUS_BAD_TASK,
                               "dest_block_ids names block %u twice", dup);
+        if (t->transport == KVF_TRANSPORT_IPC) {
+                /* FastDeploy names an ipc peer by its device, or by ip and port: find
+                 * the same-host instance; then t->peer is its name. */
+                int rc = sender_peer_resolve(s, t, why, sizeof(why));
+                if (rc == -ENOENT)
+                        return reject(s, ref, t->peer, KVF_STATUS_UNKNOWN_PEER, "%s", why);
+                if (rc < 0)
+                        return reject(s, ref, t->peer, KVF_STATUS_BAD_TASK, "%s", why);
+        }
         if (!strcmp(t->peer, h->instance))
-                return reject(s, pos, id, t->peer, KVF_STATUS_BAD_TASK,
+                return reject(s, ref, t->peer, KVF_STATUS_BAD_TASK,
                               "peer '%s' is this instance itself", t->peer);
         if (t->transport == KVF_TRANSPORT_IPC) {
-                if (strchr(t->peer, ':'))
-                        return reject(s, pos, id, t->peer, KVF_STATUS_BAD_TASK,
-                                      "transfer_protocol ipc needs the name of a same-host instance in 'peer', not the address '%s'",
-                                      t->peer);
                 int rc = sender_peer_get(s, t->peer, &pidx, why, sizeof(why));
                 if (rc == -ENOENT)
-                        return reject(s, pos, id, t->peer, KVF_STATUS_UNKNOWN_PEER, "%s", why);
+                        return reject(s, ref, t->peer, KVF_STATUS_UNKNOWN_PEER, "%s", why);
                 if (rc == -EXDEV)
-                        return reject(s, pos, id, t->peer, KVF_STATUS_LAYOUT_MISMATCH, "%s", why);
+                        return reject(s, ref, t->peer, KVF_STATUS_LAYOUT_MISMATCH, "%s", why);
+                if (rc == -EPERM)
+                        return reject(s, ref, t->peer, KVF_STATUS_PEER_ROLE, "%s", why);
                 if (rc < 0)
-                        return reject(s, pos, id, t->peer, KVF_STATUS_CONNECTION, "%s", why);
+                        return reject(s, ref, t->peer, KVF_STATUS_CONNECTION, "%s", why);
                 uint32_t peer_blocks = s->peers[pidx].ctl.hdr->layout.num_blocks;
                 for (uint32_t i = 0; i < t->n_dst; i++)
                         if (t->dst[i] >= peer_blocks)
-                                return reject(s, pos, id, t->peer, KVF_STATUS_BLOCK_RANGE,
+                                return reject(s, ref, t->peer, KVF_STATUS_BLOCK_RANGE,
                                               "dest_block_ids[%u] = %u is out of range: peer '%s' has %u blocks",
                                               i, t->dst[i], t->peer, peer_blocks);
         }
@@ -380,6 +423,10 @@ static int accept_task(struct sender *s, struct kvf_record *t, uint64_t pos)
         r->task_pos = pos;
         r->completion_pos = ~0ull;
         r->accept_ns = kvf_now_ns();
+        r->session = ref->session;
+        r->flags = t->id_bin ? KVF_REQF_ID_BIN : 0;
+        r->peer_session = pidx != UINT32_MAX ? kvf_engine_session(&s->peers[pidx].ctl, false) : 0;
+        r->withdraw_ns = 0;
         r->last_layer_ns = 0;
         r->deadline_ns = r->accept_ns + s->request_timeout_ns;
         r->bytes = 0;
@@ -438,10 +485,14 @@ static void on_chunk(struct sender *s, const struct kvf_record *c)
         if (r->chunk_tail != r->chunk_head) {
                 struct kvf_chunk_mark *back = &r->chunks[(r->chunk_tail - 1) % KVF_CHUNKS_MAX];
                 if (c->current_id < back->step) {
+                        /* An engine bug; waiting would only end in a timeout a minute later. */
                         kvf_errlog(&s->ctl, KVF_ROLE_SENDER,
-                                   "req %s: chunk for step %llu after one for step %llu: ignored",
+                                   "req %s: chunk for step %llu after one for step %llu: request failed",
                                    r->request_id, (unsigned long long)c->current_id,
                                    (unsigned long long)back->step);
+                        sender_fail(s, slot, KVF_STATUS_BAD_TASK,
+                                    "chunk for step %llu after one for step %llu: a request's chunk steps must not go backwards",
+                                    (unsigned long long)c->current_id, (unsigned long long)back->step);
                         return;
                 }
                 if (c->current_id == back->step || r->chunk_tail - r->chunk_head == KVF_CHUNKS_MAX) {
@@ -478,7 +529,11 @@ int sender_on_engine_record(void *ctx, uint16_t type, const uint8_t *p, uint32_t
         struct sender *s = ctx;
         struct kvf_record r;
         int rc = 0;
+        struct task_ref ref = {.pos = pos, .session = sender_record_session(s, pos)};
 
+        /* A record of a session we do not serve: a new engine may have attached. */
+        if (ref.session != s->session)
+                sender_sessions_check(s, true);
         if (type != KVF_RT_TASK && type != KVF_RT_CHUNK && type != KVF_RT_CANCEL) {
                 kvf_count(&s->ctl, KVF_CTR_BAD_RECORDS, 1);
                 kvf_errlog(&s->ctl, KVF_ROLE_SENDER,
@@ -493,8 +548,11 @@ int sender_on_engine_record(void *ctx, uint16_t type, const uint8_t *p, uint32_t
                         snprintf(why, sizeof(why), "%s", kvf_err_msg());
                         /* The bad field may come before request_id: look for it anyway. */
                         if (!r.request_id[0])
-                                kvf_record_peek_request_id(p, len, r.request_id, sizeof(r.request_id));
-                        rc = reject(s, pos, r.request_id, r.peer, KVF_STATUS_BAD_TASK, "%s", why);
+                                kvf_record_peek_request_id(p, len, r.request_id, sizeof(r.request_id),
+                                                           &r.id_bin);
+                        ref.request_id = r.request_id;
+                        ref.id_bin = r.id_bin;
+                        rc = reject(s, &ref, r.peer, KVF_STATUS_BAD_TASK, "%s", why);
                 }
                 else
                         kvf_errlog(&s->ctl, KVF_ROLE_SENDER, "malformed %s record: %s",
@@ -502,9 +560,17 @@ int sender_on_engine_record(void *ctx, uint16_t type, const uint8_t *p, uint32_t
                 kvf_record_free(&r);
                 return rc;
         }
+        ref.request_id = r.request_id;
+        ref.id_bin = r.id_bin;
+        if (type != KVF_RT_TASK && ref.session != s->session) {
+                kvf_debug("req %s: %s record of ended engine session %llu: ignored", r.request_id,
+                          kvf_rec_type_name(type), (unsigned long long)ref.session);
+                kvf_record_free(&r);
+                return 0;
+        }
         switch (type) {
         case KVF_RT_TASK:
-                rc = accept_task(s, &r, pos);
+                rc = accept_task(s, &r, &ref);
                 break;
         case KVF_RT_CHUNK:
                 kvf_count(&s->ctl, KVF_CTR_CHUNK_RECORDS, 1);
@@ -602,6 +668,43 @@ void sender_adopt(struct sender *s)
                 kvf_count(&s->ctl, KVF_CTR_REQUESTS_ADOPTED, adopted);
                 kvf_info("adopted %u requests from the table", adopted);
         }
+        /* Requests of an engine session that ended while no sender ran end now. */
+        s->session = SENDER_SESSION_UNKNOWN;
+        sender_sessions_check(s, true);
+}
+
+/*
+ * A FINISHING request past its deadline: its notice may have reached the peer,
+ * which may have published the arrival. Never decide alone while the peer
+ * may still answer: ask the connector to withdraw the notice (the peer then
+ * says what it did, from its journal), and decide on that answer. Only a
+ * notice that never went to a connector, or a peer silent for a whole second
+ * timeout, ends the request here.
+ */
+static void finishing_timeout(struct sender *s, uint32_t i, uint64_t now, uint64_t w)
+{
+        struct kvf_req_slot *r = &s->ctl.reqtab[i];
+        unsigned long long ms = s->request_timeout_ns / 1000000;
+        if (!r->notice_gen) {
+                sender_fail(s, i, KVF_STATUS_TIMEOUT,
+                            "timed out after %llu ms before the finish notice could reach the connector "
+                            "(%u of %u blocks written, step %llu layer %u)",
+                            ms, r->sent_full, r->n_send, (unsigned long long)KVF_PROGRESS_STEP(w),
+                            KVF_PROGRESS_LAYERS(w));
+                return;
+        }
+        if (!r->withdraw_ns) {
+                r->withdraw_ns = now;
+                sender_mark(s, i, SLOT_NEEDS_NOTICE); /* posted as a withdrawal (flush_slot) */
+                kvf_warn("req %s: no confirmation from peer '%s' after %llu ms: asking it what it did",
+                         r->request_id, r->peer, ms);
+                return;
+        }
+        if (now - r->withdraw_ns > s->request_timeout_ns)
+                sender_fail(s, i, KVF_STATUS_TIMEOUT,
+                            "timed out after %llu ms: the peer never confirmed or denied the arrival "
+                            "(in doubt: it may have published it)",
+                            2 * ms);
 }
 
 void sender_tick(struct sender *s, uint64_t now)
@@ -610,6 +713,7 @@ void sender_tick(struct sender *s, uint64_t now)
         uint64_t cgen = kvf_load_acquire(&s->ctl.roles[KVF_ROLE_CONNECTOR].generation);
 
         kvf_role_heartbeat(&s->ctl, KVF_ROLE_SENDER);
+        sender_sessions_check(s, true);
         sender_peers_check(s);
         for (uint32_t i = 0; i < n; i++) {
                 struct kvf_req_slot *r = &s->ctl.reqtab[i];
@@ -618,16 +722,19 @@ void sender_tick(struct sender *s, uint64_t now)
                         continue;
                 if (now > r->deadline_ns) {
                         uint64_t w = s->progress;
-                        sender_fail(s, i, KVF_STATUS_TIMEOUT,
-                                    st == KVF_REQ_ACTIVE
-                                            ? "timed out after %llu ms: %u of %u blocks sent for every layer; "
-                                              "progress is at step %llu layer %u"
-                                            : "timed out after %llu ms waiting for the peer to confirm arrival "
-                                              "(%u of %u blocks written, step %llu layer %u)",
-                                    (unsigned long long)(s->request_timeout_ns / 1000000), r->sent_full,
-                                    r->n_send, (unsigned long long)KVF_PROGRESS_STEP(w),
-                                    KVF_PROGRESS_LAYERS(w));
-                        continue;
+                        if (st == KVF_REQ_FINISHING) {
+                                finishing_timeout(s, i, now, w);
+                                if (r->state != KVF_REQ_FINISHING)
+                                        continue;
+                        } else {
+                                sender_fail(s, i, KVF_STATUS_TIMEOUT,
+                                            "timed out after %llu ms: %u of %u blocks sent for every layer; "
+                                            "progress is at step %llu layer %u",
+                                            (unsigned long long)(s->request_timeout_ns / 1000000),
+                                            r->sent_full, r->n_send, (unsigned long long)KVF_PROGRESS_STEP(w),
+                                            KVF_PROGRESS_LAYERS(w));
+                                continue;
+                        }
                 }
                 /* A connector restart loses what it held: notices, and for network
                  * transfers every block not yet acknowledged. Hand them over again. */

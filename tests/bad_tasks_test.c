@@ -17,7 +17,7 @@
 #include "ctl.h"
 #include "kvferry.h"
 
-static char P[64], D[64], DX[64], root[512], cmd[2048];
+static char P[64], P2[64], D[64], DX[64], root[512], cmd[2048];
 static struct kvf_client *c;
 
 static void sh(const char *fmt, ...)
@@ -34,8 +34,9 @@ static void sh(const char *fmt, ...)
 
 static void cleanup(void)
 {
-        snprintf(cmd, sizeof(cmd), "%s/tools/kvferry down --instance %s --instance %s --instance %s >/dev/null 2>&1",
-                 root, P, D, DX);
+        snprintf(cmd, sizeof(cmd),
+                 "%s/tools/kvferry down --instance %s --instance %s --instance %s --instance %s >/dev/null 2>&1",
+                 root, P, P2, D, DX);
         if (system(cmd) != 0)
                 fprintf(stderr, "cleanup: %s failed\n", cmd);
 }
@@ -111,12 +112,14 @@ static void next_completion(struct kvf_event *ev)
         } while (ev->type != KVF_EVENT_COMPLETION);
 }
 
-static int ncase;
+static int ncase, rejected;
 
 static void expect(const char *what, const char *id, int status, const char *needle)
 {
         struct kvf_event ev;
         next_completion(&ev);
+        /* A rejection has no accept time: it never got a slot. */
+        rejected += ev.accept_ns == 0;
         if (strcmp(ev.request_id, id) || ev.status != status || !strstr(ev.reason, needle)) {
                 fprintf(stderr,
                         "case '%s': got request '%s' status '%s' reason \"%s\"\n"
@@ -127,6 +130,55 @@ static void expect(const char *what, const char *id, int status, const char *nee
         }
         printf("  %-34s -> %-22s \"%s\"\n", what, kvf_status_name(ev.status), ev.reason);
         ncase++;
+}
+
+/*
+ * A task as FastDeploy builds it for a same-host (ipc) peer: no "peer", the
+ * peer named by device_ids[rank] or by ip and port (numbers as strings when
+ * port_str), the request id as msgpack bin when id_bin.
+ */
+static void fd_task(struct pk *k, const char *id, bool id_bin, const long *dst, int nd, long device,
+                    const char *ip, long port, bool port_str)
+{
+        static const long src[] = {0, 1, 2};
+        int n = 5 + (device >= 0) + 2 * (ip != NULL);
+        pk_init(k);
+        msgpack_pack_map(&k->p, (size_t)n);
+        str(k, "request_id");
+        if (id_bin) {
+                msgpack_pack_bin(&k->p, strlen(id));
+                msgpack_pack_bin_body(&k->p, id, strlen(id));
+        } else {
+                str(k, id);
+        }
+        str(k, "src_block_ids");
+        ids(k, src, nd);
+        str(k, "dest_block_ids");
+        ids(k, dst, nd);
+        str(k, "current_id");
+        msgpack_pack_uint64(&k->p, 1000000);
+        str(k, "transfer_protocol");
+        str(k, "ipc");
+        if (device >= 0) {
+                char dev[16];
+                snprintf(dev, sizeof(dev), "%ld", device);
+                str(k, "device_ids");
+                msgpack_pack_array(&k->p, 1);
+                str(k, dev); /* FastDeploy reads them with int(): strings happen */
+        }
+        if (ip) {
+                str(k, "ip");
+                str(k, ip);
+                str(k, "rdma_ports");
+                msgpack_pack_array(&k->p, 1);
+                if (port_str) {
+                        char ps[16];
+                        snprintf(ps, sizeof(ps), "%ld", port);
+                        str(k, ps);
+                } else {
+                        msgpack_pack_int64(&k->p, port);
+                }
+        }
 }
 
 static void submit_pk(struct pk *k)
@@ -159,9 +211,12 @@ int main(void)
         snprintf(P, sizeof(P), "bt%d-p", (int)getpid());
         snprintf(D, sizeof(D), "bt%d-d", (int)getpid());
         snprintf(DX, sizeof(DX), "bt%d-dx", (int)getpid());
+        snprintf(P2, sizeof(P2), "bt%d-p2", (int)getpid());
         atexit(cleanup);
         const char *L = "--model llama-3.1-8b --tp 8 --blocks 64";
-        sh("%s/tools/kvferry up --instance %s --role decode %s >/dev/null", root, D, L);
+        /* --device: FastDeploy names an ipc peer by the GPU it serves */
+        sh("%s/tools/kvferry up --instance %s --role decode %s --device 5 >/dev/null", root, D, L);
+        sh("%s/tools/kvferry up --instance %s --role prefill %s >/dev/null", root, P2, L);
         sh("%s/tools/kvferry up --instance %s --role decode --layers 28 --kv-heads 1 --head-dim 128 --blocks 64 >/dev/null",
            root, DX);
         sh("%s/tools/kvferry up --instance %s --role prefill %s --max-blocks-per-request 64 >/dev/null", root, P, L);
@@ -222,10 +277,78 @@ int main(void)
             s3, 3, d3, 3, "ipc", DX, false);
         bad("peer is this instance", "m14", KVF_STATUS_BAD_TASK, "is this instance itself", "m14", s3, 3,
             d3, 3, "ipc", P, false);
-        bad("ipc peer given as an address", "m15", KVF_STATUS_BAD_TASK,
-            "needs the name of a same-host instance", "m15", s3, 3, d3, 3, "ipc", "127.0.0.1:7000", false);
+        bad("ipc peer at an address nobody has", "m15", KVF_STATUS_UNKNOWN_PEER,
+            "no decode instance of this host listens on 127.0.0.1:1", "m15", s3, 3, d3, 3, "ipc",
+            "127.0.0.1:1", false);
+        bad("ipc peer at another host's address", "m15b", KVF_STATUS_UNKNOWN_PEER,
+            "192.0.2.1 is not an address of this host", "m15b", s3, 3, d3, 3, "ipc", "192.0.2.1:7000",
+            false);
         bad("rdma transport", "m16", KVF_STATUS_BAD_TASK, "'rdma' is not supported by this build", "m16",
             s3, 3, d3, 3, "rdma", D, false);
+        /* Only an instance that receives may be written into (issue 9 item 2). */
+        bad("peer is a prefill instance (ipc)", "m17", KVF_STATUS_PEER_ROLE, "is a prefill instance", "m17",
+            s3, 3, d3, 3, "ipc", P2, false);
+        {
+                char addr[128], host[64];
+                uint32_t port = 0;
+                struct kvf_ctl pc;
+                CHECK_EQ(kvf_ctl_attach(P2, false, &pc), 0);
+                CHECK_EQ(kvf_connector_info_read(&pc, host, sizeof(host), &port), 0);
+                kvf_ctl_detach(&pc);
+                snprintf(addr, sizeof(addr), "%s:%u", host, port);
+                bad("peer is a prefill instance (tcp)", "m18", KVF_STATUS_PEER_ROLE, "is a prefill instance",
+                    "m18", s3, 3, d3, 3, "tcp", addr, false);
+                /* ...and that prefill instance's engine never hears of them. */
+                struct kvf_client *c2;
+                struct kvf_event ev;
+                CHECK_EQ(kvf_attach(P2, 5000, &c2), 0);
+                CHECK_EQ(kvf_poll(c2, &ev, 500), 0);
+                kvf_detach(c2);
+        }
+        /* FastDeploy's ipc task: the peer named by device_ids[rank] or by ip + port of
+         * this host, numbers as strings, the request id as bytes (echoed back). The dest
+         * ids are out of range on purpose: the message names the instance it resolved. */
+        {
+                struct pk k;
+                fd_task(&k, "fd-dev", true, dbig, 3, 5, NULL, 0, false);
+                submit_pk(&k);
+                char want[96];
+                snprintf(want, sizeof(want), "peer '%s' has 64 blocks", D);
+                expect("ipc peer by device_ids (id as bin)", "fd-dev", KVF_STATUS_BLOCK_RANGE, want);
+                fd_task(&k, "fd-nodev", false, d3, 3, 9, NULL, 0, false);
+                submit_pk(&k);
+                expect("ipc peer by an unused device", "fd-nodev", KVF_STATUS_UNKNOWN_PEER,
+                       "no decode instance on this host uses device 9");
+                char host[64];
+                uint32_t port = 0;
+                struct kvf_ctl dc;
+                CHECK_EQ(kvf_ctl_attach(D, false, &dc), 0);
+                CHECK_EQ(kvf_connector_info_read(&dc, host, sizeof(host), &port), 0);
+                kvf_ctl_detach(&dc);
+                fd_task(&k, "fd-ip", false, dbig, 3, -1, "127.0.0.1", port, true);
+                submit_pk(&k);
+                expect("ipc peer by ip + rdma_ports (strings)", "fd-ip", KVF_STATUS_BLOCK_RANGE, want);
+        }
+        /* Engine bugs are refused at once, never left to time out (issue 9 item 4). */
+        {
+                uint32_t cs[3] = {0, 1, 2}, cd[3] = {30, 31, 32};
+                uint64_t far = kvf_last_step(c) + 1000;
+                struct kvf_task ct = {.request_id = "chunky", .src_block_ids = cs, .n_src = 3,
+                                      .dest_block_ids = cd, .n_dest = 3, .current_id = far,
+                                      .transport = KVF_TRANSPORT_IPC, .peer = D, .chunked = 1};
+                CHECK_EQ(kvf_submit_task(c, &ct), 0);
+                CHECK_EQ(kvf_submit_chunk(c, "chunky", far + 10, 64, 0), 0);
+                CHECK_EQ(kvf_submit_chunk(c, "chunky", far + 5, 128, 0), 0);
+                expect("chunk whose step goes backwards", "chunky", KVF_STATUS_BAD_TASK,
+                       "chunk for step");
+                uint64_t now = kvf_last_step(c) + 1;
+                CHECK_EQ(kvf_layer_done(c, now + 1, 0), 0);
+                CHECK_EQ(kvf_layer_done(c, now, 3), -EINVAL);
+                CHECK(strstr(kvf_last_error(), "steps only grow") != NULL);
+                CHECK_EQ(kvf_layer_done(c, now + 1, 0), 0); /* a repeat is fine */
+                printf("  %-34s -> %-22s \"%s\"\n", "layer-done for an earlier step", "-EINVAL",
+                       kvf_last_error());
+        }
 
         /* Duplicate request id: the first is in flight (its step is far away). */
         {
@@ -270,8 +393,10 @@ int main(void)
         uint64_t t0 = kvf_now_ns();
         while (ctl.counters[KVF_CTR_BAD_RECORDS].value < bad_before + 2 && kvf_now_ns() - t0 < 5000000000ull)
                 usleep(10000);
-        CHECK(ctl.counters[KVF_CTR_BAD_RECORDS].value >= bad_before + 2);
-        CHECK(ctl.counters[KVF_CTR_TASKS_REJECTED].value >= 20);
+        CHECK_EQ(ctl.counters[KVF_CTR_BAD_RECORDS].value, bad_before + 2);
+        /* Every case above but the four whose task was accepted first (the chunk, the
+         * duplicate's original) or never became a task: exactly the rejected ones. */
+        CHECK_EQ(ctl.counters[KVF_CTR_TASKS_REJECTED].value, (uint64_t)rejected);
         kvf_ctl_detach(&ctl);
 
         /* Connect tasks with a bad peer get an answer too. */

@@ -1,7 +1,7 @@
 /*
  * Every field of struct kvf_record that the encoder carries, once, for the
  * tests and fuzzers that compare a record with its decoded round trip (ip,
- * port and present exist on the decode side only). A field added to the
+ * port, device, peer_formed and present exist on the decode side only). A field added to the
  * codec is added here, and every comparison then covers it.
  *
  *   KVF_RECORD_FIELDS(NUM, STR, BIN, IDS)
@@ -26,6 +26,9 @@
         NUM(last_layer_ns)                                                                         \
         NUM(done_ns)                                                                               \
         NUM(generation)                                                                            \
+        NUM(session)                                                                               \
+        NUM(withdraw)                                                                              \
+        NUM(id_bin)                                                                                \
         NUM(layer)                                                                                 \
         NUM(layer_count)                                                                           \
         NUM(blocks)                                                                                \

@@ -75,6 +75,14 @@ def engine_records():
         (CONNECT, {"task_id": "conn-1", "ip": "10.0.0.3", "rdma_ports": [7300, 7301],
                    "transfer_protocol": "rdma"}),
         (CONNECT, {"task_id": "conn-2", "peer": "d1"}),
+        # As FastDeploy really builds them: an ipc task naming its peer only by
+        # device_ids[rank], ids as bytes, ports and devices as decimal strings.
+        (TASK, {"request_id": b"fd-bytes-4", "src_block_ids": [1], "dest_block_ids": [2],
+                "current_id": 3, "transfer_protocol": "ipc", "device_ids": ["6", 7]}),
+        (TASK, {"request_id": "fd-rdma-5", "src_block_ids": [1], "dest_block_ids": [2],
+                "current_id": 3, "transfer_protocol": "rdma", "ip": "10.0.0.2",
+                "rdma_ports": ["7100", "7101"]}),
+        (CONNECT, {"task_id": b"conn-3", "ip": "10.0.0.3", "port": "7300"}),
     ]
 
 
@@ -102,12 +110,17 @@ def read_frames(path):
 # What records_test.c writes, exactly: keys with empty values (reason when finished) are left out.
 EXPECTED_FROM_C = [
     (COMPLETION, {"request_id": "fd-rdma-1", "status": "finished", "peer": "10.0.0.2:7100",
-                  "bytes": 1 << 33, "blocks": 12, "accept_ns": 1, "last_layer_ns": 2, "done_ns": 3}),
+                  "bytes": 1 << 33, "blocks": 12, "accept_ns": 1, "last_layer_ns": 2, "done_ns": 3,
+                  "session": 0}),
     (ARRIVAL, {"request_id": "fd-tcp-2", "status": "timed out", "reason": "no layer for 30000 ms",
                "peer": "p0", "bytes": 4096, "blocks": 2, "dest_block_ids": [5, 4294967295],
-               "done_ns": (1 << 64) - 1}),
+               "done_ns": (1 << 64) - 1, "session": 0}),
     (CONNECT_RESULT, {"task_id": "conn-1", "peer": "10.0.0.3:7300", "status": "connection error",
-                      "reason": "connect to 10.0.0.3:7300: Connection refused"}),
+                      "reason": "connect to 10.0.0.3:7300: Connection refused", "session": 0}),
+    # An id that came as bytes goes back as bytes, so the engine's dict lookup matches.
+    (COMPLETION, {"request_id": b"fd-bytes-4", "status": "engine gone", "reason": "engine session 5 ended",
+                  "bytes": 0, "blocks": 1, "accept_ns": 0, "last_layer_ns": 0, "done_ns": 9,
+                  "session": 5}),
 ]
 
 

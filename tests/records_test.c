@@ -268,7 +268,7 @@ static void test_wire_round_trips(void)
                 r.dst = make_ids(r.n_dst = 5000, 4);
                 round_trip("notice", &r,
                            "key,request_id,peer,transfer_protocol,dest_block_ids,status,bytes,blocks,"
-                           "generation");
+                           "generation,session,withdraw");
                 kvf_record_free(&r);
         }
         {
@@ -344,8 +344,8 @@ static void test_round_trips(void)
                         fill_long(r.reason, sizeof(r.reason), KVF_REASON_MAX - 1, 'E');
                 snprintf(what, sizeof(what), "completion '%s'", kvf_status_name(st));
                 round_trip(what, &r,
-                           st ? "request_id,status,reason,peer,bytes,blocks,accept_ns,last_layer_ns,done_ns"
-                              : "request_id,status,peer,bytes,blocks,accept_ns,last_layer_ns,done_ns");
+                           st ? "request_id,status,reason,peer,bytes,blocks,accept_ns,last_layer_ns,done_ns,session"
+                              : "request_id,status,peer,bytes,blocks,accept_ns,last_layer_ns,done_ns,session");
         }
 
         for (int t = 0; t <= KVF_TRANSPORT_RDMA; t++) {
@@ -361,7 +361,7 @@ static void test_round_trips(void)
                 fill(r.request_id, sizeof(r.request_id), "connect-task-9");
                 fill(r.peer, sizeof(r.peer), "decode-host.example:7100");
                 fill(r.reason, sizeof(r.reason), "token rejected by 10.0.0.2:7100");
-                round_trip("connect result", &r, "task_id,peer,status,reason");
+                round_trip("connect result", &r, "task_id,peer,status,reason,session");
         }
 
         for (unsigned s = 0; s < sizeof(sizes) / sizeof(sizes[0]); s++) {
@@ -372,7 +372,7 @@ static void test_round_trips(void)
                 fill(r.reason, sizeof(r.reason), "peer p0 died (generation 3 -> 4)");
                 r.dst = make_ids(r.n_dst = sizes[s], 77);
                 round_trip("arrival", &r,
-                           "request_id,status,reason,peer,bytes,blocks,dest_block_ids,done_ns");
+                           "request_id,status,reason,peer,bytes,blocks,dest_block_ids,done_ns,session");
                 kvf_record_free(&r);
         }
 
@@ -415,7 +415,7 @@ static void test_round_trips(void)
                 r.dst = make_ids(r.n_dst = 5000, 9);
                 round_trip("finish", &r,
                            "key,request_id,peer,transfer_protocol,dest_block_ids,status,reason,bytes,blocks,"
-                           "generation");
+                           "generation,session,withdraw");
                 kvf_record_free(&r);
         }
 
@@ -888,17 +888,17 @@ static const struct bad bads[] = {
         {"ip with port 0", T, 0, NULL, raw_ip_port0, NULL, 0, NULL,
          "task record: port 0 is not in [1, 65535]"},
         {"ip without a port", T, 0, NULL, raw_ip_no_port, NULL, 0, NULL,
-         "task record: missing field 'peer' (or 'ip' with 'port' or 'rdma_ports')"},
+         "task record: missing field 'peer' (or 'ip' with 'port' or 'rdma_ports', or 'device_ids' for ipc)"},
         {"missing peer and ip", T, 0, NULL, NULL, "peer", OMIT, NULL,
-         "task record: missing field 'peer' (or 'ip' with 'port' or 'rdma_ports')"},
+         "task record: missing field 'peer' (or 'ip' with 'port' or 'rdma_ports', or 'device_ids' for ipc)"},
         {"unknown key, 100 nested arrays", T, 0, NULL, NULL, "extra", ADD, v_nest100,
          "task record: value of unknown key 'extra' is malformed or nested too deep"},
         {"unknown key, 17 nested arrays", T, 0, NULL, NULL, "extra", ADD, v_nest17,
          "task record: value of unknown key 'extra' is malformed or nested too deep"},
         {"unknown key, ext claiming 4 GiB", T, 0, NULL, NULL, "ext", ADD, v_trunc_ext,
          "task record: value of unknown key 'ext' is malformed or nested too deep"},
-        {"unknown key, invalid byte 0xc1", T, 0, NULL, NULL, "device_ids", ADD, v_c1,
-         "task record: value of unknown key 'device_ids' is malformed"},
+        {"unknown key, invalid byte 0xc1", T, 0, NULL, NULL, "decode_tp_size", ADD, v_c1,
+         "task record: value of unknown key 'decode_tp_size' is malformed"},
         {"status not a known status", KVF_RT_COMPLETION, 0, NULL, raw_completion_status, NULL, 0, NULL,
          "completion record: field 'status' is 'done', not a known status"},
         {"bool field a string", KVF_RT_CHUNK, 0, NULL, raw_chunk_last_str, NULL, 0, NULL,
@@ -1024,13 +1024,18 @@ static void test_partial_free(void)
 
 /* ---- unknown keys and FastDeploy's spellings ---- */
 
-/* Five keys no record type has (six with "status", which only a task ignores). */
-static void pack_fd_extras(msgpack_packer *pk, bool with_status)
+/* FastDeploy keys kvferry does not use (device_ids only names an ipc peer without one). */
+static void pack_fd_extras(msgpack_packer *pk, bool with_status, bool with_devices)
 {
-        msgpack_pack_str_with_body(pk, "device_ids", 10);
-        msgpack_pack_array(pk, 2);
-        msgpack_pack_int(pk, 0);
-        msgpack_pack_int(pk, 1);
+        if (with_devices) {
+                msgpack_pack_str_with_body(pk, "device_ids", 10);
+                msgpack_pack_array(pk, 2);
+                msgpack_pack_int(pk, 0);
+                msgpack_pack_int(pk, 1);
+        } else {
+                msgpack_pack_str_with_body(pk, "no_devices", 10);
+                msgpack_pack_nil(pk);
+        }
         msgpack_pack_str_with_body(pk, "decode_tp_size", 14);
         msgpack_pack_int(pk, 2);
         if (with_status)
@@ -1062,7 +1067,7 @@ static void test_unknown_keys(void)
                 msgpack_sbuffer_init(&sb);
                 msgpack_packer_init(&pk, &sb, msgpack_sbuffer_write);
                 msgpack_pack_map(&pk, 13);
-                pack_fd_extras(&pk, true);
+                pack_fd_extras(&pk, true, true);
                 pack_kv_str(&pk, "request_id", "fd-1");
                 pack_kv_str(&pk, "transfer_protocol", "rdma");
                 msgpack_pack_str_with_body(&pk, "src_block_ids", 13);
@@ -1144,11 +1149,12 @@ static void test_unknown_keys(void)
                 msgpack_sbuffer_init(&sb);
                 msgpack_packer_init(&pk, &sb, msgpack_sbuffer_write);
                 msgpack_pack_map(&pk, n + 15);
-                pack_fd_extras(&pk, false);
+                /* (device_ids is a task's key: once only) */
+                pack_fd_extras(&pk, false, true);
                 msgpack_sbuffer_write(&sb, (const char *)first, (size_t)(rest - first));
-                pack_fd_extras(&pk, false);
+                pack_fd_extras(&pk, false, t != KVF_RT_TASK);
                 msgpack_sbuffer_write(&sb, (const char *)rest, (size_t)(enc + enc_len - rest));
-                pack_fd_extras(&pk, false);
+                pack_fd_extras(&pk, false, t != KVF_RT_TASK);
                 int rc = kvf_record_decode(t, sb.data, sb.size, 0, &r);
                 if (rc) {
                         fprintf(stderr, "%s with unknown keys: %s\n", kvf_rec_type_name(t),
@@ -1280,6 +1286,27 @@ static void check_py_record(unsigned idx, uint32_t type, const uint8_t *p, uint3
                 CHECK_EQ(type, KVF_RT_CANCEL);
                 CHECK_STREQ(what, r.request_id, "fd-rdma-1");
                 break;
+        case 9: /* ipc by device_ids only; request_id as bin; device as a string */
+                CHECK_EQ(type, KVF_RT_TASK);
+                CHECK_STREQ(what, r.request_id, "fd-bytes-4");
+                CHECK(r.id_bin);
+                CHECK(r.device_given);
+                CHECK_EQ(r.device, 6);
+                CHECK_STREQ(what, r.peer, "");
+                CHECK_EQ(r.transport, KVF_TRANSPORT_IPC);
+                break;
+        case 10: /* rdma_ports as decimal strings */
+                CHECK_EQ(type, KVF_RT_TASK);
+                CHECK_STREQ(what, r.peer, "10.0.0.2:7100");
+                CHECK(r.peer_formed);
+                CHECK(!r.id_bin);
+                break;
+        case 11: /* connect: task_id as bin, port as a string */
+                CHECK_EQ(type, KVF_RT_CONNECT);
+                CHECK_STREQ(what, r.request_id, "conn-3");
+                CHECK(r.id_bin);
+                CHECK_STREQ(what, r.peer, "10.0.0.3:7300");
+                break;
         case 7: /* FastDeploy connect task: task_id + ip + rdma_ports */
                 CHECK_EQ(type, KVF_RT_CONNECT);
                 CHECK_STREQ(what, r.request_id, "conn-1");
@@ -1299,7 +1326,7 @@ static void check_py_record(unsigned idx, uint32_t type, const uint8_t *p, uint3
         kvf_record_free(&r);
 }
 
-#define PY_RECORDS 9
+#define PY_RECORDS 12
 
 static void write_frame(FILE *f, const struct kvf_record *r)
 {
@@ -1372,6 +1399,11 @@ static int python_main(const char *script, const char *base)
         fill(cr.peer, sizeof(cr.peer), "10.0.0.3:7300");
         fill(cr.reason, sizeof(cr.reason), "connect to 10.0.0.3:7300: Connection refused");
         write_frame(f, &cr);
+        struct kvf_record cb = {.type = KVF_RT_COMPLETION, .status = KVF_STATUS_ENGINE_GONE, .blocks = 1,
+                                .done_ns = 9, .session = 5, .id_bin = true};
+        fill(cb.request_id, sizeof(cb.request_id), "fd-bytes-4");
+        fill(cb.reason, sizeof(cb.reason), "engine session 5 ended");
+        write_frame(f, &cb);
         CHECK(fclose(f) == 0);
         if (run_python(script, "check", out) < 0)
                 return 1;
@@ -1388,6 +1420,7 @@ static void test_peek_request_id(void)
         msgpack_packer pk;
         struct kvf_record r;
         char id[KVF_REQ_ID_MAX];
+        bool isbin = true;
 
         msgpack_sbuffer_init(&sb);
         msgpack_packer_init(&pk, &sb, msgpack_sbuffer_write);
@@ -1402,10 +1435,10 @@ static void test_peek_request_id(void)
         CHECK(kvf_record_decode(KVF_RT_TASK, sb.data, sb.size, 0, &r) == -EBADMSG);
         CHECK(r.request_id[0] == '\0');
         kvf_record_free(&r);
-        CHECK(kvf_record_peek_request_id(sb.data, sb.size, id, sizeof(id)) == 0);
-        CHECK(!strcmp(id, "req-late"));
-        CHECK(kvf_record_peek_request_id(sb.data, sb.size - 3, id, sizeof(id)) < 0);
-        CHECK(kvf_record_peek_request_id("\x91\x01", 2, id, sizeof(id)) < 0);
+        CHECK(kvf_record_peek_request_id(sb.data, sb.size, id, sizeof(id), &isbin) == 0);
+        CHECK(!strcmp(id, "req-late") && !isbin);
+        CHECK(kvf_record_peek_request_id(sb.data, sb.size - 3, id, sizeof(id), &isbin) < 0);
+        CHECK(kvf_record_peek_request_id("\x91\x01", 2, id, sizeof(id), &isbin) < 0);
         msgpack_sbuffer_destroy(&sb);
         printf("ok: request_id found in a task that fails before it\n");
 }

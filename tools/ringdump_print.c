@@ -241,19 +241,6 @@ static uint64_t boot_id(void)
 
 /* ---- names ---- */
 
-static const char *irole_name(uint32_t r)
-{
-        switch (r) {
-        case KVF_IROLE_PREFILL:
-                return "prefill";
-        case KVF_IROLE_DECODE:
-                return "decode";
-        case KVF_IROLE_MIXED:
-                return "mixed";
-        }
-        return "unknown";
-}
-
 static const char *backend_name(uint32_t b)
 {
         switch (b) {
@@ -369,7 +356,7 @@ static void print_header(struct dump *d)
         if (d->json) {
                 j_str(d, "instance", h->instance, inl);
                 j_u64(d, "layout_version", h->version);
-                j_cstr(d, "role", irole_name(h->instance_role));
+                j_cstr(d, "role", kvf_irole_name(h->instance_role));
                 j_u64(d, "role_id", h->instance_role);
                 j_u64(d, "rank", h->rank);
                 j_u64(d, "nranks", h->nranks);
@@ -415,7 +402,7 @@ static void print_header(struct dump *d)
                 return;
         }
         fprintf(d->f, "instance %s: %s, rank %u/%u, %s backend",
-                esc(e1, sizeof(e1), h->instance, inl), irole_name(h->instance_role), h->rank,
+                esc(e1, sizeof(e1), h->instance, inl), kvf_irole_name(h->instance_role), h->rank,
                 h->nranks, backend_name(h->backend));
         if (h->backend == KVF_BACKEND_CUDA)
                 fprintf(d->f, " (device %u)", h->device);
@@ -1232,7 +1219,7 @@ int kvf_dump_brief(void *base, uint64_t size, FILE *out, const struct kvf_dump_o
                 j_open(&d, NULL, '{');
                 j_str(&d, "instance", d.h.instance, inl);
                 j_null(&d, "error");
-                j_cstr(&d, "role", irole_name(d.h.instance_role));
+                j_cstr(&d, "role", kvf_irole_name(d.h.instance_role));
                 j_u64(&d, "rank", d.h.rank);
                 j_u64(&d, "nranks", d.h.nranks);
                 j_open(&d, "roles", '{');
@@ -1255,7 +1242,7 @@ int kvf_dump_brief(void *base, uint64_t size, FILE *out, const struct kvf_dump_o
         char e[256], rank[32], pb[32];
         snprintf(rank, sizeof(rank), "%u/%u", d.h.rank, d.h.nranks);
         fprintf(out, "%-24s %-8s %-6s %-6s %-6s %-6s %-6s %10s %9" PRIu64 " %7" PRIu64 "\n",
-                esc(e, sizeof(e), d.h.instance, inl), irole_name(d.h.instance_role), rank, alive[0],
+                esc(e, sizeof(e), d.h.instance, inl), kvf_irole_name(d.h.instance_role), rank, alive[0],
                 alive[1], alive[2], alive[3], human_bytes(pb, sizeof(pb), pending), in_use, errors);
         return 0;
 }

@@ -1,0 +1,83 @@
+/*
+ * Engine sessions, prefill side (see ctl.h, kvf_engine_session).
+ *
+ * A request belongs to the engine session that submitted it (the task
+ * record's producer generation). When that session ends (the engine
+ * detaches, its process dies, or another engine attaches) its requests that
+ * are still moving end with "engine gone": nothing a dead engine half-wrote
+ * may be reported finished to anyone, and steps numbered by a new engine
+ * must never complete an old engine's request. Requests already FINISHING
+ * (every byte copied from a layer the old engine published) are left to
+ * finish. Their completions carry the old session's number, and the new
+ * engine's client library keeps them apart from its own (kvferry.h).
+ *
+ * The check is cheap on the hot path (two atomic loads of the engine's role
+ * slot, before each progress word is applied: a new engine's generation is
+ * stored before its first layer-done, so a word of the new session is never
+ * applied to the old session's requests) and reads /proc once a heartbeat
+ * to notice a process that died without detaching.
+ */
+#include <stdio.h>
+#include <string.h>
+
+#include "atomics.h"
+#include "log.h"
+#include "sender.h"
+
+uint64_t sender_record_session(struct sender *s, uint64_t pos)
+{
+        const struct kvf_ring *in = &s->ctl.rings[KVF_RING_ENGINE_TO_SENDER];
+        uint64_t cur = kvf_load_acquire(&s->ctl.roles[KVF_ROLE_ENGINE].generation);
+        return kvf_gen_from16(cur, kvf_ring_record_gen(in, pos));
+}
+
+/* How the session `old` ended, in words, for the reason of its requests. */
+static void why_ended(struct sender *s, uint64_t old, uint64_t live, char *buf, size_t len)
+{
+        const struct kvf_role_slot *e = &s->ctl.roles[KVF_ROLE_ENGINE];
+        if (live)
+                snprintf(buf, len, "engine session %llu ended: another engine attached (session %llu)",
+                         (unsigned long long)old, (unsigned long long)live);
+        else if (kvf_load_acquire(&e->state) == KVF_STATE_STOPPED)
+                snprintf(buf, len, "engine session %llu ended: the engine detached",
+                         (unsigned long long)old);
+        else
+                snprintf(buf, len, "engine session %llu ended: the engine's process (pid %d) is gone",
+                         (unsigned long long)old, kvf_load_acquire(&e->pid));
+}
+
+void sender_sessions_check(struct sender *s, bool check_process)
+{
+        uint64_t live = kvf_engine_session(&s->ctl, check_process);
+        if (check_process && !live)
+                s->dead_session = kvf_load_acquire(&s->ctl.roles[KVF_ROLE_ENGINE].generation);
+        else if (!check_process && live && live == s->dead_session)
+                live = 0; /* found dead by an earlier check: the slot still says running */
+        if (live == s->session)
+                return;
+        uint64_t old = s->session;
+        char why[KVF_REASON_MAX];
+        uint32_t ended = 0, n = s->ctl.hdr->reqtab_slots;
+        for (uint32_t i = 0; i < n; i++) {
+                struct kvf_req_slot *r = &s->ctl.reqtab[i];
+                if (r->state != KVF_REQ_ACTIVE || r->session == live)
+                        continue;
+                if (!ended)
+                        why_ended(s, r->session, live, why, sizeof(why));
+                sender_fail(s, i, KVF_STATUS_ENGINE_GONE, "%s before the transfer finished", why);
+                ended++;
+        }
+        if (old && old != SENDER_SESSION_UNKNOWN)
+                kvf_count(&s->ctl, KVF_CTR_SESSIONS_ENDED, 1);
+        if (old == SENDER_SESSION_UNKNOWN)
+                old = 0; /* (a sender starting: the log says 0 -> live) */
+        if (old || ended)
+                kvf_info("engine session %llu -> %llu: %u requests of earlier sessions end with 'engine gone'",
+                         (unsigned long long)old, (unsigned long long)live, ended);
+        s->session = live;
+        /* Release: the requests above are decided before the new engine's attach
+         * (which waits for this) goes on. Their completions follow as the ring
+         * allows, tagged with their own session. */
+        if (live)
+                kvf_store_release(&s->ctl.sender->engine_session_ack, live);
+}

@@ -100,6 +100,8 @@ static int create_cache(const char *instance, const struct kvf_cache_layout *l)
         char name[96];
         kvf_cache_shm_name(instance, name, sizeof(name));
         int fd = shm_open(name, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+        if (fd < 0 && errno == EEXIST)
+                return kvf_ctl_exists_err(instance, name);
         if (fd < 0)
                 return kvf_err_set(-errno, "create cache /dev/shm%s: %s", name, strerror(errno));
         int rc = 0;
@@ -274,9 +276,13 @@ int main(int argc, char **argv)
                         return 1;
                 }
                 if ((rc = create_cache(p.instance, &p.layout)) < 0) {
+                        char seg[96];
                         kvf_error("%s", kvf_err_msg());
                         kvf_ctl_detach(&ctl);
-                        kvf_ctl_unlink(p.instance);
+                        /* Only the segment just made is ours to remove: a cache name that was
+                         * there already may be another user's (and root could unlink it). */
+                        kvf_ctl_shm_name(p.instance, seg, sizeof(seg));
+                        shm_unlink(seg);
                         return 1;
                 }
                 kvf_role_begin(&ctl, KVF_ROLE_ALLOCATOR);

@@ -2,6 +2,7 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <pwd.h>
 #include <signal.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -204,6 +205,30 @@ static void c_init_sender_area(struct kvf_sender_area *a)
         a->reject_completion_pos = ~0ull;
 }
 
+int kvf_ctl_exists_err(const char *instance, const char *shm)
+{
+        char path[128], who[320], buf[1024];
+        struct passwd pw, *res = NULL;
+        struct stat st;
+
+        snprintf(path, sizeof(path), "/dev/shm%s", shm);
+        /* Whose it is, asked of the file: open() proves nothing, root opens anyone's. lstat:
+         * a symlink planted under the name is its planter's. */
+        if (lstat(path, &st) < 0 || st.st_uid == geteuid())
+                return kvf_err_set(-EEXIST,
+                                   "instance '%s' already exists (%s): is it running? "
+                                   "stop it with `tools/kvferry down --instance %s`",
+                                   instance, path, instance);
+        if (getpwuid_r(st.st_uid, &pw, buf, sizeof(buf), &res) == 0 && res)
+                snprintf(who, sizeof(who), "user %s (uid %u)", res->pw_name, (unsigned)st.st_uid);
+        else
+                snprintf(who, sizeof(who), "uid %u", (unsigned)st.st_uid);
+        return kvf_err_set(-EEXIST,
+                           "%s exists and belongs to %s: another user holds this instance name; "
+                           "pick another --instance or ask them to remove it",
+                           path, who);
+}
+
 int kvf_ctl_create(const struct kvf_ctl_params *prm, struct kvf_ctl *out)
 {
         char name[96];
@@ -227,10 +252,7 @@ int kvf_ctl_create(const struct kvf_ctl_params *prm, struct kvf_ctl *out)
         if (fd < 0) {
                 rc = -errno;
                 if (rc == -EEXIST)
-                        return kvf_err_set(rc,
-                                           "instance '%s' already exists (/dev/shm%s): is it running? "
-                                           "stop it with `tools/kvferry down --instance %s`",
-                                           prm->instance, name, prm->instance);
+                        return kvf_ctl_exists_err(prm->instance, name);
                 return kvf_err_set(rc, "create /dev/shm%s: %s", name, strerror(-rc));
         }
         /* fchmod: the umask must not widen or narrow 0600. */

@@ -69,6 +69,13 @@ void kvf_cache_shm_name(const char *instance, char *buf, size_t len);
  * it. It is not visible as ready until kvf_ctl_publish().
  */
 int kvf_ctl_create(const struct kvf_ctl_params *p, struct kvf_ctl *out);
+/*
+ * An exclusive create of shm name `shm` (kvf_ctl_shm_name, kvf_cache_shm_name)
+ * of `instance` failed with EEXIST: returns -EEXIST with kvf_err saying whose
+ * file it is (ours: a running or leftover instance; another user's: a name
+ * that user holds, never to be reused).
+ */
+int kvf_ctl_exists_err(const char *instance, const char *shm);
 /* Store the layout version, last, with a release store. */
 void kvf_ctl_publish(struct kvf_ctl *c);
 

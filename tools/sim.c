@@ -540,12 +540,44 @@ static void split_list(const char *s, const char **out, unsigned *n)
                 out[(*n)++] = p;
 }
 
+/* The default trace, from the source tree this binary was built from, else from data/ next to
+ * the binary (a copy installed with it): a relative path would work from the repository's
+ * root only. NULL, with a message, when neither has it. */
+static const char *default_trace(void)
+{
+        static const char file[] = "mooncake-conversation-2000.jsonl";
+        static char path[4200];
+        char exe[4096] = "(unknown)";
+        const char *src = "(not built from a source tree)";
+
+#ifdef KVF_SOURCE_DIR
+        src = KVF_SOURCE_DIR;
+        snprintf(path, sizeof(path), "%s/data/%s", src, file);
+        if (access(path, R_OK) == 0)
+                return path;
+#endif
+        ssize_t n = readlink("/proc/self/exe", exe, sizeof(exe) - 1);
+        if (n > 0) {
+                exe[n] = '\0';
+                char *slash = strrchr(exe, '/');
+                if (slash)
+                        *slash = '\0';
+                snprintf(path, sizeof(path), "%s/data/%s", exe, file);
+                if (access(path, R_OK) == 0)
+                        return path;
+        }
+        fprintf(stderr, "%s: the default trace %s is neither in %s/data nor in %s/data; give --trace FILE\n",
+                prog, file, src, exe);
+        return NULL;
+}
+
 static void usage(void)
 {
         printf("Usage: %s --prefill P0[,P1..] --decode D0[,D1..] [options]\n"
                "Drive a prefill and a decode instance like an inference engine and verify every byte.\n\n"
                "  --requests N        requests to move (default 100)\n"
-               "  --trace FILE        JSON lines with input_length (default data/mooncake-conversation-2000.jsonl)\n"
+               "  --trace FILE        JSON lines with input_length (default data/mooncake-conversation-2000.jsonl\n"
+               "                      of the source tree)\n"
                "  --max-tokens N      clip prompts to N tokens (default: what the caches allow)\n"
                "  --layer-us N        compute time per layer, microseconds (default 200)\n"
                "  --step-tokens N     tokens prefilled per forward step (default 16384)\n"
@@ -562,6 +594,7 @@ static void usage(void)
                "  --scatter           hand out blocks in random order: no contiguous runs\n"
                "  --json FILE         write the summary as JSON too\n"
                "  --quiet             no progress line\n"
+               "  --check-options     check the options (and the trace's presence), run nothing\n"
                "Exit: 0 all requests accounted for and nothing corrupt; 1 otherwise; 2 usage.\n",
                prog);
 }
@@ -569,7 +602,7 @@ static void usage(void)
 int main(int argc, char **argv)
 {
         enum { O_P = 1000, O_D, O_N, O_TRACE, O_MAXTOK, O_LUS, O_STEP, O_CHUNK, O_PREFIX, O_LATE,
-               O_CANCEL, O_TRANSPORT, O_SEED, O_TO, O_BASE, O_JSON, O_QUIET, O_VERSION, O_PEERMAP, O_VERIFY, O_SCATTER };
+               O_CANCEL, O_TRANSPORT, O_SEED, O_TO, O_BASE, O_JSON, O_QUIET, O_VERSION, O_PEERMAP, O_VERIFY, O_SCATTER, O_CHECK };
         static const struct option lo[] = {
                 {"prefill", required_argument, 0, O_P},  {"decode", required_argument, 0, O_D},
                 {"requests", required_argument, 0, O_N}, {"trace", required_argument, 0, O_TRACE},
@@ -587,13 +620,14 @@ int main(int argc, char **argv)
                 {"seed", required_argument, 0, O_SEED}, {"timeout-s", required_argument, 0, O_TO},
                 {"baseline", no_argument, 0, O_BASE},    {"json", required_argument, 0, O_JSON},
                 {"quiet", no_argument, 0, O_QUIET},      {"help", no_argument, 0, 'h'},
+                {"check-options", no_argument, 0, O_CHECK},
                 {"version", no_argument, 0, O_VERSION},  {0, 0, 0, 0}};
         unsigned np = 0, nd = 0;
         const char *peermap = NULL;
+        bool check_only = false;
         int c;
 
         o.requests = 100;
-        o.trace = "data/mooncake-conversation-2000.jsonl";
         o.layer_us = 200;
         o.step_tokens = 16384;
         o.prefix_pct = 20;
@@ -634,6 +668,7 @@ int main(int argc, char **argv)
                 case O_BASE: o.baseline = true; break;
                 case O_JSON: o.json = optarg; break;
                 case O_QUIET: o.quiet = true; break;
+                case O_CHECK: check_only = true; break;
                 case 'h': usage(); return 0;
                 case O_VERSION: printf("%s %s\n", prog, KVFERRY_VERSION); return 0;
                 default: kvf_opt_die(prog, "unknown option");
@@ -658,6 +693,14 @@ int main(int argc, char **argv)
                                 if (!strcmp(o.decode[k], m[i]))
                                         o.peer[k] = eq + 1;
                 }
+        }
+        if (!o.trace && !(o.trace = default_trace()))
+                return 1;
+        if (check_only) {
+                if (access(o.trace, R_OK) == 0)
+                        return 0;
+                fprintf(stderr, "%s: trace %s: %s\n", prog, o.trace, strerror(errno));
+                return 1;
         }
 
         if (kvf_group_attach(o.prefill, np, 10000, &pg) < 0 || kvf_group_attach(o.decode, nd, 10000, &dg) < 0) {

@@ -1,0 +1,275 @@
+#!/usr/bin/env bash
+# tools/kvferry as a user meets it: exact help texts; bad options, names and addresses refused
+# before anything starts, or reported within seconds with this run's message; status and down
+# with nothing running; a private run directory; /dev/shm names another user holds refused and
+# left alone; no noise in the supervisor's log when a role dies; the demo's options checked and
+# its logs removed; kvf-sim's default trace found from any folder.
+source "$(dirname "$0")/lib.sh"
+K=$ROOT/tools/kvferry
+R=$KVFERRY_RUN_DIR
+L="--model llama-3.1-8b --tp 8 --cache-mib 64"
+SLOW_MS=5000 # "at once": the old supervisor took 30 s; this leaves room for a loaded host
+
+# try NAME CMD...: run CMD; its output in $out (and $R/NAME.out), exit status in $rc, time in $ms
+try() {
+  local name=$1 t0; shift
+  t0=$(date +%s%N)
+  rc=0
+  "$@" >"$R/$name.out" 2>&1 || rc=$?
+  ms=$(( ($(date +%s%N) - t0) / 1000000 ))
+  out=$(cat "$R/$name.out")
+}
+# has TEXT WHAT / lacks TEXT WHAT: about the last try's output
+has() { grep -qF -- "$1" <<<"$out" || fail "$2: the output lacks '$1':"$'\n'"$out"; }
+lacks() { ! grep -qF -- "$1" <<<"$out" || fail "$2: the output has '$1':"$'\n'"$out"; }
+want_rc() { [ "$rc" = "$1" ] || fail "$2: exit status $rc, want $1:"$'\n'"$out"; }
+quick() { [ "$ms" -lt $SLOW_MS ] || fail "$1: took $ms ms"; }
+# gone NAME: nothing of a failed up is left running or in /dev/shm
+gone() {
+  [ ! -e "$R/$1/supervisor.pid" ] || fail "$1: a supervisor pid file is left"
+  [ -z "$(pid_of allocator "$1")$(pid_of connector "$1")$(pid_of sender "$1")" ] || fail "$1: a role is left running"
+  [ ! -e "/dev/shm/kvferry.$1" ] && [ ! -e "/dev/shm/kvferry.$1.cache" ] || fail "$1: shared memory is left"
+}
+as_nobody() { setpriv --reuid=nobody --regid=nogroup --clear-groups "$@"; }
+ROOT_USER=0; [ "$(id -u)" = 0 ] && ROOT_USER=1
+
+# ---- 1. help ----
+try help "$K" --help
+want_rc 0 "--help"
+[ "$(head -n1 <<<"$out")" = "Usage: tools/kvferry COMMAND [options]       (tools/kvferry COMMAND --help: its options)" ] ||
+  fail "--help: first line is '$(head -n1 <<<"$out")'"
+lacks 'set -euo' "--help (the script's source)"
+lacks 'ROOT=' "--help (the script's source)"
+top=$out
+for c in demo test setup up down status token; do
+  grep -q "^  $c " <<<"$top" || fail "--help does not list $c"
+  try help-$c "$K" $c --help
+  want_rc 0 "$c --help"
+  [[ $(head -n1 <<<"$out") == "Usage: tools/kvferry $c"* ]] || fail "$c --help: first line is '$(head -n1 <<<"$out")'"
+  lacks 'set -euo' "$c --help"
+done
+try help-up "$K" up --help
+for tool in allocator connector sender; do
+  for o in $("$B/kvf-$tool" --help | grep -o -- '--[a-z][a-z-]*' | sort -u); do
+    case $o in --instance|--help|--version|--adopt) continue ;; esac
+    has "$o" "up --help documents kvf-$tool's $o"
+  done
+done
+has "--streams" "up --help"; has "--zerocopy" "up --help"
+try help-demo "$K" demo --help
+has "demo-d<PID>" "demo --help names the instances as they are named"
+lacks "demo-d0" "demo --help"
+try bad-cmd "$K" bogus
+want_rc 2 "an unknown command"
+pass "help: exact top-level text, every command's own --help, up's lists every option of the roles"
+
+# ---- 2. status and down with nothing running ----
+# Other instances on this host may be unreadable to this build (their lines say why): exit 1.
+json_status() {
+  /usr/bin/python3 -c 'import json,sys
+inst = json.loads(sys.argv[1])["instances"]
+bad = [i for i in inst if i.get("error")]
+assert sys.argv[2] == ("1" if bad else "0"), "exit status %s with %d unreadable" % (sys.argv[2], len(bad))
+names = [i["instance"] for i in inst]
+assert not sys.argv[3] or sys.argv[3] in names, names' "$out" "$rc" "${1:-}" || fail "status --json: exit $rc: $out"
+}
+try status-json "$K" status --json
+json_status
+if [ $ROOT_USER = 1 ] && unshare -m true 2>/dev/null; then
+  # An empty /dev/shm of our own: other instances on this host cannot be stopped for the test.
+  try status-none unshare -m sh -c 'mount -t tmpfs none /dev/shm && "$0" status' "$K"
+  want_rc 0 "status with nothing running"
+  has "no instances are running" "status with nothing running"
+  try status-none-json unshare -m sh -c 'mount -t tmpfs none /dev/shm && "$0" status --json' "$K"
+  want_rc 0 "status --json with nothing running"
+  [ "$out" = '{"instances":[]}' ] || fail "status --json with nothing running: $out"
+  pass "status with nothing running: says so, exit 0; --json: {\"instances\":[]}"
+else
+  echo "skipped: status with nothing running (needs root for a private /dev/shm)"
+fi
+mkdir "$R/empty"
+try down-none env KVFERRY_RUN_DIR="$R/empty" "$K" down --all
+want_rc 0 "down --all with nothing up"
+has "no instances are up" "down --all with nothing up"
+try down-none2 env KVFERRY_RUN_DIR="$R/nonexistent" "$K" down --all
+want_rc 0 "down --all without a run directory"
+[ ! -e "$R/nonexistent" ] || fail "down --all created the run directory"
+pass "status --json lists every instance; down --all with nothing up says so, exit 0"
+
+# ---- 3. bad up options: refused before anything starts, or at once with this run's message ----
+for bad in "--model bogus" "--cache-mib abc" "--cache-mib 0" "--cache-mib -5" "--role bogus" \
+           "--tp 0" "--streams 99" "--ring-kib 12" "--dtype fp64" "--bogus 1"; do
+  # shellcheck disable=SC2086
+  try bad-opt "$K" up --instance $TAG-b --role decode $L $bad
+  want_rc 2 "up $bad"
+  quick "up $bad"
+  has "${bad%% *}" "up $bad names the option"
+  [ ! -e "$R/$TAG-b" ] || fail "up $bad created the instance's folder"
+done
+try bad-model "$K" up --instance $TAG-b --role decode --model bogus
+has "llama-3.1-8b, llama-3.1-70b, qwen2.5-72b, deepseek-v3-mla" "unknown model lists the models"
+try bad-role "$K" up --instance $TAG-b --role bogus
+has "prefill, decode or mixed" "--role bogus lists the roles"
+# The allocator's own refusals, one after the other under one name: each shows its own error.
+try no-block "$K" up --instance $TAG-b --role decode --model llama-3.1-70b --tp 8 --cache-mib 1
+want_rc 1 "up --cache-mib 1 (no block fits)"
+quick "up --cache-mib 1 (no block fits)"
+has "holds no block" "up --cache-mib 1"
+gone $TAG-b
+try too-big "$K" up --instance $TAG-b --role decode $L --cache-mib 99999999
+want_rc 1 "up --cache-mib 99999999"
+quick "up --cache-mib 99999999"
+has "does not fit" "up --cache-mib 99999999"
+has "too large" "up --cache-mib 99999999"
+has "smaller --cache-mib" "up --cache-mib 99999999"
+lacks "holds no block" "up --cache-mib 99999999 (shows the previous run's error)"
+lacks "Try 'kvf-allocator --help'" "up --cache-mib 99999999"
+gone $TAG-b
+pass "bad up options refused at once, naming the option and the valid values; the allocator's errors shown within $ms ms, this run's only"
+
+# ---- 4. instance names ----
+for n in "../$TAG-esc" ".$TAG" "$TAG/x" "$(printf 'n%.0s' {1..48})" ""; do
+  for c in "up --role decode" "down" "status"; do
+    # shellcheck disable=SC2086
+    try bad-name "$K" $c --instance "$n"
+    want_rc 2 "$c --instance '$n'"
+    has "instance name" "$c --instance '$n'"
+  done
+done
+[ ! -e "$(dirname "$R")/$TAG-esc" ] || { rm -rf "$(dirname "$R")/$TAG-esc"; fail "--instance ../x made a folder outside the run directory"; }
+pass "instance names checked before anything is made (up, down, status)"
+
+# ---- 6. listen addresses that can never bind ----
+try listen-nonlocal "$K" up --instance $TAG-l --role decode $L --listen 192.0.2.1:7100 # TEST-NET-1
+want_rc 1 "up --listen 192.0.2.1:7100"
+quick "up --listen 192.0.2.1:7100"
+has "Cannot assign requested address" "up --listen 192.0.2.1:7100 shows the connector's error"
+has "not an address of this host" "up --listen 192.0.2.1:7100"
+gone $TAG-l
+/usr/bin/python3 -c 'import socket,sys,time
+s = socket.socket(); s.bind(("127.0.0.1", 0)); s.listen()
+print(s.getsockname()[1], flush=True); time.sleep(120)' >"$R/port" &
+holder=$!
+AT_EXIT+=("kill $holder 2>/dev/null")
+for _ in $(seq 100); do [ -s "$R/port" ] && break; sleep 0.05; done
+try listen-busy "$K" up --instance $TAG-l --role decode $L --listen "127.0.0.1:$(cat "$R/port")"
+kill $holder 2>/dev/null || true
+want_rc 1 "up --listen on a port in use"
+quick "up --listen on a port in use"
+has "Address already in use" "up --listen on a port in use"
+gone $TAG-l
+pass "--listen that cannot bind: up fails at once with the connector's message, nothing left running"
+
+# ---- 8. the run directory and its files are ours alone ----
+chmod 755 "$R" # as the old script left it
+mkdir -m 755 "$R/$TAG-d"
+echo "an old line" >"$R/$TAG-d/allocator.log"; chmod 644 "$R/$TAG-d/allocator.log"
+up $TAG-d --role decode $L
+up $TAG-p --role prefill $L
+[ "$(stat -c %a "$R")" = 700 ] || fail "the run directory is $(stat -c %a "$R"), not 700"
+for n in $TAG-d $TAG-p; do
+  [ "$(stat -c %a "$R/$n")" = 700 ] || fail "$R/$n is $(stat -c %a "$R/$n"), not 700"
+  for f in "$R/$n"/*; do
+    [ "$(stat -c %a "$f")" = 600 ] || fail "$f is $(stat -c %a "$f"), not 600"
+  done
+  [ -f "$R/$n/supervisor.pid" ] && [ -f "$R/$n/state" ] && [ -s "$R/$n/allocator.log" ] || fail "$n: files missing"
+done
+! grep -q "an old line" "$R/$TAG-d/allocator.log" || fail "up appended to the last run's allocator.log"
+pass "run directory and instance folders 0700, logs, state and pid files 0600 (existing ones too); logs start afresh"
+
+if [ $ROOT_USER = 1 ]; then
+  mkdir "$R/foreign"; chown nobody "$R/foreign"
+  try foreign-dir env KVFERRY_RUN_DIR="$R/foreign" "$K" up --instance $TAG-f --role decode $L
+  want_rc 1 "up with a run directory of another user"
+  has "belongs to user nobody (uid 65534)" "up with a run directory of another user"
+  [ -z "$(ls -A "$R/foreign")" ] || fail "up wrote into another user's run directory"
+  gone $TAG-f
+  try foreign-dir-down env KVFERRY_RUN_DIR="$R/foreign" "$K" down --all
+  want_rc 1 "down --all with a run directory of another user"
+  has "belongs to user nobody" "down --all with a run directory of another user"
+
+  # Names another user holds: the allocator says whose, at once, and root unlinks nothing.
+  for f in "/dev/shm/kvferry.$TAG-sq.cache" "/dev/shm/kvferry.$TAG-sq"; do
+    AT_EXIT+=("rm -f '$f'")
+    as_nobody touch "$f"
+    try squat "$K" up --instance $TAG-sq --role decode $L
+    want_rc 1 "up with $f held by nobody"
+    quick "up with $f held by nobody"
+    has "$f exists and belongs to user nobody (uid 65534): another user holds this instance name; pick another --instance or ask them to remove it" \
+      "up with $f held by nobody"
+    [ "$(stat -c %U "$f" 2>/dev/null)" = nobody ] || fail "$f of nobody was removed"
+    try squat-down "$K" down --instance $TAG-sq
+    [ "$(stat -c %U "$f" 2>/dev/null)" = nobody ] || fail "down removed $f of nobody"
+    rm -f "$f"
+    gone $TAG-sq
+  done
+  # The same as a user who is not root (a name root holds), where the build allows it.
+  if as_nobody test -x "$B/kvf-allocator" -a -r "$ROOT/tools/kvferry" 2>/dev/null; then
+    N=$(mktemp -d /tmp/kvferry-test-nobody.XXXXXX); chown nobody:nogroup "$N"
+    AT_EXIT+=("rm -rf '$N'" "rm -f /dev/shm/kvferry.$TAG-sn.cache /dev/shm/kvferry.$TAG-sn")
+    touch "/dev/shm/kvferry.$TAG-sn.cache"
+    try squat-nobody as_nobody env HOME="$N" KVFERRY_RUN_DIR="$N/run" KVFERRY_TOKEN_FILE="$N/token" \
+      "$K" up --instance $TAG-sn --role decode $L
+    want_rc 1 "up as nobody with a name root holds"
+    quick "up as nobody with a name root holds"
+    has "/dev/shm/kvferry.$TAG-sn.cache exists and belongs to user root (uid 0): another user holds this instance name" \
+      "up as nobody with a name root holds"
+    [ -e "/dev/shm/kvferry.$TAG-sn.cache" ] || fail "root's file was removed"
+    rm -rf "$N" "/dev/shm/kvferry.$TAG-sn.cache"
+    gone $TAG-sn
+  else
+    echo "skipped: up as a user who is not root (the build is not readable by nobody)"
+  fi
+  pass "a run directory of another user is refused; names another user holds are refused at once, saying whose, and left alone"
+else
+  echo "skipped: run directories and names of another user (need root to make them)"
+fi
+
+# ---- 7. a role that dies: restarted, and no noise in the supervisor's log ----
+kill_role sender $TAG-p
+kill_role connector $TAG-d
+for n in $TAG-d $TAG-p; do
+  grep -q "exited with status 137" "$R/$n/supervisor.log" || fail "$n: no restart logged"
+  ! grep -q "No such file" "$R/$n/supervisor.log" || fail "$n: $(grep "No such file" "$R/$n/supervisor.log")"
+done
+pass "a role killed is restarted, and the supervisor's log says only that"
+
+# ---- 10. kvf-sim's default trace, from a folder that is not the repository ----
+(cd / && "$B/kvf-sim" --quiet --prefill $TAG-p --decode $TAG-d --requests 5 >"$R/sim.out" 2>&1) ||
+  fail "kvf-sim from / without --trace: $(cat "$R/sim.out")"
+pass "kvf-sim finds its default trace from /"
+
+# ---- 2 again: status of a running instance ----
+try status-one "$K" status --instance $TAG-d
+want_rc 0 "status --instance"
+has "instance $TAG-d" "status --instance"
+try status-json "$K" status --json
+json_status $TAG-d
+down $TAG-d
+try status-gone "$K" status --instance $TAG-d
+want_rc 1 "status --instance of an instance that is down"
+pass "status --instance and --json show running instances; an instance that is down: exit 1"
+
+# ---- 5. the demo ----
+try dm-bad "$K" demo --bogus 1
+want_rc 2 "demo --bogus 1"
+quick "demo --bogus 1"
+has "--bogus" "demo --bogus 1"
+try dm-bad2 "$K" demo --requests 0
+want_rc 2 "demo --requests 0"
+try dm-bad3 "$K" demo --cache-mib 64 --verify everything
+want_rc 2 "demo --verify everything"
+has "--verify is full or sample" "demo --verify everything (kvf-sim's message)"
+! ls -d "$R"/demo-*/ >/dev/null 2>&1 || fail "a refused demo left instance folders"
+try dm-run bash -c 'cd / && exec "$0" demo --requests 10 --cache-mib 64 --quiet' "$K"
+want_rc 0 "demo --requests 10 --cache-mib 64"
+has "OK: every finished request verified" "demo"
+has "starting decode instance demo-d" "demo"
+! ls -d "$R"/demo-*/ >/dev/null 2>&1 || fail "the demo left its instances' folders: $(ls -d "$R"/demo-*/)"
+pass "demo: its options and kvf-sim's checked before anything starts; a run from / passes and removes its logs"
+
+# ---- 9. nothing of ours outside our run directory ----
+if ls -d "/tmp/kvferry-$(id -u)/$TAG"-* >/dev/null 2>&1; then
+  fail "instances logged into /tmp/kvferry-$(id -u): $(ls -d "/tmp/kvferry-$(id -u)/$TAG"-*)"
+fi
+pass "every instance logged into this test's run directory"

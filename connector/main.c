@@ -446,7 +446,8 @@ int main(int argc, char **argv)
                 return 1;
         }
         kvf_connector_info_write(&cn.ctl, cn.cfg.listen_host, port);
-        cn.unix_fd = kvf_net_listen_unix(cn.ctl.hdr->instance);
+        struct kvf_unix_listener ul;
+        cn.unix_fd = kvf_net_listen_unix(cn.ctl.hdr->instance, &ul);
         if (cn.unix_fd < 0)
                 kvf_warn("%s: same-host peers will connect over tcp", kvf_err_msg());
         pthread_t listener;
@@ -463,8 +464,7 @@ int main(int argc, char **argv)
         pthread_join(listener, NULL);
         conn_peers_stop(&cn);
         close(cn.listen_fd);
-        if (cn.unix_fd >= 0)
-                close(cn.unix_fd);
+        kvf_net_close_unix(&ul);
         kvf_role_end(&cn.ctl, KVF_ROLE_CONNECTOR);
         kvf_ctl_detach(&cn.ctl);
         return 0;

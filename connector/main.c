@@ -348,6 +348,7 @@ static void control_loop(struct connector *cn)
                                 _exit(1);
                         }
                         kvf_role_heartbeat(&cn->ctl, KVF_ROLE_CONNECTOR);
+                        kvf_log_flush(); /* suppressed lines of every thread, once their window is over */
                         /* A transfer whose sender went silent for a long while is not coming. */
                         data_rx_expire(cn, 300ull * 1000000000ull, 120ull * 1000000000ull);
                         next = now + beat;

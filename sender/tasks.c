@@ -610,6 +610,7 @@ void sender_tick(struct sender *s, uint64_t now)
         uint64_t cgen = kvf_load_acquire(&s->ctl.roles[KVF_ROLE_CONNECTOR].generation);
 
         kvf_role_heartbeat(&s->ctl, KVF_ROLE_SENDER);
+        kvf_log_flush(); /* suppressed lines, once their window is over */
         sender_peers_check(s);
         for (uint32_t i = 0; i < n; i++) {
                 struct kvf_req_slot *r = &s->ctl.reqtab[i];

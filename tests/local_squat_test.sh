@@ -20,11 +20,12 @@ cd "$ROOT"
 SOCKDIR=/dev/shm/kvferry-sock.0
 as_nobody() { setpriv --reuid=nobody --regid=nogroup --clear-groups "$@"; }
 
-# squat NAME OUT: as nobody, listen on unix socket NAME ("@..." = abstract) and fill its backlog
-# (no accept, ever); "ready N" goes to OUT once N connections sit in the full queue. setpriv
-# itself goes in the background (not a function): $SQUATTER is the squatter's pid.
+# squat NAME OUT [USER]: as USER (default nobody), listen on unix socket NAME ("@..." = abstract)
+# and fill its backlog (no accept, ever); "ready N" goes to OUT once N connections sit in the
+# full queue. setpriv itself goes in the background (not a function): $SQUATTER is its pid.
 squat() {
-  setpriv --reuid=nobody --regid=nogroup --clear-groups /usr/bin/python3 -c '
+  local user=${3:-nobody}
+  setpriv --reuid="$user" --regid="$(id -gn "$user")" --clear-groups /usr/bin/python3 -c '
 import socket, sys, time
 name = sys.argv[1]
 addr = "\0" + name[1:] if name.startswith("@") else name
@@ -70,7 +71,7 @@ squat "@kvferry.$TAG-d.ctl" "$KVFERRY_RUN_DIR/squat-abstract.txt"
 as_nobody mkdir -m 0700 "$SOCKDIR"
 squat "$SOCKDIR/$TAG-d.ctl" "$KVFERRY_RUN_DIR/squat-dir.txt"
 up $TAG-d --role decode $L
-up $TAG-p --role prefill $L --request-timeout-ms 3000
+up $TAG-p --role prefill $L --request-timeout-ms 3000 --connect-timeout-ms 500
 run_sim squatted
 why="unix socket directory $SOCKDIR is owned by uid 65534 (nobody)"
 grep -q "$why" "$CLOG" || fail "the decode connector did not log why it has no unix socket ('$why')"
@@ -101,8 +102,25 @@ grep -q "peer '$TAG-d' (instance $TAG-d, same host) connected over a unix socket
   fail "the prefill connector did not use the unix socket once the directory was in order"
 pass "socket directory in order: 10 requests over the unix socket, the abstract-name squatter ignored"
 
-# 4. A clean stop removes the socket file.
+# 4. A listener of our own user in the connector's place that never accepts (backlog full):
+#    the connect gives up at the connect timeout (500 ms) instead of blocking, and tcp takes over.
+rm "$SOCKDIR/$TAG-d.ctl"
+squat "$SOCKDIR/$TAG-d.ctl" "$KVFERRY_RUN_DIR/squat-own.txt" root
+kill_role connector $TAG-p
+run_sim stuck
+grep -q "peer '$TAG-d': connect to unix socket $SOCKDIR/$TAG-d.ctl: its backlog stayed full (timed out): using tcp" "$PLOG" ||
+  fail "the prefill connector did not say why it gave up on the unix socket"
+pass "a unix listener that never accepts: the connect timed out, 10 requests finished in time over tcp"
+
+# 5. A clean stop removes the connector's own socket file, not one that took its place; a stale
+#    one is replaced at the next start.
+down $TAG-d
+[ -S "$SOCKDIR/$TAG-d.ctl" ] || fail "a clean stop removed a socket file that was not the connector's"
+kill "$SQUATTER"
+n=$(grep -c "and on a unix socket" "$CLOG")
+up $TAG-d --role decode $L
+[ "$(grep -c "and on a unix socket" "$CLOG")" -gt "$n" ] || fail "the stale socket file was not replaced"
 down $TAG-d
 [ ! -e "$SOCKDIR/$TAG-d.ctl" ] || fail "the socket file is still there after a clean stop"
-pass "a clean stop removes the socket file"
+pass "a clean stop removes the connector's socket file (and only that); a stale one is replaced"
 echo "local_squat_test: all passed"

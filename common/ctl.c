@@ -2,6 +2,7 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <pthread.h>
 #include <pwd.h>
 #include <signal.h>
 #include <stdarg.h>
@@ -749,10 +750,16 @@ void kvf_errlog(struct kvf_ctl *c, enum kvf_role_id role, const char *fmt, ...)
         va_start(ap, fmt);
         vsnprintf(text, sizeof(text), fmt, ap);
         va_end(ap);
-        kvf_error("%s", text);
+        /* Rate-limited per template, as the entries below are kept per template. */
+        kvf_log_keyed(KVF_LOG_ERROR, fmt, "%s", text);
         if (!c || !c->errlog || !c->writable)
                 return;
         kvf_count(c, KVF_CTR_ERRORS_LOGGED, 1);
+
+        /* One writer at a time: the seqlock below admits one, and a role's threads (the
+         * connector's session threads) report concurrently; a racing count++ undercounts. */
+        static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
+        pthread_mutex_lock(&mu);
 
         struct kvf_errlog_entry *region = c->errlog + (size_t)role * KVF_ERRLOG_ENTRIES;
         uint64_t hash = kvf_hash64(fmt, strlen(fmt), (uint64_t)role);
@@ -786,6 +793,7 @@ void kvf_errlog(struct kvf_ctl *c, enum kvf_role_id role, const char *fmt, ...)
         e->last_ns = now;
         memcpy(e->text, text, sizeof(text));
         kvf_store_release(&e->seq, seq + 2);
+        pthread_mutex_unlock(&mu);
 }
 
 int kvf_errlog_read(const struct kvf_ctl *c, int role, unsigned i, struct kvf_errlog_entry *out)

@@ -450,6 +450,7 @@ static void control_loop(struct connector *cn)
                         kvf_role_heartbeat(&cn->ctl, KVF_ROLE_CONNECTOR);
                         engine_check(cn);
                         conn_peers_tick(cn, now);
+                        kvf_log_flush(); /* suppressed lines of every thread, once their window is over */
                         /* A transfer whose sender went silent for a long while is not coming. */
                         data_rx_expire(cn, 300ull * 1000000000ull, 120ull * 1000000000ull);
                         next = now + beat;
@@ -551,7 +552,8 @@ int main(int argc, char **argv)
                 return 1;
         }
         kvf_connector_info_write(&cn.ctl, cn.cfg.listen_host, port);
-        cn.unix_fd = kvf_net_listen_unix(cn.ctl.hdr->instance);
+        struct kvf_unix_listener ul;
+        cn.unix_fd = kvf_net_listen_unix(cn.ctl.hdr->instance, &ul);
         if (cn.unix_fd < 0)
                 kvf_warn("%s: same-host peers will connect over tcp", kvf_err_msg());
         pthread_t listener;
@@ -568,8 +570,7 @@ int main(int argc, char **argv)
         pthread_join(listener, NULL);
         conn_peers_stop(&cn);
         close(cn.listen_fd);
-        if (cn.unix_fd >= 0)
-                close(cn.unix_fd);
+        kvf_net_close_unix(&ul);
         kvf_role_end(&cn.ctl, KVF_ROLE_CONNECTOR);
         kvf_ctl_detach(&cn.ctl);
         return 0;

@@ -7,13 +7,16 @@
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <poll.h>
+#include <pwd.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <sys/un.h>
 #include <unistd.h>
 
 #include "clock.h"
+#include "ctl.h"
 #include "err.h"
 
 int kvf_net_parse(const char *s, char *host, size_t hostlen, uint16_t *port)
@@ -111,48 +114,193 @@ int kvf_net_accept(int listen_fd, bool tcp)
         return fd;
 }
 
-static socklen_t unix_addr(const char *instance, struct sockaddr_un *a)
+static int wait_fd(int fd, short ev, uint64_t end)
+{
+        uint64_t now = kvf_now_ns();
+        if (now >= end)
+                return -ETIMEDOUT;
+        struct pollfd p = {.fd = fd, .events = ev};
+        int ms = (int)((end - now + 999999) / 1000000);
+        int n = poll(&p, 1, ms);
+        if (n < 0)
+                return errno == EINTR ? 0 : -errno;
+        if (n == 0)
+                return -ETIMEDOUT;
+        return 0;
+}
+
+/* "uid 65534 (nobody)": for messages about who owns what. */
+static void owner_name(uid_t uid, char *buf, size_t len)
+{
+        struct passwd pw, *res = NULL;
+        char tmp[1024];
+        if (getpwuid_r(uid, &pw, tmp, sizeof(tmp), &res) == 0 && res)
+                snprintf(buf, len, "uid %u (%s)", (unsigned)uid, res->pw_name);
+        else
+                snprintf(buf, len, "uid %u", (unsigned)uid);
+}
+
+static void sock_dir_name(char *dir, size_t len)
+{
+        snprintf(dir, len, "/dev/shm/kvferry-sock.%u", (unsigned)geteuid());
+}
+
+/*
+ * The socket directory is ours to use only if it is a real directory (lstat:
+ * not a symlink to one), owned by us, mode 0700: then no other user can
+ * enter it, so no one else can bind a name in it, connect to what we bound,
+ * or swap it (/dev/shm is sticky: only its owner may rename or remove it).
+ * 0, -ENOENT if it does not exist, or -EPERM with kvf_err naming what is wrong.
+ */
+static int sock_dir_check(const char *dir)
+{
+        struct stat st;
+        char who[96];
+        if (lstat(dir, &st) < 0)
+                return kvf_err_set(-errno, "unix socket directory %s: %s", dir, strerror(errno));
+        owner_name(st.st_uid, who, sizeof(who));
+        if (S_ISLNK(st.st_mode))
+                return kvf_err_set(-EPERM, "unix socket directory %s is a symbolic link made by %s, not a directory",
+                                   dir, who);
+        if (!S_ISDIR(st.st_mode))
+                return kvf_err_set(-EPERM, "unix socket directory %s is not a directory (owned by %s)", dir, who);
+        if (st.st_uid != geteuid())
+                return kvf_err_set(-EPERM, "unix socket directory %s is owned by %s, not by us (uid %u)", dir, who,
+                                   (unsigned)geteuid());
+        if ((st.st_mode & 07777) != 0700)
+                return kvf_err_set(-EPERM, "unix socket directory %s has mode %04o, not 0700", dir,
+                                   (unsigned)(st.st_mode & 07777));
+        return 0;
+}
+
+int kvf_net_unix_path(const char *instance, char *buf, size_t len)
+{
+        char dir[64];
+        int rc = kvf_instance_name_check(instance); /* no '/', no "..": a name, not a path */
+        if (rc < 0)
+                return rc;
+        sock_dir_name(dir, sizeof(dir));
+        int n = snprintf(buf, len, "%s/%s.ctl", dir, instance);
+        if (n < 0 || (size_t)n >= len)
+                return kvf_err_set(-ENAMETOOLONG, "unix socket path %s/%s.ctl is too long", dir, instance);
+        return 0;
+}
+
+static int unix_addr(const char *instance, struct sockaddr_un *a)
 {
         memset(a, 0, sizeof(*a));
         a->sun_family = AF_UNIX;
-        /* sun_path[0] = 0: the abstract namespace. */
-        int n = snprintf(a->sun_path + 1, sizeof(a->sun_path) - 1, "kvferry.%s.ctl", instance);
-        if (n < 0 || (size_t)n >= sizeof(a->sun_path) - 1)
-                return 0;
-        return (socklen_t)(offsetof(struct sockaddr_un, sun_path) + 1 + (size_t)n);
+        return kvf_net_unix_path(instance, a->sun_path, sizeof(a->sun_path));
 }
 
-int kvf_net_listen_unix(const char *instance)
+int kvf_net_listen_unix(const char *instance, struct kvf_unix_listener *ul)
 {
         struct sockaddr_un a;
-        socklen_t al = unix_addr(instance, &a);
-        if (!al)
-                return kvf_err_set(-ENAMETOOLONG, "instance name '%s' is too long for a unix socket name", instance);
-        int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+        struct stat st;
+        char dir[64];
+        int rc, fd;
+
+        memset(ul, 0, sizeof(*ul));
+        ul->fd = -1;
+        if ((rc = unix_addr(instance, &a)) < 0)
+                return rc;
+        sock_dir_name(dir, sizeof(dir));
+        /* Ours if we make it. chmod: the umask must not narrow 0700 (it cannot widen it). */
+        if (mkdir(dir, 0700) == 0)
+                chmod(dir, 0700);
+        else if (errno != EEXIST)
+                return kvf_err_set(-errno, "create unix socket directory %s: %s", dir, strerror(errno));
+        if ((rc = sock_dir_check(dir)) < 0)
+                return rc;
+        /* A socket left by a predecessor that did not stop cleanly. The role claim (one
+         * connector per instance) means no live connector of this instance bound it. */
+        if (lstat(a.sun_path, &st) == 0) {
+                if (!S_ISSOCK(st.st_mode))
+                        return kvf_err_set(-EEXIST, "%s exists and is not a socket: leaving it alone", a.sun_path);
+                if (unlink(a.sun_path) < 0)
+                        return kvf_err_set(-errno, "remove the stale socket %s: %s", a.sun_path, strerror(errno));
+        }
+        fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
         if (fd < 0)
                 return kvf_err_set(-errno, "unix socket: %s", strerror(errno));
-        if (bind(fd, (struct sockaddr *)&a, al) < 0 || listen(fd, 128) < 0) {
-                int e = errno;
+        if (bind(fd, (struct sockaddr *)&a, sizeof(a)) < 0 || listen(fd, 128) < 0) {
+                rc = -errno;
                 close(fd);
-                return kvf_err_set(-e, "listen on unix socket @%s: %s", a.sun_path + 1, strerror(e));
+                return kvf_err_set(rc, "listen on unix socket %s: %s", a.sun_path, strerror(-rc));
         }
+        /* Remembered so that a clean stop removes this socket and nothing that replaced it. */
+        if (lstat(a.sun_path, &st) == 0) {
+                ul->dev = st.st_dev;
+                ul->ino = st.st_ino;
+        }
+        snprintf(ul->path, sizeof(ul->path), "%s", a.sun_path);
+        ul->fd = fd;
         return fd;
 }
 
-int kvf_net_connect_unix(const char *instance)
+void kvf_net_close_unix(struct kvf_unix_listener *ul)
+{
+        struct stat st;
+        if (ul->fd < 0)
+                return;
+        if (lstat(ul->path, &st) == 0 && st.st_dev == ul->dev && st.st_ino == ul->ino)
+                unlink(ul->path);
+        close(ul->fd);
+        ul->fd = -1;
+}
+
+int kvf_net_connect_unix(const char *instance, unsigned timeout_ms)
 {
         struct sockaddr_un a;
-        socklen_t al = unix_addr(instance, &a);
-        if (!al)
-                return -ENAMETOOLONG;
-        int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+        char dir[64];
+        int rc, fd;
+
+        if ((rc = unix_addr(instance, &a)) < 0)
+                return rc;
+        sock_dir_name(dir, sizeof(dir));
+        if ((rc = sock_dir_check(dir)) < 0)
+                return rc;
+        fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
         if (fd < 0)
-                return -errno;
-        if (connect(fd, (struct sockaddr *)&a, al) < 0) {
-                int e = errno;
-                close(fd);
-                return -e;
+                return kvf_err_set(-errno, "unix socket: %s", strerror(errno));
+        /* Never a blocking connect: with the listener's backlog full, one would wait for as
+         * long as the listener does not accept. A full backlog answers EAGAIN (the socket is
+         * not connecting: try again); retried until the connect timeout. */
+        uint64_t end = kvf_now_ns() + (uint64_t)timeout_ms * 1000000ull;
+        for (;;) {
+                if (connect(fd, (struct sockaddr *)&a, sizeof(a)) == 0) {
+                        rc = 0;
+                        break;
+                }
+                rc = -errno;
+                if (rc == -EINTR)
+                        continue;
+                if (rc == -EINPROGRESS) { /* not what AF_UNIX does today; handled all the same */
+                        int err = 0;
+                        socklen_t el = sizeof(err);
+                        rc = wait_fd(fd, POLLOUT, end);
+                        if (rc == 0 && getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &el) < 0)
+                                rc = -errno;
+                        else if (rc == 0)
+                                rc = -err;
+                        break;
+                }
+                if (rc != -EAGAIN)
+                        break;
+                uint64_t now = kvf_now_ns();
+                if (now >= end) {
+                        rc = -ETIMEDOUT;
+                        break;
+                }
+                uint64_t left_ms = (end - now) / 1000000ull;
+                poll(NULL, 0, left_ms < 5 ? (int)left_ms + 1 : 5);
         }
+        if (rc < 0) {
+                close(fd);
+                return kvf_err_set(rc, "connect to unix socket %s: %s", a.sun_path,
+                                   rc == -ETIMEDOUT ? "its backlog stayed full (timed out)" : strerror(-rc));
+        }
+        fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) & ~O_NONBLOCK);
         return fd;
 }
 
@@ -209,21 +357,6 @@ int kvf_net_connect(const char *host, uint16_t port, unsigned timeout_ms)
         fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) & ~O_NONBLOCK);
         tune(fd);
         return fd;
-}
-
-static int wait_fd(int fd, short ev, uint64_t end)
-{
-        uint64_t now = kvf_now_ns();
-        if (now >= end)
-                return -ETIMEDOUT;
-        struct pollfd p = {.fd = fd, .events = ev};
-        int ms = (int)((end - now + 999999) / 1000000);
-        int n = poll(&p, 1, ms);
-        if (n < 0)
-                return errno == EINTR ? 0 : -errno;
-        if (n == 0)
-                return -ETIMEDOUT;
-        return 0;
 }
 
 int kvf_net_write_all(int fd, const void *p, size_t n, unsigned timeout_ms)

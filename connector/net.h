@@ -13,6 +13,7 @@
 #include <stddef.h>
 #include <stdint.h>
 #include <sys/socket.h>
+#include <sys/types.h>
 
 #define KVF_FRAME_HDR 8u
 #define KVF_FRAME_MAX (16u << 20) /* control frames; data frames have their own limit */
@@ -35,15 +36,36 @@ int kvf_net_accept(int listen_fd, bool tcp);
 /* Connect with a timeout; returns a blocking socket with TCP_NODELAY and keepalive set. */
 int kvf_net_connect(const char *host, uint16_t port, unsigned timeout_ms);
 /*
- * Same-host control connections: an abstract AF_UNIX socket named after the
- * instance ("kvferry.<instance>.ctl" in the abstract namespace, so nothing to
- * unlink), listened on beside the tcp port. A loopback tcp send of a notice
- * cost about 70 us of kernel work on its own path (docs/BENCHMARKS.md).
- * Both ends check that the other runs as the same user (SO_PEERCRED).
+ * Same-host control connections: a unix socket file per instance,
+ * /dev/shm/kvferry-sock.<uid>/<instance>.ctl, listened on beside the tcp port.
+ * The directory is ours only if it is a real directory owned by us with mode
+ * 0700 (checked with lstat before every listen and connect): then no other
+ * user can take the name, fill the backlog or connect. Anything else (another
+ * user made it first, a symlink) and unix sockets are refused with the reason
+ * in kvf_err, and the caller uses tcp. A loopback tcp send of a notice cost
+ * about 70 us of kernel work on its own path (docs/BENCHMARKS.md). Both ends
+ * also check that the other runs as the same user (SO_PEERCRED).
  */
-int kvf_net_listen_unix(const char *instance);
-/* A blocking connected socket, or -errno (-ECONNREFUSED: nobody listens). */
-int kvf_net_connect_unix(const char *instance);
+struct kvf_unix_listener {
+        int fd;         /* -1: none */
+        char path[108]; /* sizeof(sun_path) */
+        dev_t dev;      /* of the socket file we bound: a clean stop removes */
+        ino_t ino;      /* that file and nothing that replaced it */
+};
+/* "<dir>/<instance>.ctl" into buf; 0, or -EINVAL / -ENAMETOOLONG with kvf_err set. */
+int kvf_net_unix_path(const char *instance, char *buf, size_t len);
+/* Make or check the directory, remove a stale socket of ours, bind and listen:
+ * the listening socket (also in ul->fd), or -errno with kvf_err saying why. */
+int kvf_net_listen_unix(const char *instance, struct kvf_unix_listener *ul);
+/* Close the listener and remove its socket file (if it is still the one we bound). */
+void kvf_net_close_unix(struct kvf_unix_listener *ul);
+/*
+ * Connect without ever blocking past timeout_ms (a full backlog is retried
+ * until then): a blocking connected socket, or -errno with kvf_err set:
+ * -ENOENT / -ECONNREFUSED nobody listens there; -EPERM the directory is not
+ * ours; -ETIMEDOUT the backlog stayed full.
+ */
+int kvf_net_connect_unix(const char *instance, unsigned timeout_ms);
 /* The other end of a unix socket runs as our user: 0, or -EPERM with kvf_err set. */
 int kvf_net_unix_same_user(int fd);
 /* Send/receive exactly n bytes within timeout_ms (fd may be blocking or not). 0 or -errno. */

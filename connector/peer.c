@@ -311,16 +311,22 @@ out:
 
 /*
  * A peer named by instance (not host:port) lives on this host: its connector's
- * unix socket, if it listens on one and runs as our user; else -1 (then tcp).
+ * unix socket, if it listens on one in our socket directory and runs as our
+ * user; else -1 (then tcp), with a warning unless simply nobody listens there.
  */
 static int connect_local(struct peer *p)
 {
         if (strchr(p->name, ':'))
                 return -1;
-        int fd = kvf_net_connect_unix(p->name);
+        int fd = kvf_net_connect_unix(p->name, p->cn->cfg.connect_timeout_ms);
+        if (fd == -ENOENT || fd == -ECONNREFUSED)
+                return -1; /* nobody listens there */
         if (fd >= 0 && kvf_net_unix_same_user(fd) < 0) {
-                kvf_warn("peer '%s': %s: using tcp", p->name, kvf_err_msg());
                 close(fd);
+                fd = -EPERM;
+        }
+        if (fd < 0) {
+                kvf_warn("peer '%s': %s: using tcp", p->name, kvf_err_msg());
                 return -1;
         }
         return fd;

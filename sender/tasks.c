@@ -714,6 +714,7 @@ void sender_tick(struct sender *s, uint64_t now)
 
         kvf_role_heartbeat(&s->ctl, KVF_ROLE_SENDER);
         sender_sessions_check(s, true);
+        kvf_log_flush(); /* suppressed lines, once their window is over */
         sender_peers_check(s);
         for (uint32_t i = 0; i < n; i++) {
                 struct kvf_req_slot *r = &s->ctl.reqtab[i];

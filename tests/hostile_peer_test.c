@@ -4,20 +4,26 @@
  * connector must catch: data for a transfer never opened, block ids beyond
  * the cache, a run beyond the transfer, a layer beyond the cache, a length
  * beyond the blocks, non-contiguous blocks, a truncated frame, garbage, a
- * malformed notice, a wrong token, and (as root) a connection to the
- * same-host unix socket from another user. Each time the connector disconnects
+ * malformed notice, a wrong token, and (as root) another user against the
+ * same-host unix socket: kept out by the directory's permissions, and closed
+ * before the handshake when it gets past them. Each time the connector disconnects
  * and reports (frames_rejected, error log), nothing outside the
  * transfer's destination blocks is written (the cache is filled with a
  * canary first and compared after), and a correct transfer still lands.
  */
 #include <arpa/inet.h>
 #include <errno.h>
+#include <grp.h>
+#include <linux/capability.h>
 #include <poll.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/prctl.h>
 #include <sys/socket.h>
+#include <sys/syscall.h>
+#include <sys/un.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -189,33 +195,64 @@ static bool in_errlog(const char *text)
 }
 
 /*
- * A same-host connection (the connector's unix socket) from another user is
- * closed before the handshake, counted and reported. Needs root (to be
- * another user); returns false when skipped.
+ * As uid/gid 65534 (nobody), in a child: connect to the unix socket at path.
+ * Without bypass the directory's permissions (0700, ours) must stop it: exit 0
+ * if connect() fails with EACCES. With bypass the child keeps CAP_DAC_OVERRIDE,
+ * standing for any way past the file permissions: exit 0 if it connects and
+ * the connector closes the connection without a byte (SO_PEERCRED).
+ */
+static int connect_as_nobody(const char *path, bool bypass)
+{
+        pid_t pid = fork();
+        CHECK(pid >= 0);
+        if (pid == 0) {
+                struct __user_cap_header_struct ch = {.version = _LINUX_CAPABILITY_VERSION_3};
+                struct __user_cap_data_struct cd[2] = {{0}};
+                if (prctl(PR_SET_KEEPCAPS, 1) != 0 || setgroups(0, NULL) != 0 || setgid(65534) != 0 ||
+                    setuid(65534) != 0)
+                        _exit(2);
+                cd[0].effective = cd[0].permitted = bypass ? 1u << CAP_DAC_OVERRIDE : 0;
+                /* setuid kept every capability permitted: drop all but the one asked for */
+                if (syscall(SYS_capset, &ch, cd) != 0)
+                        _exit(3);
+                struct sockaddr_un a = {.sun_family = AF_UNIX};
+                snprintf(a.sun_path, sizeof(a.sun_path), "%s", path);
+                int u = socket(AF_UNIX, SOCK_STREAM, 0);
+                int rc = connect(u, (struct sockaddr *)&a, sizeof(a));
+                if (!bypass)
+                        _exit(rc < 0 && errno == EACCES ? 0 : 4);
+                if (rc < 0)
+                        _exit(5);
+                struct pollfd pf = {.fd = u, .events = POLLIN};
+                char c;
+                /* closed by the connector: end of stream, not a byte */
+                _exit(poll(&pf, 1, 3000) == 1 && read(u, &c, 1) == 0 ? 0 : 6);
+        }
+        int st;
+        CHECK(waitpid(pid, &st, 0) == pid);
+        return WIFEXITED(st) ? WEXITSTATUS(st) : 128;
+}
+
+/*
+ * The same-host unix socket against another user: it cannot reach the socket
+ * (the directory is 0700), and one that gets past the file permissions all
+ * the same is closed before the handshake, counted and reported. Needs root
+ * (to be another user); returns false when skipped.
  */
 static bool unix_other_user(void)
 {
         if (geteuid() != 0)
                 return false;
+        char path[108];
+        CHECK(kvf_net_unix_path(D, path, sizeof(path)) == 0);
         uint64_t before = counter(KVF_CTR_AUTH_FAILURES);
-        pid_t pid = fork();
-        CHECK(pid >= 0);
-        if (pid == 0) {
-                if (setgid(65534) != 0 || setuid(65534) != 0)
-                        _exit(2);
-                int u = kvf_net_connect_unix(D);
-                if (u < 0)
-                        _exit(3);
-                struct pollfd pf = {.fd = u, .events = POLLIN};
-                char c;
-                /* closed by the connector: end of stream, not a byte */
-                _exit(poll(&pf, 1, 3000) == 1 && read(u, &c, 1) == 0 ? 0 : 4);
-        }
-        int st;
-        CHECK(waitpid(pid, &st, 0) == pid);
-        CHECK(WIFEXITED(st) && WEXITSTATUS(st) == 0);
+        CHECK_EQ(connect_as_nobody(path, false), 0);
+        printf("  %-36s -> no entry (the socket's directory is 0700)\n", "unix socket, another user");
+        CHECK(counter(KVF_CTR_AUTH_FAILURES) == before);
+        CHECK_EQ(connect_as_nobody(path, true), 0);
         wait_counter(KVF_CTR_AUTH_FAILURES, before);
         CHECK(in_errlog("runs as uid 65534"));
+        printf("  %-36s -> closed before the handshake, reported\n", "... past the permissions anyway");
         return true;
 }
 
@@ -336,8 +373,7 @@ int main(void)
         ncase++;
 
         if (unix_other_user()) {
-                printf("  %-36s -> closed before the handshake, reported\n", "unix socket, another user");
-                ncase++;
+                ncase += 2;
         } else {
                 printf("  %-36s -> skipped (needs root to be another user)\n", "unix socket, another user");
         }

@@ -122,6 +122,7 @@ int kvf_attach(const char *name, unsigned wait_ms, struct kvf_client **out)
         /* The sender checks the engine's slot when its doorbell rings: no need to wait
          * for its next heartbeat tick. */
         kvf_doorbell_ring(&c->ctl.bells[KVF_BELL_SENDER]);
+        kvf_doorbell_ring(&c->ctl.bells[KVF_BELL_CONNECTOR]);
         wait_session_handover(c);
         *out = c;
         return 0;
@@ -136,6 +137,9 @@ void kvf_detach(struct kvf_client *c)
         if (!c)
                 return;
         kvf_role_end(&c->ctl, KVF_ROLE_ENGINE);
+        /* The session is over: the sender ends its requests now, not at its next tick. */
+        kvf_doorbell_ring(&c->ctl.bells[KVF_BELL_SENDER]);
+        kvf_doorbell_ring(&c->ctl.bells[KVF_BELL_CONNECTOR]);
         if (c->cache)
                 munmap(c->cache, c->cache_size);
         while (c->prev_head) {
@@ -231,6 +235,7 @@ int kvf_submit_task(struct kvf_client *c, const struct kvf_task *t)
         r.current_id = t->current_id;
         r.transport = t->transport;
         r.chunked = t->chunked != 0;
+        r.peer_session = t->peer_session;
         if (kvf_transport_name(r.transport)[0] == '?')
                 return kvf_err_set(-EINVAL, "transport %d is not ipc, tcp or rdma", t->transport);
         return submit_record(c, KVF_RING_ENGINE_TO_SENDER, &r);

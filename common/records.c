@@ -29,7 +29,7 @@ enum fid {
         CHUNKED, SRC, DST, RUNS, KEY, LAYER, STATUS, PROTOCOL, BYTES, BLOCKS, ACCEPT_NS,
         LAST_LAYER_NS, DONE_NS, GENERATION, UP, INSTANCE, PURPOSE, ROLE, PROTO, BOOT_ID, NONCE,
         PROOF, LAYER_COUNT, L_LAYERS, L_EXTRA, L_BLOCKS, L_HEADS, L_BSIZE, L_HDIM, L_DTYPE, L_KEYONLY,
-        SESSION, WITHDRAW, DEVICE_IDS, NFIELDS
+        SESSION, WITHDRAW, DEVICE_IDS, PEER_SESSION, NFIELDS
 };
 
 static const struct field fields[NFIELDS] = {
@@ -79,6 +79,7 @@ static const struct field fields[NFIELDS] = {
         [L_KEYONLY] = FU("key_only", lay_keyonly),
         [SESSION] = FU("session", session),
         [WITHDRAW] = FB("withdraw", withdraw),
+        [PEER_SESSION] = FU("peer_session", peer_session),
 };
 _Static_assert(NFIELDS <= 64, "fields are tracked in a 64-bit mask");
 
@@ -104,8 +105,8 @@ struct spec {
 static const struct spec specs[KVF_RT_WIRE_MAX + 1] = {
         [KVF_RT_TASK] = {"task",
                          USES({REQUEST_ID, R}, {SRC, R}, {DST, R}, {CURRENT_ID, R}, {PROTOCOL, R},
-                              {PEER, 0}, {CHUNKED, 0}, {IP, D}, {PORT, D}, {RDMA_PORTS, D},
-                              {DEVICE_IDS, D}),
+                              {PEER, 0}, {CHUNKED, 0}, {PEER_SESSION, 0}, {IP, D}, {PORT, D},
+                              {RDMA_PORTS, D}, {DEVICE_IDS, D}),
                          true},
         [KVF_RT_CHUNK] = {"chunk", USES({REQUEST_ID, R}, {CURRENT_ID, R}, {TOKENS_DONE, R}, {LAST, 0}),
                           false},
@@ -140,12 +141,13 @@ static const struct spec specs[KVF_RT_WIRE_MAX + 1] = {
                                  USES({KEY, R}, {REQUEST_ID, R}, {STATUS, R}, {REASON, 0},
                                       {BYTES, 0}),
                                  false},
-        [KVF_RT_PEER_STATE] = {"peer state", USES({PEER, R}, {UP, R}, {GENERATION, 0}, {REASON, 0}),
+        [KVF_RT_PEER_STATE] = {"peer state",
+                               USES({PEER, R}, {UP, R}, {GENERATION, 0}, {REASON, 0}, {SESSION, 0}),
                                false},
         [KVF_RT_DISCONNECT] = {"disconnect", USES({PEER, R}), false},
         [KVF_RT_OPEN] = {"open",
                          USES({KEY, R}, {REQUEST_ID, R}, {PEER, R}, {PROTOCOL, R}, {DST, R},
-                              {BYTES, 0}),
+                              {BYTES, 0}, {SESSION, 0}),
                          false},
         [KVF_RT_HELLO] = {"hello", USES({PROTO, R}, {NONCE, R}, {PURPOSE, R}), false},
         [KVF_RT_CHALLENGE] = {"challenge", USES({NONCE, R}, {PROOF, R}), false},
@@ -163,10 +165,11 @@ static const struct spec specs[KVF_RT_WIRE_MAX + 1] = {
                                 {STATUS, R}, {REASON, 0}, {BYTES, 0}, {BLOCKS, 0}, {GENERATION, 0},
                                 {SESSION, 0}, {WITHDRAW, 0}),
                            false},
-        [KVF_RT_ACK] = {"ack", USES({KEY, R}, {REQUEST_ID, R}, {STATUS, R}, {REASON, 0}), false},
+        [KVF_RT_ACK] = {"ack", USES({KEY, R}, {REQUEST_ID, R}, {STATUS, R}, {REASON, 0}, {SESSION, 0}),
+                        false},
         [KVF_RT_PING] = {"ping", NULL, 0, false},
-        [KVF_RT_PONG] = {"pong", NULL, 0, false},
-        [KVF_RT_XOPEN] = {"xopen", USES({KEY, R}, {REQUEST_ID, R}, {DST, R}), false},
+        [KVF_RT_PONG] = {"pong", USES({SESSION, 0}), false},
+        [KVF_RT_XOPEN] = {"xopen", USES({KEY, R}, {REQUEST_ID, R}, {DST, R}, {SESSION, 0}), false},
 };
 
 const char *kvf_rec_type_name(int type)

@@ -68,9 +68,12 @@ struct kvf_record {
         uint64_t accept_ns, last_layer_ns, done_ns;
         uint64_t generation; /* finish/notice/auth/welcome: the segment's created_ns */
         uint64_t session;    /* completion, connect result: the engine session it answers;
-                              * arrival: the decode engine session it is for; finish, notice:
-                              * (ipc) the decode engine session the sender bound the transfer to */
+                              * arrival: the decode engine session it is for; finish, notice, open,
+                              * xopen: the decode engine session the transfer is bound to (0
+                              * unknown); ack, pong, peer state: the decode engine session live
+                              * at the decode side when it was sent */
         uint64_t device;     /* decode only: device_ids[rank], a same-host peer's device (ipc) */
+        uint64_t peer_session; /* task: the decode engine session that reserved dest_block_ids (0 unknown) */
         /* handshake */
         char instance[KVF_INSTANCE_MAX];
         char purpose[16];

@@ -99,6 +99,7 @@ struct peer {
         struct connect_wait connects[64];  /* connect tasks waiting for an answer */
         unsigned nconnect;
         unsigned failures; /* connection attempts failed in a row */
+        uint64_t remote_session; /* the decode engine session the peer last told us of (peer thread) */
         bool up;
         bool stop;
         struct peer_data *data; /* tcp data path (data_tx.c), created on first use */
@@ -150,6 +151,7 @@ struct connector {
          * thread reads /proc each heartbeat; a dead one is remembered here. */
         uint64_t eng_dead; /* atomic */
         uint64_t eng_seen; /* control thread: the session at the last tick */
+        uint64_t eng_gen_seen; /* control thread: the engine role's generation last looked at */
 
         /* journal index (control thread): key_hash -> journal entry, open addressing */
         uint32_t *jidx;
@@ -223,6 +225,8 @@ int conn_peer_resolve(struct peer *p, char *host, size_t hostlen, uint16_t *port
 /* session.c */
 void *conn_listener_main(void *arg);
 int conn_session_send(struct connector *cn, uint64_t session, const struct kvf_record *r);
+/* Send r on every incoming control connection (control thread). */
+void conn_sessions_send_all(struct connector *cn, const struct kvf_record *r);
 void conn_journal_init(struct connector *cn);
 /* Was the arrival for this notice published already (and committed)? */
 bool conn_arrival_published(struct connector *cn, const struct kvf_record *notice, uint64_t src_gen);

@@ -57,6 +57,8 @@ void data_tx_forget(struct peer *p, uint64_t key);
  * those whose notice is out (data_tx_noticed). */
 void data_tx_fail(struct peer *p, int status, const char *reason, uint64_t older_than);
 bool data_tx_busy(struct peer *p);
+/* Peer thread: its control connection is up; start the data connections' threads (once). */
+void data_tx_start(struct peer *p);
 /* Stop the peer's data threads (joined); data_tx_free releases what is left. */
 void data_tx_stop(struct peer *p);
 void data_tx_free(struct peer *p);

@@ -122,7 +122,8 @@ static int rx_open(struct connector *cn, const char *peer, uint64_t gen, const s
                 }
                 snprintf(x->peer, sizeof(x->peer), "%s", peer);
                 snprintf(x->request_id, sizeof(x->request_id), "%s", o->request_id);
-                x->eng_session = conn_engine_session(cn);
+                /* The session the sender bound it to; else the one live now. */
+                x->eng_session = o->session ? o->session : conn_engine_session(cn);
                 x->gen = gen;
                 x->key = o->key;
                 memcpy(x->dst, o->dst, o->n_dst * sizeof(uint32_t));

@@ -53,6 +53,7 @@ struct xfer {
         bool dead;
         bool checked; /* dst ids checked against the peer's block count */
         bool noticed; /* the finish notice is out: only its outcome ends the transfer */
+        uint64_t session; /* the decode engine session it is bound to (0 unknown) */
         struct xfer *next;
 };
 
@@ -216,7 +217,8 @@ struct sendbuf {
 /* The XOPEN frame (header + record) that names a transfer's destination blocks to the receiver. */
 static int encode_xopen(struct xfer *x)
 {
-        struct kvf_record r = {.type = KVF_RT_XOPEN, .key = x->key, .dst = x->dst, .n_dst = x->n_dst};
+        struct kvf_record r = {.type = KVF_RT_XOPEN, .key = x->key, .dst = x->dst, .n_dst = x->n_dst,
+                               .session = x->session};
         snprintf(r.request_id, sizeof(r.request_id), "%s", x->request_id);
         size_t cap = kvf_record_encoded_max(&r);
         uint8_t *b = malloc(KVF_FRAME_HDR + cap);
@@ -487,7 +489,9 @@ static void *conn_main(void *arg)
         return NULL;
 }
 
-static struct peer_data *peer_data(struct connector *cn, struct peer *p)
+void data_tx_start(struct peer *p);
+
+static struct peer_data *peer_data(struct peer *p)
 {
         if (p->data)
                 return p->data;
@@ -497,22 +501,40 @@ static struct peer_data *peer_data(struct connector *cn, struct peer *p)
         pd->p = p;
         pthread_mutex_init(&pd->mu, NULL);
         pthread_cond_init(&pd->cv, NULL);
-        pd->nconns = cn->cfg.streams < MAX_STREAMS ? cn->cfg.streams : MAX_STREAMS;
-        for (unsigned i = 0; i < pd->nconns; i++) {
-                pd->conns[i] = (struct data_conn){.pd = pd, .idx = i, .fd = -1};
-                if (pthread_create(&pd->conns[i].thread, NULL, conn_main, &pd->conns[i]) != 0) {
-                        pd->nconns = i;
-                        break;
-                }
-        }
+        /* The data threads start when the peer's control connection is up (data_tx_start):
+         * a peer that cannot be reached costs no threads but its own. Under p->mu with the
+         * peer thread's setting of `up`: of the two, whichever comes second starts them. */
+        pthread_mutex_lock(&p->mu);
         p->data = pd;
+        bool up = p->up;
+        pthread_mutex_unlock(&p->mu);
+        if (up)
+                data_tx_start(p);
         return pd;
+}
+
+void data_tx_start(struct peer *p)
+{
+        pthread_mutex_lock(&p->mu);
+        struct peer_data *pd = p->data;
+        pthread_mutex_unlock(&p->mu);
+        if (!pd)
+                return;
+        pthread_mutex_lock(&pd->mu);
+        unsigned want = p->cn->cfg.streams < MAX_STREAMS ? p->cn->cfg.streams : MAX_STREAMS;
+        for (unsigned i = pd->nconns; i < want && !pd->stop; i++) {
+                pd->conns[i] = (struct data_conn){.pd = pd, .idx = i, .fd = -1};
+                if (pthread_create(&pd->conns[i].thread, NULL, conn_main, &pd->conns[i]) != 0)
+                        break;
+                pd->nconns = i + 1;
+        }
+        pthread_mutex_unlock(&pd->mu);
 }
 
 int data_tx_open(struct connector *cn, const struct kvf_record *o, char *why, size_t whylen)
 {
         struct peer *p = conn_peer_get(cn, o->peer, why, whylen);
-        struct peer_data *pd = p ? peer_data(cn, p) : NULL;
+        struct peer_data *pd = p ? peer_data(p) : NULL;
         if (!pd) {
                 if (p)
                         snprintf(why, whylen, "the connector is out of memory");
@@ -532,6 +554,7 @@ int data_tx_open(struct connector *cn, const struct kvf_record *o, char *why, si
                 }
                 memcpy(dst, o->dst, o->n_dst * sizeof(uint32_t));
                 x->key = o->key;
+                x->session = o->session;
                 x->dst = dst;
                 x->n_dst = o->n_dst;
                 x->first_ns = kvf_now_ns();
@@ -559,7 +582,7 @@ int data_tx_batch(struct connector *cn, const struct kvf_record *w)
         const struct kvf_cache_layout *L = &cn->ctl.hdr->layout;
         char why[KVF_REASON_MAX];
         struct peer *p = conn_peer_get(cn, w->peer, why, sizeof(why));
-        struct peer_data *pd = p ? peer_data(cn, p) : NULL;
+        struct peer_data *pd = p ? peer_data(p) : NULL;
         if (!pd)
                 return -ENOMEM;
         uint32_t per = (uint32_t)(KVF_DATA_FRAME_MAX / L->block_bytes);
@@ -670,10 +693,11 @@ void data_tx_stop(struct peer *p)
         if (!pd)
                 return;
         pthread_mutex_lock(&pd->mu);
-        pd->stop = true;
+        pd->stop = true; /* (no data_tx_start after this starts a thread) */
         pthread_cond_broadcast(&pd->cv);
+        unsigned n = pd->nconns;
         pthread_mutex_unlock(&pd->mu);
-        for (unsigned i = 0; i < pd->nconns; i++) {
+        for (unsigned i = 0; i < n; i++) {
                 if (pd->conns[i].fd >= 0)
                         shutdown(pd->conns[i].fd, SHUT_RDWR);
                 pthread_join(pd->conns[i].thread, NULL);

@@ -91,7 +91,9 @@ static int on_notice(struct connector *cn, struct event *ev)
         struct kvf_record *n = &ev->rec;
         bool tcp = n->transport != KVF_TRANSPORT_IPC;
         char reason[KVF_REASON_MAX], gone[KVF_REASON_MAX];
-        uint64_t bound = tcp ? data_rx_session(cn, n->peer, ev->src_gen, n->key) : n->session;
+        /* The session the sender bound it to (the task's, or the last it heard of from us),
+         * else (tcp) the one live when it first reached us. */
+        uint64_t bound = n->session || !tcp ? n->session : data_rx_session(cn, n->peer, ev->src_gen, n->key);
         uint64_t live = conn_engine_session(cn);
         int status = n->status;
         const char *why = NULL;
@@ -114,7 +116,8 @@ static int on_notice(struct connector *cn, struct event *ev)
         if (st == -EAGAIN)
                 return -EAGAIN;
         struct kvf_record ack = {.type = KVF_RT_ACK, .key = n->key,
-                                 .status = st < 0 ? KVF_STATUS_WRITE : st, .id_bin = n->id_bin};
+                                 .status = st < 0 ? KVF_STATUS_WRITE : st, .id_bin = n->id_bin,
+                                 .session = live};
         snprintf(ack.request_id, sizeof(ack.request_id), "%s", n->request_id);
         snprintf(ack.reason, sizeof(ack.reason), "%s",
                  st < 0 ? "the decode connector could not publish the arrival"
@@ -318,6 +321,10 @@ static void engine_check(struct connector *cn)
                          live ? "; a new one attached" : "");
         cn->eng_seen = live;
         data_rx_end_sessions(cn, live);
+        /* Tell the prefill instances connected to us: tasks they accept from now on are bound
+         * to the new session (a pong is what the sender side reads it from, ack or not). */
+        struct kvf_record pong = {.type = KVF_RT_PONG, .session = live};
+        conn_sessions_send_all(cn, &pong);
 }
 
 static int on_sender_record(void *ctx, uint16_t type, const uint8_t *pl, uint32_t len, uint64_t pos)
@@ -419,6 +426,7 @@ static bool has_work(void *arg)
         /* A write batch held back by a full send queue is no work until the data
          * threads make room (they ring us), or we would spin on it. */
         return kvf_load_acquire(&cn->nevents) > 0 ||
+               kvf_load_acquire(&cn->ctl.roles[KVF_ROLE_ENGINE].generation) != cn->eng_gen_seen ||
                (!kvf_load_acquire(&cn->tx_blocked) &&
                 kvf_ring_readable(&cn->ctl.rings[KVF_RING_SENDER_TO_CONNECTOR])) ||
                kvf_ring_readable(&cn->ctl.rings[KVF_RING_ENGINE_TO_CONNECTOR]);
@@ -430,6 +438,12 @@ static void control_loop(struct connector *cn)
         uint64_t next = 0;
         while (!stop) {
                 bool worked = false;
+                /* A decode engine attached: bind new transfers to it from now on. */
+                uint64_t eg = kvf_load_acquire(&cn->ctl.roles[KVF_ROLE_ENGINE].generation);
+                if (eg != cn->eng_gen_seen) {
+                        cn->eng_gen_seen = eg;
+                        engine_check(cn);
+                }
                 /* Retried at least every millisecond while blocked (the wait below). */
                 kvf_store_release(&cn->tx_blocked, 0);
                 int n = kvf_ring_read(&cn->ctl.rings[KVF_RING_SENDER_TO_CONNECTOR], on_sender_record, cn, 256);

@@ -49,6 +49,7 @@ static void post_state(struct peer *p, bool up, const char *reason)
         ev->kind = EV_PEER_STATE;
         ev->rec.type = KVF_RT_PEER_STATE;
         ev->rec.up = up;
+        ev->rec.session = p->remote_session;
         snprintf(ev->rec.peer, sizeof(ev->rec.peer), "%s", p->name);
         snprintf(ev->rec.reason, sizeof(ev->rec.reason), "%s", reason ? reason : "");
         conn_post(p->cn, ev);
@@ -253,11 +254,20 @@ static int serve(struct peer *p, int fd, char *why, size_t whylen)
                                 pthread_mutex_unlock(&p->wmu);
                                 continue;
                         }
-                        if (h.type != KVF_RT_ACK)
+                        if (h.type != KVF_RT_ACK && h.type != KVF_RT_PONG)
                                 continue;
                         struct kvf_record ack;
-                        if (kvf_record_decode(KVF_RT_ACK, pl, h.len, 0, &ack) < 0) {
+                        if (kvf_record_decode(h.type, pl, h.len, 0, &ack) < 0) {
                                 kvf_count(&cn->ctl, KVF_CTR_FRAMES_REJECTED, 1);
+                                kvf_record_free(&ack);
+                                continue;
+                        }
+                        /* The peer's decode engine session: the sender binds new tasks to it. */
+                        if (ack.session != p->remote_session) {
+                                p->remote_session = ack.session;
+                                post_state(p, true, NULL);
+                        }
+                        if (h.type == KVF_RT_PONG) {
                                 kvf_record_free(&ack);
                                 continue;
                         }
@@ -402,6 +412,7 @@ static void *peer_main(void *arg)
                 pthread_mutex_unlock(&p->mu);
                 post_state(p, true, NULL);
                 answer_connects(p, KVF_STATUS_FINISHED, NULL);
+                data_tx_start(p);
                 rc = serve(p, fd, why, sizeof(why));
                 close(fd);
                 pthread_mutex_lock(&p->mu);
@@ -656,10 +667,16 @@ void conn_peer_enqueue(struct peer *p, struct notice *n)
         }
         int rc = -ENOTCONN;
         /* Still the same connection? If not, its end moved n back to the queue. */
-        if (p->conn == conn && p->fd == fd)
-                rc = has_room(fd, n->len) ? kvf_net_try_send_frame(fd, KVF_RT_NOTICE, n->frame, n->len,
-                                                                   p->cn->cfg.peer_timeout_ms)
-                                          : 0;
+        if (p->conn == conn && p->fd == fd && has_room(fd, n->len)) {
+                /* From here the peer may have it: in doubt (fail_queued). Set before the
+                 * send: once sent, its ack may free it at any moment. */
+                pthread_mutex_lock(&p->mu);
+                n->sent = true;
+                pthread_mutex_unlock(&p->mu);
+                rc = kvf_net_try_send_frame(fd, KVF_RT_NOTICE, n->frame, n->len, p->cn->cfg.peer_timeout_ms);
+        } else if (p->conn == conn && p->fd == fd) {
+                rc = 0;
+        }
         if (rc == 0)
                 requeue_first(p, n); /* no room now */
         pthread_mutex_unlock(&p->wmu);

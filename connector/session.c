@@ -229,6 +229,17 @@ int conn_session_send(struct connector *cn, uint64_t id, const struct kvf_record
         return rc;
 }
 
+void conn_sessions_send_all(struct connector *cn, const struct kvf_record *r)
+{
+        pthread_mutex_lock(&cn->smu);
+        for (struct session *s = cn->sessions; s; s = s->next) {
+                pthread_mutex_lock(&s->wmu);
+                conn_send_record(s->fd, r, cn->cfg.keepalive_ms);
+                pthread_mutex_unlock(&s->wmu);
+        }
+        pthread_mutex_unlock(&cn->smu);
+}
+
 struct session_arg {
         struct connector *cn;
         int fd;
@@ -294,7 +305,8 @@ static void *session_main(void *arg)
                 const uint8_t *pl;
                 while ((rc = kvf_reader_next(&rd, &h, &pl)) == 1) {
                         if (h.type == KVF_RT_PING) {
-                                struct kvf_record pong = {.type = KVF_RT_PONG};
+                                struct kvf_record pong = {.type = KVF_RT_PONG,
+                                                          .session = conn_engine_session(cn)};
                                 pthread_mutex_lock(&s->wmu);
                                 conn_send_record(s->fd, &pong, cn->cfg.keepalive_ms);
                                 pthread_mutex_unlock(&s->wmu);

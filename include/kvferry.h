@@ -81,6 +81,10 @@ struct kvf_task {
         int transport;       /* enum kvf_transport */
         const char *peer;    /* same-host instance name, or "host:port" of its connector */
         int chunked;         /* 1: blocks become ready through kvf_submit_chunk() */
+        /* The decode engine session that reserved dest_block_ids: its kvf_session(), passed
+         * along with the block ids. 0 = not known: kvferry then binds the transfer to the
+         * decode session it last heard of (docs/ARCHITECTURE.md, "Engine sessions"). */
+        uint64_t peer_session;
 };
 
 enum kvf_event_type {

@@ -48,6 +48,7 @@ static bool has_work(void *arg)
          * until a slot is freed; the loop also retries it every millisecond. */
         return kvf_load_acquire(&s->ctl.progress->word) != s->progress ||
                kvf_load_acquire(&s->ctl.roles[KVF_ROLE_ENGINE].generation) != s->engine_gen_seen ||
+               (s->session && kvf_load_acquire(&s->ctl.roles[KVF_ROLE_ENGINE].state) == KVF_STATE_STOPPED) ||
                (!s->engine_blocked && kvf_ring_readable(&s->ctl.rings[KVF_RING_ENGINE_TO_SENDER])) ||
                kvf_ring_readable(&s->ctl.rings[KVF_RING_CONNECTOR_TO_SENDER]);
 }
@@ -69,7 +70,8 @@ static int run(struct sender *s, uint64_t spin_ns)
                 /* An engine attached: end its predecessors' requests now, so its
                  * kvf_attach (waiting for that) returns soon. */
                 uint64_t eg = kvf_load_acquire(&s->ctl.roles[KVF_ROLE_ENGINE].generation);
-                if (eg != s->engine_gen_seen) {
+                if (eg != s->engine_gen_seen ||
+                    (s->session && kvf_load_acquire(&s->ctl.roles[KVF_ROLE_ENGINE].state) == KVF_STATE_STOPPED)) {
                         s->engine_gen_seen = eg;
                         sender_sessions_check(s, true);
                         worked = true;

@@ -100,7 +100,8 @@ int sender_post_open(struct sender *s, uint32_t slot)
                                .transport = (int)r->transport,
                                .dst = kvf_slot_blocks(&s->ctl, slot) + s->ctl.hdr->max_blocks,
                                .n_dst = r->n_send,
-                               .bytes = sender_request_bytes(s, r)};
+                               .bytes = sender_request_bytes(s, r),
+                               .session = r->peer_session};
         memcpy(o.request_id, r->request_id, sizeof(o.request_id));
         memcpy(o.peer, r->peer, sizeof(o.peer));
         return sender_post(s, &o) < 0 ? -EAGAIN : 0;

@@ -41,6 +41,18 @@ struct bucket {
         uint32_t *slots;
 };
 
+/* What a tcp peer's connector last told about its decode engine session. */
+#define SENDER_NET_PEERS 256u
+struct net_peer {
+        char name[KVF_PEER_MAX];
+        uint64_t session;
+        uint64_t seen_ns;
+        /* a peer named by instance is on this host: its segment, read-only, says it exactly */
+        struct kvf_ctl ctl;
+        ino_t ino;
+        bool mapped;
+};
+
 struct sender {
         struct kvf_ctl ctl;
         uint64_t gen;
@@ -75,6 +87,7 @@ struct sender {
         uint64_t engine_retry_ns; /* ...and is tried again then, or when a slot is freed */
 
         struct ipc_peer peers[SENDER_MAX_PEERS];
+        struct net_peer net_peers[SENDER_NET_PEERS];
         uint8_t *scratch; /* encode buffer */
         size_t scratch_cap;
 };
@@ -142,6 +155,9 @@ static inline void sender_mark(struct sender *s, uint32_t slot, uint8_t flag)
 }
 
 /* sessions.c */
+/* tcp peers: note the decode engine session a peer's connector told of; look it up (0 unknown). */
+void sender_net_peer_note(struct sender *s, const char *peer, uint64_t session);
+uint64_t sender_net_peer_session(struct sender *s, const char *peer);
 /* The engine session of the engine->sender record at `pos` (inside a ring handler). */
 uint64_t sender_record_session(struct sender *s, uint64_t pos);
 /* End the requests of engine sessions that are over; check_process reads /proc (ticks). */

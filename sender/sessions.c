@@ -19,8 +19,10 @@
  */
 #include <stdio.h>
 #include <string.h>
+#include <sys/stat.h>
 
 #include "atomics.h"
+#include "clock.h"
 #include "log.h"
 #include "sender.h"
 
@@ -60,7 +62,12 @@ void sender_sessions_check(struct sender *s, bool check_process)
         uint32_t ended = 0, n = s->ctl.hdr->reqtab_slots;
         for (uint32_t i = 0; i < n; i++) {
                 struct kvf_req_slot *r = &s->ctl.reqtab[i];
-                if (r->state != KVF_REQ_ACTIVE || r->session == live)
+                if (r->state == KVF_REQ_FREE || r->session == live)
+                        continue;
+                /* Its id is free for the new session (a restarted engine submits it again);
+                 * write results still find the slot by its key. */
+                sender_map_remove(s, i);
+                if (r->state != KVF_REQ_ACTIVE)
                         continue;
                 if (!ended)
                         why_ended(s, r->session, live, why, sizeof(why));
@@ -80,4 +87,50 @@ void sender_sessions_check(struct sender *s, bool check_process)
          * allows, tagged with their own session. */
         if (live)
                 kvf_store_release(&s->ctl.sender->engine_session_ack, live);
+}
+
+static struct net_peer *net_peer_slot(struct sender *s, const char *peer)
+{
+        struct net_peer *slot = &s->net_peers[0];
+        for (uint32_t i = 0; i < SENDER_NET_PEERS; i++) {
+                struct net_peer *p = &s->net_peers[i];
+                if (p->seen_ns && !strcmp(p->name, peer))
+                        return p;
+                if (p->seen_ns < slot->seen_ns)
+                        slot = p; /* the longest unheard of: replaced when the table is full */
+        }
+        if (slot->mapped)
+                kvf_ctl_detach(&slot->ctl);
+        memset(slot, 0, sizeof(*slot));
+        snprintf(slot->name, sizeof(slot->name), "%s", peer);
+        return slot;
+}
+
+void sender_net_peer_note(struct sender *s, const char *peer, uint64_t session)
+{
+        struct net_peer *p = net_peer_slot(s, peer);
+        p->session = session;
+        p->seen_ns = kvf_now_ns();
+}
+
+uint64_t sender_net_peer_session(struct sender *s, const char *peer)
+{
+        struct net_peer *p = net_peer_slot(s, peer);
+        if (!p->seen_ns)
+                p->seen_ns = 1; /* known from now on, session unknown */
+        if (strchr(peer, ':'))
+                return p->session; /* on another host: what its connector last told */
+        /* Same host: ask its segment (mapped once; a re-created instance is another file). */
+        struct stat st;
+        char path[128];
+        snprintf(path, sizeof(path), "/dev/shm/kvferry.%s", peer);
+        if (p->mapped && (stat(path, &st) < 0 || st.st_ino != p->ino)) {
+                kvf_ctl_detach(&p->ctl);
+                p->mapped = false;
+        }
+        if (!p->mapped && kvf_ctl_attach(peer, false, &p->ctl) == 0) {
+                p->mapped = true;
+                p->ino = fstat(p->ctl.fd, &st) == 0 ? st.st_ino : 0;
+        }
+        return p->mapped ? kvf_engine_session(&p->ctl, false) : p->session;
 }

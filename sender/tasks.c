@@ -425,7 +425,11 @@ static int accept_task(struct sender *s, struct kvf_record *t, const struct task
         r->accept_ns = kvf_now_ns();
         r->session = ref->session;
         r->flags = t->id_bin ? KVF_REQF_ID_BIN : 0;
-        r->peer_session = pidx != UINT32_MAX ? kvf_engine_session(&s->peers[pidx].ctl, false) : 0;
+        /* The decode engine session that reserved the blocks: as the engine says, else the
+         * one live now (ipc: read from the peer's segment; tcp: the last its connector told). */
+        r->peer_session = t->peer_session          ? t->peer_session
+                          : pidx != UINT32_MAX     ? kvf_engine_session(&s->peers[pidx].ctl, false)
+                                                   : sender_net_peer_session(s, t->peer);
         r->withdraw_ns = 0;
         r->last_layer_ns = 0;
         r->deadline_ns = r->accept_ns + s->request_timeout_ns;
@@ -612,8 +616,10 @@ int sender_on_connector_record(void *ctx, uint16_t type, const uint8_t *p, uint3
                                        r.status == KVF_STATUS_FINISHED ? "" : r.reason);
                 }
         } else if (type == KVF_RT_PEER_STATE) {
-                kvf_info("peer '%s' is %s%s%s", r.peer, r.up ? "up" : "down", r.reason[0] ? ": " : "",
-                         r.reason);
+                if (r.up)
+                        sender_net_peer_note(s, r.peer, r.session);
+                kvf_info("peer '%s' is %s%s%s (decode engine session %llu)", r.peer, r.up ? "up" : "down",
+                         r.reason[0] ? ": " : "", r.reason, (unsigned long long)r.session);
         }
         kvf_record_free(&r);
         return 0;

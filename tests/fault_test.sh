@@ -3,14 +3,22 @@
 # decode connector at random moments, many times each, while kvf-sim moves requests between a
 # prefill and a decode instance. The supervisor restarts each role; every request must end with
 # exactly one completion (the simulator counts duplicates as corruption), nothing whose bytes
-# differ may be reported finished, and nothing may hang.
+# differ may be reported finished, nothing may hang, and the two sides must agree: no request
+# reported failed whose arrival was finished (the decode connector is also stopped for its
+# peer's whole timeout and killed at the moment it expires). Then the engine itself (the
+# simulator) is killed and restarted mid-run, again and again: every request of a killed engine
+# session must end 'finished' or 'engine gone', the same on both sides, once, and never be
+# delivered to the next session as its own (tests/session_logs_check.py reads their logs).
 source "$(dirname "$0")/lib.sh"
 cd "$ROOT"
-KILLS=${KVF_FAULT_KILLS:-8}   # per role
+KILLS=${KVF_FAULT_KILLS:-8}          # per role
+STOPS=${KVF_FAULT_STOPS:-3}          # decode connector stopped past the peer timeout, then killed
+ENGINE_KILLS=${KVF_FAULT_ENGINE_KILLS:-6}
 
 L="--model llama-3.1-8b --tp 8 --cache-mib 256"
-up $TAG-d0 --role decode $L --peer-timeout-ms 3000
-up $TAG-p0 --role prefill $L --peer-timeout-ms 3000
+PTO=3000
+up $TAG-d0 --role decode $L --peer-timeout-ms $PTO
+up $TAG-p0 --role prefill $L --peer-timeout-ms $PTO
 json=$KVFERRY_RUN_DIR/fault.json
 "$B/kvf-sim" --prefill $TAG-p0 --decode $TAG-d0 --requests 100000 --layer-us 300 --quiet \
   --timeout-s 90 --json "$json" >"$KVFERRY_RUN_DIR/sim.txt" 2>&1 &
@@ -27,6 +35,16 @@ for round in $(seq "$KILLS"); do
     kills=$((kills + 1))
   done
 done
+# A decode connector that hangs for the prefill side's whole peer timeout and is killed as it
+# expires: notices it received but had not answered are in doubt, never failed on their own.
+for round in $(seq "$STOPS"); do
+  sleep "0.$(( RANDOM % 6 + 2 ))"
+  p=$(pid_of connector $TAG-d0)
+  kill -STOP "$p"
+  sleep "$(( PTO / 1000 )).$(( RANDOM % 3 ))"
+  kill_role connector $TAG-d0
+  kills=$((kills + 1))
+done
 echo "killed $kills roles; stopping the simulator"
 kill -TERM $sim 2>/dev/null || true
 rc=0; wait $sim || rc=$?
@@ -34,7 +52,41 @@ cat "$KVFERRY_RUN_DIR/sim.txt" | tail -n 12
 [ -f "$json" ] || fail "no summary from the simulator (rc $rc)"
 [ "$(json_get "$json" corrupt)" = 0 ] || fail "a request was reported finished with bytes that differ, or twice"
 [ "$(json_get "$json" unaccounted)" = 0 ] || fail "requests without a completion: $(json_get "$json" unaccounted)"
+[ "$(json_get "$json" finished_but_failed_pairs)" = 0 ] ||
+  fail "the two sides disagree: $(json_get "$json" finished_but_failed_pairs) requests failed on the prefill side but arrived finished"
 [ "$(json_get "$json" finished)" -ge 10 ] || fail "too few requests finished under faults"
 restarts=$(counter $TAG-p0 restarts)
-[ "$restarts" -ge "$KILLS" ] || fail "prefill instance counted only $restarts restarts"
-pass "$kills SIGKILLs: $(json_get "$json" finished) finished and verified, $(json_get "$json" failed) failed with a status, none corrupt, none lost"
+[ "$restarts" -ge "$KILLS" ] || fail "prefill instance counted only $restarts restarts, after $KILLS kills"
+drestarts=$(counter $TAG-d0 restarts)
+[ "$drestarts" -ge $((KILLS + STOPS)) ] || fail "decode instance counted only $drestarts restarts, after $((KILLS + STOPS)) kills"
+pass "$kills SIGKILLs: $(json_get "$json" finished) finished and verified, $(json_get "$json" failed) failed with a status, none corrupt, none lost, both sides agreeing"
+
+# The engine killed and restarted, ipc and tcp: each run attaches as a new engine session.
+for transport in ipc tcp; do
+  logs=()
+  for run in $(seq "$ENGINE_KILLS"); do
+    log=$KVFERRY_RUN_DIR/engine-$transport-$run.log
+    logs+=("$log")
+    "$B/kvf-sim" --prefill $TAG-p0 --decode $TAG-d0 --requests 100000 --layer-us 300 --quiet \
+      --transport $transport --late-pct 20 --session-log "$log" --timeout-s 60 \
+      >"$KVFERRY_RUN_DIR/engine-$transport-$run.txt" 2>&1 &
+    esim=$!
+    sleep "$(( RANDOM % 2 + 1 )).$(( RANDOM % 10 ))"
+    kill -0 $esim 2>/dev/null || fail "engine run $run stopped early: $(tail -n 5 "$KVFERRY_RUN_DIR/engine-$transport-$run.txt")"
+    kill -KILL $esim
+    wait $esim 2>/dev/null || true
+  done
+  # The last run finishes, and takes what is left of the earlier sessions' events.
+  log=$KVFERRY_RUN_DIR/engine-$transport-last.log
+  logs+=("$log")
+  ejson=$KVFERRY_RUN_DIR/engine-$transport.json
+  "$B/kvf-sim" --prefill $TAG-p0 --decode $TAG-d0 --requests 60 --layer-us 300 --quiet \
+    --transport $transport --session-log "$log" --drain-previous-s 3 --json "$ejson" \
+    >"$KVFERRY_RUN_DIR/engine-$transport-last.txt" 2>&1 ||
+    fail "the engine's last run ($transport) failed: $(tail -n 5 "$KVFERRY_RUN_DIR/engine-$transport-last.txt")"
+  [ "$(json_get "$ejson" corrupt)" = 0 ] || fail "$transport: a request of a new engine session was corrupt"
+  [ "$(json_get "$ejson" finished)" = 60 ] || fail "$transport: the new engine's requests did not all finish"
+  /usr/bin/python3 "$ROOT/tests/session_logs_check.py" "${logs[@]}" ||
+    fail "$transport: requests of killed engine sessions did not end the same way on both sides"
+  pass "engine killed and restarted $ENGINE_KILLS times ($transport): every request of a killed session ended 'finished' or 'engine gone' on both sides, once; the last session's 60 verified"
+done

@@ -27,6 +27,7 @@
         NUM(done_ns)                                                                               \
         NUM(generation)                                                                            \
         NUM(session)                                                                               \
+        NUM(peer_session)                                                                          \
         NUM(withdraw)                                                                              \
         NUM(id_bin)                                                                                \
         NUM(layer)                                                                                 \

@@ -275,13 +275,13 @@ static void test_wire_round_trips(void)
                 struct kvf_record r = {.type = KVF_RT_ACK, .key = 77, .status = KVF_STATUS_BLOCK_RANGE};
                 fill(r.request_id, sizeof(r.request_id), "req-notice");
                 fill(r.reason, sizeof(r.reason), "block 5000 >= 4096 blocks");
-                round_trip("ack", &r, "key,request_id,status,reason");
+                round_trip("ack", &r, "key,request_id,status,reason,session");
         }
         {
                 struct kvf_record r = {.type = KVF_RT_PING};
                 round_trip("ping", &r, "");
                 r.type = KVF_RT_PONG;
-                round_trip("pong", &r, "");
+                round_trip("pong", &r, "session");
         }
 }
 
@@ -289,7 +289,7 @@ static void test_round_trips(void)
 {
         static const uint32_t sizes[] = {0, 1, 3, 5000};
         const char *const task_keys =
-                "request_id,src_block_ids,dest_block_ids,current_id,transfer_protocol,peer,chunked";
+                "request_id,src_block_ids,dest_block_ids,current_id,transfer_protocol,peer,chunked,peer_session";
         char what[96];
 
         /* task: each transport, each array size (empty, prefix hit, 5000 ids) */
@@ -393,7 +393,7 @@ static void test_round_trips(void)
                 fill(r.request_id, sizeof(r.request_id), "req-open");
                 fill(r.peer, sizeof(r.peer), "10.0.0.2:7100");
                 r.dst = make_ids(r.n_dst = sizes[s], 11);
-                round_trip("open", &r, "key,request_id,peer,transfer_protocol,dest_block_ids,bytes");
+                round_trip("open", &r, "key,request_id,peer,transfer_protocol,dest_block_ids,bytes,session");
                 kvf_record_free(&r);
         }
 
@@ -401,7 +401,7 @@ static void test_round_trips(void)
                 struct kvf_record r = {.type = KVF_RT_XOPEN, .key = 99};
                 fill(r.request_id, sizeof(r.request_id), "req-xopen");
                 r.dst = make_ids(r.n_dst = 5000, 13);
-                round_trip("xopen", &r, "key,request_id,dest_block_ids");
+                round_trip("xopen", &r, "key,request_id,dest_block_ids,session");
                 kvf_record_free(&r);
         }
 
@@ -432,7 +432,7 @@ static void test_round_trips(void)
                 fill(r.peer, sizeof(r.peer), "10.0.0.9:7100");
                 if (!up)
                         fill(r.reason, sizeof(r.reason), "heartbeat lost for 3000 ms");
-                round_trip("peer state", &r, up ? "peer,up,generation" : "peer,up,generation,reason");
+                round_trip("peer state", &r, up ? "peer,up,generation,session" : "peer,up,generation,reason,session");
         }
 
         {

@@ -30,6 +30,7 @@
 #include "kvferry.h"
 #include "layout.h"
 #include "opts.h"
+#include "sim_sessions.h"
 
 static const char *prog = "kvf-sim";
 
@@ -74,6 +75,8 @@ struct opts {
         int transport;
         uint64_t seed;
         const char *json;
+        const char *session_log;
+        unsigned drain_previous_s;
         bool quiet;
         bool baseline;
 };
@@ -342,6 +345,7 @@ static void poll_events(int timeout_ms)
                         if (reqs[i].completion > 0 && !reqs[i].dst_freed)
                                 maybe_done(&reqs[i]);
         }
+        simlog_previous(pg, dg, o.ranks);
         while ((rc = kvf_group_poll(pg, &ev, timeout_ms)) > 0) {
                 struct req *r = find_req(ev.request_id);
                 timeout_ms = 0;
@@ -357,6 +361,7 @@ static void poll_events(int timeout_ms)
                         continue;
                 }
                 r->completion = ev.status;
+                simlog_event('C', r->id, ev.status);
                 r->completion_seen_ns = kvf_now_ns();
                 r->bytes = ev.bytes;
                 r->completion_ns = ev.done_ns;
@@ -374,6 +379,14 @@ static void poll_events(int timeout_ms)
                         fprintf(stderr, "%s: DUPLICATE arrival for %s\n", prog, r->id);
                         corrupt++;
                         continue;
+                }
+                simlog_event('A', r->id, ev.status);
+                /* A finished arrival after the completion said otherwise: the two sides
+                 * disagree (maybe_done counts it when the arrival came first). */
+                if (ev.status == KVF_STATUS_FINISHED && r->completion > 0 && r->dst_freed) {
+                        fprintf(stderr, "%s: request %s: completion '%s' but arrival 'finished'\n", prog, r->id,
+                                kvf_status_name(r->completion));
+                        bad_status_pairs++;
                 }
                 r->arrival = ev.status;
                 r->arrival_ns = ev.done_ns;
@@ -399,6 +412,7 @@ static int submit_task(struct req *r, uint64_t step)
                 }
         }
         r->submitted = true;
+        simlog_event('S', r->id, 0);
         return 0;
 }
 
@@ -593,6 +607,10 @@ static void usage(void)
                "  --verify MODE       full (every byte, default) or sample (both ends of every block)\n"
                "  --scatter           hand out blocks in random order: no contiguous runs\n"
                "  --json FILE         write the summary as JSON too\n"
+               "  --session-log FILE  log submissions, completions, arrivals, and the events of earlier\n"
+               "                      engine sessions (tools/sim_sessions.h; the fault test reads it)\n"
+               "  --drain-previous-s N  at the end, keep taking earlier sessions' events until none came\n"
+               "                      for N seconds (default 0)\n"
                "  --quiet             no progress line\n"
                "  --check-options     check the options (and the trace's presence), run nothing\n"
                "Exit: 0 all requests accounted for and nothing corrupt; 1 otherwise; 2 usage.\n",
@@ -602,7 +620,8 @@ static void usage(void)
 int main(int argc, char **argv)
 {
         enum { O_P = 1000, O_D, O_N, O_TRACE, O_MAXTOK, O_LUS, O_STEP, O_CHUNK, O_PREFIX, O_LATE,
-               O_CANCEL, O_TRANSPORT, O_SEED, O_TO, O_BASE, O_JSON, O_QUIET, O_VERSION, O_PEERMAP, O_VERIFY, O_SCATTER, O_CHECK };
+               O_CANCEL, O_TRANSPORT, O_SEED, O_TO, O_BASE, O_JSON, O_QUIET, O_VERSION, O_PEERMAP, O_VERIFY, O_SCATTER, O_CHECK,
+               O_SLOG, O_DRAIN };
         static const struct option lo[] = {
                 {"prefill", required_argument, 0, O_P},  {"decode", required_argument, 0, O_D},
                 {"requests", required_argument, 0, O_N}, {"trace", required_argument, 0, O_TRACE},
@@ -621,6 +640,8 @@ int main(int argc, char **argv)
                 {"baseline", no_argument, 0, O_BASE},    {"json", required_argument, 0, O_JSON},
                 {"quiet", no_argument, 0, O_QUIET},      {"help", no_argument, 0, 'h'},
                 {"check-options", no_argument, 0, O_CHECK},
+                {"session-log", required_argument, 0, O_SLOG},
+                {"drain-previous-s", required_argument, 0, O_DRAIN},
                 {"version", no_argument, 0, O_VERSION},  {0, 0, 0, 0}};
         unsigned np = 0, nd = 0;
         const char *peermap = NULL;
@@ -669,6 +690,8 @@ int main(int argc, char **argv)
                 case O_JSON: o.json = optarg; break;
                 case O_QUIET: o.quiet = true; break;
                 case O_CHECK: check_only = true; break;
+                case O_SLOG: o.session_log = optarg; break;
+                case O_DRAIN: o.drain_previous_s = (unsigned)kvf_opt_u64("drain-previous-s", optarg, 0, 3600); break;
                 case 'h': usage(); return 0;
                 case O_VERSION: printf("%s %s\n", prog, KVFERRY_VERSION); return 0;
                 default: kvf_opt_die(prog, "unknown option");
@@ -705,6 +728,11 @@ int main(int argc, char **argv)
 
         if (kvf_group_attach(o.prefill, np, 10000, &pg) < 0 || kvf_group_attach(o.decode, nd, 10000, &dg) < 0) {
                 fprintf(stderr, "%s: %s\n", prog, kvf_last_error());
+                return 1;
+        }
+        if (o.session_log &&
+            simlog_open(o.session_log, kvf_session(kvf_group_member(pg, 0)), kvf_session(kvf_group_member(dg, 0))) < 0) {
+                fprintf(stderr, "%s: --session-log %s: %s\n", prog, o.session_log, strerror(errno));
                 return 1;
         }
         kvf_get_layout(kvf_group_member(pg, 0), &L);
@@ -861,6 +889,14 @@ int main(int argc, char **argv)
         while (done_reqs < nreq && kvf_now_ns() < end)
                 poll_events(10);
         double secs = (double)(kvf_now_ns() - t_start) / 1e9;
+        /* Earlier sessions' events still on their way (the fault test's last run). */
+        for (uint64_t quiet_since = kvf_now_ns();
+             o.drain_previous_s && kvf_now_ns() - quiet_since < o.drain_previous_s * 1000000000ull;) {
+                struct kvf_event ev;
+                if (kvf_group_poll(pg, &ev, 50) > 0 || kvf_group_poll(dg, &ev, 0) > 0 ||
+                    simlog_previous(pg, dg, o.ranks) > 0)
+                        quiet_since = kvf_now_ns();
+        }
         if (!o.quiet)
                 progress_line(true);
 

@@ -1,0 +1,424 @@
+/*
+ * Engine sessions (issue 9, item 1): a request belongs to the engine session
+ * that submitted it. When that session ends (its process is killed, or it
+ * detaches) its requests still moving end "engine gone" on both sides, and
+ * nothing of it is delivered to the next engine: kvf_poll() of a new session
+ * returns only its own events, kvf_poll_previous() tells what was lost.
+ *
+ * Real processes: instances started with tools/kvferry up; engines are
+ * forked children that attach with the client library and are SIGKILLed.
+ * Each case also checks the bytes: layers the dead engine never published
+ * must never reach the decode cache.
+ */
+#include <errno.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "check.h"
+#include "clock.h"
+#include "ctl.h"
+#include "kvferry.h"
+
+static char P[64], D[64], root[512], cmd[2048], daddr[128];
+static struct kvf_layout_info L;
+
+static void sh(const char *fmt, ...)
+{
+        va_list ap;
+        va_start(ap, fmt);
+        vsnprintf(cmd, sizeof(cmd), fmt, ap);
+        va_end(ap);
+        if (system(cmd) != 0) {
+                fprintf(stderr, "command failed: %s\n", cmd);
+                exit(1);
+        }
+}
+
+static void cleanup(void)
+{
+        snprintf(cmd, sizeof(cmd), "%s/tools/kvferry down --instance %s --instance %s >/dev/null 2>&1",
+                 root, P, D);
+        if (system(cmd) != 0)
+                fprintf(stderr, "cleanup: %s failed\n", cmd);
+}
+
+/* A byte pattern per (request tag, layer, tensor, block index): what the prefill engine computed. */
+static uint8_t pat(unsigned tag, uint32_t l, uint32_t t, uint32_t i)
+{
+        return (uint8_t)(1 + ((tag * 131u + l * 7u + t * 3u + i) % 250u));
+}
+
+static void fill_layer(struct kvf_client *c, unsigned tag, uint32_t l, const uint32_t *src, uint32_t n)
+{
+        uint32_t tensors = L.key_only ? 1 : 2;
+        for (uint32_t t = 0; t < tensors; t++) {
+                uint8_t *base = kvf_cache_tensor(c, l, (int)t);
+                for (uint32_t i = 0; i < n; i++)
+                        memset(base + (uint64_t)src[i] * L.block_bytes, pat(tag, l, t, i), L.block_bytes);
+        }
+}
+
+/*
+ * Decode side: layer l of dst blocks holds the request's bytes (want), or
+ * none of them (zeroed before the case). Returns the number of blocks that
+ * differ from the expectation.
+ */
+static uint32_t check_dst(struct kvf_client *dc, unsigned tag, uint32_t l, const uint32_t *dst, uint32_t n,
+                          bool want)
+{
+        uint32_t tensors = L.key_only ? 1 : 2, bad = 0;
+        for (uint32_t t = 0; t < tensors; t++) {
+                const uint8_t *base = kvf_cache_tensor(dc, l, (int)t);
+                for (uint32_t i = 0; i < n; i++) {
+                        const uint8_t *b = base + (uint64_t)dst[i] * L.block_bytes;
+                        uint8_t v = want ? pat(tag, l, t, i) : 0;
+                        for (uint64_t k = 0; k < L.block_bytes; k++)
+                                if (b[k] != v) {
+                                        bad++;
+                                        break;
+                                }
+                }
+        }
+        return bad;
+}
+
+static void zero_dst(struct kvf_client *dc, const uint32_t *dst, uint32_t n)
+{
+        uint32_t tensors = L.key_only ? 1 : 2;
+        for (uint32_t l = 0; l < L.num_layers; l++)
+                for (uint32_t t = 0; t < tensors; t++)
+                        for (uint32_t i = 0; i < n; i++)
+                                memset((uint8_t *)kvf_cache_tensor(dc, l, (int)t) +
+                                               (uint64_t)dst[i] * L.block_bytes,
+                                       0, L.block_bytes);
+}
+
+static int submit(struct kvf_client *c, const char *id, const uint32_t *src, const uint32_t *dst,
+                  uint32_t n, uint64_t step, int transport)
+{
+        struct kvf_task t = {.request_id = id, .src_block_ids = src, .n_src = n, .dest_block_ids = dst,
+                             .n_dest = n, .current_id = step, .transport = transport,
+                             .peer = transport == KVF_TRANSPORT_TCP ? daddr : D};
+        return kvf_submit_task(c, &t);
+}
+
+/* The next event of `type` for request `id` within timeout_ms; 1 found, 0 not. Others are kept
+ * in `seen` (a bit per call site's purposes is enough: we only count them). */
+static int wait_event(struct kvf_client *c, int type, const char *id, int timeout_ms, struct kvf_event *out,
+                      unsigned *others)
+{
+        uint64_t end = kvf_now_ns() + (uint64_t)timeout_ms * 1000000ull;
+        while (kvf_now_ns() < end) {
+                struct kvf_event ev;
+                int rc = kvf_poll(c, &ev, 50);
+                CHECK(rc >= 0);
+                if (rc == 0)
+                        continue;
+                if (ev.type == type && !strcmp(ev.request_id, id)) {
+                        *out = ev;
+                        return 1;
+                }
+                if (others)
+                        (*others)++;
+                fprintf(stderr, "  (event %d for '%s': %s: %s)\n", ev.type, ev.request_id,
+                        kvf_status_name(ev.status), ev.reason);
+        }
+        return 0;
+}
+
+/* Earlier sessions' events until `id` of `type` shows up (timeout_ms); 1 found with *out. */
+static int wait_previous(struct kvf_client *c, int type, const char *id, int timeout_ms,
+                         struct kvf_event *out)
+{
+        uint64_t end = kvf_now_ns() + (uint64_t)timeout_ms * 1000000ull;
+        for (;;) {
+                struct kvf_event ev;
+                while (kvf_poll_previous(c, &ev) == 1)
+                        if (ev.type == type && !strcmp(ev.request_id, id)) {
+                                *out = ev;
+                                return 1;
+                        }
+                if (kvf_now_ns() >= end)
+                        return 0;
+                /* kvf_poll reads the rings; what belongs to earlier sessions lands in the list. */
+                int rc = kvf_poll(c, &ev, 50);
+                CHECK(rc >= 0);
+                if (rc == 1)
+                        fprintf(stderr, "  (unexpected own event %d for '%s': %s)\n", ev.type, ev.request_id,
+                                kvf_status_name(ev.status));
+                CHECK(rc == 0);
+        }
+}
+
+/* Fork an engine that attaches to P, submits `id` at the next step, publishes `layers` layers, and
+ * (if `detach`) detaches cleanly; it then reports on `fd` and waits to be killed. */
+static pid_t engine_child(const char *id, unsigned tag, const uint32_t *src, const uint32_t *dst, uint32_t n,
+                          int transport, uint32_t layers, bool detach, bool all_then_wait, uint64_t *session_out)
+{
+        int pfd[2];
+        CHECK(pipe(pfd) == 0);
+        pid_t pid = fork();
+        CHECK(pid >= 0);
+        if (pid == 0) {
+                close(pfd[0]);
+                struct kvf_client *c;
+                if (kvf_attach(P, 5000, &c) < 0) {
+                        fprintf(stderr, "child: attach: %s\n", kvf_last_error());
+                        _exit(1);
+                }
+                uint64_t step = kvf_last_step(c) + 1, sess = kvf_session(c);
+                if (submit(c, id, src, dst, n, step, transport) < 0)
+                        _exit(1);
+                for (uint32_t l = 0; l < layers; l++) {
+                        fill_layer(c, tag, l, src, n);
+                        if (kvf_layer_done(c, step, l) < 0)
+                                _exit(1);
+                }
+                if (all_then_wait) {
+                        /* every layer published: the request finishes, its completion unread */
+                        usleep(500000);
+                }
+                if (detach) {
+                        usleep(200000); /* the sender has the task (else: "before it was read") */
+                        kvf_detach(c);
+                }
+                if (write(pfd[1], &sess, sizeof(sess)) != (ssize_t)sizeof(sess))
+                        _exit(1);
+                pause();
+                _exit(0);
+        }
+        close(pfd[1]);
+        CHECK(read(pfd[0], session_out, sizeof(*session_out)) == (ssize_t)sizeof(*session_out));
+        close(pfd[0]);
+        return pid;
+}
+
+static void kill_child(pid_t pid)
+{
+        kill(pid, SIGKILL);
+        int st;
+        CHECK(waitpid(pid, &st, 0) == pid);
+}
+
+static const char *tname(int t)
+{
+        return t == KVF_TRANSPORT_TCP ? "tcp" : "ipc";
+}
+
+/*
+ * The issue's case: engine A submits X and publishes 7 of 32 layers, then
+ * is killed; engine B attaches and numbers its steps from kvf_last_step() + 1.
+ * X must end "engine gone" on both sides, B must not see it, and layers 7 and
+ * up of X must never reach the decode cache.
+ */
+static void case_killed(struct kvf_client *dc, int transport, bool detach)
+{
+        char x[32], y[32];
+        uint32_t sx[4] = {0, 1, 2, 3}, dx[4] = {10, 11, 12, 13}, sy[4] = {20, 21, 22, 23},
+                 dy[4] = {30, 31, 32, 33};
+        const char *how = detach ? "detached" : "killed";
+        snprintf(x, sizeof(x), "x-%s-%s", tname(transport), how);
+        snprintf(y, sizeof(y), "y-%s-%s", tname(transport), how);
+        zero_dst(dc, dx, 4);
+        zero_dst(dc, dy, 4);
+        uint64_t sa;
+        pid_t a = engine_child(x, 1, sx, dx, 4, transport, 7, detach, false, &sa);
+        usleep(200000); /* layers 0-6 of X are copied (ipc) or on their way (tcp) */
+        kill_child(a);
+
+        struct kvf_client *b;
+        CHECK_EQ(kvf_attach(P, 5000, &b), 0);
+        CHECK(kvf_session(b) > sa);
+        uint64_t step = kvf_last_step(b) + 1;
+        CHECK_EQ(submit(b, y, sy, dy, 4, step, transport), 0);
+        for (uint32_t l = 0; l < L.num_layers; l++) {
+                fill_layer(b, 2, l, sy, 4);
+                CHECK_EQ(kvf_layer_done(b, step, l), 0);
+        }
+        struct kvf_event ev;
+        unsigned others = 0;
+        CHECK(wait_event(b, KVF_EVENT_COMPLETION, y, 10000, &ev, &others));
+        CHECK_EQ(ev.status, KVF_STATUS_FINISHED);
+        CHECK_EQ(others, 0); /* nothing of A's session */
+        CHECK(wait_previous(b, KVF_EVENT_COMPLETION, x, 5000, &ev));
+        if (ev.status != KVF_STATUS_ENGINE_GONE || ev.session != sa ||
+            !strstr(ev.reason, detach ? "the engine detached" : "ended")) {
+                fprintf(stderr, "%s: previous completion: %s (session %llu, A was %llu): %s\n", x,
+                        kvf_status_name(ev.status), (unsigned long long)ev.session,
+                        (unsigned long long)sa, ev.reason);
+                exit(1);
+        }
+        printf("  prefill side: %-16s -> %s (session %llu): %s\n", x, kvf_status_name(ev.status),
+               (unsigned long long)ev.session, ev.reason);
+        /* Decode side: X's arrival says so, Y's is complete. */
+        others = 0;
+        CHECK(wait_event(dc, KVF_EVENT_ARRIVAL, x, 10000, &ev, &others));
+        CHECK_EQ(ev.status, KVF_STATUS_ENGINE_GONE);
+        printf("  decode side:  %-16s -> %s: %s\n", x, kvf_status_name(ev.status), ev.reason);
+        CHECK(wait_event(dc, KVF_EVENT_ARRIVAL, y, 10000, &ev, &others));
+        CHECK_EQ(ev.status, KVF_STATUS_FINISHED);
+        for (uint32_t l = 0; l < L.num_layers; l++) {
+                CHECK_EQ(check_dst(dc, 2, l, dy, 4, true), 0);
+                /* Never a layer A did not compute: nothing from B's steps went into X's blocks. */
+                if (l >= 7)
+                        CHECK_EQ(check_dst(dc, 1, l, dx, 4, false), 0);
+        }
+        kvf_detach(b);
+        printf("ok: %s: engine %s after 7 of %u layers: X ended 'engine gone' on both sides, the new "
+               "engine saw only its own request, no stale byte landed\n",
+               tname(transport), how, L.num_layers);
+}
+
+/* A's request finished while A was not reading: B never gets its completion, only as previous. */
+static void case_unread(struct kvf_client *dc)
+{
+        uint32_t s[2] = {40, 41}, d[2] = {40, 41};
+        uint64_t sa;
+        zero_dst(dc, d, 2);
+        pid_t a = engine_child("z-unread", 3, s, d, 2, KVF_TRANSPORT_IPC, L.num_layers, false, true, &sa);
+        kill_child(a);
+        struct kvf_client *b;
+        CHECK_EQ(kvf_attach(P, 5000, &b), 0);
+        struct kvf_event ev;
+        CHECK_EQ(kvf_poll(b, &ev, 300), 0);
+        CHECK(wait_previous(b, KVF_EVENT_COMPLETION, "z-unread", 3000, &ev));
+        CHECK_EQ(ev.status, KVF_STATUS_FINISHED);
+        CHECK_EQ(ev.session, sa);
+        CHECK(wait_event(dc, KVF_EVENT_ARRIVAL, "z-unread", 5000, &ev, NULL));
+        CHECK_EQ(ev.status, KVF_STATUS_FINISHED);
+        kvf_detach(b);
+        printf("ok: a completion the killed engine never read goes to kvf_poll_previous, not to its successor\n");
+}
+
+/* The decode engine that reserved the blocks is killed and replaced mid-transfer. */
+static void case_decode_engine(struct kvf_client **dcp, int transport)
+{
+        char w[32];
+        uint32_t s[3] = {50, 51, 52}, d[3] = {50, 51, 52};
+        snprintf(w, sizeof(w), "w-%s", tname(transport));
+        kvf_detach(*dcp); /* the decode engine is a child for this case */
+        int pfd[2];
+        CHECK(pipe(pfd) == 0);
+        pid_t e1 = fork();
+        CHECK(e1 >= 0);
+        if (e1 == 0) {
+                struct kvf_client *c;
+                if (kvf_attach(D, 5000, &c) < 0)
+                        _exit(1);
+                zero_dst(c, d, 3);
+                char ok = 1;
+                if (write(pfd[1], &ok, 1) != 1)
+                        _exit(1);
+                pause();
+                _exit(0);
+        }
+        char ok;
+        CHECK(read(pfd[0], &ok, 1) == 1);
+        close(pfd[0]);
+        close(pfd[1]);
+        struct kvf_client *pc;
+        CHECK_EQ(kvf_attach(P, 5000, &pc), 0);
+        uint64_t step = kvf_last_step(pc) + 1;
+        CHECK_EQ(submit(pc, w, s, d, 3, step, transport), 0);
+        for (uint32_t l = 0; l < 3; l++) {
+                fill_layer(pc, 4, l, s, 3);
+                CHECK_EQ(kvf_layer_done(pc, step, l), 0);
+        }
+        usleep(200000);
+        kill_child(e1);
+        struct kvf_client *e2;
+        CHECK_EQ(kvf_attach(D, 5000, &e2), 0); /* a new decode engine: the blocks are its now */
+        for (uint32_t l = 3; l < L.num_layers; l++) {
+                fill_layer(pc, 4, l, s, 3);
+                CHECK_EQ(kvf_layer_done(pc, step, l), 0);
+        }
+        struct kvf_event ev;
+        CHECK(wait_event(pc, KVF_EVENT_COMPLETION, w, 10000, &ev, NULL));
+        if (ev.status != KVF_STATUS_ENGINE_GONE) {
+                fprintf(stderr, "%s: completion %s: %s\n", w, kvf_status_name(ev.status), ev.reason);
+                exit(1);
+        }
+        printf("  prefill side: %-16s -> %s: %s\n", w, kvf_status_name(ev.status), ev.reason);
+        /* The new decode engine never hears of W; nothing after the kill reached its blocks. */
+        CHECK_EQ(kvf_poll(e2, &ev, 500), 0);
+        for (uint32_t l = 3; l < L.num_layers; l++)
+                CHECK_EQ(check_dst(e2, 4, l, d, 3, false), 0);
+        kvf_detach(pc);
+        *dcp = e2;
+        printf("ok: %s: the decode engine that reserved the blocks was replaced: 'engine gone', its "
+               "successor got nothing, no byte landed in its blocks after\n",
+               tname(transport));
+}
+
+/* A task the killed engine wrote but the sender had not read yet: rejected for its own session. */
+static void case_unread_task(void)
+{
+        struct kvf_ctl ctl;
+        CHECK_EQ(kvf_ctl_attach(P, false, &ctl), 0);
+        pid_t sender = ctl.roles[KVF_ROLE_SENDER].pid;
+        kvf_ctl_detach(&ctl);
+        CHECK(sender > 0);
+        kill(sender, SIGSTOP);
+        uint32_t s[2] = {60, 61}, d[2] = {60, 61};
+        uint64_t sa;
+        pid_t a = engine_child("t-in-ring", 5, s, d, 2, KVF_TRANSPORT_IPC, 0, false, false, &sa);
+        kill_child(a);
+        struct kvf_client *b;
+        /* (waits for a stopped sender no longer than it looks alive) */
+        CHECK_EQ(kvf_attach(P, 5000, &b), 0);
+        kill(sender, SIGCONT);
+        struct kvf_event ev;
+        CHECK(wait_previous(b, KVF_EVENT_COMPLETION, "t-in-ring", 5000, &ev));
+        CHECK_EQ(ev.status, KVF_STATUS_ENGINE_GONE);
+        CHECK_EQ(ev.session, sa);
+        printf("  prefill side: %-16s -> %s: %s\n", "t-in-ring", kvf_status_name(ev.status), ev.reason);
+        /* The new engine's own task of the same id is no duplicate of it. */
+        uint64_t step = kvf_last_step(b) + 1;
+        CHECK_EQ(submit(b, "t-in-ring", s, d, 2, step, KVF_TRANSPORT_IPC), 0);
+        for (uint32_t l = 0; l < L.num_layers; l++)
+                CHECK_EQ(kvf_layer_done(b, step, l), 0);
+        CHECK(wait_event(b, KVF_EVENT_COMPLETION, "t-in-ring", 10000, &ev, NULL));
+        CHECK_EQ(ev.status, KVF_STATUS_FINISHED);
+        kvf_detach(b);
+        printf("ok: a task left in the ring by a killed engine ends 'engine gone' for that session; the "
+               "new engine's request with the same id finishes\n");
+}
+
+int main(void)
+{
+        snprintf(root, sizeof(root), "%s", KVF_SOURCE_DIR);
+        snprintf(P, sizeof(P), "se%d-p", (int)getpid());
+        snprintf(D, sizeof(D), "se%d-d", (int)getpid());
+        atexit(cleanup);
+        const char *lay = "--model llama-3.1-8b --tp 8 --blocks 64";
+        sh("%s/tools/kvferry up --instance %s --role decode %s >/dev/null", root, D, lay);
+        sh("%s/tools/kvferry up --instance %s --role prefill %s >/dev/null", root, P, lay);
+        struct kvf_client *dc;
+        CHECK_EQ(kvf_attach(D, 5000, &dc), 0);
+        CHECK_EQ(kvf_get_layout(dc, &L), 0);
+        {
+                char host[64];
+                uint32_t port = 0;
+                struct kvf_ctl c;
+                CHECK_EQ(kvf_ctl_attach(D, false, &c), 0);
+                CHECK_EQ(kvf_connector_info_read(&c, host, sizeof(host), &port), 0);
+                kvf_ctl_detach(&c);
+                snprintf(daddr, sizeof(daddr), "%s:%u", host, port);
+        }
+        for (int t = KVF_TRANSPORT_IPC; t <= KVF_TRANSPORT_TCP; t++) {
+                case_killed(dc, t, false);
+                case_killed(dc, t, true);
+        }
+        case_unread(dc);
+        case_unread_task();
+        case_decode_engine(&dc, KVF_TRANSPORT_IPC);
+        case_decode_engine(&dc, KVF_TRANSPORT_TCP);
+        kvf_detach(dc);
+        printf("session_test: all passed\n");
+        return 0;
+}

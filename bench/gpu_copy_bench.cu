@@ -1,0 +1,564 @@
+/*
+ * gpu_copy_bench: per-layer copy throughput of kvferry's batched kernel
+ * against the two references of issue 11, measured in the same run:
+ *   (a) bulk      one cudaMemcpyAsync of the same byte count, device to
+ *                 device, contiguous: the limit;
+ *   (b) per-block one cudaMemcpyAsync per block (FastDeploy's method).
+ *
+ * A row is one layer's batch: `--requests` requests whose blocks are
+ * scattered over the cache (random permutations of block ids on both sides,
+ * so almost nothing merges), K and V (or the key-only latent), real block
+ * sizes of the model shapes in data/model-shapes.json (via common/layout.c)
+ * at tensor-parallel degrees 1 and 8, plus 16 KiB and 64 KiB blocks; batch
+ * sizes 1 to 256 MiB. Shapes with the same (block bytes, tensors) are one
+ * row, labelled with every model they stand for.
+ *
+ * Columns (payload bytes per second, GB = 1e9; each figure the median of
+ * --reps):
+ *   bulk        GPU time of (a), queued behind a gate so the GPU runs it back
+ *               to back (no host time in it);
+ *   kernel      GPU time of one kvf_gpu_copy_submit (descriptor staging copy
+ *               + kernel), same gate: the throughput the engine's GPU sees;
+ *   x bulk      bulk time / kernel time (target >= 0.85 for >= 64 MiB);
+ *   mapped      the same with descriptors read from mapped host memory;
+ *   submit      host time of the submit call (planning + staging + launch);
+ *   k-e2e       host clock from the submit call to poll() == 1, no gate: what
+ *               the sender sees for one layer;
+ *   per-block   host clock from the first cudaMemcpyAsync to its event's
+ *               completion, no gate (the calls are what it costs);
+ *   x pb        per-block / k-e2e (target >= 50 at 16 KiB blocks).
+ * Every kernel result is checked on the GPU (every byte of every run);
+ * a mismatch fails the run (exit 1). Targets missed are reported, exit 0.
+ *
+ * Small batches fit in the 60 MB L2 and are repeated, so their figures may
+ * include L2 hits for every method alike.
+ */
+#include <errno.h>
+#include <getopt.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "gpu_bench_common.h"
+#include "gpu_shapes.h"
+
+#define VERSION "1"
+#define MAX_SIZES 16
+#define MAX_SHAPES 32
+#define ARENA_CHUNKS (1u << 20)
+#define LAYERS_ALLOC 3u /* the batch is layer 1 of a 3-layer cache: offsets past layer 0 */
+
+struct shape {
+        char label[160];
+        uint64_t block_bytes;
+        uint32_t tensors;
+};
+
+struct row {
+        const struct shape *sh;
+        uint64_t bytes;
+        size_t runs, chunks;
+        double bulk_us, kern_us, map_us, submit_us, e2e_us, pb_us;
+        uint64_t bad;
+};
+
+struct opts {
+        uint64_t sizes[MAX_SIZES];
+        unsigned n_sizes;
+        uint64_t blocks_extra[MAX_SIZES];
+        unsigned n_blocks_extra;
+        unsigned tps[8];
+        unsigned n_tps;
+        unsigned requests;
+        unsigned reps;
+        uint64_t perblock_max;
+        int device;
+        const char *json;
+};
+
+static void usage(FILE *f)
+{
+        fprintf(f,
+                "usage: gpu_copy_bench [options]\n"
+                "Per-layer copy throughput: kvferry's batched kernel against one bulk\n"
+                "cudaMemcpyAsync of the same bytes and one cudaMemcpyAsync per block.\n"
+                "  --sizes LIST        batch sizes in MiB (default 1,4,16,64,256)\n"
+                "  --blocks LIST       extra block sizes in KiB, K and V (default 16,64)\n"
+                "  --tp LIST           tensor-parallel degrees for the model shapes (default 1,8)\n"
+                "  --requests N        requests per layer batch (default 8)\n"
+                "  --reps N            repetitions per figure, median reported (default 10)\n"
+                "  --perblock-max MIB  largest batch measured per block (default 256)\n"
+                "  --device N          GPU (default 0)\n"
+                "  --json PATH         also write the results as JSON\n"
+                "  --help, --version\n"
+                "Exit: 0 done (targets missed are reported), 1 error or a wrong byte,\n"
+                "77 no GPU.\n");
+}
+
+static unsigned parse_list(const char *s, uint64_t *out, unsigned cap, uint64_t unit)
+{
+        unsigned n = 0;
+        char *end;
+        while (*s && n < cap) {
+                unsigned long long v = strtoull(s, &end, 10);
+                if (end == s || v == 0)
+                        bench_die("bad list element in \"%s\"", s);
+                out[n++] = v * unit;
+                s = *end == ',' ? end + 1 : end;
+                if (*end && *end != ',')
+                        bench_die("bad list \"%s\"", s);
+        }
+        return n;
+}
+
+static unsigned make_shapes(const struct opts *o, struct shape *sh)
+{
+        struct kvf_bench_model m[16];
+        unsigned nm = kvf_bench_models(m, 16), n = 0;
+        if (nm > 16)
+                nm = 16;
+        for (unsigned t = 0; t < o->n_tps; t++)
+                for (unsigned i = 0; i < nm; i++) {
+                        uint32_t heads = m[i].kv_heads / o->tps[t];
+                        if (heads < 1)
+                                heads = 1;
+                        uint64_t bb = (uint64_t)heads * KVF_BENCH_BLOCK_TOKENS * m[i].head_dim *
+                                      m[i].elem_bytes;
+                        uint32_t tens = m[i].key_only ? 1 : 2;
+                        char name[64];
+                        snprintf(name, sizeof(name), "%s/tp%u", m[i].name, o->tps[t]);
+                        unsigned j;
+                        for (j = 0; j < n; j++)
+                                if (sh[j].block_bytes == bb && sh[j].tensors == tens)
+                                        break;
+                        if (j == n) {
+                                if (n == MAX_SHAPES)
+                                        continue;
+                                sh[n].block_bytes = bb;
+                                sh[n].tensors = tens;
+                                sh[n].label[0] = 0;
+                                n++;
+                        }
+                        size_t len = strlen(sh[j].label);
+                        /* One model name per (model, tp) pair whose shape this row is. */
+                        if (!strstr(sh[j].label, name))
+                                snprintf(sh[j].label + len, sizeof(sh[j].label) - len, "%s%s",
+                                         len ? " " : "", name);
+                }
+        for (unsigned i = 0; i < o->n_blocks_extra; i++) {
+                unsigned j;
+                for (j = 0; j < n; j++)
+                        if (sh[j].block_bytes == o->blocks_extra[i] && sh[j].tensors == 2)
+                                break;
+                char name[32];
+                snprintf(name, sizeof(name), "%llu KiB K/V",
+                         (unsigned long long)(o->blocks_extra[i] >> 10));
+                if (j == n) {
+                        if (n == MAX_SHAPES)
+                                continue;
+                        sh[n].block_bytes = o->blocks_extra[i];
+                        sh[n].tensors = 2;
+                        sh[n].label[0] = 0;
+                        n++;
+                }
+                size_t len = strlen(sh[j].label);
+                snprintf(sh[j].label + len, sizeof(sh[j].label) - len, "%s%s", len ? " " : "",
+                         name);
+        }
+        return n;
+}
+
+static double median_us(double *v, size_t n)
+{
+        return bench_percentiles(v, n).p50;
+}
+
+/* GPU time of each rep's submit, all queued behind one gate. */
+static double time_kernel(struct kvf_gpu_copier *c, const struct kvf_gpu_batch *b, unsigned reps,
+                          struct bench_gate *gate, double *submit_us)
+{
+        cudaStream_t s = (cudaStream_t)kvf_gpu_copier_stream(c);
+        cudaEvent_t ev[2 * 64];
+        double t[64], sub[64];
+        uint64_t last = 0;
+        if (reps > 64)
+                reps = 64;
+        for (unsigned i = 0; i < 2 * reps; i++)
+                BENCH_CUDA(cudaEventCreate(&ev[i]));
+        bench_gate_close(gate, s);
+        for (unsigned i = 0; i < reps; i++) {
+                BENCH_CUDA(cudaEventRecord(ev[2 * i], s));
+                uint64_t h0 = bench_now_ns();
+                BENCH_KVF(kvf_gpu_copy_submit(c, b, &last));
+                sub[i] = (double)(bench_now_ns() - h0) / 1e3;
+                BENCH_CUDA(cudaEventRecord(ev[2 * i + 1], s));
+        }
+        if (bench_gate_open(gate) < 0)
+                bench_die("the gate timed out: queueing %u submits took over 5 s", reps);
+        BENCH_CUDA(cudaStreamSynchronize(s));
+        if (kvf_gpu_copy_poll(c, last) != 1)
+                bench_die("copy failed: %s", kvf_gpu_err_msg());
+        for (unsigned i = 0; i < reps; i++) {
+                float ms = 0;
+                BENCH_CUDA(cudaEventElapsedTime(&ms, ev[2 * i], ev[2 * i + 1]));
+                t[i] = ms * 1e3;
+        }
+        for (unsigned i = 0; i < 2 * reps; i++)
+                BENCH_CUDA(cudaEventDestroy(ev[i]));
+        if (submit_us)
+                *submit_us = median_us(sub, reps);
+        return median_us(t, reps);
+}
+
+static double time_bulk(cudaStream_t s, void *dst, const void *src, uint64_t bytes, unsigned reps,
+                        struct bench_gate *gate)
+{
+        cudaEvent_t ev[2 * 64];
+        double t[64];
+        if (reps > 64)
+                reps = 64;
+        for (unsigned i = 0; i < 2 * reps; i++)
+                BENCH_CUDA(cudaEventCreate(&ev[i]));
+        bench_gate_close(gate, s);
+        for (unsigned i = 0; i < reps; i++) {
+                BENCH_CUDA(cudaEventRecord(ev[2 * i], s));
+                BENCH_CUDA(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, s));
+                BENCH_CUDA(cudaEventRecord(ev[2 * i + 1], s));
+        }
+        if (bench_gate_open(gate) < 0)
+                bench_die("the gate timed out");
+        BENCH_CUDA(cudaStreamSynchronize(s));
+        for (unsigned i = 0; i < reps; i++) {
+                float ms = 0;
+                BENCH_CUDA(cudaEventElapsedTime(&ms, ev[2 * i], ev[2 * i + 1]));
+                t[i] = ms * 1e3;
+        }
+        for (unsigned i = 0; i < 2 * reps; i++)
+                BENCH_CUDA(cudaEventDestroy(ev[i]));
+        return median_us(t, reps);
+}
+
+static double time_e2e(struct kvf_gpu_copier *c, const struct kvf_gpu_batch *b, unsigned reps)
+{
+        double t[64];
+        if (reps > 64)
+                reps = 64;
+        for (unsigned i = 0; i < reps; i++) {
+                uint64_t tk = 0, h0 = bench_now_ns();
+                BENCH_KVF(kvf_gpu_copy_submit(c, b, &tk));
+                int rc;
+                while ((rc = kvf_gpu_copy_poll(c, tk)) == 0) {
+                }
+                if (rc < 0)
+                        bench_die("copy failed: %s", kvf_gpu_err_msg());
+                t[i] = (double)(bench_now_ns() - h0) / 1e3;
+        }
+        return median_us(t, reps);
+}
+
+/* One call per cache block, as FastDeploy does: runs are cut back into blocks. */
+static double time_perblock(cudaStream_t s, const struct kvf_gpu_run *runs, size_t n,
+                            uint64_t block_bytes, uint64_t sbase, uint64_t dbase, unsigned reps)
+{
+        double t[64];
+        cudaEvent_t ev;
+        BENCH_CUDA(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
+        if (reps > 64)
+                reps = 64;
+        for (unsigned i = 0; i < reps; i++) {
+                BENCH_CUDA(cudaStreamSynchronize(s));
+                uint64_t h0 = bench_now_ns();
+                for (size_t j = 0; j < n; j++)
+                        for (uint64_t off = 0; off < runs[j].bytes; off += block_bytes)
+                                BENCH_CUDA(cudaMemcpyAsync(
+                                    (void *)(uintptr_t)(dbase + runs[j].dst_off + off),
+                                    (const void *)(uintptr_t)(sbase + runs[j].src_off + off),
+                                    block_bytes, cudaMemcpyDeviceToDevice, s));
+                BENCH_CUDA(cudaEventRecord(ev, s));
+                BENCH_CUDA(cudaEventSynchronize(ev));
+                t[i] = (double)(bench_now_ns() - h0) / 1e3;
+        }
+        BENCH_CUDA(cudaEventDestroy(ev));
+        return median_us(t, reps);
+}
+
+static double gbps(uint64_t bytes, double us)
+{
+        return us > 0 ? (double)bytes / (us * 1e3) : NAN;
+}
+
+static void fmt_or_dash(char *buf, size_t len, const char *fmt, double v)
+{
+        if (isnan(v))
+                snprintf(buf, len, "-");
+        else
+                snprintf(buf, len, fmt, v);
+}
+
+int main(int argc, char **argv)
+{
+        struct opts o;
+        memset(&o, 0, sizeof(o));
+        o.n_sizes = parse_list("1,4,16,64,256", o.sizes, MAX_SIZES, 1ull << 20);
+        o.n_blocks_extra = parse_list("16,64", o.blocks_extra, MAX_SIZES, 1024);
+        o.tps[0] = 1;
+        o.tps[1] = 8;
+        o.n_tps = 2;
+        o.requests = 8;
+        o.reps = 10;
+        o.perblock_max = 256ull << 20;
+
+        static const struct option lo[] = {{"sizes", required_argument, NULL, 's'},
+                                           {"blocks", required_argument, NULL, 'b'},
+                                           {"tp", required_argument, NULL, 't'},
+                                           {"requests", required_argument, NULL, 'r'},
+                                           {"reps", required_argument, NULL, 'n'},
+                                           {"perblock-max", required_argument, NULL, 'p'},
+                                           {"device", required_argument, NULL, 'd'},
+                                           {"json", required_argument, NULL, 'j'},
+                                           {"help", no_argument, NULL, 'h'},
+                                           {"version", no_argument, NULL, 'V'},
+                                           {NULL, 0, NULL, 0}};
+        int ch;
+        while ((ch = getopt_long(argc, argv, "h", lo, NULL)) != -1) {
+                uint64_t tmp[8];
+                switch (ch) {
+                case 's':
+                        o.n_sizes = parse_list(optarg, o.sizes, MAX_SIZES, 1ull << 20);
+                        break;
+                case 'b':
+                        o.n_blocks_extra = parse_list(optarg, o.blocks_extra, MAX_SIZES, 1024);
+                        break;
+                case 't':
+                        o.n_tps = parse_list(optarg, tmp, 8, 1);
+                        for (unsigned i = 0; i < o.n_tps; i++)
+                                o.tps[i] = (unsigned)tmp[i];
+                        break;
+                case 'r':
+                        o.requests = (unsigned)atoi(optarg);
+                        break;
+                case 'n':
+                        o.reps = (unsigned)atoi(optarg);
+                        break;
+                case 'p':
+                        o.perblock_max = strtoull(optarg, NULL, 10) << 20;
+                        break;
+                case 'd':
+                        o.device = atoi(optarg);
+                        break;
+                case 'j':
+                        o.json = optarg;
+                        break;
+                case 'h':
+                        usage(stdout);
+                        return 0;
+                case 'V':
+                        printf("gpu_copy_bench %s\n", VERSION);
+                        return 0;
+                default:
+                        usage(stderr);
+                        return 2;
+                }
+        }
+        if (optind != argc || !o.reps || !o.requests) {
+                usage(stderr);
+                return 2;
+        }
+        if (o.reps > 64)
+                o.reps = 64;
+        setvbuf(stdout, NULL, _IOLBF, 0);
+
+        int n_dev = bench_require_gpu("gpu_copy_bench");
+        if (o.device >= n_dev)
+                bench_die("--device %d: %d devices", o.device, n_dev);
+        BENCH_CUDA(cudaSetDevice(o.device));
+        char desc[256];
+        bench_describe_device(o.device, desc, sizeof(desc));
+        printf("gpu_copy_bench %s: %s\n", VERSION, desc);
+
+        struct shape shapes[MAX_SHAPES];
+        unsigned n_shapes = make_shapes(&o, shapes);
+        uint64_t max_size = 0;
+        for (unsigned i = 0; i < o.n_sizes; i++)
+                if (o.sizes[i] > max_size)
+                        max_size = o.sizes[i];
+
+        struct kvf_gpu_copier *cs = NULL, *cm = NULL;
+        struct kvf_gpu_copier_opts co = {NULL, ARENA_CHUNKS, 0};
+        BENCH_KVF(kvf_gpu_copier_create(o.device, 0, &co, &cs));
+        BENCH_KVF(kvf_gpu_copier_create(o.device, KVF_GPU_COPIER_MAPPED_DESC, &co, &cm));
+        cudaStream_t s = (cudaStream_t)kvf_gpu_copier_stream(cs);
+        struct bench_gate *gate = bench_gate_create();
+
+        struct row *rows = (struct row *)calloc((size_t)n_shapes * o.n_sizes, sizeof(struct row));
+        size_t n_rows = 0;
+        int bad_rows = 0;
+        uint64_t t_start = bench_now_ns();
+
+        printf("\nshapes (block = kv_heads/tp x %u tokens x head_dim x dtype):\n",
+               KVF_BENCH_BLOCK_TOKENS);
+        for (unsigned si = 0; si < n_shapes; si++)
+                printf("  [%u] %llu KiB x %u tensor%s: %s\n", si + 1,
+                       (unsigned long long)(shapes[si].block_bytes >> 10), shapes[si].tensors,
+                       shapes[si].tensors > 1 ? "s (K, V)" : " (key only)", shapes[si].label);
+        printf("\n%5s %6s %4s %8s %6s %6s | %8s %8s %6s %8s | %8s %8s %9s %8s %6s | %s\n", "shape",
+               "block", "tens", "batch", "runs", "chunks", "bulk", "kernel", "x bulk", "mapped",
+               "submit", "k-e2e", "per-block", "per-blk", "x pb", "check");
+        printf("%5s %6s %4s %8s %6s %6s | %8s %8s %6s %8s | %8s %8s %9s %8s %6s |\n", "", "KiB", "",
+               "MiB", "", "", "GB/s", "GB/s", "", "GB/s", "us", "us", "us", "GB/s", "");
+        for (unsigned si = 0; si < n_shapes; si++) {
+                const struct shape *sh = &shapes[si];
+                /* Twice the blocks the largest batch needs, so the scatter has room. */
+                uint64_t per_tensor = max_size / ((uint64_t)sh->tensors * sh->block_bytes);
+                struct bench_layout l = {LAYERS_ALLOC, sh->tensors, (uint32_t)(2 * per_tensor + 16),
+                                         sh->block_bytes};
+                uint64_t cache = bench_cache_bytes(&l);
+                void *src = NULL, *dst = NULL;
+                BENCH_KVF(kvf_gpu_alloc(o.device, cache, &src));
+                BENCH_KVF(kvf_gpu_alloc(o.device, cache, &dst));
+                bench_fill(src, cache, 0x5eed + si, s);
+                BENCH_CUDA(cudaStreamSynchronize(s));
+                struct kvf_gpu_region rs = {(uint64_t)(uintptr_t)src, cache};
+                struct kvf_gpu_region rd = {(uint64_t)(uintptr_t)dst, cache};
+                for (unsigned zi = 0; zi < o.n_sizes; zi++) {
+                        uint32_t blocks =
+                            (uint32_t)(o.sizes[zi] / ((uint64_t)sh->tensors * sh->block_bytes));
+                        if (!blocks)
+                                continue;
+                        struct row *r = &rows[n_rows++];
+                        r->sh = sh;
+                        struct kvf_gpu_run *runs = NULL;
+                        r->runs = bench_layer_runs(&l, 1, o.requests, blocks,
+                                                   0xb10c + zi * 977 + si, &runs);
+                        r->bytes = (uint64_t)blocks * sh->tensors * sh->block_bytes;
+                        BENCH_KVF(kvf_gpu_plan(
+                            runs, r->runs, &rs, 1, &rd, 1,
+                            kvf_gpu_chunk_bytes_for(r->bytes, kvf_gpu_device_sms(o.device)), NULL,
+                            0, &r->chunks));
+                        struct kvf_gpu_batch b = {runs, r->runs, &rs, 1, &rd, 1, NULL, NULL};
+
+                        /* Correctness first, for both descriptor paths. */
+                        struct kvf_gpu_copier *both[2] = {cs, cm};
+                        for (int k = 0; k < 2; k++) {
+                                BENCH_CUDA(cudaMemsetAsync(dst, 0, cache, s));
+                                BENCH_CUDA(cudaStreamSynchronize(s));
+                                uint64_t tk = 0;
+                                BENCH_KVF(kvf_gpu_copy_submit(both[k], &b, &tk));
+                                int rc;
+                                while ((rc = kvf_gpu_copy_poll(both[k], tk)) == 0) {
+                                }
+                                if (rc < 0)
+                                        bench_die("copy failed: %s", kvf_gpu_err_msg());
+                                r->bad += bench_verify_runs(runs, r->runs, &rs, 1, &rd, 1);
+                        }
+                        bad_rows += r->bad != 0;
+
+                        /* Reps that fit the arena with a margin (16 K chunks for 256 MiB
+                         * of 16 KiB blocks: 64 of those would not). */
+                        unsigned reps = o.reps;
+                        while (reps > 1 && (uint64_t)reps * r->chunks > ARENA_CHUNKS / 2)
+                                reps--;
+                        r->bulk_us = time_bulk(s, dst, src, r->bytes, reps, gate);
+                        r->kern_us = time_kernel(cs, &b, reps, gate, &r->submit_us);
+                        r->map_us = time_kernel(cm, &b, reps, gate, NULL);
+                        r->e2e_us = time_e2e(cs, &b, reps);
+                        r->pb_us = NAN;
+                        if (r->bytes <= o.perblock_max) {
+                                /* At ~6 us a call, keep each figure to about a second. */
+                                double est = (double)blocks * sh->tensors * 6.5;
+                                unsigned pr =
+                                    est * o.reps > 1.5e6 ? (unsigned)(1.5e6 / est) : o.reps;
+                                r->pb_us = time_perblock(s, runs, r->runs, sh->block_bytes, rs.base,
+                                                         rd.base, pr ? pr : 1);
+                        }
+                        free(runs);
+
+                        char x_pb[16], pbt[16], pbg[16];
+                        fmt_or_dash(pbt, sizeof(pbt), "%.0f", r->pb_us);
+                        fmt_or_dash(pbg, sizeof(pbg), "%.1f", gbps(r->bytes, r->pb_us));
+                        fmt_or_dash(x_pb, sizeof(x_pb), "%.0f", r->pb_us / r->e2e_us);
+                        char sid[8];
+                        snprintf(sid, sizeof(sid), "[%u]", si + 1);
+                        printf("%5s %6llu %4u %8.2f %6zu %6zu | %8.0f %8.0f %6.2f %8.0f | "
+                               "%8.1f %8.1f %9s %8s %6s | %s\n",
+                               sid, (unsigned long long)(sh->block_bytes >> 10), sh->tensors,
+                               (double)r->bytes / (1 << 20), r->runs, r->chunks,
+                               gbps(r->bytes, r->bulk_us), gbps(r->bytes, r->kern_us),
+                               r->bulk_us / r->kern_us, gbps(r->bytes, r->map_us), r->submit_us,
+                               r->e2e_us, pbt, pbg, x_pb, r->bad ? "WRONG BYTES" : "ok");
+                }
+                BENCH_KVF(kvf_gpu_free(o.device, src));
+                BENCH_KVF(kvf_gpu_free(o.device, dst));
+        }
+
+        /* Targets (issue 11). */
+        unsigned t1 = 0, t1_ok = 0, t2 = 0, t2_ok = 0;
+        double worst1 = INFINITY, worst2 = INFINITY;
+        for (size_t i = 0; i < n_rows; i++) {
+                const struct row *r = &rows[i];
+                if (r->bytes >= (64ull << 20)) {
+                        double x = r->bulk_us / r->kern_us;
+                        t1++;
+                        t1_ok += x >= 0.85;
+                        worst1 = fmin(worst1, x);
+                }
+                if (r->sh->block_bytes == 16384 && !isnan(r->pb_us)) {
+                        double x = r->pb_us / r->e2e_us;
+                        t2++;
+                        t2_ok += x >= 50;
+                        worst2 = fmin(worst2, x);
+                }
+        }
+        printf("\ntarget kernel >= 0.85 x bulk for batches >= 64 MiB: %u of %u rows "
+               "(worst %.2f) %s\n",
+               t1_ok, t1, worst1, t1 && t1_ok == t1 ? "PASS" : "MISS");
+        printf("target kernel >= 50 x per-block at 16 KiB blocks (k-e2e vs per-block): %u of %u "
+               "rows (worst %.0f) %s\n",
+               t2_ok, t2, worst2, t2 && t2_ok == t2 ? "PASS" : "MISS");
+        printf("check: %s (%d rows with wrong bytes); %.1f s\n",
+               bad_rows ? "FAIL" : "every byte of every kernel copy verified", bad_rows,
+               (double)(bench_now_ns() - t_start) / 1e9);
+
+        if (o.json) {
+                FILE *f = fopen(o.json, "w");
+                if (!f)
+                        bench_die("%s: %s", o.json, strerror(errno));
+                fprintf(f,
+                        "{\"bench\": \"gpu_copy_bench\", \"version\": %s, \"device\": ", VERSION);
+                bench_json_str(f, desc);
+                fprintf(f, ", \"requests\": %u, \"reps\": %u, \"rows\": [\n", o.requests, o.reps);
+                for (size_t i = 0; i < n_rows; i++) {
+                        const struct row *r = &rows[i];
+                        fprintf(f, "  {\"shape\": ");
+                        bench_json_str(f, r->sh->label);
+                        fprintf(f,
+                                ", \"block_bytes\": %llu, \"tensors\": %u, \"bytes\": %llu, "
+                                "\"runs\": %zu, \"chunks\": %zu, \"bulk_us\": %.3f, "
+                                "\"kernel_us\": %.3f, \"kernel_mapped_us\": %.3f, "
+                                "\"submit_us\": %.3f, \"kernel_e2e_us\": %.3f, ",
+                                (unsigned long long)r->sh->block_bytes, r->sh->tensors,
+                                (unsigned long long)r->bytes, r->runs, r->chunks, r->bulk_us,
+                                r->kern_us, r->map_us, r->submit_us, r->e2e_us);
+                        if (isnan(r->pb_us))
+                                fprintf(f, "\"perblock_us\": null, ");
+                        else
+                                fprintf(f, "\"perblock_us\": %.3f, ", r->pb_us);
+                        fprintf(f, "\"x_bulk\": %.4f, \"wrong_bytes\": %llu}%s\n",
+                                r->bulk_us / r->kern_us, (unsigned long long)r->bad,
+                                i + 1 < n_rows ? "," : "");
+                }
+                fprintf(f,
+                        "], \"targets\": {\"x_bulk_ge_0.85_at_64MiB\": {\"rows\": %u, \"ok\": %u}, "
+                        "\"x_perblock_ge_50_at_16KiB\": {\"rows\": %u, \"ok\": %u}}}\n",
+                        t1, t1_ok, t2, t2_ok);
+                fclose(f);
+                printf("json: %s\n", o.json);
+        }
+        bench_gate_destroy(gate);
+        kvf_gpu_copier_destroy(cs);
+        kvf_gpu_copier_destroy(cm);
+        free(rows);
+        return bad_rows ? 1 : 0;
+}

@@ -1,0 +1,382 @@
+/*
+ * The copier: descriptor staging, one kernel launch and one event per batch,
+ * completion by polling.
+ *
+ * Staging: a ring ("arena") of chunk descriptors in pinned host memory and,
+ * unless the descriptors are read in place (KVF_GPU_COPIER_MAPPED_DESC), a
+ * device ring of the same size. A batch takes one contiguous stretch of the
+ * ring (skipping the ring's tail end if the stretch would wrap). Its
+ * descriptors are written by the planner straight into pinned memory,
+ * copied to the device ring on the copier's stream, then the kernel runs
+ * and the batch's event is recorded. Everything is on one stream, so
+ * batches finish in submission order, and when the event of ticket t has
+ * completed, every batch up to t has too: the arena is reclaimed up to the
+ * end of t's stretch (nothing else reads it any more: the staging copy and
+ * the kernel of t came before t's event).
+ *
+ * Positions are 64-bit counters of chunks that only grow (`head` where the
+ * next batch starts, `tail` the oldest chunk still in use); their difference
+ * is the space in use, so no wrap bookkeeping beyond the skip.
+ */
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include <cuda_runtime.h>
+
+#include "internal.h"
+
+#define ARENA_DEFAULT 65536u
+#define DESTROY_WAIT_NS 10000000000ull
+
+struct slot {
+        cudaEvent_t ev;
+        uint64_t ticket;    /* the batch this slot holds, 0 if none yet */
+        uint64_t arena_end; /* head after the batch's stretch */
+};
+
+struct kvf_gpu_copier {
+        int device;
+        unsigned flags;
+        int sms;
+        uint32_t chunk_bytes; /* 0: per batch */
+        cudaStream_t stream;
+        int own_stream;
+        cudaEvent_t after_ev; /* orders a batch after another stream's work */
+
+        struct kvf_gpu_chunk *host_arena; /* pinned (mapped when MAPPED_DESC) */
+        struct kvf_gpu_chunk *dev_arena;  /* device ring, or host_arena's device alias */
+        uint64_t cap;                     /* chunks */
+        uint64_t head, tail;
+
+        uint64_t next_ticket; /* the next batch's ticket; tickets start at 1 */
+        uint64_t retired;     /* every ticket <= retired has landed */
+        int broken;           /* a CUDA error was seen: every unfinished batch fails */
+        char broken_msg[256];
+        struct slot slots[KVF_GPU_MAX_INFLIGHT];
+};
+
+static uint64_t now_ns(void)
+{
+        struct timespec ts;
+        clock_gettime(CLOCK_MONOTONIC, &ts);
+        return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+extern "C" void *kvf_gpu_copier_stream(const struct kvf_gpu_copier *c)
+{
+        return (void *)c->stream;
+}
+
+static void release(struct kvf_gpu_copier *c)
+{
+        for (unsigned i = 0; i < KVF_GPU_MAX_INFLIGHT; i++)
+                if (c->slots[i].ev)
+                        (void)cudaEventDestroy(c->slots[i].ev);
+        if (c->after_ev)
+                (void)cudaEventDestroy(c->after_ev);
+        if (c->dev_arena && !(c->flags & KVF_GPU_COPIER_MAPPED_DESC))
+                (void)cudaFree(c->dev_arena);
+        if (c->host_arena)
+                (void)cudaFreeHost(c->host_arena);
+        if (c->own_stream && c->stream)
+                (void)cudaStreamDestroy(c->stream);
+        (void)cudaGetLastError();
+        free(c);
+}
+
+extern "C" int kvf_gpu_copier_create(int device, unsigned flags,
+                                     const struct kvf_gpu_copier_opts *opts,
+                                     struct kvf_gpu_copier **out)
+{
+        struct kvf_gpu_copier *c;
+        cudaError_t e;
+        int prev, rc;
+
+        if (!out)
+                return kvf_gpu_err_set(-EINVAL, "copier: no output");
+        *out = NULL;
+        if (flags & ~(unsigned)(KVF_GPU_COPIER_MAPPED_DESC | KVF_GPU_COPIER_NORMAL_PRIORITY))
+                return kvf_gpu_err_set(-EINVAL, "copier: unknown flags 0x%x", flags);
+        if (opts && opts->chunk_bytes &&
+            (opts->chunk_bytes % 16 || opts->chunk_bytes > KVF_GPU_CHUNK_MAX))
+                return kvf_gpu_err_set(-EINVAL, "copier: chunk size %u", opts->chunk_bytes);
+        if (!(c = (struct kvf_gpu_copier *)calloc(1, sizeof(*c))))
+                return kvf_gpu_err_set(-ENOMEM, "copier: out of memory");
+        c->device = device;
+        c->flags = flags;
+        c->cap = opts && opts->arena_chunks ? opts->arena_chunks : ARENA_DEFAULT;
+        c->chunk_bytes = opts ? opts->chunk_bytes : 0;
+        c->next_ticket = 1;
+
+        if ((rc = kvf_gpu_device_enter(device, &prev)) < 0) {
+                free(c);
+                return rc;
+        }
+        if ((rc = kvf_gpu_device_sms(device)) < 0)
+                goto fail;
+        c->sms = rc;
+        if (opts && opts->stream) {
+                c->stream = (cudaStream_t)opts->stream;
+        } else {
+                int lo = 0, hi = 0;
+                if ((e = cudaDeviceGetStreamPriorityRange(&lo, &hi)) != cudaSuccess) {
+                        rc = kvf_gpu_err_cuda(e, "cudaDeviceGetStreamPriorityRange");
+                        goto fail;
+                }
+                /* Numerically lowest is the greatest priority. */
+                int prio = (flags & KVF_GPU_COPIER_NORMAL_PRIORITY) ? lo : hi;
+                e = cudaStreamCreateWithPriority(&c->stream, cudaStreamNonBlocking, prio);
+                if (e != cudaSuccess) {
+                        rc = kvf_gpu_err_cuda(e, "cudaStreamCreateWithPriority");
+                        goto fail;
+                }
+                c->own_stream = 1;
+        }
+        if ((e = cudaEventCreateWithFlags(&c->after_ev, cudaEventDisableTiming)) != cudaSuccess) {
+                rc = kvf_gpu_err_cuda(e, "cudaEventCreate");
+                goto fail;
+        }
+        for (unsigned i = 0; i < KVF_GPU_MAX_INFLIGHT; i++) {
+                e = cudaEventCreateWithFlags(&c->slots[i].ev, cudaEventDisableTiming);
+                if (e != cudaSuccess) {
+                        rc = kvf_gpu_err_cuda(e, "cudaEventCreate");
+                        goto fail;
+                }
+        }
+        {
+                size_t bytes = (size_t)c->cap * sizeof(struct kvf_gpu_chunk);
+                unsigned hflags = (flags & KVF_GPU_COPIER_MAPPED_DESC) ? cudaHostAllocMapped : 0;
+                e = cudaHostAlloc((void **)&c->host_arena, bytes, hflags);
+                if (e != cudaSuccess) {
+                        rc = kvf_gpu_err_cuda(e, "cudaHostAlloc (descriptor arena)");
+                        goto fail;
+                }
+                if (flags & KVF_GPU_COPIER_MAPPED_DESC)
+                        e = cudaHostGetDevicePointer((void **)&c->dev_arena, c->host_arena, 0);
+                else
+                        e = cudaMalloc((void **)&c->dev_arena, bytes);
+                if (e != cudaSuccess) {
+                        rc = kvf_gpu_err_cuda(e, "descriptor arena on the device");
+                        goto fail;
+                }
+        }
+        kvf_gpu_device_leave(prev);
+        *out = c;
+        return 0;
+fail:
+        kvf_gpu_device_leave(prev);
+        release(c);
+        return rc;
+}
+
+static int set_broken(struct kvf_gpu_copier *c, cudaError_t e, const char *what)
+{
+        int rc = kvf_gpu_err_cuda(e, what);
+        if (!c->broken) {
+                c->broken = 1;
+                snprintf(c->broken_msg, sizeof(c->broken_msg), "%s", kvf_gpu_err_msg());
+        }
+        return rc == -ENOMEM ? -EIO : rc;
+}
+
+/* Ticket t is complete: so is everything before it (one stream). */
+static void retire_upto(struct kvf_gpu_copier *c, uint64_t t)
+{
+        if (t <= c->retired)
+                return;
+        c->retired = t;
+        /* Monotonic: an empty batch's end can lie before a stretch that
+         * arena_take moved to the ring's start meanwhile. */
+        uint64_t end = c->slots[t % KVF_GPU_MAX_INFLIGHT].arena_end;
+        if (end > c->tail)
+                c->tail = end;
+}
+
+/*
+ * Query the events of unfinished batches, oldest first, and retire those
+ * that are done; stop at the first pending one. Returns 0, or -EIO after a
+ * CUDA error (the copier is then broken).
+ */
+static int reap(struct kvf_gpu_copier *c)
+{
+        while (c->retired + 1 < c->next_ticket && !c->broken) {
+                uint64_t t = c->retired + 1;
+                cudaError_t e = cudaEventQuery(c->slots[t % KVF_GPU_MAX_INFLIGHT].ev);
+                if (e == cudaErrorNotReady)
+                        return 0;
+                if (e != cudaSuccess)
+                        return set_broken(c, e, "copy batch");
+                retire_upto(c, t);
+        }
+        return c->broken ? -EIO : 0;
+}
+
+int kvf_gpu_arena_fit(uint64_t *head, uint64_t *tail, uint64_t cap, uint64_t k, uint64_t *start)
+{
+        if (*tail == *head && (*head % cap) + k > cap) {
+                /* Nothing in use: start the next stretch at the ring's start rather
+                 * than count the skipped end as in use (which would refuse, for
+                 * ever, a batch that fits an empty ring). */
+                *head += cap - *head % cap;
+                *tail = *head;
+        }
+        uint64_t pos = *head, off = pos % cap;
+        if (off + k > cap)
+                pos += cap - off; /* a stretch never wraps: skip the ring's end */
+        if (pos + k - *tail > cap)
+                return -EAGAIN;
+        *start = pos;
+        return 0;
+}
+
+/* Room for k chunks in one stretch? *start receives where it begins. */
+static int arena_take(struct kvf_gpu_copier *c, uint64_t k, uint64_t *start)
+{
+        for (int attempt = 0; attempt < 2; attempt++) {
+                if (kvf_gpu_arena_fit(&c->head, &c->tail, c->cap, k, start) == 0)
+                        return 0;
+                int rc = reap(c);
+                if (rc < 0)
+                        return rc;
+        }
+        return kvf_gpu_err_set(-EAGAIN,
+                               "copier: descriptor arena full (%llu batches in flight, %llu of "
+                               "%llu chunks in use, %llu wanted)",
+                               (unsigned long long)(c->next_ticket - 1 - c->retired),
+                               (unsigned long long)(c->head - c->tail), (unsigned long long)c->cap,
+                               (unsigned long long)k);
+}
+
+extern "C" int kvf_gpu_copy_submit(struct kvf_gpu_copier *c, const struct kvf_gpu_batch *b,
+                                   uint64_t *ticket)
+{
+        uint64_t start = 0;
+        size_t k = 0;
+        int prev, rc;
+        cudaError_t e;
+
+        if (!b || !ticket)
+                return kvf_gpu_err_set(-EINVAL, "submit: no batch or no ticket");
+        *ticket = 0;
+        if (c->broken)
+                return kvf_gpu_err_set(-EIO, "copier unusable after an earlier failure: %s",
+                                       c->broken_msg);
+
+        /* Size the chunks, check every run and count (no CUDA call yet). */
+        uint64_t total = 0;
+        for (size_t i = 0; i < b->n_runs; i++)
+                total += b->runs ? b->runs[i].bytes : 0;
+        uint32_t chunk = c->chunk_bytes ? c->chunk_bytes : kvf_gpu_chunk_bytes_for(total, c->sms);
+        if ((rc = kvf_gpu_plan(b->runs, b->n_runs, b->src, b->n_src, b->dst, b->n_dst, chunk, NULL,
+                               0, &k)) < 0)
+                return rc;
+        if (k > c->cap)
+                return kvf_gpu_err_set(-E2BIG,
+                                       "batch of %zu runs needs %zu chunks, the copier's arena "
+                                       "holds %llu: split it",
+                                       b->n_runs, k, (unsigned long long)c->cap);
+        if (k > UINT32_MAX)
+                return kvf_gpu_err_set(-E2BIG, "batch needs %zu chunks", k);
+        if (c->next_ticket - 1 - c->retired >= KVF_GPU_MAX_INFLIGHT) {
+                if ((rc = reap(c)) < 0)
+                        return rc;
+                if (c->next_ticket - 1 - c->retired >= KVF_GPU_MAX_INFLIGHT)
+                        return kvf_gpu_err_set(-EAGAIN, "copier: %u batches in flight",
+                                               KVF_GPU_MAX_INFLIGHT);
+        }
+        if (k && (rc = arena_take(c, k, &start)) < 0)
+                return rc;
+
+        struct kvf_gpu_chunk *h = c->host_arena + start % c->cap;
+        struct kvf_gpu_chunk *d = c->dev_arena + start % c->cap;
+        size_t k2 = 0;
+        if (k && (rc = kvf_gpu_plan(b->runs, b->n_runs, b->src, b->n_src, b->dst, b->n_dst, chunk,
+                                    h, k, &k2)) < 0)
+                return rc;
+
+        if ((rc = kvf_gpu_device_enter(c->device, &prev)) < 0)
+                return rc;
+        if (b->after_stream) {
+                if ((e = cudaEventRecord(c->after_ev, (cudaStream_t)b->after_stream)) !=
+                    cudaSuccess) {
+                        rc = kvf_gpu_err_cuda(e, "cudaEventRecord on the engine's stream");
+                        goto out;
+                }
+                if ((e = cudaStreamWaitEvent(c->stream, c->after_ev, 0)) != cudaSuccess) {
+                        rc = kvf_gpu_err_cuda(e, "cudaStreamWaitEvent");
+                        goto out;
+                }
+        }
+        if (k && !(c->flags & KVF_GPU_COPIER_MAPPED_DESC)) {
+                e = cudaMemcpyAsync(d, h, k * sizeof(*h), cudaMemcpyHostToDevice, c->stream);
+                if (e != cudaSuccess) {
+                        rc = kvf_gpu_err_cuda(e, "staging the copy descriptors");
+                        goto out;
+                }
+        }
+        if ((rc = kvf_gpu_copy_launch(d, (uint32_t)k, c->stream, b->stamps)) < 0)
+                goto out;
+        {
+                uint64_t t = c->next_ticket;
+                struct slot *s = &c->slots[t % KVF_GPU_MAX_INFLIGHT];
+                if ((e = cudaEventRecord(s->ev, c->stream)) != cudaSuccess) {
+                        /* The kernel is queued but nobody can learn when it ends:
+                         * treat the copier as failed (the caller fails this batch). */
+                        rc = set_broken(c, e, "cudaEventRecord after the copy");
+                        goto out;
+                }
+                s->ticket = t;
+                s->arena_end = k ? start + k : c->head;
+                if (k)
+                        c->head = start + k;
+                c->next_ticket = t + 1;
+                *ticket = t;
+        }
+        rc = 0;
+out:
+        kvf_gpu_device_leave(prev);
+        return rc;
+}
+
+extern "C" int kvf_gpu_copy_poll(struct kvf_gpu_copier *c, uint64_t ticket)
+{
+        if (ticket == 0 || ticket >= c->next_ticket)
+                return kvf_gpu_err_set(-EINVAL, "poll: ticket %llu was never issued",
+                                       (unsigned long long)ticket);
+        if (ticket <= c->retired)
+                return 1;
+        if (c->broken)
+                return kvf_gpu_err_set(-EIO, "%s", c->broken_msg);
+        /* Only tickets newer than `retired` are here, and fewer than
+         * KVF_GPU_MAX_INFLIGHT of them exist, so the slot still holds `ticket`. */
+        cudaError_t e = cudaEventQuery(c->slots[ticket % KVF_GPU_MAX_INFLIGHT].ev);
+        if (e == cudaErrorNotReady)
+                return 0;
+        if (e != cudaSuccess)
+                return set_broken(c, e, "copy batch");
+        retire_upto(c, ticket);
+        return 1;
+}
+
+extern "C" void kvf_gpu_copier_destroy(struct kvf_gpu_copier *c)
+{
+        if (!c)
+                return;
+        int prev;
+        if (kvf_gpu_device_enter(c->device, &prev) == 0) {
+                /* Bounded wait: freeing the arenas under a running kernel would be
+                 * a use after free on the GPU; a stuck GPU must not hang us. */
+                uint64_t until = now_ns() + DESTROY_WAIT_NS;
+                while (!c->broken && c->retired + 1 < c->next_ticket && now_ns() < until) {
+                        if (kvf_gpu_copy_poll(c, c->next_ticket - 1) != 0)
+                                break;
+                        struct timespec ts = {0, 100000};
+                        nanosleep(&ts, NULL);
+                }
+                kvf_gpu_device_leave(prev);
+        }
+        release(c);
+}

@@ -1,0 +1,307 @@
+/*
+ * kvf_gpu: the CUDA building blocks of kvferry's same-host GPU path.
+ *
+ * A plain C header: no CUDA header is needed to include it; streams are
+ * `void *` (a cudaStream_t), device memory is `void *` or a 64-bit address.
+ * Nothing here knows about instances, rings or requests: the cache backend
+ * that wires this in maps requests to runs and tickets to requests.
+ *
+ *  - the batched copy: one kernel launch copies thousands of runs
+ *    {source offset, destination offset, bytes} between any number of
+ *    regions (own cache, peers' caches, K and V, several layers); a copier
+ *    owns the descriptor staging, a stream and one CUDA event per batch;
+ *    the caller polls tickets (cudaEventQuery, never a blocking sync);
+ *  - caches: cudaMalloc, CUDA IPC handles (64 bytes, for shared memory),
+ *    peer access between devices, device UUIDs;
+ *  - layer-done signals: make a 64-bit word in host memory take a value when
+ *    a stream reaches a point, by a host function, by a stream memory
+ *    operation (cuStreamWriteValue64) or by a one-thread kernel.
+ *
+ * Return values: >= 0 on success, -errno on failure, and then
+ * kvf_gpu_err_msg() says why, on the calling thread ("cudaIpcOpenMemHandle:
+ * invalid argument (cudaErrorInvalidValue)"). Every failure of the CUDA
+ * runtime or driver is -EIO (-ENOMEM for an allocation); arguments that are
+ * wrong are -EINVAL, a run outside its region -ERANGE.
+ *
+ * Errors of CUDA work that already ran (a faulting kernel) are "sticky": the
+ * process's context on that device is unusable afterwards and every later
+ * call fails with -EIO. The copier therefore checks every run against its
+ * region before it launches anything (kvf_gpu_plan), so a bad block id in a
+ * task fails that batch at submit and nothing else.
+ *
+ * Threads: a copier is used by one thread at a time. The other functions
+ * may be called from any thread. None may be called from a CUDA host
+ * function (CUDA forbids CUDA calls there).
+ */
+#ifndef KVF_GPU_H
+#define KVF_GPU_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ---------------------------------------------------------------- errors */
+
+/* Why the last failing kvf_gpu call on this thread failed ("" if none). */
+const char *kvf_gpu_err_msg(void);
+
+/* ---------------------------------------------------------------- devices */
+
+/*
+ * Number of CUDA devices visible to this process; 0, with a message saying
+ * why, when there is none or the runtime cannot start (no driver, a driver
+ * older than the runtime), so callers can skip.
+ */
+int kvf_gpu_device_count(void);
+
+/* The device's UUID (16 bytes), stable across processes whatever their
+ * CUDA_VISIBLE_DEVICES: store it beside an IPC handle. */
+int kvf_gpu_device_uuid(int device, uint8_t uuid[16]);
+/* The index, in this process, of the device with this UUID, or -ENODEV. */
+int kvf_gpu_device_by_uuid(const uint8_t uuid[16]);
+
+/* Multiprocessor count of the device (132 on an H200 SXM). */
+int kvf_gpu_device_sms(int device);
+
+/* 1 when contexts created on this device are shared through MPS, 0 if not. */
+int kvf_gpu_mps_enabled(int device);
+
+/* ---------------------------------------------------------------- caches */
+
+/* cudaMalloc on `device`; the memory is not cleared. */
+int kvf_gpu_alloc(int device, uint64_t bytes, void **out);
+int kvf_gpu_free(int device, void *ptr);
+
+#define KVF_GPU_IPC_HANDLE_SIZE 64u
+
+/*
+ * The CUDA IPC handle of an allocation (cudaIpcGetMemHandle), 64 opaque
+ * bytes to store in shared memory. `ptr` must be the start of an allocation
+ * made by kvf_gpu_alloc (cudaMalloc): the handle names the whole allocation
+ * and kvf_gpu_ipc_open returns its start.
+ */
+int kvf_gpu_ipc_export(void *ptr, uint8_t handle[KVF_GPU_IPC_HANDLE_SIZE]);
+
+/*
+ * Map another process's allocation into this process, for use by kernels
+ * running on `device`. When the memory lives on another device, peer access
+ * from `device` to it is enabled (kvf_gpu_peer_enable), and -EXDEV returned
+ * if the two cannot reach each other. *owner_device (may be NULL) receives
+ * the device that holds the memory, as numbered in this process.
+ * A handle cannot be opened by the process that exported it (CUDA refuses);
+ * open each peer's handle once and keep the mapping.
+ */
+int kvf_gpu_ipc_open(int device, const uint8_t handle[KVF_GPU_IPC_HANDLE_SIZE], void **out,
+                     int *owner_device);
+int kvf_gpu_ipc_close(int device, void *ptr);
+
+/* Let kernels on `device` access memory on `peer` (idempotent); -EXDEV if the
+ * hardware cannot (then a copy must be staged through host memory). */
+int kvf_gpu_peer_enable(int device, int peer);
+
+/* ---------------------------------------------------------------- runs and the plan */
+
+/* A range of device memory runs may address: [base, base + bytes). */
+struct kvf_gpu_region {
+        uint64_t base; /* device address (a cudaMalloc'd, IPC-opened or peer pointer) */
+        uint64_t bytes;
+};
+
+/*
+ * One contiguous copy: src[src_region] + src_off -> dst[dst_region] + dst_off.
+ * For a KV cache, offset(layer, tensor, block) =
+ * ((layer * tensors + tensor) * num_blocks + block) * block_bytes, and blocks
+ * contiguous on both sides merge into one run. Any byte count and alignment
+ * is copied; 16-byte aligned starts and multiples of 16 bytes take the fast
+ * path (every cache block is).
+ */
+struct kvf_gpu_run {
+        uint64_t src_off;
+        uint64_t dst_off;
+        uint64_t bytes;
+        uint32_t src_region;
+        uint32_t dst_region;
+};
+
+/*
+ * The kernel's unit of work: a run, or a piece of one, with absolute
+ * addresses. One thread block copies one chunk at a time. 24 bytes.
+ */
+struct kvf_gpu_chunk {
+        uint64_t src;
+        uint64_t dst;
+        uint32_t bytes;
+        uint32_t reserved; /* 0 */
+};
+
+/* Largest chunk the planner makes; larger runs are cut into chunks. */
+#define KVF_GPU_CHUNK_MAX (1u << 20)
+
+/*
+ * Check every run against its regions and cut the runs into chunks of at
+ * most `chunk_bytes` (a multiple of 16, 16 .. KVF_GPU_CHUNK_MAX), cut at
+ * multiples of 16 bytes from the run's start. Pure host code, no CUDA call.
+ *
+ * out == NULL: only check and count. Otherwise at most `cap` chunks are
+ * written. *n_chunks receives the count in both cases.
+ * Returns 0; -EINVAL for a region index out of range or a region whose end
+ * overflows; -ERANGE for a run outside its region (the message names the
+ * run, the region and both ranges); -E2BIG when more than `cap` chunks are
+ * needed (nothing useful is in `out` then). Zero-byte runs make no chunk.
+ * Not checked: overlaps between a run's source and destination or between
+ * destinations of different runs (the result is then undefined).
+ */
+int kvf_gpu_plan(const struct kvf_gpu_run *runs, size_t n_runs, const struct kvf_gpu_region *src,
+                 uint32_t n_src, const struct kvf_gpu_region *dst, uint32_t n_dst,
+                 uint32_t chunk_bytes, struct kvf_gpu_chunk *out, size_t cap, size_t *n_chunks);
+
+/*
+ * The chunk size the copier uses for a batch of `total_bytes` on a device
+ * with `sms` multiprocessors: the power of two, 4 KiB to 64 KiB, that makes
+ * about eight chunks per multiprocessor (at most), so that small batches
+ * still spread over every SM and large ones keep blocks busy.
+ */
+uint32_t kvf_gpu_chunk_bytes_for(uint64_t total_bytes, int sms);
+
+/*
+ * Launch the copy kernel over `n` chunks that are already in memory the
+ * device can read (device memory, or the device pointer of mapped pinned
+ * host memory), on `stream`. No check of the chunks: use kvf_gpu_plan.
+ * stamps: NULL, or a device pointer to two 64-bit words that receive the
+ * earliest block start (atomicMin) and the latest block end (atomicMax,
+ * after the block's stores are visible device-wide) in %globaltimer
+ * nanoseconds; the caller initialises them to UINT64_MAX and 0.
+ * Returns 0 or -EIO (launch failure: the work was not queued).
+ */
+int kvf_gpu_copy_launch(const struct kvf_gpu_chunk *dev_chunks, uint32_t n, void *stream,
+                        uint64_t *stamps);
+
+/* The kernel's own code run on the host, thread by thread, over chunks with
+ * host addresses: lets tests check the index arithmetic without a GPU.
+ * `threads` emulated threads per block (the kernel uses KVF_GPU_THREADS). */
+void kvf_gpu_copy_emulate(const struct kvf_gpu_chunk *chunks, size_t n, uint32_t threads);
+
+#define KVF_GPU_THREADS 256u
+
+/* ---------------------------------------------------------------- the copier */
+
+struct kvf_gpu_copier;
+
+enum kvf_gpu_copier_flags {
+        /*
+         * The kernel reads the descriptors straight from mapped pinned host
+         * memory (no staging copy before the launch: one command instead of
+         * two, each block's first read crosses PCIe). Default: the descriptors
+         * are copied to device memory on the copier's stream first.
+         */
+        KVF_GPU_COPIER_MAPPED_DESC = 1u << 0,
+        /* Create the stream at normal priority (default: the highest, so the
+         * copy's blocks are scheduled before an engine's pending blocks). */
+        KVF_GPU_COPIER_NORMAL_PRIORITY = 1u << 1,
+};
+
+struct kvf_gpu_copier_opts {
+        void *stream;          /* NULL: the copier creates its own non-blocking stream;
+                                  else every batch goes on this one (not destroyed) */
+        uint32_t arena_chunks; /* descriptor staging, chunks; 0: 65536 (1.5 MiB) */
+        uint32_t chunk_bytes;  /* 0: kvf_gpu_chunk_bytes_for() per batch */
+};
+
+/* Create a copier on `device`. opts may be NULL (defaults). */
+int kvf_gpu_copier_create(int device, unsigned flags, const struct kvf_gpu_copier_opts *opts,
+                          struct kvf_gpu_copier **out);
+/* Waits (bounded, 10 s) for the batches in flight, then frees everything. */
+void kvf_gpu_copier_destroy(struct kvf_gpu_copier *c);
+/* The stream the copier's batches run on (a cudaStream_t). */
+void *kvf_gpu_copier_stream(const struct kvf_gpu_copier *c);
+
+/* Most batches in flight (submitted, not yet seen complete by a poll). */
+#define KVF_GPU_MAX_INFLIGHT 256u
+
+struct kvf_gpu_batch {
+        const struct kvf_gpu_run *runs;
+        size_t n_runs;
+        const struct kvf_gpu_region *src;
+        uint32_t n_src;
+        const struct kvf_gpu_region *dst;
+        uint32_t n_dst;
+        /* NULL, or a stream (of the copier's device) whose work queued so far
+         * must finish before this batch starts: the engine's compute stream,
+         * for a copy on a side stream that follows the layer's kernel. */
+        void *after_stream;
+        /* NULL, or the stamps of kvf_gpu_copy_launch (benchmarks). */
+        uint64_t *stamps;
+};
+
+/*
+ * Plan the batch, stage its descriptors, launch one kernel and record the
+ * batch's event, all on the copier's stream; *ticket identifies the batch
+ * (tickets count up from 1). Never blocks on the GPU.
+ * Returns 0; -EINVAL/-ERANGE for a bad run (nothing queued: fail exactly the
+ * requests of this batch); -EAGAIN when KVF_GPU_MAX_INFLIGHT batches are in
+ * flight or the staging arena has no room yet (poll, then try again);
+ * -E2BIG when the batch needs more chunks than the whole arena (split it);
+ * -EIO when CUDA refused the work (the batch did not run).
+ * An empty batch (no runs, or only empty ones) gets a ticket too.
+ */
+int kvf_gpu_copy_submit(struct kvf_gpu_copier *c, const struct kvf_gpu_batch *b, uint64_t *ticket);
+
+/*
+ * Has the batch landed? 1: yes, every byte is in place (visible to later
+ * work on any stream of the device, and to peers); 0: not yet; -EIO: the
+ * batch failed (the message says how) and so will every batch submitted
+ * before or after it whose completion was not yet seen: a failed copy is
+ * sticky in CUDA. Polling tickets out of order is allowed; a ticket seen
+ * complete stays complete. -EINVAL for a ticket never issued.
+ */
+int kvf_gpu_copy_poll(struct kvf_gpu_copier *c, uint64_t ticket);
+
+/* ---------------------------------------------------------------- layer-done signals */
+
+enum kvf_gpu_signal_method {
+        /* cudaLaunchHostFunc: CUDA's callback thread stores the value (and
+         * calls `wake`, e.g. to ring a futex doorbell). Any host memory. */
+        KVF_GPU_SIGNAL_HOST_FN = 1,
+        /* cuStreamWriteValue64 (driver API, found through the runtime, so no
+         * link against libcuda): the GPU writes the value into the word,
+         * which is registered with cudaHostRegister(mapped). No `wake`: a
+         * waiter must poll the word. */
+        KVF_GPU_SIGNAL_WRITE_VALUE = 2,
+        /* A one-thread kernel does a system-scope release store into the
+         * mapped word. Same as WRITE_VALUE for waiters; a fallback where
+         * stream memory operations are unavailable. */
+        KVF_GPU_SIGNAL_KERNEL = 3,
+};
+
+struct kvf_gpu_signal;
+
+/*
+ * A signal that stores values into the 64-bit, 8-byte aligned word `word`
+ * (host memory: private, or a MAP_SHARED mapping such as kvferry's control
+ * segment). For WRITE_VALUE and KERNEL the word's page is registered with
+ * CUDA (or found already registered); unregistered at destroy if it was
+ * registered here. `wake` (HOST_FN only, may be NULL) runs on CUDA's
+ * callback thread after each store, with `wake_arg`.
+ */
+int kvf_gpu_signal_create(int device, uint64_t *word, int method, void (*wake)(void *),
+                          void *wake_arg, struct kvf_gpu_signal **out);
+/*
+ * When `stream` reaches this point (all work queued on it before has
+ * finished), the word takes `value` (a release store: whoever reads the
+ * value with an acquire load sees everything the stream did before it).
+ * Stores happen in stream order; use one signal per stream.
+ * -EAGAIN (HOST_FN) when 1024 host functions of this signal are pending.
+ */
+int kvf_gpu_signal_post(struct kvf_gpu_signal *s, void *stream, uint64_t value);
+/* The caller has made sure no post is still pending (stream synchronised). */
+void kvf_gpu_signal_destroy(struct kvf_gpu_signal *s);
+const char *kvf_gpu_signal_method_name(int method);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

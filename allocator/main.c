@@ -22,6 +22,7 @@
 #include "clock.h"
 #include "kvferry.h"
 #include "ctl.h"
+#include "cache.h"
 #include "err.h"
 #include "layout.h"
 #include "log.h"
@@ -49,6 +50,8 @@ static void usage(void)
                "  --blocks N             blocks per layer tensor\n"
                "  --cache-mib N          or: size the cache to N MiB and derive --blocks\n"
                "  --rank N, --nranks N   this instance's rank among its engine's ranks\n"
+               "  --backend NAME         where the cache lives: host (default), host-async (a test\n"
+               "                         backend whose copies complete later)\n"
                "  --device N             the GPU this instance serves; FastDeploy's ipc tasks name a\n"
                "                         same-host peer by it (device_ids). Default: none\n"
                "  --max-requests N       request table slots (default %u)\n"
@@ -95,33 +98,6 @@ static int check_fits(const struct kvf_cache_layout *l)
         return 0;
 }
 
-static int create_cache(const char *instance, const struct kvf_cache_layout *l)
-{
-        char name[96];
-        kvf_cache_shm_name(instance, name, sizeof(name));
-        int fd = shm_open(name, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
-        if (fd < 0 && errno == EEXIST)
-                return kvf_ctl_exists_err(instance, name);
-        if (fd < 0)
-                return kvf_err_set(-errno, "create cache /dev/shm%s: %s", name, strerror(errno));
-        int rc = 0;
-        if (fchmod(fd, 0600) < 0 || ftruncate(fd, (off_t)l->cache_bytes) < 0)
-                rc = -errno;
-        /* Reserve every page now: tmpfs then fails here with ENOSPC rather
-         * than with SIGBUS in whoever touches the page first. */
-        if (rc == 0)
-                rc = -posix_fallocate(fd, 0, (off_t)l->cache_bytes);
-        close(fd);
-        if (rc < 0) {
-                shm_unlink(name);
-                char need[32];
-                return kvf_err_set(rc, "reserve %s for cache /dev/shm%s: %s",
-                                   kvf_fmt_bytes(l->cache_bytes, need, sizeof(need)), name,
-                                   strerror(-rc));
-        }
-        return 0;
-}
-
 static int check_cache_file(const struct kvf_ctl *c)
 {
         char path[128];
@@ -140,7 +116,7 @@ int main(int argc, char **argv)
 {
         enum { O_ROLE = 1000, O_MODEL, O_TP, O_LAYERS, O_EXTRA, O_HEADS, O_HDIM, O_DTYPE, O_KEYONLY,
                O_BSIZE, O_BLOCKS, O_MIB, O_RANK, O_NRANKS, O_DEVICE, O_MAXREQ, O_MAXBLK, O_RING, O_HB,
-               O_ADOPT, O_VERSION };
+               O_ADOPT, O_VERSION, O_BACKEND };
         static const struct option opts[] = {
                 {"instance", required_argument, 0, 'i'},  {"role", required_argument, 0, O_ROLE},
                 {"model", required_argument, 0, O_MODEL}, {"tp", required_argument, 0, O_TP},
@@ -154,6 +130,7 @@ int main(int argc, char **argv)
                 {"cache-mib", required_argument, 0, O_MIB}, {"rank", required_argument, 0, O_RANK},
                 {"nranks", required_argument, 0, O_NRANKS},
                 {"device", required_argument, 0, O_DEVICE},
+                {"backend", required_argument, 0, O_BACKEND},
                 {"max-requests", required_argument, 0, O_MAXREQ},
                 {"max-blocks-per-request", required_argument, 0, O_MAXBLK},
                 {"ring-kib", required_argument, 0, O_RING},
@@ -208,6 +185,13 @@ int main(int argc, char **argv)
                 case O_RANK: p.rank = (uint32_t)kvf_opt_u64("rank", optarg, 0, 65535); break;
                 case O_NRANKS: p.nranks = (uint32_t)kvf_opt_u64("nranks", optarg, 1, 65536); break;
                 case O_DEVICE: p.device = (uint32_t)kvf_opt_u64("device", optarg, 0, 65535); break;
+                case O_BACKEND: {
+                        const struct kvf_cache_backend *be = kvf_cache_backend_named(optarg);
+                        if (!be)
+                                kvf_opt_die(prog, "--backend: %s", kvf_err_msg());
+                        p.backend = be->id;
+                        break;
+                }
                 case O_MAXREQ: p.reqtab_slots = (uint32_t)kvf_opt_u64("max-requests", optarg, 1, 65536); break;
                 case O_MAXBLK: p.max_blocks = (uint32_t)kvf_opt_u64("max-blocks-per-request", optarg, 1, 1u << 20); break;
                 case O_RING: {
@@ -275,7 +259,7 @@ int main(int argc, char **argv)
                         kvf_error("%s", kvf_err_msg());
                         return 1;
                 }
-                if ((rc = create_cache(p.instance, &p.layout)) < 0) {
+                if ((rc = kvf_cache_create(ctl.hdr)) < 0) {
                         char seg[96];
                         kvf_error("%s", kvf_err_msg());
                         kvf_ctl_detach(&ctl);

@@ -18,6 +18,7 @@
 #include <unistd.h>
 
 #include "atomics.h"
+#include "cache.h"
 #include "clock.h"
 #include "ctl.h"
 #include "doorbell.h"
@@ -37,8 +38,7 @@ struct kvf_client {
         uint64_t session; /* the engine role generation this attach claimed */
         pthread_mutex_t submit_mu;
         pthread_mutex_t poll_mu; /* also guards the previous-session list and dst */
-        uint8_t *cache;
-        uint64_t cache_size;
+        struct kvf_cache cache;
         unsigned next_ring; /* poll fairness between the two inbound rings */
         uint32_t *dst;      /* the last arrival's destination blocks (kvf_event.dest_block_ids) */
         struct previous *prev_head, *prev_tail;
@@ -54,12 +54,9 @@ const char *kvf_last_error(void)
 static int map_cache(struct kvf_client *c)
 {
         const struct kvf_ctl_header *h = c->ctl.hdr;
-        if (h->backend != KVF_BACKEND_HOST || h->layout.cache_bytes == 0)
+        if (h->layout.cache_bytes == 0)
                 return 0;
-        int rc = kvf_cache_map(h, true, &c->cache);
-        if (rc == 0)
-                c->cache_size = h->layout.cache_bytes;
-        return rc;
+        return kvf_cache_map(h, true, &c->cache);
 }
 
 static int try_read(struct kvf_client *c, struct kvf_event *ev);
@@ -140,8 +137,7 @@ void kvf_detach(struct kvf_client *c)
         /* The session is over: the sender ends its requests now, not at its next tick. */
         kvf_doorbell_ring(&c->ctl.bells[KVF_BELL_SENDER]);
         kvf_doorbell_ring(&c->ctl.bells[KVF_BELL_CONNECTOR]);
-        if (c->cache)
-                munmap(c->cache, c->cache_size);
+        kvf_cache_unmap(&c->cache);
         while (c->prev_head) {
                 struct previous *p = c->prev_head;
                 c->prev_head = p->next;
@@ -173,9 +169,9 @@ int kvf_get_layout(struct kvf_client *c, struct kvf_layout_info *out)
 void *kvf_cache_tensor(struct kvf_client *c, uint32_t layer, int v)
 {
         const struct kvf_cache_layout *l = &c->ctl.hdr->layout;
-        if (!c->cache || layer >= kvf_layout_layers(l) || v < 0 || (uint32_t)v >= kvf_layout_tensors(l))
+        if (!c->cache.base || layer >= kvf_layout_layers(l) || v < 0 || (uint32_t)v >= kvf_layout_tensors(l))
                 return NULL;
-        return c->cache + kvf_layout_offset(l, layer, (uint32_t)v, 0);
+        return kvf_cache_addr(&c->cache, kvf_layout_offset(l, layer, (uint32_t)v, 0));
 }
 
 static int submit_bytes(struct kvf_client *c, int ring, int type, const void *buf, size_t len)

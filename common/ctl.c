@@ -562,27 +562,6 @@ void kvf_ctl_detach(struct kvf_ctl *c)
         c->fd = -1;
 }
 
-int kvf_cache_map(const struct kvf_ctl_header *h, bool writable, uint8_t **out)
-{
-        uint64_t want = h->layout.cache_bytes;
-        int fd = shm_open(h->cache_name, (writable ? O_RDWR : O_RDONLY) | O_CLOEXEC, 0);
-        if (fd < 0)
-                return kvf_err_set(-ENOENT, "open cache /dev/shm%s: %s", h->cache_name, strerror(errno));
-        struct stat st;
-        if (fstat(fd, &st) < 0 || (uint64_t)st.st_size != want) {
-                close(fd);
-                return kvf_err_set(-EPROTO, "cache /dev/shm%s has the wrong size (the layout needs %llu bytes)",
-                                   h->cache_name, (unsigned long long)want);
-        }
-        void *p = mmap(NULL, want, PROT_READ | (writable ? PROT_WRITE : 0), MAP_SHARED | MAP_POPULATE, fd, 0);
-        int e = errno;
-        close(fd);
-        if (p == MAP_FAILED)
-                return kvf_err_set(-ENOMEM, "map cache /dev/shm%s (%llu bytes): %s", h->cache_name,
-                                   (unsigned long long)want, strerror(e));
-        *out = p;
-        return 0;
-}
 
 int kvf_ctl_unlink(const char *instance)
 {

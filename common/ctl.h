@@ -97,12 +97,6 @@ int kvf_ctl_attach_path(const char *path, bool writable, struct kvf_ctl *out);
  */
 int kvf_ctl_validate(void *base, uint64_t size, uid_t uid, struct kvf_ctl *out);
 void kvf_ctl_detach(struct kvf_ctl *c);
-/*
- * Map the instance's host cache file (MAP_SHARED, populated), read-only or
- * read-write, after checking its size against the layout. 0, or -ENOENT
- * (cannot open), -EPROTO (wrong size), -ENOMEM (cannot map), with kvf_err set.
- */
-int kvf_cache_map(const struct kvf_ctl_header *h, bool writable, uint8_t **out);
 
 /* Remove the instance's segment and cache file; 0 if anything was removed. */
 int kvf_ctl_unlink(const char *instance);

@@ -88,8 +88,9 @@ enum kvf_dtype {
 };
 
 enum kvf_backend {
-        KVF_BACKEND_HOST = 1, /* caches in a shared-memory file */
-        KVF_BACKEND_CUDA = 2, /* caches in GPU memory, CUDA IPC handles below */
+        KVF_BACKEND_HOST = 1,       /* caches in a shared-memory file */
+        KVF_BACKEND_CUDA = 2,       /* caches in GPU memory, CUDA IPC handles below */
+        KVF_BACKEND_HOST_ASYNC = 3, /* test backend: host memory, copies completed later */
 };
 
 #define KVF_DEVICE_NONE 0xffffffffu
@@ -267,7 +268,8 @@ struct kvf_req_slot {
                                   * to withdraw the notice (it waits for the peer's answer), or 0 */
         uint8_t pad1[280];
 };
-#define KVF_REQF_ID_BIN 1u /* the request id came as msgpack bin: echo it as bin */
+#define KVF_REQF_ID_BIN 1u       /* the request id came as msgpack bin: echo it as bin */
+#define KVF_REQF_COPY_PENDING 2u /* ipc: a copy batch with its bytes may still be in flight */
 
 /*
  * The decode-side connector's journal of published arrivals, so a notice

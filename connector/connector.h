@@ -24,6 +24,7 @@
 #include <stdint.h>
 
 #include "auth.h"
+#include "cache.h"
 #include "ctl.h"
 #include "net.h"
 #include "records.h"
@@ -126,7 +127,7 @@ struct rx_xfer;
 
 struct connector {
         struct kvf_ctl ctl;
-        uint8_t *cache; /* own host cache: read by data_tx, written by data_rx */
+        struct kvf_cache cache; /* own cache: read by data_tx, written by data_rx */
         pthread_mutex_t rxmu; /* data_rx's table */
         struct rx_xfer *rx[RX_BUCKETS];
         uint64_t gen;

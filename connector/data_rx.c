@@ -388,14 +388,27 @@ void data_rx_serve(struct connector *cn, int fd, const char *peer, uint64_t gen,
                 if (rc < 0)
                         goto violation;
                 /* rc 1: a closed transfer, whose payload is read and dropped. Else
-                 * straight into the cache: the header named these blocks, and they are ours. */
-                if (stage_payload(cn, &ring, fd, &st, rc == 1 ? NULL : cn->cache + off, plen, to) < 0) {
+                 * straight into the cache (or the backend's staging buffer): the header
+                 * named these blocks, and they are ours. */
+                uint8_t *dst = NULL;
+                if (rc == 0 && kvf_cache_io_begin(&cn->cache, off, plen, true, &dst) < 0) {
+                        snprintf(why, sizeof(why), "%s", kvf_err_msg());
+                        kvf_errlog(&cn->ctl, KVF_ROLE_CONNECTOR, "data from '%s' (%s): %s: disconnected",
+                                   peer, remote, why);
+                        break;
+                }
+                if (stage_payload(cn, &ring, fd, &st, dst, plen, to) < 0) {
                         kvf_count(&cn->ctl, KVF_CTR_FRAMES_REJECTED, 1);
                         kvf_warn("peer '%s' (%s): data frame cut short", peer, remote);
                         break;
                 }
                 if (rc == 1)
                         continue;
+                if (kvf_cache_io_end(&cn->cache, off, plen, true, dst) < 0) {
+                        kvf_errlog(&cn->ctl, KVF_ROLE_CONNECTOR, "data from '%s' (%s): %s: disconnected",
+                                   peer, remote, kvf_err_msg());
+                        break;
+                }
                 kvf_count(&cn->ctl, KVF_CTR_BYTES_TCP_RECEIVED, plen);
                 if (rx_mark(cn, peer, gen, &h))
                         post_done(cn, peer, gen, h.key);

@@ -206,6 +206,7 @@ static bool check_dst(struct peer_data *pd, struct xfer *x)
 
 struct sendbuf {
         uint8_t hdr[KVF_FRAME_HDR + sizeof(struct kvf_data_hdr)];
+        uint8_t *src; /* the payload's host memory (kvf_cache_io_begin), released once sent */
         const uint8_t *xopen; /* the transfer's XOPEN frame, when this frame needs one first */
         uint32_t xopen_len;
         struct iovec iov[2];
@@ -235,6 +236,13 @@ static int encode_xopen(struct xfer *x)
         return 0;
 }
 
+/* The payloads' host memory is no longer needed (sent, or given up). */
+static void release_src(struct connector *cn, struct frame **fs, unsigned n, struct sendbuf *sb)
+{
+        for (unsigned i = 0; i < n; i++)
+                kvf_cache_io_end(&cn->cache, fs[i]->src_off, frame_bytes(cn, fs[i]), false, sb[i].src);
+}
+
 /*
  * Send one batch of frames as a linked chain of sendmsg (so they go out in
  * order on the stream) and wait for all of it. 0, or -errno if the
@@ -245,10 +253,19 @@ static int send_batch(struct data_conn *dc, struct io_uring *ring, struct frame 
 {
         struct peer_data *pd = dc->pd;
         struct connector *cn = pd->p->cn;
-        const uint8_t *cache = cn->cache;
         unsigned ops = 0;
         int rc = 0;
 
+        /* The blocks' bytes in host memory: the cache itself, or a staging buffer the
+         * backend fills (cache.h); all of them before a single send is queued. */
+        for (unsigned i = 0; i < n; i++) {
+                if (kvf_cache_io_begin(&cn->cache, fs[i]->src_off, frame_bytes(cn, fs[i]), false, &sb[i].src) < 0) {
+                        kvf_errlog(&cn->ctl, KVF_ROLE_CONNECTOR, "data for '%s': %s", pd->p->name,
+                                   kvf_err_msg());
+                        release_src(cn, fs, i, sb);
+                        return -EIO;
+                }
+        }
         for (unsigned i = 0; i < n; i++) {
                 struct frame *f = fs[i];
                 struct sendbuf *b = &sb[i];
@@ -269,7 +286,7 @@ static int send_batch(struct data_conn *dc, struct io_uring *ring, struct frame 
                 kvf_net_put_hdr(b->hdr, (uint32_t)(sizeof(h) + len), KVF_RT_DATA, 0);
                 memcpy(b->hdr + KVF_FRAME_HDR, &h, sizeof(h));
                 b->iov[0] = (struct iovec){b->hdr, sizeof(b->hdr)};
-                b->iov[1] = (struct iovec){(void *)(cache + f->src_off), len};
+                b->iov[1] = (struct iovec){b->src, len};
                 b->mh = (struct msghdr){.msg_iov = b->iov, .msg_iovlen = 2};
                 sqe = io_uring_get_sqe(ring);
                 if (cn->cfg.zerocopy)
@@ -317,6 +334,10 @@ static int send_batch(struct data_conn *dc, struct io_uring *ring, struct frame 
                 }
                 io_uring_cqe_seen(ring, cqe);
         }
+        /* (w < 0 left completions behind: the staging memory stays with the connection's
+         * frames, which go again; a host cache has nothing to release anyway) */
+        if (results == ops && notifs == 0)
+                release_src(cn, fs, n, sb);
         return rc;
 }
 

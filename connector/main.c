@@ -477,13 +477,11 @@ static void control_loop(struct connector *cn)
         }
 }
 
-/* The tcp data path reads (prefill) and writes (decode) the instance's own host cache. */
+/* The tcp data path reads (prefill) and writes (decode) the instance's own cache. A cache
+ * this connector cannot map is a failure at start, never a connector without a cache. */
 static int map_cache(struct connector *cn)
 {
-        const struct kvf_ctl_header *h = cn->ctl.hdr;
-        if (h->backend != KVF_BACKEND_HOST)
-                return 0;
-        return kvf_cache_map(h, true, &cn->cache);
+        return kvf_cache_map(cn->ctl.hdr, true, &cn->cache);
 }
 
 int main(int argc, char **argv)

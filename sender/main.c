@@ -90,6 +90,7 @@ static int run(struct sender *s, uint64_t spin_ns)
                          * is never applied to requests of the one before (sessions.c). */
                         sender_sessions_check(s, false);
                         sender_on_progress(s, w, pub);
+                        sender_copies_flush(s); /* the layer's copies of every request: one batch */
                         worked = true;
                         /* Finish notices before new tasks: a request whose last layer was
                          * just copied waits for its notice, a new task's first layer is
@@ -121,6 +122,7 @@ static int run(struct sender *s, uint64_t spin_ns)
                                 break;
                         worked = true;
                 }
+                sender_copies_flush(s); /* a late task's layers, a chunk's blocks */
                 int n = kvf_ring_read(from_conn, sender_on_connector_record, s, 256);
                 if (n > 0)
                         worked = true;
@@ -129,6 +131,11 @@ static int run(struct sender *s, uint64_t spin_ns)
                                    kvf_err_msg());
                 if (s->pending)
                         sender_flush_pending(s);
+                sender_copies_flush(s);
+                if (s->cp.flight) {
+                        sender_copies_poll(s);
+                        worked = true; /* batches in flight: keep looking (no wake-up comes) */
+                }
 
                 uint64_t now = kvf_now_ns();
                 if (now >= next_tick) {
@@ -218,12 +225,11 @@ int main(int argc, char **argv)
         s.layers = kvf_layout_layers(s.layout);
         s.tensors = kvf_layout_tensors(s.layout);
         s.request_timeout_ns = timeout_ms * 1000000ull;
-        uint8_t *own;
-        if ((rc = kvf_cache_map(s.ctl.hdr, false, &own)) < 0 || (rc = sender_table_init(&s)) < 0) {
+        if ((rc = kvf_cache_map(s.ctl.hdr, false, &s.own)) < 0 || (rc = sender_table_init(&s)) < 0 ||
+            (rc = sender_copies_init(&s)) < 0) {
                 kvf_error("%s", kvf_err_msg());
                 return 1;
         }
-        s.cache = own;
         int64_t gen = kvf_role_claim(&s.ctl, KVF_ROLE_SENDER);
         if (gen < 0) {
                 kvf_error("%s", kvf_err_msg());
@@ -240,7 +246,9 @@ int main(int argc, char **argv)
         run(&s, spin_us * 1000);
         kvf_role_end(&s.ctl, KVF_ROLE_SENDER);
         kvf_info("stopping");
+        sender_copies_drain(&s, 2000000000ull); /* never unmap under a copy in flight */
         sender_peers_close(&s);
+        kvf_cache_unmap(&s.own);
         kvf_ctl_detach(&s.ctl);
         return 0;
 }

@@ -28,8 +28,7 @@
 
 static void drop(struct ipc_peer *p)
 {
-        if (p->cache)
-                munmap(p->cache, p->cache_size);
+        kvf_cache_unmap(&p->cache);
         kvf_ctl_detach(&p->ctl);
         memset(p, 0, sizeof(*p));
         p->ctl.fd = -1;
@@ -53,9 +52,11 @@ static int open_peer(struct sender *s, struct ipc_peer *p, const char *name, cha
                 rc = -EPERM;
                 goto fail;
         }
-        if (h->backend != KVF_BACKEND_HOST) {
-                snprintf(why, whylen, "instance '%s' keeps its caches on a GPU; this sender copies host caches only",
-                         name);
+        if (h->backend != s->own.be->id) {
+                const struct kvf_cache_backend *pb = kvf_cache_backend(h->backend);
+                snprintf(why, whylen, "instance '%s' keeps its cache in '%s' memory, this one in '%s': "
+                         "same-host copies need the same backend",
+                         name, pb ? pb->name : "unknown", s->own.be->name);
                 rc = -EPROTO;
                 goto fail;
         }
@@ -69,7 +70,6 @@ static int open_peer(struct sender *s, struct ipc_peer *p, const char *name, cha
                 snprintf(why, whylen, "peer '%s': %s", name, kvf_err_msg());
                 goto fail;
         }
-        p->cache_size = h->layout.cache_bytes;
         p->created_ns = h->created_ns;
         if (fstat(p->ctl.fd, &st) == 0)
                 p->ino = st.st_ino;
@@ -138,6 +138,7 @@ void sender_peers_check(struct sender *s)
                         continue;
                 }
                 kvf_warn("peer '%s' went away or was restarted: dropping its mapping", p->name);
+                sender_copies_drain(s, 1000000000ull); /* never unmap under a copy in flight */
                 for (uint32_t k = 0; k < s->ctl.hdr->reqtab_slots; k++) {
                         struct kvf_req_slot *r = &s->ctl.reqtab[k];
                         if (r->state == KVF_REQ_ACTIVE && r->peer_idx == i &&

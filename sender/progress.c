@@ -20,7 +20,7 @@
 
 #include "atomics.h"
 #include "clock.h"
-#include "copy.h"
+#include "err.h"
 #include "layout.h"
 #include "log.h"
 #include "sender.h"
@@ -49,30 +49,11 @@ static uint32_t build_runs(struct sender *s, uint32_t slot, uint32_t b0, uint32_
         return n;
 }
 
-/* Copy layers [l0, l1) of send-blocks [b0, b1) of a same-host request. */
-static void copy_ipc(struct sender *s, uint32_t slot, uint32_t l0, uint32_t l1, uint32_t b0,
-                     uint32_t b1)
+/* Copy layers [l0, l1) of send-blocks [b0, b1) of a same-host request (gathered: copies.c). */
+static int copy_ipc(struct sender *s, uint32_t slot, uint32_t l0, uint32_t l1, uint32_t b0,
+                    uint32_t b1)
 {
-        struct kvf_req_slot *r = &s->ctl.reqtab[slot];
-        const struct ipc_peer *p = &s->peers[r->peer_idx];
-        const struct kvf_cache_layout *L = s->layout;
-        const struct kvf_cache_layout *PL = &p->ctl.hdr->layout;
-        const uint32_t *dst = kvf_slot_blocks(&s->ctl, slot) + s->ctl.hdr->max_blocks;
-        uint64_t bb = L->block_bytes;
-        uint32_t n = build_runs(s, slot, b0, b1);
-
-        for (uint32_t l = l0; l < l1; l++)
-                for (uint32_t t = 0; t < s->tensors; t++)
-                        for (uint32_t k = 0; k < n; k += 3)
-                                kvf_copy_stream(p->cache + kvf_layout_offset(PL, l, t, dst[s->runs[k + 1]]),
-                                                s->cache + kvf_layout_offset(L, l, t, s->runs[k]),
-                                                s->runs[k + 2] * bb);
-        /* The streamed stores are visible before anything that says the layer is there. */
-        kvf_copy_fence();
-        uint64_t blocks = (uint64_t)(l1 - l0) * s->tensors * (b1 - b0);
-        kvf_count(&s->ctl, KVF_CTR_BLOCKS_IPC, blocks);
-        kvf_count(&s->ctl, KVF_CTR_BYTES_IPC, blocks * bb);
-        r->bytes += blocks * bb;
+        return sender_copies_add(s, slot, l0, l1, s->runs, build_runs(s, slot, b0, b1));
 }
 
 /*
@@ -90,7 +71,7 @@ static int post_batch(struct sender *s, uint32_t slot, uint32_t l0, uint32_t l1,
                                .n_runs = build_runs(s, slot, b0, b1), .transport = (int)r->transport};
         memcpy(w.request_id, r->request_id, sizeof(w.request_id));
         memcpy(w.peer, r->peer, sizeof(w.peer));
-        return sender_post(s, &w) < 0 ? -EAGAIN : 0; /* the connector counts what it sends */
+        return sender_post(s, &w); /* the connector counts what it sends */
 }
 
 int sender_post_open(struct sender *s, uint32_t slot)
@@ -104,7 +85,7 @@ int sender_post_open(struct sender *s, uint32_t slot)
                                .session = r->peer_session};
         memcpy(o.request_id, r->request_id, sizeof(o.request_id));
         memcpy(o.peer, r->peer, sizeof(o.peer));
-        return sender_post(s, &o) < 0 ? -EAGAIN : 0;
+        return sender_post(s, &o);
 }
 
 /*
@@ -155,23 +136,36 @@ static int send_range(struct sender *s, uint32_t slot, uint32_t l0, uint32_t l1,
                                     (unsigned long long)r->peer_session, r->peer);
                         return 0;
                 }
-                copy_ipc(s, slot, l0, l1, b0, b1);
+                if (copy_ipc(s, slot, l0, l1, b0, b1) < 0) {
+                        sender_fail(s, slot, KVF_STATUS_WRITE, "%s", kvf_err_msg());
+                        return 0;
+                }
         } else {
                 if (s->flags[slot] & SLOT_NET_BLOCKED)
                         return -EAGAIN; /* the open record (or a resend) goes first */
-                if (post_batch(s, slot, l0, l1, b0, b1) < 0)
-                        return -EAGAIN;
+                int rc = post_batch(s, slot, l0, l1, b0, b1);
+                if (rc < 0)
+                        return sender_post_retry(s, slot, rc) ? -EAGAIN : 0; /* (else: failed) */
         }
-        kvf_hist_add(&s->ctl.sender->hist[KVF_HIST_COPY], kvf_now_ns() - t0);
+        if (r->transport != KVF_TRANSPORT_IPC) /* (an ipc batch is timed when it is submitted) */
+                kvf_hist_add(&s->ctl.sender->hist[KVF_HIST_COPY], kvf_now_ns() - t0);
         kvf_count(&s->ctl, KVF_CTR_COPY_BATCHES, 1);
         kvf_count(&s->ctl, KVF_CTR_LAYERS_SENT, l1 - l0);
         return 0;
 }
 
 /* Every byte of the request is written: ask the connector to tell the peer. */
-static void all_sent(struct sender *s, uint32_t slot)
+void sender_all_sent(struct sender *s, uint32_t slot)
 {
         struct kvf_req_slot *r = &s->ctl.reqtab[slot];
+        if (r->state != KVF_REQ_ACTIVE)
+                return;
+        if (sender_copies_busy(s, slot)) {
+                /* Its last copies are gathered or in flight: FINISHING once they land. */
+                sender_disarm(s, slot);
+                sender_copies_await(s, slot);
+                return;
+        }
         r->last_layer_ns = s->progress_ns && s->progress_ns > r->accept_ns ? s->progress_ns
                                                                            : r->accept_ns;
         sender_disarm(s, slot);
@@ -219,7 +213,7 @@ void sender_advance(struct sender *s, uint32_t slot)
                 r->chunk_head++;
         }
         if (r->chunk_head == r->chunk_tail && r->last_chunk_seen && r->sent_full >= r->n_send)
-                all_sent(s, slot);
+                sender_all_sent(s, slot);
         else
                 sender_arm(s, slot);
 }

@@ -18,18 +18,26 @@
 #include <stdint.h>
 #include <sys/types.h>
 
+#include "cache.h"
 #include "ctl.h"
 #include "records.h"
 
 #define SENDER_MAX_PEERS 64u
 
+/* A copy batch in flight: its backend ticket and the requests it carries. */
+struct copy_batch {
+        uint64_t ticket;
+        uint32_t *slots;
+        uint32_t nslots;
+        struct copy_batch *next;
+};
+
 /* A same-host peer instance whose cache this sender writes into. */
 struct ipc_peer {
         char name[KVF_PEER_MAX];
-        struct kvf_ctl ctl; /* read-only view of its control segment */
-        uint8_t *cache;     /* its host cache, mapped read-write */
-        uint64_t cache_size;
-        uint64_t created_ns; /* identity of the peer's segment we mapped */
+        struct kvf_ctl ctl;     /* read-only view of its control segment */
+        struct kvf_cache cache; /* its cache, mapped read-write (by its backend) */
+        uint64_t created_ns;    /* identity of the peer's segment we mapped */
         ino_t ino;
         bool in_use;
 };
@@ -59,7 +67,7 @@ struct sender {
         const struct kvf_cache_layout *layout;
         uint32_t layers;  /* layers + extra layers */
         uint32_t tensors; /* 1 (key only) or 2 */
-        const uint8_t *cache; /* own cache, read-only */
+        struct kvf_cache own; /* own cache, read-only */
 
         /* request id -> slot: open addressing, 2x the slots, UINT32_MAX = empty */
         uint32_t *map;
@@ -87,6 +95,21 @@ struct sender {
         uint64_t engine_retry_ns; /* ...and is tried again then, or when a slot is freed */
 
         struct ipc_peer peers[SENDER_MAX_PEERS];
+        /* copies.c: the batch being gathered, and batches in flight */
+        struct {
+                struct kvf_copy_run *runs;
+                uint32_t nruns, caprun;
+                struct kvf_cache *dst[SENDER_MAX_PEERS];
+                uint32_t dst_peer[SENDER_MAX_PEERS];
+                uint32_t ndst;
+                uint32_t *slots;   /* in the batch being gathered */
+                uint32_t nslots;
+                struct copy_batch *flight; /* batches in flight, oldest first (a list) */
+                struct copy_batch *flight_tail;
+                uint32_t nflight;
+                uint32_t *inflight; /* per slot: its batches in flight */
+                uint8_t *state;     /* per slot: COPY_* */
+        } cp;
         struct net_peer net_peers[SENDER_NET_PEERS];
         uint8_t *scratch; /* encode buffer */
         size_t scratch_cap;
@@ -138,9 +161,16 @@ void sender_fail(struct sender *s, uint32_t slot, int status, const char *fmt, .
 void sender_flush_pending(struct sender *s);
 void sender_adopt(struct sender *s);
 void sender_tick(struct sender *s, uint64_t now);
-/* Encode a record into the scratch buffer and write it to the connector's ring; 0, -ENOMEM, or
- * the ring's error. */
+
+/* outbox.c */
+/* Encode into the scratch buffer: 0, -ENOMEM (try again), or < 0 for a record that cannot be. */
+int sender_encode(struct sender *s, const struct kvf_record *r, size_t *len);
+/* Encode and write to ring sender->connector: 0, -EAGAIN (full), -ENOMEM, or a permanent error
+ * (-EMSGSIZE: never fits; an encoding error), kvf_err set. */
 int sender_post(struct sender *s, const struct kvf_record *r);
+/* After a failed post for `slot`: true = back-pressure, try again later; false = the request
+ * failed with "write error" (a record it needs can never be posted). */
+bool sender_post_retry(struct sender *s, uint32_t slot, int rc);
 
 /* Every byte a request moves: its send-blocks in every layer and tensor. */
 static inline uint64_t sender_request_bytes(const struct sender *s, const struct kvf_req_slot *r)
@@ -163,9 +193,28 @@ uint64_t sender_record_session(struct sender *s, uint64_t pos);
 /* End the requests of engine sessions that are over; check_process reads /proc (ticks). */
 void sender_sessions_check(struct sender *s, bool check_process);
 
+/* copies.c */
+#define COPY_IN_BATCH 1u /* has runs in the batch being gathered */
+#define COPY_AWAITED 4u  /* every byte is submitted: FINISHING once its batches land */
+int sender_copies_init(struct sender *s);
+/* Gather layers [l0, l1) of runs (src, dst index, count triples, nwords of them) of an ipc slot. */
+int sender_copies_add(struct sender *s, uint32_t slot, uint32_t l0, uint32_t l1, const uint32_t *runs,
+                      uint32_t nwords);
+/* Submit what was gathered (one batch), then poll. */
+void sender_copies_flush(struct sender *s);
+/* Batches that completed: FINISHING for requests waiting on them, write error for failed ones. */
+void sender_copies_poll(struct sender *s);
+/* The slot has copies gathered or in flight: nothing may be said about it yet. */
+bool sender_copies_busy(const struct sender *s, uint32_t slot);
+void sender_copies_await(struct sender *s, uint32_t slot);
+/* Flush, then wait up to timeout_ns for every batch in flight (a peer going, the sender stopping). */
+void sender_copies_drain(struct sender *s, uint64_t timeout_ns);
+
 /* progress.c */
 void sender_on_progress(struct sender *s, uint64_t word, uint64_t publish_ns);
 void sender_advance(struct sender *s, uint32_t slot);
+/* Every byte of the request is written (copies landed): FINISHING, its notice follows. */
+void sender_all_sent(struct sender *s, uint32_t slot);
 /* Network transfers: the open record, and handing everything sent so far again. 0 or -EAGAIN. */
 int sender_post_open(struct sender *s, uint32_t slot);
 int sender_resend(struct sender *s, uint32_t slot);

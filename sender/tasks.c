@@ -22,32 +22,6 @@
 #include "log.h"
 #include "sender.h"
 
-static int encode(struct sender *s, const struct kvf_record *r, size_t *len)
-{
-        size_t need = kvf_record_encoded_max(r);
-        if (need > s->scratch_cap) {
-                uint8_t *p = realloc(s->scratch, need);
-                if (!p)
-                        return -ENOMEM;
-                s->scratch = p;
-                s->scratch_cap = need;
-        }
-        int n = kvf_record_encode(r, s->scratch, s->scratch_cap);
-        if (n < 0)
-                return n;
-        *len = (size_t)n;
-        return 0;
-}
-
-int sender_post(struct sender *s, const struct kvf_record *r)
-{
-        size_t len;
-        if (encode(s, r, &len) < 0)
-                return -ENOMEM;
-        return kvf_ring_write(&s->ctl.rings[KVF_RING_SENDER_TO_CONNECTOR], (uint16_t)r->type, s->scratch,
-                              (uint32_t)len, NULL);
-}
-
 static void count_status(struct sender *s, int status)
 {
         static const enum kvf_counter_id by_status[KVF_STATUS_COUNT] = {
@@ -105,7 +79,7 @@ static int post_completion(struct sender *s, uint32_t slot)
         memcpy(c.reason, r->reason, sizeof(c.reason));
         c.session = r->session;
         c.id_bin = r->flags & KVF_REQF_ID_BIN;
-        if (encode(s, &c, &len) < 0 || kvf_ring_claim(ring, KVF_RT_COMPLETION, (uint32_t)len, &p, &pos) < 0)
+        if (sender_encode(s, &c, &len) < 0 || kvf_ring_claim(ring, KVF_RT_COMPLETION, (uint32_t)len, &p, &pos) < 0)
                 return -EAGAIN;
         /* Crash window: with the position stored first, a successor can ask
          * the ring whether this record was committed. */
@@ -203,9 +177,19 @@ static int post_notice(struct sender *s, uint32_t slot, enum notice_kind kind)
 static void flush_slot(struct sender *s, uint32_t i)
 {
         uint8_t *f = &s->flags[i];
+        /* Copies of its still gathered or in flight: no notice, no completion before they
+         * land (an abort notice lets the peer's engine reuse the blocks). copies.c marks
+         * pending again when they do. */
+        if (sender_copies_busy(s, i))
+                return;
+        int rc;
         if (*f & SLOT_ABORT_NOTICE) {
-                if (post_notice(s, i, NOTICE_ABORT) < 0)
+                /* Best effort: one that can never be posted is given up (the peer times out). */
+                if ((rc = post_notice(s, i, NOTICE_ABORT)) < 0 && (rc == -EAGAIN || rc == -ENOMEM))
                         return;
+                if (rc < 0)
+                        kvf_errlog(&s->ctl, KVF_ROLE_SENDER, "req %s: abort notice: %s",
+                                   s->ctl.reqtab[i].request_id, kvf_err_msg());
                 *f &= (uint8_t)~SLOT_ABORT_NOTICE;
         }
         if (*f & SLOT_NEEDS_COMPLETION) {
@@ -213,13 +197,17 @@ static void flush_slot(struct sender *s, uint32_t i)
                 return;
         }
         if (*f & SLOT_NEEDS_OPEN) {
-                if (sender_post_open(s, i) < 0)
+                if ((rc = sender_post_open(s, i)) < 0) {
+                        sender_post_retry(s, i, rc);
                         return;
+                }
                 *f &= (uint8_t)~SLOT_NEEDS_OPEN;
         }
         if (*f & SLOT_RESEND) {
-                if (sender_resend(s, i) < 0)
+                if ((rc = sender_resend(s, i)) < 0) {
+                        sender_post_retry(s, i, rc);
                         return;
+                }
                 *f &= (uint8_t)~SLOT_RESEND;
         }
         if (*f & SLOT_NEEDS_ADVANCE) {
@@ -228,9 +216,13 @@ static void flush_slot(struct sender *s, uint32_t i)
                 if (*f & SLOT_NEEDS_ADVANCE)
                         return;
         }
-        if ((*f & SLOT_NEEDS_NOTICE) &&
-            post_notice(s, i, s->ctl.reqtab[i].withdraw_ns ? NOTICE_WITHDRAW : NOTICE_FINISH) == 0)
-                *f &= (uint8_t)~SLOT_NEEDS_NOTICE;
+        if (*f & SLOT_NEEDS_NOTICE) {
+                rc = post_notice(s, i, s->ctl.reqtab[i].withdraw_ns ? NOTICE_WITHDRAW : NOTICE_FINISH);
+                if (rc == 0)
+                        *f &= (uint8_t)~SLOT_NEEDS_NOTICE;
+                else
+                        sender_post_retry(s, i, rc); /* (a FINISHING request that fails is decided) */
+        }
 }
 
 void sender_flush_pending(struct sender *s)
@@ -293,7 +285,7 @@ static int reject(struct sender *s, const struct task_ref *t, const char *peer, 
         va_start(ap, fmt);
         vsnprintf(c.reason, sizeof(c.reason), fmt, ap);
         va_end(ap);
-        if (encode(s, &c, &len) < 0 || kvf_ring_claim(ring, KVF_RT_COMPLETION, (uint32_t)len, &p, &pos) < 0)
+        if (sender_encode(s, &c, &len) < 0 || kvf_ring_claim(ring, KVF_RT_COMPLETION, (uint32_t)len, &p, &pos) < 0)
                 return -EAGAIN; /* the task stays in its ring; retried later */
         kvf_store_release(&a->reject_completion_pos, pos);
         kvf_store_release(&a->reject_task_pos, task_pos);
@@ -457,8 +449,12 @@ static int accept_task(struct sender *s, struct kvf_record *t, const struct task
         kvf_store_release(&r->state, KVF_REQ_ACTIVE);
         sender_map_insert(s, slot);
         kvf_count(&s->ctl, KVF_CTR_TASKS_ACCEPTED, 1);
-        if (r->transport != KVF_TRANSPORT_IPC && sender_post_open(s, slot) < 0)
+        int rc;
+        if (r->transport != KVF_TRANSPORT_IPC && (rc = sender_post_open(s, slot)) < 0) {
+                if (!sender_post_retry(s, slot, rc))
+                        return 0; /* failed: its completion says why */
                 sender_mark(s, slot, SLOT_NEEDS_OPEN);
+        }
         kvf_debug("req %s: accepted, %u of %u blocks to '%s', step %llu", id, t->n_dst, t->n_src,
                   t->peer, (unsigned long long)t->current_id);
         /* Its layers may be done already (task after layer-done): move them now. */
@@ -645,6 +641,17 @@ void sender_adopt(struct sender *s)
                     sender_peer_get(s, r->peer, &r->peer_idx, why, sizeof(why)) < 0) {
                         decide(s, i, KVF_STATUS_CONNECTION, why);
                         continue;
+                }
+                /* A copy batch of its may have been in flight when the sender died. With
+                 * copies that complete at once (host) it landed; else its fate is unknown
+                 * and the request cannot be reported finished. */
+                if ((r->flags & KVF_REQF_COPY_PENDING) && st != KVF_REQ_COMPLETING) {
+                        r->flags &= ~KVF_REQF_COPY_PENDING;
+                        if (s->own.be->id != KVF_BACKEND_HOST) {
+                                decide(s, i, KVF_STATUS_WRITE,
+                                       "the sender restarted while a copy of this request was in flight");
+                                continue;
+                        }
                 }
                 switch (st) {
                 case KVF_REQ_ACTIVE:

@@ -60,6 +60,28 @@ j=$(case_run "key-only" mla --prefill $TAG-mp0 --decode $TAG-md0 --requests 10 -
 pass "key-only (MLA) layout: 61 layers x 1 tensor moved and verified"
 down $TAG-mp0; down $TAG-md0
 
+# A second cache backend (common/cache_host_async.c): host memory whose copies complete later, on
+# a worker thread, as a GPU kernel's do. Requests go FINISHING only once their last batch has
+# landed; a failed batch fails exactly the requests it carried, never one reported finished.
+up $TAG-ad0 --role decode $L --backend host-async
+KVFERRY_ASYNC_DELAY_US=300 up $TAG-ap0 --role prefill $L --backend host-async
+j=$(case_run "async copies" as --prefill $TAG-ap0 --decode $TAG-ad0 --requests 30 --layer-us 100 --late-pct 20)
+[ "$(json_get "$j" finished)" = 30 ] || fail "async copies: not all 30 finished"
+j=$(case_run "async copies, chunked" asc --prefill $TAG-ap0 --decode $TAG-ad0 --requests 15 --layer-us 50 --chunk-tokens 1000 --step-tokens 3000)
+[ "$(json_get "$j" finished)" = 15 ] || fail "async copies, chunked: not all 15 finished"
+grep -q "host-async" <("$B/kvf-ringdump" --instance $TAG-ap0) || fail "ring-dump does not name the backend"
+down $TAG-ap0
+KVFERRY_ASYNC_FAIL_EVERY=5 up $TAG-ap0 --role prefill $L --backend host-async
+j=$KVFERRY_RUN_DIR/asf.json
+"$B/kvf-sim" --quiet --json "$j" --timeout-s 60 --prefill $TAG-ap0 --decode $TAG-ad0 --requests 30 --layer-us 100 \
+  >"$KVFERRY_RUN_DIR/asf.txt" || true
+[ "$(json_get "$j" corrupt)" = 0 ] || fail "async copies that fail: a request was reported finished with bytes that differ"
+[ "$(json_get "$j" unaccounted)" = 0 ] || fail "async copies that fail: requests without a completion"
+grep -q "write error" "$KVFERRY_RUN_DIR/asf.txt" || fail "async copies that fail: no request ended 'write error'"
+[ "$(json_get "$j" finished_but_failed_pairs)" = 0 ] || fail "async copies that fail: the two sides disagree"
+pass "a second cache backend with copies completed later: 45 requests verified; every 5th batch failed: $(json_get "$j" failed) requests 'write error', the rest verified, none corrupt"
+down $TAG-ap0; down $TAG-ad0
+
 for r in 0 1; do
   up $TAG-rd$r --role decode $L --rank $r --nranks 2
   up $TAG-rp$r --role prefill $L --rank $r --nranks 2

@@ -11,6 +11,8 @@
  */
 #include "ringdump_print.h"
 
+#include "cache.h"
+
 #include <errno.h>
 #include <inttypes.h>
 #include <stdlib.h>
@@ -243,13 +245,8 @@ static uint64_t boot_id(void)
 
 static const char *backend_name(uint32_t b)
 {
-        switch (b) {
-        case KVF_BACKEND_HOST:
-                return "host";
-        case KVF_BACKEND_CUDA:
-                return "cuda";
-        }
-        return "unknown";
+        const struct kvf_cache_backend *be = kvf_cache_backend(b);
+        return be ? be->name : b == KVF_BACKEND_CUDA ? "cuda" : "unknown";
 }
 
 static const char *dtype_name(uint32_t t)

@@ -1,0 +1,135 @@
+/*
+ * Cache backends: what every role does with an instance's KV cache, in
+ * whatever memory it lives.
+ *
+ *   allocator  creates the cache, keeps it alive        kvf_cache_create
+ *   everyone   maps its own, or a same-host peer's       kvf_cache_map / kvf_cache_unmap
+ *   engine     addresses a layer's tensor                kvf_cache_addr
+ *   sender     copies runs of blocks into a peer's cache kvf_cache_copy_submit / _poll:
+ *              a batch may complete later (a GPU kernel returns before its copy lands)
+ *   connector  sends from / receives into blocks         kvf_cache_io_begin / _end:
+ *              host memory gives the cache itself; a device backend gives a staging buffer
+ *
+ * One backend per instance, named in the control segment's header
+ * (`backend`). Backends are listed once, in cache.c; a new one is a new file
+ * plus one line there. Offsets are byte offsets in the layout's order
+ * (kvf_layout_offset).
+ *
+ * Threads: a mapped cache may be used from several threads for io; copies of
+ * one source cache are submitted and polled from one thread (the sender's).
+ */
+#ifndef KVF_CACHE_H
+#define KVF_CACHE_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "shm_layout.h"
+
+struct kvf_cache_backend;
+
+/* A mapping of one instance's cache in this process. */
+struct kvf_cache {
+        const struct kvf_cache_backend *be;
+        struct kvf_cache_layout layout;
+        uint8_t *base;    /* the address this process uses: host memory, or a device pointer */
+        uint64_t bytes;
+        bool writable;
+        bool host;        /* base is host memory the CPU may touch */
+        void *priv;       /* the backend's */
+};
+
+/* One run of contiguous bytes from the source cache to one of the batch's destinations. */
+struct kvf_copy_run {
+        uint32_t dst; /* index into kvf_copy_batch.dst */
+        uint32_t pad;
+        uint64_t src_off, dst_off, bytes;
+};
+
+struct kvf_copy_batch {
+        struct kvf_cache *src;
+        struct kvf_cache *const *dst;
+        uint32_t ndst;
+        const struct kvf_copy_run *runs;
+        uint32_t nruns;
+};
+
+struct kvf_cache_backend {
+        const char *name;
+        uint32_t id; /* enum kvf_backend */
+        /* Allocator: make the storage named by the header (h->cache_name) and keep it. */
+        int (*create)(const struct kvf_ctl_header *h);
+        /* Remove what create made (the instance goes down). */
+        void (*destroy)(const struct kvf_ctl_header *h);
+        int (*map)(const struct kvf_ctl_header *h, bool writable, struct kvf_cache *out);
+        void (*unmap)(struct kvf_cache *c);
+        /* Copy a batch; *ticket identifies it for poll. The batches of one source cache
+         * complete in the order they were submitted. */
+        int (*copy_submit)(const struct kvf_copy_batch *b, uint64_t *ticket);
+        /* 1 done, 0 in flight, -EIO failed (kvf_err says why; the batch's bytes are undefined). */
+        int (*copy_poll)(struct kvf_cache *src, uint64_t ticket);
+        /*
+         * Host memory for bytes [off, off + len) of the cache: to send from
+         * (after io_begin) or to receive into (until io_end). NULL hooks: the
+         * cache is host memory and base + off is it.
+         */
+        int (*io_begin)(struct kvf_cache *c, uint64_t off, uint64_t len, bool recv, uint8_t **p);
+        int (*io_end)(struct kvf_cache *c, uint64_t off, uint64_t len, bool recv, uint8_t *p);
+};
+
+/* The backend of this id, or NULL (kvf_err says which exist). */
+const struct kvf_cache_backend *kvf_cache_backend(uint32_t id);
+/* The backend of this name ("host", ...), or NULL. */
+const struct kvf_cache_backend *kvf_cache_backend_named(const char *name);
+/* Names of the backends built in, for messages: "host, host-async". */
+const char *kvf_cache_backend_names(void);
+
+/* Allocator: create the cache of header h with its backend. */
+int kvf_cache_create(const struct kvf_ctl_header *h);
+void kvf_cache_destroy(const struct kvf_ctl_header *h);
+
+/*
+ * Map the cache of the instance whose header is h (read-only or
+ * read-write), after checking it against the layout. 0, or -ENOENT (cannot
+ * open), -EPROTO (wrong size or unknown backend), -ENOMEM, with kvf_err set.
+ */
+int kvf_cache_map(const struct kvf_ctl_header *h, bool writable, struct kvf_cache *out);
+void kvf_cache_unmap(struct kvf_cache *c);
+
+/* The address of byte `off` of the cache, as this process uses it (host or device). */
+static inline void *kvf_cache_addr(const struct kvf_cache *c, uint64_t off)
+{
+        return c->base ? c->base + off : (void *)0;
+}
+
+static inline int kvf_cache_copy_submit(const struct kvf_copy_batch *b, uint64_t *ticket)
+{
+        return b->src->be->copy_submit(b, ticket);
+}
+
+static inline int kvf_cache_copy_poll(struct kvf_cache *src, uint64_t ticket)
+{
+        return src->be->copy_poll(src, ticket);
+}
+
+static inline int kvf_cache_io_begin(struct kvf_cache *c, uint64_t off, uint64_t len, bool recv,
+                                     uint8_t **p)
+{
+        if (!c->be->io_begin) {
+                *p = c->base + off;
+                return 0;
+        }
+        return c->be->io_begin(c, off, len, recv, p);
+}
+
+static inline int kvf_cache_io_end(struct kvf_cache *c, uint64_t off, uint64_t len, bool recv,
+                                   uint8_t *p)
+{
+        return c->be->io_end ? c->be->io_end(c, off, len, recv, p) : 0;
+}
+
+/* The backends (cache_*.c). */
+extern const struct kvf_cache_backend kvf_cache_host;
+extern const struct kvf_cache_backend kvf_cache_host_async;
+
+#endif

@@ -1,0 +1,176 @@
+/*
+ * A test backend: host memory like the host backend, but copies complete
+ * later, on a worker thread, a little after they were submitted, the way a
+ * GPU kernel returns before its copy lands. It exists to run the sender's
+ * copies-in-flight path end to end where no GPU is (tests/e2e_test.sh); and to
+ * show that a backend is one file plus one line in cache.c.
+ *
+ * KVFERRY_ASYNC_DELAY_US (default 200) delays each batch; KVFERRY_ASYNC_FAIL_EVERY=N fails
+ * every Nth batch with -EIO (nothing copied), to exercise the error path.
+ */
+#include <errno.h>
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "atomics.h"
+#include "cache.h"
+#include "clock.h"
+#include "copy.h"
+#include "err.h"
+
+#define QUEUE 256u
+
+struct job {
+        struct kvf_copy_run *runs;
+        uint32_t nruns;
+        uint8_t *src;
+        uint8_t *dst[64];
+        uint64_t due_ns;
+        bool fail;
+};
+
+struct async {
+        pthread_mutex_t mu;
+        pthread_cond_t cv;
+        pthread_t worker;
+        struct job q[QUEUE];
+        uint64_t submitted, done; /* tickets are 1.. submitted; done <= submitted, atomic */
+        uint64_t failed[QUEUE];  /* ticket of a failed job, by slot */
+        uint64_t delay_ns, fail_every;
+        bool started, stop;
+};
+
+static void *worker(void *arg)
+{
+        struct async *a = arg;
+        pthread_mutex_lock(&a->mu);
+        while (!a->stop) {
+                uint64_t next = a->done + 1;
+                if (next > a->submitted) {
+                        pthread_cond_wait(&a->cv, &a->mu);
+                        continue;
+                }
+                struct job *j = &a->q[next % QUEUE];
+                pthread_mutex_unlock(&a->mu);
+                uint64_t now = kvf_now_ns();
+                if (j->due_ns > now)
+                        kvf_sleep_ns(j->due_ns - now);
+                if (!j->fail)
+                        for (uint32_t i = 0; i < j->nruns; i++)
+                                kvf_copy_stream(j->dst[j->runs[i].dst] + j->runs[i].dst_off,
+                                                j->src + j->runs[i].src_off, j->runs[i].bytes);
+                kvf_copy_fence();
+                pthread_mutex_lock(&a->mu);
+                free(j->runs);
+                j->runs = NULL;
+                a->failed[next % QUEUE] = j->fail ? next : 0;
+                /* Release: the copied bytes before the ticket reads done (poll's acquire). */
+                kvf_store_release(&a->done, next);
+        }
+        pthread_mutex_unlock(&a->mu);
+        return NULL;
+}
+
+static int async_map(const struct kvf_ctl_header *h, bool writable, struct kvf_cache *out)
+{
+        int rc = kvf_cache_host.map(h, writable, out);
+        if (rc < 0)
+                return rc;
+        struct async *a = calloc(1, sizeof(*a));
+        if (!a) {
+                kvf_cache_host.unmap(out);
+                return kvf_err_set(-ENOMEM, "out of memory");
+        }
+        pthread_mutex_init(&a->mu, NULL);
+        pthread_cond_init(&a->cv, NULL);
+        const char *d = getenv("KVFERRY_ASYNC_DELAY_US"), *f = getenv("KVFERRY_ASYNC_FAIL_EVERY");
+        a->delay_ns = (d ? strtoull(d, NULL, 10) : 200) * 1000ull;
+        a->fail_every = f ? strtoull(f, NULL, 10) : 0;
+        out->priv = a;
+        return 0;
+}
+
+static void async_unmap(struct kvf_cache *c)
+{
+        struct async *a = c->priv;
+        if (a) {
+                pthread_mutex_lock(&a->mu);
+                a->stop = true;
+                pthread_cond_broadcast(&a->cv);
+                pthread_mutex_unlock(&a->mu);
+                if (a->started)
+                        pthread_join(a->worker, NULL);
+                for (unsigned i = 0; i < QUEUE; i++)
+                        free(a->q[i].runs);
+                free(a);
+        }
+        kvf_cache_host.unmap(c);
+}
+
+static int async_submit(const struct kvf_copy_batch *b, uint64_t *ticket)
+{
+        struct async *a = b->src->priv;
+        if (b->ndst > 64)
+                return kvf_err_set(-EINVAL, "host-async: %u destinations in one batch, at most 64", b->ndst);
+        struct kvf_copy_run *runs = malloc((b->nruns ? b->nruns : 1) * sizeof(*runs));
+        if (!runs)
+                return kvf_err_set(-ENOMEM, "host-async: out of memory for %u runs", b->nruns);
+        memcpy(runs, b->runs, b->nruns * sizeof(*runs));
+        pthread_mutex_lock(&a->mu);
+        if (!a->started && pthread_create(&a->worker, NULL, worker, a) == 0)
+                a->started = true;
+        if (!a->started || a->submitted - a->done >= QUEUE - 1) {
+                pthread_mutex_unlock(&a->mu);
+                free(runs);
+                return kvf_err_set(-EAGAIN, "host-async: %s", a->started ? "queue full" : "no worker thread");
+        }
+        uint64_t t = ++a->submitted;
+        struct job *j = &a->q[t % QUEUE];
+        j->runs = runs;
+        j->nruns = b->nruns;
+        j->src = b->src->base;
+        for (uint32_t i = 0; i < b->ndst; i++)
+                j->dst[i] = b->dst[i]->base;
+        j->due_ns = kvf_now_ns() + a->delay_ns;
+        j->fail = a->fail_every && t % a->fail_every == 0;
+        pthread_cond_signal(&a->cv);
+        pthread_mutex_unlock(&a->mu);
+        *ticket = t;
+        return 0;
+}
+
+static int async_poll(struct kvf_cache *src, uint64_t ticket)
+{
+        struct async *a = src->priv;
+        if (kvf_load_acquire(&a->done) < ticket)
+                return 0;
+        pthread_mutex_lock(&a->mu);
+        bool failed = a->failed[ticket % QUEUE] == ticket;
+        pthread_mutex_unlock(&a->mu);
+        if (failed)
+                return kvf_err_set(-EIO, "host-async: copy batch %llu failed (KVFERRY_ASYNC_FAIL_EVERY)",
+                                   (unsigned long long)ticket);
+        return 1;
+}
+
+static int async_create(const struct kvf_ctl_header *h)
+{
+        return kvf_cache_host.create(h);
+}
+
+static void async_destroy(const struct kvf_ctl_header *h)
+{
+        kvf_cache_host.destroy(h);
+}
+
+const struct kvf_cache_backend kvf_cache_host_async = {
+        .name = "host-async",
+        .id = KVF_BACKEND_HOST_ASYNC,
+        .create = async_create,
+        .destroy = async_destroy,
+        .map = async_map,
+        .unmap = async_unmap,
+        .copy_submit = async_submit,
+        .copy_poll = async_poll,
+};

@@ -29,7 +29,7 @@
 #include "opts.h"
 
 static const char *prog = "kvf-allocator";
-static volatile int stop;
+static int stop; /* set by a signal (kvf_opt_signals): read with kvf_load_relaxed */
 
 static void usage(void)
 {
@@ -281,7 +281,7 @@ int main(int argc, char **argv)
                          l->head_dim, kvf_dtype_name(l->dtype), l->key_only ? ", key only" : "");
         }
         uint64_t beat = (uint64_t)ctl.hdr->heartbeat_ms * 1000000ull;
-        while (!stop) {
+        while (!kvf_load_relaxed(&stop)) {
                 if (kvf_role_fenced(&ctl, KVF_ROLE_ALLOCATOR)) {
                         kvf_error("another allocator holds this instance now: exiting");
                         return 1;

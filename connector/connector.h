@@ -23,6 +23,7 @@
 #include <stdbool.h>
 #include <stdint.h>
 
+#include "atomics.h"
 #include "auth.h"
 #include "cache.h"
 #include "ctl.h"
@@ -102,7 +103,7 @@ struct peer {
         unsigned failures; /* connection attempts failed in a row */
         uint64_t remote_session; /* the decode engine session the peer last told us of (peer thread) */
         bool up;
-        bool stop;
+        bool stop; /* atomic (kvf_store_release / kvf_load_acquire): the peer thread is to end */
         struct peer_data *data; /* tcp data path (data_tx.c), created on first use */
         /* control thread only: retirement (peer.c conn_peers_tick) */
         uint64_t idle_since; /* no work since then, 0 = busy */
@@ -134,7 +135,7 @@ struct connector {
         struct conn_config cfg;
         int listen_fd;
         int unix_fd; /* same-host control connections (net.h), or -1 */
-        volatile int stop;
+        int stop; /* atomic: set once when the connector stops (conn_stopping) */
 
         pthread_mutex_t evmu;
         struct event *events, *events_tail;
@@ -164,6 +165,11 @@ struct connector {
         pthread_mutex_t engine_mu; /* producer side of connector->engine, and the journal */
         pthread_mutex_t sender_mu; /* producer side of connector->sender */
 };
+
+static inline bool conn_stopping(const struct connector *cn)
+{
+        return kvf_load_relaxed(&cn->stop);
+}
 
 /* events.c */
 /* Queue an event for the control thread (it retries what a full ring refused). */

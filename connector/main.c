@@ -20,7 +20,7 @@
 #include "opts.h"
 
 static const char *prog = "kvf-connector";
-static volatile int stop;
+static int stop; /* set by a signal (kvf_opt_signals): read with kvf_load_relaxed */
 
 static void usage(void)
 {
@@ -199,7 +199,7 @@ static void control_loop(struct connector *cn)
 {
         uint64_t beat = (uint64_t)cn->ctl.hdr->heartbeat_ms * 1000000ull;
         uint64_t next = 0;
-        while (!stop) {
+        while (!kvf_load_relaxed(&stop)) {
                 bool worked = false;
                 /* A decode engine attached: bind new transfers to it from now on. */
                 uint64_t eg = kvf_load_acquire(&cn->ctl.roles[KVF_ROLE_ENGINE].generation);
@@ -341,7 +341,7 @@ int main(int argc, char **argv)
                  (unsigned long long)cn.gen);
         control_loop(&cn);
         kvf_info("stopping");
-        cn.stop = 1;
+        kvf_store_release(&cn.stop, 1);
         pthread_join(listener, NULL);
         conn_peers_stop(&cn);
         close(cn.listen_fd);

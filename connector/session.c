@@ -111,7 +111,7 @@ static void *session_main(void *arg)
                 goto out_free;
         session_add(cn, s);
         uint64_t last_rx = kvf_now_ns();
-        while (!cn->stop) {
+        while (!conn_stopping(cn)) {
                 struct pollfd pf = {.fd = s->fd, .events = POLLIN};
                 int n = poll(&pf, 1, (int)cn->cfg.keepalive_ms);
                 if (n < 0 && errno != EINTR)
@@ -189,7 +189,7 @@ out_fd:
 void *conn_listener_main(void *arg)
 {
         struct connector *cn = arg;
-        while (!cn->stop) {
+        while (!conn_stopping(cn)) {
                 struct pollfd pf[2] = {{.fd = cn->listen_fd, .events = POLLIN},
                                        {.fd = cn->unix_fd, .events = POLLIN}}; /* (-1: ignored) */
                 if (poll(pf, 2, 200) <= 0)

@@ -28,7 +28,7 @@ static const char *prog = "kvf-sender";
 
 #define EXPECT_MAX_GAP 20000000ull /* ns: slower than this is not a pace worth polling for */
 #define EXPECT_LEAD 300000ull      /* ns: wake this long before the next layer is due */
-static volatile int stop;
+static int stop; /* set by a signal (kvf_opt_signals): read with kvf_load_relaxed */
 
 static void usage(void)
 {
@@ -65,7 +65,7 @@ static int run(struct sender *s, uint64_t spin_ns)
          * next is due, and poll from there (see the idle path below). */
         uint64_t last_event = 0, gap = 0, poll_until = 0;
 
-        while (!stop) {
+        while (!kvf_load_relaxed(&stop)) {
                 bool worked = false;
                 /* An engine attached: end its predecessors' requests now, so its
                  * kvf_attach (waiting for that) returns soon. */

@@ -101,7 +101,7 @@ struct tail {
 static struct tail *tails;
 static unsigned ntails;
 static uint64_t t_start;
-static volatile int stop; /* SIGTERM/SIGINT: admit no more, let what was admitted finish */
+static int stop; /* set by a signal (kvf_opt_signals): read with kvf_load_relaxed */ /* SIGTERM/SIGINT: admit no more, let what was admitted finish */
 
 static uint64_t rng_state;
 static uint64_t rnd(void)
@@ -790,7 +790,7 @@ int main(int argc, char **argv)
         uint64_t layer_ns = (uint64_t)o.layer_us * 1000;
 
         kvf_opt_signals(&stop);
-        while (done_reqs < (stop ? next : nreq)) {
+        while (done_reqs < (kvf_load_relaxed(&stop) ? next : nreq)) {
                 /* Admit what the step budget and the free blocks allow. */
                 uint64_t budget = o.step_tokens;
                 for (unsigned i = 0; i < nactive; i++) {
@@ -798,7 +798,7 @@ int main(int argc, char **argv)
                         uint32_t take = o.chunk_tokens && left > o.chunk_tokens ? o.chunk_tokens : left;
                         budget = budget > take ? budget - take : 0;
                 }
-                while (!stop && next < nreq && (budget > 0 || nactive == 0)) {
+                while (!kvf_load_relaxed(&stop) && next < nreq && (budget > 0 || nactive == 0)) {
                         struct req *r = &reqs[next];
                         if (psrc.n < r->n_src || pdst.n < r->n_dst)
                                 break;
@@ -883,7 +883,7 @@ int main(int argc, char **argv)
                 }
         }
         /* Let stragglers land. After a stop, only what was admitted counts. */
-        if (stop)
+        if (kvf_load_relaxed(&stop))
                 nreq = next;
         uint64_t end = kvf_now_ns() + (uint64_t)o.timeout_s * 1000000000ull;
         while (done_reqs < nreq && kvf_now_ns() < end)

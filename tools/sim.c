@@ -46,6 +46,7 @@ struct req {
         uint32_t last_blocks;   /* blocks its final step sends per layer and tensor */
         bool late_task;         /* submit the task after its layers are published */
         bool cancel;            /* cancel it halfway through its step */
+        bool cancel_sent;       /* ... and did (counted once in cancels_sent) */
         bool submitted, computed;
         int completion; /* -1 until known */
         int arrival;    /* -1 until known */
@@ -90,6 +91,9 @@ static unsigned nreq;
 static struct pool psrc, pdst;
 static uint64_t corrupt, verified_bytes, moved_bytes, done_reqs, finished, failed, bad_status_pairs;
 static uint64_t fail_by_status[KVF_STATUS_COUNT];
+/* Requests the engine cancelled (--cancel-pct): each ends 'cancelled', or 'finished' when its
+ * bytes had all landed before the cancel was read. */
+static uint64_t cancels_sent;
 /* Per finished request: its transfer tail, and what the tail had to carry. */
 struct tail {
         uint64_t ns;   /* last layer-done -> arrival */
@@ -850,9 +854,12 @@ int main(int argc, char **argv)
                                 uint64_t pub = kvf_now_ns();
                                 if (l == layers / 2)
                                         for (unsigned i = 0; i < nactive; i++)
-                                                if (active[i]->cancel && active[i]->submitted)
+                                                if (active[i]->cancel && active[i]->submitted) {
                                                         for (unsigned k = 0; k < o.ranks; k++)
                                                                 kvf_submit_cancel(kvf_group_member(pg, k), active[i]->id);
+                                                        cancels_sent += !active[i]->cancel_sent;
+                                                        active[i]->cancel_sent = true;
+                                                }
                                 if (l == layers - 1)
                                         for (unsigned i = 0; i < nactive; i++)
                                                 if (to[i] >= active[i]->tokens) {
@@ -970,7 +977,7 @@ int main(int argc, char **argv)
                                 "\"tail_norm_max\":%.3f,\"completion_tail_p50_ns\":%.0f,"
                                 "\"completion_tail_p99_ns\":%.0f,\"layer_to_copy_p50_ns\":%llu,"
                                 "\"layer_to_copy_p99_ns\":%llu,\"memcpy_bps\":%.1f,\"avg_layer_bytes\":%.1f,\"ok\":%s,"
-                                "\"cancelled\":%llu,\"timed_out\":%llu,\"connection_errors\":%llu,\"finished_but_failed_pairs\":%llu}\n",
+                                "\"cancelled\":%llu,\"cancels_sent\":%llu,\"timed_out\":%llu,\"connection_errors\":%llu,\"finished_but_failed_pairs\":%llu}\n",
                                 nreq, (unsigned long long)finished, (unsigned long long)failed, unaccounted,
                                 (unsigned long long)corrupt, (unsigned long long)moved_bytes,
                                 (unsigned long long)verified_bytes, secs, rate,
@@ -979,6 +986,7 @@ int main(int argc, char **argv)
                                 tf.completion.p50, tf.completion.p99, (unsigned long long)l2c50,
                                 (unsigned long long)l2c99, base, layer_bytes, ok ? "true" : "false",
                                 (unsigned long long)fail_by_status[KVF_STATUS_CANCELLED],
+                                (unsigned long long)cancels_sent,
                                 (unsigned long long)fail_by_status[KVF_STATUS_TIMEOUT],
                                 (unsigned long long)fail_by_status[KVF_STATUS_CONNECTION],
                                 (unsigned long long)bad_status_pairs);

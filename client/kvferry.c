@@ -141,7 +141,7 @@ void kvf_detach(struct kvf_client *c)
         kvf_doorbell_ring(&c->ctl.bells[KVF_BELL_SENDER]);
         kvf_doorbell_ring(&c->ctl.bells[KVF_BELL_CONNECTOR]);
         if (c->cache)
-                munmap(c->cache, c->cache_size);
+                kvf_cache_unmap(c->cache, c->cache_size);
         while (c->prev_head) {
                 struct previous *p = c->prev_head;
                 c->prev_head = p->next;

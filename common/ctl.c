@@ -16,6 +16,7 @@
 #include "clock.h"
 #include "doorbell.h"
 #include "err.h"
+#include "hugepages.h"
 #include "layout.h"
 #include "log.h"
 
@@ -208,11 +209,18 @@ static void c_init_sender_area(struct kvf_sender_area *a)
 
 int kvf_ctl_exists_err(const char *instance, const char *shm)
 {
-        char path[128], who[320], buf[1024];
+        char path[128];
+
+        snprintf(path, sizeof(path), "/dev/shm%s", shm);
+        return kvf_ctl_exists_path_err(instance, path);
+}
+
+int kvf_ctl_exists_path_err(const char *instance, const char *path)
+{
+        char who[320], buf[1024];
         struct passwd pw, *res = NULL;
         struct stat st;
 
-        snprintf(path, sizeof(path), "/dev/shm%s", shm);
         /* Whose it is, asked of the file: open() proves nothing, root opens anyone's. lstat:
          * a symlink planted under the name is its planter's. */
         if (lstat(path, &st) < 0 || st.st_uid == geteuid())
@@ -403,6 +411,13 @@ int kvf_ctl_validate(void *base, uint64_t size, uid_t uid, struct kvf_ctl *out)
                 return bad("instance name is not a valid name");
         if (memchr(h->cache_name, 0, sizeof(h->cache_name)) == NULL)
                 return bad("cache name is not terminated");
+        if (h->cache_backing > KVF_CACHE_SHM_THP)
+                return bad("cache backing %u is not one this build knows", h->cache_backing);
+        if (h->cache_page_kib != 0 && h->cache_page_kib != 4 && h->cache_page_kib != 2048)
+                return bad("cache page size %u KiB, expected 4 or 2048", h->cache_page_kib);
+        if (memchr(h->cache_path, 0, sizeof(h->cache_path)) == NULL ||
+            memchr(h->cache_note, 0, sizeof(h->cache_note)) == NULL)
+                return bad("cache path or note is not terminated");
         if (h->counters_count != KVF_COUNTER_COUNT)
                 return bad("%u counters, this build has %u", h->counters_count, KVF_COUNTER_COUNT);
         if (h->errlog_entries != KVF_ERRLOG_ENTRIES)
@@ -562,26 +577,143 @@ void kvf_ctl_detach(struct kvf_ctl *c)
         c->fd = -1;
 }
 
+/*
+ * The cache file of the segment whose header is h, opened and checked like the segment
+ * itself: a regular file of ours, of the size the layout needs (hugetlbfs: rounded up to
+ * its 2 MiB pages). A hugetlbfs cache must be named after the instance and live on a
+ * hugetlbfs mount: the path comes from shared memory, and must not lead anywhere else.
+ * Returns the descriptor; `path` says what was opened.
+ */
+static int cache_open(const struct kvf_ctl_header *h, bool writable, char *path, size_t len)
+{
+        uint32_t backing = h->cache_backing ? h->cache_backing : KVF_CACHE_SHM;
+        uint64_t want = h->layout.cache_bytes;
+        int flags = (writable ? O_RDWR : O_RDONLY) | O_CLOEXEC | O_NOFOLLOW;
+        struct stat st;
+        int fd, rc;
+
+        if (backing == KVF_CACHE_HUGETLBFS) {
+                char base[96];
+                const char *slash = strrchr(h->cache_path, '/');
+                kvf_cache_shm_name(h->instance, base, sizeof(base));
+                snprintf(path, len, "%s", h->cache_path);
+                if (h->cache_path[0] != '/' || !slash || strcmp(slash, base))
+                        return kvf_err_set(-EPROTO, "cache path '%s' is not <hugetlbfs mount>%s",
+                                           path, base);
+                fd = open(path, flags);
+                want = (want + KVF_HUGE_PAGE_SIZE - 1) / KVF_HUGE_PAGE_SIZE * KVF_HUGE_PAGE_SIZE;
+        } else {
+                snprintf(path, len, "/dev/shm%s", h->cache_name);
+                fd = shm_open(h->cache_name, flags, 0);
+        }
+        if (fd < 0)
+                return kvf_err_set(-ENOENT, "open cache %s: %s", path, strerror(errno));
+        if (fstat(fd, &st) < 0) {
+                rc = kvf_err_set(-errno, "stat cache %s: %s", path, strerror(errno));
+        } else if (!S_ISREG(st.st_mode)) {
+                rc = kvf_err_set(-EPROTO, "cache %s is not a regular file", path);
+        } else if (st.st_uid != geteuid()) {
+                rc = kvf_err_set(-EPERM,
+                                 "cache %s is owned by uid %u, we run as uid %u: refusing it", path,
+                                 (unsigned)st.st_uid, (unsigned)geteuid());
+        } else if (backing == KVF_CACHE_HUGETLBFS && !kvf_huge_fd_is_hugetlbfs(fd)) {
+                rc = kvf_err_set(-EPROTO, "cache %s is not on a hugetlbfs mount of 2 MiB pages",
+                                 path);
+        } else if ((uint64_t)st.st_size != want) {
+                rc = kvf_err_set(-EPROTO,
+                                 "cache %s has the wrong size (the layout needs %llu bytes)", path,
+                                 (unsigned long long)want);
+        } else {
+                return fd;
+        }
+        close(fd);
+        return rc;
+}
+
+/*
+ * Map `bytes` of the cache, populated. Transparent huge pages are mapped with 2 MiB
+ * pages only at 2 MiB-aligned addresses, which mmap does not promise for a file of a
+ * mount without huge pages (the pages may have been collapsed): so reserve 2 MiB more,
+ * place the mapping on the boundary inside, and give back the rest. hugetlbfs mappings
+ * are aligned by the kernel.
+ */
+static void *cache_mmap(int fd, uint64_t bytes, bool writable, uint32_t backing)
+{
+        int prot = PROT_READ | (writable ? PROT_WRITE : 0);
+
+        if (backing != KVF_CACHE_SHM_THP)
+                return mmap(NULL, bytes, prot, MAP_SHARED | MAP_POPULATE, fd, 0);
+        uint64_t span = bytes + KVF_HUGE_PAGE_SIZE;
+        uintptr_t mask = (uintptr_t)KVF_HUGE_PAGE_SIZE - 1;
+        uint8_t *r = mmap(NULL, span, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1,
+                          0);
+        if (r == MAP_FAILED)
+                return MAP_FAILED;
+        uint8_t *a = (uint8_t *)(((uintptr_t)r + mask) & ~mask);
+        void *p = mmap(a, bytes, prot, MAP_SHARED | MAP_FIXED, fd, 0);
+        if (p == MAP_FAILED) {
+                int e = errno;
+                munmap(r, span);
+                errno = e;
+                return MAP_FAILED;
+        }
+        if (a > r)
+                munmap(r, (size_t)(a - r));
+        if (a + bytes < r + span)
+                munmap(a + bytes, (size_t)(r + span - (a + bytes)));
+        /* A mount with huge=advise faults them in only where advised; else it is a no-op. */
+        madvise(p, bytes, MADV_HUGEPAGE);
+        if (madvise(p, bytes, MADV_POPULATE_READ) < 0 && errno != EINVAL) {
+                int e = errno;
+                munmap(p, bytes);
+                errno = e;
+                return MAP_FAILED;
+        }
+        return p;
+}
+
 int kvf_cache_map(const struct kvf_ctl_header *h, bool writable, uint8_t **out)
 {
+        char path[KVF_CACHE_PATH_MAX + 16];
         uint64_t want = h->layout.cache_bytes;
-        int fd = shm_open(h->cache_name, (writable ? O_RDWR : O_RDONLY) | O_CLOEXEC, 0);
+        int fd = cache_open(h, writable, path, sizeof(path));
         if (fd < 0)
-                return kvf_err_set(-ENOENT, "open cache /dev/shm%s: %s", h->cache_name, strerror(errno));
-        struct stat st;
-        if (fstat(fd, &st) < 0 || (uint64_t)st.st_size != want) {
-                close(fd);
-                return kvf_err_set(-EPROTO, "cache /dev/shm%s has the wrong size (the layout needs %llu bytes)",
-                                   h->cache_name, (unsigned long long)want);
-        }
-        void *p = mmap(NULL, want, PROT_READ | (writable ? PROT_WRITE : 0), MAP_SHARED | MAP_POPULATE, fd, 0);
+                return fd;
+        void *p = cache_mmap(fd, want, writable, h->cache_backing);
         int e = errno;
         close(fd);
         if (p == MAP_FAILED)
-                return kvf_err_set(-ENOMEM, "map cache /dev/shm%s (%llu bytes): %s", h->cache_name,
+                return kvf_err_set(-ENOMEM, "map cache %s (%llu bytes): %s", path,
                                    (unsigned long long)want, strerror(e));
         *out = p;
         return 0;
+}
+
+void kvf_cache_unmap(uint8_t *p, uint64_t bytes)
+{
+        /* A hugetlbfs mapping ends on a 2 MiB page: munmap refuses to cut one. */
+        uint64_t whole = (bytes + KVF_HUGE_PAGE_SIZE - 1) / KVF_HUGE_PAGE_SIZE * KVF_HUGE_PAGE_SIZE;
+        if (p && munmap(p, bytes) < 0 && errno == EINVAL)
+                munmap(p, whole);
+}
+
+struct unlink_huge {
+        const char *base; /* "/kvferry.<instance>.cache" */
+        int removed;
+};
+
+/* The instance's cache on one hugetlbfs mount, removed if it is ours (root may remove
+ * anyone's file, so another user's is never removed for a name). */
+static void unlink_huge_cache(const char *dir, void *arg)
+{
+        struct unlink_huge *u = arg;
+        char path[512];
+        struct stat st;
+        if ((size_t)snprintf(path, sizeof(path), "%s%s", dir, u->base) >= sizeof(path))
+                return;
+        if (lstat(path, &st) == 0 && S_ISREG(st.st_mode) && st.st_uid == geteuid() &&
+            unlink(path) == 0)
+                u->removed = 0;
 }
 
 int kvf_ctl_unlink(const char *instance)
@@ -592,6 +724,9 @@ int kvf_ctl_unlink(const char *instance)
         if (kvf_instance_name_check(instance) < 0)
                 return -EINVAL;
         kvf_cache_shm_name(instance, name, sizeof(name));
+        struct unlink_huge u = {.base = name, .removed = -ENOENT};
+        kvf_huge_for_each_mount(unlink_huge_cache, &u);
+        removed = u.removed;
         if (shm_unlink(name) == 0)
                 removed = 0;
         kvf_ctl_shm_name(instance, name, sizeof(name));

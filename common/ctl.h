@@ -3,8 +3,9 @@
  * (everyone else), role slots, counters and the error log.
  *
  * Names: the segment is /dev/shm/kvferry.<instance>, the host cache file
- * /dev/shm/kvferry.<instance>.cache. Instance names are 1-47 characters of
- * [A-Za-z0-9_.-].
+ * /dev/shm/kvferry.<instance>.cache, or <hugetlbfs mount>/kvferry.<instance>.cache
+ * when it is in 2 MiB pages (the header's cache_path). Instance names are 1-47
+ * characters of [A-Za-z0-9_.-].
  */
 #ifndef KVF_CTL_H
 #define KVF_CTL_H
@@ -76,6 +77,8 @@ int kvf_ctl_create(const struct kvf_ctl_params *p, struct kvf_ctl *out);
  * that user holds, never to be reused).
  */
 int kvf_ctl_exists_err(const char *instance, const char *shm);
+/* The same for a file named by its path (a cache on a hugetlbfs mount). */
+int kvf_ctl_exists_path_err(const char *instance, const char *path);
 /* Store the layout version, last, with a release store. */
 void kvf_ctl_publish(struct kvf_ctl *c);
 
@@ -99,12 +102,22 @@ int kvf_ctl_validate(void *base, uint64_t size, uid_t uid, struct kvf_ctl *out);
 void kvf_ctl_detach(struct kvf_ctl *c);
 /*
  * Map the instance's host cache file (MAP_SHARED, populated), read-only or
- * read-write, after checking its size against the layout. 0, or -ENOENT
- * (cannot open), -EPROTO (wrong size), -ENOMEM (cannot map), with kvf_err set.
+ * read-write, where the header says it is: /dev/shm<cache_name> (4 KiB pages,
+ * or transparent huge pages: then at a 2 MiB-aligned address), or cache_path
+ * on a hugetlbfs mount. The file must be a regular file of ours, of the size
+ * the layout needs, and a hugetlbfs one named after the instance. 0, or
+ * -ENOENT (cannot open), -EPERM (another user's), -EPROTO (wrong size, name or
+ * file system), -ENOMEM (cannot map), with kvf_err set. Unmap with
+ * kvf_cache_unmap().
  */
 int kvf_cache_map(const struct kvf_ctl_header *h, bool writable, uint8_t **out);
+/* Unmap what kvf_cache_map() mapped (`bytes`: the layout's cache_bytes). */
+void kvf_cache_unmap(uint8_t *p, uint64_t bytes);
 
-/* Remove the instance's segment and cache file; 0 if anything was removed. */
+/*
+ * Remove the instance's segment and cache file (in /dev/shm, and on any
+ * hugetlbfs mount if it is ours); 0 if anything was removed.
+ */
 int kvf_ctl_unlink(const char *instance);
 
 /*

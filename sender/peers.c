@@ -29,7 +29,7 @@
 static void drop(struct ipc_peer *p)
 {
         if (p->cache)
-                munmap(p->cache, p->cache_size);
+                kvf_cache_unmap(p->cache, p->cache_size);
         kvf_ctl_detach(&p->ctl);
         memset(p, 0, sizeof(*p));
         p->ctl.fd = -1;

@@ -54,11 +54,18 @@ struct kvf_copy_batch {
         uint32_t nruns;
 };
 
+/* What the allocator asks of a new cache. */
+struct kvf_cache_opts {
+        int huge_pages;     /* host backends: enum kvf_huge_mode (cache_host_alloc.h) */
+        uint8_t **keep_map; /* where to leave a read-only mapping the allocator keeps, or NULL */
+};
+
 struct kvf_cache_backend {
         const char *name;
         uint32_t id; /* enum kvf_backend */
-        /* Allocator: make the storage named by the header (h->cache_name) and keep it. */
-        int (*create)(const struct kvf_ctl_header *h);
+        /* Allocator: make the storage for header h (not yet published), say in h how it is
+         * backed, and keep it. */
+        int (*create)(struct kvf_ctl_header *h, const struct kvf_cache_opts *o);
         /* Remove what create made (the instance goes down). */
         void (*destroy)(const struct kvf_ctl_header *h);
         int (*map)(const struct kvf_ctl_header *h, bool writable, struct kvf_cache *out);
@@ -85,7 +92,7 @@ const struct kvf_cache_backend *kvf_cache_backend_named(const char *name);
 const char *kvf_cache_backend_names(void);
 
 /* Allocator: create the cache of header h with its backend. */
-int kvf_cache_create(const struct kvf_ctl_header *h);
+int kvf_cache_create(struct kvf_ctl_header *h, const struct kvf_cache_opts *o);
 void kvf_cache_destroy(const struct kvf_ctl_header *h);
 
 /*

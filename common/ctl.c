@@ -16,6 +16,7 @@
 #include "clock.h"
 #include "doorbell.h"
 #include "err.h"
+#include "hugepages.h"
 #include "layout.h"
 #include "log.h"
 
@@ -208,11 +209,18 @@ static void c_init_sender_area(struct kvf_sender_area *a)
 
 int kvf_ctl_exists_err(const char *instance, const char *shm)
 {
-        char path[128], who[320], buf[1024];
+        char path[128];
+
+        snprintf(path, sizeof(path), "/dev/shm%s", shm);
+        return kvf_ctl_exists_path_err(instance, path);
+}
+
+int kvf_ctl_exists_path_err(const char *instance, const char *path)
+{
+        char who[320], buf[1024];
         struct passwd pw, *res = NULL;
         struct stat st;
 
-        snprintf(path, sizeof(path), "/dev/shm%s", shm);
         /* Whose it is, asked of the file: open() proves nothing, root opens anyone's. lstat:
          * a symlink planted under the name is its planter's. */
         if (lstat(path, &st) < 0 || st.st_uid == geteuid())
@@ -403,6 +411,13 @@ int kvf_ctl_validate(void *base, uint64_t size, uid_t uid, struct kvf_ctl *out)
                 return bad("instance name is not a valid name");
         if (memchr(h->cache_name, 0, sizeof(h->cache_name)) == NULL)
                 return bad("cache name is not terminated");
+        if (h->cache_backing > KVF_CACHE_SHM_THP)
+                return bad("cache backing %u is not one this build knows", h->cache_backing);
+        if (h->cache_page_kib != 0 && h->cache_page_kib != 4 && h->cache_page_kib != 2048)
+                return bad("cache page size %u KiB, expected 4 or 2048", h->cache_page_kib);
+        if (memchr(h->cache_path, 0, sizeof(h->cache_path)) == NULL ||
+            memchr(h->cache_note, 0, sizeof(h->cache_note)) == NULL)
+                return bad("cache path or note is not terminated");
         if (h->counters_count != KVF_COUNTER_COUNT)
                 return bad("%u counters, this build has %u", h->counters_count, KVF_COUNTER_COUNT);
         if (h->errlog_entries != KVF_ERRLOG_ENTRIES)
@@ -562,6 +577,24 @@ void kvf_ctl_detach(struct kvf_ctl *c)
         c->fd = -1;
 }
 
+struct unlink_huge {
+        const char *base; /* "/kvferry.<instance>.cache" */
+        int removed;
+};
+
+/* The instance's cache on one hugetlbfs mount, removed if it is ours (root may remove
+ * anyone's file, so another user's is never removed for a name). */
+static void unlink_huge_cache(const char *dir, void *arg)
+{
+        struct unlink_huge *u = arg;
+        char path[512];
+        struct stat st;
+        if ((size_t)snprintf(path, sizeof(path), "%s%s", dir, u->base) >= sizeof(path))
+                return;
+        if (lstat(path, &st) == 0 && S_ISREG(st.st_mode) && st.st_uid == geteuid() &&
+            unlink(path) == 0)
+                u->removed = 0;
+}
 
 int kvf_ctl_unlink(const char *instance)
 {
@@ -571,6 +604,9 @@ int kvf_ctl_unlink(const char *instance)
         if (kvf_instance_name_check(instance) < 0)
                 return -EINVAL;
         kvf_cache_shm_name(instance, name, sizeof(name));
+        struct unlink_huge u = {.base = name, .removed = -ENOENT};
+        kvf_huge_for_each_mount(unlink_huge_cache, &u);
+        removed = u.removed;
         if (shm_unlink(name) == 0)
                 removed = 0;
         kvf_ctl_shm_name(instance, name, sizeof(name));

@@ -527,6 +527,10 @@ static void test_corrupt(void)
         MUTATE("slots", HDR(b)->reqtab_slots = 0, "request table slots 0");
         MUTATE("instance name", memset(HDR(b)->instance, 'a', KVF_INSTANCE_MAX),
                "instance name is not a valid name");
+        MUTATE("cache backing", HDR(b)->cache_backing = 9, "cache backing 9 is not one");
+        MUTATE("cache page size", HDR(b)->cache_page_kib = 64, "cache page size 64 KiB");
+        MUTATE("cache path", memset(HDR(b)->cache_path, '/', KVF_CACHE_PATH_MAX),
+               "cache path or note is not terminated");
         MUTATE("garbage", for (size_t i = 0; i < len; i++) b[i] = rnd(),
                "not a kvferry control segment");
 

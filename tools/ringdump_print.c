@@ -249,6 +249,27 @@ static const char *backend_name(uint32_t b)
         return be ? be->name : b == KVF_BACKEND_CUDA ? "cuda" : "unknown";
 }
 
+/* How the host cache is backed; a segment that does not say is /dev/shm in 4 KiB pages. */
+static const char *cache_backing_name(uint32_t b)
+{
+        switch (b) {
+        case 0:
+                return "not recorded";
+        case KVF_CACHE_SHM:
+                return "shm";
+        case KVF_CACHE_HUGETLBFS:
+                return "hugetlbfs";
+        case KVF_CACHE_SHM_THP:
+                return "shm-thp";
+        }
+        return "unknown";
+}
+
+static uint64_t cache_page_bytes(const struct kvf_ctl_header *h)
+{
+        return h->cache_page_kib ? (uint64_t)h->cache_page_kib * 1024 : 4096;
+}
+
 static const char *dtype_name(uint32_t t)
 {
         return kvf_dtype_size(t) ? kvf_dtype_name(t) : "unknown";
@@ -380,6 +401,20 @@ static void print_header(struct dump *d)
                 j_u64(d, "block_bytes", l->block_bytes);
                 j_u64(d, "cache_bytes", l->cache_bytes);
                 j_close(d, '}');
+                if (h->backend == KVF_BACKEND_HOST) {
+                        j_open(d, "cache", '{');
+                        j_cstr(d, "backing", cache_backing_name(h->cache_backing));
+                        j_u64(d, "backing_id", h->cache_backing);
+                        j_u64(d, "page_bytes", cache_page_bytes(h));
+                        if (h->cache_backing)
+                                j_str(d, "path", h->cache_path,
+                                      fixlen(h->cache_path, sizeof(h->cache_path)));
+                        else
+                                j_null(d, "path");
+                        j_str(d, "note", h->cache_note,
+                              fixlen(h->cache_note, sizeof(h->cache_note)));
+                        j_close(d, '}');
+                }
                 j_open(d, "connector", '{');
                 j_bool(d, "published", cinfo);
                 if (cinfo) {
@@ -417,6 +452,24 @@ static void print_header(struct dump *d)
             l->num_layers, l->extra_layers, l->num_blocks, l->kv_heads, l->block_size, l->head_dim,
             dtype_name(l->dtype), l->key_only ? "key only" : "key+value", l->block_bytes,
             l->cache_bytes, human_bytes(b2, sizeof(b2), l->cache_bytes));
+        if (h->backend == KVF_BACKEND_HOST) {
+                size_t pl = fixlen(h->cache_path, sizeof(h->cache_path));
+                size_t nl = fixlen(h->cache_note, sizeof(h->cache_note));
+                const char *kind = h->cache_backing == KVF_CACHE_HUGETLBFS ? "hugetlbfs "
+                                   : h->cache_backing == KVF_CACHE_SHM_THP ? "shmem THP "
+                                                                           : "";
+                fprintf(d->f, "  cache: %s in %s pages (",
+                        human_bytes(b2, sizeof(b2), l->cache_bytes),
+                        cache_page_bytes(h) == 2097152 ? "2 MiB" : "4 KiB");
+                if (h->cache_backing)
+                        fprintf(d->f, "%s%s)", kind, esc(e1, sizeof(e1), h->cache_path, pl));
+                else
+                        fprintf(d->f, "/dev/shm%s; page size not recorded)",
+                                esc(e1, sizeof(e1), h->cache_name, cnl));
+                if (nl)
+                        fprintf(d->f, ": %s", esc(e2, sizeof(e2), h->cache_note, nl));
+                fputc('\n', d->f);
+        }
         if (cinfo)
                 fprintf(d->f, "  connector: listening on %s:%u\n",
                         esc(e1, sizeof(e1), host, fixlen(host, sizeof(host))), port);

@@ -132,6 +132,10 @@ static int run(struct sender *s, uint64_t spin_ns)
                 if (s->pending)
                         sender_flush_pending(s);
                 sender_copies_flush(s);
+                if (s->sliced) {
+                        s->sliced = false;
+                        worked = true; /* more of a backlog: after the next progress check */
+                }
                 if (s->cp.flight) {
                         sender_copies_poll(s);
                         worked = true; /* batches in flight: keep looking (no wake-up comes) */

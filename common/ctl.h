@@ -1,6 +1,8 @@
 /*
  * The control segment of an instance: creation (allocator), attachment
- * (everyone else), role slots, counters and the error log.
+ * (everyone else), names, the connector's published address (ctl.c); role
+ * slots and engine sessions (roles.c); counters; the error log (errlog.c);
+ * latency histograms (hist.c). The caches are behind cache.h.
  *
  * Names: the segment is /dev/shm/kvferry.<instance>, the host cache file
  * /dev/shm/kvferry.<instance>.cache, or <hugetlbfs mount>/kvferry.<instance>.cache

@@ -266,7 +266,7 @@ int main(int argc, char **argv)
                          kvf_fmt_bytes(l->cache_bytes, sz, sizeof(sz)), l->kv_heads, l->block_size,
                          l->head_dim, kvf_dtype_name(l->dtype), l->key_only ? ", key only" : "");
         }
-        uint64_t beat = (uint64_t)ctl.hdr->heartbeat_ms * 1000000ull;
+        uint64_t beat = kvf_ms(ctl.hdr->heartbeat_ms);
         while (!kvf_load_relaxed(&stop)) {
                 if (kvf_role_fenced(&ctl, KVF_ROLE_ALLOCATOR)) {
                         kvf_error("another allocator holds this instance now: exiting");

@@ -72,7 +72,7 @@ static void keep_previous(struct kvf_client *c, const struct kvf_event *ev);
 static void wait_session_handover(struct kvf_client *c)
 {
         struct kvf_ctl *ctl = &c->ctl;
-        uint64_t end = kvf_now_ns() + 2000ull * 1000000ull;
+        uint64_t end = kvf_now_ns() + kvf_ms(2000ull);
         struct kvf_event ev;
         pthread_mutex_lock(&c->poll_mu);
         for (;;) {
@@ -453,8 +453,8 @@ static bool engine_has_work(void *arg)
 
 int kvf_poll(struct kvf_client *c, struct kvf_event *ev, int timeout_ms)
 {
-        uint64_t end = timeout_ms < 0 ? UINT64_MAX : kvf_now_ns() + (uint64_t)timeout_ms * 1000000ull;
-        uint64_t beat = (uint64_t)c->ctl.hdr->heartbeat_ms * 1000000ull;
+        uint64_t end = timeout_ms < 0 ? UINT64_MAX : kvf_now_ns() + kvf_ms(timeout_ms);
+        uint64_t beat = kvf_ms(c->ctl.hdr->heartbeat_ms);
         int rc;
 
         pthread_mutex_lock(&c->poll_mu);
@@ -584,7 +584,7 @@ static int fold(struct kvf_group *g, unsigned rank, struct kvf_event *ev)
 
 int kvf_group_poll(struct kvf_group *g, struct kvf_event *ev, int timeout_ms)
 {
-        uint64_t end = timeout_ms < 0 ? UINT64_MAX : kvf_now_ns() + (uint64_t)timeout_ms * 1000000ull;
+        uint64_t end = timeout_ms < 0 ? UINT64_MAX : kvf_now_ns() + kvf_ms(timeout_ms);
 
         for (;;) {
                 bool any = false;

@@ -556,7 +556,7 @@ int kvf_ctl_attach(const char *name, bool writable, struct kvf_ctl *out)
 
 int kvf_ctl_attach_wait(const char *name, bool writable, unsigned wait_ms, struct kvf_ctl *out)
 {
-        uint64_t end = kvf_now_ns() + (uint64_t)wait_ms * 1000000ull;
+        uint64_t end = kvf_now_ns() + kvf_ms(wait_ms);
 
         for (;;) {
                 int rc = kvf_ctl_attach(name, writable, out);

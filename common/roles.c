@@ -153,7 +153,7 @@ bool kvf_role_alive(const struct kvf_ctl *c, enum kvf_role_id role, uint64_t now
         if (role == KVF_ROLE_ENGINE)
                 return true;
         uint64_t hb = kvf_load_acquire(&s->heartbeat_ns);
-        uint64_t limit = (uint64_t)c->hdr->heartbeat_ms * 1000000ull * 10;
+        uint64_t limit = kvf_ms(c->hdr->heartbeat_ms) * 10;
         return now_ns < hb || now_ns - hb <= limit;
 }
 

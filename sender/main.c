@@ -183,7 +183,7 @@ static bool idle_wait(struct sender *s, struct pace *pc, uint64_t now, uint64_t 
 
 static int run(struct sender *s, uint64_t spin_ns)
 {
-        uint64_t beat = (uint64_t)s->ctl.hdr->heartbeat_ms * 1000000ull;
+        uint64_t beat = kvf_ms(s->ctl.hdr->heartbeat_ms);
         uint64_t next_tick = 0, idle_since = 0;
         struct pace pc = {0};
 
@@ -261,7 +261,7 @@ int main(int argc, char **argv)
         s.layout = &s.ctl.hdr->layout;
         s.layers = kvf_layout_layers(s.layout);
         s.tensors = kvf_layout_tensors(s.layout);
-        s.request_timeout_ns = timeout_ms * 1000000ull;
+        s.request_timeout_ns = kvf_ms(timeout_ms);
         if ((rc = kvf_cache_map(s.ctl.hdr, false, &s.own)) < 0 || (rc = sender_table_init(&s)) < 0 ||
             (rc = sender_copies_init(&s)) < 0) {
                 kvf_error("%s", kvf_err_msg());
@@ -283,7 +283,7 @@ int main(int argc, char **argv)
         run(&s, spin_us * 1000);
         kvf_role_end(&s.ctl, KVF_ROLE_SENDER);
         kvf_info("stopping");
-        sender_copies_drain(&s, 2000000000ull); /* never unmap under a copy in flight */
+        sender_copies_drain(&s, kvf_ms(2000)); /* never unmap under a copy in flight */
         sender_peers_close(&s);
         kvf_cache_unmap(&s.own);
         kvf_ctl_detach(&s.ctl);

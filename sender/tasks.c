@@ -65,7 +65,7 @@ static int post_completion(struct sender *s, uint32_t slot)
         /* Finished means every byte landed, once: report that amount (copies
          * repeated after a restart are not counted twice). */
         uint64_t full = sender_request_bytes(s, r);
-        struct kvf_record c = {.type = KVF_RT_COMPLETION, .status = (int)r->status,
+        struct kvf_record c = {.type = KVF_REC_COMPLETION, .status = (int)r->status,
                                .bytes = r->status == KVF_STATUS_FINISHED ? full : r->bytes,
                                .blocks = r->n_send,
                                .accept_ns = r->accept_ns, .last_layer_ns = r->last_layer_ns,
@@ -79,7 +79,7 @@ static int post_completion(struct sender *s, uint32_t slot)
         memcpy(c.reason, r->reason, sizeof(c.reason));
         c.session = r->session;
         c.id_bin = r->flags & KVF_REQF_ID_BIN;
-        if (sender_encode(s, &c, &len) < 0 || kvf_ring_claim(ring, KVF_RT_COMPLETION, (uint32_t)len, &p, &pos) < 0)
+        if (sender_encode(s, &c, &len) < 0 || kvf_ring_claim(ring, KVF_REC_COMPLETION, (uint32_t)len, &p, &pos) < 0)
                 return -EAGAIN;
         /* Crash window: with the position stored first, a successor can ask
          * the ring whether this record was committed. */
@@ -266,7 +266,7 @@ static int reject(struct sender *s, const struct task_ref *t, const char *peer, 
 {
         struct kvf_sender_area *a = s->ctl.sender;
         struct kvf_ring *ring = &s->ctl.rings[KVF_RING_SENDER_TO_ENGINE];
-        struct kvf_record c = {.type = KVF_RT_COMPLETION, .status = status, .done_ns = kvf_now_ns(),
+        struct kvf_record c = {.type = KVF_REC_COMPLETION, .status = status, .done_ns = kvf_now_ns(),
                                .session = t->session, .id_bin = t->id_bin};
         uint64_t task_pos = t->pos;
         const char *request_id = t->request_id;
@@ -285,7 +285,7 @@ static int reject(struct sender *s, const struct task_ref *t, const char *peer, 
         va_start(ap, fmt);
         vsnprintf(c.reason, sizeof(c.reason), fmt, ap);
         va_end(ap);
-        if (sender_encode(s, &c, &len) < 0 || kvf_ring_claim(ring, KVF_RT_COMPLETION, (uint32_t)len, &p, &pos) < 0)
+        if (sender_encode(s, &c, &len) < 0 || kvf_ring_claim(ring, KVF_REC_COMPLETION, (uint32_t)len, &p, &pos) < 0)
                 return -EAGAIN; /* the task stays in its ring; retried later */
         kvf_store_release(&a->reject_completion_pos, pos);
         kvf_store_release(&a->reject_task_pos, task_pos);
@@ -563,7 +563,7 @@ int sender_on_engine_record(void *ctx, uint16_t type, const uint8_t *p, uint32_t
         /* A record of a session we do not serve: a new engine may have attached. */
         if (ref.session != s->session)
                 sender_sessions_check(s, true);
-        if (type != KVF_RT_TASK && type != KVF_RT_CHUNK && type != KVF_RT_CANCEL) {
+        if (type != KVF_REC_TASK && type != KVF_REC_CHUNK && type != KVF_REC_CANCEL) {
                 kvf_count(&s->ctl, KVF_CTR_BAD_RECORDS, 1);
                 kvf_errlog(&s->ctl, KVF_ROLE_SENDER,
                            "record type %u (%s) does not belong on ring engine->sender: dropped", type,
@@ -572,7 +572,7 @@ int sender_on_engine_record(void *ctx, uint16_t type, const uint8_t *p, uint32_t
         }
         if (kvf_record_decode(type, p, len, s->ctl.hdr->rank, &r) < 0) {
                 kvf_count(&s->ctl, KVF_CTR_BAD_RECORDS, 1);
-                if (type == KVF_RT_TASK) {
+                if (type == KVF_REC_TASK) {
                         char why[KVF_ERR_MAX];
                         snprintf(why, sizeof(why), "%s", kvf_err_msg());
                         /* The bad field may come before request_id: look for it anyway. */
@@ -591,21 +591,21 @@ int sender_on_engine_record(void *ctx, uint16_t type, const uint8_t *p, uint32_t
         }
         ref.request_id = r.request_id;
         ref.id_bin = r.id_bin;
-        if (type != KVF_RT_TASK && ref.session != s->session) {
+        if (type != KVF_REC_TASK && ref.session != s->session) {
                 kvf_debug("req %s: %s record of ended engine session %llu: ignored", r.request_id,
                           kvf_rec_type_name(type), (unsigned long long)ref.session);
                 kvf_record_free(&r);
                 return 0;
         }
         switch (type) {
-        case KVF_RT_TASK:
+        case KVF_REC_TASK:
                 rc = accept_task(s, &r, &ref);
                 break;
-        case KVF_RT_CHUNK:
+        case KVF_REC_CHUNK:
                 kvf_count(&s->ctl, KVF_CTR_CHUNK_RECORDS, 1);
                 on_chunk(s, &r);
                 break;
-        case KVF_RT_CANCEL:
+        case KVF_REC_CANCEL:
                 kvf_count(&s->ctl, KVF_CTR_CANCEL_RECORDS, 1);
                 on_cancel(s, &r);
                 break;

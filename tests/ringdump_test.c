@@ -309,7 +309,7 @@ static void build_segment(struct kvf_ctl *c)
         struct kvf_ring *es = &c->rings[KVF_RING_ENGINE_TO_SENDER];
         kvf_ring_producer_attach(es, 1);
         uint32_t src[] = {1, 2, 3}, dst[] = {4, 5, 6};
-        struct kvf_record task = {.type = KVF_RT_TASK,
+        struct kvf_record task = {.type = KVF_REC_TASK,
                                   .src = src,
                                   .n_src = 3,
                                   .dst = dst,
@@ -319,20 +319,20 @@ static void build_segment(struct kvf_ctl *c)
         strcpy(task.request_id, "req-1");
         strcpy(task.peer, "10.0.0.2:7000");
         write_record(es, &task);
-        CHECK_EQ(kvf_ring_write(es, KVF_RT_TASK, "\xc1 garbage", 9, NULL), 0);
+        CHECK_EQ(kvf_ring_write(es, KVF_REC_TASK, "\xc1 garbage", 9, NULL), 0);
         struct kvf_record chunk = {
-            .type = KVF_RT_CHUNK, .current_id = 43, .tokens = 48, .last = true};
+            .type = KVF_REC_CHUNK, .current_id = 43, .tokens = 48, .last = true};
         strcpy(chunk.request_id, "req-1");
         write_record(es, &chunk);
         CHECK_EQ(kvf_ring_write(es, 77, "hello", 5, NULL), 0);
         void *pl;
         uint64_t pos;
-        CHECK_EQ(kvf_ring_claim(es, KVF_RT_CANCEL, 16, &pl, &pos), 0);
+        CHECK_EQ(kvf_ring_claim(es, KVF_REC_CANCEL, 16, &pl, &pos), 0);
 
         /* sender->engine: a completion whose reason has quotes. */
         struct kvf_ring *se = &c->rings[KVF_RING_SENDER_TO_ENGINE];
         kvf_ring_producer_attach(se, 1);
-        struct kvf_record comp = {.type = KVF_RT_COMPLETION, .status = KVF_STATUS_BAD_TASK};
+        struct kvf_record comp = {.type = KVF_REC_COMPLETION, .status = KVF_STATUS_BAD_TASK};
         strcpy(comp.request_id, "req-0");
         strcpy(comp.reason, "src_block_ids[2] = 99 is \"out\" of range");
         write_record(se, &comp);
@@ -346,7 +346,7 @@ static void build_segment(struct kvf_ctl *c)
                 CHECK_EQ(kvf_ring_write(ce, 200, fill, sizeof(fill), NULL), 0);
         CHECK_EQ(kvf_ring_read(ce, drop, NULL, 1000), 60);
         struct kvf_record arr = {
-            .type = KVF_RT_ARRIVAL, .status = KVF_STATUS_FINISHED, .bytes = 4096, .blocks = 1};
+            .type = KVF_REC_ARRIVAL, .status = KVF_STATUS_FINISHED, .bytes = 4096, .blocks = 1};
         strcpy(arr.request_id, "req-9");
         strcpy(arr.peer, "p-prefill");
         strcpy(arr.reason, "padding-before-me");
@@ -557,11 +557,11 @@ static void test_corrupt(void)
                 "walk stopped");
         HOSTILE("huge record length",
                 *(uint64_t *)(void *)(b + ring_hdr(b, 0)->data_off) =
-                    KVF_REC_PACK(0x7fffffff, KVF_RT_TASK, 1),
+                    KVF_REC_PACK(0x7fffffff, KVF_REC_TASK, 1),
                 "corrupt record header");
         HOSTILE("huge claimed length",
                 *(uint64_t *)(void *)(b + ring_hdr(b, 0)->data_off) =
-                    KVF_REC_PACK(INT32_MIN, KVF_RT_TASK, 1),
+                    KVF_REC_PACK(INT32_MIN, KVF_REC_TASK, 1),
                 "corrupt claimed record");
         HOSTILE("pad past end",
                 *(uint64_t *)(void *)(b + ring_hdr(b, 0)->data_off) =

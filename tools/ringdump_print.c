@@ -594,7 +594,7 @@ static void print_record_fields(struct dump *d, const struct kvf_record *r)
         bool reason = false;
 
         switch (r->type) {
-        case KVF_RT_TASK:
+        case KVF_REC_TASK:
                 f_str(d, "request_id", r->request_id, sizeof(r->request_id));
                 f_str(d, "peer", r->peer, sizeof(r->peer));
                 f_cname(d, "transport", kvf_transport_name(r->transport));
@@ -603,32 +603,32 @@ static void print_record_fields(struct dump *d, const struct kvf_record *r)
                 f_u64(d, "dst_blocks", r->n_dst);
                 f_bool(d, "chunked", r->chunked);
                 break;
-        case KVF_RT_CHUNK:
+        case KVF_REC_CHUNK:
                 f_str(d, "request_id", r->request_id, sizeof(r->request_id));
                 f_u64(d, "step", r->current_id);
                 f_u64(d, "tokens_done", r->tokens);
                 f_bool(d, "last", r->last);
                 break;
-        case KVF_RT_CANCEL:
+        case KVF_REC_CANCEL:
                 f_str(d, "request_id", r->request_id, sizeof(r->request_id));
                 break;
-        case KVF_RT_COMPLETION:
-        case KVF_RT_ARRIVAL:
+        case KVF_REC_COMPLETION:
+        case KVF_REC_ARRIVAL:
                 f_str(d, "request_id", r->request_id, sizeof(r->request_id));
                 f_cname(d, "status", kvf_status_name(r->status));
                 f_str(d, "peer", r->peer, sizeof(r->peer));
                 f_u64(d, "bytes", r->bytes);
                 f_u64(d, "blocks", r->blocks);
-                if (r->type == KVF_RT_ARRIVAL)
+                if (r->type == KVF_REC_ARRIVAL)
                         f_u64(d, "dst_blocks", r->n_dst);
                 reason = true;
                 break;
-        case KVF_RT_CONNECT:
+        case KVF_REC_CONNECT:
                 f_str(d, "task_id", r->request_id, sizeof(r->request_id));
                 f_str(d, "peer", r->peer, sizeof(r->peer));
                 f_cname(d, "transport", kvf_transport_name(r->transport));
                 break;
-        case KVF_RT_CONNECT_RESULT:
+        case KVF_REC_CONNECT_RESULT:
                 f_str(d, "task_id", r->request_id, sizeof(r->request_id));
                 f_str(d, "peer", r->peer, sizeof(r->peer));
                 f_cname(d, "status", kvf_status_name(r->status));

@@ -16,7 +16,7 @@
 #include "err.h"
 #include "layout.h"
 
-static int host_create(const struct kvf_ctl_header *h)
+static int host_create(struct kvf_ctl_header *h)
 {
         const struct kvf_cache_layout *l = &h->layout;
         const char *name = h->cache_name;
@@ -67,6 +67,7 @@ static int host_map(const struct kvf_ctl_header *h, bool writable, struct kvf_ca
                                    (unsigned long long)want, strerror(e));
         out->base = p;
         out->host = true;
+        out->device = -1;
         return 0;
 }
 

@@ -154,7 +154,7 @@ static int async_poll(struct kvf_cache *src, uint64_t ticket)
         return 1;
 }
 
-static int async_create(const struct kvf_ctl_header *h)
+static int async_create(struct kvf_ctl_header *h)
 {
         return kvf_cache_host.create(h);
 }

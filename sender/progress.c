@@ -194,7 +194,13 @@ void sender_advance(struct sender *s, uint32_t slot)
                 else
                         break;
                 if (ready > r->cur_layers) {
-                        if (send_range(s, slot, r->cur_layers, ready, r->sent_full, m->block_end) < 0) {
+                        /* Engine executor: the layers the engine claimed are its own (plan.c). */
+                        uint32_t from = r->transport == KVF_TRANSPORT_IPC
+                                                ? sender_plan_take(s, slot, m->step, r->cur_layers, ready)
+                                                : r->cur_layers;
+                        if (r->state != KVF_REQ_ACTIVE)
+                                return;
+                        if (from < ready && send_range(s, slot, from, ready, r->sent_full, m->block_end) < 0) {
                                 /* the ring is full: try again from the same place later */
                                 sender_mark(s, slot, SLOT_NEEDS_ADVANCE);
                                 sender_arm(s, slot);
@@ -212,10 +218,12 @@ void sender_advance(struct sender *s, uint32_t slot)
                 r->cur_layers = 0;
                 r->chunk_head++;
         }
-        if (r->chunk_head == r->chunk_tail && r->last_chunk_seen && r->sent_full >= r->n_send)
+        if (r->chunk_head == r->chunk_tail && r->last_chunk_seen && r->sent_full >= r->n_send) {
                 sender_all_sent(s, slot);
-        else
+        } else {
+                sender_plan_offer(s, slot); /* engine executor: the next step's plan */
                 sender_arm(s, slot);
+        }
 }
 
 void sender_on_progress(struct sender *s, uint64_t word, uint64_t publish_ns)

@@ -31,6 +31,7 @@
 #include "layout.h"
 #include "opts.h"
 #include "sim_sessions.h"
+#include "sim_gpu.h" /* GPU mode */
 
 static const char *prog = "kvf-sim";
 
@@ -101,6 +102,9 @@ struct tail {
 static struct tail *tails;
 static unsigned ntails;
 static uint64_t t_start;
+/* ---- GPU mode (kvf-sim --gpu, tools/sim_gpu.h): caches on GPUs, the layers are kernels, the
+ * checks run on the GPU. NULL in host mode. */
+static struct sim_gpu *sg;
 static volatile int stop; /* SIGTERM/SIGINT: admit no more, let what was admitted finish */
 
 static uint64_t rng_state;
@@ -310,8 +314,40 @@ static struct req *find_req(const char *id)
         return v < nreq && !strcmp(reqs[v].id, id) ? &reqs[v] : NULL;
 }
 
+/* GPU mode: every byte of every destination block compared on the decode GPU. */
+static void verify_gpu(struct req *r)
+{
+        r->verified = true;
+        for (unsigned k = 0; k < o.ranks && r->verified; k++) {
+                struct kvf_client *c = kvf_group_member(dg, k);
+                for (uint32_t l = 0; l < layers; l++)
+                        for (uint32_t t = 0; t < tensors; t++) {
+                                const uint8_t *base = kvf_cache_tensor(c, l, (int)t);
+                                for (uint32_t i = 0; i < r->n_dst; i++)
+                                        sim_gpu_expect(sg, k, base + (uint64_t)r->dst[i] * L.block_bytes, L.block_bytes,
+                                                       block_key(r->seq, k, l, t, r->first + i, false));
+                        }
+                uint64_t first = 0;
+                long bad = sim_gpu_check(sg, k, &first);
+                if (bad != 0) {
+                        uint64_t i = first % r->n_dst, lt = first / r->n_dst;
+                        fprintf(stderr, "%s: request %s: rank %u: %ld blocks differ, the first layer %llu tensor %llu "
+                                "dest block %u (#%llu)%s\n", prog, r->id, k, bad, (unsigned long long)(lt / tensors),
+                                (unsigned long long)(lt % tensors), r->dst[i], (unsigned long long)i,
+                                bad < 0 ? " (the check itself failed)" : "");
+                        r->verified = false;
+                } else {
+                        verified_bytes += (uint64_t)layers * tensors * r->n_dst * L.block_bytes;
+                }
+        }
+}
+
 static void verify(struct req *r)
 {
+        if (sg) {
+                verify_gpu(r);
+                return;
+        }
         r->verified = true;
         for (unsigned k = 0; k < o.ranks && r->verified; k++) {
                 struct kvf_client *c = kvf_group_member(dg, k);
@@ -429,8 +465,12 @@ static void write_layer(struct req *r, uint32_t l, uint32_t from, uint32_t to)
                                 /* A block the chunk leaves incomplete gets other bytes: sending it
                                  * before the chunk that completes it would show up in verify. */
                                 bool partial = !last && (uint64_t)(j + 1) * L.block_size > to;
-                                fill(base + (uint64_t)r->src[j] * L.block_bytes, L.block_bytes,
-                                     block_key(r->seq, k, l, t, j, partial));
+                                if (sg) /* GPU mode: written by the layer's kernel */
+                                        sim_gpu_fill(sg, k, base + (uint64_t)r->src[j] * L.block_bytes, L.block_bytes,
+                                                     block_key(r->seq, k, l, t, j, partial));
+                                else
+                                        fill(base + (uint64_t)r->src[j] * L.block_bytes, L.block_bytes,
+                                             block_key(r->seq, k, l, t, j, partial));
                         }
                 }
         }
@@ -612,6 +652,10 @@ static void usage(void)
                "  --drain-previous-s N  at the end, keep taking earlier sessions' events until none came\n"
                "                      for N seconds (default 0)\n"
                "  --quiet             no progress line\n"
+               "  --gpu               GPU mode: the caches must be on GPUs (--backend cuda); each layer is a kernel\n"
+               "                      that writes the blocks and keeps every SM busy for --layer-us, signalled with\n"
+               "                      kvf_layer_done_on_stream; arrivals are verified on the GPU. Chosen by itself\n"
+               "                      when the instances' caches are on GPUs\n"
                "  --check-options     check the options (and the trace's presence), run nothing\n"
                "Exit: 0 all requests accounted for and nothing corrupt; 1 otherwise; 2 usage.\n",
                prog);
@@ -621,7 +665,7 @@ int main(int argc, char **argv)
 {
         enum { O_P = 1000, O_D, O_N, O_TRACE, O_MAXTOK, O_LUS, O_STEP, O_CHUNK, O_PREFIX, O_LATE,
                O_CANCEL, O_TRANSPORT, O_SEED, O_TO, O_BASE, O_JSON, O_QUIET, O_VERSION, O_PEERMAP, O_VERIFY, O_SCATTER, O_CHECK,
-               O_SLOG, O_DRAIN };
+               O_SLOG, O_DRAIN, O_GPU };
         static const struct option lo[] = {
                 {"prefill", required_argument, 0, O_P},  {"decode", required_argument, 0, O_D},
                 {"requests", required_argument, 0, O_N}, {"trace", required_argument, 0, O_TRACE},
@@ -642,10 +686,11 @@ int main(int argc, char **argv)
                 {"check-options", no_argument, 0, O_CHECK},
                 {"session-log", required_argument, 0, O_SLOG},
                 {"drain-previous-s", required_argument, 0, O_DRAIN},
+                {"gpu", no_argument, 0, O_GPU},
                 {"version", no_argument, 0, O_VERSION},  {0, 0, 0, 0}};
         unsigned np = 0, nd = 0;
         const char *peermap = NULL;
-        bool check_only = false;
+        bool check_only = false, want_gpu = false;
         int c;
 
         o.requests = 100;
@@ -692,6 +737,7 @@ int main(int argc, char **argv)
                 case O_CHECK: check_only = true; break;
                 case O_SLOG: o.session_log = optarg; break;
                 case O_DRAIN: o.drain_previous_s = (unsigned)kvf_opt_u64("drain-previous-s", optarg, 0, 3600); break;
+                case O_GPU: want_gpu = true; break;
                 case 'h': usage(); return 0;
                 case O_VERSION: printf("%s %s\n", prog, KVFERRY_VERSION); return 0;
                 default: kvf_opt_die(prog, "unknown option");
@@ -740,6 +786,23 @@ int main(int argc, char **argv)
         kvf_get_layout(kvf_group_member(dg, 0), &DL);
         layers = L.num_layers + L.extra_layers;
         tensors = L.key_only ? 1 : 2;
+        { /* GPU mode: when asked, or when the caches are on GPUs (the CPU cannot touch them) */
+                int pdev[MAX_RANKS], ddev[MAX_RANKS], ngpu = 0;
+                for (unsigned k = 0; k < o.ranks; k++) {
+                        pdev[k] = kvf_cache_device(kvf_group_member(pg, k));
+                        ddev[k] = kvf_cache_device(kvf_group_member(dg, k));
+                        ngpu += (pdev[k] >= 0) + (ddev[k] >= 0);
+                }
+                if ((want_gpu || ngpu) && ngpu != 2 * (int)o.ranks) {
+                        fprintf(stderr, "%s: %s: every instance's cache must be on a GPU (start them with --backend cuda)\n",
+                                prog, want_gpu ? "--gpu" : "GPU mode");
+                        return 1;
+                }
+                if (ngpu && sim_gpu_open(&sg, o.ranks, pdev, ddev, o.layer_us) < 0)
+                        return 1;
+                if (sg && !o.quiet)
+                        fprintf(stderr, "%s: GPU mode: prefill on GPU %d, decode on GPU %d\n", prog, pdev[0], ddev[0]);
+        }
         if (pool_init(&psrc, L.num_blocks) < 0 || pool_init(&pdst, DL.num_blocks) < 0)
                 return 1;
         /* The largest prompt the caches (and one request's block limit) can hold at once. */
@@ -842,12 +905,15 @@ int main(int argc, char **argv)
                                         write_layer(active[i], l, from[i], to[i]);
                                 /* The rest of the layer's compute time: the engine's CPU thread
                                  * waits on its GPU, so sleep, spinning only the last stretch. */
-                                for (uint64_t el; (el = kvf_now_ns() - t0) < layer_ns;)
+                                for (uint64_t el; !sg && (el = kvf_now_ns() - t0) < layer_ns;)
                                         if (layer_ns - el > 60000)
                                                 kvf_sleep_ns(layer_ns - el - 50000);
                                 for (unsigned k = 0; k < o.ranks; k++)
-                                        kvf_layer_done(kvf_group_member(pg, k), step, l);
-                                uint64_t pub = kvf_now_ns();
+                                        if (!sg)
+                                                kvf_layer_done(kvf_group_member(pg, k), step, l);
+                                        else if (sim_gpu_layer(sg, k, kvf_group_member(pg, k), step, l) < 0)
+                                                return 1; /* GPU mode: a kernel, layer-done on its stream */
+                                uint64_t pub = sg ? 0 : kvf_now_ns(); /* GPU mode: known at the step's end */
                                 if (l == layers / 2)
                                         for (unsigned i = 0; i < nactive; i++)
                                                 if (active[i]->cancel && active[i]->submitted)
@@ -862,6 +928,14 @@ int main(int argc, char **argv)
                                                         r->last_blocks = r->n_src - (b0 > r->first ? b0 : r->first);
                                                 }
                                 poll_events(0);
+                        }
+                        if (sg) { /* GPU mode: the step's end, and when its last layer ended */
+                                uint64_t end_ns;
+                                if (sim_gpu_step_end(sg, &end_ns) < 0)
+                                        return 1;
+                                for (unsigned i = 0; i < nactive; i++)
+                                        if (to[i] >= active[i]->tokens && !active[i]->last_layer_ns)
+                                                active[i]->last_layer_ns = end_ns;
                         }
                         /* Tasks that arrive after their layers are done. */
                         unsigned keep = 0;
@@ -913,7 +987,9 @@ int main(int argc, char **argv)
                 kvf_ctl_detach(&pc);
         }
         double rate = secs > 0 ? (double)moved_bytes / secs : 0;
-        double base = o.baseline ? memcpy_rate(moved_bytes ? moved_bytes : (1ull << 30)) : 0;
+        double base = !o.baseline ? 0
+                      : sg ? sim_gpu_copy_rate(sg, moved_bytes / (nreq ? nreq : 1) / (layers ? layers : 1)) /* one layer */
+                           : memcpy_rate(moved_bytes ? moved_bytes : (1ull << 30));
         /* One layer of an average request, at the memcpy rate (or the run's rate). */
         double avg_send = 0;
         for (unsigned i = 0; i < nreq; i++)
@@ -929,6 +1005,10 @@ int main(int argc, char **argv)
         printf("  layout       %u+%u layers x %u tensor(s), %u kv head(s) x %u tokens x %u dims %s = %s per block, %u rank(s)\n",
                L.num_layers, L.extra_layers, tensors, L.kv_heads, L.block_size, L.head_dim,
                kvf_dtype_name(L.dtype), kvf_fmt_bytes(L.block_bytes, gib, sizeof(gib)), o.ranks);
+        if (sg) /* GPU mode */
+                printf("  GPU          caches on GPUs (prefill GPU %d, decode GPU %d): layers are kernels (%u us, every SM), "
+                       "signalled on the stream; every byte verified on the GPU\n",
+                       kvf_cache_device(kvf_group_member(pg, 0)), kvf_cache_device(kvf_group_member(dg, 0)), o.layer_us);
         printf("  requests     %u: %llu finished, %llu failed, %u unaccounted, %llu corrupt\n", nreq,
                (unsigned long long)finished, (unsigned long long)failed, unaccounted,
                (unsigned long long)corrupt);
@@ -953,7 +1033,11 @@ int main(int argc, char **argv)
                tf.completion.p50 / 1e3, tf.completion.p99 / 1e3);
         printf("  copy start   layer-done -> copy start: p50 %.1f us, p99 %.1f us\n", (double)l2c50 / 1e3,
                (double)l2c99 / 1e3);
-        if (o.baseline)
+        if (o.baseline && sg) /* GPU mode */
+                printf("  baseline     one bulk cudaMemcpy (device to device) of an average request's layer: %.2f GiB/s; "
+                       "one layer of an average request at that rate = %.1f us\n",
+                       base / (1 << 30), base > 0 ? layer_bytes / base * 1e6 : 0);
+        else if (o.baseline)
                 printf("  baseline     memcpy of the same bytes: %.2f GiB/s; kvferry/memcpy = %.2f; one layer at memcpy rate = %.1f us\n",
                        base / (1 << 30), base > 0 ? rate / base : 0, base > 0 ? layer_bytes / base * 1e6 : 0);
         printf("  result       %s\n", ok ? "OK: every finished request verified, every request accounted for"
@@ -970,7 +1054,8 @@ int main(int argc, char **argv)
                                 "\"tail_norm_max\":%.3f,\"completion_tail_p50_ns\":%.0f,"
                                 "\"completion_tail_p99_ns\":%.0f,\"layer_to_copy_p50_ns\":%llu,"
                                 "\"layer_to_copy_p99_ns\":%llu,\"memcpy_bps\":%.1f,\"avg_layer_bytes\":%.1f,\"ok\":%s,"
-                                "\"cancelled\":%llu,\"timed_out\":%llu,\"connection_errors\":%llu,\"finished_but_failed_pairs\":%llu}\n",
+                                "\"cancelled\":%llu,\"timed_out\":%llu,\"connection_errors\":%llu,\"finished_but_failed_pairs\":%llu,"
+                                "\"gpu\":%s}\n",
                                 nreq, (unsigned long long)finished, (unsigned long long)failed, unaccounted,
                                 (unsigned long long)corrupt, (unsigned long long)moved_bytes,
                                 (unsigned long long)verified_bytes, secs, rate,
@@ -981,10 +1066,11 @@ int main(int argc, char **argv)
                                 (unsigned long long)fail_by_status[KVF_STATUS_CANCELLED],
                                 (unsigned long long)fail_by_status[KVF_STATUS_TIMEOUT],
                                 (unsigned long long)fail_by_status[KVF_STATUS_CONNECTION],
-                                (unsigned long long)bad_status_pairs);
+                                (unsigned long long)bad_status_pairs, sg ? "true" : "false");
                         fclose(f);
                 }
         }
+        sim_gpu_close(sg); /* (its streams are synchronised before the clients detach) */
         kvf_group_detach(pg);
         kvf_group_detach(dg);
         for (unsigned i = 0; i < o.requests; i++) {

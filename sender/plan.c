@@ -118,7 +118,8 @@ void sender_plan_offer(struct sender *s, uint32_t slot)
         s->pl_step[slot] = m->step;
 }
 
-uint32_t sender_plan_take(struct sender *s, uint32_t slot, uint64_t step, uint32_t l0, uint32_t l1)
+uint32_t sender_plan_take(struct sender *s, uint32_t slot, uint64_t step, uint32_t b0, uint32_t b1, uint32_t l0,
+                          uint32_t l1)
 {
         if (!s->plan_on || s->pl_step[slot] != step)
                 return l0;
@@ -127,6 +128,14 @@ uint32_t sender_plan_take(struct sender *s, uint32_t slot, uint64_t step, uint32
         uint64_t v = kvf_load_acquire(&e->ctl);
         if (!(v & KVF_PLAN_OPEN))
                 return l0; /* taken back before: the engine's layers ended below l0 */
+        if (e->b0 != b0 || e->b1 != b1) {
+                /* The mark grew after the entry was published (a second chunk record for
+                 * the same step): the engine copies the old blocks only. Take it back and
+                 * copy every layer since `first` for all of them (the engine's share again:
+                 * the same bytes, harmless). */
+                close_entry(s, slot);
+                return e->first < l0 ? e->first : l0;
+        }
         if (KVF_PLAN_CLAIMED(v) >= l1 && l1 < s->layers)
                 return l1; /* the engine's, and the step goes on */
         close_entry(s, slot);

@@ -196,7 +196,8 @@ void sender_advance(struct sender *s, uint32_t slot)
                 if (ready > r->cur_layers) {
                         /* Engine executor: the layers the engine claimed are its own (plan.c). */
                         uint32_t from = r->transport == KVF_TRANSPORT_IPC
-                                                ? sender_plan_take(s, slot, m->step, r->cur_layers, ready)
+                                                ? sender_plan_take(s, slot, m->step, r->sent_full, m->block_end,
+                                                                   r->cur_layers, ready)
                                                 : r->cur_layers;
                         if (r->state != KVF_REQ_ACTIVE)
                                 return;

@@ -234,9 +234,10 @@ bool sender_copies_owing(const struct sender *s, uint32_t slot);
 int sender_plan_init(struct sender *s);
 /* Publish the slot's entry for its front mark's step, if that step is still to come. */
 void sender_plan_offer(struct sender *s, uint32_t slot);
-/* Layers [l0, l1) of the slot's `step` are ready: the first of them the sender copies itself
- * (the engine has the ones below). */
-uint32_t sender_plan_take(struct sender *s, uint32_t slot, uint64_t step, uint32_t l0, uint32_t l1);
+/* Layers [l0, l1) of send-blocks [b0, b1) of the slot's `step` are ready: the first layer the
+ * sender copies itself (the engine has the ones below). */
+uint32_t sender_plan_take(struct sender *s, uint32_t slot, uint64_t step, uint32_t b0, uint32_t b1, uint32_t l0,
+                          uint32_t l1);
 /* The request is decided: no more claims; what the engine claimed is waited for. */
 void sender_plan_close(struct sender *s, uint32_t slot);
 /* At start: close every entry; the engine's claims of adopted requests are waited for again. */

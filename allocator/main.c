@@ -374,8 +374,6 @@ int main(int argc, char **argv)
         }
         kvf_role_end(&ctl, KVF_ROLE_ALLOCATOR);
         kvf_info("stopping");
-        if (ctl.hdr->backend == KVF_BACKEND_CUDA)
-                kvf_cache_destroy(ctl.hdr); /* (the process's exit would free it too) */
         kvf_ctl_detach(&ctl);
         return 0;
 }

@@ -44,10 +44,6 @@
 #define STAGE_BYTES (4u << 20) /* a tcp frame's payload at most */
 #define AGAIN_WAIT_NS 2000000000ull
 
-/* What the allocator made (one instance per allocator process). */
-static void *made_ptr;
-static int made_device = -1;
-
 struct stage {
         pthread_mutex_t mu;
         void *buf[STAGE_BUFS];
@@ -120,18 +116,15 @@ static int cuda_create(struct kvf_ctl_header *h)
                 kvf_gpu_free(dev, p);
                 return rc;
         }
-        made_ptr = p;
-        made_device = dev;
-        return 0;
+        return 0; /* p lives as long as this process */
 }
 
 static void cuda_destroy(const struct kvf_ctl_header *h)
 {
         (void)h;
-        /* Only the allocator that made it holds it; anyone else has nothing to free. */
-        if (made_ptr)
-                kvf_gpu_free(made_device, made_ptr);
-        made_ptr = NULL;
+        /* Nothing: the memory goes with the allocator's process. Freeing it while another
+         * process still has it open (an engine that has not detached yet) is undefined in
+         * CUDA; the driver releases it safely when the process exits. */
 }
 
 static int cuda_map(const struct kvf_ctl_header *h, bool writable, struct kvf_cache *out)

@@ -29,7 +29,8 @@ export KVFERRY_BUILD=${KVFERRY_BUILD:-$ROOT/build}
 B=$KVFERRY_BUILD
 K=$ROOT/tools/kvferry
 SHAPE="--model llama-3.1-8b --tp 1 --cache-mib 12288"
-SIM="--requests 300 --layer-us 200 --late-pct 10 --prefix-pct 20 --baseline --timeout-s 60"
+SIM="--requests 300 --layer-us 200 --late-pct 10 --prefix-pct 20 --baseline --timeout-s 60
+     --trace $ROOT/data/mooncake-conversation-2000.jsonl"
 
 # __run_sim NAME EXECUTOR [VAR=VALUE...] (this script, run again under a time limit): a decode
 # and a prefill instance (bd<id>-NAME, bp<id>-NAME), one kvf-sim --gpu run, both stopped again.

@@ -26,6 +26,9 @@ fi
 source "$HERE/lib.sh"
 cd "$ROOT"
 export KVFERRY_BACKEND=cuda
+# The trace by path: kvf-sim's built-in default names the source tree it was built in, which a
+# build carried to the GPU machine may not have.
+TRACE=$ROOT/data/mooncake-conversation-2000.jsonl
 [ -x "$B/tests/gpu_reattach_test" ] || fail "no $B/tests/gpu_reattach_test: was $B built with nvcc?"
 echo "gpu_e2e_test: $NGPU GPU(s) visible"
 
@@ -37,7 +40,7 @@ rdv() { "$B/kvf-ringdump" --instance "$1" --json | sed -n "s/.*\"$2\":\([0-9]*\)
 # sim WHAT NAME [kvf-sim options]: one verified run; prints its JSON file
 sim() {
   local what=$1 json=$KVFERRY_RUN_DIR/$2.json txt=$KVFERRY_RUN_DIR/$2.txt; shift 2
-  "$B/kvf-sim" --gpu --quiet --json "$json" --timeout-s 60 "$@" >"$txt" 2>&1 || { cat "$txt" >&2; fail "$what: kvf-sim failed"; }
+  "$B/kvf-sim" --gpu --trace "$TRACE" --quiet --json "$json" --timeout-s 60 "$@" >"$txt" 2>&1 || { cat "$txt" >&2; fail "$what: kvf-sim failed"; }
   [ "$(jv "$json" ok)" = true ] || { cat "$txt" >&2; fail "$what: not ok"; }
   [ "$(jv "$json" corrupt)" = 0 ] || fail "$what: corrupt requests"
   [ "$(jv "$json" gpu)" = true ] || fail "$what: kvf-sim did not run in GPU mode"
@@ -68,8 +71,8 @@ for ex in engine sender; do
   if [ $ex = engine ]; then
     claimed=$(rdv $p layers_claimed)
     [ "${claimed:-0}" -gt 0 ] || fail "engine executor: the engine claimed no layer (plans published: $(rdv $p plans_published))"
-    [ "$(rdv $p errors)" = 0 ] || fail "engine executor: the engine reported copy errors"
-    pass "engine executor: $claimed layers copied in the engine's context ($(rdv $p batches) kernels, $(rdv $p plans_published) plans, $(rdv $p plans_taken_back) taken back by the sender)"
+    [ "$(rdv $p copy_errors)" = 0 ] || fail "engine executor: the engine reported copy errors"
+    pass "engine executor: $claimed layers copied in the engine's context ($(rdv $p copy_kernels) kernels, $(rdv $p plans_published) plans, $(rdv $p plans_taken_back) taken back by the sender)"
   fi
   pass "$ex executor: per-query (late tasks, prefix hits), chunked, cancels and the stream-write signal, every byte verified on the GPU"
   down $p; down $d
@@ -96,7 +99,7 @@ for ex in engine sender; do
   up $d --role decode $L --executor $ex
   up $p --role prefill $L --executor $ex
   json=$KVFERRY_RUN_DIR/kill-$ex.json
-  "$B/kvf-sim" --gpu --prefill $p --decode $d --requests 100000 --layer-us 300 --quiet --timeout-s 60 \
+  "$B/kvf-sim" --gpu --trace "$TRACE" --prefill $p --decode $d --requests 100000 --layer-us 300 --quiet --timeout-s 60 \
     --json "$json" >"$KVFERRY_RUN_DIR/kill-$ex.txt" 2>&1 &
   simpid=$!
   for k in 1 2 3 4; do
@@ -119,7 +122,7 @@ for ex in engine sender; do
     for run in 1 2 3; do
       log=$KVFERRY_RUN_DIR/engine-kill-$run.log
       logs+=("$log")
-      "$B/kvf-sim" --gpu --prefill $p --decode $d --requests 100000 --layer-us 300 --quiet --late-pct 20 \
+      "$B/kvf-sim" --gpu --trace "$TRACE" --prefill $p --decode $d --requests 100000 --layer-us 300 --quiet --late-pct 20 \
         --session-log "$log" --timeout-s 60 >"$KVFERRY_RUN_DIR/engine-kill-$run.txt" 2>&1 &
       esim=$!
       sleep "1.$(( RANDOM % 10 ))"

@@ -421,9 +421,9 @@ static void print_header(struct dump *d)
                         j_open(d, "engine_executor", '{');
                         j_u64(d, "landed_step", KVF_PROGRESS_STEP(lw));
                         j_u64(d, "landed_layers", KVF_PROGRESS_LAYERS(lw));
-                        j_u64(d, "batches", kvf_load_relaxed(&x->batches));
+                        j_u64(d, "copy_kernels", kvf_load_relaxed(&x->batches));
                         j_u64(d, "layers_claimed", kvf_load_relaxed(&x->claims));
-                        j_u64(d, "errors", kvf_load_relaxed(&x->errors));
+                        j_u64(d, "copy_errors", kvf_load_relaxed(&x->errors));
                         j_u64(d, "plans_published", kvf_load_relaxed(&x->published));
                         j_u64(d, "plans_taken_back", kvf_load_relaxed(&x->taken_back));
                         j_u64(d, "plans_open", open_entries(d));

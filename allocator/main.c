@@ -4,9 +4,10 @@
  * roles map them. Kept trivially simple on purpose: on GPUs the caches die
  * with this process.
  *
- * Host backend: the caches are one shared-memory file, reserved up front
- * (fallocate) so a cache that does not fit fails here, with a clear message,
- * instead of as a SIGBUS in the engine later.
+ * Host backend: the caches are one file, in 2 MiB pages where they can be had
+ * (cache.h says from where), reserved up front (fallocate) so a cache that
+ * does not fit fails here, with a clear message, instead of as a SIGBUS in the
+ * engine later.
  * CUDA backend: one device allocation on --device, its IPC handle in the
  * segment; it lives exactly as long as this process (so a restarted
  * allocator cannot adopt it: the instance must be started again).
@@ -18,15 +19,15 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
-#include <sys/stat.h>
-#include <sys/statvfs.h>
 #include <unistd.h>
 
+#include "cache.h"
+#include "cache_host_alloc.h"
 #include "clock.h"
 #include "kvferry.h"
 #include "ctl.h"
-#include "cache.h"
 #include "err.h"
+#include "hugepages.h"
 #include "layout.h"
 #include "log.h"
 #include "opts.h"
@@ -35,7 +36,7 @@
 #endif
 
 static const char *prog = "kvf-allocator";
-static volatile int stop;
+static int stop; /* set by a signal (kvf_opt_signals): read with kvf_load_relaxed */
 
 static void usage(void)
 {
@@ -71,58 +72,30 @@ static void usage(void)
                "  --max-blocks-per-request N  (default %u)\n"
                "  --ring-kib N           capacity of each ring in KiB, a power of two (default %u)\n"
                "  --heartbeat-ms N       heartbeat period of every role (default %u)\n"
+               "  --huge-pages MODE      a host cache's pages: auto (2 MiB pages if they can be had, else\n"
+               "                         4 KiB pages and the reason in the log), on (2 MiB pages or\n"
+               "                         fail), off (4 KiB pages). Default auto: free pages of the\n"
+               "                         pool there is. As root, on mounts hugetlbfs on /dev/hugepages\n"
+               "                         if none is mounted and raises nr_hugepages by what the cache\n"
+               "                         needs (never lowers it)\n"
                "  --adopt                take over an existing segment whose allocator died\n"
                "  --help, --version\n",
                prog, KVF_DEFAULT_REQTAB_SLOTS, KVF_DEFAULT_MAX_BLOCKS,
                KVF_DEFAULT_RING_CAPACITY / 1024, KVF_DEFAULT_HEARTBEAT_MS);
 }
 
-static uint64_t mem_available(void)
+/* Which pages the cache has, with one fixed prefix ("cache: "): `tools/kvferry up` shows
+ * this line, so it is logged before the segment is published. */
+static void log_cache(const struct kvf_ctl *ctl, uint8_t *cache)
 {
-        FILE *f = fopen("/proc/meminfo", "r");
-        char line[256];
-        unsigned long long kb = 0;
-        if (!f)
-                return 0;
-        while (fgets(line, sizeof(line), f))
-                if (sscanf(line, "MemAvailable: %llu kB", &kb) == 1)
-                        break;
-        fclose(f);
-        return kb * 1024;
-}
+        char what[KVF_CACHE_PATH_MAX + KVF_CACHE_NOTE_MAX + 64];
+        int64_t huge_bytes = cache ? kvf_huge_mapped_bytes(cache) : -1;
 
-/* Refuse a cache that cannot fit, saying by how much. */
-static int check_fits(const struct kvf_cache_layout *l)
-{
-        struct statvfs sv;
-        char need[32], shm[32], avail[32];
-        uint64_t shm_free = statvfs("/dev/shm", &sv) == 0 ? (uint64_t)sv.f_bavail * sv.f_frsize : 0;
-        uint64_t mem = mem_available();
-
-        kvf_fmt_bytes(l->cache_bytes, need, sizeof(need));
-        kvf_fmt_bytes(shm_free, shm, sizeof(shm));
-        kvf_fmt_bytes(mem, avail, sizeof(avail));
-        if ((shm_free && l->cache_bytes > shm_free) || (mem && l->cache_bytes > mem))
-                return kvf_err_set(-ENOMEM,
-                                   "a cache of %s (%u layers x %u tensors x %u blocks x %llu bytes) does not fit: "
-                                   "/dev/shm has %s free and the host %s available; use fewer --blocks",
-                                   need, kvf_layout_layers(l), kvf_layout_tensors(l), l->num_blocks,
-                                   (unsigned long long)l->block_bytes, shm, avail);
-        return 0;
-}
-
-static int check_cache_file(const struct kvf_ctl *c)
-{
-        char path[128];
-        struct stat st;
-        snprintf(path, sizeof(path), "/dev/shm%s", c->hdr->cache_name);
-        if (stat(path, &st) < 0)
-                return kvf_err_set(-errno, "cache file %s: %s", path, strerror(errno));
-        if ((uint64_t)st.st_size != c->hdr->layout.cache_bytes)
-                return kvf_err_set(-EBADMSG, "cache file %s has %lld bytes, the layout needs %llu",
-                                   path, (long long)st.st_size,
-                                   (unsigned long long)c->hdr->layout.cache_bytes);
-        return 0;
+        if (ctl->hdr->backend != KVF_BACKEND_HOST && ctl->hdr->backend != KVF_BACKEND_HOST_ASYNC)
+                return;
+        kvf_host_cache_describe(ctl->hdr, what, sizeof(what));
+        kvf_info("cache: %s; mapped here with 2 MiB pages: %lld MiB", what,
+                 (long long)(huge_bytes > 0 ? huge_bytes >> 20 : 0));
 }
 
 /* The cuda backend's parameters: the device, one IPC handle, where copies run. */
@@ -161,7 +134,7 @@ int main(int argc, char **argv)
 {
         enum { O_ROLE = 1000, O_MODEL, O_TP, O_LAYERS, O_EXTRA, O_HEADS, O_HDIM, O_DTYPE, O_KEYONLY,
                O_BSIZE, O_BLOCKS, O_MIB, O_RANK, O_NRANKS, O_DEVICE, O_MAXREQ, O_MAXBLK, O_RING, O_HB,
-               O_ADOPT, O_VERSION, O_BACKEND, O_EXECUTOR };
+               O_ADOPT, O_HUGE, O_VERSION, O_BACKEND, O_EXECUTOR };
         static const struct option opts[] = {
                 {"instance", required_argument, 0, 'i'},  {"role", required_argument, 0, O_ROLE},
                 {"model", required_argument, 0, O_MODEL}, {"tp", required_argument, 0, O_TP},
@@ -181,6 +154,7 @@ int main(int argc, char **argv)
                 {"max-blocks-per-request", required_argument, 0, O_MAXBLK},
                 {"ring-kib", required_argument, 0, O_RING},
                 {"heartbeat-ms", required_argument, 0, O_HB}, {"adopt", no_argument, 0, O_ADOPT},
+                {"huge-pages", required_argument, 0, O_HUGE},
                 {"help", no_argument, 0, 'h'},            {"version", no_argument, 0, O_VERSION},
                 {0, 0, 0, 0}};
         struct kvf_ctl_params p = {.backend = KVF_BACKEND_HOST, .instance_role = KVF_IROLE_MIXED,
@@ -192,6 +166,8 @@ int main(int argc, char **argv)
         int rc;
         bool adopt = false, backend_auto = false;
         const char *executor = "auto";
+        enum kvf_huge_mode huge = KVF_HUGE_AUTO;
+        uint8_t *cache = NULL;
         int c;
 
         while ((c = getopt_long(argc, argv, "i:h", opts, NULL)) != -1) {
@@ -264,6 +240,16 @@ int main(int argc, char **argv)
                 }
                 case O_HB: p.heartbeat_ms = (uint32_t)kvf_opt_u64("heartbeat-ms", optarg, 1, 60000); break;
                 case O_ADOPT: adopt = true; break;
+                case O_HUGE:
+                        if (!strcmp(optarg, "auto"))
+                                huge = KVF_HUGE_AUTO;
+                        else if (!strcmp(optarg, "on"))
+                                huge = KVF_HUGE_ON;
+                        else if (!strcmp(optarg, "off"))
+                                huge = KVF_HUGE_OFF;
+                        else
+                                kvf_opt_die(prog, "--huge-pages is auto, on or off, not '%s'", optarg);
+                        break;
                 case 'h': usage(); return 0;
                 case O_VERSION: printf("%s %s\n", prog, KVFERRY_VERSION); return 0;
                 default: kvf_opt_die(prog, "unknown option");
@@ -299,7 +285,8 @@ int main(int argc, char **argv)
                                   p.instance, ctl.roles[KVF_ROLE_ALLOCATOR].pid);
                         return 1;
                 }
-                if ((rc = check_cache_file(&ctl)) < 0) {
+                if ((ctl.hdr->backend == KVF_BACKEND_HOST || ctl.hdr->backend == KVF_BACKEND_HOST_ASYNC) &&
+                    (rc = kvf_host_cache_map_raw(ctl.hdr, false, &cache)) < 0) {
                         kvf_error("cannot adopt instance %s: %s", p.instance, kvf_err_msg());
                         return 1;
                 }
@@ -309,6 +296,7 @@ int main(int argc, char **argv)
                 }
                 kvf_info("adopted existing instance (generation %llu)",
                          (unsigned long long)ctl.roles[KVF_ROLE_ALLOCATOR].generation);
+                log_cache(&ctl, cache);
         } else {
                 if (layers == 0 || heads == 0 || hdim == 0)
                         kvf_opt_die(prog, "give --model, or --layers, --kv-heads and --head-dim");
@@ -328,15 +316,12 @@ int main(int argc, char **argv)
                 if (kvf_layout_make(&p.layout, layers, extra, blocks, heads, bsize, hdim, dtype,
                                     key_only) < 0)
                         kvf_opt_die(prog, "%s", kvf_err_msg());
-                if (p.backend != KVF_BACKEND_CUDA && (rc = check_fits(&p.layout)) < 0) {
-                        kvf_error("%s", kvf_err_msg());
-                        return 1;
-                }
                 if ((rc = kvf_ctl_create(&p, &ctl)) < 0) {
                         kvf_error("%s", kvf_err_msg());
                         return 1;
                 }
-                if ((rc = kvf_cache_create(ctl.hdr)) < 0) {
+                if ((rc = kvf_cache_create(ctl.hdr, &(struct kvf_cache_opts){.huge_pages = (int)huge,
+                                                                             .keep_map = &cache})) < 0) {
                         char seg[96];
                         kvf_error("%s", kvf_err_msg());
                         kvf_ctl_detach(&ctl);
@@ -346,6 +331,7 @@ int main(int argc, char **argv)
                         shm_unlink(seg);
                         return 1;
                 }
+                log_cache(&ctl, cache);
                 kvf_role_begin(&ctl, KVF_ROLE_ALLOCATOR);
                 kvf_ctl_publish(&ctl);
                 char sz[32];
@@ -363,8 +349,8 @@ int main(int argc, char **argv)
                          kvf_fmt_bytes(l->cache_bytes, sz, sizeof(sz)), where, l->kv_heads, l->block_size,
                          l->head_dim, kvf_dtype_name(l->dtype), l->key_only ? ", key only" : "");
         }
-        uint64_t beat = (uint64_t)ctl.hdr->heartbeat_ms * 1000000ull;
-        while (!stop) {
+        uint64_t beat = kvf_ms(ctl.hdr->heartbeat_ms);
+        while (!kvf_load_relaxed(&stop)) {
                 if (kvf_role_fenced(&ctl, KVF_ROLE_ALLOCATOR)) {
                         kvf_error("another allocator holds this instance now: exiting");
                         return 1;
@@ -374,6 +360,8 @@ int main(int argc, char **argv)
         }
         kvf_role_end(&ctl, KVF_ROLE_ALLOCATOR);
         kvf_info("stopping");
+        if (cache)
+                kvf_host_cache_unmap_raw(cache, ctl.hdr->layout.cache_bytes);
         kvf_ctl_detach(&ctl);
         return 0;
 }

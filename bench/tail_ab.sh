@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# A/B of the host-path transfer tail: two built trees (each with build/), run alternately, the
-# same kvf-sim binary (the second tree's, or $KVF_SIM) driving both. Per run: a prefill and a
+# A/B of the host path: two built trees (each with build/), run alternately, the same kvf-sim
+# binary (the second tree's, or $KVF_SIM) driving both, or each tree's own (KVF_SIM=own: for
+# trees whose segment layouts differ). Per run: a prefill and a
 # decode instance of the tree, 10 warm-up requests, then the measured run; one line per run.
 # Usage: bench/tail_ab.sh TREE_A TREE_B [ROUNDS] [-- kvf-sim options]
 #   default kvf-sim options: 200 requests clipped to 2048 tokens (transfer overhead, not copy,
@@ -11,6 +12,7 @@ shift $(( $# >= 3 ? 3 : $# ))
 [ "${1:-}" = -- ] && shift
 ARGS=("$@"); [ ${#ARGS[@]} -eq 0 ] && ARGS=(--requests 200 --max-tokens 2048 --layer-us 1000 --step-tokens 1)
 SIM=${KVF_SIM:-$B/build/kvf-sim}
+[ "$SIM" = own ] && SIM=
 L8="--model llama-3.1-8b --tp 8 --cache-mib 2048"
 CUR_ROOT= CUR_T=
 cleanup() {
@@ -26,13 +28,16 @@ one() {
   CUR_ROOT=$root CUR_T=$t
   "$root/tools/kvferry" up --instance $t-d --role decode $L8 >/dev/null 2>&1
   "$root/tools/kvferry" up --instance $t-p --role prefill $L8 >/dev/null 2>&1
-  "$SIM" --quiet --verify sample --prefill $t-p --decode $t-d --requests 10 --layer-us 0 >/dev/null
-  "$SIM" --quiet --verify sample --prefill $t-p --decode $t-d --baseline --json "$KVFERRY_RUN_DIR/o.json" "${ARGS[@]}" >/dev/null
+  local sim=${SIM:-$root/build/kvf-sim}
+  "$sim" --quiet --verify sample --prefill $t-p --decode $t-d --requests 10 --layer-us 0 >/dev/null
+  "$sim" --quiet --verify sample --prefill $t-p --decode $t-d --baseline --json "$KVFERRY_RUN_DIR/o.json" "${ARGS[@]}" >/dev/null
   /usr/bin/python3 -c "
 import json,sys; d=json.load(open(sys.argv[1]))
-print('tail, tasks in time: p50 %5.0f us p99 %6.0f us | late tasks %d | all: p50 %5.0f us p99 %6.0f us | ok %s' % (
+print('tail, tasks in time: p50 %5.0f us p99 %6.0f us | late tasks %d | all: p50 %5.0f us p99 %6.0f us | '
+      'copy start p50 %5.1f us p99 %6.1f us | rate/memcpy %.2f | ok %s' % (
   d['tail_in_time_p50_ns']/1e3, d['tail_in_time_p99_ns']/1e3, d['late_tasks'], d['tail_p50_ns']/1e3,
-  d['tail_p99_ns']/1e3, d['ok']))" "$KVFERRY_RUN_DIR/o.json"
+  d['tail_p99_ns']/1e3, d['layer_to_copy_p50_ns']/1e3, d['layer_to_copy_p99_ns']/1e3,
+  d['rate_bps']/d['memcpy_bps'] if d['memcpy_bps'] else 0, d['ok']))" "$KVFERRY_RUN_DIR/o.json"
   cleanup
   CUR_T=
 }

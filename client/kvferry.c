@@ -54,7 +54,7 @@ static void keep_previous(struct kvf_client *c, const struct kvf_event *ev);
 static void wait_session_handover(struct kvf_client *c)
 {
         struct kvf_ctl *ctl = &c->ctl;
-        uint64_t end = kvf_now_ns() + 2000ull * 1000000ull;
+        uint64_t end = kvf_now_ns() + kvf_ms(2000ull);
         struct kvf_event ev;
         pthread_mutex_lock(&c->poll_mu);
         for (;;) {
@@ -137,17 +137,7 @@ void kvf_detach(struct kvf_client *c)
 
 int kvf_get_layout(struct kvf_client *c, struct kvf_layout_info *out)
 {
-        const struct kvf_cache_layout *l = &c->ctl.hdr->layout;
-        out->num_layers = l->num_layers;
-        out->extra_layers = l->extra_layers;
-        out->num_blocks = l->num_blocks;
-        out->kv_heads = l->kv_heads;
-        out->block_size = l->block_size;
-        out->head_dim = l->head_dim;
-        out->dtype = l->dtype;
-        out->key_only = l->key_only;
-        out->block_bytes = l->block_bytes;
-        out->cache_bytes = l->cache_bytes;
+        kvf_layout_to_info(&c->ctl.hdr->layout, out);
         return 0;
 }
 
@@ -208,7 +198,7 @@ static int copy_str(char *dst, size_t cap, const char *src, const char *what)
 
 int kvf_submit_task(struct kvf_client *c, const struct kvf_task *t)
 {
-        struct kvf_record r = {.type = KVF_RT_TASK};
+        struct kvf_record r = {.type = KVF_REC_TASK};
         int rc;
 
         if ((rc = copy_str(r.request_id, sizeof(r.request_id), t->request_id, "request_id")) < 0 ||
@@ -230,7 +220,7 @@ int kvf_submit_task(struct kvf_client *c, const struct kvf_task *t)
 int kvf_submit_chunk(struct kvf_client *c, const char *request_id, uint64_t step,
                      uint64_t tokens_done, int last)
 {
-        struct kvf_record r = {.type = KVF_RT_CHUNK, .current_id = step, .tokens = tokens_done,
+        struct kvf_record r = {.type = KVF_REC_CHUNK, .current_id = step, .tokens = tokens_done,
                                .last = last != 0};
         int rc = copy_str(r.request_id, sizeof(r.request_id), request_id, "request_id");
         return rc < 0 ? rc : submit_record(c, KVF_RING_ENGINE_TO_SENDER, &r);
@@ -238,14 +228,14 @@ int kvf_submit_chunk(struct kvf_client *c, const char *request_id, uint64_t step
 
 int kvf_submit_cancel(struct kvf_client *c, const char *request_id)
 {
-        struct kvf_record r = {.type = KVF_RT_CANCEL};
+        struct kvf_record r = {.type = KVF_REC_CANCEL};
         int rc = copy_str(r.request_id, sizeof(r.request_id), request_id, "request_id");
         return rc < 0 ? rc : submit_record(c, KVF_RING_ENGINE_TO_SENDER, &r);
 }
 
 int kvf_submit_connect(struct kvf_client *c, const char *task_id, const char *peer)
 {
-        struct kvf_record r = {.type = KVF_RT_CONNECT};
+        struct kvf_record r = {.type = KVF_REC_CONNECT};
         int rc;
         if ((rc = copy_str(r.request_id, sizeof(r.request_id), task_id, "task_id")) < 0 ||
             (rc = copy_str(r.peer, sizeof(r.peer), peer, "peer")) < 0)
@@ -322,10 +312,10 @@ static void fill_event(struct kvf_client *c, struct kvf_event *ev, struct kvf_re
 {
         memset(ev, 0, sizeof(*ev));
         switch (r->type) {
-        case KVF_RT_COMPLETION:
+        case KVF_REC_COMPLETION:
                 ev->type = KVF_EVENT_COMPLETION;
                 break;
-        case KVF_RT_ARRIVAL:
+        case KVF_REC_ARRIVAL:
                 ev->type = KVF_EVENT_ARRIVAL;
                 break;
         default:
@@ -342,7 +332,7 @@ static void fill_event(struct kvf_client *c, struct kvf_event *ev, struct kvf_re
         ev->accept_ns = r->accept_ns;
         ev->last_layer_ns = r->last_layer_ns;
         ev->done_ns = r->done_ns;
-        if (r->type == KVF_RT_ARRIVAL && r->n_dst) {
+        if (r->type == KVF_REC_ARRIVAL && r->n_dst) {
                 /* The client keeps the last arrival's list (poll_mu held by the caller). */
                 free(c->dst);
                 c->dst = r->dst;
@@ -379,7 +369,7 @@ static int on_record(void *arg, uint16_t type, const uint8_t *p, uint32_t len, u
         struct kvf_record r;
         (void)pos;
 
-        if (type != KVF_RT_COMPLETION && type != KVF_RT_ARRIVAL && type != KVF_RT_CONNECT_RESULT) {
+        if (type != KVF_REC_COMPLETION && type != KVF_REC_ARRIVAL && type != KVF_REC_CONNECT_RESULT) {
                 pc->rc = kvf_err_set(-EBADMSG, "unexpected record type %u on an engine ring", type);
                 return 0;
         }
@@ -455,8 +445,8 @@ static bool engine_has_work(void *arg)
 
 int kvf_poll(struct kvf_client *c, struct kvf_event *ev, int timeout_ms)
 {
-        uint64_t end = timeout_ms < 0 ? UINT64_MAX : kvf_now_ns() + (uint64_t)timeout_ms * 1000000ull;
-        uint64_t beat = (uint64_t)c->ctl.hdr->heartbeat_ms * 1000000ull;
+        uint64_t end = timeout_ms < 0 ? UINT64_MAX : kvf_now_ns() + kvf_ms(timeout_ms);
+        uint64_t beat = kvf_ms(c->ctl.hdr->heartbeat_ms);
         int rc;
 
         pthread_mutex_lock(&c->poll_mu);
@@ -586,7 +576,7 @@ static int fold(struct kvf_group *g, unsigned rank, struct kvf_event *ev)
 
 int kvf_group_poll(struct kvf_group *g, struct kvf_event *ev, int timeout_ms)
 {
-        uint64_t end = timeout_ms < 0 ? UINT64_MAX : kvf_now_ns() + (uint64_t)timeout_ms * 1000000ull;
+        uint64_t end = timeout_ms < 0 ? UINT64_MAX : kvf_now_ns() + kvf_ms(timeout_ms);
 
         for (;;) {
                 bool any = false;

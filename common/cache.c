@@ -57,10 +57,10 @@ int kvf_cache_gpus(void)
 #endif
 }
 
-int kvf_cache_create(struct kvf_ctl_header *h)
+int kvf_cache_create(struct kvf_ctl_header *h, const struct kvf_cache_opts *o)
 {
         const struct kvf_cache_backend *be = kvf_cache_backend(h->backend);
-        return be ? be->create(h) : -EPROTO;
+        return be ? be->create(h, o) : -EPROTO;
 }
 
 void kvf_cache_destroy(const struct kvf_ctl_header *h)

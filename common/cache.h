@@ -57,13 +57,19 @@ struct kvf_copy_batch {
         uint32_t nruns;
 };
 
+/* What the allocator asks of a new cache. */
+struct kvf_cache_opts {
+        int huge_pages;     /* host backends: enum kvf_huge_mode (cache_host_alloc.h) */
+        uint8_t **keep_map; /* where to leave a read-only mapping the allocator keeps, or NULL */
+};
+
 struct kvf_cache_backend {
         const char *name;
         uint32_t id; /* enum kvf_backend */
-        /* Allocator: make the storage named by the header (h->cache_name) and keep it; a
-         * backend whose storage is named by handles writes them into the segment (the
-         * header's cuda_* fields, before the segment is published). */
-        int (*create)(struct kvf_ctl_header *h);
+        /* Allocator: make the storage for header h (not yet published), say in h how it is
+         * backed, and keep it; a backend whose storage is named by handles writes them into
+         * the segment (the header's cuda_* fields) there too. */
+        int (*create)(struct kvf_ctl_header *h, const struct kvf_cache_opts *o);
         /* Remove what create made (the instance goes down). */
         void (*destroy)(const struct kvf_ctl_header *h);
         /* out->device on entry: the device whose kernels will use the mapping (a peer's
@@ -98,7 +104,7 @@ const char *kvf_cache_backend_names(void);
 int kvf_cache_gpus(void);
 
 /* Allocator: create the cache of header h with its backend. */
-int kvf_cache_create(struct kvf_ctl_header *h);
+int kvf_cache_create(struct kvf_ctl_header *h, const struct kvf_cache_opts *o);
 void kvf_cache_destroy(const struct kvf_ctl_header *h);
 
 /*

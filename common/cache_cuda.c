@@ -88,7 +88,7 @@ static void uuid_str(const uint8_t u[16], char *out, size_t len)
                  u[14], u[15]);
 }
 
-static int cuda_create(struct kvf_ctl_header *h)
+static int cuda_create(struct kvf_ctl_header *h, const struct kvf_cache_opts *o)
 {
         const struct kvf_cache_layout *l = &h->layout;
         int dev = (int)h->device, n = kvf_gpu_device_count();
@@ -96,6 +96,7 @@ static int cuda_create(struct kvf_ctl_header *h)
         void *p = NULL;
         int rc;
 
+        (void)o; /* huge pages and a kept mapping are host-memory matters */
         if (n <= 0)
                 return kvf_err_set(-ENODEV, "cuda backend: no GPU visible: %s", kvf_gpu_err_msg());
         if (h->device == KVF_DEVICE_NONE || dev >= n)

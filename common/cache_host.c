@@ -1,45 +1,35 @@
 /*
- * The host backend: the cache is one shared-memory file, /dev/shm/kvferry.<instance>.cache
- * (0600), made and kept by the allocator, mapped by name by everyone else.
- * Copies are streamed memcpy (copy.c) and complete at once.
+ * The host backend: the cache is one file of host memory, made and kept by
+ * the allocator (cache_host_alloc.c: in 2 MiB pages where they can be had),
+ * mapped by everyone else where the header says it is: /dev/shm, or a
+ * hugetlbfs mount (docs/ARCHITECTURE.md 3a). Copies are streamed memcpy
+ * (copy.c) and complete at once.
  */
 #include <errno.h>
 #include <fcntl.h>
+#include <stdio.h>
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include "cache.h"
+#include "cache_host_alloc.h"
+#include "hugepages.h"
 #include "copy.h"
 #include "ctl.h"
 #include "err.h"
 #include "layout.h"
 
-static int host_create(struct kvf_ctl_header *h)
+static int host_create(struct kvf_ctl_header *h, const struct kvf_cache_opts *o)
 {
-        const struct kvf_cache_layout *l = &h->layout;
-        const char *name = h->cache_name;
-        int fd = shm_open(name, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
-        if (fd < 0 && errno == EEXIST)
-                return kvf_ctl_exists_err(h->instance, name);
-        if (fd < 0)
-                return kvf_err_set(-errno, "create cache /dev/shm%s: %s", name, strerror(errno));
-        int rc = 0;
-        if (fchmod(fd, 0600) < 0 || ftruncate(fd, (off_t)l->cache_bytes) < 0)
-                rc = -errno;
-        /* Reserve every page now: tmpfs then fails here with ENOSPC rather
-         * than with SIGBUS in whoever touches the page first. */
-        if (rc == 0)
-                rc = -posix_fallocate(fd, 0, (off_t)l->cache_bytes);
-        close(fd);
-        if (rc < 0) {
-                shm_unlink(name);
-                char need[32];
-                return kvf_err_set(rc, "reserve %s for cache /dev/shm%s: %s",
-                                   kvf_fmt_bytes(l->cache_bytes, need, sizeof(need)), name, strerror(-rc));
-        }
-        return 0;
+        uint8_t *keep = NULL;
+        int rc = kvf_host_cache_create(h, (enum kvf_huge_mode)o->huge_pages, &keep);
+        if (rc == 0 && o->keep_map)
+                *o->keep_map = keep;
+        else if (rc == 0)
+                kvf_host_cache_unmap_raw(keep, h->layout.cache_bytes);
+        return rc;
 }
 
 static void host_destroy(const struct kvf_ctl_header *h)
@@ -47,34 +37,137 @@ static void host_destroy(const struct kvf_ctl_header *h)
         shm_unlink(h->cache_name);
 }
 
-static int host_map(const struct kvf_ctl_header *h, bool writable, struct kvf_cache *out)
+/*
+ * The cache file of the segment whose header is h, opened and checked like the segment
+ * itself: a regular file of ours, of the size the layout needs (hugetlbfs: rounded up to
+ * its 2 MiB pages). A hugetlbfs cache must be named after the instance and live on a
+ * hugetlbfs mount: the path comes from shared memory, and must not lead anywhere else.
+ * Returns the descriptor; `path` says what was opened.
+ */
+static int cache_open(const struct kvf_ctl_header *h, bool writable, char *path, size_t len)
 {
+        uint32_t backing = h->cache_backing ? h->cache_backing : KVF_CACHE_SHM;
         uint64_t want = h->layout.cache_bytes;
-        int fd = shm_open(h->cache_name, (writable ? O_RDWR : O_RDONLY) | O_CLOEXEC, 0);
-        if (fd < 0)
-                return kvf_err_set(-ENOENT, "open cache /dev/shm%s: %s", h->cache_name, strerror(errno));
+        int flags = (writable ? O_RDWR : O_RDONLY) | O_CLOEXEC | O_NOFOLLOW;
         struct stat st;
-        if (fstat(fd, &st) < 0 || (uint64_t)st.st_size != want) {
-                close(fd);
-                return kvf_err_set(-EPROTO, "cache /dev/shm%s has the wrong size (the layout needs %llu bytes)",
-                                   h->cache_name, (unsigned long long)want);
+        int fd, rc;
+
+        if (backing == KVF_CACHE_HUGETLBFS) {
+                char base[96];
+                const char *slash = strrchr(h->cache_path, '/');
+                kvf_cache_shm_name(h->instance, base, sizeof(base));
+                snprintf(path, len, "%s", h->cache_path);
+                if (h->cache_path[0] != '/' || !slash || strcmp(slash, base))
+                        return kvf_err_set(-EPROTO, "cache path '%s' is not <hugetlbfs mount>%s",
+                                           path, base);
+                fd = open(path, flags);
+                want = (want + KVF_HUGE_PAGE_SIZE - 1) / KVF_HUGE_PAGE_SIZE * KVF_HUGE_PAGE_SIZE;
+        } else {
+                snprintf(path, len, "/dev/shm%s", h->cache_name);
+                fd = shm_open(h->cache_name, flags, 0);
         }
-        void *p = mmap(NULL, want, PROT_READ | (writable ? PROT_WRITE : 0), MAP_SHARED | MAP_POPULATE, fd, 0);
+        if (fd < 0)
+                return kvf_err_set(-ENOENT, "open cache %s: %s", path, strerror(errno));
+        if (fstat(fd, &st) < 0) {
+                rc = kvf_err_set(-errno, "stat cache %s: %s", path, strerror(errno));
+        } else if (!S_ISREG(st.st_mode)) {
+                rc = kvf_err_set(-EPROTO, "cache %s is not a regular file", path);
+        } else if (st.st_uid != geteuid()) {
+                rc = kvf_err_set(-EPERM,
+                                 "cache %s is owned by uid %u, we run as uid %u: refusing it", path,
+                                 (unsigned)st.st_uid, (unsigned)geteuid());
+        } else if (backing == KVF_CACHE_HUGETLBFS && !kvf_huge_fd_is_hugetlbfs(fd)) {
+                rc = kvf_err_set(-EPROTO, "cache %s is not on a hugetlbfs mount of 2 MiB pages",
+                                 path);
+        } else if ((uint64_t)st.st_size != want) {
+                rc = kvf_err_set(-EPROTO,
+                                 "cache %s has the wrong size (the layout needs %llu bytes)", path,
+                                 (unsigned long long)want);
+        } else {
+                return fd;
+        }
+        close(fd);
+        return rc;
+}
+
+/*
+ * Map `bytes` of the cache, populated. Transparent huge pages are mapped with 2 MiB
+ * pages only at 2 MiB-aligned addresses, which mmap does not promise for a file of a
+ * mount without huge pages (the pages may have been collapsed): so reserve 2 MiB more,
+ * place the mapping on the boundary inside, and give back the rest. hugetlbfs mappings
+ * are aligned by the kernel.
+ */
+static void *cache_mmap(int fd, uint64_t bytes, bool writable, uint32_t backing)
+{
+        int prot = PROT_READ | (writable ? PROT_WRITE : 0);
+
+        if (backing != KVF_CACHE_SHM_THP)
+                return mmap(NULL, bytes, prot, MAP_SHARED | MAP_POPULATE, fd, 0);
+        uint64_t span = bytes + KVF_HUGE_PAGE_SIZE;
+        uintptr_t mask = (uintptr_t)KVF_HUGE_PAGE_SIZE - 1;
+        uint8_t *r = mmap(NULL, span, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1,
+                          0);
+        if (r == MAP_FAILED)
+                return MAP_FAILED;
+        uint8_t *a = (uint8_t *)(((uintptr_t)r + mask) & ~mask);
+        void *p = mmap(a, bytes, prot, MAP_SHARED | MAP_FIXED, fd, 0);
+        if (p == MAP_FAILED) {
+                int e = errno;
+                munmap(r, span);
+                errno = e;
+                return MAP_FAILED;
+        }
+        if (a > r)
+                munmap(r, (size_t)(a - r));
+        if (a + bytes < r + span)
+                munmap(a + bytes, (size_t)(r + span - (a + bytes)));
+        /* A mount with huge=advise faults them in only where advised; else it is a no-op. */
+        madvise(p, bytes, MADV_HUGEPAGE);
+        if (madvise(p, bytes, MADV_POPULATE_READ) < 0 && errno != EINVAL) {
+                int e = errno;
+                munmap(p, bytes);
+                errno = e;
+                return MAP_FAILED;
+        }
+        return p;
+}
+
+int kvf_host_cache_map_raw(const struct kvf_ctl_header *h, bool writable, uint8_t **out)
+{
+        char path[KVF_CACHE_PATH_MAX + 16];
+        uint64_t want = h->layout.cache_bytes;
+        int fd = cache_open(h, writable, path, sizeof(path));
+        if (fd < 0)
+                return fd;
+        void *p = cache_mmap(fd, want, writable, h->cache_backing);
         int e = errno;
         close(fd);
         if (p == MAP_FAILED)
-                return kvf_err_set(-ENOMEM, "map cache /dev/shm%s (%llu bytes): %s", h->cache_name,
+                return kvf_err_set(-ENOMEM, "map cache %s (%llu bytes): %s", path,
                                    (unsigned long long)want, strerror(e));
-        out->base = p;
-        out->host = true;
-        out->device = -1;
+        *out = p;
         return 0;
+}
+
+void kvf_host_cache_unmap_raw(uint8_t *p, uint64_t bytes)
+{
+        /* A hugetlbfs mapping ends on a 2 MiB page: munmap refuses to cut one. */
+        uint64_t whole = (bytes + KVF_HUGE_PAGE_SIZE - 1) / KVF_HUGE_PAGE_SIZE * KVF_HUGE_PAGE_SIZE;
+        if (p && munmap(p, bytes) < 0 && errno == EINVAL)
+                munmap(p, whole);
+}
+
+static int host_map(const struct kvf_ctl_header *h, bool writable, struct kvf_cache *out)
+{
+        int rc = kvf_host_cache_map_raw(h, writable, &out->base);
+        out->host = rc == 0;
+        out->device = -1; /* host memory, whichever device the mapping was asked for */
+        return rc;
 }
 
 static void host_unmap(struct kvf_cache *c)
 {
-        if (c->base)
-                munmap(c->base, c->bytes);
+        kvf_host_cache_unmap_raw(c->base, c->bytes);
 }
 
 /* Streamed copies, done before submit returns: every ticket is complete. */

@@ -154,9 +154,9 @@ static int async_poll(struct kvf_cache *src, uint64_t ticket)
         return 1;
 }
 
-static int async_create(struct kvf_ctl_header *h)
+static int async_create(struct kvf_ctl_header *h, const struct kvf_cache_opts *o)
 {
-        return kvf_cache_host.create(h);
+        return kvf_cache_host.create(h, o);
 }
 
 static void async_destroy(const struct kvf_ctl_header *h)

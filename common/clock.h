@@ -5,18 +5,30 @@
 #include <stdint.h>
 #include <time.h>
 
+#define KVF_NS_PER_MS 1000000ull
+#define KVF_NS_PER_S 1000000000ull
+
+/* Milliseconds (an option, a header field) as nanoseconds, the unit of every clock here. */
+static inline uint64_t kvf_ms(uint64_t ms)
+{
+        return ms * KVF_NS_PER_MS;
+}
+
+/* The heartbeat period of the segment whose header says heartbeat_ms. */
+#define kvf_heartbeat_ns(hdr) kvf_ms((hdr)->heartbeat_ms)
+
 static inline uint64_t kvf_now_ns(void)
 {
         struct timespec ts;
         clock_gettime(CLOCK_MONOTONIC, &ts);
-        return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+        return (uint64_t)ts.tv_sec * KVF_NS_PER_S + (uint64_t)ts.tv_nsec;
 }
 
 static inline uint64_t kvf_wall_ns(void)
 {
         struct timespec ts;
         clock_gettime(CLOCK_REALTIME, &ts);
-        return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+        return (uint64_t)ts.tv_sec * KVF_NS_PER_S + (uint64_t)ts.tv_nsec;
 }
 
 /*
@@ -31,8 +43,7 @@ static inline uint64_t kvf_elapsed(uint64_t now, uint64_t then)
 
 static inline void kvf_sleep_ns(uint64_t ns)
 {
-        struct timespec ts = {.tv_sec = (time_t)(ns / 1000000000ull),
-                              .tv_nsec = (long)(ns % 1000000000ull)};
+        struct timespec ts = {.tv_sec = (time_t)(ns / KVF_NS_PER_S), .tv_nsec = (long)(ns % KVF_NS_PER_S)};
         while (nanosleep(&ts, &ts) != 0) {
         }
 }

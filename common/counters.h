@@ -49,7 +49,8 @@
         X(SESSIONS_ENDED, "engine_sessions_ended")                                                 \
         X(ARRIVALS_STALE, "arrivals_for_ended_sessions")                                           \
         X(PEERS_RETIRED, "peers_retired")                                                          \
-        X(NOTICES_IN_DOUBT, "notices_in_doubt_resolved")
+        X(NOTICES_IN_DOUBT, "notices_in_doubt_resolved")                                           \
+        X(COPY_SLICES, "backlog_slices")
 
 enum kvf_counter_id {
 #define KVF_COUNTER_ENUM(id, name) KVF_CTR_##id,

@@ -2,7 +2,6 @@
 
 #include <errno.h>
 #include <fcntl.h>
-#include <pthread.h>
 #include <pwd.h>
 #include <signal.h>
 #include <stdarg.h>
@@ -16,6 +15,7 @@
 #include "clock.h"
 #include "doorbell.h"
 #include "err.h"
+#include "hugepages.h"
 #include "layout.h"
 #include "log.h"
 
@@ -215,11 +215,18 @@ static void c_init_sender_area(struct kvf_sender_area *a)
 
 int kvf_ctl_exists_err(const char *instance, const char *shm)
 {
-        char path[128], who[320], buf[1024];
+        char path[128];
+
+        snprintf(path, sizeof(path), "/dev/shm%s", shm);
+        return kvf_ctl_exists_path_err(instance, path);
+}
+
+int kvf_ctl_exists_path_err(const char *instance, const char *path)
+{
+        char who[320], buf[1024];
         struct passwd pw, *res = NULL;
         struct stat st;
 
-        snprintf(path, sizeof(path), "/dev/shm%s", shm);
         /* Whose it is, asked of the file: open() proves nothing, root opens anyone's. lstat:
          * a symlink planted under the name is its planter's. */
         if (lstat(path, &st) < 0 || st.st_uid == geteuid())
@@ -414,6 +421,13 @@ int kvf_ctl_validate(void *base, uint64_t size, uid_t uid, struct kvf_ctl *out)
                 return bad("instance name is not a valid name");
         if (memchr(h->cache_name, 0, sizeof(h->cache_name)) == NULL)
                 return bad("cache name is not terminated");
+        if (h->cache_backing > KVF_CACHE_SHM_THP)
+                return bad("cache backing %u is not one this build knows", h->cache_backing);
+        if (h->cache_page_kib != 0 && h->cache_page_kib != 4 && h->cache_page_kib != 2048)
+                return bad("cache page size %u KiB, expected 4 or 2048", h->cache_page_kib);
+        if (memchr(h->cache_path, 0, sizeof(h->cache_path)) == NULL ||
+            memchr(h->cache_note, 0, sizeof(h->cache_note)) == NULL)
+                return bad("cache path or note is not terminated");
         if (h->counters_count != KVF_COUNTER_COUNT)
                 return bad("%u counters, this build has %u", h->counters_count, KVF_COUNTER_COUNT);
         if (h->errlog_entries != KVF_ERRLOG_ENTRIES)
@@ -556,7 +570,7 @@ int kvf_ctl_attach(const char *name, bool writable, struct kvf_ctl *out)
 
 int kvf_ctl_attach_wait(const char *name, bool writable, unsigned wait_ms, struct kvf_ctl *out)
 {
-        uint64_t end = kvf_now_ns() + (uint64_t)wait_ms * 1000000ull;
+        uint64_t end = kvf_now_ns() + kvf_ms(wait_ms);
 
         for (;;) {
                 int rc = kvf_ctl_attach(name, writable, out);
@@ -576,6 +590,24 @@ void kvf_ctl_detach(struct kvf_ctl *c)
         c->fd = -1;
 }
 
+struct unlink_huge {
+        const char *base; /* "/kvferry.<instance>.cache" */
+        int removed;
+};
+
+/* The instance's cache on one hugetlbfs mount, removed if it is ours (root may remove
+ * anyone's file, so another user's is never removed for a name). */
+static void unlink_huge_cache(const char *dir, void *arg)
+{
+        struct unlink_huge *u = arg;
+        char path[512];
+        struct stat st;
+        if ((size_t)snprintf(path, sizeof(path), "%s%s", dir, u->base) >= sizeof(path))
+                return;
+        if (lstat(path, &st) == 0 && S_ISREG(st.st_mode) && st.st_uid == geteuid() &&
+            unlink(path) == 0)
+                u->removed = 0;
+}
 
 int kvf_ctl_unlink(const char *instance)
 {
@@ -585,6 +617,9 @@ int kvf_ctl_unlink(const char *instance)
         if (kvf_instance_name_check(instance) < 0)
                 return -EINVAL;
         kvf_cache_shm_name(instance, name, sizeof(name));
+        struct unlink_huge u = {.base = name, .removed = -ENOENT};
+        kvf_huge_for_each_mount(unlink_huge_cache, &u);
+        removed = u.removed;
         if (shm_unlink(name) == 0)
                 removed = 0;
         kvf_ctl_shm_name(instance, name, sizeof(name));
@@ -594,219 +629,6 @@ int kvf_ctl_unlink(const char *instance)
 }
 
 /* Field 22 of /proc/<pid>/stat, or 0; *zombie says whether the process has exited unreaped. */
-static uint64_t pid_stat(int pid, bool *zombie);
-
-uint64_t kvf_pid_starttime(int pid)
-{
-        bool z;
-        return pid_stat(pid, &z);
-}
-
-static uint64_t pid_stat(int pid, bool *zombie)
-{
-        char path[64], buf[1024];
-        snprintf(path, sizeof(path), "/proc/%d/stat", pid);
-        int fd = open(path, O_RDONLY | O_CLOEXEC);
-        if (fd < 0)
-                return 0;
-        ssize_t n = read(fd, buf, sizeof(buf) - 1);
-        close(fd);
-        if (n <= 0)
-                return 0;
-        buf[n] = '\0';
-        /* Field 22; the command name (field 2) may hold spaces, so count from its ')'. */
-        char *p = strrchr(buf, ')');
-        if (!p)
-                return 0;
-        *zombie = p[1] == ' ' && (p[2] == 'Z' || p[2] == 'X');
-        unsigned long long v = 0;
-        int field = 2;
-        for (p++; *p && field < 22; p++)
-                if (*p == ' ')
-                        field++;
-        if (sscanf(p, "%llu", &v) != 1)
-                return 0;
-        return v;
-}
-
-uint64_t kvf_role_begin(struct kvf_ctl *c, enum kvf_role_id role)
-{
-        struct kvf_role_slot *s = &c->roles[role];
-        uint64_t gen = kvf_load_acquire(&s->generation) + 1;
-
-        kvf_store_relaxed(&s->state, KVF_STATE_STARTING);
-        kvf_store_relaxed(&s->pid, (int32_t)getpid());
-        kvf_store_relaxed(&s->pid_starttime, kvf_pid_starttime(getpid()));
-        kvf_store_relaxed(&s->start_ns, kvf_now_ns());
-        kvf_store_relaxed(&s->heartbeat_ns, kvf_now_ns());
-        if (gen > 1) {
-                kvf_fetch_add_relaxed(&s->restarts, 1);
-                /* an engine attaching again is routine, not a crash */
-                if (role != KVF_ROLE_ENGINE)
-                        kvf_count(c, KVF_CTR_RESTARTS, 1);
-        }
-        /* Release: peers that see the new generation see the new pid too. */
-        kvf_store_release(&s->generation, gen);
-        kvf_store_release(&s->state, KVF_STATE_RUNNING);
-        return gen;
-}
-
-int64_t kvf_role_claim(struct kvf_ctl *c, enum kvf_role_id role)
-{
-        struct kvf_role_slot *s = &c->roles[role];
-        int32_t cur = kvf_load_acquire(&s->pid);
-        int32_t me = (int32_t)getpid();
-
-        if (cur > 0 && cur != me && kvf_role_alive(c, role, kvf_now_ns()))
-                return kvf_err_set(-EBUSY, "instance '%s' already has a running %s (pid %d)",
-                                   c->hdr->instance, kvf_role_name(role), cur);
-        if (!kvf_cas_acq_rel(&s->pid, &cur, me))
-                return kvf_err_set(-EBUSY, "instance '%s': another %s (pid %d) started at the same time",
-                                   c->hdr->instance, kvf_role_name(role), cur);
-        uint64_t gen = kvf_role_begin(c, role);
-        /* The role's ring ends: produce under the new generation (a predecessor's
-         * unfinished claim is then skipped), and finish a predecessor's consume. */
-        for (int r = 0; r < KVF_RING_COUNT; r++) {
-                if (c->ring_hdrs[r].producer == (uint32_t)role)
-                        kvf_ring_producer_attach(&c->rings[r], gen);
-                if (c->ring_hdrs[r].consumer == (uint32_t)role && kvf_ring_consumer_attach(&c->rings[r]) > 0) {
-                        kvf_count(c, KVF_CTR_RING_REPAIRS, 1);
-                        kvf_warn("repaired ring %s after a crash", kvf_ring_name(r));
-                }
-        }
-        return (int64_t)gen;
-}
-
-bool kvf_role_fenced(const struct kvf_ctl *c, enum kvf_role_id role)
-{
-        return kvf_load_acquire(&c->roles[role].pid) != (int32_t)getpid();
-}
-
-void kvf_role_heartbeat(struct kvf_ctl *c, enum kvf_role_id role)
-{
-        kvf_store_release(&c->roles[role].heartbeat_ns, kvf_now_ns());
-}
-
-void kvf_role_end(struct kvf_ctl *c, enum kvf_role_id role)
-{
-        kvf_store_release(&c->roles[role].state, KVF_STATE_STOPPED);
-}
-
-bool kvf_role_process_alive(const struct kvf_ctl *c, enum kvf_role_id role)
-{
-        const struct kvf_role_slot *s = &c->roles[role];
-        int32_t pid = kvf_load_acquire(&s->pid);
-        uint32_t state = kvf_load_acquire(&s->state);
-
-        if (pid <= 0 || (state != KVF_STATE_RUNNING && state != KVF_STATE_STARTING))
-                return false;
-        if (kill(pid, 0) < 0 && errno == ESRCH)
-                return false;
-        uint64_t st = kvf_load_relaxed(&s->pid_starttime);
-        bool zombie = false;
-        uint64_t now_st = pid_stat(pid, &zombie);
-        /* exited (not yet reaped), or the pid belongs to someone else */
-        return !zombie && !(st && now_st != st);
-}
-
-uint64_t kvf_engine_session(const struct kvf_ctl *c, bool check_process)
-{
-        const struct kvf_role_slot *s = &c->roles[KVF_ROLE_ENGINE];
-        uint64_t gen = kvf_load_acquire(&s->generation);
-        uint32_t state = kvf_load_acquire(&s->state);
-        if (state != KVF_STATE_RUNNING && state != KVF_STATE_STARTING)
-                return 0;
-        if (check_process && !kvf_role_process_alive(c, KVF_ROLE_ENGINE))
-                return 0;
-        /* Read again: an engine that attached meanwhile is another session. */
-        return kvf_load_acquire(&s->generation) == gen ? gen : 0;
-}
-
-bool kvf_role_alive(const struct kvf_ctl *c, enum kvf_role_id role, uint64_t now_ns)
-{
-        const struct kvf_role_slot *s = &c->roles[role];
-
-        if (!kvf_role_process_alive(c, role))
-                return false;
-        if (role == KVF_ROLE_ENGINE)
-                return true;
-        uint64_t hb = kvf_load_acquire(&s->heartbeat_ns);
-        uint64_t limit = (uint64_t)c->hdr->heartbeat_ms * 1000000ull * 10;
-        return now_ns < hb || now_ns - hb <= limit;
-}
-
-void kvf_errlog(struct kvf_ctl *c, enum kvf_role_id role, const char *fmt, ...)
-{
-        char text[KVF_ERRLOG_TEXT];
-        va_list ap;
-
-        va_start(ap, fmt);
-        vsnprintf(text, sizeof(text), fmt, ap);
-        va_end(ap);
-        /* Rate-limited per template, as the entries below are kept per template. */
-        kvf_log_keyed(KVF_LOG_ERROR, fmt, "%s", text);
-        if (!c || !c->errlog || !c->writable)
-                return;
-        kvf_count(c, KVF_CTR_ERRORS_LOGGED, 1);
-
-        /* One writer at a time: the seqlock below admits one, and a role's threads (the
-         * connector's session threads) report concurrently; a racing count++ undercounts. */
-        static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
-        pthread_mutex_lock(&mu);
-
-        struct kvf_errlog_entry *region = c->errlog + (size_t)role * KVF_ERRLOG_ENTRIES;
-        uint64_t hash = kvf_hash64(fmt, strlen(fmt), (uint64_t)role);
-        struct kvf_errlog_entry *e = NULL, *oldest = &region[0];
-        for (unsigned i = 0; i < KVF_ERRLOG_ENTRIES; i++) {
-                if (region[i].hash == hash || region[i].hash == 0) {
-                        e = &region[i];
-                        break;
-                }
-                if (region[i].last_ns < oldest->last_ns)
-                        oldest = &region[i];
-        }
-        if (!e) {
-                e = oldest;
-                e->hash = 0; /* reused below as a new entry */
-        }
-        uint32_t seq = kvf_load_relaxed(&e->seq);
-        if (seq & 1)
-                seq++; /* our predecessor died mid-update */
-        /* Seqlock: odd while writing; the release fence keeps the data stores
-         * after the odd store, the release store of the even value after them. */
-        kvf_store_relaxed(&e->seq, seq + 1);
-        __atomic_thread_fence(__ATOMIC_RELEASE);
-        uint64_t now = kvf_wall_ns();
-        if (e->hash != hash) {
-                e->hash = hash;
-                e->count = 0;
-                e->first_ns = now;
-        }
-        e->count++;
-        e->last_ns = now;
-        memcpy(e->text, text, sizeof(text));
-        kvf_store_release(&e->seq, seq + 2);
-        pthread_mutex_unlock(&mu);
-}
-
-int kvf_errlog_read(const struct kvf_ctl *c, int role, unsigned i, struct kvf_errlog_entry *out)
-{
-        const struct kvf_errlog_entry *e = c->errlog + (size_t)role * KVF_ERRLOG_ENTRIES + i;
-
-        for (int tries = 0; tries < 1000; tries++) {
-                uint32_t s1 = kvf_load_acquire(&e->seq);
-                if (s1 & 1)
-                        continue;
-                memcpy(out, e, sizeof(*out));
-                __atomic_thread_fence(__ATOMIC_ACQUIRE);
-                if (kvf_load_relaxed(&e->seq) == s1) {
-                        out->text[KVF_ERRLOG_TEXT - 1] = '\0';
-                        return out->hash != 0;
-                }
-        }
-        return 0;
-}
-
 int kvf_connector_info_read(const struct kvf_ctl *c, char *host, size_t hostlen, uint32_t *port)
 {
         const struct kvf_connector_info *ci = c->cinfo;
@@ -845,51 +667,3 @@ void kvf_connector_info_write(struct kvf_ctl *c, const char *host, uint32_t port
         kvf_store_release(&ci->seq, seq + 2);
 }
 
-static unsigned hist_bucket(uint64_t v)
-{
-        if (v < 8)
-                return (unsigned)v;
-        unsigned lg = 63u - (unsigned)__builtin_clzll(v);
-        unsigned b = (lg - 2) * 8 + (unsigned)((v >> (lg - 3)) & 7);
-        return b < KVF_HIST_BUCKETS ? b : KVF_HIST_BUCKETS - 1;
-}
-
-static uint64_t hist_bucket_low(unsigned b)
-{
-        if (b < 8)
-                return b;
-        unsigned lg = b / 8 + 2;
-        return (1ull << lg) | ((uint64_t)(b % 8) << (lg - 3));
-}
-
-void kvf_hist_add(struct kvf_histogram *h, uint64_t v)
-{
-        kvf_fetch_add_relaxed(&h->count, 1);
-        kvf_fetch_add_relaxed(&h->sum, v);
-        uint64_t m = kvf_load_relaxed(&h->max);
-        if (v > m)
-                kvf_store_relaxed(&h->max, v);
-        kvf_fetch_add_relaxed(&h->buckets[hist_bucket(v)], 1);
-}
-
-uint64_t kvf_hist_quantile(const struct kvf_histogram *h, double q)
-{
-        uint64_t n = 0, total = 0;
-        for (unsigned i = 0; i < KVF_HIST_BUCKETS; i++)
-                total += kvf_load_relaxed(&h->buckets[i]);
-        if (total == 0)
-                return 0;
-        uint64_t want = (uint64_t)(q * (double)total);
-        if (want >= total)
-                want = total - 1;
-        for (unsigned i = 0; i < KVF_HIST_BUCKETS; i++) {
-                n += kvf_load_relaxed(&h->buckets[i]);
-                if (n > want) {
-                        /* midpoint of the bucket */
-                        uint64_t lo = hist_bucket_low(i);
-                        uint64_t hi = i + 1 < KVF_HIST_BUCKETS ? hist_bucket_low(i + 1) : lo;
-                        return lo + (hi - lo) / 2;
-                }
-        }
-        return kvf_load_relaxed(&h->max);
-}

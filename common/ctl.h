@@ -1,10 +1,13 @@
 /*
  * The control segment of an instance: creation (allocator), attachment
- * (everyone else), role slots, counters and the error log.
+ * (everyone else), names, the connector's published address (ctl.c); role
+ * slots and engine sessions (roles.c); counters; the error log (errlog.c);
+ * latency histograms (hist.c). The caches are behind cache.h.
  *
  * Names: the segment is /dev/shm/kvferry.<instance>, the host cache file
- * /dev/shm/kvferry.<instance>.cache. Instance names are 1-47 characters of
- * [A-Za-z0-9_.-].
+ * /dev/shm/kvferry.<instance>.cache, or <hugetlbfs mount>/kvferry.<instance>.cache
+ * when it is in 2 MiB pages (the header's cache_path). Instance names are 1-47
+ * characters of [A-Za-z0-9_.-].
  */
 #ifndef KVF_CTL_H
 #define KVF_CTL_H
@@ -80,6 +83,8 @@ int kvf_ctl_create(const struct kvf_ctl_params *p, struct kvf_ctl *out);
  * that user holds, never to be reused).
  */
 int kvf_ctl_exists_err(const char *instance, const char *shm);
+/* The same for a file named by its path (a cache on a hugetlbfs mount). */
+int kvf_ctl_exists_path_err(const char *instance, const char *path);
 /* Store the layout version, last, with a release store. */
 void kvf_ctl_publish(struct kvf_ctl *c);
 
@@ -102,7 +107,10 @@ int kvf_ctl_attach_path(const char *path, bool writable, struct kvf_ctl *out);
 int kvf_ctl_validate(void *base, uint64_t size, uid_t uid, struct kvf_ctl *out);
 void kvf_ctl_detach(struct kvf_ctl *c);
 
-/* Remove the instance's segment and cache file; 0 if anything was removed. */
+/*
+ * Remove the instance's segment and cache file (in /dev/shm, and on any
+ * hugetlbfs mount if it is ours); 0 if anything was removed.
+ */
 int kvf_ctl_unlink(const char *instance);
 
 /*

@@ -5,6 +5,8 @@
 #include <string.h>
 
 #include "err.h"
+#include "kvferry.h"
+#include "records.h"
 
 static const struct {
         const char *name;
@@ -65,6 +67,55 @@ int kvf_layout_make(struct kvf_cache_layout *l, uint32_t layers, uint32_t extra_
         l->block_bytes = bb;
         l->cache_bytes = (uint64_t)kvf_layout_layers(l) * kvf_layout_tensors(l) * blocks * bb;
         return 0;
+}
+
+/* The engine's shape has the same fields: one added to one shape only fails here. */
+_Static_assert(sizeof(struct kvf_layout_info) == sizeof(struct kvf_cache_layout),
+               "kvf_layout_info and kvf_cache_layout differ: update the conversions below");
+
+void kvf_layout_to_info(const struct kvf_cache_layout *l, struct kvf_layout_info *out)
+{
+        out->num_layers = l->num_layers;
+        out->extra_layers = l->extra_layers;
+        out->num_blocks = l->num_blocks;
+        out->kv_heads = l->kv_heads;
+        out->block_size = l->block_size;
+        out->head_dim = l->head_dim;
+        out->dtype = l->dtype;
+        out->key_only = l->key_only;
+        out->block_bytes = l->block_bytes;
+        out->cache_bytes = l->cache_bytes;
+}
+
+int kvf_layout_from_info(struct kvf_cache_layout *l, const struct kvf_layout_info *in)
+{
+        return kvf_layout_make(l, in->num_layers, in->extra_layers, in->num_blocks, in->kv_heads,
+                               in->block_size, in->head_dim, in->dtype, in->key_only);
+}
+
+void kvf_layout_to_record(const struct kvf_cache_layout *l, struct kvf_record *r)
+{
+        r->lay_layers = l->num_layers;
+        r->lay_extra = l->extra_layers;
+        r->lay_blocks = l->num_blocks;
+        r->lay_heads = l->kv_heads;
+        r->lay_bsize = l->block_size;
+        r->lay_hdim = l->head_dim;
+        r->lay_dtype = l->dtype;
+        r->lay_keyonly = l->key_only;
+}
+
+int kvf_layout_from_record(struct kvf_cache_layout *l, const struct kvf_record *r)
+{
+        /* Hostile input: every count must fit its 32-bit field before kvf_layout_make checks it. */
+        if (r->lay_layers > KVF_MAX_LAYERS || r->lay_extra > KVF_MAX_LAYERS ||
+            r->lay_blocks > UINT32_MAX || r->lay_heads > UINT32_MAX || r->lay_bsize > UINT32_MAX ||
+            r->lay_hdim > UINT32_MAX || r->lay_dtype > UINT32_MAX)
+                return kvf_err_set(-EPROTO, "peer sent an impossible layout");
+        return kvf_layout_make(l, (uint32_t)r->lay_layers, (uint32_t)r->lay_extra,
+                               (uint32_t)r->lay_blocks, (uint32_t)r->lay_heads,
+                               (uint32_t)r->lay_bsize, (uint32_t)r->lay_hdim,
+                               (uint32_t)r->lay_dtype, r->lay_keyonly ? 1 : 0);
 }
 
 int kvf_layout_compatible(const struct kvf_cache_layout *a, const struct kvf_cache_layout *b,

@@ -39,6 +39,27 @@ static inline uint64_t kvf_layout_offset(const struct kvf_cache_layout *l, uint3
 }
 
 /*
+ * The layout has three shapes: this one (the control segment's), the engine's
+ * (struct kvf_layout_info, include/kvferry.h) and the handshake's (the lay_*
+ * fields of struct kvf_record, common/records.h). These four functions are the
+ * only places that copy between them; a field added to one shape is added to
+ * the others here.
+ */
+struct kvf_layout_info;
+struct kvf_record;
+
+/* The engine's copy of l (kvf_get_layout). */
+void kvf_layout_to_info(const struct kvf_cache_layout *l, struct kvf_layout_info *out);
+/* *l from an engine's copy, through kvf_layout_make: block_bytes and cache_bytes are computed,
+ * not copied. 0 or -EINVAL (kvf_err). */
+int kvf_layout_from_info(struct kvf_cache_layout *l, const struct kvf_layout_info *in);
+/* l into the lay_* fields of a handshake record (auth, welcome); the other fields untouched. */
+void kvf_layout_to_record(const struct kvf_cache_layout *l, struct kvf_record *r);
+/* *l from a peer's handshake record: each field checked to fit (-EPROTO, "peer sent an
+ * impossible layout"), then kvf_layout_make (-EINVAL). kvf_err says why. */
+int kvf_layout_from_record(struct kvf_cache_layout *l, const struct kvf_record *r);
+
+/*
  * Can two instances exchange blocks? Everything but the block count must be
  * equal. Returns 0, or -EPROTO with `why` saying what differs, as
  * "32 layers here, 28 there".

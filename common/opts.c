@@ -30,16 +30,16 @@ uint64_t kvf_opt_u64(const char *opt, const char *s, uint64_t min, uint64_t max)
         return v;
 }
 
-static volatile int *stop_flag;
+static int *stop_flag;
 
 static void on_signal(int sig)
 {
         (void)sig;
-        if (stop_flag)
-                *stop_flag = 1;
+        if (stop_flag) /* lock-free atomic: async-signal-safe */
+                __atomic_store_n(stop_flag, 1, __ATOMIC_RELAXED);
 }
 
-void kvf_opt_signals(volatile int *flag)
+void kvf_opt_signals(int *flag)
 {
         struct sigaction sa;
         memset(&sa, 0, sizeof(sa));

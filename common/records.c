@@ -103,28 +103,28 @@ struct spec {
                 {L_HDIM, R}, {L_DTYPE, R}, {L_KEYONLY, R}
 
 static const struct spec specs[KVF_RT_WIRE_MAX + 1] = {
-        [KVF_RT_TASK] = {"task",
+        [KVF_REC_TASK] = {"task",
                          USES({REQUEST_ID, R}, {SRC, R}, {DST, R}, {CURRENT_ID, R}, {PROTOCOL, R},
                               {PEER, 0}, {CHUNKED, 0}, {PEER_SESSION, 0}, {IP, D}, {PORT, D},
                               {RDMA_PORTS, D}, {DEVICE_IDS, D}),
                          true},
-        [KVF_RT_CHUNK] = {"chunk", USES({REQUEST_ID, R}, {CURRENT_ID, R}, {TOKENS_DONE, R}, {LAST, 0}),
+        [KVF_REC_CHUNK] = {"chunk", USES({REQUEST_ID, R}, {CURRENT_ID, R}, {TOKENS_DONE, R}, {LAST, 0}),
                           false},
-        [KVF_RT_CANCEL] = {"cancel", USES({REQUEST_ID, R}), false},
-        [KVF_RT_COMPLETION] = {"completion",
+        [KVF_REC_CANCEL] = {"cancel", USES({REQUEST_ID, R}), false},
+        [KVF_REC_COMPLETION] = {"completion",
                                USES({REQUEST_ID, R}, {STATUS, R}, {REASON, 0}, {PEER, 0},
                                     {BYTES, 0}, {BLOCKS, 0}, {ACCEPT_NS, 0}, {LAST_LAYER_NS, 0},
                                     {DONE_NS, 0}, {SESSION, 0}),
                                false},
-        [KVF_RT_CONNECT] = {"connect",
+        [KVF_REC_CONNECT] = {"connect",
                             USES({TASK_ID, R}, {PEER, 0}, {PROTOCOL, 0}, {IP, D}, {PORT, D},
                                  {RDMA_PORTS, D}),
                             true},
-        [KVF_RT_CONNECT_RESULT] = {"connect result",
+        [KVF_REC_CONNECT_RESULT] = {"connect result",
                                    USES({TASK_ID, R}, {PEER, 0}, {STATUS, R}, {REASON, 0},
                                         {SESSION, 0}),
                                    false},
-        [KVF_RT_ARRIVAL] = {"arrival",
+        [KVF_REC_ARRIVAL] = {"arrival",
                             USES({REQUEST_ID, R}, {STATUS, R}, {REASON, 0}, {PEER, 0}, {BYTES, 0},
                                  {BLOCKS, 0}, {DST, 0}, {DONE_NS, 0}, {SESSION, 0}),
                             false},
@@ -564,7 +564,7 @@ int kvf_record_decode(int type, const void *buf, size_t len, uint32_t rank,
                 if (!have_ip || !have_port)
                         return kvf_err_set(-EBADMSG,
                                            "%s record: missing field 'peer' (or 'ip' with 'port' or 'rdma_ports'%s)",
-                                           sp->name, type == KVF_RT_TASK ? ", or 'device_ids' for ipc" : "");
+                                           sp->name, type == KVF_REC_TASK ? ", or 'device_ids' for ipc" : "");
                 if (out->port == 0 || out->port > 65535)
                         return kvf_err_set(-EBADMSG, "%s record: port %llu is not in [1, 65535]",
                                            sp->name, (unsigned long long)out->port);

@@ -20,15 +20,12 @@
 #include "kvferry.h"
 #include "shm_layout.h"
 
-/* All record types; the engine-facing ones are also in kvferry.h. */
+/*
+ * The record types kvferry's own processes exchange. The types an engine sees
+ * (1 to 7) are enum kvf_record_type in kvferry.h, under their public names
+ * KVF_REC_*; these follow them.
+ */
 enum kvf_rec_type {
-        KVF_RT_TASK = KVF_REC_TASK,     /* engine -> sender */
-        KVF_RT_CHUNK = KVF_REC_CHUNK,   /* engine -> sender */
-        KVF_RT_CANCEL = KVF_REC_CANCEL, /* engine -> sender */
-        KVF_RT_COMPLETION = 4,          /* sender -> engine */
-        KVF_RT_CONNECT = KVF_REC_CONNECT, /* engine -> connector */
-        KVF_RT_CONNECT_RESULT = 6,      /* connector -> engine */
-        KVF_RT_ARRIVAL = 7,             /* connector -> engine (decode side) */
         KVF_RT_WRITE_BATCH = 8,         /* sender -> connector */
         KVF_RT_FINISH = 9,              /* sender -> connector */
         KVF_RT_WRITE_RESULT = 10,       /* connector -> sender */
@@ -51,6 +48,20 @@ enum kvf_rec_type {
         /* Data frames carry a binary header and block bytes, not a record (connector/data.h). */
         KVF_RT_DATA = 48,
 };
+
+_Static_assert((int)KVF_REC_ARRIVAL < (int)KVF_RT_WRITE_BATCH, "the engine's record types come first");
+
+/*
+ * Until connector/ and sender/ name the engine's types KVF_REC_*: their old
+ * internal names. Nothing else uses these; remove them with the last use.
+ */
+#define KVF_RT_TASK KVF_REC_TASK
+#define KVF_RT_CHUNK KVF_REC_CHUNK
+#define KVF_RT_CANCEL KVF_REC_CANCEL
+#define KVF_RT_COMPLETION KVF_REC_COMPLETION
+#define KVF_RT_CONNECT KVF_REC_CONNECT
+#define KVF_RT_CONNECT_RESULT KVF_REC_CONNECT_RESULT
+#define KVF_RT_ARRIVAL KVF_REC_ARRIVAL
 
 #define KVF_MAX_RECORD_IDS (1u << 20) /* block ids (or run ints) in one record */
 

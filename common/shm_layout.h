@@ -391,6 +391,19 @@ struct kvf_sender_area {
         struct kvf_histogram hist[KVF_HIST_COUNT];
 };
 
+/*
+ * How the host cache's pages are backed (header fields cache_backing, cache_page_kib,
+ * cache_path, cache_note). A segment whose allocator did not record it has zeros there:
+ * the cache is /dev/shm<cache_name> in 4 KiB pages.
+ */
+enum kvf_cache_backing {
+        KVF_CACHE_SHM = 1,       /* /dev/shm<cache_name>, 4 KiB pages */
+        KVF_CACHE_HUGETLBFS = 2, /* cache_path on a hugetlbfs mount of 2 MiB pages */
+        KVF_CACHE_SHM_THP = 3,   /* /dev/shm<cache_name> in transparent huge pages */
+};
+#define KVF_CACHE_PATH_MAX 128u /* incl. NUL */
+#define KVF_CACHE_NOTE_MAX 192u /* incl. NUL */
+
 /* What the connector publishes about itself (seqlock: seq odd while writing). */
 struct kvf_connector_info {
         uint32_t seq;
@@ -435,13 +448,19 @@ struct kvf_ctl_header {
         uint32_t heartbeat_ms; /* roles refresh their heartbeat at least this often */
         uint64_t ring_capacity[KVF_RING_COUNT];
         uint64_t sender_area_off;
+        /* host backend: how the cache's pages are backed (enum kvf_cache_backing above) */
+        uint32_t cache_backing;  /* 0: not recorded (KVF_CACHE_SHM) */
+        uint32_t cache_page_kib; /* 4 or 2048: all of it is in pages of that size */
+        char cache_path[KVF_CACHE_PATH_MAX]; /* the cache file, absolute */
+        char cache_note[KVF_CACHE_NOTE_MAX]; /* why these pages: how huge pages were had, or the
+                                              * reason for 4 KiB pages */
         uint8_t cuda_uuid[16]; /* cuda backend: the UUID of the GPU holding the cache (processes may
                                 * number devices differently: CUDA_VISIBLE_DEVICES) */
         uint32_t executor;     /* enum kvf_executor */
         uint32_t plan_slots;   /* plan entries (= reqtab_slots) */
         uint64_t exec_off;     /* struct kvf_exec */
         uint64_t plan_off;     /* struct kvf_plan_entry[plan_slots] */
-        uint8_t reserved[3664];
+        uint8_t reserved[3704 - 8 - KVF_CACHE_PATH_MAX - KVF_CACHE_NOTE_MAX - 40];
 };
 
 _Static_assert(sizeof(struct kvf_cache_layout) == 48, "layout size");
@@ -466,6 +485,9 @@ _Static_assert(offsetof(struct kvf_exec, hi) == KVF_CACHE_LINE, "exec sender lin
 _Static_assert(offsetof(struct kvf_ctl_header, version) == 8, "version offset");
 _Static_assert(offsetof(struct kvf_ctl_header, instance) == 48, "instance offset");
 _Static_assert(offsetof(struct kvf_ctl_header, layout) == 96, "layout offset");
+_Static_assert(offsetof(struct kvf_ctl_header, cache_path) == 400, "cache path offset");
+_Static_assert(offsetof(struct kvf_ctl_header, cuda_uuid) == 720, "cuda uuid offset");
+_Static_assert(offsetof(struct kvf_ctl_header, exec_off) == 744, "exec offset");
 _Static_assert(sizeof(struct kvf_ctl_header) == KVF_HEADER_SIZE, "header size");
 
 #endif

@@ -23,6 +23,7 @@
 #include <stdbool.h>
 #include <stdint.h>
 
+#include "atomics.h"
 #include "auth.h"
 #include "cache.h"
 #include "ctl.h"
@@ -102,7 +103,7 @@ struct peer {
         unsigned failures; /* connection attempts failed in a row */
         uint64_t remote_session; /* the decode engine session the peer last told us of (peer thread) */
         bool up;
-        bool stop;
+        bool stop; /* atomic (kvf_store_release / kvf_load_acquire): the peer thread is to end */
         struct peer_data *data; /* tcp data path (data_tx.c), created on first use */
         /* control thread only: retirement (peer.c conn_peers_tick) */
         uint64_t idle_since; /* no work since then, 0 = busy */
@@ -134,7 +135,7 @@ struct connector {
         struct conn_config cfg;
         int listen_fd;
         int unix_fd; /* same-host control connections (net.h), or -1 */
-        volatile int stop;
+        int stop; /* atomic: set once when the connector stops (conn_stopping) */
 
         pthread_mutex_t evmu;
         struct event *events, *events_tail;
@@ -165,9 +166,16 @@ struct connector {
         pthread_mutex_t sender_mu; /* producer side of connector->sender */
 };
 
-/* main.c */
+static inline bool conn_stopping(const struct connector *cn)
+{
+        return kvf_load_relaxed(&cn->stop);
+}
+
+/* events.c */
 /* Queue an event for the control thread (it retries what a full ring refused). */
 void conn_post(struct connector *cn, struct event *ev);
+/* Control thread: handle what is queued (and what a full ring held back before). */
+void conn_events_run(struct connector *cn);
 /*
  * Handle an event now, on the calling thread, or queue it if a ring is full.
  * Takes ownership of ev. Any thread: the connector's two outbound rings each
@@ -228,7 +236,15 @@ void *conn_listener_main(void *arg);
 int conn_session_send(struct connector *cn, uint64_t session, const struct kvf_record *r);
 /* Send r on every incoming control connection (control thread). */
 void conn_sessions_send_all(struct connector *cn, const struct kvf_record *r);
+
+/* arrivals.c: the decode side of a notice */
 void conn_journal_init(struct connector *cn);
+/* A notice (EV_NOTICE): publish its arrival once and acknowledge it; -EAGAIN when the ring is full. */
+int conn_arrival_notice(struct connector *cn, struct event *ev);
+/* Every block of a tcp transfer is in (EV_DATA_DONE): publish if its notice waits. */
+int conn_arrival_data_done(struct connector *cn, struct event *ev);
+/* Control thread: notice a decode engine session that ended or began. */
+void conn_engine_check(struct connector *cn);
 /* Was the arrival for this notice published already (and committed)? */
 bool conn_arrival_published(struct connector *cn, const struct kvf_record *notice, uint64_t src_gen);
 /*

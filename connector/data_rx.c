@@ -190,7 +190,9 @@ static int rx_mark(struct connector *cn, const char *peer, uint64_t gen, const s
         int done = 0;
         pthread_mutex_lock(&cn->rxmu);
         struct rx_xfer *x = rx_find(cn, peer, gen, h->key);
-        if (x && x->have < x->need) {
+        /* Closed while its payload was being received (the lock is not held across
+         * it): an abort, or its engine session ended; its bitmap is gone. */
+        if (x && !x->closed && x->got && x->have < x->need) {
                 uint64_t base = ((uint64_t)h->layer * kvf_layout_tensors(L) + h->tensor) * x->n_dst;
                 for (uint32_t i = 0; i < h->nblocks; i++) {
                         uint64_t bit = base + h->index + i;
@@ -229,16 +231,16 @@ static int recv_once(struct connector *cn, struct io_uring *ring, int fd, void *
                 }
                 if (rc != -ETIME)
                         return rc;
-                if (cn->stop || (timeout_ms && kvf_now_ns() - start > (uint64_t)timeout_ms * 1000000ull)) {
+                if (conn_stopping(cn) || (timeout_ms && kvf_now_ns() - start > (uint64_t)timeout_ms * 1000000ull)) {
                         shutdown(fd, SHUT_RDWR);
                         if (io_uring_wait_cqe(ring, &cqe) == 0)
                                 io_uring_cqe_seen(ring, cqe);
-                        return cn->stop ? -ECANCELED : -ETIMEDOUT;
+                        return conn_stopping(cn) ? -ECANCELED : -ETIMEDOUT;
                 }
         }
 }
 
-/* One receive of exactly n bytes into p, within timeout_ms (0 = wait, watching cn->stop). */
+/* One receive of exactly n bytes into p, within timeout_ms (0 = wait, watching conn_stopping(cn)). */
 static int recv_exact(struct connector *cn, struct io_uring *ring, int fd, void *p, uint32_t n,
                       unsigned timeout_ms)
 {

@@ -384,7 +384,7 @@ static void serve(struct data_conn *dc, struct io_uring *ring)
                 unsigned n = 0;
                 uint64_t bytes = 0;
                 pthread_mutex_lock(&pd->mu);
-                while (!pd->qhead && !pd->stop && !cn->stop) {
+                while (!pd->qhead && !kvf_load_acquire(&pd->stop) && !conn_stopping(cn)) {
                         wait_a_while(pd);
                         if (!pd->qhead && closed_by_peer(dc->fd)) {
                                 /* The receiver restarted (or went away) while we had nothing to
@@ -413,7 +413,7 @@ static void serve(struct data_conn *dc, struct io_uring *ring)
                         bytes += frame_bytes(cn, f);
                         fs[n++] = f;
                 }
-                bool stopping = pd->stop || cn->stop;
+                bool stopping = kvf_load_acquire(&pd->stop) || conn_stopping(cn);
                 bool room = pd->qbytes < QUEUE_LIMIT / 2;
                 pthread_mutex_unlock(&pd->mu);
                 /* The control thread holds a write batch back while the queue is full:
@@ -457,7 +457,7 @@ static void *conn_main(void *arg)
                            dc->idx, p->name);
                 return NULL;
         }
-        while (!pd->stop && !cn->stop) {
+        while (!kvf_load_acquire(&pd->stop) && !conn_stopping(cn)) {
                 /* Connect only while there are transfers to carry. */
                 pthread_mutex_lock(&pd->mu);
                 bool idle = pd->nxfers == 0;
@@ -714,7 +714,7 @@ void data_tx_stop(struct peer *p)
         if (!pd)
                 return;
         pthread_mutex_lock(&pd->mu);
-        pd->stop = true; /* (no data_tx_start after this starts a thread) */
+        kvf_store_release(&pd->stop, true); /* (no data_tx_start after this starts a thread) */
         pthread_cond_broadcast(&pd->cv);
         unsigned n = pd->nconns;
         pthread_mutex_unlock(&pd->mu);

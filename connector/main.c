@@ -20,7 +20,7 @@
 #include "opts.h"
 
 static const char *prog = "kvf-connector";
-static volatile int stop;
+static int stop; /* set by a signal (kvf_opt_signals): read with kvf_load_relaxed */
 
 static void usage(void)
 {
@@ -38,170 +38,6 @@ static void usage(void)
                "  --zerocopy               send data frames with zero-copy sends (io_uring send_zc)\n"
                "  --help, --version\n",
                prog);
-}
-
-void conn_post(struct connector *cn, struct event *ev)
-{
-        ev->next = NULL;
-        pthread_mutex_lock(&cn->evmu);
-        if (cn->events_tail)
-                cn->events_tail->next = ev;
-        else
-                cn->events = ev;
-        cn->events_tail = ev;
-        kvf_store_release(&cn->nevents, cn->nevents + 1);
-        pthread_mutex_unlock(&cn->evmu);
-        kvf_doorbell_ring(&cn->ctl.bells[KVF_BELL_CONNECTOR]);
-}
-
-static struct event *take_events(struct connector *cn)
-{
-        pthread_mutex_lock(&cn->evmu);
-        struct event *ev = cn->events;
-        cn->events = cn->events_tail = NULL;
-        kvf_store_release(&cn->nevents, 0);
-        pthread_mutex_unlock(&cn->evmu);
-        return ev;
-}
-
-static int ring_write_record(struct connector *cn, int ring, const struct kvf_record *r)
-{
-        uint8_t *buf;
-        size_t len;
-        if (kvf_record_encode_alloc(r, &buf, &len) < 0)
-                return -ENOMEM;
-        pthread_mutex_t *mu = ring == KVF_RING_CONNECTOR_TO_ENGINE ? &cn->engine_mu : &cn->sender_mu;
-        pthread_mutex_lock(mu);
-        int rc = kvf_ring_write(&cn->ctl.rings[ring], r->type, buf, (uint32_t)len, NULL);
-        pthread_mutex_unlock(mu);
-        free(buf);
-        return rc;
-}
-
-/*
- * A notice from a prefill instance (decode side): publish the arrival once and
- * acknowledge with its status. The transfer is bound to the decode engine
- * session that reserved its blocks (ipc: the one the sender saw; tcp: the one
- * live when the transfer opened here); if that session is over, the blocks
- * may be another request's now, so the arrival says "engine gone" and goes to
- * that ended session, never to a later one.
- */
-static int on_notice(struct connector *cn, struct event *ev)
-{
-        struct kvf_record *n = &ev->rec;
-        bool tcp = n->transport != KVF_TRANSPORT_IPC;
-        char reason[KVF_REASON_MAX], gone[KVF_REASON_MAX];
-        /* The session the sender bound it to (the task's, or the last it heard of from us),
-         * else (tcp) the one live when it first reached us. */
-        uint64_t bound = n->session || !tcp ? n->session : data_rx_session(cn, n->peer, ev->src_gen, n->key);
-        uint64_t live = conn_engine_session(cn);
-        int status = n->status;
-        const char *why = NULL;
-
-        if (bound && bound != live && status == KVF_STATUS_FINISHED) {
-                snprintf(gone, sizeof(gone),
-                         "the decode engine session %llu that reserved the blocks ended before the transfer finished",
-                         (unsigned long long)bound);
-                status = KVF_STATUS_ENGINE_GONE;
-                why = gone;
-        }
-        /* An aborted (or withdrawn) tcp transfer: fence off its late frames before the
-         * engine hears of it, so blocks it frees on the error arrival stay untouched. */
-        if (tcp && status != KVF_STATUS_FINISHED)
-                data_rx_close(cn, n->peer, ev->src_gen, n->key);
-        if (tcp && status == KVF_STATUS_FINISHED && !conn_arrival_published(cn, n, ev->src_gen) &&
-            !data_rx_notice(cn, n, ev->src_gen, ev->session))
-                return 0; /* the data is not all in: the arrival waits for it */
-        int st = conn_publish_arrival(cn, n, ev->src_gen, status, why, bound, reason, sizeof(reason));
-        if (st == -EAGAIN)
-                return -EAGAIN;
-        struct kvf_record ack = {.type = KVF_RT_ACK, .key = n->key,
-                                 .status = st < 0 ? KVF_STATUS_WRITE : st, .id_bin = n->id_bin,
-                                 .session = live};
-        snprintf(ack.request_id, sizeof(ack.request_id), "%s", n->request_id);
-        snprintf(ack.reason, sizeof(ack.reason), "%s",
-                 st < 0 ? "the decode connector could not publish the arrival"
-                        : reason[0] ? reason : why ? why : "");
-        if (ack.status != n->status)
-                kvf_errlog(&cn->ctl, KVF_ROLE_CONNECTOR, "req %s from %s: %s: %s", n->request_id,
-                           n->peer, kvf_status_name(ack.status), ack.reason);
-        if (n->withdraw)
-                kvf_info("req %s from %s: withdrawn by the sender; the arrival is '%s'", n->request_id,
-                         n->peer, kvf_status_name(ack.status));
-        /* If the session is gone the prefill side re-sends; the journal de-duplicates. */
-        conn_session_send(cn, ev->session, &ack);
-        if (tcp && status == KVF_STATUS_FINISHED)
-                data_rx_close(cn, n->peer, ev->src_gen, n->key); /* aborts: above */
-        return 0;
-}
-
-/* Handle one event; -EAGAIN = a ring is full, keep it for later. Any thread. */
-static int handle_event(struct connector *cn, struct event *ev)
-{
-        /* (recursive for EV_DATA_DONE, which becomes the waiting EV_NOTICE) */
-        switch (ev->kind) {
-        case EV_RESULT:
-        case EV_PEER_STATE:
-                return ring_write_record(cn, KVF_RING_CONNECTOR_TO_SENDER, &ev->rec);
-        case EV_CONNECT:
-                return ring_write_record(cn, KVF_RING_CONNECTOR_TO_ENGINE, &ev->rec);
-        case EV_DATA_DONE: {
-                /* The last block of a tcp transfer is in: publish if its notice waits. */
-                struct kvf_record n;
-                uint64_t session;
-                if (!data_rx_take_ready(cn, ev->rec.peer, ev->src_gen, ev->rec.key, &n, &session))
-                        return 0;
-                struct event *nev = calloc(1, sizeof(*nev));
-                if (!nev) {
-                        kvf_record_free(&n);
-                        return 0;
-                }
-                nev->kind = EV_NOTICE;
-                nev->session = session;
-                nev->src_gen = ev->src_gen;
-                nev->rec = n;
-                conn_dispatch(cn, nev);
-                return 0;
-        }
-        case EV_NOTICE:
-                return on_notice(cn, ev);
-        }
-        return 0;
-}
-
-void conn_dispatch(struct connector *cn, struct event *ev)
-{
-        if (handle_event(cn, ev) == -EAGAIN) {
-                conn_post(cn, ev);
-                return;
-        }
-        kvf_record_free(&ev->rec);
-        free(ev);
-}
-
-static void run_events(struct connector *cn)
-{
-        /* Deferred first, to keep order per ring. */
-        struct event *ev = cn->deferred, *more = take_events(cn);
-        if (cn->deferred_tail)
-                cn->deferred_tail->next = more;
-        else
-                ev = more;
-        cn->deferred = cn->deferred_tail = NULL;
-        while (ev) {
-                struct event *next = ev->next;
-                if (handle_event(cn, ev) == -EAGAIN) {
-                        /* keep this and everything after it */
-                        cn->deferred = ev;
-                        while (ev->next)
-                                ev = ev->next;
-                        cn->deferred_tail = ev;
-                        return;
-                }
-                kvf_record_free(&ev->rec);
-                free(ev);
-                ev = next;
-        }
 }
 
 /* A finish, abort or withdraw notice from the sender: hand it to the peer's thread. */
@@ -252,79 +88,6 @@ static void on_finish(struct connector *cn, struct kvf_record *f)
                         data_tx_noticed(p, f->key); /* its fate is the notice's from now on */
                 conn_peer_enqueue(p, n);
         }
-}
-
-void conn_write_result(struct connector *cn, uint64_t key, const char *request_id, int status,
-                       const char *reason, bool dispatch)
-{
-        struct event *ev = calloc(1, sizeof(*ev));
-        if (!ev) {
-                /* The sender times the request out in the end; say why here. */
-                kvf_errlog(&cn->ctl, KVF_ROLE_CONNECTOR, "req %s: out of memory for its write result (%s)",
-                           request_id, kvf_status_name(status));
-                return;
-        }
-        ev->kind = EV_RESULT;
-        ev->rec.type = KVF_RT_WRITE_RESULT;
-        ev->rec.key = key;
-        ev->rec.status = status;
-        snprintf(ev->rec.request_id, sizeof(ev->rec.request_id), "%s", request_id);
-        snprintf(ev->rec.reason, sizeof(ev->rec.reason), "%s", reason ? reason : "");
-        if (dispatch)
-                conn_dispatch(cn, ev);
-        else
-                conn_post(cn, ev);
-}
-
-void conn_connect_result(struct connector *cn, const struct connect_wait *w, const char *peer,
-                         int status, const char *reason)
-{
-        struct event *ev = calloc(1, sizeof(*ev));
-        if (!ev) {
-                kvf_errlog(&cn->ctl, KVF_ROLE_CONNECTOR, "connect task %s: out of memory for its result",
-                           w->task_id);
-                return;
-        }
-        ev->kind = EV_CONNECT;
-        ev->rec.type = KVF_RT_CONNECT_RESULT;
-        ev->rec.status = status;
-        ev->rec.session = w->session;
-        ev->rec.id_bin = w->id_bin;
-        snprintf(ev->rec.request_id, sizeof(ev->rec.request_id), "%s", w->task_id);
-        snprintf(ev->rec.peer, sizeof(ev->rec.peer), "%s", peer ? peer : "");
-        snprintf(ev->rec.reason, sizeof(ev->rec.reason), "%s", reason ? reason : "");
-        conn_post(cn, ev);
-}
-
-uint64_t conn_engine_session(struct connector *cn)
-{
-        uint64_t s = kvf_engine_session(&cn->ctl, false);
-        return s && s == kvf_load_acquire(&cn->eng_dead) ? 0 : s;
-}
-
-/*
- * Each heartbeat: is the decode engine's session still live? When it ended,
- * the transfers bound to it are closed (their frames are drained, never
- * written into blocks a later engine may have given to other requests), and
- * their waiting notices are answered "engine gone".
- */
-static void engine_check(struct connector *cn)
-{
-        uint64_t live = kvf_engine_session(&cn->ctl, true);
-        if (!live)
-                kvf_store_release(&cn->eng_dead,
-                                  kvf_load_acquire(&cn->ctl.roles[KVF_ROLE_ENGINE].generation));
-        if (live == cn->eng_seen)
-                return;
-        if (cn->eng_seen)
-                kvf_info("decode engine session %llu ended%s", (unsigned long long)cn->eng_seen,
-                         live ? "; a new one attached" : "");
-        cn->eng_seen = live;
-        data_rx_end_sessions(cn, live);
-        /* Tell the prefill instances connected to us: tasks they accept from now on are bound
-         * to the new session (a pong is what the sender side reads it from, ack or not). */
-        struct kvf_record pong = {.type = KVF_RT_PONG, .session = live};
-        conn_sessions_send_all(cn, &pong);
 }
 
 static int on_sender_record(void *ctx, uint16_t type, const uint8_t *pl, uint32_t len, uint64_t pos)
@@ -436,13 +199,13 @@ static void control_loop(struct connector *cn)
 {
         uint64_t beat = (uint64_t)cn->ctl.hdr->heartbeat_ms * 1000000ull;
         uint64_t next = 0;
-        while (!stop) {
+        while (!kvf_load_relaxed(&stop)) {
                 bool worked = false;
                 /* A decode engine attached: bind new transfers to it from now on. */
                 uint64_t eg = kvf_load_acquire(&cn->ctl.roles[KVF_ROLE_ENGINE].generation);
                 if (eg != cn->eng_gen_seen) {
                         cn->eng_gen_seen = eg;
-                        engine_check(cn);
+                        conn_engine_check(cn);
                 }
                 /* Retried at least every millisecond while blocked (the wait below). */
                 kvf_store_release(&cn->tx_blocked, 0);
@@ -451,7 +214,7 @@ static void control_loop(struct connector *cn)
                 n = kvf_ring_read(&cn->ctl.rings[KVF_RING_ENGINE_TO_CONNECTOR], on_engine_record, cn, 64);
                 worked |= n > 0;
                 if (kvf_load_acquire(&cn->nevents) > 0 || cn->deferred) {
-                        run_events(cn);
+                        conn_events_run(cn);
                         worked = true;
                 }
                 uint64_t now = kvf_now_ns();
@@ -462,7 +225,7 @@ static void control_loop(struct connector *cn)
                                 _exit(1);
                         }
                         kvf_role_heartbeat(&cn->ctl, KVF_ROLE_CONNECTOR);
-                        engine_check(cn);
+                        conn_engine_check(cn);
                         conn_peers_tick(cn, now);
                         kvf_log_flush(); /* suppressed lines of every thread, once their window is over */
                         /* A transfer whose sender went silent for a long while is not coming. */
@@ -578,7 +341,7 @@ int main(int argc, char **argv)
                  (unsigned long long)cn.gen);
         control_loop(&cn);
         kvf_info("stopping");
-        cn.stop = 1;
+        kvf_store_release(&cn.stop, 1);
         pthread_join(listener, NULL);
         conn_peers_stop(&cn);
         close(cn.listen_fd);

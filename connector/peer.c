@@ -157,6 +157,136 @@ static void set_socket(struct peer *p, int fd)
         pthread_mutex_unlock(&p->wmu);
 }
 
+/*
+ * Send every queued notice on the connection. Lock order, here and wherever
+ * both are held: wmu (the socket's writes) before mu (the lists). 0, or
+ * < 0 with `why` when the connection broke.
+ */
+static int send_queued(struct peer *p, int fd, uint64_t *last_tx, char *why, size_t whylen)
+{
+        struct connector *cn = p->cn;
+        for (;;) {
+                pthread_mutex_lock(&p->mu);
+                struct notice *n = p->queue;
+                if (n) {
+                        p->queue = n->next;
+                        if (!p->queue)
+                                p->queue_tail = NULL;
+                        n->sent = true; /* from here the peer may have it: in doubt */
+                }
+                pthread_mutex_unlock(&p->mu);
+                if (!n)
+                        return 0;
+                pthread_mutex_lock(&p->wmu);
+                int rc = kvf_net_send_frame(fd, KVF_RT_NOTICE, n->frame, n->len, cn->cfg.peer_timeout_ms);
+                pthread_mutex_unlock(&p->wmu);
+                pthread_mutex_lock(&p->mu);
+                if (rc < 0 || !n->abort_notice) {
+                        /* in flight (or to resend after reconnecting) */
+                        n->next = p->inflight;
+                        p->inflight = n;
+                        n = NULL;
+                }
+                pthread_mutex_unlock(&p->mu);
+                if (n)
+                        free_notice(n);
+                if (rc < 0) {
+                        snprintf(why, whylen, "send: %s", strerror(-rc));
+                        return rc;
+                }
+                *last_tx = kvf_now_ns();
+        }
+}
+
+/* An ack (or a pong) from the peer: its engine session; the notice it resolves. */
+static void on_reply(struct peer *p, uint16_t type, const uint8_t *pl, uint32_t len)
+{
+        struct connector *cn = p->cn;
+        struct kvf_record ack;
+        if (kvf_record_decode(type, pl, len, 0, &ack) < 0) {
+                kvf_count(&cn->ctl, KVF_CTR_FRAMES_REJECTED, 1);
+                kvf_record_free(&ack);
+                return;
+        }
+        /* The peer's decode engine session: the sender binds new tasks to it. */
+        if (ack.session != p->remote_session) {
+                p->remote_session = ack.session;
+                post_state(p, true, NULL);
+        }
+        if (type == KVF_RT_ACK) {
+                /* wmu: a direct send of this very notice may still be inside its sendmsg
+                 * (on loopback the ack can come back before it returns). */
+                pthread_mutex_lock(&p->wmu);
+                pthread_mutex_lock(&p->mu);
+                struct notice **pp = &p->inflight, *n;
+                while ((n = *pp) && n->key != ack.key)
+                        pp = &n->next;
+                if (n)
+                        *pp = n->next;
+                pthread_mutex_unlock(&p->mu);
+                pthread_mutex_unlock(&p->wmu);
+                if (n) {
+                        if (n->withdraw)
+                                kvf_count(&cn->ctl, KVF_CTR_NOTICES_IN_DOUBT, 1);
+                        post_result(cn, n, ack.status, ack.reason);
+                        free_notice(n);
+                }
+                /* Acknowledged (or refused): the transfer's frames are no longer needed. */
+                data_tx_forget(p, ack.key);
+        }
+        kvf_record_free(&ack);
+}
+
+/* Take in what the peer sent: pings answered, replies handled. 0, or < 0 with `why`. */
+static int read_frames(struct peer *p, struct kvf_reader *rd, int fd, char *why, size_t whylen)
+{
+        struct connector *cn = p->cn;
+        int rc = kvf_reader_fill(rd, fd);
+        if (rc == 0 || (rc < 0 && rc != -EAGAIN)) {
+                snprintf(why, whylen, "%s", rc == 0 ? "connection closed by the peer" : strerror(-rc));
+                return rc == 0 ? -ECONNRESET : rc;
+        }
+        struct kvf_frame_hdr h;
+        const uint8_t *pl;
+        while ((rc = kvf_reader_next(rd, &h, &pl)) == 1) {
+                if (h.type == KVF_RT_PING) {
+                        struct kvf_record pong = {.type = KVF_RT_PONG};
+                        pthread_mutex_lock(&p->wmu);
+                        conn_send_record(fd, &pong, cn->cfg.peer_timeout_ms);
+                        pthread_mutex_unlock(&p->wmu);
+                } else if (h.type == KVF_RT_ACK || h.type == KVF_RT_PONG) {
+                        on_reply(p, h.type, pl, h.len);
+                }
+        }
+        if (rc < 0) {
+                snprintf(why, whylen, "the peer sent a frame of %u bytes: protocol error", h.len);
+                return -EPROTO;
+        }
+        return 0;
+}
+
+/*
+ * The connection is over: no direct send is under way past this (wmu), none
+ * starts on this socket, and notices in flight go back to the head of the
+ * queue (in doubt: sent again on the next connection).
+ */
+static void end_connection(struct peer *p)
+{
+        pthread_mutex_lock(&p->wmu);
+        pthread_mutex_lock(&p->mu);
+        p->fd = -1;
+        while (p->inflight) {
+                struct notice *n = p->inflight;
+                p->inflight = n->next;
+                n->next = p->queue;
+                p->queue = n;
+                if (!p->queue_tail)
+                        p->queue_tail = n;
+        }
+        pthread_mutex_unlock(&p->mu);
+        pthread_mutex_unlock(&p->wmu);
+}
+
 /* Connected: move notices, match acks, ping. Returns why the connection ended. */
 static int serve(struct peer *p, int fd, char *why, size_t whylen)
 {
@@ -172,47 +302,15 @@ static int serve(struct peer *p, int fd, char *why, size_t whylen)
                 return -ENOMEM;
         }
         set_socket(p, fd);
-        while (!p->stop && !cn->stop) {
-                /* Send everything queued. */
-                for (;;) {
-                        pthread_mutex_lock(&p->mu);
-                        struct notice *n = p->queue;
-                        if (n) {
-                                p->queue = n->next;
-                                if (!p->queue)
-                                        p->queue_tail = NULL;
-                        }
-                        pthread_mutex_unlock(&p->mu);
-                        if (!n)
-                                break;
-                        pthread_mutex_lock(&p->mu);
-                        n->sent = true; /* from here the peer may have it: in doubt */
-                        pthread_mutex_unlock(&p->mu);
-                        pthread_mutex_lock(&p->wmu);
-                        rc = kvf_net_send_frame(fd, KVF_RT_NOTICE, n->frame, n->len, cn->cfg.peer_timeout_ms);
-                        pthread_mutex_unlock(&p->wmu);
-                        pthread_mutex_lock(&p->mu);
-                        if (rc < 0 || !n->abort_notice) {
-                                /* in flight (or to resend after reconnecting) */
-                                n->next = p->inflight;
-                                p->inflight = n;
-                                n = NULL;
-                        }
-                        pthread_mutex_unlock(&p->mu);
-                        if (n)
-                                free_notice(n);
-                        if (rc < 0) {
-                                snprintf(why, whylen, "send: %s", strerror(-rc));
-                                goto out;
-                        }
-                        last_tx = kvf_now_ns();
-                }
+        while (!kvf_load_acquire(&p->stop) && !conn_stopping(cn)) {
+                if ((rc = send_queued(p, fd, &last_tx, why, whylen)) < 0)
+                        break;
                 uint64_t now = kvf_now_ns();
                 if (now - last_rx > dead) {
                         snprintf(why, whylen, "no word from the peer for %u ms (dead, or the link is down)",
                                  cn->cfg.peer_timeout_ms);
                         rc = -ETIMEDOUT;
-                        goto out;
+                        break;
                 }
                 if (now - last_tx >= keep) {
                         struct kvf_record ping = {.type = KVF_RT_PING};
@@ -221,101 +319,29 @@ static int serve(struct peer *p, int fd, char *why, size_t whylen)
                         pthread_mutex_unlock(&p->wmu);
                         if (rc < 0) {
                                 snprintf(why, whylen, "%s", kvf_err_msg());
-                                goto out;
+                                break;
                         }
                         last_tx = now;
                 }
                 struct pollfd pf[2] = {{.fd = fd, .events = POLLIN}, {.fd = p->wake_fd, .events = POLLIN}};
-                uint64_t until_ping = keep - (now - last_tx);
-                int ms = (int)(until_ping / 1000000ull) + 1;
+                int ms = (int)((keep - (now - last_tx)) / 1000000ull) + 1;
                 if (poll(pf, 2, ms) < 0 && errno != EINTR) {
                         rc = -errno;
                         snprintf(why, whylen, "poll: %s", strerror(errno));
-                        goto out;
+                        break;
                 }
                 if (pf[1].revents & POLLIN)
                         drain_wake(p);
                 if (!(pf[0].revents & (POLLIN | POLLHUP | POLLERR)))
                         continue;
-                rc = kvf_reader_fill(&rd, fd);
-                if (rc == 0 || (rc < 0 && rc != -EAGAIN)) {
-                        snprintf(why, whylen, "%s", rc == 0 ? "connection closed by the peer" : strerror(-rc));
-                        rc = rc == 0 ? -ECONNRESET : rc;
-                        goto out;
-                }
+                if ((rc = read_frames(p, &rd, fd, why, whylen)) < 0)
+                        break;
                 last_rx = kvf_now_ns();
-                struct kvf_frame_hdr h;
-                const uint8_t *pl;
-                while ((rc = kvf_reader_next(&rd, &h, &pl)) == 1) {
-                        if (h.type == KVF_RT_PING) {
-                                struct kvf_record pong = {.type = KVF_RT_PONG};
-                                pthread_mutex_lock(&p->wmu);
-                                conn_send_record(fd, &pong, cn->cfg.peer_timeout_ms);
-                                pthread_mutex_unlock(&p->wmu);
-                                continue;
-                        }
-                        if (h.type != KVF_RT_ACK && h.type != KVF_RT_PONG)
-                                continue;
-                        struct kvf_record ack;
-                        if (kvf_record_decode(h.type, pl, h.len, 0, &ack) < 0) {
-                                kvf_count(&cn->ctl, KVF_CTR_FRAMES_REJECTED, 1);
-                                kvf_record_free(&ack);
-                                continue;
-                        }
-                        /* The peer's decode engine session: the sender binds new tasks to it. */
-                        if (ack.session != p->remote_session) {
-                                p->remote_session = ack.session;
-                                post_state(p, true, NULL);
-                        }
-                        if (h.type == KVF_RT_PONG) {
-                                kvf_record_free(&ack);
-                                continue;
-                        }
-                        /* wmu: a direct send of this very notice may still be inside its
-                         * sendmsg (on loopback the ack can come back before it returns). */
-                        pthread_mutex_lock(&p->wmu);
-                        pthread_mutex_lock(&p->mu);
-                        struct notice **pp = &p->inflight, *n;
-                        while ((n = *pp) && n->key != ack.key)
-                                pp = &n->next;
-                        if (n)
-                                *pp = n->next;
-                        pthread_mutex_unlock(&p->mu);
-                        pthread_mutex_unlock(&p->wmu);
-                        if (n) {
-                                if (n->withdraw)
-                                        kvf_count(&cn->ctl, KVF_CTR_NOTICES_IN_DOUBT, 1);
-                                post_result(cn, n, ack.status, ack.reason);
-                                free_notice(n);
-                        }
-                        /* Acknowledged (or refused): the transfer's frames are no longer needed. */
-                        data_tx_forget(p, ack.key);
-                        kvf_record_free(&ack);
-                }
-                if (rc < 0) {
-                        snprintf(why, whylen, "the peer sent a frame of %u bytes: protocol error", h.len);
-                        goto out;
-                }
         }
-        rc = 0;
-        snprintf(why, whylen, "stopping");
-out:
+        if (rc == 0)
+                snprintf(why, whylen, "stopping");
         kvf_reader_free(&rd);
-        /* No direct send is under way past this (wmu), and none starts on this socket. */
-        pthread_mutex_lock(&p->wmu);
-        pthread_mutex_lock(&p->mu);
-        p->fd = -1;
-        /* In-flight notices go back to the head of the queue. */
-        while (p->inflight) {
-                struct notice *n = p->inflight;
-                p->inflight = n->next;
-                n->next = p->queue;
-                p->queue = n;
-                if (!p->queue_tail)
-                        p->queue_tail = n;
-        }
-        pthread_mutex_unlock(&p->mu);
-        pthread_mutex_unlock(&p->wmu);
+        end_connection(p);
         return rc;
 }
 
@@ -352,7 +378,7 @@ static void *peer_main(void *arg)
         uint16_t port;
         int status;
 
-        while (!p->stop && !cn->stop) {
+        while (!kvf_load_acquire(&p->stop) && !conn_stopping(cn)) {
                 if (!has_work(p)) {
                         struct pollfd pf = {.fd = p->wake_fd, .events = POLLIN};
                         poll(&pf, 1, 200);
@@ -441,7 +467,7 @@ static void retire(struct connector *cn, unsigned i, const char *why)
         kvf_info("peer '%s' retired: %s", p->name, why);
         kvf_count(&cn->ctl, KVF_CTR_PEERS_RETIRED, 1);
         pthread_mutex_lock(&p->mu);
-        p->stop = true;
+        kvf_store_release(&p->stop, true);
         pthread_mutex_unlock(&p->mu);
         wake(p);
         p->next_retired = cn->retired;
@@ -762,7 +788,7 @@ void conn_peer_kick(struct peer *p)
 void conn_peers_stop(struct connector *cn)
 {
         for (unsigned i = 0; i < cn->npeers; i++) {
-                cn->peers[i]->stop = true;
+                kvf_store_release(&cn->peers[i]->stop, true);
                 wake(cn->peers[i]);
         }
         for (unsigned i = 0; i < cn->npeers; i++) {

@@ -104,34 +104,34 @@ static void fill(struct kvf_ctl *c)
                 kvf_ring_write(&c->rings[KVF_RING_ENGINE_TO_SENDER], 200, pad, sizeof(pad), NULL);
         kvf_ring_read(&c->rings[KVF_RING_ENGINE_TO_SENDER], drop, NULL, 1000);
         memset(&r, 0, sizeof(r));
-        r.type = KVF_RT_TASK;
+        r.type = KVF_REC_TASK;
         strcpy(r.request_id, "req-\"1\"");
         strcpy(r.peer, "10.9.9.9:7000");
         r.src = src, r.n_src = 4, r.dst = dst, r.n_dst = 2;
         r.current_id = 9, r.transport = KVF_TRANSPORT_TCP, r.chunked = true;
         put(c, KVF_RING_ENGINE_TO_SENDER, &r);
         memset(&r, 0, sizeof(r));
-        r.type = KVF_RT_CHUNK;
+        r.type = KVF_REC_CHUNK;
         strcpy(r.request_id, "req-1");
         r.current_id = 10, r.tokens = 32, r.last = true;
         put(c, KVF_RING_ENGINE_TO_SENDER, &r);
         memset(&r, 0, sizeof(r));
-        r.type = KVF_RT_CANCEL;
+        r.type = KVF_REC_CANCEL;
         strcpy(r.request_id, "req-2");
         put(c, KVF_RING_ENGINE_TO_SENDER, &r);
         void *p;
         uint64_t pos;
-        kvf_ring_claim(&c->rings[KVF_RING_ENGINE_TO_SENDER], KVF_RT_CANCEL, 20, &p, &pos);
+        kvf_ring_claim(&c->rings[KVF_RING_ENGINE_TO_SENDER], KVF_REC_CANCEL, 20, &p, &pos);
 
         memset(&r, 0, sizeof(r));
-        r.type = KVF_RT_COMPLETION;
+        r.type = KVF_REC_COMPLETION;
         strcpy(r.request_id, "req-0");
         strcpy(r.reason, "bad \x01 reason");
         r.status = KVF_STATUS_BAD_TASK;
         put(c, KVF_RING_SENDER_TO_ENGINE, &r);
 
         memset(&r, 0, sizeof(r));
-        r.type = KVF_RT_CONNECT;
+        r.type = KVF_REC_CONNECT;
         strcpy(r.request_id, "conn-1");
         strcpy(r.peer, "p-decode");
         r.transport = KVF_TRANSPORT_IPC;
@@ -142,12 +142,12 @@ static void fill(struct kvf_ctl *c)
         put(c, KVF_RING_ENGINE_TO_CONNECTOR, &r);
 
         memset(&r, 0, sizeof(r));
-        r.type = KVF_RT_CONNECT_RESULT;
+        r.type = KVF_REC_CONNECT_RESULT;
         strcpy(r.request_id, "conn-1");
         strcpy(r.peer, "p-decode");
         put(c, KVF_RING_CONNECTOR_TO_ENGINE, &r);
         memset(&r, 0, sizeof(r));
-        r.type = KVF_RT_ARRIVAL;
+        r.type = KVF_REC_ARRIVAL;
         strcpy(r.request_id, "req-5");
         strcpy(r.peer, "p-prefill");
         r.dst = dst, r.n_dst = 2, r.bytes = 100, r.blocks = 2;

@@ -172,12 +172,20 @@ int kvf_submit_cancel(struct kvf_client *c, const char *request_id);
 int kvf_submit_connect(struct kvf_client *c, const char *task_id, const char *peer);
 
 enum kvf_target { KVF_TO_SENDER = 0, KVF_TO_CONNECTOR = 1 };
-/* Record types an engine may write (see docs/records.md). */
+/*
+ * The record types an engine sees on its rings (docs/records.md): it may write
+ * task, chunk, cancel and connect (kvf_submit_raw); it reads completion,
+ * connect result and arrival. The types kvferry's own processes exchange
+ * follow these (common/records.h).
+ */
 enum kvf_record_type {
-        KVF_REC_TASK = 1,
-        KVF_REC_CHUNK = 2,
-        KVF_REC_CANCEL = 3,
-        KVF_REC_CONNECT = 5,
+        KVF_REC_TASK = 1,           /* engine -> sender */
+        KVF_REC_CHUNK = 2,          /* engine -> sender */
+        KVF_REC_CANCEL = 3,         /* engine -> sender */
+        KVF_REC_COMPLETION = 4,     /* sender -> engine */
+        KVF_REC_CONNECT = 5,        /* engine -> connector */
+        KVF_REC_CONNECT_RESULT = 6, /* connector -> engine */
+        KVF_REC_ARRIVAL = 7,        /* connector -> engine (decode side) */
 };
 /* Submit a record already encoded as msgpack (engines in other languages). */
 int kvf_submit_raw(struct kvf_client *c, int target, int record_type, const void *msgpack,

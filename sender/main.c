@@ -31,7 +31,7 @@ static const char *prog = "kvf-sender";
 
 #define EXPECT_MAX_GAP 20000000ull /* ns: slower than this is not a pace worth polling for */
 #define EXPECT_LEAD 300000ull      /* ns: wake this long before the next layer is due */
-static volatile int stop;
+static int stop; /* set by a signal (kvf_opt_signals): read with kvf_load_relaxed */
 
 static void usage(void)
 {
@@ -82,97 +82,158 @@ static void log_gpu(struct sender *s)
                          s->own.device);
 }
 
-static int run(struct sender *s, uint64_t spin_ns)
+/* The engine's pace: layer events come steadily within a step (see idle_wait). */
+struct pace {
+        uint64_t last_event, gap, poll_until;
+};
+
+/* An engine attached or detached: end its predecessors' requests now (its kvf_attach waits). */
+static bool check_engine(struct sender *s)
+{
+        uint64_t eg = kvf_load_acquire(&s->ctl.roles[KVF_ROLE_ENGINE].generation);
+        if (eg == s->engine_gen_seen &&
+            !(s->session && kvf_load_acquire(&s->ctl.roles[KVF_ROLE_ENGINE].state) == KVF_STATE_STOPPED))
+                return false;
+        s->engine_gen_seen = eg;
+        sender_sessions_check(s, true);
+        return true;
+}
+
+/* A new progress word: move what it makes ready, then post the notices it made possible. */
+static bool handle_progress(struct sender *s, struct pace *pc)
+{
+        /* Pairs with the engine's release CAS: its cache writes for the layers in
+         * this word are visible. */
+        uint64_t w = kvf_load_acquire(&s->ctl.progress->word);
+        if (w == s->progress)
+                return false;
+        uint64_t pub = kvf_load_relaxed(&s->ctl.progress->publish_ns);
+        uint64_t t = kvf_now_ns();
+        /* Written by the GPU (kvf_layer_done_on_stream's stream write): nobody stored a
+         * publish time; the nearest we know is now. */
+        if (kvf_load_relaxed(&s->ctl.progress->enqueued) >= w)
+                pub = t;
+        if (pc->last_event && t - pc->last_event < EXPECT_MAX_GAP)
+                pc->gap = pc->gap ? (pc->gap * 7 + (t - pc->last_event)) / 8 : t - pc->last_event;
+        pc->last_event = t;
+        /* After the word's acquire load: an engine's generation is stored before its
+         * first layer-done, so a word of a new engine session is never applied to
+         * requests of the one before (sessions.c). */
+        sender_sessions_check(s, false);
+        sender_on_progress(s, w, pub);
+        sender_copies_flush(s); /* the layer's copies of every request: one batch */
+        /* Finish notices before new tasks: a request whose last layer was just copied
+         * waits for its notice, a new task's first layer is a layer's compute away
+         * (kvf-sim measured the notice behind the next step's task: 40 to 100 us later). */
+        if (s->pending)
+                sender_flush_pending(s);
+        return true;
+}
+
+/*
+ * Tasks one at a time: a crash re-reads at most one (tasks.c). A task held
+ * back (table full, or its rejection waits for room in the completion ring)
+ * is tried again when a slot is freed, or after 1 ms, not on every spin.
+ */
+static bool read_engine(struct sender *s, uint64_t beat)
 {
         struct kvf_ring *in = &s->ctl.rings[KVF_RING_ENGINE_TO_SENDER];
-        struct kvf_ring *from_conn = &s->ctl.rings[KVF_RING_CONNECTOR_TO_SENDER];
-        struct kvf_doorbell *bell = &s->ctl.bells[KVF_BELL_SENDER];
-        uint64_t beat = (uint64_t)s->ctl.hdr->heartbeat_ms * 1000000ull;
-        uint64_t next_tick = 0, idle_since = 0;
-        /* Layer events come at the engine's pace, which is steady within a
-         * step: remember the gap between them, sleep until just before the
-         * next is due, and poll from there (see the idle path below). */
-        uint64_t last_event = 0, gap = 0, poll_until = 0;
+        bool worked = false;
+        if (s->engine_blocked && kvf_now_ns() >= s->engine_retry_ns)
+                s->engine_blocked = false;
+        for (int i = 0; i < 64 && !s->engine_blocked; i++) {
+                uint64_t head = kvf_load_relaxed(&in->hdr->head);
+                int n = kvf_ring_read(in, sender_on_engine_record, s, 1);
+                if (n == 0 && kvf_ring_readable(in) && kvf_load_relaxed(&in->hdr->head) == head) {
+                        s->engine_blocked = true; /* a record is there, but waits */
+                        s->engine_retry_ns = kvf_now_ns() + 1000000;
+                        break;
+                }
+                if (n < 0) {
+                        kvf_errlog(&s->ctl, KVF_ROLE_SENDER, "ring engine->sender: %s", kvf_err_msg());
+                        kvf_sleep_ns(beat);
+                        break;
+                }
+                if (n == 0)
+                        break;
+                worked = true;
+        }
+        sender_copies_flush(s); /* a late task's layers, a chunk's blocks */
+        return worked;
+}
 
-        while (!stop) {
-                bool worked = false;
-                /* An engine attached: end its predecessors' requests now, so its
-                 * kvf_attach (waiting for that) returns soon. */
-                uint64_t eg = kvf_load_acquire(&s->ctl.roles[KVF_ROLE_ENGINE].generation);
-                if (eg != s->engine_gen_seen ||
-                    (s->session && kvf_load_acquire(&s->ctl.roles[KVF_ROLE_ENGINE].state) == KVF_STATE_STOPPED)) {
-                        s->engine_gen_seen = eg;
-                        sender_sessions_check(s, true);
-                        worked = true;
+/* Write results and peer states; then what slots owe the rings, and copies in flight. */
+static bool read_connector(struct sender *s)
+{
+        struct kvf_ring *from_conn = &s->ctl.rings[KVF_RING_CONNECTOR_TO_SENDER];
+        bool worked = false;
+        int n = kvf_ring_read(from_conn, sender_on_connector_record, s, 256);
+        if (n > 0)
+                worked = true;
+        else if (n < 0)
+                kvf_errlog(&s->ctl, KVF_ROLE_SENDER, "ring connector->sender: %s", kvf_err_msg());
+        if (s->pending)
+                sender_flush_pending(s);
+        sender_copies_flush(s);
+        if (s->sliced) {
+                s->sliced = false;
+                worked = true; /* more of a backlog: after the next progress check */
+        }
+        if (s->cp.flight || s->cp.nowes) {
+                sender_copies_poll(s);
+                worked = true; /* batches in flight: keep looking (no wake-up comes) */
+        }
+        return worked;
+}
+
+/* Layer-done words the engine queued on its GPU stream to be written there: no doorbell
+ * rings when they land, so poll until they have. */
+static bool stream_words_due(struct sender *s)
+{
+        return kvf_load_relaxed(&s->ctl.progress->enqueued) >
+               kvf_load_relaxed(&s->ctl.progress->word);
+}
+
+/*
+ * Nothing to do: sleep on the doorbell until the next heartbeat, or less.
+ * Requests wait for layers and the engine has a pace: wake EXPECT_LEAD
+ * before the next layer is due and poll until a gap after it. Waking from a
+ * futex costs tens of microseconds on an idle core (more in a VM); this costs
+ * the poll window's CPU time per layer. Returns false to poll instead.
+ */
+static bool idle_wait(struct sender *s, struct pace *pc, uint64_t now, uint64_t next_tick)
+{
+        uint64_t wait = next_tick > now ? next_tick - now : 0;
+        if ((s->pending || s->engine_blocked) && wait > 1000000)
+                wait = 1000000; /* a full ring drains on the engine's time, poll it */
+        pc->poll_until = 0;
+        if (s->nbuckets && pc->gap) {
+                uint64_t due = pc->last_event + pc->gap;
+                if (due > now + EXPECT_LEAD && due - EXPECT_LEAD - now < wait) {
+                        wait = due - EXPECT_LEAD - now;
+                        pc->poll_until = due + pc->gap / 2;
+                } else if (due + pc->gap / 2 > now) {
+                        pc->poll_until = due + pc->gap / 2; /* due now: poll right away */
+                        return false;
                 }
-                /* Pairs with the engine's release CAS: its cache writes for
-                 * the layers in this word are visible. */
-                uint64_t w = kvf_load_acquire(&s->ctl.progress->word);
-                if (w != s->progress) {
-                        uint64_t pub = kvf_load_relaxed(&s->ctl.progress->publish_ns);
-                        uint64_t t = kvf_now_ns();
-                        /* Written by the GPU (kvf_layer_done_on_stream's stream write): nobody
-                         * stored a publish time; the nearest we know is now. */
-                        if (kvf_load_relaxed(&s->ctl.progress->enqueued) >= w)
-                                pub = t;
-                        if (last_event && t - last_event < EXPECT_MAX_GAP)
-                                gap = gap ? (gap * 7 + (t - last_event)) / 8 : t - last_event;
-                        last_event = t;
-                        /* After the word's acquire load: an engine's generation is stored
-                         * before its first layer-done, so a word of a new engine session
-                         * is never applied to requests of the one before (sessions.c). */
-                        sender_sessions_check(s, false);
-                        sender_on_progress(s, w, pub);
-                        sender_copies_flush(s); /* the layer's copies of every request: one batch */
-                        worked = true;
-                        /* Finish notices before new tasks: a request whose last layer was
-                         * just copied waits for its notice, a new task's first layer is
-                         * a layer's compute away (kvf-sim measured the notice behind the
-                         * next step's task: 40 to 100 us later). */
-                        if (s->pending)
-                                sender_flush_pending(s);
-                }
-                /* Tasks one at a time: a crash re-reads at most one (tasks.c). A task
-                 * held back is tried again when a slot is freed, or after 1 ms (its
-                 * rejection waits for room in the completion ring), not on every spin. */
-                if (s->engine_blocked && kvf_now_ns() >= s->engine_retry_ns)
-                        s->engine_blocked = false;
-                for (int i = 0; i < 64 && !s->engine_blocked; i++) {
-                        uint64_t head = kvf_load_relaxed(&in->hdr->head);
-                        int n = kvf_ring_read(in, sender_on_engine_record, s, 1);
-                        if (n == 0 && kvf_ring_readable(in) && kvf_load_relaxed(&in->hdr->head) == head) {
-                                s->engine_blocked = true; /* a record is there, but waits */
-                                s->engine_retry_ns = kvf_now_ns() + 1000000;
-                                break;
-                        }
-                        if (n < 0) {
-                                kvf_errlog(&s->ctl, KVF_ROLE_SENDER, "ring engine->sender: %s",
-                                           kvf_err_msg());
-                                kvf_sleep_ns(beat);
-                                break;
-                        }
-                        if (n == 0)
-                                break;
-                        worked = true;
-                }
-                sender_copies_flush(s); /* a late task's layers, a chunk's blocks */
-                int n = kvf_ring_read(from_conn, sender_on_connector_record, s, 256);
-                if (n > 0)
-                        worked = true;
-                else if (n < 0)
-                        kvf_errlog(&s->ctl, KVF_ROLE_SENDER, "ring connector->sender: %s",
-                                   kvf_err_msg());
-                if (s->pending)
-                        sender_flush_pending(s);
-                sender_copies_flush(s);
-                if (s->cp.flight || s->cp.nowes) {
-                        sender_copies_poll(s);
-                        worked = true; /* batches in flight: keep looking (no wake-up comes) */
-                }
-                /* Layer-done words the engine queued on its GPU stream to be written there:
-                 * no doorbell rings when they land, so poll until they have. */
-                if (kvf_load_relaxed(&s->ctl.progress->enqueued) > kvf_load_relaxed(&s->ctl.progress->word))
-                        worked = true;
+        }
+        kvf_count(&s->ctl, KVF_CTR_WAKEUPS_SENDER, 1);
+        kvf_doorbell_wait(&s->ctl.bells[KVF_BELL_SENDER], has_work, s, 0, wait);
+        return true;
+}
+
+static int run(struct sender *s, uint64_t spin_ns)
+{
+        uint64_t beat = kvf_ms(s->ctl.hdr->heartbeat_ms);
+        uint64_t next_tick = 0, idle_since = 0;
+        struct pace pc = {0};
+
+        while (!kvf_load_relaxed(&stop)) {
+                bool worked = check_engine(s);
+                worked |= handle_progress(s, &pc);
+                worked |= read_engine(s, beat);
+                worked |= read_connector(s);
+                worked |= stream_words_due(s);
 
                 uint64_t now = kvf_now_ns();
                 if (now >= next_tick) {
@@ -192,31 +253,12 @@ static int run(struct sender *s, uint64_t spin_ns)
                 /* Spin a little (a layer event is often microseconds away), then sleep. */
                 if (!idle_since)
                         idle_since = now;
-                if (now - idle_since < spin_ns || now < poll_until) {
+                if (now - idle_since < spin_ns || now < pc.poll_until) {
                         kvf_cpu_relax();
                         continue;
                 }
-                uint64_t wait = next_tick > now ? next_tick - now : 0;
-                if ((s->pending || s->engine_blocked) && wait > 1000000)
-                        wait = 1000000; /* a full ring drains on the engine's time, poll it */
-                /* Requests wait for layers and the engine has a pace: wake EXPECT_LEAD
-                 * before the next layer is due and poll until a gap after it. Waking
-                 * from a futex costs tens of microseconds on an idle core (more in a
-                 * VM); this costs the poll window's CPU time per layer. */
-                poll_until = 0;
-                if (s->nbuckets && gap) {
-                        uint64_t due = last_event + gap;
-                        if (due > now + EXPECT_LEAD && due - EXPECT_LEAD - now < wait) {
-                                wait = due - EXPECT_LEAD - now;
-                                poll_until = due + gap / 2;
-                        } else if (due + gap / 2 > now) {
-                                poll_until = due + gap / 2; /* due now: poll right away */
-                                continue;
-                        }
-                }
-                kvf_count(&s->ctl, KVF_CTR_WAKEUPS_SENDER, 1);
-                kvf_doorbell_wait(bell, has_work, s, 0, wait);
-                idle_since = 0;
+                if (idle_wait(s, &pc, now, next_tick))
+                        idle_since = 0;
         }
         return 0;
 }
@@ -261,7 +303,7 @@ int main(int argc, char **argv)
         s.layout = &s.ctl.hdr->layout;
         s.layers = kvf_layout_layers(s.layout);
         s.tensors = kvf_layout_tensors(s.layout);
-        s.request_timeout_ns = timeout_ms * 1000000ull;
+        s.request_timeout_ns = kvf_ms(timeout_ms);
         if ((rc = kvf_cache_map(s.ctl.hdr, false, &s.own)) < 0 || (rc = sender_table_init(&s)) < 0 ||
             (rc = sender_copies_init(&s)) < 0 || (rc = sender_plan_init(&s)) < 0) {
                 kvf_error("%s", kvf_err_msg());
@@ -285,7 +327,7 @@ int main(int argc, char **argv)
         run(&s, spin_us * 1000);
         kvf_role_end(&s.ctl, KVF_ROLE_SENDER);
         kvf_info("stopping");
-        sender_copies_drain(&s, 2000000000ull); /* never unmap under a copy in flight */
+        sender_copies_drain(&s, kvf_ms(2000)); /* never unmap under a copy in flight */
         sender_peers_close(&s);
         kvf_cache_unmap(&s.own);
         kvf_ctl_detach(&s.ctl);

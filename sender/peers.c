@@ -21,6 +21,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "clock.h"
 #include "err.h"
 #include "layout.h"
 #include "log.h"
@@ -138,7 +139,7 @@ void sender_peers_check(struct sender *s)
                         continue;
                 }
                 kvf_warn("peer '%s' went away or was restarted: dropping its mapping", p->name);
-                sender_copies_drain(s, 1000000000ull); /* never unmap under a copy in flight */
+                sender_copies_drain(s, kvf_ms(1000)); /* never unmap under a copy in flight */
                 for (uint32_t k = 0; k < s->ctl.hdr->reqtab_slots; k++) {
                         struct kvf_req_slot *r = &s->ctl.reqtab[k];
                         if (r->state == KVF_REQ_ACTIVE && r->peer_idx == i &&

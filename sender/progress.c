@@ -181,6 +181,12 @@ void sender_advance(struct sender *s, uint32_t slot)
         struct kvf_req_slot *r = &s->ctl.reqtab[slot];
         uint64_t step = KVF_PROGRESS_STEP(s->progress);
         uint32_t done = KVF_PROGRESS_LAYERS(s->progress);
+        /* A backlog goes in slices (issue 14): a late task's every layer, or a chunk that
+         * completes many blocks, would otherwise hold up the next layer-done of every other
+         * request for as long as its copy takes. What is left waits for the loop's next
+         * turn (SLOT_NEEDS_ADVANCE), after that turn's progress word: newly ready layers of
+         * in-time requests go first. One layer is never split. */
+        uint64_t budget = SENDER_SLICE_BYTES;
 
         if (r->state != KVF_REQ_ACTIVE)
                 return;
@@ -194,14 +200,22 @@ void sender_advance(struct sender *s, uint32_t slot)
                 else
                         break;
                 if (ready > r->cur_layers) {
-                        /* Engine executor: the layers the engine claimed are its own (plan.c). */
+                        /* Engine executor: the layers the engine claimed are its own (plan.c);
+                         * the sender copies [from, ready), in slices. */
                         uint32_t from = r->transport == KVF_TRANSPORT_IPC
-                                                ? sender_plan_take(s, slot, m->step, r->sent_full, m->block_end,
-                                                                   r->cur_layers, ready)
-                                                : r->cur_layers;
+                                            ? sender_plan_take(s, slot, m->step, r->sent_full,
+                                                               m->block_end, r->cur_layers, ready)
+                                            : r->cur_layers;
                         if (r->state != KVF_REQ_ACTIVE)
                                 return;
-                        if (from < ready && send_range(s, slot, from, ready, r->sent_full, m->block_end) < 0) {
+                        uint64_t per_layer = (uint64_t)(m->block_end > r->sent_full ? m->block_end - r->sent_full : 0) *
+                                             s->tensors * s->layout->block_bytes;
+                        uint64_t fit = per_layer ? budget / per_layer : ready - from;
+                        uint32_t upto = ready;
+                        if (fit < ready - from)
+                                upto = from + (fit ? (uint32_t)fit : 1);
+                        if (from < upto &&
+                            send_range(s, slot, from, upto, r->sent_full, m->block_end) < 0) {
                                 /* the ring is full: try again from the same place later */
                                 sender_mark(s, slot, SLOT_NEEDS_ADVANCE);
                                 sender_arm(s, slot);
@@ -209,7 +223,16 @@ void sender_advance(struct sender *s, uint32_t slot)
                         }
                         if (r->state != KVF_REQ_ACTIVE)
                                 return;
-                        r->cur_layers = ready;
+                        uint64_t spent = per_layer * (upto - from);
+                        r->cur_layers = upto;
+                        if (upto < ready) {
+                                sender_mark(s, slot, SLOT_NEEDS_ADVANCE); /* the next slice */
+                                s->sliced = true; /* the loop goes on at once, not after a sleep */
+                                sender_arm(s, slot);
+                                kvf_count(&s->ctl, KVF_CTR_COPY_SLICES, 1);
+                                return;
+                        }
+                        budget = budget > spent ? budget - spent : 0;
                 }
                 if (r->cur_layers < s->layers)
                         break;

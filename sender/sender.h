@@ -23,6 +23,8 @@
 #include "records.h"
 
 #define SENDER_MAX_PEERS 64u
+/* Bytes one request may move in one go before other requests' ready layers get their turn. */
+#define SENDER_SLICE_BYTES (4ull << 20)
 
 /* A copy batch in flight: its backend ticket and the requests it carries. */
 struct copy_batch {
@@ -101,6 +103,7 @@ struct sender {
         uint64_t engine_gen_seen; /* the engine role's generation when last looked at */
         uint64_t request_timeout_ns;
         bool pending; /* some slot has flags set: sender_flush_pending() has work */
+        bool sliced;  /* a backlog left a slice for the next turn of the loop */
         bool engine_blocked; /* the next task waits (table full, or its rejection has no room) */
         uint64_t engine_retry_ns; /* ...and is tried again then, or when a slot is freed */
 

@@ -65,7 +65,7 @@ static int post_completion(struct sender *s, uint32_t slot)
         /* Finished means every byte landed, once: report that amount (copies
          * repeated after a restart are not counted twice). */
         uint64_t full = sender_request_bytes(s, r);
-        struct kvf_record c = {.type = KVF_RT_COMPLETION, .status = (int)r->status,
+        struct kvf_record c = {.type = KVF_REC_COMPLETION, .status = (int)r->status,
                                .bytes = r->status == KVF_STATUS_FINISHED ? full : r->bytes,
                                .blocks = r->n_send,
                                .accept_ns = r->accept_ns, .last_layer_ns = r->last_layer_ns,
@@ -79,7 +79,7 @@ static int post_completion(struct sender *s, uint32_t slot)
         memcpy(c.reason, r->reason, sizeof(c.reason));
         c.session = r->session;
         c.id_bin = r->flags & KVF_REQF_ID_BIN;
-        if (sender_encode(s, &c, &len) < 0 || kvf_ring_claim(ring, KVF_RT_COMPLETION, (uint32_t)len, &p, &pos) < 0)
+        if (sender_encode(s, &c, &len) < 0 || kvf_ring_claim(ring, KVF_REC_COMPLETION, (uint32_t)len, &p, &pos) < 0)
                 return -EAGAIN;
         /* Crash window: with the position stored first, a successor can ask
          * the ring whether this record was committed. */
@@ -269,7 +269,7 @@ static int reject(struct sender *s, const struct task_ref *t, const char *peer, 
 {
         struct kvf_sender_area *a = s->ctl.sender;
         struct kvf_ring *ring = &s->ctl.rings[KVF_RING_SENDER_TO_ENGINE];
-        struct kvf_record c = {.type = KVF_RT_COMPLETION, .status = status, .done_ns = kvf_now_ns(),
+        struct kvf_record c = {.type = KVF_REC_COMPLETION, .status = status, .done_ns = kvf_now_ns(),
                                .session = t->session, .id_bin = t->id_bin};
         uint64_t task_pos = t->pos;
         const char *request_id = t->request_id;
@@ -288,7 +288,7 @@ static int reject(struct sender *s, const struct task_ref *t, const char *peer, 
         va_start(ap, fmt);
         vsnprintf(c.reason, sizeof(c.reason), fmt, ap);
         va_end(ap);
-        if (sender_encode(s, &c, &len) < 0 || kvf_ring_claim(ring, KVF_RT_COMPLETION, (uint32_t)len, &p, &pos) < 0)
+        if (sender_encode(s, &c, &len) < 0 || kvf_ring_claim(ring, KVF_REC_COMPLETION, (uint32_t)len, &p, &pos) < 0)
                 return -EAGAIN; /* the task stays in its ring; retried later */
         kvf_store_release(&a->reject_completion_pos, pos);
         kvf_store_release(&a->reject_task_pos, task_pos);
@@ -328,12 +328,97 @@ static bool has_duplicate(struct sender *s, const uint32_t *ids, uint32_t n, uin
         return found;
 }
 
+/* A status with its reason, for validate_task. */
+static int verdict(char *why, size_t whylen, int status, const char *fmt, ...)
+        __attribute__((format(printf, 4, 5)));
+static int verdict(char *why, size_t whylen, int status, const char *fmt, ...)
+{
+        va_list ap;
+        va_start(ap, fmt);
+        vsnprintf(why, whylen, fmt, ap);
+        va_end(ap);
+        return status;
+}
+
+/*
+ * Can this task be accepted? KVF_STATUS_FINISHED if so (an ipc peer is then
+ * open at *pidx), else the status it is rejected with and the reason in
+ * `why`. Changes nothing but the peer's name when FastDeploy named it by its
+ * device or address, and the sender's cache of peer mappings.
+ */
+static int validate_task(struct sender *s, struct kvf_record *t, uint32_t *pidx, char *why, size_t whylen)
+{
+        const struct kvf_ctl_header *h = s->ctl.hdr;
+        uint32_t dup;
+
+        if (h->instance_role == KVF_IROLE_DECODE)
+                return verdict(why, whylen, KVF_STATUS_BAD_TASK,
+                              "instance '%s' is a decode instance: it receives, it does not send",
+                              h->instance);
+        if (t->transport != KVF_TRANSPORT_IPC && t->transport != KVF_TRANSPORT_TCP)
+                return verdict(why, whylen, KVF_STATUS_BAD_TASK,
+                              "transfer_protocol '%s' is not supported by this build (ipc and tcp are)",
+                              kvf_transport_name(t->transport));
+        if (t->n_src == 0)
+                return verdict(why, whylen, KVF_STATUS_BAD_TASK, "src_block_ids is empty");
+        if (t->n_dst == 0)
+                return verdict(why, whylen, KVF_STATUS_BAD_TASK,
+                              "dest_block_ids is empty: nothing to send");
+        if (t->n_dst > t->n_src)
+                return verdict(why, whylen, KVF_STATUS_BAD_TASK,
+                              "dest_block_ids has %u entries, more than the %u of src_block_ids",
+                              t->n_dst, t->n_src);
+        if (t->n_src > h->max_blocks)
+                return verdict(why, whylen, KVF_STATUS_BAD_TASK,
+                              "src_block_ids has %u entries, more than this instance's limit of %u blocks per request",
+                              t->n_src, h->max_blocks);
+        for (uint32_t i = 0; i < t->n_src; i++)
+                if (t->src[i] >= s->layout->num_blocks)
+                        return verdict(why, whylen, KVF_STATUS_BLOCK_RANGE,
+                                      "src_block_ids[%u] = %u is out of range: this instance has %u blocks",
+                                      i, t->src[i], s->layout->num_blocks);
+        if (has_duplicate(s, t->dst, t->n_dst, &dup))
+                return verdict(why, whylen, KVF_STATUS_BAD_TASK,
+                              "dest_block_ids names block %u twice", dup);
+        if (t->transport == KVF_TRANSPORT_IPC) {
+                /* FastDeploy names an ipc peer by its device, or by ip and port: find
+                 * the same-host instance; then t->peer is its name. */
+                int rc = sender_peer_resolve(s, t, why, whylen);
+                if (rc == -ENOENT)
+                        return KVF_STATUS_UNKNOWN_PEER; /* (why says it) */
+                if (rc < 0)
+                        return KVF_STATUS_BAD_TASK; /* (why says it) */
+        }
+        if (!strcmp(t->peer, h->instance))
+                return verdict(why, whylen, KVF_STATUS_BAD_TASK,
+                              "peer '%s' is this instance itself", t->peer);
+        if (t->transport == KVF_TRANSPORT_IPC) {
+                int rc = sender_peer_get(s, t->peer, pidx, why, whylen);
+                if (rc == -ENOENT)
+                        return KVF_STATUS_UNKNOWN_PEER; /* (why says it) */
+                if (rc == -EXDEV)
+                        return KVF_STATUS_LAYOUT_MISMATCH; /* (why says it) */
+                if (rc == -EPERM)
+                        return KVF_STATUS_PEER_ROLE; /* (why says it) */
+                if (rc < 0)
+                        return KVF_STATUS_CONNECTION; /* (why says it) */
+                uint32_t peer_blocks = s->peers[*pidx].ctl.hdr->layout.num_blocks;
+                for (uint32_t i = 0; i < t->n_dst; i++)
+                        if (t->dst[i] >= peer_blocks)
+                                return verdict(why, whylen, KVF_STATUS_BLOCK_RANGE,
+                                              "dest_block_ids[%u] = %u is out of range: peer '%s' has %u blocks",
+                                              i, t->dst[i], t->peer, peer_blocks);
+        }
+        /* tcp: the connector checks the peer (reachable, token, layout, block ids). */
+        return KVF_STATUS_FINISHED;
+}
+
 static int accept_task(struct sender *s, struct kvf_record *t, const struct task_ref *ref)
 {
         const struct kvf_ctl_header *h = s->ctl.hdr;
         const char *id = t->request_id;
         uint64_t pos = ref->pos;
-        uint32_t slot = sender_map_find(s, id), dup, pidx = UINT32_MAX;
+        uint32_t slot = sender_map_find(s, id), pidx = UINT32_MAX;
         char why[KVF_REASON_MAX];
 
         if (slot != UINT32_MAX && s->ctl.reqtab[slot].task_pos == pos)
@@ -342,68 +427,12 @@ static int accept_task(struct sender *s, struct kvf_record *t, const struct task
                 return reject(s, ref, t->peer, KVF_STATUS_ENGINE_GONE,
                               "engine session %llu ended before this task was read",
                               (unsigned long long)ref->session);
-        if (h->instance_role == KVF_IROLE_DECODE)
-                return reject(s, ref, t->peer, KVF_STATUS_BAD_TASK,
-                              "instance '%s' is a decode instance: it receives, it does not send",
-                              h->instance);
-        if (t->transport != KVF_TRANSPORT_IPC && t->transport != KVF_TRANSPORT_TCP)
-                return reject(s, ref, t->peer, KVF_STATUS_BAD_TASK,
-                              "transfer_protocol '%s' is not supported by this build (ipc and tcp are)",
-                              kvf_transport_name(t->transport));
         if (slot != UINT32_MAX)
                 return reject(s, ref, t->peer, KVF_STATUS_BAD_TASK,
                               "duplicate request_id '%s': a request with this id is in flight", id);
-        if (t->n_src == 0)
-                return reject(s, ref, t->peer, KVF_STATUS_BAD_TASK, "src_block_ids is empty");
-        if (t->n_dst == 0)
-                return reject(s, ref, t->peer, KVF_STATUS_BAD_TASK,
-                              "dest_block_ids is empty: nothing to send");
-        if (t->n_dst > t->n_src)
-                return reject(s, ref, t->peer, KVF_STATUS_BAD_TASK,
-                              "dest_block_ids has %u entries, more than the %u of src_block_ids",
-                              t->n_dst, t->n_src);
-        if (t->n_src > h->max_blocks)
-                return reject(s, ref, t->peer, KVF_STATUS_BAD_TASK,
-                              "src_block_ids has %u entries, more than this instance's limit of %u blocks per request",
-                              t->n_src, h->max_blocks);
-        for (uint32_t i = 0; i < t->n_src; i++)
-                if (t->src[i] >= s->layout->num_blocks)
-                        return reject(s, ref, t->peer, KVF_STATUS_BLOCK_RANGE,
-                                      "src_block_ids[%u] = %u is out of range: this instance has %u blocks",
-                                      i, t->src[i], s->layout->num_blocks);
-        if (has_duplicate(s, t->dst, t->n_dst, &dup))
-                return reject(s, ref, t->peer, KVF_STATUS_BAD_TASK,
-                              "dest_block_ids names block %u twice", dup);
-        if (t->transport == KVF_TRANSPORT_IPC) {
-                /* FastDeploy names an ipc peer by its device, or by ip and port: find
-                 * the same-host instance; then t->peer is its name. */
-                int rc = sender_peer_resolve(s, t, why, sizeof(why));
-                if (rc == -ENOENT)
-                        return reject(s, ref, t->peer, KVF_STATUS_UNKNOWN_PEER, "%s", why);
-                if (rc < 0)
-                        return reject(s, ref, t->peer, KVF_STATUS_BAD_TASK, "%s", why);
-        }
-        if (!strcmp(t->peer, h->instance))
-                return reject(s, ref, t->peer, KVF_STATUS_BAD_TASK,
-                              "peer '%s' is this instance itself", t->peer);
-        if (t->transport == KVF_TRANSPORT_IPC) {
-                int rc = sender_peer_get(s, t->peer, &pidx, why, sizeof(why));
-                if (rc == -ENOENT)
-                        return reject(s, ref, t->peer, KVF_STATUS_UNKNOWN_PEER, "%s", why);
-                if (rc == -EXDEV)
-                        return reject(s, ref, t->peer, KVF_STATUS_LAYOUT_MISMATCH, "%s", why);
-                if (rc == -EPERM)
-                        return reject(s, ref, t->peer, KVF_STATUS_PEER_ROLE, "%s", why);
-                if (rc < 0)
-                        return reject(s, ref, t->peer, KVF_STATUS_CONNECTION, "%s", why);
-                uint32_t peer_blocks = s->peers[pidx].ctl.hdr->layout.num_blocks;
-                for (uint32_t i = 0; i < t->n_dst; i++)
-                        if (t->dst[i] >= peer_blocks)
-                                return reject(s, ref, t->peer, KVF_STATUS_BLOCK_RANGE,
-                                              "dest_block_ids[%u] = %u is out of range: peer '%s' has %u blocks",
-                                              i, t->dst[i], t->peer, peer_blocks);
-        }
-        /* tcp: the connector checks the peer (reachable, token, layout, block ids). */
+        int st = validate_task(s, t, &pidx, why, sizeof(why));
+        if (st != KVF_STATUS_FINISHED)
+                return reject(s, ref, t->peer, st, "%s", why);
 
         slot = sender_slot_alloc(s);
         if (slot == UINT32_MAX)
@@ -537,7 +566,7 @@ int sender_on_engine_record(void *ctx, uint16_t type, const uint8_t *p, uint32_t
         /* A record of a session we do not serve: a new engine may have attached. */
         if (ref.session != s->session)
                 sender_sessions_check(s, true);
-        if (type != KVF_RT_TASK && type != KVF_RT_CHUNK && type != KVF_RT_CANCEL) {
+        if (type != KVF_REC_TASK && type != KVF_REC_CHUNK && type != KVF_REC_CANCEL) {
                 kvf_count(&s->ctl, KVF_CTR_BAD_RECORDS, 1);
                 kvf_errlog(&s->ctl, KVF_ROLE_SENDER,
                            "record type %u (%s) does not belong on ring engine->sender: dropped", type,
@@ -546,7 +575,7 @@ int sender_on_engine_record(void *ctx, uint16_t type, const uint8_t *p, uint32_t
         }
         if (kvf_record_decode(type, p, len, s->ctl.hdr->rank, &r) < 0) {
                 kvf_count(&s->ctl, KVF_CTR_BAD_RECORDS, 1);
-                if (type == KVF_RT_TASK) {
+                if (type == KVF_REC_TASK) {
                         char why[KVF_ERR_MAX];
                         snprintf(why, sizeof(why), "%s", kvf_err_msg());
                         /* The bad field may come before request_id: look for it anyway. */
@@ -565,21 +594,21 @@ int sender_on_engine_record(void *ctx, uint16_t type, const uint8_t *p, uint32_t
         }
         ref.request_id = r.request_id;
         ref.id_bin = r.id_bin;
-        if (type != KVF_RT_TASK && ref.session != s->session) {
+        if (type != KVF_REC_TASK && ref.session != s->session) {
                 kvf_debug("req %s: %s record of ended engine session %llu: ignored", r.request_id,
                           kvf_rec_type_name(type), (unsigned long long)ref.session);
                 kvf_record_free(&r);
                 return 0;
         }
         switch (type) {
-        case KVF_RT_TASK:
+        case KVF_REC_TASK:
                 rc = accept_task(s, &r, &ref);
                 break;
-        case KVF_RT_CHUNK:
+        case KVF_REC_CHUNK:
                 kvf_count(&s->ctl, KVF_CTR_CHUNK_RECORDS, 1);
                 on_chunk(s, &r);
                 break;
-        case KVF_RT_CANCEL:
+        case KVF_REC_CANCEL:
                 kvf_count(&s->ctl, KVF_CTR_CANCEL_RECORDS, 1);
                 on_cancel(s, &r);
                 break;

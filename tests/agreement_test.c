@@ -17,30 +17,12 @@
 #include "check.h"
 #include "clock.h"
 #include "ctl.h"
+#include "instances.h"
 #include "kvferry.h"
 
-static char P[64], D[64], root[512], cmd[2048];
+static char P[64], D[64];
 static struct kvf_layout_info L;
 
-static void sh(const char *fmt, ...)
-{
-        va_list ap;
-        va_start(ap, fmt);
-        vsnprintf(cmd, sizeof(cmd), fmt, ap);
-        va_end(ap);
-        if (system(cmd) != 0) {
-                fprintf(stderr, "command failed: %s\n", cmd);
-                exit(1);
-        }
-}
-
-static void cleanup(void)
-{
-        snprintf(cmd, sizeof(cmd), "%s/tools/kvferry down --instance %s --instance %s >/dev/null 2>&1",
-                 root, P, D);
-        if (system(cmd) != 0)
-                fprintf(stderr, "cleanup: %s failed\n", cmd);
-}
 
 static int decode_connector(void)
 {
@@ -98,15 +80,11 @@ static void expect_agree(struct kvf_client *pc, struct kvf_client *dc, const cha
 
 int main(void)
 {
-        snprintf(root, sizeof(root), "%s", KVF_SOURCE_DIR);
         snprintf(P, sizeof(P), "ag%d-p", (int)getpid());
         snprintf(D, sizeof(D), "ag%d-d", (int)getpid());
-        atexit(cleanup);
         const char *lay = "--model llama-3.1-8b --tp 8 --blocks 64";
-        sh("%s/tools/kvferry up --instance %s --role decode %s --peer-timeout-ms 1000 >/dev/null", root, D, lay);
-        sh("%s/tools/kvferry up --instance %s --role prefill %s --peer-timeout-ms 1000 --connect-timeout-ms 500 "
-           "--request-timeout-ms 3000 >/dev/null",
-           root, P, lay);
+        t_up(D, "--role decode %s --peer-timeout-ms 1000", lay);
+        t_up(P, "--role prefill %s --peer-timeout-ms 1000 --connect-timeout-ms 500 --request-timeout-ms 3000", lay);
         struct kvf_client *pc, *dc;
         CHECK_EQ(kvf_attach(D, 5000, &dc), 0);
         CHECK_EQ(kvf_attach(P, 5000, &pc), 0);

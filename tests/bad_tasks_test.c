@@ -15,31 +15,12 @@
 #include "check.h"
 #include "clock.h"
 #include "ctl.h"
+#include "instances.h"
 #include "kvferry.h"
 
-static char P[64], P2[64], D[64], DX[64], root[512], cmd[2048];
+static char P[64], P2[64], D[64], DX[64];
 static struct kvf_client *c;
 
-static void sh(const char *fmt, ...)
-{
-        va_list ap;
-        va_start(ap, fmt);
-        vsnprintf(cmd, sizeof(cmd), fmt, ap);
-        va_end(ap);
-        if (system(cmd) != 0) {
-                fprintf(stderr, "command failed: %s\n", cmd);
-                exit(1);
-        }
-}
-
-static void cleanup(void)
-{
-        snprintf(cmd, sizeof(cmd),
-                 "%s/tools/kvferry down --instance %s --instance %s --instance %s --instance %s >/dev/null 2>&1",
-                 root, P, P2, D, DX);
-        if (system(cmd) != 0)
-                fprintf(stderr, "cleanup: %s failed\n", cmd);
-}
 
 /* ---- building task records ---- */
 
@@ -206,20 +187,16 @@ int main(void)
         for (int i = 0; i < 80; i++)
                 many[i] = i;
 
-        /* The repository, for tools/kvferry (the build dir comes from $KVFERRY_BUILD). */
-        snprintf(root, sizeof(root), "%s", KVF_SOURCE_DIR);
         snprintf(P, sizeof(P), "bt%d-p", (int)getpid());
         snprintf(D, sizeof(D), "bt%d-d", (int)getpid());
         snprintf(DX, sizeof(DX), "bt%d-dx", (int)getpid());
         snprintf(P2, sizeof(P2), "bt%d-p2", (int)getpid());
-        atexit(cleanup);
         const char *L = "--model llama-3.1-8b --tp 8 --blocks 64";
         /* --device: FastDeploy names an ipc peer by the GPU it serves */
-        sh("%s/tools/kvferry up --instance %s --role decode %s --device 5 >/dev/null", root, D, L);
-        sh("%s/tools/kvferry up --instance %s --role prefill %s >/dev/null", root, P2, L);
-        sh("%s/tools/kvferry up --instance %s --role decode --layers 28 --kv-heads 1 --head-dim 128 --blocks 64 >/dev/null",
-           root, DX);
-        sh("%s/tools/kvferry up --instance %s --role prefill %s --max-blocks-per-request 64 >/dev/null", root, P, L);
+        t_up(D, "--role decode %s --device 5", L);
+        t_up(P2, "--role prefill %s", L);
+        t_up(DX, "--role decode --layers 28 --kv-heads 1 --head-dim 128 --blocks 64");
+        t_up(P, "--role prefill %s --max-blocks-per-request 64", L);
         CHECK_EQ(kvf_attach(P, 5000, &c), 0);
         printf("bad task table (instance %s):\n", P);
 
@@ -289,13 +266,8 @@ int main(void)
         bad("peer is a prefill instance (ipc)", "m17", KVF_STATUS_PEER_ROLE, "is a prefill instance", "m17",
             s3, 3, d3, 3, "ipc", P2, false);
         {
-                char addr[128], host[64];
-                uint32_t port = 0;
-                struct kvf_ctl pc;
-                CHECK_EQ(kvf_ctl_attach(P2, false, &pc), 0);
-                CHECK_EQ(kvf_connector_info_read(&pc, host, sizeof(host), &port), 0);
-                kvf_ctl_detach(&pc);
-                snprintf(addr, sizeof(addr), "%s:%u", host, port);
+                char addr[128];
+                t_connector_addr(P2, addr, sizeof(addr));
                 bad("peer is a prefill instance (tcp)", "m18", KVF_STATUS_PEER_ROLE, "is a prefill instance",
                     "m18", s3, 3, d3, 3, "tcp", addr, false);
                 /* ...and that prefill instance's engine never hears of them. */

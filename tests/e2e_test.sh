@@ -13,6 +13,19 @@ case_run() {
   echo "$json"
 }
 
+# all_accounted WHAT JSON N: every one of N requests ended once, finished (and verified) or
+# cancelled, and only those the simulator cancelled (--cancel-pct) may say cancelled: a cancel
+# that came after all of a request's bytes had landed leaves it finished.
+all_accounted() {
+  local what=$1 j=$2 n=$3 f c s
+  f=$(json_get "$j" finished) c=$(json_get "$j" cancelled) s=$(json_get "$j" cancels_sent)
+  [ "$(json_get "$j" requests)" = "$n" ] || fail "$what: $(json_get "$j" requests) requests, not $n"
+  [ "$(json_get "$j" unaccounted)" = 0 ] || fail "$what: $(json_get "$j" unaccounted) requests without a completion"
+  [ $((f + c)) = "$n" ] || fail "$what: $f finished + $c cancelled != $n requests ($(json_get "$j" failed) failed)"
+  [ "$c" -le "$s" ] || fail "$what: $c cancelled, but the simulator cancelled only $s"
+  [ "$f" -ge 1 ] || fail "$what: nothing finished"
+}
+
 L="--model llama-3.1-8b --tp 8 --cache-mib 256"
 up $TAG-d0 --role decode $L
 up $TAG-p0 --role prefill $L
@@ -40,10 +53,11 @@ j=$(case_run "chunked" ch --prefill $TAG-p0 --decode $TAG-d0 --requests 20 --lay
 pass "chunked prefill: 20 requests in 1000-token chunks, partial blocks never sent early"
 
 j=$(case_run "cancel" cx --prefill $TAG-p0 --decode $TAG-d0 --requests 40 --layer-us 300 --cancel-pct 40)
+all_accounted "cancel" "$j" 40
 c=$(json_get "$j" cancelled)
 [ "$c" -gt 0 ] || fail "cancel: no request was cancelled"
 [ "$(json_get "$j" finished_but_failed_pairs)" = 0 ] || fail "cancel: a cancelled request also arrived as finished"
-pass "cancel mid-transfer: $c cancelled, the rest finished and verified"
+pass "cancel mid-transfer: $c cancelled (of $(json_get "$j" cancels_sent) cancels), the rest finished and verified"
 down $TAG-p0; down $TAG-d0
 
 up $TAG-sd0 --role decode --model llama-3.1-8b --tp 8 --extra-layers 1 --cache-mib 128
@@ -87,6 +101,8 @@ for r in 0 1; do
   up $TAG-rp$r --role prefill $L --rank $r --nranks 2
 done
 j=$(case_run "two ranks" tp --prefill $TAG-rp0,$TAG-rp1 --decode $TAG-rd0,$TAG-rd1 --requests 20 --layer-us 50 --cancel-pct 20)
-[ "$(json_get "$j" finished)" -gt 0 ] || fail "two ranks: nothing finished"
-pass "two ranks per instance: completions and arrivals aggregated across ranks ($(json_get "$j" finished) finished, $(json_get "$j" cancelled) cancelled)"
+all_accounted "two ranks" "$j" 20
+[ "$(json_get "$j" cancels_sent)" -gt 0 ] || fail "two ranks: the simulator cancelled nothing"
+[ "$(json_get "$j" finished_but_failed_pairs)" = 0 ] || fail "two ranks: a cancelled request also arrived as finished"
+pass "two ranks per instance: completions and arrivals aggregated across ranks, all 20 accounted for ($(json_get "$j" finished) finished, $(json_get "$j" cancelled) cancelled of $(json_get "$j" cancels_sent) cancels)"
 echo "e2e_test: all passed"

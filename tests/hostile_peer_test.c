@@ -95,14 +95,9 @@ static int dial(const char *purpose, const uint8_t *tok, size_t tl)
         snprintf(r.instance, sizeof(r.instance), "evil");
         r.role = 1;
         r.generation = 1;
-        r.lay_layers = L.num_layers;
-        r.lay_extra = L.extra_layers;
-        r.lay_blocks = L.num_blocks;
-        r.lay_heads = L.kv_heads;
-        r.lay_bsize = L.block_size;
-        r.lay_hdim = L.head_dim;
-        r.lay_dtype = L.dtype;
-        r.lay_keyonly = L.key_only;
+        struct kvf_cache_layout cl;
+        CHECK(kvf_layout_from_info(&cl, &L) == 0);
+        kvf_layout_to_record(&cl, &r);
         CHECK(send_rec(fd, &r) == 0);
         int rc = recv_rec(fd, KVF_RT_WELCOME, &r);
         if (rc < 0 || !server_ok) {

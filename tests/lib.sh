@@ -61,8 +61,41 @@ counter() {
     /usr/bin/python3 -c 'import json,sys; print(json.load(sys.stdin)["counters"][sys.argv[1]])' "$2"
 }
 
-# pid_of ROLE INSTANCE -> the pid of the instance's kvf-ROLE process (empty if none)
-pid_of() { pgrep -f -x "$B/kvf-$1 --instance $2( .*)?" | head -n1; }
+# is_role PID ROLE INSTANCE: PID runs this build's kvf-ROLE for INSTANCE (not a zombie)
+is_role() {
+  local s a prev=""
+  [ "$(readlink "/proc/$1/exe" 2>/dev/null)" = "$(readlink -f "$B/kvf-$2")" ] || return 1
+  s=$(cat "/proc/$1/stat" 2>/dev/null) || return 1
+  s=${s##*) }; [ "${s%% *}" != Z ] || return 1
+  while IFS= read -r -d '' a; do
+    [ "$prev" = --instance ] && [ "$a" = "$3" ] && return 0
+    prev=$a
+  done 2>/dev/null <"/proc/$1/cmdline"
+  return 1
+}
+
+# pid_of ROLE INSTANCE -> the pid of the instance's kvf-ROLE process, as its role slot in the
+# control segment holds it (kvf-ringdump --json), if that process is alive: it exists, is no
+# zombie, and is this build's kvf-ROLE for INSTANCE. Not whether its heartbeat is fresh: a
+# role that is stopped or hung is found too. Empty and status 1 if none.
+pid_of() {
+  local p
+  p=$("$B/kvf-ringdump" --instance "$2" --json --records 0 2>/dev/null |
+    /usr/bin/python3 -c 'import json,sys
+r=[x for x in json.load(sys.stdin)["roles"] if x["role"]==sys.argv[1]]
+if len(r)==1 and r[0]["pid"]>0: print(r[0]["pid"])' "$1" 2>/dev/null) || true
+  [ -n "$p" ] && is_role "$p" "$1" "$2" || return 1
+  echo "$p"
+}
+
+# logged_running INSTANCE -> the roles its supervisor's log says it started that still run
+# ("ROLE:PID" each), for when the control segment that names them is gone
+logged_running() {
+  local role p
+  sed -n 's/.* started \([a-z]*\) (pid \([0-9]*\))$/\1 \2/p' "$KVFERRY_RUN_DIR/$1/supervisor.log" 2>/dev/null |
+    while read -r role p; do is_role "$p" "$role" "$1" && echo "$role:$p"; done
+  return 0
+}
 
 # kill_role ROLE INSTANCE: SIGKILL the role, wait until it is gone (a zombie counts as gone),
 # then until the supervisor has it running again

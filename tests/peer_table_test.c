@@ -15,31 +15,13 @@
 #include "check.h"
 #include "clock.h"
 #include "ctl.h"
+#include "instances.h"
 #include "kvferry.h"
 
 #define UNREACHABLE 300
 
-static char P[64], D[64], root[512], cmd[2048];
+static char P[64], D[64];
 
-static void sh(const char *fmt, ...)
-{
-        va_list ap;
-        va_start(ap, fmt);
-        vsnprintf(cmd, sizeof(cmd), fmt, ap);
-        va_end(ap);
-        if (system(cmd) != 0) {
-                fprintf(stderr, "command failed: %s\n", cmd);
-                exit(1);
-        }
-}
-
-static void cleanup(void)
-{
-        snprintf(cmd, sizeof(cmd), "%s/tools/kvferry down --instance %s --instance %s >/dev/null 2>&1",
-                 root, P, D);
-        if (system(cmd) != 0)
-                fprintf(stderr, "cleanup: %s failed\n", cmd);
-}
 
 /* Threads of a process, from /proc/PID/status. */
 static int threads_of(int pid)
@@ -80,15 +62,11 @@ static void one(struct kvf_client *c, const char *id, int transport, const char 
 
 int main(void)
 {
-        snprintf(root, sizeof(root), "%s", KVF_SOURCE_DIR);
         snprintf(P, sizeof(P), "pt%d-p", (int)getpid());
         snprintf(D, sizeof(D), "pt%d-d", (int)getpid());
-        atexit(cleanup);
         const char *lay = "--model llama-3.1-8b --tp 8 --blocks 512";
-        sh("%s/tools/kvferry up --instance %s --role decode %s >/dev/null", root, D, lay);
-        sh("%s/tools/kvferry up --instance %s --role prefill %s --peer-timeout-ms 1000 --peer-idle-ms 1000 "
-           "--connect-timeout-ms 500 >/dev/null",
-           root, P, lay);
+        t_up(D, "--role decode %s", lay);
+        t_up(P, "--role prefill %s --peer-timeout-ms 1000 --peer-idle-ms 1000 --connect-timeout-ms 500", lay);
         struct kvf_client *c;
         CHECK_EQ(kvf_attach(P, 5000, &c), 0);
         struct kvf_layout_info L;
@@ -145,13 +123,8 @@ int main(void)
         printf("ok: idle unreachable peers retired: %d threads (%d before)\n", now, base);
 
         /* A reachable peer, by instance name (ipc) and by address (tcp), still works. */
-        char daddr[128], host[64];
-        uint32_t port = 0;
-        struct kvf_ctl dc;
-        CHECK_EQ(kvf_ctl_attach(D, false, &dc), 0);
-        CHECK_EQ(kvf_connector_info_read(&dc, host, sizeof(host), &port), 0);
-        kvf_ctl_detach(&dc);
-        snprintf(daddr, sizeof(daddr), "%s:%u", host, port);
+        char daddr[128];
+        t_connector_addr(D, daddr, sizeof(daddr));
         step = kvf_last_step(c) + 1;
         one(c, "r-tcp", KVF_TRANSPORT_TCP, daddr, 400, step);
         one(c, "r-ipc", KVF_TRANSPORT_IPC, D, 401, step);

@@ -21,6 +21,7 @@
 
 #include "check.h"
 #include "clock.h"
+#include "layout.h"
 #include "mp_read.h"
 #include "record_fields.h"
 #include "records.h"
@@ -295,7 +296,7 @@ static void test_round_trips(void)
         /* task: each transport, each array size (empty, prefix hit, 5000 ids) */
         for (int t = KVF_TRANSPORT_IPC; t <= KVF_TRANSPORT_RDMA; t++)
                 for (unsigned s = 0; s < sizeof(sizes) / sizeof(sizes[0]); s++) {
-                        struct kvf_record r = {.type = KVF_RT_TASK};
+                        struct kvf_record r = {.type = KVF_REC_TASK};
                         snprintf(r.request_id, sizeof(r.request_id), "chatcmpl-%d-%u-Ω", t, s);
                         fill(r.peer, sizeof(r.peer), t == KVF_TRANSPORT_IPC ? "d0" : "10.0.0.2:7100");
                         r.n_src = sizes[s];
@@ -310,7 +311,7 @@ static void test_round_trips(void)
                         kvf_record_free(&r);
                 }
         {       /* longest strings each field allows */
-                struct kvf_record r = {.type = KVF_RT_TASK, .transport = KVF_TRANSPORT_TCP};
+                struct kvf_record r = {.type = KVF_REC_TASK, .transport = KVF_TRANSPORT_TCP};
                 fill_long(r.request_id, sizeof(r.request_id), KVF_REQ_ID_MAX - 1, 'R');
                 fill_long(r.peer, sizeof(r.peer), KVF_PEER_MAX - 1, 'P');
                 r.src = make_ids(r.n_src = 2, 1);
@@ -320,21 +321,21 @@ static void test_round_trips(void)
         }
 
         for (int last = 0; last <= 1; last++) {
-                struct kvf_record r = {.type = KVF_RT_CHUNK, .current_id = 1234567890123ull,
+                struct kvf_record r = {.type = KVF_REC_CHUNK, .current_id = 1234567890123ull,
                                        .tokens = 65536 + (uint64_t)last, .last = last};
                 fill(r.request_id, sizeof(r.request_id), "req-chunk");
                 round_trip("chunk", &r, "request_id,current_id,tokens_done,last");
         }
 
         {
-                struct kvf_record r = {.type = KVF_RT_CANCEL};
+                struct kvf_record r = {.type = KVF_REC_CANCEL};
                 fill(r.request_id, sizeof(r.request_id), "req-cancel/1");
                 round_trip("cancel", &r, "request_id");
         }
 
         /* completion: every status, reason present or not (empty reasons are left out) */
         for (int st = 0; st < KVF_STATUS_COUNT; st++) {
-                struct kvf_record r = {.type = KVF_RT_COMPLETION, .status = st,
+                struct kvf_record r = {.type = KVF_REC_COMPLETION, .status = st,
                                        .bytes = (1ull << 40) + (uint64_t)st, .blocks = 4096,
                                        .accept_ns = 111111111111ull, .last_layer_ns = 222222222222ull,
                                        .done_ns = UINT64_MAX};
@@ -349,7 +350,7 @@ static void test_round_trips(void)
         }
 
         for (int t = 0; t <= KVF_TRANSPORT_RDMA; t++) {
-                struct kvf_record r = {.type = KVF_RT_CONNECT, .transport = t};
+                struct kvf_record r = {.type = KVF_REC_CONNECT, .transport = t};
                 fill(r.request_id, sizeof(r.request_id), "connect-task-9");
                 fill(r.peer, sizeof(r.peer), "decode-host.example:7100");
                 /* transport 0 = not given: the connector picks */
@@ -357,7 +358,7 @@ static void test_round_trips(void)
         }
 
         {
-                struct kvf_record r = {.type = KVF_RT_CONNECT_RESULT, .status = KVF_STATUS_AUTH};
+                struct kvf_record r = {.type = KVF_REC_CONNECT_RESULT, .status = KVF_STATUS_AUTH};
                 fill(r.request_id, sizeof(r.request_id), "connect-task-9");
                 fill(r.peer, sizeof(r.peer), "decode-host.example:7100");
                 fill(r.reason, sizeof(r.reason), "token rejected by 10.0.0.2:7100");
@@ -365,7 +366,7 @@ static void test_round_trips(void)
         }
 
         for (unsigned s = 0; s < sizeof(sizes) / sizeof(sizes[0]); s++) {
-                struct kvf_record r = {.type = KVF_RT_ARRIVAL, .status = KVF_STATUS_CONNECTION,
+                struct kvf_record r = {.type = KVF_REC_ARRIVAL, .status = KVF_STATUS_CONNECTION,
                                        .bytes = 987654321, .blocks = sizes[s], .done_ns = 42};
                 fill(r.request_id, sizeof(r.request_id), "req-arrived");
                 fill(r.peer, sizeof(r.peer), "p0");
@@ -465,7 +466,7 @@ static void test_encode_errors(void)
         CHECK_EQ(kvf_record_encode(&r, buf, sizeof(buf)), -EINVAL);
         r.type = KVF_RT_MAX + 1;
         CHECK_EQ(kvf_record_encode(&r, buf, sizeof(buf)), -EINVAL);
-        r.type = KVF_RT_CANCEL;
+        r.type = KVF_REC_CANCEL;
         fill(r.request_id, sizeof(r.request_id), "x");
         CHECK_EQ(kvf_record_encode(&r, buf, 0), -ENOSPC);
         CHECK(kvf_record_encode(&r, buf, sizeof(buf)) > 0);
@@ -798,12 +799,12 @@ struct bad {
         const char *msg;                  /* kvf_err_msg() contains this */
 };
 
-#define T KVF_RT_TASK
+#define T KVF_REC_TASK
 static const struct bad bads[] = {
         {"empty bytes", T, 0, "", NULL, NULL, 0, NULL, "empty task record"},
         {"array at top level", T, 0, NULL, raw_top_array, NULL, 0, NULL,
          "task record is not a msgpack map (found array)"},
-        {"nil at top level", KVF_RT_CANCEL, 0, "c0", NULL, NULL, 0, NULL,
+        {"nil at top level", KVF_REC_CANCEL, 0, "c0", NULL, NULL, 0, NULL,
          "cancel record is not a msgpack map (found nil)"},
         {"invalid byte 0xc1 at top level", T, 0, "c1", NULL, NULL, 0, NULL,
          "task record is not a msgpack map (found invalid byte 0xc1)"},
@@ -818,7 +819,7 @@ static const struct bad bads[] = {
         {"key cut short", T, 0, NULL, raw_cut_key, NULL, 0, NULL, "task record: key #0 runs past the end"},
         {"string cut short", T, 0, NULL, raw_cut_string, NULL, 0, NULL,
          "task record: field 'request_id': string runs past the end of the record"},
-        {"integer cut short", KVF_RT_CHUNK, 0, NULL, raw_cut_int, NULL, 0, NULL,
+        {"integer cut short", KVF_REC_CHUNK, 0, NULL, raw_cut_int, NULL, 0, NULL,
          "chunk record: field 'current_id': integer runs past the end of the record"},
         {"missing src_block_ids", T, 0, NULL, NULL, "src_block_ids", OMIT, NULL,
          "task record: missing field 'src_block_ids'"},
@@ -899,11 +900,11 @@ static const struct bad bads[] = {
          "task record: value of unknown key 'ext' is malformed or nested too deep"},
         {"unknown key, invalid byte 0xc1", T, 0, NULL, NULL, "decode_tp_size", ADD, v_c1,
          "task record: value of unknown key 'decode_tp_size' is malformed"},
-        {"status not a known status", KVF_RT_COMPLETION, 0, NULL, raw_completion_status, NULL, 0, NULL,
+        {"status not a known status", KVF_REC_COMPLETION, 0, NULL, raw_completion_status, NULL, 0, NULL,
          "completion record: field 'status' is 'done', not a known status"},
-        {"bool field a string", KVF_RT_CHUNK, 0, NULL, raw_chunk_last_str, NULL, 0, NULL,
+        {"bool field a string", KVF_REC_CHUNK, 0, NULL, raw_chunk_last_str, NULL, 0, NULL,
          "chunk record: field 'last' must be a boolean, found string"},
-        {"bool field 2", KVF_RT_CHUNK, 0, NULL, raw_chunk_last_two, NULL, 0, NULL,
+        {"bool field 2", KVF_REC_CHUNK, 0, NULL, raw_chunk_last_two, NULL, 0, NULL,
          "chunk record: field 'last' must be a boolean"},
         {"hello: nonce of 31 bytes", KVF_RT_HELLO, 0, NULL, raw_hello_short_nonce, NULL, 0, NULL,
          "hello record: field 'nonce' is 31 bytes, must be 32"},
@@ -994,7 +995,7 @@ static void test_malformed(void)
         msgpack_sbuffer_init(&sb);
         msgpack_packer_init(&pk, &sb, msgpack_sbuffer_write);
         raw_good_task(&pk);
-        CHECK_EQ(kvf_record_decode(KVF_RT_TASK, sb.data, sb.size, 0, &r), 0);
+        CHECK_EQ(kvf_record_decode(KVF_REC_TASK, sb.data, sb.size, 0, &r), 0);
         CHECK_STREQ("good task", r.request_id, "req-1");
         CHECK_STREQ("good task", r.peer, "10.0.0.2:7100");
         CHECK_EQ(r.n_src, 3);
@@ -1014,7 +1015,7 @@ static void test_partial_free(void)
         msgpack_sbuffer_init(&sb);
         msgpack_packer_init(&pk, &sb, msgpack_sbuffer_write);
         pack_task(&pk, "transfer_protocol", REPLACE, v_udp);
-        CHECK_EQ(kvf_record_decode(KVF_RT_TASK, sb.data, sb.size, 0, &r), -EBADMSG);
+        CHECK_EQ(kvf_record_decode(KVF_REC_TASK, sb.data, sb.size, 0, &r), -EBADMSG);
         CHECK(r.src != NULL); /* decoded before the failure; freed below (ASan: no leak) */
         kvf_record_free(&r);
         CHECK(r.src == NULL && r.n_src == 0);
@@ -1085,7 +1086,7 @@ static void test_unknown_keys(void)
                 msgpack_pack_int(&pk, 7100);
                 msgpack_pack_int(&pk, 7101);
                 msgpack_pack_int(&pk, 7102);
-                int rc = kvf_record_decode(KVF_RT_TASK, sb.data, sb.size, rank, &r);
+                int rc = kvf_record_decode(KVF_REC_TASK, sb.data, sb.size, rank, &r);
                 if (rc) {
                         fprintf(stderr, "FastDeploy task, rank %u: %s\n", rank, kvf_err_msg());
                         exit(1);
@@ -1115,7 +1116,7 @@ static void test_unknown_keys(void)
         msgpack_pack_uint64(&pk, 65535);
         msgpack_pack_str_with_body(&pk, "chunked", 7);
         msgpack_pack_int(&pk, 1);
-        CHECK_EQ(kvf_record_decode(KVF_RT_TASK, sb.data, sb.size, 0, &r), 0);
+        CHECK_EQ(kvf_record_decode(KVF_REC_TASK, sb.data, sb.size, 0, &r), 0);
         CHECK_STREQ("ip + port", r.peer, "192.168.7.7:65535");
         CHECK_EQ(r.chunked, 1);
         kvf_record_free(&r);
@@ -1125,7 +1126,7 @@ static void test_unknown_keys(void)
         msgpack_sbuffer_init(&sb);
         msgpack_packer_init(&pk, &sb, msgpack_sbuffer_write);
         pack_task(&pk, "extra", ADD, v_nest16);
-        CHECK_EQ(kvf_record_decode(KVF_RT_TASK, sb.data, sb.size, 0, &r), 0);
+        CHECK_EQ(kvf_record_decode(KVF_REC_TASK, sb.data, sb.size, 0, &r), 0);
         kvf_record_free(&r);
         msgpack_sbuffer_destroy(&sb);
 
@@ -1152,9 +1153,9 @@ static void test_unknown_keys(void)
                 /* (device_ids is a task's key: once only) */
                 pack_fd_extras(&pk, false, true);
                 msgpack_sbuffer_write(&sb, (const char *)first, (size_t)(rest - first));
-                pack_fd_extras(&pk, false, t != KVF_RT_TASK);
+                pack_fd_extras(&pk, false, t != KVF_REC_TASK);
                 msgpack_sbuffer_write(&sb, (const char *)rest, (size_t)(enc + enc_len - rest));
-                pack_fd_extras(&pk, false, t != KVF_RT_TASK);
+                pack_fd_extras(&pk, false, t != KVF_REC_TASK);
                 int rc = kvf_record_decode(t, sb.data, sb.size, 0, &r);
                 if (rc) {
                         fprintf(stderr, "%s with unknown keys: %s\n", kvf_rec_type_name(t),
@@ -1232,7 +1233,7 @@ static void check_py_record(unsigned idx, uint32_t type, const uint8_t *p, uint3
         switch (idx) {
         case 0: /* FastDeploy merged task, RDMA: ip + rdma_ports */
         case 1:
-                CHECK_EQ(type, KVF_RT_TASK);
+                CHECK_EQ(type, KVF_REC_TASK);
                 CHECK_STREQ(what, r.request_id, "fd-rdma-1");
                 CHECK_STREQ(what, r.peer, idx == 0 ? "10.0.0.2:7100" : "10.0.0.2:7101");
                 CHECK_EQ(r.transport, KVF_TRANSPORT_RDMA);
@@ -1246,7 +1247,7 @@ static void check_py_record(unsigned idx, uint32_t type, const uint8_t *p, uint3
                 CHECK_EQ(r.chunked, 0);
                 break;
         case 2: /* ip + port, chunked True */
-                CHECK_EQ(type, KVF_RT_TASK);
+                CHECK_EQ(type, KVF_REC_TASK);
                 CHECK_STREQ(what, r.request_id, "fd-tcp-2");
                 CHECK_STREQ(what, r.peer, "192.168.1.20:7200");
                 CHECK_EQ(r.transport, KVF_TRANSPORT_TCP);
@@ -1256,7 +1257,7 @@ static void check_py_record(unsigned idx, uint32_t type, const uint8_t *p, uint3
                 CHECK_EQ(r.chunked, 1);
                 break;
         case 3: /* peer by instance name, 5000 ids, 64-bit step, chunked 1 */
-                CHECK_EQ(type, KVF_RT_TASK);
+                CHECK_EQ(type, KVF_REC_TASK);
                 CHECK_STREQ(what, r.request_id, "fd-ipc-3-\xc3\xa9"); /* "é" as UTF-8 */
                 CHECK_STREQ(what, r.peer, "d0");
                 CHECK_EQ(r.transport, KVF_TRANSPORT_IPC);
@@ -1270,24 +1271,24 @@ static void check_py_record(unsigned idx, uint32_t type, const uint8_t *p, uint3
                 CHECK_EQ(r.chunked, 1);
                 break;
         case 4:
-                CHECK_EQ(type, KVF_RT_CHUNK);
+                CHECK_EQ(type, KVF_REC_CHUNK);
                 CHECK_STREQ(what, r.request_id, "fd-tcp-2");
                 CHECK_EQ(r.current_id, 18);
                 CHECK_EQ(r.tokens, 2048);
                 CHECK_EQ(r.last, 0);
                 break;
         case 5:
-                CHECK_EQ(type, KVF_RT_CHUNK);
+                CHECK_EQ(type, KVF_REC_CHUNK);
                 CHECK_EQ(r.current_id, 19);
                 CHECK_EQ(r.tokens, 4000);
                 CHECK_EQ(r.last, 1);
                 break;
         case 6:
-                CHECK_EQ(type, KVF_RT_CANCEL);
+                CHECK_EQ(type, KVF_REC_CANCEL);
                 CHECK_STREQ(what, r.request_id, "fd-rdma-1");
                 break;
         case 9: /* ipc by device_ids only; request_id as bin; device as a string */
-                CHECK_EQ(type, KVF_RT_TASK);
+                CHECK_EQ(type, KVF_REC_TASK);
                 CHECK_STREQ(what, r.request_id, "fd-bytes-4");
                 CHECK(r.id_bin);
                 CHECK(r.device_given);
@@ -1296,25 +1297,25 @@ static void check_py_record(unsigned idx, uint32_t type, const uint8_t *p, uint3
                 CHECK_EQ(r.transport, KVF_TRANSPORT_IPC);
                 break;
         case 10: /* rdma_ports as decimal strings */
-                CHECK_EQ(type, KVF_RT_TASK);
+                CHECK_EQ(type, KVF_REC_TASK);
                 CHECK_STREQ(what, r.peer, "10.0.0.2:7100");
                 CHECK(r.peer_formed);
                 CHECK(!r.id_bin);
                 break;
         case 11: /* connect: task_id as bin, port as a string */
-                CHECK_EQ(type, KVF_RT_CONNECT);
+                CHECK_EQ(type, KVF_REC_CONNECT);
                 CHECK_STREQ(what, r.request_id, "conn-3");
                 CHECK(r.id_bin);
                 CHECK_STREQ(what, r.peer, "10.0.0.3:7300");
                 break;
         case 7: /* FastDeploy connect task: task_id + ip + rdma_ports */
-                CHECK_EQ(type, KVF_RT_CONNECT);
+                CHECK_EQ(type, KVF_REC_CONNECT);
                 CHECK_STREQ(what, r.request_id, "conn-1");
                 CHECK_STREQ(what, r.peer, "10.0.0.3:7300");
                 CHECK_EQ(r.transport, KVF_TRANSPORT_RDMA);
                 break;
         case 8:
-                CHECK_EQ(type, KVF_RT_CONNECT);
+                CHECK_EQ(type, KVF_REC_CONNECT);
                 CHECK_STREQ(what, r.request_id, "conn-2");
                 CHECK_STREQ(what, r.peer, "d1");
                 CHECK_EQ(r.transport, 0);
@@ -1379,13 +1380,13 @@ static int python_main(const char *script, const char *base)
         /* C -> Python: what a Python engine reads back. */
         FILE *f = fopen(out, "wb");
         CHECK(f);
-        struct kvf_record c = {.type = KVF_RT_COMPLETION, .status = KVF_STATUS_FINISHED,
+        struct kvf_record c = {.type = KVF_REC_COMPLETION, .status = KVF_STATUS_FINISHED,
                                .bytes = 1ull << 33, .blocks = 12, .accept_ns = 1, .last_layer_ns = 2,
                                .done_ns = 3};
         fill(c.request_id, sizeof(c.request_id), "fd-rdma-1");
         fill(c.peer, sizeof(c.peer), "10.0.0.2:7100");
         write_frame(f, &c);
-        struct kvf_record a = {.type = KVF_RT_ARRIVAL, .status = KVF_STATUS_TIMEOUT, .bytes = 4096,
+        struct kvf_record a = {.type = KVF_REC_ARRIVAL, .status = KVF_STATUS_TIMEOUT, .bytes = 4096,
                                .blocks = 2, .done_ns = UINT64_MAX};
         uint32_t dst[] = {5, 4294967295u};
         a.dst = dst;
@@ -1394,12 +1395,12 @@ static int python_main(const char *script, const char *base)
         fill(a.peer, sizeof(a.peer), "p0");
         fill(a.reason, sizeof(a.reason), "no layer for 30000 ms");
         write_frame(f, &a);
-        struct kvf_record cr = {.type = KVF_RT_CONNECT_RESULT, .status = KVF_STATUS_CONNECTION};
+        struct kvf_record cr = {.type = KVF_REC_CONNECT_RESULT, .status = KVF_STATUS_CONNECTION};
         fill(cr.request_id, sizeof(cr.request_id), "conn-1");
         fill(cr.peer, sizeof(cr.peer), "10.0.0.3:7300");
         fill(cr.reason, sizeof(cr.reason), "connect to 10.0.0.3:7300: Connection refused");
         write_frame(f, &cr);
-        struct kvf_record cb = {.type = KVF_RT_COMPLETION, .status = KVF_STATUS_ENGINE_GONE, .blocks = 1,
+        struct kvf_record cb = {.type = KVF_REC_COMPLETION, .status = KVF_STATUS_ENGINE_GONE, .blocks = 1,
                                 .done_ns = 9, .session = 5, .id_bin = true};
         fill(cb.request_id, sizeof(cb.request_id), "fd-bytes-4");
         fill(cb.reason, sizeof(cb.reason), "engine session 5 ended");
@@ -1432,7 +1433,7 @@ static void test_peek_request_id(void)
         msgpack_pack_int(&pk, 0);
         msgpack_pack_str_with_body(&pk, "request_id", 10);
         msgpack_pack_str_with_body(&pk, "req-late", 8);
-        CHECK(kvf_record_decode(KVF_RT_TASK, sb.data, sb.size, 0, &r) == -EBADMSG);
+        CHECK(kvf_record_decode(KVF_REC_TASK, sb.data, sb.size, 0, &r) == -EBADMSG);
         CHECK(r.request_id[0] == '\0');
         kvf_record_free(&r);
         CHECK(kvf_record_peek_request_id(sb.data, sb.size, id, sizeof(id), &isbin) == 0);
@@ -1441,6 +1442,61 @@ static void test_peek_request_id(void)
         CHECK(kvf_record_peek_request_id("\x91\x01", 2, id, sizeof(id), &isbin) < 0);
         msgpack_sbuffer_destroy(&sb);
         printf("ok: request_id found in a task that fails before it\n");
+}
+
+/* ---- the layout's three shapes (common/layout.h) ---- */
+
+static void test_layout_shapes(void)
+{
+        struct kvf_cache_layout l, back;
+        struct kvf_layout_info info;
+        CHECK(kvf_layout_make(&l, 61, 1, 1u << 20, 8, 64, 128, KVF_DTYPE_FP8, 1) == 0);
+
+        /* engine shape and back */
+        kvf_layout_to_info(&l, &info);
+        CHECK_EQ(info.num_layers, 61);
+        CHECK_EQ(info.extra_layers, 1);
+        CHECK_EQ(info.num_blocks, 1u << 20);
+        CHECK_EQ(info.kv_heads, 8);
+        CHECK_EQ(info.block_size, 64);
+        CHECK_EQ(info.head_dim, 128);
+        CHECK_EQ(info.dtype, KVF_DTYPE_FP8);
+        CHECK_EQ(info.key_only, 1);
+        CHECK_EQ(info.block_bytes, l.block_bytes);
+        CHECK_EQ(info.cache_bytes, l.cache_bytes);
+        CHECK(kvf_layout_from_info(&back, &info) == 0);
+        CHECK(memcmp(&l, &back, sizeof(l)) == 0);
+        info.dtype = 99; /* an engine's bad shape is refused, not copied */
+        CHECK(kvf_layout_from_info(&back, &info) == -EINVAL);
+
+        /* handshake shape, through the encoder and the decoder, and back */
+        struct kvf_record r = {.type = KVF_RT_AUTH, .role = 1, .generation = 1}, d;
+        uint8_t buf[1024];
+        fill(r.instance, sizeof(r.instance), "p0");
+        kvf_layout_to_record(&l, &r);
+        int n = kvf_record_encode(&r, buf, sizeof(buf));
+        CHECK(n > 0);
+        CHECK(kvf_record_decode(KVF_RT_AUTH, buf, (size_t)n, 0, &d) == 0);
+        CHECK(kvf_layout_from_record(&back, &d) == 0);
+        CHECK(memcmp(&l, &back, sizeof(l)) == 0);
+        kvf_record_free(&d);
+
+        /* a peer's impossible or wrong layout */
+        struct kvf_record bad = r;
+        bad.lay_blocks = 1ull << 32;
+        CHECK(kvf_layout_from_record(&back, &bad) == -EPROTO);
+        CHECK_ERR_HAS("impossible layout");
+        bad = r;
+        bad.lay_layers = KVF_MAX_LAYERS + 1;
+        CHECK(kvf_layout_from_record(&back, &bad) == -EPROTO);
+        bad = r;
+        bad.lay_heads = 0;
+        CHECK(kvf_layout_from_record(&back, &bad) == -EINVAL);
+        bad = r;
+        bad.lay_keyonly = 7; /* any non-zero is key-only */
+        CHECK(kvf_layout_from_record(&back, &bad) == 0);
+        CHECK_EQ(back.key_only, 1);
+        printf("ok: layout shapes convert both ways\n");
 }
 
 int main(int argc, char **argv)
@@ -1462,5 +1518,6 @@ int main(int argc, char **argv)
         test_unknown_keys();
         printf("ok: unknown keys ignored\n");
         test_peek_request_id();
+        test_layout_shapes();
         return 0;
 }

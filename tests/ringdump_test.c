@@ -4,18 +4,22 @@
  * garbage, unknown type, claimed and uncommitted, behind a padding record),
  * role slots, the error log, counters and request slots; proof that it does
  * not write; copies that are truncated, corrupt or hostile (each must exit
- * with its code and a specific message, never crash); usage errors; --all;
- * --watch until SIGINT.
+ * with its code and a specific message, never crash); usage errors; --all
+ * (in a /dev/shm of its own, so that its exit status is exact); --watch
+ * until SIGINT.
  *
- * JSON is checked with /usr/bin/python3 when it exists (skipped otherwise).
- * Every child runs under a time limit and only children we started are
- * killed.
+ * JSON is checked with /usr/bin/python3 and its json module: required, as
+ * `tools/kvferry setup` installs it (without it this test fails, it does not
+ * pass unchecked). Every child runs under a time limit and only children we
+ * started are killed.
  */
 #include <errno.h>
 #include <fcntl.h>
 #include <signal.h>
 #include <stdarg.h>
 #include <stdint.h>
+#include <sched.h>
+#include <sys/mount.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <time.h>
@@ -34,7 +38,6 @@ static const char *tool;
 static char inst[64];
 static char tmpdir[64];
 static char segpath[128];
-static bool have_python;
 
 static void cleanup(void)
 {
@@ -87,8 +90,13 @@ static void result_free(struct result *r)
         memset(r, 0, sizeof(*r));
 }
 
+/* Run before exec in a child (prep_arg is its argument); false: exit PREP_FAILED instead. */
+typedef bool (*prep_fn)(const void *prep_arg);
+#define PREP_FAILED 125 /* no exit status of kvf-ringdump or python */
+
 /* Run argv with stdin from in_path (or /dev/null); SIGINT after sigint_ms if > 0. */
-static struct result run_argv(char *const argv[], const char *in_path, int sigint_ms)
+static struct result run_argv_prep(char *const argv[], const char *in_path, int sigint_ms,
+                                   prep_fn prep, const void *prep_arg)
 {
         char outp[128], errp[128];
         struct result r = {0};
@@ -106,6 +114,8 @@ static struct result run_argv(char *const argv[], const char *in_path, int sigin
                 dup2(in, 0);
                 dup2(out, 1);
                 dup2(err, 2);
+                if (prep && !prep(prep_arg))
+                        _exit(PREP_FAILED);
                 execv(argv[0], argv);
                 _exit(127);
         }
@@ -136,26 +146,37 @@ static struct result run_argv(char *const argv[], const char *in_path, int sigin
         return r;
 }
 
-/* kvf-ringdump with the given arguments (NULL-terminated). */
-static struct result ringdump(int sigint_ms, ...)
+static struct result run_argv(char *const argv[], const char *in_path, int sigint_ms)
+{
+        return run_argv_prep(argv, in_path, sigint_ms, NULL, NULL);
+}
+
+static struct result ringdump_v(prep_fn prep, const void *prep_arg, int sigint_ms, va_list ap)
 {
         char *argv[32];
         int n = 0;
-        va_list ap;
 
         argv[n++] = (char *)tool;
-        va_start(ap, sigint_ms);
         for (char *a; (a = va_arg(ap, char *)) && n < 31;)
                 argv[n++] = a;
-        va_end(ap);
         argv[n] = NULL;
-        struct result r = run_argv(argv, NULL, sigint_ms);
+        struct result r = run_argv_prep(argv, NULL, sigint_ms, prep, prep_arg);
         /* Under -DKVF_SANITIZE a report exits 1, which is also a real exit code here. */
         if (strstr(r.err, "Sanitizer") || strstr(r.err, "runtime error:")) {
                 fprintf(stderr, "sanitizer report from %s %s %s:\n%s\n", tool,
                         argv[1] ? argv[1] : "", argv[1] && argv[2] ? argv[2] : "", r.err);
                 exit(1);
         }
+        return r;
+}
+
+/* kvf-ringdump with the given arguments (NULL-terminated). */
+static struct result ringdump(int sigint_ms, ...)
+{
+        va_list ap;
+        va_start(ap, sigint_ms);
+        struct result r = ringdump_v(NULL, NULL, sigint_ms, ap);
+        va_end(ap);
         return r;
 }
 
@@ -193,8 +214,6 @@ static void python_check(const char *script, const char *arg, const char *arg2)
         char inp[128];
         char *argv[] = {PYTHON, "-c", (char *)script, (char *)arg, (char *)arg2, NULL};
 
-        if (!have_python)
-                return;
         /* The result's stdout is out.txt, which the python run overwrites: copy it first. */
         snprintf(inp, sizeof(inp), "%s/json.txt", tmpdir);
         char src[128];
@@ -203,6 +222,25 @@ static void python_check(const char *script, const char *arg, const char *arg2)
         struct result r = run_argv(argv, inp, 0);
         if (r.code != 0) {
                 fprintf(stderr, "JSON check failed (exit %d):\n%s\n%s\n", r.code, r.out, r.err);
+                exit(1);
+        }
+        result_free(&r);
+}
+
+/* The JSON checks need /usr/bin/python3 with its json module: a test that passed without them
+ * would have checked nothing of the JSON output. */
+static void require_python(void)
+{
+        char *argv[] = {PYTHON, "-c", "import json; assert json.loads('[1]') == [1]", NULL};
+
+        struct result r = run_argv(argv, NULL, 0);
+        if (r.code != 0) {
+                char why[32];
+                snprintf(why, sizeof(why), r.code == 127 ? "not found" : "exit %d", r.code);
+                fprintf(stderr,
+                        "ringdump_test: %s with its json module is required for the JSON checks "
+                        "(%s); `tools/kvferry setup` installs python3\n%s",
+                        PYTHON, why, r.err);
                 exit(1);
         }
         result_free(&r);
@@ -271,7 +309,7 @@ static void build_segment(struct kvf_ctl *c)
         struct kvf_ring *es = &c->rings[KVF_RING_ENGINE_TO_SENDER];
         kvf_ring_producer_attach(es, 1);
         uint32_t src[] = {1, 2, 3}, dst[] = {4, 5, 6};
-        struct kvf_record task = {.type = KVF_RT_TASK,
+        struct kvf_record task = {.type = KVF_REC_TASK,
                                   .src = src,
                                   .n_src = 3,
                                   .dst = dst,
@@ -281,20 +319,20 @@ static void build_segment(struct kvf_ctl *c)
         strcpy(task.request_id, "req-1");
         strcpy(task.peer, "10.0.0.2:7000");
         write_record(es, &task);
-        CHECK_EQ(kvf_ring_write(es, KVF_RT_TASK, "\xc1 garbage", 9, NULL), 0);
+        CHECK_EQ(kvf_ring_write(es, KVF_REC_TASK, "\xc1 garbage", 9, NULL), 0);
         struct kvf_record chunk = {
-            .type = KVF_RT_CHUNK, .current_id = 43, .tokens = 48, .last = true};
+            .type = KVF_REC_CHUNK, .current_id = 43, .tokens = 48, .last = true};
         strcpy(chunk.request_id, "req-1");
         write_record(es, &chunk);
         CHECK_EQ(kvf_ring_write(es, 77, "hello", 5, NULL), 0);
         void *pl;
         uint64_t pos;
-        CHECK_EQ(kvf_ring_claim(es, KVF_RT_CANCEL, 16, &pl, &pos), 0);
+        CHECK_EQ(kvf_ring_claim(es, KVF_REC_CANCEL, 16, &pl, &pos), 0);
 
         /* sender->engine: a completion whose reason has quotes. */
         struct kvf_ring *se = &c->rings[KVF_RING_SENDER_TO_ENGINE];
         kvf_ring_producer_attach(se, 1);
-        struct kvf_record comp = {.type = KVF_RT_COMPLETION, .status = KVF_STATUS_BAD_TASK};
+        struct kvf_record comp = {.type = KVF_REC_COMPLETION, .status = KVF_STATUS_BAD_TASK};
         strcpy(comp.request_id, "req-0");
         strcpy(comp.reason, "src_block_ids[2] = 99 is \"out\" of range");
         write_record(se, &comp);
@@ -308,7 +346,7 @@ static void build_segment(struct kvf_ctl *c)
                 CHECK_EQ(kvf_ring_write(ce, 200, fill, sizeof(fill), NULL), 0);
         CHECK_EQ(kvf_ring_read(ce, drop, NULL, 1000), 60);
         struct kvf_record arr = {
-            .type = KVF_RT_ARRIVAL, .status = KVF_STATUS_FINISHED, .bytes = 4096, .blocks = 1};
+            .type = KVF_REC_ARRIVAL, .status = KVF_STATUS_FINISHED, .bytes = 4096, .blocks = 1};
         strcpy(arr.request_id, "req-9");
         strcpy(arr.peer, "p-prefill");
         strcpy(arr.reason, "padding-before-me");
@@ -489,6 +527,10 @@ static void test_corrupt(void)
         MUTATE("slots", HDR(b)->reqtab_slots = 0, "request table slots 0");
         MUTATE("instance name", memset(HDR(b)->instance, 'a', KVF_INSTANCE_MAX),
                "instance name is not a valid name");
+        MUTATE("cache backing", HDR(b)->cache_backing = 9, "cache backing 9 is not one");
+        MUTATE("cache page size", HDR(b)->cache_page_kib = 64, "cache page size 64 KiB");
+        MUTATE("cache path", memset(HDR(b)->cache_path, '/', KVF_CACHE_PATH_MAX),
+               "cache path or note is not terminated");
         MUTATE("garbage", for (size_t i = 0; i < len; i++) b[i] = rnd(),
                "not a kvferry control segment");
 
@@ -515,11 +557,11 @@ static void test_corrupt(void)
                 "walk stopped");
         HOSTILE("huge record length",
                 *(uint64_t *)(void *)(b + ring_hdr(b, 0)->data_off) =
-                    KVF_REC_PACK(0x7fffffff, KVF_RT_TASK, 1),
+                    KVF_REC_PACK(0x7fffffff, KVF_REC_TASK, 1),
                 "corrupt record header");
         HOSTILE("huge claimed length",
                 *(uint64_t *)(void *)(b + ring_hdr(b, 0)->data_off) =
-                    KVF_REC_PACK(INT32_MIN, KVF_RT_TASK, 1),
+                    KVF_REC_PACK(INT32_MIN, KVF_REC_TASK, 1),
                 "corrupt claimed record");
         HOSTILE("pad past end",
                 *(uint64_t *)(void *)(b + ring_hdr(b, 0)->data_off) =
@@ -733,25 +775,233 @@ static void test_usage(void)
         result_free(&r);
 }
 
+/* ---- --all, in a /dev/shm of its own ---- */
+
+/* A file to put in the private /dev/shm. */
+struct shm_file {
+        const char *name;
+        const uint8_t *bytes;
+        size_t len;
+};
+
+struct shm_set {
+        const struct shm_file *files;
+        int n;
+};
+
+static bool write_text(const char *path, const char *text)
+{
+        int fd = open(path, O_WRONLY);
+        bool ok = fd >= 0 && write(fd, text, strlen(text)) == (ssize_t)strlen(text);
+        if (fd >= 0)
+                close(fd);
+        return ok;
+}
+
+/*
+ * In the child, before exec: a mount namespace of its own whose /dev/shm is an
+ * empty tmpfs holding exactly set->files, so that what --all finds, and so its
+ * exit status, is what this test made (other tests' instances on this host may
+ * be mid-creation or deliberately broken). Root needs only the mount
+ * namespace; another user adds a user namespace that maps its own uid and gid
+ * to themselves (the segment's owner checks then still hold).
+ */
+static bool private_shm(const void *arg)
+{
+        const struct shm_set *set = arg;
+        uid_t uid = geteuid();
+        gid_t gid = getegid();
+        char map[64], path[160];
+
+        if (uid == 0) {
+                if (unshare(CLONE_NEWNS) != 0)
+                        return false;
+        } else {
+                if (unshare(CLONE_NEWUSER | CLONE_NEWNS) != 0)
+                        return false;
+                snprintf(map, sizeof(map), "%u %u 1\n", (unsigned)uid, (unsigned)uid);
+                if (!write_text("/proc/self/uid_map", map))
+                        return false;
+                write_text("/proc/self/setgroups", "deny");
+                snprintf(map, sizeof(map), "%u %u 1\n", (unsigned)gid, (unsigned)gid);
+                if (!write_text("/proc/self/gid_map", map))
+                        return false;
+        }
+        /* Before the tmpfs: nothing mounted here may ever reach the host's /dev/shm. */
+        if (mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL) != 0)
+                return false;
+        if (mount("kvf-ringdump-test", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777") != 0)
+                return false;
+        for (int i = 0; i < set->n; i++) {
+                snprintf(path, sizeof(path), "/dev/shm/%s", set->files[i].name);
+                int fd = open(path, O_WRONLY | O_CREAT | O_EXCL, 0600);
+                if (fd < 0 ||
+                    write(fd, set->files[i].bytes, set->files[i].len) != (ssize_t)set->files[i].len)
+                        return false;
+                close(fd);
+        }
+        return true;
+}
+
+/* kvf-ringdump --all with the given arguments (NULL-terminated) where /dev/shm holds exactly
+ * `set`; exit status PREP_FAILED if this host cannot make a private /dev/shm. */
+static struct result ringdump_all(const struct shm_set *set, ...)
+{
+        va_list ap;
+        va_start(ap, set);
+        struct result r = ringdump_v(private_shm, set, 0, ap);
+        va_end(ap);
+        return r;
+}
+
+/* The exit status --all owes to its JSON: the first instance it could not read (not counting
+ * one not ready or gone meanwhile) decides it, 1 for a corrupt one, 4 for the rest (ringdump.c
+ * frame_all, exit_code_for); 3 when there are none. argv: [1] instance, [2] the exit status. */
+static const char all_code_script[] =
+    "import errno,json,sys\n"
+    "d=json.loads(sys.stdin.buffer.read().decode('utf-8'))\n"
+    "want=3 if not d['instances'] else 0\n"
+    "for i in d['instances']:\n"
+    "  if i.get('error') is not None and i['errno'] not in (errno.EAGAIN,errno.ENOENT):\n"
+    "    want=1 if i['errno'] in (errno.EBADMSG,errno.EPROTO,errno.EINVAL) else 4\n"
+    "    break\n"
+    "assert int(sys.argv[2])==want, 'exit %s, want %d for %s' % (sys.argv[2],want,d)\n";
+
+/* Our instance in --all's JSON, as build_segment() made it. */
+static const char all_ours_script[] =
+    "m=[i for i in d['instances'] if i['instance']==sys.argv[1]]\n"
+    "assert len(m)==1 and m[0]['error'] is None and m[0]['role']=='prefill', m\n"
+    "assert m[0]['roles']['allocator']['alive'] is True\n"
+    "assert m[0]['requests_in_use']==2 and m[0]['errors_logged']==3\n";
+
+/* Without a private /dev/shm: the host's instances, whatever they are; the exit status must be
+ * the one the listing itself calls for. */
+static void test_all_host(void)
+{
+        char code[16], script[2048];
+
+        snprintf(script, sizeof(script), "%s%s", all_code_script, all_ours_script);
+        for (int attempt = 1;; attempt++) {
+                struct result t = ringdump(0, "--all", (char *)NULL);
+                EXPECT_HAS(t.out, inst);
+                struct result j = ringdump(0, "--all", "--json", (char *)NULL);
+                snprintf(code, sizeof(code), "%d", j.code);
+                python_check(script, inst, code);
+                /* The two runs saw the same host unless an instance came or went between them. */
+                bool same = t.code == j.code;
+                if (!same && attempt == 3) {
+                        fprintf(stderr, "--all: exit %d as text, %d as JSON, three times\n", t.code,
+                                j.code);
+                        exit(1);
+                }
+                result_free(&t);
+                result_free(&j);
+                if (same)
+                        break;
+        }
+        fprintf(stderr, "note: no private /dev/shm here (needs root or user namespaces): "
+                        "--all checked against this host's instances\n");
+}
+
 static void test_all(void)
 {
-        struct result r = ringdump(0, "--all", (char *)NULL);
-        /* Other tests' segments may be mid-creation or deliberately odd: 0 or 1. */
-        CHECK(r.code == 0 || r.code == 1);
+        size_t len;
+        uint8_t *seg = seg_bytes(&len);
+        uint8_t *bad = malloc(len), *unready = malloc(len);
+        static const uint8_t zeros[4096];
+        char n_seg[96], n_cache[96], n_bad[96], n_new[96], line[160], script[1024];
+        struct result r;
+
+        CHECK(bad && unready);
+        memcpy(bad, seg, len);
+        HDR(bad)->magic ^= 1;
+        memcpy(unready, seg, len);
+        HDR(unready)->version = 0; /* sized, header not yet published: being created */
+        snprintf(n_seg, sizeof(n_seg), "kvferry.%s", inst);
+        snprintf(n_cache, sizeof(n_cache), "kvferry.%s.cache", inst);
+        snprintf(n_bad, sizeof(n_bad), "kvferry.%s-bad", inst);
+        snprintf(n_new, sizeof(n_new), "kvferry.%s-new", inst);
+        const struct shm_file f_seg = {n_seg, seg, len}, f_cache = {n_cache, zeros, sizeof(zeros)},
+                              f_bad = {n_bad, bad, len}, f_new = {n_new, unready, len};
+
+        /* Ours and its cache file (not an instance): exit 0, one line. */
+        const struct shm_file one[] = {f_seg, f_cache};
+        const struct shm_set s_one = {one, 2};
+        r = ringdump_all(&s_one, "--all", (char *)NULL);
+        if (r.code == PREP_FAILED) {
+                result_free(&r);
+                test_all_host();
+                goto out;
+        }
+        EXPECT_CODE(r, 0);
         EXPECT_HAS(r.out, "instance");
-        EXPECT_HAS(r.out, inst);
+        snprintf(line, sizeof(line), "\n%s ", inst);
+        EXPECT_HAS(r.out, line);
         EXPECT_HAS(r.out, "prefill");
+        EXPECT_LACKS(r.out, ".cache");
         result_free(&r);
-        r = ringdump(0, "--all", "--json", (char *)NULL);
-        CHECK(r.code == 0 || r.code == 1);
+        r = ringdump_all(&s_one, "--all", "--json", (char *)NULL);
+        EXPECT_CODE(r, 0);
         result_free(&r);
-        python_check("import json,sys\n"
+        snprintf(script, sizeof(script),
+                 "import json,sys\n"
+                 "d=json.loads(sys.stdin.buffer.read().decode('utf-8'))\n"
+                 "assert len(d['instances'])==1, d\n%s",
+                 all_ours_script);
+        python_check(script, inst, NULL);
+
+        /* And one being created: a normal moment of start-up, still 0. */
+        const struct shm_file two[] = {f_seg, f_new};
+        const struct shm_set s_two = {two, 2};
+        r = ringdump_all(&s_two, "--all", (char *)NULL);
+        EXPECT_CODE(r, 0);
+        EXPECT_HAS(r.out, "control segment not ready");
+        EXPECT_HAS(r.out, line);
+        result_free(&r);
+        r = ringdump_all(&s_two, "--all", "--json", (char *)NULL);
+        EXPECT_CODE(r, 0);
+        result_free(&r);
+        python_check("import errno,json,sys\n"
                      "d=json.loads(sys.stdin.buffer.read().decode('utf-8'))\n"
-                     "m=[i for i in d['instances'] if i['instance']==sys.argv[1]]\n"
-                     "assert len(m)==1 and m[0]['error'] is None and m[0]['role']=='prefill', m\n"
-                     "assert m[0]['roles']['allocator']['alive'] is True\n"
-                     "assert m[0]['requests_in_use']==2 and m[0]['errors_logged']==3\n",
+                     "n=[i for i in d['instances'] if i['instance']==sys.argv[1]+'-new']\n"
+                     "assert len(d['instances'])==2 and len(n)==1, d\n"
+                     "assert n[0]['errno']==errno.EAGAIN and 'not ready' in n[0]['error'], n\n",
                      inst, NULL);
+
+        /* And a corrupt one: 1, and the others are still listed. */
+        const struct shm_file three[] = {f_seg, f_new, f_bad};
+        const struct shm_set s_three = {three, 3};
+        r = ringdump_all(&s_three, "--all", (char *)NULL);
+        EXPECT_CODE(r, 1);
+        EXPECT_HAS(r.out, "not a kvferry control segment");
+        EXPECT_HAS(r.out, line);
+        result_free(&r);
+        r = ringdump_all(&s_three, "--all", "--json", (char *)NULL);
+        EXPECT_CODE(r, 1);
+        result_free(&r);
+        python_check("import errno,json,sys\n"
+                     "d=json.loads(sys.stdin.buffer.read().decode('utf-8'))\n"
+                     "b=[i for i in d['instances'] if i['instance']==sys.argv[1]+'-bad']\n"
+                     "assert len(d['instances'])==3 and len(b)==1, d\n"
+                     "assert b[0]['errno']==errno.EPROTO and "
+                     "'not a kvferry control segment' in b[0]['error'], b\n",
+                     inst, NULL);
+
+        /* None at all: 3. */
+        const struct shm_set s_none = {NULL, 0};
+        r = ringdump_all(&s_none, "--all", (char *)NULL);
+        EXPECT_CODE(r, 3);
+        EXPECT_HAS(r.err, "no kvferry instances on this host");
+        CHECK_EQ(r.outlen, 0);
+        result_free(&r);
+        r = ringdump_all(&s_none, "--all", "--json", (char *)NULL);
+        EXPECT_CODE(r, 3);
+        CHECK(strcmp(r.out, "{\"instances\":[]}\n") == 0);
+        result_free(&r);
+out:
+        free(unready);
+        free(bad);
+        free(seg);
 }
 
 static void test_watch(void)
@@ -796,14 +1046,12 @@ int main(int argc, char **argv)
         tool = argv[1];
         if (access(tool, X_OK) != 0)
                 SKIP("%s is not executable", tool);
-        have_python = access(PYTHON, X_OK) == 0;
-        if (!have_python)
-                fprintf(stderr, "note: no %s, JSON is not parsed\n", PYTHON);
         snprintf(inst, sizeof(inst), "t-rdump-%d", (int)getpid());
         snprintf(segpath, sizeof(segpath), "/dev/shm/kvferry.%s", inst);
         snprintf(tmpdir, sizeof(tmpdir), "/tmp/kvf-rdump-XXXXXX");
         CHECK(mkdtemp(tmpdir));
         atexit(cleanup);
+        require_python();
 
         build_segment(&c);
         test_output();

@@ -22,30 +22,12 @@
 #include "check.h"
 #include "clock.h"
 #include "ctl.h"
+#include "instances.h"
 #include "kvferry.h"
 
-static char P[64], D[64], root[512], cmd[2048], daddr[128];
+static char P[64], D[64], daddr[128];
 static struct kvf_layout_info L;
 
-static void sh(const char *fmt, ...)
-{
-        va_list ap;
-        va_start(ap, fmt);
-        vsnprintf(cmd, sizeof(cmd), fmt, ap);
-        va_end(ap);
-        if (system(cmd) != 0) {
-                fprintf(stderr, "command failed: %s\n", cmd);
-                exit(1);
-        }
-}
-
-static void cleanup(void)
-{
-        snprintf(cmd, sizeof(cmd), "%s/tools/kvferry down --instance %s --instance %s >/dev/null 2>&1",
-                 root, P, D);
-        if (system(cmd) != 0)
-                fprintf(stderr, "cleanup: %s failed\n", cmd);
-}
 
 /* A byte pattern per (request tag, layer, tensor, block index): what the prefill engine computed. */
 static uint8_t pat(unsigned tag, uint32_t l, uint32_t t, uint32_t i)
@@ -391,25 +373,15 @@ static void case_unread_task(void)
 
 int main(void)
 {
-        snprintf(root, sizeof(root), "%s", KVF_SOURCE_DIR);
         snprintf(P, sizeof(P), "se%d-p", (int)getpid());
         snprintf(D, sizeof(D), "se%d-d", (int)getpid());
-        atexit(cleanup);
         const char *lay = "--model llama-3.1-8b --tp 8 --blocks 64";
-        sh("%s/tools/kvferry up --instance %s --role decode %s >/dev/null", root, D, lay);
-        sh("%s/tools/kvferry up --instance %s --role prefill %s >/dev/null", root, P, lay);
+        t_up(D, "--role decode %s", lay);
+        t_up(P, "--role prefill %s", lay);
         struct kvf_client *dc;
         CHECK_EQ(kvf_attach(D, 5000, &dc), 0);
         CHECK_EQ(kvf_get_layout(dc, &L), 0);
-        {
-                char host[64];
-                uint32_t port = 0;
-                struct kvf_ctl c;
-                CHECK_EQ(kvf_ctl_attach(D, false, &c), 0);
-                CHECK_EQ(kvf_connector_info_read(&c, host, sizeof(host), &port), 0);
-                kvf_ctl_detach(&c);
-                snprintf(daddr, sizeof(daddr), "%s:%u", host, port);
-        }
+        t_connector_addr(D, daddr, sizeof(daddr));
         for (int t = KVF_TRANSPORT_IPC; t <= KVF_TRANSPORT_TCP; t++) {
                 case_killed(dc, t, false);
                 case_killed(dc, t, true);

@@ -2,7 +2,8 @@
 # The tcp transport between two network namespaces joined by a veth pair (created here), and on
 # loopback: bytes verified; the link taken down mid-transfer fails the requests with
 # "connection error" within the bound and later tasks go through once it is back; SIGKILL of
-# either connector mid-transfer; a wrong token; a mismatched layout.
+# either connector mid-transfer, and later tasks finish once it is back; a wrong token; a
+# mismatched layout.
 # Needs root for the namespaces (CI runs as root); elsewhere it exits 77 (skipped).
 source "$(dirname "$0")/lib.sh"
 cd "$ROOT"
@@ -93,7 +94,12 @@ for side in $TAG-d0 $TAG-p0 $TAG-d0 $TAG-p0; do
   wait $simpid || { cat "$KVFERRY_RUN_DIR/kill.txt"; fail "kill $side: the simulator failed"; }
   j=$KVFERRY_RUN_DIR/kill.json
   [ "$(json_get "$j" corrupt)" = 0 ] && [ "$(json_get "$j" unaccounted)" = 0 ] || fail "kill $side: corrupt or lost"
-  pass "SIGKILL of the $([ $side = $TAG-d0 ] && echo decode || echo prefill) connector mid-transfer: $(json_get "$j" finished) finished, $(json_get "$j" failed) failed, none corrupt or lost"
+  # Requests submitted after the kill, with the connector back, all finish.
+  sim after --prefill $TAG-p0 --decode $TAG-d0 --transport tcp --requests 10 --layer-us 100 \
+    --peer-map "$TAG-d0=$IPB:7100" --timeout-s 30 || { cat "$KVFERRY_RUN_DIR/after.txt"; fail "kill $side: the requests after it failed"; }
+  [ "$(json_get "$KVFERRY_RUN_DIR/after.json" finished)" = 10 ] ||
+    fail "kill $side: $(json_get "$KVFERRY_RUN_DIR/after.json" finished) of the 10 requests submitted after the connector came back finished"
+  pass "SIGKILL of the $([ $side = $TAG-d0 ] && echo decode || echo prefill) connector mid-transfer: $(json_get "$j" finished) finished, $(json_get "$j" failed) failed, none corrupt or lost; then 10 new requests finished and verified"
 done
 
 # 4. Loopback, a wrong token, a mismatched layout.
@@ -124,8 +130,7 @@ up $TAG-sd --role decode $S
 up $TAG-sp --role prefill $S
 SIM1="--prefill $TAG-sp --decode $TAG-sd --transport tcp --requests 1 --max-tokens 16 --prefix-pct 0 --late-pct 0 --layer-us 50"
 sim unread0 $SIM1 || fail "small layout over tcp"
-dp=$(pid_of connector $TAG-sd)
-[ -n "$dp" ] || fail "no connector for $TAG-sd"
+dp=$(pid_of connector $TAG-sd) || fail "no connector for $TAG-sd"
 sent=$(counter $TAG-sp bytes_sent_tcp)
 kill -STOP "$dp"
 sim_bg unread $SIM1 --seed 2 --timeout-s 30 &

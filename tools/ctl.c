@@ -52,7 +52,7 @@ static int want_pid; /* --pid: the role must be held by this process */
 
 static int wait_ready(const char *inst, const char *roles, unsigned timeout_ms)
 {
-        uint64_t end = kvf_now_ns() + (uint64_t)timeout_ms * 1000000ull;
+        uint64_t end = kvf_now_ns() + kvf_ms(timeout_ms);
         struct kvf_ctl c;
         int rc = kvf_ctl_attach_wait(inst, false, timeout_ms, &c);
         if (rc < 0) {

@@ -262,6 +262,22 @@ static const char *executor_name(uint32_t e)
         return "unknown";
 }
 
+/* How the host cache is backed; a segment that does not say is /dev/shm in 4 KiB pages. */
+static const char *cache_backing_name(uint32_t b)
+{
+        switch (b) {
+        case 0:
+                return "not recorded";
+        case KVF_CACHE_SHM:
+                return "shm";
+        case KVF_CACHE_HUGETLBFS:
+                return "hugetlbfs";
+        case KVF_CACHE_SHM_THP:
+                return "shm-thp";
+        }
+        return "unknown";
+}
+
 static void hex(char *out, const uint8_t *b, size_t n)
 {
         static const char digits[] = "0123456789abcdef";
@@ -285,6 +301,11 @@ static unsigned open_entries(const struct dump *d)
         for (uint32_t i = 0; i < d->h.plan_slots; i++)
                 n += (kvf_load_relaxed(&d->c.plan[i].ctl) & KVF_PLAN_OPEN) != 0;
         return n;
+}
+
+static uint64_t cache_page_bytes(const struct kvf_ctl_header *h)
+{
+        return h->cache_page_kib ? (uint64_t)h->cache_page_kib * 1024 : 4096;
 }
 
 static const char *dtype_name(uint32_t t)
@@ -448,6 +469,20 @@ static void print_header(struct dump *d)
                 j_u64(d, "block_bytes", l->block_bytes);
                 j_u64(d, "cache_bytes", l->cache_bytes);
                 j_close(d, '}');
+                if (h->backend == KVF_BACKEND_HOST) {
+                        j_open(d, "cache", '{');
+                        j_cstr(d, "backing", cache_backing_name(h->cache_backing));
+                        j_u64(d, "backing_id", h->cache_backing);
+                        j_u64(d, "page_bytes", cache_page_bytes(h));
+                        if (h->cache_backing)
+                                j_str(d, "path", h->cache_path,
+                                      fixlen(h->cache_path, sizeof(h->cache_path)));
+                        else
+                                j_null(d, "path");
+                        j_str(d, "note", h->cache_note,
+                              fixlen(h->cache_note, sizeof(h->cache_note)));
+                        j_close(d, '}');
+                }
                 j_open(d, "connector", '{');
                 j_bool(d, "published", cinfo);
                 if (cinfo) {
@@ -506,6 +541,24 @@ static void print_header(struct dump *d)
                         KVF_PROGRESS_STEP(lw), KVF_PROGRESS_LAYERS(lw), kvf_load_relaxed(&x->batches),
                         kvf_load_relaxed(&x->claims), kvf_load_relaxed(&x->errors),
                         kvf_load_relaxed(&x->published), kvf_load_relaxed(&x->taken_back), open_entries(d));
+        }
+        if (h->backend == KVF_BACKEND_HOST) {
+                size_t pl = fixlen(h->cache_path, sizeof(h->cache_path));
+                size_t nl = fixlen(h->cache_note, sizeof(h->cache_note));
+                const char *kind = h->cache_backing == KVF_CACHE_HUGETLBFS ? "hugetlbfs "
+                                   : h->cache_backing == KVF_CACHE_SHM_THP ? "shmem THP "
+                                                                           : "";
+                fprintf(d->f, "  cache: %s in %s pages (",
+                        human_bytes(b2, sizeof(b2), l->cache_bytes),
+                        cache_page_bytes(h) == 2097152 ? "2 MiB" : "4 KiB");
+                if (h->cache_backing)
+                        fprintf(d->f, "%s%s)", kind, esc(e1, sizeof(e1), h->cache_path, pl));
+                else
+                        fprintf(d->f, "/dev/shm%s; page size not recorded)",
+                                esc(e1, sizeof(e1), h->cache_name, cnl));
+                if (nl)
+                        fprintf(d->f, ": %s", esc(e2, sizeof(e2), h->cache_note, nl));
+                fputc('\n', d->f);
         }
         if (cinfo)
                 fprintf(d->f, "  connector: listening on %s:%u\n",
@@ -631,7 +684,7 @@ static void print_record_fields(struct dump *d, const struct kvf_record *r)
         bool reason = false;
 
         switch (r->type) {
-        case KVF_RT_TASK:
+        case KVF_REC_TASK:
                 f_str(d, "request_id", r->request_id, sizeof(r->request_id));
                 f_str(d, "peer", r->peer, sizeof(r->peer));
                 f_cname(d, "transport", kvf_transport_name(r->transport));
@@ -640,32 +693,32 @@ static void print_record_fields(struct dump *d, const struct kvf_record *r)
                 f_u64(d, "dst_blocks", r->n_dst);
                 f_bool(d, "chunked", r->chunked);
                 break;
-        case KVF_RT_CHUNK:
+        case KVF_REC_CHUNK:
                 f_str(d, "request_id", r->request_id, sizeof(r->request_id));
                 f_u64(d, "step", r->current_id);
                 f_u64(d, "tokens_done", r->tokens);
                 f_bool(d, "last", r->last);
                 break;
-        case KVF_RT_CANCEL:
+        case KVF_REC_CANCEL:
                 f_str(d, "request_id", r->request_id, sizeof(r->request_id));
                 break;
-        case KVF_RT_COMPLETION:
-        case KVF_RT_ARRIVAL:
+        case KVF_REC_COMPLETION:
+        case KVF_REC_ARRIVAL:
                 f_str(d, "request_id", r->request_id, sizeof(r->request_id));
                 f_cname(d, "status", kvf_status_name(r->status));
                 f_str(d, "peer", r->peer, sizeof(r->peer));
                 f_u64(d, "bytes", r->bytes);
                 f_u64(d, "blocks", r->blocks);
-                if (r->type == KVF_RT_ARRIVAL)
+                if (r->type == KVF_REC_ARRIVAL)
                         f_u64(d, "dst_blocks", r->n_dst);
                 reason = true;
                 break;
-        case KVF_RT_CONNECT:
+        case KVF_REC_CONNECT:
                 f_str(d, "task_id", r->request_id, sizeof(r->request_id));
                 f_str(d, "peer", r->peer, sizeof(r->peer));
                 f_cname(d, "transport", kvf_transport_name(r->transport));
                 break;
-        case KVF_RT_CONNECT_RESULT:
+        case KVF_REC_CONNECT_RESULT:
                 f_str(d, "task_id", r->request_id, sizeof(r->request_id));
                 f_str(d, "peer", r->peer, sizeof(r->peer));
                 f_cname(d, "status", kvf_status_name(r->status));

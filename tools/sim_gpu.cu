@@ -31,7 +31,7 @@
 #define CALIB_ROUNDS 32
 #define CALIB_EVERY_NS 1000000000ull
 #define SPIN_TIMEOUT_NS 2000000000ull
-#define PATTERN_STEP 0x9e3779b97f4a7c15ull /* tools/sim.c pattern(): word k = key + k * this */
+#define PATTERN_STEP 0x9e3779b97f4a7c15ull /* tools/sim_verify.c pattern(): word k = key + k * this */
 
 struct desc {
         unsigned long long ptr, words, key;

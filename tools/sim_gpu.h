@@ -5,7 +5,7 @@
  *
  * Prefill: per rank and layer, one kernel writes the layer's deterministic
  * content into the blocks queued with sim_gpu_fill (the pattern of
- * tools/sim.c: word k of a block with key K is K + k * 0x9e3779b97f4a7c15)
+ * tools/sim_verify.c: word k of a block with key K is K + k * 0x9e3779b97f4a7c15)
  * while keeping every SM busy for --layer-us (waves of 2 x 1024-thread
  * blocks per SM, each block living about 10 us, as an engine's tiles do),
  * then kvf_layer_done_on_stream() on the same stream. The host never waits

@@ -1,0 +1,321 @@
+/*
+ * Arrivals, the decode side of a notice: a finish (or abort) notice from a
+ * prefill instance is published to the decode engine as an arrival, once,
+ * and acknowledged with its status.
+ *
+ * The journal (in the control segment) remembers, for the last
+ * KVF_JOURNAL_ENTRIES arrivals, the hash of (prefill instance, its
+ * incarnation, transfer key), where the arrival record was claimed in
+ * connector->engine, its status and its engine session. A notice sent again
+ * (prefill connector restarted, connection dropped before the ack, a
+ * withdrawal) is answered from it without a second arrival if the first was
+ * committed, and published if it was not (we crashed between claim and
+ * commit).
+ *
+ * Engine sessions (docs/ARCHITECTURE.md 6b): a transfer is bound to the
+ * decode engine session that reserved its blocks; once that session is over
+ * its notice is answered "engine gone" and its frames are drained.
+ */
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "atomics.h"
+#include "clock.h"
+#include "connector.h"
+#include "data.h"
+#include "err.h"
+#include "layout.h"
+#include "log.h"
+
+#define JEMPTY UINT32_MAX
+
+/* A transfer, across restarts of either side: the prefill instance, its incarnation, the key. */
+static uint64_t journal_key(const struct kvf_record *n, uint64_t src_gen)
+{
+        char buf[KVF_PEER_MAX + 48];
+        int len = snprintf(buf, sizeof(buf), "%s/%016llx/%016llx", n->peer, (unsigned long long)src_gen,
+                           (unsigned long long)n->key);
+        return kvf_hash64(buf, (size_t)len, 0x6a);
+}
+
+static void jidx_put(struct connector *cn, uint64_t h, uint32_t entry)
+{
+        uint32_t mask = cn->jidx_cap - 1;
+        for (uint32_t i = (uint32_t)h & mask;; i = (i + 1) & mask)
+                if (cn->jidx[i] == JEMPTY || cn->ctl.journal[cn->jidx[i]].key_hash == h) {
+                        cn->jidx[i] = entry;
+                        return;
+                }
+}
+
+static uint32_t jidx_find(const struct connector *cn, uint64_t h)
+{
+        uint32_t mask = cn->jidx_cap - 1;
+        for (uint32_t i = (uint32_t)h & mask;; i = (i + 1) & mask) {
+                uint32_t e = cn->jidx[i];
+                if (e == JEMPTY)
+                        return JEMPTY;
+                if (cn->ctl.journal[e].key_hash == h)
+                        return e;
+        }
+}
+
+/* Rebuild the index from the journal; entries overwritten later are stale and skipped. */
+static void jidx_rebuild(struct connector *cn)
+{
+        memset(cn->jidx, 0xff, cn->jidx_cap * sizeof(uint32_t));
+        for (uint32_t e = 0; e < KVF_JOURNAL_ENTRIES; e++)
+                if (cn->ctl.journal[e].key_hash)
+                        jidx_put(cn, cn->ctl.journal[e].key_hash, e);
+}
+
+void conn_journal_init(struct connector *cn)
+{
+        cn->jidx_cap = 4 * KVF_JOURNAL_ENTRIES;
+        cn->jidx = malloc(cn->jidx_cap * sizeof(uint32_t));
+        if (!cn->jidx)
+                abort();
+        /* Continue after the newest entry: the one with the largest ring position. */
+        uint64_t best = 0;
+        cn->jnext = 0;
+        for (uint32_t e = 0; e < KVF_JOURNAL_ENTRIES; e++)
+                if (cn->ctl.journal[e].key_hash && cn->ctl.journal[e].ring_pos + 1 > best) {
+                        best = cn->ctl.journal[e].ring_pos + 1;
+                        cn->jnext = (e + 1) % KVF_JOURNAL_ENTRIES;
+                }
+        jidx_rebuild(cn);
+}
+
+bool conn_arrival_published(struct connector *cn, const struct kvf_record *n, uint64_t src_gen)
+{
+        pthread_mutex_lock(&cn->engine_mu);
+        uint32_t e = jidx_find(cn, journal_key(n, src_gen));
+        bool yes = e != JEMPTY && kvf_ring_delivered(&cn->ctl.rings[KVF_RING_CONNECTOR_TO_ENGINE],
+                                                     cn->ctl.journal[e].ring_pos);
+        pthread_mutex_unlock(&cn->engine_mu);
+        return yes;
+}
+
+static int publish_locked(struct connector *cn, const struct kvf_record *n, uint64_t src_gen,
+                          int status, const char *why, uint64_t session, char *reason,
+                          size_t reasonlen);
+
+int conn_publish_arrival(struct connector *cn, const struct kvf_record *n, uint64_t src_gen,
+                         int status, const char *why, uint64_t session, char *reason,
+                         size_t reasonlen)
+{
+        /* The journal and the ring's producer side move together. */
+        pthread_mutex_lock(&cn->engine_mu);
+        int rc = publish_locked(cn, n, src_gen, status, why, session, reason, reasonlen);
+        pthread_mutex_unlock(&cn->engine_mu);
+        return rc;
+}
+
+static int publish_locked(struct connector *cn, const struct kvf_record *n, uint64_t src_gen,
+                          int status, const char *why, uint64_t session, char *reason,
+                          size_t reasonlen)
+{
+        const struct kvf_ctl_header *h = cn->ctl.hdr;
+        const struct kvf_cache_layout *L = &h->layout;
+        struct kvf_ring *ring = &cn->ctl.rings[KVF_RING_CONNECTOR_TO_ENGINE];
+        uint64_t key = journal_key(n, src_gen);
+        uint32_t e = jidx_find(cn, key);
+
+        reason[0] = '\0';
+        if (e != JEMPTY && kvf_ring_delivered(ring, cn->ctl.journal[e].ring_pos)) {
+                /* Published already: say how, so the sender's side agrees with ours. */
+                kvf_count(&cn->ctl, KVF_CTR_ARRIVALS_DEDUPED, 1);
+                int was = (int)cn->ctl.journal[e].status;
+                if (was != KVF_STATUS_FINISHED)
+                        snprintf(reason, reasonlen, "the arrival was published as '%s' already",
+                                 kvf_status_name(was));
+                return was;
+        }
+        if (status == KVF_STATUS_FINISHED) {
+                if (n->transport == KVF_TRANSPORT_IPC && n->generation != h->created_ns) {
+                        snprintf(reason, reasonlen,
+                                 "instance '%s' was restarted during the transfer: the blocks went into its previous cache",
+                                 h->instance);
+                        return KVF_STATUS_CONNECTION;
+                }
+                for (uint32_t i = 0; i < n->n_dst; i++)
+                        if (n->dst[i] >= L->num_blocks) {
+                                snprintf(reason, reasonlen,
+                                         "dest_block_ids[%u] = %u is out of range: '%s' has %u blocks", i,
+                                         n->dst[i], h->instance, L->num_blocks);
+                                return KVF_STATUS_BLOCK_RANGE;
+                        }
+        }
+        /* Every byte of a finished arrival landed: its blocks in every layer and tensor
+         * (the notice's own count is the sender's, which does not count tcp bytes). */
+        uint64_t bytes = status == KVF_STATUS_FINISHED
+                                 ? (uint64_t)n->n_dst * kvf_layout_layers(L) * kvf_layout_tensors(L) *
+                                           L->block_bytes
+                                 : n->bytes;
+        struct kvf_record a = {.type = KVF_RT_ARRIVAL, .status = status, .bytes = bytes,
+                               .blocks = n->n_dst, .dst = n->dst, .n_dst = n->n_dst,
+                               .done_ns = kvf_now_ns(), .session = session, .id_bin = n->id_bin};
+        snprintf(a.request_id, sizeof(a.request_id), "%s", n->request_id);
+        snprintf(a.peer, sizeof(a.peer), "%s", n->peer);
+        snprintf(a.reason, sizeof(a.reason), "%s", why ? why : n->reason);
+        uint8_t *buf;
+        size_t len;
+        void *p;
+        uint64_t pos;
+        for (;;) {
+                if (kvf_record_encode_alloc(&a, &buf, &len) < 0)
+                        return -EAGAIN; /* out of memory for now: the notice waits */
+                int rc = kvf_ring_claim(ring, KVF_RT_ARRIVAL, (uint32_t)len, &p, &pos);
+                if (rc == 0)
+                        break;
+                free(buf);
+                if (rc != -EMSGSIZE || !a.n_dst)
+                        return -EAGAIN; /* full: the notice waits */
+                /* Never fits this ring with its block list (optional): publish it without. */
+                kvf_errlog(&cn->ctl, KVF_ROLE_CONNECTOR,
+                           "req %s: the arrival's %u block ids do not fit ring connector->engine: sent without them",
+                           n->request_id, a.n_dst);
+                a.n_dst = 0;
+        }
+        /* Journal before commit: a successor can then ask the ring whether it landed. */
+        uint32_t slot = cn->jnext;
+        cn->jnext = (cn->jnext + 1) % KVF_JOURNAL_ENTRIES;
+        struct kvf_journal_entry *je = &cn->ctl.journal[slot];
+        kvf_store_relaxed(&je->key_hash, 0);
+        kvf_store_relaxed(&je->ring_pos, pos);
+        kvf_store_relaxed(&je->status, (uint32_t)status);
+        kvf_store_relaxed(&je->session, session);
+        kvf_store_release(&je->key_hash, key);
+        /* The overwritten entry's index position now points at the new key's
+         * entry or at a stale hash; rebuild lazily when the index fills up. */
+        jidx_put(cn, key, slot);
+        if ((cn->jnext & 1023) == 0)
+                jidx_rebuild(cn);
+        memcpy(p, buf, len);
+        free(buf);
+        kvf_ring_commit(ring, pos);
+        kvf_count(&cn->ctl, KVF_CTR_ARRIVALS, 1);
+        if (session && session != conn_engine_session(cn))
+                kvf_count(&cn->ctl, KVF_CTR_ARRIVALS_STALE, 1);
+        kvf_debug("req %s: arrival from %s (%s), %llu bytes", n->request_id, n->peer,
+                  kvf_status_name(status), (unsigned long long)bytes);
+        /* The status this notice is answered with: the one just published. (An error
+         * arrival acknowledges an abort; the sender decided that status already.) */
+        return status;
+}
+
+/*
+ * A notice from a prefill instance (decode side): publish the arrival once and
+ * acknowledge with its status. The transfer is bound to the decode engine
+ * session that reserved its blocks (ipc: the one the sender saw; tcp: the one
+ * live when the transfer opened here); if that session is over, the blocks
+ * may be another request's now, so the arrival says "engine gone" and goes to
+ * that ended session, never to a later one.
+ */
+int conn_arrival_notice(struct connector *cn, struct event *ev)
+{
+        struct kvf_record *n = &ev->rec;
+        bool tcp = n->transport != KVF_TRANSPORT_IPC;
+        char reason[KVF_REASON_MAX], gone[KVF_REASON_MAX];
+        /* The session the sender bound it to (the task's, or the last it heard of from us),
+         * else (tcp) the one live when it first reached us. */
+        uint64_t bound = n->session || !tcp ? n->session : data_rx_session(cn, n->peer, ev->src_gen, n->key);
+        uint64_t live = conn_engine_session(cn);
+        int status = n->status;
+        const char *why = NULL;
+
+        if (bound && bound != live && status == KVF_STATUS_FINISHED) {
+                snprintf(gone, sizeof(gone),
+                         "the decode engine session %llu that reserved the blocks ended before the transfer finished",
+                         (unsigned long long)bound);
+                status = KVF_STATUS_ENGINE_GONE;
+                why = gone;
+        }
+        /* An aborted (or withdrawn) tcp transfer: fence off its late frames before the
+         * engine hears of it, so blocks it frees on the error arrival stay untouched. */
+        if (tcp && status != KVF_STATUS_FINISHED)
+                data_rx_close(cn, n->peer, ev->src_gen, n->key);
+        if (tcp && status == KVF_STATUS_FINISHED && !conn_arrival_published(cn, n, ev->src_gen) &&
+            !data_rx_notice(cn, n, ev->src_gen, ev->session))
+                return 0; /* the data is not all in: the arrival waits for it */
+        int st = conn_publish_arrival(cn, n, ev->src_gen, status, why, bound, reason, sizeof(reason));
+        if (st == -EAGAIN)
+                return -EAGAIN;
+        struct kvf_record ack = {.type = KVF_RT_ACK, .key = n->key,
+                                 .status = st < 0 ? KVF_STATUS_WRITE : st, .id_bin = n->id_bin,
+                                 .session = live};
+        snprintf(ack.request_id, sizeof(ack.request_id), "%s", n->request_id);
+        snprintf(ack.reason, sizeof(ack.reason), "%s",
+                 st < 0 ? "the decode connector could not publish the arrival"
+                        : reason[0] ? reason : why ? why : "");
+        if (ack.status != n->status)
+                kvf_errlog(&cn->ctl, KVF_ROLE_CONNECTOR, "req %s from %s: %s: %s", n->request_id,
+                           n->peer, kvf_status_name(ack.status), ack.reason);
+        if (n->withdraw)
+                kvf_info("req %s from %s: withdrawn by the sender; the arrival is '%s'", n->request_id,
+                         n->peer, kvf_status_name(ack.status));
+        /* If the session is gone the prefill side re-sends; the journal de-duplicates. */
+        conn_session_send(cn, ev->session, &ack);
+        if (tcp && status == KVF_STATUS_FINISHED)
+                data_rx_close(cn, n->peer, ev->src_gen, n->key); /* aborts: above */
+        return 0;
+}
+
+int conn_arrival_data_done(struct connector *cn, struct event *ev)
+{
+        /* The last block of a tcp transfer is in: publish if its notice waits. */
+        struct event n = {.kind = EV_NOTICE, .src_gen = ev->src_gen};
+        if (!data_rx_take_ready(cn, ev->rec.peer, ev->src_gen, ev->rec.key, &n.rec, &n.session))
+                return 0;
+        int rc = conn_arrival_notice(cn, &n);
+        if (rc == -EAGAIN) {
+                /* The ring is full: the notice waits as an event of its own. */
+                struct event *nev = malloc(sizeof(*nev));
+                if (nev) {
+                        *nev = n;
+                        conn_post(cn, nev);
+                        return 0;
+                }
+                /* The prefill side sends the notice again on its next connection, or
+                 * withdraws it at its deadline; the journal answers either. */
+                kvf_errlog(&cn->ctl, KVF_ROLE_CONNECTOR, "req %s from %s: out of memory: its notice waits for a repeat",
+                           n.rec.request_id, n.rec.peer);
+        }
+        kvf_record_free(&n.rec);
+        return 0;
+}
+
+uint64_t conn_engine_session(struct connector *cn)
+{
+        uint64_t s = kvf_engine_session(&cn->ctl, false);
+        return s && s == kvf_load_acquire(&cn->eng_dead) ? 0 : s;
+}
+
+/*
+ * Each heartbeat, and when the engine's role slot changes: is the decode
+ * engine's session still live? When it ended,
+ * the transfers bound to it are closed (their frames are drained, never
+ * written into blocks a later engine may have given to other requests), and
+ * their waiting notices are answered "engine gone".
+ */
+void conn_engine_check(struct connector *cn)
+{
+        uint64_t live = kvf_engine_session(&cn->ctl, true);
+        if (!live)
+                kvf_store_release(&cn->eng_dead,
+                                  kvf_load_acquire(&cn->ctl.roles[KVF_ROLE_ENGINE].generation));
+        if (live == cn->eng_seen)
+                return;
+        if (cn->eng_seen)
+                kvf_info("decode engine session %llu ended%s", (unsigned long long)cn->eng_seen,
+                         live ? "; a new one attached" : "");
+        cn->eng_seen = live;
+        data_rx_end_sessions(cn, live);
+        /* Tell the prefill instances connected to us: tasks they accept from now on are bound
+         * to the new session (a pong is what the sender side reads it from, ack or not). */
+        struct kvf_record pong = {.type = KVF_RT_PONG, .session = live};
+        conn_sessions_send_all(cn, &pong);
+}
+

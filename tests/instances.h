@@ -1,0 +1,68 @@
+/*
+ * For the C tests that start instances with the real supervisor: t_up()
+ * starts one (tools/kvferry up) and fails the test when it does not come up;
+ * every instance started is stopped at exit; t_connector_addr() reads where
+ * an instance's connector listens. The repository is KVF_SOURCE_DIR; the
+ * build comes from $KVFERRY_BUILD (tests/CMakeLists.txt sets both).
+ */
+#ifndef KVF_TEST_INSTANCES_H
+#define KVF_TEST_INSTANCES_H
+
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "check.h"
+#include "ctl.h"
+
+#define T_MAX_INSTANCES 16
+
+static char t_names[T_MAX_INSTANCES][64];
+static unsigned t_ninstances;
+
+static void t_down_all(void)
+{
+        char cmd[4096];
+        int n = snprintf(cmd, sizeof(cmd), "%s/tools/kvferry down", KVF_SOURCE_DIR);
+        for (unsigned i = 0; i < t_ninstances; i++)
+                n += snprintf(cmd + n, sizeof(cmd) - (size_t)n, " --instance %s", t_names[i]);
+        snprintf(cmd + n, sizeof(cmd) - (size_t)n, " >/dev/null 2>&1");
+        if (t_ninstances && system(cmd) != 0)
+                fprintf(stderr, "cleanup: %s failed\n", cmd);
+}
+
+/* tools/kvferry up --instance NAME ARGS...; the test fails if it does not come up. */
+static void t_up(const char *name, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void t_up(const char *name, const char *fmt, ...)
+{
+        char args[1024], cmd[2048];
+        va_list ap;
+        va_start(ap, fmt);
+        vsnprintf(args, sizeof(args), fmt, ap);
+        va_end(ap);
+        if (t_ninstances == 0)
+                atexit(t_down_all);
+        CHECK(t_ninstances < T_MAX_INSTANCES);
+        snprintf(t_names[t_ninstances++], sizeof(t_names[0]), "%s", name);
+        snprintf(cmd, sizeof(cmd), "%s/tools/kvferry up --instance %s %s >/dev/null", KVF_SOURCE_DIR, name,
+                 args);
+        if (system(cmd) != 0) {
+                fprintf(stderr, "command failed: %s\n", cmd);
+                exit(1);
+        }
+}
+
+/* "host:port" where the connector of instance `name` listens. */
+__attribute__((unused)) static void t_connector_addr(const char *name, char *out, size_t len)
+{
+        char host[64];
+        uint32_t port = 0;
+        struct kvf_ctl c;
+        CHECK_EQ(kvf_ctl_attach(name, false, &c), 0);
+        CHECK_EQ(kvf_connector_info_read(&c, host, sizeof(host), &port), 0);
+        kvf_ctl_detach(&c);
+        snprintf(out, len, "%s:%u", host, port);
+}
+
+#endif

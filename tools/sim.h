@@ -1,0 +1,166 @@
+/*
+ * kvf-sim's shared state, one struct sim for the whole run, and the four
+ * parts that use it:
+ *
+ *   sim.c         main(): the options, then setup, run, report, in that order
+ *   sim_engine.c  the engine: requests and block pools, admission, steps,
+ *                 chunks, writing layers, publishing layer-dones, submitting
+ *   sim_verify.c  content patterns, the events (completions, arrivals),
+ *                 verification and each request's accounting
+ *   sim_report.c  the progress line, the summary text and its JSON
+ *   sim_gpu.cu    GPU mode (--gpu, tools/sim_gpu.h): layers as kernels, checks on the GPU
+ *                 (sim_gpu_none.c in a build without CUDA)
+ *
+ * Single-threaded: every function here runs on main()'s thread, except that
+ * the SIGTERM/SIGINT handler sets `stop`.
+ */
+#ifndef KVF_SIM_H
+#define KVF_SIM_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "kvferry.h"
+#include "shm_layout.h"
+
+#define KVF_SIM_PROG "kvf-sim"
+#define KVF_SIM_MAX_RANKS 8
+
+/* One request, prefill and decode side. Indexed by its number: its id is "r<seq>". */
+struct sim_req {
+        uint32_t seq;
+        char id[48];
+        uint32_t tokens, n_src, n_dst, first;
+        uint32_t *src, *dst;
+        uint32_t done_tokens;   /* prefilled so far */
+        uint64_t last_layer_ns; /* publish time of its final layer */
+        uint32_t last_blocks;   /* blocks its final step sends per layer and tensor */
+        bool late_task;         /* submit the task after its layers are published */
+        bool cancel;            /* cancel it halfway through its step */
+        bool cancel_sent;       /* ... and did (counted once in cancels_sent) */
+        bool submitted;
+        int completion; /* -1 until known */
+        int arrival;    /* -1 until known */
+        bool verified;
+        uint64_t bytes, arrival_ns, completion_ns, completion_seen_ns;
+        bool src_freed, dst_freed;
+        char reason[240];
+};
+
+/* A cache's free block ids (a stack). */
+struct sim_pool {
+        uint32_t *free;
+        uint32_t n, cap;
+};
+
+struct sim_opts {
+        const char *prefill[KVF_SIM_MAX_RANKS], *decode[KVF_SIM_MAX_RANKS];
+        const char *peer[KVF_SIM_MAX_RANKS]; /* what tasks name as the peer (default: the decode
+                                                instance) */
+        unsigned ranks;
+        unsigned requests;
+        const char *trace;
+        unsigned layer_us;
+        unsigned step_tokens;
+        unsigned chunk_tokens;
+        unsigned prefix_pct, late_pct, cancel_pct;
+        unsigned max_tokens;
+        unsigned timeout_s;
+        int transport;
+        uint64_t seed;
+        const char *json;
+        const char *session_log;
+        unsigned drain_previous_s;
+        bool quiet;
+        bool baseline;
+        bool warm_caches; /* touch every page of the caches before the clock starts */
+        /*
+         * --verify full writes and checks every word of every block. --verify sample
+         * does the first and last 64 bytes of each block only: every block still
+         * carries its own key at both ends (a block sent to the wrong place, or too
+         * early, or torn at either end, is caught) while the simulator stops eating
+         * a core that a GPU engine would not use; benchmarks use it.
+         */
+        bool sample_only;
+        bool scatter; /* --scatter: block ids in random order, so no two are contiguous */
+        bool gpu;     /* --gpu: GPU mode asked for (it is also chosen when the caches are on GPUs) */
+};
+
+/* Per finished request: its transfer tail, and what the tail had to carry. */
+struct sim_tail {
+        uint64_t ns;   /* last layer-done -> arrival */
+        uint64_t cns;  /* last layer-done -> completion (prefill side) */
+        uint64_t left; /* bytes left to send at its last layer-done: its final step's share
+                          of one layer, or all of it when its task came after the layers */
+        bool late;     /* its task came after its last layer */
+};
+
+struct sim_gpu;
+
+struct sim {
+        struct sim_opts o;
+        /* GPU mode (tools/sim_gpu.h): the caches are on GPUs, each layer is a kernel, the
+         * checks run on the GPU. NULL in host mode. */
+        struct sim_gpu *sg;
+        struct kvf_group *pg, *dg; /* the prefill and the decode instances' clients */
+        struct kvf_layout_info L;  /* the prefill side's layout */
+        uint32_t layers, tensors;
+        struct sim_req *reqs;
+        unsigned nreq; /* after a stop, only those admitted */
+        struct sim_pool psrc, pdst;
+        uint64_t rng_state;
+
+        /* The accounting (sim_verify.c). */
+        uint64_t corrupt, verified_bytes, moved_bytes, done_reqs, finished, failed,
+            bad_status_pairs;
+        uint64_t fail_by_status[KVF_STATUS_COUNT];
+        /* Requests the engine cancelled (--cancel-pct): each ends 'cancelled', or 'finished'
+         * when its bytes had all landed before the cancel was read. */
+        uint64_t cancels_sent;
+        uint64_t warm_bytes, warm_ns; /* --warm-caches */
+        struct sim_tail *tails;
+        unsigned ntails;
+        uint64_t last_sweep; /* when kvf_sim_poll_events last looked for expired grace periods */
+
+        uint64_t t_start;  /* the first step */
+        double secs;       /* t_start to the last request accounted for (or given up on) */
+        int stop; /* SIGTERM/SIGINT (kvf_opt_signals: read with kvf_load_relaxed): admit no more,
+                   * let what was admitted finish */
+        /* The sender's layer-done -> copy-start histogram at the start (sim_report.c). */
+        struct kvf_histogram l2c_before;
+};
+
+/* sim_engine.c */
+/* Attach both groups, read the layouts, make the pools, load the trace and lay out every
+ * request. 0, or -1 after a message on stderr. */
+int kvf_sim_setup(struct sim *s);
+/* The step loop until every request is accounted for (or a stop, or no progress for
+ * --timeout-s), then the stragglers; sets secs. 0, or -1 when a submission or (GPU mode) a
+ * layer's kernel failed (after a message). */
+int kvf_sim_run(struct sim *s);
+/* Return n block ids to a pool (the last taken first). */
+void kvf_sim_pool_give(struct sim_pool *p, const uint32_t *ids, uint32_t n);
+/* Detach and free everything setup made. */
+void kvf_sim_free(struct sim *s);
+
+/* sim_verify.c */
+/* The content of block j (in request token order) of one tensor; `partial` for a block a chunk
+ * leaves unfinished. */
+uint64_t kvf_sim_block_key(uint32_t seq, unsigned rank, uint32_t layer, uint32_t t, uint32_t j,
+                           bool partial);
+/* Stamp a block with key: every word, or with sample_only both ends. */
+void kvf_sim_fill(uint8_t *p, uint64_t bytes, uint64_t key, bool sample_only);
+/* Take every completion and arrival there is, waiting up to timeout_ms for the first
+ * completion; verify arrivals, free what is done, count it. */
+void kvf_sim_poll_events(struct sim *s, int timeout_ms);
+
+/* sim_report.c */
+/* Note the sender's histograms before the run, so the report shows this run's share. */
+void kvf_sim_report_start(struct sim *s);
+/* The progress line on stderr ("\r" before it unless final; a newline after it if final). */
+void kvf_sim_progress_line(const struct sim *s, bool final);
+/* Print the summary (and write --json); true when every request was accounted for and none
+ * was corrupt. */
+bool kvf_sim_report(struct sim *s);
+
+#endif

@@ -1,0 +1,298 @@
+/*
+ * kvf-sim's report (sim.h): the progress line while it runs, then the
+ * summary text and its JSON. The tests/ scripts read the JSON's fields and
+ * bench/e2e_bench.sh the text: keep both shapes.
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "clock.h"
+#include "ctl.h"
+#include "layout.h"
+#include "sim.h"
+#include "sim_gpu.h" /* GPU mode */
+
+void kvf_sim_progress_line(const struct sim *s, bool final)
+{
+        double t = (double)(kvf_now_ns() - s->t_start) / 1e9;
+        fprintf(stderr,
+                "%s[%6.1fs] %llu/%u requests done (finished %llu, failed %llu), %.2f GiB moved, "
+                "%.2f GiB/s%s",
+                final ? "" : "\r", t, (unsigned long long)s->done_reqs, s->nreq,
+                (unsigned long long)s->finished, (unsigned long long)s->failed,
+                (double)s->moved_bytes / (1 << 30),
+                t > 0 ? (double)s->moved_bytes / (1 << 30) / t : 0.0, final ? "\n" : "   ");
+}
+
+struct spread {
+        unsigned n;
+        double p50, p99, max;
+};
+
+static int cmp_double(const void *a, const void *b)
+{
+        double x = *(const double *)a, y = *(const double *)b;
+        return x < y ? -1 : x > y;
+}
+
+/* Percentiles of v[0..n), which this sorts. */
+static struct spread spread_of(double *v, unsigned n)
+{
+        if (!n)
+                return (struct spread){0};
+        qsort(v, n, sizeof(*v), cmp_double);
+        return (struct spread){.n = n,
+                               .p50 = v[(unsigned)(0.5 * (n - 1) + 0.5)],
+                               .p99 = v[(unsigned)(0.99 * (n - 1) + 0.5)],
+                               .max = v[n - 1]};
+}
+
+struct tail_figures {
+        struct spread all, in_time, late, completion;
+        struct spread
+            norm; /* tail / (2 x its bytes left at memcpy rate + 50 us); with a baseline */
+};
+
+/*
+ * The tail figures. A late task's tail carries its whole request (the task
+ * came after every layer was done), so it is shown apart from the tails of
+ * requests whose task came in time; the ratio puts each request's tail next
+ * to what it had left to send.
+ */
+static struct tail_figures tail_figures(const struct sim *s, double memcpy_bps)
+{
+        struct tail_figures f = {0};
+        unsigned m = s->ntails ? s->ntails : 1;
+        double *all = calloc(m, sizeof(double)), *in_time = calloc(m, sizeof(double));
+        double *late = calloc(m, sizeof(double)), *comp = calloc(m, sizeof(double));
+        double *norm = calloc(m, sizeof(double));
+
+        if (all && in_time && late && comp && norm) {
+                unsigned n_in = 0, n_late = 0;
+                for (unsigned i = 0; i < s->ntails; i++) {
+                        const struct sim_tail *t = &s->tails[i];
+                        all[i] = (double)t->ns;
+                        comp[i] = (double)t->cns;
+                        if (t->late)
+                                late[n_late++] = (double)t->ns;
+                        else
+                                in_time[n_in++] = (double)t->ns;
+                        if (memcpy_bps > 0)
+                                norm[i] =
+                                    (double)t->ns / (2e9 * (double)t->left / memcpy_bps + 50e3);
+                }
+                f.all = spread_of(all, s->ntails);
+                f.in_time = spread_of(in_time, n_in);
+                f.late = spread_of(late, n_late);
+                f.completion = spread_of(comp, s->ntails);
+                if (memcpy_bps > 0)
+                        f.norm = spread_of(norm, s->ntails);
+        }
+        free(all);
+        free(in_time);
+        free(late);
+        free(comp);
+        free(norm);
+        return f;
+}
+
+/*
+ * The reference: one plain memcpy of the same number of bytes, 256 MiB at a
+ * time between two buffers touched beforehand. Contiguous, so it is the
+ * upper bound for copying these bytes on this machine, not a model of
+ * kvferry's block-wise copies.
+ */
+static double memcpy_rate(uint64_t bytes)
+{
+        uint64_t buf = 256ull << 20;
+        uint8_t *a = malloc(buf), *b = malloc(buf);
+        if (!a || !b) {
+                free(a);
+                free(b);
+                return 0;
+        }
+        memset(a, 1, buf);
+        memset(b, 2, buf);
+        uint64_t done = 0, t0 = kvf_now_ns();
+        while (done < bytes) {
+                uint64_t n = bytes - done < buf ? bytes - done : buf;
+                memcpy(b, a, n);
+                /* b is never read again: without this the copies are dead stores */
+                __asm__ volatile("" : : "r"(b) : "memory");
+                done += n;
+        }
+        double dt = (double)(kvf_now_ns() - t0) / 1e9;
+        free(a);
+        free(b);
+        return (double)done / dt;
+}
+
+/* The sender's layer-done -> copy-start histogram lives as long as the instance:
+ * this run's share is what it holds at the end less what it holds now. */
+void kvf_sim_report_start(struct sim *s)
+{
+        struct kvf_ctl pc;
+        if (kvf_ctl_attach(s->o.prefill[0], false, &pc) == 0) {
+                memcpy(&s->l2c_before, &pc.sender->hist[KVF_HIST_LAYER_TO_COPY],
+                       sizeof(s->l2c_before));
+                kvf_ctl_detach(&pc);
+        }
+}
+
+/* This run's layer-done -> copy start p50 and p99 (0 when the instance cannot be read). */
+static void layer_to_copy(const struct sim *s, uint64_t *p50, uint64_t *p99)
+{
+        struct kvf_ctl pc;
+        *p50 = *p99 = 0;
+        if (kvf_ctl_attach(s->o.prefill[0], false, &pc) == 0) {
+                static struct kvf_histogram run;
+                const struct kvf_histogram *now = &pc.sender->hist[KVF_HIST_LAYER_TO_COPY];
+                for (unsigned i = 0; i < KVF_HIST_BUCKETS;
+                     i++) /* (a re-created instance starts at 0) */
+                        run.buckets[i] = now->buckets[i] >= s->l2c_before.buckets[i]
+                                             ? now->buckets[i] - s->l2c_before.buckets[i]
+                                             : now->buckets[i];
+                *p50 = kvf_hist_quantile(&run, 0.50);
+                *p99 = kvf_hist_quantile(&run, 0.99);
+                kvf_ctl_detach(&pc);
+        }
+}
+
+/* Everything the text and the JSON show. */
+struct figures {
+        double secs, rate, base, layer_bytes;
+        struct tail_figures tf;
+        uint64_t l2c50, l2c99;
+        unsigned unaccounted;
+        bool ok;
+};
+
+static void print_text(const struct sim *s, const struct figures *g)
+{
+        const struct kvf_layout_info *L = &s->L;
+        const struct tail_figures *tf = &g->tf;
+        char gib[32];
+
+        printf("kvferry simulation summary\n");
+        printf("  layout       %u+%u layers x %u tensor(s), "
+               "%u kv head(s) x %u tokens x %u dims %s = %s per block, %u rank(s)\n",
+               L->num_layers, L->extra_layers, s->tensors, L->kv_heads, L->block_size, L->head_dim,
+               kvf_dtype_name(L->dtype), kvf_fmt_bytes(L->block_bytes, gib, sizeof(gib)),
+               s->o.ranks);
+        if (s->sg) /* GPU mode */
+                printf("  GPU          caches on GPUs (prefill GPU %d, decode GPU %d): layers are "
+                       "kernels (%u us, every SM), signalled on the stream; every byte verified on "
+                       "the GPU\n",
+                       kvf_cache_device(kvf_group_member(s->pg, 0)),
+                       kvf_cache_device(kvf_group_member(s->dg, 0)), s->o.layer_us);
+        printf("  requests     %u: %llu finished, %llu failed, %u unaccounted, %llu corrupt\n",
+               s->nreq, (unsigned long long)s->finished, (unsigned long long)s->failed,
+               g->unaccounted, (unsigned long long)s->corrupt);
+        for (int st = 1; st < KVF_STATUS_COUNT; st++)
+                if (s->fail_by_status[st])
+                        printf("               %llu %s\n",
+                               (unsigned long long)s->fail_by_status[st], kvf_status_name(st));
+        printf("  moved        %s in %.2f s = %.2f GiB/s; %s verified %s\n",
+               kvf_fmt_bytes(s->moved_bytes, gib, sizeof(gib)), g->secs, g->rate / (1 << 30),
+               kvf_fmt_bytes(s->verified_bytes, (char[32]){0}, 32),
+               s->o.sample_only && !s->sg ? "at both ends of every block (--verify sample)"
+                                          : "byte for byte");
+        printf("  tail         last layer-done -> arrival: p50 %.1f us, p99 %.1f us "
+               "(one layer of an average request: %s)\n",
+               tf->all.p50 / 1e3, tf->all.p99 / 1e3,
+               kvf_fmt_bytes((uint64_t)g->layer_bytes, (char[32]){0}, 32));
+        printf("               %u with the task in time: p50 %.1f us, p99 %.1f us; "
+               "%u late tasks (every layer left to send): p50 %.1f us, p99 %.1f us\n",
+               tf->in_time.n, tf->in_time.p50 / 1e3, tf->in_time.p99 / 1e3, tf->late.n,
+               tf->late.p50 / 1e3, tf->late.p99 / 1e3);
+        if (g->base > 0)
+                printf("               per request, tail / (2 x its bytes left at memcpy rate + 50 us): "
+                       "p50 %.2f, p99 %.2f, max %.2f\n",
+                       tf->norm.p50, tf->norm.p99, tf->norm.max);
+        printf("               last layer-done -> completion (prefill side): "
+               "p50 %.1f us, p99 %.1f us\n",
+               tf->completion.p50 / 1e3, tf->completion.p99 / 1e3);
+        printf("  copy start   layer-done -> copy start: p50 %.1f us, p99 %.1f us\n",
+               (double)g->l2c50 / 1e3, (double)g->l2c99 / 1e3);
+        if (s->o.warm_caches)
+                printf("  warm-up      touched %s of the caches through this process's mappings in %.3f s "
+                       "(%.2f us per 4 KiB page), before the clock started\n",
+                       kvf_fmt_bytes(s->warm_bytes, gib, sizeof(gib)), (double)s->warm_ns / 1e9,
+                       s->warm_bytes ? (double)s->warm_ns / 1e3 / (double)(s->warm_bytes / 4096) : 0);
+        if (s->o.baseline && s->sg) /* GPU mode */
+                printf("  baseline     one bulk cudaMemcpy (device to device) of an average "
+                       "request's layer: %.2f GiB/s; one layer of an average request at that rate "
+                       "= %.1f us\n",
+                       g->base / (1 << 30), g->base > 0 ? g->layer_bytes / g->base * 1e6 : 0);
+        else if (s->o.baseline)
+                printf("  baseline     memcpy of the same bytes: %.2f GiB/s; kvferry/memcpy = %.2f; "
+                       "one layer at memcpy rate = %.1f us\n",
+                       g->base / (1 << 30), g->base > 0 ? g->rate / g->base : 0,
+                       g->base > 0 ? g->layer_bytes / g->base * 1e6 : 0);
+        printf("  result       %s\n",
+               g->ok ? "OK: every finished request verified, every request accounted for"
+                     : "FAILED");
+}
+
+/* The same as one JSON line; the tests read its fields by name. */
+static void write_json(const struct sim *s, const struct figures *g, const char *path)
+{
+        const struct tail_figures *tf = &g->tf;
+        FILE *f = fopen(path, "w");
+        if (!f)
+                return;
+        fprintf(f,
+                "{\"requests\":%u,\"finished\":%llu,\"failed\":%llu,\"unaccounted\":%u,"
+                "\"corrupt\":%llu,\"bytes\":%llu,\"verified_bytes\":%llu,\"seconds\":%.6f,"
+                "\"rate_bps\":%.1f,\"tail_p50_ns\":%.0f,\"tail_p99_ns\":%.0f,"
+                "\"tail_in_time_p50_ns\":%.0f,\"tail_in_time_p99_ns\":%.0f,\"late_tasks\":%u,"
+                "\"tail_late_p50_ns\":%.0f,\"tail_late_p99_ns\":%.0f,\"tail_norm_p50\":%.3f,"
+                "\"tail_norm_p99\":%.3f,\"tail_norm_max\":%.3f,\"completion_tail_p50_ns\":%.0f,"
+                "\"completion_tail_p99_ns\":%.0f,\"layer_to_copy_p50_ns\":%llu,"
+                "\"layer_to_copy_p99_ns\":%llu,\"memcpy_bps\":%.1f,\"avg_layer_bytes\":%.1f,"
+                "\"ok\":%s,\"cancelled\":%llu,\"cancels_sent\":%llu,\"timed_out\":%llu,"
+                "\"connection_errors\":%llu,\"finished_but_failed_pairs\":%llu,\"warm_bytes\":%llu,"
+                "\"warm_ns\":%llu,\"gpu\":%s}\n",
+                s->nreq, (unsigned long long)s->finished, (unsigned long long)s->failed,
+                g->unaccounted, (unsigned long long)s->corrupt, (unsigned long long)s->moved_bytes,
+                (unsigned long long)s->verified_bytes, g->secs, g->rate, tf->all.p50, tf->all.p99,
+                tf->in_time.p50, tf->in_time.p99, tf->late.n, tf->late.p50, tf->late.p99,
+                tf->norm.p50, tf->norm.p99, tf->norm.max, tf->completion.p50, tf->completion.p99,
+                (unsigned long long)g->l2c50, (unsigned long long)g->l2c99, g->base,
+                g->layer_bytes, g->ok ? "true" : "false",
+                (unsigned long long)s->fail_by_status[KVF_STATUS_CANCELLED],
+                (unsigned long long)s->cancels_sent,
+                (unsigned long long)s->fail_by_status[KVF_STATUS_TIMEOUT],
+                (unsigned long long)s->fail_by_status[KVF_STATUS_CONNECTION],
+                (unsigned long long)s->bad_status_pairs, (unsigned long long)s->warm_bytes,
+                (unsigned long long)s->warm_ns, s->sg ? "true" : "false");
+        fclose(f);
+}
+
+bool kvf_sim_report(struct sim *s)
+{
+        struct figures g = {.secs = s->secs};
+
+        layer_to_copy(s, &g.l2c50, &g.l2c99);
+        g.rate = g.secs > 0 ? (double)s->moved_bytes / g.secs : 0;
+        /* GPU mode: one bulk device-to-device copy of an average request's layer. */
+        g.base = !s->o.baseline ? 0
+                 : s->sg ? sim_gpu_copy_rate(s->sg, s->moved_bytes / (s->nreq ? s->nreq : 1) /
+                                                        (s->layers ? s->layers : 1))
+                         : memcpy_rate(s->moved_bytes ? s->moved_bytes : (1ull << 30));
+        /* One layer of an average request, at the memcpy rate (or the run's rate). */
+        double avg_send = 0;
+        for (unsigned i = 0; i < s->nreq; i++)
+                avg_send += s->reqs[i].n_dst;
+        avg_send /= s->nreq;
+        g.layer_bytes = avg_send * s->tensors * (double)s->L.block_bytes * s->o.ranks;
+        g.tf = tail_figures(s, g.base);
+        g.unaccounted = s->nreq - (unsigned)s->done_reqs;
+        g.ok = s->corrupt == 0 && g.unaccounted == 0;
+
+        print_text(s, &g);
+        if (s->o.json)
+                write_json(s, &g, s->o.json);
+        return g.ok;
+}

@@ -1,0 +1,277 @@
+/*
+ * kvf-sim's verifying half (sim.h): the content every block is stamped
+ * with, the events the engine receives, the check of every destination
+ * block, and each request's accounting.
+ *
+ * A request counts as correct when its completion says "finished" and its
+ * arrival verified; a completion "finished" whose bytes do not verify is a
+ * corruption, and makes the run fail.
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "clock.h"
+#include "sim.h"
+#include "sim_gpu.h" /* GPU mode */
+#include "sim_sessions.h"
+
+static uint64_t mix(uint64_t x)
+{
+        x ^= x >> 33;
+        x *= 0xff51afd7ed558ccdull;
+        x ^= x >> 33;
+        x *= 0xc4ceb9fe1a85ec53ull;
+        x ^= x >> 33;
+        return x;
+}
+
+uint64_t kvf_sim_block_key(uint32_t seq, unsigned rank, uint32_t layer, uint32_t t, uint32_t j,
+                           bool partial)
+{
+        return mix(((uint64_t)seq << 20) ^ ((uint64_t)rank << 56) ^ ((uint64_t)layer << 40) ^
+                   ((uint64_t)t << 39) ^ j ^ ((uint64_t)partial << 62));
+}
+
+/* Word k of a block stamped with key. */
+static inline uint64_t pattern(uint64_t key, uint64_t k)
+{
+        return key + k * 0x9e3779b97f4a7c15ull;
+}
+
+/* The words of an n-word block that fill() and check() visit: all, or with --verify sample
+ * the first 8 and the last 8 (k jumps from 8 to n - 8). */
+static inline uint64_t next_word(uint64_t k, uint64_t n, bool sample_only)
+{
+        return sample_only && n > 16 && k == 7 ? n - 8 : k + 1;
+}
+
+void kvf_sim_fill(uint8_t *p, uint64_t bytes, uint64_t key, bool sample_only)
+{
+        uint64_t *w = (uint64_t *)(void *)p, n = bytes / 8;
+        for (uint64_t k = 0; k < n; k = next_word(k, n, sample_only))
+                w[k] = pattern(key, k);
+}
+
+static bool check(const uint8_t *p, uint64_t bytes, uint64_t key, bool sample_only)
+{
+        const uint64_t *w = (const uint64_t *)(const void *)p;
+        uint64_t n = bytes / 8;
+        for (uint64_t k = 0; k < n; k = next_word(k, n, sample_only))
+                if (w[k] != pattern(key, k))
+                        return false;
+        return true;
+}
+
+static void free_src(struct sim *s, struct sim_req *r)
+{
+        if (!r->src_freed) {
+                kvf_sim_pool_give(&s->psrc, r->src, r->n_src);
+                r->src_freed = true;
+        }
+}
+
+static void free_dst(struct sim *s, struct sim_req *r)
+{
+        if (!r->dst_freed) {
+                kvf_sim_pool_give(&s->pdst, r->dst, r->n_dst);
+                r->dst_freed = true;
+        }
+}
+
+/* Once both sides have said how r ended (or the grace period for a failed network
+ * transfer ran out): free its blocks and count it, once. */
+static void maybe_done(struct sim *s, struct sim_req *r)
+{
+        if (r->completion < 0)
+                return;
+        bool finished_ok = r->completion == KVF_STATUS_FINISHED;
+        if (finished_ok && r->arrival < 0)
+                return; /* the arrival is on its way */
+        /* A failed network transfer: its frames may still be in flight. The decode side
+         * frees the blocks on the error arrival (published after those frames are fenced
+         * off), or after a grace period if the peer could not be told. */
+        if (!finished_ok && s->o.transport != KVF_TRANSPORT_IPC && r->arrival < 0 &&
+            kvf_now_ns() - r->completion_seen_ns < 10000000000ull)
+                return;
+        if (r->src_freed && r->dst_freed)
+                return;
+        free_src(s, r);
+        free_dst(s, r);
+        s->done_reqs++;
+        if (finished_ok) {
+                if (r->arrival != KVF_STATUS_FINISHED || !r->verified) {
+                        s->corrupt++;
+                        fprintf(stderr, "%s: CORRUPT: request %s reported finished but %s\n",
+                                KVF_SIM_PROG, r->id,
+                                r->arrival != KVF_STATUS_FINISHED ? "its arrival says otherwise"
+                                                                  : "its bytes differ");
+                } else {
+                        s->finished++;
+                        s->moved_bytes += r->bytes;
+                        if (r->arrival_ns > r->last_layer_ns && r->last_layer_ns &&
+                            r->completion_ns > r->last_layer_ns) {
+                                s->tails[s->ntails++] = (struct sim_tail){
+                                    .ns = r->arrival_ns - r->last_layer_ns,
+                                    .cns = r->completion_ns - r->last_layer_ns,
+                                    .left = r->late_task ? r->bytes
+                                                         : (uint64_t)r->last_blocks * s->tensors *
+                                                               s->L.block_bytes * s->o.ranks,
+                                    .late = r->late_task};
+                        }
+                }
+        } else {
+                s->failed++;
+                s->fail_by_status[r->completion]++;
+                if (r->arrival == KVF_STATUS_FINISHED)
+                        s->bad_status_pairs++;
+        }
+}
+
+static struct sim_req *find_req(struct sim *s, const char *id)
+{
+        unsigned long v;
+        if (id[0] != 'r')
+                return NULL;
+        v = strtoul(id + 1, NULL, 10);
+        return v < s->nreq && !strcmp(s->reqs[v].id, id) ? &s->reqs[v] : NULL;
+}
+
+/* GPU mode: every byte of every destination block compared on the decode GPU. */
+static void verify_gpu(struct sim *s, struct sim_req *r)
+{
+        const struct kvf_layout_info *L = &s->L;
+        r->verified = true;
+        for (unsigned k = 0; k < s->o.ranks && r->verified; k++) {
+                struct kvf_client *c = kvf_group_member(s->dg, k);
+                for (uint32_t l = 0; l < s->layers; l++)
+                        for (uint32_t t = 0; t < s->tensors; t++) {
+                                const uint8_t *base = kvf_cache_tensor(c, l, (int)t);
+                                for (uint32_t i = 0; i < r->n_dst; i++) {
+                                        uint64_t key =
+                                            kvf_sim_block_key(r->seq, k, l, t, r->first + i, false);
+                                        sim_gpu_expect(s->sg, k,
+                                                       base + (uint64_t)r->dst[i] * L->block_bytes,
+                                                       L->block_bytes, key);
+                                }
+                        }
+                uint64_t first = 0;
+                long bad = sim_gpu_check(s->sg, k, &first);
+                if (bad != 0) {
+                        uint64_t i = first % r->n_dst, lt = first / r->n_dst;
+                        fprintf(stderr,
+                                "%s: request %s: rank %u: %ld blocks differ, the first layer %llu "
+                                "tensor %llu dest block %u (#%llu)%s\n",
+                                KVF_SIM_PROG, r->id, k, bad, (unsigned long long)(lt / s->tensors),
+                                (unsigned long long)(lt % s->tensors), r->dst[i],
+                                (unsigned long long)i, bad < 0 ? " (the check itself failed)" : "");
+                        r->verified = false;
+                } else {
+                        s->verified_bytes +=
+                            (uint64_t)s->layers * s->tensors * r->n_dst * L->block_bytes;
+                }
+        }
+}
+
+/* Check every destination block of r on every rank; sets r->verified. */
+static void verify(struct sim *s, struct sim_req *r)
+{
+        const struct kvf_layout_info *L = &s->L;
+        if (s->sg) {
+                verify_gpu(s, r);
+                return;
+        }
+        r->verified = true;
+        for (unsigned k = 0; k < s->o.ranks && r->verified; k++) {
+                struct kvf_client *c = kvf_group_member(s->dg, k);
+                for (uint32_t l = 0; l < s->layers && r->verified; l++)
+                        for (uint32_t t = 0; t < s->tensors && r->verified; t++) {
+                                const uint8_t *base = kvf_cache_tensor(c, l, (int)t);
+                                for (uint32_t i = 0; i < r->n_dst; i++) {
+                                        uint64_t key =
+                                            kvf_sim_block_key(r->seq, k, l, t, r->first + i, false);
+                                        if (!check(base + (uint64_t)r->dst[i] * L->block_bytes,
+                                                   L->block_bytes, key, s->o.sample_only)) {
+                                                fprintf(stderr,
+                                                        "%s: request %s: rank %u layer %u "
+                                                        "tensor %u dest block %u (#%u) differs\n",
+                                                        KVF_SIM_PROG, r->id, k, l, t, r->dst[i], i);
+                                                r->verified = false;
+                                                break;
+                                        }
+                                        s->verified_bytes += L->block_bytes;
+                                }
+                        }
+        }
+}
+
+static void on_completion(struct sim *s, const struct kvf_event *ev)
+{
+        struct sim_req *r = find_req(s, ev->request_id);
+        if (!r || ev->type != KVF_EVENT_COMPLETION) {
+                if (ev->type == KVF_EVENT_COMPLETION)
+                        fprintf(stderr, "%s: completion for unknown request '%s': %s: %s\n",
+                                KVF_SIM_PROG, ev->request_id, kvf_status_name(ev->status),
+                                ev->reason);
+                return;
+        }
+        if (r->completion >= 0) {
+                fprintf(stderr, "%s: DUPLICATE completion for %s\n", KVF_SIM_PROG, r->id);
+                s->corrupt++;
+                return;
+        }
+        r->completion = ev->status;
+        simlog_event('C', r->id, ev->status);
+        r->completion_seen_ns = kvf_now_ns();
+        r->bytes = ev->bytes;
+        r->completion_ns = ev->done_ns;
+        snprintf(r->reason, sizeof(r->reason), "%s", ev->reason);
+        if (ev->status != KVF_STATUS_FINISHED && !s->o.quiet && !r->cancel)
+                fprintf(stderr, "%s: request %s: %s: %s\n", KVF_SIM_PROG, r->id,
+                        kvf_status_name(ev->status), ev->reason);
+        maybe_done(s, r);
+}
+
+static void on_arrival(struct sim *s, const struct kvf_event *ev)
+{
+        struct sim_req *r = find_req(s, ev->request_id);
+        if (!r || ev->type != KVF_EVENT_ARRIVAL)
+                return;
+        if (r->arrival == KVF_STATUS_FINISHED) {
+                fprintf(stderr, "%s: DUPLICATE arrival for %s\n", KVF_SIM_PROG, r->id);
+                s->corrupt++;
+                return;
+        }
+        simlog_event('A', r->id, ev->status);
+        /* A finished arrival after the completion said otherwise: the two sides
+         * disagree (maybe_done counts it when the arrival came first). */
+        if (ev->status == KVF_STATUS_FINISHED && r->completion > 0 && r->dst_freed) {
+                fprintf(stderr, "%s: request %s: completion '%s' but arrival 'finished'\n",
+                        KVF_SIM_PROG, r->id, kvf_status_name(r->completion));
+                s->bad_status_pairs++;
+        }
+        r->arrival = ev->status;
+        r->arrival_ns = ev->done_ns;
+        if (ev->status == KVF_STATUS_FINISHED && !r->dst_freed)
+                verify(s, r);
+        maybe_done(s, r);
+}
+
+void kvf_sim_poll_events(struct sim *s, int timeout_ms)
+{
+        struct kvf_event ev;
+        if (kvf_now_ns() - s->last_sweep > 100000000ull) {
+                /* failed network transfers whose grace period ran out */
+                s->last_sweep = kvf_now_ns();
+                for (unsigned i = 0; i < s->nreq; i++)
+                        if (s->reqs[i].completion > 0 && !s->reqs[i].dst_freed)
+                                maybe_done(s, &s->reqs[i]);
+        }
+        simlog_previous(s->pg, s->dg, s->o.ranks);
+        while (kvf_group_poll(s->pg, &ev, timeout_ms) > 0) {
+                timeout_ms = 0;
+                on_completion(s, &ev);
+        }
+        while (kvf_group_poll(s->dg, &ev, 0) > 0)
+                on_arrival(s, &ev);
+}

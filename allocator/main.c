@@ -8,6 +8,9 @@
  * (cache.h says from where), reserved up front (fallocate) so a cache that
  * does not fit fails here, with a clear message, instead of as a SIGBUS in the
  * engine later.
+ * CUDA backend: one device allocation on --device, its IPC handle in the
+ * segment; it lives exactly as long as this process (so a restarted
+ * allocator cannot adopt it: the instance must be started again).
  */
 #include <errno.h>
 #include <fcntl.h>
@@ -28,6 +31,9 @@
 #include "layout.h"
 #include "log.h"
 #include "opts.h"
+#ifdef KVF_HAVE_CUDA
+#include "kvf_gpu.h"
+#endif
 
 static const char *prog = "kvf-allocator";
 static int stop; /* set by a signal (kvf_opt_signals): read with kvf_load_relaxed */
@@ -51,15 +57,22 @@ static void usage(void)
                "  --blocks N             blocks per layer tensor\n"
                "  --cache-mib N          or: size the cache to N MiB and derive --blocks\n"
                "  --rank N, --nranks N   this instance's rank among its engine's ranks\n"
-               "  --backend NAME         where the cache lives: host (default), host-async (a test\n"
-               "                         backend whose copies complete later)\n"
-               "  --device N             the GPU this instance serves; FastDeploy's ipc tasks name a\n"
-               "                         same-host peer by it (device_ids). Default: none\n"
+               "  --backend NAME         where the cache lives: host (default; a shared-memory file),\n"
+               "                         cuda (GPU memory on --device), auto (cuda when a GPU is\n"
+               "                         visible, else host), host-async (a test backend whose copies\n"
+               "                         complete later)\n"
+               "  --device N             the GPU this instance serves (cuda: where the cache lives,\n"
+               "                         default 0); FastDeploy's ipc tasks name a same-host peer by\n"
+               "                         it (device_ids). Default: none\n"
+               "  --executor E           cuda: where same-host copies run: sender (the sender's own\n"
+               "                         context; fast beside a busy engine only under MPS), engine\n"
+               "                         (the engine's context, enqueued by kvf_layer_done_on_stream),\n"
+               "                         auto (default: sender when MPS is on, else engine)\n"
                "  --max-requests N       request table slots (default %u)\n"
                "  --max-blocks-per-request N  (default %u)\n"
                "  --ring-kib N           capacity of each ring in KiB, a power of two (default %u)\n"
                "  --heartbeat-ms N       heartbeat period of every role (default %u)\n"
-               "  --huge-pages MODE      the cache's pages: auto (2 MiB pages if they can be had, else\n"
+               "  --huge-pages MODE      a host cache's pages: auto (2 MiB pages if they can be had, else\n"
                "                         4 KiB pages and the reason in the log), on (2 MiB pages or\n"
                "                         fail), off (4 KiB pages). Default auto: free pages of the\n"
                "                         pool there is. As root, on mounts hugetlbfs on /dev/hugepages\n"
@@ -85,11 +98,43 @@ static void log_cache(const struct kvf_ctl *ctl, uint8_t *cache)
                  (long long)(huge_bytes > 0 ? huge_bytes >> 20 : 0));
 }
 
+/* The cuda backend's parameters: the device, one IPC handle, where copies run. */
+static int setup_cuda(struct kvf_ctl_params *p, const char *executor)
+{
+        int n = kvf_cache_gpus();
+        if (n <= 0)
+                return kvf_err_ctx(-ENODEV, "--backend cuda");
+        if (p->device == KVF_DEVICE_NONE)
+                p->device = 0;
+        if (p->device >= (uint32_t)n)
+                return kvf_err_set(-ENODEV, "--device %u: only %d GPU%s visible (0 to %d)", p->device, n,
+                                   n > 1 ? "s are" : " is", n - 1);
+        p->cuda_handles = 1;
+#ifdef KVF_HAVE_CUDA
+        int mps = kvf_gpu_mps_enabled((int)p->device);
+#else
+        int mps = 0;
+#endif
+        if (!strcmp(executor, "sender"))
+                p->executor = KVF_EXEC_SENDER;
+        else if (!strcmp(executor, "engine"))
+                p->executor = KVF_EXEC_ENGINE;
+        else
+                p->executor = mps > 0 ? KVF_EXEC_SENDER : KVF_EXEC_ENGINE;
+        if (p->executor == KVF_EXEC_SENDER && mps <= 0)
+                kvf_warn("copies run in the sender's own context without MPS: while the engine computes, "
+                         "each waits for a time slice (milliseconds); start MPS (tools/kvferry up --mps) "
+                         "or use --executor engine");
+        kvf_info("executor %s (%s): MPS is %s on GPU %u", p->executor == KVF_EXEC_ENGINE ? "engine" : "sender",
+                 !strcmp(executor, "auto") ? "auto" : "chosen", mps > 0 ? "on" : "off", p->device);
+        return 0;
+}
+
 int main(int argc, char **argv)
 {
         enum { O_ROLE = 1000, O_MODEL, O_TP, O_LAYERS, O_EXTRA, O_HEADS, O_HDIM, O_DTYPE, O_KEYONLY,
                O_BSIZE, O_BLOCKS, O_MIB, O_RANK, O_NRANKS, O_DEVICE, O_MAXREQ, O_MAXBLK, O_RING, O_HB,
-               O_ADOPT, O_HUGE, O_VERSION, O_BACKEND };
+               O_ADOPT, O_HUGE, O_VERSION, O_BACKEND, O_EXECUTOR };
         static const struct option opts[] = {
                 {"instance", required_argument, 0, 'i'},  {"role", required_argument, 0, O_ROLE},
                 {"model", required_argument, 0, O_MODEL}, {"tp", required_argument, 0, O_TP},
@@ -104,6 +149,7 @@ int main(int argc, char **argv)
                 {"nranks", required_argument, 0, O_NRANKS},
                 {"device", required_argument, 0, O_DEVICE},
                 {"backend", required_argument, 0, O_BACKEND},
+                {"executor", required_argument, 0, O_EXECUTOR},
                 {"max-requests", required_argument, 0, O_MAXREQ},
                 {"max-blocks-per-request", required_argument, 0, O_MAXBLK},
                 {"ring-kib", required_argument, 0, O_RING},
@@ -116,7 +162,10 @@ int main(int argc, char **argv)
         uint32_t layers = 0, extra = 0, heads = 0, hdim = 0, dtype = KVF_DTYPE_BF16, key_only = 0;
         uint32_t bsize = 64, blocks = 0, tp = 1;
         uint64_t mib = 0;
-        bool adopt = false;
+        struct kvf_ctl ctl;
+        int rc;
+        bool adopt = false, backend_auto = false;
+        const char *executor = "auto";
         enum kvf_huge_mode huge = KVF_HUGE_AUTO;
         uint8_t *cache = NULL;
         int c;
@@ -162,12 +211,22 @@ int main(int argc, char **argv)
                 case O_NRANKS: p.nranks = (uint32_t)kvf_opt_u64("nranks", optarg, 1, 65536); break;
                 case O_DEVICE: p.device = (uint32_t)kvf_opt_u64("device", optarg, 0, 65535); break;
                 case O_BACKEND: {
+                        if (!strcmp(optarg, "auto")) {
+                                backend_auto = true;
+                                break;
+                        }
+                        backend_auto = false;
                         const struct kvf_cache_backend *be = kvf_cache_backend_named(optarg);
                         if (!be)
                                 kvf_opt_die(prog, "--backend: %s", kvf_err_msg());
                         p.backend = be->id;
                         break;
                 }
+                case O_EXECUTOR:
+                        if (strcmp(optarg, "auto") && strcmp(optarg, "sender") && strcmp(optarg, "engine"))
+                                kvf_opt_die(prog, "--executor is sender, engine or auto, not '%s'", optarg);
+                        executor = optarg;
+                        break;
                 case O_MAXREQ: p.reqtab_slots = (uint32_t)kvf_opt_u64("max-requests", optarg, 1, 65536); break;
                 case O_MAXBLK: p.max_blocks = (uint32_t)kvf_opt_u64("max-blocks-per-request", optarg, 1, 1u << 20); break;
                 case O_RING: {
@@ -204,10 +263,28 @@ int main(int argc, char **argv)
                 kvf_opt_die(prog, "%s", kvf_err_msg());
         kvf_log_setup(p.instance, "allocator");
         kvf_opt_signals(&stop);
+        if (backend_auto) {
+                int n = kvf_cache_gpus();
+                p.backend = n > 0 ? KVF_BACKEND_CUDA : KVF_BACKEND_HOST;
+                if (n > 0)
+                        kvf_info("backend auto: %d GPU%s visible: cuda (GPU %u)", n, n > 1 ? "s" : "",
+                                 p.device == KVF_DEVICE_NONE ? 0 : p.device);
+                else
+                        kvf_info("backend auto: host (%s)", kvf_err_msg());
+        }
+        if (p.backend == KVF_BACKEND_CUDA && (rc = setup_cuda(&p, executor)) < 0) {
+                kvf_error("%s", kvf_err_msg());
+                return 1;
+        }
 
-        struct kvf_ctl ctl;
-        int rc;
         if (adopt && kvf_ctl_attach(p.instance, true, &ctl) == 0) {
+                if (ctl.hdr->backend == KVF_BACKEND_CUDA) {
+                        /* Its GPU memory died with the allocator that made it. */
+                        kvf_error("cannot adopt instance %s: its cache was GPU memory of the allocator that "
+                                  "died (pid %d); stop the instance and start it again",
+                                  p.instance, ctl.roles[KVF_ROLE_ALLOCATOR].pid);
+                        return 1;
+                }
                 if ((ctl.hdr->backend == KVF_BACKEND_HOST || ctl.hdr->backend == KVF_BACKEND_HOST_ASYNC) &&
                     (rc = kvf_host_cache_map_raw(ctl.hdr, false, &cache)) < 0) {
                         kvf_error("cannot adopt instance %s: %s", p.instance, kvf_err_msg());
@@ -259,11 +336,17 @@ int main(int argc, char **argv)
                 kvf_ctl_publish(&ctl);
                 char sz[32];
                 const struct kvf_cache_layout *l = &ctl.hdr->layout;
-                kvf_info("ready: %u+%u layers x %u tensors x %u blocks x %llu bytes = %s host cache, "
+                char where[96];
+                if (p.backend == KVF_BACKEND_CUDA)
+                        snprintf(where, sizeof(where), "GPU %u cache (copies in the %s's context)", p.device,
+                                 p.executor == KVF_EXEC_ENGINE ? "engine" : "sender");
+                else
+                        snprintf(where, sizeof(where), "%s cache", kvf_cache_backend(p.backend)->name);
+                kvf_info("ready: %u+%u layers x %u tensors x %u blocks x %llu bytes = %s %s, "
                          "%u kv heads, block size %u, head dim %u, %s%s",
                          l->num_layers, l->extra_layers, kvf_layout_tensors(l), l->num_blocks,
                          (unsigned long long)l->block_bytes,
-                         kvf_fmt_bytes(l->cache_bytes, sz, sizeof(sz)), l->kv_heads, l->block_size,
+                         kvf_fmt_bytes(l->cache_bytes, sz, sizeof(sz)), where, l->kv_heads, l->block_size,
                          l->head_dim, kvf_dtype_name(l->dtype), l->key_only ? ", key only" : "");
         }
         uint64_t beat = kvf_ms(ctl.hdr->heartbeat_ms);

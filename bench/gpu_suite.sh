@@ -23,6 +23,8 @@
 #   echo quit | nvidia-cuda-mps-control     # stop
 set -uo pipefail
 
+# The driver's tools (nvidia-cuda-mps-control) are not always on PATH (/usr/local/nvidia/bin).
+[[ -d /usr/local/nvidia/bin ]] && PATH=$PATH:/usr/local/nvidia/bin
 OUT=${1:-./gpu-results}
 HERE=$(cd "$(dirname "$0")" && pwd)
 ROOT=$(cd "$HERE/.." && pwd)

@@ -26,25 +26,7 @@
 #include "layout.h"
 #include "records.h"
 
-/* Events of earlier engine sessions, kept for kvf_poll_previous(). */
-#define PREVIOUS_MAX 65536u
-struct previous {
-        struct kvf_event ev;
-        struct previous *next;
-};
-
-struct kvf_client {
-        struct kvf_ctl ctl;
-        uint64_t session; /* the engine role generation this attach claimed */
-        pthread_mutex_t submit_mu;
-        pthread_mutex_t poll_mu; /* also guards the previous-session list and dst */
-        struct kvf_cache cache;
-        unsigned next_ring; /* poll fairness between the two inbound rings */
-        uint32_t *dst;      /* the last arrival's destination blocks (kvf_event.dest_block_ids) */
-        struct previous *prev_head, *prev_tail;
-        uint32_t nprev;
-        uint64_t prev_dropped;
-};
+#include "client.h"
 
 const char *kvf_last_error(void)
 {
@@ -116,6 +98,7 @@ int kvf_attach(const char *name, unsigned wait_ms, struct kvf_client **out)
         }
         pthread_mutex_init(&c->submit_mu, NULL);
         pthread_mutex_init(&c->poll_mu, NULL);
+        pthread_mutex_init(&c->stream_mu, NULL);
         /* The sender checks the engine's slot when its doorbell rings: no need to wait
          * for its next heartbeat tick. */
         kvf_doorbell_ring(&c->ctl.bells[KVF_BELL_SENDER]);
@@ -133,6 +116,7 @@ void kvf_detach(struct kvf_client *c)
 {
         if (!c)
                 return;
+        kvf_stream_detach(c); /* (its copies and signals reference the cache and us) */
         kvf_role_end(&c->ctl, KVF_ROLE_ENGINE);
         /* The session is over: the sender ends its requests now, not at its next tick. */
         kvf_doorbell_ring(&c->ctl.bells[KVF_BELL_SENDER]);
@@ -146,6 +130,7 @@ void kvf_detach(struct kvf_client *c)
         free(c->dst);
         pthread_mutex_destroy(&c->submit_mu);
         pthread_mutex_destroy(&c->poll_mu);
+        pthread_mutex_destroy(&c->stream_mu);
         kvf_ctl_detach(&c->ctl);
         free(c);
 }
@@ -162,6 +147,11 @@ void *kvf_cache_tensor(struct kvf_client *c, uint32_t layer, int v)
         if (!c->cache.base || layer >= kvf_layout_layers(l) || v < 0 || (uint32_t)v >= kvf_layout_tensors(l))
                 return NULL;
         return kvf_cache_addr(&c->cache, kvf_layout_offset(l, layer, (uint32_t)v, 0));
+}
+
+int kvf_cache_device(struct kvf_client *c)
+{
+        return c->cache.base && !c->cache.host ? c->cache.device : -1;
 }
 
 static int submit_bytes(struct kvf_client *c, int ring, int type, const void *buf, size_t len)
@@ -266,23 +256,27 @@ int kvf_submit_raw(struct kvf_client *c, int target, int record_type, const void
                             record_type, msgpack, len);
 }
 
-int kvf_layer_done(struct kvf_client *c, uint64_t step, uint32_t layer)
+int kvf_client_layer_check(struct kvf_client *c, uint64_t step, uint32_t layer)
 {
         const struct kvf_cache_layout *l = &c->ctl.hdr->layout;
-        struct kvf_progress *pg = c->ctl.progress;
-
         if (layer >= kvf_layout_layers(l))
                 return kvf_err_set(-EINVAL, "layer %u is beyond the %u layers of this instance", layer,
                                    kvf_layout_layers(l));
         if (step >= (1ull << (64 - KVF_PROGRESS_LAYER_BITS)))
                 return kvf_err_set(-EINVAL, "step %llu is too large", (unsigned long long)step);
-        uint64_t want = KVF_PROGRESS_PACK(step, layer + 1);
-        uint64_t cur = kvf_load_relaxed(&pg->word);
+        uint64_t cur = kvf_load_relaxed(&c->ctl.progress->word);
         if (step < KVF_PROGRESS_STEP(cur))
                 return kvf_err_set(-EINVAL,
                                    "layer-done for step %llu after step %llu was published: steps only grow "
                                    "(an engine that attaches again numbers its steps from kvf_last_step() + 1)",
                                    (unsigned long long)step, (unsigned long long)KVF_PROGRESS_STEP(cur));
+        return 0;
+}
+
+void kvf_client_publish(struct kvf_client *c, uint64_t want)
+{
+        struct kvf_progress *pg = c->ctl.progress;
+        uint64_t cur = kvf_load_relaxed(&pg->word);
         /* Before the word: a sender that sees the word reads a publish time at
          * least this late (statistics only, so relaxed is enough). */
         kvf_store_relaxed(&pg->publish_ns, kvf_now_ns());
@@ -292,6 +286,14 @@ int kvf_layer_done(struct kvf_client *c, uint64_t step, uint32_t layer)
         }
         kvf_fetch_add_relaxed(&pg->events, 1);
         kvf_doorbell_ring(&c->ctl.bells[KVF_BELL_SENDER]);
+}
+
+int kvf_layer_done(struct kvf_client *c, uint64_t step, uint32_t layer)
+{
+        int rc = kvf_client_layer_check(c, step, layer);
+        if (rc < 0)
+                return rc;
+        kvf_client_publish(c, KVF_PROGRESS_PACK(step, layer + 1));
         return 0;
 }
 

@@ -11,6 +11,9 @@
 static const struct kvf_cache_backend *const backends[] = {
         &kvf_cache_host,
         &kvf_cache_host_async, /* a test backend: host memory, copies completed later */
+#ifdef KVF_HAVE_CUDA
+        &kvf_cache_cuda,
+#endif
 };
 #define NBACKENDS (sizeof(backends) / sizeof(backends[0]))
 
@@ -44,6 +47,16 @@ const struct kvf_cache_backend *kvf_cache_backend_named(const char *name)
         return NULL;
 }
 
+int kvf_cache_gpus(void)
+{
+#ifdef KVF_HAVE_CUDA
+        return kvf_cache_cuda_gpus();
+#else
+        kvf_err_set(0, "this build has no CUDA (nvcc was not found when it was built)");
+        return 0;
+#endif
+}
+
 int kvf_cache_create(struct kvf_ctl_header *h, const struct kvf_cache_opts *o)
 {
         const struct kvf_cache_backend *be = kvf_cache_backend(h->backend);
@@ -57,9 +70,10 @@ void kvf_cache_destroy(const struct kvf_ctl_header *h)
                 be->destroy(h);
 }
 
-int kvf_cache_map(const struct kvf_ctl_header *h, bool writable, struct kvf_cache *out)
+static int map_for(const struct kvf_ctl_header *h, bool writable, int device, struct kvf_cache *out)
 {
         memset(out, 0, sizeof(*out));
+        out->device = device;
         const struct kvf_cache_backend *be = kvf_cache_backend(h->backend);
         if (!be)
                 return kvf_err_ctx(-EPROTO, "instance '%s'", h->instance);
@@ -71,6 +85,17 @@ int kvf_cache_map(const struct kvf_ctl_header *h, bool writable, struct kvf_cach
         if (rc < 0)
                 memset(out, 0, sizeof(*out));
         return rc;
+}
+
+int kvf_cache_map(const struct kvf_ctl_header *h, bool writable, struct kvf_cache *out)
+{
+        return map_for(h, writable, -1, out);
+}
+
+int kvf_cache_map_peer(const struct kvf_ctl_header *h, bool writable, const struct kvf_cache *near,
+                       struct kvf_cache *out)
+{
+        return map_for(h, writable, near ? near->device : -1, out);
 }
 
 void kvf_cache_unmap(struct kvf_cache *c)

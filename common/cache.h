@@ -11,7 +11,8 @@
  *              host memory gives the cache itself; a device backend gives a staging buffer
  *
  * One backend per instance, named in the control segment's header
- * (`backend`). Backends are listed once, in cache.c; a new one is a new file
+ * (`backend`). Backends: host (a shared-memory file), host-async (a test
+ * backend), cuda (GPU memory: cache_cuda.c, built where nvcc is). Backends are listed once, in cache.c; a new one is a new file
  * plus one line there. Offsets are byte offsets in the layout's order
  * (kvf_layout_offset).
  *
@@ -36,6 +37,8 @@ struct kvf_cache {
         uint64_t bytes;
         bool writable;
         bool host;        /* base is host memory the CPU may touch */
+        int device;       /* GPU backends: the CUDA device (as this process numbers them) whose
+                           * kernels use this mapping; -1 for host memory */
         void *priv;       /* the backend's */
 };
 
@@ -64,10 +67,13 @@ struct kvf_cache_backend {
         const char *name;
         uint32_t id; /* enum kvf_backend */
         /* Allocator: make the storage for header h (not yet published), say in h how it is
-         * backed, and keep it. */
+         * backed, and keep it; a backend whose storage is named by handles writes them into
+         * the segment (the header's cuda_* fields) there too. */
         int (*create)(struct kvf_ctl_header *h, const struct kvf_cache_opts *o);
         /* Remove what create made (the instance goes down). */
         void (*destroy)(const struct kvf_ctl_header *h);
+        /* out->device on entry: the device whose kernels will use the mapping (a peer's
+         * cache mapped for copies from ours), or -1: the device that holds it. */
         int (*map)(const struct kvf_ctl_header *h, bool writable, struct kvf_cache *out);
         void (*unmap)(struct kvf_cache *c);
         /* Copy a batch; *ticket identifies it for poll. The batches of one source cache
@@ -91,6 +97,12 @@ const struct kvf_cache_backend *kvf_cache_backend_named(const char *name);
 /* Names of the backends built in, for messages: "host, host-async". */
 const char *kvf_cache_backend_names(void);
 
+/*
+ * GPUs visible to this process: > 0, or 0 when there is none or this build
+ * has no CUDA (kvf_err then says which). For `--backend auto`.
+ */
+int kvf_cache_gpus(void);
+
 /* Allocator: create the cache of header h with its backend. */
 int kvf_cache_create(struct kvf_ctl_header *h, const struct kvf_cache_opts *o);
 void kvf_cache_destroy(const struct kvf_ctl_header *h);
@@ -101,6 +113,13 @@ void kvf_cache_destroy(const struct kvf_ctl_header *h);
  * open), -EPROTO (wrong size or unknown backend), -ENOMEM, with kvf_err set.
  */
 int kvf_cache_map(const struct kvf_ctl_header *h, bool writable, struct kvf_cache *out);
+/*
+ * Map a same-host peer's cache for copies from `near` (a cache of ours): a GPU
+ * backend opens it for `near`'s device, with peer access when it lives on
+ * another GPU (-EXDEV when the two GPUs cannot reach each other).
+ */
+int kvf_cache_map_peer(const struct kvf_ctl_header *h, bool writable, const struct kvf_cache *near,
+                       struct kvf_cache *out);
 void kvf_cache_unmap(struct kvf_cache *c);
 
 /* The address of byte `off` of the cache, as this process uses it (host or device). */
@@ -138,5 +157,11 @@ static inline int kvf_cache_io_end(struct kvf_cache *c, uint64_t off, uint64_t l
 /* The backends (cache_*.c). */
 extern const struct kvf_cache_backend kvf_cache_host;
 extern const struct kvf_cache_backend kvf_cache_host_async;
+#ifdef KVF_HAVE_CUDA
+extern const struct kvf_cache_backend kvf_cache_cuda;
+/* cache_cuda.c: GPUs visible (kvf_cache_gpus); the device this process numbers `uuid`, or < 0. */
+int kvf_cache_cuda_gpus(void);
+int kvf_cache_cuda_device_of(const uint8_t uuid[16]);
+#endif
 
 #endif

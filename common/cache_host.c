@@ -161,6 +161,7 @@ static int host_map(const struct kvf_ctl_header *h, bool writable, struct kvf_ca
 {
         int rc = kvf_host_cache_map_raw(h, writable, &out->base);
         out->host = rc == 0;
+        out->device = -1; /* host memory, whichever device the mapping was asked for */
         return rc;
 }
 

@@ -124,7 +124,7 @@ void kvf_cache_shm_name(const char *instance, char *buf, size_t len)
 /* Where every region goes, derived from a few parameters only. */
 struct plan {
         uint64_t roles, bells, progress, cinfo, rings, counters, errlog, journal, sender_area,
-                reqtab, blocks, cuda, ring_data[KVF_RING_COUNT], total;
+                reqtab, blocks, cuda, exec, plan, ring_data[KVF_RING_COUNT], total;
 };
 
 static uint64_t align_up(uint64_t v, uint64_t a)
@@ -165,6 +165,10 @@ static int make_plan(uint32_t slots, uint32_t max_blocks, uint32_t cuda_handles,
         off += sizeof(struct kvf_sender_area);
         p->cuda = off;
         off += (uint64_t)cuda_handles * 64;
+        p->exec = off = align_up(off, KVF_CACHE_LINE);
+        off += sizeof(struct kvf_exec);
+        p->plan = off;
+        off += (uint64_t)slots * sizeof(struct kvf_plan_entry);
         p->reqtab = off = align_up(off, 4096);
         off += (uint64_t)slots * sizeof(struct kvf_req_slot);
         p->blocks = off = align_up(off, 4096);
@@ -198,6 +202,9 @@ static void bind_views(struct kvf_ctl *c, const struct plan *p)
         c->sender = (struct kvf_sender_area *)(void *)(b + p->sender_area);
         c->reqtab = (struct kvf_req_slot *)(void *)(b + p->reqtab);
         c->blocks = (uint32_t *)(void *)(b + p->blocks);
+        c->exec = (struct kvf_exec *)(void *)(b + p->exec);
+        c->plan = (struct kvf_plan_entry *)(void *)(b + p->plan);
+        c->cuda_handles = b + p->cuda;
 }
 
 static void c_init_sender_area(struct kvf_sender_area *a)
@@ -326,6 +333,10 @@ int kvf_ctl_create(const struct kvf_ctl_params *prm, struct kvf_ctl *out)
         h->blocks_off = p.blocks;
         h->cuda_handles_off = p.cuda;
         h->cuda_handles_count = prm->cuda_handles;
+        h->executor = prm->executor;
+        h->exec_off = p.exec;
+        h->plan_off = p.plan;
+        h->plan_slots = slots;
         h->heartbeat_ms = prm->heartbeat_ms ? prm->heartbeat_ms : KVF_DEFAULT_HEARTBEAT_MS;
         bool asym = kvf_doorbell_asymmetric_supported();
         for (int i = 0; i < KVF_BELL_COUNT; i++)
@@ -440,6 +451,8 @@ int kvf_ctl_validate(void *base, uint64_t size, uid_t uid, struct kvf_ctl *out)
                 cap[i] = h->ring_capacity[i];
         if (make_plan(h->reqtab_slots, h->max_blocks, h->cuda_handles_count, cap, &p) < 0)
                 return kvf_err_ctx(-EBADMSG, "corrupt control segment");
+        if (h->plan_slots != h->reqtab_slots)
+                return bad("%u plan entries for %u request slots", h->plan_slots, h->reqtab_slots);
         if (p.total != h->total_size)
                 return bad("regions need %llu bytes, the segment has %llu",
                            (unsigned long long)p.total, (unsigned long long)h->total_size);
@@ -454,6 +467,7 @@ int kvf_ctl_validate(void *base, uint64_t size, uid_t uid, struct kvf_ctl *out)
                 {"sender area", h->sender_area_off, p.sender_area},
                 {"request table", h->reqtab_off, p.reqtab}, {"block arena", h->blocks_off, p.blocks},
                 {"CUDA handles", h->cuda_handles_off, p.cuda},
+                {"executor words", h->exec_off, p.exec}, {"plan entries", h->plan_off, p.plan},
         };
         for (size_t i = 0; i < sizeof(offs) / sizeof(offs[0]); i++)
                 if (offs[i].have != offs[i].want)

@@ -31,7 +31,8 @@ struct kvf_ctl_params {
         uint64_t ring_capacity[KVF_RING_COUNT]; /* 0 = default */
         uint32_t reqtab_slots;                  /* 0 = default */
         uint32_t max_blocks;                    /* 0 = default */
-        uint32_t cuda_handles;
+        uint32_t cuda_handles;  /* the backend's IPC handles (cuda: 1) */
+        uint32_t executor;      /* enum kvf_executor */
         uint32_t heartbeat_ms; /* 0 = default */
 };
 
@@ -59,6 +60,9 @@ struct kvf_ctl {
         struct kvf_sender_area *sender;
         struct kvf_req_slot *reqtab;
         uint32_t *blocks;
+        struct kvf_exec *exec;        /* engine executor's words */
+        struct kvf_plan_entry *plan;  /* hdr->plan_slots entries, one per request slot */
+        uint8_t *cuda_handles;        /* hdr->cuda_handles_count x 64 bytes */
 };
 
 /* Check a name; fills kvf_err and returns -EINVAL when it is not one. */

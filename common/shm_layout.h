@@ -20,6 +20,9 @@
  *   request table ................. sender only (engine and tools read)
  *   arrival journal ............... connector only
  *   sender area ................... sender only
+ *   plan entries .................. the sender writes them; `ctl` by CAS (sender and engine),
+ *                                   `err`/`why` by the engine (engine executor)
+ *   exec, line 0 .................. the engine (engine executor); line 1: the sender
  *   connector info ................ connector only (seqlock)
  */
 #ifndef KVF_SHM_LAYOUT_H
@@ -29,7 +32,7 @@
 #include <stdint.h>
 
 #define KVF_MAGIC 0x315952524546564bull /* "KVFERRY1" read little-endian */
-#define KVF_LAYOUT_VERSION 3u
+#define KVF_LAYOUT_VERSION 4u
 #define KVF_CACHE_LINE 64u
 #define KVF_HEADER_SIZE 4096u
 
@@ -95,6 +98,19 @@ enum kvf_backend {
 
 #define KVF_DEVICE_NONE 0xffffffffu
 
+/*
+ * Where the same-host copies of a GPU cache run (the cuda backend): in the
+ * sender's own CUDA context (fast beside a busy engine only under MPS), or
+ * in the engine's context, enqueued by the client library on a side stream
+ * when the engine signals a layer (kvf_layer_done_on_stream), following the
+ * plan the sender keeps in the plan entries below.
+ */
+enum kvf_executor {
+        KVF_EXEC_NONE = 0,   /* host backends: the sender copies with the CPU */
+        KVF_EXEC_SENDER = 1, /* the sender's context (executor 1; MPS) */
+        KVF_EXEC_ENGINE = 2, /* the engine's context (executor 2) */
+};
+
 /* The cache layout; also sent in the handshake (as msgpack, not as bytes). */
 struct kvf_cache_layout {
         uint32_t num_layers;   /* model layers */
@@ -147,7 +163,12 @@ struct kvf_progress {
         uint64_t word;
         uint64_t events;     /* layer-done events published (statistics) */
         uint64_t publish_ns; /* CLOCK_MONOTONIC of the latest publish, stored before `word` */
-        uint8_t pad[40];
+        /* The largest word an engine has queued on a CUDA stream to be written by the GPU
+         * (kvf_layer_done_on_stream, stream-write method): no doorbell rings when the GPU
+         * writes `word`, so while enqueued > word the sender polls instead of sleeping.
+         * Monotonic (CAS max by the engine); 0 when the method is not in use. */
+        uint64_t enqueued;
+        uint8_t pad[32];
 };
 #define KVF_PROGRESS_LAYER_BITS 16u
 #define KVF_PROGRESS_PACK(step, layers) (((uint64_t)(step) << KVF_PROGRESS_LAYER_BITS) | (layers))
@@ -270,6 +291,7 @@ struct kvf_req_slot {
 };
 #define KVF_REQF_ID_BIN 1u       /* the request id came as msgpack bin: echo it as bin */
 #define KVF_REQF_COPY_PENDING 2u /* ipc: a copy batch with its bytes may still be in flight */
+#define KVF_REQF_ENGINE_COPY 4u  /* engine executor: the engine's context may have copies of it queued */
 
 /*
  * The decode-side connector's journal of published arrivals, so a notice
@@ -303,6 +325,60 @@ enum kvf_hist_id {
         KVF_HIST_COPY = 1,          /* sender: one layer's copy batch, start to end */
         KVF_HIST_LAST_TO_DONE = 2,  /* sender: request's last layer ready -> completion */
         KVF_HIST_COUNT = 3,
+};
+
+/*
+ * Engine executor (KVF_EXEC_ENGINE): one plan entry per request slot. The
+ * sender decides: it publishes, for an ipc request whose next step has not
+ * started, which send-blocks move in every layer of that step and to which
+ * peer. The engine's client library executes: when the engine signals layer
+ * L of that step on its stream, it claims layer L of every open entry (a CAS
+ * of `ctl` from exactly L to L + 1 claimed layers, so the engine's layers are
+ * always [0, claimed)), and launches one copy kernel for all of them on a
+ * side stream ordered after the engine's stream; exec.landed tells the sender
+ * when they have landed. The sender closes an entry (an exchange that keeps
+ * the claimed count) when the step is over or as soon as a layer is ready that
+ * the engine did not claim (the plan came late, or the engine signals on the
+ * host): from then on the sender copies the rest itself. An entry is
+ * rewritten only while closed; `gen` changes with every publish, so an engine
+ * that read the fields of an older publish fails its CAS (a seqlock whose
+ * readers validate by CAS).
+ */
+#define KVF_PLAN_OPEN (1ull << 31)
+#define KVF_PLAN_CLAIMED(ctl) ((uint32_t)((ctl) & 0xffffu))
+#define KVF_PLAN_GEN(ctl) ((uint32_t)((ctl) >> 32))
+#define KVF_PLAN_CTL(gen, open, claimed)                                                           \
+        (((uint64_t)(uint32_t)(gen) << 32) | ((open) ? KVF_PLAN_OPEN : 0) | (uint64_t)(claimed))
+struct kvf_plan_entry {
+        uint64_t ctl;        /* gen << 32 | KVF_PLAN_OPEN | claimed: CAS only. The engine's
+                              * layers of `step` are [first, claimed) */
+        uint64_t step;       /* the forward step whose layers this entry moves */
+        uint32_t b0, b1;     /* send-blocks [b0, b1) in every layer */
+        uint32_t src_first;  /* send-block i is source block src list[src_first + i] */
+        uint32_t first;      /* layers below this are the sender's (claimed starts here) */
+        uint64_t peer_created_ns; /* identity of the peer instance's segment */
+        uint64_t peer_session;    /* the peer engine session owning the blocks (0: unchecked) */
+        uint32_t err;        /* the engine could not copy a layer it claimed: `why` says why */
+        uint32_t pad;
+        char peer[KVF_INSTANCE_MAX];
+        char why[152];
+};
+
+/* The engine executor's shared words. */
+struct kvf_exec {
+        /* line 0: the engine */
+        uint64_t landed;  /* PACK(step, layers): every copy the engine launched for a layer of
+                           * an earlier step, or of this step below `layers`, has landed (monotonic) */
+        uint64_t batches; /* copy kernels the engine launched (statistics) */
+        uint64_t claims;  /* layers it claimed, summed over entries (statistics) */
+        uint64_t errors;  /* claimed layers it could not copy (statistics) */
+        uint8_t pad0[32];
+        /* line 1: the sender */
+        uint32_t hi;        /* entries [0, hi) may be open: the engine scans only those */
+        uint32_t pad1;
+        uint64_t published; /* entries published (statistics) */
+        uint64_t taken_back; /* entries closed before their step ended: the sender copied the rest */
+        uint8_t pad2[40];
 };
 
 /* The sender's own state that must survive its restart (besides the request table). */
@@ -366,7 +442,8 @@ struct kvf_ctl_header {
         uint64_t blocks_off;
         uint64_t journal_off;
         uint64_t connector_info_off;
-        uint64_t cuda_handles_off; /* 64-byte cudaIpcMemHandle_t per tensor, layer-major */
+        uint64_t cuda_handles_off; /* 64-byte cudaIpcMemHandle_t each (cuda backend: one, for
+                                    * one allocation holding the whole cache, kvf_layout_offset order) */
         uint32_t cuda_handles_count;
         uint32_t heartbeat_ms; /* roles refresh their heartbeat at least this often */
         uint64_t ring_capacity[KVF_RING_COUNT];
@@ -377,7 +454,13 @@ struct kvf_ctl_header {
         char cache_path[KVF_CACHE_PATH_MAX]; /* the cache file, absolute */
         char cache_note[KVF_CACHE_NOTE_MAX]; /* why these pages: how huge pages were had, or the
                                               * reason for 4 KiB pages */
-        uint8_t reserved[3704 - 8 - KVF_CACHE_PATH_MAX - KVF_CACHE_NOTE_MAX];
+        uint8_t cuda_uuid[16]; /* cuda backend: the UUID of the GPU holding the cache (processes may
+                                * number devices differently: CUDA_VISIBLE_DEVICES) */
+        uint32_t executor;     /* enum kvf_executor */
+        uint32_t plan_slots;   /* plan entries (= reqtab_slots) */
+        uint64_t exec_off;     /* struct kvf_exec */
+        uint64_t plan_off;     /* struct kvf_plan_entry[plan_slots] */
+        uint8_t reserved[3704 - 8 - KVF_CACHE_PATH_MAX - KVF_CACHE_NOTE_MAX - 40];
 };
 
 _Static_assert(sizeof(struct kvf_cache_layout) == 48, "layout size");
@@ -396,10 +479,15 @@ _Static_assert(sizeof(struct kvf_journal_entry) == 32, "journal entry size");
 _Static_assert(sizeof(struct kvf_connector_info) == 64, "connector info size");
 _Static_assert(sizeof(struct kvf_histogram) == 32 + 8 * KVF_HIST_BUCKETS, "histogram size");
 _Static_assert(offsetof(struct kvf_sender_area, hist) == 64, "sender area histograms");
+_Static_assert(sizeof(struct kvf_plan_entry) == 256, "plan entry size");
+_Static_assert(sizeof(struct kvf_exec) == 2 * KVF_CACHE_LINE, "exec size");
+_Static_assert(offsetof(struct kvf_exec, hi) == KVF_CACHE_LINE, "exec sender line");
 _Static_assert(offsetof(struct kvf_ctl_header, version) == 8, "version offset");
 _Static_assert(offsetof(struct kvf_ctl_header, instance) == 48, "instance offset");
 _Static_assert(offsetof(struct kvf_ctl_header, layout) == 96, "layout offset");
 _Static_assert(offsetof(struct kvf_ctl_header, cache_path) == 400, "cache path offset");
+_Static_assert(offsetof(struct kvf_ctl_header, cuda_uuid) == 720, "cuda uuid offset");
+_Static_assert(offsetof(struct kvf_ctl_header, exec_off) == 744, "exec offset");
 _Static_assert(sizeof(struct kvf_ctl_header) == KVF_HEADER_SIZE, "header size");
 
 #endif

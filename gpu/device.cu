@@ -85,6 +85,13 @@ extern "C" int kvf_gpu_device_count(void)
         return n;
 }
 
+extern "C" int kvf_gpu_current_device(void)
+{
+        int d = 0;
+        cudaError_t e = cudaGetDevice(&d);
+        return e == cudaSuccess ? d : kvf_gpu_err_cuda(e, "cudaGetDevice");
+}
+
 extern "C" int kvf_gpu_device_uuid(int device, uint8_t uuid[16])
 {
         cudaDeviceProp p;
@@ -252,6 +259,55 @@ extern "C" int kvf_gpu_ipc_close(int device, void *ptr)
         cudaError_t e = cudaIpcCloseMemHandle(ptr);
         kvf_gpu_device_leave(prev);
         return e == cudaSuccess ? 0 : kvf_gpu_err_cuda(e, "cudaIpcCloseMemHandle");
+}
+
+/* ---------------------------------------------------------------- plain copies and host memory */
+
+extern "C" int kvf_gpu_memcpy(int device, void *dst, const void *src, uint64_t bytes)
+{
+        int prev, rc;
+        if (!bytes)
+                return 0;
+        if (!dst || !src)
+                return kvf_gpu_err_set(-EINVAL, "memcpy: NULL pointer");
+        if ((rc = kvf_gpu_device_enter(device, &prev)) < 0)
+                return rc;
+        cudaError_t e = cudaMemcpy(dst, src, bytes, cudaMemcpyDefault);
+        kvf_gpu_device_leave(prev);
+        return e == cudaSuccess ? 0 : kvf_gpu_err_cuda(e, "cudaMemcpy");
+}
+
+extern "C" int kvf_gpu_memset(int device, void *ptr, int value, uint64_t bytes)
+{
+        int prev, rc;
+        if (!bytes)
+                return 0;
+        if ((rc = kvf_gpu_device_enter(device, &prev)) < 0)
+                return rc;
+        cudaError_t e = cudaMemset(ptr, value, bytes);
+        if (e == cudaSuccess)
+                e = cudaDeviceSynchronize();
+        kvf_gpu_device_leave(prev);
+        return e == cudaSuccess ? 0 : kvf_gpu_err_cuda(e, "cudaMemset");
+}
+
+extern "C" int kvf_gpu_host_alloc(uint64_t bytes, void **out)
+{
+        if (!out || !bytes)
+                return kvf_gpu_err_set(-EINVAL, "host alloc: nothing to allocate");
+        *out = NULL;
+        cudaError_t e = cudaHostAlloc(out, bytes, cudaHostAllocPortable);
+        if (e != cudaSuccess) {
+                *out = NULL;
+                return kvf_gpu_err_cuda(e, "cudaHostAlloc");
+        }
+        return 0;
+}
+
+extern "C" void kvf_gpu_host_free(void *ptr)
+{
+        if (ptr && cudaFreeHost(ptr) != cudaSuccess)
+                (void)cudaGetLastError();
 }
 
 /* ---------------------------------------------------------------- layer-done signals */
@@ -468,6 +524,14 @@ extern "C" int kvf_gpu_signal_post(struct kvf_gpu_signal *s, void *stream, uint6
         }
         }
         return kvf_gpu_err_set(-EINVAL, "signal: unknown method %d", s->method);
+}
+
+extern "C" uint64_t kvf_gpu_signal_pending(struct kvf_gpu_signal *s)
+{
+        if (!s || s->method != KVF_GPU_SIGNAL_HOST_FN)
+                return 0;
+        /* Acquire: pairs with the host function's release increment of `ran`. */
+        return s->posted - kvf_load_acquire(&s->ran);
 }
 
 extern "C" void kvf_gpu_signal_destroy(struct kvf_gpu_signal *s)

@@ -57,6 +57,9 @@ const char *kvf_gpu_err_msg(void);
  */
 int kvf_gpu_device_count(void);
 
+/* The calling thread's current device (cudaGetDevice), or -EIO. */
+int kvf_gpu_current_device(void);
+
 /* The device's UUID (16 bytes), stable across processes whatever their
  * CUDA_VISIBLE_DEVICES: store it beside an IPC handle. */
 int kvf_gpu_device_uuid(int device, uint8_t uuid[16]);
@@ -101,6 +104,21 @@ int kvf_gpu_ipc_close(int device, void *ptr);
 /* Let kernels on `device` access memory on `peer` (idempotent); -EXDEV if the
  * hardware cannot (then a copy must be staged through host memory). */
 int kvf_gpu_peer_enable(int device, int peer);
+
+/* ---------------------------------------------------------------- plain copies and host memory */
+
+/*
+ * Copy `bytes` between any two of host memory, device memory and mapped
+ * memory (cudaMemcpy, direction inferred from the pointers), on `device`'s
+ * context; returns when the bytes are in place. For staging (the tcp path)
+ * and tests, never for a layer's blocks.
+ */
+int kvf_gpu_memcpy(int device, void *dst, const void *src, uint64_t bytes);
+/* cudaMemset on `device`, synchronous. */
+int kvf_gpu_memset(int device, void *ptr, int value, uint64_t bytes);
+/* Pinned host memory (cudaHostAlloc, portable to every device); free with kvf_gpu_host_free. */
+int kvf_gpu_host_alloc(uint64_t bytes, void **out);
+void kvf_gpu_host_free(void *ptr);
 
 /* ---------------------------------------------------------------- runs and the plan */
 
@@ -296,6 +314,8 @@ int kvf_gpu_signal_create(int device, uint64_t *word, int method, void (*wake)(v
  * -EAGAIN (HOST_FN) when 1024 host functions of this signal are pending.
  */
 int kvf_gpu_signal_post(struct kvf_gpu_signal *s, void *stream, uint64_t value);
+/* HOST_FN: host functions posted that have not finished yet (0 for the other methods). */
+uint64_t kvf_gpu_signal_pending(struct kvf_gpu_signal *s);
 /* The caller has made sure no post is still pending (stream synchronised). */
 void kvf_gpu_signal_destroy(struct kvf_gpu_signal *s);
 const char *kvf_gpu_signal_method_name(int method);

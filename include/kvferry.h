@@ -15,6 +15,12 @@
  * serialised by one mutex and polling by another (the rings are
  * single-producer single-consumer). kvf_layer_done() is lock-free and may be
  * called from a CUDA host callback.
+ *
+ * GPU caches (an instance started with --backend cuda): kvf_cache_tensor()
+ * returns device pointers, kvf_cache_device() says which GPU, and
+ * kvf_layer_done_on_stream() publishes a layer from the engine's CUDA stream
+ * without synchronising it. This header needs no CUDA header: streams are
+ * `void *` (a cudaStream_t).
  */
 #ifndef KVFERRY_H
 #define KVFERRY_H
@@ -145,8 +151,17 @@ int kvf_poll_previous(struct kvf_client *c, struct kvf_event *ev);
 uint64_t kvf_previous_dropped(struct kvf_client *c);
 
 int kvf_get_layout(struct kvf_client *c, struct kvf_layout_info *out);
-/* Host backend: the tensor of `layer` (0 = K, 1 = V), [num_blocks, heads, block_size, head_dim]. */
+/*
+ * The tensor of `layer` (0 = K, 1 = V), [num_blocks, heads, block_size, head_dim],
+ * contiguous: host memory for a host instance, a device pointer (on the GPU
+ * kvf_cache_device() names) for a cuda instance. NULL for a layer or tensor
+ * out of range. The caches are the allocator's: they outlive the engine, so
+ * an engine that attaches again finds them as it left them.
+ */
 void *kvf_cache_tensor(struct kvf_client *c, uint32_t layer, int v);
+/* -1: the caches are host memory; else the CUDA device, as this process numbers devices
+ * (CUDA_VISIBLE_DEVICES), that holds them. */
+int kvf_cache_device(struct kvf_client *c);
 
 int kvf_submit_task(struct kvf_client *c, const struct kvf_task *t);
 /* Chunked prefill: after `step`, tokens [0, tokens_done) are complete; last = final chunk. */
@@ -186,6 +201,31 @@ int kvf_submit_raw(struct kvf_client *c, int target, int record_type, const void
 int kvf_layer_done(struct kvf_client *c, uint64_t step, uint32_t layer);
 /* The last step with a published layer-done event (0 if none). */
 uint64_t kvf_last_step(struct kvf_client *c);
+
+/*
+ * kvf_layer_done() when the engine's CUDA `stream` (a cudaStream_t of the
+ * device kvf_cache_device() names) reaches this point: the call only
+ * enqueues, the engine never waits for its GPU. Use one stream per client,
+ * layers in order; do not mix with kvf_layer_done() for the same steps.
+ * When the instance's copies run in the engine's context (the allocator's
+ * --executor engine), this also enqueues the layer's copy of every request
+ * the sender has planned, on a side stream ordered after `stream`: one
+ * kernel for all of them. Synchronise `stream` before kvf_detach().
+ * Returns 0; -EINVAL as kvf_layer_done(); -ENOTSUP in a build without CUDA;
+ * -EIO when CUDA refused the signal (kvf_last_error() says why).
+ */
+int kvf_layer_done_on_stream(struct kvf_client *c, void *stream, uint64_t step, uint32_t layer);
+
+/* How kvf_layer_done_on_stream() signals the sender. */
+enum kvf_layer_signal {
+        KVF_SIGNAL_DEFAULT = 0,    /* $KVFERRY_LAYER_SIGNAL ("hostfn" or "writevalue"), else hostfn */
+        KVF_SIGNAL_HOSTFN = 1,     /* a CUDA host function publishes the word and rings the
+                                    * sender's doorbell (CUDA's callback thread does it) */
+        KVF_SIGNAL_WRITEVALUE = 2, /* the GPU writes the word itself (cuStreamWriteValue64); no
+                                    * doorbell: the sender polls while layers are queued */
+};
+/* Choose before the first kvf_layer_done_on_stream(); -EINVAL for an unknown method, -EBUSY after. */
+int kvf_set_layer_signal(struct kvf_client *c, int method);
 
 /* Next event: 1 = *ev filled, 0 = none within timeout_ms (-1 waits forever), < 0 error. */
 int kvf_poll(struct kvf_client *c, struct kvf_event *ev, int timeout_ms);

@@ -23,7 +23,8 @@ int sender_copies_init(struct sender *s)
         s->cp.inflight = calloc(n, sizeof(*s->cp.inflight));
         s->cp.state = calloc(n, 1);
         s->cp.slots = malloc(n * sizeof(*s->cp.slots));
-        if (!s->cp.inflight || !s->cp.state || !s->cp.slots)
+        s->cp.owing = calloc(n, sizeof(*s->cp.owing));
+        if (!s->cp.inflight || !s->cp.state || !s->cp.slots || !s->cp.owing)
                 return kvf_err_set(-ENOMEM, "out of memory for the copy batches of %u slots", n);
         return 0;
 }
@@ -154,8 +155,74 @@ static void batch_done(struct sender *s, uint32_t slot, int rc)
                 sender_all_sent(s, slot); /* its last bytes have landed (no-op once decided) */
 }
 
+void sender_copies_owe(struct sender *s, uint32_t slot, uint64_t word, uint32_t gen)
+{
+        if (s->cp.nowes == s->cp.capowes) {
+                uint32_t cap = s->cp.capowes ? 2 * s->cp.capowes : 64;
+                struct copy_owe *o = realloc(s->cp.owes, cap * sizeof(*o));
+                if (!o) {
+                        /* Cannot wait for them: the request cannot be reported finished. */
+                        sender_fail(s, slot, KVF_STATUS_WRITE, "out of memory to track the engine's copies");
+                        return;
+                }
+                s->cp.owes = o;
+                s->cp.capowes = cap;
+        }
+        s->cp.owes[s->cp.nowes++] = (struct copy_owe){
+                .slot = slot, .gen = gen, .word = word, .session = s->ctl.reqtab[slot].session,
+                .deadline_ns = kvf_now_ns() + 2 * s->request_timeout_ns};
+        s->cp.inflight[slot]++;
+        s->cp.owing[slot]++;
+        s->ctl.reqtab[slot].flags |= KVF_REQF_ENGINE_COPY;
+}
+
+bool sender_copies_owing(const struct sender *s, uint32_t slot)
+{
+        return s->cp.owing[slot] != 0;
+}
+
+/* The engine's copies that have landed, or never will (its session is over). */
+static void poll_owes(struct sender *s)
+{
+        /* Acquire: pairs with the engine's release store of landed (a host function's
+         * store, or the GPU's write after the copies): their bytes are in place. */
+        uint64_t landed = kvf_load_acquire(&s->ctl.exec->landed), now = 0;
+        uint64_t live = kvf_engine_session(&s->ctl, false);
+        for (uint32_t i = 0; i < s->cp.nowes;) {
+                struct copy_owe *o = &s->cp.owes[i];
+                int rc = 1;
+                if (landed >= o->word) {
+                        const struct kvf_plan_entry *e = &s->ctl.plan[o->slot];
+                        /* Acquire: pairs with the engine's release store of err. */
+                        if (KVF_PLAN_GEN(kvf_load_relaxed(&e->ctl)) == o->gen && kvf_load_acquire(&e->err))
+                                rc = kvf_err_set(-EIO, "%.*s", (int)sizeof(e->why), e->why);
+                        else
+                                rc = 0;
+                } else if (o->session != live || o->session == s->dead_session) {
+                        /* Its context is gone, and what it had queued with it. */
+                        rc = kvf_err_set(-EIO, "the engine session that was copying it ended");
+                } else if ((now ? now : (now = kvf_now_ns())) > o->deadline_ns) {
+                        rc = kvf_err_set(-EIO, "the engine's copies did not land in %llu ms",
+                                         (unsigned long long)(2 * s->request_timeout_ns / 1000000));
+                        kvf_errlog(&s->ctl, KVF_ROLE_SENDER, "req %s: %s", s->ctl.reqtab[o->slot].request_id,
+                                   kvf_err_msg());
+                }
+                if (rc > 0) {
+                        i++;
+                        continue;
+                }
+                uint32_t slot = o->slot;
+                s->cp.owes[i] = s->cp.owes[--s->cp.nowes];
+                if (!--s->cp.owing[slot] && !(kvf_load_relaxed(&s->ctl.plan[slot].ctl) & KVF_PLAN_OPEN))
+                        s->ctl.reqtab[slot].flags &= ~KVF_REQF_ENGINE_COPY;
+                batch_done(s, slot, rc);
+        }
+}
+
 void sender_copies_poll(struct sender *s)
 {
+        if (s->cp.nowes)
+                poll_owes(s);
         /* Oldest first; a batch still in flight stops the scan (they land in order). */
         while (s->cp.flight) {
                 struct copy_batch *cb = s->cp.flight;

@@ -23,6 +23,9 @@
 #include "log.h"
 #include "opts.h"
 #include "sender.h"
+#ifdef KVF_HAVE_CUDA
+#include "kvf_gpu.h"
+#endif
 
 static const char *prog = "kvf-sender";
 
@@ -46,11 +49,37 @@ static bool has_work(void *arg)
         struct sender *s = arg;
         /* A task held back (table full, or no room for its rejection) is no work
          * until a slot is freed; the loop also retries it every millisecond. */
-        return kvf_load_acquire(&s->ctl.progress->word) != s->progress ||
+        uint64_t w = kvf_load_acquire(&s->ctl.progress->word);
+        /* A word queued on the engine's GPU stream and not yet written (no doorbell comes
+         * with it): work to wait for by polling (run()). */
+        return w != s->progress || kvf_load_relaxed(&s->ctl.progress->enqueued) > w ||
                kvf_load_acquire(&s->ctl.roles[KVF_ROLE_ENGINE].generation) != s->engine_gen_seen ||
                (s->session && kvf_load_acquire(&s->ctl.roles[KVF_ROLE_ENGINE].state) == KVF_STATE_STOPPED) ||
                (!s->engine_blocked && kvf_ring_readable(&s->ctl.rings[KVF_RING_ENGINE_TO_SENDER])) ||
                kvf_ring_readable(&s->ctl.rings[KVF_RING_CONNECTOR_TO_SENDER]);
+}
+
+/* Where this instance's GPU copies run, and whether that is fast beside a busy engine. */
+static void log_gpu(struct sender *s)
+{
+        if (s->ctl.hdr->executor == KVF_EXEC_ENGINE) {
+                kvf_info("GPU %d: same-host copies run in the engine's context (executor engine), enqueued by "
+                         "kvf_layer_done_on_stream; the sender copies what the engine did not take",
+                         s->own.device);
+                return;
+        }
+#ifdef KVF_HAVE_CUDA
+        int mps = kvf_gpu_mps_enabled(s->own.device);
+#else
+        int mps = 0;
+#endif
+        if (mps > 0)
+                kvf_info("GPU %d: same-host copies run in the sender's context, under MPS", s->own.device);
+        else
+                kvf_warn("GPU %d: same-host copies run in the sender's context without MPS: while the engine "
+                         "computes, each copy waits for a time slice (milliseconds); start MPS "
+                         "(tools/kvferry up --mps) or use --executor engine",
+                         s->own.device);
 }
 
 /* The engine's pace: layer events come steadily within a step (see idle_wait). */
@@ -80,6 +109,10 @@ static bool handle_progress(struct sender *s, struct pace *pc)
                 return false;
         uint64_t pub = kvf_load_relaxed(&s->ctl.progress->publish_ns);
         uint64_t t = kvf_now_ns();
+        /* Written by the GPU (kvf_layer_done_on_stream's stream write): nobody stored a
+         * publish time; the nearest we know is now. */
+        if (kvf_load_relaxed(&s->ctl.progress->enqueued) >= w)
+                pub = t;
         if (pc->last_event && t - pc->last_event < EXPECT_MAX_GAP)
                 pc->gap = pc->gap ? (pc->gap * 7 + (t - pc->last_event)) / 8 : t - pc->last_event;
         pc->last_event = t;
@@ -146,11 +179,19 @@ static bool read_connector(struct sender *s)
                 s->sliced = false;
                 worked = true; /* more of a backlog: after the next progress check */
         }
-        if (s->cp.flight) {
+        if (s->cp.flight || s->cp.nowes) {
                 sender_copies_poll(s);
                 worked = true; /* batches in flight: keep looking (no wake-up comes) */
         }
         return worked;
+}
+
+/* Layer-done words the engine queued on its GPU stream to be written there: no doorbell
+ * rings when they land, so poll until they have. */
+static bool stream_words_due(struct sender *s)
+{
+        return kvf_load_relaxed(&s->ctl.progress->enqueued) >
+               kvf_load_relaxed(&s->ctl.progress->word);
 }
 
 /*
@@ -192,6 +233,7 @@ static int run(struct sender *s, uint64_t spin_ns)
                 worked |= handle_progress(s, &pc);
                 worked |= read_engine(s, beat);
                 worked |= read_connector(s);
+                worked |= stream_words_due(s);
 
                 uint64_t now = kvf_now_ns();
                 if (now >= next_tick) {
@@ -263,7 +305,7 @@ int main(int argc, char **argv)
         s.tensors = kvf_layout_tensors(s.layout);
         s.request_timeout_ns = kvf_ms(timeout_ms);
         if ((rc = kvf_cache_map(s.ctl.hdr, false, &s.own)) < 0 || (rc = sender_table_init(&s)) < 0 ||
-            (rc = sender_copies_init(&s)) < 0) {
+            (rc = sender_copies_init(&s)) < 0 || (rc = sender_plan_init(&s)) < 0) {
                 kvf_error("%s", kvf_err_msg());
                 return 1;
         }
@@ -279,6 +321,8 @@ int main(int argc, char **argv)
         s.progress_ns = kvf_load_relaxed(&s.ctl.progress->publish_ns);
         s.copy_timed = true;
         sender_adopt(&s);
+        if (s.own.be->id == KVF_BACKEND_CUDA)
+                log_gpu(&s);
         kvf_info("running (generation %llu)", (unsigned long long)s.gen);
         run(&s, spin_us * 1000);
         kvf_role_end(&s.ctl, KVF_ROLE_SENDER);

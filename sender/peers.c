@@ -67,7 +67,7 @@ static int open_peer(struct sender *s, struct ipc_peer *p, const char *name, cha
                 rc = -EXDEV;
                 goto fail;
         }
-        if ((rc = kvf_cache_map(h, true, &p->cache)) < 0) {
+        if ((rc = kvf_cache_map_peer(h, true, &s->own, &p->cache)) < 0) {
                 snprintf(why, whylen, "peer '%s': %s", name, kvf_err_msg());
                 goto fail;
         }

@@ -200,13 +200,22 @@ void sender_advance(struct sender *s, uint32_t slot)
                 else
                         break;
                 if (ready > r->cur_layers) {
+                        /* Engine executor: the layers the engine claimed are its own (plan.c);
+                         * the sender copies [from, ready), in slices. */
+                        uint32_t from = r->transport == KVF_TRANSPORT_IPC
+                                            ? sender_plan_take(s, slot, m->step, r->sent_full,
+                                                               m->block_end, r->cur_layers, ready)
+                                            : r->cur_layers;
+                        if (r->state != KVF_REQ_ACTIVE)
+                                return;
                         uint64_t per_layer = (uint64_t)(m->block_end > r->sent_full ? m->block_end - r->sent_full : 0) *
                                              s->tensors * s->layout->block_bytes;
-                        uint64_t fit = per_layer ? budget / per_layer : ready - r->cur_layers;
+                        uint64_t fit = per_layer ? budget / per_layer : ready - from;
                         uint32_t upto = ready;
-                        if (fit < ready - r->cur_layers)
-                                upto = r->cur_layers + (fit ? (uint32_t)fit : 1);
-                        if (send_range(s, slot, r->cur_layers, upto, r->sent_full, m->block_end) < 0) {
+                        if (fit < ready - from)
+                                upto = from + (fit ? (uint32_t)fit : 1);
+                        if (from < upto &&
+                            send_range(s, slot, from, upto, r->sent_full, m->block_end) < 0) {
                                 /* the ring is full: try again from the same place later */
                                 sender_mark(s, slot, SLOT_NEEDS_ADVANCE);
                                 sender_arm(s, slot);
@@ -214,7 +223,7 @@ void sender_advance(struct sender *s, uint32_t slot)
                         }
                         if (r->state != KVF_REQ_ACTIVE)
                                 return;
-                        uint64_t spent = per_layer * (upto - r->cur_layers);
+                        uint64_t spent = per_layer * (upto - from);
                         r->cur_layers = upto;
                         if (upto < ready) {
                                 sender_mark(s, slot, SLOT_NEEDS_ADVANCE); /* the next slice */
@@ -233,10 +242,12 @@ void sender_advance(struct sender *s, uint32_t slot)
                 r->cur_layers = 0;
                 r->chunk_head++;
         }
-        if (r->chunk_head == r->chunk_tail && r->last_chunk_seen && r->sent_full >= r->n_send)
+        if (r->chunk_head == r->chunk_tail && r->last_chunk_seen && r->sent_full >= r->n_send) {
                 sender_all_sent(s, slot);
-        else
+        } else {
+                sender_plan_offer(s, slot); /* engine executor: the next step's plan */
                 sender_arm(s, slot);
+        }
 }
 
 void sender_on_progress(struct sender *s, uint64_t word, uint64_t publish_ns)

@@ -34,6 +34,16 @@ struct copy_batch {
         struct copy_batch *next;
 };
 
+/* Copies the engine's context owes a request (engine executor, plan.c): they have landed when
+ * exec.landed reaches `word`. */
+struct copy_owe {
+        uint32_t slot;
+        uint32_t gen;      /* the plan entry's gen when it was closed */
+        uint64_t word;     /* PACK(step, claimed) */
+        uint64_t session;  /* the engine session that queued them */
+        uint64_t deadline_ns;
+};
+
 /* A same-host peer instance whose cache this sender writes into. */
 struct ipc_peer {
         char name[KVF_PEER_MAX];
@@ -110,9 +120,16 @@ struct sender {
                 struct copy_batch *flight; /* batches in flight, oldest first (a list) */
                 struct copy_batch *flight_tail;
                 uint32_t nflight;
-                uint32_t *inflight; /* per slot: its batches in flight */
+                uint32_t *inflight; /* per slot: its batches in flight, the engine's owes included */
                 uint8_t *state;     /* per slot: COPY_* */
+                struct copy_owe *owes; /* the engine's copies not yet seen landed */
+                uint32_t nowes, capowes;
+                uint32_t *owing;    /* per slot: its owes */
         } cp;
+        /* plan.c: the engine executor */
+        bool plan_on;
+        uint64_t *pl_step; /* per slot: the step its plan entry was last published for, or ~0 */
+        bool stream_writes; /* progress words come from the GPU (stream writes): poll for them */
         struct net_peer net_peers[SENDER_NET_PEERS];
         uint8_t *scratch; /* encode buffer */
         size_t scratch_cap;
@@ -212,6 +229,22 @@ bool sender_copies_busy(const struct sender *s, uint32_t slot);
 void sender_copies_await(struct sender *s, uint32_t slot);
 /* Flush, then wait up to timeout_ns for every batch in flight (a peer going, the sender stopping). */
 void sender_copies_drain(struct sender *s, uint64_t timeout_ns);
+/* The engine's context owes the slot copies that have landed once exec.landed >= word. */
+void sender_copies_owe(struct sender *s, uint32_t slot, uint64_t word, uint32_t gen);
+bool sender_copies_owing(const struct sender *s, uint32_t slot);
+
+/* plan.c: the engine executor (KVF_EXEC_ENGINE) */
+int sender_plan_init(struct sender *s);
+/* Publish the slot's entry for its front mark's step, if that step is still to come. */
+void sender_plan_offer(struct sender *s, uint32_t slot);
+/* Layers [l0, l1) of send-blocks [b0, b1) of the slot's `step` are ready: the first layer the
+ * sender copies itself (the engine has the ones below). */
+uint32_t sender_plan_take(struct sender *s, uint32_t slot, uint64_t step, uint32_t b0, uint32_t b1, uint32_t l0,
+                          uint32_t l1);
+/* The request is decided: no more claims; what the engine claimed is waited for. */
+void sender_plan_close(struct sender *s, uint32_t slot);
+/* At start: close every entry; the engine's claims of adopted requests are waited for again. */
+void sender_plan_adopt_all(struct sender *s);
 
 /* progress.c */
 void sender_on_progress(struct sender *s, uint64_t word, uint64_t publish_ns);

@@ -106,6 +106,9 @@ static void decide(struct sender *s, uint32_t slot, int status, const char *reas
         if (r->state == KVF_REQ_FREE || r->state == KVF_REQ_COMPLETING)
                 return;
         bool was_active = r->state == KVF_REQ_ACTIVE;
+        sender_plan_close(s, slot); /* the engine claims no more of it (its claims are awaited) */
+        if (r->state == KVF_REQ_COMPLETING)
+                return; /* (closing it reported the engine's failure: decided already) */
         r->status = (uint32_t)status;
         snprintf(r->reason, sizeof(r->reason), "%s", reason ? reason : "");
         r->completion_pos = ~0ull;
@@ -658,6 +661,8 @@ void sender_adopt(struct sender *s)
         uint32_t n = s->ctl.hdr->reqtab_slots, adopted = 0;
         char why[KVF_REASON_MAX];
 
+        /* The engine executor's entries: closed; what the engine claimed is waited for. */
+        sender_plan_adopt_all(s);
         for (uint32_t i = 0; i < n; i++) {
                 struct kvf_req_slot *r = &s->ctl.reqtab[i];
                 uint32_t st = kvf_load_acquire(&r->state);

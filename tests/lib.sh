@@ -10,6 +10,9 @@ if [ -z "${KVFERRY_RUN_DIR:-}" ]; then
 fi
 export KVFERRY_RUN_DIR
 export KVFERRY_TOKEN_FILE=${KVFERRY_TOKEN_FILE:-$KVFERRY_RUN_DIR/token}
+# Instances keep their caches in host memory unless a test says otherwise (`up` defaults to auto:
+# a GPU where one is visible). KVFERRY_TEST_BACKEND=cuda runs the kvf-sim tests on GPU caches.
+export KVFERRY_BACKEND=${KVFERRY_TEST_BACKEND:-host}
 TAG=t$$
 STARTED=()
 AT_EXIT=()  # commands a test adds, run at exit before its instances are stopped

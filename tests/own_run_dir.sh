@@ -6,6 +6,8 @@ set -uo pipefail
 KVFERRY_RUN_DIR=$(mktemp -d /tmp/kvferry-test.XXXXXX) || exit 1
 export KVFERRY_RUN_DIR
 export KVFERRY_TOKEN_FILE=${KVFERRY_TOKEN_FILE:-$KVFERRY_RUN_DIR/token}
+# The C tests read and write caches with the CPU: host memory, also where a GPU is visible.
+export KVFERRY_BACKEND=host
 "$@"
 rc=$?
 if [ $rc -eq 0 ] || [ $rc -eq 77 ]; then

@@ -5,6 +5,7 @@
  *   kvf-ctl wait-ready --instance NAME [--roles allocator,connector,sender] [--timeout-ms N]
  *   kvf-ctl unlink --instance NAME [--force]
  *   kvf-ctl alive --instance NAME --role ROLE
+ *   kvf-ctl gpus      (how many GPUs this build sees: tests skip on 0; --backend auto decides so)
  *
  * Exit codes: 0 yes/done, 1 no/failed (message on stderr), 2 usage.
  */
@@ -15,6 +16,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "cache.h"
 #include "clock.h"
 #include "ctl.h"
 #include "err.h"
@@ -31,8 +33,11 @@ static void usage(void)
                "  %s unlink --instance NAME [--force]\n"
                "      remove the instance's shared memory (refused while a role is alive, unless --force)\n"
                "  %s alive --instance NAME --role ROLE\n"
-               "      exit 0 if the role is alive\n",
-               prog, prog, prog);
+               "      exit 0 if the role is alive\n"
+               "  %s gpus\n"
+               "      print how many GPUs are visible to this build (0 without CUDA or a driver; stderr\n"
+               "      says why), exit 0\n",
+               prog, prog, prog, prog);
 }
 
 static int role_id(const char *name)
@@ -112,6 +117,13 @@ int main(int argc, char **argv)
                 return 0;
         }
         const char *cmd = argv[1];
+        if (!strcmp(cmd, "gpus")) {
+                int n = kvf_cache_gpus();
+                if (n <= 0)
+                        fprintf(stderr, "%s: %s\n", prog, kvf_err_msg());
+                printf("%d\n", n);
+                return 0;
+        }
         optind = 2;
         while ((c = getopt_long(argc, argv, "h", opts, NULL)) != -1) {
                 switch (c) {

@@ -249,6 +249,19 @@ static const char *backend_name(uint32_t b)
         return be ? be->name : b == KVF_BACKEND_CUDA ? "cuda" : "unknown";
 }
 
+static const char *executor_name(uint32_t e)
+{
+        switch (e) {
+        case KVF_EXEC_NONE:
+                return "none";
+        case KVF_EXEC_SENDER:
+                return "sender";
+        case KVF_EXEC_ENGINE:
+                return "engine";
+        }
+        return "unknown";
+}
+
 /* How the host cache is backed; a segment that does not say is /dev/shm in 4 KiB pages. */
 static const char *cache_backing_name(uint32_t b)
 {
@@ -263,6 +276,31 @@ static const char *cache_backing_name(uint32_t b)
                 return "shm-thp";
         }
         return "unknown";
+}
+
+static void hex(char *out, const uint8_t *b, size_t n)
+{
+        static const char digits[] = "0123456789abcdef";
+        for (size_t i = 0; i < n; i++) {
+                out[2 * i] = digits[b[i] >> 4];
+                out[2 * i + 1] = digits[b[i] & 15];
+        }
+        out[2 * n] = '\0';
+}
+
+static void uuid_text(char *out, size_t len, const uint8_t *u)
+{
+        snprintf(out, len, "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x", u[0], u[1],
+                 u[2], u[3], u[4], u[5], u[6], u[7], u[8], u[9], u[10], u[11], u[12], u[13], u[14], u[15]);
+}
+
+/* The engine executor's plan entries open now. */
+static unsigned open_entries(const struct dump *d)
+{
+        unsigned n = 0;
+        for (uint32_t i = 0; i < d->h.plan_slots; i++)
+                n += (kvf_load_relaxed(&d->c.plan[i].ctl) & KVF_PLAN_OPEN) != 0;
+        return n;
 }
 
 static uint64_t cache_page_bytes(const struct kvf_ctl_header *h)
@@ -382,6 +420,36 @@ static void print_header(struct dump *d)
                 j_u64(d, "backend_id", h->backend);
                 j_u64(d, "device", h->device);
                 j_str(d, "cache_name", h->cache_name, cnl);
+                j_cstr(d, "executor", executor_name(h->executor));
+                if (h->backend == KVF_BACKEND_CUDA) {
+                        char u[48], hx[2 * 64 + 1];
+                        uuid_text(u, sizeof(u), h->cuda_uuid);
+                        j_open(d, "cuda", '{');
+                        j_cstr(d, "device_uuid", u);
+                        j_cstr(d, "handle_type", "cudaIpcMemHandle_t");
+                        j_cstr(d, "handles_cover", "the whole cache, one allocation, in layout order");
+                        j_open(d, "handles", '[');
+                        for (uint32_t i = 0; i < h->cuda_handles_count; i++) {
+                                hex(hx, d->c.cuda_handles + (uint64_t)i * 64, 64);
+                                j_cstr(d, NULL, hx);
+                        }
+                        j_close(d, ']');
+                        j_close(d, '}');
+                }
+                if (h->executor == KVF_EXEC_ENGINE) {
+                        const struct kvf_exec *x = d->c.exec;
+                        uint64_t lw = kvf_load_relaxed(&x->landed);
+                        j_open(d, "engine_executor", '{');
+                        j_u64(d, "landed_step", KVF_PROGRESS_STEP(lw));
+                        j_u64(d, "landed_layers", KVF_PROGRESS_LAYERS(lw));
+                        j_u64(d, "copy_kernels", kvf_load_relaxed(&x->batches));
+                        j_u64(d, "layers_claimed", kvf_load_relaxed(&x->claims));
+                        j_u64(d, "copy_errors", kvf_load_relaxed(&x->errors));
+                        j_u64(d, "plans_published", kvf_load_relaxed(&x->published));
+                        j_u64(d, "plans_taken_back", kvf_load_relaxed(&x->taken_back));
+                        j_u64(d, "plans_open", open_entries(d));
+                        j_close(d, '}');
+                }
                 j_u64(d, "segment_bytes", d->size);
                 j_u64(d, "owner_uid", h->owner_uid);
                 j_u64(d, "created_ns", h->created_ns);
@@ -430,6 +498,7 @@ static void print_header(struct dump *d)
                 j_u64(d, "step", KVF_PROGRESS_STEP(pw));
                 j_u64(d, "layers_done", KVF_PROGRESS_LAYERS(pw));
                 j_u64(d, "events", pev);
+                j_u64(d, "enqueued", kvf_load_relaxed(&d->c.progress->enqueued));
                 j_close(d, '}');
                 return;
         }
@@ -437,7 +506,7 @@ static void print_header(struct dump *d)
                 esc(e1, sizeof(e1), h->instance, inl), kvf_irole_name(h->instance_role), h->rank,
                 h->nranks, backend_name(h->backend));
         if (h->backend == KVF_BACKEND_CUDA)
-                fprintf(d->f, " (device %u)", h->device);
+                fprintf(d->f, " (GPU %u, copies in the %s's context)", h->device, executor_name(h->executor));
         else if (cnl)
                 fprintf(d->f, " (cache %s)", esc(e2, sizeof(e2), h->cache_name, cnl));
         fprintf(d->f, "\n  segment %s, created %s%s, heartbeat every %u ms\n",
@@ -452,6 +521,27 @@ static void print_header(struct dump *d)
             l->num_layers, l->extra_layers, l->num_blocks, l->kv_heads, l->block_size, l->head_dim,
             dtype_name(l->dtype), l->key_only ? "key only" : "key+value", l->block_bytes,
             l->cache_bytes, human_bytes(b2, sizeof(b2), l->cache_bytes));
+        if (h->backend == KVF_BACKEND_CUDA) {
+                char u[48], hx[2 * 64 + 1];
+                uuid_text(u, sizeof(u), h->cuda_uuid);
+                fprintf(d->f, "  cuda: %s, %u IPC handle(s) (cudaIpcMemHandle_t, hex; one allocation, the whole "
+                              "cache in layout order)\n", u, h->cuda_handles_count);
+                for (uint32_t i = 0; i < h->cuda_handles_count; i++) {
+                        hex(hx, d->c.cuda_handles + (uint64_t)i * 64, 64);
+                        fprintf(d->f, "    handle %u: %s\n", i, hx);
+                }
+        }
+        if (h->executor == KVF_EXEC_ENGINE) {
+                const struct kvf_exec *x = d->c.exec;
+                uint64_t lw = kvf_load_relaxed(&x->landed);
+                fprintf(d->f,
+                        "  engine executor: landed step %" PRIu64 " layer %u; %" PRIu64 " batches, %" PRIu64
+                        " layers claimed, %" PRIu64 " errors; plans %" PRIu64 " published, %" PRIu64
+                        " taken back, %u open\n",
+                        KVF_PROGRESS_STEP(lw), KVF_PROGRESS_LAYERS(lw), kvf_load_relaxed(&x->batches),
+                        kvf_load_relaxed(&x->claims), kvf_load_relaxed(&x->errors),
+                        kvf_load_relaxed(&x->published), kvf_load_relaxed(&x->taken_back), open_entries(d));
+        }
         if (h->backend == KVF_BACKEND_HOST) {
                 size_t pl = fixlen(h->cache_path, sizeof(h->cache_path));
                 size_t nl = fixlen(h->cache_note, sizeof(h->cache_note));

@@ -15,6 +15,7 @@
 
 #include "opts.h"
 #include "sim.h"
+#include "sim_gpu.h" /* GPU mode */
 
 static const char *prog = KVF_SIM_PROG;
 
@@ -87,6 +88,10 @@ static void usage(void)
                "  --drain-previous-s N  at the end, keep taking earlier sessions' events until none came\n"
                "                      for N seconds (default 0)\n"
                "  --quiet             no progress line\n"
+               "  --gpu               GPU mode: the caches must be on GPUs (--backend cuda); each layer is a kernel\n"
+               "                      that writes the blocks and keeps every SM busy for --layer-us, signalled with\n"
+               "                      kvf_layer_done_on_stream; arrivals are verified on the GPU. Chosen by itself\n"
+               "                      when the instances' caches are on GPUs\n"
                "  --check-options     check the options (and the trace's presence), run nothing\n"
                "Exit: 0 all requests accounted for and nothing corrupt; 1 otherwise; 2 usage.\n",
                prog);
@@ -98,7 +103,7 @@ static bool parse_opts(int argc, char **argv, struct sim_opts *o)
 {
         enum { O_P = 1000, O_D, O_N, O_TRACE, O_MAXTOK, O_LUS, O_STEP, O_CHUNK, O_PREFIX, O_LATE,
                O_CANCEL, O_TRANSPORT, O_SEED, O_TO, O_BASE, O_JSON, O_QUIET, O_VERSION, O_PEERMAP, O_VERIFY, O_SCATTER, O_CHECK, O_WARM,
-               O_SLOG, O_DRAIN };
+               O_SLOG, O_DRAIN, O_GPU };
         static const struct option lo[] = {
                 {"prefill", required_argument, 0, O_P},  {"decode", required_argument, 0, O_D},
                 {"requests", required_argument, 0, O_N}, {"trace", required_argument, 0, O_TRACE},
@@ -120,6 +125,7 @@ static bool parse_opts(int argc, char **argv, struct sim_opts *o)
                 {"check-options", no_argument, 0, O_CHECK},
                 {"session-log", required_argument, 0, O_SLOG},
                 {"drain-previous-s", required_argument, 0, O_DRAIN},
+                {"gpu", no_argument, 0, O_GPU},
                 {"version", no_argument, 0, O_VERSION},  {0, 0, 0, 0}};
         unsigned np = 0, nd = 0;
         const char *peermap = NULL;
@@ -171,6 +177,7 @@ static bool parse_opts(int argc, char **argv, struct sim_opts *o)
                 case O_CHECK: check_only = true; break;
                 case O_SLOG: o->session_log = optarg; break;
                 case O_DRAIN: o->drain_previous_s = (unsigned)kvf_opt_u64("drain-previous-s", optarg, 0, 3600); break;
+                case O_GPU: o->gpu = true; break;
                 case 'h': usage(); exit(0);
                 case O_VERSION: printf("%s %s\n", prog, KVFERRY_VERSION); exit(0);
                 default: kvf_opt_die(prog, "unknown option");
@@ -198,6 +205,31 @@ static bool parse_opts(int argc, char **argv, struct sim_opts *o)
         return check_only;
 }
 
+/* GPU mode: when asked, or when the caches are on GPUs (the CPU cannot touch them). 0, or -1
+ * after a message. */
+static int gpu_setup(struct sim *s)
+{
+        int pdev[KVF_SIM_MAX_RANKS], ddev[KVF_SIM_MAX_RANKS], ngpu = 0;
+        for (unsigned k = 0; k < s->o.ranks; k++) {
+                pdev[k] = kvf_cache_device(kvf_group_member(s->pg, k));
+                ddev[k] = kvf_cache_device(kvf_group_member(s->dg, k));
+                ngpu += (pdev[k] >= 0) + (ddev[k] >= 0);
+        }
+        if ((s->o.gpu || ngpu) && ngpu != 2 * (int)s->o.ranks) {
+                fprintf(stderr,
+                        "%s: %s: every instance's cache must be on a GPU (start them with "
+                        "--backend cuda)\n",
+                        prog, s->o.gpu ? "--gpu" : "GPU mode");
+                return -1;
+        }
+        if (ngpu && sim_gpu_open(&s->sg, s->o.ranks, pdev, ddev, s->o.layer_us) < 0)
+                return -1;
+        if (s->sg && !s->o.quiet)
+                fprintf(stderr, "%s: GPU mode: prefill on GPU %d, decode on GPU %d\n", prog, pdev[0],
+                        ddev[0]);
+        return 0;
+}
+
 int main(int argc, char **argv)
 {
         static struct sim s; /* (its histogram is large) */
@@ -215,8 +247,14 @@ int main(int argc, char **argv)
         }
         if (kvf_sim_setup(&s) < 0)
                 return 1;
+        if (gpu_setup(&s) < 0) {
+                kvf_sim_free(&s);
+                return 1;
+        }
         kvf_sim_report_start(&s);
         ok = kvf_sim_run(&s) == 0 && kvf_sim_report(&s);
+        sim_gpu_close(s.sg); /* (its streams are synchronised before the clients detach) */
+        s.sg = NULL;
         kvf_sim_free(&s);
         return ok ? 0 : 1;
 }

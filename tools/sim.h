@@ -8,6 +8,8 @@
  *   sim_verify.c  content patterns, the events (completions, arrivals),
  *                 verification and each request's accounting
  *   sim_report.c  the progress line, the summary text and its JSON
+ *   sim_gpu.cu    GPU mode (--gpu, tools/sim_gpu.h): layers as kernels, checks on the GPU
+ *                 (sim_gpu_none.c in a build without CUDA)
  *
  * Single-threaded: every function here runs on main()'s thread, except that
  * the SIGTERM/SIGINT handler sets `stop`.
@@ -81,6 +83,7 @@ struct sim_opts {
          */
         bool sample_only;
         bool scatter; /* --scatter: block ids in random order, so no two are contiguous */
+        bool gpu;     /* --gpu: GPU mode asked for (it is also chosen when the caches are on GPUs) */
 };
 
 /* Per finished request: its transfer tail, and what the tail had to carry. */
@@ -92,8 +95,13 @@ struct sim_tail {
         bool late;     /* its task came after its last layer */
 };
 
+struct sim_gpu;
+
 struct sim {
         struct sim_opts o;
+        /* GPU mode (tools/sim_gpu.h): the caches are on GPUs, each layer is a kernel, the
+         * checks run on the GPU. NULL in host mode. */
+        struct sim_gpu *sg;
         struct kvf_group *pg, *dg; /* the prefill and the decode instances' clients */
         struct kvf_layout_info L;  /* the prefill side's layout */
         uint32_t layers, tensors;
@@ -127,8 +135,8 @@ struct sim {
  * request. 0, or -1 after a message on stderr. */
 int kvf_sim_setup(struct sim *s);
 /* The step loop until every request is accounted for (or a stop, or no progress for
- * --timeout-s), then the stragglers; sets secs. 0, or -1 when a submission failed (after a
- * message). */
+ * --timeout-s), then the stragglers; sets secs. 0, or -1 when a submission or (GPU mode) a
+ * layer's kernel failed (after a message). */
 int kvf_sim_run(struct sim *s);
 /* Return n block ids to a pool (the last taken first). */
 void kvf_sim_pool_give(struct sim_pool *p, const uint32_t *ids, uint32_t n);

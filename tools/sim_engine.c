@@ -8,6 +8,9 @@
  * publishes a layer-done event after each layer at a chosen compute time.
  * Decode side: reserves destination blocks (fewer with a prefix hit); its
  * arrivals are sim_verify.c's.
+ * GPU mode (s->sg, tools/sim_gpu.h): the content is written by each layer's
+ * kernel, which also keeps the GPU busy for the layer's compute time, and
+ * the layer-done goes on its stream (kvf_layer_done_on_stream).
  */
 #include <errno.h>
 #include <stdio.h>
@@ -18,6 +21,7 @@
 #include "clock.h"
 #include "opts.h"
 #include "sim.h"
+#include "sim_gpu.h" /* GPU mode */
 #include "sim_sessions.h"
 
 static uint64_t rnd(struct sim *s)
@@ -192,10 +196,12 @@ static void write_layer(struct sim *s, struct sim_req *r, uint32_t l, uint32_t f
                                 /* A block the chunk leaves incomplete gets other bytes: sending it
                                  * before the chunk that completes it would show up in verify. */
                                 bool partial = !last && (uint64_t)(j + 1) * L->block_size > to;
-                                kvf_sim_fill(base + (uint64_t)r->src[j] * L->block_bytes,
-                                             L->block_bytes,
-                                             kvf_sim_block_key(r->seq, k, l, t, j, partial),
-                                             s->o.sample_only);
+                                uint64_t key = kvf_sim_block_key(r->seq, k, l, t, j, partial);
+                                uint8_t *p = base + (uint64_t)r->src[j] * L->block_bytes;
+                                if (s->sg) /* GPU mode: written by the layer's kernel */
+                                        sim_gpu_fill(s->sg, k, p, L->block_bytes, key);
+                                else
+                                        kvf_sim_fill(p, L->block_bytes, key, s->o.sample_only);
                         }
                 }
         }
@@ -209,9 +215,10 @@ static uint32_t step_share(const struct sim *s, const struct sim_req *r)
 }
 
 /* One forward step of the active requests: chunk records, then every layer written,
- * waited for and published, with the cancels at the middle layer. */
-static void run_step(struct sim *s, struct sim_req **active, unsigned nactive, const uint32_t *from,
-                     const uint32_t *to, uint64_t step)
+ * waited for and published, with the cancels at the middle layer. 0, or -1 when (GPU mode) a
+ * layer's kernel or the step's end failed (after a message). */
+static int run_step(struct sim *s, struct sim_req **active, unsigned nactive, const uint32_t *from,
+                    const uint32_t *to, uint64_t step)
 {
         uint64_t layer_ns = (uint64_t)s->o.layer_us * 1000;
         for (uint32_t l = 0; l < s->layers; l++) {
@@ -220,12 +227,15 @@ static void run_step(struct sim *s, struct sim_req **active, unsigned nactive, c
                         write_layer(s, active[i], l, from[i], to[i]);
                 /* The rest of the layer's compute time: the engine's CPU thread
                  * waits on its GPU, so sleep, spinning only the last stretch. */
-                for (uint64_t el; (el = kvf_now_ns() - t0) < layer_ns;)
+                for (uint64_t el; !s->sg && (el = kvf_now_ns() - t0) < layer_ns;)
                         if (layer_ns - el > 60000)
                                 kvf_sleep_ns(layer_ns - el - 50000);
                 for (unsigned k = 0; k < s->o.ranks; k++)
-                        kvf_layer_done(kvf_group_member(s->pg, k), step, l);
-                uint64_t pub = kvf_now_ns();
+                        if (!s->sg)
+                                kvf_layer_done(kvf_group_member(s->pg, k), step, l);
+                        else if (sim_gpu_layer(s->sg, k, kvf_group_member(s->pg, k), step, l) < 0)
+                                return -1; /* GPU mode: a kernel, layer-done on its stream */
+                uint64_t pub = s->sg ? 0 : kvf_now_ns(); /* GPU mode: known at the step's end */
                 if (l == s->layers / 2)
                         for (unsigned i = 0; i < nactive; i++)
                                 if (active[i]->cancel && active[i]->submitted) {
@@ -245,6 +255,15 @@ static void run_step(struct sim *s, struct sim_req **active, unsigned nactive, c
                                 }
                 kvf_sim_poll_events(s, 0);
         }
+        if (s->sg) { /* GPU mode: the step's end, and when its last layer ended */
+                uint64_t end_ns;
+                if (sim_gpu_step_end(s->sg, &end_ns) < 0)
+                        return -1;
+                for (unsigned i = 0; i < nactive; i++)
+                        if (to[i] >= active[i]->tokens && !active[i]->last_layer_ns)
+                                active[i]->last_layer_ns = end_ns;
+        }
+        return 0;
 }
 
 /*
@@ -256,6 +275,12 @@ static void run_step(struct sim *s, struct sim_req **active, unsigned nactive, c
  */
 static void warm_caches(struct sim *s)
 {
+        if (s->sg) {
+                /* GPU mode: the caches are device memory; an engine's kernels fault nothing in. */
+                fprintf(stderr, "%s: --warm-caches: the caches are on GPUs: nothing to touch\n",
+                        KVF_SIM_PROG);
+                return;
+        }
         uint64_t t0 = kvf_now_ns();
         for (unsigned k = 0; k < s->o.ranks; k++) {
                 for (int decode = 0; decode < 2; decode++) {
@@ -344,7 +369,10 @@ int kvf_sim_run(struct sim *s)
                                                            to[i], to[i] >= r->tokens) == -EAGAIN)
                                                         kvf_sim_poll_events(s, 1);
                         }
-                        run_step(s, active, nactive, from, to, step);
+                        if (run_step(s, active, nactive, from, to, step) < 0) {
+                                rc = -1;
+                                goto out;
+                        }
                         /* Tasks that arrive after their layers are done. */
                         unsigned keep = 0;
                         for (unsigned i = 0; i < nactive; i++) {

@@ -11,6 +11,7 @@
 #include "ctl.h"
 #include "layout.h"
 #include "sim.h"
+#include "sim_gpu.h" /* GPU mode */
 
 void kvf_sim_progress_line(const struct sim *s, bool final)
 {
@@ -179,6 +180,12 @@ static void print_text(const struct sim *s, const struct figures *g)
                L->num_layers, L->extra_layers, s->tensors, L->kv_heads, L->block_size, L->head_dim,
                kvf_dtype_name(L->dtype), kvf_fmt_bytes(L->block_bytes, gib, sizeof(gib)),
                s->o.ranks);
+        if (s->sg) /* GPU mode */
+                printf("  GPU          caches on GPUs (prefill GPU %d, decode GPU %d): layers are "
+                       "kernels (%u us, every SM), signalled on the stream; every byte verified on "
+                       "the GPU\n",
+                       kvf_cache_device(kvf_group_member(s->pg, 0)),
+                       kvf_cache_device(kvf_group_member(s->dg, 0)), s->o.layer_us);
         printf("  requests     %u: %llu finished, %llu failed, %u unaccounted, %llu corrupt\n",
                s->nreq, (unsigned long long)s->finished, (unsigned long long)s->failed,
                g->unaccounted, (unsigned long long)s->corrupt);
@@ -189,8 +196,8 @@ static void print_text(const struct sim *s, const struct figures *g)
         printf("  moved        %s in %.2f s = %.2f GiB/s; %s verified %s\n",
                kvf_fmt_bytes(s->moved_bytes, gib, sizeof(gib)), g->secs, g->rate / (1 << 30),
                kvf_fmt_bytes(s->verified_bytes, (char[32]){0}, 32),
-               s->o.sample_only ? "at both ends of every block (--verify sample)"
-                                : "byte for byte");
+               s->o.sample_only && !s->sg ? "at both ends of every block (--verify sample)"
+                                          : "byte for byte");
         printf("  tail         last layer-done -> arrival: p50 %.1f us, p99 %.1f us "
                "(one layer of an average request: %s)\n",
                tf->all.p50 / 1e3, tf->all.p99 / 1e3,
@@ -213,7 +220,12 @@ static void print_text(const struct sim *s, const struct figures *g)
                        "(%.2f us per 4 KiB page), before the clock started\n",
                        kvf_fmt_bytes(s->warm_bytes, gib, sizeof(gib)), (double)s->warm_ns / 1e9,
                        s->warm_bytes ? (double)s->warm_ns / 1e3 / (double)(s->warm_bytes / 4096) : 0);
-        if (s->o.baseline)
+        if (s->o.baseline && s->sg) /* GPU mode */
+                printf("  baseline     one bulk cudaMemcpy (device to device) of an average "
+                       "request's layer: %.2f GiB/s; one layer of an average request at that rate "
+                       "= %.1f us\n",
+                       g->base / (1 << 30), g->base > 0 ? g->layer_bytes / g->base * 1e6 : 0);
+        else if (s->o.baseline)
                 printf("  baseline     memcpy of the same bytes: %.2f GiB/s; kvferry/memcpy = %.2f; "
                        "one layer at memcpy rate = %.1f us\n",
                        g->base / (1 << 30), g->base > 0 ? g->rate / g->base : 0,
@@ -241,7 +253,7 @@ static void write_json(const struct sim *s, const struct figures *g, const char 
                 "\"layer_to_copy_p99_ns\":%llu,\"memcpy_bps\":%.1f,\"avg_layer_bytes\":%.1f,"
                 "\"ok\":%s,\"cancelled\":%llu,\"cancels_sent\":%llu,\"timed_out\":%llu,"
                 "\"connection_errors\":%llu,\"finished_but_failed_pairs\":%llu,\"warm_bytes\":%llu,"
-                "\"warm_ns\":%llu}\n",
+                "\"warm_ns\":%llu,\"gpu\":%s}\n",
                 s->nreq, (unsigned long long)s->finished, (unsigned long long)s->failed,
                 g->unaccounted, (unsigned long long)s->corrupt, (unsigned long long)s->moved_bytes,
                 (unsigned long long)s->verified_bytes, g->secs, g->rate, tf->all.p50, tf->all.p99,
@@ -254,7 +266,7 @@ static void write_json(const struct sim *s, const struct figures *g, const char 
                 (unsigned long long)s->fail_by_status[KVF_STATUS_TIMEOUT],
                 (unsigned long long)s->fail_by_status[KVF_STATUS_CONNECTION],
                 (unsigned long long)s->bad_status_pairs, (unsigned long long)s->warm_bytes,
-                (unsigned long long)s->warm_ns);
+                (unsigned long long)s->warm_ns, s->sg ? "true" : "false");
         fclose(f);
 }
 
@@ -264,7 +276,11 @@ bool kvf_sim_report(struct sim *s)
 
         layer_to_copy(s, &g.l2c50, &g.l2c99);
         g.rate = g.secs > 0 ? (double)s->moved_bytes / g.secs : 0;
-        g.base = s->o.baseline ? memcpy_rate(s->moved_bytes ? s->moved_bytes : (1ull << 30)) : 0;
+        /* GPU mode: one bulk device-to-device copy of an average request's layer. */
+        g.base = !s->o.baseline ? 0
+                 : s->sg ? sim_gpu_copy_rate(s->sg, s->moved_bytes / (s->nreq ? s->nreq : 1) /
+                                                        (s->layers ? s->layers : 1))
+                         : memcpy_rate(s->moved_bytes ? s->moved_bytes : (1ull << 30));
         /* One layer of an average request, at the memcpy rate (or the run's rate). */
         double avg_send = 0;
         for (unsigned i = 0; i < s->nreq; i++)

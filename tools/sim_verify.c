@@ -13,6 +13,7 @@
 
 #include "clock.h"
 #include "sim.h"
+#include "sim_gpu.h" /* GPU mode */
 #include "sim_sessions.h"
 
 static uint64_t mix(uint64_t x)
@@ -136,10 +137,50 @@ static struct sim_req *find_req(struct sim *s, const char *id)
         return v < s->nreq && !strcmp(s->reqs[v].id, id) ? &s->reqs[v] : NULL;
 }
 
+/* GPU mode: every byte of every destination block compared on the decode GPU. */
+static void verify_gpu(struct sim *s, struct sim_req *r)
+{
+        const struct kvf_layout_info *L = &s->L;
+        r->verified = true;
+        for (unsigned k = 0; k < s->o.ranks && r->verified; k++) {
+                struct kvf_client *c = kvf_group_member(s->dg, k);
+                for (uint32_t l = 0; l < s->layers; l++)
+                        for (uint32_t t = 0; t < s->tensors; t++) {
+                                const uint8_t *base = kvf_cache_tensor(c, l, (int)t);
+                                for (uint32_t i = 0; i < r->n_dst; i++) {
+                                        uint64_t key =
+                                            kvf_sim_block_key(r->seq, k, l, t, r->first + i, false);
+                                        sim_gpu_expect(s->sg, k,
+                                                       base + (uint64_t)r->dst[i] * L->block_bytes,
+                                                       L->block_bytes, key);
+                                }
+                        }
+                uint64_t first = 0;
+                long bad = sim_gpu_check(s->sg, k, &first);
+                if (bad != 0) {
+                        uint64_t i = first % r->n_dst, lt = first / r->n_dst;
+                        fprintf(stderr,
+                                "%s: request %s: rank %u: %ld blocks differ, the first layer %llu "
+                                "tensor %llu dest block %u (#%llu)%s\n",
+                                KVF_SIM_PROG, r->id, k, bad, (unsigned long long)(lt / s->tensors),
+                                (unsigned long long)(lt % s->tensors), r->dst[i],
+                                (unsigned long long)i, bad < 0 ? " (the check itself failed)" : "");
+                        r->verified = false;
+                } else {
+                        s->verified_bytes +=
+                            (uint64_t)s->layers * s->tensors * r->n_dst * L->block_bytes;
+                }
+        }
+}
+
 /* Check every destination block of r on every rank; sets r->verified. */
 static void verify(struct sim *s, struct sim_req *r)
 {
         const struct kvf_layout_info *L = &s->L;
+        if (s->sg) {
+                verify_gpu(s, r);
+                return;
+        }
         r->verified = true;
         for (unsigned k = 0; k < s->o.ranks && r->verified; k++) {
                 struct kvf_client *c = kvf_group_member(s->dg, k);

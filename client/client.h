@@ -1,0 +1,48 @@
+/*
+ * What the files of libkvferry share (client/kvferry.c, client/stream.c);
+ * engines see include/kvferry.h only.
+ */
+#ifndef KVF_CLIENT_H
+#define KVF_CLIENT_H
+
+#include <pthread.h>
+#include <stdint.h>
+
+#include "cache.h"
+#include "ctl.h"
+#include "kvferry.h"
+
+/* Events of earlier engine sessions, kept for kvf_poll_previous(). */
+#define PREVIOUS_MAX 65536u
+struct previous {
+        struct kvf_event ev;
+        struct previous *next;
+};
+
+struct kvf_stream; /* stream.c: signals on CUDA streams, the engine executor */
+
+struct kvf_client {
+        struct kvf_ctl ctl;
+        uint64_t session; /* the engine role generation this attach claimed */
+        pthread_mutex_t submit_mu;
+        pthread_mutex_t poll_mu; /* also guards the previous-session list and dst */
+        pthread_mutex_t stream_mu; /* kvf_layer_done_on_stream and the stream state */
+        struct kvf_cache cache;
+        unsigned next_ring; /* poll fairness between the two inbound rings */
+        uint32_t *dst;      /* the last arrival's destination blocks (kvf_event.dest_block_ids) */
+        struct previous *prev_head, *prev_tail;
+        uint32_t nprev;
+        uint64_t prev_dropped;
+        int signal_method;        /* enum kvf_layer_signal chosen (0: not yet) */
+        struct kvf_stream *stream; /* created at the first kvf_layer_done_on_stream */
+};
+
+/* kvferry.c: a layer-done event is valid (layer in range, steps not going back): 0 or -EINVAL. */
+int kvf_client_layer_check(struct kvf_client *c, uint64_t step, uint32_t layer);
+/* kvferry.c: publish progress word `want` (monotonic max) and ring the sender's doorbell.
+ * Lock-free, no CUDA call: may run on CUDA's callback thread. */
+void kvf_client_publish(struct kvf_client *c, uint64_t want);
+/* stream.c: wait (bounded) for what kvf_layer_done_on_stream queued, free it. */
+void kvf_stream_detach(struct kvf_client *c);
+
+#endif

@@ -1,0 +1,512 @@
+/*
+ * kvf_layer_done_on_stream: layer-done events from the engine's CUDA stream,
+ * and the engine executor (executor 2): the layer's copies enqueued in the
+ * engine's own CUDA context, following the plan the sender keeps in the
+ * control segment (struct kvf_plan_entry in common/shm_layout.h).
+ *
+ * Signals. hostfn: a host function queued on the engine's stream stores the
+ * word in this process, then publishes it exactly as kvf_layer_done() does
+ * (monotonic max, doorbell), on CUDA's callback thread. writevalue: the GPU
+ * writes the packed word into the progress word itself (cuStreamWriteValue64
+ * into the mapped segment). It cannot do a CAS max; it needs none, because
+ * one engine's steps and layers only grow and the writes land in stream
+ * order. Nothing rings the doorbell then, so before queueing the write the
+ * client raises `progress.enqueued` (CAS max) and rings once: the sender
+ * polls while enqueued > word (sender/main.c).
+ *
+ * Engine executor. For layer L of step S, every open plan entry for step S
+ * whose claimed count is at most L is claimed up to L + 1 (a CAS: the sender
+ * may be closing it at the same moment, and exactly one of us wins), and its
+ * layers [claimed, L] are copied: all claimed entries' runs in one kernel,
+ * on the client's copier stream (a side stream of the engine's context,
+ * highest priority), ordered after the engine's stream by an event. Then a
+ * signal on the side stream sets exec.landed to PACK(S, L + 1), which tells
+ * the sender every copy queued so far has landed. A claim that cannot be
+ * copied (a peer that cannot be mapped, a bad block id, CUDA refusing the
+ * launch) sets the entry's `err` and `why`: the sender fails exactly that
+ * request with "write error"; landed is still posted, so the sender knows
+ * nothing of that layer is in flight.
+ *
+ * Peers: each peer instance's cache is opened once (IPC handle, peer access
+ * when it lives on another GPU) and kept until detach, or until its segment
+ * changes identity (the instance was started again), after the copies in
+ * flight have landed.
+ *
+ * One thread at a time (stream_mu); the host function touches only the
+ * word and the progress word.
+ */
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "atomics.h"
+#include "client.h"
+#include "clock.h"
+#include "doorbell.h"
+#include "err.h"
+#include "layout.h"
+
+int kvf_set_layer_signal(struct kvf_client *c, int method)
+{
+        if (method != KVF_SIGNAL_DEFAULT && method != KVF_SIGNAL_HOSTFN && method != KVF_SIGNAL_WRITEVALUE)
+                return kvf_err_set(-EINVAL, "layer signal method %d is not hostfn (1) or writevalue (2)", method);
+        pthread_mutex_lock(&c->stream_mu);
+        int rc = 0;
+        if (c->stream)
+                rc = kvf_err_set(-EBUSY, "the layer signal method is chosen at the first kvf_layer_done_on_stream");
+        else
+                c->signal_method = method;
+        pthread_mutex_unlock(&c->stream_mu);
+        return rc;
+}
+
+#ifndef KVF_HAVE_CUDA
+
+int kvf_layer_done_on_stream(struct kvf_client *c, void *stream, uint64_t step, uint32_t layer)
+{
+        (void)c;
+        (void)stream;
+        (void)step;
+        (void)layer;
+        return kvf_err_set(-ENOTSUP, "this libkvferry was built without CUDA (no nvcc): use kvf_layer_done()");
+}
+
+void kvf_stream_detach(struct kvf_client *c)
+{
+        (void)c;
+}
+
+#else
+
+#include "kvf_gpu.h"
+
+#define MAX_PEERS 16u
+#define ARENA_CHUNKS (1u << 18)
+#define AGAIN_WAIT_NS 5000000000ull
+#define DRAIN_WAIT_NS 5000000000ull
+
+struct speer {
+        char name[KVF_INSTANCE_MAX];
+        uint64_t created_ns;
+        struct kvf_ctl ctl;     /* its segment, read-only */
+        struct kvf_cache cache; /* its cache, opened for our device */
+        bool used;
+};
+
+struct kvf_stream {
+        int device;
+        int method; /* enum kvf_layer_signal, resolved */
+        uint64_t last; /* the last word queued: layers go in order */
+        uint64_t word; /* hostfn: the value the host function publishes */
+        struct kvf_gpu_signal *sig;
+        /* engine executor */
+        bool exec;
+        struct kvf_gpu_copier *copier;
+        struct kvf_gpu_signal *landed;
+        uint64_t last_ticket;
+        struct speer peers[MAX_PEERS];
+        struct kvf_gpu_run *runs;
+        size_t nruns, cap_runs;
+        struct kvf_gpu_region dst[MAX_PEERS];
+        uint32_t dst_peer[MAX_PEERS], ndst;
+        uint32_t *mine; /* entries claimed for this batch */
+        uint32_t nmine;
+};
+
+/* On CUDA's callback thread, after the signal stored st->word: publish it. No CUDA call. */
+static void on_hostfn(void *arg)
+{
+        struct kvf_client *c = arg;
+        /* Acquire: pairs with the signal's release store of the word. */
+        kvf_client_publish(c, kvf_load_acquire(&c->stream->word));
+}
+
+static int gpu_err(int rc, const char *what)
+{
+        return kvf_err_set(rc < 0 ? rc : -EIO, "%s: %s", what, kvf_gpu_err_msg());
+}
+
+static int method_from_env(void)
+{
+        const char *e = getenv("KVFERRY_LAYER_SIGNAL");
+        if (e && !strcmp(e, "writevalue"))
+                return KVF_SIGNAL_WRITEVALUE;
+        return KVF_SIGNAL_HOSTFN;
+}
+
+/* A signal by the chosen method into `word`; the stream write falls back to the
+ * one-thread kernel (same semantics) where stream memory operations are missing. */
+static int make_signal(struct kvf_stream *st, uint64_t *word, void (*wake)(void *), void *arg,
+                       struct kvf_gpu_signal **out)
+{
+        if (st->method == KVF_SIGNAL_HOSTFN)
+                return kvf_gpu_signal_create(st->device, word, KVF_GPU_SIGNAL_HOST_FN, wake, arg, out);
+        int rc = kvf_gpu_signal_create(st->device, word, KVF_GPU_SIGNAL_WRITE_VALUE, NULL, NULL, out);
+        if (rc == -ENOSYS)
+                rc = kvf_gpu_signal_create(st->device, word, KVF_GPU_SIGNAL_KERNEL, NULL, NULL, out);
+        return rc;
+}
+
+static void stream_free(struct kvf_client *c, struct kvf_stream *st)
+{
+        /* Bounded: never free what a pending host function or a copy in flight still uses. */
+        uint64_t end = kvf_now_ns() + DRAIN_WAIT_NS;
+        while ((kvf_gpu_signal_pending(st->sig) || kvf_gpu_signal_pending(st->landed)) &&
+               kvf_now_ns() < end)
+                kvf_sleep_ns(100000);
+        kvf_gpu_copier_destroy(st->copier); /* waits for its batches (bounded) */
+        kvf_gpu_signal_destroy(st->landed);
+        kvf_gpu_signal_destroy(st->sig);
+        for (unsigned i = 0; i < MAX_PEERS; i++)
+                if (st->peers[i].used) {
+                        kvf_cache_unmap(&st->peers[i].cache);
+                        kvf_ctl_detach(&st->peers[i].ctl);
+                }
+        free(st->runs);
+        free(st->mine);
+        free(st);
+        (void)c;
+}
+
+static int stream_init(struct kvf_client *c)
+{
+        const struct kvf_ctl_header *h = c->ctl.hdr;
+        struct kvf_stream *st = calloc(1, sizeof(*st));
+        int rc;
+
+        if (!st || !(st->mine = calloc(h->plan_slots ? h->plan_slots : 1, sizeof(*st->mine)))) {
+                free(st);
+                return kvf_err_set(-ENOMEM, "out of memory");
+        }
+        st->device = kvf_cache_device(c);
+        if (st->device < 0 && (st->device = kvf_gpu_current_device()) < 0) {
+                free(st->mine);
+                free(st);
+                return gpu_err(-EIO, "kvf_layer_done_on_stream");
+        }
+        st->method = c->signal_method ? c->signal_method : method_from_env();
+        c->stream = st; /* the host function finds the word through it */
+        if (st->method == KVF_SIGNAL_HOSTFN)
+                rc = make_signal(st, &st->word, on_hostfn, c, &st->sig);
+        else
+                rc = make_signal(st, &c->ctl.progress->word, NULL, NULL, &st->sig);
+        if (rc < 0) {
+                rc = gpu_err(rc, "layer-done signal");
+                goto fail;
+        }
+        st->exec = h->backend == KVF_BACKEND_CUDA && h->executor == KVF_EXEC_ENGINE;
+        if (st->exec) {
+                struct kvf_gpu_copier_opts o = {.arena_chunks = ARENA_CHUNKS};
+                if ((rc = kvf_gpu_copier_create(st->device, 0, &o, &st->copier)) < 0 ||
+                    (rc = make_signal(st, &c->ctl.exec->landed, NULL, NULL, &st->landed)) < 0) {
+                        rc = gpu_err(rc, "the engine executor's copier");
+                        goto fail;
+                }
+        }
+        return 0;
+fail:
+        c->stream = NULL;
+        stream_free(c, st);
+        return rc;
+}
+
+void kvf_stream_detach(struct kvf_client *c)
+{
+        pthread_mutex_lock(&c->stream_mu);
+        if (c->stream)
+                stream_free(c, c->stream);
+        c->stream = NULL;
+        pthread_mutex_unlock(&c->stream_mu);
+}
+
+/* Wait until every batch queued so far has landed (bounded). */
+static void drain(struct kvf_stream *st)
+{
+        uint64_t end = kvf_now_ns() + DRAIN_WAIT_NS;
+        while (st->last_ticket && kvf_gpu_copy_poll(st->copier, st->last_ticket) == 0 && kvf_now_ns() < end)
+                kvf_sleep_ns(20000);
+}
+
+/* The peer of a plan entry, opened for our device: its index, or -1 with `why`. */
+static int peer_get(struct kvf_client *c, struct kvf_stream *st, const char *name, uint64_t created_ns,
+                    char *why, size_t whylen)
+{
+        struct speer *freep = NULL;
+        for (unsigned i = 0; i < MAX_PEERS; i++) {
+                struct speer *p = &st->peers[i];
+                if (!p->used) {
+                        if (!freep)
+                                freep = p;
+                        continue;
+                }
+                if (strcmp(p->name, name))
+                        continue;
+                if (p->created_ns == created_ns)
+                        return (int)i;
+                /* Started again since: the old mapping goes once nothing writes through it. */
+                drain(st);
+                kvf_cache_unmap(&p->cache);
+                kvf_ctl_detach(&p->ctl);
+                memset(p, 0, sizeof(*p));
+                if (!freep)
+                        freep = p;
+        }
+        if (!freep) {
+                snprintf(why, whylen, "the engine has %u same-host peers open already", MAX_PEERS);
+                return -1;
+        }
+        struct speer *p = freep;
+        char diff[160];
+        if (kvf_ctl_attach(name, false, &p->ctl) < 0) {
+                snprintf(why, whylen, "engine executor: %s", kvf_err_msg());
+                return -1;
+        }
+        const struct kvf_ctl_header *h = p->ctl.hdr;
+        if (h->created_ns != created_ns)
+                snprintf(why, whylen, "engine executor: peer '%s' was started again", name);
+        else if (h->backend != KVF_BACKEND_CUDA)
+                snprintf(why, whylen, "engine executor: peer '%s' keeps its cache in host memory", name);
+        else if (kvf_layout_compatible(&c->ctl.hdr->layout, &h->layout, diff, sizeof(diff)) < 0)
+                snprintf(why, whylen, "engine executor: peer layout mismatch with '%s': %s", name, diff);
+        else if (kvf_cache_map_peer(h, true, &c->cache, &p->cache) < 0)
+                snprintf(why, whylen, "engine executor: peer '%s': %s", name, kvf_err_msg());
+        else {
+                snprintf(p->name, sizeof(p->name), "%s", name);
+                p->created_ns = created_ns;
+                p->used = true;
+                return (int)(p - st->peers);
+        }
+        kvf_ctl_detach(&p->ctl);
+        memset(p, 0, sizeof(*p));
+        return -1;
+}
+
+/* The claimed entry cannot be copied: the sender fails its request ("write error"). */
+static void entry_fail(struct kvf_client *c, struct kvf_plan_entry *e, const char *why)
+{
+        snprintf(e->why, sizeof(e->why), "%s", why);
+        /* Release: pairs with the sender's acquire load of err; `why` is complete first. */
+        kvf_store_release(&e->err, 1u);
+        kvf_fetch_add_relaxed(&c->ctl.exec->errors, 1);
+}
+
+static int grow_runs(struct kvf_stream *st, size_t more)
+{
+        if (st->nruns + more <= st->cap_runs)
+                return 0;
+        size_t cap = st->cap_runs ? st->cap_runs : 4096;
+        while (cap < st->nruns + more)
+                cap *= 2;
+        struct kvf_gpu_run *r = realloc(st->runs, cap * sizeof(*r));
+        if (!r)
+                return -ENOMEM;
+        st->runs = r;
+        st->cap_runs = cap;
+        return 0;
+}
+
+/*
+ * Add the runs of layers [l0, l1] of a claimed entry (a snapshot of it) to the
+ * batch. 0, or -1 with `why` (nothing added).
+ */
+static int add_runs(struct kvf_client *c, struct kvf_stream *st, uint32_t slot, const struct kvf_plan_entry *e,
+                    int pi, uint32_t l0, uint32_t l1, char *why, size_t whylen)
+{
+        const struct kvf_ctl_header *h = c->ctl.hdr;
+        const struct kvf_cache_layout *L = &h->layout, *PL = &st->peers[pi].cache.layout;
+        const uint32_t *src = kvf_slot_blocks(&c->ctl, slot) + e->src_first;
+        const uint32_t *dst = kvf_slot_blocks(&c->ctl, slot) + h->max_blocks;
+        uint32_t tensors = kvf_layout_tensors(L);
+
+        for (uint32_t i = e->b0; i < e->b1; i++)
+                if (src[i] >= L->num_blocks || dst[i] >= PL->num_blocks) {
+                        snprintf(why, whylen, "engine executor: block %u -> %u is outside the caches (%u, %u blocks)",
+                                 src[i], dst[i], L->num_blocks, PL->num_blocks);
+                        return -1;
+                }
+        uint32_t di = 0;
+        while (di < st->ndst && st->dst_peer[di] != (uint32_t)pi)
+                di++;
+        if (di == st->ndst) {
+                st->dst_peer[di] = (uint32_t)pi;
+                st->dst[di] = (struct kvf_gpu_region){.base = (uint64_t)(uintptr_t)st->peers[pi].cache.base,
+                                                      .bytes = st->peers[pi].cache.bytes};
+                st->ndst++;
+        }
+        if (grow_runs(st, (size_t)(l1 - l0 + 1) * tensors * (e->b1 - e->b0)) < 0) {
+                snprintf(why, whylen, "engine executor: out of memory for the runs");
+                return -1;
+        }
+        for (uint32_t l = l0; l <= l1; l++)
+                for (uint32_t t = 0; t < tensors; t++)
+                        for (uint32_t i = e->b0; i < e->b1;) {
+                                uint32_t k = 1;
+                                while (i + k < e->b1 && src[i + k] == src[i] + k && dst[i + k] == dst[i] + k)
+                                        k++;
+                                st->runs[st->nruns++] = (struct kvf_gpu_run){
+                                        .src_off = kvf_layout_offset(L, l, t, src[i]),
+                                        .dst_off = kvf_layout_offset(PL, l, t, dst[i]),
+                                        .bytes = (uint64_t)k * L->block_bytes,
+                                        .src_region = 0,
+                                        .dst_region = di};
+                                i += k;
+                        }
+        return 0;
+}
+
+/* Submit runs [0, n); larger than the arena: in halves (one stream: they land in order). */
+static int submit(struct kvf_stream *st, struct kvf_gpu_batch *b, const struct kvf_gpu_run *runs, size_t n)
+{
+        uint64_t start = 0;
+        for (;;) {
+                b->runs = runs;
+                b->n_runs = n;
+                int rc = kvf_gpu_copy_submit(st->copier, b, &st->last_ticket);
+                if (rc == -E2BIG && n > 1) {
+                        if ((rc = submit(st, b, runs, n / 2)) < 0)
+                                return rc;
+                        b->after_stream = NULL; /* the first half waits for the engine already */
+                        return submit(st, b, runs + n / 2, n - n / 2);
+                }
+                if (rc != -EAGAIN)
+                        return rc;
+                /* Every slot of the copier is in flight: the GPU is far behind the engine's
+                 * thread. Wait for it, bounded. */
+                if (!start)
+                        start = kvf_now_ns();
+                else if (kvf_now_ns() - start > AGAIN_WAIT_NS)
+                        return rc;
+                kvf_sleep_ns(20000);
+        }
+}
+
+static void exec_layer(struct kvf_client *c, struct kvf_stream *st, void *stream, uint64_t step, uint32_t layer)
+{
+        struct kvf_ctl *ctl = &c->ctl;
+        uint32_t hi = kvf_load_acquire(&ctl->exec->hi);
+        char why[160];
+
+        if (hi > ctl->hdr->plan_slots)
+                hi = ctl->hdr->plan_slots;
+        st->nruns = st->ndst = st->nmine = 0;
+        for (uint32_t i = 0; i < hi; i++) {
+                struct kvf_plan_entry *e = &ctl->plan[i];
+                /* Acquire: pairs with the sender's release store that opened the entry; its
+                 * fields are complete. */
+                uint64_t v = kvf_load_acquire(&e->ctl);
+                if (!(v & KVF_PLAN_OPEN) || KVF_PLAN_CLAIMED(v) > layer || e->step != step)
+                        continue;
+                struct kvf_plan_entry snap;
+                memcpy(&snap, e, sizeof(snap));
+                /* The claim validates the snapshot: the sender rewrites an entry only after
+                 * closing it, and opens it again under a new gen. */
+                uint32_t from = KVF_PLAN_CLAIMED(v);
+                if (!kvf_cas_acq_rel(&e->ctl, &v, KVF_PLAN_CTL(KVF_PLAN_GEN(v), 1, layer + 1)))
+                        continue; /* the sender closed it first: the sender copies those layers */
+                kvf_fetch_add_relaxed(&ctl->exec->claims, layer + 1 - from);
+                st->mine[st->nmine++] = i;
+                snap.peer[sizeof(snap.peer) - 1] = '\0';
+                if (snap.b0 >= snap.b1 || snap.b1 > ctl->hdr->max_blocks ||
+                    snap.src_first > ctl->hdr->max_blocks - snap.b1) {
+                        snprintf(why, sizeof(why), "engine executor: plan entry %u names blocks [%u, %u) + %u", i,
+                                 snap.b0, snap.b1, snap.src_first);
+                        entry_fail(c, e, why);
+                        continue;
+                }
+                int pi = peer_get(c, st, snap.peer, snap.peer_created_ns, why, sizeof(why));
+                if (pi < 0) {
+                        entry_fail(c, e, why);
+                        continue;
+                }
+                /* The blocks belong to the peer engine session of the task's time; once it is
+                 * over they may be another request's (the sender checks the same before its
+                 * own copies). */
+                uint64_t ps = snap.peer_session ? kvf_engine_session(&st->peers[pi].ctl, false) : 0;
+                if (ps != snap.peer_session) {
+                        snprintf(why, sizeof(why),
+                                 "the engine session %llu of peer '%s' ended during the transfer: its blocks are no longer reserved",
+                                 (unsigned long long)snap.peer_session, snap.peer);
+                        entry_fail(c, e, why);
+                        continue;
+                }
+                if (add_runs(c, st, i, &snap, pi, from, layer, why, sizeof(why)) < 0)
+                        entry_fail(c, e, why);
+        }
+        if (!st->nmine)
+                return;
+        if (st->nruns) {
+                struct kvf_gpu_region src = {.base = (uint64_t)(uintptr_t)c->cache.base, .bytes = c->cache.bytes};
+                struct kvf_gpu_batch b = {.src = &src, .n_src = 1, .dst = st->dst, .n_dst = st->ndst,
+                                          .after_stream = stream};
+                int rc = submit(st, &b, st->runs, st->nruns);
+                if (rc < 0) {
+                        snprintf(why, sizeof(why), "engine executor: GPU copy of layer %u: %s", layer,
+                                 kvf_gpu_err_msg());
+                        for (uint32_t k = 0; k < st->nmine; k++)
+                                if (!kvf_load_relaxed(&ctl->plan[st->mine[k]].err))
+                                        entry_fail(c, &ctl->plan[st->mine[k]], why);
+                } else {
+                        kvf_fetch_add_relaxed(&ctl->exec->batches, 1);
+                }
+        }
+        /* Everything queued on the side stream so far (this layer's batch, if it went) is
+         * done when this lands; posted even when nothing went, so the sender waits for
+         * nothing that will never come. */
+        int rc = kvf_gpu_signal_post(st->landed, kvf_gpu_copier_stream(st->copier), KVF_PROGRESS_PACK(step, layer + 1));
+        for (uint64_t end = kvf_now_ns() + AGAIN_WAIT_NS; rc == -EAGAIN && kvf_now_ns() < end;) {
+                kvf_sleep_ns(20000);
+                rc = kvf_gpu_signal_post(st->landed, kvf_gpu_copier_stream(st->copier), KVF_PROGRESS_PACK(step, layer + 1));
+        }
+        if (rc < 0) {
+                snprintf(why, sizeof(why), "engine executor: the landed signal of layer %u: %s", layer, kvf_gpu_err_msg());
+                for (uint32_t k = 0; k < st->nmine; k++)
+                        if (!kvf_load_relaxed(&ctl->plan[st->mine[k]].err))
+                                entry_fail(c, &ctl->plan[st->mine[k]], why);
+        }
+}
+
+static int post(struct kvf_client *c, struct kvf_stream *st, void *stream, uint64_t want)
+{
+        if (st->method != KVF_SIGNAL_HOSTFN) {
+                /* The sender polls while a word it has not seen is queued (no doorbell will ring
+                 * when the GPU writes it): raise `enqueued` first, then wake it once. */
+                uint64_t cur = kvf_load_relaxed(&c->ctl.progress->enqueued);
+                while (cur < want && !kvf_cas_acq_rel(&c->ctl.progress->enqueued, &cur, want)) {
+                }
+                kvf_doorbell_ring(&c->ctl.bells[KVF_BELL_SENDER]);
+        }
+        int rc = kvf_gpu_signal_post(st->sig, stream, want);
+        for (uint64_t end = kvf_now_ns() + AGAIN_WAIT_NS; rc == -EAGAIN && kvf_now_ns() < end;) {
+                kvf_sleep_ns(20000); /* 1024 host functions pending: the GPU is far behind */
+                rc = kvf_gpu_signal_post(st->sig, stream, want);
+        }
+        return rc < 0 ? gpu_err(rc, "layer-done signal") : 0;
+}
+
+int kvf_layer_done_on_stream(struct kvf_client *c, void *stream, uint64_t step, uint32_t layer)
+{
+        int rc = kvf_client_layer_check(c, step, layer);
+        if (rc < 0)
+                return rc;
+        uint64_t want = KVF_PROGRESS_PACK(step, layer + 1);
+        pthread_mutex_lock(&c->stream_mu);
+        if (!c->stream && (rc = stream_init(c)) < 0)
+                goto out;
+        struct kvf_stream *st = c->stream;
+        if (want <= st->last) {
+                rc = kvf_err_set(-EINVAL, "layer %u of step %llu: layer %u of step %llu was signalled on a stream "
+                                 "already (layers go in order)", layer, (unsigned long long)step,
+                                 KVF_PROGRESS_LAYERS(st->last) - 1, (unsigned long long)KVF_PROGRESS_STEP(st->last));
+                goto out;
+        }
+        if (st->exec)
+                exec_layer(c, st, stream, step, layer);
+        if ((rc = post(c, st, stream, want)) == 0)
+                st->last = want;
+out:
+        pthread_mutex_unlock(&c->stream_mu);
+        return rc;
+}
+
+#endif

@@ -1,0 +1,334 @@
+/*
+ * The CUDA backend: the cache is one device allocation (cudaMalloc, never
+ * managed memory) on the instance's GPU, made and kept by the allocator for
+ * the life of the instance: the memory dies with the allocator's process,
+ * never with an engine's, so an engine that crashes and attaches again finds
+ * its caches as it left them. Its CUDA IPC handle (one, for the whole cache)
+ * and the GPU's UUID are in the control segment (cuda_handles_off,
+ * cuda_uuid); every other process (sender, connector, the engine's client)
+ * opens the handle once per mapping. `base` is then a device pointer and
+ * kvf_layout_offset offsets apply unchanged.
+ *
+ * Why one allocation, not one per tensor: a copy run is an offset into a
+ * region, so one region per cache keeps every batch's region table as long
+ * as its list of peers; one handle to open per peer; and engines in other
+ * languages need one handle and the layout to find every tensor.
+ *
+ * Copies (same host): one kernel launch per batch, through the gpu/ copier
+ * (kvf_gpu_copy_submit: runs checked against their regions before anything
+ * is launched, one event per batch, polled). The copier lives on the source
+ * cache's mapping (the sender's own cache) and runs in this process's
+ * context: executor 1, the sender's context (fast beside a busy engine under
+ * MPS only; docs/GPU.md).
+ *
+ * io (the tcp path): staged through pinned host memory, synchronously: the
+ * bytes are copied from the device at io_begin (send) or to it at io_end
+ * (receive), on the calling thread. Simple, and slower than it could be: a
+ * connector thread waits for each frame's copy (tens of microseconds for
+ * 4 MiB) and, without MPS, for the GPU's time slice while an engine
+ * computes.
+ */
+#include <errno.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cache.h"
+#include "clock.h"
+#include "err.h"
+#include "kvf_gpu.h"
+#include "layout.h"
+
+#define STAGE_BUFS 16u
+#define STAGE_BYTES (4u << 20) /* a tcp frame's payload at most */
+#define AGAIN_WAIT_NS 2000000000ull
+
+struct stage {
+        pthread_mutex_t mu;
+        void *buf[STAGE_BUFS];
+        bool busy[STAGE_BUFS];
+};
+
+struct cuda_map {
+        int device; /* kernels that use this mapping run here */
+        int owner;  /* the device holding the memory */
+        void *ptr;  /* the IPC-opened pointer (base) */
+        struct kvf_gpu_copier *copier; /* created at the first copy from this cache */
+        struct kvf_gpu_run *runs;
+        uint32_t cap_runs;
+        struct kvf_gpu_region *dst;
+        uint32_t cap_dst;
+        struct stage st;
+};
+
+static int gpu_err(int rc, const char *what)
+{
+        return kvf_err_set(rc, "%s: %s", what, kvf_gpu_err_msg());
+}
+
+int kvf_cache_cuda_gpus(void)
+{
+        int n = kvf_gpu_device_count();
+        if (n <= 0)
+                kvf_err_set(0, "no GPU visible: %s", kvf_gpu_err_msg());
+        return n > 0 ? n : 0;
+}
+
+int kvf_cache_cuda_device_of(const uint8_t uuid[16])
+{
+        return kvf_gpu_device_by_uuid(uuid);
+}
+
+static void uuid_str(const uint8_t u[16], char *out, size_t len)
+{
+        snprintf(out, len,
+                 "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x", u[0],
+                 u[1], u[2], u[3], u[4], u[5], u[6], u[7], u[8], u[9], u[10], u[11], u[12], u[13],
+                 u[14], u[15]);
+}
+
+static int cuda_create(struct kvf_ctl_header *h, const struct kvf_cache_opts *o)
+{
+        const struct kvf_cache_layout *l = &h->layout;
+        int dev = (int)h->device, n = kvf_gpu_device_count();
+        char need[32];
+        void *p = NULL;
+        int rc;
+
+        (void)o; /* huge pages and a kept mapping are host-memory matters */
+        if (n <= 0)
+                return kvf_err_set(-ENODEV, "cuda backend: no GPU visible: %s", kvf_gpu_err_msg());
+        if (h->device == KVF_DEVICE_NONE || dev >= n)
+                return kvf_err_set(-ENODEV, "cuda backend: no GPU %u here (%d visible)", h->device, n);
+        if (h->cuda_handles_count != 1)
+                return kvf_err_set(-EINVAL, "cuda backend: the segment has room for %u handles, needs 1",
+                                   h->cuda_handles_count);
+        kvf_fmt_bytes(l->cache_bytes, need, sizeof(need));
+        if ((rc = kvf_gpu_alloc(dev, l->cache_bytes, &p)) < 0)
+                return kvf_err_set(rc, "allocate a cache of %s on GPU %d: %s%s", need, dev,
+                                   kvf_gpu_err_msg(), rc == -ENOMEM ? "; use fewer --blocks" : "");
+        /* Zeroed, like the host backend's fresh file: what an engine reads before it wrote
+         * anything is the same on both. */
+        if ((rc = kvf_gpu_memset(dev, p, 0, l->cache_bytes)) < 0 ||
+            (rc = kvf_gpu_device_uuid(dev, h->cuda_uuid)) < 0 ||
+            (rc = kvf_gpu_ipc_export(p, (uint8_t *)h + h->cuda_handles_off)) < 0) {
+                rc = gpu_err(rc, "cuda backend");
+                kvf_gpu_free(dev, p);
+                return rc;
+        }
+        return 0; /* p lives as long as this process */
+}
+
+static void cuda_destroy(const struct kvf_ctl_header *h)
+{
+        (void)h;
+        /* Nothing: the memory goes with the allocator's process. Freeing it while another
+         * process still has it open (an engine that has not detached yet) is undefined in
+         * CUDA; the driver releases it safely when the process exits. */
+}
+
+static int cuda_map(const struct kvf_ctl_header *h, bool writable, struct kvf_cache *out)
+{
+        char u[48];
+        (void)writable; /* an IPC mapping is read-write; the roles keep to their side */
+        if (h->cuda_handles_count != 1)
+                return kvf_err_set(-EPROTO, "instance '%s': %u CUDA handles, the cuda backend makes 1",
+                                   h->instance, h->cuda_handles_count);
+        uuid_str(h->cuda_uuid, u, sizeof(u));
+        int owner = kvf_gpu_device_by_uuid(h->cuda_uuid);
+        if (owner < 0)
+                return kvf_err_set(-ENOENT,
+                                   "instance '%s' keeps its cache on %s, which this process does not see "
+                                   "(CUDA_VISIBLE_DEVICES?): %s",
+                                   h->instance, u, kvf_gpu_err_msg());
+        struct cuda_map *m = calloc(1, sizeof(*m));
+        if (!m)
+                return kvf_err_set(-ENOMEM, "out of memory");
+        m->device = out->device >= 0 ? out->device : owner;
+        m->owner = owner;
+        int rc = kvf_gpu_ipc_open(m->device, (const uint8_t *)h + h->cuda_handles_off, &m->ptr, NULL);
+        if (rc < 0) {
+                kvf_err_set(rc == -EXDEV ? -EXDEV : -ENOENT, "open the cache of instance '%s' (%s, GPU %d here)%s: %s",
+                            h->instance, u, owner, m->device != owner ? " for copies from another GPU" : "",
+                            kvf_gpu_err_msg());
+                free(m);
+                return rc == -EXDEV ? -EXDEV : -ENOENT;
+        }
+        pthread_mutex_init(&m->st.mu, NULL);
+        out->base = m->ptr;
+        out->host = false;
+        out->device = m->device;
+        out->priv = m;
+        return 0;
+}
+
+static void cuda_unmap(struct kvf_cache *c)
+{
+        struct cuda_map *m = c->priv;
+        if (!m)
+                return;
+        /* Waits (bounded) for the copies in flight: never close the mapping under them. */
+        kvf_gpu_copier_destroy(m->copier);
+        for (unsigned i = 0; i < STAGE_BUFS; i++)
+                kvf_gpu_host_free(m->st.buf[i]);
+        pthread_mutex_destroy(&m->st.mu);
+        kvf_gpu_ipc_close(m->device, m->ptr);
+        free(m->runs);
+        free(m->dst);
+        free(m);
+        c->priv = NULL;
+}
+
+static int grow(void **p, uint32_t *cap, uint32_t want, size_t size)
+{
+        if (want <= *cap)
+                return 0;
+        uint32_t n = *cap ? *cap : 256;
+        while (n < want)
+                n *= 2;
+        void *q = realloc(*p, (size_t)n * size);
+        if (!q)
+                return -ENOMEM;
+        *p = q;
+        *cap = n;
+        return 0;
+}
+
+/* Submit runs [0, n) as one batch; a batch larger than the copier's arena goes in halves
+ * (batches of one copier land in order, so the last ticket stands for all of them). */
+static int submit(struct cuda_map *m, struct kvf_gpu_batch *b, const struct kvf_gpu_run *runs,
+                  size_t n, uint64_t *ticket)
+{
+        uint64_t start = 0;
+        for (;;) {
+                b->runs = runs;
+                b->n_runs = n;
+                int rc = kvf_gpu_copy_submit(m->copier, b, ticket);
+                if (rc == -E2BIG && n > 1) {
+                        size_t half = n / 2;
+                        if ((rc = submit(m, b, runs, half, ticket)) < 0)
+                                return rc;
+                        return submit(m, b, runs + half, n - half, ticket);
+                }
+                if (rc != -EAGAIN)
+                        return rc < 0 ? gpu_err(rc, "GPU copy") : 0;
+                /* Every slot or the descriptor arena is taken by batches in flight: they
+                 * land in microseconds; the copier reaps them on the next try. */
+                if (!start)
+                        start = kvf_now_ns();
+                else if (kvf_now_ns() - start > AGAIN_WAIT_NS)
+                        return kvf_err_set(-EIO, "GPU copies did not complete for 2 s: %s",
+                                           kvf_gpu_err_msg());
+                kvf_sleep_ns(10000);
+        }
+}
+
+static int cuda_copy_submit(const struct kvf_copy_batch *b, uint64_t *ticket)
+{
+        struct cuda_map *m = b->src->priv;
+        int rc;
+
+        if (!m->copier && (rc = kvf_gpu_copier_create(m->device, 0, NULL, &m->copier)) < 0)
+                return gpu_err(rc, "create the GPU copier");
+        if (grow((void **)&m->runs, &m->cap_runs, b->nruns, sizeof(*m->runs)) < 0 ||
+            grow((void **)&m->dst, &m->cap_dst, b->ndst ? b->ndst : 1, sizeof(*m->dst)) < 0)
+                return kvf_err_set(-ENOMEM, "out of memory for a copy batch of %u runs", b->nruns);
+        for (uint32_t i = 0; i < b->ndst; i++) {
+                const struct kvf_cache *d = b->dst[i];
+                if (d->be != &kvf_cache_cuda || d->device != m->device)
+                        return kvf_err_set(-EXDEV, "a GPU copy's destination %u is not mapped for GPU %d",
+                                           i, m->device);
+                m->dst[i] = (struct kvf_gpu_region){.base = (uint64_t)(uintptr_t)d->base, .bytes = d->bytes};
+        }
+        for (uint32_t i = 0; i < b->nruns; i++)
+                m->runs[i] = (struct kvf_gpu_run){.src_off = b->runs[i].src_off,
+                                                  .dst_off = b->runs[i].dst_off,
+                                                  .bytes = b->runs[i].bytes,
+                                                  .src_region = 0,
+                                                  .dst_region = b->runs[i].dst};
+        struct kvf_gpu_region src = {.base = (uint64_t)(uintptr_t)b->src->base, .bytes = b->src->bytes};
+        struct kvf_gpu_batch gb = {.src = &src, .n_src = 1, .dst = m->dst, .n_dst = b->ndst};
+        return submit(m, &gb, m->runs, b->nruns, ticket);
+}
+
+static int cuda_copy_poll(struct kvf_cache *src, uint64_t ticket)
+{
+        struct cuda_map *m = src->priv;
+        if (!m->copier)
+                return kvf_err_set(-EINVAL, "GPU copy ticket %llu: no copy was ever submitted",
+                                   (unsigned long long)ticket);
+        int rc = kvf_gpu_copy_poll(m->copier, ticket);
+        return rc < 0 ? gpu_err(-EIO, "GPU copy") : rc;
+}
+
+/* A staging buffer of at least len bytes: pinned from the pool, else malloc'd. */
+static uint8_t *stage_get(struct cuda_map *m, uint64_t len)
+{
+        if (len <= STAGE_BYTES) {
+                pthread_mutex_lock(&m->st.mu);
+                for (unsigned i = 0; i < STAGE_BUFS; i++) {
+                        if (m->st.busy[i])
+                                continue;
+                        if (!m->st.buf[i] && kvf_gpu_host_alloc(STAGE_BYTES, &m->st.buf[i]) < 0)
+                                break; /* no pinned memory: pageable below */
+                        m->st.busy[i] = true;
+                        pthread_mutex_unlock(&m->st.mu);
+                        return m->st.buf[i];
+                }
+                pthread_mutex_unlock(&m->st.mu);
+        }
+        return malloc(len ? len : 1);
+}
+
+static void stage_put(struct cuda_map *m, uint8_t *p)
+{
+        pthread_mutex_lock(&m->st.mu);
+        for (unsigned i = 0; i < STAGE_BUFS; i++)
+                if (m->st.buf[i] == p) {
+                        m->st.busy[i] = false;
+                        pthread_mutex_unlock(&m->st.mu);
+                        return;
+                }
+        pthread_mutex_unlock(&m->st.mu);
+        free(p);
+}
+
+static int cuda_io_begin(struct kvf_cache *c, uint64_t off, uint64_t len, bool recv, uint8_t **p)
+{
+        struct cuda_map *m = c->priv;
+        if (off > c->bytes || len > c->bytes - off)
+                return kvf_err_set(-ERANGE, "bytes [%llu, +%llu) are outside the cache",
+                                   (unsigned long long)off, (unsigned long long)len);
+        uint8_t *b = stage_get(m, len);
+        if (!b)
+                return kvf_err_set(-ENOMEM, "no staging buffer of %llu bytes", (unsigned long long)len);
+        int rc = recv ? 0 : kvf_gpu_memcpy(m->device, b, c->base + off, len);
+        if (rc < 0) {
+                stage_put(m, b);
+                return gpu_err(rc, "copy from the GPU cache");
+        }
+        *p = b;
+        return 0;
+}
+
+static int cuda_io_end(struct kvf_cache *c, uint64_t off, uint64_t len, bool recv, uint8_t *p)
+{
+        struct cuda_map *m = c->priv;
+        int rc = recv ? kvf_gpu_memcpy(m->device, c->base + off, p, len) : 0;
+        stage_put(m, p);
+        return rc < 0 ? gpu_err(rc, "copy into the GPU cache") : 0;
+}
+
+const struct kvf_cache_backend kvf_cache_cuda = {
+        .name = "cuda",
+        .id = KVF_BACKEND_CUDA,
+        .create = cuda_create,
+        .destroy = cuda_destroy,
+        .map = cuda_map,
+        .unmap = cuda_unmap,
+        .copy_submit = cuda_copy_submit,
+        .copy_poll = cuda_copy_poll,
+        .io_begin = cuda_io_begin,
+        .io_end = cuda_io_end,
+};

@@ -1,0 +1,206 @@
+#!/usr/bin/env bash
+# GPU caches end to end on one host (issue 11): prefill and decode instances with --backend cuda
+# on one GPU, kvf-sim in GPU mode (each layer a kernel that writes the blocks and keeps every SM
+# busy, signalled with kvf_layer_done_on_stream; every byte of every arrival checked on the GPU).
+#   - both executors (the engine's context; the sender's context): per-query with late tasks and
+#     prefix hits, chunked prefill, cancels; the engine executor must really have copied (its
+#     plan claims counted in the segment); the stream-write signal as well as the host function;
+#   - key-only (MLA) and speculative extra layers, both executors;
+#   - the sender SIGKILLed mid-transfer, again and again, each executor: one status per request,
+#     nothing corrupt reported finished, the two sides agreeing;
+#   - the engine killed: its caches intact when it attaches again (tests/gpu_reattach_test);
+#     the engine (kvf-sim) killed mid-transfer with its copies queued, then a new engine;
+#   - a peer on another GPU of this host, through the same path with peer access (skipped with
+#     one GPU visible);
+#   - the sender's executor under MPS, started by `tools/kvferry up --mps` with a private pipe
+#     directory (skipped where nvidia-cuda-mps-control is not installed).
+# Exit 77 (skipped) when no GPU is visible. Needs the build, the repository and the driver only
+# (no python: the JSON is read with sed).
+HERE=$(cd "$(dirname "$0")" && pwd)
+B0=${KVFERRY_BUILD:-$HERE/../build}
+NGPU=$("$B0/kvf-ctl" gpus 2>/dev/null || echo 0)
+if ! [ "${NGPU:-0}" -ge 1 ] 2>/dev/null; then
+  echo "gpu_e2e_test: skipped: no GPU visible ($("$B0/kvf-ctl" gpus 2>&1 >/dev/null | head -n1))"
+  exit 77
+fi
+source "$HERE/lib.sh"
+cd "$ROOT"
+export KVFERRY_BACKEND=cuda
+# The trace by path: kvf-sim's built-in default names the source tree it was built in, which a
+# build carried to the GPU machine may not have.
+TRACE=$ROOT/data/mooncake-conversation-2000.jsonl
+[ -x "$B/tests/gpu_reattach_test" ] || fail "no $B/tests/gpu_reattach_test: was $B built with nvcc?"
+echo "gpu_e2e_test: $NGPU GPU(s) visible"
+
+# jv FILE KEY: a top-level value of kvf-sim's flat JSON summary
+jv() { sed -n "s/.*\"$2\":\([^,}]*\).*/\1/p" "$1" | head -n1 | tr -d '"'; }
+# rdv INSTANCE KEY: a numeric value from kvf-ringdump --json (keys used here are unique)
+rdv() { "$B/kvf-ringdump" --instance "$1" --json | sed -n "s/.*\"$2\":\([0-9]*\).*/\1/p" | head -n1; }
+
+# sim WHAT NAME [kvf-sim options]: one verified run; prints its JSON file
+sim() {
+  local what=$1 json=$KVFERRY_RUN_DIR/$2.json txt=$KVFERRY_RUN_DIR/$2.txt; shift 2
+  "$B/kvf-sim" --gpu --trace "$TRACE" --quiet --json "$json" --timeout-s 60 "$@" >"$txt" 2>&1 || { cat "$txt" >&2; fail "$what: kvf-sim failed"; }
+  [ "$(jv "$json" ok)" = true ] || { cat "$txt" >&2; fail "$what: not ok"; }
+  [ "$(jv "$json" corrupt)" = 0 ] || fail "$what: corrupt requests"
+  [ "$(jv "$json" gpu)" = true ] || fail "$what: kvf-sim did not run in GPU mode"
+  echo "$json"
+}
+# all_finished WHAT JSON N
+all_finished() { [ "$(jv "$2" finished)" = "$3" ] || fail "$1: $(jv "$2" finished) of $3 finished"; }
+
+L="--model llama-3.1-8b --tp 8 --cache-mib 1024"
+for ex in engine sender; do
+  d=$TAG-d$ex p=$TAG-p$ex
+  up $d --role decode $L --executor $ex
+  up $p --role prefill $L --executor $ex
+  "$B/kvf-ringdump" --instance $p | grep -q "cuda backend (GPU 0, copies in the $ex's context)" ||
+    fail "$ex: ring-dump does not say the cache is on GPU 0 with the $ex executor"
+  "$B/kvf-ringdump" --instance $p | grep -q "handle 0: [0-9a-f]\{128\}" || fail "$ex: ring-dump shows no IPC handle"
+  "$B/kvf-ringdump" --instance $p --json | grep -q '"handles":\["[0-9a-f]\{128\}"\]' ||
+    fail "$ex: ring-dump --json shows no IPC handle"
+
+  j=$(sim "$ex: per-query" pq-$ex --prefill $p --decode $d --requests 40 --layer-us 100 --late-pct 25 --prefix-pct 30)
+  all_finished "$ex: per-query" "$j" 40
+  j=$(sim "$ex: chunked" ch-$ex --prefill $p --decode $d --requests 20 --layer-us 50 --chunk-tokens 1000 --step-tokens 3000)
+  all_finished "$ex: chunked" "$j" 20
+  j=$(sim "$ex: cancel" cx-$ex --prefill $p --decode $d --requests 30 --layer-us 300 --cancel-pct 40)
+  [ "$(jv "$j" finished_but_failed_pairs)" = 0 ] || fail "$ex: a cancelled request also arrived finished"
+  j=$(KVFERRY_LAYER_SIGNAL=writevalue sim "$ex: stream-write signal" wv-$ex --prefill $p --decode $d --requests 20 --layer-us 100)
+  all_finished "$ex: stream-write signal" "$j" 20
+  if [ $ex = engine ]; then
+    claimed=$(rdv $p layers_claimed)
+    [ "${claimed:-0}" -gt 0 ] || fail "engine executor: the engine claimed no layer (plans published: $(rdv $p plans_published))"
+    [ "$(rdv $p copy_errors)" = 0 ] || fail "engine executor: the engine reported copy errors"
+    pass "engine executor: $claimed layers copied in the engine's context ($(rdv $p copy_kernels) kernels, $(rdv $p plans_published) plans, $(rdv $p plans_taken_back) taken back by the sender)"
+  fi
+  pass "$ex executor: per-query (late tasks, prefix hits), chunked, cancels and the stream-write signal, every byte verified on the GPU"
+  down $p; down $d
+done
+
+for ex in engine sender; do
+  up $TAG-md$ex --role decode --model deepseek-v3-mla --cache-mib 1024 --executor $ex
+  up $TAG-mp$ex --role prefill --model deepseek-v3-mla --cache-mib 1024 --executor $ex
+  j=$(sim "$ex: key-only" mla-$ex --prefill $TAG-mp$ex --decode $TAG-md$ex --requests 12 --layer-us 50)
+  all_finished "$ex: key-only" "$j" 12
+  down $TAG-mp$ex; down $TAG-md$ex
+  up $TAG-sd$ex --role decode $L --extra-layers 2 --executor $ex
+  up $TAG-sp$ex --role prefill $L --extra-layers 2 --executor $ex
+  j=$(sim "$ex: extra layers" sp-$ex --prefill $TAG-sp$ex --decode $TAG-sd$ex --requests 12 --layer-us 50)
+  all_finished "$ex: extra layers" "$j" 12
+  down $TAG-sp$ex; down $TAG-sd$ex
+  pass "$ex executor: key-only (MLA, 61 layers x 1 tensor) and 32 + 2 extra layers verified"
+done
+
+# The sender SIGKILLed mid-transfer. Its copies in flight die with its context (the requests that
+# had one end 'write error'); the engine's copies do not (they are waited for again).
+for ex in engine sender; do
+  d=$TAG-kd$ex p=$TAG-kp$ex
+  up $d --role decode $L --executor $ex
+  up $p --role prefill $L --executor $ex
+  json=$KVFERRY_RUN_DIR/kill-$ex.json
+  "$B/kvf-sim" --gpu --trace "$TRACE" --prefill $p --decode $d --requests 100000 --layer-us 300 --quiet --timeout-s 60 \
+    --json "$json" >"$KVFERRY_RUN_DIR/kill-$ex.txt" 2>&1 &
+  simpid=$!
+  for k in 1 2 3 4; do
+    sleep "0.$(( RANDOM % 7 + 3 ))"
+    kill -0 $simpid 2>/dev/null || fail "$ex: the simulator stopped early: $(tail -n 5 "$KVFERRY_RUN_DIR/kill-$ex.txt")"
+    kill_role sender $p
+  done
+  sleep 1
+  kill -TERM $simpid 2>/dev/null || true
+  rc=0; wait $simpid || rc=$?
+  [ -f "$json" ] || fail "$ex: no summary from the simulator (rc $rc): $(tail -n 5 "$KVFERRY_RUN_DIR/kill-$ex.txt")"
+  [ "$(jv "$json" corrupt)" = 0 ] || fail "$ex: sender kills: a request reported finished with bytes that differ, or twice"
+  [ "$(jv "$json" unaccounted)" = 0 ] || fail "$ex: sender kills: $(jv "$json" unaccounted) requests without a status"
+  [ "$(jv "$json" finished_but_failed_pairs)" = 0 ] || fail "$ex: sender kills: the two sides disagree"
+  [ "$(jv "$json" finished)" -ge 10 ] || fail "$ex: sender kills: only $(jv "$json" finished) finished"
+  pass "$ex executor: 4 sender SIGKILLs mid-transfer: $(jv "$json" finished) finished and verified, $(jv "$json" failed) failed with a status, none corrupt, none lost"
+  if [ $ex = engine ]; then
+    # The engine killed with its copies queued on its side stream, three times; then a new one.
+    logs=()
+    for run in 1 2 3; do
+      log=$KVFERRY_RUN_DIR/engine-kill-$run.log
+      logs+=("$log")
+      "$B/kvf-sim" --gpu --trace "$TRACE" --prefill $p --decode $d --requests 100000 --layer-us 300 --quiet --late-pct 20 \
+        --session-log "$log" --timeout-s 60 >"$KVFERRY_RUN_DIR/engine-kill-$run.txt" 2>&1 &
+      esim=$!
+      sleep "1.$(( RANDOM % 10 ))"
+      kill -0 $esim 2>/dev/null || fail "engine run $run stopped early: $(tail -n 5 "$KVFERRY_RUN_DIR/engine-kill-$run.txt")"
+      kill -KILL $esim
+      wait $esim 2>/dev/null || true
+    done
+    log=$KVFERRY_RUN_DIR/engine-kill-last.log
+    logs+=("$log")
+    j=$(sim "engine killed, then a new one" engine-last --prefill $p --decode $d --requests 40 --layer-us 300 \
+          --session-log "$log" --drain-previous-s 3)
+    all_finished "engine killed, then a new one" "$j" 40
+    NOPY=""
+    if [ -x /usr/bin/python3 ]; then
+      /usr/bin/python3 "$ROOT/tests/session_logs_check.py" "${logs[@]}" ||
+        fail "requests of killed engine sessions did not end the same way on both sides"
+      NOPY="; every killed session's requests ended the same way on both sides"
+    else
+      NOPY=" (no python3 here: the killed sessions' logs were not checked)"
+    fi
+    pass "engine (kvf-sim --gpu) killed 3 times with copies queued in its context: a new engine's 40 requests verified$NOPY"
+  fi
+  # The engine killed and attached again: its caches are as it left them.
+  out=$KVFERRY_RUN_DIR/reattach-$ex
+  seed=$(( (RANDOM << 15) | RANDOM ))
+  "$B/tests/gpu_reattach_test" write $p $seed >"$out.write" 2>&1 &
+  w=$!
+  for _ in $(seq 600); do
+    grep -q '^written' "$out.write" && break
+    kill -0 $w 2>/dev/null || fail "gpu_reattach_test write: $(cat "$out.write")"
+    sleep 0.1
+  done
+  grep -q '^written' "$out.write" || fail "gpu_reattach_test write did not finish: $(cat "$out.write")"
+  kill -KILL $w
+  wait $w 2>/dev/null || true
+  "$B/tests/gpu_reattach_test" check $p $seed >"$out.check" 2>&1 ||
+    fail "$ex: the engine attached again and found its caches changed: $(cat "$out.check")"
+  pass "$ex: an engine SIGKILLed after writing its caches attached again and found them intact ($(cat "$out.check"))"
+  down $p; down $d
+done
+
+# A peer on another GPU of this host: the same path, with peer access.
+if [ "$NGPU" -ge 2 ]; then
+  for ex in engine sender; do
+    up $TAG-xd$ex --role decode $L --executor $ex --device 1
+    up $TAG-xp$ex --role prefill $L --executor $ex --device 0
+    j=$(sim "$ex: peer on GPU 1" x-$ex --prefill $TAG-xp$ex --decode $TAG-xd$ex --requests 30 --layer-us 100 --late-pct 20)
+    all_finished "$ex: peer on GPU 1" "$j" 30
+    down $TAG-xp$ex; down $TAG-xd$ex
+  done
+  pass "a peer on another GPU (prefill on GPU 0, decode on GPU 1), both executors: every byte verified"
+else
+  echo "skipped: a peer on another GPU (only one GPU visible)"
+fi
+
+# The sender's executor under MPS, as `tools/kvferry up --mps` starts it (a private pipe directory,
+# so no other MPS user of this host is touched; stopped again at the end).
+MPSCTL=$(command -v nvidia-cuda-mps-control || true)
+[ -z "$MPSCTL" ] && [ -x /usr/local/nvidia/bin/nvidia-cuda-mps-control ] && MPSCTL=/usr/local/nvidia/bin/nvidia-cuda-mps-control
+if [ -n "$MPSCTL" ]; then
+  export CUDA_MPS_PIPE_DIRECTORY=$(mktemp -d /tmp/kvf-mps.XXXXXX)
+  export CUDA_MPS_LOG_DIRECTORY=$KVFERRY_RUN_DIR/mps-log
+  mkdir -p "$CUDA_MPS_LOG_DIRECTORY"
+  mps_quit() { echo quit | timeout 20 "$MPSCTL" >/dev/null 2>&1 || true; rm -rf "$CUDA_MPS_PIPE_DIRECTORY"; }
+  AT_EXIT+=("down $TAG-md >/dev/null 2>&1; down $TAG-mp >/dev/null 2>&1; mps_quit")
+  up $TAG-md --role decode $L --mps
+  up $TAG-mp --role prefill $L --mps
+  "$B/kvf-ringdump" --instance $TAG-mp | grep -q "copies in the sender's context" ||
+    fail "under MPS, --executor auto did not choose the sender's context"
+  grep -q "under MPS" "$KVFERRY_RUN_DIR/$TAG-mp/sender.log" || fail "the sender does not see MPS: $(grep GPU "$KVFERRY_RUN_DIR/$TAG-mp/sender.log")"
+  j=$(sim "sender executor under MPS" mps --prefill $TAG-mp --decode $TAG-md --requests 40 --layer-us 200 --late-pct 20)
+  all_finished "sender executor under MPS" "$j" 40
+  down $TAG-mp; down $TAG-md
+  mps_quit
+  AT_EXIT=()
+  unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+  pass "up --mps started MPS; --executor auto chose the sender's context; 40 requests verified under MPS"
+else
+  echo "skipped: MPS (nvidia-cuda-mps-control is not installed)"
+fi
+echo "gpu_e2e_test: all passed"

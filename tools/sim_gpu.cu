@@ -1,0 +1,382 @@
+/*
+ * kvf-sim's GPU mode: see tools/sim_gpu.h.
+ *
+ * Descriptors {block address, words, key} go into mapped pinned host memory
+ * that the kernels read directly: the host never waits for the GPU to queue
+ * a layer (a copy from pageable memory may wait for the stream), and the
+ * arena is reused only after the step's sync (or after a sync when a step
+ * outgrows it).
+ *
+ * Time: each layer kernel stamps its end (%globaltimer, atomicMax over its
+ * blocks) into a word per rank; after the step's sync, rank 0's word is the
+ * step's last layer end, converted to this host's CLOCK_MONOTONIC by a
+ * ping through mapped memory (the GPU spins on a host word, stamps the moment
+ * it changes; the fastest of 32 round trips is kept; redone every second
+ * against drift). The error is about half that round trip, a microsecond or
+ * two, printed by kvf-sim with the tails.
+ */
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include <cuda_runtime.h>
+
+#include "sim_gpu.h"
+
+#define MAX_RANKS 8
+#define BLOCK_US 10u       /* how long one block of a busy layer lives */
+#define ARENA_INIT (1u << 20)
+#define CALIB_ROUNDS 32
+#define CALIB_EVERY_NS 1000000000ull
+#define SPIN_TIMEOUT_NS 2000000000ull
+#define PATTERN_STEP 0x9e3779b97f4a7c15ull /* tools/sim_verify.c pattern(): word k = key + k * this */
+
+struct desc {
+        unsigned long long ptr, words, key;
+};
+
+struct side {
+        int dev;
+        int sms;
+        cudaStream_t s;
+        struct desc *host;  /* mapped pinned arena */
+        struct desc *dmap;  /* its device alias */
+        size_t cap, used;   /* descriptors; [start, used) is the current batch */
+        size_t start;
+        unsigned long long *d_words; /* device: [0] layer end stamp (prefill) / bad count, [1] first bad */
+        unsigned long long *h_words; /* pinned copy */
+};
+
+struct sim_gpu {
+        unsigned ranks, layer_us;
+        struct side pre[MAX_RANKS], dec[MAX_RANKS];
+        /* clock: a GPU time g and the host time h it corresponds to (prefill rank 0's GPU) */
+        uint32_t *clk_host, *clk_dev;
+        unsigned long long clk_g, clk_h, clk_rtt, clk_at;
+};
+
+static unsigned long long now_ns(void)
+{
+        struct timespec ts;
+        clock_gettime(CLOCK_MONOTONIC, &ts);
+        return (unsigned long long)ts.tv_sec * 1000000000ull + (unsigned long long)ts.tv_nsec;
+}
+
+static int cuda_fail(cudaError_t e, const char *what)
+{
+        fprintf(stderr, "kvf-sim: GPU: %s: %s (%s)\n", what, cudaGetErrorString(e), cudaGetErrorName(e));
+        return -1;
+}
+
+#define CK(call, what)                                                                             \
+        do {                                                                                       \
+                cudaError_t e_ = (call);                                                           \
+                if (e_ != cudaSuccess)                                                             \
+                        return cuda_fail(e_, what);                                                \
+        } while (0)
+
+__device__ static inline unsigned long long gtimer(void)
+{
+        unsigned long long t;
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+        return t;
+}
+
+/*
+ * One wave's block: write a share of the layer's blocks, then stay on its SM
+ * until block_ns after it started; the layer's end is the last block's end.
+ */
+__global__ void __launch_bounds__(1024, 2)
+    layer_kernel(const struct desc *d, unsigned n, unsigned long long block_ns, unsigned long long *end)
+{
+        unsigned long long t0 = gtimer();
+        for (unsigned i = blockIdx.x; i < n; i += gridDim.x) {
+                unsigned long long *w = (unsigned long long *)d[i].ptr;
+                unsigned long long key = d[i].key, words = d[i].words;
+                for (unsigned long long k = threadIdx.x; k < words; k += blockDim.x)
+                        w[k] = key + k * PATTERN_STEP;
+        }
+        while (gtimer() - t0 < block_ns) {
+        }
+        __syncthreads();
+        if (threadIdx.x == 0)
+                atomicMax(end, gtimer());
+}
+
+__global__ void check_kernel(const struct desc *d, unsigned n, unsigned long long *res)
+{
+        for (unsigned i = blockIdx.x; i < n; i += gridDim.x) {
+                const unsigned long long *w = (const unsigned long long *)d[i].ptr;
+                unsigned long long key = d[i].key, words = d[i].words;
+                int bad = 0;
+                for (unsigned long long k = threadIdx.x; k < words; k += blockDim.x)
+                        bad |= w[k] != key + k * PATTERN_STEP;
+                if (__syncthreads_or(bad) && threadIdx.x == 0) {
+                        atomicAdd(&res[0], 1ull);
+                        atomicMin(&res[1], (unsigned long long)i);
+                }
+        }
+}
+
+/* w[0]: ping (host -> GPU), w[1]: pong (GPU -> host), w[2..3]: the GPU's time at the ping. */
+__global__ void clock_kernel(uint32_t *w, int rounds)
+{
+        unsigned long long *g = (unsigned long long *)(w + 2);
+        for (int i = 1; i <= rounds; i++) {
+                unsigned long long t0 = gtimer(), t;
+                uint32_t v;
+                do {
+                        asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(&w[0]) : "memory");
+                        if (gtimer() - t0 > SPIN_TIMEOUT_NS)
+                                return;
+                } while (v != (uint32_t)i);
+                t = gtimer();
+                asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(g), "l"(t) : "memory");
+                asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(&w[1]), "r"((uint32_t)i) : "memory");
+        }
+}
+
+static int calibrate(struct sim_gpu *g)
+{
+        struct side *p = &g->pre[0];
+        CK(cudaSetDevice(p->dev), "cudaSetDevice");
+        memset(g->clk_host, 0, 64);
+        clock_kernel<<<1, 1, 0, p->s>>>(g->clk_dev, CALIB_ROUNDS);
+        CK(cudaGetLastError(), "clock kernel");
+        unsigned long long best = ~0ull;
+        for (int i = 1; i <= CALIB_ROUNDS; i++) {
+                unsigned long long h0 = now_ns(), until = h0 + SPIN_TIMEOUT_NS;
+                /* Release/acquire: pair with the kernel's acquire load and release stores. */
+                __atomic_store_n(&g->clk_host[0], (uint32_t)i, __ATOMIC_RELEASE);
+                while (__atomic_load_n(&g->clk_host[1], __ATOMIC_ACQUIRE) != (uint32_t)i)
+                        if (now_ns() > until) {
+                                fprintf(stderr, "kvf-sim: GPU clock calibration: no answer to ping %d\n", i);
+                                return -1;
+                        }
+                unsigned long long h1 = now_ns();
+                unsigned long long gt = __atomic_load_n((unsigned long long *)(g->clk_host + 2), __ATOMIC_ACQUIRE);
+                if (h1 - h0 < best) {
+                        best = h1 - h0;
+                        g->clk_g = gt;
+                        g->clk_h = h0 + (h1 - h0) / 2;
+                }
+        }
+        CK(cudaStreamSynchronize(p->s), "clock calibration");
+        g->clk_rtt = best;
+        g->clk_at = now_ns();
+        return 0;
+}
+
+static int side_init(struct side *x, int dev, bool prefill)
+{
+        x->dev = dev;
+        CK(cudaSetDevice(dev), "cudaSetDevice");
+        CK(cudaDeviceGetAttribute(&x->sms, cudaDevAttrMultiProcessorCount, dev), "multiprocessor count");
+        /* The engine's stream: normal priority (kvferry's copies take the highest). */
+        CK(cudaStreamCreateWithFlags(&x->s, cudaStreamNonBlocking), "cudaStreamCreate");
+        x->cap = ARENA_INIT;
+        CK(cudaHostAlloc((void **)&x->host, x->cap * sizeof(struct desc), cudaHostAllocMapped | cudaHostAllocPortable),
+           "cudaHostAlloc (descriptors)");
+        CK(cudaHostGetDevicePointer((void **)&x->dmap, x->host, 0), "cudaHostGetDevicePointer");
+        CK(cudaMalloc((void **)&x->d_words, 2 * sizeof(unsigned long long)), "cudaMalloc");
+        CK(cudaHostAlloc((void **)&x->h_words, 2 * sizeof(unsigned long long), cudaHostAllocPortable), "cudaHostAlloc");
+        if (prefill)
+                CK(cudaMemsetAsync(x->d_words, 0, 2 * sizeof(unsigned long long), x->s), "cudaMemset");
+        return 0;
+}
+
+static void side_free(struct side *x)
+{
+        if (!x->s)
+                return;
+        cudaSetDevice(x->dev);
+        cudaStreamSynchronize(x->s);
+        cudaStreamDestroy(x->s);
+        cudaFreeHost(x->host);
+        cudaFree(x->d_words);
+        cudaFreeHost(x->h_words);
+        memset(x, 0, sizeof(*x));
+}
+
+extern "C" int sim_gpu_open(struct sim_gpu **out, unsigned ranks, const int *prefill_dev, const int *decode_dev,
+                            unsigned layer_us)
+{
+        struct sim_gpu *g = (struct sim_gpu *)calloc(1, sizeof(*g));
+        *out = NULL;
+        if (!g || ranks > MAX_RANKS) {
+                free(g);
+                fprintf(stderr, "kvf-sim: GPU mode: out of memory or too many ranks\n");
+                return -1;
+        }
+        g->ranks = ranks;
+        g->layer_us = layer_us;
+        for (unsigned k = 0; k < ranks; k++)
+                if (side_init(&g->pre[k], prefill_dev[k], true) < 0 || side_init(&g->dec[k], decode_dev[k], false) < 0) {
+                        sim_gpu_close(g);
+                        return -1;
+                }
+        cudaError_t e = cudaHostAlloc((void **)&g->clk_host, 64, cudaHostAllocMapped | cudaHostAllocPortable);
+        if (e == cudaSuccess)
+                e = cudaHostGetDevicePointer((void **)&g->clk_dev, g->clk_host, 0);
+        if (e != cudaSuccess || calibrate(g) < 0) {
+                if (e != cudaSuccess)
+                        cuda_fail(e, "clock words");
+                sim_gpu_close(g);
+                return -1;
+        }
+        *out = g;
+        return 0;
+}
+
+extern "C" void sim_gpu_close(struct sim_gpu *g)
+{
+        if (!g)
+                return;
+        for (unsigned k = 0; k < MAX_RANKS; k++) {
+                side_free(&g->pre[k]);
+                side_free(&g->dec[k]);
+        }
+        if (g->clk_host)
+                cudaFreeHost(g->clk_host);
+        free(g);
+}
+
+/* Room for one more descriptor in x's arena; when full, wait for the stream (its kernels read
+ * the arena) and start over, carrying the batch being built; grow if that batch fills it. */
+static int room(struct side *x)
+{
+        if (x->used < x->cap)
+                return 0;
+        CK(cudaSetDevice(x->dev), "cudaSetDevice");
+        CK(cudaStreamSynchronize(x->s), "cudaStreamSynchronize");
+        size_t n = x->used - x->start;
+        if (x->start) {
+                memmove(x->host, x->host + x->start, n * sizeof(struct desc));
+        } else {
+                struct desc *h = NULL, *d = NULL;
+                CK(cudaHostAlloc((void **)&h, 2 * x->cap * sizeof(struct desc), cudaHostAllocMapped | cudaHostAllocPortable),
+                   "cudaHostAlloc (descriptors)");
+                CK(cudaHostGetDevicePointer((void **)&d, h, 0), "cudaHostGetDevicePointer");
+                memcpy(h, x->host, n * sizeof(struct desc));
+                cudaFreeHost(x->host);
+                x->host = h;
+                x->dmap = d;
+                x->cap *= 2;
+        }
+        x->start = 0;
+        x->used = n;
+        return 0;
+}
+
+static int queue(struct side *x, const void *ptr, uint64_t bytes, uint64_t key)
+{
+        if (room(x) < 0)
+                return -1;
+        x->host[x->used++] = (struct desc){(unsigned long long)(uintptr_t)ptr, bytes / 8, key};
+        return 0;
+}
+
+extern "C" int sim_gpu_fill(struct sim_gpu *g, unsigned rank, void *ptr, uint64_t bytes, uint64_t key)
+{
+        return queue(&g->pre[rank], ptr, bytes, key);
+}
+
+extern "C" int sim_gpu_layer(struct sim_gpu *g, unsigned rank, struct kvf_client *c, uint64_t step, uint32_t layer)
+{
+        struct side *x = &g->pre[rank];
+        unsigned waves = g->layer_us / BLOCK_US ? g->layer_us / BLOCK_US : 1;
+        unsigned long long block_ns = g->layer_us ? (unsigned long long)g->layer_us * 1000ull / waves : 0;
+        CK(cudaSetDevice(x->dev), "cudaSetDevice");
+        /* Two 1024-thread blocks per SM fill every thread slot; `waves` of them in a row. */
+        layer_kernel<<<waves * 2u * (unsigned)x->sms, 1024, 0, x->s>>>(x->dmap + x->start, (unsigned)(x->used - x->start),
+                                                                     block_ns, x->d_words);
+        CK(cudaGetLastError(), "layer kernel launch");
+        x->start = x->used;
+        if (kvf_layer_done_on_stream(c, (void *)x->s, step, layer) < 0) {
+                fprintf(stderr, "kvf-sim: kvf_layer_done_on_stream(step %llu, layer %u): %s\n",
+                        (unsigned long long)step, layer, kvf_last_error());
+                return -1;
+        }
+        return 0;
+}
+
+extern "C" int sim_gpu_step_end(struct sim_gpu *g, uint64_t *last_ns)
+{
+        *last_ns = 0;
+        for (unsigned k = 0; k < g->ranks; k++) {
+                struct side *x = &g->pre[k];
+                CK(cudaSetDevice(x->dev), "cudaSetDevice");
+                CK(cudaStreamSynchronize(x->s), "the step's kernels");
+                x->start = x->used = 0;
+        }
+        struct side *p = &g->pre[0];
+        CK(cudaSetDevice(p->dev), "cudaSetDevice");
+        CK(cudaMemcpy(p->h_words, p->d_words, sizeof(unsigned long long), cudaMemcpyDeviceToHost), "read the layer end");
+        CK(cudaMemsetAsync(p->d_words, 0, sizeof(unsigned long long), p->s), "cudaMemset");
+        unsigned long long end = p->h_words[0];
+        if (now_ns() - g->clk_at > CALIB_EVERY_NS && calibrate(g) < 0)
+                return -1;
+        if (end)
+                *last_ns = end - g->clk_g + g->clk_h;
+        return 0;
+}
+
+extern "C" int sim_gpu_expect(struct sim_gpu *g, unsigned rank, const void *ptr, uint64_t bytes, uint64_t key)
+{
+        return queue(&g->dec[rank], ptr, bytes, key);
+}
+
+extern "C" long sim_gpu_check(struct sim_gpu *g, unsigned rank, uint64_t *first_bad)
+{
+        struct side *x = &g->dec[rank];
+        unsigned n = (unsigned)(x->used - x->start);
+        *first_bad = 0;
+        if (!n)
+                return 0;
+        CK(cudaSetDevice(x->dev), "cudaSetDevice");
+        unsigned long long init[2] = {0, ~0ull};
+        CK(cudaMemcpyAsync(x->d_words, init, sizeof(init), cudaMemcpyHostToDevice, x->s), "cudaMemcpy");
+        unsigned blocks = n < 8u * (unsigned)x->sms ? n : 8u * (unsigned)x->sms;
+        check_kernel<<<blocks, 256, 0, x->s>>>(x->dmap + x->start, n, x->d_words);
+        CK(cudaGetLastError(), "check kernel launch");
+        CK(cudaMemcpyAsync(x->h_words, x->d_words, 2 * sizeof(unsigned long long), cudaMemcpyDeviceToHost, x->s),
+           "cudaMemcpy");
+        CK(cudaStreamSynchronize(x->s), "the check kernel");
+        x->start = x->used = 0;
+        *first_bad = x->h_words[1];
+        return (long)x->h_words[0];
+}
+
+extern "C" double sim_gpu_copy_rate(struct sim_gpu *g, uint64_t bytes)
+{
+        struct side *p = &g->pre[0];
+        void *a = NULL, *b = NULL;
+        cudaEvent_t e0, e1;
+        float ms = 0;
+        double rate = 0;
+        if (bytes < (1u << 20))
+                bytes = 1u << 20;
+        if (bytes > (2ull << 30))
+                bytes = 2ull << 30;
+        if (cudaSetDevice(p->dev) != cudaSuccess || cudaMalloc(&a, bytes) != cudaSuccess ||
+            cudaMalloc(&b, bytes) != cudaSuccess || cudaEventCreate(&e0) != cudaSuccess)
+                goto out;
+        if (cudaEventCreate(&e1) == cudaSuccess) {
+                cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice, p->s); /* warm-up */
+                cudaEventRecord(e0, p->s);
+                for (int i = 0; i < 5; i++)
+                        cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice, p->s);
+                cudaEventRecord(e1, p->s);
+                if (cudaEventSynchronize(e1) == cudaSuccess && cudaEventElapsedTime(&ms, e0, e1) == cudaSuccess && ms > 0)
+                        rate = 5.0 * (double)bytes / (ms / 1e3);
+                cudaEventDestroy(e1);
+        }
+        cudaEventDestroy(e0);
+out:
+        cudaFree(a);
+        cudaFree(b);
+        (void)cudaGetLastError();
+        return rate;
+}

@@ -1,0 +1,61 @@
+/*
+ * kvf-sim's GPU mode (kvf-sim --gpu, or instances whose caches are on a GPU):
+ * the engine's work on the GPU, in tools/sim_gpu.cu (tools/sim_gpu_none.c in
+ * a build without CUDA: every call fails, saying so).
+ *
+ * Prefill: per rank and layer, one kernel writes the layer's deterministic
+ * content into the blocks queued with sim_gpu_fill (the pattern of
+ * tools/sim_verify.c: word k of a block with key K is K + k * 0x9e3779b97f4a7c15)
+ * while keeping every SM busy for --layer-us (waves of 2 x 1024-thread
+ * blocks per SM, each block living about 10 us, as an engine's tiles do),
+ * then kvf_layer_done_on_stream() on the same stream. The host never waits
+ * for the GPU inside a step; sim_gpu_step_end() waits at its end, as an
+ * engine does before sampling.
+ * Decode: sim_gpu_expect queues blocks with their keys, sim_gpu_check
+ * compares every byte on the GPU and counts the blocks that differ.
+ *
+ * Single-threaded (kvf-sim's main thread). Functions return >= 0, or -1
+ * after printing why on stderr.
+ */
+#ifndef KVF_SIM_GPU_H
+#define KVF_SIM_GPU_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "kvferry.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+struct sim_gpu;
+
+/* GPUs of the prefill and decode members (kvf_cache_device of each), ranks of each. */
+int sim_gpu_open(struct sim_gpu **out, unsigned ranks, const int *prefill_dev, const int *decode_dev,
+                 unsigned layer_us);
+void sim_gpu_close(struct sim_gpu *g);
+
+/* Prefill: block `ptr` (device memory) of `bytes` gets the pattern of `key` in rank's next layer. */
+int sim_gpu_fill(struct sim_gpu *g, unsigned rank, void *ptr, uint64_t bytes, uint64_t key);
+/* Launch rank's layer kernel (what sim_gpu_fill queued), then kvf_layer_done_on_stream(c, step, layer). */
+int sim_gpu_layer(struct sim_gpu *g, unsigned rank, struct kvf_client *c, uint64_t step, uint32_t layer);
+/* End of a step: wait for every rank's stream. *last_ns: when rank 0's last layer ended on the
+ * GPU, as CLOCK_MONOTONIC of this host (0 if unknown). */
+int sim_gpu_step_end(struct sim_gpu *g, uint64_t *last_ns);
+
+/* Decode: queue block `ptr` of `bytes`, expected to hold the pattern of `key`. */
+int sim_gpu_expect(struct sim_gpu *g, unsigned rank, const void *ptr, uint64_t bytes, uint64_t key);
+/* Compare what rank's queue holds, on the GPU: the number of blocks that differ (the queue is
+ * emptied), *first_bad the queue index of the first of them. */
+long sim_gpu_check(struct sim_gpu *g, unsigned rank, uint64_t *first_bad);
+
+/* One bulk device-to-device copy of `bytes` on prefill rank 0's GPU: bytes per second (the
+ * reference for one layer's copy time). */
+double sim_gpu_copy_rate(struct sim_gpu *g, uint64_t bytes);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

@@ -153,7 +153,7 @@ jv() { sed -n "s/.*\"$2\":\([^,}]*\).*/\1/p" "$1" 2>/dev/null | head -n1; }
       -v lb="$(jv "$f" avg_layer_bytes)" -v ok="$(jv "$f" ok)" 'BEGIN {
         layer = bps > 0 ? lb / bps * 1e6 : 0;
         printf "%-20s %8s %8.1fus %8.1fus %8.1fus %8.1fus %8.1fus %12.2f %8s\n", n, fin, t50 / 1e3,
-               t99 / 1e3, c50 / 1e3, l2c / 1e3, layer, layer > 0 ? t50 / 1e3 / layer : 0, ok }'
+               t99 / 1e3, c50 / 1e3, l2c / 1e3, layer, (layer > 0 ? t50 / 1e3 / layer : 0), ok }'
   done
   echo "(tail: the last layer's end on the GPU -> the arrival, requests whose task came in time;"
   echo " compl: -> the completion on the prefill side; copy: the sender's layer-done -> copy start"

@@ -3,20 +3,29 @@
  * completion by polling.
  *
  * Staging: a ring ("arena") of chunk descriptors in pinned host memory and,
- * unless the descriptors are read in place (KVF_GPU_COPIER_MAPPED_DESC), a
- * device ring of the same size. A batch takes one contiguous stretch of the
- * ring (skipping the ring's tail end if the stretch would wrap). Its
- * descriptors are written by the planner straight into pinned memory,
- * copied to the device ring on the copier's stream, then the kernel runs
- * and the batch's event is recorded. Everything is on one stream, so
- * batches finish in submission order, and when the event of ticket t has
- * completed, every batch up to t has too: the arena is reclaimed up to the
- * end of t's stretch (nothing else reads it any more: the staging copy and
- * the kernel of t came before t's event).
+ * unless the descriptors are read in place (KVF_GPU_COPIER_MAPPED_DESC), one
+ * device buffer of the same size. A batch takes one contiguous stretch of the
+ * host ring (skipping the ring's tail end if the stretch would wrap). Its
+ * descriptors are written by the planner straight into pinned memory, copied
+ * to the device buffer on the copier's stream, then the kernel runs and the
+ * batch's event is recorded. Everything is on one stream, so batches finish
+ * in submission order: the device buffer is overwritten by a batch's staging
+ * copy only after the kernel before it has finished, and when the event of
+ * ticket t has completed, every batch up to t has too: the host ring is
+ * reclaimed up to the end of t's stretch.
  *
- * Positions are 64-bit counters of chunks that only grow (`head` where the
- * next batch starts, `tail` the oldest chunk still in use); their difference
- * is the space in use, so no wrap bookkeeping beyond the skip.
+ * Reuse: a layer's batch is usually the batch of the layer before with every
+ * offset moved by one layer (the same requests, the same blocks; offsets are
+ * layer-major). The copier keeps the runs of the batch whose descriptors are
+ * on the device; a new batch with the same runs, each source offset moved by
+ * one amount and each destination offset by another, stages nothing: the
+ * kernel runs those descriptors again with the two amounts added. The staging
+ * copy costs a copy-engine round trip (about 12 us on the H200, measured,
+ * docs/GPU.md) before the kernel may start; a step's later layers skip it.
+ *
+ * Host ring positions are 64-bit counters of chunks that only grow (`head`
+ * where the next batch starts, `tail` the oldest chunk still in use); their
+ * difference is the space in use, so no wrap bookkeeping beyond the skip.
  */
 #include <errno.h>
 #include <stdio.h>
@@ -47,7 +56,7 @@ struct kvf_gpu_copier {
         cudaEvent_t after_ev; /* orders a batch after another stream's work */
 
         struct kvf_gpu_chunk *host_arena; /* pinned (mapped when MAPPED_DESC) */
-        struct kvf_gpu_chunk *dev_arena;  /* device ring, or host_arena's device alias */
+        struct kvf_gpu_chunk *dev_arena;  /* device buffer, or host_arena's device alias */
         uint64_t cap;                     /* chunks */
         uint64_t head, tail;
 
@@ -56,6 +65,16 @@ struct kvf_gpu_copier {
         int broken;           /* a CUDA error was seen: every unfinished batch fails */
         char broken_msg[256];
         struct slot slots[KVF_GPU_MAX_INFLIGHT];
+        /* The batch whose descriptors are in the device buffer (reuse). */
+        struct {
+                struct kvf_gpu_run *runs;
+                struct kvf_gpu_region *regions; /* n_src sources, then n_dst destinations */
+                size_t n_runs, cap_runs, cap_regions;
+                uint32_t n_src, n_dst, chunk;
+                uint64_t k;
+                int valid;
+        } last;
+        uint64_t staged, reused;
 };
 
 static uint64_t now_ns(void)
@@ -72,6 +91,8 @@ extern "C" void *kvf_gpu_copier_stream(const struct kvf_gpu_copier *c)
 
 static void release(struct kvf_gpu_copier *c)
 {
+        free(c->last.runs);
+        free(c->last.regions);
         for (unsigned i = 0; i < KVF_GPU_MAX_INFLIGHT; i++)
                 if (c->slots[i].ev)
                         (void)cudaEventDestroy(c->slots[i].ev);
@@ -98,7 +119,8 @@ extern "C" int kvf_gpu_copier_create(int device, unsigned flags,
         if (!out)
                 return kvf_gpu_err_set(-EINVAL, "copier: no output");
         *out = NULL;
-        if (flags & ~(unsigned)(KVF_GPU_COPIER_MAPPED_DESC | KVF_GPU_COPIER_NORMAL_PRIORITY))
+        if (flags & ~(unsigned)(KVF_GPU_COPIER_MAPPED_DESC | KVF_GPU_COPIER_NORMAL_PRIORITY |
+                                KVF_GPU_COPIER_NO_REUSE))
                 return kvf_gpu_err_set(-EINVAL, "copier: unknown flags 0x%x", flags);
         if (opts && opts->chunk_bytes &&
             (opts->chunk_bytes % 16 || opts->chunk_bytes > KVF_GPU_CHUNK_MAX))
@@ -250,12 +272,99 @@ static int arena_take(struct kvf_gpu_copier *c, uint64_t k, uint64_t *start)
                                (unsigned long long)k);
 }
 
+static int same_region(const struct kvf_gpu_region *a, const struct kvf_gpu_region *b)
+{
+        return a->base == b->base && a->bytes == b->bytes;
+}
+
+/*
+ * Is batch b the last staged batch with every source offset moved by *ds and
+ * every destination offset by *dd (the same two amounts for all runs)? The
+ * runs were checked against their regions already, so the shifted chunks lie
+ * inside them: the same byte counts and chunk size cut the same pieces.
+ */
+static int shift_of(const struct kvf_gpu_copier *c, const struct kvf_gpu_batch *b, uint32_t chunk,
+                    uint64_t *ds, uint64_t *dd)
+{
+        if (!c->last.valid || c->last.n_runs != b->n_runs || c->last.chunk != chunk ||
+            c->last.n_src != b->n_src || c->last.n_dst != b->n_dst)
+                return 0;
+        for (uint32_t i = 0; i < b->n_src; i++)
+                if (!same_region(&c->last.regions[i], &b->src[i]))
+                        return 0;
+        for (uint32_t i = 0; i < b->n_dst; i++)
+                if (!same_region(&c->last.regions[b->n_src + i], &b->dst[i]))
+                        return 0;
+        int have = 0;
+        uint64_t s = 0, d = 0; /* *ds and *dd are written only for a yes */
+        for (size_t i = 0; i < b->n_runs; i++) {
+                const struct kvf_gpu_run *r = &b->runs[i], *o = &c->last.runs[i];
+                if (r->bytes != o->bytes || r->src_region != o->src_region ||
+                    r->dst_region != o->dst_region)
+                        return 0;
+                if (!r->bytes)
+                        continue;
+                if (!have) {
+                        s = r->src_off - o->src_off;
+                        d = r->dst_off - o->dst_off;
+                        have = 1;
+                } else if (r->src_off - o->src_off != s || r->dst_off - o->dst_off != d) {
+                        return 0;
+                }
+        }
+        if (have) {
+                *ds = s;
+                *dd = d;
+        }
+        return have;
+}
+
+/* Remember batch b as the one whose descriptors are on the device. */
+static void remember(struct kvf_gpu_copier *c, const struct kvf_gpu_batch *b, uint32_t chunk,
+                     uint64_t k)
+{
+        size_t nreg = (size_t)b->n_src + b->n_dst;
+        c->last.valid = 0;
+        if (b->n_runs > c->last.cap_runs) {
+                void *p = realloc(c->last.runs, b->n_runs * sizeof(*b->runs));
+                if (!p)
+                        return; /* no reuse for this one: correct, only slower */
+                c->last.runs = (struct kvf_gpu_run *)p;
+                c->last.cap_runs = b->n_runs;
+        }
+        if (nreg > c->last.cap_regions) {
+                void *p = realloc(c->last.regions, nreg * sizeof(*b->src));
+                if (!p)
+                        return;
+                c->last.regions = (struct kvf_gpu_region *)p;
+                c->last.cap_regions = nreg;
+        }
+        memcpy(c->last.runs, b->runs, b->n_runs * sizeof(*b->runs));
+        memcpy(c->last.regions, b->src, b->n_src * sizeof(*b->src));
+        memcpy(c->last.regions + b->n_src, b->dst, b->n_dst * sizeof(*b->dst));
+        c->last.n_runs = b->n_runs;
+        c->last.n_src = b->n_src;
+        c->last.n_dst = b->n_dst;
+        c->last.chunk = chunk;
+        c->last.k = k;
+        c->last.valid = 1;
+}
+
+extern "C" void kvf_gpu_copier_counts(const struct kvf_gpu_copier *c, uint64_t *staged,
+                                      uint64_t *reused)
+{
+        if (staged)
+                *staged = c->staged;
+        if (reused)
+                *reused = c->reused;
+}
+
 extern "C" int kvf_gpu_copy_submit(struct kvf_gpu_copier *c, const struct kvf_gpu_batch *b,
                                    uint64_t *ticket)
 {
-        uint64_t start = 0;
+        uint64_t start = 0, ds = 0, dd = 0;
         size_t k = 0;
-        int prev, rc;
+        int prev, rc, reuse = 0;
         cudaError_t e;
 
         if (!b || !ticket)
@@ -264,7 +373,6 @@ extern "C" int kvf_gpu_copy_submit(struct kvf_gpu_copier *c, const struct kvf_gp
         if (c->broken)
                 return kvf_gpu_err_set(-EIO, "copier unusable after an earlier failure: %s",
                                        c->broken_msg);
-
         /* Size the chunks, check every run and count (no CUDA call yet). */
         uint64_t total = 0;
         for (size_t i = 0; i < b->n_runs; i++)
@@ -287,18 +395,32 @@ extern "C" int kvf_gpu_copy_submit(struct kvf_gpu_copier *c, const struct kvf_gp
                         return kvf_gpu_err_set(-EAGAIN, "copier: %u batches in flight",
                                                KVF_GPU_MAX_INFLIGHT);
         }
-        if (k && (rc = arena_take(c, k, &start)) < 0)
+        if (k && !(c->flags & (KVF_GPU_COPIER_MAPPED_DESC | KVF_GPU_COPIER_NO_REUSE)) &&
+            c->last.k == k)
+                reuse = shift_of(c, b, chunk, &ds, &dd);
+        if (k && !reuse && (rc = arena_take(c, k, &start)) < 0)
                 return rc;
-
         struct kvf_gpu_chunk *h = c->host_arena + start % c->cap;
-        struct kvf_gpu_chunk *d = c->dev_arena + start % c->cap;
+        struct kvf_gpu_chunk *d = (c->flags & KVF_GPU_COPIER_MAPPED_DESC)
+                                      ? c->dev_arena + start % c->cap
+                                      : c->dev_arena;
         size_t k2 = 0;
-        if (k && (rc = kvf_gpu_plan(b->runs, b->n_runs, b->src, b->n_src, b->dst, b->n_dst, chunk,
-                                    h, k, &k2)) < 0)
+        if (k && !reuse &&
+            (rc = kvf_gpu_plan(b->runs, b->n_runs, b->src, b->n_src, b->dst, b->n_dst, chunk, h,
+                               k, &k2)) < 0)
                 return rc;
-
         if ((rc = kvf_gpu_device_enter(c->device, &prev)) < 0)
                 return rc;
+        /* The staging copy first: it needs nothing of the engine's stream, so it
+         * runs while the engine's layer is still computing. */
+        if (k && !reuse && !(c->flags & KVF_GPU_COPIER_MAPPED_DESC)) {
+                c->last.valid = 0; /* the device buffer is being overwritten */
+                e = cudaMemcpyAsync(d, h, k * sizeof(*h), cudaMemcpyHostToDevice, c->stream);
+                if (e != cudaSuccess) {
+                        rc = kvf_gpu_err_cuda(e, "staging the copy descriptors");
+                        goto out;
+                }
+        }
         if (b->after_stream) {
                 if ((e = cudaEventRecord(c->after_ev, (cudaStream_t)b->after_stream)) !=
                     cudaSuccess) {
@@ -310,15 +432,12 @@ extern "C" int kvf_gpu_copy_submit(struct kvf_gpu_copier *c, const struct kvf_gp
                         goto out;
                 }
         }
-        if (k && !(c->flags & KVF_GPU_COPIER_MAPPED_DESC)) {
-                e = cudaMemcpyAsync(d, h, k * sizeof(*h), cudaMemcpyHostToDevice, c->stream);
-                if (e != cudaSuccess) {
-                        rc = kvf_gpu_err_cuda(e, "staging the copy descriptors");
-                        goto out;
-                }
-        }
-        if ((rc = kvf_gpu_copy_launch(d, (uint32_t)k, c->stream, b->stamps)) < 0)
+        if ((rc = kvf_gpu_copy_launch_shifted(d, (uint32_t)k, ds, dd, c->stream, b->stamps)) < 0)
                 goto out;
+        if (k && !reuse && !(c->flags & (KVF_GPU_COPIER_MAPPED_DESC | KVF_GPU_COPIER_NO_REUSE)))
+                remember(c, b, chunk, k);
+        if (k)
+                reuse ? c->reused++ : c->staged++;
         {
                 uint64_t t = c->next_ticket;
                 struct slot *s = &c->slots[t % KVF_GPU_MAX_INFLIGHT];
@@ -329,8 +448,8 @@ extern "C" int kvf_gpu_copy_submit(struct kvf_gpu_copier *c, const struct kvf_gp
                         goto out;
                 }
                 s->ticket = t;
-                s->arena_end = k ? start + k : c->head;
-                if (k)
+                s->arena_end = k && !reuse ? start + k : c->head;
+                if (k && !reuse)
                         c->head = start + k;
                 c->next_ticket = t + 1;
                 *ticket = t;

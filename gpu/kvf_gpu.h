@@ -196,13 +196,17 @@ uint32_t kvf_gpu_chunk_bytes_for(uint64_t total_bytes, int sms);
  */
 int kvf_gpu_copy_launch(const struct kvf_gpu_chunk *dev_chunks, uint32_t n, void *stream,
                         uint64_t *stamps);
+/* The same with `dsrc` and `ddst` added (modulo 2^64) to every chunk's source
+ * and destination address: descriptors of one layer, run for another. */
+int kvf_gpu_copy_launch_shifted(const struct kvf_gpu_chunk *dev_chunks, uint32_t n, uint64_t dsrc,
+                                uint64_t ddst, void *stream, uint64_t *stamps);
 
 /* The kernel's own code run on the host, thread by thread, over chunks with
  * host addresses: lets tests check the index arithmetic without a GPU.
  * `threads` emulated threads per block (the kernel uses KVF_GPU_THREADS). */
 void kvf_gpu_copy_emulate(const struct kvf_gpu_chunk *chunks, size_t n, uint32_t threads);
 
-#define KVF_GPU_THREADS 256u
+#define KVF_GPU_THREADS 512u
 
 /* ---------------------------------------------------------------- the copier */
 
@@ -219,6 +223,9 @@ enum kvf_gpu_copier_flags {
         /* Create the stream at normal priority (default: the highest, so the
          * copy's blocks are scheduled before an engine's pending blocks). */
         KVF_GPU_COPIER_NORMAL_PRIORITY = 1u << 1,
+        /* Stage every batch's descriptors, even when the batch before had the
+         * same runs one layer away (benchmarks: the first layer of a step). */
+        KVF_GPU_COPIER_NO_REUSE = 1u << 2,
 };
 
 struct kvf_gpu_copier_opts {
@@ -235,6 +242,9 @@ int kvf_gpu_copier_create(int device, unsigned flags, const struct kvf_gpu_copie
 void kvf_gpu_copier_destroy(struct kvf_gpu_copier *c);
 /* The stream the copier's batches run on (a cudaStream_t). */
 void *kvf_gpu_copier_stream(const struct kvf_gpu_copier *c);
+/* Batches (with at least one chunk) whose descriptors were staged, and those
+ * that ran the descriptors already on the device, shifted by a layer. */
+void kvf_gpu_copier_counts(const struct kvf_gpu_copier *c, uint64_t *staged, uint64_t *reused);
 
 /* Most batches in flight (submitted, not yet seen complete by a poll). */
 #define KVF_GPU_MAX_INFLIGHT 256u
@@ -255,8 +265,10 @@ struct kvf_gpu_batch {
 };
 
 /*
- * Plan the batch, stage its descriptors, launch one kernel and record the
- * batch's event, all on the copier's stream; *ticket identifies the batch
+ * Plan the batch, stage its descriptors (unless the batch before had the same
+ * runs shifted by one amount per side: then its descriptors run again), wait
+ * for `after_stream`, launch one kernel and record the batch's event, all on
+ * the copier's stream; *ticket identifies the batch
  * (tickets count up from 1). Never blocks on the GPU.
  * Returns 0; -EINVAL/-ERANGE for a bad run (nothing queued: fail exactly the
  * requests of this batch); -EAGAIN when KVF_GPU_MAX_INFLIGHT batches are in

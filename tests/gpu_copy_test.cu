@@ -784,6 +784,123 @@ static void test_inflight(struct world *w, struct rng *r, int dev)
         printf("inflight: 64-chunk arena, 200 batches, %d times full ok\n", full);
 }
 
+/* ---------------------------------------------------------------- reuse across layers */
+
+/* One layer's runs of a fixed set of requests: blocks src_ids[i] -> dst_ids[i]
+ * of the K/V layout, to DST_PEER1 for even i and DST_PEER2 for odd i. */
+static void layer_runs(struct world *w, struct runs *rr, uint32_t layer, const uint32_t *sids,
+                       const uint32_t *dids, uint32_t n, int only_peer1)
+{
+        rr->n = 0;
+        for (uint32_t t = 0; t < w->kv.tensors; t++)
+                for (uint32_t i = 0; i < n; i++)
+                        runs_add(rr, SRC_KV, lay_off(&w->kv, layer, t, sids[i]),
+                                 only_peer1 || !(i & 1) ? DST_PEER1 : DST_PEER2,
+                                 lay_off(&w->kv, layer, t, dids[i]), w->kv.block_bytes);
+}
+
+static void submit_and_apply(struct world *w, struct kvf_gpu_copier *c, struct runs *rr,
+                             uint64_t *t)
+{
+        struct kvf_gpu_batch b = {rr->v, rr->n, w->src, N_SRC, w->dst, N_DST, NULL, NULL};
+        CHECK_RC(kvf_gpu_copy_submit(c, &b, t), 0);
+        apply_host(rr, w->hsrc, w->ref);
+}
+
+static void expect_counts(struct kvf_gpu_copier *c, uint64_t staged, uint64_t reused,
+                          const char *what)
+{
+        uint64_t s = 0, u = 0;
+        kvf_gpu_copier_counts(c, &s, &u);
+        if (s != staged || u != reused) {
+                fprintf(stderr, "%s: %" PRIu64 " staged, %" PRIu64 " reused; expected %" PRIu64
+                                " and %" PRIu64 "\n",
+                        what, s, u, staged, reused);
+                exit(1);
+        }
+}
+
+static void test_reuse(struct world *w, struct rng *r, int dev)
+{
+        const uint32_t n = 12;
+        uint32_t sids[12], dids[12], sids2[12];
+        uint32_t perm[48];
+        for (uint32_t i = 0; i < w->kv.blocks; i++)
+                perm[i] = i;
+        shuffle(r, perm, w->kv.blocks);
+        for (uint32_t i = 0; i < n; i++) {
+                sids[i] = perm[i];
+                dids[i] = perm[n + i];
+                sids2[i] = perm[2 * n + i];
+        }
+        struct runs rr = {NULL, 0, 0}, other = {NULL, 0, 0};
+        uint32_t layers = w->kv.layers;
+
+        /* Every layer of one step, queued back to back without waiting: the first
+         * stages, the others run its descriptors shifted (two destinations, each
+         * moved by the same layer stride). */
+        struct kvf_gpu_copier *c = NULL;
+        CHECK_RC(kvf_gpu_copier_create(dev, 0, NULL, &c), 0);
+        world_reset(w);
+        uint64_t t = 0;
+        for (uint32_t l = 0; l < layers; l++) {
+                layer_runs(w, &rr, l, sids, dids, n, 0);
+                submit_and_apply(w, c, &rr, &t);
+        }
+        CHECK_RC(wait_ticket(c, t), 1);
+        verify_world(w, "reuse: every layer of a step");
+        expect_counts(c, 1, layers - 1, "reuse: every layer of a step");
+
+        /* Later layers out of order, then a batch of other blocks in between: it
+         * overwrites the device descriptors, so the next layer stages again. */
+        world_reset(w);
+        layer_runs(w, &rr, 3, sids, dids, n, 0);
+        submit_and_apply(w, c, &rr, &t); /* reuse: layer 0's descriptors, three layers on */
+        layer_runs(w, &rr, 1, sids, dids, n, 0);
+        submit_and_apply(w, c, &rr, &t); /* reuse again */
+        layer_runs(w, &other, 2, sids2, dids, n, 0);
+        submit_and_apply(w, c, &other, &t); /* other sources: staged */
+        layer_runs(w, &rr, 0, sids, dids, n, 0);
+        submit_and_apply(w, c, &rr, &t); /* staged: the device holds `other`; the first
+                                            runs' destinations match a shift, sources not */
+        CHECK_RC(wait_ticket(c, t), 1);
+        verify_world(w, "reuse: shifted back, then interleaved");
+        expect_counts(c, 1 + 2, layers - 1 + 2, "reuse: shifted back, then interleaved");
+
+        /* Same offsets, other destination regions: not a shift; staged. One run
+         * moved by a different amount than the rest: staged. */
+        world_reset(w);
+        layer_runs(w, &rr, 2, sids, dids, n, 1);
+        submit_and_apply(w, c, &rr, &t);
+        layer_runs(w, &rr, 2, sids, dids, n, 0);
+        submit_and_apply(w, c, &rr, &t);
+        layer_runs(w, &rr, 1, sids, dids, n, 0);
+        submit_and_apply(w, c, &rr, &t); /* reuse, one layer back: a negative shift */
+        layer_runs(w, &rr, 3, sids, dids, n, 0);
+        rr.v[rr.n / 2].dst_off = lay_off(&w->kv, 4, 0, 0); /* layer 4: nobody else's */
+        submit_and_apply(w, c, &rr, &t);
+        CHECK_RC(wait_ticket(c, t), 1);
+        verify_world(w, "reuse: not a shift");
+        expect_counts(c, 3 + 3, layers - 1 + 2 + 1, "reuse: not a shift");
+        kvf_gpu_copier_destroy(c);
+
+        /* KVF_GPU_COPIER_NO_REUSE stages every batch, with the same bytes. */
+        CHECK_RC(kvf_gpu_copier_create(dev, KVF_GPU_COPIER_NO_REUSE, NULL, &c), 0);
+        world_reset(w);
+        for (uint32_t l = 0; l < layers; l++) {
+                layer_runs(w, &rr, l, sids, dids, n, 0);
+                submit_and_apply(w, c, &rr, &t);
+        }
+        CHECK_RC(wait_ticket(c, t), 1);
+        verify_world(w, "no reuse");
+        expect_counts(c, layers, 0, "no reuse");
+        kvf_gpu_copier_destroy(c);
+        free(rr.v);
+        free(other.v);
+        printf("reuse: a step's layers run one staging shifted (forwards, backwards, two "
+               "destinations); other blocks, other regions and uneven shifts stage ok\n");
+}
+
 /* ---------------------------------------------------------------- offsets beyond 4 GiB */
 
 static void test_big_offsets(struct rng *r, int dev)
@@ -1267,6 +1384,7 @@ int main(int argc, char **argv)
         world_make(&w, &r, dev);
         test_scatter(&w, &r, dev);
         test_inflight(&w, &r, dev);
+        test_reuse(&w, &r, dev);
         test_refusals(&w, dev);
         world_free(&w, dev);
         test_big_offsets(&r, dev);

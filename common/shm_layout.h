@@ -290,7 +290,7 @@ struct kvf_req_slot {
         uint8_t pad1[280];
 };
 #define KVF_REQF_ID_BIN 1u       /* the request id came as msgpack bin: echo it as bin */
-#define KVF_REQF_COPY_PENDING 2u /* ipc: a copy batch with its bytes may still be in flight */
+#define KVF_REQF_COPY_PENDING 2u /* ipc: copies of it gathered into a batch, not yet seen complete */
 #define KVF_REQF_ENGINE_COPY 4u  /* engine executor: the engine's context may have copies of it queued */
 
 /*

@@ -8,6 +8,7 @@
  * requests it carried.
  */
 #include <errno.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -81,6 +82,13 @@ int sender_copies_add(struct sender *s, uint32_t slot, uint32_t l0, uint32_t l1,
                 s->cp.state[slot] |= COPY_IN_BATCH;
                 s->cp.slots[s->cp.nslots++] = slot;
         }
+        /* In the shared table before the caller moves the request's progress on: a
+         * sender killed from here until the batch completes leaves copies that may
+         * never have run (the batch not flushed yet, or its kernel gone with our
+         * context) behind progress that says they did. The next sender sees the flag
+         * and never reports the request finished. */
+        r->flags |= KVF_REQF_COPY_PENDING;
+        atomic_signal_fence(memory_order_seq_cst);
         kvf_count(&s->ctl, KVF_CTR_BLOCKS_IPC, blocks);
         kvf_count(&s->ctl, KVF_CTR_BYTES_IPC, blocks * bb);
         r->bytes += blocks * bb;

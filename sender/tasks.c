@@ -676,16 +676,15 @@ void sender_adopt(struct sender *s)
                         decide(s, i, KVF_STATUS_CONNECTION, why);
                         continue;
                 }
-                /* A copy batch of its may have been in flight when the sender died. With
-                 * copies that complete at once (host) it landed; else its fate is unknown
-                 * and the request cannot be reported finished. */
+                /* Copies of its were gathered, submitted or in flight when the sender
+                 * died: whether they ran is unknown (a batch not yet flushed never ran,
+                 * a kernel may have gone with the dead sender's context), while its
+                 * progress says they did. It cannot be reported finished. */
                 if ((r->flags & KVF_REQF_COPY_PENDING) && st != KVF_REQ_COMPLETING) {
                         r->flags &= ~KVF_REQF_COPY_PENDING;
-                        if (s->own.be->id != KVF_BACKEND_HOST) {
-                                decide(s, i, KVF_STATUS_WRITE,
-                                       "the sender restarted while a copy of this request was in flight");
-                                continue;
-                        }
+                        decide(s, i, KVF_STATUS_WRITE,
+                               "the sender restarted while a copy of this request was being made");
+                        continue;
                 }
                 switch (st) {
                 case KVF_REQ_ACTIVE:

@@ -1,27 +1,32 @@
 /*
- * The copier: descriptor staging, one kernel launch and one event per batch,
+ * The copier: descriptors, one kernel launch and one event per batch,
  * completion by polling.
  *
- * Staging: a ring ("arena") of chunk descriptors in pinned host memory and,
- * unless the descriptors are read in place (KVF_GPU_COPIER_MAPPED_DESC), one
- * device buffer of the same size. A batch takes one contiguous stretch of the
- * host ring (skipping the ring's tail end if the stretch would wrap). Its
- * descriptors are written by the planner straight into pinned memory, copied
- * to the device buffer on the copier's stream, then the kernel runs and the
- * batch's event is recorded. Everything is on one stream, so batches finish
- * in submission order: the device buffer is overwritten by a batch's staging
- * copy only after the kernel before it has finished, and when the event of
- * ticket t has completed, every batch up to t has too: the host ring is
- * reclaimed up to the end of t's stretch.
+ * Descriptors: a ring ("arena") of chunk descriptors in pinned, mapped host
+ * memory, and one device buffer of the same size. A batch takes one
+ * contiguous stretch of the host ring (skipping the ring's tail end if the
+ * stretch would wrap); the planner writes its descriptors straight there; the
+ * kernel reads them through the mapping (each block its own, one PCIe read)
+ * and stores a copy of each into the device buffer as it goes; the batch's
+ * event is recorded after the kernel. Everything is on one stream, so batches
+ * finish in submission order: the device buffer is rewritten only after the
+ * kernel before has finished, and when the event of ticket t has completed,
+ * every batch up to t has too: the host ring is reclaimed up to the end of
+ * t's stretch.
  *
  * Reuse: a layer's batch is usually the batch of the layer before with every
  * offset moved by one layer (the same requests, the same blocks; offsets are
  * layer-major). The copier keeps the runs of the batch whose descriptors are
- * on the device; a new batch with the same runs, each source offset moved by
- * one amount and each destination offset by another, stages nothing: the
- * kernel runs those descriptors again with the two amounts added. The staging
- * copy costs a copy-engine round trip (about 12 us on the H200, measured,
- * docs/GPU.md) before the kernel may start; a step's later layers skip it.
+ * in the device buffer; a new batch with the same runs, each source offset
+ * moved by one amount and each destination offset by another, writes no
+ * descriptor: the kernel runs those in the device buffer again with the two
+ * amounts added, reading them from device memory.
+ *
+ * Two other ways, for comparison (flags): KVF_GPU_COPIER_STAGED_DESC copies
+ * every batch's descriptors to the device with cudaMemcpyAsync before its
+ * kernel (the first design: a copy-engine round trip of about 12 us on the
+ * H200 before the kernel may start, docs/GPU.md); KVF_GPU_COPIER_MAPPED_DESC
+ * reads every batch from host memory and keeps nothing on the device.
  *
  * Host ring positions are 64-bit counters of chunks that only grow (`head`
  * where the next batch starts, `tail` the oldest chunk still in use); their
@@ -55,8 +60,9 @@ struct kvf_gpu_copier {
         int own_stream;
         cudaEvent_t after_ev; /* orders a batch after another stream's work */
 
-        struct kvf_gpu_chunk *host_arena; /* pinned (mapped when MAPPED_DESC) */
-        struct kvf_gpu_chunk *dev_arena;  /* device buffer, or host_arena's device alias */
+        struct kvf_gpu_chunk *host_arena; /* pinned, mapped */
+        struct kvf_gpu_chunk *host_dev;   /* host_arena's device alias */
+        struct kvf_gpu_chunk *dev_arena;  /* the device buffer (none with MAPPED_DESC) */
         uint64_t cap;                     /* chunks */
         uint64_t head, tail;
 
@@ -74,7 +80,7 @@ struct kvf_gpu_copier {
                 uint64_t k;
                 int valid;
         } last;
-        uint64_t staged, reused;
+        uint64_t fresh, reused;
 };
 
 static uint64_t now_ns(void)
@@ -98,7 +104,7 @@ static void release(struct kvf_gpu_copier *c)
                         (void)cudaEventDestroy(c->slots[i].ev);
         if (c->after_ev)
                 (void)cudaEventDestroy(c->after_ev);
-        if (c->dev_arena && !(c->flags & KVF_GPU_COPIER_MAPPED_DESC))
+        if (c->dev_arena)
                 (void)cudaFree(c->dev_arena);
         if (c->host_arena)
                 (void)cudaFreeHost(c->host_arena);
@@ -120,7 +126,8 @@ extern "C" int kvf_gpu_copier_create(int device, unsigned flags,
                 return kvf_gpu_err_set(-EINVAL, "copier: no output");
         *out = NULL;
         if (flags & ~(unsigned)(KVF_GPU_COPIER_MAPPED_DESC | KVF_GPU_COPIER_NORMAL_PRIORITY |
-                                KVF_GPU_COPIER_NO_REUSE))
+                                KVF_GPU_COPIER_STAGED_DESC) ||
+            (flags & KVF_GPU_COPIER_MAPPED_DESC && flags & KVF_GPU_COPIER_STAGED_DESC))
                 return kvf_gpu_err_set(-EINVAL, "copier: unknown flags 0x%x", flags);
         if (opts && opts->chunk_bytes &&
             (opts->chunk_bytes % 16 || opts->chunk_bytes > KVF_GPU_CHUNK_MAX))
@@ -170,15 +177,13 @@ extern "C" int kvf_gpu_copier_create(int device, unsigned flags,
         }
         {
                 size_t bytes = (size_t)c->cap * sizeof(struct kvf_gpu_chunk);
-                unsigned hflags = (flags & KVF_GPU_COPIER_MAPPED_DESC) ? cudaHostAllocMapped : 0;
-                e = cudaHostAlloc((void **)&c->host_arena, bytes, hflags);
+                e = cudaHostAlloc((void **)&c->host_arena, bytes, cudaHostAllocMapped);
                 if (e != cudaSuccess) {
                         rc = kvf_gpu_err_cuda(e, "cudaHostAlloc (descriptor arena)");
                         goto fail;
                 }
-                if (flags & KVF_GPU_COPIER_MAPPED_DESC)
-                        e = cudaHostGetDevicePointer((void **)&c->dev_arena, c->host_arena, 0);
-                else
+                e = cudaHostGetDevicePointer((void **)&c->host_dev, c->host_arena, 0);
+                if (e == cudaSuccess && !(flags & KVF_GPU_COPIER_MAPPED_DESC))
                         e = cudaMalloc((void **)&c->dev_arena, bytes);
                 if (e != cudaSuccess) {
                         rc = kvf_gpu_err_cuda(e, "descriptor arena on the device");
@@ -350,11 +355,11 @@ static void remember(struct kvf_gpu_copier *c, const struct kvf_gpu_batch *b, ui
         c->last.valid = 1;
 }
 
-extern "C" void kvf_gpu_copier_counts(const struct kvf_gpu_copier *c, uint64_t *staged,
+extern "C" void kvf_gpu_copier_counts(const struct kvf_gpu_copier *c, uint64_t *fresh,
                                       uint64_t *reused)
 {
-        if (staged)
-                *staged = c->staged;
+        if (fresh)
+                *fresh = c->fresh;
         if (reused)
                 *reused = c->reused;
 }
@@ -395,15 +400,17 @@ extern "C" int kvf_gpu_copy_submit(struct kvf_gpu_copier *c, const struct kvf_gp
                         return kvf_gpu_err_set(-EAGAIN, "copier: %u batches in flight",
                                                KVF_GPU_MAX_INFLIGHT);
         }
-        if (k && !(c->flags & (KVF_GPU_COPIER_MAPPED_DESC | KVF_GPU_COPIER_NO_REUSE)) &&
-            c->last.k == k)
+        const int keep = !(c->flags & (KVF_GPU_COPIER_MAPPED_DESC | KVF_GPU_COPIER_STAGED_DESC));
+        if (k && keep && c->last.k == k)
                 reuse = shift_of(c, b, chunk, &ds, &dd);
         if (k && !reuse && (rc = arena_take(c, k, &start)) < 0)
                 return rc;
         struct kvf_gpu_chunk *h = c->host_arena + start % c->cap;
-        struct kvf_gpu_chunk *d = (c->flags & KVF_GPU_COPIER_MAPPED_DESC)
-                                      ? c->dev_arena + start % c->cap
-                                      : c->dev_arena;
+        /* What the kernel reads, and where it leaves a copy for the next layers. */
+        const struct kvf_gpu_chunk *from = reuse || (c->flags & KVF_GPU_COPIER_STAGED_DESC)
+                                               ? c->dev_arena
+                                               : c->host_dev + start % c->cap;
+        struct kvf_gpu_chunk *save = k && !reuse && keep ? c->dev_arena : NULL;
         size_t k2 = 0;
         if (k && !reuse &&
             (rc = kvf_gpu_plan(b->runs, b->n_runs, b->src, b->n_src, b->dst, b->n_dst, chunk, h,
@@ -411,11 +418,12 @@ extern "C" int kvf_gpu_copy_submit(struct kvf_gpu_copier *c, const struct kvf_gp
                 return rc;
         if ((rc = kvf_gpu_device_enter(c->device, &prev)) < 0)
                 return rc;
-        /* The staging copy first: it needs nothing of the engine's stream, so it
-         * runs while the engine's layer is still computing. */
-        if (k && !reuse && !(c->flags & KVF_GPU_COPIER_MAPPED_DESC)) {
-                c->last.valid = 0; /* the device buffer is being overwritten */
-                e = cudaMemcpyAsync(d, h, k * sizeof(*h), cudaMemcpyHostToDevice, c->stream);
+        if (save)
+                c->last.valid = 0; /* the device buffer is being rewritten */
+        if (k && (c->flags & KVF_GPU_COPIER_STAGED_DESC)) {
+                /* Before the wait for the engine's stream: it needs nothing of it. */
+                e = cudaMemcpyAsync(c->dev_arena, h, k * sizeof(*h), cudaMemcpyHostToDevice,
+                                    c->stream);
                 if (e != cudaSuccess) {
                         rc = kvf_gpu_err_cuda(e, "staging the copy descriptors");
                         goto out;
@@ -432,12 +440,13 @@ extern "C" int kvf_gpu_copy_submit(struct kvf_gpu_copier *c, const struct kvf_gp
                         goto out;
                 }
         }
-        if ((rc = kvf_gpu_copy_launch_shifted(d, (uint32_t)k, ds, dd, c->stream, b->stamps)) < 0)
+        if ((rc = kvf_gpu_copy_launch_ex(from, (uint32_t)k, ds, dd, save, c->stream, b->stamps)) <
+            0)
                 goto out;
-        if (k && !reuse && !(c->flags & (KVF_GPU_COPIER_MAPPED_DESC | KVF_GPU_COPIER_NO_REUSE)))
+        if (save)
                 remember(c, b, chunk, k);
         if (k)
-                reuse ? c->reused++ : c->staged++;
+                reuse ? c->reused++ : c->fresh++;
         {
                 uint64_t t = c->next_ticket;
                 struct slot *s = &c->slots[t % KVF_GPU_MAX_INFLIGHT];

@@ -197,9 +197,12 @@ uint32_t kvf_gpu_chunk_bytes_for(uint64_t total_bytes, int sms);
 int kvf_gpu_copy_launch(const struct kvf_gpu_chunk *dev_chunks, uint32_t n, void *stream,
                         uint64_t *stamps);
 /* The same with `dsrc` and `ddst` added (modulo 2^64) to every chunk's source
- * and destination address: descriptors of one layer, run for another. */
-int kvf_gpu_copy_launch_shifted(const struct kvf_gpu_chunk *dev_chunks, uint32_t n, uint64_t dsrc,
-                                uint64_t ddst, void *stream, uint64_t *stamps);
+ * and destination address (descriptors of one layer, run for another), and,
+ * when `save` is not NULL, every descriptor as read also stored at the same
+ * index of `save` (device memory, room for n). */
+int kvf_gpu_copy_launch_ex(const struct kvf_gpu_chunk *dev_chunks, uint32_t n, uint64_t dsrc,
+                           uint64_t ddst, struct kvf_gpu_chunk *save, void *stream,
+                           uint64_t *stamps);
 
 /* The kernel's own code run on the host, thread by thread, over chunks with
  * host addresses: lets tests check the index arithmetic without a GPU.
@@ -214,18 +217,22 @@ struct kvf_gpu_copier;
 
 enum kvf_gpu_copier_flags {
         /*
-         * The kernel reads the descriptors straight from mapped pinned host
-         * memory (no staging copy before the launch: one command instead of
-         * two, each block's first read crosses PCIe). Default: the descriptors
-         * are copied to device memory on the copier's stream first.
+         * Default (no flag): the kernel reads a batch's descriptors from mapped
+         * pinned host memory (no copy before the launch; each block's first
+         * read crosses PCIe) and leaves a copy in device memory; the next
+         * batch, when it is the same runs shifted by a layer, runs that copy.
+         *
+         * MAPPED_DESC: read every batch from host memory, keep nothing on the
+         * device (no reuse). For comparison.
          */
         KVF_GPU_COPIER_MAPPED_DESC = 1u << 0,
         /* Create the stream at normal priority (default: the highest, so the
          * copy's blocks are scheduled before an engine's pending blocks). */
         KVF_GPU_COPIER_NORMAL_PRIORITY = 1u << 1,
-        /* Stage every batch's descriptors, even when the batch before had the
-         * same runs one layer away (benchmarks: the first layer of a step). */
-        KVF_GPU_COPIER_NO_REUSE = 1u << 2,
+        /* Copy every batch's descriptors to device memory with cudaMemcpyAsync
+         * before its kernel, no reuse: the first design, for comparison. Not
+         * with MAPPED_DESC. */
+        KVF_GPU_COPIER_STAGED_DESC = 1u << 2,
 };
 
 struct kvf_gpu_copier_opts {
@@ -242,9 +249,9 @@ int kvf_gpu_copier_create(int device, unsigned flags, const struct kvf_gpu_copie
 void kvf_gpu_copier_destroy(struct kvf_gpu_copier *c);
 /* The stream the copier's batches run on (a cudaStream_t). */
 void *kvf_gpu_copier_stream(const struct kvf_gpu_copier *c);
-/* Batches (with at least one chunk) whose descriptors were staged, and those
- * that ran the descriptors already on the device, shifted by a layer. */
-void kvf_gpu_copier_counts(const struct kvf_gpu_copier *c, uint64_t *staged, uint64_t *reused);
+/* Batches (with at least one chunk) whose descriptors came from the host, and
+ * those that ran the descriptors already on the device, shifted by a layer. */
+void kvf_gpu_copier_counts(const struct kvf_gpu_copier *c, uint64_t *fresh, uint64_t *reused);
 
 /* Most batches in flight (submitted, not yet seen complete by a poll). */
 #define KVF_GPU_MAX_INFLIGHT 256u
@@ -265,14 +272,14 @@ struct kvf_gpu_batch {
 };
 
 /*
- * Plan the batch, stage its descriptors (unless the batch before had the same
+ * Plan the batch, write its descriptors (unless the batch before had the same
  * runs shifted by one amount per side: then its descriptors run again), wait
  * for `after_stream`, launch one kernel and record the batch's event, all on
  * the copier's stream; *ticket identifies the batch
  * (tickets count up from 1). Never blocks on the GPU.
  * Returns 0; -EINVAL/-ERANGE for a bad run (nothing queued: fail exactly the
  * requests of this batch); -EAGAIN when KVF_GPU_MAX_INFLIGHT batches are in
- * flight or the staging arena has no room yet (poll, then try again);
+ * flight or the descriptor arena has no room yet (poll, then try again);
  * -E2BIG when the batch needs more chunks than the whole arena (split it);
  * -EIO when CUDA refused the work (the batch did not run).
  * An empty batch (no runs, or only empty ones) gets a ticket too.

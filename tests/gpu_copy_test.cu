@@ -8,11 +8,14 @@
  *               cache, an odd block size, prefix hits, merged runs, two
  *               peers, plus raw runs of every length and alignment, in one
  *               batch; every byte of every destination cache compared with
- *               a host reference (untouched bytes too); three copier setups
- *               (descriptors staged on the device, read from mapped host
- *               memory, and tiny chunks so every run is cut);
+ *               a host reference (untouched bytes too); four copier setups
+ *               (the default: read from mapped host memory and kept on the
+ *               device; staged on the device; mapped only; tiny chunks so
+ *               every run is cut);
  *   inflight    hundreds of batches in flight, a tiny arena that wraps and
  *               fills: -EAGAIN, then everything lands;
+ *   reuse       a step's layers run the first layer's descriptors shifted;
+ *               batches that are not a shift write new ones (counted);
  *   offsets     runs beyond 4 GiB and across the 4 GiB line (skipped when
  *               the GPU has less than 6 GiB free);
  *   refusals    runs outside their region and bad region indexes refused at
@@ -669,7 +672,8 @@ static void test_scatter(struct world *w, struct rng *r, int dev)
                 const char *name;
                 unsigned flags;
                 uint32_t chunk, arena;
-        } setups[] = {{"staged descriptors", 0, 0, 0},
+        } setups[] = {{"descriptors mapped, kept on the device", 0, 0, 0},
+                      {"staged descriptors", KVF_GPU_COPIER_STAGED_DESC, 0, 0},
                       {"mapped descriptors", KVF_GPU_COPIER_MAPPED_DESC, 0, 0},
                       {"208-byte chunks", 0, 208, 1u << 18}};
         for (unsigned s = 0; s < sizeof(setups) / sizeof(setups[0]); s++) {
@@ -807,15 +811,15 @@ static void submit_and_apply(struct world *w, struct kvf_gpu_copier *c, struct r
         apply_host(rr, w->hsrc, w->ref);
 }
 
-static void expect_counts(struct kvf_gpu_copier *c, uint64_t staged, uint64_t reused,
+static void expect_counts(struct kvf_gpu_copier *c, uint64_t fresh, uint64_t reused,
                           const char *what)
 {
         uint64_t s = 0, u = 0;
         kvf_gpu_copier_counts(c, &s, &u);
-        if (s != staged || u != reused) {
-                fprintf(stderr, "%s: %" PRIu64 " staged, %" PRIu64 " reused; expected %" PRIu64
+        if (s != fresh || u != reused) {
+                fprintf(stderr, "%s: %" PRIu64 " fresh, %" PRIu64 " reused; expected %" PRIu64
                                 " and %" PRIu64 "\n",
-                        what, s, u, staged, reused);
+                        what, s, u, fresh, reused);
                 exit(1);
         }
 }
@@ -859,16 +863,16 @@ static void test_reuse(struct world *w, struct rng *r, int dev)
         layer_runs(w, &rr, 1, sids, dids, n, 0);
         submit_and_apply(w, c, &rr, &t); /* reuse again */
         layer_runs(w, &other, 2, sids2, dids, n, 0);
-        submit_and_apply(w, c, &other, &t); /* other sources: staged */
+        submit_and_apply(w, c, &other, &t); /* other sources: fresh descriptors */
         layer_runs(w, &rr, 0, sids, dids, n, 0);
-        submit_and_apply(w, c, &rr, &t); /* staged: the device holds `other`; the first
+        submit_and_apply(w, c, &rr, &t); /* fresh: the device holds `other`; the first
                                             runs' destinations match a shift, sources not */
         CHECK_RC(wait_ticket(c, t), 1);
         verify_world(w, "reuse: shifted back, then interleaved");
         expect_counts(c, 1 + 2, layers - 1 + 2, "reuse: shifted back, then interleaved");
 
-        /* Same offsets, other destination regions: not a shift; staged. One run
-         * moved by a different amount than the rest: staged. */
+        /* Same offsets, other destination regions: not a shift, fresh. One run
+         * moved by a different amount than the rest: fresh. */
         world_reset(w);
         layer_runs(w, &rr, 2, sids, dids, n, 1);
         submit_and_apply(w, c, &rr, &t);
@@ -884,21 +888,29 @@ static void test_reuse(struct world *w, struct rng *r, int dev)
         expect_counts(c, 3 + 3, layers - 1 + 2 + 1, "reuse: not a shift");
         kvf_gpu_copier_destroy(c);
 
-        /* KVF_GPU_COPIER_NO_REUSE stages every batch, with the same bytes. */
-        CHECK_RC(kvf_gpu_copier_create(dev, KVF_GPU_COPIER_NO_REUSE, NULL, &c), 0);
-        world_reset(w);
-        for (uint32_t l = 0; l < layers; l++) {
-                layer_runs(w, &rr, l, sids, dids, n, 0);
-                submit_and_apply(w, c, &rr, &t);
+        /* STAGED_DESC and MAPPED_DESC write every batch's descriptors anew, with the
+         * same bytes. */
+        const unsigned no_reuse[2] = {KVF_GPU_COPIER_STAGED_DESC, KVF_GPU_COPIER_MAPPED_DESC};
+        for (int f = 0; f < 2; f++) {
+                CHECK_RC(kvf_gpu_copier_create(dev, no_reuse[f], NULL, &c), 0);
+                world_reset(w);
+                for (uint32_t l = 0; l < layers; l++) {
+                        layer_runs(w, &rr, l, sids, dids, n, 0);
+                        submit_and_apply(w, c, &rr, &t);
+                }
+                CHECK_RC(wait_ticket(c, t), 1);
+                verify_world(w, f ? "mapped, no reuse" : "staged, no reuse");
+                expect_counts(c, layers, 0, f ? "mapped, no reuse" : "staged, no reuse");
+                kvf_gpu_copier_destroy(c);
         }
-        CHECK_RC(wait_ticket(c, t), 1);
-        verify_world(w, "no reuse");
-        expect_counts(c, layers, 0, "no reuse");
-        kvf_gpu_copier_destroy(c);
+        CHECK_RC(kvf_gpu_copier_create(
+                     dev, KVF_GPU_COPIER_STAGED_DESC | KVF_GPU_COPIER_MAPPED_DESC, NULL, &c),
+                 -EINVAL);
         free(rr.v);
         free(other.v);
-        printf("reuse: a step's layers run one staging shifted (forwards, backwards, two "
-               "destinations); other blocks, other regions and uneven shifts stage ok\n");
+        printf("reuse: a step's layers run the first one's descriptors shifted (forwards, "
+               "backwards, two destinations); other blocks, other regions and uneven shifts "
+               "write new ones; staged and mapped never reuse ok\n");
 }
 
 /* ---------------------------------------------------------------- offsets beyond 4 GiB */

@@ -48,7 +48,7 @@ enum kvf_rec_type {
         KVF_RT_PONG = 40,
         KVF_RT_XOPEN = 41,     /* prefill -> decode, data connection: a transfer's destination blocks */
         KVF_RT_WIRE_MAX = 41,
-        /* Data frames carry a binary header and block bytes, not a record (connector/data.h). */
+        /* Data frames carry a binary header and block bytes, not a record (connector/tcp.h). */
         KVF_RT_DATA = 48,
 };
 

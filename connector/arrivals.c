@@ -240,9 +240,20 @@ int conn_arrival_notice(struct connector *cn, struct event *ev)
          * engine hears of it, so blocks it frees on the error arrival stay untouched. */
         if (net && status != KVF_STATUS_FINISHED)
                 conn_landing_close(cn, n->peer, ev->src_gen, n->key);
+        int landed = KVF_STATUS_FINISHED;
         if (net && status == KVF_STATUS_FINISHED && !conn_arrival_published(cn, n, ev->src_gen) &&
-            !conn_landing_notice(cn, n, ev->src_gen, ev->session))
+            !conn_landing_notice(cn, n, ev->src_gen, ev->session, &landed, gone, sizeof(gone)))
                 return 0; /* the data is not all in: the arrival waits for it */
+        if (landed != KVF_STATUS_FINISHED) {
+                /* Its transport says a write failed after the notice went out (rdma): the
+                 * arrival says so, and the notice is answered with it. */
+                if (!gone[0])
+                        snprintf(gone, sizeof(gone), "the prefill side's %s writes of this request failed",
+                                 kvf_transport_name(n->transport));
+                status = landed;
+                why = gone;
+                conn_landing_close(cn, n->peer, ev->src_gen, n->key);
+        }
         int st = conn_publish_arrival(cn, n, ev->src_gen, status, why, bound, reason, sizeof(reason));
         if (st == -EAGAIN)
                 return -EAGAIN;

@@ -30,6 +30,7 @@
 #include "cache.h"
 #include "ctl.h"
 #include "net.h"
+#include "rdma_config.h"
 #include "records.h"
 #include "tcp_config.h"
 
@@ -46,7 +47,8 @@ struct conn_config {
         unsigned keepalive_ms;
         unsigned peer_timeout_ms; /* silence (or unreachability) after which a peer is dead */
         unsigned peer_idle_ms;    /* a peer without work this long is retired (thread, sockets) */
-        struct conn_tcp_config tcp; /* the tcp transport's */
+        struct conn_tcp_config tcp;   /* the tcp transport's */
+        struct conn_rdma_config rdma; /* the rdma transport's */
 };
 
 enum ev_kind {

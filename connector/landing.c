@@ -29,6 +29,8 @@ struct rx_xfer {
         uint64_t need, have;
         bool waiting; /* a finish notice waits for the data */
         bool closed;  /* published or aborted: late data for it is drained, not written */
+        int status;   /* complete: finished, or what its transport said went wrong ... */
+        char *why;    /* ... and why (malloc'd, or NULL) */
         uint64_t eng_session; /* the decode engine session that reserved the blocks, 0 none */
         uint64_t session;     /* the control connection whose notice waits */
         struct kvf_record notice;
@@ -59,6 +61,7 @@ static void rx_insert(struct connector *cn, struct rx_xfer *x)
 
 static void rx_free(struct rx_xfer *x)
 {
+        free(x->why);
         if (x->waiting)
                 kvf_record_free(&x->notice);
         free(x->dst);
@@ -216,7 +219,7 @@ void conn_landing_mark(struct connector *cn, const char *peer, uint64_t gen, con
 }
 
 int conn_landing_complete(struct connector *cn, const char *peer, uint64_t gen, uint64_t key,
-                          uint64_t session)
+                          uint64_t session, int status, const char *why)
 {
         pthread_mutex_lock(&cn->rxmu);
         struct rx_xfer *x = rx_find(cn, peer, gen, key);
@@ -238,6 +241,9 @@ int conn_landing_complete(struct connector *cn, const char *peer, uint64_t gen, 
                 free(x->got);
                 x->got = NULL;
                 x->need = x->have = 1; /* complete: the notice publishes at once */
+                x->status = status;
+                if (status != KVF_STATUS_FINISHED && why)
+                        x->why = strdup(why);
         }
         x->touched_ns = kvf_now_ns();
         pthread_mutex_unlock(&cn->rxmu);
@@ -246,9 +252,11 @@ int conn_landing_complete(struct connector *cn, const char *peer, uint64_t gen, 
         return 0;
 }
 
-int conn_landing_notice(struct connector *cn, const struct kvf_record *n, uint64_t gen, uint64_t session)
+int conn_landing_notice(struct connector *cn, const struct kvf_record *n, uint64_t gen, uint64_t session,
+                        int *status, char *whyout, size_t whyoutlen)
 {
         int ready = 0;
+        *status = KVF_STATUS_FINISHED;
         char why[KVF_REASON_MAX];
         /* The notice can overtake the transfer's open: open it from the notice. */
         if (conn_landing_open(cn, n->peer, gen, n, why, sizeof(why)) < 0)
@@ -259,6 +267,8 @@ int conn_landing_notice(struct connector *cn, const struct kvf_record *n, uint64
                 ready = 1; /* the journal answers the repeat */
         } else if (x && x->have == x->need) {
                 ready = 1;
+                *status = x->status;
+                snprintf(whyout, whyoutlen, "%s", x->why ? x->why : "");
         } else if (x) {
                 /* Keep the notice until the last block is in. */
                 if (x->waiting)

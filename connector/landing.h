@@ -54,17 +54,20 @@ int conn_landing_check(struct connector *cn, const char *peer, uint64_t gen, con
 /* The run's blocks are in: mark them; once the bitmap is full, the data-done event goes out. */
 void conn_landing_mark(struct connector *cn, const char *peer, uint64_t gen, const struct landing_run *h);
 /*
- * Every byte of the transfer is in (a transport that does not mark runs):
- * registers it if need be (bound to `session`, else the engine session live
- * now) and sends the data-done event. 0, or -ENOMEM.
+ * Every byte of the transfer is in (a transport that does not mark runs;
+ * status KVF_STATUS_FINISHED), or its sender says it will never be (status:
+ * why, for a transfer whose notice is out): registers it if need be (bound to
+ * `session`, else the engine session live now) and sends the data-done event.
+ * A transfer already complete stays complete. 0, or -ENOMEM.
  */
 int conn_landing_complete(struct connector *cn, const char *peer, uint64_t gen, uint64_t key,
-                          uint64_t session);
+                          uint64_t session, int status, const char *why);
 
 /* Control thread: a notice for a network transfer; returns 1 if its data is complete
- * (publish now), 0 if it waits for the data. */
+ * (publish now, with *status: finished, or what its transport said went wrong, and why in
+ * why[whylen]), 0 if it waits for the data. */
 int conn_landing_notice(struct connector *cn, const struct kvf_record *notice, uint64_t gen,
-                        uint64_t session);
+                        uint64_t session, int *status, char *why, size_t whylen);
 /* Control thread: take the waiting notice of a transfer whose data is complete. */
 int conn_landing_take_ready(struct connector *cn, const char *peer, uint64_t gen, uint64_t key,
                             struct kvf_record *notice, uint64_t *session);

@@ -38,6 +38,11 @@ static void usage(void)
                "  --streams N              tcp data connections per peer (default 2)\n"
                "  --peer-idle-ms N         close a peer without work for this long (default 60000)\n"
                "  --zerocopy               send data frames with zero-copy sends (io_uring send_zc)\n"
+               "  --rdma-device NAME       the rdma device (its interface's address); default: the device\n"
+               "                           of the listen address (decode), of the route (prefill)\n"
+               "  --rdma-sq-depth N        rdma work requests outstanding per peer (default 256)\n"
+               "  --rdma-signal-every N    one rdma work request signalled in N (default 32)\n"
+               "  --rdma-test-dereg        tests only: SIGUSR2 deregisters every peer's rdma region\n"
                "  --help, --version\n",
                prog);
 }
@@ -65,6 +70,17 @@ static void on_finish(struct connector *cn, struct kvf_record *f)
          * the decode side, those already in flight). */
         if (aborting && conn_transport_of(f->transport))
                 conn_xfer_forget(p, f->key);
+        if (!aborting && !f->withdraw && conn_transport_of(f->transport)) {
+                /* Its fate is the notice's from now on; unless this connector failed it
+                 * already (its data path, the peer timeout) and told the sender so before
+                 * this notice was read: then the peer hears of that failure instead, as an
+                 * abort, and publishes the same status. */
+                int st = conn_xfer_noticed(p, f->key, w.reason, sizeof(w.reason));
+                if (st != KVF_STATUS_FINISHED) {
+                        w.status = st;
+                        aborting = true;
+                }
+        }
         /* On the wire the notice names its source, not its destination. */
         w.type = KVF_RT_NOTICE;
         snprintf(w.peer, sizeof(w.peer), "%s", cn->ctl.hdr->instance);
@@ -86,8 +102,6 @@ static void on_finish(struct connector *cn, struct kvf_record *f)
         if (f->withdraw) {
                 conn_peer_withdraw(p, n);
         } else {
-                if (!aborting && conn_transport_of(f->transport))
-                        conn_xfer_noticed(p, f->key); /* its fate is the notice's from now on */
                 conn_peer_enqueue(p, n);
         }
 }
@@ -251,7 +265,8 @@ static int map_cache(struct connector *cn)
 
 int main(int argc, char **argv)
 {
-        enum { O_LISTEN = 1000, O_TOKEN, O_CTO, O_KEEP, O_PTO, O_STREAMS, O_ZC, O_VERSION, O_IDLE };
+        enum { O_LISTEN = 1000, O_TOKEN, O_CTO, O_KEEP, O_PTO, O_STREAMS, O_ZC, O_VERSION, O_IDLE,
+               O_RDEV, O_RSQ, O_RSIG, O_RDEREG };
         static const struct option opts[] = {{"instance", required_argument, 0, 'i'},
                                              {"listen", required_argument, 0, O_LISTEN},
                                              {"token-file", required_argument, 0, O_TOKEN},
@@ -261,6 +276,10 @@ int main(int argc, char **argv)
                                              {"streams", required_argument, 0, O_STREAMS},
                                              {"peer-idle-ms", required_argument, 0, O_IDLE},
                                              {"zerocopy", no_argument, 0, O_ZC},
+                                             {"rdma-device", required_argument, 0, O_RDEV},
+                                             {"rdma-sq-depth", required_argument, 0, O_RSQ},
+                                             {"rdma-signal-every", required_argument, 0, O_RSIG},
+                                             {"rdma-test-dereg", no_argument, 0, O_RDEREG},
                                              {"help", no_argument, 0, 'h'},
                                              {"version", no_argument, 0, O_VERSION},
                                              {0, 0, 0, 0}};
@@ -275,6 +294,8 @@ int main(int argc, char **argv)
         cn.cfg.peer_timeout_ms = 5000;
         cn.cfg.tcp.streams = 2;
         cn.cfg.peer_idle_ms = 60000;
+        cn.cfg.rdma.sq_depth = 256;
+        cn.cfg.rdma.signal_every = 32;
         while ((c = getopt_long(argc, argv, "i:h", opts, NULL)) != -1) {
                 switch (c) {
                 case 'i': instance = optarg; break;
@@ -285,6 +306,14 @@ int main(int argc, char **argv)
                 case O_PTO: cn.cfg.peer_timeout_ms = (unsigned)kvf_opt_u64("peer-timeout-ms", optarg, 10, 3600000); break;
                 case O_STREAMS: cn.cfg.tcp.streams = (unsigned)kvf_opt_u64("streams", optarg, 1, 16); break;
                 case O_ZC: cn.cfg.tcp.zerocopy = true; break;
+                case O_RDEV:
+                        if (strlen(optarg) >= sizeof(cn.cfg.rdma.device))
+                                kvf_opt_die(prog, "--rdma-device: name too long");
+                        snprintf(cn.cfg.rdma.device, sizeof(cn.cfg.rdma.device), "%s", optarg);
+                        break;
+                case O_RSQ: cn.cfg.rdma.sq_depth = (unsigned)kvf_opt_u64("rdma-sq-depth", optarg, 2, 65536); break;
+                case O_RSIG: cn.cfg.rdma.signal_every = (unsigned)kvf_opt_u64("rdma-signal-every", optarg, 1, 65536); break;
+                case O_RDEREG: cn.cfg.rdma.test_dereg = true; break;
                 case O_IDLE: cn.cfg.peer_idle_ms = (unsigned)kvf_opt_u64("peer-idle-ms", optarg, 100, 86400000); break;
                 case 'h': usage(); return 0;
                 case O_VERSION: printf("%s %s\n", prog, KVFERRY_VERSION); return 0;

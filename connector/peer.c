@@ -210,7 +210,7 @@ static void on_reply(struct peer *p, uint16_t type, const uint8_t *pl, uint32_t 
         }
         /* The peer's decode engine session: the sender binds new tasks to it. */
         if (ack.session != p->remote_session) {
-                p->remote_session = ack.session;
+                kvf_store_relaxed(&p->remote_session, ack.session); /* (read by data paths) */
                 post_state(p, true, NULL);
         }
         if (type == KVF_RT_ACK) {

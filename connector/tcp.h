@@ -42,7 +42,7 @@ void tcp_start(struct xfer_peer *xp);
 void tcp_stop(struct xfer_peer *xp);
 void tcp_peer_free(struct xfer_peer *xp);
 int tcp_xfer_open(struct xfer_peer *xp, struct xfer *x);
-void tcp_xfer_free(struct xfer *x);
+void tcp_xfer_free(struct xfer_peer *xp, struct xfer *x);
 
 /* tcp_rx.c: an accepted tcp data connection (session thread) */
 void tcp_serve(struct connector *cn, int fd, const struct peer_identity *id, const char *remote,

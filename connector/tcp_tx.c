@@ -73,8 +73,9 @@ int tcp_xfer_open(struct xfer_peer *xp, struct xfer *x)
         return 0;
 }
 
-void tcp_xfer_free(struct xfer *x)
+void tcp_xfer_free(struct xfer_peer *xp, struct xfer *x)
 {
+        (void)xp;
         struct tcp_xfer *tx = x->tp;
         free(tx->xopen);
         free(tx);

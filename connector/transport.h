@@ -54,9 +54,12 @@ struct conn_transport {
         void (*peer_free)(struct xfer_peer *xp);
         /* A transfer opened (xp->mu held): make x->tp, or leave it NULL. 0 or -ENOMEM. */
         int (*xfer_open)(struct xfer_peer *xp, struct xfer *x);
-        void (*xfer_free)(struct xfer *x);
+        void (*xfer_free)(struct xfer_peer *xp, struct xfer *x);
         /* The transfer's finish notice is out (xp->mu held): its last frame is queued. */
         void (*noticed)(struct xfer_peer *xp, struct xfer *x);
+        /* Frames were queued or a transfer opened (xp->mu not held), for a data path that
+         * cannot sleep on xp->cv; NULL: the broadcast on xp->cv is enough. */
+        void (*wake)(struct xfer_peer *xp);
 
         /* ---- handshake fields of its own, on its data connections ---- */
         /* Server side (decode): add fields to the WELCOME about to go out to the peer

@@ -25,6 +25,16 @@ static void post_result(struct connector *cn, const struct xfer *x, int status, 
         conn_write_result(cn, x->key, x->request_id, status, reason, true);
 }
 
+/* xp->mu held: x is failed here (its result is posted): remember it for conn_xfer_noticed. */
+static void fail_xfer(struct xfer_peer *xp, const struct xfer *x, int status, const char *reason)
+{
+        struct xfer_failed *f = &xp->failed[xp->nfailed++ % (sizeof(xp->failed) / sizeof(xp->failed[0]))];
+        f->key = x->key;
+        f->status = status;
+        snprintf(f->reason, sizeof(f->reason), "%s", reason);
+        post_result(xp->p->cn, x, status, reason);
+}
+
 void xfer_wait(struct xfer_peer *xp)
 {
         struct timespec ts;
@@ -50,14 +60,14 @@ static struct xfer *find(struct xfer_peer *xp, uint64_t key)
         return NULL;
 }
 
-static void free_xfer(const struct xfer_peer *xp, struct xfer *x)
+static void free_xfer(struct xfer_peer *xp, struct xfer *x)
 {
         for (uint32_t i = 0; i < x->nfr; i++)
                 free(x->fr[i]);
         free(x->fr);
         free(x->dst);
         if (x->tp && xp->t->xfer_free)
-                xp->t->xfer_free(x);
+                xp->t->xfer_free((struct xfer_peer *)xp, x);
         free(x);
 }
 
@@ -91,6 +101,7 @@ static void drop(struct xfer_peer *xp, struct xfer *x)
                 if (f->x == x) {
                         *qp = f->qnext;
                         xp->qbytes -= xfer_frame_bytes(xp, f);
+                        x->queued--;
                         continue;
                 }
                 xp->qtail = f;
@@ -118,6 +129,7 @@ void xfer_enqueue(struct xfer_peer *xp, struct frame *f, bool front)
                 xp->qtail = f;
         }
         xp->qbytes += xfer_frame_bytes(xp, f);
+        f->x->queued++;
 }
 
 struct frame *xfer_dequeue(struct xfer_peer *xp, int conn)
@@ -132,7 +144,25 @@ struct frame *xfer_dequeue(struct xfer_peer *xp, int conn)
         f->state = F_FLIGHT;
         f->conn = (int8_t)conn;
         f->x->inflight++;
+        f->x->queued--;
         return f;
+}
+
+void xfer_hold(struct xfer *x)
+{
+        x->inflight++;
+}
+
+void xfer_release(struct xfer_peer *xp, struct xfer *x)
+{
+        if (--x->inflight == 0 && x->dead)
+                free_xfer(xp, x);
+}
+
+bool xfer_session_over(const struct xfer_peer *xp, const struct xfer *x)
+{
+        uint64_t now = kvf_load_relaxed(&xp->p->remote_session);
+        return x->session && now && now != x->session;
 }
 
 void xfer_give_back(struct xfer_peer *xp, struct frame **fs, unsigned n, bool sent)
@@ -182,7 +212,7 @@ void xfer_fail_one(struct xfer_peer *xp, struct xfer *x, int status, const char 
 {
         if (x->dead)
                 return;
-        post_result(xp->p->cn, x, status, reason);
+        fail_xfer(xp, x, status, reason);
         drop(xp, x);
 }
 
@@ -197,7 +227,7 @@ static bool check_dst(struct xfer_peer *xp, struct xfer *x)
                         snprintf(why, sizeof(why),
                                  "dest_block_ids[%u] = %u is out of range: peer '%s' has %llu blocks", i,
                                  x->dst[i], xp->p->name, (unsigned long long)xp->remote_blocks);
-                        post_result(xp->p->cn, x, KVF_STATUS_BLOCK_RANGE, why);
+                        fail_xfer(xp, x, KVF_STATUS_BLOCK_RANGE, why);
                         drop(xp, x);
                         return false;
                 }
@@ -330,6 +360,8 @@ int conn_xfer_open(struct connector *cn, const struct kvf_record *o, char *why, 
                 pthread_cond_broadcast(&xp->cv); /* idle data paths connect now */
         }
         pthread_mutex_unlock(&xp->mu);
+        if (t->wake)
+                t->wake(xp);
         conn_peer_kick(p); /* the control connection carries the notice later */
         return 0;
 }
@@ -391,6 +423,8 @@ int conn_xfer_batch(struct connector *cn, const struct kvf_record *w)
 out:
         pthread_cond_broadcast(&xp->cv);
         pthread_mutex_unlock(&xp->mu);
+        if (t->wake)
+                t->wake(xp);
         return rc;
 }
 
@@ -408,8 +442,9 @@ void conn_xfer_forget(struct peer *p, uint64_t key)
         }
 }
 
-void conn_xfer_noticed(struct peer *p, uint64_t key)
+int conn_xfer_noticed(struct peer *p, uint64_t key, char *why, size_t whylen)
 {
+        int status = KVF_STATUS_FINISHED;
         for (unsigned i = 0; i < conn_ntransports; i++) {
                 struct xfer_peer *xp = p->xfers[i];
                 if (!xp)
@@ -420,28 +455,38 @@ void conn_xfer_noticed(struct peer *p, uint64_t key)
                         x->noticed = true;
                         if (xp->t->noticed)
                                 xp->t->noticed(xp, x);
+                } else {
+                        unsigned n = xp->nfailed < 32 ? xp->nfailed : 32;
+                        for (unsigned k = 0; k < n; k++)
+                                if (xp->failed[k].key == key) {
+                                        status = xp->failed[k].status;
+                                        snprintf(why, whylen, "%s", xp->failed[k].reason);
+                                }
                 }
                 pthread_mutex_unlock(&xp->mu);
         }
+        return status;
+}
+
+void conn_xfer_fail_transport(struct xfer_peer *xp, int status, const char *reason, uint64_t older_than)
+{
+        pthread_mutex_lock(&xp->mu);
+        uint64_t now = kvf_now_ns();
+        for (struct xfer *x = xp->xfers, *nx; x; x = nx) {
+                nx = x->next;
+                if (x->noticed || (older_than && kvf_elapsed(now, x->first_ns) <= older_than))
+                        continue;
+                fail_xfer(xp, x, status, reason);
+                drop(xp, x);
+        }
+        pthread_mutex_unlock(&xp->mu);
 }
 
 void conn_xfer_fail(struct peer *p, int status, const char *reason, uint64_t older_than)
 {
-        for (unsigned i = 0; i < conn_ntransports; i++) {
-                struct xfer_peer *xp = p->xfers[i];
-                if (!xp)
-                        continue;
-                pthread_mutex_lock(&xp->mu);
-                uint64_t now = kvf_now_ns();
-                for (struct xfer *x = xp->xfers, *nx; x; x = nx) {
-                        nx = x->next;
-                        if (x->noticed || (older_than && kvf_elapsed(now, x->first_ns) <= older_than))
-                                continue;
-                        post_result(p->cn, x, status, reason);
-                        drop(xp, x);
-                }
-                pthread_mutex_unlock(&xp->mu);
-        }
+        for (unsigned i = 0; i < conn_ntransports; i++)
+                if (p->xfers[i])
+                        conn_xfer_fail_transport(p->xfers[i], status, reason, older_than);
 }
 
 bool conn_xfer_busy(struct peer *p)

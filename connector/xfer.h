@@ -46,7 +46,8 @@ struct xfer {
         struct frame **fr;
         uint32_t nfr, capfr;
         uint64_t first_ns;
-        uint32_t inflight; /* frames a data path holds */
+        uint32_t inflight; /* frames a data path holds (and holds by xfer_hold) */
+        uint32_t queued;   /* its frames in the queue */
         bool dead;
         bool checked; /* dst ids checked against the peer's block count */
         bool noticed; /* the finish notice is out: only its outcome ends the transfer */
@@ -67,6 +68,15 @@ struct xfer_peer {
         uint64_t remote_blocks; /* from the handshake; 0 = not known yet */
         bool stop;              /* atomic: the data path is to end */
         void *tp;               /* the transport's (peer_init) */
+        /* Transfers this connector failed (its data path, the peer timeout): their write
+         * result is out, but the sender's finish notice may already be in its ring, and must
+         * then go to the peer as an abort (conn_xfer_noticed). A ring of the latest. */
+        struct xfer_failed {
+                uint64_t key;
+                int status;
+                char reason[KVF_REASON_MAX];
+        } failed[32];
+        unsigned nfailed;
 };
 
 #define XFER_QUEUE_LIMIT (64ull << 20) /* queued payload bytes before the control thread waits */
@@ -81,9 +91,12 @@ int conn_xfer_batch(struct connector *cn, const struct kvf_record *batch);
 /*
  * The transfer's finish notice is handed to the peer thread: from now on only
  * the notice's outcome ends it (conn_xfer_fail leaves it alone; the notice's
- * failure or acknowledgement forgets it).
+ * failure or acknowledgement forgets it). Returns KVF_STATUS_FINISHED, or, for
+ * a transfer this connector failed already (its write result went out before
+ * the sender's finish notice was read), that status with its reason in why:
+ * the notice must then go as an abort, so the peer publishes the same failure.
  */
-void conn_xfer_noticed(struct peer *p, uint64_t key);
+int conn_xfer_noticed(struct peer *p, uint64_t key, char *why, size_t whylen);
 /* Any thread: the notice for `key` was acknowledged, or the transfer failed: forget it. */
 void conn_xfer_forget(struct peer *p, uint64_t key);
 /* Peer thread: fail transfers waiting longer than older_than (0 = all) with status, except
@@ -113,8 +126,18 @@ void xfer_requeue_conn(struct xfer_peer *xp, int conn);
 /* xp->mu held: the peer's block count (from a handshake): transfers naming blocks it does
  * not have fail now. */
 void xfer_set_remote_blocks(struct xfer_peer *xp, uint64_t num_blocks);
+/* xp->mu not held: conn_xfer_fail for this transport's transfers only (its data path cannot
+ * be had: the peer refuses it, or it failed past the peer timeout). */
+void conn_xfer_fail_transport(struct xfer_peer *xp, int status, const char *reason, uint64_t older_than);
 /* xp->mu held: end transfer x now with `status` (a write error its data path met). */
 void xfer_fail_one(struct xfer_peer *xp, struct xfer *x, int status, const char *reason);
+/* xp->mu held: keep x allocated while a data path refers to it outside a frame (rdma: its
+ * done message in the send queue); xfer_release gives it up (and frees a dead one). */
+void xfer_hold(struct xfer *x);
+void xfer_release(struct xfer_peer *xp, struct xfer *x);
+/* xp->mu held: the peer's decode engine session has moved past the one x is bound to, so its
+ * blocks may be another request's now (docs/ARCHITECTURE.md 6b). */
+bool xfer_session_over(const struct xfer_peer *xp, const struct xfer *x);
 /* xp->mu not held: the queue has room again; a write batch the control thread held back for
  * want of it may go now. `room` is what the caller saw under the lock. */
 void xfer_room(struct xfer_peer *xp, bool room);

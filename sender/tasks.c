@@ -343,10 +343,6 @@ static int accept_task(struct sender *s, struct kvf_record *t, const struct task
                 return reject(s, ref, t->peer, KVF_STATUS_BAD_TASK,
                               "instance '%s' is a decode instance: it receives, it does not send",
                               h->instance);
-        if (t->transport != KVF_TRANSPORT_IPC && t->transport != KVF_TRANSPORT_TCP)
-                return reject(s, ref, t->peer, KVF_STATUS_BAD_TASK,
-                              "transfer_protocol '%s' is not supported by this build (ipc and tcp are)",
-                              kvf_transport_name(t->transport));
         if (slot != UINT32_MAX)
                 return reject(s, ref, t->peer, KVF_STATUS_BAD_TASK,
                               "duplicate request_id '%s': a request with this id is in flight", id);
@@ -400,7 +396,8 @@ static int accept_task(struct sender *s, struct kvf_record *t, const struct task
                                               "dest_block_ids[%u] = %u is out of range: peer '%s' has %u blocks",
                                               i, t->dst[i], t->peer, peer_blocks);
         }
-        /* tcp: the connector checks the peer (reachable, token, layout, block ids). */
+        /* tcp, rdma: the connector checks the peer (reachable, token, layout, block ids), and
+         * fails the request with the reason when its build has no such transport. */
 
         slot = sender_slot_alloc(s);
         if (slot == UINT32_MAX)

@@ -7,7 +7,8 @@
 #
 #   1. kvf-sim end to end over rdma, every byte verified, blocks in runs
 #   2. the work requests: one RDMA WRITE per run of blocks contiguous on both sides, per
-#      (layer, tensor), and one done message per request (the connector's counters)
+#      (layer, tensor), and one done message per request (the connector's counters); a request
+#      to the peer named by its address
 #   3. thousands of small scattered blocks through a send queue 16 deep: no overflow
 #   4. a peer with another token, a peer with another layout: refused, every request fails so
 #   5. the peer's region deregistered: a completion error, the request ends "write error" on
@@ -53,8 +54,11 @@ w=$(counter $TAG-p rdma_write_requests) b=$(counter $TAG-p blocks_sent_rdma)
 pass "kvf-sim over rdma (rxe0 -> rxe1 across the veth pair): 12 requests, every byte verified;" \
   "$w RDMA WRITEs for $b blocks x layers x tensors"
 
-# 2. Work requests, exactly.
+# 2. Work requests, exactly. Then the peer named by its address (FastDeploy's ip with
+# rdma_ports become "ip:port"): the control connection is tcp too.
 "$B/rdma_transport_test" --prefill $TAG-p --decode $TAG-d --case runs || fail "work requests per run"
+"$B/rdma_transport_test" --prefill $TAG-p --decode $TAG-d --peer "$DIP:7100" --case one ||
+  fail "the peer named by address"
 
 # 3. Thousands of small scattered blocks through a shallow send queue.
 S="--layers 4 --kv-heads 1 --head-dim 8 --block-size 16 --blocks 16384"

@@ -50,7 +50,16 @@
         X(ARRIVALS_STALE, "arrivals_for_ended_sessions")                                           \
         X(PEERS_RETIRED, "peers_retired")                                                          \
         X(NOTICES_IN_DOUBT, "notices_in_doubt_resolved")                                           \
-        X(COPY_SLICES, "backlog_slices")
+        X(COPY_SLICES, "backlog_slices")                                                           \
+        X(RDMA_WRITES, "rdma_write_requests")                                                      \
+        X(RDMA_SENDS, "rdma_done_messages_sent")                                                   \
+        X(RDMA_POSTS, "rdma_post_calls")                                                           \
+        X(RDMA_SIGNALLED, "rdma_signalled_requests")                                               \
+        X(BYTES_RDMA, "bytes_sent_rdma")                                                           \
+        X(BLOCKS_RDMA, "blocks_sent_rdma")                                                         \
+        X(RDMA_COMPLETION_ERRORS, "rdma_completion_errors")                                        \
+        X(RDMA_POST_ERRORS, "rdma_post_errors")                                                    \
+        X(RDMA_DONE_RECEIVED, "rdma_done_messages_received")
 
 enum kvf_counter_id {
 #define KVF_COUNTER_ENUM(id, name) KVF_CTR_##id,

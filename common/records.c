@@ -29,7 +29,8 @@ enum fid {
         CHUNKED, SRC, DST, RUNS, KEY, LAYER, STATUS, PROTOCOL, BYTES, BLOCKS, ACCEPT_NS,
         LAST_LAYER_NS, DONE_NS, GENERATION, UP, INSTANCE, PURPOSE, ROLE, PROTO, BOOT_ID, NONCE,
         PROOF, LAYER_COUNT, L_LAYERS, L_EXTRA, L_BLOCKS, L_HEADS, L_BSIZE, L_HDIM, L_DTYPE, L_KEYONLY,
-        SESSION, WITHDRAW, DEVICE_IDS, PEER_SESSION, NFIELDS
+        SESSION, WITHDRAW, DEVICE_IDS, PEER_SESSION, RDMA_PORT, RDMA_ADDR, RDMA_LEN, RDMA_RKEY,
+        RDMA_TICKET, NFIELDS
 };
 
 static const struct field fields[NFIELDS] = {
@@ -80,12 +81,19 @@ static const struct field fields[NFIELDS] = {
         [SESSION] = FU("session", session),
         [WITHDRAW] = FB("withdraw", withdraw),
         [PEER_SESSION] = FU("peer_session", peer_session),
+        [RDMA_PORT] = FU("rdma_port", rdma_port),
+        [RDMA_ADDR] = FU("rdma_addr", rdma_addr),
+        [RDMA_LEN] = FU("rdma_len", rdma_len),
+        [RDMA_RKEY] = FU("rdma_rkey", rdma_rkey),
+        [RDMA_TICKET] = {"rdma_ticket", F_BIN32, offsetof(struct kvf_record, rdma_ticket), 32},
 };
 _Static_assert(NFIELDS <= 64, "fields are tracked in a 64-bit mask");
 
-/* Per type: the fields it carries. R = required, D = accepted on decode only. */
+/* Per type: the fields it carries. R = required, D = accepted on decode only, Z = written
+ * only when not zero (all its bytes). */
 #define R 1u
 #define D 2u
+#define Z 4u
 struct use {
         uint8_t f;
         uint8_t flags;
@@ -157,7 +165,8 @@ static const struct spec specs[KVF_RT_WIRE_MAX + 1] = {
                          false},
         [KVF_RT_WELCOME] = {"welcome",
                             USES({INSTANCE, R}, {ROLE, R}, {GENERATION, R}, {BOOT_ID, R},
-                                 LAYOUT_USES),
+                                 LAYOUT_USES, {RDMA_PORT, Z}, {RDMA_ADDR, Z}, {RDMA_LEN, Z},
+                                 {RDMA_RKEY, Z}, {RDMA_TICKET, Z}),
                             false},
         [KVF_RT_REFUSE] = {"refuse", USES({STATUS, R}, {REASON, 0}), false},
         [KVF_RT_NOTICE] = {"notice",
@@ -604,9 +613,20 @@ static void pack_str(msgpack_packer *pk, const char *s)
         msgpack_pack_str_body(pk, s, n);
 }
 
-static bool has_value(const struct field *f, const struct kvf_record *r)
+static bool all_zero(const void *p, size_t n)
+{
+        const uint8_t *b = p;
+        for (size_t i = 0; i < n; i++)
+                if (b[i])
+                        return false;
+        return true;
+}
+
+static bool has_value(const struct field *f, unsigned flags, const struct kvf_record *r)
 {
         const char *base = (const char *)r;
+        if (flags & Z)
+                return !all_zero(base + f->off, f->kind == F_BIN32 ? f->aux : sizeof(uint64_t));
         switch (f->kind) {
         case F_STR:
         case F_ID:
@@ -630,12 +650,12 @@ int kvf_record_encode(const struct kvf_record *r, void *buf, size_t cap)
         msgpack_packer_init(&pk, &s, sink_write);
         unsigned n = 0;
         for (unsigned u = 0; u < sp->n; u++)
-                if (!(sp->uses[u].flags & D) && has_value(&fields[sp->uses[u].f], r))
+                if (!(sp->uses[u].flags & D) && has_value(&fields[sp->uses[u].f], sp->uses[u].flags, r))
                         n++;
         msgpack_pack_map(&pk, n);
         for (unsigned u = 0; u < sp->n; u++) {
                 const struct field *f = &fields[sp->uses[u].f];
-                if ((sp->uses[u].flags & D) || !has_value(f, r))
+                if ((sp->uses[u].flags & D) || !has_value(f, sp->uses[u].flags, r))
                         continue;
                 pack_str(&pk, f->name);
                 switch (f->kind) {

@@ -45,7 +45,7 @@ enum kvf_rec_type {
         KVF_RT_PONG = 40,
         KVF_RT_XOPEN = 41,     /* prefill -> decode, data connection: a transfer's destination blocks */
         KVF_RT_WIRE_MAX = 41,
-        /* Data frames carry a binary header and block bytes, not a record (connector/data.h). */
+        /* Data frames carry a binary header and block bytes, not a record (connector/tcp.h). */
         KVF_RT_DATA = 48,
 };
 
@@ -92,6 +92,11 @@ struct kvf_record {
         uint8_t nonce[32], proof[32];
         uint64_t lay_layers, lay_extra, lay_blocks, lay_heads, lay_bsize, lay_hdim, lay_dtype,
                 lay_keyonly;
+        /* welcome of an rdma data connection (omitted when zero): the decode connector's
+         * rdma_cm port, its region for this peer (address, length, remote key), and the
+         * ticket the peer's rdma_cm connect must carry (binds it to this handshake) */
+        uint64_t rdma_port, rdma_addr, rdma_len, rdma_rkey;
+        uint8_t rdma_ticket[32];
         uint64_t layer;
         uint64_t layer_count; /* write batch: layers [layer, layer + layer_count) */
         uint64_t blocks;

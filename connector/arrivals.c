@@ -24,10 +24,11 @@
 #include "atomics.h"
 #include "clock.h"
 #include "connector.h"
-#include "data.h"
 #include "err.h"
+#include "landing.h"
 #include "layout.h"
 #include "log.h"
+#include "transport.h"
 
 #define JEMPTY UINT32_MAX
 
@@ -209,7 +210,7 @@ static int publish_locked(struct connector *cn, const struct kvf_record *n, uint
 /*
  * A notice from a prefill instance (decode side): publish the arrival once and
  * acknowledge with its status. The transfer is bound to the decode engine
- * session that reserved its blocks (ipc: the one the sender saw; tcp: the one
+ * session that reserved its blocks (ipc: the one the sender saw; network: the one
  * live when the transfer opened here); if that session is over, the blocks
  * may be another request's now, so the arrival says "engine gone" and goes to
  * that ended session, never to a later one.
@@ -217,11 +218,13 @@ static int publish_locked(struct connector *cn, const struct kvf_record *n, uint
 int conn_arrival_notice(struct connector *cn, struct event *ev)
 {
         struct kvf_record *n = &ev->rec;
-        bool tcp = n->transport != KVF_TRANSPORT_IPC;
+        /* A network transfer (not ipc, which the sender copied itself): its data lands
+         * through a transport, and the arrival waits for it (landing.c). */
+        bool net = conn_transport_of(n->transport) != NULL;
         char reason[KVF_REASON_MAX], gone[KVF_REASON_MAX];
         /* The session the sender bound it to (the task's, or the last it heard of from us),
-         * else (tcp) the one live when it first reached us. */
-        uint64_t bound = n->session || !tcp ? n->session : data_rx_session(cn, n->peer, ev->src_gen, n->key);
+         * else (a network transfer) the one live when it first reached us. */
+        uint64_t bound = n->session || !net ? n->session : conn_landing_session(cn, n->peer, ev->src_gen, n->key);
         uint64_t live = conn_engine_session(cn);
         int status = n->status;
         const char *why = NULL;
@@ -233,13 +236,24 @@ int conn_arrival_notice(struct connector *cn, struct event *ev)
                 status = KVF_STATUS_ENGINE_GONE;
                 why = gone;
         }
-        /* An aborted (or withdrawn) tcp transfer: fence off its late frames before the
+        /* An aborted (or withdrawn) network transfer: fence off its late frames before the
          * engine hears of it, so blocks it frees on the error arrival stay untouched. */
-        if (tcp && status != KVF_STATUS_FINISHED)
-                data_rx_close(cn, n->peer, ev->src_gen, n->key);
-        if (tcp && status == KVF_STATUS_FINISHED && !conn_arrival_published(cn, n, ev->src_gen) &&
-            !data_rx_notice(cn, n, ev->src_gen, ev->session))
+        if (net && status != KVF_STATUS_FINISHED)
+                conn_landing_close(cn, n->peer, ev->src_gen, n->key);
+        int landed = KVF_STATUS_FINISHED;
+        if (net && status == KVF_STATUS_FINISHED && !conn_arrival_published(cn, n, ev->src_gen) &&
+            !conn_landing_notice(cn, n, ev->src_gen, ev->session, &landed, gone, sizeof(gone)))
                 return 0; /* the data is not all in: the arrival waits for it */
+        if (landed != KVF_STATUS_FINISHED) {
+                /* Its transport says a write failed after the notice went out (rdma): the
+                 * arrival says so, and the notice is answered with it. */
+                if (!gone[0])
+                        snprintf(gone, sizeof(gone), "the prefill side's %s writes of this request failed",
+                                 kvf_transport_name(n->transport));
+                status = landed;
+                why = gone;
+                conn_landing_close(cn, n->peer, ev->src_gen, n->key);
+        }
         int st = conn_publish_arrival(cn, n, ev->src_gen, status, why, bound, reason, sizeof(reason));
         if (st == -EAGAIN)
                 return -EAGAIN;
@@ -258,16 +272,16 @@ int conn_arrival_notice(struct connector *cn, struct event *ev)
                          n->peer, kvf_status_name(ack.status));
         /* If the session is gone the prefill side re-sends; the journal de-duplicates. */
         conn_session_send(cn, ev->session, &ack);
-        if (tcp && status == KVF_STATUS_FINISHED)
-                data_rx_close(cn, n->peer, ev->src_gen, n->key); /* aborts: above */
+        if (net && status == KVF_STATUS_FINISHED)
+                conn_landing_close(cn, n->peer, ev->src_gen, n->key); /* aborts: above */
         return 0;
 }
 
 int conn_arrival_data_done(struct connector *cn, struct event *ev)
 {
-        /* The last block of a tcp transfer is in: publish if its notice waits. */
+        /* The last block of a network transfer is in: publish if its notice waits. */
         struct event n = {.kind = EV_NOTICE, .src_gen = ev->src_gen};
-        if (!data_rx_take_ready(cn, ev->rec.peer, ev->src_gen, ev->rec.key, &n.rec, &n.session))
+        if (!conn_landing_take_ready(cn, ev->rec.peer, ev->src_gen, ev->rec.key, &n.rec, &n.session))
                 return 0;
         int rc = conn_arrival_notice(cn, &n);
         if (rc == -EAGAIN) {
@@ -312,7 +326,7 @@ void conn_engine_check(struct connector *cn)
                 kvf_info("decode engine session %llu ended%s", (unsigned long long)cn->eng_seen,
                          live ? "; a new one attached" : "");
         cn->eng_seen = live;
-        data_rx_end_sessions(cn, live);
+        conn_landing_end_sessions(cn, live);
         /* Tell the prefill instances connected to us: tasks they accept from now on are bound
          * to the new session (a pong is what the sender side reads it from, ack or not). */
         struct kvf_record pong = {.type = KVF_RT_PONG, .session = live};

@@ -7,10 +7,12 @@
  *              what a full ring refused, heartbeats;
  *   listener - accepts connections and starts a session thread for each;
  *   session  - one per incoming connection: handshake as server, then reads
- *              notices and pings (control) or block frames (data, data_rx.c);
+ *              notices and pings (control) or a transport's data connection
+ *              (tcp_rx.c: block frames);
  *   peer     - one per outgoing peer: connects, handshakes as client, sends
  *              finish notices, matches acknowledgements, pings, reconnects;
- *   data     - per outgoing peer, --streams of them: tcp block frames (data_tx.c).
+ *   data     - per outgoing peer and transport: the transport's data path
+ *              (transport.h; tcp: --streams threads with io_uring, tcp_tx.c).
  * The two outbound rings (connector->engine, connector->sender) are written
  * by whichever thread has something to say, each under its in-process
  * producer mutex (conn_dispatch); what a full ring refuses goes to the
@@ -28,7 +30,13 @@
 #include "cache.h"
 #include "ctl.h"
 #include "net.h"
+#include "rdma_config.h"
 #include "records.h"
+#include "tcp_config.h"
+
+#define CONN_MAX_TRANSPORTS 4u /* transports in one build (transport.c) */
+
+struct xfer_peer;
 
 struct conn_config {
         char listen_host[64];
@@ -38,9 +46,9 @@ struct conn_config {
         unsigned connect_timeout_ms; /* also bounds each handshake step */
         unsigned keepalive_ms;
         unsigned peer_timeout_ms; /* silence (or unreachability) after which a peer is dead */
-        unsigned streams;         /* data connections per peer (tcp transport) */
         unsigned peer_idle_ms;    /* a peer without work this long is retired (thread, sockets) */
-        bool zerocopy;            /* send data frames with MSG_ZEROCOPY (io_uring send_zc) */
+        struct conn_tcp_config tcp;   /* the tcp transport's */
+        struct conn_rdma_config rdma; /* the rdma transport's */
 };
 
 enum ev_kind {
@@ -48,7 +56,7 @@ enum ev_kind {
         EV_RESULT,      /* a peer resolved a notice: write result for the sender */
         EV_CONNECT,     /* a peer answers a connect task */
         EV_PEER_STATE,  /* a peer went up or down */
-        EV_DATA_DONE,   /* every block of a tcp transfer has been received (decode side) */
+        EV_DATA_DONE,   /* every block of a network transfer has landed (decode side) */
 };
 
 struct event {
@@ -104,7 +112,8 @@ struct peer {
         uint64_t remote_session; /* the decode engine session the peer last told us of (peer thread) */
         bool up;
         bool stop; /* atomic (kvf_store_release / kvf_load_acquire): the peer thread is to end */
-        struct peer_data *data; /* tcp data path (data_tx.c), created on first use */
+        /* per transport (transport.h: conn_transports[]), created on first use; set under mu */
+        struct xfer_peer *xfers[CONN_MAX_TRANSPORTS];
         /* control thread only: retirement (peer.c conn_peers_tick) */
         uint64_t idle_since; /* no work since then, 0 = busy */
         struct peer *next_retired;
@@ -124,12 +133,12 @@ struct session {
 #define MAX_PEERS 256u
 
 struct rx_xfer;
-#define RX_BUCKETS 1024u /* data_rx's transfer table, hashed by (peer, key) */
+#define RX_BUCKETS 1024u /* landing.c's transfer table, hashed by (peer, key) */
 
 struct connector {
         struct kvf_ctl ctl;
-        struct kvf_cache cache; /* own cache: read by data_tx, written by data_rx */
-        pthread_mutex_t rxmu; /* data_rx's table */
+        struct kvf_cache cache; /* own cache: sent from (prefill), landed into (decode) */
+        pthread_mutex_t rxmu; /* landing.c's table */
         struct rx_xfer *rx[RX_BUCKETS];
         uint64_t gen;
         struct conn_config cfg;
@@ -162,6 +171,7 @@ struct connector {
 
         struct event *deferred, *deferred_tail; /* events waiting for ring space */
         uint32_t tx_blocked;       /* a write batch waits for room in a peer's send queue */
+        void *transport[CONN_MAX_TRANSPORTS]; /* each transport's own state (its init) */
         pthread_mutex_t engine_mu; /* producer side of connector->engine, and the journal */
         pthread_mutex_t sender_mu; /* producer side of connector->sender */
 };
@@ -204,11 +214,14 @@ struct peer_identity {
         struct kvf_cache_layout layout;
         uint64_t created_ns;
 };
-/* purpose: "control" (notices, acks, pings) or "data" (tcp block frames). */
+/* purpose: "control" (notices, acks, pings) or a transport's data connection (its purpose,
+ * transport.h). welcome (may be NULL) receives the server's WELCOME, whose fields a transport
+ * may read; release it with kvf_record_free. */
 int conn_handshake_client(struct connector *cn, int fd, const char *purpose,
-                          struct peer_identity *out, int *status);
+                          struct peer_identity *out, struct kvf_record *welcome, int *status);
+/* *tstate: what the transport of a data connection made for it in the handshake (or NULL). */
 int conn_handshake_server(struct connector *cn, int fd, struct peer_identity *out, char *purpose,
-                          size_t purposelen);
+                          size_t purposelen, void **tstate);
 int conn_send_record(int fd, const struct kvf_record *r, unsigned timeout_ms);
 
 /* peer.c */
@@ -241,7 +254,7 @@ void conn_sessions_send_all(struct connector *cn, const struct kvf_record *r);
 void conn_journal_init(struct connector *cn);
 /* A notice (EV_NOTICE): publish its arrival once and acknowledge it; -EAGAIN when the ring is full. */
 int conn_arrival_notice(struct connector *cn, struct event *ev);
-/* Every block of a tcp transfer is in (EV_DATA_DONE): publish if its notice waits. */
+/* Every block of a network transfer is in (EV_DATA_DONE): publish if its notice waits. */
 int conn_arrival_data_done(struct connector *cn, struct event *ev);
 /* Control thread: notice a decode engine session that ended or began. */
 void conn_engine_check(struct connector *cn);

@@ -1,7 +1,7 @@
 /*
  * The connector's events: what its threads learn and the rings must hear
  * (write results, peer states and connect results on the prefill side;
- * notices and completed tcp transfers on the decode side, arrivals.c).
+ * notices and completed network transfers on the decode side, arrivals.c).
  *
  * Any thread hands an event to conn_dispatch(), which writes it at once
  * under the ring's in-process producer mutex, or queues it for the control

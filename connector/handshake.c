@@ -14,6 +14,7 @@
 #include "err.h"
 #include "layout.h"
 #include "log.h"
+#include "transport.h"
 
 #define PROTO_VERSION 1u
 
@@ -104,7 +105,7 @@ static void refuse(int fd, int status, const char *reason, unsigned timeout_ms)
 }
 
 int conn_handshake_client(struct connector *cn, int fd, const char *purpose,
-                          struct peer_identity *out, int *status)
+                          struct peer_identity *out, struct kvf_record *welcome, int *status)
 {
         const struct kvf_ctl_header *h = cn->ctl.hdr;
         unsigned to = cn->cfg.connect_timeout_ms;
@@ -138,6 +139,8 @@ int conn_handshake_client(struct connector *cn, int fd, const char *purpose,
                 return kvf_err_ctx(rc, "handshake");
         if ((rc = recv_record(fd, KVF_RT_WELCOME, &r, to, status)) < 0)
                 return kvf_err_ctx(rc, "handshake");
+        if (welcome)
+                *welcome = r; /* (no arrays in a welcome: nothing to free) */
         snprintf(out->instance, sizeof(out->instance), "%s", r.instance);
         out->created_ns = r.generation;
         /* Only an instance that receives may be written into (the server refuses
@@ -160,7 +163,7 @@ int conn_handshake_client(struct connector *cn, int fd, const char *purpose,
 }
 
 int conn_handshake_server(struct connector *cn, int fd, struct peer_identity *out, char *purpose,
-                          size_t purposelen)
+                          size_t purposelen, void **tstate)
 {
         const struct kvf_ctl_header *h = cn->ctl.hdr;
         unsigned to = cn->cfg.connect_timeout_ms;
@@ -177,7 +180,9 @@ int conn_handshake_server(struct connector *cn, int fd, struct peer_identity *ou
                 refuse(fd, KVF_STATUS_CONNECTION, reason, to);
                 return kvf_err_set(-EPROTO, "handshake: %s", reason);
         }
-        if (strcmp(r.purpose, "control") && strcmp(r.purpose, "data")) {
+        *tstate = NULL;
+        const struct conn_transport *t = conn_transport_by_purpose(r.purpose);
+        if (strcmp(r.purpose, "control") && !t) {
                 refuse(fd, KVF_STATUS_CONNECTION, "unknown connection purpose", to);
                 return kvf_err_set(-EPROTO, "handshake: unknown connection purpose '%s'", r.purpose);
         }
@@ -222,7 +227,17 @@ int conn_handshake_server(struct connector *cn, int fd, struct peer_identity *ou
                 return kvf_err_set(-EXDEV, "handshake with '%s': %s", out->instance, reason);
         }
         identity_rec(&r, KVF_RT_WELCOME, h);
-        if ((rc = conn_send_record(fd, &r, to)) < 0)
+        /* The transport's own fields (rdma: where its writes go, and the key). */
+        if (t && t->welcome && (rc = t->welcome(cn, out, &r, tstate)) < 0) {
+                snprintf(reason, sizeof(reason), "%s", kvf_err_msg());
+                refuse(fd, KVF_STATUS_CONNECTION, reason, to);
+                return kvf_err_set(rc, "handshake with '%s': %s", out->instance, reason);
+        }
+        if ((rc = conn_send_record(fd, &r, to)) < 0) {
+                if (*tstate && t->welcome_undo)
+                        t->welcome_undo(cn, *tstate);
+                *tstate = NULL;
                 return kvf_err_ctx(rc, "handshake");
+        }
         return 0;
 }

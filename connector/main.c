@@ -12,12 +12,14 @@
 #include "atomics.h"
 #include "clock.h"
 #include "connector.h"
-#include "data.h"
 #include "doorbell.h"
 #include "err.h"
 #include "kvferry.h"
 #include "log.h"
 #include "opts.h"
+#include "landing.h"
+#include "transport.h"
+#include "xfer.h"
 
 static const char *prog = "kvf-connector";
 static int stop; /* set by a signal (kvf_opt_signals): read with kvf_load_relaxed */
@@ -36,6 +38,11 @@ static void usage(void)
                "  --streams N              tcp data connections per peer (default 2)\n"
                "  --peer-idle-ms N         close a peer without work for this long (default 60000)\n"
                "  --zerocopy               send data frames with zero-copy sends (io_uring send_zc)\n"
+               "  --rdma-device NAME       the rdma device (its interface's address); default: the device\n"
+               "                           of the listen address (decode), of the route (prefill)\n"
+               "  --rdma-sq-depth N        rdma work requests outstanding per peer (default 256)\n"
+               "  --rdma-signal-every N    one rdma work request signalled in N (default 32)\n"
+               "  --rdma-test-dereg        tests only: SIGUSR2 deregisters every peer's rdma region\n"
                "  --help, --version\n",
                prog);
 }
@@ -61,8 +68,19 @@ static void on_finish(struct connector *cn, struct kvf_record *f)
         }
         /* An abort: stop sending the transfer's blocks now (the notice fences off, on
          * the decode side, those already in flight). */
-        if (aborting && f->transport != KVF_TRANSPORT_IPC)
-                data_tx_forget(p, f->key);
+        if (aborting && conn_transport_of(f->transport))
+                conn_xfer_forget(p, f->key);
+        if (!aborting && !f->withdraw && conn_transport_of(f->transport)) {
+                /* Its fate is the notice's from now on; unless this connector failed it
+                 * already (its data path, the peer timeout) and told the sender so before
+                 * this notice was read: then the peer hears of that failure instead, as an
+                 * abort, and publishes the same status. */
+                int st = conn_xfer_noticed(p, f->key, w.reason, sizeof(w.reason));
+                if (st != KVF_STATUS_FINISHED) {
+                        w.status = st;
+                        aborting = true;
+                }
+        }
         /* On the wire the notice names its source, not its destination. */
         w.type = KVF_RT_NOTICE;
         snprintf(w.peer, sizeof(w.peer), "%s", cn->ctl.hdr->instance);
@@ -84,8 +102,6 @@ static void on_finish(struct connector *cn, struct kvf_record *f)
         if (f->withdraw) {
                 conn_peer_withdraw(p, n);
         } else {
-                if (!aborting && f->transport != KVF_TRANSPORT_IPC)
-                        data_tx_noticed(p, f->key); /* its fate is the notice's from now on */
                 conn_peer_enqueue(p, n);
         }
 }
@@ -111,12 +127,12 @@ static int on_sender_record(void *ctx, uint16_t type, const uint8_t *pl, uint32_
                 break;
         case KVF_RT_OPEN: {
                 char why[KVF_REASON_MAX];
-                if (data_tx_open(cn, &r, why, sizeof(why)) < 0)
+                if (conn_xfer_open(cn, &r, why, sizeof(why)) < 0)
                         conn_write_result(cn, r.key, r.request_id, KVF_STATUS_CONNECTION, why, false);
                 break;
         }
         case KVF_RT_WRITE_BATCH:
-                rc = data_tx_batch(cn, &r);
+                rc = conn_xfer_batch(cn, &r);
                 if (rc == -EAGAIN) {
                         /* back-pressure: leave it in the ring until the queue drains */
                         kvf_store_release(&cn->tx_blocked, 1);
@@ -229,7 +245,7 @@ static void control_loop(struct connector *cn)
                         conn_peers_tick(cn, now);
                         kvf_log_flush(); /* suppressed lines of every thread, once their window is over */
                         /* A transfer whose sender went silent for a long while is not coming. */
-                        data_rx_expire(cn, 300ull * 1000000000ull, 120ull * 1000000000ull);
+                        conn_landing_expire(cn, 300ull * 1000000000ull, 120ull * 1000000000ull);
                         next = now + beat;
                 }
                 if (worked && !cn->deferred && !kvf_load_acquire(&cn->tx_blocked))
@@ -240,7 +256,7 @@ static void control_loop(struct connector *cn)
         }
 }
 
-/* The tcp data path reads (prefill) and writes (decode) the instance's own cache. A cache
+/* The transports read (prefill) and write (decode) the instance's own cache. A cache
  * this connector cannot map is a failure at start, never a connector without a cache. */
 static int map_cache(struct connector *cn)
 {
@@ -249,7 +265,8 @@ static int map_cache(struct connector *cn)
 
 int main(int argc, char **argv)
 {
-        enum { O_LISTEN = 1000, O_TOKEN, O_CTO, O_KEEP, O_PTO, O_STREAMS, O_ZC, O_VERSION, O_IDLE };
+        enum { O_LISTEN = 1000, O_TOKEN, O_CTO, O_KEEP, O_PTO, O_STREAMS, O_ZC, O_VERSION, O_IDLE,
+               O_RDEV, O_RSQ, O_RSIG, O_RDEREG };
         static const struct option opts[] = {{"instance", required_argument, 0, 'i'},
                                              {"listen", required_argument, 0, O_LISTEN},
                                              {"token-file", required_argument, 0, O_TOKEN},
@@ -259,6 +276,10 @@ int main(int argc, char **argv)
                                              {"streams", required_argument, 0, O_STREAMS},
                                              {"peer-idle-ms", required_argument, 0, O_IDLE},
                                              {"zerocopy", no_argument, 0, O_ZC},
+                                             {"rdma-device", required_argument, 0, O_RDEV},
+                                             {"rdma-sq-depth", required_argument, 0, O_RSQ},
+                                             {"rdma-signal-every", required_argument, 0, O_RSIG},
+                                             {"rdma-test-dereg", no_argument, 0, O_RDEREG},
                                              {"help", no_argument, 0, 'h'},
                                              {"version", no_argument, 0, O_VERSION},
                                              {0, 0, 0, 0}};
@@ -271,8 +292,10 @@ int main(int argc, char **argv)
         cn.cfg.connect_timeout_ms = 2000;
         cn.cfg.keepalive_ms = 500;
         cn.cfg.peer_timeout_ms = 5000;
-        cn.cfg.streams = 2;
+        cn.cfg.tcp.streams = 2;
         cn.cfg.peer_idle_ms = 60000;
+        cn.cfg.rdma.sq_depth = 256;
+        cn.cfg.rdma.signal_every = 32;
         while ((c = getopt_long(argc, argv, "i:h", opts, NULL)) != -1) {
                 switch (c) {
                 case 'i': instance = optarg; break;
@@ -281,8 +304,16 @@ int main(int argc, char **argv)
                 case O_CTO: cn.cfg.connect_timeout_ms = (unsigned)kvf_opt_u64("connect-timeout-ms", optarg, 1, 600000); break;
                 case O_KEEP: cn.cfg.keepalive_ms = (unsigned)kvf_opt_u64("keepalive-ms", optarg, 1, 600000); break;
                 case O_PTO: cn.cfg.peer_timeout_ms = (unsigned)kvf_opt_u64("peer-timeout-ms", optarg, 10, 3600000); break;
-                case O_STREAMS: cn.cfg.streams = (unsigned)kvf_opt_u64("streams", optarg, 1, 16); break;
-                case O_ZC: cn.cfg.zerocopy = true; break;
+                case O_STREAMS: cn.cfg.tcp.streams = (unsigned)kvf_opt_u64("streams", optarg, 1, 16); break;
+                case O_ZC: cn.cfg.tcp.zerocopy = true; break;
+                case O_RDEV:
+                        if (strlen(optarg) >= sizeof(cn.cfg.rdma.device))
+                                kvf_opt_die(prog, "--rdma-device: name too long");
+                        snprintf(cn.cfg.rdma.device, sizeof(cn.cfg.rdma.device), "%s", optarg);
+                        break;
+                case O_RSQ: cn.cfg.rdma.sq_depth = (unsigned)kvf_opt_u64("rdma-sq-depth", optarg, 2, 65536); break;
+                case O_RSIG: cn.cfg.rdma.signal_every = (unsigned)kvf_opt_u64("rdma-signal-every", optarg, 1, 65536); break;
+                case O_RDEREG: cn.cfg.rdma.test_dereg = true; break;
                 case O_IDLE: cn.cfg.peer_idle_ms = (unsigned)kvf_opt_u64("peer-idle-ms", optarg, 100, 86400000); break;
                 case 'h': usage(); return 0;
                 case O_VERSION: printf("%s %s\n", prog, KVFERRY_VERSION); return 0;
@@ -319,6 +350,11 @@ int main(int argc, char **argv)
         }
         cn.gen = (uint64_t)gen;
         conn_journal_init(&cn);
+        if (conn_transports_init(&cn) < 0) {
+                kvf_error("%s", kvf_err_msg());
+                kvf_role_end(&cn.ctl, KVF_ROLE_CONNECTOR);
+                return 1;
+        }
         uint16_t port;
         cn.listen_fd = kvf_net_listen(cn.cfg.listen_host, cn.cfg.listen_port, 128, &port);
         if (cn.listen_fd < 0) {
@@ -344,6 +380,7 @@ int main(int argc, char **argv)
         kvf_store_release(&cn.stop, 1);
         pthread_join(listener, NULL);
         conn_peers_stop(&cn);
+        conn_transports_fini(&cn);
         close(cn.listen_fd);
         kvf_net_close_unix(&ul);
         kvf_role_end(&cn.ctl, KVF_ROLE_CONNECTOR);

@@ -31,9 +31,9 @@
 
 #include "clock.h"
 #include "connector.h"
-#include "data.h"
 #include "err.h"
 #include "log.h"
+#include "xfer.h"
 
 static void post_result(struct connector *cn, const struct notice *n, int status, const char *reason)
 {
@@ -76,7 +76,7 @@ static void free_notice(struct notice *n)
  * Fail queued notices: all of them, or (older_than != 0) those waiting longer
  * than that. Notices in doubt (sent before) stay, unless the failure is
  * permanent (the peer refuses us now: whatever it published before, it will
- * never answer). A failed finish notice takes its tcp transfer with it.
+ * never answer). A failed finish notice takes its network transfer with it.
  */
 static void fail_queued(struct peer *p, int status, const char *reason, uint64_t older_than,
                         bool permanent)
@@ -105,7 +105,7 @@ static void fail_queued(struct peer *p, int status, const char *reason, uint64_t
         }
         pthread_mutex_unlock(&p->mu);
         for (unsigned i = 0; i < nforget; i++)
-                data_tx_forget(p, forget[i]);
+                conn_xfer_forget(p, forget[i]);
 }
 
 static bool has_work(struct peer *p)
@@ -113,7 +113,7 @@ static bool has_work(struct peer *p)
         pthread_mutex_lock(&p->mu);
         bool w = p->queue || p->inflight || p->nconnect;
         pthread_mutex_unlock(&p->mu);
-        return w || data_tx_busy(p);
+        return w || conn_xfer_busy(p);
 }
 
 static void drain_wake(struct peer *p)
@@ -210,7 +210,7 @@ static void on_reply(struct peer *p, uint16_t type, const uint8_t *pl, uint32_t 
         }
         /* The peer's decode engine session: the sender binds new tasks to it. */
         if (ack.session != p->remote_session) {
-                p->remote_session = ack.session;
+                kvf_store_relaxed(&p->remote_session, ack.session); /* (read by data paths) */
                 post_state(p, true, NULL);
         }
         if (type == KVF_RT_ACK) {
@@ -232,7 +232,7 @@ static void on_reply(struct peer *p, uint16_t type, const uint8_t *pl, uint32_t 
                         free_notice(n);
                 }
                 /* Acknowledged (or refused): the transfer's frames are no longer needed. */
-                data_tx_forget(p, ack.key);
+                conn_xfer_forget(p, ack.key);
         }
         kvf_record_free(&ack);
 }
@@ -398,7 +398,7 @@ static void *peer_main(void *arg)
                 }
                 struct peer_identity id;
                 if (rc >= 0) {
-                        rc = conn_handshake_client(cn, fd, "control", &id, &status);
+                        rc = conn_handshake_client(cn, fd, "control", &id, NULL, &status);
                         if (rc < 0)
                                 kvf_err_ctx(rc, "peer '%s' at %s:%u", p->name, host, port);
                 }
@@ -415,7 +415,7 @@ static void *peer_main(void *arg)
                         p->failures++;
                         pthread_mutex_unlock(&p->mu);
                         fail_queued(p, status, why, permanent ? 0 : dead, permanent);
-                        data_tx_fail(p, status, why, permanent ? 0 : dead);
+                        conn_xfer_fail(p, status, why, permanent ? 0 : dead);
                         kvf_errlog(&cn->ctl, KVF_ROLE_CONNECTOR, "peer %s: %s", p->name, why);
                         struct pollfd pf = {.fd = p->wake_fd, .events = POLLIN};
                         poll(&pf, 1, (int)backoff_ms);
@@ -438,7 +438,7 @@ static void *peer_main(void *arg)
                 pthread_mutex_unlock(&p->mu);
                 post_state(p, true, NULL);
                 answer_connects(p, KVF_STATUS_FINISHED, NULL);
-                data_tx_start(p);
+                conn_xfer_start(p);
                 rc = serve(p, fd, why, sizeof(why));
                 close(fd);
                 pthread_mutex_lock(&p->mu);
@@ -452,7 +452,7 @@ static void *peer_main(void *arg)
         /* Retired (no work by definition) or the connector is stopping: a successor
          * connector gets everything unacknowledged again from the sender. */
         fail_queued(p, KVF_STATUS_CONNECTION, "the connector is stopping", 0, false);
-        data_tx_stop(p);
+        conn_xfer_stop(p);
         kvf_store_release(&p->exited, 1);
         return NULL;
 }
@@ -508,7 +508,7 @@ static bool make_room(struct connector *cn)
                         continue;
                 fail_queued(q, KVF_STATUS_CONNECTION,
                             "unreachable, and its place in the full peer table went to another peer", 0, true);
-                data_tx_fail(q, KVF_STATUS_CONNECTION,
+                conn_xfer_fail(q, KVF_STATUS_CONNECTION,
                              "unreachable, and its place in the full peer table went to another peer", 0);
                 answer_connects(q, KVF_STATUS_CONNECTION, "unreachable; retired to make room for another peer");
                 retire(cn, i, "the peer table is full and it cannot be reached");
@@ -553,7 +553,7 @@ struct peer *conn_peer_get(struct connector *cn, const char *name, char *why, si
 
 static void free_peer(struct peer *p)
 {
-        data_tx_free(p);
+        conn_xfer_free(p);
         while (p->queue) {
                 struct notice *n = p->queue;
                 p->queue = n->next;
@@ -773,7 +773,7 @@ void conn_peer_withdraw(struct peer *p, struct notice *n)
         if (dropped) {
                 conn_write_result(p->cn, n->key, n->request_id, KVF_STATUS_TIMEOUT,
                                   "timed out: the finish notice never reached the peer (withdrawn)", false);
-                data_tx_forget(p, n->key);
+                conn_xfer_forget(p, n->key);
                 free_notice(n);
                 return;
         }

@@ -1,7 +1,7 @@
 /*
  * Incoming connections: the listener, and a session thread per connection
  * (server side of the handshake, then notices and pings on a control
- * connection, or a tcp receiver on a data connection). Notices go to
+ * connection, or a transport's data path on a data connection). Notices go to
  * arrivals.c through the event dispatch.
  */
 #include <errno.h>
@@ -15,11 +15,10 @@
 #include "atomics.h"
 #include "clock.h"
 #include "connector.h"
-#include "data.h"
 #include "err.h"
 #include "layout.h"
 #include "log.h"
-
+#include "transport.h"
 
 /* ---- sessions ---- */
 
@@ -95,15 +94,18 @@ static void *session_main(void *arg)
                 goto out_free;
         }
         char purpose[16];
-        if (conn_handshake_server(cn, s->fd, &id, purpose, sizeof(purpose)) < 0) {
+        void *tstate = NULL;
+        if (conn_handshake_server(cn, s->fd, &id, purpose, sizeof(purpose), &tstate) < 0) {
                 kvf_errlog(&cn->ctl, KVF_ROLE_CONNECTOR, "connection from %s refused: %s", s->remote,
                            kvf_err_msg());
                 goto out_free;
         }
         snprintf(s->instance, sizeof(s->instance), "%s", id.instance);
         s->peer_gen = id.created_ns;
-        if (!strcmp(purpose, "data")) {
-                data_rx_serve(cn, s->fd, s->instance, s->peer_gen, s->remote);
+        const struct conn_transport *t = conn_transport_by_purpose(purpose);
+        if (t) {
+                /* A data connection of transport t. */
+                t->serve(cn, s->fd, &id, s->remote, tstate);
                 goto out_free;
         }
         kvf_info("peer instance '%s' connected from %s", s->instance, s->remote);

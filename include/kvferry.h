@@ -60,7 +60,7 @@ int kvf_status_from_name(const char *name);
 enum kvf_transport {
         KVF_TRANSPORT_IPC = 1,  /* peer instance on the same host: the sender copies */
         KVF_TRANSPORT_TCP = 2,  /* the connectors stream frames over TCP */
-        KVF_TRANSPORT_RDMA = 3, /* reserved */
+        KVF_TRANSPORT_RDMA = 3, /* the connectors write with RDMA (RC, one-sided writes) */
 };
 
 struct kvf_layout_info {

@@ -355,9 +355,10 @@ static int validate_task(struct sender *s, struct kvf_record *t, uint32_t *pidx,
                 return verdict(why, whylen, KVF_STATUS_BAD_TASK,
                               "instance '%s' is a decode instance: it receives, it does not send",
                               h->instance);
-        if (t->transport != KVF_TRANSPORT_IPC && t->transport != KVF_TRANSPORT_TCP)
+        if (t->transport != KVF_TRANSPORT_IPC && t->transport != KVF_TRANSPORT_TCP &&
+            t->transport != KVF_TRANSPORT_RDMA)
                 return verdict(why, whylen, KVF_STATUS_BAD_TASK,
-                              "transfer_protocol '%s' is not supported by this build (ipc and tcp are)",
+                              "transfer_protocol '%s' is not one of ipc, tcp and rdma",
                               kvf_transport_name(t->transport));
         if (t->n_src == 0)
                 return verdict(why, whylen, KVF_STATUS_BAD_TASK, "src_block_ids is empty");
@@ -409,7 +410,8 @@ static int validate_task(struct sender *s, struct kvf_record *t, uint32_t *pidx,
                                               "dest_block_ids[%u] = %u is out of range: peer '%s' has %u blocks",
                                               i, t->dst[i], t->peer, peer_blocks);
         }
-        /* tcp: the connector checks the peer (reachable, token, layout, block ids). */
+        /* tcp, rdma: the connector checks the peer (reachable, token, layout, block ids), and
+         * fails the request with the reason when its build has no such transport. */
         return KVF_STATUS_FINISHED;
 }
 

@@ -260,8 +260,10 @@ int main(void)
         bad("ipc peer at another host's address", "m15b", KVF_STATUS_UNKNOWN_PEER,
             "192.0.2.1 is not an address of this host", "m15b", s3, 3, d3, 3, "ipc", "192.0.2.1:7000",
             false);
-        bad("rdma transport", "m16", KVF_STATUS_BAD_TASK, "'rdma' is not supported by this build", "m16",
-            s3, 3, d3, 3, "rdma", D, false);
+        /* rdma is the connector's to refuse: this decode instance listens on loopback, where
+         * no rdma device is (or this build has no rdma at all). */
+        bad("rdma to a peer without rdma", "m16", KVF_STATUS_CONNECTION, "rdma", "m16", s3, 3, d3, 3, "rdma",
+            D, false);
         /* Only an instance that receives may be written into (issue 9 item 2). */
         bad("peer is a prefill instance (ipc)", "m17", KVF_STATUS_PEER_ROLE, "is a prefill instance", "m17",
             s3, 3, d3, 3, "ipc", P2, false);

@@ -118,7 +118,7 @@ static void xopen(int fd, uint64_t key, const uint32_t *dst, uint32_t n)
 static void data(int fd, uint64_t key, uint32_t layer, uint16_t tensor, uint32_t index, uint32_t nblocks,
                  uint32_t declared, uint32_t payload, uint8_t fillb)
 {
-        /* The data header packed by hand: the test checks the wire format, not data.h's struct. */
+        /* The data header packed by hand: the test checks the wire format, not tcp.h's struct. */
         uint8_t hb[KVF_FRAME_HDR + 24];
         uint16_t z = 0;
         kvf_net_put_hdr(hb, declared, KVF_RT_DATA, 0);

@@ -53,6 +53,11 @@
         NUM(lay_hdim)                                                                              \
         NUM(lay_dtype)                                                                             \
         NUM(lay_keyonly)                                                                           \
+        NUM(rdma_port)                                                                             \
+        NUM(rdma_addr)                                                                             \
+        NUM(rdma_len)                                                                              \
+        NUM(rdma_rkey)                                                                             \
+        BIN(rdma_ticket)                                                                           \
         IDS(src, n_src, "src_block_ids")                                                           \
         IDS(dst, n_dst, "dest_block_ids")                                                          \
         IDS(runs, n_runs, "runs")

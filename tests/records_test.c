@@ -225,7 +225,7 @@ static void test_wire_round_trips(void)
 {
         const char *const layout_keys =
                 "layers,extra_layers,num_blocks,kv_heads,block_size,head_dim,dtype,key_only";
-        char keys[256];
+        char keys[512];
 
         {
                 struct kvf_record r = {.type = KVF_RT_HELLO, .proto = UINT64_MAX};
@@ -254,6 +254,19 @@ static void test_wire_round_trips(void)
                 snprintf(keys, sizeof(keys), "%sinstance,role,generation,boot_id,%s",
                          welcome ? "" : "proof,", layout_keys);
                 round_trip(welcome ? "welcome" : "auth", &r, keys);
+                if (!welcome)
+                        continue;
+                /* An rdma data connection's welcome: the region and its key, the ticket. */
+                r.rdma_port = 65535;
+                r.rdma_addr = 0x7f0012345000ull;
+                r.rdma_len = 1ull << 40;
+                r.rdma_rkey = UINT32_MAX;
+                for (unsigned i = 0; i < sizeof(r.rdma_ticket); i++)
+                        r.rdma_ticket[i] = (uint8_t)(i * 11 + 1);
+                snprintf(keys, sizeof(keys),
+                         "instance,role,generation,boot_id,%s,rdma_port,rdma_addr,rdma_len,rdma_rkey,rdma_ticket",
+                         layout_keys);
+                round_trip("welcome (rdma)", &r, keys);
         }
         for (int st = 0; st < KVF_STATUS_COUNT; st++) {
                 struct kvf_record r = {.type = KVF_RT_REFUSE, .status = st};

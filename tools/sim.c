@@ -73,8 +73,8 @@ static void usage(void)
                "  --prefix-pct P      P%% of requests hit a decode-side prefix (fewer dest blocks) (default 20)\n"
                "  --late-pct P        P%% of tasks arrive after their layers are done (default 10)\n"
                "  --cancel-pct P      P%% of requests are cancelled mid-step (default 0)\n"
-               "  --transport T       ipc or tcp (default ipc)\n"
-               "  --peer-map D=ADDR   name decode instance D in tasks as host:port ADDR (tcp across hosts)\n"
+               "  --transport T       ipc, tcp or rdma (default ipc)\n"
+               "  --peer-map D=ADDR   name decode instance D in tasks as host:port ADDR (tcp, rdma across hosts)\n"
                "  --seed N            (default 1)\n"
                "  --timeout-s N       give up after N seconds without progress (default 60)\n"
                "  --baseline          also time one plain memcpy of the same number of bytes, for the ratio\n"
@@ -158,8 +158,10 @@ static bool parse_opts(int argc, char **argv, struct sim_opts *o)
                                 o->transport = KVF_TRANSPORT_IPC;
                         else if (!strcmp(optarg, "tcp"))
                                 o->transport = KVF_TRANSPORT_TCP;
+                        else if (!strcmp(optarg, "rdma"))
+                                o->transport = KVF_TRANSPORT_RDMA;
                         else
-                                kvf_opt_die(prog, "--transport is ipc or tcp");
+                                kvf_opt_die(prog, "--transport is ipc, tcp or rdma");
                         break;
                 case O_SEED: o->seed = kvf_opt_u64("seed", optarg, 0, UINT64_MAX); break;
                 case O_PEERMAP: peermap = optarg; break;

@@ -1,0 +1,107 @@
+/*
+ * The rdma transport (transfer_protocol "rdma"): librdmacm connection setup,
+ * RC queue pairs, one-sided RDMA WRITEs into the peer's cache.
+ *
+ * Setup. A peer's rdma data path first opens a tcp data connection with
+ * purpose "rdma" and runs the authenticated handshake on it (token, identity,
+ * layout). The decode side answers with the rdma fields of its WELCOME
+ * (records.md): its rdma_cm port, the region this peer may write (its cache,
+ * registered for this connection alone, in a protection domain of its own),
+ * the region's remote key, and a ticket. The prefill side then connects with
+ * rdma_cm (RC) to the address of that tcp connection, carrying the ticket as
+ * private data; the decode side accepts only a connect whose ticket belongs
+ * to a handshake still open. The tcp connection stays open as the rdma
+ * connection's anchor: when either ends, both are torn down and the region is
+ * deregistered.
+ *
+ * Data. Each frame (a run of blocks contiguous on both sides, one layer and
+ * tensor) is one RDMA WRITE work request: local address and key of the
+ * prefill cache's registration, remote address computed with the peer's own
+ * layout. Work requests are posted in chains (one ibv_post_send), never more
+ * outstanding than the send queue's depth, signalled every signal_every-th
+ * and at the end of what there is to post. After a transfer's last write, and
+ * once its finish notice is out, a SEND of 24 bytes {magic, key, session}
+ * follows on the same queue pair: RC executes it after the writes before it,
+ * so its receive completion on the decode side means every byte of the
+ * transfer has landed (landing.c conn_landing_complete). The arrival itself
+ * is still published by the finish notice on the control connection, as for
+ * tcp (outcome agreement, journal): the SEND stands for tcp's full landing
+ * bitmap.
+ *
+ * Completions. A successful signalled completion completes every work request
+ * posted before it. An error completion names one work request: the writes
+ * before it landed, its own transfer ends "write error" with the status, and
+ * the queue pair is dead: everything after it is given back and goes again
+ * on the next connection. Errors that say the peer or the link is gone
+ * (retry exceeded, flushed) fail no transfer: the peer's timeout does, as for
+ * tcp.
+ */
+#ifndef KVF_RDMA_H
+#define KVF_RDMA_H
+
+#include <stdint.h>
+
+#include <infiniband/verbs.h>
+#include <rdma/rdma_cma.h>
+
+#include "transport.h"
+
+#define RDMA_DONE_MAGIC 0x6b766644u /* "kvfD" */
+
+/* The done message, SENT after a transfer's last write (big-endian on the wire). status 0:
+ * every write before it landed; else (a kvf_status) a write of the transfer failed after its
+ * finish notice went out: the decode side answers that notice with this status. */
+struct rdma_done_msg {
+        uint32_t magic;
+        uint16_t status;    /* enum kvf_status */
+        uint16_t wc_status; /* status != 0: the work completion's status (enum ibv_wc_status) */
+        uint64_t key;
+        uint64_t session;
+};
+_Static_assert(sizeof(struct rdma_done_msg) == 24, "rdma done message is a wire format");
+
+#define RDMA_TICKET_LEN 32u
+
+/* rdma_dev.c: what both sides share */
+
+/* The connector's rdma state (cn->transport[i]). */
+struct rdma_state;
+struct rdma_state *rdma_state(struct connector *cn);
+
+/*
+ * The IPv4 address of device `name`'s network interface (port 1), for
+ * rdma_cm to bind to: 0, or -ENODEV with kvf_err set.
+ */
+int rdma_device_addr(const char *name, struct sockaddr_in *out);
+/* The registration of this instance's own cache on `ctx` (prefill side: the source of
+ * writes), made once per device and kept: its lkey in *lkey, its PD in *pd. */
+int rdma_local_mr(struct connector *cn, struct ibv_context *ctx, struct ibv_pd **pd, uint32_t *lkey);
+/* Wait (at most timeout_ms) for the next event on channel ec; it must be `want`. 0 and *ev
+ * (the caller acks it), or -errno with kvf_err set. */
+int rdma_cm_wait(struct rdma_event_channel *ec, enum rdma_cm_event_type want, unsigned timeout_ms,
+                 struct rdma_cm_event **ev);
+/* Short name of a completion status, for reasons. */
+const char *rdma_wc_str(enum ibv_wc_status st);
+/* Does this completion status mean the peer or the link is gone (no request's fault)? */
+int rdma_wc_is_link(enum ibv_wc_status st);
+
+/* rdma_tx.c: prefill side ops */
+int rdma_peer_init(struct xfer_peer *xp);
+void rdma_start(struct xfer_peer *xp);
+void rdma_stop(struct xfer_peer *xp);
+void rdma_peer_free(struct xfer_peer *xp);
+int rdma_xfer_open(struct xfer_peer *xp, struct xfer *x);
+void rdma_xfer_free(struct xfer_peer *xp, struct xfer *x);
+void rdma_noticed(struct xfer_peer *xp, struct xfer *x);
+void rdma_wake(struct xfer_peer *xp);
+
+/* rdma_rx.c: decode side */
+int rdma_rx_init(struct connector *cn, struct rdma_state *st);
+void rdma_rx_fini(struct connector *cn, struct rdma_state *st);
+int rdma_welcome(struct connector *cn, const struct peer_identity *id, struct kvf_record *w,
+                 void **state);
+void rdma_welcome_undo(struct connector *cn, void *state);
+void rdma_serve(struct connector *cn, int fd, const struct peer_identity *id, const char *remote,
+                void *state);
+
+#endif

@@ -1,0 +1,15 @@
+/* The rdma transport's options (kvf-connector --rdma-*): part of conn_config. */
+#ifndef KVF_RDMA_CONFIG_H
+#define KVF_RDMA_CONFIG_H
+
+#include <stdbool.h>
+
+struct conn_rdma_config {
+        char device[64];      /* --rdma-device: use this device (its netdev's address); "" = the
+                               * interface of the listen address (decode) or of the route (prefill) */
+        unsigned sq_depth;    /* --rdma-sq-depth: work requests outstanding per queue pair */
+        unsigned signal_every; /* --rdma-signal-every: one signalled work request in this many */
+        bool test_dereg;      /* --rdma-test-dereg: SIGUSR2 deregisters every peer's region (tests) */
+};
+
+#endif

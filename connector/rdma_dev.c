@@ -1,0 +1,196 @@
+/*
+ * The rdma transport: what both sides share (see rdma.h). Devices, the
+ * registration of this instance's own cache, rdma_cm event waits, and the
+ * transport's table of ops.
+ */
+#include <arpa/inet.h>
+#include <errno.h>
+#include <poll.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "err.h"
+#include "log.h"
+#include "rdma.h"
+#include "rdma_state.h"
+
+struct rdma_state *rdma_state(struct connector *cn)
+{
+        return cn->transport[conn_transport_index(&conn_rdma_transport)];
+}
+
+int rdma_device_addr(const char *name, struct sockaddr_in *out)
+{
+        int n = 0, rc = -ENODEV;
+        struct ibv_device **list = ibv_get_device_list(&n);
+        if (!list)
+                return kvf_err_set(-ENODEV, "rdma device '%s': no rdma devices here (%s)", name,
+                                   strerror(errno));
+        for (int i = 0; i < n && rc == -ENODEV; i++) {
+                if (strcmp(ibv_get_device_name(list[i]), name))
+                        continue;
+                struct ibv_context *ctx = ibv_open_device(list[i]);
+                if (!ctx)
+                        break;
+                struct ibv_port_attr pa;
+                if (ibv_query_port(ctx, 1, &pa) == 0)
+                        for (int g = 0; g < pa.gid_tbl_len && g < 64; g++) {
+                                union ibv_gid gid;
+                                static const uint8_t v4mapped[12] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff};
+                                if (ibv_query_gid(ctx, 1, g, &gid) || memcmp(gid.raw, v4mapped, 12))
+                                        continue;
+                                /* A RoCE v2 GID of an IPv4 address: the interface's address. */
+                                *out = (struct sockaddr_in){.sin_family = AF_INET};
+                                memcpy(&out->sin_addr, gid.raw + 12, 4);
+                                rc = 0;
+                                break;
+                        }
+                ibv_close_device(ctx);
+        }
+        ibv_free_device_list(list);
+        if (rc < 0)
+                return kvf_err_set(rc, "rdma device '%s': not found, or its port 1 has no IPv4 address", name);
+        return 0;
+}
+
+int rdma_local_mr(struct connector *cn, struct ibv_context *ctx, struct ibv_pd **pd, uint32_t *lkey)
+{
+        struct rdma_state *st = rdma_state(cn);
+        int rc = 0;
+        pthread_mutex_lock(&st->mu);
+        struct rdma_dev *d = st->devs;
+        while (d && d->ctx != ctx)
+                d = d->next;
+        if (!d) {
+                d = calloc(1, sizeof(*d));
+                if (!d) {
+                        rc = -ENOMEM;
+                        goto out;
+                }
+                d->ctx = ctx;
+                d->pd = ibv_alloc_pd(ctx);
+                /* The source of writes only: no remote access at all. */
+                d->mr = d->pd ? ibv_reg_mr(d->pd, cn->cache.base, cn->cache.bytes, IBV_ACCESS_LOCAL_WRITE) : NULL;
+                if (!d->mr) {
+                        rc = kvf_err_set(-errno ? -errno : -EIO, "registering this cache (%llu bytes) on %s: %s",
+                                         (unsigned long long)cn->cache.bytes,
+                                         ibv_get_device_name(ctx->device), strerror(errno));
+                        if (d->pd)
+                                ibv_dealloc_pd(d->pd);
+                        free(d);
+                        goto out;
+                }
+                kvf_info("rdma: this cache (%llu bytes) registered on %s for sending",
+                         (unsigned long long)cn->cache.bytes, ibv_get_device_name(ctx->device));
+                d->next = st->devs;
+                st->devs = d;
+        }
+        *pd = d->pd;
+        *lkey = d->mr->lkey;
+out:
+        pthread_mutex_unlock(&st->mu);
+        return rc;
+}
+
+int rdma_cm_wait(struct rdma_event_channel *ec, enum rdma_cm_event_type want, unsigned timeout_ms,
+                 struct rdma_cm_event **out)
+{
+        struct pollfd pf = {.fd = ec->fd, .events = POLLIN};
+        int rc = poll(&pf, 1, (int)timeout_ms);
+        if (rc < 0)
+                return kvf_err_set(-errno, "waiting for %s: %s", rdma_event_str(want), strerror(errno));
+        if (rc == 0)
+                return kvf_err_set(-ETIMEDOUT, "no %s within %u ms", rdma_event_str(want), timeout_ms);
+        struct rdma_cm_event *ev;
+        if (rdma_get_cm_event(ec, &ev))
+                return kvf_err_set(-errno, "rdma_get_cm_event: %s", strerror(errno));
+        if (ev->event != want) {
+                int st = ev->status;
+                enum rdma_cm_event_type got = ev->event;
+                rdma_ack_cm_event(ev);
+                return kvf_err_set(got == RDMA_CM_EVENT_REJECTED ? -ECONNREFUSED : -ECONNABORTED,
+                                   "expected %s, got %s (status %d%s%s)", rdma_event_str(want),
+                                   rdma_event_str(got), st, st < 0 ? ": " : "", st < 0 ? strerror(-st) : "");
+        }
+        *out = ev;
+        return 0;
+}
+
+const char *rdma_wc_str(enum ibv_wc_status st)
+{
+        return ibv_wc_status_str(st);
+}
+
+int rdma_wc_is_link(enum ibv_wc_status st)
+{
+        /* The peer, the link or the queue pair is gone: no request's own fault. */
+        return st == IBV_WC_WR_FLUSH_ERR || st == IBV_WC_RETRY_EXC_ERR ||
+               st == IBV_WC_RNR_RETRY_EXC_ERR || st == IBV_WC_RESP_TIMEOUT_ERR ||
+               st == IBV_WC_FATAL_ERR;
+}
+
+static int rdma_init(struct connector *cn)
+{
+        struct rdma_state *st = calloc(1, sizeof(*st));
+        if (!st)
+                return kvf_err_set(-ENOMEM, "rdma: out of memory");
+        st->cn = cn;
+        pthread_mutex_init(&st->mu, NULL);
+        pthread_cond_init(&st->cv, NULL);
+        cn->transport[conn_transport_index(&conn_rdma_transport)] = st;
+        /* One-sided writes need the cache's own memory: a backend that stages (cache.h
+         * io_begin) has no address a peer could write to. */
+        if (!cn->cache.host || cn->cache.be->io_begin) {
+                snprintf(st->no_cache, sizeof(st->no_cache),
+                         "rdma needs a host cache used in place; this one (backend %s) is not",
+                         cn->cache.be->name);
+                snprintf(st->unavailable, sizeof(st->unavailable), "%s", st->no_cache);
+                kvf_info("rdma: %s", st->no_cache);
+                return 0;
+        }
+        uint32_t role = cn->ctl.hdr->instance_role;
+        if (role == KVF_IROLE_DECODE || role == KVF_IROLE_MIXED)
+                rdma_rx_init(cn, st); /* (not fatal: tcp still works; the reason is kept) */
+        return 0;
+}
+
+static void rdma_fini(struct connector *cn)
+{
+        struct rdma_state *st = rdma_state(cn);
+        if (!st)
+                return;
+        rdma_rx_fini(cn, st);
+        while (st->devs) {
+                struct rdma_dev *d = st->devs;
+                st->devs = d->next;
+                ibv_dereg_mr(d->mr);
+                ibv_dealloc_pd(d->pd);
+                free(d);
+        }
+        pthread_cond_destroy(&st->cv);
+        pthread_mutex_destroy(&st->mu);
+        free(st);
+        cn->transport[conn_transport_index(&conn_rdma_transport)] = NULL;
+}
+
+const struct conn_transport conn_rdma_transport = {
+        .name = "rdma",
+        .id = KVF_TRANSPORT_RDMA,
+        .purpose = "rdma",
+        .frame_max = 1u << 30, /* a work request's length (mlx5's max_msg_sz; rxe takes 2 GiB) */
+        .init = rdma_init,
+        .fini = rdma_fini,
+        .peer_init = rdma_peer_init,
+        .start = rdma_start,
+        .stop = rdma_stop,
+        .peer_free = rdma_peer_free,
+        .xfer_open = rdma_xfer_open,
+        .xfer_free = rdma_xfer_free,
+        .noticed = rdma_noticed,
+        .wake = rdma_wake,
+        .welcome = rdma_welcome,
+        .welcome_undo = rdma_welcome_undo,
+        .serve = rdma_serve,
+};

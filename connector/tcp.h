@@ -1,0 +1,51 @@
+/*
+ * The tcp transport (transfer_protocol "tcp"): io_uring over tcp data connections.
+ *
+ * Prefill side (tcp_tx.c): `streams` data connections per peer, each with its
+ * own thread and io_uring, take frames from the peer's queue (xfer.h) and
+ * send them as linked sendmsg chains. Before a transfer's first frame on a
+ * connection goes its XOPEN (the destination block ids).
+ *
+ * Decode side (tcp_rx.c): each data connection has a receiver (its session
+ * thread) with its own io_uring. An XOPEN registers a transfer (landing.h); a
+ * DATA frame's header is checked against it before its payload is received
+ * straight into the cache; anything else disconnects the peer.
+ *
+ * Wire: the 8-byte frame header of net.h, then for DATA a 24-byte
+ * kvf_data_hdr (network byte order) and nblocks * block_bytes of payload.
+ */
+#ifndef KVF_TCP_H
+#define KVF_TCP_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "tcp_config.h"
+#include "transport.h"
+
+struct kvf_data_hdr {
+        uint64_t key;
+        uint32_t layer;
+        uint16_t tensor;
+        uint16_t pad;
+        uint32_t index;   /* first block's position in the transfer's destination list */
+        uint32_t nblocks; /* contiguous destination blocks */
+};
+_Static_assert(sizeof(struct kvf_data_hdr) == 24, "data header size");
+
+#define KVF_DATA_FRAME_MAX (4u << 20) /* payload bytes per frame (a run is split above it) */
+#define KVF_XOPEN_MAX (1u << 20)      /* bytes of an XOPEN record */
+
+/* tcp_tx.c: the prefill side's ops */
+int tcp_peer_init(struct xfer_peer *xp);
+void tcp_start(struct xfer_peer *xp);
+void tcp_stop(struct xfer_peer *xp);
+void tcp_peer_free(struct xfer_peer *xp);
+int tcp_xfer_open(struct xfer_peer *xp, struct xfer *x);
+void tcp_xfer_free(struct xfer_peer *xp, struct xfer *x);
+
+/* tcp_rx.c: an accepted tcp data connection (session thread) */
+void tcp_serve(struct connector *cn, int fd, const struct peer_identity *id, const char *remote,
+               void *state);
+
+#endif

@@ -1,0 +1,227 @@
+/*
+ * The tcp transport, receiving side (see tcp.h): the io_uring receive loop
+ * of one data connection. Every frame header is checked (landing.c) before a
+ * byte of its payload is received, and the payload goes only into the
+ * blocks the header names.
+ */
+#include <arpa/inet.h>
+#include <errno.h>
+#include <liburing.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include "clock.h"
+#include "err.h"
+#include "landing.h"
+#include "layout.h"
+#include "log.h"
+#include "tcp.h"
+
+/*
+ * Submit one receive and wait for it. Returns its result (bytes, 0 at end of
+ * stream, -errno), or -ETIMEDOUT once timeout_ms (0 = none) has passed since
+ * `start`, or -ECANCELED when the connector stops; either way the pending
+ * receive is failed and collected first.
+ */
+static int recv_once(struct connector *cn, struct io_uring *ring, int fd, void *p, uint32_t n,
+                     int flags, uint64_t start, unsigned timeout_ms)
+{
+        struct io_uring_sqe *sqe = io_uring_get_sqe(ring);
+        io_uring_prep_recv(sqe, fd, p, n, flags);
+        io_uring_submit(ring);
+        for (;;) {
+                struct io_uring_cqe *cqe;
+                struct __kernel_timespec ts = {.tv_sec = 0, .tv_nsec = 200000000};
+                int rc = io_uring_wait_cqe_timeout(ring, &cqe, &ts);
+                if (rc == 0) {
+                        int res = cqe->res;
+                        io_uring_cqe_seen(ring, cqe);
+                        return res;
+                }
+                if (rc != -ETIME)
+                        return rc;
+                if (conn_stopping(cn) || (timeout_ms && kvf_now_ns() - start > (uint64_t)timeout_ms * 1000000ull)) {
+                        shutdown(fd, SHUT_RDWR);
+                        if (io_uring_wait_cqe(ring, &cqe) == 0)
+                                io_uring_cqe_seen(ring, cqe);
+                        return conn_stopping(cn) ? -ECANCELED : -ETIMEDOUT;
+                }
+        }
+}
+
+/* One receive of exactly n bytes into p, within timeout_ms (0 = wait, watching conn_stopping(cn)). */
+static int recv_exact(struct connector *cn, struct io_uring *ring, int fd, void *p, uint32_t n,
+                      unsigned timeout_ms)
+{
+        int res = recv_once(cn, ring, fd, p, n, MSG_WAITALL, kvf_now_ns(), timeout_ms);
+        if (res < 0)
+                return res;
+        return (uint32_t)res == n ? 0 : (res == 0 ? -ECONNRESET : -EPIPE);
+}
+
+/*
+ * Staged reading: one receive takes whatever the socket has (many small
+ * frames at once); a large payload goes from the stage into the cache for
+ * the part already read and straight from the socket into the cache for the
+ * rest.
+ */
+#define STAGE_LOOKAHEAD (4u << 10)
+
+struct stage {
+        uint8_t *b;
+        uint32_t cap, off, len;
+};
+
+/* Make at least `need` unread bytes available in the stage. */
+static int stage_fill(struct connector *cn, struct io_uring *ring, int fd, struct stage *st,
+                      uint32_t need, unsigned timeout_ms)
+{
+        if (st->len - st->off >= need)
+                return 0;
+        if (st->off > 0) {
+                memmove(st->b, st->b + st->off, st->len - st->off);
+                st->len -= st->off;
+                st->off = 0;
+        }
+        uint64_t start = kvf_now_ns();
+        while (st->len < need) {
+                /* Read what is needed plus a little: enough to take several small frames
+                 * in one receive, not so much that a large payload lands in the stage
+                 * and must be copied again instead of going straight to the cache. */
+                uint32_t want = need > STAGE_LOOKAHEAD ? need : STAGE_LOOKAHEAD;
+                if (want > st->cap)
+                        want = st->cap;
+                /* Idle between frames is fine; inside a frame the bound applies. */
+                int res = recv_once(cn, ring, fd, st->b + st->len, want - st->len, 0, start,
+                                    st->len > 0 ? timeout_ms : 0);
+                if (res <= 0)
+                        return res == 0 ? -ECONNRESET : res;
+                st->len += (uint32_t)res;
+        }
+        return 0;
+}
+
+/* Move `n` payload bytes to dst (NULL: drop them): from the stage first, then the socket. */
+static int stage_payload(struct connector *cn, struct io_uring *ring, int fd, struct stage *st,
+                         uint8_t *dst, uint64_t n, unsigned timeout_ms)
+{
+        uint32_t have = st->len - st->off;
+        uint64_t take = have < n ? have : n;
+        if (dst && take)
+                memcpy(dst, st->b + st->off, take);
+        st->off += (uint32_t)take;
+        n -= take;
+        while (n > 0) {
+                if (dst)
+                        return recv_exact(cn, ring, fd, dst + take, (uint32_t)n, timeout_ms);
+                uint32_t k = n < st->cap ? (uint32_t)n : st->cap;
+                int rc = stage_fill(cn, ring, fd, st, k, timeout_ms);
+                if (rc < 0)
+                        return rc;
+                st->off += k;
+                n -= k;
+        }
+        return 0;
+}
+
+void tcp_serve(struct connector *cn, int fd, const struct peer_identity *id, const char *remote,
+               void *state)
+{
+        const char *peer = id->instance;
+        uint64_t gen = id->created_ns;
+        struct io_uring ring;
+        struct stage st = {.cap = KVF_XOPEN_MAX + KVF_FRAME_HDR};
+        char why[KVF_REASON_MAX] = "";
+        unsigned to = cn->cfg.peer_timeout_ms;
+        (void)state;
+
+        st.b = malloc(st.cap);
+        if (!st.b || io_uring_queue_init(8, &ring, 0) < 0) {
+                free(st.b);
+                kvf_errlog(&cn->ctl, KVF_ROLE_CONNECTOR, "data connection from '%s': no io_uring", peer);
+                return;
+        }
+        for (;;) {
+                if (stage_fill(cn, &ring, fd, &st, KVF_FRAME_HDR, 0) < 0)
+                        break; /* closed, or stopping */
+                struct kvf_frame_hdr fh;
+                kvf_net_get_hdr(st.b + st.off, &fh);
+                uint32_t len = fh.len;
+                uint16_t type = fh.type;
+                if (type == KVF_RT_XOPEN) {
+                        struct kvf_record o;
+                        if (len > KVF_XOPEN_MAX) {
+                                snprintf(why, sizeof(why), "XOPEN of %u bytes", len);
+                                goto violation;
+                        }
+                        if (stage_fill(cn, &ring, fd, &st, KVF_FRAME_HDR + len, to) < 0)
+                                break;
+                        int rc = kvf_record_decode(KVF_RT_XOPEN, st.b + st.off + KVF_FRAME_HDR, len, 0, &o);
+                        st.off += KVF_FRAME_HDR + len;
+                        if (rc < 0) {
+                                snprintf(why, sizeof(why), "malformed XOPEN: %s", kvf_err_msg());
+                                kvf_record_free(&o);
+                                goto violation;
+                        }
+                        rc = conn_landing_open(cn, peer, gen, &o, why, sizeof(why));
+                        kvf_record_free(&o);
+                        if (rc == -EPROTO)
+                                goto violation;
+                        if (rc < 0)
+                                break;
+                        continue;
+                }
+                if (type != KVF_RT_DATA || len < sizeof(struct kvf_data_hdr)) {
+                        snprintf(why, sizeof(why), "frame of type %u and %u bytes on a data connection", type, len);
+                        goto violation;
+                }
+                if (stage_fill(cn, &ring, fd, &st, KVF_FRAME_HDR + sizeof(struct kvf_data_hdr), to) < 0)
+                        break;
+                struct kvf_data_hdr h;
+                memcpy(&h, st.b + st.off + KVF_FRAME_HDR, sizeof(h));
+                st.off += KVF_FRAME_HDR + sizeof(h);
+                struct landing_run run = {.key = be64toh(h.key), .layer = ntohl(h.layer),
+                                          .tensor = ntohs(h.tensor), .index = ntohl(h.index),
+                                          .nblocks = ntohl(h.nblocks)};
+                uint64_t off;
+                uint64_t plen = len - sizeof(h);
+                int rc = conn_landing_check(cn, peer, gen, &run, plen, &off, why, sizeof(why));
+                if (rc < 0)
+                        goto violation;
+                /* rc 1: a closed transfer, whose payload is read and dropped. Else
+                 * straight into the cache (or the backend's staging buffer): the header
+                 * named these blocks, and they are ours. */
+                uint8_t *dst = NULL;
+                if (rc == 0 && kvf_cache_io_begin(&cn->cache, off, plen, true, &dst) < 0) {
+                        snprintf(why, sizeof(why), "%s", kvf_err_msg());
+                        kvf_errlog(&cn->ctl, KVF_ROLE_CONNECTOR, "data from '%s' (%s): %s: disconnected",
+                                   peer, remote, why);
+                        break;
+                }
+                if (stage_payload(cn, &ring, fd, &st, dst, plen, to) < 0) {
+                        kvf_count(&cn->ctl, KVF_CTR_FRAMES_REJECTED, 1);
+                        kvf_warn("peer '%s' (%s): data frame cut short", peer, remote);
+                        break;
+                }
+                if (rc == 1)
+                        continue;
+                if (kvf_cache_io_end(&cn->cache, off, plen, true, dst) < 0) {
+                        kvf_errlog(&cn->ctl, KVF_ROLE_CONNECTOR, "data from '%s' (%s): %s: disconnected",
+                                   peer, remote, kvf_err_msg());
+                        break;
+                }
+                kvf_count(&cn->ctl, KVF_CTR_BYTES_TCP_RECEIVED, plen);
+                conn_landing_mark(cn, peer, gen, &run);
+        }
+        goto out;
+violation:
+        kvf_count(&cn->ctl, KVF_CTR_FRAMES_REJECTED, 1);
+        kvf_errlog(&cn->ctl, KVF_ROLE_CONNECTOR, "peer '%s' (%s) broke the data protocol: %s: disconnected",
+                   peer, remote, why);
+out:
+        io_uring_queue_exit(&ring);
+        free(st.b);
+}

@@ -1,0 +1,389 @@
+/*
+ * The tcp transport, sending side (see tcp.h): data connection threads with
+ * io_uring sends. The transfers, their frames and the queue are xfer.c's.
+ */
+#include <errno.h>
+#include <liburing.h>
+#include <poll.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <arpa/inet.h>
+#include <unistd.h>
+
+#include "atomics.h"
+#include "clock.h"
+#include "err.h"
+#include "layout.h"
+#include "log.h"
+#include "tcp.h"
+#include "xfer.h"
+
+#define MAX_STREAMS 16u
+#define BATCH_FRAMES 32u
+#define BATCH_BYTES (4u << 20)
+
+struct data_conn {
+        struct xfer_peer *xp;
+        unsigned idx;
+        pthread_t thread;
+        int fd;
+};
+
+/* The peer's tcp state (xp->tp); nconns and the threads' start under xp->mu. */
+struct tcp_peer {
+        unsigned nconns;
+        struct data_conn conns[MAX_STREAMS];
+};
+
+/* A transfer's tcp state (x->tp). */
+struct tcp_xfer {
+        uint8_t *xopen;  /* the XOPEN frame, sent first on each connection that carries the transfer */
+        uint32_t xopen_len;
+        uint64_t opened; /* bit per connection: XOPEN sent on it since it connected */
+};
+
+/* The XOPEN frame (header + record) that names a transfer's destination blocks to the receiver. */
+int tcp_xfer_open(struct xfer_peer *xp, struct xfer *x)
+{
+        (void)xp;
+        struct tcp_xfer *tx = calloc(1, sizeof(*tx));
+        if (!tx)
+                return -ENOMEM;
+        struct kvf_record r = {.type = KVF_RT_XOPEN, .key = x->key, .dst = x->dst, .n_dst = x->n_dst,
+                               .session = x->session};
+        snprintf(r.request_id, sizeof(r.request_id), "%s", x->request_id);
+        size_t cap = kvf_record_encoded_max(&r);
+        uint8_t *b = malloc(KVF_FRAME_HDR + cap);
+        if (!b) {
+                free(tx);
+                return -ENOMEM;
+        }
+        int n = kvf_record_encode(&r, b + KVF_FRAME_HDR, cap);
+        if (n < 0) {
+                free(b);
+                free(tx);
+                return n;
+        }
+        kvf_net_put_hdr(b, (uint32_t)n, KVF_RT_XOPEN, 0);
+        tx->xopen = b;
+        tx->xopen_len = KVF_FRAME_HDR + (uint32_t)n;
+        x->tp = tx;
+        return 0;
+}
+
+void tcp_xfer_free(struct xfer_peer *xp, struct xfer *x)
+{
+        (void)xp;
+        struct tcp_xfer *tx = x->tp;
+        free(tx->xopen);
+        free(tx);
+        x->tp = NULL;
+}
+
+/* ---- data connection threads ---- */
+
+struct sendbuf {
+        uint8_t hdr[KVF_FRAME_HDR + sizeof(struct kvf_data_hdr)];
+        uint8_t *src; /* the payload's host memory (kvf_cache_io_begin), released once sent */
+        const uint8_t *xopen; /* the transfer's XOPEN frame, when this frame needs one first */
+        uint32_t xopen_len;
+        struct iovec iov[2];
+        struct msghdr mh;
+        struct iovec xiov;
+        struct msghdr xmh;
+};
+
+/* The payloads' host memory is no longer needed (sent, or given up). */
+static void release_src(struct xfer_peer *xp, struct frame **fs, unsigned n, struct sendbuf *sb)
+{
+        struct connector *cn = xp->p->cn;
+        for (unsigned i = 0; i < n; i++)
+                kvf_cache_io_end(&cn->cache, fs[i]->src_off, xfer_frame_bytes(xp, fs[i]), false, sb[i].src);
+}
+
+/*
+ * Send one batch of frames as a linked chain of sendmsg (so they go out in
+ * order on the stream) and wait for all of it. 0, or -errno if the
+ * connection must be dropped.
+ */
+static int send_batch(struct data_conn *dc, struct io_uring *ring, struct frame **fs, unsigned n,
+                      struct sendbuf *sb)
+{
+        struct xfer_peer *xp = dc->xp;
+        struct connector *cn = xp->p->cn;
+        unsigned ops = 0;
+        int rc = 0;
+
+        /* The blocks' bytes in host memory: the cache itself, or a staging buffer the
+         * backend fills (cache.h); all of them before a single send is queued. */
+        for (unsigned i = 0; i < n; i++) {
+                if (kvf_cache_io_begin(&cn->cache, fs[i]->src_off, xfer_frame_bytes(xp, fs[i]), false,
+                                       &sb[i].src) < 0) {
+                        kvf_errlog(&cn->ctl, KVF_ROLE_CONNECTOR, "data for '%s': %s", xp->p->name,
+                                   kvf_err_msg());
+                        release_src(xp, fs, i, sb);
+                        return -EIO;
+                }
+        }
+        for (unsigned i = 0; i < n; i++) {
+                struct frame *f = fs[i];
+                struct sendbuf *b = &sb[i];
+                struct io_uring_sqe *sqe;
+                uint64_t len = xfer_frame_bytes(xp, f);
+                if (b->xopen) {
+                        b->xiov = (struct iovec){(void *)b->xopen, b->xopen_len};
+                        b->xmh = (struct msghdr){.msg_iov = &b->xiov, .msg_iovlen = 1};
+                        sqe = io_uring_get_sqe(ring);
+                        io_uring_prep_sendmsg(sqe, dc->fd, &b->xmh, MSG_WAITALL | MSG_NOSIGNAL);
+                        sqe->flags |= IOSQE_IO_LINK;
+                        io_uring_sqe_set_data64(sqe, b->xopen_len);
+                        ops++;
+                }
+                struct kvf_data_hdr h = {.key = htobe64(f->x->key), .layer = htonl(f->layer),
+                                         .tensor = htons(f->tensor), .index = htonl(f->index),
+                                         .nblocks = htonl(f->nblocks)};
+                kvf_net_put_hdr(b->hdr, (uint32_t)(sizeof(h) + len), KVF_RT_DATA, 0);
+                memcpy(b->hdr + KVF_FRAME_HDR, &h, sizeof(h));
+                b->iov[0] = (struct iovec){b->hdr, sizeof(b->hdr)};
+                b->iov[1] = (struct iovec){b->src, len};
+                b->mh = (struct msghdr){.msg_iov = b->iov, .msg_iovlen = 2};
+                sqe = io_uring_get_sqe(ring);
+                if (cn->cfg.tcp.zerocopy)
+                        io_uring_prep_sendmsg_zc(sqe, dc->fd, &b->mh, MSG_WAITALL | MSG_NOSIGNAL);
+                else
+                        io_uring_prep_sendmsg(sqe, dc->fd, &b->mh, MSG_WAITALL | MSG_NOSIGNAL);
+                if (i + 1 < n)
+                        sqe->flags |= IOSQE_IO_LINK;
+                io_uring_sqe_set_data64(sqe, sizeof(b->hdr) + len);
+                ops++;
+        }
+        io_uring_submit(ring);
+        /* Results: one per op; zero-copy ops also send a notification when the
+         * pages may be reused (IORING_CQE_F_MORE announces it). */
+        unsigned results = 0, notifs = 0;
+        struct __kernel_timespec ts = {.tv_sec = cn->cfg.peer_timeout_ms / 1000,
+                                       .tv_nsec = (long)(cn->cfg.peer_timeout_ms % 1000) * 1000000};
+        bool shut = false;
+        while (results < ops || notifs > 0) {
+                struct io_uring_cqe *cqe;
+                int w = io_uring_wait_cqe_timeout(ring, &cqe, &ts);
+                if (w == -ETIME) {
+                        /* No progress for peer_timeout: the link or the peer is gone.
+                         * Shutting the socket down fails what is pending. */
+                        if (!shut) {
+                                shutdown(dc->fd, SHUT_RDWR);
+                                shut = true;
+                                rc = -ETIMEDOUT;
+                        }
+                        continue;
+                }
+                if (w < 0) {
+                        rc = w;
+                        break;
+                }
+                if (cqe->flags & IORING_CQE_F_NOTIF) {
+                        notifs--;
+                } else {
+                        results++;
+                        if (cqe->flags & IORING_CQE_F_MORE)
+                                notifs++;
+                        if (cqe->res < 0 || (uint64_t)cqe->res != io_uring_cqe_get_data64(cqe))
+                                if (rc == 0)
+                                        rc = cqe->res < 0 ? cqe->res : -EPIPE;
+                }
+                io_uring_cqe_seen(ring, cqe);
+        }
+        /* (w < 0 left completions behind: the staging memory stays with the connection's
+         * frames, which go again; a host cache has nothing to release anyway) */
+        if (results == ops && notifs == 0)
+                release_src(xp, fs, n, sb);
+        return rc;
+}
+
+/*
+ * The receiver never writes on a data connection, so an idle one shows its
+ * end only as end-of-stream or an error on a read; a send would show it too,
+ * but only once there is something to send.
+ */
+static bool closed_by_peer(int fd)
+{
+        char c;
+        ssize_t n = recv(fd, &c, 1, MSG_PEEK | MSG_DONTWAIT);
+        return n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR);
+}
+
+static void serve(struct data_conn *dc, struct io_uring *ring)
+{
+        struct xfer_peer *xp = dc->xp;
+        struct connector *cn = xp->p->cn;
+        struct frame *fs[BATCH_FRAMES];
+        struct sendbuf sb[BATCH_FRAMES];
+        uint64_t bit = 1ull << dc->idx;
+
+        for (;;) {
+                unsigned n = 0;
+                uint64_t bytes = 0;
+                pthread_mutex_lock(&xp->mu);
+                while (!xp->qhead && !xfer_stopping(xp)) {
+                        xfer_wait(xp);
+                        if (!xp->qhead && closed_by_peer(dc->fd)) {
+                                /* The receiver restarted (or went away) while we had nothing to
+                                 * send: what we sent it may be lost; conn_main re-queues it. */
+                                pthread_mutex_unlock(&xp->mu);
+                                kvf_warn("data connection %u to '%s' closed by the peer", dc->idx,
+                                         xp->p->name);
+                                return;
+                        }
+                }
+                while (xp->qhead && n < BATCH_FRAMES && bytes < BATCH_BYTES) {
+                        struct frame *f = xfer_dequeue(xp, (int)dc->idx);
+                        struct tcp_xfer *tx = f->x->tp;
+                        memset(&sb[n], 0, sizeof(sb[n]));
+                        if (!(tx->opened & bit)) {
+                                tx->opened |= bit;
+                                sb[n].xopen = tx->xopen;
+                                sb[n].xopen_len = tx->xopen_len;
+                        }
+                        bytes += xfer_frame_bytes(xp, f);
+                        fs[n++] = f;
+                }
+                bool stopping = xfer_stopping(xp);
+                bool room = xfer_has_room(xp);
+                pthread_mutex_unlock(&xp->mu);
+                xfer_room(xp, room);
+                if (n == 0) {
+                        if (stopping)
+                                return;
+                        continue;
+                }
+                int rc = send_batch(dc, ring, fs, n, sb);
+                pthread_mutex_lock(&xp->mu);
+                xfer_give_back(xp, fs, n, rc == 0);
+                pthread_mutex_unlock(&xp->mu);
+                if (rc < 0) {
+                        kvf_warn("data connection %u to '%s' lost: %s", dc->idx, xp->p->name,
+                                 strerror(-rc));
+                        return;
+                }
+                kvf_count(&cn->ctl, KVF_CTR_BYTES_TCP, bytes);
+                kvf_count(&cn->ctl, KVF_CTR_BLOCKS_TCP, bytes / cn->ctl.hdr->layout.block_bytes);
+        }
+}
+
+static void *conn_main(void *arg)
+{
+        struct data_conn *dc = arg;
+        struct xfer_peer *xp = dc->xp;
+        struct peer *p = xp->p;
+        struct connector *cn = p->cn;
+        struct io_uring ring;
+        unsigned backoff_ms = 50;
+        char host[128];
+        uint16_t port;
+
+        if (io_uring_queue_init(4 * BATCH_FRAMES, &ring, 0) < 0) {
+                kvf_errlog(&cn->ctl, KVF_ROLE_CONNECTOR, "io_uring_queue_init failed: data connection %u to '%s' not started",
+                           dc->idx, p->name);
+                return NULL;
+        }
+        while (!xfer_stopping(xp)) {
+                /* Connect only while there are transfers to carry. */
+                pthread_mutex_lock(&xp->mu);
+                bool idle = xp->nxfers == 0;
+                if (idle)
+                        xfer_wait(xp);
+                pthread_mutex_unlock(&xp->mu);
+                if (idle)
+                        continue;
+                int status = KVF_STATUS_CONNECTION;
+                struct peer_identity id;
+                int fd = -1, rc = conn_peer_resolve(p, host, sizeof(host), &port, &status);
+                if (rc == 0)
+                        rc = fd = kvf_net_connect(host, port, cn->cfg.connect_timeout_ms);
+                if (rc >= 0)
+                        rc = conn_handshake_client(cn, fd, conn_tcp_transport.purpose, &id, NULL, &status);
+                if (rc < 0) {
+                        /* The control connection reports and fails work; just retry. */
+                        kvf_debug("data connection %u to '%s': %s", dc->idx, p->name, kvf_err_msg());
+                        if (fd >= 0)
+                                close(fd);
+                        usleep(backoff_ms * 1000);
+                        backoff_ms = backoff_ms * 2 > 1000 ? 1000 : backoff_ms * 2;
+                        continue;
+                }
+                backoff_ms = 50;
+                dc->fd = fd;
+                uint64_t bit = 1ull << dc->idx;
+                pthread_mutex_lock(&xp->mu);
+                for (struct xfer *x = xp->xfers; x; x = x->next)
+                        ((struct tcp_xfer *)x->tp)->opened &= ~bit;
+                xfer_set_remote_blocks(xp, id.layout.num_blocks);
+                pthread_mutex_unlock(&xp->mu);
+                kvf_debug("data connection %u to '%s' up", dc->idx, p->name);
+                serve(dc, &ring);
+                close(fd);
+                dc->fd = -1;
+                /* What went over this connection and is not acknowledged may be lost. */
+                pthread_mutex_lock(&xp->mu);
+                xfer_requeue_conn(xp, (int)dc->idx);
+                pthread_mutex_unlock(&xp->mu);
+        }
+        io_uring_queue_exit(&ring);
+        return NULL;
+}
+
+int tcp_peer_init(struct xfer_peer *xp)
+{
+        xp->tp = calloc(1, sizeof(struct tcp_peer));
+        return xp->tp ? 0 : -ENOMEM;
+}
+
+void tcp_start(struct xfer_peer *xp)
+{
+        struct tcp_peer *tp = xp->tp;
+        struct connector *cn = xp->p->cn;
+        pthread_mutex_lock(&xp->mu);
+        unsigned want = cn->cfg.tcp.streams < MAX_STREAMS ? cn->cfg.tcp.streams : MAX_STREAMS;
+        for (unsigned i = tp->nconns; i < want && !xp->stop; i++) {
+                tp->conns[i] = (struct data_conn){.xp = xp, .idx = i, .fd = -1};
+                if (pthread_create(&tp->conns[i].thread, NULL, conn_main, &tp->conns[i]) != 0)
+                        break;
+                tp->nconns = i + 1;
+        }
+        pthread_mutex_unlock(&xp->mu);
+}
+
+void tcp_stop(struct xfer_peer *xp)
+{
+        struct tcp_peer *tp = xp->tp;
+        pthread_mutex_lock(&xp->mu);
+        unsigned n = tp->nconns;
+        pthread_mutex_unlock(&xp->mu);
+        for (unsigned i = 0; i < n; i++) {
+                if (tp->conns[i].fd >= 0)
+                        shutdown(tp->conns[i].fd, SHUT_RDWR);
+                pthread_join(tp->conns[i].thread, NULL);
+        }
+}
+
+void tcp_peer_free(struct xfer_peer *xp)
+{
+        free(xp->tp);
+        xp->tp = NULL;
+}
+
+const struct conn_transport conn_tcp_transport = {
+        .name = "tcp",
+        .id = KVF_TRANSPORT_TCP,
+        .purpose = "data",
+        .frame_max = KVF_DATA_FRAME_MAX,
+        .peer_init = tcp_peer_init,
+        .start = tcp_start,
+        .stop = tcp_stop,
+        .peer_free = tcp_peer_free,
+        .xfer_open = tcp_xfer_open,
+        .xfer_free = tcp_xfer_free,
+        .serve = tcp_serve,
+};

@@ -1,0 +1,149 @@
+/*
+ * Outgoing network transfers (prefill side), whatever the transport.
+ *
+ * The sender hands the connector an OPEN record per request (its
+ * destination block ids), WRITE_BATCH records as layers complete, and a
+ * FINISH. Each batch becomes frames, one per run of blocks contiguous on both
+ * sides in one (layer, tensor) (split at the transport's frame_max), queued
+ * on the peer's xfer_peer of the request's transport. The transport's data
+ * path takes frames from the queue, moves them, and gives them back sent or
+ * to be sent again. A transfer keeps its frames until the peer acknowledges
+ * the finish notice, so frames that went over a data connection that broke
+ * are sent again on the next one (writes are idempotent).
+ *
+ * Locking: xp->mu guards the transfers, their frames and the queue. Data
+ * paths hold frames (state F_FLIGHT) outside the lock while they move them;
+ * a transfer forgotten meanwhile is only marked dead and freed when its last
+ * frame comes back (xfer_give_back).
+ */
+#ifndef KVF_XFER_H
+#define KVF_XFER_H
+
+#include <pthread.h>
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "connector.h"
+#include "transport.h"
+
+enum { F_QUEUED = 0, F_FLIGHT = 1, F_SENT = 2 };
+
+struct frame {
+        struct xfer *x;
+        uint32_t layer, index, nblocks; /* index: first block's position in x->dst */
+        uint16_t tensor;
+        uint8_t state;
+        int8_t conn; /* the data connection that carried it last, or -1 */
+        uint64_t src_off;
+        struct frame *qnext;
+};
+
+struct xfer {
+        uint64_t key;
+        char request_id[KVF_REQ_ID_MAX];
+        uint32_t *dst;
+        uint32_t n_dst;
+        struct frame **fr;
+        uint32_t nfr, capfr;
+        uint64_t first_ns;
+        uint32_t inflight; /* frames a data path holds (and holds by xfer_hold) */
+        uint32_t queued;   /* its frames in the queue */
+        bool dead;
+        bool checked; /* dst ids checked against the peer's block count */
+        bool noticed; /* the finish notice is out: only its outcome ends the transfer */
+        uint64_t session; /* the decode engine session it is bound to (0 unknown) */
+        void *tp;         /* the transport's (xfer_open) */
+        struct xfer *next;
+};
+
+struct xfer_peer {
+        struct peer *p;
+        const struct conn_transport *t;
+        pthread_mutex_t mu;
+        pthread_cond_t cv; /* broadcast: new frames, a new transfer, stop */
+        struct frame *qhead, *qtail;
+        uint64_t qbytes;
+        struct xfer *xfers;
+        unsigned nxfers;
+        uint64_t remote_blocks; /* from the handshake; 0 = not known yet */
+        bool stop;              /* atomic: the data path is to end */
+        void *tp;               /* the transport's (peer_init) */
+        /* Transfers this connector failed (its data path, the peer timeout): their write
+         * result is out, but the sender's finish notice may already be in its ring, and must
+         * then go to the peer as an abort (conn_xfer_noticed). A ring of the latest. */
+        struct xfer_failed {
+                uint64_t key;
+                int status;
+                char reason[KVF_REASON_MAX];
+        } failed[32];
+        unsigned nfailed;
+};
+
+#define XFER_QUEUE_LIMIT (64ull << 20) /* queued payload bytes before the control thread waits */
+
+/* ---- for the connector (main.c, peer.c): control thread, except where noted ---- */
+
+/* A transfer begins (OPEN). 0, or -errno with why. */
+int conn_xfer_open(struct connector *cn, const struct kvf_record *open, char *why, size_t whylen);
+/* Queue a write batch: 0; -EAGAIN back-pressure (leave it in the ring); -ENOENT the transfer
+ * is gone (failed, its result went out); -EINVAL a bad batch; -ENOMEM. */
+int conn_xfer_batch(struct connector *cn, const struct kvf_record *batch);
+/*
+ * The transfer's finish notice is handed to the peer thread: from now on only
+ * the notice's outcome ends it (conn_xfer_fail leaves it alone; the notice's
+ * failure or acknowledgement forgets it). Returns KVF_STATUS_FINISHED, or, for
+ * a transfer this connector failed already (its write result went out before
+ * the sender's finish notice was read), that status with its reason in why:
+ * the notice must then go as an abort, so the peer publishes the same failure.
+ */
+int conn_xfer_noticed(struct peer *p, uint64_t key, char *why, size_t whylen);
+/* Any thread: the notice for `key` was acknowledged, or the transfer failed: forget it. */
+void conn_xfer_forget(struct peer *p, uint64_t key);
+/* Peer thread: fail transfers waiting longer than older_than (0 = all) with status, except
+ * those whose notice is out (conn_xfer_noticed). */
+void conn_xfer_fail(struct peer *p, int status, const char *reason, uint64_t older_than);
+bool conn_xfer_busy(struct peer *p);
+/* Peer thread: its control connection is up; start the data paths (once). */
+void conn_xfer_start(struct peer *p);
+/* Stop the peer's data paths (joined); conn_xfer_free releases what is left. */
+void conn_xfer_stop(struct peer *p);
+void conn_xfer_free(struct peer *p);
+
+/* ---- for transports ---- */
+
+uint64_t xfer_frame_bytes(const struct xfer_peer *xp, const struct frame *f);
+/* xp->mu held: wait for a broadcast on xp->cv (new frames, a transfer, stop), 200 ms at most. */
+void xfer_wait(struct xfer_peer *xp);
+/* xp->mu held: the next queued frame, now F_FLIGHT on data connection `conn`, or NULL. */
+struct frame *xfer_dequeue(struct xfer_peer *xp, int conn);
+/* xp->mu held: put f back in the queue (at the front: it goes first). */
+void xfer_enqueue(struct xfer_peer *xp, struct frame *f, bool front);
+/* xp->mu held: frames back from a data path, sent or to be sent again (front of the queue). */
+void xfer_give_back(struct xfer_peer *xp, struct frame **fs, unsigned n, bool sent);
+/* xp->mu held: everything data connection `conn` sent that is not acknowledged may be lost:
+ * queue it again. */
+void xfer_requeue_conn(struct xfer_peer *xp, int conn);
+/* xp->mu held: the peer's block count (from a handshake): transfers naming blocks it does
+ * not have fail now. */
+void xfer_set_remote_blocks(struct xfer_peer *xp, uint64_t num_blocks);
+/* xp->mu not held: conn_xfer_fail for this transport's transfers only (its data path cannot
+ * be had: the peer refuses it, or it failed past the peer timeout). */
+void conn_xfer_fail_transport(struct xfer_peer *xp, int status, const char *reason, uint64_t older_than);
+/* xp->mu held: end transfer x now with `status` (a write error its data path met). */
+void xfer_fail_one(struct xfer_peer *xp, struct xfer *x, int status, const char *reason);
+/* xp->mu held: keep x allocated while a data path refers to it outside a frame (rdma: its
+ * done message in the send queue); xfer_release gives it up (and frees a dead one). */
+void xfer_hold(struct xfer *x);
+void xfer_release(struct xfer_peer *xp, struct xfer *x);
+/* xp->mu held: the peer's decode engine session has moved past the one x is bound to, so its
+ * blocks may be another request's now (docs/ARCHITECTURE.md 6b). */
+bool xfer_session_over(const struct xfer_peer *xp, const struct xfer *x);
+/* xp->mu not held: the queue has room again; a write batch the control thread held back for
+ * want of it may go now. `room` is what the caller saw under the lock. */
+void xfer_room(struct xfer_peer *xp, bool room);
+/* xp->mu held: the queue is below half its limit. */
+bool xfer_has_room(const struct xfer_peer *xp);
+/* The data path should end: the peer is stopping, or the connector. */
+bool xfer_stopping(struct xfer_peer *xp);
+
+#endif

@@ -1,0 +1,126 @@
+#!/usr/bin/env bash
+# The rdma transport for real: whole instances (tools/kvferry up: allocator, connector, sender
+# under the supervisor) in the soft-RoCE VM of tests/vm/run.sh, the decode instance on
+# 10.77.0.2 (rxe1), the prefill instance on 10.77.0.1 (rxe0), so every RDMA WRITE crosses the
+# veth pair. Run by the rdma_vm_test ctest (tests/CMakeLists.txt), which brings this tree's
+# tools/, tests/, data/ and binaries into the VM.
+#
+#   1. kvf-sim end to end over rdma, every byte verified, blocks in runs
+#   2. the work requests: one RDMA WRITE per run of blocks contiguous on both sides, per
+#      (layer, tensor), and one done message per request (the connector's counters); a request
+#      to the peer named by its address
+#   3. thousands of small scattered blocks through a send queue 16 deep: no overflow
+#   4. a peer with another token, a peer with another layout: refused, every request fails so
+#   5. the peer's region deregistered: a completion error, the request ends "write error" on
+#      both sides; the next one finishes over a new connection
+#   6. the decode connector killed mid-transfer (its supervisor held): "connection error"; it
+#      comes back, a new request finishes
+#   --bench: also the work requests per request for the models of data/model-shapes.json, ours
+#      against one per block, and the throughput (EMULATED: qemu TCG + soft-RoCE)
+source "$(dirname "$0")/../lib.sh"
+cd "$ROOT"
+[ -n "${KVF_VM:-}" ] || { echo "SKIP: rdma_test.sh runs inside tests/vm/run.sh"; exit 77; }
+BENCH=0
+[ "${1:-}" = --bench ] && BENCH=1
+
+# No python in the VM: the flat keys of the simulator's summary and of ring-dump's counters.
+json_get() { sed -n "s/.*\"$2\":\([^,}]*\).*/\1/p" "$1" | head -n 1; }
+counter() {
+  "$B/kvf-ringdump" --instance "$1" --json | tr ',{}' '\n\n\n' | sed -n "s/^ *\"$2\": *\([0-9]*\).*/\1/p" | head -n 1
+}
+sim() { # sim NAME ARGS...: kvf-sim with a JSON summary in $KVFERRY_RUN_DIR/NAME.json
+  local name=$1; shift
+  "$B/kvf-sim" --quiet --trace "$ROOT/data/mooncake-conversation-2000.jsonl" --json "$KVFERRY_RUN_DIR/$name.json" \
+    "$@" >"$KVFERRY_RUN_DIR/$name.txt" 2>&1
+}
+sup_pid() { cat "$KVFERRY_RUN_DIR/$1/supervisor.pid"; }
+
+A=${KVF_VM_CLIENT_IP:?} DIP=${KVF_VM_SERVER_IP:?}
+PT=2000
+L="--model llama-3.1-8b --tp 8 --cache-mib 64"
+up $TAG-d --role decode $L --listen "$DIP:7100" --peer-timeout-ms $PT --keepalive-ms 250 --rdma-test-dereg
+up $TAG-p --role prefill $L --listen "$A:0" --peer-timeout-ms $PT --keepalive-ms 250
+grep -q "rdma: listening on rxe1" "$KVFERRY_RUN_DIR/$TAG-d/connector.log" ||
+  fail "the decode connector does not listen for rdma on rxe1: $(grep rdma "$KVFERRY_RUN_DIR/$TAG-d/connector.log")"
+
+# 1. End to end.
+sim e2e --prefill $TAG-p --decode $TAG-d --transport rdma --requests 12 --max-tokens 1024 --layer-us 200 \
+  --timeout-s 120 --baseline || { cat "$KVFERRY_RUN_DIR/e2e.txt"; fail "end to end over rdma"; }
+[ "$(json_get "$KVFERRY_RUN_DIR/e2e.json" finished)" = 12 ] && [ "$(json_get "$KVFERRY_RUN_DIR/e2e.json" corrupt)" = 0 ] ||
+  { cat "$KVFERRY_RUN_DIR/e2e.txt"; fail "end to end: not all 12 finished and verified"; }
+grep -q "rdma to '$TAG-d' (instance $TAG-d) on rxe0" "$KVFERRY_RUN_DIR/$TAG-p/connector.log" ||
+  fail "the prefill connector did not use rxe0"
+w=$(counter $TAG-p rdma_write_requests) b=$(counter $TAG-p blocks_sent_rdma)
+pass "kvf-sim over rdma (rxe0 -> rxe1 across the veth pair): 12 requests, every byte verified;" \
+  "$w RDMA WRITEs for $b blocks x layers x tensors"
+
+# 2. Work requests, exactly. Then the peer named by its address (FastDeploy's ip with
+# rdma_ports become "ip:port"): the control connection is tcp too.
+"$B/rdma_transport_test" --prefill $TAG-p --decode $TAG-d --case runs || fail "work requests per run"
+"$B/rdma_transport_test" --prefill $TAG-p --decode $TAG-d --peer "$DIP:7100" --case one ||
+  fail "the peer named by address"
+
+# 3. Thousands of small scattered blocks through a shallow send queue.
+S="--layers 4 --kv-heads 1 --head-dim 8 --block-size 16 --blocks 16384"
+up $TAG-sd --role decode $S --listen "$DIP:7101" --peer-timeout-ms $PT
+up $TAG-sp --role prefill $S --listen "$A:0" --peer-timeout-ms $PT --rdma-sq-depth 16 --rdma-signal-every 4
+sim scatter --prefill $TAG-sp --decode $TAG-sd --transport rdma --requests 40 --scatter --max-tokens 16384 \
+  --prefix-pct 0 --layer-us 100 --timeout-s 150 || { cat "$KVFERRY_RUN_DIR/scatter.txt"; fail "scattered blocks"; }
+[ "$(json_get "$KVFERRY_RUN_DIR/scatter.json" finished)" = 40 ] || { cat "$KVFERRY_RUN_DIR/scatter.txt"; fail "scatter: not all finished"; }
+w=$(counter $TAG-sp rdma_write_requests) posts=$(counter $TAG-sp rdma_post_calls) sig=$(counter $TAG-sp rdma_signalled_requests)
+[ "$(counter $TAG-sp rdma_post_errors)" = 0 ] || fail "scatter: ibv_post_send refused work requests (a full send queue)"
+[ "$w" -ge 40000 ] || fail "scatter: only $w work requests: not thousands of small ones"
+pass "$w scattered 256-byte blocks' writes (40 requests) through a send queue 16 deep: no overflow," \
+  "$posts ibv_post_send calls, $sig signalled; every byte verified"
+
+# 4. Refusals.
+echo "a-different-token-0123456789abcdef" >"$KVFERRY_RUN_DIR/other-token"; chmod 600 "$KVFERRY_RUN_DIR/other-token"
+up $TAG-wd --role decode $L --listen "$DIP:7102" --token-file "$KVFERRY_RUN_DIR/other-token"
+up $TAG-xd --role decode --layers 28 --kv-heads 1 --head-dim 128 --cache-mib 32 --listen "$DIP:7103"
+for case in "wd:authentication failed" "xd:peer layout mismatch"; do
+  d=$TAG-${case%%:*} want=${case#*:}
+  sim bad --prefill $TAG-p --decode $d --transport rdma --requests 3 --layer-us 50 --timeout-s 30 || true
+  grep -q "$want" "$KVFERRY_RUN_DIR/bad.txt" || { cat "$KVFERRY_RUN_DIR/bad.txt"; fail "$d: no '$want'"; }
+  [ "$(json_get "$KVFERRY_RUN_DIR/bad.json" finished)" = 0 ] || fail "$d: a request finished"
+  pass "rdma to a peer with $([ ${case%%:*} = wd ] && echo 'another token' || echo '28 layers'): refused, every request fails with '$want'"
+done
+
+# 5. The peer's region deregistered under the writes.
+"$B/rdma_transport_test" --prefill $TAG-p --decode $TAG-d --case dereg || fail "deregistered region"
+
+# 6. The decode connector killed mid-transfer.
+"$B/rdma_transport_test" --prefill $TAG-p --decode $TAG-d --case killmid --blocks 32 \
+  --supervisor "$(sup_pid $TAG-d)" --timeout-ms 30000 || fail "decode connector killed"
+
+# No role died but the connector killed on purpose, and (an ASan build) no sanitizer report,
+# also at exit: stop everything first.
+for n in d p sd sp wd xd; do down $TAG-$n; done
+died=$(grep -h "exited with status" "$KVFERRY_RUN_DIR"/*/supervisor.log | grep -v "$TAG-d/supervisor connector" || true)
+[ -z "$died" ] || fail "roles died: $died"
+if grep -l -E "AddressSanitizer|LeakSanitizer|runtime error:" "$KVFERRY_RUN_DIR"/*/*.log; then
+  grep -h -A20 -E "AddressSanitizer|LeakSanitizer|runtime error:" "$KVFERRY_RUN_DIR"/*/*.log | head -80
+  fail "sanitizer reports in the roles' logs"
+fi
+pass "no role died but the one killed, no sanitizer report"
+
+if [ $BENCH = 1 ]; then
+  # Work requests per request for real model shapes (one tp-8 rank: kv_heads / 8, at least 1),
+  # requests of the conversation trace (up to 2048 tokens, the caches' room), blocks from the
+  # simulator's pool as an engine would hand them out, then in random order (--scatter); and the
+  # throughput with no compute time, against a memcpy of the same bytes in the same VM.
+  for m in llama-3.1-8b llama-3.1-70b qwen2.5-72b deepseek-v3-mla; do
+    for mode in pool --scatter; do
+      up $TAG-bd --role decode --model $m --tp 8 --cache-mib 320 --listen "$DIP:7104"
+      up $TAG-bp --role prefill --model $m --tp 8 --cache-mib 320 --listen "$A:0"
+      sim bench --prefill $TAG-bp --decode $TAG-bd --transport rdma --requests 8 --max-tokens 2048 \
+        --layer-us 0 --late-pct 0 --timeout-s 300 --verify sample --baseline $([ $mode = pool ] || echo --scatter) ||
+        { cat "$KVFERRY_RUN_DIR/bench.txt"; fail "bench $m"; }
+      w=$(counter $TAG-bp rdma_write_requests) b=$(counter $TAG-bp blocks_sent_rdma) d=$(counter $TAG-bp rdma_done_messages_sent)
+      n=$(json_get "$KVFERRY_RUN_DIR/bench.json" finished)
+      r=$(json_get "$KVFERRY_RUN_DIR/bench.json" rate_bps) c=$(json_get "$KVFERRY_RUN_DIR/bench.json" memcpy_bps)
+      pass "BENCH $m tp8 ${mode#--}: $n requests, $w RDMA WRITEs + $d done messages; one per block (FastDeploy) $b;" \
+        "per request $((w / n)) against $((b / n)); rdma ${r%.*} B/s, memcpy ${c%.*} B/s (EMULATED: qemu TCG + soft-RoCE)"
+      down $TAG-bp; down $TAG-bd
+    done
+  done
+fi

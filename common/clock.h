@@ -24,6 +24,18 @@ static inline uint64_t kvf_now_ns(void)
         return (uint64_t)ts.tv_sec * KVF_NS_PER_S + (uint64_t)ts.tv_nsec;
 }
 
+/* The absolute time `ns` from now on `clock` (CLOCK_MONOTONIC or CLOCK_REALTIME): the
+ * deadline pthread_cond_timedwait and sem_timedwait take. */
+static inline struct timespec kvf_ts_after(clockid_t clock, uint64_t ns)
+{
+        struct timespec ts;
+        clock_gettime(clock, &ts);
+        ns += (uint64_t)ts.tv_nsec;
+        ts.tv_sec += (time_t)(ns / KVF_NS_PER_S);
+        ts.tv_nsec = (long)(ns % KVF_NS_PER_S);
+        return ts;
+}
+
 static inline uint64_t kvf_wall_ns(void)
 {
         struct timespec ts;

@@ -132,6 +132,12 @@ struct session {
 
 #define MAX_PEERS 256u
 
+/* How often a thread blocked in poll(), a ring wait or a condition variable looks at the stop
+ * flags (and, where it has one, its own deadline): the bound on how long a stop waits for it. */
+#define CONN_POLL_MS 200
+/* How long a stopping connector waits for its session threads (conn_sessions_stop). */
+#define STOP_WAIT_MS 3000u
+
 struct rx_xfer;
 #define RX_BUCKETS 1024u /* landing.c's transfer table, hashed by (peer, key) */
 
@@ -153,6 +159,11 @@ struct connector {
         pthread_mutex_t smu;
         struct session *sessions;
         uint64_t next_session;
+        /* Every session thread, control or data, from its start to its end (under smu):
+         * stopping shuts their sockets down and waits for them (conn_sessions_stop). */
+        struct session_arg *threads;
+        unsigned nthreads;
+        pthread_cond_t threads_cv;
 
         struct peer *peers[MAX_PEERS];
         unsigned npeers;
@@ -245,7 +256,12 @@ void conn_peer_kick(struct peer *p);
 int conn_peer_resolve(struct peer *p, char *host, size_t hostlen, uint16_t *port, int *status);
 
 /* session.c */
+struct session_arg;
 void *conn_listener_main(void *arg);
+/* At stop, after the listener thread has ended: shut down every session thread's socket and
+ * wait for them, up to wait_ms. True when none is left (else the caller must keep what they
+ * use, the control segment above all, mapped). */
+bool conn_sessions_stop(struct connector *cn, unsigned wait_ms);
 int conn_session_send(struct connector *cn, uint64_t session, const struct kvf_record *r);
 /* Send r on every incoming control connection (control thread). */
 void conn_sessions_send_all(struct connector *cn, const struct kvf_record *r);

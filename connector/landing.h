@@ -23,6 +23,7 @@
 #include <stdbool.h>
 #include <stdint.h>
 
+#include "clock.h"
 #include "connector.h"
 
 /* A run of blocks a data path is about to receive: where it lands. */
@@ -77,7 +78,11 @@ int conn_landing_take_ready(struct connector *cn, const char *peer, uint64_t gen
  * flight when it was aborted), until it expires.
  */
 void conn_landing_close(struct connector *cn, const char *peer, uint64_t gen, uint64_t key);
-/* Drop transfers open and silent longer than open_ns, closed ones after closed_ns. */
+/* Drop transfers open and silent longer than open_ns, closed ones after closed_ns. The
+ * connector's: an incoming transfer silent for 5 minutes is not coming; a closed one is kept 2
+ * minutes so that late frames and a resent notice still find it (and are refused). */
+#define LANDING_OPEN_MAX_NS (300ull * KVF_NS_PER_S)
+#define LANDING_CLOSED_KEEP_NS (120ull * KVF_NS_PER_S)
 void conn_landing_expire(struct connector *cn, uint64_t open_ns, uint64_t closed_ns);
 /* The decode engine session a transfer is bound to (the live one if it is not open yet). */
 uint64_t conn_landing_session(struct connector *cn, const char *peer, uint64_t gen, uint64_t key);

@@ -213,7 +213,7 @@ static bool has_work(void *arg)
 
 static void control_loop(struct connector *cn)
 {
-        uint64_t beat = (uint64_t)cn->ctl.hdr->heartbeat_ms * 1000000ull;
+        uint64_t beat = kvf_ms(cn->ctl.hdr->heartbeat_ms);
         uint64_t next = 0;
         while (!kvf_load_relaxed(&stop)) {
                 bool worked = false;
@@ -245,13 +245,13 @@ static void control_loop(struct connector *cn)
                         conn_peers_tick(cn, now);
                         kvf_log_flush(); /* suppressed lines of every thread, once their window is over */
                         /* A transfer whose sender went silent for a long while is not coming. */
-                        conn_landing_expire(cn, 300ull * 1000000000ull, 120ull * 1000000000ull);
+                        conn_landing_expire(cn, LANDING_OPEN_MAX_NS, LANDING_CLOSED_KEEP_NS);
                         next = now + beat;
                 }
                 if (worked && !cn->deferred && !kvf_load_acquire(&cn->tx_blocked))
                         continue;
                 kvf_count(&cn->ctl, KVF_CTR_WAKEUPS_CONNECTOR, 1);
-                uint64_t wait = cn->deferred || cn->tx_blocked ? 1000000ull : beat;
+                uint64_t wait = cn->deferred || cn->tx_blocked ? kvf_ms(1) : beat;
                 kvf_doorbell_wait(&cn->ctl.bells[KVF_BELL_CONNECTOR], has_work, cn, 256, wait);
         }
 }
@@ -336,6 +336,11 @@ int main(int argc, char **argv)
         }
         pthread_mutex_init(&cn.evmu, NULL);
         pthread_mutex_init(&cn.smu, NULL);
+        pthread_condattr_t ca;
+        pthread_condattr_init(&ca);
+        pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+        pthread_cond_init(&cn.threads_cv, &ca);
+        pthread_condattr_destroy(&ca);
         pthread_mutex_init(&cn.rxmu, NULL);
         pthread_mutex_init(&cn.engine_mu, NULL);
         pthread_mutex_init(&cn.sender_mu, NULL);
@@ -379,11 +384,17 @@ int main(int argc, char **argv)
         kvf_info("stopping");
         kvf_store_release(&cn.stop, 1);
         pthread_join(listener, NULL);
+        /* Session threads use the segment and the peers: they end first. */
+        bool sessions_ended = conn_sessions_stop(&cn, STOP_WAIT_MS);
+        if (!sessions_ended)
+                kvf_warn("a session thread did not end within %u ms of the stop: exiting with the "
+                         "control segment still mapped", STOP_WAIT_MS);
         conn_peers_stop(&cn);
         conn_transports_fini(&cn);
         close(cn.listen_fd);
         kvf_net_close_unix(&ul);
         kvf_role_end(&cn.ctl, KVF_ROLE_CONNECTOR);
-        kvf_ctl_detach(&cn.ctl);
+        if (sessions_ended)
+                kvf_ctl_detach(&cn.ctl);
         return 0;
 }

@@ -120,7 +120,7 @@ static int wait_fd(int fd, short ev, uint64_t end)
         if (now >= end)
                 return -ETIMEDOUT;
         struct pollfd p = {.fd = fd, .events = ev};
-        int ms = (int)((end - now + 999999) / 1000000);
+        int ms = (int)((end - now + KVF_NS_PER_MS - 1) / KVF_NS_PER_MS);
         int n = poll(&p, 1, ms);
         if (n < 0)
                 return errno == EINTR ? 0 : -errno;
@@ -266,7 +266,7 @@ int kvf_net_connect_unix(const char *instance, unsigned timeout_ms)
         /* Never a blocking connect: with the listener's backlog full, one would wait for as
          * long as the listener does not accept. A full backlog answers EAGAIN (the socket is
          * not connecting: try again); retried until the connect timeout. */
-        uint64_t end = kvf_now_ns() + (uint64_t)timeout_ms * 1000000ull;
+        uint64_t end = kvf_now_ns() + kvf_ms(timeout_ms);
         for (;;) {
                 if (connect(fd, (struct sockaddr *)&a, sizeof(a)) == 0) {
                         rc = 0;
@@ -292,7 +292,7 @@ int kvf_net_connect_unix(const char *instance, unsigned timeout_ms)
                         rc = -ETIMEDOUT;
                         break;
                 }
-                uint64_t left_ms = (end - now) / 1000000ull;
+                uint64_t left_ms = (end - now) / KVF_NS_PER_MS;
                 poll(NULL, 0, left_ms < 5 ? (int)left_ms + 1 : 5);
         }
         if (rc < 0) {
@@ -362,7 +362,7 @@ int kvf_net_connect(const char *host, uint16_t port, unsigned timeout_ms)
 int kvf_net_write_all(int fd, const void *p, size_t n, unsigned timeout_ms)
 {
         const uint8_t *b = p;
-        uint64_t end = kvf_now_ns() + (uint64_t)timeout_ms * 1000000ull;
+        uint64_t end = kvf_now_ns() + kvf_ms(timeout_ms);
         while (n > 0) {
                 ssize_t w = send(fd, b, n, MSG_NOSIGNAL | MSG_DONTWAIT);
                 if (w > 0) {
@@ -382,7 +382,7 @@ int kvf_net_write_all(int fd, const void *p, size_t n, unsigned timeout_ms)
 int kvf_net_read_all(int fd, void *p, size_t n, unsigned timeout_ms)
 {
         uint8_t *b = p;
-        uint64_t end = kvf_now_ns() + (uint64_t)timeout_ms * 1000000ull;
+        uint64_t end = kvf_now_ns() + kvf_ms(timeout_ms);
         while (n > 0) {
                 ssize_t r = recv(fd, b, n, MSG_DONTWAIT);
                 if (r > 0) {

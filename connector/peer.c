@@ -292,8 +292,8 @@ static int serve(struct peer *p, int fd, char *why, size_t whylen)
 {
         struct connector *cn = p->cn;
         struct kvf_reader rd;
-        uint64_t keep = (uint64_t)cn->cfg.keepalive_ms * 1000000ull;
-        uint64_t dead = (uint64_t)cn->cfg.peer_timeout_ms * 1000000ull;
+        uint64_t keep = kvf_ms(cn->cfg.keepalive_ms);
+        uint64_t dead = kvf_ms(cn->cfg.peer_timeout_ms);
         uint64_t last_rx = kvf_now_ns(), last_tx = last_rx;
         int rc = 0;
 
@@ -324,7 +324,7 @@ static int serve(struct peer *p, int fd, char *why, size_t whylen)
                         last_tx = now;
                 }
                 struct pollfd pf[2] = {{.fd = fd, .events = POLLIN}, {.fd = p->wake_fd, .events = POLLIN}};
-                int ms = (int)((keep - (now - last_tx)) / 1000000ull) + 1;
+                int ms = (int)((keep - (now - last_tx)) / KVF_NS_PER_MS) + 1;
                 if (poll(pf, 2, ms) < 0 && errno != EINTR) {
                         rc = -errno;
                         snprintf(why, whylen, "poll: %s", strerror(errno));
@@ -373,7 +373,7 @@ static void *peer_main(void *arg)
         struct peer *p = arg;
         struct connector *cn = p->cn;
         uint64_t backoff_ms = 50;
-        uint64_t dead = (uint64_t)cn->cfg.peer_timeout_ms * 1000000ull;
+        uint64_t dead = kvf_ms(cn->cfg.peer_timeout_ms);
         char host[128], why[KVF_REASON_MAX];
         uint16_t port;
         int status;
@@ -381,7 +381,7 @@ static void *peer_main(void *arg)
         while (!kvf_load_acquire(&p->stop) && !conn_stopping(cn)) {
                 if (!has_work(p)) {
                         struct pollfd pf = {.fd = p->wake_fd, .events = POLLIN};
-                        poll(&pf, 1, 200);
+                        poll(&pf, 1, CONN_POLL_MS);
                         drain_wake(p);
                         continue;
                 }
@@ -567,7 +567,7 @@ static void free_peer(struct peer *p)
 
 void conn_peers_tick(struct connector *cn, uint64_t now)
 {
-        uint64_t idle = (uint64_t)cn->cfg.peer_idle_ms * 1000000ull;
+        uint64_t idle = kvf_ms(cn->cfg.peer_idle_ms);
         for (unsigned i = 0; i < cn->npeers;) {
                 struct peer *p = cn->peers[i];
                 if (has_work_now(p)) {

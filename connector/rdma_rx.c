@@ -84,7 +84,7 @@ static void *listener_main(void *arg)
         struct connector *cn = st->cn;
         while (!conn_stopping(cn)) {
                 struct pollfd pf = {.fd = st->ec->fd, .events = POLLIN};
-                if (poll(&pf, 1, 200) <= 0)
+                if (poll(&pf, 1, CONN_POLL_MS) <= 0)
                         continue;
                 struct rdma_cm_event *ev;
                 if (rdma_get_cm_event(st->ec, &ev))
@@ -288,16 +288,10 @@ static int post_recv(struct rx_conn *c, unsigned slot)
 static int accept_conn(struct rdma_state *st, struct rx_conn *c, int fd)
 {
         struct connector *cn = c->cn;
-        uint64_t end = kvf_now_ns() + 2ull * cn->cfg.connect_timeout_ms * 1000000ull;
+        uint64_t end = kvf_now_ns() + kvf_ms(2ull * cn->cfg.connect_timeout_ms);
         pthread_mutex_lock(&st->mu);
         while (!c->id && !conn_stopping(cn) && kvf_now_ns() < end) {
-                struct timespec ts;
-                clock_gettime(CLOCK_REALTIME, &ts);
-                ts.tv_nsec += 100000000;
-                if (ts.tv_nsec >= 1000000000) {
-                        ts.tv_sec++;
-                        ts.tv_nsec -= 1000000000;
-                }
+                struct timespec ts = kvf_ts_after(CLOCK_REALTIME, kvf_ms(100));
                 pthread_cond_timedwait(&st->cv, &st->mu, &ts);
         }
         pthread_mutex_unlock(&st->mu);
@@ -404,7 +398,7 @@ void rdma_serve(struct connector *cn, int fd, const struct peer_identity *id, co
         while (!conn_stopping(cn)) {
                 struct pollfd pf[3] = {{.fd = fd, .events = POLLIN}, {.fd = c->cc->fd, .events = POLLIN},
                                        {.fd = c->ec->fd, .events = POLLIN}};
-                int n = poll(pf, 3, 200);
+                int n = poll(pf, 3, CONN_POLL_MS);
                 if (n < 0 && errno != EINTR) {
                         snprintf(why, sizeof(why), "poll: %s", strerror(errno));
                         break;

@@ -554,7 +554,7 @@ static int serve(struct rconn *c, char *why, size_t whylen)
         struct xfer_peer *xp = c->xp;
         struct rdma_peer *rp = xp->tp;
         struct connector *cn = xp->p->cn;
-        uint64_t dead = (uint64_t)cn->cfg.peer_timeout_ms * 1000000ull;
+        uint64_t dead = kvf_ms(cn->cfg.peer_timeout_ms);
         c->last_done_ns = kvf_now_ns();
         while (!xfer_stopping(xp)) {
                 /* The completion clock runs from the oldest work request outstanding. */
@@ -580,7 +580,7 @@ static int serve(struct rconn *c, char *why, size_t whylen)
                                        {.fd = rp->wake_fd, .events = POLLIN},
                                        {.fd = c->ec->fd, .events = POLLIN},
                                        {.fd = c->fd, .events = POLLIN}};
-                if (poll(pf, 4, 200) < 0 && errno != EINTR) {
+                if (poll(pf, 4, CONN_POLL_MS) < 0 && errno != EINTR) {
                         snprintf(why, whylen, "poll: %s", strerror(errno));
                         return -errno;
                 }
@@ -651,7 +651,7 @@ static void *rdma_main(void *arg)
                 pthread_mutex_unlock(&xp->mu);
                 if (idle) {
                         struct pollfd pf = {.fd = rp->wake_fd, .events = POLLIN};
-                        poll(&pf, 1, 200);
+                        poll(&pf, 1, CONN_POLL_MS);
                         drain_wake(rp);
                         continue;
                 }
@@ -670,10 +670,10 @@ static void *rdma_main(void *arg)
                          * control connection handles the rest (as for tcp). */
                         bool permanent = status != KVF_STATUS_CONNECTION || rc == -EACCES ||
                                          rc == -EPROTONOSUPPORT || rc == -EPROTO;
-                        if (permanent || kvf_elapsed(now, failing_since) > (uint64_t)cn->cfg.peer_timeout_ms * 1000000ull) {
+                        if (permanent || kvf_elapsed(now, failing_since) > kvf_ms(cn->cfg.peer_timeout_ms)) {
                                 kvf_errlog(&cn->ctl, KVF_ROLE_CONNECTOR, "%s", why);
                                 conn_xfer_fail_transport(xp, status, why,
-                                                         permanent ? 0 : (uint64_t)cn->cfg.peer_timeout_ms * 1000000ull);
+                                                         permanent ? 0 : kvf_ms(cn->cfg.peer_timeout_ms));
                         } else {
                                 kvf_debug("%s", why);
                         }

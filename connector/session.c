@@ -10,6 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "atomics.h"
@@ -72,7 +73,54 @@ struct session_arg {
         struct connector *cn;
         int fd;
         bool unix_socket; /* accepted on the same-host listener */
+        struct session_arg *next; /* cn->threads, under cn->smu */
 };
+
+/* Listener: a session thread about to start. */
+static void thread_add(struct connector *cn, struct session_arg *sa)
+{
+        pthread_mutex_lock(&cn->smu);
+        sa->next = cn->threads;
+        cn->threads = sa;
+        cn->nthreads++;
+        pthread_mutex_unlock(&cn->smu);
+}
+
+/* Unlinked before its socket is closed: conn_sessions_stop shuts down only live sockets,
+ * never a descriptor number another thread may have been given meanwhile. */
+static void thread_unlink(struct connector *cn, struct session_arg *sa)
+{
+        pthread_mutex_lock(&cn->smu);
+        for (struct session_arg **pp = &cn->threads; *pp; pp = &(*pp)->next)
+                if (*pp == sa) {
+                        *pp = sa->next;
+                        break;
+                }
+        pthread_mutex_unlock(&cn->smu);
+}
+
+/* The thread's last touch of cn. */
+static void thread_done(struct connector *cn)
+{
+        pthread_mutex_lock(&cn->smu);
+        cn->nthreads--;
+        pthread_cond_broadcast(&cn->threads_cv);
+        pthread_mutex_unlock(&cn->smu);
+}
+
+bool conn_sessions_stop(struct connector *cn, unsigned wait_ms)
+{
+        struct timespec until = kvf_ts_after(CLOCK_MONOTONIC, kvf_ms(wait_ms));
+        pthread_mutex_lock(&cn->smu);
+        for (struct session_arg *sa = cn->threads; sa; sa = sa->next)
+                shutdown(sa->fd, SHUT_RDWR);
+        while (cn->nthreads &&
+               pthread_cond_timedwait(&cn->threads_cv, &cn->smu, &until) != ETIMEDOUT) {
+        }
+        unsigned left = cn->nthreads;
+        pthread_mutex_unlock(&cn->smu);
+        return left == 0;
+}
 
 static void *session_main(void *arg)
 {
@@ -81,7 +129,7 @@ static void *session_main(void *arg)
         struct session *s = calloc(1, sizeof(*s));
         struct peer_identity id;
         struct kvf_reader rd = {0};
-        uint64_t dead = (uint64_t)cn->cfg.peer_timeout_ms * 1000000ull;
+        uint64_t dead = kvf_ms(cn->cfg.peer_timeout_ms);
 
         if (!s)
                 goto out_fd;
@@ -183,8 +231,10 @@ out_free:
         pthread_mutex_destroy(&s->wmu);
         free(s);
 out_fd:
+        thread_unlink(cn, sa);
         close(sa->fd);
         free(sa);
+        thread_done(cn);
         return NULL;
 }
 
@@ -194,7 +244,7 @@ void *conn_listener_main(void *arg)
         while (!conn_stopping(cn)) {
                 struct pollfd pf[2] = {{.fd = cn->listen_fd, .events = POLLIN},
                                        {.fd = cn->unix_fd, .events = POLLIN}}; /* (-1: ignored) */
-                if (poll(pf, 2, 200) <= 0)
+                if (poll(pf, 2, CONN_POLL_MS) <= 0)
                         continue;
                 bool from_unix = !(pf[0].revents & POLLIN);
                 int fd = from_unix ? kvf_net_accept(cn->unix_fd, false) : kvf_net_accept(cn->listen_fd, true);
@@ -212,9 +262,12 @@ void *conn_listener_main(void *arg)
                 sa->unix_socket = from_unix;
                 pthread_attr_init(&at);
                 pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED);
+                thread_add(cn, sa);
                 if (pthread_create(&t, &at, session_main, sa) != 0) {
+                        thread_unlink(cn, sa);
                         close(fd);
                         free(sa);
+                        thread_done(cn);
                 }
                 pthread_attr_destroy(&at);
         }

@@ -34,7 +34,7 @@ static int recv_once(struct connector *cn, struct io_uring *ring, int fd, void *
         io_uring_submit(ring);
         for (;;) {
                 struct io_uring_cqe *cqe;
-                struct __kernel_timespec ts = {.tv_sec = 0, .tv_nsec = 200000000};
+                struct __kernel_timespec ts = {.tv_sec = 0, .tv_nsec = kvf_ms(CONN_POLL_MS)};
                 int rc = io_uring_wait_cqe_timeout(ring, &cqe, &ts);
                 if (rc == 0) {
                         int res = cqe->res;
@@ -43,7 +43,7 @@ static int recv_once(struct connector *cn, struct io_uring *ring, int fd, void *
                 }
                 if (rc != -ETIME)
                         return rc;
-                if (conn_stopping(cn) || (timeout_ms && kvf_now_ns() - start > (uint64_t)timeout_ms * 1000000ull)) {
+                if (conn_stopping(cn) || (timeout_ms && kvf_now_ns() - start > kvf_ms(timeout_ms))) {
                         shutdown(fd, SHUT_RDWR);
                         if (io_uring_wait_cqe(ring, &cqe) == 0)
                                 io_uring_cqe_seen(ring, cqe);

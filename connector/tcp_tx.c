@@ -314,19 +314,20 @@ static void *conn_main(void *arg)
                         continue;
                 }
                 backoff_ms = 50;
-                dc->fd = fd;
                 uint64_t bit = 1ull << dc->idx;
                 pthread_mutex_lock(&xp->mu);
+                dc->fd = fd; /* under xp->mu: tcp_stop shuts it down */
                 for (struct xfer *x = xp->xfers; x; x = x->next)
                         ((struct tcp_xfer *)x->tp)->opened &= ~bit;
                 xfer_set_remote_blocks(xp, id.layout.num_blocks);
                 pthread_mutex_unlock(&xp->mu);
                 kvf_debug("data connection %u to '%s' up", dc->idx, p->name);
                 serve(dc, &ring);
-                close(fd);
-                dc->fd = -1;
-                /* What went over this connection and is not acknowledged may be lost. */
+                /* What went over this connection and is not acknowledged may be lost. Closed
+                 * under xp->mu: tcp_stop never shuts down a descriptor number reused meanwhile. */
                 pthread_mutex_lock(&xp->mu);
+                dc->fd = -1;
+                close(fd);
                 xfer_requeue_conn(xp, (int)dc->idx);
                 pthread_mutex_unlock(&xp->mu);
         }
@@ -360,12 +361,12 @@ void tcp_stop(struct xfer_peer *xp)
         struct tcp_peer *tp = xp->tp;
         pthread_mutex_lock(&xp->mu);
         unsigned n = tp->nconns;
-        pthread_mutex_unlock(&xp->mu);
-        for (unsigned i = 0; i < n; i++) {
+        for (unsigned i = 0; i < n; i++)
                 if (tp->conns[i].fd >= 0)
                         shutdown(tp->conns[i].fd, SHUT_RDWR);
+        pthread_mutex_unlock(&xp->mu);
+        for (unsigned i = 0; i < n; i++)
                 pthread_join(tp->conns[i].thread, NULL);
-        }
 }
 
 void tcp_peer_free(struct xfer_peer *xp)

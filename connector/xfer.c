@@ -37,13 +37,7 @@ static void fail_xfer(struct xfer_peer *xp, const struct xfer *x, int status, co
 
 void xfer_wait(struct xfer_peer *xp)
 {
-        struct timespec ts;
-        clock_gettime(CLOCK_REALTIME, &ts);
-        ts.tv_nsec += 200000000;
-        if (ts.tv_nsec >= 1000000000) {
-                ts.tv_sec++;
-                ts.tv_nsec -= 1000000000;
-        }
+        struct timespec ts = kvf_ts_after(CLOCK_REALTIME, kvf_ms(CONN_POLL_MS));
         pthread_cond_timedwait(&xp->cv, &xp->mu, &ts);
 }
 

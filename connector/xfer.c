@@ -282,7 +282,8 @@ static struct xfer_peer *xfer_peer(struct peer *p, const struct conn_transport *
         return xp;
 }
 
-/* The peer's state for t as the peer thread sees it (NULL: none yet). */
+/* The peer's state for transport i (NULL: none yet), from any thread: the control thread
+ * creates it under p->mu while the peer thread and others may look. Never with p->mu held. */
 static struct xfer_peer *xfer_peer_get(struct peer *p, unsigned i)
 {
         pthread_mutex_lock(&p->mu);
@@ -425,7 +426,7 @@ out:
 void conn_xfer_forget(struct peer *p, uint64_t key)
 {
         for (unsigned i = 0; i < conn_ntransports; i++) {
-                struct xfer_peer *xp = p->xfers[i];
+                struct xfer_peer *xp = xfer_peer_get(p, i);
                 if (!xp)
                         continue;
                 pthread_mutex_lock(&xp->mu);
@@ -440,7 +441,7 @@ int conn_xfer_noticed(struct peer *p, uint64_t key, char *why, size_t whylen)
 {
         int status = KVF_STATUS_FINISHED;
         for (unsigned i = 0; i < conn_ntransports; i++) {
-                struct xfer_peer *xp = p->xfers[i];
+                struct xfer_peer *xp = xfer_peer_get(p, i);
                 if (!xp)
                         continue;
                 pthread_mutex_lock(&xp->mu);
@@ -478,16 +479,18 @@ void conn_xfer_fail_transport(struct xfer_peer *xp, int status, const char *reas
 
 void conn_xfer_fail(struct peer *p, int status, const char *reason, uint64_t older_than)
 {
-        for (unsigned i = 0; i < conn_ntransports; i++)
-                if (p->xfers[i])
-                        conn_xfer_fail_transport(p->xfers[i], status, reason, older_than);
+        for (unsigned i = 0; i < conn_ntransports; i++) {
+                struct xfer_peer *xp = xfer_peer_get(p, i);
+                if (xp)
+                        conn_xfer_fail_transport(xp, status, reason, older_than);
+        }
 }
 
 bool conn_xfer_busy(struct peer *p)
 {
         bool busy = false;
         for (unsigned i = 0; i < conn_ntransports && !busy; i++) {
-                struct xfer_peer *xp = p->xfers[i];
+                struct xfer_peer *xp = xfer_peer_get(p, i);
                 if (!xp)
                         continue;
                 pthread_mutex_lock(&xp->mu);
@@ -500,7 +503,7 @@ bool conn_xfer_busy(struct peer *p)
 void conn_xfer_stop(struct peer *p)
 {
         for (unsigned i = 0; i < conn_ntransports; i++) {
-                struct xfer_peer *xp = p->xfers[i];
+                struct xfer_peer *xp = xfer_peer_get(p, i);
                 if (!xp)
                         continue;
                 pthread_mutex_lock(&xp->mu);

@@ -149,6 +149,13 @@ bool kvf_role_process_alive(const struct kvf_ctl *c, enum kvf_role_id role);
  * (a dead process is then noticed by the next call that checks).
  */
 uint64_t kvf_engine_session(const struct kvf_ctl *c, bool check_process);
+/*
+ * kvf_engine_session(c, true), and in *ended the session this call found over
+ * (detached, or its process gone), 0 if none: never a session that began
+ * during the call. Remember *ended, not the generation read afterwards: that
+ * may already be the next engine's.
+ */
+uint64_t kvf_engine_session_checked(const struct kvf_ctl *c, uint64_t *ended);
 const char *kvf_role_name(int role);
 /* "prefill", "decode", "mixed" (enum kvf_instance_role), or "unknown". */
 const char *kvf_irole_name(uint32_t instance_role);

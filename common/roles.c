@@ -144,6 +144,18 @@ uint64_t kvf_engine_session(const struct kvf_ctl *c, bool check_process)
         return kvf_load_acquire(&s->generation) == gen ? gen : 0;
 }
 
+uint64_t kvf_engine_session_checked(const struct kvf_ctl *c, uint64_t *ended)
+{
+        const struct kvf_role_slot *s = &c->roles[KVF_ROLE_ENGINE];
+        uint64_t gen = kvf_load_acquire(&s->generation);
+        uint64_t live = kvf_engine_session(c, true);
+        /* Over only if no engine attached during the check: an attaching engine stores its
+         * pid before its generation, so the check may have judged the new pid against the old
+         * session's start time; the new session is then not the one found dead. */
+        *ended = !live && gen && kvf_load_acquire(&s->generation) == gen ? gen : 0;
+        return live;
+}
+
 bool kvf_role_alive(const struct kvf_ctl *c, enum kvf_role_id role, uint64_t now_ns)
 {
         const struct kvf_role_slot *s = &c->roles[role];

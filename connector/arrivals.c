@@ -316,10 +316,10 @@ uint64_t conn_engine_session(struct connector *cn)
  */
 void conn_engine_check(struct connector *cn)
 {
-        uint64_t live = kvf_engine_session(&cn->ctl, true);
-        if (!live)
-                kvf_store_release(&cn->eng_dead,
-                                  kvf_load_acquire(&cn->ctl.roles[KVF_ROLE_ENGINE].generation));
+        uint64_t ended;
+        uint64_t live = kvf_engine_session_checked(&cn->ctl, &ended);
+        if (ended)
+                kvf_store_release(&cn->eng_dead, ended);
         if (live == cn->eng_seen)
                 return;
         if (cn->eng_seen)

@@ -50,11 +50,16 @@ static void why_ended(struct sender *s, uint64_t old, uint64_t live, char *buf, 
 
 void sender_sessions_check(struct sender *s, bool check_process)
 {
-        uint64_t live = kvf_engine_session(&s->ctl, check_process);
-        if (check_process && !live)
-                s->dead_session = kvf_load_acquire(&s->ctl.roles[KVF_ROLE_ENGINE].generation);
-        else if (!check_process && live && live == s->dead_session)
-                live = 0; /* found dead by an earlier check: the slot still says running */
+        uint64_t live, over = 0;
+        if (check_process) {
+                live = kvf_engine_session_checked(&s->ctl, &over);
+                if (over)
+                        s->dead_session = over;
+        } else {
+                live = kvf_engine_session(&s->ctl, false);
+                if (live && live == s->dead_session)
+                        live = 0; /* found dead by an earlier check: the slot still says running */
+        }
         if (live == s->session)
                 return;
         uint64_t old = s->session;

@@ -59,7 +59,8 @@
         X(BLOCKS_RDMA, "blocks_sent_rdma")                                                         \
         X(RDMA_COMPLETION_ERRORS, "rdma_completion_errors")                                        \
         X(RDMA_POST_ERRORS, "rdma_post_errors")                                                    \
-        X(RDMA_DONE_RECEIVED, "rdma_done_messages_received")
+        X(RDMA_DONE_RECEIVED, "rdma_done_messages_received")                                       \
+        X(FRAMES_TCP, "data_frames_sent_tcp")
 
 enum kvf_counter_id {
 #define KVF_COUNTER_ENUM(id, name) KVF_CTR_##id,

@@ -16,7 +16,8 @@
 #include "log.h"
 #include "transport.h"
 
-#define PROTO_VERSION 1u
+/* 2: tcp data connections may carry gathered frames (KVF_RT_DATAV, connector/tcp.h). */
+#define PROTO_VERSION 2u
 
 int conn_send_record(int fd, const struct kvf_record *r, unsigned timeout_ms)
 {

@@ -13,6 +13,11 @@
  *
  * Wire: the 8-byte frame header of net.h, then for DATA a 24-byte
  * kvf_data_hdr (network byte order) and nblocks * block_bytes of payload.
+ * Consecutive runs of one transfer in one send batch are gathered into one
+ * DATAV frame (up to KVF_DATAV_RUNS_MAX runs and KVF_DATA_FRAME_MAX bytes):
+ * a 16-byte kvf_datav_hdr, nruns 16-byte kvf_datav_run entries, then the
+ * runs' payloads in the same order. The receiver checks every run before
+ * a byte of payload is read and receives them all with one recvmsg.
  */
 #ifndef KVF_TCP_H
 #define KVF_TCP_H
@@ -33,7 +38,23 @@ struct kvf_data_hdr {
 };
 _Static_assert(sizeof(struct kvf_data_hdr) == 24, "data header size");
 
+/* A gathered frame (KVF_RT_DATAV): several runs of one transfer. */
+struct kvf_datav_hdr {
+        uint64_t key;
+        uint32_t nruns; /* 1 to KVF_DATAV_RUNS_MAX */
+        uint32_t pad;
+};
+struct kvf_datav_run {
+        uint32_t layer;
+        uint16_t tensor;
+        uint16_t pad;
+        uint32_t index;
+        uint32_t nblocks;
+};
+_Static_assert(sizeof(struct kvf_datav_hdr) == 16 && sizeof(struct kvf_datav_run) == 16, "datav sizes");
+
 #define KVF_DATA_FRAME_MAX (4u << 20) /* payload bytes per frame (a run is split above it) */
+#define KVF_DATAV_RUNS_MAX 64u        /* runs in one gathered frame */
 #define KVF_XOPEN_MAX (1u << 20)      /* bytes of an XOPEN record */
 
 /* tcp_tx.c: the prefill side's ops */

@@ -21,16 +21,16 @@
 #include "tcp.h"
 
 /*
- * Submit one receive and wait for it. Returns its result (bytes, 0 at end of
- * stream, -errno), or -ETIMEDOUT once timeout_ms (0 = none) has passed since
- * `start`, or -ECANCELED when the connector stops; either way the pending
- * receive is failed and collected first.
+ * Submit one receive (into mh's iovecs) and wait for it. Returns its result
+ * (bytes, 0 at end of stream, -errno), or -ETIMEDOUT once timeout_ms (0 =
+ * none) has passed since `start`, or -ECANCELED when the connector stops;
+ * either way the pending receive is failed and collected first.
  */
-static int recv_once(struct connector *cn, struct io_uring *ring, int fd, void *p, uint32_t n,
-                     int flags, uint64_t start, unsigned timeout_ms)
+static int recv_once(struct connector *cn, struct io_uring *ring, int fd, struct msghdr *mh, int flags,
+                     uint64_t start, unsigned timeout_ms)
 {
         struct io_uring_sqe *sqe = io_uring_get_sqe(ring);
-        io_uring_prep_recv(sqe, fd, p, n, flags);
+        io_uring_prep_recvmsg(sqe, fd, mh, (unsigned)flags);
         io_uring_submit(ring);
         for (;;) {
                 struct io_uring_cqe *cqe;
@@ -52,14 +52,50 @@ static int recv_once(struct connector *cn, struct io_uring *ring, int fd, void *
         }
 }
 
+/* One receive of up to n bytes into p. */
+static int recv_buf(struct connector *cn, struct io_uring *ring, int fd, void *p, uint32_t n, int flags,
+                    uint64_t start, unsigned timeout_ms)
+{
+        struct iovec iov = {p, n};
+        struct msghdr mh = {.msg_iov = &iov, .msg_iovlen = 1};
+        return recv_once(cn, ring, fd, &mh, flags, start, timeout_ms);
+}
+
+/*
+ * Receive exactly the bytes of iov[0..n) (consumed as they fill), within
+ * timeout_ms of the start (0 = wait, watching conn_stopping(cn)). 0, or -errno.
+ */
+static int recv_iov(struct connector *cn, struct io_uring *ring, int fd, struct iovec *iov, size_t n,
+                    unsigned timeout_ms)
+{
+        uint64_t start = kvf_now_ns();
+        while (n > 0) {
+                if (iov->iov_len == 0) {
+                        iov++, n--;
+                        continue;
+                }
+                struct msghdr mh = {.msg_iov = iov, .msg_iovlen = n};
+                int res = recv_once(cn, ring, fd, &mh, MSG_WAITALL, start, timeout_ms);
+                if (res <= 0)
+                        return res == 0 ? -ECONNRESET : res;
+                for (size_t got = (size_t)res; got > 0;) {
+                        size_t k = got < iov->iov_len ? got : iov->iov_len;
+                        iov->iov_base = (uint8_t *)iov->iov_base + k;
+                        iov->iov_len -= k;
+                        got -= k;
+                        if (iov->iov_len == 0 && got > 0)
+                                iov++, n--;
+                }
+        }
+        return 0;
+}
+
 /* One receive of exactly n bytes into p, within timeout_ms (0 = wait, watching conn_stopping(cn)). */
 static int recv_exact(struct connector *cn, struct io_uring *ring, int fd, void *p, uint32_t n,
                       unsigned timeout_ms)
 {
-        int res = recv_once(cn, ring, fd, p, n, MSG_WAITALL, kvf_now_ns(), timeout_ms);
-        if (res < 0)
-                return res;
-        return (uint32_t)res == n ? 0 : (res == 0 ? -ECONNRESET : -EPIPE);
+        struct iovec iov = {p, n};
+        return recv_iov(cn, ring, fd, &iov, 1, timeout_ms);
 }
 
 /*
@@ -95,8 +131,8 @@ static int stage_fill(struct connector *cn, struct io_uring *ring, int fd, struc
                 if (want > st->cap)
                         want = st->cap;
                 /* Idle between frames is fine; inside a frame the bound applies. */
-                int res = recv_once(cn, ring, fd, st->b + st->len, want - st->len, 0, start,
-                                    st->len > 0 ? timeout_ms : 0);
+                int res = recv_buf(cn, ring, fd, st->b + st->len, want - st->len, 0, start,
+                                   st->len > 0 ? timeout_ms : 0);
                 if (res <= 0)
                         return res == 0 ? -ECONNRESET : res;
                 st->len += (uint32_t)res;
@@ -124,6 +160,118 @@ static int stage_payload(struct connector *cn, struct io_uring *ring, int fd, st
                 st->off += k;
                 n -= k;
         }
+        return 0;
+}
+
+/* The blocks of a received run are in: counted, and marked in the landing bitmap. */
+static void landed(struct connector *cn, const char *peer, uint64_t gen, const struct landing_run *run,
+                   uint64_t bytes)
+{
+        kvf_count(&cn->ctl, KVF_CTR_BYTES_TCP_RECEIVED, bytes);
+        conn_landing_mark(cn, peer, gen, run);
+}
+
+/*
+ * A DATAV frame whose frame header is in the stage (len: the bytes after it):
+ * every run checked before a byte of payload is read, then all of them
+ * received with one receive, from the stage first. 0; 1 the connection ends
+ * (closed, stopping, cut short; reported); -EPROTO a violation (why).
+ */
+static int serve_datav(struct connector *cn, struct io_uring *ring, int fd, struct stage *st,
+                       const char *peer, uint64_t gen, const char *remote, uint32_t len, unsigned to,
+                       char *why, size_t whylen)
+{
+        const uint64_t bb = cn->ctl.hdr->layout.block_bytes;
+        struct landing_run runs[KVF_DATAV_RUNS_MAX];
+        uint64_t off[KVF_DATAV_RUNS_MAX];
+        uint8_t *dst[KVF_DATAV_RUNS_MAX];
+        struct iovec iov[KVF_DATAV_RUNS_MAX];
+        struct kvf_datav_hdr h;
+
+        if (len < sizeof(h)) {
+                snprintf(why, whylen, "gathered data frame of %u bytes", len);
+                return -EPROTO;
+        }
+        if (stage_fill(cn, ring, fd, st, KVF_FRAME_HDR + sizeof(h), to) < 0)
+                return 1;
+        memcpy(&h, st->b + st->off + KVF_FRAME_HDR, sizeof(h));
+        uint32_t n = ntohl(h.nruns);
+        uint64_t table = sizeof(h) + (uint64_t)n * sizeof(struct kvf_datav_run);
+        if (n == 0 || n > KVF_DATAV_RUNS_MAX || len < table) {
+                snprintf(why, whylen, "gathered data frame of %u runs in %u bytes (1 to %u runs)", n, len,
+                         KVF_DATAV_RUNS_MAX);
+                return -EPROTO;
+        }
+        if (stage_fill(cn, ring, fd, st, KVF_FRAME_HDR + (uint32_t)table, to) < 0)
+                return 1;
+        const uint8_t *t = st->b + st->off + KVF_FRAME_HDR + sizeof(h);
+        uint64_t key = be64toh(h.key), runs_bytes = 0, plen = len - table;
+        for (uint32_t i = 0; i < n; i++) {
+                struct kvf_datav_run w;
+                memcpy(&w, t + i * sizeof(w), sizeof(w));
+                runs[i] = (struct landing_run){.key = key, .layer = ntohl(w.layer), .tensor = ntohs(w.tensor),
+                                               .index = ntohl(w.index), .nblocks = ntohl(w.nblocks)};
+                runs_bytes += runs[i].nblocks * bb;
+        }
+        st->off += KVF_FRAME_HDR + (uint32_t)table;
+        if (runs_bytes != plen) {
+                snprintf(why, whylen, "gathered data frame of %llu payload bytes for runs of %llu",
+                         (unsigned long long)plen, (unsigned long long)runs_bytes);
+                return -EPROTO;
+        }
+        bool drop = false;
+        for (uint32_t i = 0; i < n; i++) {
+                int rc = conn_landing_check(cn, peer, gen, &runs[i], runs[i].nblocks * bb, &off[i], why, whylen);
+                if (rc < 0)
+                        return -EPROTO;
+                drop |= rc == 1;
+        }
+        if (drop) { /* a closed transfer (or its engine session is over): read and dropped */
+                if (stage_payload(cn, ring, fd, st, NULL, plen, to) == 0)
+                        return 0;
+                kvf_count(&cn->ctl, KVF_CTR_FRAMES_REJECTED, 1);
+                kvf_warn("peer '%s' (%s): data frame cut short", peer, remote);
+                return 1;
+        }
+        uint32_t began = 0;
+        int rc = 0;
+        for (; began < n && rc == 0; began++)
+                rc = kvf_cache_io_begin(&cn->cache, off[began], runs[began].nblocks * bb, true, &dst[began]);
+        if (rc < 0) {
+                began--;
+                kvf_errlog(&cn->ctl, KVF_ROLE_CONNECTOR, "data from '%s' (%s): %s: disconnected", peer, remote,
+                           kvf_err_msg());
+        } else {
+                /* What the stage holds already, then the rest straight from the socket. */
+                for (uint32_t i = 0; i < n; i++)
+                        iov[i] = (struct iovec){dst[i], runs[i].nblocks * bb};
+                uint32_t i = 0;
+                while (st->off < st->len && i < n) {
+                        size_t k = st->len - st->off < iov[i].iov_len ? st->len - st->off : iov[i].iov_len;
+                        memcpy(iov[i].iov_base, st->b + st->off, k);
+                        st->off += (uint32_t)k;
+                        iov[i].iov_base = (uint8_t *)iov[i].iov_base + k;
+                        if ((iov[i].iov_len -= k) == 0)
+                                i++;
+                }
+                rc = recv_iov(cn, ring, fd, iov + i, n - i, to);
+                if (rc < 0) {
+                        kvf_count(&cn->ctl, KVF_CTR_FRAMES_REJECTED, 1);
+                        kvf_warn("peer '%s' (%s): data frame cut short", peer, remote);
+                }
+        }
+        /* Every run begun is ended, received or not: what a failure left in them is in blocks
+         * of this transfer, unmarked, and written again when its frames are sent again. */
+        for (uint32_t i = 0; i < began; i++)
+                if (kvf_cache_io_end(&cn->cache, off[i], runs[i].nblocks * bb, true, dst[i]) < 0 && rc == 0) {
+                        kvf_errlog(&cn->ctl, KVF_ROLE_CONNECTOR, "data from '%s' (%s): %s: disconnected", peer,
+                                   remote, kvf_err_msg());
+                        rc = -EIO;
+                }
+        if (rc < 0)
+                return 1;
+        for (uint32_t i = 0; i < n; i++)
+                landed(cn, peer, gen, &runs[i], runs[i].nblocks * bb);
         return 0;
 }
 
@@ -174,6 +322,14 @@ void tcp_serve(struct connector *cn, int fd, const struct peer_identity *id, con
                                 break;
                         continue;
                 }
+                if (type == KVF_RT_DATAV) {
+                        int rc = serve_datav(cn, &ring, fd, &st, peer, gen, remote, len, to, why, sizeof(why));
+                        if (rc == -EPROTO)
+                                goto violation;
+                        if (rc != 0)
+                                break;
+                        continue;
+                }
                 if (type != KVF_RT_DATA || len < sizeof(struct kvf_data_hdr)) {
                         snprintf(why, sizeof(why), "frame of type %u and %u bytes on a data connection", type, len);
                         goto violation;
@@ -213,8 +369,7 @@ void tcp_serve(struct connector *cn, int fd, const struct peer_identity *id, con
                                    peer, remote, kvf_err_msg());
                         break;
                 }
-                kvf_count(&cn->ctl, KVF_CTR_BYTES_TCP_RECEIVED, plen);
-                conn_landing_mark(cn, peer, gen, &run);
+                landed(cn, peer, gen, &run, plen);
         }
         goto out;
 violation:

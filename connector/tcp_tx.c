@@ -21,8 +21,6 @@
 #include "xfer.h"
 
 #define MAX_STREAMS 16u
-#define BATCH_FRAMES 32u
-#define BATCH_BYTES (4u << 20)
 
 struct data_conn {
         struct xfer_peer *xp;
@@ -84,23 +82,91 @@ void tcp_xfer_free(struct xfer_peer *xp, struct xfer *x)
 
 /* ---- data connection threads ---- */
 
+#define BATCH_FRAMES 128u
+#define BATCH_BYTES (4u << 20)
+
+/* A frame of the batch: its payload's host memory, and the XOPEN that goes before it. */
 struct sendbuf {
-        uint8_t hdr[KVF_FRAME_HDR + sizeof(struct kvf_data_hdr)];
-        uint8_t *src; /* the payload's host memory (kvf_cache_io_begin), released once sent */
+        uint8_t *src; /* kvf_cache_io_begin's, released once sent */
         const uint8_t *xopen; /* the transfer's XOPEN frame, when this frame needs one first */
         uint32_t xopen_len;
-        struct iovec iov[2];
+};
+
+/* A frame on the wire: DATA (one run), or DATAV (consecutive runs of one transfer). */
+#define WIRE_HDR_MAX                                                                               \
+        (KVF_FRAME_HDR + sizeof(struct kvf_datav_hdr) + KVF_DATAV_RUNS_MAX * sizeof(struct kvf_datav_run))
+struct wire {
+        uint8_t hdr[WIRE_HDR_MAX];
+        struct iovec iov[1 + KVF_DATAV_RUNS_MAX];
         struct msghdr mh;
         struct iovec xiov;
         struct msghdr xmh;
 };
 
+/* One data connection's batch (heap: a few hundred KiB). */
+struct batch {
+        struct frame *fs[BATCH_FRAMES];
+        struct sendbuf sb[BATCH_FRAMES];
+        struct wire w[BATCH_FRAMES];
+};
+
 /* The payloads' host memory is no longer needed (sent, or given up). */
-static void release_src(struct xfer_peer *xp, struct frame **fs, unsigned n, struct sendbuf *sb)
+static void release_src(struct xfer_peer *xp, struct batch *b, unsigned n)
 {
         struct connector *cn = xp->p->cn;
         for (unsigned i = 0; i < n; i++)
-                kvf_cache_io_end(&cn->cache, fs[i]->src_off, xfer_frame_bytes(xp, fs[i]), false, sb[i].src);
+                kvf_cache_io_end(&cn->cache, b->fs[i]->src_off, xfer_frame_bytes(xp, b->fs[i]), false,
+                                 b->sb[i].src);
+}
+
+/*
+ * Frames [i, j) of the batch as one wire frame in w: a DATA frame for one,
+ * a DATAV frame for several (one transfer's). Returns the bytes it sends.
+ */
+static uint64_t wire_frame(struct xfer_peer *xp, struct batch *b, unsigned i, unsigned j, struct wire *w)
+{
+        uint64_t payload = 0;
+        for (unsigned k = i; k < j; k++)
+                payload += xfer_frame_bytes(xp, b->fs[k]);
+        size_t hl;
+        if (j - i == 1) {
+                const struct frame *f = b->fs[i];
+                struct kvf_data_hdr h = {.key = htobe64(f->x->key), .layer = htonl(f->layer),
+                                         .tensor = htons(f->tensor), .index = htonl(f->index),
+                                         .nblocks = htonl(f->nblocks)};
+                hl = KVF_FRAME_HDR + sizeof(h);
+                kvf_net_put_hdr(w->hdr, (uint32_t)(sizeof(h) + payload), KVF_RT_DATA, 0);
+                memcpy(w->hdr + KVF_FRAME_HDR, &h, sizeof(h));
+        } else {
+                struct kvf_datav_hdr h = {.key = htobe64(b->fs[i]->x->key), .nruns = htonl(j - i)};
+                hl = KVF_FRAME_HDR + sizeof(h) + (j - i) * sizeof(struct kvf_datav_run);
+                kvf_net_put_hdr(w->hdr, (uint32_t)(hl - KVF_FRAME_HDR + payload), KVF_RT_DATAV, 0);
+                memcpy(w->hdr + KVF_FRAME_HDR, &h, sizeof(h));
+                uint8_t *r = w->hdr + KVF_FRAME_HDR + sizeof(h);
+                for (unsigned k = i; k < j; k++, r += sizeof(struct kvf_datav_run)) {
+                        const struct frame *f = b->fs[k];
+                        struct kvf_datav_run run = {.layer = htonl(f->layer), .tensor = htons(f->tensor),
+                                                    .index = htonl(f->index), .nblocks = htonl(f->nblocks)};
+                        memcpy(r, &run, sizeof(run));
+                }
+        }
+        w->iov[0] = (struct iovec){w->hdr, hl};
+        for (unsigned k = i; k < j; k++)
+                w->iov[1 + k - i] = (struct iovec){b->sb[k].src, xfer_frame_bytes(xp, b->fs[k])};
+        w->mh = (struct msghdr){.msg_iov = w->iov, .msg_iovlen = 1 + j - i};
+        return hl + payload;
+}
+
+/* Where the wire frame that starts at frame i ends: the frames after it of the same transfer
+ * that need no XOPEN of their own, within the run and byte limits of a DATAV frame. */
+static unsigned gather_end(struct xfer_peer *xp, const struct batch *b, unsigned i, unsigned n)
+{
+        uint64_t bytes = xfer_frame_bytes(xp, b->fs[i]);
+        unsigned j = i + 1;
+        while (j < n && j - i < KVF_DATAV_RUNS_MAX && b->fs[j]->x == b->fs[i]->x && !b->sb[j].xopen &&
+               bytes + xfer_frame_bytes(xp, b->fs[j]) <= KVF_DATA_FRAME_MAX)
+                bytes += xfer_frame_bytes(xp, b->fs[j++]);
+        return j;
 }
 
 /*
@@ -108,55 +174,46 @@ static void release_src(struct xfer_peer *xp, struct frame **fs, unsigned n, str
  * order on the stream) and wait for all of it. 0, or -errno if the
  * connection must be dropped.
  */
-static int send_batch(struct data_conn *dc, struct io_uring *ring, struct frame **fs, unsigned n,
-                      struct sendbuf *sb)
+static int send_batch(struct data_conn *dc, struct io_uring *ring, struct batch *b, unsigned n)
 {
         struct xfer_peer *xp = dc->xp;
         struct connector *cn = xp->p->cn;
-        unsigned ops = 0;
+        unsigned ops = 0, nwire = 0;
         int rc = 0;
 
         /* The blocks' bytes in host memory: the cache itself, or a staging buffer the
          * backend fills (cache.h); all of them before a single send is queued. */
         for (unsigned i = 0; i < n; i++) {
-                if (kvf_cache_io_begin(&cn->cache, fs[i]->src_off, xfer_frame_bytes(xp, fs[i]), false,
-                                       &sb[i].src) < 0) {
+                if (kvf_cache_io_begin(&cn->cache, b->fs[i]->src_off, xfer_frame_bytes(xp, b->fs[i]), false,
+                                       &b->sb[i].src) < 0) {
                         kvf_errlog(&cn->ctl, KVF_ROLE_CONNECTOR, "data for '%s': %s", xp->p->name,
                                    kvf_err_msg());
-                        release_src(xp, fs, i, sb);
+                        release_src(xp, b, i);
                         return -EIO;
                 }
         }
-        for (unsigned i = 0; i < n; i++) {
-                struct frame *f = fs[i];
-                struct sendbuf *b = &sb[i];
+        for (unsigned i = 0, j; i < n; i = j) {
+                j = gather_end(xp, b, i, n);
+                struct wire *w = &b->w[nwire++];
                 struct io_uring_sqe *sqe;
-                uint64_t len = xfer_frame_bytes(xp, f);
-                if (b->xopen) {
-                        b->xiov = (struct iovec){(void *)b->xopen, b->xopen_len};
-                        b->xmh = (struct msghdr){.msg_iov = &b->xiov, .msg_iovlen = 1};
+                if (b->sb[i].xopen) {
+                        w->xiov = (struct iovec){(void *)b->sb[i].xopen, b->sb[i].xopen_len};
+                        w->xmh = (struct msghdr){.msg_iov = &w->xiov, .msg_iovlen = 1};
                         sqe = io_uring_get_sqe(ring);
-                        io_uring_prep_sendmsg(sqe, dc->fd, &b->xmh, MSG_WAITALL | MSG_NOSIGNAL);
+                        io_uring_prep_sendmsg(sqe, dc->fd, &w->xmh, MSG_WAITALL | MSG_NOSIGNAL);
                         sqe->flags |= IOSQE_IO_LINK;
-                        io_uring_sqe_set_data64(sqe, b->xopen_len);
+                        io_uring_sqe_set_data64(sqe, b->sb[i].xopen_len);
                         ops++;
                 }
-                struct kvf_data_hdr h = {.key = htobe64(f->x->key), .layer = htonl(f->layer),
-                                         .tensor = htons(f->tensor), .index = htonl(f->index),
-                                         .nblocks = htonl(f->nblocks)};
-                kvf_net_put_hdr(b->hdr, (uint32_t)(sizeof(h) + len), KVF_RT_DATA, 0);
-                memcpy(b->hdr + KVF_FRAME_HDR, &h, sizeof(h));
-                b->iov[0] = (struct iovec){b->hdr, sizeof(b->hdr)};
-                b->iov[1] = (struct iovec){b->src, len};
-                b->mh = (struct msghdr){.msg_iov = b->iov, .msg_iovlen = 2};
+                uint64_t len = wire_frame(xp, b, i, j, w);
                 sqe = io_uring_get_sqe(ring);
                 if (cn->cfg.tcp.zerocopy)
-                        io_uring_prep_sendmsg_zc(sqe, dc->fd, &b->mh, MSG_WAITALL | MSG_NOSIGNAL);
+                        io_uring_prep_sendmsg_zc(sqe, dc->fd, &w->mh, MSG_WAITALL | MSG_NOSIGNAL);
                 else
-                        io_uring_prep_sendmsg(sqe, dc->fd, &b->mh, MSG_WAITALL | MSG_NOSIGNAL);
-                if (i + 1 < n)
+                        io_uring_prep_sendmsg(sqe, dc->fd, &w->mh, MSG_WAITALL | MSG_NOSIGNAL);
+                if (j < n)
                         sqe->flags |= IOSQE_IO_LINK;
-                io_uring_sqe_set_data64(sqe, sizeof(b->hdr) + len);
+                io_uring_sqe_set_data64(sqe, len);
                 ops++;
         }
         io_uring_submit(ring);
@@ -198,7 +255,9 @@ static int send_batch(struct data_conn *dc, struct io_uring *ring, struct frame 
         /* (w < 0 left completions behind: the staging memory stays with the connection's
          * frames, which go again; a host cache has nothing to release anyway) */
         if (results == ops && notifs == 0)
-                release_src(xp, fs, n, sb);
+                release_src(xp, b, n);
+        if (rc == 0)
+                kvf_count(&cn->ctl, KVF_CTR_FRAMES_TCP, nwire);
         return rc;
 }
 
@@ -214,12 +273,10 @@ static bool closed_by_peer(int fd)
         return n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR);
 }
 
-static void serve(struct data_conn *dc, struct io_uring *ring)
+static void serve(struct data_conn *dc, struct io_uring *ring, struct batch *b)
 {
         struct xfer_peer *xp = dc->xp;
         struct connector *cn = xp->p->cn;
-        struct frame *fs[BATCH_FRAMES];
-        struct sendbuf sb[BATCH_FRAMES];
         uint64_t bit = 1ull << dc->idx;
 
         for (;;) {
@@ -240,14 +297,14 @@ static void serve(struct data_conn *dc, struct io_uring *ring)
                 while (xp->qhead && n < BATCH_FRAMES && bytes < BATCH_BYTES) {
                         struct frame *f = xfer_dequeue(xp, (int)dc->idx);
                         struct tcp_xfer *tx = f->x->tp;
-                        memset(&sb[n], 0, sizeof(sb[n]));
+                        b->sb[n] = (struct sendbuf){0};
                         if (!(tx->opened & bit)) {
                                 tx->opened |= bit;
-                                sb[n].xopen = tx->xopen;
-                                sb[n].xopen_len = tx->xopen_len;
+                                b->sb[n].xopen = tx->xopen;
+                                b->sb[n].xopen_len = tx->xopen_len;
                         }
                         bytes += xfer_frame_bytes(xp, f);
-                        fs[n++] = f;
+                        b->fs[n++] = f;
                 }
                 bool stopping = xfer_stopping(xp);
                 bool room = xfer_has_room(xp);
@@ -258,9 +315,9 @@ static void serve(struct data_conn *dc, struct io_uring *ring)
                                 return;
                         continue;
                 }
-                int rc = send_batch(dc, ring, fs, n, sb);
+                int rc = send_batch(dc, ring, b, n);
                 pthread_mutex_lock(&xp->mu);
-                xfer_give_back(xp, fs, n, rc == 0);
+                xfer_give_back(xp, b->fs, n, rc == 0);
                 pthread_mutex_unlock(&xp->mu);
                 if (rc < 0) {
                         kvf_warn("data connection %u to '%s' lost: %s", dc->idx, xp->p->name,
@@ -283,9 +340,11 @@ static void *conn_main(void *arg)
         char host[128];
         uint16_t port;
 
-        if (io_uring_queue_init(4 * BATCH_FRAMES, &ring, 0) < 0) {
-                kvf_errlog(&cn->ctl, KVF_ROLE_CONNECTOR, "io_uring_queue_init failed: data connection %u to '%s' not started",
-                           dc->idx, p->name);
+        struct batch *b = malloc(sizeof(*b));
+        if (!b || io_uring_queue_init(4 * BATCH_FRAMES, &ring, 0) < 0) {
+                kvf_errlog(&cn->ctl, KVF_ROLE_CONNECTOR, "%s: data connection %u to '%s' not started",
+                           b ? "io_uring_queue_init failed" : "out of memory", dc->idx, p->name);
+                free(b);
                 return NULL;
         }
         while (!xfer_stopping(xp)) {
@@ -322,7 +381,7 @@ static void *conn_main(void *arg)
                 xfer_set_remote_blocks(xp, id.layout.num_blocks);
                 pthread_mutex_unlock(&xp->mu);
                 kvf_debug("data connection %u to '%s' up", dc->idx, p->name);
-                serve(dc, &ring);
+                serve(dc, &ring, b);
                 /* What went over this connection and is not acknowledged may be lost. Closed
                  * under xp->mu: tcp_stop never shuts down a descriptor number reused meanwhile. */
                 pthread_mutex_lock(&xp->mu);
@@ -332,6 +391,7 @@ static void *conn_main(void *arg)
                 pthread_mutex_unlock(&xp->mu);
         }
         io_uring_queue_exit(&ring);
+        free(b);
         return NULL;
 }
 

@@ -80,7 +80,7 @@ static int dial(const char *purpose, const uint8_t *tok, size_t tl)
         int fd = kvf_net_connect(host, (uint16_t)port, 2000);
         CHECK(fd >= 0);
         uint8_t nc[32], ns[32], want[32];
-        struct kvf_record r = {.type = KVF_RT_HELLO, .proto = 1};
+        struct kvf_record r = {.type = KVF_RT_HELLO, .proto = 2};
         kvf_random(nc, 32);
         memcpy(r.nonce, nc, 32);
         snprintf(r.purpose, sizeof(r.purpose), "%s", purpose);
@@ -134,6 +134,43 @@ static void data(int fd, uint64_t key, uint32_t layer, uint16_t tensor, uint32_t
         kvf_net_write_all(fd, hb, sizeof(hb), 2000);
         uint8_t *p = malloc(payload + 1);
         memset(p, fillb, payload + 1);
+        kvf_net_write_all(fd, p, payload, 2000);
+        free(p);
+}
+
+/*
+ * A DATAV frame (type 49, packed by hand like data()): `nruns` in its header, the first `nsent`
+ * entries of run[] = {layer, tensor, index, nblocks} as its table, `declared` as the frame
+ * length, then `payload` bytes: from src, or 0xee.
+ */
+static void datav(int fd, uint64_t key, uint32_t nruns, const uint32_t (*run)[4], uint32_t nsent,
+                  uint32_t declared, uint32_t payload, const uint8_t *src)
+{
+        size_t hl = KVF_FRAME_HDR + 16 + (size_t)nsent * 16;
+        uint8_t *hb = calloc(1, hl);
+        CHECK(hb != NULL);
+        kvf_net_put_hdr(hb, declared, 49, 0);
+        uint64_t k = htobe64(key);
+        uint32_t nr = htonl(nruns);
+        memcpy(hb + 8, &k, 8);
+        memcpy(hb + 16, &nr, 4);
+        for (uint32_t i = 0; i < nsent; i++) {
+                uint8_t *e = hb + KVF_FRAME_HDR + 16 + 16 * i;
+                uint32_t ly = htonl(run[i][0]), ix = htonl(run[i][2]), nb = htonl(run[i][3]);
+                uint16_t tn = htons((uint16_t)run[i][1]);
+                memcpy(e, &ly, 4);
+                memcpy(e + 4, &tn, 2);
+                memcpy(e + 8, &ix, 4);
+                memcpy(e + 12, &nb, 4);
+        }
+        kvf_net_write_all(fd, hb, hl, 2000);
+        free(hb);
+        uint8_t *p = malloc(payload + 1);
+        CHECK(p != NULL);
+        if (src)
+                memcpy(p, src, payload);
+        else
+                memset(p, 0xee, payload);
         kvf_net_write_all(fd, p, payload, 2000);
         free(p);
 }
@@ -336,6 +373,34 @@ int main(void)
         data(fd, 6, 0, 0, 0, 2, 24 + 2 * bb, 2 * bb, 0xee);
         expect_drop("run over non-contiguous blocks", fd, before, "not contiguous");
 
+        /* Gathered frames (DATAV): every run is checked before a byte is written. */
+        before = rejected();
+        fd = dial("data", token, toklen);
+        datav(fd, 8, 0, NULL, 0, 16, 0, NULL);
+        expect_drop("gathered frame of no runs", fd, before, "gathered data frame of 0 runs");
+
+        before = rejected();
+        fd = dial("data", token, toklen);
+        datav(fd, 8, 65, NULL, 0, 16 + 65 * 16, 0, NULL);
+        expect_drop("gathered frame of 65 runs", fd, before, "gathered data frame of 65 runs");
+
+        {
+                static const uint32_t two[2][4] = {{0, 0, 0, 1}, {0, 1, 0, 1}};
+                before = rejected();
+                fd = dial("data", token, toklen);
+                xopen(fd, 8, d3, 3);
+                datav(fd, 8, 2, two, 2, 16 + 32 + bb, bb, NULL);
+                expect_drop("gathered runs longer than the frame", fd, before, "payload bytes for runs of");
+
+                /* The first run is good and names blocks 10 and 11: nothing of it may land. */
+                static const uint32_t past[2][4] = {{1, 0, 0, 2}, {1, 0, 2, 2}};
+                before = rejected();
+                fd = dial("data", token, toklen);
+                xopen(fd, 9, d3, 3);
+                datav(fd, 9, 2, past, 2, 16 + 32 + 4 * bb, 4 * bb, NULL);
+                expect_drop("gathered run past the transfer", fd, before, "data for blocks [2, +2)");
+        }
+
         before = rejected();
         fd = dial("data", token, toklen);
         {
@@ -392,9 +457,27 @@ int main(void)
         int dfd = dial("data", token, toklen), cfd = dial("control", token, toklen);
         CHECK(dfd >= 0 && cfd >= 0);
         xopen(dfd, 99, d3, 3);
+        /* Layers 0 and 1 in data frames; the rest gathered: one frame of a run per
+         * (layer, tensor), blocks 10 and 11 as one run and block 12 as another. */
+        uint32_t gathered[64][4], ng = 0;
+        uint8_t *gp = malloc((size_t)32 * 3 * bb); /* 3 blocks per (layer, tensor) */
+        CHECK(gp != NULL);
         for (uint32_t l = 0; l < layers; l++)
-                for (uint16_t t = 0; t < tensors; t++)
-                        data(dfd, 99, l, t, 0, 3, 24 + 3 * bb, 3 * bb, (uint8_t)(l * 2 + t + 1));
+                for (uint16_t t = 0; t < tensors; t++) {
+                        uint8_t fill = (uint8_t)(l * 2 + t + 1);
+                        if (l < 2) {
+                                data(dfd, 99, l, t, 0, 3, 24 + 3 * bb, 3 * bb, fill);
+                                continue;
+                        }
+                        CHECK(ng + 2 <= 64);
+                        memset(gp + (size_t)(ng / 2) * 3 * bb, fill, 3 * bb); /* 2 runs per (l, t) */
+                        memcpy(gathered[ng++], (uint32_t[4]){l, t, 0, 2}, sizeof(gathered[0]));
+                        memcpy(gathered[ng++], (uint32_t[4]){l, t, 2, 1}, sizeof(gathered[0]));
+                }
+        CHECK(ng >= 2);
+        datav(dfd, 99, ng, (const uint32_t(*)[4])gathered, ng, 16 + 16 * ng + (ng / 2) * 3 * bb,
+              (ng / 2) * 3 * bb, gp);
+        free(gp);
         struct kvf_record n = {.type = KVF_RT_NOTICE, .key = 99, .transport = KVF_TRANSPORT_TCP,
                                .status = KVF_STATUS_FINISHED, .dst = (uint32_t *)d3, .n_dst = 3,
                                .bytes = (uint64_t)3 * bb * layers * tensors, .blocks = 3};
@@ -414,6 +497,9 @@ int main(void)
               ev.status == KVF_STATUS_FINISHED && !strcmp(ev.peer, "evil"));
         const uint8_t *k0 = kvf_cache_tensor(eng, 3, 1);
         CHECK(k0[11 * bb] == 3 * 2 + 1 + 1);
+        const uint8_t *g = kvf_cache_tensor(eng, 2, 0), *d = kvf_cache_tensor(eng, 1, 1);
+        for (uint64_t i = 0; i < 3 * (uint64_t)bb; i++) /* blocks 10..12: gathered and plain */
+                CHECK(g[10 * bb + i] == 2 * 2 + 0 + 1 && d[10 * bb + i] == 1 * 2 + 1 + 1);
         close(dfd);
         close(cfd);
         printf("hostile_peer_test: %d cases refused; a correct transfer afterwards arrived\n", ncase);

@@ -53,6 +53,17 @@ sim veth --prefill $TAG-p0 --decode $TAG-d0 --transport tcp --requests 40 --laye
 [ "$(json_get "$KVFERRY_RUN_DIR/veth.json" finished)" = 40 ] || fail "veth: not all 40 finished"
 pass "tcp across a veth pair between two namespaces: 40 requests (chunked) verified"
 
+# 1b. Scattered blocks (no two contiguous): the runs of one transfer that leave together go as
+# gathered frames (DATAV, connector/tcp.h), many blocks per frame; one frame per block before.
+f0=$(counter $TAG-p0 data_frames_sent_tcp) b0=$(counter $TAG-p0 blocks_sent_tcp)
+sim scatter --prefill $TAG-p0 --decode $TAG-d0 --transport tcp --requests 20 --layer-us 100 \
+  --scatter --peer-map "$TAG-d0=$IPB:7100" || { cat "$KVFERRY_RUN_DIR/scatter.txt"; fail "scattered transfer"; }
+[ "$(json_get "$KVFERRY_RUN_DIR/scatter.json" finished)" = 20 ] || fail "scattered: not all 20 finished"
+frames=$(( $(counter $TAG-p0 data_frames_sent_tcp) - f0 )) blocks=$(( $(counter $TAG-p0 blocks_sent_tcp) - b0 ))
+[ "$blocks" -gt 0 ] && [ $(( frames * 2 )) -le "$blocks" ] ||
+  fail "scattered: $blocks blocks went in $frames data frames: not gathered"
+pass "scattered blocks: 20 requests verified, $blocks blocks in $frames data frames"
+
 # 2. The link goes down mid-transfer. Prompts clipped to 2048 tokens (32 blocks): the 256 blocks
 # of the decode cache hold several requests at once, and new ones keep coming.
 # A request whose finish notice went out before the link went is in doubt (outcome agreement,

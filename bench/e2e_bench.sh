@@ -5,7 +5,7 @@
 #                    memcpy rate; layer-done -> copy-start latency.
 #   tcp path         throughput against iperf3 (same path, same number of streams, write size =
 #                    block size) and against UCX over TCP (ucx_perftest ucp_put_bw, UCX_TLS=tcp),
-#                    for 16, 64 and 128 KiB blocks, scattered (one frame per block) and contiguous;
+#                    for 16, 64 and 128 KiB blocks, scattered (no two blocks contiguous) and contiguous;
 #                    transfer tail against one layer's bytes at iperf3's rate.
 # Every figure is a steady state: see "Warm-up" below, and the line the benchmark prints about it.
 # Usage: bench/e2e_bench.sh [--quick] [--huge-pages auto|on|off]
@@ -114,7 +114,7 @@ for tp in 8 2 1; do
   ucx=$(UCX_TLS=tcp timeout 60 ucx_perftest 127.0.0.1 -t ucp_put_bw -s $((blk * 1024)) -n 20000 -p 15302 2>/dev/null | awk '/Final:/ {print $7/1000}')
   for sc in --scatter ""; do
     sim $R/tcp.json --prefill $T-p$tp --decode $T-d$tp --transport tcp --requests $N --layer-us 0 $sc
-    tcp_row "$([ -n "$sc" ] && echo "scattered: one frame per block" || echo "contiguous runs (frames up to 4 MiB)")" $R/tcp.json
+    tcp_row "$([ -n "$sc" ] && echo "scattered: no two blocks contiguous" || echo "contiguous runs (frames up to 4 MiB)")" $R/tcp.json
   done
   if [ $tp = 2 ]; then
     # The same with zero-copy sends (io_uring sendmsg_zc) for the contiguous case.

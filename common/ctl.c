@@ -404,7 +404,9 @@ int kvf_ctl_validate(void *base, uint64_t size, uid_t uid, struct kvf_ctl *out)
                                    "control segment not ready: its allocator has not finished creating it");
         if (version != KVF_LAYOUT_VERSION)
                 return kvf_err_set(-EPROTO,
-                                   "control segment layout version %u, this build speaks version %u",
+                                   "control segment layout version %u, this build speaks version %u "
+                                   "(another build of kvferry made it: stop that instance with that "
+                                   "build's tools/kvferry down)",
                                    version, KVF_LAYOUT_VERSION);
         if (uid != (uid_t)-1 && (h->owner_uid != (uint32_t)uid || uid != geteuid()))
                 return kvf_err_set(-EPERM,

@@ -495,6 +495,11 @@ int main(void)
         CHECK(kvf_poll(eng, &ev, 5000) == 1);
         CHECK(ev.type == KVF_EVENT_ARRIVAL && !strcmp(ev.request_id, "good-after-evil") &&
               ev.status == KVF_STATUS_FINISHED && !strcmp(ev.peer, "evil"));
+        /* A tcp arrival counts what landed and lists where (issue 9, item 10). */
+        CHECK_EQ(ev.bytes, (uint64_t)3 * bb * layers * tensors);
+        CHECK_EQ(ev.blocks, 3);
+        CHECK(ev.n_dest == 3 && ev.dest_block_ids[0] == 10 && ev.dest_block_ids[1] == 11 &&
+              ev.dest_block_ids[2] == 12);
         const uint8_t *k0 = kvf_cache_tensor(eng, 3, 1);
         CHECK(k0[11 * bb] == 3 * 2 + 1 + 1);
         const uint8_t *g = kvf_cache_tensor(eng, 2, 0), *d = kvf_cache_tensor(eng, 1, 1);

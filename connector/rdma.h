@@ -80,6 +80,12 @@ int rdma_local_mr(struct connector *cn, struct ibv_context *ctx, struct ibv_pd *
  * (the caller acks it), or -errno with kvf_err set. */
 int rdma_cm_wait(struct rdma_event_channel *ec, enum rdma_cm_event_type want, unsigned timeout_ms,
                  struct rdma_cm_event **ev);
+/* Teardown, any argument NULL: a connection's queue pair (on id), completion queue (its
+ * cq_events acknowledged first) and completion channel; then, once its registrations are gone,
+ * an rdma_cm id and its event channel. */
+void rdma_qp_cq_destroy(struct rdma_cm_id *id, struct ibv_cq *cq, unsigned cq_events,
+                        struct ibv_comp_channel *cc);
+void rdma_id_destroy(struct rdma_cm_id *id, struct rdma_event_channel *ec);
 /* Short name of a completion status, for reasons. */
 const char *rdma_wc_str(enum ibv_wc_status st);
 /* Does this completion status mean the peer or the link is gone (no request's fault)? */

@@ -16,6 +16,27 @@
 #include "rdma.h"
 #include "rdma_state.h"
 
+void rdma_qp_cq_destroy(struct rdma_cm_id *id, struct ibv_cq *cq, unsigned cq_events,
+                        struct ibv_comp_channel *cc)
+{
+        if (id && id->qp)
+                rdma_destroy_qp(id);
+        if (cq) {
+                ibv_ack_cq_events(cq, cq_events);
+                ibv_destroy_cq(cq);
+        }
+        if (cc)
+                ibv_destroy_comp_channel(cc);
+}
+
+void rdma_id_destroy(struct rdma_cm_id *id, struct rdma_event_channel *ec)
+{
+        if (id)
+                rdma_destroy_id(id);
+        if (ec)
+                rdma_destroy_event_channel(ec);
+}
+
 struct rdma_state *rdma_state(struct connector *cn)
 {
         return cn->transport[conn_transport_index(&conn_rdma_transport)];

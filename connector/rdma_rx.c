@@ -167,10 +167,7 @@ int rdma_rx_init(struct connector *cn, struct rdma_state *st)
 unavailable:
         snprintf(st->unavailable, sizeof(st->unavailable), "%s", kvf_err_msg());
         kvf_warn("rdma: peers cannot send here over rdma: %s", st->unavailable);
-        if (st->listen_id)
-                rdma_destroy_id(st->listen_id);
-        if (st->ec)
-                rdma_destroy_event_channel(st->ec);
+        rdma_id_destroy(st->listen_id, st->ec);
         st->listen_id = NULL;
         st->ec = NULL;
         return rc;
@@ -190,10 +187,7 @@ void rdma_rx_fini(struct connector *cn, struct rdma_state *st)
                         break;
                 usleep(20000);
         }
-        if (st->listen_id)
-                rdma_destroy_id(st->listen_id);
-        if (st->ec)
-                rdma_destroy_event_channel(st->ec);
+        rdma_id_destroy(st->listen_id, st->ec);
 }
 
 static void conn_unlink(struct rdma_state *st, struct rx_conn *c)
@@ -211,23 +205,13 @@ static void conn_unlink(struct rdma_state *st, struct rx_conn *c)
 static void conn_free(struct rdma_state *st, struct rx_conn *c)
 {
         conn_unlink(st, c);
-        if (c->id && c->id->qp)
-                rdma_destroy_qp(c->id);
-        if (c->cq) {
-                ibv_ack_cq_events(c->cq, c->cq_events);
-                ibv_destroy_cq(c->cq);
-        }
-        if (c->cc)
-                ibv_destroy_comp_channel(c->cc);
+        rdma_qp_cq_destroy(c->id, c->cq, c->cq_events, c->cc);
         if (c->buf_mr)
                 ibv_dereg_mr(c->buf_mr);
         free(c->bufs);
         if (c->mr)
                 ibv_dereg_mr(c->mr);
-        if (c->id)
-                rdma_destroy_id(c->id);
-        if (c->ec)
-                rdma_destroy_event_channel(c->ec);
+        rdma_id_destroy(c->id, c->ec);
         if (c->pd)
                 ibv_dealloc_pd(c->pd);
         free(c);

@@ -148,24 +148,14 @@ void rdma_noticed(struct xfer_peer *xp, struct xfer *x)
 
 static void rconn_close(struct rconn *c)
 {
-        if (c->id && c->id->qp)
-                rdma_destroy_qp(c->id);
-        if (c->cq) {
-                ibv_ack_cq_events(c->cq, c->cq_events);
-                ibv_destroy_cq(c->cq);
-        }
-        if (c->cc)
-                ibv_destroy_comp_channel(c->cc);
+        rdma_qp_cq_destroy(c->id, c->cq, c->cq_events, c->cc);
         if (c->msg_mr)
                 ibv_dereg_mr(c->msg_mr);
         free(c->msgs);
         free(c->slots);
         free(c->wrs);
         free(c->sges);
-        if (c->id)
-                rdma_destroy_id(c->id);
-        if (c->ec)
-                rdma_destroy_event_channel(c->ec);
+        rdma_id_destroy(c->id, c->ec);
         if (c->fd >= 0)
                 close(c->fd);
         /* (the protection domain and the cache's registration stay: rdma_local_mr's) */

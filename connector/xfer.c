@@ -28,7 +28,7 @@ static void post_result(struct connector *cn, const struct xfer *x, int status, 
 /* xp->mu held: x is failed here (its result is posted): remember it for conn_xfer_noticed. */
 static void fail_xfer(struct xfer_peer *xp, const struct xfer *x, int status, const char *reason)
 {
-        struct xfer_failed *f = &xp->failed[xp->nfailed++ % (sizeof(xp->failed) / sizeof(xp->failed[0]))];
+        struct xfer_failed *f = &xp->failed[xp->nfailed++ % XFER_FAILED_KEPT];
         f->key = x->key;
         f->status = status;
         snprintf(f->reason, sizeof(f->reason), "%s", reason);
@@ -451,7 +451,7 @@ int conn_xfer_noticed(struct peer *p, uint64_t key, char *why, size_t whylen)
                         if (xp->t->noticed)
                                 xp->t->noticed(xp, x);
                 } else {
-                        unsigned n = xp->nfailed < 32 ? xp->nfailed : 32;
+                        unsigned n = xp->nfailed < XFER_FAILED_KEPT ? xp->nfailed : XFER_FAILED_KEPT;
                         for (unsigned k = 0; k < n; k++)
                                 if (xp->failed[k].key == key) {
                                         status = xp->failed[k].status;

@@ -56,6 +56,8 @@ struct xfer {
         struct xfer *next;
 };
 
+#define XFER_FAILED_KEPT 32u /* transfers this connector failed, remembered for their notice */
+
 struct xfer_peer {
         struct peer *p;
         const struct conn_transport *t;
@@ -75,7 +77,7 @@ struct xfer_peer {
                 uint64_t key;
                 int status;
                 char reason[KVF_REASON_MAX];
-        } failed[32];
+        } failed[XFER_FAILED_KEPT];
         unsigned nfailed;
 };
 

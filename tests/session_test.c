@@ -303,10 +303,7 @@ static void case_succession(struct kvf_client *dc, const char *inst, unsigned ro
                         int st = -1;
                         if (kvf_attach(inst, 5000, &c) == 0) {
                                 uint64_t step = kvf_last_step(c) + 1;
-                                struct kvf_task t = {.request_id = id, .src_block_ids = s, .n_src = 2,
-                                                     .dest_block_ids = d, .n_dest = 2, .current_id = step,
-                                                     .transport = KVF_TRANSPORT_IPC, .peer = D};
-                                if (kvf_submit_task(c, &t) == 0) {
+                                if (submit(c, id, s, d, 2, step, KVF_TRANSPORT_IPC) == 0) {
                                         for (uint32_t l = 0; l < L.num_layers; l++)
                                                 kvf_layer_done(c, step, l);
                                         struct kvf_event ev;

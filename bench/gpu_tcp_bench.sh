@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
-# gpu_tcp_bench.sh OUTDIR [ROUNDS]: GPU caches over tcp against host caches over tcp, on one
+# gpu_tcp_bench.sh OUTDIR [ROUNDS [scatter]]: GPU caches over tcp against host caches over tcp, on one
 # machine with a GPU, run alternately (ROUNDS each, default 3). Each run: a decode and a prefill
 # instance on this host (tools/kvferry up, llama-3.1-8b tp 8, 3 GiB of cache each), kvf-sim
 # --transport tcp between them (the connectors' data over loopback tcp), 120 requests of the
 # conversation trace, --layer-us 0 (the transfer's rate, not the simulated compute's), then
 # the prefill instance's counters (bytes_sent_tcp and bytes_moved_ipc: every byte went by tcp)
 # and both instances stopped. --backend cuda: kvf-sim's GPU mode, caches in GPU memory, every
-# byte verified on the GPU, the connectors staging each frame through pinned host memory.
+# byte verified on the GPU, the connectors staging through rings of pinned host buffers
+# (common/cache_stage.c). `scatter`: blocks handed out in random order (kvf-sim --scatter), so
+# every frame is a gathered one of up to 64 runs and every staging copy scatters or gathers.
 # --backend host: host caches, --verify sample (both ends of every block: full verification
 # on the CPU would make the simulator, not the transport, the bottleneck, as bench/e2e_bench.sh
 # says).
@@ -15,7 +17,7 @@
 # output, JSON summary and ring-dump. Exit 0 every run verified and all by tcp, 1 a run failed,
 # 2 usage, 77 no GPU.
 set -uo pipefail
-[ $# -ge 1 ] || { echo "usage: bench/gpu_tcp_bench.sh OUTDIR [ROUNDS]" >&2; exit 2; }
+[ $# -ge 1 ] || { echo "usage: bench/gpu_tcp_bench.sh OUTDIR [ROUNDS [scatter]]" >&2; exit 2; }
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 mkdir -p "$1" || exit 2
 OUT=$(cd "$1" && pwd) ROUNDS=${2:-3}
@@ -25,6 +27,7 @@ export KVFERRY_RUN_DIR=$OUT/run KVFERRY_TOKEN_FILE=$OUT/run/token
 mkdir -p "$KVFERRY_RUN_DIR" && chmod 700 "$KVFERRY_RUN_DIR"
 SHAPE=(--model llama-3.1-8b --tp 8 --cache-mib 3072)
 SIM=(--transport tcp --requests 120 --layer-us 0 --trace "$ROOT/data/mooncake-conversation-2000.jsonl")
+[ "${3:-}" = scatter ] && SIM+=(--scatter)
 ctr() { /usr/bin/python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["counters"][sys.argv[2]])' "$1" "$2"; }
 fails=0
 for r in $(seq 1 "$ROUNDS"); do

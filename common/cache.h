@@ -7,8 +7,9 @@
  *   engine     addresses a layer's tensor                kvf_cache_addr
  *   sender     copies runs of blocks into a peer's cache kvf_cache_copy_submit / _poll:
  *              a batch may complete later (a GPU kernel returns before its copy lands)
- *   connector  sends from / receives into blocks         kvf_cache_io_begin / _end:
- *              host memory gives the cache itself; a device backend gives a staging buffer
+ *   connector  sends from / receives into blocks         kvf_stage_* (cache_stage.c):
+ *              host memory gives the cache itself; a device backend gives pinned staging
+ *              buffers that its copies fill or empty, later (a ring per connection thread)
  *
  * One backend per instance, named in the control segment's header
  * (`backend`). Backends: host (a shared-memory file), host-async (a test
@@ -28,6 +29,7 @@
 #include "shm_layout.h"
 
 struct kvf_cache_backend;
+struct kvf_stage_ops;
 
 /* A mapping of one instance's cache in this process. */
 struct kvf_cache {
@@ -81,14 +83,80 @@ struct kvf_cache_backend {
         int (*copy_submit)(const struct kvf_copy_batch *b, uint64_t *ticket);
         /* 1 done, 0 in flight, -EIO failed (kvf_err says why; the batch's bytes are undefined). */
         int (*copy_poll)(struct kvf_cache *src, uint64_t ticket);
+        /* Staged io (cache_stage.c), NULL when the cache is host memory used in place. */
+        const struct kvf_stage_ops *stage;
         /*
-         * Host memory for bytes [off, off + len) of the cache: to send from
-         * (after io_begin) or to receive into (until io_end). NULL hooks: the
-         * cache is host memory and base + off is it.
+         * GPUDirect RDMA, NULL for host memory (registered as it is): a dma-buf fd for the
+         * whole mapping, *len its bytes (the cache's, up to a page); -ENOTSUP, with the
+         * reason, where the driver has none. And the flush that makes what a NIC wrote
+         * visible to the GPU work queued after it (before an arrival is published).
          */
-        int (*io_begin)(struct kvf_cache *c, uint64_t off, uint64_t len, bool recv, uint8_t **p);
-        int (*io_end)(struct kvf_cache *c, uint64_t off, uint64_t len, bool recv, uint8_t *p);
+        int (*dmabuf)(struct kvf_cache *c, int *fd, uint64_t *len);
+        int (*rdma_flush)(struct kvf_cache *c);
 };
+
+/* ---- staged io: a connection thread's bytes between the cache and the network ---- */
+
+/* One run of the cache's bytes and the host memory that holds them for the network. */
+struct kvf_io_run {
+        uint64_t off, len; /* in the cache */
+        uint8_t *p;        /* set by kvf_stage_out / kvf_stage_in_begin */
+};
+
+/* A group's bytes at most (a tcp frame's payload, a send batch), and its runs at most. */
+#define KVF_STAGE_BYTES (4u << 20)
+#define KVF_STAGE_RUNS 128u
+
+/*
+ * What a backend whose memory the CPU does not reach offers (cache_cuda.c,
+ * and cache_host_async.c to run the same path without a GPU): a copy engine
+ * of the calling thread's own (a GPU stream), buffers it copies to and from,
+ * and copies of a group of runs that complete later, in submission order.
+ */
+struct kvf_stage_ops {
+        int (*open)(struct kvf_cache *c, void **eng);
+        void (*close)(void *eng); /* waits (bounded) for the copies in flight */
+        int (*buf_alloc)(void *eng, uint64_t bytes, uint8_t **out);
+        void (*buf_free)(void *eng, uint8_t *p);
+        /* Copy each run between the cache (off, len) and the buffer (p): into the
+         * cache (to_cache) or out of it; *ticket names the copy (from 1, in order). */
+        int (*copy)(void *eng, bool to_cache, const struct kvf_io_run *runs, unsigned n, uint64_t *ticket);
+        /* 1 landed, 0 not yet (only when !block), -EIO failed (kvf_err says why). */
+        int (*wait)(void *eng, uint64_t ticket, bool block);
+};
+
+/*
+ * A connection thread's staging: a ring of KVF_STAGE_SLOTS buffers of
+ * KVF_STAGE_BYTES; groups of runs are placed one after another in a slot,
+ * and a slot is filled again once every group in it is done and its copies
+ * landed. NULL for a cache used in place (the host backend): then every call
+ * below gives the cache's own memory and ticket 0, which has always landed.
+ */
+struct kvf_stager;
+#define KVF_STAGE_SLOTS 3u
+
+/* *out = NULL when the cache needs no staging. 0, or -errno with kvf_err set. */
+int kvf_stager_open(struct kvf_cache *c, struct kvf_stager **out);
+void kvf_stager_close(struct kvf_stager *s);
+/*
+ * Send: host memory for a group of runs (at most KVF_STAGE_RUNS runs and
+ * KVF_STAGE_BYTES): sets runs[i].p, and queues the copies out of the cache;
+ * the bytes are there once *ticket landed (kvf_stage_wait). *group names the
+ * memory for kvf_stage_done.
+ */
+int kvf_stage_out(struct kvf_cache *c, struct kvf_stager *s, struct kvf_io_run *runs, unsigned n,
+                  uint64_t *ticket, unsigned *group);
+/* Receive: host memory to receive a group of runs into (sets runs[i].p). */
+int kvf_stage_in_begin(struct kvf_cache *c, struct kvf_stager *s, struct kvf_io_run *runs, unsigned n,
+                       unsigned *group);
+/* Receive: the group's bytes are in its host memory: queue their copies into the cache
+ * (in place: nothing to do); they are in the cache once *ticket landed. Ends the group. */
+int kvf_stage_in_end(struct kvf_stager *s, const struct kvf_io_run *runs, unsigned n, unsigned group,
+                     uint64_t *ticket);
+/* The group's host memory is no longer needed (a send completed, or was given up). */
+void kvf_stage_done(struct kvf_stager *s, unsigned group);
+/* 1 the copy named by ticket landed, 0 not yet (only when !block), -EIO failed (kvf_err). */
+int kvf_stage_wait(struct kvf_stager *s, uint64_t ticket, bool block);
 
 /* The backend of this id, or NULL (kvf_err says which exist). */
 const struct kvf_cache_backend *kvf_cache_backend(uint32_t id);
@@ -136,22 +204,6 @@ static inline int kvf_cache_copy_submit(const struct kvf_copy_batch *b, uint64_t
 static inline int kvf_cache_copy_poll(struct kvf_cache *src, uint64_t ticket)
 {
         return src->be->copy_poll(src, ticket);
-}
-
-static inline int kvf_cache_io_begin(struct kvf_cache *c, uint64_t off, uint64_t len, bool recv,
-                                     uint8_t **p)
-{
-        if (!c->be->io_begin) {
-                *p = c->base + off;
-                return 0;
-        }
-        return c->be->io_begin(c, off, len, recv, p);
-}
-
-static inline int kvf_cache_io_end(struct kvf_cache *c, uint64_t off, uint64_t len, bool recv,
-                                   uint8_t *p)
-{
-        return c->be->io_end ? c->be->io_end(c, off, len, recv, p) : 0;
 }
 
 /* The backends (cache_*.c). */

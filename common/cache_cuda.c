@@ -21,15 +21,14 @@
  * context: executor 1, the sender's context (fast beside a busy engine under
  * MPS only; docs/GPU.md).
  *
- * io (the tcp path): staged through pinned host memory, synchronously: the
- * bytes are copied from the device at io_begin (send) or to it at io_end
- * (receive), on the calling thread. Simple, and slower than it could be: a
- * connector thread waits for each frame's copy (tens of microseconds for
- * 4 MiB) and, without MPS, for the GPU's time slice while an engine
- * computes.
+ * Staged io (the tcp path, cache_stage.c): each connection thread has a
+ * copier of its own (its own stream) and pinned host buffers the kernel
+ * reads or writes over PCIe; a group of runs (a send batch, a received frame)
+ * is one launch of the same copy kernel, the pinned buffer being one region
+ * and the cache the other, so every run is checked against both before the
+ * launch. The thread waits for a group's copy only when it needs the bytes.
  */
 #include <errno.h>
-#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -40,15 +39,7 @@
 #include "kvf_gpu.h"
 #include "layout.h"
 
-#define STAGE_BUFS 16u
-#define STAGE_BYTES (4u << 20) /* a tcp frame's payload at most */
 #define AGAIN_WAIT_NS 2000000000ull
-
-struct stage {
-        pthread_mutex_t mu;
-        void *buf[STAGE_BUFS];
-        bool busy[STAGE_BUFS];
-};
 
 struct cuda_map {
         int device; /* kernels that use this mapping run here */
@@ -59,7 +50,6 @@ struct cuda_map {
         uint32_t cap_runs;
         struct kvf_gpu_region *dst;
         uint32_t cap_dst;
-        struct stage st;
 };
 
 static int gpu_err(int rc, const char *what)
@@ -105,7 +95,9 @@ static int cuda_create(struct kvf_ctl_header *h, const struct kvf_cache_opts *o)
                 return kvf_err_set(-EINVAL, "cuda backend: the segment has room for %u handles, needs 1",
                                    h->cuda_handles_count);
         kvf_fmt_bytes(l->cache_bytes, need, sizeof(need));
-        if ((rc = kvf_gpu_alloc(dev, l->cache_bytes, &p)) < 0)
+        /* Whole 2 MiB pages (the allocation's granularity): a dma-buf of the cache
+         * (GPUDirect RDMA) covers whole host pages. */
+        if ((rc = kvf_gpu_alloc(dev, (l->cache_bytes + (2u << 20) - 1) & ~(uint64_t)((2u << 20) - 1), &p)) < 0)
                 return kvf_err_set(rc, "allocate a cache of %s on GPU %d: %s%s", need, dev,
                                    kvf_gpu_err_msg(), rc == -ENOMEM ? "; use fewer --blocks" : "");
         /* Zeroed, like the host backend's fresh file: what an engine reads before it wrote
@@ -155,7 +147,6 @@ static int cuda_map(const struct kvf_ctl_header *h, bool writable, struct kvf_ca
                 free(m);
                 return rc == -EXDEV ? -EXDEV : -ENOENT;
         }
-        pthread_mutex_init(&m->st.mu, NULL);
         out->base = m->ptr;
         out->host = false;
         out->device = m->device;
@@ -170,9 +161,6 @@ static void cuda_unmap(struct kvf_cache *c)
                 return;
         /* Waits (bounded) for the copies in flight: never close the mapping under them. */
         kvf_gpu_copier_destroy(m->copier);
-        for (unsigned i = 0; i < STAGE_BUFS; i++)
-                kvf_gpu_host_free(m->st.buf[i]);
-        pthread_mutex_destroy(&m->st.mu);
         kvf_gpu_ipc_close(m->device, m->ptr);
         free(m->runs);
         free(m->dst);
@@ -262,63 +250,127 @@ static int cuda_copy_poll(struct kvf_cache *src, uint64_t ticket)
         return rc < 0 ? gpu_err(-EIO, "GPU copy") : rc;
 }
 
-/* A staging buffer of at least len bytes: pinned from the pool, else malloc'd. */
-static uint8_t *stage_get(struct cuda_map *m, uint64_t len)
-{
-        if (len <= STAGE_BYTES) {
-                pthread_mutex_lock(&m->st.mu);
-                for (unsigned i = 0; i < STAGE_BUFS; i++) {
-                        if (m->st.busy[i])
-                                continue;
-                        if (!m->st.buf[i] && kvf_gpu_host_alloc(STAGE_BYTES, &m->st.buf[i]) < 0)
-                                break; /* no pinned memory: pageable below */
-                        m->st.busy[i] = true;
-                        pthread_mutex_unlock(&m->st.mu);
-                        return m->st.buf[i];
-                }
-                pthread_mutex_unlock(&m->st.mu);
-        }
-        return malloc(len ? len : 1);
-}
+/* ---- staged io (cache_stage.c) ---- */
 
-static void stage_put(struct cuda_map *m, uint8_t *p)
-{
-        pthread_mutex_lock(&m->st.mu);
-        for (unsigned i = 0; i < STAGE_BUFS; i++)
-                if (m->st.buf[i] == p) {
-                        m->st.busy[i] = false;
-                        pthread_mutex_unlock(&m->st.mu);
-                        return;
-                }
-        pthread_mutex_unlock(&m->st.mu);
-        free(p);
-}
+struct stage_eng {
+        struct kvf_gpu_copier *copier;
+        struct kvf_gpu_region region[2]; /* 0: the cache; 1: the group's pinned buffer */
+        int device;
+};
 
-static int cuda_io_begin(struct kvf_cache *c, uint64_t off, uint64_t len, bool recv, uint8_t **p)
+static int stage_open(struct kvf_cache *c, void **eng)
 {
-        struct cuda_map *m = c->priv;
-        if (off > c->bytes || len > c->bytes - off)
-                return kvf_err_set(-ERANGE, "bytes [%llu, +%llu) are outside the cache",
-                                   (unsigned long long)off, (unsigned long long)len);
-        uint8_t *b = stage_get(m, len);
-        if (!b)
-                return kvf_err_set(-ENOMEM, "no staging buffer of %llu bytes", (unsigned long long)len);
-        int rc = recv ? 0 : kvf_gpu_memcpy(m->device, b, c->base + off, len);
+        struct stage_eng *e = calloc(1, sizeof(*e));
+        if (!e)
+                return kvf_err_set(-ENOMEM, "out of memory for a stager");
+        /* A batch is at most 4 MiB in 4 KiB chunks and its runs' ends. */
+        struct kvf_gpu_copier_opts o = {.arena_chunks = 4 * ((KVF_STAGE_BYTES >> 12) + KVF_STAGE_RUNS)};
+        int rc = kvf_gpu_copier_create(c->device, 0, &o, &e->copier);
         if (rc < 0) {
-                stage_put(m, b);
-                return gpu_err(rc, "copy from the GPU cache");
+                free(e);
+                return gpu_err(rc, "create a staging copier");
         }
-        *p = b;
+        e->device = c->device;
+        e->region[0] = (struct kvf_gpu_region){.base = (uint64_t)(uintptr_t)c->base, .bytes = c->bytes};
+        *eng = e;
         return 0;
 }
 
-static int cuda_io_end(struct kvf_cache *c, uint64_t off, uint64_t len, bool recv, uint8_t *p)
+static void stage_close(void *eng)
+{
+        struct stage_eng *e = eng;
+        kvf_gpu_copier_destroy(e->copier); /* waits (bounded) for its copies */
+        free(e);
+}
+
+static int stage_buf_alloc(void *eng, uint64_t bytes, uint8_t **out)
+{
+        (void)eng;
+        /* Pinned and mapped: the copy kernel reaches it at the same address (unified
+         * addressing, every 64-bit platform CUDA 13 runs on). */
+        int rc = kvf_gpu_host_alloc(bytes, (void **)out);
+        return rc < 0 ? gpu_err(rc, "pinned staging buffer") : 0;
+}
+
+static void stage_buf_free(void *eng, uint8_t *p)
+{
+        (void)eng;
+        kvf_gpu_host_free(p);
+}
+
+static int stage_copy(void *eng, bool to_cache, const struct kvf_io_run *r, unsigned n, uint64_t *ticket)
+{
+        struct stage_eng *e = eng;
+        struct kvf_gpu_run runs[KVF_STAGE_RUNS];
+        if (n == 0 || n > KVF_STAGE_RUNS)
+                return kvf_err_set(-EINVAL, "a staged group of %u runs", n);
+        /* A group lies in one buffer, in order: its region starts at the first run's memory. */
+        uint8_t *buf = r[0].p;
+        uint64_t len = 0;
+        for (unsigned i = 0; i < n; i++) {
+                uint64_t b = (uint64_t)(r[i].p - buf);
+                runs[i] = (struct kvf_gpu_run){.src_off = to_cache ? b : r[i].off,
+                                               .dst_off = to_cache ? r[i].off : b,
+                                               .bytes = r[i].len};
+                len = b + r[i].len;
+        }
+        e->region[1] = (struct kvf_gpu_region){.base = (uint64_t)(uintptr_t)buf, .bytes = len};
+        struct kvf_gpu_batch gb = {.runs = runs, .n_runs = n,
+                                   .src = &e->region[to_cache ? 1 : 0], .n_src = 1,
+                                   .dst = &e->region[to_cache ? 0 : 1], .n_dst = 1};
+        uint64_t start = 0;
+        for (;;) {
+                int rc = kvf_gpu_copy_submit(e->copier, &gb, ticket);
+                if (rc != -EAGAIN)
+                        return rc < 0 ? gpu_err(rc, to_cache ? "copy into the GPU cache" : "copy from the GPU cache") : 0;
+                if (!start)
+                        start = kvf_now_ns();
+                else if (kvf_now_ns() - start > AGAIN_WAIT_NS)
+                        return kvf_err_set(-EIO, "staging copies did not complete for 2 s: %s", kvf_gpu_err_msg());
+                kvf_sleep_ns(10000);
+        }
+}
+
+static int stage_wait(void *eng, uint64_t ticket, bool block)
+{
+        struct stage_eng *e = eng;
+        uint64_t start = kvf_now_ns();
+        for (;;) {
+                int rc = kvf_gpu_copy_poll(e->copier, ticket);
+                if (rc < 0)
+                        return gpu_err(-EIO, "staging copy");
+                if (rc == 1 || !block)
+                        return rc;
+                if (kvf_now_ns() - start > AGAIN_WAIT_NS)
+                        return kvf_err_set(-EIO, "a staging copy did not complete in 2 s");
+                kvf_sleep_ns(5000);
+        }
+}
+
+/* ---- GPUDirect RDMA (connector/rdma_mr.c) ---- */
+
+static int cuda_dmabuf(struct kvf_cache *c, int *fd, uint64_t *len)
 {
         struct cuda_map *m = c->priv;
-        int rc = recv ? kvf_gpu_memcpy(m->device, c->base + off, p, len) : 0;
-        stage_put(m, p);
-        return rc < 0 ? gpu_err(rc, "copy into the GPU cache") : 0;
+        *len = (c->bytes + 4095) & ~4095ull; /* inside the allocation: cuda_create rounds to 2 MiB */
+        int rc = kvf_gpu_dmabuf_export(m->owner, c->base, *len, fd);
+        return rc < 0 ? kvf_err_set(rc, "%s", kvf_gpu_err_msg()) : 0;
 }
+
+static int cuda_rdma_flush(struct kvf_cache *c)
+{
+        struct cuda_map *m = c->priv;
+        return kvf_gpu_rdma_flush(m->owner) < 0 ? gpu_err(-EIO, "flush GPUDirect RDMA writes") : 0;
+}
+
+static const struct kvf_stage_ops stage_ops = {
+        .open = stage_open,
+        .close = stage_close,
+        .buf_alloc = stage_buf_alloc,
+        .buf_free = stage_buf_free,
+        .copy = stage_copy,
+        .wait = stage_wait,
+};
 
 const struct kvf_cache_backend kvf_cache_cuda = {
         .name = "cuda",
@@ -329,6 +381,7 @@ const struct kvf_cache_backend kvf_cache_cuda = {
         .unmap = cuda_unmap,
         .copy_submit = cuda_copy_submit,
         .copy_poll = cuda_copy_poll,
-        .io_begin = cuda_io_begin,
-        .io_end = cuda_io_end,
+        .stage = &stage_ops,
+        .dmabuf = cuda_dmabuf,
+        .rdma_flush = cuda_rdma_flush,
 };

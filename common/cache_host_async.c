@@ -2,7 +2,8 @@
  * A test backend: host memory like the host backend, but copies complete
  * later, on a worker thread, a little after they were submitted, the way a
  * GPU kernel returns before its copy lands. It exists to run the sender's
- * copies-in-flight path end to end where no GPU is (tests/e2e_test.sh); and to
+ * copies-in-flight path end to end where no GPU is (tests/e2e_test.sh), and the
+ * connector's staged io the way a GPU cache needs it (tests/tcp_test.sh); and to
  * show that a backend is one file plus one line in cache.c.
  *
  * KVFERRY_ASYNC_DELAY_US (default 200) delays each batch; KVFERRY_ASYNC_FAIL_EVERY=N fails
@@ -72,51 +73,66 @@ static void *worker(void *arg)
         return NULL;
 }
 
-static int async_map(const struct kvf_ctl_header *h, bool writable, struct kvf_cache *out)
+static struct async *async_new(void)
 {
-        int rc = kvf_cache_host.map(h, writable, out);
-        if (rc < 0)
-                return rc;
         struct async *a = calloc(1, sizeof(*a));
-        if (!a) {
-                kvf_cache_host.unmap(out);
-                return kvf_err_set(-ENOMEM, "out of memory");
-        }
+        if (!a)
+                return NULL;
         pthread_mutex_init(&a->mu, NULL);
         pthread_cond_init(&a->cv, NULL);
         const char *d = getenv("KVFERRY_ASYNC_DELAY_US"), *f = getenv("KVFERRY_ASYNC_FAIL_EVERY");
         a->delay_ns = (d ? strtoull(d, NULL, 10) : 200) * 1000ull;
         a->fail_every = f ? strtoull(f, NULL, 10) : 0;
+        return a;
+}
+
+static void async_free(struct async *a)
+{
+        if (!a)
+                return;
+        pthread_mutex_lock(&a->mu);
+        a->stop = true;
+        pthread_cond_broadcast(&a->cv);
+        pthread_mutex_unlock(&a->mu);
+        if (a->started)
+                pthread_join(a->worker, NULL);
+        for (unsigned i = 0; i < QUEUE; i++)
+                free(a->q[i].runs);
+        pthread_cond_destroy(&a->cv);
+        pthread_mutex_destroy(&a->mu);
+        free(a);
+}
+
+static int async_map(const struct kvf_ctl_header *h, bool writable, struct kvf_cache *out)
+{
+        int rc = kvf_cache_host.map(h, writable, out);
+        if (rc < 0)
+                return rc;
+        struct async *a = async_new();
+        if (!a) {
+                kvf_cache_host.unmap(out);
+                return kvf_err_set(-ENOMEM, "out of memory");
+        }
         out->priv = a;
         return 0;
 }
 
 static void async_unmap(struct kvf_cache *c)
 {
-        struct async *a = c->priv;
-        if (a) {
-                pthread_mutex_lock(&a->mu);
-                a->stop = true;
-                pthread_cond_broadcast(&a->cv);
-                pthread_mutex_unlock(&a->mu);
-                if (a->started)
-                        pthread_join(a->worker, NULL);
-                for (unsigned i = 0; i < QUEUE; i++)
-                        free(a->q[i].runs);
-                free(a);
-        }
+        async_free(c->priv);
         kvf_cache_host.unmap(c);
 }
 
-static int async_submit(const struct kvf_copy_batch *b, uint64_t *ticket)
+/* Queue the copy of runs (copied here) from src to dst[]; *ticket names it. */
+static int queue_job(struct async *a, uint8_t *src, uint8_t *const *dst, uint32_t ndst,
+                     const struct kvf_copy_run *r, uint32_t nruns, uint64_t *ticket)
 {
-        struct async *a = b->src->priv;
-        if (b->ndst > 64)
-                return kvf_err_set(-EINVAL, "host-async: %u destinations in one batch, at most 64", b->ndst);
-        struct kvf_copy_run *runs = malloc((b->nruns ? b->nruns : 1) * sizeof(*runs));
+        if (ndst > 64)
+                return kvf_err_set(-EINVAL, "host-async: %u destinations in one batch, at most 64", ndst);
+        struct kvf_copy_run *runs = malloc((nruns ? nruns : 1) * sizeof(*runs));
         if (!runs)
-                return kvf_err_set(-ENOMEM, "host-async: out of memory for %u runs", b->nruns);
-        memcpy(runs, b->runs, b->nruns * sizeof(*runs));
+                return kvf_err_set(-ENOMEM, "host-async: out of memory for %u runs", nruns);
+        memcpy(runs, r, nruns * sizeof(*runs));
         pthread_mutex_lock(&a->mu);
         if (!a->started && pthread_create(&a->worker, NULL, worker, a) == 0)
                 a->started = true;
@@ -128,10 +144,10 @@ static int async_submit(const struct kvf_copy_batch *b, uint64_t *ticket)
         uint64_t t = ++a->submitted;
         struct job *j = &a->q[t % QUEUE];
         j->runs = runs;
-        j->nruns = b->nruns;
-        j->src = b->src->base;
-        for (uint32_t i = 0; i < b->ndst; i++)
-                j->dst[i] = b->dst[i]->base;
+        j->nruns = nruns;
+        j->src = src;
+        for (uint32_t i = 0; i < ndst; i++)
+                j->dst[i] = dst[i];
         j->due_ns = kvf_now_ns() + a->delay_ns;
         j->fail = a->fail_every && t % a->fail_every == 0;
         pthread_cond_signal(&a->cv);
@@ -140,9 +156,16 @@ static int async_submit(const struct kvf_copy_batch *b, uint64_t *ticket)
         return 0;
 }
 
-static int async_poll(struct kvf_cache *src, uint64_t ticket)
+static int async_submit(const struct kvf_copy_batch *b, uint64_t *ticket)
 {
-        struct async *a = src->priv;
+        uint8_t *dst[64];
+        for (uint32_t i = 0; i < b->ndst && i < 64; i++)
+                dst[i] = b->dst[i]->base;
+        return queue_job(b->src->priv, b->src->base, dst, b->ndst, b->runs, b->nruns, ticket);
+}
+
+static int poll_ticket(struct async *a, uint64_t ticket)
+{
         if (kvf_load_acquire(&a->done) < ticket)
                 return 0;
         pthread_mutex_lock(&a->mu);
@@ -153,6 +176,93 @@ static int async_poll(struct kvf_cache *src, uint64_t ticket)
                                    (unsigned long long)ticket);
         return 1;
 }
+
+static int async_poll(struct kvf_cache *src, uint64_t ticket)
+{
+        return poll_ticket(src->priv, ticket);
+}
+
+/* ---- staged io (cache_stage.c): a worker of its own per connection thread, over malloc'd
+ * buffers, so the tcp path's waits matter here as they do on a GPU and a test sees one missing. */
+
+struct stage_eng {
+        struct async *a;
+        uint8_t *base;
+};
+
+static int stage_open(struct kvf_cache *c, void **eng)
+{
+        struct stage_eng *e = calloc(1, sizeof(*e));
+        if (!e || !(e->a = async_new())) {
+                free(e);
+                return kvf_err_set(-ENOMEM, "host-async: out of memory for a stager");
+        }
+        e->base = c->base;
+        *eng = e;
+        return 0;
+}
+
+static void stage_close(void *eng)
+{
+        struct stage_eng *e = eng;
+        async_free(e->a); /* after the job in progress; queued ones are dropped, as a dead context's */
+        free(e);
+}
+
+static int stage_buf_alloc(void *eng, uint64_t bytes, uint8_t **out)
+{
+        (void)eng;
+        *out = malloc(bytes);
+        return *out ? 0 : kvf_err_set(-ENOMEM, "host-async: no staging buffer of %llu bytes",
+                                      (unsigned long long)bytes);
+}
+
+static void stage_buf_free(void *eng, uint8_t *p)
+{
+        (void)eng;
+        free(p);
+}
+
+static int stage_copy(void *eng, bool to_cache, const struct kvf_io_run *r, unsigned n, uint64_t *ticket)
+{
+        struct stage_eng *e = eng;
+        struct kvf_copy_run runs[KVF_STAGE_RUNS];
+        if (n == 0 || n > KVF_STAGE_RUNS)
+                return kvf_err_set(-EINVAL, "host-async: a staged group of %u runs", n);
+        /* A group lies in one buffer, in order: offsets from its first run's memory. */
+        uint8_t *buf = r[0].p;
+        for (unsigned i = 0; i < n; i++) {
+                uint64_t b = (uint64_t)(r[i].p - buf);
+                runs[i] = (struct kvf_copy_run){.src_off = to_cache ? b : r[i].off,
+                                                .dst_off = to_cache ? r[i].off : b, .bytes = r[i].len};
+        }
+        uint8_t *dst = to_cache ? e->base : buf;
+        return queue_job(e->a, to_cache ? buf : e->base, &dst, 1, runs, n, ticket);
+}
+
+static int stage_wait(void *eng, uint64_t ticket, bool block)
+{
+        struct stage_eng *e = eng;
+        uint64_t start = kvf_now_ns();
+        for (;;) {
+                int rc = poll_ticket(e->a, ticket);
+                if (rc != 0 || !block)
+                        return rc;
+                if (kvf_now_ns() - start > 2000000000ull)
+                        return kvf_err_set(-EIO, "host-async: staged copy %llu not done in 2 s",
+                                           (unsigned long long)ticket);
+                kvf_sleep_ns(20000);
+        }
+}
+
+static const struct kvf_stage_ops stage_ops = {
+        .open = stage_open,
+        .close = stage_close,
+        .buf_alloc = stage_buf_alloc,
+        .buf_free = stage_buf_free,
+        .copy = stage_copy,
+        .wait = stage_wait,
+};
 
 static int async_create(struct kvf_ctl_header *h, const struct kvf_cache_opts *o)
 {
@@ -173,4 +283,5 @@ const struct kvf_cache_backend kvf_cache_host_async = {
         .unmap = async_unmap,
         .copy_submit = async_submit,
         .copy_poll = async_poll,
+        .stage = &stage_ops,
 };

@@ -44,6 +44,7 @@
 #include <infiniband/verbs.h>
 #include <rdma/rdma_cma.h>
 
+#include "cache.h"
 #include "transport.h"
 
 #define RDMA_DONE_MAGIC 0x6b766644u /* "kvfD" */
@@ -73,6 +74,13 @@ struct rdma_state *rdma_state(struct connector *cn);
  * rdma_cm to bind to: 0, or -ENODEV with kvf_err set.
  */
 int rdma_device_addr(const char *name, struct sockaddr_in *out);
+/*
+ * rdma_mr.c: register cache c in protection domain pd with `access`: host
+ * memory as it is, GPU memory through a dma-buf, else as peer memory. The
+ * region, and in *how (may be NULL) which way it went; NULL with kvf_err
+ * saying why (both reasons for GPU memory, and what would make it work).
+ */
+struct ibv_mr *rdma_reg_cache(struct ibv_pd *pd, struct kvf_cache *c, int access, const char **how);
 /* The registration of this instance's own cache on `ctx` (prefill side: the source of
  * writes), made once per device and kept: its lkey in *lkey, its PD in *pd. */
 int rdma_local_mr(struct connector *cn, struct ibv_context *ctx, struct ibv_pd **pd, uint32_t *lkey);

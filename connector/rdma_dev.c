@@ -10,6 +10,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "err.h"
 #include "log.h"
@@ -93,18 +94,19 @@ int rdma_local_mr(struct connector *cn, struct ibv_context *ctx, struct ibv_pd *
                 d->ctx = ctx;
                 d->pd = ibv_alloc_pd(ctx);
                 /* The source of writes only: no remote access at all. */
-                d->mr = d->pd ? ibv_reg_mr(d->pd, cn->cache.base, cn->cache.bytes, IBV_ACCESS_LOCAL_WRITE) : NULL;
+                const char *how = NULL;
+                d->mr = d->pd ? rdma_reg_cache(d->pd, &cn->cache, IBV_ACCESS_LOCAL_WRITE, &how) : NULL;
                 if (!d->mr) {
-                        rc = kvf_err_set(-errno ? -errno : -EIO, "registering this cache (%llu bytes) on %s: %s",
-                                         (unsigned long long)cn->cache.bytes,
-                                         ibv_get_device_name(ctx->device), strerror(errno));
+                        rc = d->pd ? kvf_err_ctx(-EIO, "rdma")
+                                   : kvf_err_set(-EIO, "rdma: no protection domain on %s",
+                                                 ibv_get_device_name(ctx->device));
                         if (d->pd)
                                 ibv_dealloc_pd(d->pd);
                         free(d);
                         goto out;
                 }
-                kvf_info("rdma: this cache (%llu bytes) registered on %s for sending",
-                         (unsigned long long)cn->cache.bytes, ibv_get_device_name(ctx->device));
+                kvf_info("rdma: this cache (%llu bytes, %s) registered on %s for sending",
+                         (unsigned long long)cn->cache.bytes, how, ibv_get_device_name(ctx->device));
                 d->next = st->devs;
                 st->devs = d;
         }
@@ -161,15 +163,27 @@ static int rdma_init(struct connector *cn)
         pthread_mutex_init(&st->mu, NULL);
         pthread_cond_init(&st->cv, NULL);
         cn->transport[conn_transport_index(&conn_rdma_transport)] = st;
-        /* One-sided writes need the cache's own memory: a backend that stages (cache.h
-         * io_begin) has no address a peer could write to. */
-        if (!cn->cache.host || cn->cache.be->io_begin) {
+        /* One-sided writes need the cache's own memory, registered: host memory, or GPU
+         * memory a NIC can reach (rdma_mr.c). */
+        if (!cn->cache.host && !cn->cache.be->dmabuf) {
                 snprintf(st->no_cache, sizeof(st->no_cache),
                          "rdma needs a host cache used in place; this one (backend %s) is not",
                          cn->cache.be->name);
                 snprintf(st->unavailable, sizeof(st->unavailable), "%s", st->no_cache);
                 kvf_info("rdma: %s", st->no_cache);
                 return 0;
+        }
+        if (!cn->cache.host) { /* GPU memory: say now whether a NIC can be given it */
+                int fd;
+                uint64_t len;
+                if (cn->cache.be->dmabuf(&cn->cache, &fd, &len) == 0) {
+                        close(fd);
+                        kvf_info("rdma: the GPU cache exports as a dma-buf (%llu bytes): NICs register it "
+                                 "with ibv_reg_dmabuf_mr", (unsigned long long)len);
+                } else {
+                        kvf_info("rdma: the GPU cache does not export as a dma-buf (%s): registration will "
+                                 "try peer memory (nvidia_peermem)", kvf_err_msg());
+                }
         }
         uint32_t role = cn->ctl.hdr->instance_role;
         if (role == KVF_IROLE_DECODE || role == KVF_IROLE_MIXED)

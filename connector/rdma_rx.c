@@ -232,14 +232,14 @@ int rdma_welcome(struct connector *cn, const struct peer_identity *id, struct kv
         /* The peer's own region: its own protection domain, so its key is worth nothing on
          * any other peer's queue pair, and it goes when this connection ends. */
         c->pd = ibv_alloc_pd(st->ctx);
-        c->mr = c->pd ? ibv_reg_mr(c->pd, cn->cache.base, cn->cache.bytes,
-                                   IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE)
+        c->mr = c->pd ? rdma_reg_cache(c->pd, &cn->cache, IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE, NULL)
                       : NULL;
         if (!c->mr || kvf_random(c->ticket, sizeof(c->ticket)) < 0) {
                 int e = errno ? errno : EIO;
                 conn_free(st, c);
-                return kvf_err_set(-e, "rdma: cannot register the cache for peer '%s': %s", id->instance,
-                                   strerror(e));
+                return c->pd && !c->mr ? kvf_err_ctx(-EIO, "rdma: cannot register the cache for peer '%s'", id->instance)
+                                       : kvf_err_set(-e, "rdma: cannot register the cache for peer '%s': %s",
+                                                     id->instance, strerror(e));
         }
         w->rdma_port = st->port;
         w->rdma_addr = (uint64_t)(uintptr_t)cn->cache.base;
@@ -343,12 +343,19 @@ static int take_completions(struct rx_conn *c, char *why, size_t whylen)
                         }
                         kvf_count(&cn->ctl, KVF_CTR_RDMA_DONE_RECEIVED, 1);
                         /* Every write of the transfer before this SEND has landed (RC order). */
-                        char fwhy[160] = "";
-                        if (m.status)
+                        char fwhy[KVF_REASON_MAX] = "";
+                        int status = ntohs(m.status);
+                        if (status)
                                 snprintf(fwhy, sizeof(fwhy), "the prefill side's rdma write of this request failed: %s",
                                          rdma_wc_str((enum ibv_wc_status)ntohs(m.wc_status)));
-                        if (conn_landing_complete(cn, c->peer, c->gen, be64toh(m.key), be64toh(m.session),
-                                                  (int)ntohs(m.status), fwhy) < 0)
+                        /* GPU memory: what the NIC wrote is made visible to the GPU work after it
+                         * (the engine's kernels) before the arrival can be published. */
+                        else if (cn->cache.be->rdma_flush && cn->cache.be->rdma_flush(&cn->cache) < 0) {
+                                status = KVF_STATUS_WRITE;
+                                snprintf(fwhy, sizeof(fwhy), "%s", kvf_err_msg());
+                        }
+                        if (conn_landing_complete(cn, c->peer, c->gen, be64toh(m.key), be64toh(m.session), status,
+                                                  fwhy) < 0)
                                 kvf_errlog(&cn->ctl, KVF_ROLE_CONNECTOR, "rdma: out of memory for a done message");
                         if (post_recv(c, slot) < 0) {
                                 snprintf(why, whylen, "ibv_post_recv failed");

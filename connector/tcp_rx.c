@@ -7,6 +7,7 @@
 #include <arpa/inet.h>
 #include <errno.h>
 #include <liburing.h>
+#include <poll.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -99,20 +100,20 @@ static int recv_exact(struct connector *cn, struct io_uring *ring, int fd, void 
 }
 
 /*
- * Staged reading: one receive takes whatever the socket has (many small
- * frames at once); a large payload goes from the stage into the cache for
+ * Read-ahead: one receive takes whatever the socket has (many small
+ * frames at once); a large payload goes from the read-ahead buffer into the cache (or its staging memory) for
  * the part already read and straight from the socket into the cache for the
  * rest.
  */
-#define STAGE_LOOKAHEAD (4u << 10)
+#define RBUF_LOOKAHEAD (4u << 10)
 
-struct stage {
+struct rbuf {
         uint8_t *b;
         uint32_t cap, off, len;
 };
 
-/* Make at least `need` unread bytes available in the stage. */
-static int stage_fill(struct connector *cn, struct io_uring *ring, int fd, struct stage *st,
+/* Make at least `need` unread bytes available in the read-ahead buffer. */
+static int rbuf_fill(struct connector *cn, struct io_uring *ring, int fd, struct rbuf *st,
                       uint32_t need, unsigned timeout_ms)
 {
         if (st->len - st->off >= need)
@@ -125,9 +126,9 @@ static int stage_fill(struct connector *cn, struct io_uring *ring, int fd, struc
         uint64_t start = kvf_now_ns();
         while (st->len < need) {
                 /* Read what is needed plus a little: enough to take several small frames
-                 * in one receive, not so much that a large payload lands in the stage
+                 * in one receive, not so much that a large payload lands in the read-ahead buffer
                  * and must be copied again instead of going straight to the cache. */
-                uint32_t want = need > STAGE_LOOKAHEAD ? need : STAGE_LOOKAHEAD;
+                uint32_t want = need > RBUF_LOOKAHEAD ? need : RBUF_LOOKAHEAD;
                 if (want > st->cap)
                         want = st->cap;
                 /* Idle between frames is fine; inside a frame the bound applies. */
@@ -140,8 +141,8 @@ static int stage_fill(struct connector *cn, struct io_uring *ring, int fd, struc
         return 0;
 }
 
-/* Move `n` payload bytes to dst (NULL: drop them): from the stage first, then the socket. */
-static int stage_payload(struct connector *cn, struct io_uring *ring, int fd, struct stage *st,
+/* Move `n` payload bytes to dst (NULL: drop them): from the read-ahead buffer first, then the socket. */
+static int rbuf_payload(struct connector *cn, struct io_uring *ring, int fd, struct rbuf *st,
                          uint8_t *dst, uint64_t n, unsigned timeout_ms)
 {
         uint32_t have = st->len - st->off;
@@ -154,7 +155,7 @@ static int stage_payload(struct connector *cn, struct io_uring *ring, int fd, st
                 if (dst)
                         return recv_exact(cn, ring, fd, dst + take, (uint32_t)n, timeout_ms);
                 uint32_t k = n < st->cap ? (uint32_t)n : st->cap;
-                int rc = stage_fill(cn, ring, fd, st, k, timeout_ms);
+                int rc = rbuf_fill(cn, ring, fd, st, k, timeout_ms);
                 if (rc < 0)
                         return rc;
                 st->off += k;
@@ -172,19 +173,93 @@ static void landed(struct connector *cn, const char *peer, uint64_t gen, const s
 }
 
 /*
- * A DATAV frame whose frame header is in the stage (len: the bytes after it):
- * every run checked before a byte of payload is read, then all of them
- * received with one receive, from the stage first. 0; 1 the connection ends
- * (closed, stopping, cut short; reported); -EPROTO a violation (why).
+ * Runs received into staging memory (a GPU cache) whose copy into the cache
+ * has not been seen to land: marked only once it has, so a transfer is
+ * never complete before its last byte is in the cache. The connection
+ * receives the next frames meanwhile; it waits for the copies when the
+ * list is full and before it waits for the network (pend_settle).
  */
-static int serve_datav(struct connector *cn, struct io_uring *ring, int fd, struct stage *st,
-                       const char *peer, uint64_t gen, const char *remote, uint32_t len, unsigned to,
+#define PENDING_MAX 256u
+
+struct pending {
+        unsigned head, n;
+        struct {
+                uint64_t ticket, bytes;
+                struct landing_run run;
+        } q[PENDING_MAX];
+};
+
+struct rx {
+        struct connector *cn;
+        const char *peer, *remote;
+        uint64_t gen;
+        struct kvf_stager *sg;
+        struct pending pend;
+};
+
+/* Mark the runs whose copies landed (all of them: wait when `block`). 0, or -EIO (logged). */
+static int pend_settle(struct rx *rx, bool block)
+{
+        struct pending *pd = &rx->pend;
+        while (pd->n) {
+                unsigned i = pd->head;
+                int rc = kvf_stage_wait(rx->sg, pd->q[i].ticket, block);
+                if (rc == 0)
+                        return 0;
+                if (rc < 0) {
+                        /* Not marked: the transfer never completes here; its sender times out. */
+                        kvf_errlog(&rx->cn->ctl, KVF_ROLE_CONNECTOR, "data from '%s' (%s): %s: disconnected",
+                                   rx->peer, rx->remote, kvf_err_msg());
+                        pd->n = 0;
+                        return -EIO;
+                }
+                landed(rx->cn, rx->peer, rx->gen, &pd->q[i].run, pd->q[i].bytes);
+                pd->head = (i + 1) % PENDING_MAX;
+                pd->n--;
+        }
+        return 0;
+}
+
+/* The runs' bytes are in their host memory (group): into the cache, and marked once there. */
+static int receive_end(struct rx *rx, const struct kvf_io_run *io, const struct landing_run *runs, unsigned n,
+                       unsigned group)
+{
+        uint64_t t;
+        if (kvf_stage_in_end(rx->sg, io, n, group, &t) < 0) {
+                kvf_errlog(&rx->cn->ctl, KVF_ROLE_CONNECTOR, "data from '%s' (%s): %s: disconnected", rx->peer,
+                           rx->remote, kvf_err_msg());
+                return -EIO;
+        }
+        for (unsigned i = 0; i < n; i++) {
+                if (!t) { /* in place: in the cache already */
+                        landed(rx->cn, rx->peer, rx->gen, &runs[i], io[i].len);
+                        continue;
+                }
+                struct pending *pd = &rx->pend;
+                if (pd->n == PENDING_MAX && pend_settle(rx, true) < 0)
+                        return -EIO;
+                unsigned k = (pd->head + pd->n++) % PENDING_MAX;
+                pd->q[k].ticket = t;
+                pd->q[k].bytes = io[i].len;
+                pd->q[k].run = runs[i];
+        }
+        return 0;
+}
+
+/*
+ * A DATAV frame whose frame header is in the read-ahead buffer (len: the
+ * bytes after it): every run checked before a byte of payload is read, then
+ * all of them received with one receive, from the read-ahead buffer first.
+ * 0; 1 the connection ends (closed, stopping, cut short; reported); -EPROTO
+ * a violation (why).
+ */
+static int serve_datav(struct rx *rx, struct io_uring *ring, int fd, struct rbuf *st, uint32_t len, unsigned to,
                        char *why, size_t whylen)
 {
+        struct connector *cn = rx->cn;
         const uint64_t bb = cn->ctl.hdr->layout.block_bytes;
         struct landing_run runs[KVF_DATAV_RUNS_MAX];
-        uint64_t off[KVF_DATAV_RUNS_MAX];
-        uint8_t *dst[KVF_DATAV_RUNS_MAX];
+        struct kvf_io_run io[KVF_DATAV_RUNS_MAX];
         struct iovec iov[KVF_DATAV_RUNS_MAX];
         struct kvf_datav_hdr h;
 
@@ -192,7 +267,7 @@ static int serve_datav(struct connector *cn, struct io_uring *ring, int fd, stru
                 snprintf(why, whylen, "gathered data frame of %u bytes", len);
                 return -EPROTO;
         }
-        if (stage_fill(cn, ring, fd, st, KVF_FRAME_HDR + sizeof(h), to) < 0)
+        if (rbuf_fill(cn, ring, fd, st, KVF_FRAME_HDR + sizeof(h), to) < 0)
                 return 1;
         memcpy(&h, st->b + st->off + KVF_FRAME_HDR, sizeof(h));
         uint32_t n = ntohl(h.nruns);
@@ -202,7 +277,7 @@ static int serve_datav(struct connector *cn, struct io_uring *ring, int fd, stru
                          KVF_DATAV_RUNS_MAX);
                 return -EPROTO;
         }
-        if (stage_fill(cn, ring, fd, st, KVF_FRAME_HDR + (uint32_t)table, to) < 0)
+        if (rbuf_fill(cn, ring, fd, st, KVF_FRAME_HDR + (uint32_t)table, to) < 0)
                 return 1;
         const uint8_t *t = st->b + st->off + KVF_FRAME_HDR + sizeof(h);
         uint64_t key = be64toh(h.key), runs_bytes = 0, plen = len - table;
@@ -214,86 +289,104 @@ static int serve_datav(struct connector *cn, struct io_uring *ring, int fd, stru
                 runs_bytes += runs[i].nblocks * bb;
         }
         st->off += KVF_FRAME_HDR + (uint32_t)table;
-        if (runs_bytes != plen) {
-                snprintf(why, whylen, "gathered data frame of %llu payload bytes for runs of %llu",
-                         (unsigned long long)plen, (unsigned long long)runs_bytes);
+        if (runs_bytes != plen || plen > KVF_DATA_FRAME_MAX) {
+                snprintf(why, whylen, "gathered data frame of %llu payload bytes for runs of %llu (at most %u)",
+                         (unsigned long long)plen, (unsigned long long)runs_bytes, KVF_DATA_FRAME_MAX);
                 return -EPROTO;
         }
         bool drop = false;
         for (uint32_t i = 0; i < n; i++) {
-                int rc = conn_landing_check(cn, peer, gen, &runs[i], runs[i].nblocks * bb, &off[i], why, whylen);
+                io[i].len = runs[i].nblocks * bb;
+                int rc = conn_landing_check(cn, rx->peer, rx->gen, &runs[i], io[i].len, &io[i].off, why, whylen);
                 if (rc < 0)
                         return -EPROTO;
                 drop |= rc == 1;
         }
         if (drop) { /* a closed transfer (or its engine session is over): read and dropped */
-                if (stage_payload(cn, ring, fd, st, NULL, plen, to) == 0)
+                if (rbuf_payload(cn, ring, fd, st, NULL, plen, to) == 0)
                         return 0;
                 kvf_count(&cn->ctl, KVF_CTR_FRAMES_REJECTED, 1);
-                kvf_warn("peer '%s' (%s): data frame cut short", peer, remote);
+                kvf_warn("peer '%s' (%s): data frame cut short", rx->peer, rx->remote);
                 return 1;
         }
-        uint32_t began = 0;
-        int rc = 0;
-        for (; began < n && rc == 0; began++)
-                rc = kvf_cache_io_begin(&cn->cache, off[began], runs[began].nblocks * bb, true, &dst[began]);
-        if (rc < 0) {
-                began--;
-                kvf_errlog(&cn->ctl, KVF_ROLE_CONNECTOR, "data from '%s' (%s): %s: disconnected", peer, remote,
-                           kvf_err_msg());
-        } else {
-                /* What the stage holds already, then the rest straight from the socket. */
-                for (uint32_t i = 0; i < n; i++)
-                        iov[i] = (struct iovec){dst[i], runs[i].nblocks * bb};
-                uint32_t i = 0;
-                while (st->off < st->len && i < n) {
-                        size_t k = st->len - st->off < iov[i].iov_len ? st->len - st->off : iov[i].iov_len;
-                        memcpy(iov[i].iov_base, st->b + st->off, k);
-                        st->off += (uint32_t)k;
-                        iov[i].iov_base = (uint8_t *)iov[i].iov_base + k;
-                        if ((iov[i].iov_len -= k) == 0)
-                                i++;
-                }
-                rc = recv_iov(cn, ring, fd, iov + i, n - i, to);
-                if (rc < 0) {
-                        kvf_count(&cn->ctl, KVF_CTR_FRAMES_REJECTED, 1);
-                        kvf_warn("peer '%s' (%s): data frame cut short", peer, remote);
-                }
-        }
-        /* Every run begun is ended, received or not: what a failure left in them is in blocks
-         * of this transfer, unmarked, and written again when its frames are sent again. */
-        for (uint32_t i = 0; i < began; i++)
-                if (kvf_cache_io_end(&cn->cache, off[i], runs[i].nblocks * bb, true, dst[i]) < 0 && rc == 0) {
-                        kvf_errlog(&cn->ctl, KVF_ROLE_CONNECTOR, "data from '%s' (%s): %s: disconnected", peer,
-                                   remote, kvf_err_msg());
-                        rc = -EIO;
-                }
-        if (rc < 0)
+        unsigned group;
+        if (kvf_stage_in_begin(&cn->cache, rx->sg, io, n, &group) < 0) {
+                kvf_errlog(&cn->ctl, KVF_ROLE_CONNECTOR, "data from '%s' (%s): %s: disconnected", rx->peer,
+                           rx->remote, kvf_err_msg());
                 return 1;
+        }
+        /* What the read-ahead buffer holds already, then the rest straight from the socket. */
         for (uint32_t i = 0; i < n; i++)
-                landed(cn, peer, gen, &runs[i], runs[i].nblocks * bb);
-        return 0;
+                iov[i] = (struct iovec){io[i].p, io[i].len};
+        uint32_t i = 0;
+        while (st->off < st->len && i < n) {
+                size_t k = st->len - st->off < iov[i].iov_len ? st->len - st->off : iov[i].iov_len;
+                memcpy(iov[i].iov_base, st->b + st->off, k);
+                st->off += (uint32_t)k;
+                iov[i].iov_base = (uint8_t *)iov[i].iov_base + k;
+                if ((iov[i].iov_len -= k) == 0)
+                        i++;
+        }
+        if (recv_iov(cn, ring, fd, iov + i, n - i, to) < 0) {
+                /* What a failure left in staging memory goes nowhere; in a cache used in
+                 * place it is in blocks of this transfer, unmarked, written again when its
+                 * frames are sent again. */
+                kvf_stage_done(rx->sg, group);
+                kvf_count(&cn->ctl, KVF_CTR_FRAMES_REJECTED, 1);
+                kvf_warn("peer '%s' (%s): data frame cut short", rx->peer, rx->remote);
+                return 1;
+        }
+        return receive_end(rx, io, runs, n, group) < 0 ? 1 : 0;
+}
+
+/* Before waiting for the network: the copies of what was received land first (a transfer
+ * whose last frame is in must not wait for more data to be marked). 0, or -EIO. */
+static int settle_if_idle(struct rx *rx, const struct rbuf *st, int fd)
+{
+        if (!rx->pend.n || pend_settle(rx, false) < 0)
+                return rx->pend.n ? -EIO : 0;
+        if (!rx->pend.n || st->len - st->off >= KVF_FRAME_HDR)
+                return 0;
+        struct pollfd pf = {.fd = fd, .events = POLLIN};
+        if (poll(&pf, 1, 0) == 1)
+                return 0; /* more is there: receive it while the copies run */
+        return pend_settle(rx, true);
 }
 
 void tcp_serve(struct connector *cn, int fd, const struct peer_identity *id, const char *remote,
                void *state)
 {
-        const char *peer = id->instance;
-        uint64_t gen = id->created_ns;
         struct io_uring ring;
-        struct stage st = {.cap = KVF_XOPEN_MAX + KVF_FRAME_HDR};
+        struct rbuf st = {.cap = KVF_XOPEN_MAX + KVF_FRAME_HDR};
         char why[KVF_REASON_MAX] = "";
         unsigned to = cn->cfg.peer_timeout_ms;
         (void)state;
 
+        struct rx *rx = calloc(1, sizeof(*rx));
         st.b = malloc(st.cap);
-        if (!st.b || io_uring_queue_init(8, &ring, 0) < 0) {
+        const char *fail = !rx || !st.b ? "out of memory" : NULL;
+        if (!fail && kvf_stager_open(&cn->cache, &rx->sg) < 0)
+                fail = kvf_err_msg();
+        if (!fail && io_uring_queue_init(8, &ring, 0) < 0)
+                fail = "no io_uring";
+        if (fail) {
+                kvf_errlog(&cn->ctl, KVF_ROLE_CONNECTOR, "data connection from '%s': %s", id->instance, fail);
+                if (rx)
+                        kvf_stager_close(rx->sg);
+                free(rx);
                 free(st.b);
-                kvf_errlog(&cn->ctl, KVF_ROLE_CONNECTOR, "data connection from '%s': no io_uring", peer);
                 return;
         }
+        rx->cn = cn;
+        rx->peer = id->instance;
+        rx->remote = remote;
+        rx->gen = id->created_ns;
+        const char *peer = rx->peer;
+        uint64_t gen = rx->gen;
         for (;;) {
-                if (stage_fill(cn, &ring, fd, &st, KVF_FRAME_HDR, 0) < 0)
+                if (settle_if_idle(rx, &st, fd) < 0)
+                        break;
+                if (rbuf_fill(cn, &ring, fd, &st, KVF_FRAME_HDR, 0) < 0)
                         break; /* closed, or stopping */
                 struct kvf_frame_hdr fh;
                 kvf_net_get_hdr(st.b + st.off, &fh);
@@ -305,7 +398,7 @@ void tcp_serve(struct connector *cn, int fd, const struct peer_identity *id, con
                                 snprintf(why, sizeof(why), "XOPEN of %u bytes", len);
                                 goto violation;
                         }
-                        if (stage_fill(cn, &ring, fd, &st, KVF_FRAME_HDR + len, to) < 0)
+                        if (rbuf_fill(cn, &ring, fd, &st, KVF_FRAME_HDR + len, to) < 0)
                                 break;
                         int rc = kvf_record_decode(KVF_RT_XOPEN, st.b + st.off + KVF_FRAME_HDR, len, 0, &o);
                         st.off += KVF_FRAME_HDR + len;
@@ -323,18 +416,20 @@ void tcp_serve(struct connector *cn, int fd, const struct peer_identity *id, con
                         continue;
                 }
                 if (type == KVF_RT_DATAV) {
-                        int rc = serve_datav(cn, &ring, fd, &st, peer, gen, remote, len, to, why, sizeof(why));
+                        int rc = serve_datav(rx, &ring, fd, &st, len, to, why, sizeof(why));
                         if (rc == -EPROTO)
                                 goto violation;
                         if (rc != 0)
                                 break;
                         continue;
                 }
-                if (type != KVF_RT_DATA || len < sizeof(struct kvf_data_hdr)) {
-                        snprintf(why, sizeof(why), "frame of type %u and %u bytes on a data connection", type, len);
+                if (type != KVF_RT_DATA || len < sizeof(struct kvf_data_hdr) ||
+                    len - sizeof(struct kvf_data_hdr) > KVF_DATA_FRAME_MAX) {
+                        snprintf(why, sizeof(why), "frame of type %u and %u bytes on a data connection (data: at most %u)",
+                                 type, len, KVF_DATA_FRAME_MAX + (unsigned)sizeof(struct kvf_data_hdr));
                         goto violation;
                 }
-                if (stage_fill(cn, &ring, fd, &st, KVF_FRAME_HDR + sizeof(struct kvf_data_hdr), to) < 0)
+                if (rbuf_fill(cn, &ring, fd, &st, KVF_FRAME_HDR + sizeof(struct kvf_data_hdr), to) < 0)
                         break;
                 struct kvf_data_hdr h;
                 memcpy(&h, st.b + st.off + KVF_FRAME_HDR, sizeof(h));
@@ -342,34 +437,28 @@ void tcp_serve(struct connector *cn, int fd, const struct peer_identity *id, con
                 struct landing_run run = {.key = be64toh(h.key), .layer = ntohl(h.layer),
                                           .tensor = ntohs(h.tensor), .index = ntohl(h.index),
                                           .nblocks = ntohl(h.nblocks)};
-                uint64_t off;
-                uint64_t plen = len - sizeof(h);
-                int rc = conn_landing_check(cn, peer, gen, &run, plen, &off, why, sizeof(why));
+                struct kvf_io_run io = {.len = len - sizeof(h)};
+                int rc = conn_landing_check(cn, peer, gen, &run, io.len, &io.off, why, sizeof(why));
                 if (rc < 0)
                         goto violation;
                 /* rc 1: a closed transfer, whose payload is read and dropped. Else
-                 * straight into the cache (or the backend's staging buffer): the header
-                 * named these blocks, and they are ours. */
-                uint8_t *dst = NULL;
-                if (rc == 0 && kvf_cache_io_begin(&cn->cache, off, plen, true, &dst) < 0) {
-                        snprintf(why, sizeof(why), "%s", kvf_err_msg());
-                        kvf_errlog(&cn->ctl, KVF_ROLE_CONNECTOR, "data from '%s' (%s): %s: disconnected",
-                                   peer, remote, why);
-                        break;
-                }
-                if (stage_payload(cn, &ring, fd, &st, dst, plen, to) < 0) {
-                        kvf_count(&cn->ctl, KVF_CTR_FRAMES_REJECTED, 1);
-                        kvf_warn("peer '%s' (%s): data frame cut short", peer, remote);
-                        break;
-                }
-                if (rc == 1)
-                        continue;
-                if (kvf_cache_io_end(&cn->cache, off, plen, true, dst) < 0) {
+                 * straight into the cache (or its staging memory): the header named
+                 * these blocks, and they are ours. */
+                unsigned group = 0;
+                if (rc == 0 && kvf_stage_in_begin(&cn->cache, rx->sg, &io, 1, &group) < 0) {
                         kvf_errlog(&cn->ctl, KVF_ROLE_CONNECTOR, "data from '%s' (%s): %s: disconnected",
                                    peer, remote, kvf_err_msg());
                         break;
                 }
-                landed(cn, peer, gen, &run, plen);
+                if (rbuf_payload(cn, &ring, fd, &st, rc == 0 ? io.p : NULL, io.len, to) < 0) {
+                        if (rc == 0)
+                                kvf_stage_done(rx->sg, group);
+                        kvf_count(&cn->ctl, KVF_CTR_FRAMES_REJECTED, 1);
+                        kvf_warn("peer '%s' (%s): data frame cut short", peer, remote);
+                        break;
+                }
+                if (rc == 0 && receive_end(rx, &io, &run, 1, group) < 0)
+                        break;
         }
         goto out;
 violation:
@@ -377,6 +466,9 @@ violation:
         kvf_errlog(&cn->ctl, KVF_ROLE_CONNECTOR, "peer '%s' (%s) broke the data protocol: %s: disconnected",
                    peer, remote, why);
 out:
+        pend_settle(rx, true); /* what was received in full lands, and is marked */
         io_uring_queue_exit(&ring);
+        kvf_stager_close(rx->sg);
+        free(rx);
         free(st.b);
 }

@@ -84,10 +84,12 @@ void tcp_xfer_free(struct xfer_peer *xp, struct xfer *x)
 
 #define BATCH_FRAMES 128u
 #define BATCH_BYTES (4u << 20)
+_Static_assert(BATCH_FRAMES <= KVF_STAGE_RUNS && BATCH_BYTES <= KVF_STAGE_BYTES,
+               "a batch is one staged group");
 
 /* A frame of the batch: its payload's host memory, and the XOPEN that goes before it. */
 struct sendbuf {
-        uint8_t *src; /* kvf_cache_io_begin's, released once sent */
+        uint8_t *src; /* the cache itself, or staging memory (cache.h kvf_stage_out) */
         const uint8_t *xopen; /* the transfer's XOPEN frame, when this frame needs one first */
         uint32_t xopen_len;
 };
@@ -103,21 +105,18 @@ struct wire {
         struct msghdr xmh;
 };
 
-/* One data connection's batch (heap: a few hundred KiB). */
+/* One data connection's batch (heap: a few hundred KiB); a connection has two, so that
+ * the next one's staging copy runs while this one is on the wire. */
 struct batch {
+        unsigned n;      /* frames taken (0: the batch is free) */
+        uint64_t bytes;  /* their payload */
+        uint64_t ticket; /* the staging copy of their payloads (0: none needed) */
+        unsigned group;  /* their staging memory */
         struct frame *fs[BATCH_FRAMES];
         struct sendbuf sb[BATCH_FRAMES];
+        struct kvf_io_run io[BATCH_FRAMES];
         struct wire w[BATCH_FRAMES];
 };
-
-/* The payloads' host memory is no longer needed (sent, or given up). */
-static void release_src(struct xfer_peer *xp, struct batch *b, unsigned n)
-{
-        struct connector *cn = xp->p->cn;
-        for (unsigned i = 0; i < n; i++)
-                kvf_cache_io_end(&cn->cache, b->fs[i]->src_off, xfer_frame_bytes(xp, b->fs[i]), false,
-                                 b->sb[i].src);
-}
 
 /*
  * Frames [i, j) of the batch as one wire frame in w: a DATA frame for one,
@@ -169,32 +168,43 @@ static unsigned gather_end(struct xfer_peer *xp, const struct batch *b, unsigned
         return j;
 }
 
-/*
- * Send one batch of frames as a linked chain of sendmsg (so they go out in
- * order on the stream) and wait for all of it. 0, or -errno if the
- * connection must be dropped.
- */
-static int send_batch(struct data_conn *dc, struct io_uring *ring, struct batch *b, unsigned n)
+/* Stage batch b's payloads: host memory for each frame (the cache itself, or staging memory
+ * whose copy out of the cache is queued). 0, or -EIO (logged). */
+static int stage_batch(struct data_conn *dc, struct kvf_stager *st, struct batch *b)
 {
         struct xfer_peer *xp = dc->xp;
         struct connector *cn = xp->p->cn;
-        unsigned ops = 0, nwire = 0;
-        int rc = 0;
-
-        /* The blocks' bytes in host memory: the cache itself, or a staging buffer the
-         * backend fills (cache.h); all of them before a single send is queued. */
-        for (unsigned i = 0; i < n; i++) {
-                if (kvf_cache_io_begin(&cn->cache, b->fs[i]->src_off, xfer_frame_bytes(xp, b->fs[i]), false,
-                                       &b->sb[i].src) < 0) {
-                        kvf_errlog(&cn->ctl, KVF_ROLE_CONNECTOR, "data for '%s': %s", xp->p->name,
-                                   kvf_err_msg());
-                        release_src(xp, b, i);
-                        return -EIO;
-                }
+        for (unsigned i = 0; i < b->n; i++)
+                b->io[i] = (struct kvf_io_run){.off = b->fs[i]->src_off, .len = xfer_frame_bytes(xp, b->fs[i])};
+        if (kvf_stage_out(&cn->cache, st, b->io, b->n, &b->ticket, &b->group) < 0) {
+                kvf_errlog(&cn->ctl, KVF_ROLE_CONNECTOR, "data for '%s': %s", xp->p->name, kvf_err_msg());
+                return -EIO;
         }
+        for (unsigned i = 0; i < b->n; i++)
+                b->sb[i].src = b->io[i].p;
+        return 0;
+}
+
+/*
+ * Queue batch b's frames as a linked chain of sendmsg (so they go out in
+ * order on the stream), once its payloads are in host memory. The number of
+ * ops queued (*nwire: wire frames), or -errno.
+ */
+static int send_submit(struct data_conn *dc, struct io_uring *ring, struct kvf_stager *st, struct batch *b,
+                       unsigned *nwire)
+{
+        struct xfer_peer *xp = dc->xp;
+        struct connector *cn = xp->p->cn;
+        unsigned ops = 0, n = b->n;
+
+        if (kvf_stage_wait(st, b->ticket, true) < 0) {
+                kvf_errlog(&cn->ctl, KVF_ROLE_CONNECTOR, "data for '%s': %s", xp->p->name, kvf_err_msg());
+                return -EIO;
+        }
+        *nwire = 0;
         for (unsigned i = 0, j; i < n; i = j) {
                 j = gather_end(xp, b, i, n);
-                struct wire *w = &b->w[nwire++];
+                struct wire *w = &b->w[(*nwire)++];
                 struct io_uring_sqe *sqe;
                 if (b->sb[i].xopen) {
                         w->xiov = (struct iovec){(void *)b->sb[i].xopen, b->sb[i].xopen_len};
@@ -217,12 +227,24 @@ static int send_batch(struct data_conn *dc, struct io_uring *ring, struct batch 
                 ops++;
         }
         io_uring_submit(ring);
+        return (int)ops;
+}
+
+/*
+ * Wait for the `ops` sends queued. 0, or -errno if the connection must be
+ * dropped; *all false when completions were left behind (the kernel may
+ * still read the payloads' memory).
+ */
+static int send_reap(struct data_conn *dc, struct io_uring *ring, unsigned ops, bool *all)
+{
+        struct connector *cn = dc->xp->p->cn;
         /* Results: one per op; zero-copy ops also send a notification when the
          * pages may be reused (IORING_CQE_F_MORE announces it). */
         unsigned results = 0, notifs = 0;
         struct __kernel_timespec ts = {.tv_sec = cn->cfg.peer_timeout_ms / 1000,
                                        .tv_nsec = (long)(cn->cfg.peer_timeout_ms % 1000) * 1000000};
         bool shut = false;
+        int rc = 0;
         while (results < ops || notifs > 0) {
                 struct io_uring_cqe *cqe;
                 int w = io_uring_wait_cqe_timeout(ring, &cqe, &ts);
@@ -236,6 +258,8 @@ static int send_batch(struct data_conn *dc, struct io_uring *ring, struct batch 
                         }
                         continue;
                 }
+                if (w == -EINTR)
+                        continue;
                 if (w < 0) {
                         rc = w;
                         break;
@@ -252,12 +276,7 @@ static int send_batch(struct data_conn *dc, struct io_uring *ring, struct batch 
                 }
                 io_uring_cqe_seen(ring, cqe);
         }
-        /* (w < 0 left completions behind: the staging memory stays with the connection's
-         * frames, which go again; a host cache has nothing to release anyway) */
-        if (results == ops && notifs == 0)
-                release_src(xp, b, n);
-        if (rc == 0)
-                kvf_count(&cn->ctl, KVF_CTR_FRAMES_TCP, nwire);
+        *all = results == ops && notifs == 0;
         return rc;
 }
 
@@ -273,59 +292,118 @@ static bool closed_by_peer(int fd)
         return n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR);
 }
 
-static void serve(struct data_conn *dc, struct io_uring *ring, struct batch *b)
+/*
+ * Take frames off the peer's queue into the free batch b, waiting for some
+ * when `wait`. A staged batch stays within one staging group's bytes. The
+ * frames taken (0: none; the connector stops when *stopping), or -1 when the
+ * peer closed the connection while there was nothing to send.
+ */
+static int take(struct data_conn *dc, struct batch *b, bool wait, bool staged, bool *stopping)
+{
+        struct xfer_peer *xp = dc->xp;
+        uint64_t bit = 1ull << dc->idx;
+        unsigned n = 0;
+        uint64_t bytes = 0;
+
+        pthread_mutex_lock(&xp->mu);
+        while (wait && !xp->qhead && !xfer_stopping(xp)) {
+                xfer_wait(xp);
+                if (!xp->qhead && closed_by_peer(dc->fd)) {
+                        /* The receiver restarted (or went away) while we had nothing to
+                         * send: what we sent it may be lost; conn_main re-queues it. */
+                        pthread_mutex_unlock(&xp->mu);
+                        kvf_warn("data connection %u to '%s' closed by the peer", dc->idx, xp->p->name);
+                        return -1;
+                }
+        }
+        while (xp->qhead && n < BATCH_FRAMES && bytes < BATCH_BYTES &&
+               (!staged || n == 0 || bytes + xfer_frame_bytes(xp, xp->qhead) <= BATCH_BYTES)) {
+                struct frame *f = xfer_dequeue(xp, (int)dc->idx);
+                struct tcp_xfer *tx = f->x->tp;
+                b->sb[n] = (struct sendbuf){0};
+                if (!(tx->opened & bit)) {
+                        tx->opened |= bit;
+                        b->sb[n].xopen = tx->xopen;
+                        b->sb[n].xopen_len = tx->xopen_len;
+                }
+                bytes += xfer_frame_bytes(xp, f);
+                b->fs[n++] = f;
+        }
+        *stopping = xfer_stopping(xp);
+        bool room = xfer_has_room(xp);
+        pthread_mutex_unlock(&xp->mu);
+        xfer_room(xp, room);
+        b->n = n;
+        b->bytes = bytes;
+        return (int)n;
+}
+
+/* Batch b's frames go back to the transfers (sent, or to go again), and b is free. */
+static void give_back(struct data_conn *dc, struct kvf_stager *st, struct batch *b, bool sent)
+{
+        struct xfer_peer *xp = dc->xp;
+        kvf_stage_done(st, b->group);
+        pthread_mutex_lock(&xp->mu);
+        xfer_give_back(xp, b->fs, b->n, sent);
+        pthread_mutex_unlock(&xp->mu);
+        b->n = 0;
+}
+
+/*
+ * Send batches until the connection fails or the connector stops. With a
+ * stager (a GPU cache), the next batch is taken and its copy out of the
+ * cache queued while this one is on the wire. Returns false when the
+ * stager's memory may still be in the kernel's hands (a send left behind):
+ * the caller must not reuse or free it.
+ */
+static bool serve(struct data_conn *dc, struct io_uring *ring, struct batch *bs[2], struct kvf_stager *st)
 {
         struct xfer_peer *xp = dc->xp;
         struct connector *cn = xp->p->cn;
-        uint64_t bit = 1ull << dc->idx;
+        unsigned cur = 0;
+        bool stopping, all = true;
 
+        bs[0]->n = bs[1]->n = 0;
         for (;;) {
-                unsigned n = 0;
-                uint64_t bytes = 0;
-                pthread_mutex_lock(&xp->mu);
-                while (!xp->qhead && !xfer_stopping(xp)) {
-                        xfer_wait(xp);
-                        if (!xp->qhead && closed_by_peer(dc->fd)) {
-                                /* The receiver restarted (or went away) while we had nothing to
-                                 * send: what we sent it may be lost; conn_main re-queues it. */
-                                pthread_mutex_unlock(&xp->mu);
-                                kvf_warn("data connection %u to '%s' closed by the peer", dc->idx,
-                                         xp->p->name);
-                                return;
+                struct batch *b = bs[cur], *nb = bs[!cur];
+                int rc = 0;
+                if (!b->n) {
+                        int t = take(dc, b, true, st != NULL, &stopping);
+                        if (t < 0 || (t == 0 && stopping))
+                                return true;
+                        if (t == 0)
+                                continue;
+                        if (stage_batch(dc, st, b) < 0) {
+                                give_back(dc, st, b, false);
+                                return true;
                         }
                 }
-                while (xp->qhead && n < BATCH_FRAMES && bytes < BATCH_BYTES) {
-                        struct frame *f = xfer_dequeue(xp, (int)dc->idx);
-                        struct tcp_xfer *tx = f->x->tp;
-                        b->sb[n] = (struct sendbuf){0};
-                        if (!(tx->opened & bit)) {
-                                tx->opened |= bit;
-                                b->sb[n].xopen = tx->xopen;
-                                b->sb[n].xopen_len = tx->xopen_len;
-                        }
-                        bytes += xfer_frame_bytes(xp, f);
-                        b->fs[n++] = f;
+                unsigned nwire = 0;
+                int ops = send_submit(dc, ring, st, b, &nwire);
+                if (ops < 0)
+                        rc = ops;
+                else if (st && !nb->n && take(dc, nb, false, true, &stopping) > 0 && stage_batch(dc, st, nb) < 0)
+                        give_back(dc, st, nb, false); /* (logged; this batch still goes) */
+                if (ops > 0)
+                        rc = send_reap(dc, ring, (unsigned)ops, &all);
+                if (all)
+                        give_back(dc, st, b, rc == 0);
+                else { /* its memory stays with the kernel's sends: the frames go again, not it */
+                        pthread_mutex_lock(&xp->mu);
+                        xfer_give_back(xp, b->fs, b->n, false);
+                        pthread_mutex_unlock(&xp->mu);
+                        b->n = 0;
                 }
-                bool stopping = xfer_stopping(xp);
-                bool room = xfer_has_room(xp);
-                pthread_mutex_unlock(&xp->mu);
-                xfer_room(xp, room);
-                if (n == 0) {
-                        if (stopping)
-                                return;
-                        continue;
-                }
-                int rc = send_batch(dc, ring, b, n);
-                pthread_mutex_lock(&xp->mu);
-                xfer_give_back(xp, b->fs, n, rc == 0);
-                pthread_mutex_unlock(&xp->mu);
                 if (rc < 0) {
-                        kvf_warn("data connection %u to '%s' lost: %s", dc->idx, xp->p->name,
-                                 strerror(-rc));
-                        return;
+                        if (nb->n)
+                                give_back(dc, st, nb, false);
+                        kvf_warn("data connection %u to '%s' lost: %s", dc->idx, xp->p->name, strerror(-rc));
+                        return all;
                 }
-                kvf_count(&cn->ctl, KVF_CTR_BYTES_TCP, bytes);
-                kvf_count(&cn->ctl, KVF_CTR_BLOCKS_TCP, bytes / cn->ctl.hdr->layout.block_bytes);
+                kvf_count(&cn->ctl, KVF_CTR_FRAMES_TCP, nwire);
+                kvf_count(&cn->ctl, KVF_CTR_BYTES_TCP, b->bytes);
+                kvf_count(&cn->ctl, KVF_CTR_BLOCKS_TCP, b->bytes / cn->ctl.hdr->layout.block_bytes);
+                cur = !cur;
         }
 }
 
@@ -340,11 +418,19 @@ static void *conn_main(void *arg)
         char host[128];
         uint16_t port;
 
-        struct batch *b = malloc(sizeof(*b));
-        if (!b || io_uring_queue_init(4 * BATCH_FRAMES, &ring, 0) < 0) {
-                kvf_errlog(&cn->ctl, KVF_ROLE_CONNECTOR, "%s: data connection %u to '%s' not started",
-                           b ? "io_uring_queue_init failed" : "out of memory", dc->idx, p->name);
-                free(b);
+        struct batch *bs[2] = {malloc(sizeof(struct batch)), malloc(sizeof(struct batch))};
+        struct kvf_stager *st = NULL;
+        const char *why = !bs[0] || !bs[1] ? "out of memory" : NULL;
+        if (!why && kvf_stager_open(&cn->cache, &st) < 0)
+                why = kvf_err_msg();
+        if (!why && io_uring_queue_init(4 * BATCH_FRAMES, &ring, 0) < 0)
+                why = "io_uring_queue_init failed";
+        if (why) {
+                kvf_errlog(&cn->ctl, KVF_ROLE_CONNECTOR, "%s: data connection %u to '%s' not started", why,
+                           dc->idx, p->name);
+                kvf_stager_close(st);
+                free(bs[0]);
+                free(bs[1]);
                 return NULL;
         }
         while (!xfer_stopping(xp)) {
@@ -381,7 +467,13 @@ static void *conn_main(void *arg)
                 xfer_set_remote_blocks(xp, id.layout.num_blocks);
                 pthread_mutex_unlock(&xp->mu);
                 kvf_debug("data connection %u to '%s' up", dc->idx, p->name);
-                serve(dc, &ring, b);
+                if (!serve(dc, &ring, bs, st)) {
+                        /* A send was left in the kernel: its staging memory may still be read.
+                         * Left to it (leaked, a rare loss of a few MiB); a fresh stager goes on. */
+                        struct kvf_stager *fresh = NULL;
+                        if (st && kvf_stager_open(&cn->cache, &fresh) == 0)
+                                st = fresh;
+                }
                 /* What went over this connection and is not acknowledged may be lost. Closed
                  * under xp->mu: tcp_stop never shuts down a descriptor number reused meanwhile. */
                 pthread_mutex_lock(&xp->mu);
@@ -391,7 +483,9 @@ static void *conn_main(void *arg)
                 pthread_mutex_unlock(&xp->mu);
         }
         io_uring_queue_exit(&ring);
-        free(b);
+        kvf_stager_close(st);
+        free(bs[0]);
+        free(bs[1]);
         return NULL;
 }
 

@@ -296,7 +296,7 @@ extern "C" int kvf_gpu_host_alloc(uint64_t bytes, void **out)
         if (!out || !bytes)
                 return kvf_gpu_err_set(-EINVAL, "host alloc: nothing to allocate");
         *out = NULL;
-        cudaError_t e = cudaHostAlloc(out, bytes, cudaHostAllocPortable);
+        cudaError_t e = cudaHostAlloc(out, bytes, cudaHostAllocPortable | cudaHostAllocMapped);
         if (e != cudaSuccess) {
                 *out = NULL;
                 return kvf_gpu_err_cuda(e, "cudaHostAlloc");
@@ -341,6 +341,59 @@ static const char *cu_err_string(CUresult r)
             s)
                 return s;
         return "unknown driver error";
+}
+
+/* ---------------------------------------------------------------- GPUDirect RDMA */
+
+typedef CUresult (*range_handle_fn)(void *, CUdeviceptr, size_t, CUmemRangeHandleType, unsigned long long);
+
+extern "C" int kvf_gpu_dmabuf_export(int device, void *ptr, uint64_t bytes, int *fd)
+{
+        int prev, rc, can = 0;
+        void *fp;
+        *fd = -1;
+        if (!ptr || !bytes || ((uintptr_t)ptr | bytes) % 4096)
+                return kvf_gpu_err_set(-EINVAL, "dma-buf: [%p, +%llu) is not page-aligned device memory", ptr,
+                                       (unsigned long long)bytes);
+        if ((rc = kvf_gpu_device_enter(device, &prev)) < 0)
+                return rc;
+        if ((rc = driver_fn("cuDeviceGetAttribute", &fp)) < 0) {
+                kvf_gpu_device_leave(prev);
+                return rc == -ENOSYS ? -ENOTSUP : rc;
+        }
+        CUresult r = ((dev_attr_fn)fp)(&can, CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED, (CUdevice)device);
+        if (r != CUDA_SUCCESS || !can) {
+                kvf_gpu_device_leave(prev);
+                return kvf_gpu_err_set(-ENOTSUP, "GPU %d: the driver offers no dma-buf export of device "
+                                       "memory (%s)", device,
+                                       r != CUDA_SUCCESS ? cu_err_string(r)
+                                                         : "it needs the open kernel module and Linux 5.12 or later");
+        }
+        if ((rc = driver_fn("cuMemGetHandleForAddressRange", &fp)) < 0) {
+                kvf_gpu_device_leave(prev);
+                return rc == -ENOSYS ? -ENOTSUP : rc;
+        }
+        int out = -1;
+        r = ((range_handle_fn)fp)(&out, (CUdeviceptr)(uintptr_t)ptr, bytes,
+                                           CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD, 0);
+        kvf_gpu_device_leave(prev);
+        if (r != CUDA_SUCCESS || out < 0)
+                return kvf_gpu_err_set(r == CUDA_ERROR_NOT_SUPPORTED ? -ENOTSUP : -EIO,
+                                       "cuMemGetHandleForAddressRange(dma-buf, %llu bytes) on GPU %d: %s",
+                                       (unsigned long long)bytes, device, cu_err_string(r));
+        *fd = out;
+        return 0;
+}
+
+extern "C" int kvf_gpu_rdma_flush(int device)
+{
+        int prev, rc;
+        if ((rc = kvf_gpu_device_enter(device, &prev)) < 0)
+                return rc;
+        cudaError_t e = cudaDeviceFlushGPUDirectRDMAWrites(cudaFlushGPUDirectRDMAWritesTargetCurrentDevice,
+                                                           cudaFlushGPUDirectRDMAWritesToOwner);
+        kvf_gpu_device_leave(prev);
+        return e == cudaSuccess ? 0 : kvf_gpu_err_cuda(e, "cudaDeviceFlushGPUDirectRDMAWrites");
 }
 
 struct hostfn_slot {

@@ -116,9 +116,28 @@ int kvf_gpu_peer_enable(int device, int peer);
 int kvf_gpu_memcpy(int device, void *dst, const void *src, uint64_t bytes);
 /* cudaMemset on `device`, synchronous. */
 int kvf_gpu_memset(int device, void *ptr, int value, uint64_t bytes);
-/* Pinned host memory (cudaHostAlloc, portable to every device); free with kvf_gpu_host_free. */
+/* Pinned host memory (cudaHostAlloc, portable to every device and mapped: kernels use the same
+ * address); free with kvf_gpu_host_free. */
 int kvf_gpu_host_alloc(uint64_t bytes, void **out);
 void kvf_gpu_host_free(void *ptr);
+
+/* ---------------------------------------------------------------- GPUDirect RDMA */
+
+/*
+ * A dma-buf file descriptor for device memory [ptr, ptr + bytes) (the
+ * driver's cuMemGetHandleForAddressRange), for ibv_reg_dmabuf_mr; ptr and
+ * bytes must be multiples of the host page size. The caller closes it (a
+ * memory region registered on it keeps its own reference). -ENOTSUP when the
+ * GPU, the driver or the kernel cannot (the message says which).
+ */
+int kvf_gpu_dmabuf_export(int device, void *ptr, uint64_t bytes, int *fd);
+/*
+ * Make what a NIC wrote into `device`'s memory (completed RDMA writes)
+ * visible to the work this process queues afterwards, on any stream
+ * (cudaDeviceFlushGPUDirectRDMAWrites, to the owner); a no-op on GPUs that
+ * order such writes themselves. 0, or -EIO.
+ */
+int kvf_gpu_rdma_flush(int device);
 
 /* ---------------------------------------------------------------- runs and the plan */
 

@@ -6,6 +6,7 @@
 #     prefix hits, chunked prefill, cancels; the engine executor must really have copied (its
 #     plan claims counted in the segment); the stream-write signal as well as the host function;
 #   - key-only (MLA) and speculative extra layers, both executors;
+#   - GPU caches over tcp (staged io), contiguous and scattered, and a decode connector killed;
 #   - the sender SIGKILLed mid-transfer, again and again, each executor: one status per request,
 #     nothing corrupt reported finished, the two sides agreeing;
 #   - the engine killed: its caches intact when it attaches again (tests/gpu_reattach_test);
@@ -91,6 +92,47 @@ for ex in engine sender; do
   down $TAG-sp$ex; down $TAG-sd$ex
   pass "$ex executor: key-only (MLA, 61 layers x 1 tensor) and 32 + 2 extra layers verified"
 done
+
+# GPU caches over tcp (issue 12): each connector thread stages through a ring of pinned host
+# buffers (common/cache_stage.c), one copy kernel per send batch and per received frame, the next
+# batch's copy running while this one is on the wire; contiguous and scattered blocks, every byte
+# verified on the GPU, all of them by tcp; then the decode connector killed mid-transfer.
+up $TAG-td --role decode $L
+up $TAG-tp --role prefill $L
+for mode in contiguous scatter; do
+  opt=(); [ $mode = scatter ] && opt=(--scatter)
+  j=$(sim "tcp, $mode blocks" tcp-$mode --prefill $TAG-tp --decode $TAG-td --transport tcp --requests 30 --layer-us 100 \
+        --late-pct 20 "${opt[@]}")
+  all_finished "tcp, $mode blocks" "$j" 30
+done
+[ "$(rdv $TAG-tp bytes_moved_ipc)" = 0 ] && [ "$(rdv $TAG-tp bytes_sent_tcp)" -gt 0 ] ||
+  fail "tcp: not every byte went by tcp (ipc $(rdv $TAG-tp bytes_moved_ipc), tcp $(rdv $TAG-tp bytes_sent_tcp))"
+# GPUDirect RDMA's first step on this machine: can the GPU cache be handed to a NIC? The decode
+# connector says so at start (rdma_dev.c); rdma_reg_test exports the cache as a dma-buf and checks
+# its size (and registers it where an RDMA device is).
+if [ -x "$B/tests/rdma_reg_test" ]; then
+  line=$(grep -E "rdma: the GPU cache (exports|does not export) as a dma-buf" "$KVFERRY_RUN_DIR/$TAG-td/connector.log") ||
+    fail "the connector did not say whether its GPU cache exports as a dma-buf"
+  "$B/tests/rdma_reg_test" --instance $TAG-td >"$KVFERRY_RUN_DIR/rdma-reg.txt" 2>&1 ||
+    fail "rdma_reg_test on the GPU cache: $(cat "$KVFERRY_RUN_DIR/rdma-reg.txt")"
+  sed 's/^/  /' "$KVFERRY_RUN_DIR/rdma-reg.txt"
+  pass "GPU cache and RDMA: ${line#*INFO }"
+fi
+json=$KVFERRY_RUN_DIR/tcp-kill.json
+"$B/kvf-sim" --gpu --trace "$TRACE" --prefill $TAG-tp --decode $TAG-td --transport tcp --requests 100000 --layer-us 300 \
+  --quiet --timeout-s 60 --json "$json" >"$KVFERRY_RUN_DIR/tcp-kill.txt" 2>&1 &
+simpid=$!
+sleep 1.5
+kill_role connector $TAG-td
+sleep 2
+kill -TERM $simpid 2>/dev/null || true
+wait $simpid || true
+[ -f "$json" ] || fail "tcp: no summary after the connector kill: $(tail -n 5 "$KVFERRY_RUN_DIR/tcp-kill.txt")"
+[ "$(jv "$json" corrupt)" = 0 ] && [ "$(jv "$json" unaccounted)" = 0 ] || fail "tcp: decode connector kill: corrupt or lost"
+j=$(sim "tcp after the kill" tcp-after --prefill $TAG-tp --decode $TAG-td --transport tcp --requests 10 --layer-us 100)
+all_finished "tcp after the kill" "$j" 10
+down $TAG-tp; down $TAG-td
+pass "GPU caches over tcp (staged through pinned host memory): 60 requests, contiguous and scattered blocks, verified on the GPU; the decode connector killed mid-transfer: $(jv "$json" finished) finished, none corrupt or lost, then 10 more finished"
 
 # The sender SIGKILLed mid-transfer. Its copies in flight die with its context (the requests that
 # had one end 'write error'); the engine's copies do not (they are waited for again).

@@ -373,6 +373,14 @@ int main(void)
         data(fd, 6, 0, 0, 0, 2, 24 + 2 * bb, 2 * bb, 0xee);
         expect_drop("run over non-contiguous blocks", fd, before, "not contiguous");
 
+        /* A payload above a frame's 4 MiB (what a GPU cache's staging buffer holds), refused from its
+         * header before any payload is read. */
+        before = rejected();
+        fd = dial("data", token, toklen);
+        xopen(fd, 7, d3, 3);
+        data(fd, 7, 0, 0, 0, 1, 24 + (4u << 20) + 16, 0, 0xee);
+        expect_drop("data frame above 4 MiB", fd, before, "(data: at most 4194328)");
+
         /* Gathered frames (DATAV): every run is checked before a byte is written. */
         before = rejected();
         fd = dial("data", token, toklen);

@@ -5,6 +5,8 @@
 # veth pair. Run by the rdma_vm_test ctest (tests/CMakeLists.txt), which brings this tree's
 # tools/, tests/, data/ and binaries into the VM.
 #
+#   0. the registration of caches (rdma_reg_test): host memory, device memory through a dma-buf
+#      or as peer memory, neither (refused with both reasons)
 #   1. kvf-sim end to end over rdma, every byte verified, blocks in runs
 #   2. the work requests: one RDMA WRITE per run of blocks contiguous on both sides, per
 #      (layer, tensor), and one done message per request (the connector's counters); a request
@@ -42,6 +44,13 @@ up $TAG-d --role decode $L --listen "$DIP:7100" --peer-timeout-ms $PT --keepaliv
 up $TAG-p --role prefill $L --listen "$A:0" --peer-timeout-ms $PT --keepalive-ms 250
 grep -q "rdma: listening on rxe1" "$KVFERRY_RUN_DIR/$TAG-d/connector.log" ||
   fail "the decode connector does not listen for rdma on rxe1: $(grep rdma "$KVFERRY_RUN_DIR/$TAG-d/connector.log")"
+
+# 0. Registration (connector/rdma_mr.c) on rxe0, every branch: host memory; device memory of a
+# stand-in backend with a dma-buf (this kernel has no udmabuf, so its refusal is what registers
+# it as peer memory), without one, and with neither (refused, both reasons in the message).
+"$B/rdma_reg_test" >"$KVFERRY_RUN_DIR/reg.txt" 2>&1 || { cat "$KVFERRY_RUN_DIR/reg.txt"; fail "registration"; }
+sed 's/^/  /' "$KVFERRY_RUN_DIR/reg.txt"
+pass "cache registration, every branch: $(grep -c '^ok:' "$KVFERRY_RUN_DIR/reg.txt") cases"
 
 # 1. End to end.
 sim e2e --prefill $TAG-p --decode $TAG-d --transport rdma --requests 12 --max-tokens 1024 --layer-us 200 \

@@ -1,0 +1,224 @@
+/*
+ * rdma_reg_test: registering a cache with an RDMA device (connector/rdma_mr.c,
+ * rdma_reg_cache), every branch, with real verbs:
+ *   - host memory: registered as it is;
+ *   - "GPU" memory of a stand-in backend (host memory the CPU is told not to
+ *     use, host = false) whose dma-buf export works: a real dma-buf made by
+ *     udmabuf from a memfd, registered with ibv_reg_dmabuf_mr where the device
+ *     takes dma-bufs, else registered as peer memory after that refusal;
+ *   - the same backend with no dma-buf: registered as peer memory;
+ *   - neither (no dma-buf, and an address range no device can pin): refused
+ *     with both reasons and the way out in the message;
+ *   - with --instance NAME, that instance's real cache (a GPU cache on a GPU
+ *     machine): its dma-buf export (the file's size must be the cache's) and,
+ *     where an RDMA device is, its registration.
+ * Runs inside the soft-RoCE VM (tests/vm/rdma_test.sh) and on the GPU machine
+ * (tests/gpu_e2e_test.sh). Exit 0 pass, 1 fail, 77 no RDMA device and no
+ * instance to check.
+ */
+#include <errno.h>
+#include <fcntl.h>
+#include <linux/udmabuf.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/ioctl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include "cache.h"
+#include "check.h"
+#include "ctl.h"
+#include "err.h"
+#include "rdma.h"
+
+#define BYTES (4u << 20)
+
+static int memfd = -1;
+static bool fake_has_dmabuf;
+
+/* A dma-buf of the memfd behind the stand-in cache (udmabuf), or -ENOTSUP. */
+static int fake_dmabuf(struct kvf_cache *c, int *fd, uint64_t *len)
+{
+        *len = c->bytes;
+        if (!fake_has_dmabuf)
+                return kvf_err_set(-ENOTSUP, "stand-in backend: no dma-buf here");
+        int dev = open("/dev/udmabuf", O_RDWR | O_CLOEXEC);
+        if (dev < 0)
+                return kvf_err_set(-ENOTSUP, "stand-in backend: /dev/udmabuf: %s", strerror(errno));
+        struct udmabuf_create cr = {.memfd = (uint32_t)memfd,
+                                    .flags = UDMABUF_FLAGS_CLOEXEC,
+                                    .offset = 0,
+                                    .size = c->bytes};
+        *fd = ioctl(dev, UDMABUF_CREATE, &cr);
+        int e = errno;
+        close(dev);
+        return *fd < 0 ? kvf_err_set(-ENOTSUP, "stand-in backend: UDMABUF_CREATE: %s", strerror(e))
+                       : 0;
+}
+
+static const struct kvf_cache_backend fake = {.name = "stand-in", .dmabuf = fake_dmabuf};
+
+static struct ibv_mr *reg(struct ibv_pd *pd, struct kvf_cache *c, const char **how)
+{
+        *how = "";
+        kvf_err_clear();
+        return rdma_reg_cache(pd, c, IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE, how);
+}
+
+static void check_mr(struct ibv_mr *mr, const struct kvf_cache *c, const char *how,
+                     const char *what)
+{
+        if (!mr) {
+                fprintf(stderr, "%s: not registered: %s\n", what, kvf_err_msg());
+                exit(1);
+        }
+        CHECK(mr->addr == (void *)c->base ||
+              mr->addr == NULL); /* a dma-buf region reports its iova */
+        CHECK(mr->length >= c->bytes);
+        printf("ok: %s: %llu bytes registered (%s), lkey %#x rkey %#x\n", what,
+               (unsigned long long)mr->length, how, mr->lkey, mr->rkey);
+        CHECK_EQ(ibv_dereg_mr(mr), 0);
+}
+
+/* The instance's real cache: its dma-buf (checked through /proc/self/fdinfo) and, on pd, its
+ * registration. */
+static int check_instance(const char *name, struct ibv_pd *pd)
+{
+        struct kvf_ctl ctl;
+        struct kvf_cache c;
+        CHECK(kvf_ctl_attach(name, false, &ctl) == 0);
+        CHECK(kvf_cache_map(ctl.hdr, true, &c) == 0);
+        printf("instance %s: %llu bytes, %s backend\n", name, (unsigned long long)c.bytes,
+               c.be->name);
+        if (c.be->dmabuf) {
+                int fd;
+                uint64_t len;
+                if (c.be->dmabuf(&c, &fd, &len) == 0) {
+                        char path[64], line[256];
+                        unsigned long long size = 0;
+                        snprintf(path, sizeof(path), "/proc/self/fdinfo/%d", fd);
+                        FILE *f = fopen(path, "r");
+                        CHECK(f);
+                        while (fgets(line, sizeof(line), f))
+                                if (sscanf(line, "size: %llu", &size) == 1 ||
+                                    strncmp(line, "exp_name:", 9) == 0)
+                                        printf("  dma-buf %s", line);
+                        fclose(f);
+                        if (size < c.bytes || size != len) {
+                                fprintf(
+                                    stderr,
+                                    "the dma-buf is %llu bytes, the cache %llu (exported %llu)\n",
+                                    size, (unsigned long long)c.bytes, (unsigned long long)len);
+                                return 1;
+                        }
+                        close(fd);
+                        printf(
+                            "ok: instance %s: its GPU cache exports as a dma-buf of %llu bytes\n",
+                            name, size);
+                } else {
+                        printf("ok: instance %s: no dma-buf of its cache here, said clearly: %s\n",
+                               name, kvf_err_msg());
+                }
+        }
+        if (pd) {
+                const char *how;
+                struct ibv_mr *mr = reg(pd, &c, &how);
+                if (mr)
+                        check_mr(mr, &c, how, "the instance's cache");
+                else
+                        printf(
+                            "ok: the instance's cache is not registrable here, said clearly: %s\n",
+                            kvf_err_msg());
+        }
+        kvf_cache_unmap(&c);
+        kvf_ctl_detach(&ctl);
+        return 0;
+}
+
+int main(int argc, char **argv)
+{
+        const char *instance = argc == 3 && !strcmp(argv[1], "--instance") ? argv[2] : NULL;
+        if (argc != 1 && !instance) {
+                fprintf(stderr, "usage: %s [--instance NAME]\n", argv[0]);
+                return 2;
+        }
+        int n = 0;
+        struct ibv_device **list = ibv_get_device_list(&n);
+        struct ibv_context *ctx = list && n > 0 ? ibv_open_device(list[0]) : NULL;
+        struct ibv_pd *pd = ctx ? ibv_alloc_pd(ctx) : NULL;
+        if (!pd) {
+                printf("no RDMA device to register on (%d devices)\n", n);
+                if (list)
+                        ibv_free_device_list(list);
+                return instance ? check_instance(instance, NULL) : 77;
+        }
+        printf("registering on %s\n", ibv_get_device_name(ctx->device));
+        const char *how;
+
+        /* Host memory. */
+        uint8_t *host = aligned_alloc(4096, BYTES);
+        CHECK(host);
+        struct kvf_cache hc = {
+            .be = &kvf_cache_host, .base = host, .bytes = BYTES, .host = true, .device = -1};
+        struct ibv_mr *mr = reg(pd, &hc, &how);
+        CHECK(mr && !strcmp(how, "host memory"));
+        check_mr(mr, &hc, how, "host memory");
+
+        /* The stand-in "GPU" cache: memory of a memfd (sealed against shrinking, as udmabuf needs).
+         */
+        memfd = memfd_create("kvf-rdma-reg", MFD_ALLOW_SEALING);
+        CHECK(memfd >= 0 && ftruncate(memfd, BYTES) == 0 &&
+              fcntl(memfd, F_ADD_SEALS, F_SEAL_SHRINK) == 0);
+        uint8_t *dev = mmap(NULL, BYTES, PROT_READ | PROT_WRITE, MAP_SHARED, memfd, 0);
+        CHECK(dev != MAP_FAILED);
+        struct kvf_cache gc = {
+            .be = &fake, .base = dev, .bytes = BYTES, .host = false, .device = 0};
+
+        fake_has_dmabuf = true;
+        mr = reg(pd, &gc, &how);
+        if (mr && !strcmp(how, "GPU memory through a dma-buf")) {
+                check_mr(mr, &gc, how, "device memory with a dma-buf");
+        } else if (mr) {
+                /* A device without dma-buf registration (rxe), or no udmabuf: peer memory after it.
+                 */
+                CHECK(strstr(how, "peer memory"));
+                check_mr(mr, &gc, how,
+                         "device memory whose dma-buf the device refused (or that had none)");
+        } else {
+                fprintf(stderr, "device memory with a dma-buf: not registered: %s\n",
+                        kvf_err_msg());
+                return 1;
+        }
+
+        fake_has_dmabuf = false;
+        mr = reg(pd, &gc, &how);
+        CHECK(mr && strstr(how, "peer memory"));
+        check_mr(mr, &gc, how, "device memory without a dma-buf");
+
+        /* Neither: no dma-buf, and pages nobody can pin (PROT_NONE). */
+        uint8_t *none = mmap(NULL, BYTES, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        CHECK(none != MAP_FAILED);
+        struct kvf_cache nc = {
+            .be = &fake, .base = none, .bytes = BYTES, .host = false, .device = 0};
+        mr = reg(pd, &nc, &how);
+        if (mr) {
+                fprintf(stderr, "memory nobody can pin was registered (%s)\n", how);
+                return 1;
+        }
+        const char *m = kvf_err_msg();
+        CHECK(strstr(m, "stand-in backend: no dma-buf here") && strstr(m, "as peer memory:") &&
+              strstr(m, "nvidia_peermem") && strstr(m, "tcp carries GPU caches"));
+        printf("ok: neither a dma-buf nor peer memory: refused: %s\n", m);
+
+        int rc = instance ? check_instance(instance, pd) : 0;
+        ibv_dealloc_pd(pd);
+        ibv_close_device(ctx);
+        ibv_free_device_list(list);
+        munmap(dev, BYTES);
+        munmap(none, BYTES);
+        free(host);
+        if (rc == 0)
+                printf("rdma_reg_test: all passed\n");
+        return rc;
+}

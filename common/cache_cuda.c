@@ -29,9 +29,11 @@
  * launch. The thread waits for a group's copy only when it needs the bytes.
  */
 #include <errno.h>
+#include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/prctl.h>
 
 #include "cache.h"
 #include "clock.h"
@@ -270,6 +272,9 @@ static int stage_open(struct kvf_cache *c, void **eng)
                 free(e);
                 return gpu_err(rc, "create a staging copier");
         }
+        /* This thread waits for copies of tens to hundreds of microseconds (stage_wait):
+         * its short sleeps should not be stretched by the default 50 us timer slack. */
+        prctl(PR_SET_TIMERSLACK, 1UL, 0, 0, 0);
         e->device = c->device;
         e->region[0] = (struct kvf_gpu_region){.base = (uint64_t)(uintptr_t)c->base, .bytes = c->bytes};
         *eng = e;
@@ -334,16 +339,21 @@ static int stage_copy(void *eng, bool to_cache, const struct kvf_io_run *r, unsi
 static int stage_wait(void *eng, uint64_t ticket, bool block)
 {
         struct stage_eng *e = eng;
-        uint64_t start = kvf_now_ns();
+        uint64_t start = kvf_now_ns(), waited;
         for (;;) {
                 int rc = kvf_gpu_copy_poll(e->copier, ticket);
                 if (rc < 0)
                         return gpu_err(-EIO, "staging copy");
                 if (rc == 1 || !block)
                         return rc;
-                if (kvf_now_ns() - start > AGAIN_WAIT_NS)
+                if ((waited = kvf_now_ns() - start) > AGAIN_WAIT_NS)
                         return kvf_err_set(-EIO, "a staging copy did not complete in 2 s");
-                kvf_sleep_ns(5000);
+                /* A group's copy takes tens of microseconds: yield at first, then sleep (a
+                 * busy engine can hold the GPU for milliseconds without MPS). */
+                if (waited < 200000)
+                        sched_yield();
+                else
+                        kvf_sleep_ns(5000);
         }
 }
 

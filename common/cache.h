@@ -214,6 +214,10 @@ extern const struct kvf_cache_backend kvf_cache_cuda;
 /* cache_cuda.c: GPUs visible (kvf_cache_gpus); the device this process numbers `uuid`, or < 0. */
 int kvf_cache_cuda_gpus(void);
 int kvf_cache_cuda_device_of(const uint8_t uuid[16]);
+/* cache_cuda_dmabuf.c: the allocator offers its allocation's dma-buf (never fails: a refusal
+ * carries the reason); another process of the same user fetches a descriptor of it. */
+void kvf_cuda_dmabuf_offer(const struct kvf_ctl_header *h, int device, void *ptr, uint64_t bytes);
+int kvf_cuda_dmabuf_fetch(const struct kvf_ctl_header *h, int *fd, uint64_t *len);
 #endif
 
 #endif

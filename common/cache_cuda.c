@@ -52,6 +52,7 @@ struct cuda_map {
         uint32_t cap_runs;
         struct kvf_gpu_region *dst;
         uint32_t cap_dst;
+        struct kvf_ctl_header hdr; /* the instance's, as mapped (names its dma-buf offer) */
 };
 
 static int gpu_err(int rc, const char *what)
@@ -111,6 +112,8 @@ static int cuda_create(struct kvf_ctl_header *h, const struct kvf_cache_opts *o)
                 kvf_gpu_free(dev, p);
                 return rc;
         }
+        /* For a NIC (GPUDirect RDMA): only this process can export the allocation's dma-buf. */
+        kvf_cuda_dmabuf_offer(h, dev, p, l->cache_bytes);
         return 0; /* p lives as long as this process */
 }
 
@@ -140,6 +143,7 @@ static int cuda_map(const struct kvf_ctl_header *h, bool writable, struct kvf_ca
         if (!m)
                 return kvf_err_set(-ENOMEM, "out of memory");
         m->device = out->device >= 0 ? out->device : owner;
+        m->hdr = *h;
         m->owner = owner;
         int rc = kvf_gpu_ipc_open(m->device, (const uint8_t *)h + h->cuda_handles_off, &m->ptr, NULL);
         if (rc < 0) {
@@ -359,12 +363,18 @@ static int stage_wait(void *eng, uint64_t ticket, bool block)
 
 /* ---- GPUDirect RDMA (connector/rdma_mr.c) ---- */
 
+/* The allocator's dma-buf of the cache; else one exported here (which the driver may refuse
+ * for a mapping of another process's allocation). */
 static int cuda_dmabuf(struct kvf_cache *c, int *fd, uint64_t *len)
 {
         struct cuda_map *m = c->priv;
+        char first[KVF_ERR_MAX];
+        if (kvf_cuda_dmabuf_fetch(&m->hdr, fd, len) == 0)
+                return 0;
+        snprintf(first, sizeof(first), "%s", kvf_err_msg());
         *len = (c->bytes + 4095) & ~4095ull; /* inside the allocation: cuda_create rounds to 2 MiB */
         int rc = kvf_gpu_dmabuf_export(m->owner, c->base, *len, fd);
-        return rc < 0 ? kvf_err_set(rc, "%s", kvf_gpu_err_msg()) : 0;
+        return rc < 0 ? kvf_err_set(rc, "%s; exported here: %s", first, kvf_gpu_err_msg()) : 0;
 }
 
 static int cuda_rdma_flush(struct kvf_cache *c)

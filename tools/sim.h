@@ -127,7 +127,7 @@ struct sim {
         int stop; /* SIGTERM/SIGINT (kvf_opt_signals: read with kvf_load_relaxed): admit no more,
                    * let what was admitted finish */
         /* The sender's layer-done -> copy-start histogram at the start (sim_report.c). */
-        struct kvf_histogram l2c_before;
+        struct kvf_histogram hist_before[KVF_HIST_COUNT]; /* the sender's, at the start (sim_report.c) */
 };
 
 /* sim_engine.c */

@@ -128,42 +128,44 @@ static double memcpy_rate(uint64_t bytes)
         return (double)done / dt;
 }
 
-/* The sender's layer-done -> copy-start histogram lives as long as the instance:
- * this run's share is what it holds at the end less what it holds now. */
+/* The sender's histograms live as long as the instance: this run's share is what they
+ * hold at the end less what they hold now. */
 void kvf_sim_report_start(struct sim *s)
 {
         struct kvf_ctl pc;
         if (kvf_ctl_attach(s->o.prefill[0], false, &pc) == 0) {
-                memcpy(&s->l2c_before, &pc.sender->hist[KVF_HIST_LAYER_TO_COPY],
-                       sizeof(s->l2c_before));
+                memcpy(s->hist_before, pc.sender->hist, sizeof(s->hist_before));
                 kvf_ctl_detach(&pc);
         }
 }
 
-/* This run's layer-done -> copy start p50 and p99 (0 when the instance cannot be read). */
-static void layer_to_copy(const struct sim *s, uint64_t *p50, uint64_t *p99)
+/* This run's p50 and p99 of the sender's histograms (enum kvf_hist_id; 0 when the instance
+ * cannot be read): layer-done -> copy start, one layer's copy, a request's last layer ->
+ * its completion. */
+static void sender_hists(const struct sim *s, uint64_t p50[KVF_HIST_COUNT], uint64_t p99[KVF_HIST_COUNT])
 {
         struct kvf_ctl pc;
-        *p50 = *p99 = 0;
-        if (kvf_ctl_attach(s->o.prefill[0], false, &pc) == 0) {
+        memset(p50, 0, KVF_HIST_COUNT * sizeof(*p50));
+        memset(p99, 0, KVF_HIST_COUNT * sizeof(*p99));
+        if (kvf_ctl_attach(s->o.prefill[0], false, &pc) < 0)
+                return;
+        for (unsigned h = 0; h < KVF_HIST_COUNT; h++) {
                 static struct kvf_histogram run;
-                const struct kvf_histogram *now = &pc.sender->hist[KVF_HIST_LAYER_TO_COPY];
-                for (unsigned i = 0; i < KVF_HIST_BUCKETS;
-                     i++) /* (a re-created instance starts at 0) */
-                        run.buckets[i] = now->buckets[i] >= s->l2c_before.buckets[i]
-                                             ? now->buckets[i] - s->l2c_before.buckets[i]
-                                             : now->buckets[i];
-                *p50 = kvf_hist_quantile(&run, 0.50);
-                *p99 = kvf_hist_quantile(&run, 0.99);
-                kvf_ctl_detach(&pc);
+                const struct kvf_histogram *now = &pc.sender->hist[h], *was = &s->hist_before[h];
+                for (unsigned i = 0; i < KVF_HIST_BUCKETS; i++) /* (a re-created instance starts at 0) */
+                        run.buckets[i] = now->buckets[i] >= was->buckets[i] ? now->buckets[i] - was->buckets[i]
+                                                                            : now->buckets[i];
+                p50[h] = kvf_hist_quantile(&run, 0.50);
+                p99[h] = kvf_hist_quantile(&run, 0.99);
         }
+        kvf_ctl_detach(&pc);
 }
 
 /* Everything the text and the JSON show. */
 struct figures {
         double secs, rate, base, layer_bytes;
         struct tail_figures tf;
-        uint64_t l2c50, l2c99;
+        uint64_t h50[KVF_HIST_COUNT], h99[KVF_HIST_COUNT]; /* sender_hists */
         unsigned unaccounted;
         bool ok;
 };
@@ -214,7 +216,7 @@ static void print_text(const struct sim *s, const struct figures *g)
                "p50 %.1f us, p99 %.1f us\n",
                tf->completion.p50 / 1e3, tf->completion.p99 / 1e3);
         printf("  copy start   layer-done -> copy start: p50 %.1f us, p99 %.1f us\n",
-               (double)g->l2c50 / 1e3, (double)g->l2c99 / 1e3);
+               (double)g->h50[KVF_HIST_LAYER_TO_COPY] / 1e3, (double)g->h99[KVF_HIST_LAYER_TO_COPY] / 1e3);
         if (s->o.warm_caches)
                 printf("  warm-up      touched %s of the caches through this process's mappings in %.3f s "
                        "(%.2f us per 4 KiB page), before the clock started\n",
@@ -250,7 +252,9 @@ static void write_json(const struct sim *s, const struct figures *g, const char 
                 "\"tail_late_p50_ns\":%.0f,\"tail_late_p99_ns\":%.0f,\"tail_norm_p50\":%.3f,"
                 "\"tail_norm_p99\":%.3f,\"tail_norm_max\":%.3f,\"completion_tail_p50_ns\":%.0f,"
                 "\"completion_tail_p99_ns\":%.0f,\"layer_to_copy_p50_ns\":%llu,"
-                "\"layer_to_copy_p99_ns\":%llu,\"memcpy_bps\":%.1f,\"avg_layer_bytes\":%.1f,"
+                "\"layer_to_copy_p99_ns\":%llu,\"copy_p50_ns\":%llu,\"copy_p99_ns\":%llu,"
+                "\"last_to_done_p50_ns\":%llu,\"last_to_done_p99_ns\":%llu,"
+                "\"memcpy_bps\":%.1f,\"avg_layer_bytes\":%.1f,"
                 "\"ok\":%s,\"cancelled\":%llu,\"cancels_sent\":%llu,\"timed_out\":%llu,"
                 "\"connection_errors\":%llu,\"finished_but_failed_pairs\":%llu,\"warm_bytes\":%llu,"
                 "\"warm_ns\":%llu,\"gpu\":%s}\n",
@@ -259,7 +263,10 @@ static void write_json(const struct sim *s, const struct figures *g, const char 
                 (unsigned long long)s->verified_bytes, g->secs, g->rate, tf->all.p50, tf->all.p99,
                 tf->in_time.p50, tf->in_time.p99, tf->late.n, tf->late.p50, tf->late.p99,
                 tf->norm.p50, tf->norm.p99, tf->norm.max, tf->completion.p50, tf->completion.p99,
-                (unsigned long long)g->l2c50, (unsigned long long)g->l2c99, g->base,
+                (unsigned long long)g->h50[KVF_HIST_LAYER_TO_COPY], (unsigned long long)g->h99[KVF_HIST_LAYER_TO_COPY],
+                (unsigned long long)g->h50[KVF_HIST_COPY], (unsigned long long)g->h99[KVF_HIST_COPY],
+                (unsigned long long)g->h50[KVF_HIST_LAST_TO_DONE],
+                (unsigned long long)g->h99[KVF_HIST_LAST_TO_DONE], g->base,
                 g->layer_bytes, g->ok ? "true" : "false",
                 (unsigned long long)s->fail_by_status[KVF_STATUS_CANCELLED],
                 (unsigned long long)s->cancels_sent,
@@ -274,7 +281,7 @@ bool kvf_sim_report(struct sim *s)
 {
         struct figures g = {.secs = s->secs};
 
-        layer_to_copy(s, &g.l2c50, &g.l2c99);
+        sender_hists(s, g.h50, g.h99);
         g.rate = g.secs > 0 ? (double)s->moved_bytes / g.secs : 0;
         /* GPU mode: one bulk device-to-device copy of an average request's layer. */
         g.base = !s->o.baseline ? 0

@@ -3,7 +3,7 @@
  * later, on a worker thread, a little after they were submitted, the way a
  * GPU kernel returns before its copy lands. It exists to run the sender's
  * copies-in-flight path end to end where no GPU is (tests/e2e_test.sh), and the
- * connector's staged io the way a GPU cache needs it (tests/tcp_test.sh); and to
+ * connector's staged io the way a GPU cache needs it (tests/staged_tcp_test.sh); and to
  * show that a backend is one file plus one line in cache.c.
  *
  * KVFERRY_ASYNC_DELAY_US (default 200) delays each batch; KVFERRY_ASYNC_FAIL_EVERY=N fails

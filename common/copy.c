@@ -3,6 +3,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "atomics.h"
+
 #if defined(__x86_64__)
 #include <immintrin.h>
 
@@ -79,8 +81,9 @@ void kvf_copy_stream(void *dst, const void *src, size_t n)
         uint8_t *d = dst;
         const uint8_t *s = src;
 
-        if (!fn)
-                fn = pick(); /* racing threads pick the same */
+        stream_fn f = kvf_load_relaxed(&fn);
+        if (!f) /* racing threads pick the same; atomic, so that the race is a defined one */
+                kvf_store_relaxed(&fn, f = pick());
         /* Streaming stores need an aligned destination: copy up to 64-byte alignment first. */
         size_t head = (64 - ((uintptr_t)d & 63)) & 63;
         if (n < 1024 || head > n) {
@@ -91,7 +94,7 @@ void kvf_copy_stream(void *dst, const void *src, size_t n)
         d += head;
         s += head;
         n -= head;
-        size_t done = fn(d, s, n);
+        size_t done = f(d, s, n);
         memcpy(d + done, s + done, n - done);
 }
 

@@ -22,4 +22,13 @@ done
 [ "$(counter $TAG-sp bytes_moved_ipc)" = 0 ] && [ "$(counter $TAG-sp bytes_sent_tcp)" -gt 0 ] ||
   fail "staged io: the bytes did not all go by tcp"
 pass "staged io (copies completed later, as a GPU's): 40 requests over tcp, contiguous and scattered, verified"
+# No role died, and (a sanitizer build) no report, also at exit: stop both first.
+down $TAG-sp; down $TAG-sd
+died=$(grep -h "exited with status" "$KVFERRY_RUN_DIR"/*/supervisor.log || true)
+[ -z "$died" ] || fail "roles died: $died"
+if grep -l -E "AddressSanitizer|LeakSanitizer|ThreadSanitizer|runtime error:" "$KVFERRY_RUN_DIR"/*/*.log; then
+  grep -h -A20 -E "AddressSanitizer|LeakSanitizer|ThreadSanitizer|runtime error:" "$KVFERRY_RUN_DIR"/*/*.log | head -80
+  fail "sanitizer reports in the roles' logs"
+fi
+pass "no role died, no sanitizer report in the roles' logs"
 echo "staged_tcp_test: all passed"

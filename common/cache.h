@@ -118,11 +118,14 @@ struct kvf_stage_ops {
         void (*close)(void *eng); /* waits (bounded) for the copies in flight */
         int (*buf_alloc)(void *eng, uint64_t bytes, uint8_t **out);
         void (*buf_free)(void *eng, uint8_t *p);
-        /* Copy each run between the cache (off, len) and the buffer (p): into the
-         * cache (to_cache) or out of it; *ticket names the copy (from 1, in order). */
-        int (*copy)(void *eng, bool to_cache, const struct kvf_io_run *runs, unsigned n, uint64_t *ticket);
-        /* 1 landed, 0 not yet (only when !block), -EIO failed (kvf_err says why). */
-        int (*wait)(void *eng, uint64_t ticket, bool block);
+        /* Queue the copy of runs between the cache and staging buffer `buf` (one of
+         * buf_alloc's, KVF_STAGE_BYTES): into the cache (to_cache: src_off in buf,
+         * dst_off in the cache) or out of it; dst is 0. *ticket names the copy (from 1,
+         * in order). */
+        int (*copy)(void *eng, bool to_cache, uint8_t *buf, const struct kvf_copy_run *runs, unsigned n,
+                    uint64_t *ticket);
+        /* 1 landed, 0 not yet, -EIO failed (kvf_err says why). Never blocks. */
+        int (*poll)(void *eng, uint64_t ticket);
 };
 
 /*

@@ -29,11 +29,9 @@
  * launch. The thread waits for a group's copy only when it needs the bytes.
  */
 #include <errno.h>
-#include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/prctl.h>
 
 #include "cache.h"
 #include "clock.h"
@@ -191,19 +189,19 @@ static int grow(void **p, uint32_t *cap, uint32_t want, size_t size)
 
 /* Submit runs [0, n) as one batch; a batch larger than the copier's arena goes in halves
  * (batches of one copier land in order, so the last ticket stands for all of them). */
-static int submit(struct cuda_map *m, struct kvf_gpu_batch *b, const struct kvf_gpu_run *runs,
+static int submit(struct kvf_gpu_copier *cp, struct kvf_gpu_batch *b, const struct kvf_gpu_run *runs,
                   size_t n, uint64_t *ticket)
 {
         uint64_t start = 0;
         for (;;) {
                 b->runs = runs;
                 b->n_runs = n;
-                int rc = kvf_gpu_copy_submit(m->copier, b, ticket);
+                int rc = kvf_gpu_copy_submit(cp, b, ticket);
                 if (rc == -E2BIG && n > 1) {
                         size_t half = n / 2;
-                        if ((rc = submit(m, b, runs, half, ticket)) < 0)
+                        if ((rc = submit(cp, b, runs, half, ticket)) < 0)
                                 return rc;
-                        return submit(m, b, runs + half, n - half, ticket);
+                        return submit(cp, b, runs + half, n - half, ticket);
                 }
                 if (rc != -EAGAIN)
                         return rc < 0 ? gpu_err(rc, "GPU copy") : 0;
@@ -216,6 +214,14 @@ static int submit(struct cuda_map *m, struct kvf_gpu_batch *b, const struct kvf_
                                            kvf_gpu_err_msg());
                 kvf_sleep_ns(10000);
         }
+}
+
+/* The copier's form of runs (one source region; destination regions by run). */
+static void gpu_runs(const struct kvf_copy_run *r, uint32_t n, struct kvf_gpu_run *out)
+{
+        for (uint32_t i = 0; i < n; i++)
+                out[i] = (struct kvf_gpu_run){.src_off = r[i].src_off, .dst_off = r[i].dst_off,
+                                              .bytes = r[i].bytes, .src_region = 0, .dst_region = r[i].dst};
 }
 
 static int cuda_copy_submit(const struct kvf_copy_batch *b, uint64_t *ticket)
@@ -235,15 +241,10 @@ static int cuda_copy_submit(const struct kvf_copy_batch *b, uint64_t *ticket)
                                            i, m->device);
                 m->dst[i] = (struct kvf_gpu_region){.base = (uint64_t)(uintptr_t)d->base, .bytes = d->bytes};
         }
-        for (uint32_t i = 0; i < b->nruns; i++)
-                m->runs[i] = (struct kvf_gpu_run){.src_off = b->runs[i].src_off,
-                                                  .dst_off = b->runs[i].dst_off,
-                                                  .bytes = b->runs[i].bytes,
-                                                  .src_region = 0,
-                                                  .dst_region = b->runs[i].dst};
+        gpu_runs(b->runs, b->nruns, m->runs);
         struct kvf_gpu_region src = {.base = (uint64_t)(uintptr_t)b->src->base, .bytes = b->src->bytes};
         struct kvf_gpu_batch gb = {.src = &src, .n_src = 1, .dst = m->dst, .n_dst = b->ndst};
-        return submit(m, &gb, m->runs, b->nruns, ticket);
+        return submit(m->copier, &gb, m->runs, b->nruns, ticket);
 }
 
 static int cuda_copy_poll(struct kvf_cache *src, uint64_t ticket)
@@ -260,7 +261,7 @@ static int cuda_copy_poll(struct kvf_cache *src, uint64_t ticket)
 
 struct stage_eng {
         struct kvf_gpu_copier *copier;
-        struct kvf_gpu_region region[2]; /* 0: the cache; 1: the group's pinned buffer */
+        struct kvf_gpu_region region[2]; /* 0: the cache; 1: the group's staging buffer */
         int device;
 };
 
@@ -276,9 +277,6 @@ static int stage_open(struct kvf_cache *c, void **eng)
                 free(e);
                 return gpu_err(rc, "create a staging copier");
         }
-        /* This thread waits for copies of tens to hundreds of microseconds (stage_wait):
-         * its short sleeps should not be stretched by the default 50 us timer slack. */
-        prctl(PR_SET_TIMERSLACK, 1UL, 0, 0, 0);
         e->device = c->device;
         e->region[0] = (struct kvf_gpu_region){.base = (uint64_t)(uintptr_t)c->base, .bytes = c->bytes};
         *eng = e;
@@ -307,58 +305,24 @@ static void stage_buf_free(void *eng, uint8_t *p)
         kvf_gpu_host_free(p);
 }
 
-static int stage_copy(void *eng, bool to_cache, const struct kvf_io_run *r, unsigned n, uint64_t *ticket)
+static int stage_copy(void *eng, bool to_cache, uint8_t *buf, const struct kvf_copy_run *r, unsigned n,
+                      uint64_t *ticket)
 {
         struct stage_eng *e = eng;
         struct kvf_gpu_run runs[KVF_STAGE_RUNS];
-        if (n == 0 || n > KVF_STAGE_RUNS)
+        if (n > KVF_STAGE_RUNS)
                 return kvf_err_set(-EINVAL, "a staged group of %u runs", n);
-        /* A group lies in one buffer, in order: its region starts at the first run's memory. */
-        uint8_t *buf = r[0].p;
-        uint64_t len = 0;
-        for (unsigned i = 0; i < n; i++) {
-                uint64_t b = (uint64_t)(r[i].p - buf);
-                runs[i] = (struct kvf_gpu_run){.src_off = to_cache ? b : r[i].off,
-                                               .dst_off = to_cache ? r[i].off : b,
-                                               .bytes = r[i].len};
-                len = b + r[i].len;
-        }
-        e->region[1] = (struct kvf_gpu_region){.base = (uint64_t)(uintptr_t)buf, .bytes = len};
-        struct kvf_gpu_batch gb = {.runs = runs, .n_runs = n,
-                                   .src = &e->region[to_cache ? 1 : 0], .n_src = 1,
+        gpu_runs(r, n, runs);
+        e->region[1] = (struct kvf_gpu_region){.base = (uint64_t)(uintptr_t)buf, .bytes = KVF_STAGE_BYTES};
+        struct kvf_gpu_batch gb = {.src = &e->region[to_cache ? 1 : 0], .n_src = 1,
                                    .dst = &e->region[to_cache ? 0 : 1], .n_dst = 1};
-        uint64_t start = 0;
-        for (;;) {
-                int rc = kvf_gpu_copy_submit(e->copier, &gb, ticket);
-                if (rc != -EAGAIN)
-                        return rc < 0 ? gpu_err(rc, to_cache ? "copy into the GPU cache" : "copy from the GPU cache") : 0;
-                if (!start)
-                        start = kvf_now_ns();
-                else if (kvf_now_ns() - start > AGAIN_WAIT_NS)
-                        return kvf_err_set(-EIO, "staging copies did not complete for 2 s: %s", kvf_gpu_err_msg());
-                kvf_sleep_ns(10000);
-        }
+        return submit(e->copier, &gb, runs, n, ticket);
 }
 
-static int stage_wait(void *eng, uint64_t ticket, bool block)
+static int stage_poll(void *eng, uint64_t ticket)
 {
-        struct stage_eng *e = eng;
-        uint64_t start = kvf_now_ns(), waited;
-        for (;;) {
-                int rc = kvf_gpu_copy_poll(e->copier, ticket);
-                if (rc < 0)
-                        return gpu_err(-EIO, "staging copy");
-                if (rc == 1 || !block)
-                        return rc;
-                if ((waited = kvf_now_ns() - start) > AGAIN_WAIT_NS)
-                        return kvf_err_set(-EIO, "a staging copy did not complete in 2 s");
-                /* A group's copy takes tens of microseconds: yield at first, then sleep (a
-                 * busy engine can hold the GPU for milliseconds without MPS). */
-                if (waited < 200000)
-                        sched_yield();
-                else
-                        kvf_sleep_ns(5000);
-        }
+        int rc = kvf_gpu_copy_poll(((struct stage_eng *)eng)->copier, ticket);
+        return rc < 0 ? gpu_err(-EIO, "staging copy") : rc;
 }
 
 /* ---- GPUDirect RDMA (connector/rdma_mr.c) ---- */
@@ -389,7 +353,7 @@ static const struct kvf_stage_ops stage_ops = {
         .buf_alloc = stage_buf_alloc,
         .buf_free = stage_buf_free,
         .copy = stage_copy,
-        .wait = stage_wait,
+        .poll = stage_poll,
 };
 
 const struct kvf_cache_backend kvf_cache_cuda = {

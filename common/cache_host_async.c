@@ -223,36 +223,17 @@ static void stage_buf_free(void *eng, uint8_t *p)
         free(p);
 }
 
-static int stage_copy(void *eng, bool to_cache, const struct kvf_io_run *r, unsigned n, uint64_t *ticket)
+static int stage_copy(void *eng, bool to_cache, uint8_t *buf, const struct kvf_copy_run *runs, unsigned n,
+                      uint64_t *ticket)
 {
         struct stage_eng *e = eng;
-        struct kvf_copy_run runs[KVF_STAGE_RUNS];
-        if (n == 0 || n > KVF_STAGE_RUNS)
-                return kvf_err_set(-EINVAL, "host-async: a staged group of %u runs", n);
-        /* A group lies in one buffer, in order: offsets from its first run's memory. */
-        uint8_t *buf = r[0].p;
-        for (unsigned i = 0; i < n; i++) {
-                uint64_t b = (uint64_t)(r[i].p - buf);
-                runs[i] = (struct kvf_copy_run){.src_off = to_cache ? b : r[i].off,
-                                                .dst_off = to_cache ? r[i].off : b, .bytes = r[i].len};
-        }
         uint8_t *dst = to_cache ? e->base : buf;
         return queue_job(e->a, to_cache ? buf : e->base, &dst, 1, runs, n, ticket);
 }
 
-static int stage_wait(void *eng, uint64_t ticket, bool block)
+static int stage_poll(void *eng, uint64_t ticket)
 {
-        struct stage_eng *e = eng;
-        uint64_t start = kvf_now_ns();
-        for (;;) {
-                int rc = poll_ticket(e->a, ticket);
-                if (rc != 0 || !block)
-                        return rc;
-                if (kvf_now_ns() - start > 2000000000ull)
-                        return kvf_err_set(-EIO, "host-async: staged copy %llu not done in 2 s",
-                                           (unsigned long long)ticket);
-                kvf_sleep_ns(20000);
-        }
+        return poll_ticket(((struct stage_eng *)eng)->a, ticket);
 }
 
 static const struct kvf_stage_ops stage_ops = {
@@ -261,7 +242,7 @@ static const struct kvf_stage_ops stage_ops = {
         .buf_alloc = stage_buf_alloc,
         .buf_free = stage_buf_free,
         .copy = stage_copy,
-        .wait = stage_wait,
+        .poll = stage_poll,
 };
 
 static int async_create(struct kvf_ctl_header *h, const struct kvf_cache_opts *o)

@@ -17,11 +17,19 @@
  * order, so a slot's last ticket stands for all of its copies.
  */
 #include <errno.h>
+#include <sched.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/prctl.h>
 
 #include "cache.h"
+#include "clock.h"
 #include "err.h"
+
+#define WAIT_MAX_NS 2000000000ull /* a copy not landed by then has failed */
+#define WAIT_YIELD_NS 200000ull   /* a group's copy takes tens of microseconds: yield until
+                                   * then, sleep after (a busy engine can hold the GPU for
+                                   * milliseconds without MPS) */
 
 struct slot {
         uint8_t *buf;
@@ -48,6 +56,9 @@ int kvf_stager_open(struct kvf_cache *c, struct kvf_stager **out)
                 return kvf_err_set(-ENOMEM, "out of memory for a stager");
         s->c = c;
         s->ops = c->be->stage;
+        /* This thread waits for copies of tens to hundreds of microseconds (kvf_stage_wait):
+         * its short sleeps should not be stretched by the default 50 us timer slack. */
+        prctl(PR_SET_TIMERSLACK, 1UL, 0, 0, 0);
         int rc = s->ops->open(c, &s->eng);
         if (rc < 0) {
                 free(s);
@@ -102,12 +113,10 @@ static int place(struct kvf_stager *s, struct kvf_io_run *r, unsigned n, uint64_
                         return kvf_err_set(-EBUSY,
                                            "every staging buffer is in use (%u groups held)",
                                            KVF_STAGE_SLOTS);
-                if (ns->ticket) {
-                        int rc = s->ops->wait(s->eng, ns->ticket, true);
-                        if (rc < 0)
-                                return rc;
-                        ns->ticket = 0;
-                }
+                int rc = kvf_stage_wait(s, ns->ticket, true);
+                if (rc < 0)
+                        return rc;
+                ns->ticket = 0;
                 ns->used = 0;
                 s->cur = next;
                 sl = ns;
@@ -124,6 +133,23 @@ static int place(struct kvf_stager *s, struct kvf_io_run *r, unsigned n, uint64_
         sl->groups++;
         *group = s->cur;
         return 0;
+}
+
+/* Queue the copies of a group placed in slot `group`, and make them the slot's last. */
+static int copy_group(struct kvf_stager *s, bool to_cache, const struct kvf_io_run *r, unsigned n,
+                      unsigned group, uint64_t *ticket)
+{
+        struct kvf_copy_run runs[KVF_STAGE_RUNS];
+        uint8_t *buf = s->slot[group].buf;
+        for (unsigned i = 0; i < n; i++) {
+                uint64_t b = (uint64_t)(r[i].p - buf);
+                runs[i] = (struct kvf_copy_run){.src_off = to_cache ? b : r[i].off,
+                                                .dst_off = to_cache ? r[i].off : b, .bytes = r[i].len};
+        }
+        int rc = s->ops->copy(s->eng, to_cache, buf, runs, n, ticket);
+        if (rc == 0)
+                s->slot[group].ticket = *ticket;
+        return rc;
 }
 
 static int in_place(struct kvf_cache *c, struct kvf_io_run *r, unsigned n)
@@ -146,12 +172,9 @@ int kvf_stage_out(struct kvf_cache *c, struct kvf_stager *s, struct kvf_io_run *
         int rc = check(c, true, runs, n, &bytes);
         if (rc < 0 || (rc = place(s, runs, n, bytes, group)) < 0)
                 return rc;
-        if ((rc = s->ops->copy(s->eng, false, runs, n, ticket)) < 0) {
+        if ((rc = copy_group(s, false, runs, n, *group, ticket)) < 0)
                 s->slot[*group].groups--;
-                return rc;
-        }
-        s->slot[*group].ticket = *ticket;
-        return 0;
+        return rc;
 }
 
 int kvf_stage_in_begin(struct kvf_cache *c, struct kvf_stager *s, struct kvf_io_run *runs,
@@ -171,9 +194,7 @@ int kvf_stage_in_end(struct kvf_stager *s, const struct kvf_io_run *runs, unsign
         *ticket = 0;
         if (!s)
                 return 0;
-        int rc = s->ops->copy(s->eng, true, runs, n, ticket);
-        if (rc == 0)
-                s->slot[group].ticket = *ticket;
+        int rc = copy_group(s, true, runs, n, group, ticket);
         kvf_stage_done(s, group);
         return rc;
 }
@@ -186,5 +207,18 @@ void kvf_stage_done(struct kvf_stager *s, unsigned group)
 
 int kvf_stage_wait(struct kvf_stager *s, uint64_t ticket, bool block)
 {
-        return !s || !ticket ? 1 : s->ops->wait(s->eng, ticket, block);
+        if (!s || !ticket)
+                return 1;
+        uint64_t start = kvf_now_ns(), waited;
+        for (;;) {
+                int rc = s->ops->poll(s->eng, ticket);
+                if (rc != 0 || !block)
+                        return rc;
+                if ((waited = kvf_now_ns() - start) > WAIT_MAX_NS)
+                        return kvf_err_set(-EIO, "a staging copy did not complete in 2 s");
+                if (waited < WAIT_YIELD_NS)
+                        sched_yield();
+                else
+                        kvf_sleep_ns(5000);
+        }
 }

@@ -198,6 +198,20 @@ struct rx {
         struct pending pend;
 };
 
+/* The connection ends for a failure of ours (kvf_err says which): logged. */
+static void log_disconnect(const struct rx *rx)
+{
+        kvf_errlog(&rx->cn->ctl, KVF_ROLE_CONNECTOR, "data from '%s' (%s): %s: disconnected", rx->peer, rx->remote,
+                   kvf_err_msg());
+}
+
+/* The peer closed or stalled inside a frame's payload. */
+static void cut_short(const struct rx *rx)
+{
+        kvf_count(&rx->cn->ctl, KVF_CTR_FRAMES_REJECTED, 1);
+        kvf_warn("peer '%s' (%s): data frame cut short", rx->peer, rx->remote);
+}
+
 /* Mark the runs whose copies landed (all of them: wait when `block`). 0, or -EIO (logged). */
 static int pend_settle(struct rx *rx, bool block)
 {
@@ -209,8 +223,7 @@ static int pend_settle(struct rx *rx, bool block)
                         return 0;
                 if (rc < 0) {
                         /* Not marked: the transfer never completes here; its sender times out. */
-                        kvf_errlog(&rx->cn->ctl, KVF_ROLE_CONNECTOR, "data from '%s' (%s): %s: disconnected",
-                                   rx->peer, rx->remote, kvf_err_msg());
+                        log_disconnect(rx);
                         pd->n = 0;
                         return -EIO;
                 }
@@ -227,8 +240,7 @@ static int receive_end(struct rx *rx, const struct kvf_io_run *io, const struct 
 {
         uint64_t t;
         if (kvf_stage_in_end(rx->sg, io, n, group, &t) < 0) {
-                kvf_errlog(&rx->cn->ctl, KVF_ROLE_CONNECTOR, "data from '%s' (%s): %s: disconnected", rx->peer,
-                           rx->remote, kvf_err_msg());
+                log_disconnect(rx);
                 return -EIO;
         }
         for (unsigned i = 0; i < n; i++) {
@@ -306,14 +318,12 @@ static int serve_datav(struct rx *rx, struct io_uring *ring, int fd, struct rbuf
         if (drop) { /* a closed transfer (or its engine session is over): read and dropped */
                 if (rbuf_payload(cn, ring, fd, st, NULL, plen, to) == 0)
                         return 0;
-                kvf_count(&cn->ctl, KVF_CTR_FRAMES_REJECTED, 1);
-                kvf_warn("peer '%s' (%s): data frame cut short", rx->peer, rx->remote);
+                cut_short(rx);
                 return 1;
         }
         unsigned group;
         if (kvf_stage_in_begin(&cn->cache, rx->sg, io, n, &group) < 0) {
-                kvf_errlog(&cn->ctl, KVF_ROLE_CONNECTOR, "data from '%s' (%s): %s: disconnected", rx->peer,
-                           rx->remote, kvf_err_msg());
+                log_disconnect(rx);
                 return 1;
         }
         /* What the read-ahead buffer holds already, then the rest straight from the socket. */
@@ -333,8 +343,7 @@ static int serve_datav(struct rx *rx, struct io_uring *ring, int fd, struct rbuf
                  * place it is in blocks of this transfer, unmarked, written again when its
                  * frames are sent again. */
                 kvf_stage_done(rx->sg, group);
-                kvf_count(&cn->ctl, KVF_CTR_FRAMES_REJECTED, 1);
-                kvf_warn("peer '%s' (%s): data frame cut short", rx->peer, rx->remote);
+                cut_short(rx);
                 return 1;
         }
         return receive_end(rx, io, runs, n, group) < 0 ? 1 : 0;
@@ -347,8 +356,10 @@ static int serve_datav(struct rx *rx, struct io_uring *ring, int fd, struct rbuf
 
 static int settle_if_idle(struct rx *rx, const struct rbuf *st, int fd)
 {
-        if (!rx->pend.n || pend_settle(rx, false) < 0)
-                return rx->pend.n ? -EIO : 0;
+        if (!rx->pend.n)
+                return 0;
+        if (pend_settle(rx, false) < 0)
+                return -EIO;
         if (!rx->pend.n || st->len - st->off >= KVF_FRAME_HDR)
                 return 0;
         struct pollfd pf = {.fd = fd, .events = POLLIN};
@@ -451,15 +462,13 @@ void tcp_serve(struct connector *cn, int fd, const struct peer_identity *id, con
                  * these blocks, and they are ours. */
                 unsigned group = 0;
                 if (rc == 0 && kvf_stage_in_begin(&cn->cache, rx->sg, &io, 1, &group) < 0) {
-                        kvf_errlog(&cn->ctl, KVF_ROLE_CONNECTOR, "data from '%s' (%s): %s: disconnected",
-                                   peer, remote, kvf_err_msg());
+                        log_disconnect(rx);
                         break;
                 }
                 if (rbuf_payload(cn, &ring, fd, &st, rc == 0 ? io.p : NULL, io.len, to) < 0) {
                         if (rc == 0)
                                 kvf_stage_done(rx->sg, group);
-                        kvf_count(&cn->ctl, KVF_CTR_FRAMES_REJECTED, 1);
-                        kvf_warn("peer '%s' (%s): data frame cut short", peer, remote);
+                        cut_short(rx);
                         break;
                 }
                 if (rc == 0 && receive_end(rx, &io, &run, 1, group) < 0)

@@ -386,14 +386,8 @@ static bool serve(struct data_conn *dc, struct io_uring *ring, struct batch *bs[
                         give_back(dc, st, nb, false); /* (logged; this batch still goes) */
                 if (ops > 0)
                         rc = send_reap(dc, ring, (unsigned)ops, &all);
-                if (all)
-                        give_back(dc, st, b, rc == 0);
-                else { /* its memory stays with the kernel's sends: the frames go again, not it */
-                        pthread_mutex_lock(&xp->mu);
-                        xfer_give_back(xp, b->fs, b->n, false);
-                        pthread_mutex_unlock(&xp->mu);
-                        b->n = 0;
-                }
+                /* (not all reaped: the staging memory stays with the kernel's sends, not done) */
+                give_back(dc, all ? st : NULL, b, rc == 0);
                 if (rc < 0) {
                         if (nb->n)
                                 give_back(dc, st, nb, false);

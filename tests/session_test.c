@@ -137,17 +137,34 @@ static int wait_previous(struct kvf_client *c, int type, const char *id, int tim
         }
 }
 
-/* Fork an engine that attaches to P, submits `id` at the next step, publishes `layers` layers, and
- * (if `detach`) detaches cleanly; it then reports on `fd` and waits to be killed. */
-static pid_t engine_child(const char *id, unsigned tag, const uint32_t *src, const uint32_t *dst, uint32_t n,
-                          int transport, uint32_t layers, bool detach, bool all_then_wait, uint64_t *session_out)
+/* Fork with a pipe from the child to the parent: *fd is its write end in the child (0 returned),
+ * its read end in the parent (the child's pid returned). */
+static pid_t fork_piped(int *fd)
 {
         int pfd[2];
         CHECK(pipe(pfd) == 0);
         pid_t pid = fork();
         CHECK(pid >= 0);
+        close(pfd[pid == 0 ? 0 : 1]);
+        *fd = pfd[pid == 0 ? 1 : 0];
+        return pid;
+}
+
+/* Parent: the child's report of `len` bytes, then the pipe closed. */
+static void read_report(int fd, void *p, size_t len)
+{
+        CHECK(read(fd, p, len) == (ssize_t)len);
+        close(fd);
+}
+
+/* Fork an engine that attaches to P, submits `id` at the next step, publishes `layers` layers, and
+ * (if `detach`) detaches cleanly; it then reports on `fd` and waits to be killed. */
+static pid_t engine_child(const char *id, unsigned tag, const uint32_t *src, const uint32_t *dst, uint32_t n,
+                          int transport, uint32_t layers, bool detach, bool all_then_wait, uint64_t *session_out)
+{
+        int fd;
+        pid_t pid = fork_piped(&fd);
         if (pid == 0) {
-                close(pfd[0]);
                 struct kvf_client *c;
                 if (kvf_attach(P, 5000, &c) < 0) {
                         fprintf(stderr, "child: attach: %s\n", kvf_last_error());
@@ -169,14 +186,12 @@ static pid_t engine_child(const char *id, unsigned tag, const uint32_t *src, con
                         usleep(200000); /* the sender has the task (else: "before it was read") */
                         kvf_detach(c);
                 }
-                if (write(pfd[1], &sess, sizeof(sess)) != (ssize_t)sizeof(sess))
+                if (write(fd, &sess, sizeof(sess)) != (ssize_t)sizeof(sess))
                         _exit(1);
                 pause();
                 _exit(0);
         }
-        close(pfd[1]);
-        CHECK(read(pfd[0], session_out, sizeof(*session_out)) == (ssize_t)sizeof(*session_out));
-        close(pfd[0]);
+        read_report(fd, session_out, sizeof(*session_out));
         return pid;
 }
 
@@ -277,6 +292,32 @@ static void case_unread(struct kvf_client *dc)
         printf("ok: a completion the killed engine never read goes to kvf_poll_previous, not to its successor\n");
 }
 
+/* An engine of the succession: attaches to `inst`, moves request `id` over the two blocks and
+ * waits for its completion; its status, or -1 (no attach, no submit, no completion in 5 s). */
+static int succession_engine(const char *inst, const char *id)
+{
+        uint32_t s[2] = {50, 51}, d[2] = {50, 51};
+        struct kvf_client *c;
+        int st = -1;
+        if (kvf_attach(inst, 5000, &c) < 0)
+                return -1;
+        uint64_t step = kvf_last_step(c) + 1;
+        if (submit(c, id, s, d, 2, step, KVF_TRANSPORT_IPC) == 0) {
+                for (uint32_t l = 0; l < L.num_layers; l++)
+                        kvf_layer_done(c, step, l);
+                struct kvf_event ev;
+                uint64_t end = kvf_now_ns() + 5000000000ull;
+                while (st < 0 && kvf_now_ns() < end)
+                        if (kvf_poll(c, &ev, 50) == 1 && ev.type == KVF_EVENT_COMPLETION && !strcmp(ev.request_id, id)) {
+                                st = ev.status;
+                                if (st != KVF_STATUS_FINISHED)
+                                        fprintf(stderr, "  %s: %s: %s\n", id, kvf_status_name(st), ev.reason);
+                        }
+        }
+        kvf_detach(c);
+        return st;
+}
+
 /*
  * Engines in quick succession on an instance whose roles check the engine's process every
  * millisecond (--heartbeat-ms 1): each attaches as soon as the last one detached, moves one
@@ -288,45 +329,18 @@ static void case_unread(struct kvf_client *dc)
  */
 static void case_succession(struct kvf_client *dc, const char *inst, unsigned rounds)
 {
-        uint32_t s[2] = {50, 51}, d[2] = {50, 51};
         unsigned bad = 0;
         for (unsigned i = 0; i < rounds; i++) {
                 char id[32];
                 snprintf(id, sizeof(id), "q-%u", i);
-                int pfd[2];
-                CHECK(pipe(pfd) == 0);
-                pid_t pid = fork();
-                CHECK(pid >= 0);
+                int fd;
+                pid_t pid = fork_piped(&fd);
                 if (pid == 0) {
-                        close(pfd[0]);
-                        struct kvf_client *c;
-                        int st = -1;
-                        if (kvf_attach(inst, 5000, &c) == 0) {
-                                uint64_t step = kvf_last_step(c) + 1;
-                                if (submit(c, id, s, d, 2, step, KVF_TRANSPORT_IPC) == 0) {
-                                        for (uint32_t l = 0; l < L.num_layers; l++)
-                                                kvf_layer_done(c, step, l);
-                                        struct kvf_event ev;
-                                        uint64_t end = kvf_now_ns() + 5000000000ull;
-                                        while (st < 0 && kvf_now_ns() < end)
-                                                if (kvf_poll(c, &ev, 50) == 1 && ev.type == KVF_EVENT_COMPLETION &&
-                                                    !strcmp(ev.request_id, id)) {
-                                                        st = ev.status;
-                                                        if (st != KVF_STATUS_FINISHED)
-                                                                fprintf(stderr, "  %s: %s: %s\n", id,
-                                                                        kvf_status_name(st), ev.reason);
-                                                }
-                                }
-                                kvf_detach(c);
-                        }
-                        if (write(pfd[1], &st, sizeof(st)) != (ssize_t)sizeof(st))
-                                _exit(1);
-                        _exit(0);
+                        int st = succession_engine(inst, id);
+                        _exit(write(fd, &st, sizeof(st)) == (ssize_t)sizeof(st) ? 0 : 1);
                 }
-                close(pfd[1]);
                 int st = -2;
-                CHECK(read(pfd[0], &st, sizeof(st)) == (ssize_t)sizeof(st));
-                close(pfd[0]);
+                read_report(fd, &st, sizeof(st));
                 int ws;
                 CHECK(waitpid(pid, &ws, 0) == pid);
                 struct kvf_event ev;

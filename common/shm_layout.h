@@ -137,7 +137,9 @@ struct kvf_role_slot {
         uint64_t heartbeat_ns;    /* CLOCK_MONOTONIC, refreshed at least every heartbeat period */
         uint64_t pid_starttime;   /* /proc/<pid>/stat field 22, to tell a reused pid apart */
         uint64_t restarts;        /* starts after the first */
-        uint8_t pad[16];
+        uint32_t slice_us;        /* the scheduler slice its threads asked for and got (sched_slice.h);
+                                   * 0: the kernel's default */
+        uint8_t pad[12];
 };
 
 /* The futex word and the waiter count in one word, then a line of the consumers' own. */

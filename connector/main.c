@@ -18,6 +18,7 @@
 #include "log.h"
 #include "opts.h"
 #include "landing.h"
+#include "sched_slice.h"
 #include "transport.h"
 #include "xfer.h"
 
@@ -43,6 +44,7 @@ static void usage(void)
                "  --rdma-sq-depth N        rdma work requests outstanding per peer (default 256)\n"
                "  --rdma-signal-every N    one rdma work request signalled in N (default 32)\n"
                "  --rdma-test-dereg        tests only: SIGUSR2 deregisters every peer's rdma region\n"
+               KVF_SLICE_USAGE
                "  --help, --version\n",
                prog);
 }
@@ -266,7 +268,7 @@ static int map_cache(struct connector *cn)
 int main(int argc, char **argv)
 {
         enum { O_LISTEN = 1000, O_TOKEN, O_CTO, O_KEEP, O_PTO, O_STREAMS, O_ZC, O_VERSION, O_IDLE,
-               O_RDEV, O_RSQ, O_RSIG, O_RDEREG };
+               O_RDEV, O_RSQ, O_RSIG, O_RDEREG, O_SLICE };
         static const struct option opts[] = {{"instance", required_argument, 0, 'i'},
                                              {"listen", required_argument, 0, O_LISTEN},
                                              {"token-file", required_argument, 0, O_TOKEN},
@@ -280,12 +282,14 @@ int main(int argc, char **argv)
                                              {"rdma-sq-depth", required_argument, 0, O_RSQ},
                                              {"rdma-signal-every", required_argument, 0, O_RSIG},
                                              {"rdma-test-dereg", no_argument, 0, O_RDEREG},
+                                             {"slice-us", required_argument, 0, O_SLICE},
                                              {"help", no_argument, 0, 'h'},
                                              {"version", no_argument, 0, O_VERSION},
                                              {0, 0, 0, 0}};
         static struct connector cn;
         const char *instance = NULL, *listen_at = "127.0.0.1:0";
         char token_path[512];
+        uint32_t slice_us = KVF_SLICE_US_DEFAULT;
         int c;
 
         kvf_token_default_path(token_path, sizeof(token_path));
@@ -314,6 +318,7 @@ int main(int argc, char **argv)
                 case O_RSQ: cn.cfg.rdma.sq_depth = (unsigned)kvf_opt_u64("rdma-sq-depth", optarg, 2, 65536); break;
                 case O_RSIG: cn.cfg.rdma.signal_every = (unsigned)kvf_opt_u64("rdma-signal-every", optarg, 1, 65536); break;
                 case O_RDEREG: cn.cfg.rdma.test_dereg = true; break;
+                case O_SLICE: slice_us = kvf_sched_slice_opt(prog, optarg); break;
                 case O_IDLE: cn.cfg.peer_idle_ms = (unsigned)kvf_opt_u64("peer-idle-ms", optarg, 100, 86400000); break;
                 case 'h': usage(); return 0;
                 case O_VERSION: printf("%s %s\n", prog, KVFERRY_VERSION); return 0;
@@ -326,6 +331,7 @@ int main(int argc, char **argv)
                 kvf_opt_die(prog, "--listen: %s", kvf_err_msg());
         kvf_log_setup(instance, "connector");
         kvf_opt_signals(&stop);
+        slice_us = kvf_sched_slice_start(slice_us); /* before any thread: they inherit it */
         if (kvf_token_load(token_path, cn.cfg.token, &cn.cfg.token_len) < 0) {
                 kvf_error("%s", kvf_err_msg());
                 return 1;
@@ -354,6 +360,7 @@ int main(int argc, char **argv)
                 return 1;
         }
         cn.gen = (uint64_t)gen;
+        kvf_store_relaxed(&cn.ctl.roles[KVF_ROLE_CONNECTOR].slice_us, slice_us);
         conn_journal_init(&cn);
         if (conn_transports_init(&cn) < 0) {
                 kvf_error("%s", kvf_err_msg());

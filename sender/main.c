@@ -22,6 +22,7 @@
 #include "layout.h"
 #include "log.h"
 #include "opts.h"
+#include "sched_slice.h"
 #include "sender.h"
 #ifdef KVF_HAVE_CUDA
 #include "kvf_gpu.h"
@@ -40,6 +41,7 @@ static void usage(void)
                "  --instance NAME           the instance (its allocator must be running)\n"
                "  --request-timeout-ms N    fail a request not finished N ms after its task (default 60000)\n"
                "  --spin-us N               busy-wait this long for work before sleeping (default 50)\n"
+               KVF_SLICE_USAGE
                "  --help, --version\n",
                prog);
 }
@@ -265,15 +267,17 @@ static int run(struct sender *s, uint64_t spin_ns)
 
 int main(int argc, char **argv)
 {
-        enum { O_TIMEOUT = 1000, O_SPIN, O_VERSION };
+        enum { O_TIMEOUT = 1000, O_SPIN, O_SLICE, O_VERSION };
         static const struct option opts[] = {{"instance", required_argument, 0, 'i'},
                                              {"request-timeout-ms", required_argument, 0, O_TIMEOUT},
                                              {"spin-us", required_argument, 0, O_SPIN},
+                                             {"slice-us", required_argument, 0, O_SLICE},
                                              {"help", no_argument, 0, 'h'},
                                              {"version", no_argument, 0, O_VERSION},
                                              {0, 0, 0, 0}};
         const char *instance = NULL;
         uint64_t timeout_ms = 60000, spin_us = 50;
+        uint32_t slice_us = KVF_SLICE_US_DEFAULT;
         int c;
 
         while ((c = getopt_long(argc, argv, "i:h", opts, NULL)) != -1) {
@@ -281,6 +285,7 @@ int main(int argc, char **argv)
                 case 'i': instance = optarg; break;
                 case O_TIMEOUT: timeout_ms = kvf_opt_u64("request-timeout-ms", optarg, 1, 86400000); break;
                 case O_SPIN: spin_us = kvf_opt_u64("spin-us", optarg, 0, 1000000); break;
+                case O_SLICE: slice_us = kvf_sched_slice_opt(prog, optarg); break;
                 case 'h': usage(); return 0;
                 case O_VERSION: printf("%s %s\n", prog, KVFERRY_VERSION); return 0;
                 default: kvf_opt_die(prog, "unknown option");
@@ -290,6 +295,7 @@ int main(int argc, char **argv)
                 kvf_opt_die(prog, "--instance is required");
         kvf_log_setup(instance, "sender");
         kvf_opt_signals(&stop);
+        slice_us = kvf_sched_slice_start(slice_us); /* before any thread: they inherit it */
         /* Timed wake-ups ahead of the next layer (run()) want to be on time, not
          * batched with others: no timer slack. */
         prctl(PR_SET_TIMERSLACK, 1UL, 0, 0, 0);
@@ -315,6 +321,7 @@ int main(int argc, char **argv)
                 return 1;
         }
         s.gen = (uint64_t)gen;
+        kvf_store_relaxed(&s.ctl.roles[KVF_ROLE_SENDER].slice_us, slice_us);
         s.connector_gen = kvf_load_acquire(&s.ctl.roles[KVF_ROLE_CONNECTOR].generation);
         /* Adopted requests advance against the real progress word, nothing later. */
         s.progress = kvf_load_acquire(&s.ctl.progress->word);

@@ -102,7 +102,8 @@ pass "status --json lists every instance; down --all with nothing up says so, ex
 
 # ---- 3. bad up options: refused before anything starts, or at once with this run's message ----
 for bad in "--model bogus" "--cache-mib abc" "--cache-mib 0" "--cache-mib -5" "--role bogus" \
-           "--tp 0" "--streams 99" "--ring-kib 12" "--dtype fp64" "--bogus 1"; do
+           "--tp 0" "--streams 99" "--ring-kib 12" "--dtype fp64" "--bogus 1" "--slice-us 50" \
+           "--slice-us 100001"; do
   # shellcheck disable=SC2086
   try bad-opt "$K" up --instance $TAG-b --role decode $L $bad
   want_rc 2 "up $bad"
@@ -237,6 +238,51 @@ for n in $TAG-d $TAG-p; do
   ! grep -q "No such file" "$R/$n/supervisor.log" || fail "$n: $(grep "No such file" "$R/$n/supervisor.log")"
 done
 pass "a role killed is restarted, and the supervisor's log says only that"
+
+# ---- 11. the scheduler slice (common/sched_slice.h) ----
+# slices NAME: "role:slice_us:kernel" for sender, connector, allocator, where kernel is the se.slice
+# (us) every thread of the role has in /proc/PID/task/*/sched ("-" where that file is not
+# there; "mixed" when the threads differ).
+slices() {
+  "$B/kvf-ringdump" --instance "$1" --json --records 0 | /usr/bin/python3 -c '
+import glob, json, sys
+for r in json.load(sys.stdin)["roles"]:
+    if r["role"] == "engine": continue
+    k = set()
+    for f in glob.glob("/proc/%d/task/*/sched" % r["pid"]):
+        for line in open(f):
+            if line.startswith("se.slice"): k.add(int(line.split(":")[1]) // 1000)
+    kern = "-" if not k else str(k.pop()) if len(k) == 1 else "mixed"
+    print("%s:%d:%s" % (r["role"], r["slice_us"], kern))'
+}
+got=$(slices $TAG-p)
+if grep -q "ignores slice requests" "$R/$TAG-p/sender.log"; then
+  # A kernel before 6.12: said in the log, shown as the default, and nothing else changes.
+  grep -qx "sender:0:.*" <<<"$got" || fail "slice on a kernel that ignores it: $got"
+  pass "scheduler slice: this kernel ignores slice requests; the roles say so and run on"
+else
+  for want in "sender:100:" "connector:100:"; do
+    grep -q "^$want" <<<"$got" || fail "slice: want $want in ring-dump: $got"
+    grep -q "^$want\(100\|-\)$" <<<"$got" || fail "slice: the kernel's view differs from ring-dump (or between threads): $got"
+  done
+  grep -q "^allocator:0:" <<<"$got" || fail "slice: the allocator keeps the kernel's default: $got"
+  # (the restarted sender of section 7 is among them: a restart asks again)
+  grep -q "scheduler slice 100 us" "$R/$TAG-p/connector.log" || fail "slice: the connector's log does not say it"
+  # 0: the kernel's default; a policy the user chose (SCHED_BATCH through chrt) is left alone.
+  up $TAG-s --role decode $L --slice-us 0
+  got=$(slices $TAG-s)
+  grep -q "^sender:0:" <<<"$got" && grep -q "^connector:0:" <<<"$got" || fail "--slice-us 0: $got"
+  ! grep -q "scheduler slice" "$R/$TAG-s/sender.log" || fail "--slice-us 0 logged a slice"
+  down $TAG-s
+  STARTED+=("$TAG-s")
+  chrt --batch 0 "$K" up --instance $TAG-s --role decode $L >/dev/null || fail "up under chrt --batch"
+  got=$(slices $TAG-s)
+  grep -q "^sender:0:" <<<"$got" || fail "SCHED_BATCH roles: $got"
+  grep -q "another policy than SCHED_OTHER" "$R/$TAG-s/sender.log" || fail "SCHED_BATCH: the sender's log does not say why"
+  [ "$(chrt -p "$(pid_of sender $TAG-s)" | grep -c SCHED_BATCH)" = 1 ] || fail "SCHED_BATCH: the sender's policy changed"
+  down $TAG-s
+  pass "scheduler slice: sender and connector (every thread) at 100 us, a restarted role too, shown by ring-dump; 0 and a user's SCHED_BATCH left alone"
+fi
 
 # ---- 10. kvf-sim's default trace, from a folder that is not the repository ----
 (cd / && "$B/kvf-sim" --quiet --prefill $TAG-p --decode $TAG-d --requests 5 >"$R/sim.out" 2>&1) ||

@@ -575,6 +575,7 @@ struct role_view {
         int32_t pid;
         uint32_t state;
         uint64_t generation, start_ns, heartbeat_ns, restarts;
+        uint32_t slice_us; /* 0: the kernel's default */
         int alive; /* 1, 0, or -1 not checked */
 };
 
@@ -588,6 +589,7 @@ static void load_role(struct dump *d, int r, struct role_view *v)
         v->start_ns = kvf_load_relaxed(&s->start_ns);
         v->heartbeat_ns = kvf_load_relaxed(&s->heartbeat_ns);
         v->restarts = kvf_load_relaxed(&s->restarts);
+        v->slice_us = kvf_load_relaxed(&s->slice_us);
         v->alive = d->o->check_pids ? kvf_role_alive(&d->c, (enum kvf_role_id)r, d->now) : -1;
 }
 
@@ -596,8 +598,8 @@ static void print_roles(struct dump *d)
         if (d->json)
                 j_open(d, "roles", '[');
         else
-                fprintf(d->f, "\nroles:\n  %-10s %10s %-6s %-9s %6s %8s  %s\n", "role", "pid",
-                        "alive", "state", "gen", "restarts", "heartbeat");
+                fprintf(d->f, "\nroles:\n  %-10s %10s %-6s %-9s %6s %8s %8s  %s\n", "role", "pid",
+                        "alive", "state", "gen", "restarts", "slice", "heartbeat");
         for (int r = 0; r < KVF_ROLE_COUNT; r++) {
                 struct role_view v;
                 load_role(d, r, &v);
@@ -614,6 +616,7 @@ static void print_roles(struct dump *d)
                         j_u64(d, "state_id", v.state);
                         j_u64(d, "generation", v.generation);
                         j_u64(d, "restarts", v.restarts);
+                        j_u64(d, "slice_us", v.slice_us); /* 0: the kernel's default */
                         j_u64(d, "start_ns", v.start_ns);
                         if (v.heartbeat_ns)
                                 j_i64(d, "heartbeat_age_ms", age_ms(d->now, v.heartbeat_ns));
@@ -622,15 +625,19 @@ static void print_roles(struct dump *d)
                         j_close(d, '}');
                         continue;
                 }
-                char hb[48];
+                char hb[48], slice[16];
+                if (v.slice_us)
+                        snprintf(slice, sizeof(slice), "%" PRIu32 " us", v.slice_us);
+                else
+                        snprintf(slice, sizeof(slice), "default");
                 if (v.heartbeat_ns)
                         snprintf(hb, sizeof(hb), "%" PRId64 " ms ago",
                                  age_ms(d->now, v.heartbeat_ns));
                 else
                         snprintf(hb, sizeof(hb), "never");
-                fprintf(d->f, "  %-10s %10" PRId32 " %-6s %-9s %6" PRIu64 " %8" PRIu64 "  %s\n",
+                fprintf(d->f, "  %-10s %10" PRId32 " %-6s %-9s %6" PRIu64 " %8" PRIu64 " %8s  %s\n",
                         kvf_role_name(r), v.pid, v.state == KVF_STATE_NONE ? "-" : alive,
-                        state_name(v.state), v.generation, v.restarts, hb);
+                        state_name(v.state), v.generation, v.restarts, slice, hb);
         }
         if (d->json)
                 j_close(d, ']');

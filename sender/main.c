@@ -321,6 +321,7 @@ int main(int argc, char **argv)
                 return 1;
         }
         s.gen = (uint64_t)gen;
+        s.sync_copies = s.own.be->stage == NULL; /* host memory, copied by this thread */
         kvf_store_relaxed(&s.ctl.roles[KVF_ROLE_SENDER].slice_us, slice_us);
         s.connector_gen = kvf_load_acquire(&s.ctl.roles[KVF_ROLE_CONNECTOR].generation);
         /* Adopted requests advance against the real progress word, nothing later. */

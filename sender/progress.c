@@ -154,6 +154,36 @@ static int send_range(struct sender *s, uint32_t slot, uint32_t l0, uint32_t l1,
         return 0;
 }
 
+/*
+ * The next piece of layer `layer` of a request whose one layer is more than a slice
+ * (blocks [sent_full, block_end)): at most `max_blocks` blocks from where its last piece
+ * ended. 1: that was the layer's last piece; 0: more is left; -EAGAIN: try again later.
+ */
+static int copy_layer_piece(struct sender *s, uint32_t slot, uint32_t layer, uint32_t block_end,
+                            uint64_t max_blocks)
+{
+        struct kvf_req_slot *r = &s->ctl.reqtab[slot];
+        struct layer_cut *c = &s->cut[slot];
+        if (c->accept_ns != r->accept_ns || c->layer != layer || c->b0 != r->sent_full)
+                *c = (struct layer_cut){.accept_ns = r->accept_ns, .layer = layer, .b0 = r->sent_full};
+        uint32_t b0 = r->sent_full + c->done;
+        uint32_t n = block_end - b0;
+        if (max_blocks == 0)
+                max_blocks = 1;
+        if (n > max_blocks)
+                n = (uint32_t)max_blocks;
+        int rc = send_range(s, slot, layer, layer + 1, b0, b0 + n);
+        if (rc < 0)
+                return rc;
+        if (b0 + n < block_end) {
+                c->done += n;
+                return 0;
+        }
+        c->done = 0;
+        c->accept_ns = 0;
+        return 1;
+}
+
 /* Every byte of the request is written: ask the connector to tell the peer. */
 void sender_all_sent(struct sender *s, uint32_t slot)
 {
@@ -185,8 +215,11 @@ void sender_advance(struct sender *s, uint32_t slot)
          * completes many blocks, would otherwise hold up the next layer-done of every other
          * request for as long as its copy takes. What is left waits for the loop's next
          * turn (SLOT_NEEDS_ADVANCE), after that turn's progress word: newly ready layers of
-         * in-time requests go first. One layer is never split. */
-        uint64_t budget = SENDER_SLICE_BYTES;
+         * in-time requests go first. Copies this thread makes itself (host caches, same
+         * host) go in slices of SENDER_SLICE_BYTES_SYNC, and a layer larger than that is
+         * cut by blocks (copy_layer_piece); otherwise one layer is never split. */
+        const bool cut_ok = s->sync_copies && !s->plan_on && r->transport == KVF_TRANSPORT_IPC;
+        uint64_t budget = cut_ok ? SENDER_SLICE_BYTES_SYNC : SENDER_SLICE_BYTES;
 
         if (r->state != KVF_REQ_ACTIVE)
                 return;
@@ -208,8 +241,37 @@ void sender_advance(struct sender *s, uint32_t slot)
                                             : r->cur_layers;
                         if (r->state != KVF_REQ_ACTIVE)
                                 return;
-                        uint64_t per_layer = (uint64_t)(m->block_end > r->sent_full ? m->block_end - r->sent_full : 0) *
-                                             s->tensors * s->layout->block_bytes;
+                        uint64_t block = (uint64_t)s->tensors * s->layout->block_bytes;
+                        uint64_t per_layer = (uint64_t)(m->block_end > r->sent_full ? m->block_end - r->sent_full : 0) * block;
+                        if (cut_ok && per_layer > SENDER_SLICE_BYTES_SYNC && from < ready) {
+                                /* One layer is more than a slice: copy it in pieces. */
+                                if (budget < block) { /* this turn's slice is spent */
+                                        sender_mark(s, slot, SLOT_NEEDS_ADVANCE);
+                                        s->sliced = true;
+                                        sender_arm(s, slot);
+                                        return;
+                                }
+                                int rc = copy_layer_piece(s, slot, from, m->block_end, budget / block);
+                                if (rc < 0) {
+                                        sender_mark(s, slot, SLOT_NEEDS_ADVANCE);
+                                        sender_arm(s, slot);
+                                        return;
+                                }
+                                if (r->state != KVF_REQ_ACTIVE)
+                                        return;
+                                if (rc == 0 || from + 1 < ready) {
+                                        if (rc == 1)
+                                                r->cur_layers = from + 1;
+                                        sender_mark(s, slot, SLOT_NEEDS_ADVANCE); /* the next slice */
+                                        s->sliced = true;
+                                        sender_arm(s, slot);
+                                        kvf_count(&s->ctl, KVF_CTR_COPY_SLICES, 1);
+                                        return;
+                                }
+                                r->cur_layers = ready; /* the layer's last piece; the mark may be done */
+                                budget = 0;
+                                goto mark_done;
+                        }
                         uint64_t fit = per_layer ? budget / per_layer : ready - from;
                         uint32_t upto = ready;
                         if (fit < ready - from)
@@ -234,6 +296,7 @@ void sender_advance(struct sender *s, uint32_t slot)
                         }
                         budget = budget > spent ? budget - spent : 0;
                 }
+        mark_done:
                 if (r->cur_layers < s->layers)
                         break;
                 /* This mark is complete for every layer. */

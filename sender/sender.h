@@ -23,8 +23,20 @@
 #include "records.h"
 
 #define SENDER_MAX_PEERS 64u
-/* Bytes one request may move in one go before other requests' ready layers get their turn. */
+/* Bytes one request may move in one go before other requests' ready layers get their turn:
+ * copies the sender's thread makes itself (host caches, same host) take their time, so they go
+ * in smaller slices, cut inside a layer when one layer is more (sender_advance). */
 #define SENDER_SLICE_BYTES (4ull << 20)
+#define SENDER_SLICE_BYTES_SYNC (1ull << 20)
+
+/* How far into one layer a request's sliced copy got: valid while the slot still holds the
+ * same request at the same layer and block range (kept in this process only; a restarted
+ * sender copies that layer again from its start, the same bytes). */
+struct layer_cut {
+        uint64_t accept_ns; /* the request (kvf_req_slot.accept_ns) */
+        uint32_t layer, b0; /* its layer (cur_layers) and first block (sent_full) */
+        uint32_t done;      /* blocks [b0, b0 + done) of that layer are copied */
+};
 
 /* A copy batch in flight: its backend ticket and the requests it carries. */
 struct copy_batch {
@@ -88,6 +100,8 @@ struct sender {
         uint8_t *flags;   /* per slot: SLOT_* below */
         uint32_t *tmp;    /* scratch list of slots */
         uint32_t *resend; /* per slot: SLOT_RESEND cursor (see sender_resend) */
+        struct layer_cut *cut; /* per slot: a layer copied in slices (sender_advance) */
+        bool sync_copies;      /* same-host copies run on this thread (host backend) */
         uint32_t *runs;   /* scratch: (src, dst index, count) triples of one write batch */
         uint32_t *idset;  /* scratch: open-addressing set of block ids (id + 1; 0 = empty) */
         struct bucket *buckets; /* sorted by step */

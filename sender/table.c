@@ -19,12 +19,13 @@ int sender_table_init(struct sender *s)
         s->flags = calloc(n, 1);
         s->tmp = malloc(n * sizeof(*s->tmp));
         s->resend = calloc(n, sizeof(*s->resend));
+        s->cut = calloc(n, sizeof(*s->cut));
         s->runs = malloc(3ull * s->ctl.hdr->max_blocks * sizeof(*s->runs));
         uint32_t idset_cap = 1; /* a power of two, at least 2x the blocks of a request */
         while (idset_cap < 2 * s->ctl.hdr->max_blocks)
                 idset_cap <<= 1;
         s->idset = calloc(idset_cap, sizeof(*s->idset));
-        if (!s->map || !s->armed || !s->flags || !s->tmp || !s->resend || !s->runs || !s->idset)
+        if (!s->map || !s->armed || !s->flags || !s->tmp || !s->resend || !s->cut || !s->runs || !s->idset)
                 return kvf_err_set(-ENOMEM, "out of memory for a %u-slot request table", n);
         memset(s->map, 0xff, s->map_cap * sizeof(*s->map));
         for (uint32_t i = 0; i < n; i++)

@@ -38,6 +38,19 @@ grep -q "peer '$TAG-d0' (instance $TAG-d0, same host) connected over a unix sock
   fail "the prefill connector did not reach its same-host peer over the unix socket"
 pass "same-host peers: the connectors' control connection is a unix socket"
 
+# A late task whose one layer is more than a slice (sender_advance): two requests of 8192 tokens
+# (128 blocks x K and V x 16 KiB = 4 MiB per layer), every layer done before the task comes.
+# The sender copies each layer in 1 MiB pieces, the loop's progress check between them: at
+# least 4 pieces per layer (one layer per slice would be 31 slices per request).
+printf '{"input_length": 8192}\n{"input_length": 8192}\n' >"$KVFERRY_RUN_DIR/long.jsonl"
+s0=$(counter $TAG-p0 backlog_slices)
+j=$(case_run "late long requests" late --prefill $TAG-p0 --decode $TAG-d0 --trace "$KVFERRY_RUN_DIR/long.jsonl" \
+      --requests 2 --layer-us 100 --late-pct 100 --prefix-pct 0)
+[ "$(json_get "$j" finished)" = 2 ] || fail "late long requests: not both finished"
+pieces=$(( $(counter $TAG-p0 backlog_slices) - s0 ))
+[ "$pieces" -ge $((2 * 4 * 31)) ] || fail "late long requests: $pieces slices, want >= $((2 * 4 * 31)) (1 MiB pieces of 4 MiB layers)"
+pass "a late task's 4 MiB layers copied in 1 MiB pieces ($pieces slices for 2 requests), every byte verified"
+
 # The prefill instance re-created under the same name while the decode instance stays: its
 # transfer keys start over, and the decode side must not take them for repeats of old ones.
 down $TAG-p0

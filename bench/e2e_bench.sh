@@ -94,7 +94,7 @@ for shape in "one request per step|--step-tokens 1" "chunked prefill, 4096-token
   sim $R/tail.json --prefill $T-p --decode $T-d --requests $N --layer-us 3000 ${shape#*|} --baseline
   read -r t50 t99 i99 nl l50 lb mb < <(j $R/tail.json tail_p50_ns tail_p99_ns tail_in_time_p99_ns late_tasks tail_late_p50_ns avg_layer_bytes memcpy_bps)
   one=$(py "$lb/$mb*1e9")
-  case $shape in whole*) tgt="(no target)" ;; *) tgt="(target <= 1)"; target "tail p50 <= layer + 100 us, ${shape%%,*}" "$(py "$t50 <= $one + 100e3")" ;; esac
+  case $shape in whole*) tgt="(no target)" ;; *) tgt="(target <= 1)"; name=${shape%%|*}; target "tail p50 <= layer + 100 us, ${name%%,*}" "$(py "$t50 <= $one + 100e3")" ;; esac
   echo "| transfer tail, ${shape%%|*} | p50 $(py "round($t50/1e3)") us, p99 $(py "round($t99/1e3)") us (tasks in time: p99 $(py "round($i99/1e3)") us; $nl late tasks, every layer left to send: p50 $(py "round($l50/1e3)") us) | one layer ($(py "round($lb/2**20,2)") MiB) at memcpy rate $(py "round($one/1e3)") us | p50 / (layer + 100 us) = $(py "round($t50/($one+100e3),2)") $tgt |"
 done
 read -r l50 l99 < <(j $R/tail.json layer_to_copy_p50_ns layer_to_copy_p99_ns)   # the last shape's run

@@ -53,6 +53,7 @@
 #include <string.h>
 #include <sys/eventfd.h>
 #include <sys/mman.h>
+#include <sys/prctl.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/utsname.h>
@@ -65,6 +66,7 @@
 #include "doorbell.h"
 #include "err.h"
 #include "ring.h"
+#include "sched_slice.h"
 
 #define BENCH_VERSION "1"
 #define REC_TYPE 7u
@@ -97,6 +99,8 @@ struct opts {
         unsigned nsizes;
         int cpu[2]; /* [0] child (producer, responder), [1] parent; -1 = no pinning */
         bool json, no_tput, no_lat;
+        unsigned slice_us; /* scheduler slice of both processes (sched_slice.h); 0 = default */
+        unsigned hogs;     /* processes that spin beside the pair: a busy host */
         char only[256]; /* comma-separated mechanism names; "" = all */
 };
 
@@ -132,10 +136,35 @@ static struct shared *sh;
 static char inst[64];
 static bool have_segment;
 
+#define MAX_HOGS 64
+static pid_t hog_pid[MAX_HOGS];
+
+static char slice_note[32] = "the kernel's default";
+
 static void cleanup(void)
 {
         if (have_segment)
                 kvf_ctl_unlink(inst);
+        for (unsigned i = 0; i < MAX_HOGS; i++)
+                if (hog_pid[i] > 0)
+                        kill(hog_pid[i], SIGKILL);
+}
+
+/* --hogs: processes that only spin, at the kernel's default slice, unpinned. */
+static int start_hogs(void)
+{
+        for (unsigned i = 0; i < o.hogs; i++) {
+                pid_t p = fork();
+                if (p < 0)
+                        return -1;
+                if (p == 0) {
+                        prctl(PR_SET_PDEATHSIG, SIGKILL);
+                        for (;;)
+                                kvf_cpu_relax();
+                }
+                hog_pid[i] = p;
+        }
+        return 0;
 }
 
 static void on_signal(int sig)
@@ -1348,8 +1377,9 @@ static void print_text(const char *model, const struct utsname *u)
         if (nlrows) {
                 printf(
                     "Wake latency: round trip, receiver asleep (%u round trips after %u warm-up, "
-                    "%u us busy gap before each ping; mechanisms interleaved in %u blocks)\n",
-                    o.rounds, o.warmup, o.gap_us, o.blocks);
+                    "%u us busy gap before each ping; mechanisms interleaved in %u blocks; "
+                    "scheduler slice %s; %u spinning processes beside)\n",
+                    o.rounds, o.warmup, o.gap_us, o.blocks, slice_note, o.hogs);
                 printf("%-13s %-7s %9s %9s %9s %9s %12s %9s %9s %9s %9s\n", "mechanism", "size",
                        "min us", "p50 us", "p99 us", "mean us", "p50/pipe p50", "wake us", "user us",
                        "sleeps/RT", "wakes/RT");
@@ -1407,10 +1437,10 @@ static void print_json(const char *model, const struct utsname *u)
             "{\"version\":\"%s\",\"nproc\":%ld,\"cpu\":\"%s\",\"kernel\":\"%s\",\"cpus\":[%d,%d],"
             "\"capacity\":%" PRIu64 ",\"spins\":%u,\"read_max\":%u,\"batch\":%u,"
             "\"duration_s\":%.3f,\"count\":%" PRIu64 ",\"loadavg_before\":%.2f,"
-            "\"loadavg_after\":%.2f,\n \"throughput\":[",
+            "\"loadavg_after\":%.2f,\"slice_us\":%u,\"hogs\":%u,\n \"throughput\":[",
             BENCH_VERSION, sysconf(_SC_NPROCESSORS_ONLN), model, u->release, o.cpu[0], o.cpu[1],
             o.capacity, o.spins, o.read_max, o.batch, o.count ? 0.0 : o.duration, o.count,
-            load_start, loadavg());
+            load_start, loadavg(), o.slice_us, o.hogs);
         for (unsigned i = 0; i < ntrows; i++) {
                 const struct tput_row *t = &trows[i];
                 const struct tput_row *p = find_t(M_PIPE, t->size);
@@ -1473,6 +1503,9 @@ static void usage(FILE *f)
             "  --no-pin            do not pin\n"
             "  --no-throughput     skip the throughput rows\n"
             "  --no-latency        skip the latency rows\n"
+            "  --slice-us N        ask the scheduler for an N us slice for both processes, as\n"
+            "                      kvferry's roles do (100 to 100000; default: the kernel's)\n"
+            "  --hogs N            N processes spin beside the pair (a busy host; default 0)\n"
             "  --json              one JSON object on stdout instead of the table\n"
             "  --help, --version\n"
             "\n"
@@ -1521,6 +1554,8 @@ static int parse_args(int argc, char **argv)
                 O_NOTPUT,
                 O_NOLAT,
                 O_JSON,
+                O_SLICE,
+                O_HOGS,
                 O_HELP,
                 O_VERSION
         };
@@ -1541,6 +1576,8 @@ static int parse_args(int argc, char **argv)
             {"no-pin", no_argument, 0, O_NOPIN},
             {"no-throughput", no_argument, 0, O_NOTPUT},
             {"no-latency", no_argument, 0, O_NOLAT},
+            {"slice-us", required_argument, 0, O_SLICE},
+            {"hogs", required_argument, 0, O_HOGS},
             {"json", no_argument, 0, O_JSON},
             {"help", no_argument, 0, O_HELP},
             {"version", no_argument, 0, O_VERSION},
@@ -1572,6 +1609,15 @@ static int parse_args(int argc, char **argv)
                         break;
                 case O_GAP:
                         if (!parse_uint(optarg, 1000000u, &o.gap_us))
+                                goto bad;
+                        break;
+                case O_SLICE:
+                        if (!parse_uint(optarg, KVF_SLICE_US_MAX, &o.slice_us) ||
+                            (o.slice_us && o.slice_us < KVF_SLICE_US_DEFAULT))
+                                goto bad;
+                        break;
+                case O_HOGS:
+                        if (!parse_uint(optarg, MAX_HOGS, &o.hogs))
                                 goto bad;
                         break;
                 case O_BLOCKS:
@@ -1699,6 +1745,19 @@ int main(int argc, char **argv)
         signal(SIGTERM, on_signal);
         signal(SIGALRM, on_signal);
         signal(SIGPIPE, SIG_IGN);
+        if (o.hogs && start_hogs() < 0) {
+                fprintf(stderr, "kvf-bench-ring: fork: %s\n", strerror(errno));
+                return 1;
+        }
+        if (o.slice_us) { /* after the hogs: they keep the kernel's default */
+                int got = kvf_sched_slice(o.slice_us);
+                if (got <= 0) {
+                        fprintf(stderr, "kvf-bench-ring: --slice-us: %s\n",
+                                got < 0 ? kvf_err_msg() : "not under SCHED_OTHER");
+                        return 1;
+                }
+                snprintf(slice_note, sizeof(slice_note), "%d us", got);
+        }
 
         for (unsigned s = 0; s < o.nsizes && rc == 0 && !o.no_tput; s++)
                 for (int m = 0; m < M_COUNT && rc == 0; m++)

@@ -216,8 +216,8 @@ void sender_advance(struct sender *s, uint32_t slot)
          * request for as long as its copy takes. What is left waits for the loop's next
          * turn (SLOT_NEEDS_ADVANCE), after that turn's progress word: newly ready layers of
          * in-time requests go first. Copies this thread makes itself (host caches, same
-         * host) go in slices of SENDER_SLICE_BYTES_SYNC, and a layer larger than that is
-         * cut by blocks (copy_layer_piece); otherwise one layer is never split. */
+         * host) go in slices of SENDER_SLICE_BYTES_SYNC, and a layer of a backlog larger
+         * than that is cut by blocks (copy_layer_piece); otherwise one layer is never split. */
         const bool cut_ok = s->sync_copies && !s->plan_on && r->transport == KVF_TRANSPORT_IPC;
         uint64_t budget = cut_ok ? SENDER_SLICE_BYTES_SYNC : SENDER_SLICE_BYTES;
 
@@ -243,8 +243,11 @@ void sender_advance(struct sender *s, uint32_t slot)
                                 return;
                         uint64_t block = (uint64_t)s->tensors * s->layout->block_bytes;
                         uint64_t per_layer = (uint64_t)(m->block_end > r->sent_full ? m->block_end - r->sent_full : 0) * block;
-                        if (cut_ok && per_layer > SENDER_SLICE_BYTES_SYNC && from < ready) {
-                                /* One layer is more than a slice: copy it in pieces. */
+                        if (cut_ok && per_layer > SENDER_SLICE_BYTES_SYNC && ready - from >= 2) {
+                                /* A backlog whose one layer is more than a slice: copy it in
+                                 * pieces. (A request that is not behind, with one layer ready,
+                                 * copies it whole: every other request ready now came with the
+                                 * same progress word, and pieces would only delay them all.) */
                                 if (budget < block) { /* this turn's slice is spent */
                                         sender_mark(s, slot, SLOT_NEEDS_ADVANCE);
                                         s->sliced = true;

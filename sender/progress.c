@@ -262,18 +262,13 @@ void sender_advance(struct sender *s, uint32_t slot)
                                 }
                                 if (r->state != KVF_REQ_ACTIVE)
                                         return;
-                                if (rc == 0 || from + 1 < ready) {
-                                        if (rc == 1)
-                                                r->cur_layers = from + 1;
-                                        sender_mark(s, slot, SLOT_NEEDS_ADVANCE); /* the next slice */
-                                        s->sliced = true;
-                                        sender_arm(s, slot);
-                                        kvf_count(&s->ctl, KVF_CTR_COPY_SLICES, 1);
-                                        return;
-                                }
-                                r->cur_layers = ready; /* the layer's last piece; the mark may be done */
-                                budget = 0;
-                                goto mark_done;
+                                if (rc == 1) /* the layer's last piece (more layers are ready) */
+                                        r->cur_layers = from + 1;
+                                sender_mark(s, slot, SLOT_NEEDS_ADVANCE); /* the next slice */
+                                s->sliced = true;
+                                sender_arm(s, slot);
+                                kvf_count(&s->ctl, KVF_CTR_COPY_SLICES, 1);
+                                return;
                         }
                         uint64_t fit = per_layer ? budget / per_layer : ready - from;
                         uint32_t upto = ready;
@@ -299,7 +294,6 @@ void sender_advance(struct sender *s, uint32_t slot)
                         }
                         budget = budget > spent ? budget - spent : 0;
                 }
-        mark_done:
                 if (r->cur_layers < s->layers)
                         break;
                 /* This mark is complete for every layer. */

@@ -310,6 +310,17 @@ void sender_advance(struct sender *s, uint32_t slot)
         }
 }
 
+/* This word (the step's last layer) completes the request: its front mark is its last one,
+ * covering every block, and it is of this step. */
+static bool finishes_now(const struct sender *s, uint32_t slot, uint64_t step)
+{
+        const struct kvf_req_slot *r = &s->ctl.reqtab[slot];
+        if (r->state != KVF_REQ_ACTIVE || !r->last_chunk_seen || r->chunk_tail - r->chunk_head != 1)
+                return false;
+        const struct kvf_chunk_mark *m = &r->chunks[r->chunk_head % KVF_CHUNKS_MAX];
+        return m->step == step && m->block_end >= r->n_send;
+}
+
 void sender_on_progress(struct sender *s, uint64_t word, uint64_t publish_ns)
 {
         s->progress = word;
@@ -331,10 +342,26 @@ void sender_on_progress(struct sender *s, uint64_t word, uint64_t publish_ns)
                 }
                 /* bucket == step: requests advance but may stay in it */
                 struct bucket *b = &s->buckets[0];
-                uint32_t n = b->n;
+                uint32_t n = b->n, nf = 0;
                 memcpy(s->tmp, b->slots, n * sizeof(uint32_t));
-                for (uint32_t k = 0; k < n; k++)
+                /* The step's last layer: the requests it completes go first, as a batch of
+                 * their own, and their finish notices go out before the others' copies (a
+                 * chunked step ends one request and starts the next: the ended one's tail
+                 * must not wait for the next one's first chunk). */
+                if (KVF_PROGRESS_LAYERS(word) >= s->layers)
+                        for (uint32_t k = 0; k < n; k++)
+                                if (finishes_now(s, s->tmp[k], step)) {
+                                        uint32_t t = s->tmp[nf];
+                                        s->tmp[nf++] = s->tmp[k];
+                                        s->tmp[k] = t;
+                                }
+                for (uint32_t k = 0; k < n; k++) {
                         sender_advance(s, s->tmp[k]);
+                        if (k + 1 == nf && nf < n) {
+                                sender_copies_flush(s);
+                                sender_flush_slots(s, s->tmp, nf);
+                        }
+                }
                 break;
         }
 }

@@ -193,6 +193,8 @@ int sender_on_connector_record(void *ctx, uint16_t type, const uint8_t *p, uint3
 void sender_fail(struct sender *s, uint32_t slot, int status, const char *fmt, ...)
         __attribute__((format(printf, 4, 5)));
 void sender_flush_pending(struct sender *s);
+/* What these slots owe the rings (their finish notices), now: the rest waits for the loop. */
+void sender_flush_slots(struct sender *s, const uint32_t *slots, uint32_t n);
 void sender_adopt(struct sender *s);
 void sender_tick(struct sender *s, uint64_t now);
 

@@ -242,6 +242,15 @@ void sender_flush_pending(struct sender *s)
         s->pending |= left;
 }
 
+void sender_flush_slots(struct sender *s, const uint32_t *slots, uint32_t n)
+{
+        for (uint32_t k = 0; k < n; k++)
+                if (s->flags[slots[k]]) {
+                        flush_slot(s, slots[k]);
+                        s->pending |= s->flags[slots[k]] != 0;
+                }
+}
+
 /* The connector lost what it held: a network request must be handed over again. */
 static void redo_network(struct sender *s, uint32_t slot)
 {

@@ -167,7 +167,13 @@ static int submit_task(struct sim *s, struct sim_req *r, uint64_t step)
                                      .current_id = step,
                                      .transport = s->o.transport,
                                      .peer = s->o.peer[k],
-                                     .chunked = s->o.chunk_tokens > 0};
+                                     .chunked = s->o.chunk_tokens > 0,
+                                     /* as an engine should: the decode session that reserved
+                                      * the blocks, passed along with their ids (otherwise the
+                                      * prefill side binds the transfer to the decode session it
+                                      * last heard of, which a new decode engine makes stale
+                                      * until its connector has told) */
+                                     .peer_session = kvf_session(kvf_group_member(s->dg, k))};
                 int rc;
                 while ((rc = kvf_submit_task(kvf_group_member(s->pg, k), &t)) == -EAGAIN)
                         kvf_sim_poll_events(s, 1);

@@ -119,7 +119,7 @@ tcp_row() {
     16:scattered*) t=0.85 ;;
     64:scattered*|128:scattered*|64:contiguous\ runs*|128:contiguous\ runs*) t=0.95 ;;
   esac
-  [ -n "$t" ] && target "tcp ${blk} KiB scattered >= $t x iperf3" "$(py "$kv/$ip >= $t")"
+  [ -n "$t" ] && target "tcp ${blk} KiB ${1%%[: ]*} >= $t x iperf3" "$(py "$kv/$ip >= $t")"
   echo "| ${blk} KiB | $1 | $(py "round($kv,2)") | $(py "round($ip,2)") | $(py "round($kv/$ip,2)")${t:+ (target >= $t)} | ${ucx:-n/a} | $(py "round($kv/${ucx:-0}, 2) if ${ucx:-0} else 'n/a'") |"
 }
 iperf3 -s -p 15301 -D -I "$R/iperf3.pid"

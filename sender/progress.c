@@ -160,18 +160,14 @@ static int send_range(struct sender *s, uint32_t slot, uint32_t l0, uint32_t l1,
  * ended. 1: that was the layer's last piece; 0: more is left; -EAGAIN: try again later.
  */
 static int copy_layer_piece(struct sender *s, uint32_t slot, uint32_t layer, uint32_t block_end,
-                            uint64_t max_blocks)
+                            uint32_t max_blocks)
 {
         struct kvf_req_slot *r = &s->ctl.reqtab[slot];
         struct layer_cut *c = &s->cut[slot];
         if (c->accept_ns != r->accept_ns || c->layer != layer || c->b0 != r->sent_full)
                 *c = (struct layer_cut){.accept_ns = r->accept_ns, .layer = layer, .b0 = r->sent_full};
         uint32_t b0 = r->sent_full + c->done;
-        uint32_t n = block_end - b0;
-        if (max_blocks == 0)
-                max_blocks = 1;
-        if (n > max_blocks)
-                n = (uint32_t)max_blocks;
+        uint32_t n = block_end - b0 < max_blocks ? block_end - b0 : max_blocks;
         int rc = send_range(s, slot, layer, layer + 1, b0, b0 + n);
         if (rc < 0)
                 return rc;
@@ -179,9 +175,18 @@ static int copy_layer_piece(struct sender *s, uint32_t slot, uint32_t layer, uin
                 c->done += n;
                 return 0;
         }
-        c->done = 0;
-        c->accept_ns = 0;
+        *c = (struct layer_cut){0};
         return 1;
+}
+
+/* What is left of the request waits for the loop's next turn: at once (a slice of a
+ * backlog; no sleep in between), or when a full ring has room. */
+static void next_turn(struct sender *s, uint32_t slot, bool at_once)
+{
+        sender_mark(s, slot, SLOT_NEEDS_ADVANCE);
+        if (at_once)
+                s->sliced = true;
+        sender_arm(s, slot);
 }
 
 /* Every byte of the request is written: ask the connector to tell the peer. */
@@ -249,24 +254,20 @@ void sender_advance(struct sender *s, uint32_t slot)
                                  * copies it whole: every other request ready now came with the
                                  * same progress word, and pieces would only delay them all.) */
                                 if (budget < block) { /* this turn's slice is spent */
-                                        sender_mark(s, slot, SLOT_NEEDS_ADVANCE);
-                                        s->sliced = true;
-                                        sender_arm(s, slot);
+                                        next_turn(s, slot, true);
                                         return;
                                 }
-                                int rc = copy_layer_piece(s, slot, from, m->block_end, budget / block);
+                                int rc = copy_layer_piece(s, slot, from, m->block_end,
+                                                          (uint32_t)(budget / block));
                                 if (rc < 0) {
-                                        sender_mark(s, slot, SLOT_NEEDS_ADVANCE);
-                                        sender_arm(s, slot);
+                                        next_turn(s, slot, false);
                                         return;
                                 }
                                 if (r->state != KVF_REQ_ACTIVE)
                                         return;
                                 if (rc == 1) /* the layer's last piece (more layers are ready) */
                                         r->cur_layers = from + 1;
-                                sender_mark(s, slot, SLOT_NEEDS_ADVANCE); /* the next slice */
-                                s->sliced = true;
-                                sender_arm(s, slot);
+                                next_turn(s, slot, true); /* the next slice */
                                 kvf_count(&s->ctl, KVF_CTR_COPY_SLICES, 1);
                                 return;
                         }
@@ -277,8 +278,7 @@ void sender_advance(struct sender *s, uint32_t slot)
                         if (from < upto &&
                             send_range(s, slot, from, upto, r->sent_full, m->block_end) < 0) {
                                 /* the ring is full: try again from the same place later */
-                                sender_mark(s, slot, SLOT_NEEDS_ADVANCE);
-                                sender_arm(s, slot);
+                                next_turn(s, slot, false);
                                 return;
                         }
                         if (r->state != KVF_REQ_ACTIVE)
@@ -286,9 +286,7 @@ void sender_advance(struct sender *s, uint32_t slot)
                         uint64_t spent = per_layer * (upto - from);
                         r->cur_layers = upto;
                         if (upto < ready) {
-                                sender_mark(s, slot, SLOT_NEEDS_ADVANCE); /* the next slice */
-                                s->sliced = true; /* the loop goes on at once, not after a sleep */
-                                sender_arm(s, slot);
+                                next_turn(s, slot, true); /* the next slice */
                                 kvf_count(&s->ctl, KVF_CTR_COPY_SLICES, 1);
                                 return;
                         }

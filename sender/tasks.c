@@ -228,27 +228,29 @@ static void flush_slot(struct sender *s, uint32_t i)
         }
 }
 
+/* flush_slot for a slot with flags; true if some are still left. */
+static bool flush_flagged(struct sender *s, uint32_t i)
+{
+        if (!s->flags[i])
+                return false;
+        flush_slot(s, i);
+        return s->flags[i] != 0;
+}
+
 void sender_flush_pending(struct sender *s)
 {
         uint32_t n = s->ctl.hdr->reqtab_slots;
         bool left = false;
         s->pending = false;
-        for (uint32_t i = 0; i < n; i++) {
-                if (!s->flags[i])
-                        continue;
-                flush_slot(s, i);
-                left |= s->flags[i] != 0;
-        }
+        for (uint32_t i = 0; i < n; i++)
+                left |= flush_flagged(s, i);
         s->pending |= left;
 }
 
 void sender_flush_slots(struct sender *s, const uint32_t *slots, uint32_t n)
 {
         for (uint32_t k = 0; k < n; k++)
-                if (s->flags[slots[k]]) {
-                        flush_slot(s, slots[k]);
-                        s->pending |= s->flags[slots[k]] != 0;
-                }
+                s->pending |= flush_flagged(s, slots[k]);
 }
 
 /* The connector lost what it held: a network request must be handed over again. */

@@ -7,6 +7,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <getopt.h>
+#include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -41,6 +42,11 @@ static void usage(void)
                "  --instance NAME           the instance (its allocator must be running)\n"
                "  --request-timeout-ms N    fail a request not finished N ms after its task (default 60000)\n"
                "  --spin-us N               busy-wait this long for work before sleeping (default 50)\n"
+               "  --layer-wait MODE         while requests wait for the engine's layers: spin (poll without\n"
+               "                            sleeping until 20 ms pass without a layer or a new task), paced\n"
+               "                            (sleep, waking ahead of the engine's pace), or auto (default):\n"
+               "                            spin when this process may run on at least 2 CPUs per rank of\n"
+               "                            the instance's group, else paced\n"
                KVF_SLICE_USAGE
                "  --help, --version\n",
                prog);
@@ -84,10 +90,53 @@ static void log_gpu(struct sender *s)
                          s->own.device);
 }
 
-/* The engine's pace: layer events come steadily within a step (see idle_wait). */
+/*
+ * The engine's pace (see idle_wait): layer events come steadily within a step, with
+ * longer gaps now and then (a step's end, a slow layer). The last PACE_GAPS gaps between
+ * publish times are kept; the next event is expected no sooner than the shortest of them
+ * but one, and polled for until the longest (at most twice the shortest). An average
+ * would put the wake-up late after every long gap: late by 300 us, a sleeping sender's
+ * copy starts a wake-up later.
+ */
+#define PACE_GAPS 8
 struct pace {
-        uint64_t last_event, gap, poll_until;
+        uint64_t last_event, poll_until;
+        uint64_t gaps[PACE_GAPS];
+        unsigned ngaps;       /* gaps kept so far (the ring's next is ngaps % PACE_GAPS) */
+        uint64_t waiting_ns;  /* --layer-wait spin: when the set of awaited steps last changed */
+        uint32_t nbuckets;    /* ... and what it was then */
 };
+
+static void pace_event(struct pace *pc, uint64_t at)
+{
+        if (pc->last_event && at > pc->last_event && at - pc->last_event < EXPECT_MAX_GAP)
+                pc->gaps[pc->ngaps++ % PACE_GAPS] = at - pc->last_event;
+        if (at > pc->last_event)
+                pc->last_event = at;
+}
+
+/* The window to poll in after the last event: [last + *lo, last + *hi). false: no pace yet. */
+static bool pace_window(const struct pace *pc, uint64_t *lo, uint64_t *hi)
+{
+        unsigned n = pc->ngaps < PACE_GAPS ? pc->ngaps : PACE_GAPS;
+        if (n < 2)
+                return false;
+        uint64_t min1 = UINT64_MAX, min2 = UINT64_MAX, max = 0;
+        for (unsigned i = 0; i < n; i++) {
+                uint64_t g = pc->gaps[i];
+                if (g < min1) {
+                        min2 = min1;
+                        min1 = g;
+                } else if (g < min2) {
+                        min2 = g;
+                }
+                max = g > max ? g : max;
+        }
+        /* one odd short gap (two words close together) does not make the sender spin */
+        *lo = min2;
+        *hi = max + min2 / 8 < 2 * min2 ? max + min2 / 8 : 2 * min2;
+        return true;
+}
 
 /* An engine attached or detached: end its predecessors' requests now (its kvf_attach waits). */
 static bool check_engine(struct sender *s)
@@ -115,9 +164,7 @@ static bool handle_progress(struct sender *s, struct pace *pc)
          * publish time; the nearest we know is now. */
         if (kvf_load_relaxed(&s->ctl.progress->enqueued) >= w)
                 pub = t;
-        if (pc->last_event && t - pc->last_event < EXPECT_MAX_GAP)
-                pc->gap = pc->gap ? (pc->gap * 7 + (t - pc->last_event)) / 8 : t - pc->last_event;
-        pc->last_event = t;
+        pace_event(pc, pub);
         /* After the word's acquire load: an engine's generation is stored before its
          * first layer-done, so a word of a new engine session is never applied to
          * requests of the one before (sessions.c). */
@@ -197,9 +244,34 @@ static bool stream_words_due(struct sender *s)
 }
 
 /*
+ * --layer-wait spin: requests wait for layers, and a layer or a new task came in the last
+ * EXPECT_MAX_GAP: poll until then. A sleeping sender gives up its CPU: the scheduler
+ * places the engine's and the other roles' threads there, and the woken sender then
+ * waits for them (milliseconds when they run out a default slice; issue 14 measured it).
+ * A polling one keeps its CPU, and the others go to the other CPUs.
+ */
+static bool spin_for_layers(struct sender *s, struct pace *pc, uint64_t now)
+{
+        if (!s->spin_layers || !s->nbuckets) {
+                pc->nbuckets = 0;
+                return false;
+        }
+        if (s->nbuckets != pc->nbuckets) {
+                pc->nbuckets = s->nbuckets;
+                pc->waiting_ns = now;
+        }
+        uint64_t from = pc->last_event > pc->waiting_ns ? pc->last_event : pc->waiting_ns;
+        if (now >= from + EXPECT_MAX_GAP)
+                return false;
+        pc->poll_until = from + EXPECT_MAX_GAP;
+        return true;
+}
+
+/*
  * Nothing to do: sleep on the doorbell until the next heartbeat, or less.
- * Requests wait for layers and the engine has a pace: wake EXPECT_LEAD
- * before the next layer is due and poll until a gap after it. Waking from a
+ * Requests wait for layers: with --layer-wait spin, poll (spin_for_layers);
+ * with paced, when the engine has a pace, wake EXPECT_LEAD before the next
+ * layer is due and poll until the window's end (pace_window). Waking from a
  * futex costs tens of microseconds on an idle core (more in a VM); this costs
  * the poll window's CPU time per layer. Returns false to poll instead.
  */
@@ -209,13 +281,16 @@ static bool idle_wait(struct sender *s, struct pace *pc, uint64_t now, uint64_t 
         if ((s->pending || s->engine_blocked) && wait > 1000000)
                 wait = 1000000; /* a full ring drains on the engine's time, poll it */
         pc->poll_until = 0;
-        if (s->nbuckets && pc->gap) {
-                uint64_t due = pc->last_event + pc->gap;
+        if (spin_for_layers(s, pc, now))
+                return false;
+        uint64_t lo, hi;
+        if (s->nbuckets && pace_window(pc, &lo, &hi)) {
+                uint64_t due = pc->last_event + lo, end = pc->last_event + hi;
                 if (due > now + EXPECT_LEAD && due - EXPECT_LEAD - now < wait) {
                         wait = due - EXPECT_LEAD - now;
-                        pc->poll_until = due + pc->gap / 2;
-                } else if (due + pc->gap / 2 > now) {
-                        pc->poll_until = due + pc->gap / 2; /* due now: poll right away */
+                        pc->poll_until = end;
+                } else if (end > now) {
+                        pc->poll_until = end; /* due now: poll right away */
                         return false;
                 }
         }
@@ -265,19 +340,37 @@ static int run(struct sender *s, uint64_t spin_ns)
         return 0;
 }
 
+/* --layer-wait: spin_for_layers on or off, said in the log with why. */
+static void layer_wait_mode(struct sender *s, const char *mode)
+{
+        cpu_set_t set;
+        unsigned cpus = sched_getaffinity(0, sizeof(set), &set) == 0 ? (unsigned)CPU_COUNT(&set) : 1;
+        unsigned ranks = s->ctl.hdr->nranks ? s->ctl.hdr->nranks : 1;
+        if (strcmp(mode, "auto")) {
+                s->spin_layers = !strcmp(mode, "spin");
+                kvf_info("layer wait: %s (--layer-wait %s)", mode, mode);
+                return;
+        }
+        s->spin_layers = cpus >= 2 * ranks;
+        kvf_info("layer wait: %s (--layer-wait auto: %u CPUs for a group of %u ranks; spin from 2 per rank)",
+                 s->spin_layers ? "spin" : "paced", cpus, ranks);
+}
+
 int main(int argc, char **argv)
 {
-        enum { O_TIMEOUT = 1000, O_SPIN, O_SLICE, O_VERSION };
+        enum { O_TIMEOUT = 1000, O_SPIN, O_SLICE, O_LAYER_WAIT, O_VERSION };
         static const struct option opts[] = {{"instance", required_argument, 0, 'i'},
                                              {"request-timeout-ms", required_argument, 0, O_TIMEOUT},
                                              {"spin-us", required_argument, 0, O_SPIN},
                                              {"slice-us", required_argument, 0, O_SLICE},
+                                             {"layer-wait", required_argument, 0, O_LAYER_WAIT},
                                              {"help", no_argument, 0, 'h'},
                                              {"version", no_argument, 0, O_VERSION},
                                              {0, 0, 0, 0}};
         const char *instance = NULL;
         uint64_t timeout_ms = 60000, spin_us = 50;
         uint32_t slice_us = KVF_SLICE_US_DEFAULT;
+        const char *layer_wait = "auto";
         int c;
 
         while ((c = getopt_long(argc, argv, "i:h", opts, NULL)) != -1) {
@@ -286,6 +379,11 @@ int main(int argc, char **argv)
                 case O_TIMEOUT: timeout_ms = kvf_opt_u64("request-timeout-ms", optarg, 1, 86400000); break;
                 case O_SPIN: spin_us = kvf_opt_u64("spin-us", optarg, 0, 1000000); break;
                 case O_SLICE: slice_us = kvf_sched_slice_opt(prog, optarg); break;
+                case O_LAYER_WAIT:
+                        if (strcmp(optarg, "auto") && strcmp(optarg, "spin") && strcmp(optarg, "paced"))
+                                kvf_opt_die(prog, "--layer-wait is auto, spin or paced");
+                        layer_wait = optarg;
+                        break;
                 case 'h': usage(); return 0;
                 case O_VERSION: printf("%s %s\n", prog, KVFERRY_VERSION); return 0;
                 default: kvf_opt_die(prog, "unknown option");
@@ -331,6 +429,7 @@ int main(int argc, char **argv)
         sender_adopt(&s);
         if (s.own.be->id == KVF_BACKEND_CUDA)
                 log_gpu(&s);
+        layer_wait_mode(&s, layer_wait);
         kvf_info("running (generation %llu)", (unsigned long long)s.gen);
         run(&s, spin_us * 1000);
         kvf_role_end(&s.ctl, KVF_ROLE_SENDER);

@@ -102,6 +102,7 @@ struct sender {
         uint32_t *resend; /* per slot: SLOT_RESEND cursor (see sender_resend) */
         struct layer_cut *cut; /* per slot: a layer copied in slices (sender_advance) */
         bool sync_copies;      /* same-host copies run on this thread (host backend) */
+        bool spin_layers;      /* --layer-wait: poll while requests wait for layers (main.c) */
         uint32_t *runs;   /* scratch: (src, dst index, count) triples of one write batch */
         uint32_t *idset;  /* scratch: open-addressing set of block ids (id + 1; 0 = empty) */
         struct bucket *buckets; /* sorted by step */

@@ -103,7 +103,7 @@ pass "status --json lists every instance; down --all with nothing up says so, ex
 # ---- 3. bad up options: refused before anything starts, or at once with this run's message ----
 for bad in "--model bogus" "--cache-mib abc" "--cache-mib 0" "--cache-mib -5" "--role bogus" \
            "--tp 0" "--streams 99" "--ring-kib 12" "--dtype fp64" "--bogus 1" "--slice-us 50" \
-           "--slice-us 100001"; do
+           "--slice-us 100001" "--layer-wait nope"; do
   # shellcheck disable=SC2086
   try bad-opt "$K" up --instance $TAG-b --role decode $L $bad
   want_rc 2 "up $bad"
@@ -284,6 +284,40 @@ else
   down $TAG-s
   pass "scheduler slice: sender and connector (every thread) at 100 us, a restarted role too, shown by ring-dump; 0 and a user's SCHED_BATCH left alone"
 fi
+
+# ---- 12. the sender's wait for layers (--layer-wait) ----
+# auto spins with 2 CPUs per rank of the group, and the sender's log says which it took and why.
+cpus=$(nproc)
+want=paced; [ "$cpus" -ge 2 ] && want=spin
+grep -q "layer wait: $want (--layer-wait auto: $cpus CPUs for a group of 1 ranks" "$R/$TAG-p/sender.log" ||
+  fail "layer wait, auto, 1 rank on $cpus CPUs: want $want: $(grep 'layer wait' "$R/$TAG-p/sender.log")"
+up $TAG-g --role prefill $L --rank 0 --nranks 2
+want=paced; [ "$cpus" -ge 4 ] && want=spin
+grep -q "layer wait: $want (--layer-wait auto: $cpus CPUs for a group of 2 ranks" "$R/$TAG-g/sender.log" ||
+  fail "layer wait, auto, 2 ranks on $cpus CPUs: want $want: $(grep 'layer wait' "$R/$TAG-g/sender.log")"
+down $TAG-g
+# What it does: a spinning sender keeps its CPU between a step's layers; a paced one sleeps
+# (about once a layer). Its voluntary context switches over the same run of 640 layers tell.
+# vcsw NAME: the instance's sender's voluntary context switches so far, all threads
+vcsw() {
+  local p t n=0; p=$(pid_of sender "$1") || fail "no sender for $1"
+  for t in /proc/$p/task/*/status; do n=$((n + $(sed -n 's/^voluntary_ctxt_switches:[[:space:]]*//p' "$t"))); done
+  echo $n
+}
+declare -A sw
+for mode in spin paced; do
+  up $TAG-w --role prefill $L --layer-wait $mode
+  grep -q "layer wait: $mode (--layer-wait $mode)" "$R/$TAG-w/sender.log" || fail "--layer-wait $mode: not in the log"
+  v0=$(vcsw $TAG-w)
+  "$B/kvf-sim" --quiet --verify sample --prefill $TAG-w --decode $TAG-d --requests 20 --max-tokens 2048 \
+    --layer-us 2000 --step-tokens 1 --json "$R/lw.json" >"$R/lw.out" 2>&1 || fail "kvf-sim, --layer-wait $mode: $(cat "$R/lw.out")"
+  [ "$(json_get "$R/lw.json" finished)" = 20 ] || fail "--layer-wait $mode: $(cat "$R/lw.out")"
+  sw[$mode]=$(( $(vcsw $TAG-w) - v0 ))
+  down $TAG-w
+done
+[ $(( sw[spin] * 3 )) -lt "${sw[paced]}" ] ||
+  fail "--layer-wait: the sender slept ${sw[spin]} times spinning and ${sw[paced]} times paced over 640 layers"
+pass "--layer-wait: auto spins with 2 CPUs per rank and says so; over 640 layers a spinning sender slept ${sw[spin]} times, a paced one ${sw[paced]}"
 
 # ---- 10. kvf-sim's default trace, from a folder that is not the repository ----
 (cd / && "$B/kvf-sim" --quiet --prefill $TAG-p --decode $TAG-d --requests 5 >"$R/sim.out" 2>&1) ||

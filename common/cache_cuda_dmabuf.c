@@ -96,7 +96,7 @@ void kvf_cuda_dmabuf_offer(const struct kvf_ctl_header *h, int device, void *ptr
 {
         static struct offer o = {.lfd = -1, .dmabuf = -1}; /* one cache per allocator process */
         struct sockaddr_un a;
-        socklen_t alen;
+        socklen_t alen = 0; /* set by sock_addr on success; -O3 cannot tell */
         o.msg.len = (bytes + 4095) & ~4095ull;
         int rc = kvf_gpu_dmabuf_export(device, ptr, o.msg.len, &o.dmabuf);
         if (rc < 0) {
@@ -119,7 +119,7 @@ void kvf_cuda_dmabuf_offer(const struct kvf_ctl_header *h, int device, void *ptr
 int kvf_cuda_dmabuf_fetch(const struct kvf_ctl_header *h, int *fd, uint64_t *len)
 {
         struct sockaddr_un a;
-        socklen_t alen;
+        socklen_t alen = 0;
         int rc = sock_addr(h, &a, &alen);
         if (rc < 0)
                 return rc;

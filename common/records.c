@@ -398,8 +398,8 @@ fail:
 static int dec_field(struct kvf_mp *m, const struct field *f, struct kvf_record *r, uint32_t rank)
 {
         char *base = (char *)r;
-        const char *s;
-        uint32_t n;
+        const char *s = NULL; /* set by dec_str before any use; -O3 cannot tell (Release) */
+        uint32_t n = 0;
         uint64_t v;
         int rc;
 

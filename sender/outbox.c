@@ -37,7 +37,7 @@ int sender_encode(struct sender *s, const struct kvf_record *r, size_t *len)
 
 int sender_post(struct sender *s, const struct kvf_record *r)
 {
-        size_t len;
+        size_t len = 0; /* set when sender_encode succeeds */
         int rc = sender_encode(s, r, &len);
         if (rc < 0)
                 return rc;

@@ -164,7 +164,7 @@ static bool handle_progress(struct sender *s, struct pace *pc)
          * publish time; the nearest we know is now. */
         if (kvf_load_relaxed(&s->ctl.progress->enqueued) >= w)
                 pub = t;
-        pace_event(pc, pub);
+        pace_event(pc, pub < t ? pub : t); /* (an engine's clock is ours: never later than now) */
         /* After the word's acquire load: an engine's generation is stored before its
          * first layer-done, so a word of a new engine session is never applied to
          * requests of the one before (sessions.c). */

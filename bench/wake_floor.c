@@ -101,7 +101,7 @@ int main(int argc, char **argv)
                 case 'g': gap_us = kvf_opt_u64("gap-us", optarg, 100, 1000000); break;
                 case 'j': json = true; break;
                 case 'h': usage(); return 0;
-                default: usage(); return 2;
+                default: fprintf(stderr, "Try 'kvf-bench-floor --help'.\n"); return 2;
                 }
         }
         if (optind < argc) {

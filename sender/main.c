@@ -45,8 +45,9 @@ static void usage(void)
                "  --layer-wait MODE         while requests wait for the engine's layers: spin (poll without\n"
                "                            sleeping until 20 ms pass without a layer or a new task), paced\n"
                "                            (sleep, waking ahead of the engine's pace), or auto (default):\n"
-               "                            spin when this process may run on at least 2 CPUs per rank of\n"
-               "                            the instance's group, else paced\n"
+               "                            spin when this process may run on at least 2 CPUs (its\n"
+               "                            affinity, or a cgroup's CPU quota) per rank of the instance's\n"
+               "                            group (--nranks), else paced\n"
                KVF_SLICE_USAGE
                "  --help, --version\n",
                prog);
@@ -103,8 +104,10 @@ struct pace {
         uint64_t last_event, poll_until;
         uint64_t gaps[PACE_GAPS];
         unsigned ngaps;       /* gaps kept so far (the ring's next is ngaps % PACE_GAPS) */
-        uint64_t waiting_ns;  /* --layer-wait spin: when the set of awaited steps last changed */
-        uint32_t nbuckets;    /* ... and what it was then */
+        uint64_t seen_ns;     /* --layer-wait spin: when this process saw the last layer, */
+        uint64_t waiting_ns;  /* when a task came or the set of awaited steps changed last, */
+        uint64_t tasks;       /* and the tasks accepted, */
+        uint32_t nbuckets;    /* and the awaited steps then */
 };
 
 static void pace_event(struct pace *pc, uint64_t at)
@@ -165,6 +168,7 @@ static bool handle_progress(struct sender *s, struct pace *pc)
         if (kvf_load_relaxed(&s->ctl.progress->enqueued) >= w)
                 pub = t;
         pace_event(pc, pub < t ? pub : t); /* (an engine's clock is ours: never later than now) */
+        pc->seen_ns = t;
         /* After the word's acquire load: an engine's generation is stored before its
          * first layer-done, so a word of a new engine session is never applied to
          * requests of the one before (sessions.c). */
@@ -252,15 +256,19 @@ static bool stream_words_due(struct sender *s)
  */
 static bool spin_for_layers(struct sender *s, struct pace *pc, uint64_t now)
 {
-        if (!s->spin_layers || !s->nbuckets) {
+        uint64_t tasks = kvf_load_relaxed(&s->ctl.counters[KVF_CTR_TASKS_ACCEPTED].value);
+        if (!s->nbuckets) {
                 pc->nbuckets = 0;
                 return false;
         }
-        if (s->nbuckets != pc->nbuckets) {
+        if (s->nbuckets != pc->nbuckets || tasks != pc->tasks) {
                 pc->nbuckets = s->nbuckets;
+                pc->tasks = tasks;
                 pc->waiting_ns = now;
         }
-        uint64_t from = pc->last_event > pc->waiting_ns ? pc->last_event : pc->waiting_ns;
+        /* Our own clock, not the engine's publish times: an engine whose clock lagged could
+         * otherwise end the spinning early, and one that ran ahead prolong it. */
+        uint64_t from = pc->seen_ns > pc->waiting_ns ? pc->seen_ns : pc->waiting_ns;
         if (now >= from + EXPECT_MAX_GAP)
                 return false;
         pc->poll_until = from + EXPECT_MAX_GAP;
@@ -277,14 +285,14 @@ static bool spin_for_layers(struct sender *s, struct pace *pc, uint64_t now)
  */
 static bool idle_wait(struct sender *s, struct pace *pc, uint64_t now, uint64_t next_tick)
 {
-        uint64_t wait = next_tick > now ? next_tick - now : 0;
+        uint64_t wait = next_tick > now ? next_tick - now : 0, lo, hi;
         if ((s->pending || s->engine_blocked) && wait > 1000000)
                 wait = 1000000; /* a full ring drains on the engine's time, poll it */
         pc->poll_until = 0;
-        if (spin_for_layers(s, pc, now))
-                return false;
-        uint64_t lo, hi;
-        if (s->nbuckets && pace_window(pc, &lo, &hi)) {
+        if (s->spin_layers) {
+                if (spin_for_layers(s, pc, now))
+                        return false;
+        } else if (s->nbuckets && pace_window(pc, &lo, &hi)) {
                 uint64_t due = pc->last_event + lo, end = pc->last_event + hi;
                 if (due > now + EXPECT_LEAD && due - EXPECT_LEAD - now < wait) {
                         wait = due - EXPECT_LEAD - now;
@@ -330,7 +338,8 @@ static int run(struct sender *s, uint64_t spin_ns)
                 /* Spin a little (a layer event is often microseconds away), then sleep. */
                 if (!idle_since)
                         idle_since = now;
-                if (now - idle_since < spin_ns || now < pc.poll_until) {
+                /* (the poll window is for requests waiting for layers: none left, none) */
+                if (now - idle_since < spin_ns || (now < pc.poll_until && s->nbuckets)) {
                         kvf_cpu_relax();
                         continue;
                 }
@@ -340,20 +349,123 @@ static int run(struct sender *s, uint64_t spin_ns)
         return 0;
 }
 
+/* A whole number from the first line of `path`; false when it has none ("max", "-1", none). */
+static bool read_u64(const char *path, unsigned long long *v, unsigned long long *second)
+{
+        char line[64];
+        FILE *f = fopen(path, "r");
+        if (!f)
+                return false;
+        bool got = fgets(line, sizeof(line), f) &&
+                   (second ? sscanf(line, "%llu %llu", v, second) == 2 : sscanf(line, "%llu", v) == 1);
+        fclose(f);
+        return got;
+}
+
+/* The CPU quota of cgroup `dir` under `mnt`, in whole CPUs rounded up; 0 none. v2: cpu.max
+ * ("QUOTA PERIOD", or "max PERIOD"); v1: cpu.cfs_quota_us (-1: none) and cpu.cfs_period_us. */
+static unsigned cgroup_quota(const char *mnt, const char *dir, bool v2)
+{
+        char path[640];
+        unsigned long long quota = 0, period = 0;
+        bool got;
+        if (v2) {
+                snprintf(path, sizeof(path), "%s%s/cpu.max", mnt, dir);
+                got = read_u64(path, &quota, &period);
+        } else {
+                snprintf(path, sizeof(path), "%s%s/cpu.cfs_quota_us", mnt, dir);
+                got = read_u64(path, &quota, NULL);
+                snprintf(path, sizeof(path), "%s%s/cpu.cfs_period_us", mnt, dir);
+                got = got && read_u64(path, &period, NULL);
+        }
+        return got && period > 0 && quota > 0 ? (unsigned)((quota + period - 1) / period) : 0;
+}
+
+/* The smallest quota of cgroup `dir` (a path from /proc/self/cgroup) and every one above it. */
+static unsigned cgroup_quota_up(const char *mnt, const char *path, bool v2)
+{
+        char dir[512];
+        unsigned best = 0;
+        snprintf(dir, sizeof(dir), "%s", path);
+        for (char *slash; dir[0] == '/';) {
+                unsigned q = cgroup_quota(mnt, strcmp(dir, "/") ? dir : "", v2);
+                if (q && (!best || q < best))
+                        best = q;
+                if (!strcmp(dir, "/"))
+                        break;
+                slash = strrchr(dir, '/');
+                slash[slash == dir] = 0; /* "/a/b" -> "/a", "/a" -> "/" */
+        }
+        return best;
+}
+
+/* The CPUs this process may use: its affinity, or less where a cgroup quota says so (a
+ * container's CPU limit leaves the affinity whole). *why: which of the two decided. */
+static unsigned usable_cpus(const char **why)
+{
+        unsigned n = 0;
+        for (int size = 1024; size <= 65536 && !n; size *= 4) { /* more than 1024 CPUs: grow */
+                cpu_set_t *set = CPU_ALLOC(size);
+                size_t bytes = CPU_ALLOC_SIZE(size);
+                if (!set)
+                        break;
+                int rc = sched_getaffinity(0, bytes, set);
+                if (rc == 0)
+                        n = (unsigned)CPU_COUNT_S(bytes, set);
+                CPU_FREE(set);
+                if (rc < 0 && errno != EINVAL)
+                        break;
+        }
+        if (!n) {
+                long on = sysconf(_SC_NPROCESSORS_ONLN);
+                n = on > 0 ? (unsigned)on : 1;
+        }
+        *why = "affinity";
+        /* "0::/path" (v2), "N:cpu,cpuacct:/path" (v1's cpu controller) */
+        char line[512];
+        FILE *f = fopen("/proc/self/cgroup", "r");
+        while (f && fgets(line, sizeof(line), f)) {
+                line[strcspn(line, "\n")] = 0;
+                char *ctrl = strchr(line, ':'), *path = ctrl ? strchr(ctrl + 1, ':') : NULL;
+                if (!path)
+                        continue;
+                *path++ = 0;
+                ctrl++;
+                unsigned q = 0;
+                if (!*ctrl) {
+                        q = cgroup_quota_up("/sys/fs/cgroup", path, true);
+                        unsigned u = cgroup_quota_up("/sys/fs/cgroup/unified", path, true);
+                        q = u && (!q || u < q) ? u : q;
+                } else {
+                        for (char *c = strtok(ctrl, ","); c; c = strtok(NULL, ","))
+                                if (!strcmp(c, "cpu"))
+                                        q = cgroup_quota_up("/sys/fs/cgroup/cpu", path, false);
+                }
+                if (q && q < n) {
+                        n = q;
+                        *why = "cgroup CPU quota";
+                }
+        }
+        if (f)
+                fclose(f);
+        return n;
+}
+
 /* --layer-wait: spin_for_layers on or off, said in the log with why. */
 static void layer_wait_mode(struct sender *s, const char *mode)
 {
-        cpu_set_t set;
-        unsigned cpus = sched_getaffinity(0, sizeof(set), &set) == 0 ? (unsigned)CPU_COUNT(&set) : 1;
-        unsigned ranks = s->ctl.hdr->nranks ? s->ctl.hdr->nranks : 1;
         if (strcmp(mode, "auto")) {
                 s->spin_layers = !strcmp(mode, "spin");
                 kvf_info("layer wait: %s (--layer-wait %s)", mode, mode);
                 return;
         }
+        const char *why;
+        unsigned cpus = usable_cpus(&why);
+        unsigned ranks = s->ctl.hdr->nranks ? s->ctl.hdr->nranks : 1;
         s->spin_layers = cpus >= 2 * ranks;
-        kvf_info("layer wait: %s (--layer-wait auto: %u CPUs for a group of %u ranks; spin from 2 per rank)",
-                 s->spin_layers ? "spin" : "paced", cpus, ranks);
+        kvf_info("layer wait: %s (--layer-wait auto: %u CPUs for a group of %u ranks, spin from 2 per "
+                 "rank; CPUs by %s, ranks by --nranks)",
+                 s->spin_layers ? "spin" : "paced", cpus, ranks, why);
 }
 
 int main(int argc, char **argv)
@@ -413,6 +525,7 @@ int main(int argc, char **argv)
                 kvf_error("%s", kvf_err_msg());
                 return 1;
         }
+        layer_wait_mode(&s, layer_wait); /* before the claim: up returns once we are claimed */
         int64_t gen = kvf_role_claim(&s.ctl, KVF_ROLE_SENDER);
         if (gen < 0) {
                 kvf_error("%s", kvf_err_msg());
@@ -429,7 +542,6 @@ int main(int argc, char **argv)
         sender_adopt(&s);
         if (s.own.be->id == KVF_BACKEND_CUDA)
                 log_gpu(&s);
-        layer_wait_mode(&s, layer_wait);
         kvf_info("running (generation %llu)", (unsigned long long)s.gen);
         run(&s, spin_us * 1000);
         kvf_role_end(&s.ctl, KVF_ROLE_SENDER);

@@ -287,22 +287,65 @@ fi
 
 # ---- 12. the sender's wait for layers (--layer-wait) ----
 # auto spins with 2 CPUs per rank of the group, and the sender's log says which it took and why.
-cpus=$(nproc)
-want=paced; [ "$cpus" -ge 2 ] && want=spin
-grep -q "layer wait: $want (--layer-wait auto: $cpus CPUs for a group of 1 ranks" "$R/$TAG-p/sender.log" ||
-  fail "layer wait, auto, 1 rank on $cpus CPUs: want $want: $(grep 'layer wait' "$R/$TAG-p/sender.log")"
+# auto_ok NAME RANKS: the log's line of auto follows the rule, for RANKS ranks; the CPUs it
+# counted are the affinity's (or fewer, by a cgroup's quota). Echoes the CPUs and by what.
+affinity=$(/usr/bin/python3 -c 'import os; print(len(os.sched_getaffinity(0)))')
+auto_ok() {
+  local line mode n r by
+  line=$(grep 'layer wait:' "$R/$1/sender.log") || fail "$1: no 'layer wait' line in the sender's log"
+  read -r mode n r by < <(sed -n 's/.*layer wait: \([a-z]*\) (--layer-wait auto: \([0-9]*\) CPUs for a group of \([0-9]*\) ranks.*CPUs by \([A-Za-z ]*\),.*/\1 \2 \3 \4/p' <<<"$line")
+  [ "$r" = "$2" ] || fail "$1: auto counted ${r:-?} ranks, want $2: $line"
+  [ "$mode" = "$([ "$n" -ge $((2 * $2)) ] && echo spin || echo paced)" ] || fail "$1: auto broke its rule: $line"
+  case "$by" in
+    affinity) [ "$n" = "$affinity" ] || fail "$1: $n CPUs by affinity, the affinity has $affinity: $line" ;;
+    "cgroup CPU quota") [ "$n" -lt "$affinity" ] || fail "$1: a quota of $n CPUs chosen over $affinity: $line" ;;
+    *) fail "$1: CPUs counted by '$by': $line" ;;
+  esac
+  echo "$n CPUs by $by"
+}
+got=$(auto_ok $TAG-p 1)
 up $TAG-g --role prefill $L --rank 0 --nranks 2
-want=paced; [ "$cpus" -ge 4 ] && want=spin
-grep -q "layer wait: $want (--layer-wait auto: $cpus CPUs for a group of 2 ranks" "$R/$TAG-g/sender.log" ||
-  fail "layer wait, auto, 2 ranks on $cpus CPUs: want $want: $(grep 'layer wait' "$R/$TAG-g/sender.log")"
+auto_ok $TAG-g 2 >/dev/null
 down $TAG-g
+# A container's CPU limit leaves the affinity whole: the sender counts the cgroup's quota.
+# Here a cgroup of one CPU (v1's cpu controller, or v2 where it is enabled), as root.
+cg=""
+if [ $ROOT_USER = 1 ] && [ -w /sys/fs/cgroup/cpu/cpu.cfs_quota_us ] && mkdir /sys/fs/cgroup/cpu/$TAG 2>/dev/null; then
+  cg=/sys/fs/cgroup/cpu/$TAG
+  echo 100000 >$cg/cpu.cfs_period_us && echo 100000 >$cg/cpu.cfs_quota_us
+elif [ $ROOT_USER = 1 ] && grep -qw cpu /sys/fs/cgroup/cgroup.subtree_control 2>/dev/null && mkdir /sys/fs/cgroup/$TAG 2>/dev/null; then
+  cg=/sys/fs/cgroup/$TAG
+  echo "100000 100000" >$cg/cpu.max
+fi
+if [ -n "$cg" ]; then
+  # (up runs in a subshell that joined the cgroup: the instance is recorded here, and whatever
+  # happens the cgroup goes once its processes have)
+  STARTED+=("$TAG-q")
+  AT_EXIT+=("down $TAG-q 2>/dev/null; for _ in 1 2 3 4 5 6 7 8 9 10; do rmdir $cg 2>/dev/null && break; sleep 0.2; done")
+  (echo $BASHPID >$cg/cgroup.procs && up $TAG-q --role prefill $L) || fail "up in a cgroup of one CPU"
+  got_q=$(auto_ok $TAG-q 1)
+  grep -q "layer wait: paced (--layer-wait auto: 1 CPUs" "$R/$TAG-q/sender.log" || fail "one CPU by quota: $got_q"
+  down $TAG-q
+  for _ in 1 2 3 4 5 6 7 8 9 10; do rmdir $cg 2>/dev/null && break; sleep 0.2; done
+  [ ! -d $cg ] || fail "the test's cgroup $cg still has processes: $(cat $cg/cgroup.procs)"
+  got="$got; in a cgroup of one CPU: paced ($got_q)"
+else
+  got="$got; a cgroup quota not tried (needs root and a cpu controller to write)"
+fi
 # What it does: a spinning sender keeps its CPU between a step's layers; a paced one sleeps
 # (about once a layer). Its voluntary context switches over the same run of 640 layers tell.
+# And once no layer comes, a spinning sender stops within 20 ms: a second idle costs it almost
+# no CPU.
 # vcsw NAME: the instance's sender's voluntary context switches so far, all threads
 vcsw() {
   local p t n=0; p=$(pid_of sender "$1") || fail "no sender for $1"
   for t in /proc/$p/task/*/status; do n=$((n + $(sed -n 's/^voluntary_ctxt_switches:[[:space:]]*//p' "$t"))); done
   echo $n
+}
+# cpu_ms NAME: the CPU time of the instance's sender so far (user + system), ms
+cpu_ms() {
+  local p; p=$(pid_of sender "$1") || fail "no sender for $1"
+  /usr/bin/python3 -c 'import os,sys; f=open("/proc/%s/stat" % sys.argv[1]).read().rsplit(")",1)[1].split(); print((int(f[11]) + int(f[12])) * 1000 // os.sysconf("SC_CLK_TCK"))' "$p"
 }
 declare -A sw
 for mode in spin paced; do
@@ -313,11 +356,15 @@ for mode in spin paced; do
     --layer-us 2000 --step-tokens 1 --json "$R/lw.json" >"$R/lw.out" 2>&1 || fail "kvf-sim, --layer-wait $mode: $(cat "$R/lw.out")"
   [ "$(json_get "$R/lw.json" finished)" = 20 ] || fail "--layer-wait $mode: $(cat "$R/lw.out")"
   sw[$mode]=$(( $(vcsw $TAG-w) - v0 ))
+  if [ $mode = spin ]; then
+    c0=$(cpu_ms $TAG-w); sleep 1; idle_ms=$(( $(cpu_ms $TAG-w) - c0 ))
+    [ $idle_ms -lt 300 ] || fail "--layer-wait spin: the sender used $idle_ms ms of CPU in 1 s with no layer coming"
+  fi
   down $TAG-w
 done
 [ $(( sw[spin] * 3 )) -lt "${sw[paced]}" ] ||
   fail "--layer-wait: the sender slept ${sw[spin]} times spinning and ${sw[paced]} times paced over 640 layers"
-pass "--layer-wait: auto spins with 2 CPUs per rank and says so; over 640 layers a spinning sender slept ${sw[spin]} times, a paced one ${sw[paced]}"
+pass "--layer-wait: auto follows 2 CPUs per rank and says so ($got); over 640 layers a spinning sender slept ${sw[spin]} times, a paced one ${sw[paced]}; idle afterwards it used $idle_ms ms of CPU in 1 s"
 
 # ---- 10. kvf-sim's default trace, from a folder that is not the repository ----
 (cd / && "$B/kvf-sim" --quiet --prefill $TAG-p --decode $TAG-d --requests 5 >"$R/sim.out" 2>&1) ||

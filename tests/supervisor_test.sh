@@ -309,15 +309,24 @@ auto_ok $TAG-g 2 >/dev/null
 down $TAG-g
 # A container's CPU limit leaves the affinity whole: the sender counts the cgroup's quota.
 # Here a cgroup of one CPU (v1's cpu controller, or v2 where it is enabled), as root.
+# one_cpu_cgroup: a new cgroup of one CPU that a process of ours can join, in $cg; status 1
+# (and none left) where this machine does not let us make one.
+one_cpu_cgroup() {
+  cg=""
+  if [ -w /sys/fs/cgroup/cpu/cpu.cfs_quota_us ] && mkdir /sys/fs/cgroup/cpu/$TAG 2>/dev/null; then
+    cg=/sys/fs/cgroup/cpu/$TAG
+    { echo 100000 >$cg/cpu.cfs_period_us && echo 100000 >$cg/cpu.cfs_quota_us; } 2>/dev/null || { rmdir $cg; cg=""; }
+  elif grep -qw cpu /sys/fs/cgroup/cgroup.subtree_control 2>/dev/null && mkdir /sys/fs/cgroup/$TAG 2>/dev/null; then
+    cg=/sys/fs/cgroup/$TAG
+    echo "100000 100000" 2>/dev/null >$cg/cpu.max || { rmdir $cg; cg=""; }
+  fi
+  [ -n "$cg" ] || return 1
+  (echo $BASHPID >$cg/cgroup.procs) 2>/dev/null && return 0 # (a subshell that joins, then ends)
+  rmdir $cg; cg=""
+  return 1
+}
 cg=""
-if [ $ROOT_USER = 1 ] && [ -w /sys/fs/cgroup/cpu/cpu.cfs_quota_us ] && mkdir /sys/fs/cgroup/cpu/$TAG 2>/dev/null; then
-  cg=/sys/fs/cgroup/cpu/$TAG
-  echo 100000 >$cg/cpu.cfs_period_us && echo 100000 >$cg/cpu.cfs_quota_us
-elif [ $ROOT_USER = 1 ] && grep -qw cpu /sys/fs/cgroup/cgroup.subtree_control 2>/dev/null && mkdir /sys/fs/cgroup/$TAG 2>/dev/null; then
-  cg=/sys/fs/cgroup/$TAG
-  echo "100000 100000" >$cg/cpu.max
-fi
-if [ -n "$cg" ]; then
+if [ $ROOT_USER = 1 ] && one_cpu_cgroup; then
   # (up runs in a subshell that joined the cgroup: the instance is recorded here, and whatever
   # happens the cgroup goes once its processes have)
   STARTED+=("$TAG-q")
@@ -330,7 +339,7 @@ if [ -n "$cg" ]; then
   [ ! -d $cg ] || fail "the test's cgroup $cg still has processes: $(cat $cg/cgroup.procs)"
   got="$got; in a cgroup of one CPU: paced ($got_q)"
 else
-  got="$got; a cgroup quota not tried (needs root and a cpu controller to write)"
+  got="$got; a cgroup quota not tried (needs root and a cpu controller that takes a new cgroup)"
 fi
 # What it does: a spinning sender keeps its CPU between a step's layers; a paced one sleeps
 # (about once a layer). Its voluntary context switches over the same run of 640 layers tell.

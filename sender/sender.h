@@ -25,7 +25,7 @@
 #define SENDER_MAX_PEERS 64u
 /* Bytes one request may move in one go before other requests' ready layers get their turn:
  * copies the sender's thread makes itself (host caches, same host) take their time, so they go
- * in smaller slices, and a request that is behind has a larger layer cut (sender_advance). */
+ * in smaller slices, and a layer of a request that is behind is cut by blocks (sender_advance). */
 #define SENDER_SLICE_BYTES (4ull << 20)
 #define SENDER_SLICE_BYTES_SYNC (1ull << 20)
 

@@ -116,7 +116,7 @@ struct shared {
         uint32_t pad2;
         char child_msg[256];
         uint8_t h_src[KVF_GPU_IPC_HANDLE_SIZE], h_dst[KVF_GPU_IPC_HANDLE_SIZE];
-        uint32_t n_idx, layers, n_runs, desc_mapped;
+        uint32_t n_idx, layers, n_runs, desc_flags;
         int32_t device;
         uint32_t pad3;
         uint64_t layer_stride, src_bytes, dst_bytes;
@@ -132,7 +132,7 @@ struct options {
         unsigned tp;
         uint32_t layers, steps, layer_us, block_us, requests, tokens, poll_us;
         int signal;
-        int desc_mapped;
+        unsigned desc_flags; /* KVF_GPU_COPIER_*_DESC, 0: the copier as kvferry runs it */
         unsigned modes;   /* bit per kind */
         unsigned engines; /* bit 0 idle, bit 1 busy */
         const char *json;
@@ -356,7 +356,7 @@ static int child_main(int fd)
         s.dst = (struct kvf_gpu_region){(uint64_t)(uintptr_t)dst, sh->dst_bytes};
         step = "create the copier";
         if ((rc = kvf_gpu_copier_create(
-                 sh->device, sh->desc_mapped ? KVF_GPU_COPIER_MAPPED_DESC : 0, NULL, &s.c)) < 0)
+                 sh->device, sh->desc_flags, NULL, &s.c)) < 0)
                 goto fail;
         {
                 size_t sb = 2 * (size_t)sh->n_idx * sizeof(uint64_t);
@@ -856,8 +856,11 @@ static void usage(FILE *f)
                 "  --tokens N        tokens per layer across those requests (default 4096)\n"
                 "  --signal M        layer-done signal for ref/proc/ctx: hostfn, writevalue,\n"
                 "                    kernel (default writevalue)\n"
-                "  --desc D          copy descriptors: mapped (read in place) or staged\n"
-                "                    (copied to the device first) (default mapped)\n"
+                "  --desc D          copy descriptors: kept (as kvferry copies: a layer's\n"
+                "                    first batch read from mapped host memory and kept on\n"
+                "                    the device, the next layers run them again shifted),\n"
+                "                    mapped (every batch read from host memory) or staged\n"
+                "                    (copied to the device before each kernel) (default kept)\n"
                 "  --poll-us N       writevalue+sleep waiter's poll period (default 20)\n"
                 "  --device N        GPU (default 0)\n"
                 "  --json PATH       also write the results as JSON\n"
@@ -867,6 +870,13 @@ static void usage(FILE *f)
                 "  nvidia-cuda-mps-control -d ; ... ; echo quit | nvidia-cuda-mps-control\n"
                 "Exit: 0 done (targets missed are reported), 1 error, a failed trial or a\n"
                 "wrong byte, 2 usage, 77 no GPU.\n");
+}
+
+static const char *desc_name(unsigned flags)
+{
+        return flags & KVF_GPU_COPIER_MAPPED_DESC   ? "mapped"
+               : flags & KVF_GPU_COPIER_STAGED_DESC ? "staged"
+                                                    : "kept";
 }
 
 static int parse_method(const char *s)
@@ -918,7 +928,7 @@ int main(int argc, char **argv)
         o.tokens = 4096;
         o.poll_us = 20;
         o.signal = KVF_GPU_SIGNAL_WRITE_VALUE;
-        o.desc_mapped = 1;
+        o.desc_flags = 0;
         o.modes = 0xf;
         o.engines = 3;
         int mps_check = 0;
@@ -979,9 +989,14 @@ int main(int argc, char **argv)
                         o.signal = parse_method(optarg);
                         break;
                 case 'D':
-                        if (strcmp(optarg, "mapped") && strcmp(optarg, "staged"))
-                                bench_die("--desc: mapped or staged");
-                        o.desc_mapped = !strcmp(optarg, "mapped");
+                        if (!strcmp(optarg, "kept"))
+                                o.desc_flags = 0;
+                        else if (!strcmp(optarg, "mapped"))
+                                o.desc_flags = KVF_GPU_COPIER_MAPPED_DESC;
+                        else if (!strcmp(optarg, "staged"))
+                                o.desc_flags = KVF_GPU_COPIER_STAGED_DESC;
+                        else
+                                bench_die("--desc: kept, mapped or staged");
                         break;
                 case 'p':
                         o.poll_us = (uint32_t)atoi(optarg);
@@ -1058,8 +1073,7 @@ int main(int argc, char **argv)
         w.rs = (struct kvf_gpu_region){(uint64_t)(uintptr_t)w.src, cache};
         w.rd = (struct kvf_gpu_region){(uint64_t)(uintptr_t)w.dst, cache};
         BENCH_CUDA(cudaStreamCreateWithFlags(&w.engine, cudaStreamNonBlocking));
-        BENCH_KVF(kvf_gpu_copier_create(o.device, o.desc_mapped ? KVF_GPU_COPIER_MAPPED_DESC : 0,
-                                        NULL, &w.copier));
+        BENCH_KVF(kvf_gpu_copier_create(o.device, o.desc_flags, NULL, &w.copier));
         BENCH_CUDA(cudaMalloc((void **)&w.layer_end, (size_t)w.n_idx * 8));
         BENCH_CUDA(cudaMalloc((void **)&w.dstamps, 2 * (size_t)w.n_idx * 8));
 
@@ -1092,7 +1106,7 @@ int main(int argc, char **argv)
         sh->n_idx = w.n_idx;
         sh->layers = o.layers;
         sh->n_runs = (uint32_t)w.n_runs;
-        sh->desc_mapped = (uint32_t)o.desc_mapped;
+        sh->desc_flags = o.desc_flags;
         sh->device = o.device;
         sh->layer_stride = (uint64_t)w.lay.tensors * w.lay.blocks * w.lay.block_bytes;
         sh->src_bytes = cache;
@@ -1116,7 +1130,7 @@ int main(int argc, char **argv)
                o.layer_us / o.block_us ? o.layer_us / o.block_us : 1, w.sms * 2);
         printf("copies: descriptors %s; ref/proc/ctx layer-done by %s; globaltimer step %llu ns; "
                "clock calibration error <= %.1f us\n",
-               o.desc_mapped ? "mapped" : "staged", kvf_gpu_signal_method_name(o.signal),
+               desc_name(o.desc_flags), kvf_gpu_signal_method_name(o.signal),
                (unsigned long long)step, (double)cp.rtt / 2e3);
         if (!w.mps)
                 printf("MPS is off: the proc rows show a separate process without MPS (the "
@@ -1221,7 +1235,7 @@ int main(int argc, char **argv)
                         "\"globaltimer_step_ns\": %llu, \"trials\": [\n",
                         w.mps ? "true" : "false", o.model, o.tp, (unsigned long long)w.batch_bytes,
                         w.n_runs, o.layers, o.steps, o.layer_us, o.block_us,
-                        kvf_gpu_signal_method_name(o.signal), o.desc_mapped ? "mapped" : "staged",
+                        kvf_gpu_signal_method_name(o.signal), desc_name(o.desc_flags),
                         (unsigned long long)step);
                 for (unsigned i = 0; i < nt; i++) {
                         const struct trial *t = &trials[i];

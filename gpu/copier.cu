@@ -282,11 +282,21 @@ static int same_region(const struct kvf_gpu_region *a, const struct kvf_gpu_regi
         return a->base == b->base && a->bytes == b->bytes;
 }
 
+/* Do `bytes` bytes at `off` lie inside a region of `size` bytes? */
+static int inside(uint64_t off, uint64_t bytes, uint64_t size)
+{
+        return bytes <= size && off <= size - bytes;
+}
+
 /*
  * Is batch b the last staged batch with every source offset moved by *ds and
- * every destination offset by *dd (the same two amounts for all runs)? The
- * runs were checked against their regions already, so the shifted chunks lie
- * inside them: the same byte counts and chunk size cut the same pieces.
+ * every destination offset by *dd (the same two amounts for all runs)? This is
+ * also the check of a reused batch, in place of kvf_gpu_plan's first pass: the
+ * regions, their indexes, the byte counts and the chunk size are those of the
+ * last batch (which that pass checked), so each run only needs its moved
+ * offsets inside its regions; the same byte counts and chunk size then cut the
+ * same pieces, c->last.k of them. A run outside answers no, and the full plan
+ * reports it.
  */
 static int shift_of(const struct kvf_gpu_copier *c, const struct kvf_gpu_batch *b, uint32_t chunk,
                     uint64_t *ds, uint64_t *dd)
@@ -309,6 +319,9 @@ static int shift_of(const struct kvf_gpu_copier *c, const struct kvf_gpu_batch *
                         return 0;
                 if (!r->bytes)
                         continue;
+                if (!inside(r->src_off, r->bytes, b->src[r->src_region].bytes) ||
+                    !inside(r->dst_off, r->bytes, b->dst[r->dst_region].bytes))
+                        return 0;
                 if (!have) {
                         s = r->src_off - o->src_off;
                         d = r->dst_off - o->dst_off;
@@ -383,8 +396,15 @@ extern "C" int kvf_gpu_copy_submit(struct kvf_gpu_copier *c, const struct kvf_gp
         for (size_t i = 0; i < b->n_runs; i++)
                 total += b->runs ? b->runs[i].bytes : 0;
         uint32_t chunk = c->chunk_bytes ? c->chunk_bytes : kvf_gpu_chunk_bytes_for(total, c->sms);
-        if ((rc = kvf_gpu_plan(b->runs, b->n_runs, b->src, b->n_src, b->dst, b->n_dst, chunk, NULL,
-                               0, &k)) < 0)
+        const int keep = !(c->flags & (KVF_GPU_COPIER_MAPPED_DESC | KVF_GPU_COPIER_STAGED_DESC));
+        /* A layer's batch is usually the last one shifted: then shift_of is the whole
+         * check, and the count is the last one's (no division per run on the way to the
+         * launch). Anything else is planned and checked in full. */
+        if (keep && c->last.valid && c->last.k && b->runs && b->n_runs && (b->src || !b->n_src) &&
+            (b->dst || !b->n_dst) && (reuse = shift_of(c, b, chunk, &ds, &dd)))
+                k = (size_t)c->last.k;
+        else if ((rc = kvf_gpu_plan(b->runs, b->n_runs, b->src, b->n_src, b->dst, b->n_dst, chunk,
+                                    NULL, 0, &k)) < 0)
                 return rc;
         if (k > c->cap)
                 return kvf_gpu_err_set(-E2BIG,
@@ -400,9 +420,6 @@ extern "C" int kvf_gpu_copy_submit(struct kvf_gpu_copier *c, const struct kvf_gp
                         return kvf_gpu_err_set(-EAGAIN, "copier: %u batches in flight",
                                                KVF_GPU_MAX_INFLIGHT);
         }
-        const int keep = !(c->flags & (KVF_GPU_COPIER_MAPPED_DESC | KVF_GPU_COPIER_STAGED_DESC));
-        if (k && keep && c->last.k == k)
-                reuse = shift_of(c, b, chunk, &ds, &dd);
         if (k && !reuse && (rc = arena_take(c, k, &start)) < 0)
                 return rc;
         struct kvf_gpu_chunk *h = c->host_arena + start % c->cap;

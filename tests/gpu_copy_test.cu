@@ -886,6 +886,39 @@ static void test_reuse(struct world *w, struct rng *r, int dev)
         CHECK_RC(wait_ticket(c, t), 1);
         verify_world(w, "reuse: not a shift");
         expect_counts(c, 3 + 3, layers - 1 + 2 + 1, "reuse: not a shift");
+
+        /* The last batch moved past the end of its source region, then of its
+         * destination region: a shift by one amount per side, but outside. Refused
+         * as a bad run (nothing queued, nothing counted), and the next layer still
+         * runs the descriptors on the device. */
+        world_reset(w);
+        layer_runs(w, &rr, 1, sids, dids, n, 0);
+        submit_and_apply(w, c, &rr, &t); /* fresh: the device held the uneven batch */
+        for (int side = 0; side < 2; side++) {
+                struct kvf_gpu_run far[64];
+                if (rr.n > 64)
+                        abort();
+                memcpy(far, rr.v, rr.n * sizeof(far[0]));
+                for (size_t i = 0; i < rr.n; i++) {
+                        if (side == 0)
+                                far[i].src_off += w->src[far[i].src_region].bytes;
+                        else
+                                far[i].dst_off += w->dst[DST_PEER1].bytes;
+                }
+                struct kvf_gpu_batch fb = {far, rr.n, w->src, N_SRC, w->dst, N_DST, NULL, NULL};
+                uint64_t ft = 0;
+                CHECK_RC(kvf_gpu_copy_submit(c, &fb, &ft), -ERANGE);
+                if (ft != 0) {
+                        fprintf(stderr, "reuse: a refused batch got ticket %" PRIu64 "\n", ft);
+                        exit(1);
+                }
+                expect_counts(c, 3 + 3 + 1, layers - 1 + 2 + 1, "reuse: shifted outside");
+        }
+        layer_runs(w, &rr, 2, sids, dids, n, 0);
+        submit_and_apply(w, c, &rr, &t); /* reuse: layer 1's descriptors, one layer on */
+        CHECK_RC(wait_ticket(c, t), 1);
+        verify_world(w, "reuse: after shifts outside the regions");
+        expect_counts(c, 3 + 3 + 1, layers - 1 + 2 + 1 + 1, "reuse: after shifts outside");
         kvf_gpu_copier_destroy(c);
 
         /* STAGED_DESC and MAPPED_DESC write every batch's descriptors anew, with the
@@ -910,7 +943,8 @@ static void test_reuse(struct world *w, struct rng *r, int dev)
         free(other.v);
         printf("reuse: a step's layers run the first one's descriptors shifted (forwards, "
                "backwards, two destinations); other blocks, other regions and uneven shifts "
-               "write new ones; staged and mapped never reuse ok\n");
+               "write new ones; a shift outside the regions is refused; staged and mapped never "
+               "reuse ok\n");
 }
 
 /* ---------------------------------------------------------------- offsets beyond 4 GiB */

@@ -103,6 +103,7 @@ struct peer {
          * which connection it is (a new number per connection) */
         int fd;
         uint64_t conn;
+        bool unix_stream; /* fd is a unix stream socket (a same-host peer) */
         /* under mu */
         struct notice *queue, *queue_tail; /* to send */
         struct notice *inflight;           /* sent, waiting for an ack */

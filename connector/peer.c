@@ -149,9 +149,13 @@ int conn_peer_resolve(struct peer *p, char *host, size_t hostlen, uint16_t *port
 /* A new connection's socket, for conn_peer_enqueue's direct sends. */
 static void set_socket(struct peer *p, int fd)
 {
+        struct sockaddr_storage ss;
+        socklen_t sl = sizeof(ss);
+        bool unix_stream = getsockname(fd, (struct sockaddr *)&ss, &sl) == 0 && ss.ss_family == AF_UNIX;
         pthread_mutex_lock(&p->wmu);
         pthread_mutex_lock(&p->mu);
         p->fd = fd;
+        p->unix_stream = unix_stream;
         p->conn++;
         pthread_mutex_unlock(&p->mu);
         pthread_mutex_unlock(&p->wmu);
@@ -649,7 +653,17 @@ static void requeue_first(struct peer *p, struct notice *n)
  * Room for len more bytes in fd's send buffer, with a margin for the kernel's
  * per-buffer overhead: then one non-blocking send takes the whole frame and
  * the calling thread never waits on a peer that stopped reading.
+ *
+ * A unix stream socket needs no such check for a small frame: it cuts a send
+ * into buffers of half its send buffer size, and Linux allows no send buffer
+ * under 4.5 KiB, so a frame of up to UNIX_ONE_BUFFER bytes (header included)
+ * is one buffer, which a non-blocking send queues whole or not at all
+ * (EAGAIN: the peer thread sends it later). That saves two system calls
+ * (SIOCOUTQ, SO_SNDBUF) on a same-host transfer's tail: about 8 us on a
+ * 2-vCPU EPYC VM, where code that slept for milliseconds runs cold.
  */
+#define UNIX_ONE_BUFFER 2048u
+
 static bool has_room(int fd, uint32_t len)
 {
         int queued = 0, sndbuf = 0;
@@ -693,7 +707,8 @@ void conn_peer_enqueue(struct peer *p, struct notice *n)
         }
         int rc = -ENOTCONN;
         /* Still the same connection? If not, its end moved n back to the queue. */
-        if (p->conn == conn && p->fd == fd && has_room(fd, n->len)) {
+        if (p->conn == conn && p->fd == fd &&
+            ((p->unix_stream && n->len <= UNIX_ONE_BUFFER - KVF_FRAME_HDR) || has_room(fd, n->len))) {
                 /* From here the peer may have it: in doubt (fail_queued). Set before the
                  * send: once sent, its ack may free it at any moment. */
                 pthread_mutex_lock(&p->mu);

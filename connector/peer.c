@@ -718,8 +718,11 @@ void conn_peer_enqueue(struct peer *p, struct notice *n)
         } else if (p->conn == conn && p->fd == fd) {
                 rc = 0;
         }
-        if (rc == 0)
-                requeue_first(p, n); /* no room now */
+        if (rc == 0) {
+                /* No room now (or a full unix socket said EAGAIN): the peer thread sends it. */
+                kvf_count(&p->cn->ctl, KVF_CTR_NOTICES_HELD_BACK, 1);
+                requeue_first(p, n);
+        }
         pthread_mutex_unlock(&p->wmu);
         /* Sent: n may be acknowledged and freed already; touch it no more. A send
          * error: the peer thread finds the connection broken and sends n again. */

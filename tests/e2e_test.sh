@@ -71,6 +71,33 @@ c=$(json_get "$j" cancelled)
 [ "$c" -gt 0 ] || fail "cancel: no request was cancelled"
 [ "$(json_get "$j" finished_but_failed_pairs)" = 0 ] || fail "cancel: a cancelled request also arrived as finished"
 pass "cancel mid-transfer: $c cancelled (of $(json_get "$j" cancels_sent) cancels), the rest finished and verified"
+
+# A full control socket. A same-host notice of up to 2 KiB is sent without a room check (a unix
+# socket queues it whole or not at all), so a full socket must answer EAGAIN and the peer thread
+# send the notice later. The decode connector stopped while 500 one-block requests finish in one
+# step: the socket fills (a small notice takes about 780 bytes of its 208 KiB), notices are held
+# back; then it goes on, and every request must finish, verified, each once.
+LF="--model llama-3.1-8b --tp 8 --cache-mib 512" # 512 blocks: 500 requests of one block at once
+up $TAG-fd --role decode $LF
+up $TAG-fp --role prefill $LF
+case_run "full socket, warm-up" fw --prefill $TAG-fp --decode $TAG-fd --requests 5 --layer-us 0 >/dev/null
+dc=$(pid_of connector $TAG-fd) || fail "full socket: no decode connector"
+h0=$(counter $TAG-fp notices_held_back)
+kill -STOP "$dc"
+"$B/kvf-sim" --quiet --json "$KVFERRY_RUN_DIR/full.json" --timeout-s 60 --prefill $TAG-fp --decode $TAG-fd \
+  --requests 500 --max-tokens 64 --step-tokens 65536 --layer-us 0 --prefix-pct 0 >"$KVFERRY_RUN_DIR/full.txt" &
+sim=$!
+for _ in $(seq 60); do [ "$(counter $TAG-fp notices_held_back)" -gt "$h0" ] && break; sleep 0.05; done
+held=$(( $(counter $TAG-fp notices_held_back) - h0 ))
+kill -CONT "$dc"
+wait $sim || { cat "$KVFERRY_RUN_DIR/full.txt" >&2; fail "full socket: kvf-sim failed"; }
+[ "$held" -gt 0 ] || fail "full socket: no notice was held back (the socket never filled?)"
+j=$KVFERRY_RUN_DIR/full.json
+[ "$(json_get "$j" finished)" = 500 ] || fail "full socket: $(json_get "$j" finished) of 500 finished"
+[ "$(json_get "$j" corrupt)" = 0 ] || fail "full socket: corrupt requests"
+[ "$(json_get "$j" unaccounted)" = 0 ] || fail "full socket: requests without a completion"
+pass "a full control socket: the decode connector stopped, a notice met the full socket ($held held back) and the peer thread sent the queue after; 500 requests finished and verified"
+down $TAG-fp; down $TAG-fd
 down $TAG-p0; down $TAG-d0
 
 up $TAG-sd0 --role decode --model llama-3.1-8b --tp 8 --extra-layers 1 --cache-mib 128

@@ -78,16 +78,17 @@ pass "cancel mid-transfer: $c cancelled (of $(json_get "$j" cancels_sent) cancel
 # step: the socket fills (a small notice takes about 780 bytes of its 208 KiB), notices are held
 # back; then it goes on, and every request must finish, verified, each once.
 LF="--model llama-3.1-8b --tp 8 --cache-mib 512" # 512 blocks: 500 requests of one block at once
-up $TAG-fd --role decode $LF
-up $TAG-fp --role prefill $LF
+# (a peer timeout longer than the stop can last under the sanitizers' slowness)
+up $TAG-fd --role decode $LF --peer-timeout-ms 120000
+up $TAG-fp --role prefill $LF --peer-timeout-ms 120000
 case_run "full socket, warm-up" fw --prefill $TAG-fp --decode $TAG-fd --requests 5 --layer-us 0 >/dev/null
 dc=$(pid_of connector $TAG-fd) || fail "full socket: no decode connector"
 h0=$(counter $TAG-fp notices_held_back)
 kill -STOP "$dc"
-"$B/kvf-sim" --quiet --json "$KVFERRY_RUN_DIR/full.json" --timeout-s 60 --prefill $TAG-fp --decode $TAG-fd \
+"$B/kvf-sim" --quiet --json "$KVFERRY_RUN_DIR/full.json" --timeout-s 120 --prefill $TAG-fp --decode $TAG-fd \
   --requests 500 --max-tokens 64 --step-tokens 65536 --layer-us 0 --prefix-pct 0 >"$KVFERRY_RUN_DIR/full.txt" &
 sim=$!
-for _ in $(seq 60); do [ "$(counter $TAG-fp notices_held_back)" -gt "$h0" ] && break; sleep 0.05; done
+for _ in $(seq 300); do [ "$(counter $TAG-fp notices_held_back)" -gt "$h0" ] && break; sleep 0.05; done
 held=$(( $(counter $TAG-fp notices_held_back) - h0 ))
 kill -CONT "$dc"
 wait $sim || { cat "$KVFERRY_RUN_DIR/full.txt" >&2; fail "full socket: kvf-sim failed"; }

@@ -146,16 +146,14 @@ int conn_peer_resolve(struct peer *p, char *host, size_t hostlen, uint16_t *port
         return 0;
 }
 
-/* A new connection's socket, for conn_peer_enqueue's direct sends. */
-static void set_socket(struct peer *p, int fd)
+/* A new connection's socket (a unix stream socket when local), for conn_peer_enqueue's
+ * direct sends. */
+static void set_socket(struct peer *p, int fd, bool local)
 {
-        struct sockaddr_storage ss;
-        socklen_t sl = sizeof(ss);
-        bool unix_stream = getsockname(fd, (struct sockaddr *)&ss, &sl) == 0 && ss.ss_family == AF_UNIX;
         pthread_mutex_lock(&p->wmu);
         pthread_mutex_lock(&p->mu);
         p->fd = fd;
-        p->unix_stream = unix_stream;
+        p->unix_stream = local;
         p->conn++;
         pthread_mutex_unlock(&p->mu);
         pthread_mutex_unlock(&p->wmu);
@@ -292,7 +290,7 @@ static void end_connection(struct peer *p)
 }
 
 /* Connected: move notices, match acks, ping. Returns why the connection ended. */
-static int serve(struct peer *p, int fd, char *why, size_t whylen)
+static int serve(struct peer *p, int fd, bool local, char *why, size_t whylen)
 {
         struct connector *cn = p->cn;
         struct kvf_reader rd;
@@ -305,7 +303,7 @@ static int serve(struct peer *p, int fd, char *why, size_t whylen)
                 snprintf(why, whylen, "out of memory");
                 return -ENOMEM;
         }
-        set_socket(p, fd);
+        set_socket(p, fd, local);
         while (!kvf_load_acquire(&p->stop) && !conn_stopping(cn)) {
                 if ((rc = send_queued(p, fd, &last_tx, why, whylen)) < 0)
                         break;
@@ -443,7 +441,7 @@ static void *peer_main(void *arg)
                 post_state(p, true, NULL);
                 answer_connects(p, KVF_STATUS_FINISHED, NULL);
                 conn_xfer_start(p);
-                rc = serve(p, fd, why, sizeof(why));
+                rc = serve(p, fd, local, why, sizeof(why));
                 close(fd);
                 pthread_mutex_lock(&p->mu);
                 p->up = false;
@@ -664,8 +662,10 @@ static void requeue_first(struct peer *p, struct notice *n)
  */
 #define UNIX_ONE_BUFFER 2048u
 
-static bool has_room(int fd, uint32_t len)
+static bool has_room(const struct peer *p, int fd, uint32_t len)
 {
+        if (p->unix_stream && len <= UNIX_ONE_BUFFER - KVF_FRAME_HDR)
+                return true;
         int queued = 0, sndbuf = 0;
         socklen_t sl = sizeof(sndbuf);
         if (ioctl(fd, SIOCOUTQ, &queued) < 0 || getsockopt(fd, SOL_SOCKET, SO_SNDBUF, &sndbuf, &sl) < 0)
@@ -707,8 +707,7 @@ void conn_peer_enqueue(struct peer *p, struct notice *n)
         }
         int rc = -ENOTCONN;
         /* Still the same connection? If not, its end moved n back to the queue. */
-        if (p->conn == conn && p->fd == fd &&
-            ((p->unix_stream && n->len <= UNIX_ONE_BUFFER - KVF_FRAME_HDR) || has_room(fd, n->len))) {
+        if (p->conn == conn && p->fd == fd && has_room(p, fd, n->len)) {
                 /* From here the peer may have it: in doubt (fail_queued). Set before the
                  * send: once sent, its ack may free it at any moment. */
                 pthread_mutex_lock(&p->mu);

@@ -282,12 +282,6 @@ static int same_region(const struct kvf_gpu_region *a, const struct kvf_gpu_regi
         return a->base == b->base && a->bytes == b->bytes;
 }
 
-/* Do `bytes` bytes at `off` lie inside a region of `size` bytes? */
-static int inside(uint64_t off, uint64_t bytes, uint64_t size)
-{
-        return bytes <= size && off <= size - bytes;
-}
-
 /*
  * Is batch b the last staged batch with every source offset moved by *ds and
  * every destination offset by *dd (the same two amounts for all runs)? This is
@@ -319,8 +313,8 @@ static int shift_of(const struct kvf_gpu_copier *c, const struct kvf_gpu_batch *
                         return 0;
                 if (!r->bytes)
                         continue;
-                if (!inside(r->src_off, r->bytes, b->src[r->src_region].bytes) ||
-                    !inside(r->dst_off, r->bytes, b->dst[r->dst_region].bytes))
+                if (!kvf_gpu_inside(r->src_off, r->bytes, b->src[r->src_region].bytes) ||
+                    !kvf_gpu_inside(r->dst_off, r->bytes, b->dst[r->dst_region].bytes))
                         return 0;
                 if (!have) {
                         s = r->src_off - o->src_off;

@@ -62,12 +62,6 @@ static int check_regions(const struct kvf_gpu_region *r, uint32_t n, const char 
         return 0;
 }
 
-/* Is [off, off + bytes) inside a region of `size` bytes? Written so nothing wraps. */
-static int inside(uint64_t off, uint64_t bytes, uint64_t size)
-{
-        return bytes <= size && off <= size - bytes;
-}
-
 extern "C" int kvf_gpu_plan(const struct kvf_gpu_run *runs, size_t n_runs,
                             const struct kvf_gpu_region *src, uint32_t n_src,
                             const struct kvf_gpu_region *dst, uint32_t n_dst, uint32_t chunk_bytes,
@@ -100,13 +94,13 @@ extern "C" int kvf_gpu_plan(const struct kvf_gpu_run *runs, size_t n_runs,
                 if (!r->bytes)
                         continue;
                 const struct kvf_gpu_region *s = &src[r->src_region], *d = &dst[r->dst_region];
-                if (!inside(r->src_off, r->bytes, s->bytes))
+                if (!kvf_gpu_inside(r->src_off, r->bytes, s->bytes))
                         return kvf_gpu_err_set(
                             -ERANGE,
                             "run %zu: source bytes [%llu, +%llu) outside region %u (%llu bytes)", i,
                             (unsigned long long)r->src_off, (unsigned long long)r->bytes,
                             r->src_region, (unsigned long long)s->bytes);
-                if (!inside(r->dst_off, r->bytes, d->bytes))
+                if (!kvf_gpu_inside(r->dst_off, r->bytes, d->bytes))
                         return kvf_gpu_err_set(-ERANGE,
                                                "run %zu: destination bytes [%llu, +%llu) "
                                                "outside region %u (%llu bytes)",

@@ -22,6 +22,12 @@ int kvf_gpu_err_set(int rc, const char *fmt, ...) __attribute__((format(printf, 
  */
 int kvf_gpu_err_cuda(cudaError_t e, const char *what);
 
+/* Is [off, off + bytes) inside a region of `size` bytes? Written so nothing wraps. */
+static inline int kvf_gpu_inside(uint64_t off, uint64_t bytes, uint64_t size)
+{
+        return bytes <= size && off <= size - bytes;
+}
+
 /* Make `device` current on this thread, remembering the previous one in *prev
  * (restore with kvf_gpu_device_leave). Engines' threads call into this
  * library (the engine-context executor), so their current device is kept. */

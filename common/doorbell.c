@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include "atomics.h"
+#include "clock.h"
 
 /*
  * The state word. A doorbell's low 32 bits, seq, are the futex word; the
@@ -234,6 +235,36 @@ int kvf_doorbell_sleep_untimed(struct kvf_doorbell *bell, uint32_t seq)
         return sleep_on(bell, seq, short_sleep ? &(struct timespec){.tv_nsec = SHORT_SLEEP_NS} : NULL);
 }
 
+void kvf_doorbell_expect(struct kvf_doorbell *bell, uint64_t until_ns)
+{
+        /* Release: a consumer that sees the withdrawal (0) sees the records
+         * committed before it. */
+        kvf_store_release(&bell->expect_until, until_ns);
+}
+
+/* Poll has_work() while a producer expects to ring: 1 work came, 0 the
+ * expectation was withdrawn or ran out. */
+static int poll_expected(struct kvf_doorbell *bell, bool (*has_work)(void *ctx), void *ctx)
+{
+        uint64_t until = kvf_load_acquire(&bell->expect_until);
+        if (!until)
+                return 0;
+        uint64_t now = kvf_now_ns();
+        if (until > now + KVF_DOORBELL_EXPECT_MAX_NS)
+                until = now + KVF_DOORBELL_EXPECT_MAX_NS; /* a bad word never holds a CPU long */
+        while (now < until) {
+                for (unsigned i = 0; i < 64; i++) {
+                        if (has_work(ctx))
+                                return 1;
+                        kvf_cpu_relax();
+                }
+                if (!kvf_load_acquire(&bell->expect_until))
+                        return 0; /* withdrawn: the record came (the caller re-checks) */
+                now = kvf_now_ns();
+        }
+        return 0;
+}
+
 int kvf_doorbell_wait(struct kvf_doorbell *bell, bool (*has_work)(void *ctx), void *ctx,
                       unsigned spins, uint64_t timeout_ns)
 {
@@ -242,6 +273,8 @@ int kvf_doorbell_wait(struct kvf_doorbell *bell, bool (*has_work)(void *ctx), vo
                         return 1;
                 kvf_cpu_relax();
         }
+        if (poll_expected(bell, has_work, ctx))
+                return 2;
         uint32_t seq = kvf_doorbell_prepare(bell);
         if (has_work(ctx)) {
                 kvf_doorbell_cancel(bell, seq);

@@ -35,7 +35,7 @@
 /* Bumped by every change to what a segment holds, the list of counters (common/counters.h)
  * included: a segment of another build is then refused for its version, not as corrupt.
  * 5: the rdma counters and data_frames_sent_tcp. */
-#define KVF_LAYOUT_VERSION 5u
+#define KVF_LAYOUT_VERSION 6u
 #define KVF_CACHE_LINE 64u
 #define KVF_HEADER_SIZE 4096u
 
@@ -152,7 +152,10 @@ struct kvf_doorbell {
         uint64_t wakes;      /* futex wakes issued (statistics) */
         uint32_t asymmetric; /* set at creation: membarrier(2) usable (doorbell.c) */
         uint32_t unfenced;   /* producers now ringing without a fence (dense traffic) */
-        uint8_t pad0[40];
+        uint64_t expect_until; /* CLOCK_MONOTONIC ns: a producer expects to ring before then, and
+                                * a consumer about to sleep polls instead (kvf_doorbell_expect);
+                                * 0: nothing expected */
+        uint8_t pad0[32];
         /* line 1: consumers only, so that a woken consumer touches no line a producer writes */
         uint64_t sleeps;     /* futex waits entered (statistics) */
         uint8_t pad1[56];

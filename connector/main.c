@@ -254,7 +254,8 @@ static void control_loop(struct connector *cn)
                         continue;
                 kvf_count(&cn->ctl, KVF_CTR_WAKEUPS_CONNECTOR, 1);
                 uint64_t wait = cn->deferred || cn->tx_blocked ? kvf_ms(1) : beat;
-                kvf_doorbell_wait(&cn->ctl.bells[KVF_BELL_CONNECTOR], has_work, cn, 256, wait);
+                if (kvf_doorbell_wait(&cn->ctl.bells[KVF_BELL_CONNECTOR], has_work, cn, 256, wait) == 2)
+                        kvf_count(&cn->ctl, KVF_CTR_PREWAKES_MET, 1); /* the sender's prewake */
         }
 }
 

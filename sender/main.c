@@ -42,6 +42,9 @@ static void usage(void)
                "  --instance NAME           the instance (its allocator must be running)\n"
                "  --request-timeout-ms N    fail a request not finished N ms after its task (default 60000)\n"
                "  --spin-us N               busy-wait this long for work before sleeping (default 50)\n"
+               "  --prewake-us N            ring the connector this long before a copy that ends requests\n"
+               "                            is done, so that it is awake for their finish notices, and\n"
+               "                            have it poll meanwhile (default 100; 0: off)\n"
                "  --layer-wait MODE         while requests wait for the engine's layers: spin (poll without\n"
                "                            sleeping until 20 ms pass without a layer or a new task), paced\n"
                "                            (sleep, waking ahead of the engine's pace), or auto (default):\n"
@@ -368,17 +371,18 @@ static void layer_wait_mode(struct sender *s, const char *mode)
 
 int main(int argc, char **argv)
 {
-        enum { O_TIMEOUT = 1000, O_SPIN, O_SLICE, O_LAYER_WAIT, O_VERSION };
+        enum { O_TIMEOUT = 1000, O_SPIN, O_SLICE, O_LAYER_WAIT, O_PREWAKE, O_VERSION };
         static const struct option opts[] = {{"instance", required_argument, 0, 'i'},
                                              {"request-timeout-ms", required_argument, 0, O_TIMEOUT},
                                              {"spin-us", required_argument, 0, O_SPIN},
+                                             {"prewake-us", required_argument, 0, O_PREWAKE},
                                              {"slice-us", required_argument, 0, O_SLICE},
                                              {"layer-wait", required_argument, 0, O_LAYER_WAIT},
                                              {"help", no_argument, 0, 'h'},
                                              {"version", no_argument, 0, O_VERSION},
                                              {0, 0, 0, 0}};
         const char *instance = NULL;
-        uint64_t timeout_ms = 60000, spin_us = 50;
+        uint64_t timeout_ms = 60000, spin_us = 50, prewake_us = 100;
         uint32_t slice_us = KVF_SLICE_US_DEFAULT;
         const char *layer_wait = "auto";
         int c;
@@ -388,6 +392,7 @@ int main(int argc, char **argv)
                 case 'i': instance = optarg; break;
                 case O_TIMEOUT: timeout_ms = kvf_opt_u64("request-timeout-ms", optarg, 1, 86400000); break;
                 case O_SPIN: spin_us = kvf_opt_u64("spin-us", optarg, 0, 1000000); break;
+                case O_PREWAKE: prewake_us = kvf_opt_u64("prewake-us", optarg, 0, 1000); break;
                 case O_SLICE: slice_us = kvf_sched_slice_opt(prog, optarg); break;
                 case O_LAYER_WAIT:
                         if (strcmp(optarg, "auto") && strcmp(optarg, "spin") && strcmp(optarg, "paced"))
@@ -418,6 +423,7 @@ int main(int argc, char **argv)
         s.layers = kvf_layout_layers(s.layout);
         s.tensors = kvf_layout_tensors(s.layout);
         s.request_timeout_ns = kvf_ms(timeout_ms);
+        s.prewake_ns = prewake_us * 1000;
         if ((rc = kvf_cache_map(s.ctl.hdr, false, &s.own)) < 0 || (rc = sender_table_init(&s)) < 0 ||
             (rc = sender_copies_init(&s)) < 0 || (rc = sender_plan_init(&s)) < 0) {
                 kvf_error("%s", kvf_err_msg());

@@ -41,6 +41,8 @@ struct layer_cut {
 /* A copy batch in flight: its backend ticket and the requests it carries. */
 struct copy_batch {
         uint64_t ticket;
+        uint64_t t0, bytes; /* submitted then, that many bytes (the copy rate, copies.c) */
+        uint64_t prewake_at; /* it ends requests: prewake the connector then (copies.c), 0 done */
         uint32_t *slots;
         uint32_t nslots;
         struct copy_batch *next;
@@ -140,7 +142,11 @@ struct sender {
                 struct copy_owe *owes; /* the engine's copies not yet seen landed */
                 uint32_t nowes, capowes;
                 uint32_t *owing;    /* per slot: its owes */
+                uint64_t ns_per_mib; /* copy time per MiB of recent batches of 256 KiB or more
+                                      * (moving average; 0 none yet): when a batch will end */
+                bool expecting;      /* the connector was told a finish notice is coming */
         } cp;
+        uint64_t prewake_ns; /* --prewake-us (copies.c) */
         /* plan.c: the engine executor */
         bool plan_on;
         uint64_t *pl_step; /* per slot: the step its plan entry was last published for, or ~0 */
@@ -242,6 +248,8 @@ void sender_copies_flush(struct sender *s);
 /* Batches that completed: FINISHING for requests waiting on them, write error for failed ones. */
 void sender_copies_poll(struct sender *s);
 /* The slot has copies gathered or in flight: nothing may be said about it yet. */
+/* The finish notice the connector was told to expect is in its ring (copies.c, prewake). */
+void sender_copies_expected(struct sender *s);
 bool sender_copies_busy(const struct sender *s, uint32_t slot);
 void sender_copies_await(struct sender *s, uint32_t slot);
 /* Flush, then wait up to timeout_ns for every batch in flight (a peer going, the sender stopping). */

@@ -171,6 +171,7 @@ static int post_notice(struct sender *s, uint32_t slot, enum notice_kind kind)
         int rc = sender_post(s, &f);
         if (rc < 0)
                 return rc;
+        sender_copies_expected(s);
         if (kind != NOTICE_ABORT)
                 r->notice_gen = kvf_load_acquire(&s->ctl.roles[KVF_ROLE_CONNECTOR].generation);
         return 0;

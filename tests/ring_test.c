@@ -6,6 +6,7 @@
  * waits that time out.
  */
 #include <errno.h>
+#include <pthread.h>
 #include <signal.h>
 #include <stdint.h>
 #include <sys/prctl.h>
@@ -326,6 +327,83 @@ static void test_timeout(void)
 }
 
 /*
+ * A producer's expectation (kvf_doorbell_expect): a consumer about to sleep
+ * polls instead while it stands, and sees the record without a sleep (wait
+ * returns 2); a withdrawn or past expectation leaves the sleep as it was; one
+ * set far ahead holds the consumer at most KVF_DOORBELL_EXPECT_MAX_NS.
+ */
+struct late_writer {
+        struct kvf_ring *r;
+        uint64_t after_ns;
+};
+
+static void *write_late(void *arg)
+{
+        struct late_writer *w = arg;
+        kvf_sleep_ns(w->after_ns);
+        uint64_t v = 42;
+        CHECK_EQ(kvf_ring_write(w->r, 1, &v, sizeof(v), NULL), 0);
+        return NULL;
+}
+
+static void test_doorbell_expect(void)
+{
+        struct kvf_ctl c;
+        make_segment(&c, 4096);
+        struct kvf_ring *r = &c.rings[KVF_RING_SENDER_TO_CONNECTOR];
+        struct kvf_doorbell *b = r->bell;
+        uint64_t seqs[4];
+
+        /* Expected, written 100 us later: found by polling, no sleep. The poll lasts at most
+         * the cap (1 ms) from the wait, and a loaded machine may start the writer later than
+         * that: then the record wakes the sleep as usual. One of 20 tries must poll it. */
+        uint64_t sleeps = 0;
+        int polled = 0;
+        for (int i = 0; i < 20 && !polled; i++) {
+                sleeps = b->sleeps;
+                kvf_doorbell_expect(b, kvf_now_ns() + 200000000ull);
+                struct late_writer w = {r, 100000};
+                pthread_t th;
+                CHECK_EQ(pthread_create(&th, NULL, write_late, &w), 0);
+                int rc = kvf_doorbell_wait(b, readable, r, 0, 5000000000ull);
+                CHECK_EQ(pthread_join(th, NULL), 0);
+                seqs[0] = 0;
+                CHECK_EQ(kvf_ring_read(r, collect, seqs, 4), 1);
+                CHECK_EQ(seqs[1], 42);
+                if (rc == 2) {
+                        CHECK_EQ(b->sleeps, sleeps);
+                        polled = 1;
+                }
+        }
+        CHECK(polled);
+        sleeps = b->sleeps;
+
+        /* Withdrawn, and in the past: the consumer sleeps its timeout. */
+        kvf_doorbell_expect(b, kvf_now_ns() + 1000000000ull);
+        kvf_doorbell_expect(b, 0);
+        uint64_t t0 = kvf_now_ns();
+        CHECK_EQ(kvf_doorbell_wait(b, readable, r, 0, 20000000ull), 0);
+        CHECK(kvf_now_ns() - t0 >= 15000000ull);
+        CHECK_EQ(b->sleeps, sleeps + 1);
+        kvf_doorbell_expect(b, kvf_now_ns() - 1);
+        CHECK_EQ(kvf_doorbell_wait(b, readable, r, 0, 20000000ull), 0);
+        CHECK_EQ(b->sleeps, sleeps + 2);
+
+        /* A word far in the future (a producer gone wrong): polled for at most the cap,
+         * then the usual sleep. */
+        kvf_doorbell_expect(b, UINT64_MAX - 1);
+        t0 = kvf_now_ns();
+        CHECK_EQ(kvf_doorbell_wait(b, readable, r, 0, 1000000ull), 0);
+        uint64_t dt = kvf_now_ns() - t0;
+        CHECK(dt >= KVF_DOORBELL_EXPECT_MAX_NS);
+        CHECK(dt < 1000000000ull);
+        CHECK_EQ(b->sleeps, sleeps + 3);
+        kvf_doorbell_expect(b, 0);
+        kvf_ctl_detach(&c);
+        cleanup();
+}
+
+/*
  * The announcement count in the doorbell word: a wake withdraws every
  * announcement it answers, a cancel withdraws only its own and only if no
  * wake came in between, and a count left behind (a consumer woken by a wake
@@ -452,6 +530,7 @@ int main(int argc, char **argv)
         test_consumer_repair();
         test_timeout();
         test_doorbell_count();
+        test_doorbell_expect();
         test_no_lost_wakeups(20000);
         test_two_processes(total);
         fprintf(stderr, "ring_test: all passed\n");

@@ -1063,6 +1063,8 @@ static void print_bells(struct dump *d)
                         j_u64(d, "waiters", waiters);
                         j_u64(d, "wakes", wakes);
                         j_u64(d, "sleeps", sleeps);
+                        /* a producer's deadline for a record it said is coming (0: none) */
+                        j_u64(d, "expect_until_ns", kvf_load_relaxed(&bell->expect_until));
                         j_close(d, '}');
                 } else {
                         fprintf(d->f, "  %-10s %10u %7u %12" PRIu64 " %12" PRIu64 "\n",

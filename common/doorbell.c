@@ -1,6 +1,7 @@
 #include "doorbell.h"
 
 #include <errno.h>
+#include <sched.h>
 #include <linux/futex.h>
 #include <linux/membarrier.h>
 #include <sys/syscall.h>
@@ -260,6 +261,9 @@ static int poll_expected(struct kvf_doorbell *bell, bool (*has_work)(void *ctx),
                 }
                 if (!kvf_load_acquire(&bell->expect_until))
                         return 0; /* withdrawn: the record came (the caller re-checks) */
+                /* The producer may be waiting for this CPU (woken, we were placed where
+                 * it runs): let it have it. Returns at once when nobody else is runnable. */
+                sched_yield();
                 now = kvf_now_ns();
         }
         return 0;

@@ -271,8 +271,10 @@ static void batch_done(struct sender *s, uint32_t slot, int rc)
         r->flags &= ~KVF_REQF_COPY_PENDING;
         if (s->flags[slot])
                 s->pending = true; /* what flush_slot held back for the copies */
-        if (waited)
+        if (waited) {
                 sender_all_sent(s, slot); /* its last bytes have landed (no-op once decided) */
+                sender_notice_now(s, slot);
+        }
 }
 
 void sender_copies_owe(struct sender *s, uint32_t slot, uint64_t word, uint32_t gen)

@@ -202,6 +202,8 @@ void sender_fail(struct sender *s, uint32_t slot, int status, const char *fmt, .
 void sender_flush_pending(struct sender *s);
 /* What these slots owe the rings (their finish notices), now: the rest waits for the loop. */
 void sender_flush_slots(struct sender *s, const uint32_t *slots, uint32_t n);
+/* Post a FINISHING request's notice at once if that is all it owes (tasks.c). */
+void sender_notice_now(struct sender *s, uint32_t slot);
 void sender_adopt(struct sender *s);
 void sender_tick(struct sender *s, uint64_t now);
 

@@ -229,6 +229,19 @@ static void flush_slot(struct sender *s, uint32_t i)
         }
 }
 
+/*
+ * A request whose last copy just landed owes only its finish notice: post it now, not on the
+ * loop's next pass over pending slots (measured on the EPYC VM: that pass came 10 to 30 us
+ * after the copy, at times 200 to 300 us, behind the engine ring's tasks and the connector
+ * ring's results; now about 6 us). Anything else it owes first, or a full ring, is left to
+ * sender_flush_pending.
+ */
+void sender_notice_now(struct sender *s, uint32_t slot)
+{
+        if (s->flags[slot] == SLOT_NEEDS_NOTICE)
+                flush_slot(s, slot);
+}
+
 /* flush_slot for a slot with flags; true if some are still left. */
 static bool flush_flagged(struct sender *s, uint32_t i)
 {

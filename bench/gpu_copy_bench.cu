@@ -87,6 +87,7 @@ struct opts {
         unsigned requests;
         unsigned reps;
         uint64_t perblock_max;
+        int order_src; /* --order src: a batch's runs sorted by source offset */
         int device;
         const char *json;
 };
@@ -103,6 +104,8 @@ static void usage(FILE *f)
                 "  --requests N        requests per layer batch (default 8)\n"
                 "  --reps N            repetitions per figure, median reported (default 10)\n"
                 "  --perblock-max MIB  largest batch measured per block (default 256)\n"
+                "  --order given|src   a batch's runs as the requests list them (default), or\n"
+                "                      sorted by source offset\n"
                 "  --device N          GPU (default 0)\n"
                 "  --json PATH         also write the results as JSON\n"
                 "  --help, --version\n"
@@ -337,6 +340,12 @@ static double time_perblock(cudaStream_t s, const struct kvf_gpu_run *runs, size
         return median_us(t, reps);
 }
 
+static int by_src(const void *a, const void *b)
+{
+        uint64_t x = ((const struct kvf_gpu_run *)a)->src_off, y = ((const struct kvf_gpu_run *)b)->src_off;
+        return x < y ? -1 : x > y;
+}
+
 /* A step of STEP_LAYERS layers: the first stages its descriptors, the rest reuse them. */
 #define STEP_LAYERS 32
 static double step_us(const struct row *r)
@@ -381,6 +390,7 @@ int main(int argc, char **argv)
                                            {"requests", required_argument, NULL, 'r'},
                                            {"reps", required_argument, NULL, 'n'},
                                            {"perblock-max", required_argument, NULL, 'p'},
+                                           {"order", required_argument, NULL, 'o'},
                                            {"device", required_argument, NULL, 'd'},
                                            {"json", required_argument, NULL, 'j'},
                                            {"help", no_argument, NULL, 'h'},
@@ -406,6 +416,11 @@ int main(int argc, char **argv)
                         break;
                 case 'n':
                         o.reps = (unsigned)atoi(optarg);
+                        break;
+                case 'o':
+                        if (strcmp(optarg, "given") && strcmp(optarg, "src"))
+                                bench_die("--order is given or src, not '%s'", optarg);
+                        o.order_src = !strcmp(optarg, "src");
                         break;
                 case 'p':
                         o.perblock_max = strtoull(optarg, NULL, 10) << 20;
@@ -466,6 +481,8 @@ int main(int argc, char **argv)
         int bad_rows = 0;
         uint64_t t_start = bench_now_ns();
 
+        if (o.order_src)
+                printf("runs in a batch: sorted by source offset (--order src)\n");
         printf("\nshapes (block = kv_heads/tp x %u tokens x head_dim x dtype):\n",
                KVF_BENCH_BLOCK_TOKENS);
         for (unsigned si = 0; si < n_shapes; si++)
@@ -506,6 +523,8 @@ int main(int argc, char **argv)
                         r->runs = bench_layer_runs(&l, 1, o.requests, blocks,
                                                    0xb10c + zi * 977 + si, &runs);
                         r->bytes = (uint64_t)blocks * sh->tensors * sh->block_bytes;
+                        if (o.order_src)
+                                qsort(runs, r->runs, sizeof(*runs), by_src);
                         BENCH_KVF(kvf_gpu_plan(
                             runs, r->runs, &rs, 1, &rd, 1,
                             kvf_gpu_chunk_bytes_for(r->bytes, kvf_gpu_device_sms(o.device)), NULL,

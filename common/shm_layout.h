@@ -34,7 +34,8 @@
 #define KVF_MAGIC 0x315952524546564bull /* "KVFERRY1" read little-endian */
 /* Bumped by every change to what a segment holds, the list of counters (common/counters.h)
  * included: a segment of another build is then refused for its version, not as corrupt.
- * 5: the rdma counters and data_frames_sent_tcp. */
+ * 5: the rdma counters and data_frames_sent_tcp. 6: notices_held_back, prewakes and
+ * prewakes_met; a doorbell's expect_until. */
 #define KVF_LAYOUT_VERSION 6u
 #define KVF_CACHE_LINE 64u
 #define KVF_HEADER_SIZE 4096u

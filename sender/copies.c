@@ -93,6 +93,7 @@ int sender_copies_add(struct sender *s, uint32_t slot, uint32_t l0, uint32_t l1,
         kvf_count(&s->ctl, KVF_CTR_BLOCKS_IPC, blocks);
         kvf_count(&s->ctl, KVF_CTR_BYTES_IPC, blocks * bb);
         r->bytes += blocks * bb;
+        s->cp.nbytes += blocks * bb;
         return 0;
 }
 
@@ -148,14 +149,6 @@ static bool ends_requests(const struct sender *s)
                 if (s->cp.state[s->cp.slots[i]] & COPY_AWAITED)
                         return true;
         return false;
-}
-
-static uint64_t batch_bytes(const struct sender *s)
-{
-        uint64_t n = 0;
-        for (uint32_t i = 0; i < s->cp.nruns; i++)
-                n += s->cp.runs[i].bytes;
-        return n;
 }
 
 /*
@@ -221,7 +214,7 @@ void sender_copies_flush(struct sender *s)
 {
         if (!s->cp.nruns && !s->cp.nslots)
                 return;
-        uint64_t t0 = kvf_now_ns(), ticket = 0, bytes = batch_bytes(s), prewake_at = 0;
+        uint64_t t0 = kvf_now_ns(), ticket = 0, bytes = s->cp.nbytes, prewake_at = 0;
         struct copy_batch *cb = calloc(1, sizeof(*cb));
         uint32_t *slots = cb ? malloc(s->cp.nslots * sizeof(*slots) + 1) : NULL;
         int rc = !slots ? kvf_err_set(-ENOMEM, "out of memory for a copy batch")
@@ -255,6 +248,7 @@ void sender_copies_flush(struct sender *s)
                 s->cp.nflight++;
         }
         s->cp.nruns = s->cp.nslots = s->cp.ndst = 0;
+        s->cp.nbytes = 0;
         sender_copies_poll(s);
 }
 

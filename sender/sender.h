@@ -129,6 +129,7 @@ struct sender {
         struct {
                 struct kvf_copy_run *runs;
                 uint32_t nruns, caprun;
+                uint64_t nbytes;   /* the runs' bytes */
                 struct kvf_cache *dst[SENDER_MAX_PEERS];
                 uint32_t dst_peer[SENDER_MAX_PEERS];
                 uint32_t ndst;
@@ -249,9 +250,9 @@ int sender_copies_add(struct sender *s, uint32_t slot, uint32_t l0, uint32_t l1,
 void sender_copies_flush(struct sender *s);
 /* Batches that completed: FINISHING for requests waiting on them, write error for failed ones. */
 void sender_copies_poll(struct sender *s);
-/* The slot has copies gathered or in flight: nothing may be said about it yet. */
 /* The finish notice the connector was told to expect is in its ring (copies.c, prewake). */
 void sender_copies_expected(struct sender *s);
+/* The slot has copies gathered or in flight: nothing may be said about it yet. */
 bool sender_copies_busy(const struct sender *s, uint32_t slot);
 void sender_copies_await(struct sender *s, uint32_t slot);
 /* Flush, then wait up to timeout_ns for every batch in flight (a peer going, the sender stopping). */

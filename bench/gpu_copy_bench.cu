@@ -88,6 +88,8 @@ struct opts {
         unsigned reps;
         uint64_t perblock_max;
         int order_src; /* --order src: a batch's runs sorted by source offset */
+        uint32_t chunk;  /* --chunk: the copier's chunk limit in bytes, 0 = per batch */
+        unsigned hints;  /* --hints evict-first: KVF_GPU_COPIER_EVICT_FIRST */
         int device;
         const char *json;
 };
@@ -106,6 +108,8 @@ static void usage(FILE *f)
                 "  --perblock-max MIB  largest batch measured per block (default 256)\n"
                 "  --order given|src   a batch's runs as the requests list them (default), or\n"
                 "                      sorted by source offset\n"
+                "  --chunk KIB         the copier's chunk limit (default: chosen per batch)\n"
+                "  --hints plain|evict-first  the kernel's loads and stores (default plain)\n"
                 "  --device N          GPU (default 0)\n"
                 "  --json PATH         also write the results as JSON\n"
                 "  --help, --version\n"
@@ -391,6 +395,8 @@ int main(int argc, char **argv)
                                            {"reps", required_argument, NULL, 'n'},
                                            {"perblock-max", required_argument, NULL, 'p'},
                                            {"order", required_argument, NULL, 'o'},
+                                           {"chunk", required_argument, NULL, 'c'},
+                                           {"hints", required_argument, NULL, 'H'},
                                            {"device", required_argument, NULL, 'd'},
                                            {"json", required_argument, NULL, 'j'},
                                            {"help", no_argument, NULL, 'h'},
@@ -421,6 +427,18 @@ int main(int argc, char **argv)
                         if (strcmp(optarg, "given") && strcmp(optarg, "src"))
                                 bench_die("--order is given or src, not '%s'", optarg);
                         o.order_src = !strcmp(optarg, "src");
+                        break;
+                case 'c': {
+                        unsigned long long kib = strtoull(optarg, NULL, 10);
+                        if (!kib || kib > KVF_GPU_CHUNK_MAX / 1024)
+                                bench_die("--chunk %s: 1 to %u KiB", optarg, KVF_GPU_CHUNK_MAX / 1024);
+                        o.chunk = (uint32_t)(kib * 1024);
+                        break;
+                }
+                case 'H':
+                        if (strcmp(optarg, "plain") && strcmp(optarg, "evict-first"))
+                                bench_die("--hints is plain or evict-first, not '%s'", optarg);
+                        o.hints = strcmp(optarg, "plain") ? KVF_GPU_COPIER_EVICT_FIRST : 0;
                         break;
                 case 'p':
                         o.perblock_max = strtoull(optarg, NULL, 10) << 20;
@@ -469,10 +487,10 @@ int main(int argc, char **argv)
          * cm reads them from mapped host memory, cr is the default: mapped for a
          * step's first layer, kept on the device and reused shifted for the others. */
         struct kvf_gpu_copier *cs = NULL, *cm = NULL, *cr = NULL;
-        struct kvf_gpu_copier_opts co = {NULL, ARENA_CHUNKS, 0};
-        BENCH_KVF(kvf_gpu_copier_create(o.device, KVF_GPU_COPIER_STAGED_DESC, &co, &cs));
-        BENCH_KVF(kvf_gpu_copier_create(o.device, KVF_GPU_COPIER_MAPPED_DESC, &co, &cm));
-        BENCH_KVF(kvf_gpu_copier_create(o.device, 0, &co, &cr));
+        struct kvf_gpu_copier_opts co = {NULL, ARENA_CHUNKS, o.chunk};
+        BENCH_KVF(kvf_gpu_copier_create(o.device, KVF_GPU_COPIER_STAGED_DESC | o.hints, &co, &cs));
+        BENCH_KVF(kvf_gpu_copier_create(o.device, KVF_GPU_COPIER_MAPPED_DESC | o.hints, &co, &cm));
+        BENCH_KVF(kvf_gpu_copier_create(o.device, o.hints, &co, &cr));
         cudaStream_t s = (cudaStream_t)kvf_gpu_copier_stream(cs);
         struct bench_gate *gate = bench_gate_create();
 
@@ -483,6 +501,10 @@ int main(int argc, char **argv)
 
         if (o.order_src)
                 printf("runs in a batch: sorted by source offset (--order src)\n");
+        if (o.chunk)
+                printf("chunks of at most %u KiB (--chunk)\n", o.chunk / 1024);
+        if (o.hints)
+                printf("loads and stores marked evict-first in L2 (--hints evict-first)\n");
         printf("\nshapes (block = kv_heads/tp x %u tokens x head_dim x dtype):\n",
                KVF_BENCH_BLOCK_TOKENS);
         for (unsigned si = 0; si < n_shapes; si++)
@@ -527,7 +549,9 @@ int main(int argc, char **argv)
                                 qsort(runs, r->runs, sizeof(*runs), by_src);
                         BENCH_KVF(kvf_gpu_plan(
                             runs, r->runs, &rs, 1, &rd, 1,
-                            kvf_gpu_chunk_bytes_for(r->bytes, kvf_gpu_device_sms(o.device)), NULL,
+                            o.chunk ? o.chunk
+                                    : kvf_gpu_chunk_bytes_for(r->bytes, kvf_gpu_device_sms(o.device)),
+                            NULL,
                             0, &r->chunks));
                         struct kvf_gpu_batch b = {runs, r->runs, &rs, 1, &rd, 1, NULL, NULL};
                         /* The same requests' next layer: every offset one layer on. */

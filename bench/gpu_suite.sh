@@ -4,6 +4,7 @@
 #
 #   1. gpu_copy_test                      correctness (exit 0 pass, 1 fail, 77 no GPU)
 #   2. gpu_copy_bench --json              kernel vs bulk copy vs one copy per block
+#      gpu_l2_bench                       what copies beside an L2-resident engine cost it
 #   3. gpu_latency_bench --json           layer-done -> copy start / landed, no MPS
 #   4. MPS on (a private control daemon):
 #        gpu_latency_bench --modes ref,proc,ctx --json   executor (1) as designed
@@ -84,6 +85,7 @@ if [[ $? == 77 ]]; then
   exit 77
 fi
 step gpu_copy_bench 110 "$BIN/gpu_copy_bench" --json "$OUT/gpu_copy_bench.json"
+step gpu_l2_bench 90 "$BIN/gpu_l2_bench"
 if "$BIN/gpu_latency_bench" --mps-check >"$OUT/mps-before.txt" 2>&1; then
   note "WARNING: MPS was already on before the suite: the no-MPS run below runs under it"
 fi

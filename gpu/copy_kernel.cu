@@ -155,12 +155,17 @@ extern "C" uint32_t kvf_gpu_chunk_bytes_for(uint64_t total_bytes, int sms)
 
 /* ---------------------------------------------------------------- the kernel body */
 
-__host__ __device__ static inline uint4 ld16(const uint4 *p)
+/*
+ * One 16-byte vector. EVICT_FIRST: the .cs ("cache streaming") forms, which
+ * mark the lines evict-first in L2; otherwise plain loads and stores, as
+ * cudaMemcpy's own copy does. Plain is the default: on the H200 it copied
+ * 1.5 to 3.5 % faster, and the engine's own work beside the copy ran no
+ * slower than with the hints (docs/GPU.md, bench/gpu_l2_bench.cu).
+ */
+template <bool EVICT_FIRST> __host__ __device__ static inline uint4 ld16(const uint4 *p)
 {
 #ifdef __CUDA_ARCH__
-        /* Streaming load: evict-first in L2, so a copy running beside the
-         * engine does not push the engine's working set out of the cache. */
-        return __ldcs(p);
+        return EVICT_FIRST ? __ldcs(p) : *p;
 #else
         uint4 v;
         memcpy(&v, p, sizeof(v));
@@ -168,10 +173,13 @@ __host__ __device__ static inline uint4 ld16(const uint4 *p)
 #endif
 }
 
-__host__ __device__ static inline void st16(uint4 *p, uint4 v)
+template <bool EVICT_FIRST> __host__ __device__ static inline void st16(uint4 *p, uint4 v)
 {
 #ifdef __CUDA_ARCH__
-        __stcs(p, v);
+        if (EVICT_FIRST)
+                __stcs(p, v);
+        else
+                *p = v;
 #else
         memcpy(p, &v, sizeof(v));
 #endif
@@ -192,6 +200,7 @@ __host__ __device__ static inline void st16(uint4 *p, uint4 v)
  * order in which threads run does not matter: the host emulation runs them
  * one after the other and must produce the same bytes.
  */
+template <bool EVICT_FIRST>
 __host__ __device__ static inline void copy_range(unsigned char *dst, const unsigned char *src,
                                                   uint32_t bytes, uint32_t tid, uint32_t nthr)
 {
@@ -214,17 +223,17 @@ __host__ __device__ static inline void copy_range(unsigned char *dst, const unsi
         uint32_t v = tid;
         /* nvec < 2^28 (bytes is 32-bit), so v + 4 * nthr never wraps for any block size. */
         for (; v + 3u * nthr < nvec; v += 4u * nthr) {
-                uint4 a = ld16(vs + v);
-                uint4 b = ld16(vs + v + nthr);
-                uint4 c = ld16(vs + v + 2u * nthr);
-                uint4 e = ld16(vs + v + 3u * nthr);
-                st16(vd + v, a);
-                st16(vd + v + nthr, b);
-                st16(vd + v + 2u * nthr, c);
-                st16(vd + v + 3u * nthr, e);
+                uint4 a = ld16<EVICT_FIRST>(vs + v);
+                uint4 b = ld16<EVICT_FIRST>(vs + v + nthr);
+                uint4 c = ld16<EVICT_FIRST>(vs + v + 2u * nthr);
+                uint4 e = ld16<EVICT_FIRST>(vs + v + 3u * nthr);
+                st16<EVICT_FIRST>(vd + v, a);
+                st16<EVICT_FIRST>(vd + v + nthr, b);
+                st16<EVICT_FIRST>(vd + v + 2u * nthr, c);
+                st16<EVICT_FIRST>(vd + v + 3u * nthr, e);
         }
         for (; v < nvec; v += nthr)
-                st16(vd + v, ld16(vs + v));
+                st16<EVICT_FIRST>(vd + v, ld16<EVICT_FIRST>(vs + v));
 
         uint32_t done = head + nvec * 16u;
         for (uint32_t j = done + tid; j < bytes; j += nthr)
@@ -252,7 +261,7 @@ __device__ static inline unsigned long long globaltimer_ns(void)
  * threads per block measured 3 to 5 % faster than 256 on the H200 for
  * batches of 64 MiB and more (docs/GPU.md).
  */
-template <bool STAMP>
+template <bool STAMP, bool EVICT_FIRST>
 __global__ void __launch_bounds__(KVF_GPU_THREADS, 2048 / KVF_GPU_THREADS)
     kvf_copy_kernel(const struct kvf_gpu_chunk *chunks, uint32_t n, uint64_t dsrc, uint64_t ddst,
                     struct kvf_gpu_chunk *save, unsigned long long *stamps)
@@ -278,7 +287,7 @@ __global__ void __launch_bounds__(KVF_GPU_THREADS, 2048 / KVF_GPU_THREADS)
                         c.bytes = bytes;
                 }
                 __syncthreads();
-                copy_range((unsigned char *)(uintptr_t)c.dst,
+                copy_range<EVICT_FIRST>((unsigned char *)(uintptr_t)c.dst,
                            (const unsigned char *)(uintptr_t)c.src, c.bytes, threadIdx.x,
                            blockDim.x);
                 /* Nobody may still read `c` when thread 0 overwrites it. */
@@ -299,20 +308,22 @@ __global__ void __launch_bounds__(KVF_GPU_THREADS, 2048 / KVF_GPU_THREADS)
 extern "C" int kvf_gpu_copy_launch(const struct kvf_gpu_chunk *dev_chunks, uint32_t n, void *stream,
                                    uint64_t *stamps)
 {
-        return kvf_gpu_copy_launch_ex(dev_chunks, n, 0, 0, NULL, stream, stamps);
+        return kvf_gpu_copy_launch_ex(dev_chunks, n, 0, 0, NULL, 0, stream, stamps);
 }
 
 extern "C" int kvf_gpu_copy_launch_ex(const struct kvf_gpu_chunk *dev_chunks, uint32_t n,
                                       uint64_t dsrc, uint64_t ddst, struct kvf_gpu_chunk *save,
-                                      void *stream, uint64_t *stamps)
+                                      int evict_first, void *stream, uint64_t *stamps)
 {
         if (!n)
                 return 0;
         unsigned long long *st = (unsigned long long *)stamps;
         void *args[] = {(void *)&dev_chunks, (void *)&n,    (void *)&dsrc,
                         (void *)&ddst,       (void *)&save, (void *)&st};
-        const void *fn =
-            stamps ? (const void *)kvf_copy_kernel<true> : (const void *)kvf_copy_kernel<false>;
+        static const void *const fns[2][2] = {
+            {(const void *)kvf_copy_kernel<false, false>, (const void *)kvf_copy_kernel<false, true>},
+            {(const void *)kvf_copy_kernel<true, false>, (const void *)kvf_copy_kernel<true, true>}};
+        const void *fn = fns[stamps != NULL][evict_first != 0];
         dim3 grid(n < GRID_MAX ? n : GRID_MAX), block(KVF_GPU_THREADS);
         cudaError_t e = cudaLaunchKernel(fn, grid, block, args, 0, (cudaStream_t)stream);
         if (e != cudaSuccess)
@@ -326,7 +337,7 @@ extern "C" void kvf_gpu_copy_emulate(const struct kvf_gpu_chunk *chunks, size_t 
                 threads = KVF_GPU_THREADS;
         for (size_t i = 0; i < n; i++)
                 for (uint32_t t = 0; t < threads; t++)
-                        copy_range((unsigned char *)(uintptr_t)chunks[i].dst,
+                        copy_range<false>((unsigned char *)(uintptr_t)chunks[i].dst,
                                    (const unsigned char *)(uintptr_t)chunks[i].src, chunks[i].bytes,
                                    t, threads);
 }

@@ -89,7 +89,7 @@ struct opts {
         uint64_t perblock_max;
         int order_src; /* --order src: a batch's runs sorted by source offset */
         uint32_t chunk;  /* --chunk: the copier's chunk limit in bytes, 0 = per batch */
-        unsigned hints;  /* --hints evict-first: KVF_GPU_COPIER_EVICT_FIRST */
+        unsigned hints;  /* --hints plain: KVF_GPU_COPIER_PLAIN */
         int device;
         const char *json;
 };
@@ -109,7 +109,7 @@ static void usage(FILE *f)
                 "  --order given|src   a batch's runs as the requests list them (default), or\n"
                 "                      sorted by source offset\n"
                 "  --chunk KIB         the copier's chunk limit (default: chosen per batch)\n"
-                "  --hints plain|evict-first  the kernel's loads and stores (default plain)\n"
+                "  --hints evict-first|plain  the kernel's loads and stores (default evict-first)\n"
                 "  --device N          GPU (default 0)\n"
                 "  --json PATH         also write the results as JSON\n"
                 "  --help, --version\n"
@@ -438,7 +438,7 @@ int main(int argc, char **argv)
                 case 'H':
                         if (strcmp(optarg, "plain") && strcmp(optarg, "evict-first"))
                                 bench_die("--hints is plain or evict-first, not '%s'", optarg);
-                        o.hints = strcmp(optarg, "plain") ? KVF_GPU_COPIER_EVICT_FIRST : 0;
+                        o.hints = strcmp(optarg, "plain") ? 0 : KVF_GPU_COPIER_PLAIN;
                         break;
                 case 'p':
                         o.perblock_max = strtoull(optarg, NULL, 10) << 20;
@@ -504,7 +504,7 @@ int main(int argc, char **argv)
         if (o.chunk)
                 printf("chunks of at most %u KiB (--chunk)\n", o.chunk / 1024);
         if (o.hints)
-                printf("loads and stores marked evict-first in L2 (--hints evict-first)\n");
+                printf("plain loads and stores, not evict-first (--hints plain)\n");
         printf("\nshapes (block = kv_heads/tp x %u tokens x head_dim x dtype):\n",
                KVF_BENCH_BLOCK_TOKENS);
         for (unsigned si = 0; si < n_shapes; si++)

@@ -12,8 +12,10 @@
  * for as long as it runs:
  *   bulk         one cudaMemcpyAsync of the batch's bytes per copy: what
  *                cudaMemcpy (and FastDeploy's per-block copies) do to L2
- *   plain        kvferry's copier, plain loads and stores (the default)
- *   evict-first  the copier with KVF_GPU_COPIER_EVICT_FIRST (.cs hints)
+ *   plain        kvferry's copier with KVF_GPU_COPIER_PLAIN: plain loads and
+ *                stores, as cudaMemcpy's
+ *   evict-first  the copier as it runs by default: loads and stores marked
+ *                evict-first in L2 (.cs)
  * The copier's batch is --batch MiB of --block KiB K and V blocks scattered
  * over both caches, as gpu_copy_bench's. Each figure: the engine's time
  * against alone in the same round (its slowdown), and the copy's GB/s while
@@ -305,8 +307,8 @@ int main(int argc, char **argv)
         x.n_runs = bench_layer_runs(&l, 1, 8, blocks, 0xb10c, &x.runs);
         x.batch_bytes = (uint64_t)blocks * 2 * o.block;
         x.every_ns = o.every_ns;
-        BENCH_KVF(kvf_gpu_copier_create(o.device, 0, NULL, &x.cp[0]));
-        BENCH_KVF(kvf_gpu_copier_create(o.device, KVF_GPU_COPIER_EVICT_FIRST, NULL, &x.cp[1]));
+        BENCH_KVF(kvf_gpu_copier_create(o.device, KVF_GPU_COPIER_PLAIN, NULL, &x.cp[0]));
+        BENCH_KVF(kvf_gpu_copier_create(o.device, 0, NULL, &x.cp[1]));
         BENCH_CUDA(cudaDeviceSynchronize());
         printf("engine: %d blocks of 512 threads reading its working set through L2; copies: "
                "%.0f MiB of %llu KiB K and V blocks (%zu runs), ",

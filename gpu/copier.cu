@@ -135,7 +135,7 @@ extern "C" int kvf_gpu_copier_create(int device, unsigned flags,
                 return kvf_gpu_err_set(-EINVAL, "copier: no output");
         *out = NULL;
         if (flags & ~(unsigned)(KVF_GPU_COPIER_MAPPED_DESC | KVF_GPU_COPIER_NORMAL_PRIORITY |
-                                KVF_GPU_COPIER_STAGED_DESC | KVF_GPU_COPIER_EVICT_FIRST) ||
+                                KVF_GPU_COPIER_STAGED_DESC | KVF_GPU_COPIER_PLAIN) ||
             (flags & KVF_GPU_COPIER_MAPPED_DESC && flags & KVF_GPU_COPIER_STAGED_DESC))
                 return kvf_gpu_err_set(-EINVAL, "copier: unknown flags 0x%x", flags);
         if (opts && opts->chunk_bytes &&
@@ -520,7 +520,7 @@ extern "C" int kvf_gpu_copy_submit(struct kvf_gpu_copier *c, const struct kvf_gp
                 }
         }
         if ((rc = kvf_gpu_copy_launch_ex(from, (uint32_t)k, ds, dd, save,
-                                         !!(c->flags & KVF_GPU_COPIER_EVICT_FIRST), c->stream,
+                                         !(c->flags & KVF_GPU_COPIER_PLAIN), c->stream,
                                          b->stamps)) < 0)
                 goto out;
         if (save)

@@ -156,11 +156,12 @@ extern "C" uint32_t kvf_gpu_chunk_bytes_for(uint64_t total_bytes, int sms)
 /* ---------------------------------------------------------------- the kernel body */
 
 /*
- * One 16-byte vector. EVICT_FIRST: the .cs ("cache streaming") forms, which
- * mark the lines evict-first in L2; otherwise plain loads and stores, as
- * cudaMemcpy's own copy does. Plain is the default: on the H200 it copied
- * 1.5 to 3.5 % faster, and the engine's own work beside the copy ran no
- * slower than with the hints (docs/GPU.md, bench/gpu_l2_bench.cu).
+ * One 16-byte vector. EVICT_FIRST (the default): the .cs ("cache streaming")
+ * forms, which mark the lines evict-first in L2, so a copy beside the engine
+ * leaves the engine's lines in the cache; otherwise plain loads and stores,
+ * as cudaMemcpy's own copy. On the H200 plain copied 1.5 to 3.5 % faster, and
+ * an engine kernel whose working set lived in L2 ran 3 to 5 % slower beside
+ * such copies than beside evict-first ones (bench/gpu_l2_bench.cu, docs/GPU.md).
  */
 template <bool EVICT_FIRST> __host__ __device__ static inline uint4 ld16(const uint4 *p)
 {

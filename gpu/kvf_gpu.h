@@ -219,7 +219,7 @@ int kvf_gpu_copy_launch(const struct kvf_gpu_chunk *dev_chunks, uint32_t n, void
  * and destination address (descriptors of one layer, run for another), and,
  * when `save` is not NULL, every descriptor as read also stored at the same
  * index of `save` (device memory, room for n). `evict_first`: the data's
- * loads and stores marked evict-first in L2 (KVF_GPU_COPIER_EVICT_FIRST). */
+ * loads and stores marked evict-first in L2 (the copier's default). */
 int kvf_gpu_copy_launch_ex(const struct kvf_gpu_chunk *dev_chunks, uint32_t n, uint64_t dsrc,
                            uint64_t ddst, struct kvf_gpu_chunk *save, int evict_first,
                            void *stream, uint64_t *stamps);
@@ -253,12 +253,12 @@ enum kvf_gpu_copier_flags {
          * before its kernel, no reuse: the first design, for comparison. Not
          * with MAPPED_DESC. */
         KVF_GPU_COPIER_STAGED_DESC = 1u << 2,
-        /* The kernel's loads and stores of the data marked evict-first in L2
-         * (.cs), meant to leave the engine's lines in the cache: the first
-         * design. Default: plain, as cudaMemcpy; faster on the H200, and no
-         * measured cost to an engine whose working set lives in L2
-         * (bench/gpu_l2_bench.cu, docs/GPU.md). */
-        KVF_GPU_COPIER_EVICT_FIRST = 1u << 3,
+        /* Plain loads and stores of the data, as cudaMemcpy. Default: marked
+         * evict-first in L2 (.cs), so the copy leaves the engine's lines in the
+         * cache. On the H200 plain copies 1.5 to 3.5 % faster and costs an
+         * engine whose working set lives in L2 3 to 5 % more of its time
+         * beside the copies (bench/gpu_l2_bench.cu, docs/GPU.md). */
+        KVF_GPU_COPIER_PLAIN = 1u << 3,
 };
 
 struct kvf_gpu_copier_opts {

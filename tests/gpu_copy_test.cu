@@ -676,8 +676,8 @@ static void test_scatter(struct world *w, struct rng *r, int dev)
                       {"staged descriptors", KVF_GPU_COPIER_STAGED_DESC, 0, 0},
                       {"mapped descriptors", KVF_GPU_COPIER_MAPPED_DESC, 0, 0},
                       {"208-byte chunks", 0, 208, 1u << 18},
-                      {"evict-first hints", KVF_GPU_COPIER_EVICT_FIRST, 0, 0},
-                      {"evict-first hints, 208-byte chunks", KVF_GPU_COPIER_EVICT_FIRST, 208,
+                      {"plain loads and stores", KVF_GPU_COPIER_PLAIN, 0, 0},
+                      {"plain loads and stores, 208-byte chunks", KVF_GPU_COPIER_PLAIN, 208,
                        1u << 18}};
         for (unsigned s = 0; s < sizeof(setups) / sizeof(setups[0]); s++) {
                 struct kvf_gpu_copier_opts o = {NULL, setups[s].arena, setups[s].chunk};

@@ -4,6 +4,7 @@
 #
 #   1. gpu_copy_test                      correctness (exit 0 pass, 1 fail, 77 no GPU)
 #   2. gpu_copy_bench --json              kernel vs bulk copy vs one copy per block
+#      gpu_copy_bench --hints plain       the same with the bulk copy's cache policy
 #      gpu_l2_bench                       what copies beside an L2-resident engine cost it
 #   3. gpu_latency_bench --json           layer-done -> copy start / landed, no MPS
 #   4. MPS on (a private control daemon):
@@ -16,7 +17,7 @@
 # of build-cuda/ and build/ beside this script's repository that holds
 # gpu/gpu_copy_test). Build it where nvcc is (cmake -S . -B build-cuda), carry
 # it along with the repository. Expected total: 1 to 3 minutes; every step has
-# a time limit and the limits add up to under 8 minutes.
+# a time limit and the limits add up to under 10 minutes.
 #
 # MPS by hand, for reference:
 #   export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
@@ -85,7 +86,8 @@ if [[ $? == 77 ]]; then
   exit 77
 fi
 step gpu_copy_bench 110 "$BIN/gpu_copy_bench" --json "$OUT/gpu_copy_bench.json"
-step gpu_l2_bench 90 "$BIN/gpu_l2_bench"
+step gpu_copy_bench_plain 60 "$BIN/gpu_copy_bench" --hints plain --json "$OUT/gpu_copy_bench_plain.json"
+step gpu_l2_bench 60 "$BIN/gpu_l2_bench"
 if "$BIN/gpu_latency_bench" --mps-check >"$OUT/mps-before.txt" 2>&1; then
   note "WARNING: MPS was already on before the suite: the no-MPS run below runs under it"
 fi
@@ -144,6 +146,7 @@ fi
   echo "--- targets and verdicts"
   grep -h -E "target|PASS|MISS|FAIL|WRONG" "$OUT"/gpu_copy_bench.txt "$OUT"/gpu_latency_bench*.txt \
     "$OUT"/gpu_copy_test*.txt 2>/dev/null
+  grep -h -E "^target" "$OUT"/gpu_copy_bench_plain.txt 2>/dev/null | sed 's/^/(--hints plain) /'
 } | tee -a "$SUMMARY"
 note "gpu_suite: $FAILS step(s) failed, $(($(date +%s) - T0)) s in all"
 [[ $FAILS == 0 ]]

@@ -1,0 +1,367 @@
+"""kvferry for Python engines: libkvferry through ctypes, no build step.
+
+    import kvferry
+    with kvferry.Client("rank0") as c:          # attach to the instance `tools/kvferry up` started
+        k = c.tensor(layer=0, v=0)              # layer 0's K cache, zero-copy (see Client.tensor)
+        c.submit_task({"request_id": "r1", "src_block_ids": [3, 4], "dest_block_ids": [7, 8],
+                       "current_id": step, "transfer_protocol": "ipc", "peer": "decode0"})
+        ... write the layer into the blocks ...
+        c.layer_done(step, layer)
+        ev = c.poll(timeout_ms=1000)            # {"type": "completion", "status": "finished", ...}
+
+Task, chunk, cancel and connect records are FastDeploy's dicts as they are (docs/records.md):
+they go to the instance encoded with msgpack (Debian's python3-msgpack) and the sender checks
+them; a bad one ends its request with a status ("bad task", "block id out of range", ...) and
+nothing else. Errors of the calls themselves raise KvferryError (an OSError: .errno and
+kvferry's message); a full ring raises RingFull (a BlockingIOError): nothing was written, try
+again later.
+
+The library is found at $KVFERRY_LIB, else in $KVFERRY_BUILD, else in the build/ folder of the
+repository this package sits in, else where the dynamic linker finds libkvferry.so.0.
+"""
+import ctypes
+import ctypes.util
+import errno as _errno
+import os
+import weakref
+
+__all__ = ["Client", "KvferryError", "RingFull", "Layout", "DeviceTensor", "STATUS_NAMES",
+           "library_path"]
+
+_STATUS_COUNT = 12
+_EVENT_TYPES = {1: "completion", 2: "arrival", 3: "connect result"}
+_TRANSPORTS = {1: "ipc", 2: "tcp", 3: "rdma"}
+_DTYPES = {1: ("bf16", 2), 2: ("fp16", 2), 3: ("fp8", 1), 4: ("uint8", 1)}
+_TO_SENDER, _TO_CONNECTOR = 0, 1
+_REC_TASK, _REC_CHUNK, _REC_CANCEL, _REC_CONNECT = 1, 2, 3, 5
+
+
+class KvferryError(OSError):
+    """A libkvferry call failed: errno and kvferry's own message."""
+
+
+class RingFull(KvferryError, BlockingIOError):
+    """The ring to the instance is full (back-pressure): nothing was written."""
+
+
+class _Layout(ctypes.Structure):
+    _fields_ = [("num_layers", ctypes.c_uint32), ("extra_layers", ctypes.c_uint32),
+                ("num_blocks", ctypes.c_uint32), ("kv_heads", ctypes.c_uint32),
+                ("block_size", ctypes.c_uint32), ("head_dim", ctypes.c_uint32),
+                ("dtype", ctypes.c_uint32), ("key_only", ctypes.c_uint32),
+                ("block_bytes", ctypes.c_uint64), ("cache_bytes", ctypes.c_uint64)]
+
+
+class _Event(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int), ("session", ctypes.c_uint64), ("status", ctypes.c_int),
+                ("request_id", ctypes.c_char * 128), ("peer", ctypes.c_char * 112),
+                ("reason", ctypes.c_char * 240), ("bytes", ctypes.c_uint64),
+                ("blocks", ctypes.c_uint32), ("rank", ctypes.c_uint32),
+                ("accept_ns", ctypes.c_uint64), ("last_layer_ns", ctypes.c_uint64),
+                ("done_ns", ctypes.c_uint64),
+                ("dest_block_ids", ctypes.POINTER(ctypes.c_uint32)), ("n_dest", ctypes.c_uint32)]
+
+
+def library_path():
+    """Where libkvferry is taken from (see the module's text)."""
+    if os.environ.get("KVFERRY_LIB"):
+        return os.environ["KVFERRY_LIB"]
+    here = os.path.dirname(os.path.abspath(__file__))
+    builds = [os.environ.get("KVFERRY_BUILD"), os.path.join(here, "..", "..", "build")]
+    for b in builds:
+        if b and os.path.exists(os.path.join(b, "libkvferry.so.0")):
+            return os.path.normpath(os.path.join(b, "libkvferry.so.0"))
+    found = ctypes.util.find_library("kvferry")
+    if not found:
+        raise ImportError("kvferry: libkvferry not found: set KVFERRY_LIB to libkvferry.so.0, or "
+                          "KVFERRY_BUILD to the build folder")
+    return found
+
+
+def _load():
+    lib = ctypes.CDLL(library_path())
+    p, i, u32, u64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_uint64
+    sigs = {
+        "kvf_status_name": (ctypes.c_char_p, [i]),
+        "kvf_last_error": (ctypes.c_char_p, []),
+        "kvf_attach": (i, [ctypes.c_char_p, ctypes.c_uint, ctypes.POINTER(p)]),
+        "kvf_detach": (None, [p]),
+        "kvf_session": (u64, [p]),
+        "kvf_poll_previous": (i, [p, ctypes.POINTER(_Event)]),
+        "kvf_get_layout": (i, [p, ctypes.POINTER(_Layout)]),
+        "kvf_cache_tensor": (p, [p, u32, i]),
+        "kvf_cache_device": (i, [p]),
+        "kvf_submit_raw": (i, [p, i, i, ctypes.c_char_p, ctypes.c_size_t]),
+        "kvf_layer_done": (i, [p, u64, u32]),
+        "kvf_last_step": (u64, [p]),
+        "kvf_layer_done_on_stream": (i, [p, p, u64, u32]),
+        "kvf_set_layer_signal": (i, [p, i]),
+        "kvf_poll": (i, [p, ctypes.POINTER(_Event), i]),
+    }
+    for name, (res, args) in sigs.items():
+        f = getattr(lib, name)
+        f.restype, f.argtypes = res, args
+    return lib
+
+
+_lib = _load()
+STATUS_NAMES = tuple(_lib.kvf_status_name(s).decode() for s in range(_STATUS_COUNT))
+
+
+def _check(rc, what):
+    if rc >= 0:
+        return rc
+    msg = "%s: %s" % (what, (_lib.kvf_last_error() or b"").decode(errors="replace"))
+    if -rc == _errno.EAGAIN:
+        raise RingFull(-rc, msg)
+    raise KvferryError(-rc, msg)
+
+
+class Layout:
+    """An instance's cache layout (struct kvf_layout_info), and each tensor's shape."""
+
+    def __init__(self, li):
+        for name, _ in _Layout._fields_:
+            setattr(self, name, int(getattr(li, name)))
+        self.dtype_name, self.itemsize = _DTYPES.get(self.dtype, ("unknown", 1))
+        self.tensors = 1 if self.key_only else 2
+
+    @property
+    def shape(self):
+        """One layer's tensor: [num_blocks, kv_heads, block_size, head_dim]."""
+        return (self.num_blocks, self.kv_heads, self.block_size, self.head_dim)
+
+    @property
+    def tensor_bytes(self):
+        return self.num_blocks * self.block_bytes
+
+    def __repr__(self):
+        return ("Layout(%d+%d layers x %d tensor(s), %d blocks of %d x %d x %d %s, %d bytes "
+                "per block)" % (self.num_layers, self.extra_layers, self.tensors,
+                                self.num_blocks, self.kv_heads, self.block_size, self.head_dim,
+                                self.dtype_name, self.block_bytes))
+
+
+class DeviceTensor:
+    """One layer's tensor in GPU memory: the device pointer, and the CUDA array interface, so
+    that torch.as_tensor(t, device="cuda") or cupy.asarray(t) see it without a copy. bf16 is
+    given as raw 16-bit words ("<u2"; .view(torch.bfloat16)), fp8 as bytes."""
+
+    _TYPESTR = {1: "<u2", 2: "<f2", 3: "|u1", 4: "|u1"}
+
+    def __init__(self, ptr, layout, device, client):
+        self.ptr, self.layout, self.device = ptr, layout, device
+        self._client = client  # the mapping lives while this does (torch keeps it alive too)
+
+    @property
+    def __cuda_array_interface__(self):
+        return {"shape": self.layout.shape, "typestr": self._TYPESTR.get(self.layout.dtype, "|u1"),
+                "data": (self.ptr, False), "version": 3, "strides": None}
+
+    def __repr__(self):
+        return "DeviceTensor(0x%x on GPU %d, %r)" % (self.ptr, self.device, self.layout.shape)
+
+
+def _event_dict(ev):
+    d = {
+        "type": _EVENT_TYPES.get(ev.type, "unknown"),
+        "session": int(ev.session),
+        "status": STATUS_NAMES[ev.status] if 0 <= ev.status < _STATUS_COUNT else "unknown status",
+        "request_id": ev.request_id.decode(errors="replace"),
+        "peer": ev.peer.decode(errors="replace"),
+        "reason": ev.reason.decode(errors="replace"),
+        "bytes": int(ev.bytes),
+        "blocks": int(ev.blocks),
+        "rank": int(ev.rank),
+    }
+    if ev.type == 1:
+        d.update(accept_ns=int(ev.accept_ns), last_layer_ns=int(ev.last_layer_ns),
+                 done_ns=int(ev.done_ns))
+    elif ev.type == 2:
+        d["done_ns"] = int(ev.done_ns)
+        # valid only until the next poll: copied out here
+        d["dest_block_ids"] = [ev.dest_block_ids[j] for j in range(ev.n_dest)] \
+            if ev.dest_block_ids else []
+    return d
+
+
+class Client:
+    """One engine session on one instance (kvf_attach). Closing it (or the process ending)
+    ends the session: its requests still moving end with "engine gone" on both sides.
+
+    The host caches' views (tensor(), block(), numpy()) point into the client's mapping of
+    the caches. A view keeps its client alive, and close() with views still alive ends the
+    session only when the last of them is gone (`closed` says whether it has): a view never
+    points at unmapped memory."""
+
+    def __init__(self, instance, wait_ms=5000):
+        h = ctypes.c_void_p()
+        _check(_lib.kvf_attach(instance.encode(), int(wait_ms), ctypes.byref(h)), "kvferry")
+        self._h = h
+        self.instance = instance
+        li = _Layout()
+        _check(_lib.kvf_get_layout(self._h, ctypes.byref(li)), "layout")
+        self.layout = Layout(li)
+        dev = _lib.kvf_cache_device(self._h)
+        self.device = None if dev < 0 else dev  # None: the caches are host memory
+        self._msgpack = None
+        self._views = {}  # id -> weakref of each live view's memory
+        self._closing = False
+
+    # -- session ---------------------------------------------------------------------------
+
+    def close(self):
+        """End the session now, or as soon as the last view of the caches is gone."""
+        self._closing = True
+        if self._h and not self._views:
+            _lib.kvf_detach(self._h)
+            self._h = None
+
+    @property
+    def closed(self):
+        return self._h is None
+
+    def _view_gone(self, ref):
+        self._views.pop(id(ref), None)
+        if self._closing and not self._views:
+            self.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # interpreter shutting down
+            pass
+
+    def _handle(self):
+        if not self._h or self._closing:
+            raise KvferryError(_errno.EBADF, "kvferry: client of '%s' closed" % self.instance)
+        return self._h
+
+    @property
+    def session(self):
+        return int(_lib.kvf_session(self._handle()))
+
+    @property
+    def last_step(self):
+        """The last step with a published layer-done: a re-attached engine counts on from it."""
+        return int(_lib.kvf_last_step(self._handle()))
+
+    # -- caches ----------------------------------------------------------------------------
+
+    def tensor(self, layer, v=0):
+        """Layer `layer`'s K (v=0) or V (v=1) cache, zero-copy: for a host instance a writable
+        memoryview of its bytes (numpy.frombuffer takes it as it is), for a GPU instance a
+        DeviceTensor. The caches are the allocator's and outlive this client: do not use a view
+        after close(). Extra layers follow the model's layers."""
+        lo = self.layout
+        if not (0 <= layer < lo.num_layers + lo.extra_layers) or v not in (0, 1) or \
+                (v and lo.key_only):
+            raise KvferryError(_errno.ERANGE, "kvferry: no tensor %d of layer %d (%r)"
+                               % (v, layer, lo))
+        ptr = _lib.kvf_cache_tensor(self._handle(), layer, v)
+        if not ptr:
+            _check(-_errno.ERANGE, "tensor %d of layer %d" % (v, layer))
+        if self.device is not None:
+            mem = DeviceTensor(ptr, lo, self.device, self)
+        else:
+            mem = (ctypes.c_ubyte * lo.tensor_bytes).from_address(ptr)
+            mem._client = self  # the mapping lives while the view does
+        ref = weakref.ref(mem, self._view_gone)
+        self._views[id(ref)] = ref
+        return mem if self.device is not None else memoryview(mem).cast("B")
+
+    def block(self, layer, v, block_id):
+        """One block of one layer's tensor (host instances): a writable memoryview."""
+        if not 0 <= block_id < self.layout.num_blocks:
+            raise KvferryError(_errno.ERANGE, "kvferry: block %d of %d" %
+                               (block_id, self.layout.num_blocks))
+        bb = self.layout.block_bytes
+        return self.tensor(layer, v)[block_id * bb:(block_id + 1) * bb]
+
+    def numpy(self, layer, v=0):
+        """tensor() as a numpy array of the layer's shape (host instances; bf16 as uint16)."""
+        import numpy as np
+        kinds = {1: np.uint16, 2: np.float16, 3: np.uint8, 4: np.uint8}
+        t = self.tensor(layer, v)
+        if isinstance(t, DeviceTensor):
+            raise KvferryError(_errno.EINVAL, "kvferry: the caches are on GPU %d: use "
+                               "torch.as_tensor(client.tensor(...), device='cuda')" % self.device)
+        return np.frombuffer(t, dtype=kinds.get(self.layout.dtype, np.uint8)).reshape(
+            self.layout.shape)
+
+    # -- records ---------------------------------------------------------------------------
+
+    def _raw(self, target, rtype, record, what):
+        if self._msgpack is None:
+            try:
+                import msgpack
+            except ImportError:
+                raise ImportError("kvferry: records need the msgpack module (Debian: "
+                                  "python3-msgpack)") from None
+            self._msgpack = msgpack
+        data = self._msgpack.packb(record, use_bin_type=True)
+        return _check(_lib.kvf_submit_raw(self._handle(), target, rtype, data, len(data)), what)
+
+    def submit_task(self, task):
+        """One request to move: FastDeploy's task dict as it is (docs/records.md, record 1)."""
+        return self._raw(_TO_SENDER, _REC_TASK, task, "task")
+
+    def submit_chunk(self, request_id, step, tokens_done, last=False):
+        """Chunked prefill: after `step`, tokens [0, tokens_done) of the request are written."""
+        return self._raw(_TO_SENDER, _REC_CHUNK, {"request_id": request_id, "current_id": step,
+                                                  "tokens_done": tokens_done, "last": bool(last)},
+                         "chunk")
+
+    def cancel(self, request_id):
+        return self._raw(_TO_SENDER, _REC_CANCEL, {"request_id": request_id}, "cancel")
+
+    def connect(self, task_id, peer, transfer_protocol=None):
+        """Pre-connect to a peer; the answer comes from poll() as a "connect result"."""
+        rec = {"task_id": task_id, "peer": peer}
+        if transfer_protocol:
+            rec["transfer_protocol"] = transfer_protocol
+        return self._raw(_TO_CONNECTOR, _REC_CONNECT, rec, "connect")
+
+    # -- layers ----------------------------------------------------------------------------
+
+    def layer_done(self, step, layer):
+        """Layers [0, layer] of forward step `step` are written (monotonic)."""
+        return _check(_lib.kvf_layer_done(self._handle(), int(step), int(layer)), "layer done")
+
+    def layer_done_on_stream(self, stream, step, layer):
+        """layer_done() when the CUDA stream reaches this point; `stream` is the cudaStream_t
+        as an int (torch: torch.cuda.current_stream().cuda_stream)."""
+        return _check(_lib.kvf_layer_done_on_stream(self._handle(), ctypes.c_void_p(int(stream)),
+                                                    int(step), int(layer)),
+                      "layer done on stream")
+
+    def set_layer_signal(self, method):
+        """"hostfn" or "writevalue", before the first layer_done_on_stream()."""
+        m = {"default": 0, "hostfn": 1, "writevalue": 2}.get(method)
+        if m is None:
+            raise KvferryError(_errno.EINVAL, "kvferry: layer signal '%s': hostfn or "
+                               "writevalue" % method)
+        return _check(_lib.kvf_set_layer_signal(self._handle(), m), "layer signal")
+
+    # -- events ----------------------------------------------------------------------------
+
+    def poll(self, timeout_ms=0):
+        """The next completion, arrival or connect result of this session, as a dict, or None
+        when none came within timeout_ms (-1 waits)."""
+        ev = _Event()
+        if _check(_lib.kvf_poll(self._handle(), ctypes.byref(ev), int(timeout_ms)), "poll"):
+            return _event_dict(ev)
+        return None
+
+    def poll_previous(self):
+        """What became of earlier sessions' requests (kvf_poll_previous), or None."""
+        ev = _Event()
+        if _check(_lib.kvf_poll_previous(self._handle(), ctypes.byref(ev)), "poll previous"):
+            return _event_dict(ev)
+        return None

@@ -1,0 +1,209 @@
+#!/usr/bin/python3
+"""A Python engine on both sides of a transfer, through the kvferry package (python/kvferry).
+
+  python_engine.py PREFILL DECODE
+
+Attaches to two running host-memory instances, writes every layer of its requests' blocks
+through the package's zero-copy views, submits FastDeploy task dicts, publishes layer-done
+events, and checks: every good request "finished" on the prefill side and arrived on the decode
+side with every byte of its blocks as written (a prefix hit's held blocks untouched); each bad
+task ends with its own status; the package's own errors raise with kvferry's message. Exit 0
+when all holds; tests/python_engine_test.sh starts the instances. Run with /usr/bin/python3
+(python3-msgpack).
+"""
+import gc
+import random
+import struct
+import sys
+import time
+
+import kvferry
+
+
+def fail(msg):
+    sys.exit("FAIL: " + msg)
+
+
+def pattern(req, layer, v, block, bb):
+    """A block's bytes: 16-byte words naming request, layer, tensor, block and the word."""
+    head = struct.pack("<IHHI", req, layer, v, block)
+    return b"".join(head + struct.pack("<I", w) for w in range(bb // 16))
+
+
+def wait_events(client, want, what, timeout_s=30):
+    got = {}
+    end = time.monotonic() + timeout_s
+    while len(got) < want:
+        left = end - time.monotonic()
+        if left <= 0:
+            fail("%s: %d of %d events after %d s: %s" % (what, len(got), want, timeout_s,
+                                                         sorted(got)))
+        ev = client.poll(timeout_ms=int(min(left, 1.0) * 1000))
+        if ev is None:
+            continue
+        if ev["request_id"] in got:
+            fail("%s: two events for %s: %r and %r" % (what, ev["request_id"],
+                                                       got[ev["request_id"]], ev))
+        got[ev["request_id"]] = ev
+    return got
+
+
+def main():
+    if len(sys.argv) != 3:
+        sys.exit(__doc__)
+    pname, dname = sys.argv[1], sys.argv[2]
+    rng = random.Random(1234)
+
+    # Errors a user makes with the package itself: clear, and nothing breaks.
+    try:
+        kvferry.Client("no-such-instance-%d" % rng.randrange(1 << 30), wait_ms=100)
+        fail("attaching to an instance that does not exist did not raise")
+    except kvferry.KvferryError as e:
+        if not str(e):
+            fail("attach error without a message")
+        print("ok: attach to a missing instance raises: %s" % e)
+
+    with kvferry.Client(dname) as dec, kvferry.Client(pname) as pre:
+        lo = pre.layout
+        if (dec.layout.num_layers, dec.layout.block_bytes) != (lo.num_layers, lo.block_bytes):
+            fail("the instances' layouts differ: %r, %r" % (lo, dec.layout))
+        if pre.device is not None:
+            fail("this test wants host-memory instances; %s is on GPU %d" % (pname, pre.device))
+        layers = lo.num_layers + lo.extra_layers
+        bb = lo.block_bytes
+        for bad in ((layers, 0), (0, 2), (-1, 0)):
+            try:
+                pre.tensor(*bad)
+                fail("tensor%r did not raise" % (bad,))
+            except kvferry.KvferryError:
+                pass
+        print("ok: %s: %r, session %d; decode session %d" % (pname, lo, pre.session, dec.session))
+
+        # Requests: scattered blocks on both sides, one a prefix hit (the decode side already
+        # holds its first blocks: they must stay as they are).
+        n_req = 12
+        src_pool = rng.sample(range(lo.num_blocks), lo.num_blocks)
+        dst_pool = rng.sample(range(dec.layout.num_blocks), dec.layout.num_blocks)
+        reqs = []
+        for r in range(n_req):
+            n = rng.randint(3, 6) if r == 3 else rng.randint(1, 6)
+            src = [src_pool.pop() for _ in range(n)]
+            held = 2 if r == 3 else 0
+            dst = [dst_pool.pop() for _ in range(n - held)]
+            reqs.append({"id": "py-%d-%d" % (pre.session, r), "src": src, "dst": dst,
+                         "held": held})
+        # The decode side's blocks: a known filler, so untouched bytes can be told apart.
+        filler = b"\xa5" * bb
+        for q in reqs:
+            for layer in range(layers):
+                for v in range(lo.tensors):
+                    t = dec.tensor(layer, v)
+                    for d in q["dst"]:
+                        t[d * bb:(d + 1) * bb] = filler
+
+        step = pre.last_step + 1
+        for i, q in enumerate(reqs):
+            task = {"request_id": q["id"], "src_block_ids": q["src"], "dest_block_ids": q["dst"],
+                    "current_id": step, "transfer_protocol": "ipc", "peer": dname,
+                    "peer_session": dec.session,
+                    # FastDeploy's runtime keys ride along and are ignored
+                    "status": "init", "layer_idx": 0}
+            pre.submit_task(task)
+        # Bad tasks: each ends with its own status, nothing else happens.
+        bad = {
+            "py-bad-range": ({"src_block_ids": [lo.num_blocks + 5]}, "block id out of range"),
+            "py-bad-peer": ({"peer": "nobody-here"}, "unknown peer"),
+            "py-bad-field": ({"src_block_ids": "not a list"}, "bad task"),
+        }
+        for rid, (over, _) in bad.items():
+            task = {"request_id": rid, "src_block_ids": [src_pool[0]],
+                    "dest_block_ids": [dst_pool[0]], "current_id": step,
+                    "transfer_protocol": "ipc", "peer": dname}
+            task.update(over)
+            pre.submit_task(task)
+
+        # The "forward pass": each layer's blocks written through the views, then published.
+        for layer in range(layers):
+            for v in range(lo.tensors):
+                t = pre.tensor(layer, v)
+                for ri, q in enumerate(reqs):
+                    for bi, s in enumerate(q["src"]):
+                        t[s * bb:(s + 1) * bb] = pattern(ri, layer, v, bi, bb)
+            pre.layer_done(step, layer)
+
+        done = wait_events(pre, n_req + len(bad), "prefill completions")
+        for q in reqs:
+            ev = done[q["id"]]
+            if ev["type"] != "completion" or ev["status"] != "finished":
+                fail("%s: %r" % (q["id"], ev))
+            if ev["blocks"] != len(q["dst"]):
+                fail("%s: %d blocks written, %d expected" % (q["id"], ev["blocks"], len(q["dst"])))
+        for rid, (_, status) in bad.items():
+            ev = done[rid]
+            if ev["status"] != status or not ev["reason"]:
+                fail("%s: status %r (%r), expected %r" % (rid, ev["status"], ev["reason"], status))
+            print("ok: %s: %s (%s)" % (rid, ev["status"], ev["reason"]))
+
+        arrived = wait_events(dec, n_req, "decode arrivals")
+        words = 0
+        for ri, q in enumerate(reqs):
+            ev = arrived[q["id"]]
+            if ev["type"] != "arrival" or ev["status"] != "finished":
+                fail("%s: arrival %r" % (q["id"], ev))
+            if ev["dest_block_ids"] != q["dst"]:
+                fail("%s: arrival names blocks %r, the task %r" % (q["id"], ev["dest_block_ids"],
+                                                                   q["dst"]))
+            for layer in range(layers):
+                for v in range(lo.tensors):
+                    t = dec.tensor(layer, v)
+                    for bi, d in enumerate(q["dst"]):
+                        want = pattern(ri, layer, v, bi + q["held"], bb)
+                        if t[d * bb:(d + 1) * bb] != want:
+                            fail("%s: layer %d tensor %d block %d (dest %d) differs"
+                                 % (q["id"], layer, v, bi, d))
+                        words += bb // 16
+        print("ok: %d requests finished and arrived, %d blocks x %d layers verified byte for "
+              "byte (%d words), one a prefix hit of 2 held blocks"
+              % (n_req, sum(len(q["dst"]) for q in reqs), layers, words))
+
+        # A step below the last one published is an engine bug: refused, nothing published.
+        try:
+            pre.layer_done(step - 1, 0)
+            fail("layer_done of step %d after step %d did not raise" % (step - 1, step))
+        except kvferry.KvferryError as e:
+            print("ok: a step going backwards raises: %s" % e)
+
+        try:
+            import numpy
+        except ImportError:
+            numpy = None
+        if numpy is not None:
+            a = pre.numpy(0, 0)
+            if a.shape != lo.shape or a.nbytes != lo.tensor_bytes:
+                fail("numpy view: shape %r, %d bytes" % (a.shape, a.nbytes))
+            print("ok: numpy view of layer 0: %r %s" % (a.shape, a.dtype))
+
+    # A view outlives close(): the session ends when the last view is gone, never before.
+    c = kvferry.Client(dname)
+    view = c.block(0, 0, 0)
+    first = bytes(view[:16])
+    c.close()
+    if c.closed:
+        fail("close() unmapped the caches while a view was alive")
+    try:
+        c.poll()
+        fail("poll() on a closed client did not raise")
+    except kvferry.KvferryError:
+        pass
+    if bytes(view[:16]) != first:
+        fail("a view changed after close()")
+    del view
+    gc.collect()
+    if not c.closed:
+        fail("the session did not end when the last view was dropped")
+    print("ok: a view kept the caches mapped after close(); dropping it ended the session")
+    print("ok: python engine: all passed")
+
+
+if __name__ == "__main__":
+    main()

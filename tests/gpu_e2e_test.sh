@@ -11,6 +11,8 @@
 #     nothing corrupt reported finished, the two sides agreeing;
 #   - the engine killed: its caches intact when it attaches again (tests/gpu_reattach_test);
 #     the engine (kvf-sim) killed mid-transfer with its copies queued, then a new engine;
+#   - a Python engine through python/kvferry and PyTorch, both executors (skipped where python3
+#     has no torch or no msgpack);
 #   - a peer on another GPU of this host, through the same path with peer access (skipped with
 #     one GPU visible);
 #   - the sender's executor under MPS, started by `tools/kvferry up --mps` with a private pipe
@@ -218,6 +220,22 @@ if [ "$NGPU" -ge 2 ]; then
   pass "a peer on another GPU (prefill on GPU 0, decode on GPU 1), both executors: every byte verified"
 else
   echo "skipped: a peer on another GPU (only one GPU visible)"
+fi
+
+# A Python engine through the package (python/kvferry) and PyTorch, both executors: the caches
+# as torch tensors (no copy), layer-done on torch's stream. Skipped where python3 lacks either.
+if python3 -c 'import torch, msgpack' 2>/dev/null; then
+  for ex in engine sender; do
+    up $TAG-yd$ex --role decode $L --executor $ex
+    up $TAG-yp$ex --role prefill $L --executor $ex
+    out=$KVFERRY_RUN_DIR/python-$ex.txt
+    PYTHONPATH="$ROOT/python${PYTHONPATH:+:$PYTHONPATH}" python3 "$ROOT/tests/gpu_python_engine.py" \
+      $TAG-yp$ex $TAG-yd$ex >"$out" 2>&1 || { cat "$out" >&2; fail "$ex: the Python engine on GPU caches"; }
+    pass "$ex executor: $(grep '^ok:' "$out" | sed 's/^ok: //')"
+    down $TAG-yp$ex; down $TAG-yd$ex
+  done
+else
+  echo "skipped: a Python engine on GPU caches (python3 has no torch or no msgpack)"
 fi
 
 # The sender's executor under MPS, as `tools/kvferry up --mps` starts it (a private pipe directory,

@@ -145,9 +145,9 @@ class Layout:
 class DeviceTensor:
     """One layer's tensor in GPU memory: the device pointer, and the CUDA array interface, so
     that torch.as_tensor(t, device="cuda") or cupy.asarray(t) see it without a copy. bf16 is
-    given as raw 16-bit words ("<u2"; .view(torch.bfloat16)), fp8 as bytes."""
+    given as raw 16-bit words ("<i2"; .view(torch.bfloat16)), fp8 as bytes."""
 
-    _TYPESTR = {1: "<u2", 2: "<f2", 3: "|u1", 4: "|u1"}
+    _TYPESTR = {1: "<i2", 2: "<f2", 3: "|u1", 4: "|u1"}
 
     def __init__(self, ptr, layout, device, client):
         self.ptr, self.layout, self.device = ptr, layout, device
@@ -285,9 +285,9 @@ class Client:
         return self.tensor(layer, v)[block_id * bb:(block_id + 1) * bb]
 
     def numpy(self, layer, v=0):
-        """tensor() as a numpy array of the layer's shape (host instances; bf16 as uint16)."""
+        """tensor() as a numpy array of the layer's shape (host instances; bf16 as int16)."""
         import numpy as np
-        kinds = {1: np.uint16, 2: np.float16, 3: np.uint8, 4: np.uint8}
+        kinds = {1: np.int16, 2: np.float16, 3: np.uint8, 4: np.uint8}
         t = self.tensor(layer, v)
         if isinstance(t, DeviceTensor):
             raise KvferryError(_errno.EINVAL, "kvferry: the caches are on GPU %d: use "

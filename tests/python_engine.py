@@ -7,13 +7,18 @@ Attaches to two running host-memory instances, writes every layer of its request
 through the package's zero-copy views, submits FastDeploy task dicts, publishes layer-done
 events, and checks: every good request "finished" on the prefill side and arrived on the decode
 side with every byte of its blocks as written (a prefix hit's held blocks untouched); each bad
-task ends with its own status; the package's own errors raise with kvferry's message. Exit 0
+task ends with its own status; the package's own errors raise with kvferry's message; a Python
+engine SIGKILLed mid-transfer ends its requests "engine gone" on both sides, told to the next
+engine by poll_previous(). Exit 0
 when all holds; tests/python_engine_test.sh starts the instances. Run with /usr/bin/python3
 (python3-msgpack).
 """
 import gc
+import os
 import random
+import signal
 import struct
+import subprocess
 import sys
 import time
 
@@ -48,7 +53,59 @@ def wait_events(client, want, what, timeout_s=30):
     return got
 
 
+def child(pname, dname, dsession, n):
+    """An engine that submits n requests, publishes half their layers, says so, and waits to be
+    killed."""
+    pre = kvferry.Client(pname)
+    step = pre.last_step + 1
+    for r in range(n):
+        pre.submit_task({"request_id": "py-killed-%d" % r, "src_block_ids": [r],
+                         "dest_block_ids": [r], "current_id": step, "transfer_protocol": "ipc",
+                         "peer": dname, "peer_session": dsession})
+    pre.layer_done(step, pre.layout.num_layers // 2 - 1)
+    print("session %d ready" % pre.session, flush=True)
+    time.sleep(60)
+
+
+def killed_engine(pname, dname):
+    n = 4
+    dec = kvferry.Client(dname)
+    kid = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--child", pname, dname,
+                            str(dec.session), str(n)], stdout=subprocess.PIPE, text=True)
+    line = kid.stdout.readline()
+    if "ready" not in line:
+        kid.kill()
+        fail("the engine to kill did not get ready: %r" % line)
+    killed = int(line.split()[1])
+    kid.send_signal(signal.SIGKILL)
+    kid.wait()
+    pre = kvferry.Client(pname)  # waits for the sender to end the dead session's requests
+    gone = {}
+    end = time.monotonic() + 15
+    while len(gone) < n and time.monotonic() < end:
+        ev = pre.poll_previous()
+        if ev is None:
+            if pre.poll(timeout_ms=100) is not None:
+                fail("the new engine was told of a request it never submitted")
+            continue
+        if ev["session"] != killed or ev["status"] != "engine gone":
+            fail("poll_previous: %r (the killed session was %d)" % (ev, killed))
+        gone[ev["request_id"]] = ev
+    if len(gone) != n:
+        fail("poll_previous told %d of the killed engine's %d requests" % (len(gone), n))
+    arrived = wait_events(dec, n, "decode side of the killed engine's requests", timeout_s=15)
+    for rid, ev in arrived.items():
+        if ev["status"] != "engine gone":
+            fail("decode side: %s %r" % (rid, ev))
+    pre.close()
+    dec.close()
+    print("ok: a Python engine SIGKILLed with %d requests half sent: every one 'engine gone' on "
+          "both sides, told to the next engine by poll_previous()" % n)
+
+
 def main():
+    if len(sys.argv) == 6 and sys.argv[1] == "--child":
+        return child(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))
     if len(sys.argv) != 3:
         sys.exit(__doc__)
     pname, dname = sys.argv[1], sys.argv[2]
@@ -202,6 +259,7 @@ def main():
     if not c.closed:
         fail("the session did not end when the last view was dropped")
     print("ok: a view kept the caches mapped after close(); dropping it ended the session")
+    killed_engine(pname, dname)
     print("ok: python engine: all passed")
 
 

@@ -14,8 +14,8 @@
  *                cudaMemcpy (and FastDeploy's per-block copies) do to L2
  *   plain        kvferry's copier with KVF_GPU_COPIER_PLAIN: plain loads and
  *                stores, as cudaMemcpy's
- *   evict-first  the copier as it runs by default: loads and stores marked
- *                evict-first in L2 (.cs)
+ *   evict-first  the copier as it runs by default: loads and stores in their
+ *                .cs forms (evict-first in L1 and L2)
  * The copier's batch is --batch MiB of --block KiB K and V blocks scattered
  * over both caches, as gpu_copy_bench's. Each figure: the engine's time
  * against alone in the same round (its slowdown), and the copy's GB/s while

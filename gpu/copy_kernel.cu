@@ -157,11 +157,12 @@ extern "C" uint32_t kvf_gpu_chunk_bytes_for(uint64_t total_bytes, int sms)
 
 /*
  * One 16-byte vector. EVICT_FIRST (the default): the .cs ("cache streaming")
- * forms, which mark the lines evict-first in L2, so a copy beside the engine
- * leaves the engine's lines in the cache; otherwise plain loads and stores,
- * as cudaMemcpy's own copy. On the H200 plain copied 1.5 to 3.5 % faster, and
- * an engine kernel whose working set lived in L2 ran 3 to 5 % slower beside
- * such copies than beside evict-first ones (bench/gpu_l2_bench.cu, docs/GPU.md).
+ * forms, lines evict-first in L1 and L2; otherwise plain loads and stores, as
+ * cudaMemcpy's own copy. On the H200 plain copied 1.5 to 3.5 % faster, and an
+ * engine kernel beside paced copies lost 2 to 5 % more of its time to them
+ * (bench/gpu_l2_bench.cu). Variants measured there say both come from the
+ * copy's lines allocated in L1 on the SMs it shares with the engine, not
+ * from the L2 policy (docs/GPU.md).
  */
 template <bool EVICT_FIRST> __host__ __device__ static inline uint4 ld16(const uint4 *p)
 {

@@ -253,11 +253,10 @@ enum kvf_gpu_copier_flags {
          * before its kernel, no reuse: the first design, for comparison. Not
          * with MAPPED_DESC. */
         KVF_GPU_COPIER_STAGED_DESC = 1u << 2,
-        /* Plain loads and stores of the data, as cudaMemcpy. Default: marked
-         * evict-first in L2 (.cs), so the copy leaves the engine's lines in the
-         * cache. On the H200 plain copies 1.5 to 3.5 % faster and costs an
-         * engine whose working set lives in L2 3 to 5 % more of its time
-         * beside the copies (bench/gpu_l2_bench.cu, docs/GPU.md). */
+        /* Plain loads and stores of the data, as cudaMemcpy. Default: the .cs
+         * forms (evict-first). On the H200 plain copies 1.5 to 3.5 % faster and
+         * costs an engine kernel beside paced copies 2 to 5 % more of its time
+         * (bench/gpu_l2_bench.cu, docs/GPU.md). */
         KVF_GPU_COPIER_PLAIN = 1u << 3,
 };
 

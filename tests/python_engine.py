@@ -13,6 +13,7 @@ engine by poll_previous(). Exit 0
 when all holds; tests/python_engine_test.sh starts the instances. Run with /usr/bin/python3
 (python3-msgpack).
 """
+import errno
 import gc
 import os
 import random
@@ -20,6 +21,7 @@ import signal
 import struct
 import subprocess
 import sys
+import threading
 import time
 
 import kvferry
@@ -259,6 +261,29 @@ def main():
     if not c.closed:
         fail("the session did not end when the last view was dropped")
     print("ok: a view kept the caches mapped after close(); dropping it ended the session")
+
+    # close() from one thread while another waits in poll(): takes effect when the poll
+    # returns; the poller's next call raises; nothing crashes.
+    c = kvferry.Client(dname)
+    errors = []
+
+    def poller():
+        try:
+            while True:
+                c.poll(timeout_ms=300)
+        except kvferry.KvferryError as e:
+            errors.append(e)
+
+    th = threading.Thread(target=poller)
+    th.start()
+    time.sleep(0.1)
+    c.close()
+    th.join(timeout=5)
+    if th.is_alive() or len(errors) != 1 or errors[0].errno != errno.EBADF or not c.closed:
+        fail("close() beside a polling thread: alive %s, errors %r, closed %s"
+             % (th.is_alive(), errors, c.closed))
+    print("ok: close() beside a thread waiting in poll(): the session ended when the poll "
+          "returned, the thread's next call raised (%s)" % errors[0])
     killed_engine(pname, dname)
     print("ok: python engine: all passed")
 

@@ -23,6 +23,7 @@ import ctypes
 import ctypes.util
 import errno as _errno
 import os
+import threading
 import weakref
 
 __all__ = ["Client", "KvferryError", "RingFull", "Layout", "DeviceTensor", "STATUS_NAMES",
@@ -192,39 +193,68 @@ class Client:
     The host caches' views (tensor(), block(), numpy()) point into the client's mapping of
     the caches. A view keeps its client alive, and close() with views still alive ends the
     session only when the last of them is gone (`closed` says whether it has): a view never
-    points at unmapped memory."""
+    points at unmapped memory. Threads may share a client; close() from one thread while
+    another is in a call (a poll that waits) takes effect when that call returns, and calls
+    after close() raise."""
 
     def __init__(self, instance, wait_ms=5000):
-        h = ctypes.c_void_p()
-        _check(_lib.kvf_attach(instance.encode(), int(wait_ms), ctypes.byref(h)), "kvferry")
-        self._h = h
+        self._h = None
         self.instance = instance
-        li = _Layout()
-        _check(_lib.kvf_get_layout(self._h, ctypes.byref(li)), "layout")
-        self.layout = Layout(li)
-        dev = _lib.kvf_cache_device(self._h)
-        self.device = None if dev < 0 else dev  # None: the caches are host memory
         self._msgpack = None
         self._views = {}  # id -> weakref of each live view's memory
         self._closing = False
+        self._active = 0  # calls into the library in progress
+        self._lock = threading.RLock()  # re-entrant: a view may die (GC) inside a locked region
+        h = ctypes.c_void_p()
+        _check(_lib.kvf_attach(instance.encode(), int(wait_ms), ctypes.byref(h)), "kvferry")
+        self._h = h
+        try:
+            li = _Layout()
+            _check(_lib.kvf_get_layout(self._h, ctypes.byref(li)), "layout")
+            self.layout = Layout(li)
+            dev = _lib.kvf_cache_device(self._h)
+            self.device = None if dev < 0 else dev  # None: the caches are host memory
+        except BaseException:
+            self.close()
+            raise
 
     # -- session ---------------------------------------------------------------------------
 
     def close(self):
-        """End the session now, or as soon as the last view of the caches is gone."""
-        self._closing = True
-        if self._h and not self._views:
-            _lib.kvf_detach(self._h)
-            self._h = None
+        """End the session now, or as soon as the last view of the caches is gone and the
+        calls other threads are making have returned."""
+        with self._lock:
+            self._closing = True
+            self._detach_if_done()
 
     @property
     def closed(self):
         return self._h is None
 
+    def _detach_if_done(self):  # with self._lock held
+        if self._h and self._closing and not self._views and not self._active:
+            h, self._h = self._h, None
+            _lib.kvf_detach(h)
+
     def _view_gone(self, ref):
-        self._views.pop(id(ref), None)
-        if self._closing and not self._views:
-            self.close()
+        with self._lock:
+            self._views.pop(id(ref), None)
+            self._detach_if_done()
+
+    def _call(self, fn, *args):
+        """fn(handle, *args), the handle kept valid until it returns."""
+        with self._lock:
+            if not self._h or self._closing:
+                raise KvferryError(_errno.EBADF, "kvferry: client of '%s' closed" %
+                                   self.instance)
+            self._active += 1
+            h = self._h
+        try:
+            return fn(h, *args)
+        finally:
+            with self._lock:
+                self._active -= 1
+                self._detach_if_done()
 
     def __enter__(self):
         return self
@@ -238,19 +268,14 @@ class Client:
         except Exception:  # interpreter shutting down
             pass
 
-    def _handle(self):
-        if not self._h or self._closing:
-            raise KvferryError(_errno.EBADF, "kvferry: client of '%s' closed" % self.instance)
-        return self._h
-
     @property
     def session(self):
-        return int(_lib.kvf_session(self._handle()))
+        return int(self._call(_lib.kvf_session))
 
     @property
     def last_step(self):
         """The last step with a published layer-done: a re-attached engine counts on from it."""
-        return int(_lib.kvf_last_step(self._handle()))
+        return int(self._call(_lib.kvf_last_step))
 
     # -- caches ----------------------------------------------------------------------------
 
@@ -264,7 +289,7 @@ class Client:
                 (v and lo.key_only):
             raise KvferryError(_errno.ERANGE, "kvferry: no tensor %d of layer %d (%r)"
                                % (v, layer, lo))
-        ptr = _lib.kvf_cache_tensor(self._handle(), layer, v)
+        ptr = self._call(_lib.kvf_cache_tensor, layer, v)
         if not ptr:
             _check(-_errno.ERANGE, "tensor %d of layer %d" % (v, layer))
         if self.device is not None:
@@ -306,7 +331,7 @@ class Client:
                                   "python3-msgpack)") from None
             self._msgpack = msgpack
         data = self._msgpack.packb(record, use_bin_type=True)
-        return _check(_lib.kvf_submit_raw(self._handle(), target, rtype, data, len(data)), what)
+        return _check(self._call(_lib.kvf_submit_raw, target, rtype, data, len(data)), what)
 
     def submit_task(self, task):
         """One request to move: FastDeploy's task dict as it is (docs/records.md, record 1)."""
@@ -332,12 +357,12 @@ class Client:
 
     def layer_done(self, step, layer):
         """Layers [0, layer] of forward step `step` are written (monotonic)."""
-        return _check(_lib.kvf_layer_done(self._handle(), int(step), int(layer)), "layer done")
+        return _check(self._call(_lib.kvf_layer_done, int(step), int(layer)), "layer done")
 
     def layer_done_on_stream(self, stream, step, layer):
         """layer_done() when the CUDA stream reaches this point; `stream` is the cudaStream_t
         as an int (torch: torch.cuda.current_stream().cuda_stream)."""
-        return _check(_lib.kvf_layer_done_on_stream(self._handle(), ctypes.c_void_p(int(stream)),
+        return _check(self._call(_lib.kvf_layer_done_on_stream, ctypes.c_void_p(int(stream)),
                                                     int(step), int(layer)),
                       "layer done on stream")
 
@@ -347,7 +372,7 @@ class Client:
         if m is None:
             raise KvferryError(_errno.EINVAL, "kvferry: layer signal '%s': hostfn or "
                                "writevalue" % method)
-        return _check(_lib.kvf_set_layer_signal(self._handle(), m), "layer signal")
+        return _check(self._call(_lib.kvf_set_layer_signal, m), "layer signal")
 
     # -- events ----------------------------------------------------------------------------
 
@@ -355,13 +380,13 @@ class Client:
         """The next completion, arrival or connect result of this session, as a dict, or None
         when none came within timeout_ms (-1 waits)."""
         ev = _Event()
-        if _check(_lib.kvf_poll(self._handle(), ctypes.byref(ev), int(timeout_ms)), "poll"):
+        if _check(self._call(_lib.kvf_poll, ctypes.byref(ev), int(timeout_ms)), "poll"):
             return _event_dict(ev)
         return None
 
     def poll_previous(self):
         """What became of earlier sessions' requests (kvf_poll_previous), or None."""
         ev = _Event()
-        if _check(_lib.kvf_poll_previous(self._handle(), ctypes.byref(ev)), "poll previous"):
+        if _check(self._call(_lib.kvf_poll_previous, ctypes.byref(ev)), "poll previous"):
             return _event_dict(ev)
         return None

@@ -282,23 +282,24 @@ class Client:
     def tensor(self, layer, v=0):
         """Layer `layer`'s K (v=0) or V (v=1) cache, zero-copy: for a host instance a writable
         memoryview of its bytes (numpy.frombuffer takes it as it is), for a GPU instance a
-        DeviceTensor. The caches are the allocator's and outlive this client: do not use a view
-        after close(). Extra layers follow the model's layers."""
+        DeviceTensor. A view keeps the caches mapped in this process (see the class). Extra
+        layers follow the model's layers."""
         lo = self.layout
         if not (0 <= layer < lo.num_layers + lo.extra_layers) or v not in (0, 1) or \
                 (v and lo.key_only):
             raise KvferryError(_errno.ERANGE, "kvferry: no tensor %d of layer %d (%r)"
                                % (v, layer, lo))
-        ptr = self._call(_lib.kvf_cache_tensor, layer, v)
-        if not ptr:
-            _check(-_errno.ERANGE, "tensor %d of layer %d" % (v, layer))
-        if self.device is not None:
-            mem = DeviceTensor(ptr, lo, self.device, self)
-        else:
-            mem = (ctypes.c_ubyte * lo.tensor_bytes).from_address(ptr)
-            mem._client = self  # the mapping lives while the view does
-        ref = weakref.ref(mem, self._view_gone)
-        self._views[id(ref)] = ref
+        with self._lock:  # the view is registered before another thread's close() can unmap
+            ptr = self._call(_lib.kvf_cache_tensor, layer, v)
+            if not ptr:
+                _check(-_errno.ERANGE, "tensor %d of layer %d" % (v, layer))
+            if self.device is not None:
+                mem = DeviceTensor(ptr, lo, self.device, self)
+            else:
+                mem = (ctypes.c_ubyte * lo.tensor_bytes).from_address(ptr)
+                mem._client = self  # the mapping lives while the view does
+            ref = weakref.ref(mem, self._view_gone)
+            self._views[id(ref)] = ref
         return mem if self.device is not None else memoryview(mem).cast("B")
 
     def block(self, layer, v, block_id):

@@ -105,6 +105,64 @@ def killed_engine(pname, dname):
           "both sides, told to the next engine by poll_previous()" % n)
 
 
+def chunk_cancel_connect(pname, dname):
+    """submit_chunk, cancel and connect, each through to its event."""
+    with kvferry.Client(dname) as dec, kvferry.Client(pname) as pre:
+        lo, bb = pre.layout, pre.layout.block_bytes
+        layers = lo.num_layers + lo.extra_layers
+        tok = lo.block_size
+        # A chunked request of 4 blocks: two chunks, two steps.
+        src, dst = [40, 41, 42, 43], [50, 51, 52, 53]
+        rid = "py-chunked-%d" % pre.session
+        s1 = pre.last_step + 1
+        pre.submit_task({"request_id": rid, "src_block_ids": src, "dest_block_ids": dst,
+                         "current_id": s1, "transfer_protocol": "ipc", "peer": dname,
+                         "peer_session": dec.session, "chunked": True})
+        for step, first, n_done, last in ((s1, 0, 2, False), (s1 + 1, 2, 4, True)):
+            for layer in range(layers):
+                for v in range(lo.tensors):
+                    t = pre.tensor(layer, v)
+                    for bi in range(first, n_done):
+                        t[src[bi] * bb:(src[bi] + 1) * bb] = pattern(900 + step - s1, layer, v,
+                                                                      bi, bb)
+                pre.layer_done(step, layer)
+            pre.submit_chunk(rid, step, n_done * tok, last=last)
+        # A request whose layers never come, cancelled.
+        cid = "py-cancelled-%d" % pre.session
+        pre.submit_task({"request_id": cid, "src_block_ids": [44], "dest_block_ids": [54],
+                         "current_id": s1 + 100, "transfer_protocol": "ipc", "peer": dname,
+                         "peer_session": dec.session})
+        pre.cancel(cid)
+        done = wait_events(pre, 2, "chunked and cancelled completions")
+        if done[rid]["status"] != "finished" or done[cid]["status"] != "cancelled":
+            fail("chunked %r, cancelled %r" % (done[rid], done[cid]))
+        arrived = {}
+        end = time.monotonic() + 15
+        while rid not in arrived and time.monotonic() < end:
+            ev = dec.poll(timeout_ms=200)
+            if ev:
+                arrived[ev["request_id"]] = ev
+        if arrived.get(rid, {}).get("status") != "finished":
+            fail("chunked request's arrival: %r" % arrived)
+        for layer in range(layers):
+            for v in range(lo.tensors):
+                t = dec.tensor(layer, v)
+                for bi, d in enumerate(dst):
+                    if t[d * bb:(d + 1) * bb] != pattern(900 + (bi >= 2), layer, v, bi, bb):
+                        fail("chunked request: layer %d tensor %d block %d differs" % (layer, v, bi))
+        # Connect: a known peer and an unknown one, each answered.
+        pre.connect("py-connect-ok", dname)
+        pre.connect("py-connect-bad", "nobody-here")
+        res = wait_events(pre, 2, "connect results")
+        if res["py-connect-ok"]["type"] != "connect result" or \
+                res["py-connect-ok"]["status"] != "finished" or \
+                res["py-connect-bad"]["status"] != "unknown peer":
+            fail("connect results: %r" % res)
+        print("ok: a chunked request (two chunks, two steps) finished and verified; a cancelled "
+              "one ended 'cancelled'; connect answered 'finished' and 'unknown peer' (%s)"
+              % res["py-connect-bad"]["reason"])
+
+
 def main():
     if len(sys.argv) == 6 and sys.argv[1] == "--child":
         return child(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))
@@ -232,15 +290,21 @@ def main():
         except kvferry.KvferryError as e:
             print("ok: a step going backwards raises: %s" % e)
 
-        try:
-            import numpy
-        except ImportError:
-            numpy = None
-        if numpy is not None:
-            a = pre.numpy(0, 0)
-            if a.shape != lo.shape or a.nbytes != lo.tensor_bytes:
-                fail("numpy view: shape %r, %d bytes" % (a.shape, a.nbytes))
-            print("ok: numpy view of layer 0: %r %s" % (a.shape, a.dtype))
+        # numpy views: the layer's shape, bf16 as int16, and the same memory as the views.
+        import numpy
+        a = pre.numpy(0, 0)
+        if a.shape != lo.shape or a.nbytes != lo.tensor_bytes or a.dtype != numpy.int16:
+            fail("numpy view: shape %r, %d bytes, %s" % (a.shape, a.nbytes, a.dtype))
+        blk = pre.block(0, 0, 7)
+        a[7, 0, 0, 0] = 0x1234
+        if bytes(blk[:2]) != b"\x34\x12":
+            fail("a write through the numpy view did not reach the cache's bytes")
+        blk[2:4] = b"\x78\x56"
+        if a[7, 0, 0, 1] != 0x5678:
+            fail("a write through the memoryview did not show in the numpy view")
+        del a, blk
+        print("ok: numpy view of a layer: %r int16, the same memory as the memoryviews"
+              % (lo.shape,))
 
     # A view outlives close(): the session ends when the last view is gone, never before.
     c = kvferry.Client(dname)
@@ -284,6 +348,7 @@ def main():
              % (th.is_alive(), errors, c.closed))
     print("ok: close() beside a thread waiting in poll(): the session ended when the poll "
           "returned, the thread's next call raised (%s)" % errors[0])
+    chunk_cancel_connect(pname, dname)
     killed_engine(pname, dname)
     print("ok: python engine: all passed")
 

@@ -3,7 +3,8 @@
 # a decode and a prefill instance on host memory. Real processes, real rings, real copies.
 source "$(dirname "$0")/lib.sh"
 cd "$ROOT"
-/usr/bin/python3 -c 'import msgpack' 2>/dev/null || fail "python3-msgpack is missing (tools/kvferry setup installs it)"
+/usr/bin/python3 -c 'import msgpack, numpy' 2>/dev/null ||
+  fail "python3-msgpack or python3-numpy is missing (tools/kvferry setup installs them)"
 L="--model llama-3.1-8b --tp 8 --cache-mib 64"
 up $TAG-d --role decode $L
 up $TAG-p --role prefill $L

@@ -35,6 +35,22 @@ uint64_t bench_now_ns(void)
         return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 }
 
+unsigned bench_parse_list(const char *s, uint64_t *out, unsigned cap, uint64_t unit)
+{
+        unsigned n = 0;
+        char *end;
+        while (*s && n < cap) {
+                unsigned long long v = strtoull(s, &end, 10);
+                if (end == s || v == 0)
+                        bench_die("bad list element in \"%s\"", s);
+                out[n++] = v * unit;
+                s = *end == ',' ? end + 1 : end;
+                if (*end && *end != ',')
+                        bench_die("bad list \"%s\"", s);
+        }
+        return n;
+}
+
 uint64_t bench_rnd(struct bench_rng *r)
 {
         uint64_t z = (r->s += 0x9e3779b97f4a7c15ull);

@@ -39,6 +39,10 @@ int bench_require_gpu(const char *prog);
 
 uint64_t bench_now_ns(void);
 
+/* A comma-separated list of positive integers, each times `unit`, into out (at most cap);
+ * exits with a message on a bad element. Returns the count. */
+unsigned bench_parse_list(const char *s, uint64_t *out, unsigned cap, uint64_t unit);
+
 struct bench_rng {
         uint64_t s;
 };

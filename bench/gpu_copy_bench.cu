@@ -117,22 +117,6 @@ static void usage(FILE *f)
                 "77 no GPU.\n");
 }
 
-static unsigned parse_list(const char *s, uint64_t *out, unsigned cap, uint64_t unit)
-{
-        unsigned n = 0;
-        char *end;
-        while (*s && n < cap) {
-                unsigned long long v = strtoull(s, &end, 10);
-                if (end == s || v == 0)
-                        bench_die("bad list element in \"%s\"", s);
-                out[n++] = v * unit;
-                s = *end == ',' ? end + 1 : end;
-                if (*end && *end != ',')
-                        bench_die("bad list \"%s\"", s);
-        }
-        return n;
-}
-
 static unsigned make_shapes(const struct opts *o, struct shape *sh)
 {
         struct kvf_bench_model m[16];
@@ -379,8 +363,8 @@ int main(int argc, char **argv)
 {
         struct opts o;
         memset(&o, 0, sizeof(o));
-        o.n_sizes = parse_list("1,4,16,64,256", o.sizes, MAX_SIZES, 1ull << 20);
-        o.n_blocks_extra = parse_list("16,64", o.blocks_extra, MAX_SIZES, 1024);
+        o.n_sizes = bench_parse_list("1,4,16,64,256", o.sizes, MAX_SIZES, 1ull << 20);
+        o.n_blocks_extra = bench_parse_list("16,64", o.blocks_extra, MAX_SIZES, 1024);
         o.tps[0] = 1;
         o.tps[1] = 8;
         o.n_tps = 2;
@@ -407,13 +391,13 @@ int main(int argc, char **argv)
                 uint64_t tmp[8];
                 switch (ch) {
                 case 's':
-                        o.n_sizes = parse_list(optarg, o.sizes, MAX_SIZES, 1ull << 20);
+                        o.n_sizes = bench_parse_list(optarg, o.sizes, MAX_SIZES, 1ull << 20);
                         break;
                 case 'b':
-                        o.n_blocks_extra = parse_list(optarg, o.blocks_extra, MAX_SIZES, 1024);
+                        o.n_blocks_extra = bench_parse_list(optarg, o.blocks_extra, MAX_SIZES, 1024);
                         break;
                 case 't':
-                        o.n_tps = parse_list(optarg, tmp, 8, 1);
+                        o.n_tps = bench_parse_list(optarg, tmp, 8, 1);
                         for (unsigned i = 0; i < o.n_tps; i++)
                                 o.tps[i] = (unsigned)tmp[i];
                         break;

@@ -190,20 +190,6 @@ static double median(double *v, unsigned n)
         return p.p50;
 }
 
-static unsigned parse_list(const char *s, uint64_t *out, unsigned cap)
-{
-        unsigned n = 0;
-        char *end;
-        while (*s && n < cap) {
-                unsigned long long v = strtoull(s, &end, 10);
-                if (end == s || !v)
-                        bench_die("bad list \"%s\"", s);
-                out[n++] = v << 20;
-                s = *end == ',' ? end + 1 : end;
-        }
-        return n;
-}
-
 int main(int argc, char **argv)
 {
         struct opts o;
@@ -231,7 +217,7 @@ int main(int argc, char **argv)
         while ((ch = getopt_long(argc, argv, "h", lo, NULL)) != -1) {
                 switch (ch) {
                 case 'w':
-                        o.n_ws = parse_list(optarg, o.ws, MAX_WS);
+                        o.n_ws = bench_parse_list(optarg, o.ws, MAX_WS, 1ull << 20);
                         break;
                 case 'b':
                         o.batch = strtoull(optarg, NULL, 10) << 20;

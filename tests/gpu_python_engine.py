@@ -12,29 +12,11 @@ the GPU. tests/gpu_e2e_test.sh runs it for both executors where python3 has torc
 """
 import random
 import sys
-import time
 
 import torch
 
 import kvferry
-
-
-def fail(msg):
-    sys.exit("FAIL: " + msg)
-
-
-def wait_events(client, want, what, timeout_s=60):
-    got = {}
-    end = time.monotonic() + timeout_s
-    while len(got) < want:
-        if time.monotonic() > end:
-            fail("%s: %d of %d events after %d s" % (what, len(got), want, timeout_s))
-        ev = client.poll(timeout_ms=200)
-        if ev is not None:
-            if ev["request_id"] in got:
-                fail("%s: two events for %s" % (what, ev["request_id"]))
-            got[ev["request_id"]] = ev
-    return got
+from python_engine import fail, wait_events  # this folder's host test: the same helpers
 
 
 def main():
@@ -92,11 +74,11 @@ def main():
                     ts[s] = pattern(r, layer, v, bi)
         pre.layer_done_on_stream(stream.cuda_stream, step, layer)
 
-    done = wait_events(pre, len(reqs), "completions")
+    done = wait_events(pre, len(reqs), "completions", timeout_s=60)
     for q in reqs:
         if done[q["id"]]["status"] != "finished":
             fail("%s: %r" % (q["id"], done[q["id"]]))
-    arrived = wait_events(dec, len(reqs), "arrivals")
+    arrived = wait_events(dec, len(reqs), "arrivals", timeout_s=60)
     checked = 0
     for r, q in enumerate(reqs):
         if arrived[q["id"]]["status"] != "finished":

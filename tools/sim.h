@@ -34,7 +34,7 @@
 
 #define KVF_SIM_PROG "kvf-sim"
 #define KVF_SIM_MAX_RANKS 8
-#define KVF_SIM_MAX_INSTANCES 16 /* per side */
+#define KVF_SIM_MAX_INSTANCES 16u /* per side */
 
 /* One request, prefill and decode side. Indexed by its number: its id is "r<seq>". */
 struct sim_req {
@@ -42,8 +42,8 @@ struct sim_req {
         char id[48];
         uint32_t tokens, n_src, n_dst, first;
         uint32_t *src, *dst;
-        unsigned pi, di;        /* its prefill instance (fixed) and decode instance (at admission) */
-        bool admitted;          /* its blocks were reserved (what counts after a stop) */
+        unsigned pi, di; /* its prefill instance (fixed) and decode instance (at admission) */
+        bool admitted;   /* its blocks were reserved (what counts after a stop) */
         uint32_t done_tokens;   /* prefilled so far */
         uint64_t last_layer_ns; /* publish time of its final layer */
         uint32_t last_blocks;   /* blocks its final step sends per layer and tensor */

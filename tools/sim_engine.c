@@ -150,8 +150,8 @@ int kvf_sim_setup(struct sim *s)
                                     i ? &s->pre[0] : NULL) < 0)
                         return -1;
         for (unsigned i = 0; i < s->ndec; i++)
-                if (attach_instance(s, &s->dec[i], &o->decode[i], "decode",
-                                    i ? &s->dec[0] : NULL) < 0)
+                if (attach_instance(s, &s->dec[i], &o->decode[i], "decode", i ? &s->dec[0] : NULL) <
+                    0)
                         return -1;
         if (o->session_log &&
             simlog_open(o->session_log, kvf_session(kvf_group_member(s->pre[0].g, 0)),
@@ -276,11 +276,11 @@ struct engine {
         struct sim_req **active; /* the requests of its current step */
         uint32_t *from, *to;     /* ... and the tokens [from, to) this step prefills of each */
         unsigned nactive;
-        uint64_t step;           /* its current (or next) step */
+        uint64_t step; /* its current (or next) step */
         bool in_step;
-        uint32_t layer;          /* in a step: the layer being computed */
-        uint64_t due;            /* ... and when its compute time is over (its layer-done) */
-        uint64_t not_before;     /* its first step's start */
+        uint32_t layer;      /* in a step: the layer being computed */
+        uint64_t due;        /* ... and when its compute time is over (its layer-done) */
+        uint64_t not_before; /* its first step's start */
 };
 
 /* The decode instance for r: of those with room for it, the one with the most free blocks,
@@ -318,7 +318,8 @@ static int start_step(struct sim *s, struct engine *e)
                 uint32_t take = step_share(s, e->active[i]);
                 budget = budget > take ? budget - take : 0;
         }
-        while (!kvf_load_relaxed(&s->stop) && e->next < s->nreq && (budget > 0 || e->nactive == 0)) {
+        while (!kvf_load_relaxed(&s->stop) && e->next < s->nreq &&
+               (budget > 0 || e->nactive == 0)) {
                 struct sim_req *r = &s->reqs[e->next];
                 int d = pick_decode(s, r);
                 if (e->in->pool.n < r->n_src || d < 0)
@@ -370,7 +371,7 @@ static int end_layer(struct sim *s, struct engine *e)
                 if (!s->sg)
                         kvf_layer_done(kvf_group_member(e->in->g, k), e->step, l);
                 else if (sim_gpu_layer(s->sg, k, kvf_group_member(e->in->g, k), e->step, l) < 0)
-                        return -1; /* GPU mode: a kernel, layer-done on its stream */
+                        return -1;               /* GPU mode: a kernel, layer-done on its stream */
         uint64_t pub = s->sg ? 0 : kvf_now_ns(); /* GPU mode: known at the step's end */
         if (l == s->layers / 2)
                 for (unsigned i = 0; i < e->nactive; i++) {

@@ -133,7 +133,8 @@ static void maybe_done(struct sim *s, struct sim_req *r)
                 s->failed++;
                 pre->failed++;
                 dec->failed++;
-                s->unexpected_failures += !(r->completion == KVF_STATUS_CANCELLED && r->cancel_sent);
+                s->unexpected_failures +=
+                    !(r->completion == KVF_STATUS_CANCELLED && r->cancel_sent);
                 s->fail_by_status[r->completion]++;
                 if (r->arrival == KVF_STATUS_FINISHED)
                         s->bad_status_pairs++;
@@ -251,8 +252,10 @@ static void on_completion(struct sim *s, unsigned p, const struct kvf_event *ev)
                 return;
         }
         if (!r->admitted || r->pi != p) {
-                fprintf(stderr, "%s: CORRUPT: a completion of %s from prefill instance %s, which "
-                        "did not submit it\n", KVF_SIM_PROG, r->id, s->pre[p].o->name[0]);
+                fprintf(stderr,
+                        "%s: CORRUPT: a completion of %s from prefill instance %s, which "
+                        "did not submit it\n",
+                        KVF_SIM_PROG, r->id, s->pre[p].o->name[0]);
                 s->corrupt++;
                 return;
         }

@@ -546,13 +546,19 @@ int kvf_sim_run(struct sim *s)
                                 start_at = e->not_before < start_at ? e->not_before : start_at;
                                 continue;
                         }
-                        if (!e->in_step && (rc = start_step(s, e)) < 0)
+                        if (!e->in_step && start_step(s, e) < 0) {
+                                rc = -1;
                                 goto out;
+                        }
                         if (e->in_step && (!due || e->due < due->due))
                                 due = e;
                 }
-                rc = 0;
-                if (due) {
+                if (start_at < (due ? due->due : UINT64_MAX)) {
+                        /* an engine's first step, a fraction of a layer after the others':
+                         * at its time, not at the next layer-done (which would put it in step) */
+                        kvf_sim_poll_events(s, 0);
+                        wait_until(start_at);
+                } else if (due) {
                         wait_until(due->due);
                         if (end_layer(s, due) < 0) {
                                 rc = -1;
@@ -560,10 +566,6 @@ int kvf_sim_run(struct sim *s)
                         }
                         if (!due->in_step)
                                 last_progress = kvf_now_ns();
-                } else if (start_at != UINT64_MAX) {
-                        /* an engine's first step, a fraction of a layer after the others' */
-                        kvf_sim_poll_events(s, 0);
-                        wait_until(start_at);
                 } else {
                         /* No engine has a step to run: waiting for blocks, or for the last
                          * requests to land. */

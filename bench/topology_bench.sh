@@ -23,7 +23,7 @@
 # (--verify sample, as e2e_bench.sh), touches every cache page before its clock starts
 # (--warm-caches), and fails unless every request finished (--strict); a first run of each
 # topology's requests maps the peers' caches and opens the connections before the measured
-# ones. About 4 minutes on 2 CPUs; --quick (a third of the requests) about 2.
+# ones. With --quick about 3 minutes on 2 CPUs; without it three times the requests, and the time.
 # Usage: bench/topology_bench.sh [--quick] [--fan N] [--cache-mib M] [--layer-us US]
 #                                [--huge-pages auto|on|off]
 set -euo pipefail

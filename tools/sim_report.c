@@ -1,7 +1,8 @@
 /*
  * kvf-sim's report (sim.h): the progress line while it runs, then the
- * summary text and its JSON. The tests/ scripts read the JSON's fields and
- * bench/e2e_bench.sh the text: keep both shapes.
+ * summary text and its JSON. The tests/ scripts read the JSON's fields (some
+ * with sed, taking a key's last match on the line), the benchmarks the JSON's
+ * fields and its rows per instance, people the text: keep the shapes.
  */
 #include <stdio.h>
 #include <stdlib.h>

@@ -28,6 +28,24 @@ static void split_list(const char *s, const char **out, unsigned *n)
                 out[(*n)++] = p;
 }
 
+/* One more --prefill or --decode: an instance whose ranks the commas name. */
+static void add_instance(const char *opt, const char *arg, struct sim_inst_opts *side, unsigned *n,
+                         unsigned *ranks)
+{
+        unsigned nr;
+        if (*n == KVF_SIM_MAX_INSTANCES)
+                kvf_opt_die(prog, "--%s: at most %u instances per side", opt, KVF_SIM_MAX_INSTANCES);
+        split_list(arg, side[*n].name, &nr);
+        if (!nr)
+                kvf_opt_die(prog, "--%s wants an instance name (ranks separated by commas), not '%s'",
+                            opt, arg);
+        if (*ranks && nr != *ranks)
+                kvf_opt_die(prog, "--%s %s: %u rank(s), but the instances before have %u: every "
+                            "instance needs the same number of ranks", opt, arg, nr, *ranks);
+        *ranks = nr;
+        (*n)++;
+}
+
 /* The default trace, from the source tree this binary was built from, else from data/ next to
  * the binary (a copy installed with it): a relative path would work from the repository's
  * root only. NULL, with a message, when neither has it. */
@@ -61,8 +79,15 @@ static const char *default_trace(void)
 
 static void usage(void)
 {
-        printf("Usage: %s --prefill P0[,P1..] --decode D0[,D1..] [options]\n"
-               "Drive a prefill and a decode instance like an inference engine and verify every byte.\n\n"
+        printf("Usage: %s --prefill P0[,P1..] [--prefill ..] --decode D0[,D1..] [--decode ..] [options]\n"
+               "Drive prefill and decode instances like inference engines and verify every byte.\n"
+               "Commas name the ranks of one instance (a tensor-parallel group, one rank per name);\n"
+               "each --prefill or --decode is another instance (at most %u per side, all with the same\n"
+               "number of ranks). Several prefill instances into one decode instance (fan-in): request i\n"
+               "is prefilled by prefill instance i mod N, and the one decode engine hands out blocks for\n"
+               "all of them. One prefill instance into several decode instances (fan-out): the prefill\n"
+               "engine sends each request to the decode instance with the most free blocks when it is\n"
+               "admitted (ties: the next in turn). The summary shows each instance and the aggregate.\n\n"
                "  --requests N        requests to move (default 100)\n"
                "  --trace FILE        JSON lines with input_length (default data/mooncake-conversation-2000.jsonl\n"
                "                      of the source tree)\n"
@@ -87,14 +112,19 @@ static void usage(void)
                "                      engine sessions (tools/sim_sessions.h; the fault test reads it)\n"
                "  --drain-previous-s N  at the end, keep taking earlier sessions' events until none came\n"
                "                      for N seconds (default 0)\n"
+               "  --strict            fail unless every request finished, every byte verified (or ended\n"
+               "                      'cancelled' after --cancel-pct cancelled it); the default with more than\n"
+               "                      one instance per side. Without it a failed request that is accounted\n"
+               "                      for fails nothing\n"
                "  --quiet             no progress line\n"
                "  --gpu               GPU mode: the caches must be on GPUs (--backend cuda); each layer is a kernel\n"
                "                      that writes the blocks and keeps every SM busy for --layer-us, signalled with\n"
                "                      kvf_layer_done_on_stream; arrivals are verified on the GPU. Chosen by itself\n"
                "                      when the instances' caches are on GPUs\n"
                "  --check-options     check the options (and the trace's presence), run nothing\n"
-               "Exit: 0 all requests accounted for and nothing corrupt; 1 otherwise; 2 usage.\n",
-               prog);
+               "Exit: 0 all requests accounted for and nothing corrupt (and, strict, all finished); 1\n"
+               "otherwise; 2 usage.\n",
+               prog, KVF_SIM_MAX_INSTANCES);
 }
 
 /* Fill o from the command line; exits 0 after --help or --version and 2 on a usage error.
@@ -103,7 +133,7 @@ static bool parse_opts(int argc, char **argv, struct sim_opts *o)
 {
         enum { O_P = 1000, O_D, O_N, O_TRACE, O_MAXTOK, O_LUS, O_STEP, O_CHUNK, O_PREFIX, O_LATE,
                O_CANCEL, O_TRANSPORT, O_SEED, O_TO, O_BASE, O_JSON, O_QUIET, O_VERSION, O_PEERMAP, O_VERIFY, O_SCATTER, O_CHECK, O_WARM,
-               O_SLOG, O_DRAIN, O_GPU };
+               O_SLOG, O_DRAIN, O_GPU, O_STRICT };
         static const struct option lo[] = {
                 {"prefill", required_argument, 0, O_P},  {"decode", required_argument, 0, O_D},
                 {"requests", required_argument, 0, O_N}, {"trace", required_argument, 0, O_TRACE},
@@ -126,8 +156,8 @@ static bool parse_opts(int argc, char **argv, struct sim_opts *o)
                 {"session-log", required_argument, 0, O_SLOG},
                 {"drain-previous-s", required_argument, 0, O_DRAIN},
                 {"gpu", no_argument, 0, O_GPU},
+                {"strict", no_argument, 0, O_STRICT},
                 {"version", no_argument, 0, O_VERSION},  {0, 0, 0, 0}};
-        unsigned np = 0, nd = 0;
         const char *peermap = NULL;
         bool check_only = false;
         int c;
@@ -142,8 +172,8 @@ static bool parse_opts(int argc, char **argv, struct sim_opts *o)
         o->timeout_s = 60;
         while ((c = getopt_long(argc, argv, "h", lo, NULL)) != -1) {
                 switch (c) {
-                case O_P: split_list(optarg, o->prefill, &np); break;
-                case O_D: split_list(optarg, o->decode, &nd); break;
+                case O_P: add_instance("prefill", optarg, o->prefill, &o->nprefill, &o->ranks); break;
+                case O_D: add_instance("decode", optarg, o->decode, &o->ndecode, &o->ranks); break;
                 case O_N: o->requests = (unsigned)kvf_opt_u64("requests", optarg, 1, 10000000); break;
                 case O_TRACE: o->trace = optarg; break;
                 case O_MAXTOK: o->max_tokens = (unsigned)kvf_opt_u64("max-tokens", optarg, 1, 1u << 30); break;
@@ -180,16 +210,19 @@ static bool parse_opts(int argc, char **argv, struct sim_opts *o)
                 case O_SLOG: o->session_log = optarg; break;
                 case O_DRAIN: o->drain_previous_s = (unsigned)kvf_opt_u64("drain-previous-s", optarg, 0, 3600); break;
                 case O_GPU: o->gpu = true; break;
+                case O_STRICT: o->strict = true; break;
                 case 'h': usage(); exit(0);
                 case O_VERSION: printf("%s %s\n", prog, KVFERRY_VERSION); exit(0);
                 default: kvf_opt_die(prog, "unknown option");
                 }
         }
-        if (!np || np != nd)
-                kvf_opt_die(prog, "give --prefill and --decode with the same number of ranks");
-        o->ranks = np;
-        for (unsigned k = 0; k < nd; k++)
-                o->peer[k] = o->decode[k];
+        if (!o->nprefill || !o->ndecode)
+                kvf_opt_die(prog, "give --prefill and --decode (each once per instance)");
+        if (o->session_log && (o->nprefill > 1 || o->ndecode > 1))
+                kvf_opt_die(prog, "--session-log takes one prefill and one decode instance");
+        for (unsigned i = 0; i < o->ndecode; i++)
+                for (unsigned k = 0; k < o->ranks; k++)
+                        o->decode[i].peer[k] = o->decode[i].name[k];
         if (peermap) {
                 const char *m[KVF_SIM_MAX_RANKS];
                 unsigned nm;
@@ -199,9 +232,10 @@ static bool parse_opts(int argc, char **argv, struct sim_opts *o)
                         if (!eq)
                                 kvf_opt_die(prog, "--peer-map wants DECODE=HOST:PORT, not '%s'", m[i]);
                         *eq = '\0';
-                        for (unsigned k = 0; k < nd; k++)
-                                if (!strcmp(o->decode[k], m[i]))
-                                        o->peer[k] = eq + 1;
+                        for (unsigned d = 0; d < o->ndecode; d++)
+                                for (unsigned k = 0; k < o->ranks; k++)
+                                        if (!strcmp(o->decode[d].name[k], m[i]))
+                                                o->decode[d].peer[k] = eq + 1;
                 }
         }
         return check_only;
@@ -212,10 +246,21 @@ static bool parse_opts(int argc, char **argv, struct sim_opts *o)
 static int gpu_setup(struct sim *s)
 {
         int pdev[KVF_SIM_MAX_RANKS], ddev[KVF_SIM_MAX_RANKS], ngpu = 0;
-        for (unsigned k = 0; k < s->o.ranks; k++) {
-                pdev[k] = kvf_cache_device(kvf_group_member(s->pg, k));
-                ddev[k] = kvf_cache_device(kvf_group_member(s->dg, k));
-                ngpu += (pdev[k] >= 0) + (ddev[k] >= 0);
+        for (unsigned i = 0; i < s->npre + s->ndec; i++)
+                for (unsigned k = 0; k < s->o.ranks; k++) {
+                        const struct sim_inst *in = i < s->npre ? &s->pre[i] : &s->dec[i - s->npre];
+                        int dev = kvf_cache_device(kvf_group_member(in->g, k));
+                        ngpu += dev >= 0;
+                        if (i == 0)
+                                pdev[k] = dev;
+                        else if (i == s->npre)
+                                ddev[k] = dev;
+                }
+        if ((s->o.gpu || ngpu) && (s->npre > 1 || s->ndec > 1)) {
+                fprintf(stderr, "%s: %s runs one prefill and one decode instance, not %u and %u\n",
+                        prog, s->o.gpu ? "--gpu" : "GPU mode (the caches are on GPUs)", s->npre,
+                        s->ndec);
+                return -1;
         }
         if ((s->o.gpu || ngpu) && ngpu != 2 * (int)s->o.ranks) {
                 fprintf(stderr,

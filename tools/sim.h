@@ -11,6 +11,15 @@
  *   sim_gpu.cu    GPU mode (--gpu, tools/sim_gpu.h): layers as kernels, checks on the GPU
  *                 (sim_gpu_none.c in a build without CUDA)
  *
+ * Topologies: one or more prefill instances and one or more decode instances
+ * (--prefill and --decode, each given once per instance; commas name the
+ * ranks of one instance's tensor-parallel group). Each instance is one engine
+ * session (one kvf_group). Request i is prefilled by prefill instance
+ * i mod (number of prefill instances); the prefill engine sends it to the
+ * decode instance with the most free blocks when it is admitted (ties: the
+ * one after the last chosen). Each decode engine hands out its blocks from
+ * one pool, whatever the source: blocks of different sources never overlap.
+ *
  * Single-threaded: every function here runs on main()'s thread, except that
  * the SIGTERM/SIGINT handler sets `stop`.
  */
@@ -25,6 +34,7 @@
 
 #define KVF_SIM_PROG "kvf-sim"
 #define KVF_SIM_MAX_RANKS 8
+#define KVF_SIM_MAX_INSTANCES 16u /* per side */
 
 /* One request, prefill and decode side. Indexed by its number: its id is "r<seq>". */
 struct sim_req {
@@ -32,6 +42,8 @@ struct sim_req {
         char id[48];
         uint32_t tokens, n_src, n_dst, first;
         uint32_t *src, *dst;
+        unsigned pi, di; /* its prefill instance (fixed) and decode instance (at admission) */
+        bool admitted;   /* its blocks were reserved (what counts after a stop) */
         uint32_t done_tokens;   /* prefilled so far */
         uint64_t last_layer_ns; /* publish time of its final layer */
         uint32_t last_blocks;   /* blocks its final step sends per layer and tensor */
@@ -53,11 +65,16 @@ struct sim_pool {
         uint32_t n, cap;
 };
 
+/* A side's instance: its ranks' names, and what tasks name as the peer (decode side). */
+struct sim_inst_opts {
+        const char *name[KVF_SIM_MAX_RANKS];
+        const char *peer[KVF_SIM_MAX_RANKS]; /* default: the decode instance's name; --peer-map */
+};
+
 struct sim_opts {
-        const char *prefill[KVF_SIM_MAX_RANKS], *decode[KVF_SIM_MAX_RANKS];
-        const char *peer[KVF_SIM_MAX_RANKS]; /* what tasks name as the peer (default: the decode
-                                                instance) */
-        unsigned ranks;
+        struct sim_inst_opts prefill[KVF_SIM_MAX_INSTANCES], decode[KVF_SIM_MAX_INSTANCES];
+        unsigned nprefill, ndecode; /* instances per side */
+        unsigned ranks;             /* ranks per instance, the same for all */
         unsigned requests;
         const char *trace;
         unsigned layer_us;
@@ -84,10 +101,16 @@ struct sim_opts {
         bool sample_only;
         bool scatter; /* --scatter: block ids in random order, so no two are contiguous */
         bool gpu;     /* --gpu: GPU mode asked for (it is also chosen when the caches are on GPUs) */
+        /* --strict: the run fails unless every request finished, verified (or ended 'cancelled'
+         * after the simulator cancelled it); always so with more than one instance per side.
+         * Otherwise a request that failed is accounted for and fails nothing (the fault tests
+         * make requests fail on purpose). */
+        bool strict;
 };
 
 /* Per finished request: its transfer tail, and what the tail had to carry. */
 struct sim_tail {
+        unsigned pi, di; /* its prefill and decode instances */
         uint64_t ns;   /* last layer-done -> arrival */
         uint64_t cns;  /* last layer-done -> completion (prefill side) */
         uint64_t left; /* bytes left to send at its last layer-done: its final step's share
@@ -97,17 +120,33 @@ struct sim_tail {
 
 struct sim_gpu;
 
+/* One instance as its engine sees it: one client session per rank (a group), its block pool
+ * and the accounting of the requests it prefilled (prefill) or received (decode). */
+struct sim_inst {
+        const struct sim_inst_opts *o;
+        struct kvf_group *g;
+        struct kvf_layout_info L;
+        /* prefill: its source blocks; decode: its destination blocks, for every source */
+        struct sim_pool pool;
+        uint64_t admitted, done, finished, failed, bytes;
+        /* prefill: the sender's histograms at the start (sim_report.c) */
+        struct kvf_histogram hist_before[KVF_HIST_COUNT];
+};
+
 struct sim {
         struct sim_opts o;
         /* GPU mode (tools/sim_gpu.h): the caches are on GPUs, each layer is a kernel, the
          * checks run on the GPU. NULL in host mode. */
         struct sim_gpu *sg;
-        struct kvf_group *pg, *dg; /* the prefill and the decode instances' clients */
-        struct kvf_layout_info L;  /* the prefill side's layout */
+        struct sim_inst pre[KVF_SIM_MAX_INSTANCES], dec[KVF_SIM_MAX_INSTANCES];
+        unsigned npre, ndec;
+        struct kvf_layout_info L; /* the (first) prefill instance's layout */
         uint32_t layers, tensors;
         struct sim_req *reqs;
-        unsigned nreq; /* after a stop, only those admitted */
-        struct sim_pool psrc, pdst;
+        unsigned nreq;     /* every request of the run */
+        unsigned admitted; /* those whose blocks were reserved: after a stop, only these count */
+        unsigned last_di;  /* the decode instance the last admitted request went to */
+        unsigned oldest;   /* no request below it waits for its completion (sim_verify.c) */
         uint64_t rng_state;
 
         /* The accounting (sim_verify.c). */
@@ -117,6 +156,8 @@ struct sim {
         /* Requests the engine cancelled (--cancel-pct): each ends 'cancelled', or 'finished'
          * when its bytes had all landed before the cancel was read. */
         uint64_t cancels_sent;
+        /* Requests that failed other than 'cancelled' after the simulator cancelled them. */
+        uint64_t unexpected_failures;
         uint64_t warm_bytes, warm_ns; /* --warm-caches */
         struct sim_tail *tails;
         unsigned ntails;
@@ -126,13 +167,18 @@ struct sim {
         double secs;       /* t_start to the last request accounted for (or given up on) */
         int stop; /* SIGTERM/SIGINT (kvf_opt_signals: read with kvf_load_relaxed): admit no more,
                    * let what was admitted finish */
-        /* The sender's layer-done -> copy-start histogram at the start (sim_report.c). */
-        struct kvf_histogram hist_before[KVF_HIST_COUNT]; /* the sender's, at the start (sim_report.c) */
+        bool stopped; /* the run admitted no more after a stop */
 };
 
+/* The requests that count: all of them, or after a stop those admitted. */
+static inline unsigned kvf_sim_counted(const struct sim *s)
+{
+        return s->stopped ? s->admitted : s->nreq;
+}
+
 /* sim_engine.c */
-/* Attach both groups, read the layouts, make the pools, load the trace and lay out every
- * request. 0, or -1 after a message on stderr. */
+/* Attach every instance's group, read the layouts, make the pools, load the trace and lay out
+ * every request. 0, or -1 after a message on stderr. */
 int kvf_sim_setup(struct sim *s);
 /* The step loop until every request is accounted for (or a stop, or no progress for
  * --timeout-s), then the stragglers; sets secs. 0, or -1 when a submission or (GPU mode) a
@@ -160,7 +206,7 @@ void kvf_sim_report_start(struct sim *s);
 /* The progress line on stderr ("\r" before it unless final; a newline after it if final). */
 void kvf_sim_progress_line(const struct sim *s, bool final);
 /* Print the summary (and write --json); true when every request was accounted for and none
- * was corrupt. */
+ * was corrupt (and, when strict, every request finished). */
 bool kvf_sim_report(struct sim *s);
 
 #endif

@@ -102,32 +102,74 @@ static int load_trace(struct sim *s, const char *path, unsigned want)
         return 0;
 }
 
+/* The same shape of layers and blocks (the block counts may differ). */
+static bool same_shape(const struct kvf_layout_info *a, const struct kvf_layout_info *b)
+{
+        return a->num_layers == b->num_layers && a->extra_layers == b->extra_layers &&
+               a->key_only == b->key_only && a->block_size == b->block_size &&
+               a->block_bytes == b->block_bytes;
+}
+
+/* Attach one instance (its ranks as a group), read its layout, make its pool. The instances of
+ * a side share one layout: `first` is that side's first instance (NULL for itself). 0, or -1
+ * after a message. */
+static int attach_instance(struct sim *s, struct sim_inst *in, const struct sim_inst_opts *io,
+                           const char *role, const struct sim_inst *first)
+{
+        in->o = io;
+        if (kvf_group_attach(io->name, s->o.ranks, 10000, &in->g) < 0) {
+                fprintf(stderr, "%s: %s\n", KVF_SIM_PROG, kvf_last_error());
+                return -1;
+        }
+        kvf_get_layout(kvf_group_member(in->g, 0), &in->L);
+        if (first && !same_shape(&first->L, &in->L)) {
+                fprintf(stderr,
+                        "%s: %s instance %s: its layout is not that of %s (the %s instances must "
+                        "share one layout; only their block counts may differ)\n",
+                        KVF_SIM_PROG, role, io->name[0], first->o->name[0], role);
+                return -1;
+        }
+        if (pool_init(s, &in->pool, in->L.num_blocks) < 0) {
+                fprintf(stderr, "%s: %s instance %s: out of memory for %u block ids\n",
+                        KVF_SIM_PROG, role, io->name[0], in->L.num_blocks);
+                return -1;
+        }
+        return 0;
+}
+
 int kvf_sim_setup(struct sim *s)
 {
         const struct sim_opts *o = &s->o;
         struct kvf_layout_info *L = &s->L;
 
         s->rng_state = o->seed;
-        if (kvf_group_attach(o->prefill, o->ranks, 10000, &s->pg) < 0 ||
-            kvf_group_attach(o->decode, o->ranks, 10000, &s->dg) < 0) {
-                fprintf(stderr, "%s: %s\n", KVF_SIM_PROG, kvf_last_error());
-                return -1;
-        }
-        if (o->session_log && simlog_open(o->session_log, kvf_session(kvf_group_member(s->pg, 0)),
-                                          kvf_session(kvf_group_member(s->dg, 0))) < 0) {
+        s->npre = o->nprefill;
+        s->ndec = o->ndecode;
+        for (unsigned i = 0; i < s->npre; i++)
+                if (attach_instance(s, &s->pre[i], &o->prefill[i], "prefill",
+                                    i ? &s->pre[0] : NULL) < 0)
+                        return -1;
+        for (unsigned i = 0; i < s->ndec; i++)
+                if (attach_instance(s, &s->dec[i], &o->decode[i], "decode", i ? &s->dec[0] : NULL) <
+                    0)
+                        return -1;
+        if (o->session_log &&
+            simlog_open(o->session_log, kvf_session(kvf_group_member(s->pre[0].g, 0)),
+                        kvf_session(kvf_group_member(s->dec[0].g, 0))) < 0) {
                 fprintf(stderr, "%s: --session-log %s: %s\n", KVF_SIM_PROG, o->session_log,
                         strerror(errno));
                 return -1;
         }
-        kvf_get_layout(kvf_group_member(s->pg, 0), L);
-        struct kvf_layout_info DL;
-        kvf_get_layout(kvf_group_member(s->dg, 0), &DL);
+        *L = s->pre[0].L;
         s->layers = L->num_layers + L->extra_layers;
         s->tensors = L->key_only ? 1 : 2;
-        if (pool_init(s, &s->psrc, L->num_blocks) < 0 || pool_init(s, &s->pdst, DL.num_blocks) < 0)
-                return -1;
-        /* The largest prompt the caches (and one request's block limit) can hold at once. */
-        uint32_t cap_blocks = L->num_blocks < DL.num_blocks ? L->num_blocks : DL.num_blocks;
+        /* The largest prompt every cache (and one request's block limit) can hold at once. */
+        uint32_t cap_blocks = L->num_blocks;
+        for (unsigned i = 0; i < s->npre + s->ndec; i++) {
+                const struct sim_inst *in = i < s->npre ? &s->pre[i] : &s->dec[i - s->npre];
+                if (in->L.num_blocks < cap_blocks)
+                        cap_blocks = in->L.num_blocks;
+        }
         uint64_t cap_tok = (uint64_t)(cap_blocks / 2) * L->block_size;
         uint64_t lim = 4096ull * L->block_size;
         if (cap_tok > lim)
@@ -141,6 +183,7 @@ int kvf_sim_setup(struct sim *s)
         for (unsigned i = 0; i < s->nreq; i++) {
                 struct sim_req *r = &s->reqs[i];
                 snprintf(r->id, sizeof(r->id), "r%u", i);
+                r->pi = i % s->npre;
                 r->n_src = (r->tokens + L->block_size - 1) / L->block_size;
                 r->first = 0;
                 if (r->n_src > 1 && rnd(s) % 100 < o->prefix_pct)
@@ -158,6 +201,7 @@ int kvf_sim_setup(struct sim *s)
 
 static int submit_task(struct sim *s, struct sim_req *r, uint64_t step)
 {
+        const struct sim_inst *pre = &s->pre[r->pi], *dec = &s->dec[r->di];
         for (unsigned k = 0; k < s->o.ranks; k++) {
                 struct kvf_task t = {.request_id = r->id,
                                      .src_block_ids = r->src,
@@ -166,20 +210,20 @@ static int submit_task(struct sim *s, struct sim_req *r, uint64_t step)
                                      .n_dest = r->n_dst,
                                      .current_id = step,
                                      .transport = s->o.transport,
-                                     .peer = s->o.peer[k],
+                                     .peer = dec->o->peer[k],
                                      .chunked = s->o.chunk_tokens > 0,
                                      /* as an engine should: the decode session that reserved
                                       * the blocks, passed along with their ids (otherwise the
                                       * prefill side binds the transfer to the decode session it
                                       * last heard of, which a new decode engine makes stale
                                       * until its connector has told) */
-                                     .peer_session = kvf_session(kvf_group_member(s->dg, k))};
+                                     .peer_session = kvf_session(kvf_group_member(dec->g, k))};
                 int rc;
-                while ((rc = kvf_submit_task(kvf_group_member(s->pg, k), &t)) == -EAGAIN)
+                while ((rc = kvf_submit_task(kvf_group_member(pre->g, k), &t)) == -EAGAIN)
                         kvf_sim_poll_events(s, 1);
                 if (rc < 0) {
-                        fprintf(stderr, "%s: submit %s: %s\n", KVF_SIM_PROG, r->id,
-                                kvf_last_error());
+                        fprintf(stderr, "%s: submit %s to %s: %s\n", KVF_SIM_PROG, r->id,
+                                pre->o->name[k], kvf_last_error());
                         return rc;
                 }
         }
@@ -195,7 +239,7 @@ static void write_layer(struct sim *s, struct sim_req *r, uint32_t l, uint32_t f
         uint32_t j0 = from / L->block_size, j1 = (to + L->block_size - 1) / L->block_size;
         bool last = to >= r->tokens;
         for (unsigned k = 0; k < s->o.ranks; k++) {
-                struct kvf_client *c = kvf_group_member(s->pg, k);
+                struct kvf_client *c = kvf_group_member(s->pre[r->pi].g, k);
                 for (uint32_t t = 0; t < s->tensors; t++) {
                         uint8_t *base = kvf_cache_tensor(c, l, (int)t);
                         for (uint32_t j = j0; j < j1 && j < r->n_src; j++) {
@@ -220,56 +264,169 @@ static uint32_t step_share(const struct sim *s, const struct sim_req *r)
         return s->o.chunk_tokens && left > s->o.chunk_tokens ? s->o.chunk_tokens : left;
 }
 
-/* One forward step of the active requests: chunk records, then every layer written,
- * waited for and published, with the cancels at the middle layer. 0, or -1 when (GPU mode) a
- * layer's kernel or the step's end failed (after a message). */
-static int run_step(struct sim *s, struct sim_req **active, unsigned nactive, const uint32_t *from,
-                    const uint32_t *to, uint64_t step)
+/*
+ * One prefill engine: its instance, its forward steps. Each engine runs its own steps, one
+ * layer at a time, as a GPU of its own would; kvf_sim_run interleaves them on this thread,
+ * always publishing the layer-done that is due first. Engines of several prefill instances
+ * start a fraction of a layer apart, as independent engines are not in step with each other.
+ */
+struct engine {
+        struct sim_inst *in;
+        unsigned next;           /* its next request to admit (its own: i mod npre = its index) */
+        struct sim_req **active; /* the requests of its current step */
+        uint32_t *from, *to;     /* ... and the tokens [from, to) this step prefills of each */
+        unsigned nactive;
+        uint64_t step; /* its current (or next) step */
+        bool in_step;
+        uint32_t layer;      /* in a step: the layer being computed */
+        uint64_t due;        /* ... and when its compute time is over (its layer-done) */
+        uint64_t not_before; /* its first step's start */
+};
+
+/* The decode instance for r: of those with room for it, the one with the most free blocks,
+ * the next in turn after the last chosen on a tie. -1 when none has room now. */
+static int pick_decode(const struct sim *s, const struct sim_req *r)
 {
-        uint64_t layer_ns = (uint64_t)s->o.layer_us * 1000;
-        for (uint32_t l = 0; l < s->layers; l++) {
-                uint64_t t0 = kvf_now_ns();
-                for (unsigned i = 0; i < nactive; i++)
-                        write_layer(s, active[i], l, from[i], to[i]);
-                /* The rest of the layer's compute time: the engine's CPU thread
-                 * waits on its GPU, so sleep, spinning only the last stretch. */
-                for (uint64_t el; !s->sg && (el = kvf_now_ns() - t0) < layer_ns;)
-                        if (layer_ns - el > 60000)
-                                kvf_sleep_ns(layer_ns - el - 50000);
-                for (unsigned k = 0; k < s->o.ranks; k++)
-                        if (!s->sg)
-                                kvf_layer_done(kvf_group_member(s->pg, k), step, l);
-                        else if (sim_gpu_layer(s->sg, k, kvf_group_member(s->pg, k), step, l) < 0)
-                                return -1; /* GPU mode: a kernel, layer-done on its stream */
-                uint64_t pub = s->sg ? 0 : kvf_now_ns(); /* GPU mode: known at the step's end */
-                if (l == s->layers / 2)
-                        for (unsigned i = 0; i < nactive; i++)
-                                if (active[i]->cancel && active[i]->submitted) {
-                                        for (unsigned k = 0; k < s->o.ranks; k++)
-                                                kvf_submit_cancel(kvf_group_member(s->pg, k),
-                                                                  active[i]->id);
-                                        s->cancels_sent += !active[i]->cancel_sent;
-                                        active[i]->cancel_sent = true;
-                                }
-                if (l == s->layers - 1)
-                        for (unsigned i = 0; i < nactive; i++)
-                                if (to[i] >= active[i]->tokens) {
-                                        struct sim_req *r = active[i];
-                                        uint32_t b0 = from[i] / s->L.block_size;
-                                        r->last_layer_ns = pub;
-                                        r->last_blocks = r->n_src - (b0 > r->first ? b0 : r->first);
-                                }
-                kvf_sim_poll_events(s, 0);
+        int best = -1;
+        for (unsigned j = 1; j <= s->ndec; j++) {
+                unsigned d = (s->last_di + j) % s->ndec;
+                uint32_t n = s->dec[d].pool.n;
+                if (n >= r->n_dst && (best < 0 || n > s->dec[best].pool.n))
+                        best = (int)d;
+        }
+        return best;
+}
+
+/* Start the layer e->layer of e's step: write every active request's share of it. The layer's
+ * compute time runs from here (GPU mode: the kernel's, not this thread's). */
+static void begin_layer(struct sim *s, struct engine *e)
+{
+        uint64_t t0 = kvf_now_ns();
+        for (unsigned i = 0; i < e->nactive; i++)
+                write_layer(s, e->active[i], e->layer, e->from[i], e->to[i]);
+        e->due = s->sg ? t0 : t0 + (uint64_t)s->o.layer_us * 1000;
+}
+
+/* Start e's next forward step: admit what its step budget and the free blocks allow, then its
+ * chunk records and its first layer. 1 when it runs a step, 0 when it has nothing to run now,
+ * < 0 when a submission failed (after a message). */
+static int start_step(struct sim *s, struct engine *e)
+{
+        const struct sim_opts *o = &s->o;
+        uint64_t budget = o->step_tokens;
+        for (unsigned i = 0; i < e->nactive; i++) {
+                uint32_t take = step_share(s, e->active[i]);
+                budget = budget > take ? budget - take : 0;
+        }
+        while (!kvf_load_relaxed(&s->stop) && e->next < s->nreq &&
+               (budget > 0 || e->nactive == 0)) {
+                struct sim_req *r = &s->reqs[e->next];
+                int d = pick_decode(s, r);
+                if (e->in->pool.n < r->n_src || d < 0)
+                        break;
+                pool_take(&e->in->pool, r->n_src, r->src);
+                pool_take(&s->dec[d].pool, r->n_dst, r->dst);
+                r->di = (unsigned)d;
+                s->last_di = (unsigned)d;
+                r->src_freed = r->dst_freed = false;
+                r->admitted = true;
+                s->admitted++;
+                e->in->admitted++;
+                s->dec[d].admitted++;
+                if (!r->late_task && submit_task(s, r, e->step) < 0)
+                        return -1;
+                e->active[e->nactive++] = r;
+                uint32_t take = step_share(s, r);
+                budget = budget > take ? budget - take : 0;
+                e->next += s->npre;
+        }
+        if (e->nactive == 0)
+                return 0;
+        /* This step's share of each active request. */
+        for (unsigned i = 0; i < e->nactive; i++) {
+                struct sim_req *r = e->active[i];
+                e->from[i] = r->done_tokens;
+                e->to[i] = r->done_tokens + step_share(s, r);
+                if (o->chunk_tokens)
+                        for (unsigned k = 0; k < o->ranks; k++)
+                                while (kvf_submit_chunk(kvf_group_member(e->in->g, k), r->id,
+                                                        e->step, e->to[i],
+                                                        e->to[i] >= r->tokens) == -EAGAIN)
+                                        kvf_sim_poll_events(s, 1);
+        }
+        e->in_step = true;
+        e->layer = 0;
+        begin_layer(s, e);
+        return 1;
+}
+
+/* e's layer is computed (its due time has come): publish its layer-done, with the cancels at
+ * the middle layer; then the next layer, or the step's end (the tasks that come after their
+ * layers). 0, or -1 when a submission or (GPU mode) a layer's kernel or the step's end failed
+ * (after a message). */
+static int end_layer(struct sim *s, struct engine *e)
+{
+        uint32_t l = e->layer;
+        for (unsigned k = 0; k < s->o.ranks; k++)
+                if (!s->sg)
+                        kvf_layer_done(kvf_group_member(e->in->g, k), e->step, l);
+                else if (sim_gpu_layer(s->sg, k, kvf_group_member(e->in->g, k), e->step, l) < 0)
+                        return -1;               /* GPU mode: a kernel, layer-done on its stream */
+        uint64_t pub = s->sg ? 0 : kvf_now_ns(); /* GPU mode: known at the step's end */
+        if (l == s->layers / 2)
+                for (unsigned i = 0; i < e->nactive; i++) {
+                        struct sim_req *r = e->active[i];
+                        if (!r->cancel || !r->submitted)
+                                continue;
+                        for (unsigned k = 0; k < s->o.ranks; k++)
+                                kvf_submit_cancel(kvf_group_member(e->in->g, k), r->id);
+                        s->cancels_sent += !r->cancel_sent;
+                        r->cancel_sent = true;
+                }
+        if (l == s->layers - 1)
+                for (unsigned i = 0; i < e->nactive; i++)
+                        if (e->to[i] >= e->active[i]->tokens) {
+                                struct sim_req *r = e->active[i];
+                                uint32_t b0 = e->from[i] / s->L.block_size;
+                                r->last_layer_ns = pub;
+                                r->last_blocks = r->n_src - (b0 > r->first ? b0 : r->first);
+                        }
+        kvf_sim_poll_events(s, 0);
+        if (++e->layer < s->layers) {
+                begin_layer(s, e);
+                return 0;
         }
         if (s->sg) { /* GPU mode: the step's end, and when its last layer ended */
                 uint64_t end_ns;
                 if (sim_gpu_step_end(s->sg, &end_ns) < 0)
                         return -1;
-                for (unsigned i = 0; i < nactive; i++)
-                        if (to[i] >= active[i]->tokens && !active[i]->last_layer_ns)
-                                active[i]->last_layer_ns = end_ns;
+                for (unsigned i = 0; i < e->nactive; i++)
+                        if (e->to[i] >= e->active[i]->tokens && !e->active[i]->last_layer_ns)
+                                e->active[i]->last_layer_ns = end_ns;
         }
+        /* Tasks that arrive after their layers are done. */
+        unsigned keep = 0;
+        for (unsigned i = 0; i < e->nactive; i++) {
+                struct sim_req *r = e->active[i];
+                r->done_tokens = e->to[i];
+                if (!r->submitted && submit_task(s, r, e->step) < 0)
+                        return -1;
+                if (r->done_tokens < r->tokens)
+                        e->active[keep++] = r;
+        }
+        e->nactive = keep;
+        e->step++;
+        e->in_step = false;
         return 0;
+}
+
+/* Until `due`: the engine's CPU thread waits on its GPU, so sleep, spinning only the last
+ * stretch. */
+static void wait_until(uint64_t due)
+{
+        for (uint64_t now; (now = kvf_now_ns()) < due;)
+                if (due - now > 60000)
+                        kvf_sleep_ns(due - now - 50000);
 }
 
 /*
@@ -288,9 +445,11 @@ static void warm_caches(struct sim *s)
                 return;
         }
         uint64_t t0 = kvf_now_ns();
-        for (unsigned k = 0; k < s->o.ranks; k++) {
-                for (int decode = 0; decode < 2; decode++) {
-                        struct kvf_client *c = kvf_group_member(decode ? s->dg : s->pg, k);
+        for (unsigned i = 0; i < s->npre + s->ndec; i++) {
+                bool decode = i >= s->npre;
+                const struct sim_inst *in = decode ? &s->dec[i - s->npre] : &s->pre[i];
+                for (unsigned k = 0; k < s->o.ranks; k++) {
+                        struct kvf_client *c = kvf_group_member(in->g, k);
                         struct kvf_layout_info li;
                         uint8_t *p = c ? kvf_cache_tensor(c, 0, 0) : NULL;
                         if (!p || kvf_get_layout(c, &li) < 0)
@@ -307,48 +466,109 @@ static void warm_caches(struct sim *s)
         s->warm_ns = kvf_now_ns() - t0;
 }
 
+/* Earlier sessions' events still on their way (the fault test's last run): take them until
+ * none came for --drain-previous-s. */
+static void drain_previous(struct sim *s)
+{
+        for (uint64_t quiet_since = kvf_now_ns();
+             kvf_now_ns() - quiet_since < s->o.drain_previous_s * 1000000000ull;) {
+                struct kvf_event ev;
+                bool any = false;
+                for (unsigned i = 0; i < s->npre + s->ndec; i++) {
+                        struct sim_inst *in = i < s->npre ? &s->pre[i] : &s->dec[i - s->npre];
+                        any |= kvf_group_poll(in->g, &ev, i == 0 ? 50 : 0) > 0;
+                        any |= simlog_previous(in->g, i >= s->npre, s->o.ranks) > 0;
+                }
+                if (any)
+                        quiet_since = kvf_now_ns();
+        }
+}
+
+static void free_engines(struct engine *e, unsigned n)
+{
+        for (unsigned i = 0; e && i < n; i++) {
+                free(e[i].active);
+                free(e[i].from);
+                free(e[i].to);
+        }
+        free(e);
+}
+
 int kvf_sim_run(struct sim *s)
 {
         const struct sim_opts *o = &s->o;
+        uint64_t layer_ns = (uint64_t)o->layer_us * 1000;
         int rc = 0;
 
+        struct engine *eng = calloc(s->npre, sizeof(*eng));
+        for (unsigned p = 0; eng && p < s->npre; p++) {
+                struct engine *e = &eng[p];
+                unsigned mine = s->nreq > p ? (s->nreq - p - 1) / s->npre + 1 : 1;
+                e->in = &s->pre[p];
+                e->next = p;
+                e->active = calloc(mine, sizeof(*e->active));
+                e->from = calloc(mine, sizeof(*e->from));
+                e->to = calloc(mine, sizeof(*e->to));
+                if (!e->active || !e->from || !e->to) {
+                        free_engines(eng, s->npre);
+                        eng = NULL;
+                }
+        }
+        if (!eng) {
+                fprintf(stderr, "%s: out of memory for the engines' step state\n", KVF_SIM_PROG);
+                return -1;
+        }
         if (o->warm_caches)
                 warm_caches(s);
         s->t_start = kvf_now_ns();
-        /* Steps grow for the life of an instance: continue after the last one published. */
-        uint64_t step = 1, last_progress = kvf_now_ns(), last_line = 0;
-        for (unsigned k = 0; k < o->ranks; k++)
-                if (kvf_last_step(kvf_group_member(s->pg, k)) >= step)
-                        step = kvf_last_step(kvf_group_member(s->pg, k)) + 1;
-        unsigned next = 0;
-        struct sim_req **active = calloc(s->nreq, sizeof(*active));
-        unsigned nactive = 0;
+        for (unsigned p = 0; p < s->npre; p++) {
+                struct engine *e = &eng[p];
+                /* Steps grow for the life of an instance: continue after the last one published. */
+                e->step = 1;
+                for (unsigned k = 0; k < o->ranks; k++)
+                        if (kvf_last_step(kvf_group_member(e->in->g, k)) >= e->step)
+                                e->step = kvf_last_step(kvf_group_member(e->in->g, k)) + 1;
+                e->not_before = s->t_start + layer_ns * p / s->npre;
+        }
+        uint64_t last_progress = kvf_now_ns(), last_line = 0;
+        unsigned turn = 0; /* which engine looks for blocks first: each in turn */
 
         kvf_opt_signals(&s->stop);
-        while (s->done_reqs < (kvf_load_relaxed(&s->stop) ? next : s->nreq)) {
-                /* Admit what the step budget and the free blocks allow. */
-                uint64_t budget = o->step_tokens;
-                for (unsigned i = 0; i < nactive; i++) {
-                        uint32_t take = step_share(s, active[i]);
-                        budget = budget > take ? budget - take : 0;
-                }
-                while (!kvf_load_relaxed(&s->stop) && next < s->nreq && (budget > 0 || nactive == 0)) {
-                        struct sim_req *r = &s->reqs[next];
-                        if (s->psrc.n < r->n_src || s->pdst.n < r->n_dst)
-                                break;
-                        pool_take(&s->psrc, r->n_src, r->src);
-                        pool_take(&s->pdst, r->n_dst, r->dst);
-                        r->src_freed = r->dst_freed = false;
-                        if (!r->late_task && submit_task(s, r, step) < 0) {
+        while (s->done_reqs < (kvf_load_relaxed(&s->stop) ? s->admitted : s->nreq)) {
+                /* Every engine between steps starts its next one if it can; then the layer
+                 * that is due first. */
+                uint64_t now = kvf_now_ns(), start_at = UINT64_MAX;
+                struct engine *due = NULL;
+                turn = (turn + 1) % s->npre;
+                for (unsigned j = 0; j < s->npre; j++) {
+                        struct engine *e = &eng[(turn + j) % s->npre];
+                        if (!e->in_step && e->not_before > now) {
+                                start_at = e->not_before < start_at ? e->not_before : start_at;
+                                continue;
+                        }
+                        if (!e->in_step && start_step(s, e) < 0) {
                                 rc = -1;
                                 goto out;
                         }
-                        active[nactive++] = r;
-                        uint32_t take = step_share(s, r);
-                        budget = budget > take ? budget - take : 0;
-                        next++;
+                        if (e->in_step && (!due || e->due < due->due))
+                                due = e;
                 }
-                if (nactive == 0) {
+                if (start_at < (due ? due->due : UINT64_MAX)) {
+                        /* an engine's first step, a fraction of a layer after the others':
+                         * at its time, not at the next layer-done (which would put it in step) */
+                        kvf_sim_poll_events(s, 0);
+                        wait_until(start_at);
+                } else if (due) {
+                        wait_until(due->due);
+                        if (end_layer(s, due) < 0) {
+                                rc = -1;
+                                goto out;
+                        }
+                        if (!due->in_step)
+                                last_progress = kvf_now_ns();
+                } else {
+                        /* No engine has a step to run: waiting for blocks, or for the last
+                         * requests to land. */
                         uint64_t before = s->done_reqs;
                         kvf_sim_poll_events(s, 10);
                         if (s->done_reqs != before)
@@ -358,42 +578,9 @@ int kvf_sim_run(struct sim *s)
                                         "\n%s: no progress for %u s: "
                                         "giving up with %llu of %u requests done\n",
                                         KVF_SIM_PROG, o->timeout_s,
-                                        (unsigned long long)s->done_reqs, s->nreq);
+                                        (unsigned long long)s->done_reqs, kvf_sim_counted(s));
                                 break;
                         }
-                } else {
-                        /* This step's share of each active request. */
-                        uint32_t from[nactive], to[nactive];
-                        for (unsigned i = 0; i < nactive; i++) {
-                                struct sim_req *r = active[i];
-                                from[i] = r->done_tokens;
-                                to[i] = r->done_tokens + step_share(s, r);
-                                if (o->chunk_tokens)
-                                        for (unsigned k = 0; k < o->ranks; k++)
-                                                while (kvf_submit_chunk(
-                                                           kvf_group_member(s->pg, k), r->id, step,
-                                                           to[i], to[i] >= r->tokens) == -EAGAIN)
-                                                        kvf_sim_poll_events(s, 1);
-                        }
-                        if (run_step(s, active, nactive, from, to, step) < 0) {
-                                rc = -1;
-                                goto out;
-                        }
-                        /* Tasks that arrive after their layers are done. */
-                        unsigned keep = 0;
-                        for (unsigned i = 0; i < nactive; i++) {
-                                struct sim_req *r = active[i];
-                                r->done_tokens = to[i];
-                                if (!r->submitted && submit_task(s, r, step) < 0) {
-                                        rc = -1;
-                                        goto out;
-                                }
-                                if (r->done_tokens < r->tokens)
-                                        active[keep++] = r;
-                        }
-                        nactive = keep;
-                        step++;
-                        last_progress = kvf_now_ns();
                 }
                 if (!o->quiet && kvf_now_ns() - last_line > 1000000000ull) {
                         kvf_sim_progress_line(s, false);
@@ -402,38 +589,33 @@ int kvf_sim_run(struct sim *s)
         }
         /* Let stragglers land. After a stop, only what was admitted counts. */
         if (kvf_load_relaxed(&s->stop))
-                s->nreq = next;
+                s->stopped = true;
         uint64_t end = kvf_now_ns() + (uint64_t)o->timeout_s * 1000000000ull;
-        while (s->done_reqs < s->nreq && kvf_now_ns() < end)
+        while (s->done_reqs < kvf_sim_counted(s) && kvf_now_ns() < end)
                 kvf_sim_poll_events(s, 10);
         s->secs = (double)(kvf_now_ns() - s->t_start) / 1e9;
-        /* Earlier sessions' events still on their way (the fault test's last run). */
-        for (uint64_t quiet_since = kvf_now_ns();
-             o->drain_previous_s &&
-             kvf_now_ns() - quiet_since < o->drain_previous_s * 1000000000ull;) {
-                struct kvf_event ev;
-                if (kvf_group_poll(s->pg, &ev, 50) > 0 || kvf_group_poll(s->dg, &ev, 0) > 0 ||
-                    simlog_previous(s->pg, s->dg, o->ranks) > 0)
-                        quiet_since = kvf_now_ns();
-        }
+        drain_previous(s);
         if (!o->quiet)
                 kvf_sim_progress_line(s, true);
 out:
-        free(active);
+        free_engines(eng, s->npre);
         return rc;
 }
 
 void kvf_sim_free(struct sim *s)
 {
-        kvf_group_detach(s->pg);
-        kvf_group_detach(s->dg);
-        /* All of them: after a stop nreq counts only those admitted. */
-        for (unsigned i = 0; s->reqs && i < s->o.requests; i++) {
+        for (unsigned i = 0; i < s->npre; i++) {
+                kvf_group_detach(s->pre[i].g);
+                free(s->pre[i].pool.free);
+        }
+        for (unsigned i = 0; i < s->ndec; i++) {
+                kvf_group_detach(s->dec[i].g);
+                free(s->dec[i].pool.free);
+        }
+        for (unsigned i = 0; s->reqs && i < s->nreq; i++) {
                 free(s->reqs[i].src);
                 free(s->reqs[i].dst);
         }
         free(s->reqs);
         free(s->tails);
-        free(s->psrc.free);
-        free(s->pdst.free);
 }

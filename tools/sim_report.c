@@ -1,7 +1,8 @@
 /*
  * kvf-sim's report (sim.h): the progress line while it runs, then the
- * summary text and its JSON. The tests/ scripts read the JSON's fields and
- * bench/e2e_bench.sh the text: keep both shapes.
+ * summary text and its JSON. The tests/ scripts read the JSON's fields (some
+ * with sed, taking a key's last match on the line), the benchmarks the JSON's
+ * fields and its rows per instance, people the text: keep the shapes.
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -19,7 +20,7 @@ void kvf_sim_progress_line(const struct sim *s, bool final)
         fprintf(stderr,
                 "%s[%6.1fs] %llu/%u requests done (finished %llu, failed %llu), %.2f GiB moved, "
                 "%.2f GiB/s%s",
-                final ? "" : "\r", t, (unsigned long long)s->done_reqs, s->nreq,
+                final ? "" : "\r", t, (unsigned long long)s->done_reqs, kvf_sim_counted(s),
                 (unsigned long long)s->finished, (unsigned long long)s->failed,
                 (double)s->moved_bytes / (1 << 30),
                 t > 0 ? (double)s->moved_bytes / (1 << 30) / t : 0.0, final ? "\n" : "   ");
@@ -129,46 +130,107 @@ static double memcpy_rate(uint64_t bytes)
 }
 
 /* The sender's histograms live as long as the instance: this run's share is what they
- * hold at the end less what they hold now. */
+ * hold at the end less what they hold now (each prefill instance's first rank). */
 void kvf_sim_report_start(struct sim *s)
 {
-        struct kvf_ctl pc;
-        if (kvf_ctl_attach(s->o.prefill[0], false, &pc) == 0) {
-                memcpy(s->hist_before, pc.sender->hist, sizeof(s->hist_before));
-                kvf_ctl_detach(&pc);
+        for (unsigned i = 0; i < s->npre; i++) {
+                struct kvf_ctl pc;
+                if (kvf_ctl_attach(s->pre[i].o->name[0], false, &pc) == 0) {
+                        memcpy(s->pre[i].hist_before, pc.sender->hist, sizeof(s->pre[i].hist_before));
+                        kvf_ctl_detach(&pc);
+                }
         }
 }
 
-/* This run's p50 and p99 of the sender's histograms (enum kvf_hist_id; 0 when the instance
- * cannot be read): layer-done -> copy start, one layer's copy, a request's last layer ->
- * its completion. */
+/* This run's p50 and p99 of the sender's histograms (enum kvf_hist_id; 0 when no instance
+ * can be read), those of every prefill instance's first rank together: layer-done -> copy
+ * start, one layer's copy, a request's last layer -> its completion. */
 static void sender_hists(const struct sim *s, uint64_t p50[KVF_HIST_COUNT], uint64_t p99[KVF_HIST_COUNT])
 {
-        struct kvf_ctl pc;
+        static struct kvf_histogram run[KVF_HIST_COUNT];
+        bool any = false;
         memset(p50, 0, KVF_HIST_COUNT * sizeof(*p50));
         memset(p99, 0, KVF_HIST_COUNT * sizeof(*p99));
-        if (kvf_ctl_attach(s->o.prefill[0], false, &pc) < 0)
-                return;
-        for (unsigned h = 0; h < KVF_HIST_COUNT; h++) {
-                static struct kvf_histogram run;
-                const struct kvf_histogram *now = &pc.sender->hist[h], *was = &s->hist_before[h];
-                for (unsigned i = 0; i < KVF_HIST_BUCKETS; i++) /* (a re-created instance starts at 0) */
-                        run.buckets[i] = now->buckets[i] >= was->buckets[i] ? now->buckets[i] - was->buckets[i]
-                                                                            : now->buckets[i];
-                p50[h] = kvf_hist_quantile(&run, 0.50);
-                p99[h] = kvf_hist_quantile(&run, 0.99);
+        memset(run, 0, sizeof(run));
+        for (unsigned p = 0; p < s->npre; p++) {
+                struct kvf_ctl pc;
+                if (kvf_ctl_attach(s->pre[p].o->name[0], false, &pc) < 0)
+                        continue;
+                any = true;
+                for (unsigned h = 0; h < KVF_HIST_COUNT; h++) {
+                        const struct kvf_histogram *now = &pc.sender->hist[h];
+                        const struct kvf_histogram *was = &s->pre[p].hist_before[h];
+                        for (unsigned i = 0; i < KVF_HIST_BUCKETS; i++) /* (a re-created instance starts at 0) */
+                                run[h].buckets[i] += now->buckets[i] >= was->buckets[i]
+                                                             ? now->buckets[i] - was->buckets[i]
+                                                             : now->buckets[i];
+                }
+                kvf_ctl_detach(&pc);
         }
-        kvf_ctl_detach(&pc);
+        for (unsigned h = 0; any && h < KVF_HIST_COUNT; h++) {
+                p50[h] = kvf_hist_quantile(&run[h], 0.50);
+                p99[h] = kvf_hist_quantile(&run[h], 0.99);
+        }
+}
+
+/* One instance's figures: its requests (prefilled or received), and the tails of those that
+ * finished. */
+struct inst_figures {
+        const char *role;
+        const struct sim_inst *in;
+        double rps, rate;
+        struct spread tail;
+};
+
+static struct inst_figures inst_figures(const struct sim *s, bool decode, unsigned idx, double secs)
+{
+        const struct sim_inst *in = decode ? &s->dec[idx] : &s->pre[idx];
+        struct inst_figures f = {.role = decode ? "decode" : "prefill", .in = in};
+        double *v = calloc(s->ntails ? s->ntails : 1, sizeof(double));
+        unsigned n = 0;
+        for (unsigned i = 0; v && i < s->ntails; i++)
+                if ((decode ? s->tails[i].di : s->tails[i].pi) == idx)
+                        v[n++] = (double)s->tails[i].ns;
+        f.tail = spread_of(v, n);
+        free(v);
+        f.rps = secs > 0 ? (double)in->finished / secs : 0;
+        f.rate = secs > 0 ? (double)in->bytes / secs : 0;
+        return f;
 }
 
 /* Everything the text and the JSON show. */
 struct figures {
-        double secs, rate, base, layer_bytes;
+        double secs, rate, rps, base, layer_bytes;
         struct tail_figures tf;
         uint64_t h50[KVF_HIST_COUNT], h99[KVF_HIST_COUNT]; /* sender_hists */
         unsigned unaccounted;
+        bool strict; /* ok only when every request finished (sim_opts.strict) */
         bool ok;
 };
+
+/* Fan-in, fan-out: a row per instance (what it prefilled, or received), then all of them. */
+static void print_instances(const struct sim *s, const struct figures *g)
+{
+        printf("  instances    %u prefill, %u decode: request i prefilled by prefill instance i mod %u, "
+               "sent to the decode instance with the most free blocks\n",
+               s->npre, s->ndec, s->npre);
+        printf("               %-8s %-20s %8s %8s %6s %10s %10s %8s %12s %12s\n", "role", "instance",
+               "requests", "finished", "failed", "GiB", "requests/s", "GiB/s", "tail p50 us",
+               "tail p99 us");
+        for (unsigned i = 0; i < s->npre + s->ndec; i++) {
+                bool decode = i >= s->npre;
+                struct inst_figures f = inst_figures(s, decode, decode ? i - s->npre : i, g->secs);
+                printf("               %-8s %-20s %8llu %8llu %6llu %10.2f %10.1f %8.2f %12.1f %12.1f\n",
+                       f.role, f.in->o->name[0], (unsigned long long)f.in->admitted,
+                       (unsigned long long)f.in->finished, (unsigned long long)f.in->failed,
+                       (double)f.in->bytes / (1 << 30), f.rps, f.rate / (1 << 30), f.tail.p50 / 1e3,
+                       f.tail.p99 / 1e3);
+        }
+        printf("               %-8s %-20s %8u %8llu %6llu %10.2f %10.1f %8.2f %12.1f %12.1f\n", "all",
+               "", kvf_sim_counted(s), (unsigned long long)s->finished,
+               (unsigned long long)s->failed, (double)s->moved_bytes / (1 << 30), g->rps,
+               g->rate / (1 << 30), g->tf.all.p50 / 1e3, g->tf.all.p99 / 1e3);
+}
 
 static void print_text(const struct sim *s, const struct figures *g)
 {
@@ -186,17 +248,17 @@ static void print_text(const struct sim *s, const struct figures *g)
                 printf("  GPU          caches on GPUs (prefill GPU %d, decode GPU %d): layers are "
                        "kernels (%u us, every SM), signalled on the stream; every byte verified on "
                        "the GPU\n",
-                       kvf_cache_device(kvf_group_member(s->pg, 0)),
-                       kvf_cache_device(kvf_group_member(s->dg, 0)), s->o.layer_us);
+                       kvf_cache_device(kvf_group_member(s->pre[0].g, 0)),
+                       kvf_cache_device(kvf_group_member(s->dec[0].g, 0)), s->o.layer_us);
         printf("  requests     %u: %llu finished, %llu failed, %u unaccounted, %llu corrupt\n",
-               s->nreq, (unsigned long long)s->finished, (unsigned long long)s->failed,
+               kvf_sim_counted(s), (unsigned long long)s->finished, (unsigned long long)s->failed,
                g->unaccounted, (unsigned long long)s->corrupt);
         for (int st = 1; st < KVF_STATUS_COUNT; st++)
                 if (s->fail_by_status[st])
                         printf("               %llu %s\n",
                                (unsigned long long)s->fail_by_status[st], kvf_status_name(st));
-        printf("  moved        %s in %.2f s = %.2f GiB/s; %s verified %s\n",
-               kvf_fmt_bytes(s->moved_bytes, gib, sizeof(gib)), g->secs, g->rate / (1 << 30),
+        printf("  moved        %s in %.2f s = %.2f GiB/s (%.1f requests/s); %s verified %s\n",
+               kvf_fmt_bytes(s->moved_bytes, gib, sizeof(gib)), g->secs, g->rate / (1 << 30), g->rps,
                kvf_fmt_bytes(s->verified_bytes, (char[32]){0}, 32),
                s->o.sample_only && !s->sg ? "at both ends of every block (--verify sample)"
                                           : "byte for byte");
@@ -232,9 +294,17 @@ static void print_text(const struct sim *s, const struct figures *g)
                        "one layer at memcpy rate = %.1f us\n",
                        g->base / (1 << 30), g->base > 0 ? g->rate / g->base : 0,
                        g->base > 0 ? g->layer_bytes / g->base * 1e6 : 0);
+        if (s->npre > 1 || s->ndec > 1)
+                print_instances(s, g);
         printf("  result       %s\n",
-               g->ok ? "OK: every finished request verified, every request accounted for"
-                     : "FAILED");
+               !g->ok ? "FAILED"
+               : g->strict
+                   ? "OK: every request finished and verified (or cancelled by the simulator)"
+                   : "OK: every finished request verified, every request accounted for");
+        if (!g->ok && g->strict && s->unexpected_failures)
+                printf("               (%llu request(s) failed: with more than one instance per "
+                       "side, or --strict, every request must finish)\n",
+                       (unsigned long long)s->unexpected_failures);
 }
 
 /* The same as one JSON line; the tests read its fields by name. */
@@ -244,8 +314,24 @@ static void write_json(const struct sim *s, const struct figures *g, const char 
         FILE *f = fopen(path, "w");
         if (!f)
                 return;
+        /* The instances first: shell readers that take a key's last match on the line (sed's
+         * greedy .*) then still read the run's own figures. */
+        fprintf(f, "{\"prefill_instances\":%u,\"decode_instances\":%u,\"instances\":[", s->npre,
+                s->ndec);
+        for (unsigned i = 0; i < s->npre + s->ndec; i++) {
+                bool decode = i >= s->npre;
+                struct inst_figures x = inst_figures(s, decode, decode ? i - s->npre : i, g->secs);
+                fprintf(f,
+                        "%s{\"role\":\"%s\",\"name\":\"%s\",\"requests\":%llu,\"finished\":%llu,"
+                        "\"failed\":%llu,\"unaccounted\":%llu,\"bytes\":%llu,\"requests_per_s\":%.1f,"
+                        "\"rate_bps\":%.1f,\"tail_p50_ns\":%.0f,\"tail_p99_ns\":%.0f}",
+                        i ? "," : "", x.role, x.in->o->name[0], (unsigned long long)x.in->admitted,
+                        (unsigned long long)x.in->finished, (unsigned long long)x.in->failed,
+                        (unsigned long long)(x.in->admitted - x.in->done),
+                        (unsigned long long)x.in->bytes, x.rps, x.rate, x.tail.p50, x.tail.p99);
+        }
         fprintf(f,
-                "{\"requests\":%u,\"finished\":%llu,\"failed\":%llu,\"unaccounted\":%u,"
+                "],\"requests\":%u,\"finished\":%llu,\"failed\":%llu,\"unaccounted\":%u,"
                 "\"corrupt\":%llu,\"bytes\":%llu,\"verified_bytes\":%llu,\"seconds\":%.6f,"
                 "\"rate_bps\":%.1f,\"tail_p50_ns\":%.0f,\"tail_p99_ns\":%.0f,"
                 "\"tail_in_time_p50_ns\":%.0f,\"tail_in_time_p99_ns\":%.0f,\"late_tasks\":%u,"
@@ -257,8 +343,9 @@ static void write_json(const struct sim *s, const struct figures *g, const char 
                 "\"memcpy_bps\":%.1f,\"avg_layer_bytes\":%.1f,"
                 "\"ok\":%s,\"cancelled\":%llu,\"cancels_sent\":%llu,\"timed_out\":%llu,"
                 "\"connection_errors\":%llu,\"finished_but_failed_pairs\":%llu,\"warm_bytes\":%llu,"
-                "\"warm_ns\":%llu,\"gpu\":%s}\n",
-                s->nreq, (unsigned long long)s->finished, (unsigned long long)s->failed,
+                "\"warm_ns\":%llu,\"gpu\":%s,\"requests_per_s\":%.1f,\"unexpected_failures\":%llu,"
+                "\"strict\":%s}\n",
+                kvf_sim_counted(s), (unsigned long long)s->finished, (unsigned long long)s->failed,
                 g->unaccounted, (unsigned long long)s->corrupt, (unsigned long long)s->moved_bytes,
                 (unsigned long long)s->verified_bytes, g->secs, g->rate, tf->all.p50, tf->all.p99,
                 tf->in_time.p50, tf->in_time.p99, tf->late.n, tf->late.p50, tf->late.p99,
@@ -273,7 +360,8 @@ static void write_json(const struct sim *s, const struct figures *g, const char 
                 (unsigned long long)s->fail_by_status[KVF_STATUS_TIMEOUT],
                 (unsigned long long)s->fail_by_status[KVF_STATUS_CONNECTION],
                 (unsigned long long)s->bad_status_pairs, (unsigned long long)s->warm_bytes,
-                (unsigned long long)s->warm_ns, s->sg ? "true" : "false");
+                (unsigned long long)s->warm_ns, s->sg ? "true" : "false", g->rps,
+                (unsigned long long)s->unexpected_failures, g->strict ? "true" : "false");
         fclose(f);
 }
 
@@ -290,13 +378,19 @@ bool kvf_sim_report(struct sim *s)
                          : memcpy_rate(s->moved_bytes ? s->moved_bytes : (1ull << 30));
         /* One layer of an average request, at the memcpy rate (or the run's rate). */
         double avg_send = 0;
+        unsigned n = 0;
         for (unsigned i = 0; i < s->nreq; i++)
-                avg_send += s->reqs[i].n_dst;
-        avg_send /= s->nreq;
+                if (s->reqs[i].admitted || !s->stopped) {
+                        avg_send += s->reqs[i].n_dst;
+                        n++;
+                }
+        avg_send /= n ? n : 1;
         g.layer_bytes = avg_send * s->tensors * (double)s->L.block_bytes * s->o.ranks;
         g.tf = tail_figures(s, g.base);
-        g.unaccounted = s->nreq - (unsigned)s->done_reqs;
-        g.ok = s->corrupt == 0 && g.unaccounted == 0;
+        g.rps = g.secs > 0 ? (double)s->finished / g.secs : 0;
+        g.unaccounted = kvf_sim_counted(s) - (unsigned)s->done_reqs;
+        g.strict = s->o.strict || s->npre > 1 || s->ndec > 1;
+        g.ok = s->corrupt == 0 && g.unaccounted == 0 && (!g.strict || s->unexpected_failures == 0);
 
         print_text(s, &g);
         if (s->o.json)

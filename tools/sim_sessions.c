@@ -48,21 +48,17 @@ static void previous_line(char kind, const struct kvf_event *ev)
                            ev->request_id, ev->status, reason));
 }
 
-unsigned simlog_previous(struct kvf_group *pg, struct kvf_group *dg, unsigned ranks)
+unsigned simlog_previous(struct kvf_group *g, bool decode, unsigned ranks)
 {
         struct kvf_event ev;
         unsigned n = 0;
-        for (unsigned k = 0; k < ranks; k++) {
-                while (kvf_poll_previous(kvf_group_member(pg, k), &ev) == 1) {
-                        if (ev.type == KVF_EVENT_COMPLETION)
+        for (unsigned k = 0; k < ranks; k++)
+                while (kvf_poll_previous(kvf_group_member(g, k), &ev) == 1) {
+                        if (!decode && ev.type == KVF_EVENT_COMPLETION)
                                 previous_line('P', &ev);
-                        n++;
-                }
-                while (kvf_poll_previous(kvf_group_member(dg, k), &ev) == 1) {
-                        if (ev.type == KVF_EVENT_ARRIVAL)
+                        else if (decode && ev.type == KVF_EVENT_ARRIVAL)
                                 previous_line('Q', &ev);
                         n++;
                 }
-        }
         return n;
 }

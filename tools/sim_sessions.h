@@ -16,6 +16,7 @@
 #ifndef KVF_SIM_SESSIONS_H
 #define KVF_SIM_SESSIONS_H
 
+#include <stdbool.h>
 #include <stdint.h>
 
 #include "kvferry.h"
@@ -24,7 +25,8 @@
 int simlog_open(const char *path, uint64_t prefill_session, uint64_t decode_session);
 /* One event line; no-op without a log. */
 void simlog_event(char kind, const char *id, int status);
-/* Take every earlier session's event the clients kept and log it; returns how many. */
-unsigned simlog_previous(struct kvf_group *pg, struct kvf_group *dg, unsigned ranks);
+/* Take every earlier session's event one instance's clients kept (its completions for a
+ * prefill instance, its arrivals for a decode one) and log it; returns how many. */
+unsigned simlog_previous(struct kvf_group *g, bool decode, unsigned ranks);
 
 #endif

@@ -66,7 +66,7 @@ static bool check(const uint8_t *p, uint64_t bytes, uint64_t key, bool sample_on
 static void free_src(struct sim *s, struct sim_req *r)
 {
         if (!r->src_freed) {
-                kvf_sim_pool_give(&s->psrc, r->src, r->n_src);
+                kvf_sim_pool_give(&s->pre[r->pi].pool, r->src, r->n_src);
                 r->src_freed = true;
         }
 }
@@ -74,7 +74,7 @@ static void free_src(struct sim *s, struct sim_req *r)
 static void free_dst(struct sim *s, struct sim_req *r)
 {
         if (!r->dst_freed) {
-                kvf_sim_pool_give(&s->pdst, r->dst, r->n_dst);
+                kvf_sim_pool_give(&s->dec[r->di].pool, r->dst, r->n_dst);
                 r->dst_freed = true;
         }
 }
@@ -98,7 +98,10 @@ static void maybe_done(struct sim *s, struct sim_req *r)
                 return;
         free_src(s, r);
         free_dst(s, r);
+        struct sim_inst *pre = &s->pre[r->pi], *dec = &s->dec[r->di];
         s->done_reqs++;
+        pre->done++;
+        dec->done++;
         if (finished_ok) {
                 if (r->arrival != KVF_STATUS_FINISHED || !r->verified) {
                         s->corrupt++;
@@ -109,9 +112,15 @@ static void maybe_done(struct sim *s, struct sim_req *r)
                 } else {
                         s->finished++;
                         s->moved_bytes += r->bytes;
+                        pre->finished++;
+                        dec->finished++;
+                        pre->bytes += r->bytes;
+                        dec->bytes += r->bytes;
                         if (r->arrival_ns > r->last_layer_ns && r->last_layer_ns &&
                             r->completion_ns > r->last_layer_ns) {
                                 s->tails[s->ntails++] = (struct sim_tail){
+                                    .pi = r->pi,
+                                    .di = r->di,
                                     .ns = r->arrival_ns - r->last_layer_ns,
                                     .cns = r->completion_ns - r->last_layer_ns,
                                     .left = r->late_task ? r->bytes
@@ -122,6 +131,10 @@ static void maybe_done(struct sim *s, struct sim_req *r)
                 }
         } else {
                 s->failed++;
+                pre->failed++;
+                dec->failed++;
+                s->unexpected_failures +=
+                    !(r->completion == KVF_STATUS_CANCELLED && r->cancel_sent);
                 s->fail_by_status[r->completion]++;
                 if (r->arrival == KVF_STATUS_FINISHED)
                         s->bad_status_pairs++;
@@ -137,13 +150,35 @@ static struct sim_req *find_req(struct sim *s, const char *id)
         return v < s->nreq && !strcmp(s->reqs[v].id, id) ? &s->reqs[v] : NULL;
 }
 
+/* The prefill instance of the oldest admitted request still waiting for its completion
+ * (completions come about in the order of admission). */
+static unsigned likely_next(struct sim *s)
+{
+        while (s->oldest < s->nreq && s->reqs[s->oldest].completion >= 0)
+                s->oldest++;
+        for (unsigned i = s->oldest; i < s->nreq && i < s->oldest + 64; i++)
+                if (s->reqs[i].admitted && s->reqs[i].completion < 0)
+                        return s->reqs[i].pi;
+        return 0;
+}
+
+/* The arrival names the prefill instance that sent r (kvferry.h: an arrival's peer is the
+ * prefill instance): one of its ranks' names. */
+static bool from_source(const struct sim *s, const struct sim_req *r, const char *peer)
+{
+        for (unsigned k = 0; k < s->o.ranks; k++)
+                if (!strcmp(s->pre[r->pi].o->name[k], peer))
+                        return true;
+        return false;
+}
+
 /* GPU mode: every byte of every destination block compared on the decode GPU. */
 static void verify_gpu(struct sim *s, struct sim_req *r)
 {
         const struct kvf_layout_info *L = &s->L;
         r->verified = true;
         for (unsigned k = 0; k < s->o.ranks && r->verified; k++) {
-                struct kvf_client *c = kvf_group_member(s->dg, k);
+                struct kvf_client *c = kvf_group_member(s->dec[r->di].g, k);
                 for (uint32_t l = 0; l < s->layers; l++)
                         for (uint32_t t = 0; t < s->tensors; t++) {
                                 const uint8_t *base = kvf_cache_tensor(c, l, (int)t);
@@ -183,7 +218,7 @@ static void verify(struct sim *s, struct sim_req *r)
         }
         r->verified = true;
         for (unsigned k = 0; k < s->o.ranks && r->verified; k++) {
-                struct kvf_client *c = kvf_group_member(s->dg, k);
+                struct kvf_client *c = kvf_group_member(s->dec[r->di].g, k);
                 for (uint32_t l = 0; l < s->layers && r->verified; l++)
                         for (uint32_t t = 0; t < s->tensors && r->verified; t++) {
                                 const uint8_t *base = kvf_cache_tensor(c, l, (int)t);
@@ -205,7 +240,8 @@ static void verify(struct sim *s, struct sim_req *r)
         }
 }
 
-static void on_completion(struct sim *s, const struct kvf_event *ev)
+/* A completion from prefill instance p. */
+static void on_completion(struct sim *s, unsigned p, const struct kvf_event *ev)
 {
         struct sim_req *r = find_req(s, ev->request_id);
         if (!r || ev->type != KVF_EVENT_COMPLETION) {
@@ -213,6 +249,14 @@ static void on_completion(struct sim *s, const struct kvf_event *ev)
                         fprintf(stderr, "%s: completion for unknown request '%s': %s: %s\n",
                                 KVF_SIM_PROG, ev->request_id, kvf_status_name(ev->status),
                                 ev->reason);
+                return;
+        }
+        if (!r->admitted || r->pi != p) {
+                fprintf(stderr,
+                        "%s: CORRUPT: a completion of %s from prefill instance %s, which "
+                        "did not submit it\n",
+                        KVF_SIM_PROG, r->id, s->pre[p].o->name[0]);
+                s->corrupt++;
                 return;
         }
         if (r->completion >= 0) {
@@ -232,11 +276,23 @@ static void on_completion(struct sim *s, const struct kvf_event *ev)
         maybe_done(s, r);
 }
 
-static void on_arrival(struct sim *s, const struct kvf_event *ev)
+/* An arrival on decode instance d. */
+static void on_arrival(struct sim *s, unsigned d, const struct kvf_event *ev)
 {
         struct sim_req *r = find_req(s, ev->request_id);
         if (!r || ev->type != KVF_EVENT_ARRIVAL)
                 return;
+        /* Blocks that land on a decode instance other than the one that reserved them (or
+         * from another source) land on blocks that are another request's. */
+        if (!r->admitted || r->di != d || !from_source(s, r, ev->peer)) {
+                fprintf(stderr,
+                        "%s: CORRUPT: an arrival of %s on decode instance %s from '%s'; it was "
+                        "sent by %s to %s\n",
+                        KVF_SIM_PROG, r->id, s->dec[d].o->name[0], ev->peer,
+                        s->pre[r->pi].o->name[0], r->admitted ? s->dec[r->di].o->name[0] : "none");
+                s->corrupt++;
+                return;
+        }
         if (r->arrival == KVF_STATUS_FINISHED) {
                 fprintf(stderr, "%s: DUPLICATE arrival for %s\n", KVF_SIM_PROG, r->id);
                 s->corrupt++;
@@ -267,11 +323,21 @@ void kvf_sim_poll_events(struct sim *s, int timeout_ms)
                         if (s->reqs[i].completion > 0 && !s->reqs[i].dst_freed)
                                 maybe_done(s, &s->reqs[i]);
         }
-        simlog_previous(s->pg, s->dg, s->o.ranks);
-        while (kvf_group_poll(s->pg, &ev, timeout_ms) > 0) {
+        for (unsigned i = 0; i < s->npre; i++)
+                simlog_previous(s->pre[i].g, false, s->o.ranks);
+        for (unsigned i = 0; i < s->ndec; i++)
+                simlog_previous(s->dec[i].g, true, s->o.ranks);
+        /* One doorbell per instance and no way to sleep on several: wait on the prefill
+         * instance whose completion is likely next, then take what every one has. */
+        unsigned w = s->npre > 1 && timeout_ms ? likely_next(s) : 0;
+        while (kvf_group_poll(s->pre[w].g, &ev, timeout_ms) > 0) {
                 timeout_ms = 0;
-                on_completion(s, &ev);
+                on_completion(s, w, &ev);
         }
-        while (kvf_group_poll(s->dg, &ev, 0) > 0)
-                on_arrival(s, &ev);
+        for (unsigned p = 0; p < s->npre; p++)
+                while (p != w && kvf_group_poll(s->pre[p].g, &ev, 0) > 0)
+                        on_completion(s, p, &ev);
+        for (unsigned d = 0; d < s->ndec; d++)
+                while (kvf_group_poll(s->dec[d].g, &ev, 0) > 0)
+                        on_arrival(s, d, &ev);
 }

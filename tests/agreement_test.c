@@ -25,9 +25,9 @@
 #include "instances.h"
 #include "kvferry.h"
 
-#define PER 3        /* requests per scenario, one step */
+#define PER 3 /* requests per scenario, one step */
 #define MAX_REQS 64
-#define NONE (-1)    /* no completion or arrival (yet) */
+#define NONE (-1) /* no completion or arrival (yet) */
 #define PEER_TIMEOUT_MS 1000
 #define REQUEST_TIMEOUT_MS 3000
 
@@ -78,13 +78,14 @@ static int take(struct kvf_client *c, int ms)
                         r = &reqs[i];
         const char *kind = ev.type == KVF_EVENT_COMPLETION ? "completion" : "arrival";
         if (!r || (ev.type != KVF_EVENT_COMPLETION && ev.type != KVF_EVENT_ARRIVAL)) {
-                fprintf(stderr, "unexpected event (type %d) for '%s': %s: %s\n", ev.type, ev.request_id,
-                        kvf_status_name(ev.status), ev.reason);
+                fprintf(stderr, "unexpected event (type %d) for '%s': %s: %s\n", ev.type,
+                        ev.request_id, kvf_status_name(ev.status), ev.reason);
                 exit(1);
         }
         int *st = ev.type == KVF_EVENT_COMPLETION ? &r->c : &r->a;
         if (*st != NONE || r->judged) {
-                fprintf(stderr, "%s: %s %s: %s, after %s (a second one, or one after its scenario ended)\n",
+                fprintf(stderr,
+                        "%s: %s %s: %s, after %s (a second one, or one after its scenario ended)\n",
                         r->id, kind, kvf_status_name(ev.status), ev.reason, sname(*st));
                 exit(1);
         }
@@ -111,8 +112,14 @@ static struct req *submit(struct kvf_client *pc, const char *tag, uint32_t first
                 uint32_t b = first + i;
                 snprintf(r[i].id, sizeof(r[i].id), "%s-%u", tag, i);
                 r[i].c = r[i].a = NONE;
-                struct kvf_task t = {.request_id = r[i].id, .src_block_ids = &b, .n_src = 1, .dest_block_ids = &b,
-                                     .n_dest = 1, .current_id = step, .transport = KVF_TRANSPORT_IPC, .peer = D};
+                struct kvf_task t = {.request_id = r[i].id,
+                                     .src_block_ids = &b,
+                                     .n_src = 1,
+                                     .dest_block_ids = &b,
+                                     .n_dest = 1,
+                                     .current_id = step,
+                                     .transport = KVF_TRANSPORT_IPC,
+                                     .peer = D};
                 CHECK_EQ(kvf_submit_task(pc, &t), 0);
                 nreqs++;
         }
@@ -122,7 +129,8 @@ static struct req *submit(struct kvf_client *pc, const char *tag, uint32_t first
 }
 
 /* Until each request has its completion and (if `arrivals`) its arrival; fails after timeout_ms. */
-static void settle(struct kvf_client *pc, struct kvf_client *dc, struct req *r, bool arrivals, unsigned timeout_ms)
+static void settle(struct kvf_client *pc, struct kvf_client *dc, struct req *r, bool arrivals,
+                   unsigned timeout_ms)
 {
         uint64_t end = kvf_now_ns() + (uint64_t)timeout_ms * 1000000ull;
         for (;;) {
@@ -133,8 +141,8 @@ static void settle(struct kvf_client *pc, struct kvf_client *dc, struct req *r, 
                         return;
                 if (kvf_now_ns() > end) {
                         for (unsigned i = 0; i < PER; i++)
-                                fprintf(stderr, "  %s: completion %s, arrival %s\n", r[i].id, sname(r[i].c),
-                                        sname(r[i].a));
+                                fprintf(stderr, "  %s: completion %s, arrival %s\n", r[i].id,
+                                        sname(r[i].c), sname(r[i].a));
                         fprintf(stderr, "%s...: no %s within %u ms\n", r->id,
                                 arrivals ? "completion and arrival" : "completion", timeout_ms);
                         exit(1);
@@ -153,23 +161,23 @@ static void judge(const char *what, struct req *r, const struct outcome *ok, uns
         CHECK(nok >= 1 && nok <= 4);
         printf("  %s\n", what);
         for (unsigned i = 0; i < PER; i++) {
-                printf("    %-18s completion %-16s arrival %-16s%s%s\n", r[i].id, sname(r[i].c), sname(r[i].a),
-                       r[i].why[0] ? " -- " : "", r[i].why);
+                printf("    %-18s completion %-16s arrival %-16s%s%s\n", r[i].id, sname(r[i].c),
+                       sname(r[i].a), r[i].why[0] ? " -- " : "", r[i].why);
                 /* Agreement: finished on one side only if finished on the other. */
                 if ((r[i].c == KVF_STATUS_FINISHED) != (r[i].a == KVF_STATUS_FINISHED)) {
-                        fprintf(stderr, "%s: the two sides disagree: completion %s, arrival %s\n", r[i].id,
-                                sname(r[i].c), sname(r[i].a));
+                        fprintf(stderr, "%s: the two sides disagree: completion %s, arrival %s\n",
+                                r[i].id, sname(r[i].c), sname(r[i].a));
                         exit(1);
                 }
                 unsigned k = 0;
                 while (k < nok && (ok[k].c != r[i].c || ok[k].a != r[i].a))
                         k++;
                 if (k == nok) {
-                        fprintf(stderr, "%s (%s): completion %s, arrival %s; expected", r[i].id, what,
-                                sname(r[i].c), sname(r[i].a));
+                        fprintf(stderr, "%s (%s): completion %s, arrival %s; expected", r[i].id,
+                                what, sname(r[i].c), sname(r[i].a));
                         for (k = 0; k < nok; k++)
-                                fprintf(stderr, "%s completion %s, arrival %s", k ? " or" : "", sname(ok[k].c),
-                                        sname(ok[k].a));
+                                fprintf(stderr, "%s completion %s, arrival %s", k ? " or" : "",
+                                        sname(ok[k].c), sname(ok[k].a));
                         fprintf(stderr, "\n");
                         exit(1);
                 }
@@ -179,18 +187,21 @@ static void judge(const char *what, struct req *r, const struct outcome *ok, uns
         if (nok > 1) {
                 printf("    ->");
                 for (unsigned k = 0; k < nok; k++)
-                        printf("%s %u ended %s/%s", k ? "," : "", count[k], sname(ok[k].c), sname(ok[k].a));
+                        printf("%s %u ended %s/%s", k ? "," : "", count[k], sname(ok[k].c),
+                               sname(ok[k].a));
                 printf("\n");
         }
 }
 
 /* Counter `id` of `inst` moved past `base` since (else the scenario did not do what it says). */
-static void grew(const char *inst, enum kvf_counter_id id, int64_t base, int64_t by, const char *meaning)
+static void grew(const char *inst, enum kvf_counter_id id, int64_t base, int64_t by,
+                 const char *meaning)
 {
         int64_t v = t_counter(inst, id);
         if (v < base + by) {
                 fprintf(stderr, "counter %s of '%s' went from %lld to %lld, wanted +%lld: %s\n",
-                        kvf_counter_names[id], inst, (long long)base, (long long)v, (long long)by, meaning);
+                        kvf_counter_names[id], inst, (long long)base, (long long)v, (long long)by,
+                        meaning);
                 exit(1);
         }
 }
@@ -205,8 +216,10 @@ int main(void)
         snprintf(D, sizeof(D), "ag%d-d", (int)getpid());
         const char *lay = "--model llama-3.1-8b --tp 8 --blocks 64";
         t_up(D, "--role decode %s --peer-timeout-ms %d", lay, PEER_TIMEOUT_MS);
-        t_up(P, "--role prefill %s --peer-timeout-ms %d --connect-timeout-ms 500 --request-timeout-ms %d", lay,
-             PEER_TIMEOUT_MS, REQUEST_TIMEOUT_MS);
+        t_up(P,
+             "--role prefill %s --peer-timeout-ms %d --connect-timeout-ms 500 --request-timeout-ms "
+             "%d",
+             lay, PEER_TIMEOUT_MS, REQUEST_TIMEOUT_MS);
         struct kvf_client *pc, *dc;
         CHECK_EQ(kvf_attach(D, 5000, &dc), 0);
         CHECK_EQ(kvf_attach(P, 5000, &pc), 0);
@@ -231,8 +244,8 @@ int main(void)
 
         /* 1. The notices reached the stopped decode connector's socket; the peer timeout passes
          *    (the prefill side gives the connection up: the stop is a span of time, past the
-         *    timeout, before the deadline); the connector continues. The notices are in doubt, never
-         *    failed alone: the connector reads them from the old socket and publishes them, and
+         *    timeout, before the deadline); the connector continues. The notices are in doubt,
+         * never failed alone: the connector reads them from the old socket and publishes them, and
          *    answers the repeat on the new connection from its journal. Only 'finished' is right:
          *    even a withdrawal (were the deadline to pass first) is answered with the arrival the
          *    continued connector publishes from the notice ahead of it. */
@@ -271,15 +284,16 @@ int main(void)
         settle(pc, dc, r, true, 10000);
         const struct outcome killed_ok[] = {FINISHED, TIMED_OUT};
         bool in_time = reached_ms + 500 < REQUEST_TIMEOUT_MS;
-        printf("  (the restarted decode connector was reached %u ms after the submit; deadline %u ms)\n",
+        printf("  (the restarted decode connector was reached %u ms after the submit; deadline %u "
+               "ms)\n",
                reached_ms, REQUEST_TIMEOUT_MS);
         judge("stopped, killed as the peer timeout expired", r, killed_ok, in_time ? 1 : 2);
 
         /* 3. Past the requests' deadline (a span of time: 4 s against 3), continued: the sender has
-         *    withdrawn the notices; the connector, continued, publishes the notices ahead in its old
-         *    socket, and answers the withdrawals on the new connection from its journal: 'finished'.
-         *    The answers count in notices_in_doubt_resolved (prefill) and arrivals_deduplicated
-         *    (decode): the withdrawal, not a repeat of the notice, decided. */
+         *    withdrawn the notices; the connector, continued, publishes the notices ahead in its
+         * old socket, and answers the withdrawals on the new connection from its journal:
+         * 'finished'. The answers count in notices_in_doubt_resolved (prefill) and
+         * arrivals_deduplicated (decode): the withdrawal, not a repeat of the notice, decided. */
         int64_t resolved = t_counter(P, KVF_CTR_NOTICES_IN_DOUBT);
         int64_t deduped = t_counter(D, KVF_CTR_ARRIVALS_DEDUPED);
         dpid = decode_connector();
@@ -289,8 +303,10 @@ int main(void)
         kill(dpid, SIGCONT);
         settle(pc, dc, r, true, 10000);
         judge("stopped past the requests' deadline, continued", r, &FINISHED, 1);
-        grew(P, KVF_CTR_NOTICES_IN_DOUBT, resolved, PER, "the withdrawals were not what the peer answered");
-        grew(D, KVF_CTR_ARRIVALS_DEDUPED, deduped, PER, "the withdrawals were not answered from the journal");
+        grew(P, KVF_CTR_NOTICES_IN_DOUBT, resolved, PER,
+             "the withdrawals were not what the peer answered");
+        grew(D, KVF_CTR_ARRIVALS_DEDUPED, deduped, PER,
+             "the withdrawals were not answered from the journal");
 
         /* 4. Past the deadline, killed: the withdrawals go to a restarted connector that never saw
          *    the notices; it publishes the timeout and says so: 'timed out' on both sides. */
@@ -302,7 +318,8 @@ int main(void)
         kill(dpid, SIGKILL);
         settle(pc, dc, r, true, 10000);
         judge("stopped past the requests' deadline, killed", r, &TIMED_OUT, 1);
-        grew(P, KVF_CTR_NOTICES_IN_DOUBT, resolved, PER, "the withdrawals were not what the peer answered");
+        grew(P, KVF_CTR_NOTICES_IN_DOUBT, resolved, PER,
+             "the withdrawals were not what the peer answered");
 
         /* 5. Stopped past the peer timeout before the requests (a span of time: the prefill side
          *    notices the silence within the timeout plus a keepalive, 1.5 s at most; nothing counts
@@ -319,7 +336,8 @@ int main(void)
         kill(dpid, SIGCONT);
         const struct outcome unsent = {KVF_STATUS_CONNECTION, NONE};
         judge("notices never sent: the peer stopped past its timeout before them", r, &unsent, 1);
-        grew(P, KVF_CTR_PEER_FAILURES, fails, 1, "the prefill side never tried to reach the stopped peer");
+        grew(P, KVF_CTR_PEER_FAILURES, fails, 1,
+             "the prefill side never tried to reach the stopped peer");
 
         /* The connector continued: later requests reconnect and finish. */
         r = submit(pc, "after", 22);

@@ -88,12 +88,14 @@ __attribute__((unused)) static int64_t t_counter(const char *name, enum kvf_coun
  * most timeout_ms. 0 when it is; -ETIMEDOUT after saying on stderr what was awaited (`what`) and
  * where the counter stood. Safe in a forked child (never exits: the caller decides).
  */
-__attribute__((unused)) static int t_wait_counter(const char *name, enum kvf_counter_id id, uint64_t min,
-                                                  unsigned timeout_ms, const char *what)
+__attribute__((unused)) static int t_wait_counter(const char *name, enum kvf_counter_id id,
+                                                  uint64_t min, unsigned timeout_ms,
+                                                  const char *what)
 {
         struct kvf_ctl c;
         if (kvf_ctl_attach(name, false, &c) < 0) {
-                fprintf(stderr, "waiting for %s: cannot attach instance '%s': %s\n", what, name, kvf_err_msg());
+                fprintf(stderr, "waiting for %s: cannot attach instance '%s': %s\n", what, name,
+                        kvf_err_msg());
                 return -ENOENT;
         }
         uint64_t end = kvf_now_ns() + (uint64_t)timeout_ms * 1000000ull, v;
@@ -102,8 +104,10 @@ __attribute__((unused)) static int t_wait_counter(const char *name, enum kvf_cou
         kvf_ctl_detach(&c);
         if (v >= min)
                 return 0;
-        fprintf(stderr, "timed out after %u ms waiting for %s: counter %s of '%s' is %llu, wanted %llu\n",
-                timeout_ms, what, kvf_counter_names[id], name, (unsigned long long)v, (unsigned long long)min);
+        fprintf(stderr,
+                "timed out after %u ms waiting for %s: counter %s of '%s' is %llu, wanted %llu\n",
+                timeout_ms, what, kvf_counter_names[id], name, (unsigned long long)v,
+                (unsigned long long)min);
         return -ETIMEDOUT;
 }
 

@@ -161,9 +161,10 @@ static void read_report(int fd, void *p, size_t len)
         close(fd);
 }
 
-/* Fork an engine that attaches to P, submits `id` at the next step, publishes `layers` layers, waits
- * until the sender has moved them (with all_then_wait: until the request finished, its completion
- * unread), (if `detach`) detaches cleanly; it then reports on `fd` and waits to be killed. */
+/* Fork an engine that attaches to P, submits `id` at the next step, publishes `layers` layers,
+ * waits until the sender has moved them (with all_then_wait: until the request finished, its
+ * completion unread), (if `detach`) detaches cleanly; it then reports on `fd` and waits to be
+ * killed. */
 static pid_t engine_child(const char *id, unsigned tag, const uint32_t *src, const uint32_t *dst, uint32_t n,
                           int transport, uint32_t layers, bool detach, bool all_then_wait, uint64_t *session_out)
 {
@@ -177,9 +178,11 @@ static pid_t engine_child(const char *id, unsigned tag, const uint32_t *src, con
                 }
                 uint64_t step = kvf_last_step(c) + 1, sess = kvf_session(c);
                 /* (nothing else moves on P meanwhile: these count only this request) */
-                int64_t acc0 = t_counter(P, KVF_CTR_TASKS_ACCEPTED), lay0 = t_counter(P, KVF_CTR_LAYERS_SENT);
+                int64_t acc0 = t_counter(P, KVF_CTR_TASKS_ACCEPTED),
+                        lay0 = t_counter(P, KVF_CTR_LAYERS_SENT);
                 int64_t fin0 = t_counter(P, KVF_CTR_REQUESTS_FINISHED);
-                if (acc0 < 0 || lay0 < 0 || fin0 < 0 || submit(c, id, src, dst, n, step, transport) < 0)
+                if (acc0 < 0 || lay0 < 0 || fin0 < 0 ||
+                    submit(c, id, src, dst, n, step, transport) < 0)
                         _exit(1);
                 for (uint32_t l = 0; l < layers; l++) {
                         fill_layer(c, tag, l, src, n);
@@ -194,7 +197,8 @@ static pid_t engine_child(const char *id, unsigned tag, const uint32_t *src, con
                 } else if (layers) {
                         /* the layers it published are copied (ipc) or on their way (tcp) */
                         if (t_wait_counter(P, KVF_CTR_LAYERS_SENT, (uint64_t)lay0 + layers, 5000,
-                                           "the sender to move the layers the engine published") < 0)
+                                           "the sender to move the layers the engine published") <
+                            0)
                                 _exit(1);
                 }
                 if (detach) {

@@ -1,10 +1,15 @@
 /*
- * Outcome agreement (issue 9, item 3): the prefill side never reports a
- * failure for a request whose arrival the decode side published as finished.
- * A finish notice that reached the peer is in doubt until the peer answers;
- * the decode connector is stopped (SIGSTOP) right after it received one, for
- * longer than the peer timeout, then continued or killed (its supervisor
- * restarts it), and both sides must agree on every request.
+ * Outcome agreement (docs/ARCHITECTURE.md section 7): the prefill side never
+ * reports a failure for a request whose arrival the decode side published as
+ * finished, and each fault ends a request the way the rules there say. The
+ * decode connector is stopped (SIGSTOP) around a step's finish notices: for
+ * less than the peer timeout; for longer, then continued or killed (its
+ * supervisor restarts it); past the requests' deadline, then continued or
+ * killed; and before the notices, so that they never go out. Each scenario
+ * moves PER requests over ipc and asserts the exact status of every
+ * completion and every arrival (or that there is none), that the two sides
+ * agree, and that no request gets a second completion or arrival. Where two
+ * outcomes are both right (said at the scenario), it counts each.
  */
 #include <errno.h>
 #include <signal.h>
@@ -20,9 +25,33 @@
 #include "instances.h"
 #include "kvferry.h"
 
+#define PER 3 /* requests per scenario, one step */
+#define MAX_REQS 64
+#define NONE (-1) /* no completion or arrival (yet) */
+#define PEER_TIMEOUT_MS 1000
+#define REQUEST_TIMEOUT_MS 3000
+
 static char P[64], D[64];
 static struct kvf_layout_info L;
 
+struct req {
+        char id[32];
+        int c, a;      /* completion, arrival status; NONE */
+        char why[240]; /* the completion's reason */
+        bool judged;   /* its scenario checked it: nothing more may come for it */
+};
+static struct req reqs[MAX_REQS];
+static unsigned nreqs;
+
+/* An expected outcome: the completion's status and the arrival's (NONE: no arrival). */
+struct outcome {
+        int c, a;
+};
+
+static const char *sname(int st)
+{
+        return st == NONE ? "(none)" : kvf_status_name(st);
+}
 
 static int decode_connector(void)
 {
@@ -30,99 +59,298 @@ static int decode_connector(void)
         CHECK_EQ(kvf_ctl_attach(D, false, &c), 0);
         int pid = c.roles[KVF_ROLE_CONNECTOR].pid;
         kvf_ctl_detach(&c);
+        CHECK(pid > 0);
         return pid;
 }
 
-/* One request over ipc, all layers published at once. */
-static void run_one(struct kvf_client *pc, const char *id, uint32_t blk)
-{
-        uint32_t s = blk, d = blk;
-        uint64_t step = kvf_last_step(pc) + 1;
-        struct kvf_task t = {.request_id = id, .src_block_ids = &s, .n_src = 1, .dest_block_ids = &d,
-                             .n_dest = 1, .current_id = step, .transport = KVF_TRANSPORT_IPC, .peer = D};
-        CHECK_EQ(kvf_submit_task(pc, &t), 0);
-        for (uint32_t l = 0; l < L.num_layers; l++)
-                CHECK_EQ(kvf_layer_done(pc, step, l), 0);
-}
-
-/* The completion and the arrival of `id` (within timeout_ms each); statuses in *c, *a (-1 none). */
-static void outcome(struct kvf_client *pc, struct kvf_client *dc, const char *id, int timeout_ms, int *c,
-                    int *a, char *why, size_t whylen)
+/* One event from c within ms, recorded against its request. Fails the test on an event for a
+ * request never submitted, a second completion or arrival, or one after its scenario was judged. */
+static int take(struct kvf_client *c, int ms)
 {
         struct kvf_event ev;
-        *c = *a = -1;
-        uint64_t end = kvf_now_ns() + (uint64_t)timeout_ms * 1000000ull;
-        while (*c < 0 && kvf_now_ns() < end)
-                if (kvf_poll(pc, &ev, 100) == 1 && ev.type == KVF_EVENT_COMPLETION && !strcmp(ev.request_id, id)) {
-                        *c = ev.status;
-                        snprintf(why, whylen, "%s", ev.reason);
-                }
-        end = kvf_now_ns() + 3000000000ull;
-        while (kvf_now_ns() < end) {
-                if (kvf_poll(dc, &ev, 100) != 1 || ev.type != KVF_EVENT_ARRIVAL || strcmp(ev.request_id, id))
-                        continue;
-                CHECK(*a < 0); /* one arrival */
-                *a = ev.status;
+        int rc = kvf_poll(c, &ev, ms);
+        CHECK(rc >= 0);
+        if (rc == 0)
+                return 0;
+        struct req *r = NULL;
+        for (unsigned i = 0; i < nreqs && !r; i++)
+                if (!strcmp(reqs[i].id, ev.request_id))
+                        r = &reqs[i];
+        const char *kind = ev.type == KVF_EVENT_COMPLETION ? "completion" : "arrival";
+        if (!r || (ev.type != KVF_EVENT_COMPLETION && ev.type != KVF_EVENT_ARRIVAL)) {
+                fprintf(stderr, "unexpected event (type %d) for '%s': %s: %s\n", ev.type,
+                        ev.request_id, kvf_status_name(ev.status), ev.reason);
+                exit(1);
+        }
+        int *st = ev.type == KVF_EVENT_COMPLETION ? &r->c : &r->a;
+        if (*st != NONE || r->judged) {
+                fprintf(stderr,
+                        "%s: %s %s: %s, after %s (a second one, or one after its scenario ended)\n",
+                        r->id, kind, kvf_status_name(ev.status), ev.reason, sname(*st));
+                exit(1);
+        }
+        *st = ev.status;
+        if (ev.type == KVF_EVENT_COMPLETION)
+                snprintf(r->why, sizeof(r->why), "%s", ev.reason);
+        return 1;
+}
+
+/* Everything either side has now, waiting up to ms on each. */
+static void pump(struct kvf_client *pc, struct kvf_client *dc, int ms)
+{
+        while (take(pc, ms) || take(dc, ms)) {
         }
 }
 
-static void expect_agree(struct kvf_client *pc, struct kvf_client *dc, const char *id, const char *what)
+/* PER requests of scenario `tag` over ipc (blocks `first`...), one step, every layer published. */
+static struct req *submit(struct kvf_client *pc, const char *tag, uint32_t first)
 {
-        int c, a;
-        char why[256] = "";
-        outcome(pc, dc, id, 20000, &c, &a, why, sizeof(why));
-        printf("  %-44s completion %-16s arrival %s%s%s\n", what, c < 0 ? "(none)" : kvf_status_name(c),
-               a < 0 ? "(none)" : kvf_status_name(a), why[0] ? " -- " : "", why);
-        CHECK(c >= 0);
-        /* Agreement: finished on one side only if finished on the other. */
-        CHECK((c == KVF_STATUS_FINISHED) == (a == KVF_STATUS_FINISHED));
+        CHECK(nreqs + PER <= MAX_REQS && first + PER <= 64);
+        struct req *r = &reqs[nreqs];
+        uint64_t step = kvf_last_step(pc) + 1;
+        for (unsigned i = 0; i < PER; i++) {
+                uint32_t b = first + i;
+                snprintf(r[i].id, sizeof(r[i].id), "%s-%u", tag, i);
+                r[i].c = r[i].a = NONE;
+                struct kvf_task t = {.request_id = r[i].id,
+                                     .src_block_ids = &b,
+                                     .n_src = 1,
+                                     .dest_block_ids = &b,
+                                     .n_dest = 1,
+                                     .current_id = step,
+                                     .transport = KVF_TRANSPORT_IPC,
+                                     .peer = D};
+                CHECK_EQ(kvf_submit_task(pc, &t), 0);
+                nreqs++;
+        }
+        for (uint32_t l = 0; l < L.num_layers; l++)
+                CHECK_EQ(kvf_layer_done(pc, step, l), 0);
+        return r;
 }
+
+/* Until each request has its completion and (if `arrivals`) its arrival; fails after timeout_ms. */
+static void settle(struct kvf_client *pc, struct kvf_client *dc, struct req *r, bool arrivals,
+                   unsigned timeout_ms)
+{
+        uint64_t end = kvf_now_ns() + (uint64_t)timeout_ms * 1000000ull;
+        for (;;) {
+                unsigned open = 0;
+                for (unsigned i = 0; i < PER; i++)
+                        open += r[i].c == NONE || (arrivals && r[i].a == NONE);
+                if (!open)
+                        return;
+                if (kvf_now_ns() > end) {
+                        for (unsigned i = 0; i < PER; i++)
+                                fprintf(stderr, "  %s: completion %s, arrival %s\n", r[i].id,
+                                        sname(r[i].c), sname(r[i].a));
+                        fprintf(stderr, "%s...: no %s within %u ms\n", r->id,
+                                arrivals ? "completion and arrival" : "completion", timeout_ms);
+                        exit(1);
+                }
+                pump(pc, dc, 10);
+        }
+}
+
+/*
+ * Every request of the scenario ended as one of ok[0..nok): the sides agree, and each status is
+ * exact. With more than one outcome allowed, print how many ended each way.
+ */
+static void judge(const char *what, struct req *r, const struct outcome *ok, unsigned nok)
+{
+        unsigned count[4] = {0};
+        CHECK(nok >= 1 && nok <= 4);
+        printf("  %s\n", what);
+        for (unsigned i = 0; i < PER; i++) {
+                printf("    %-18s completion %-16s arrival %-16s%s%s\n", r[i].id, sname(r[i].c),
+                       sname(r[i].a), r[i].why[0] ? " -- " : "", r[i].why);
+                /* Agreement: finished on one side only if finished on the other. */
+                if ((r[i].c == KVF_STATUS_FINISHED) != (r[i].a == KVF_STATUS_FINISHED)) {
+                        fprintf(stderr, "%s: the two sides disagree: completion %s, arrival %s\n",
+                                r[i].id, sname(r[i].c), sname(r[i].a));
+                        exit(1);
+                }
+                unsigned k = 0;
+                while (k < nok && (ok[k].c != r[i].c || ok[k].a != r[i].a))
+                        k++;
+                if (k == nok) {
+                        fprintf(stderr, "%s (%s): completion %s, arrival %s; expected", r[i].id,
+                                what, sname(r[i].c), sname(r[i].a));
+                        for (k = 0; k < nok; k++)
+                                fprintf(stderr, "%s completion %s, arrival %s", k ? " or" : "",
+                                        sname(ok[k].c), sname(ok[k].a));
+                        fprintf(stderr, "\n");
+                        exit(1);
+                }
+                count[k]++;
+                r[i].judged = true;
+        }
+        if (nok > 1) {
+                printf("    ->");
+                for (unsigned k = 0; k < nok; k++)
+                        printf("%s %u ended %s/%s", k ? "," : "", count[k], sname(ok[k].c),
+                               sname(ok[k].a));
+                printf("\n");
+        }
+}
+
+/* Counter `id` of `inst` moved past `base` since (else the scenario did not do what it says). */
+static void grew(const char *inst, enum kvf_counter_id id, int64_t base, int64_t by,
+                 const char *meaning)
+{
+        int64_t v = t_counter(inst, id);
+        if (v < base + by) {
+                fprintf(stderr, "counter %s of '%s' went from %lld to %lld, wanted +%lld: %s\n",
+                        kvf_counter_names[id], inst, (long long)base, (long long)v, (long long)by,
+                        meaning);
+                exit(1);
+        }
+}
+
+static const struct outcome FINISHED = {KVF_STATUS_FINISHED, KVF_STATUS_FINISHED};
+static const struct outcome TIMED_OUT = {KVF_STATUS_TIMEOUT, KVF_STATUS_TIMEOUT};
 
 int main(void)
 {
+        setvbuf(stdout, NULL, _IOLBF, 0); /* in order with stderr in the test log */
         snprintf(P, sizeof(P), "ag%d-p", (int)getpid());
         snprintf(D, sizeof(D), "ag%d-d", (int)getpid());
         const char *lay = "--model llama-3.1-8b --tp 8 --blocks 64";
-        t_up(D, "--role decode %s --peer-timeout-ms 1000", lay);
-        t_up(P, "--role prefill %s --peer-timeout-ms 1000 --connect-timeout-ms 500 --request-timeout-ms 3000", lay);
+        t_up(D, "--role decode %s --peer-timeout-ms %d", lay, PEER_TIMEOUT_MS);
+        t_up(P,
+             "--role prefill %s --peer-timeout-ms %d --connect-timeout-ms 500 --request-timeout-ms "
+             "%d",
+             lay, PEER_TIMEOUT_MS, REQUEST_TIMEOUT_MS);
         struct kvf_client *pc, *dc;
         CHECK_EQ(kvf_attach(D, 5000, &dc), 0);
         CHECK_EQ(kvf_attach(P, 5000, &pc), 0);
         kvf_get_layout(pc, &L);
+        struct req *r;
 
-        /* The control connection is up: a warm-up request. */
-        run_one(pc, "warm", 1);
-        expect_agree(pc, dc, "warm", "warm-up");
+        /* The control connection is up: a warm-up. */
+        r = submit(pc, "warm", 1);
+        settle(pc, dc, r, true, 10000);
+        judge("warm-up", r, &FINISHED, 1);
 
-        /* 1. The notice reached the stopped decode connector; the peer timeout passes (the
-         *    connection is given up); the connector continues and publishes the arrival. */
+        /* 0. Stopped for less than the peer timeout (the stop is a span of time, shorter than the
+         *    timeout), continued: the connection never broke; the notices are read late, published,
+         *    acknowledged. */
         int dpid = decode_connector();
         kill(dpid, SIGSTOP);
-        run_one(pc, "stopped", 2);
-        usleep(2500000); /* > the prefill's peer timeout: it gave up the connection */
+        r = submit(pc, "short", 4);
+        usleep(PEER_TIMEOUT_MS * 1000 / 3);
         kill(dpid, SIGCONT);
-        expect_agree(pc, dc, "stopped", "stopped past the peer timeout, continued");
+        settle(pc, dc, r, true, 10000);
+        judge("stopped for a third of the peer timeout, continued", r, &FINISHED, 1);
 
-        /* 2. The same, killed instead of continued at the moment the timeout expires: the restarted
-         *    connector never saw the notice; the prefill side sends it again. */
+        /* 1. The notices reached the stopped decode connector's socket; the peer timeout passes
+         *    (the prefill side gives the connection up: the stop is a span of time, past the
+         *    timeout, before the deadline); the connector continues. The notices are in doubt,
+         * never failed alone: the connector reads them from the old socket and publishes them, and
+         *    answers the repeat on the new connection from its journal. Only 'finished' is right:
+         *    even a withdrawal (were the deadline to pass first) is answered with the arrival the
+         *    continued connector publishes from the notice ahead of it. */
+        int64_t fails = t_counter(P, KVF_CTR_PEER_FAILURES);
         dpid = decode_connector();
         kill(dpid, SIGSTOP);
-        run_one(pc, "killed", 3);
-        usleep(1100000);
+        r = submit(pc, "stopped", 7);
+        usleep(PEER_TIMEOUT_MS * 2500);
+        /* (and, on a slow host, until the prefill side has given the connection up and failed to
+         * reach the peer again) */
+        CHECK_EQ(t_wait_counter(P, KVF_CTR_PEER_FAILURES, (uint64_t)fails + 1, 5000,
+                                "the prefill connector to give up the stopped decode connector"),
+                 0);
+        kill(dpid, SIGCONT);
+        settle(pc, dc, r, true, 10000);
+        judge("stopped past the peer timeout, continued", r, &FINISHED, 1);
+
+        /* 2. The same, killed instead of continued as the peer timeout expires (a span of time):
+         *    the restarted connector never saw the notices; the prefill side sends them again on
+         *    its new connection and they are published 'finished'. Both sides 'timed out' is right
+         *    as well, but only when that connection came too late: past the deadline the sender
+         *    withdraws the notices, and the new connector, which never published them, publishes
+         *    the timeout. So: reached before the deadline (with a margin for the answer), only
+         *    'finished'; else either, counted. */
+        int64_t connects = t_counter(P, KVF_CTR_PEER_CONNECTS);
+        dpid = decode_connector();
+        kill(dpid, SIGSTOP);
+        uint64_t t0 = kvf_now_ns();
+        r = submit(pc, "killed", 10);
+        usleep(PEER_TIMEOUT_MS * 1100);
         kill(dpid, SIGKILL);
-        expect_agree(pc, dc, "killed", "stopped, killed as the peer timeout expired");
+        CHECK_EQ(t_wait_counter(P, KVF_CTR_PEER_CONNECTS, (uint64_t)connects + 1, 10000,
+                                "the prefill connector to reach the restarted decode connector"),
+                 0);
+        unsigned reached_ms = (unsigned)((kvf_now_ns() - t0) / 1000000);
+        settle(pc, dc, r, true, 10000);
+        const struct outcome killed_ok[] = {FINISHED, TIMED_OUT};
+        bool in_time = reached_ms + 500 < REQUEST_TIMEOUT_MS;
+        printf("  (the restarted decode connector was reached %u ms after the submit; deadline %u "
+               "ms)\n",
+               reached_ms, REQUEST_TIMEOUT_MS);
+        judge("stopped, killed as the peer timeout expired", r, killed_ok, in_time ? 1 : 2);
 
-        /* 3. Past the request's deadline (3 s) the sender withdraws the notice; the peer, back in
-         *    time, answers with what it published: the arrival, so the request is finished. */
+        /* 3. Past the requests' deadline (a span of time: 4 s against 3), continued: the sender has
+         *    withdrawn the notices; the connector, continued, publishes the notices ahead in its
+         * old socket, and answers the withdrawals on the new connection from its journal:
+         * 'finished'. The answers count in notices_in_doubt_resolved (prefill) and
+         * arrivals_deduplicated (decode): the withdrawal, not a repeat of the notice, decided. */
+        int64_t resolved = t_counter(P, KVF_CTR_NOTICES_IN_DOUBT);
+        int64_t deduped = t_counter(D, KVF_CTR_ARRIVALS_DEDUPED);
         dpid = decode_connector();
         kill(dpid, SIGSTOP);
-        run_one(pc, "withdrawn", 4);
-        usleep(4000000);
+        r = submit(pc, "withdrawn", 13);
+        usleep(REQUEST_TIMEOUT_MS * 1000 + 1000000);
         kill(dpid, SIGCONT);
-        expect_agree(pc, dc, "withdrawn", "stopped past the request's deadline, continued");
+        settle(pc, dc, r, true, 10000);
+        judge("stopped past the requests' deadline, continued", r, &FINISHED, 1);
+        grew(P, KVF_CTR_NOTICES_IN_DOUBT, resolved, PER,
+             "the withdrawals were not what the peer answered");
+        grew(D, KVF_CTR_ARRIVALS_DEDUPED, deduped, PER,
+             "the withdrawals were not answered from the journal");
 
+        /* 4. Past the deadline, killed: the withdrawals go to a restarted connector that never saw
+         *    the notices; it publishes the timeout and says so: 'timed out' on both sides. */
+        resolved = t_counter(P, KVF_CTR_NOTICES_IN_DOUBT);
+        dpid = decode_connector();
+        kill(dpid, SIGSTOP);
+        r = submit(pc, "withdrawn-killed", 16);
+        usleep(REQUEST_TIMEOUT_MS * 1000 + 1000000);
+        kill(dpid, SIGKILL);
+        settle(pc, dc, r, true, 10000);
+        judge("stopped past the requests' deadline, killed", r, &TIMED_OUT, 1);
+        grew(P, KVF_CTR_NOTICES_IN_DOUBT, resolved, PER,
+             "the withdrawals were not what the peer answered");
+
+        /* 5. Stopped past the peer timeout before the requests (a span of time: the prefill side
+         *    notices the silence within the timeout plus a keepalive, 1.5 s at most; nothing counts
+         *    it while it has no work for the peer), and only then the requests:
+         *    their notices never go out on any connection, so they fail 'connection error' at the
+         *    peer timeout, and the decode side never publishes them, not even once it is continued
+         *    (checked until the end of the test). */
+        fails = t_counter(P, KVF_CTR_PEER_FAILURES);
+        dpid = decode_connector();
+        kill(dpid, SIGSTOP);
+        usleep(PEER_TIMEOUT_MS * 2500);
+        r = submit(pc, "unsent", 19);
+        settle(pc, dc, r, false, 10000);
+        kill(dpid, SIGCONT);
+        const struct outcome unsent = {KVF_STATUS_CONNECTION, NONE};
+        judge("notices never sent: the peer stopped past its timeout before them", r, &unsent, 1);
+        grew(P, KVF_CTR_PEER_FAILURES, fails, 1,
+             "the prefill side never tried to reach the stopped peer");
+
+        /* The connector continued: later requests reconnect and finish. */
+        r = submit(pc, "after", 22);
+        settle(pc, dc, r, true, 10000);
+        judge("after the faults", r, &FINISHED, 1);
+
+        /* Anything late: a second completion or arrival, an arrival for 'unsent' (waiting for
+         * nothing to come is a span of time). */
+        uint64_t end = kvf_now_ns() + 500000000ull;
+        while (kvf_now_ns() < end)
+                pump(pc, dc, 10);
         kvf_detach(pc);
         kvf_detach(dc);
-        printf("agreement_test: both sides agreed on every request\n");
+        printf("agreement_test: every request ended as the rules say, the same on both sides\n");
         return 0;
 }

@@ -9,8 +9,23 @@
 # simulator) is killed and restarted mid-run, again and again: every request of a killed engine
 # session must end 'finished' or 'engine gone', the same on both sides, once, and never be
 # delivered to the next session as its own (tests/session_logs_check.py reads their logs).
+# Every random choice (which role next, when, for how long, the simulators' workloads) comes from
+# one seed: KVF_FAULT_SEED, else a random one; it is printed at the start and in a failure, so a
+# run can be replayed (the same faults at the same moments; the timing of the system itself
+# still varies).
+SEED=${KVF_FAULT_SEED:-$(od -An -N4 -tu4 /dev/urandom | tr -d ' ')}
+[[ $SEED =~ ^[0-9]+$ ]] || { echo "KVF_FAULT_SEED must be a decimal number, not '$SEED'" >&2; exit 1; }
 source "$(dirname "$0")/lib.sh"
 cd "$ROOT"
+RANDOM=$SEED
+echo "fault_test: seed $SEED (replay with KVF_FAULT_SEED=$SEED)"
+fail() { failed=1; echo "FAIL: $* (replay with KVF_FAULT_SEED=$SEED)" >&2; exit 1; }
+# Any other way out with an error says it too (run by lib.sh's cleanup, whose exit status is $rc).
+said_seed() { [ "$rc" = 0 ] || [ -n "${failed:-}" ] || echo "fault_test failed: replay with KVF_FAULT_SEED=$SEED" >&2; }
+AT_EXIT+=(said_seed)
+# sim_seed: $simseed, a seed for the next kvf-sim, from ours (in this shell: a subshell's RANDOM is
+# seeded afresh)
+sim_seed() { simseed=$(( RANDOM * 32768 + RANDOM )); }
 KILLS=${KVF_FAULT_KILLS:-8}          # per role
 STOPS=${KVF_FAULT_STOPS:-3}          # decode connector stopped past the peer timeout, then killed
 ENGINE_KILLS=${KVF_FAULT_ENGINE_KILLS:-6}
@@ -20,14 +35,22 @@ PTO=3000
 up $TAG-d0 --role decode $L --peer-timeout-ms $PTO
 up $TAG-p0 --role prefill $L --peer-timeout-ms $PTO
 json=$KVFERRY_RUN_DIR/fault.json
+sim_seed
 "$B/kvf-sim" --prefill $TAG-p0 --decode $TAG-d0 --requests 100000 --layer-us 300 --quiet \
-  --timeout-s 90 --json "$json" >"$KVFERRY_RUN_DIR/sim.txt" 2>&1 &
+  --timeout-s 90 --seed $simseed --json "$json" >"$KVFERRY_RUN_DIR/sim.txt" 2>&1 &
 sim=$!
 
 kills=0
 declare -A killed=() # "ROLE INSTANCE" -> SIGKILLs made
+targets=("sender $TAG-p0" "connector $TAG-p0" "connector $TAG-d0")
 for round in $(seq "$KILLS"); do
-  for target in "sender $TAG-p0" "connector $TAG-p0" "connector $TAG-d0"; do
+  # each role once a round, in an order drawn from the seed
+  order=("${targets[@]}")
+  for i in 2 1; do
+    j=$(( RANDOM % (i + 1) )) t=${order[$i]}
+    order[$i]=${order[$j]} order[$j]=$t
+  done
+  for target in "${order[@]}"; do
     set -- $target
     sleep "0.$(( RANDOM % 6 + 2 ))"
     kill -0 $sim 2>/dev/null || fail "the simulator stopped early: $(tail -n 5 "$KVFERRY_RUN_DIR/sim.txt")"
@@ -107,8 +130,9 @@ for transport in ipc tcp; do
   for run in $(seq "$ENGINE_KILLS"); do
     log=$KVFERRY_RUN_DIR/engine-$transport-$run.log
     logs+=("$log")
+    sim_seed
     "$B/kvf-sim" --prefill $TAG-p0 --decode $TAG-d0 --requests 100000 --layer-us 300 --quiet \
-      --transport $transport --late-pct 20 --session-log "$log" --timeout-s 60 \
+      --transport $transport --late-pct 20 --session-log "$log" --timeout-s 60 --seed $simseed \
       >"$KVFERRY_RUN_DIR/engine-$transport-$run.txt" 2>&1 &
     esim=$!
     sleep "$(( RANDOM % 2 + 1 )).$(( RANDOM % 10 ))"
@@ -120,8 +144,9 @@ for transport in ipc tcp; do
   log=$KVFERRY_RUN_DIR/engine-$transport-last.log
   logs+=("$log")
   ejson=$KVFERRY_RUN_DIR/engine-$transport.json
+  sim_seed
   "$B/kvf-sim" --prefill $TAG-p0 --decode $TAG-d0 --requests 60 --layer-us 300 --quiet \
-    --transport $transport --session-log "$log" --drain-previous-s 3 --json "$ejson" \
+    --transport $transport --session-log "$log" --drain-previous-s 3 --seed $simseed --json "$ejson" \
     >"$KVFERRY_RUN_DIR/engine-$transport-last.txt" 2>&1 ||
     fail "the engine's last run ($transport) failed: $(tail -n 5 "$KVFERRY_RUN_DIR/engine-$transport-last.txt")"
   [ "$(json_get "$ejson" corrupt)" = 0 ] || fail "$transport: a request of a new engine session was corrupt"

@@ -2,18 +2,24 @@
  * For the C tests that start instances with the real supervisor: t_up()
  * starts one (tools/kvferry up) and fails the test when it does not come up;
  * every instance started is stopped at exit; t_connector_addr() reads where
- * an instance's connector listens. The repository is KVF_SOURCE_DIR; the
- * build comes from $KVFERRY_BUILD (tests/CMakeLists.txt sets both).
+ * an instance's connector listens; t_counter() and t_wait_counter() read an
+ * instance's counters (those kvf-ringdump shows) through a read-only mapping
+ * of its control segment, so a test waits for the event it means instead of
+ * sleeping. The repository is KVF_SOURCE_DIR; the build comes from
+ * $KVFERRY_BUILD (tests/CMakeLists.txt sets both).
  */
 #ifndef KVF_TEST_INSTANCES_H
 #define KVF_TEST_INSTANCES_H
 
+#include <errno.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "atomics.h"
 #include "check.h"
+#include "clock.h"
 #include "ctl.h"
 
 #define T_MAX_INSTANCES 16
@@ -63,6 +69,46 @@ __attribute__((unused)) static void t_connector_addr(const char *name, char *out
         CHECK_EQ(kvf_connector_info_read(&c, host, sizeof(host), &port), 0);
         kvf_ctl_detach(&c);
         snprintf(out, len, "%s:%u", host, port);
+}
+
+/* The instance's counter `id` now; -1 if its segment cannot be attached. Safe in a forked child
+ * (never exits). */
+__attribute__((unused)) static int64_t t_counter(const char *name, enum kvf_counter_id id)
+{
+        struct kvf_ctl c;
+        if (kvf_ctl_attach(name, false, &c) < 0)
+                return -1;
+        int64_t v = (int64_t)kvf_load_relaxed(&c.counters[id].value);
+        kvf_ctl_detach(&c);
+        return v;
+}
+
+/*
+ * Wait until counter `id` of instance `name` is at least `min`, polling every millisecond, for at
+ * most timeout_ms. 0 when it is; -ETIMEDOUT after saying on stderr what was awaited (`what`) and
+ * where the counter stood. Safe in a forked child (never exits: the caller decides).
+ */
+__attribute__((unused)) static int t_wait_counter(const char *name, enum kvf_counter_id id,
+                                                  uint64_t min, unsigned timeout_ms,
+                                                  const char *what)
+{
+        struct kvf_ctl c;
+        if (kvf_ctl_attach(name, false, &c) < 0) {
+                fprintf(stderr, "waiting for %s: cannot attach instance '%s': %s\n", what, name,
+                        kvf_err_msg());
+                return -ENOENT;
+        }
+        uint64_t end = kvf_now_ns() + (uint64_t)timeout_ms * 1000000ull, v;
+        while ((v = kvf_load_relaxed(&c.counters[id].value)) < min && kvf_now_ns() < end)
+                usleep(1000);
+        kvf_ctl_detach(&c);
+        if (v >= min)
+                return 0;
+        fprintf(stderr,
+                "timed out after %u ms waiting for %s: counter %s of '%s' is %llu, wanted %llu\n",
+                timeout_ms, what, kvf_counter_names[id], name, (unsigned long long)v,
+                (unsigned long long)min);
+        return -ETIMEDOUT;
 }
 
 #endif

@@ -61,6 +61,24 @@ counter() {
     /usr/bin/python3 -c 'import json,sys; print(json.load(sys.stdin)["counters"][sys.argv[1]])' "$2"
 }
 
+# wait_counter INSTANCE NAME MIN TIMEOUT_MS: until the instance's counter NAME (kvf-ringdump's) is
+# at least MIN, read every 20 ms; status 1 after TIMEOUT_MS, saying on stderr where it stood. For
+# a test to wait for the event it means ("the sender has the task", "bytes are moving") instead
+# of sleeping.
+wait_counter() {
+  local t0 v
+  t0=$(date +%s%N)
+  while :; do
+    v=$(counter "$1" "$2") || { echo "cannot read counter $2 of $1" >&2; return 1; }
+    [ "$v" -ge "$3" ] && return 0
+    if [ $(( ($(date +%s%N) - t0) / 1000000 )) -gt "$4" ]; then
+      echo "timed out after $4 ms waiting for counter $2 of $1 to reach $3 (it is $v)" >&2
+      return 1
+    fi
+    sleep 0.02
+  done
+}
+
 # is_role PID ROLE INSTANCE: PID runs this build's kvf-ROLE for INSTANCE (not a zombie)
 is_role() {
   local s a prev=""

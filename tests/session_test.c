@@ -1,5 +1,5 @@
 /*
- * Engine sessions (issue 9, item 1): a request belongs to the engine session
+ * Engine sessions (docs/ARCHITECTURE.md 6b): a request belongs to the engine session
  * that submitted it. When that session ends (its process is killed, or it
  * detaches) its requests still moving end "engine gone" on both sides, and
  * nothing of it is delivered to the next engine: kvf_poll() of a new session
@@ -8,7 +8,11 @@
  * Real processes: instances started with tools/kvferry up; engines are
  * forked children that attach with the client library and are SIGKILLed.
  * Each case also checks the bytes: layers the dead engine never published
- * must never reach the decode cache.
+ * must never reach the decode cache. Where a step must have happened before
+ * the next (the sender has the task, layers are copied, a request finished),
+ * the test waits for the instance's counter that says so (tasks_accepted,
+ * layers_sent, requests_finished: kvf-ringdump shows them) and fails, saying
+ * what it waited for, if it does not move in time.
  */
 #include <errno.h>
 #include <signal.h>
@@ -157,8 +161,10 @@ static void read_report(int fd, void *p, size_t len)
         close(fd);
 }
 
-/* Fork an engine that attaches to P, submits `id` at the next step, publishes `layers` layers, and
- * (if `detach`) detaches cleanly; it then reports on `fd` and waits to be killed. */
+/* Fork an engine that attaches to P, submits `id` at the next step, publishes `layers` layers,
+ * waits until the sender has moved them (with all_then_wait: until the request finished, its
+ * completion unread), (if `detach`) detaches cleanly; it then reports on `fd` and waits to be
+ * killed. */
 static pid_t engine_child(const char *id, unsigned tag, const uint32_t *src, const uint32_t *dst, uint32_t n,
                           int transport, uint32_t layers, bool detach, bool all_then_wait, uint64_t *session_out)
 {
@@ -171,7 +177,12 @@ static pid_t engine_child(const char *id, unsigned tag, const uint32_t *src, con
                         _exit(1);
                 }
                 uint64_t step = kvf_last_step(c) + 1, sess = kvf_session(c);
-                if (submit(c, id, src, dst, n, step, transport) < 0)
+                /* (nothing else moves on P meanwhile: these count only this request) */
+                int64_t acc0 = t_counter(P, KVF_CTR_TASKS_ACCEPTED),
+                        lay0 = t_counter(P, KVF_CTR_LAYERS_SENT);
+                int64_t fin0 = t_counter(P, KVF_CTR_REQUESTS_FINISHED);
+                if (acc0 < 0 || lay0 < 0 || fin0 < 0 ||
+                    submit(c, id, src, dst, n, step, transport) < 0)
                         _exit(1);
                 for (uint32_t l = 0; l < layers; l++) {
                         fill_layer(c, tag, l, src, n);
@@ -180,10 +191,21 @@ static pid_t engine_child(const char *id, unsigned tag, const uint32_t *src, con
                 }
                 if (all_then_wait) {
                         /* every layer published: the request finishes, its completion unread */
-                        usleep(500000);
+                        if (t_wait_counter(P, KVF_CTR_REQUESTS_FINISHED, (uint64_t)fin0 + 1, 5000,
+                                           "the request to finish") < 0)
+                                _exit(1);
+                } else if (layers) {
+                        /* the layers it published are copied (ipc) or on their way (tcp) */
+                        if (t_wait_counter(P, KVF_CTR_LAYERS_SENT, (uint64_t)lay0 + layers, 5000,
+                                           "the sender to move the layers the engine published") <
+                            0)
+                                _exit(1);
                 }
                 if (detach) {
-                        usleep(200000); /* the sender has the task (else: "before it was read") */
+                        /* the sender has the task (else: "before it was read") */
+                        if (t_wait_counter(P, KVF_CTR_TASKS_ACCEPTED, (uint64_t)acc0 + 1, 5000,
+                                           "the sender to accept the task") < 0)
+                                _exit(1);
                         kvf_detach(c);
                 }
                 if (write(fd, &sess, sizeof(sess)) != (ssize_t)sizeof(sess))
@@ -208,7 +230,7 @@ static const char *tname(int t)
 }
 
 /*
- * The issue's case: engine A submits X and publishes 7 of 32 layers, then
+ * Engine A submits X and publishes 7 of 32 layers, waits until they moved, then
  * is killed; engine B attaches and numbers its steps from kvf_last_step() + 1.
  * X must end "engine gone" on both sides, B must not see it, and layers 7 and
  * up of X must never reach the decode cache.
@@ -225,7 +247,6 @@ static void case_killed(struct kvf_client *dc, int transport, bool detach)
         zero_dst(dc, dy, 4);
         uint64_t sa;
         pid_t a = engine_child(x, 1, sx, dx, 4, transport, 7, detach, false, &sa);
-        usleep(200000); /* layers 0-6 of X are copied (ipc) or on their way (tcp) */
         kill_child(a);
 
         struct kvf_client *b;
@@ -282,7 +303,7 @@ static void case_unread(struct kvf_client *dc)
         struct kvf_client *b;
         CHECK_EQ(kvf_attach(P, 5000, &b), 0);
         struct kvf_event ev;
-        CHECK_EQ(kvf_poll(b, &ev, 300), 0);
+        CHECK_EQ(kvf_poll(b, &ev, 300), 0); /* (nothing comes: a span of time) */
         CHECK(wait_previous(b, KVF_EVENT_COMPLETION, "z-unread", 3000, &ev));
         CHECK_EQ(ev.status, KVF_STATUS_FINISHED);
         CHECK_EQ(ev.session, sa);
@@ -385,12 +406,18 @@ static void case_decode_engine(struct kvf_client **dcp, int transport)
         struct kvf_client *pc;
         CHECK_EQ(kvf_attach(P, 5000, &pc), 0);
         uint64_t step = kvf_last_step(pc) + 1;
+        int64_t lay0 = t_counter(P, KVF_CTR_LAYERS_SENT);
+        CHECK(lay0 >= 0);
         CHECK_EQ(submit(pc, w, s, d, 3, step, transport), 0);
         for (uint32_t l = 0; l < 3; l++) {
                 fill_layer(pc, 4, l, s, 3);
                 CHECK_EQ(kvf_layer_done(pc, step, l), 0);
         }
-        usleep(200000);
+        /* Layers 0-2 are copied (ipc) or on their way (tcp) before the engine that reserved the
+         * blocks goes. */
+        CHECK_EQ(t_wait_counter(P, KVF_CTR_LAYERS_SENT, (uint64_t)lay0 + 3, 5000,
+                                "the sender to move layers 0-2 of the request"),
+                 0);
         kill_child(e1);
         struct kvf_client *e2;
         CHECK_EQ(kvf_attach(D, 5000, &e2), 0); /* a new decode engine: the blocks are its now */
@@ -406,7 +433,7 @@ static void case_decode_engine(struct kvf_client **dcp, int transport)
         }
         printf("  prefill side: %-16s -> %s: %s\n", w, kvf_status_name(ev.status), ev.reason);
         /* The new decode engine never hears of W; nothing after the kill reached its blocks. */
-        CHECK_EQ(kvf_poll(e2, &ev, 500), 0);
+        CHECK_EQ(kvf_poll(e2, &ev, 500), 0); /* (nothing comes: a span of time) */
         for (uint32_t l = 3; l < L.num_layers; l++)
                 CHECK_EQ(check_dst(e2, 4, l, d, 3, false), 0);
         kvf_detach(pc);

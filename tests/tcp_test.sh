@@ -71,30 +71,34 @@ pass "scattered blocks: 20 requests verified, $blocks blocks in $frames data fra
 # deadline). When the link goes just after a step's notices, every request in flight can be in
 # doubt and the cache full of them, so none fails with 'connection error'. Then the link comes
 # back, the doubts resolve, and the cut is tried again (at most 3 cuts; the ring-dump of a cut
-# that failed no request is shown).
+# that failed no request is shown). Mid-transfer: the blocks of the first requests are on the
+# wire (bytes_sent_tcp moved by 16 MiB, half a 2048-token request).
+MOVING=$((16 << 20))
+b0=$(counter $TAG-p0 bytes_sent_tcp)
 sim_bg linkdown --prefill $TAG-p0 --decode $TAG-d0 --transport tcp --requests 100000 --layer-us 2000 \
   --max-tokens 2048 --peer-map "$TAG-d0=$IPB:7100" --timeout-s 30 &
 simpid=$!
-sleep 1.5
+wait_counter $TAG-p0 bytes_sent_tcp $((b0 + MOVING)) 10000 ||
+  { kill -TERM $simpid; wait $simpid || true; cat "$KVFERRY_RUN_DIR/linkdown.txt"; fail "link down: no transfer started"; }
 cut=0
 while :; do
   cut=$((cut + 1))
   before=$(counter $TAG-p0 failed_connection)
   ip -n "$NA" link set "$VA" down
   t0=$(date +%s%N)
-  while [ "$(counter $TAG-p0 failed_connection)" -le "$before" ] &&
-        [ $(( ($(date +%s%N) - t0) / 1000000 )) -le $((PT * 4 + 2000)) ]; do
-    sleep 0.05
-  done
-  [ "$(counter $TAG-p0 failed_connection)" -gt "$before" ] && break
+  wait_counter $TAG-p0 failed_connection $((before + 1)) $((PT * 4 + 2000)) 2>/dev/null && break
   "$B/kvf-ringdump" --instance $TAG-p0 2>&1 | sed -n '/^requests:/,/^$/p' | sed "s/^/  cut $cut, p0: /"
   if [ $cut = 3 ]; then
     kill -TERM $simpid 2>/dev/null; wait $simpid; cat "$KVFERRY_RUN_DIR/linkdown.txt"
     fail "link down: no connection error within $((PT * 4 + 2000)) ms of any of 3 cuts"
   fi
   echo "  cut $cut failed no request within $((PT * 4 + 2000)) ms (those in flight above): link up again"
+  c0=$(counter $TAG-p0 peer_connects) f0=$(counter $TAG-p0 requests_finished)
   ip -n "$NA" link set "$VA" up
-  sleep $(( PT * 2 / 1000 + 1 ))
+  # The doubts resolve: the connection is back and requests go through again.
+  wait_counter $TAG-p0 peer_connects $((c0 + 1)) $((PT * 4 + 2000)) &&
+    wait_counter $TAG-p0 requests_finished $((f0 + 3)) $((PT * 4 + 2000)) ||
+    fail "link up again after cut $cut: the transfer did not resume"
 done
 ms=$(( ($(date +%s%N) - t0) / 1000000 ))
 kill -TERM $simpid 2>/dev/null || true
@@ -111,14 +115,19 @@ sim relink --prefill $TAG-p0 --decode $TAG-d0 --transport tcp --requests 10 --la
 [ "$(json_get "$KVFERRY_RUN_DIR/relink.json" finished)" = 10 ] || fail "relink: not all finished"
 pass "link back up: later tasks reconnect and finish"
 
-# 3. SIGKILL of either connector mid-transfer.
+# 3. SIGKILL of either connector mid-transfer (blocks on the wire), and the transfer goes on once
+# it is back (a request finishes after it) before the simulator stops.
 for side in $TAG-d0 $TAG-p0 $TAG-d0 $TAG-p0; do
+  b0=$(counter $TAG-p0 bytes_sent_tcp)
   sim_bg kill --prefill $TAG-p0 --decode $TAG-d0 --transport tcp --requests 100000 --layer-us 300 \
     --peer-map "$TAG-d0=$IPB:7100" --timeout-s 30 &
   simpid=$!
-  sleep 1.2
+  wait_counter $TAG-p0 bytes_sent_tcp $((b0 + MOVING)) 10000 ||
+    { kill -TERM $simpid; wait $simpid || true; cat "$KVFERRY_RUN_DIR/kill.txt"; fail "kill $side: no transfer started"; }
   kill_role connector "$side"
-  sleep 1
+  f1=$(counter $TAG-p0 requests_finished)
+  wait_counter $TAG-p0 requests_finished $((f1 + 1)) 15000 ||
+    { kill -TERM $simpid; wait $simpid || true; cat "$KVFERRY_RUN_DIR/kill.txt"; fail "kill $side: no request finished after the connector came back"; }
   kill -TERM $simpid
   wait $simpid || { cat "$KVFERRY_RUN_DIR/kill.txt"; fail "kill $side: the simulator failed"; }
   j=$KVFERRY_RUN_DIR/kill.json
@@ -164,11 +173,8 @@ sent=$(counter $TAG-sp bytes_sent_tcp)
 kill -STOP "$dp"
 sim_bg unread $SIM1 --seed 2 --timeout-s 30 &
 simpid=$!
-t0=$(date +%s%N)
-until [ "$(counter $TAG-sp bytes_sent_tcp)" -ge $((sent + 8192)) ]; do # 2 layers x 2 tensors x 2 KiB
-  [ $(( ($(date +%s%N) - t0) / 1000000 )) -gt 3000 ] && { kill -KILL "$dp"; fail "unread: the blocks were not sent"; }
-  sleep 0.02
-done
+# 2 layers x 2 tensors x 2 KiB
+wait_counter $TAG-sp bytes_sent_tcp $((sent + 8192)) 3000 || { kill -KILL "$dp"; fail "unread: the blocks were not sent"; }
 kill -KILL "$dp"
 wait $simpid || { cat "$KVFERRY_RUN_DIR/unread.txt"; fail "unread: the request did not finish after the decode connector restarted"; }
 [ "$(json_get "$KVFERRY_RUN_DIR/unread.json" finished)" = 1 ] || fail "unread: not finished"

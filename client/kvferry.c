@@ -324,6 +324,7 @@ static void fill_event(struct kvf_client *c, struct kvf_event *ev, struct kvf_re
         }
         ev->session = r->session;
         ev->status = r->status;
+        ev->flags = r->id_bin ? KVF_EVENT_ID_BIN : 0;
         snprintf(ev->request_id, sizeof(ev->request_id), "%s", r->request_id);
         snprintf(ev->peer, sizeof(ev->peer), "%s", r->peer);
         snprintf(ev->reason, sizeof(ev->reason), "%s", r->reason);

@@ -22,7 +22,7 @@ uint64_t xfer_frame_bytes(const struct xfer_peer *xp, const struct frame *f)
 
 static void post_result(struct connector *cn, const struct xfer *x, int status, const char *reason)
 {
-        conn_write_result(cn, x->key, x->request_id, status, reason, true);
+        conn_write_result(cn, x->key, x->request_id, x->id_bin, status, reason, true);
 }
 
 /* xp->mu held: x is failed here (its result is posted): remember it for conn_xfer_noticed. */
@@ -341,6 +341,7 @@ int conn_xfer_open(struct connector *cn, const struct kvf_record *o, char *why, 
                 x->n_dst = o->n_dst;
                 x->first_ns = kvf_now_ns();
                 snprintf(x->request_id, sizeof(x->request_id), "%s", o->request_id);
+                x->id_bin = o->id_bin;
                 if (t->xfer_open && t->xfer_open(xp, x) < 0) {
                         free(dst);
                         free(x);

@@ -41,6 +41,7 @@ struct frame {
 struct xfer {
         uint64_t key;
         char request_id[KVF_REQ_ID_MAX];
+        bool id_bin; /* the request id is bytes (msgpack bin): every record about it says so */
         uint32_t *dst;
         uint32_t n_dst;
         struct frame **fr;

@@ -116,7 +116,12 @@ struct kvf_event {
          * (NULL when the arrival carries none) */
         const uint32_t *dest_block_ids;
         uint32_t n_dest;
+        /* KVF_EVENT_ID_BIN: request_id came as msgpack bin (an engine's bytes id, not
+         * necessarily UTF-8), and every record about the request carries it as bin */
+        uint32_t flags;
 };
+
+#define KVF_EVENT_ID_BIN 1u
 
 struct kvf_client;
 

@@ -163,6 +163,60 @@ def chunk_cancel_connect(pname, dname):
               % res["py-connect-bad"]["reason"])
 
 
+def one_request(pre, dec, rid, transport, dname, src, dst, timeout_s=10):
+    """Submit one request of blocks src -> dst, publish all its layers at a new step, and return
+    (its completion, its arrival or None when none came within timeout_s). Every event of
+    either client must be this request's."""
+    lo = pre.layout
+    step = pre.last_step + 1
+    pre.submit_task({"request_id": rid, "src_block_ids": src, "dest_block_ids": dst,
+                     "current_id": step, "transfer_protocol": transport, "peer": dname,
+                     "peer_session": dec.session})
+    for layer in range(lo.num_layers + lo.extra_layers):
+        pre.layer_done(step, layer)
+    end = time.monotonic() + timeout_s
+    done = arrived = None
+    while time.monotonic() < end and (done is None or arrived is None):
+        for c in (pre, dec):
+            ev = c.poll(timeout_ms=50)
+            if ev is None:
+                continue
+            if ev["request_id"] != rid:
+                fail("%s: an event of another request: %r" % (rid, ev))
+            if c is pre:
+                done = ev
+            else:
+                arrived = ev
+    if done is None:
+        fail("%r over %s: no completion after %d s" % (rid, transport, timeout_s))
+    return done, arrived
+
+
+def bytes_ids(pname, dname):
+    """Request ids as bytes that are not UTF-8 (msgpack bin) and as str, over ipc and tcp: the
+    completion and the arrival both finish, at once, and carry the id back as it was given
+    (bytes as the same bytes, str as str)."""
+    with kvferry.Client(dname) as dec, kvferry.Client(pname) as pre:
+        for i, (transport, rid) in enumerate((("ipc", b"\xff\xfe-req-ipc"),
+                                               ("tcp", b"\xff\xfe-req-tcp"),
+                                               ("ipc", "py-str-id-ipc-%d" % pre.session),
+                                               ("tcp", "py-str-id-tcp-%d" % pre.session))):
+            t0 = time.monotonic()
+            done, arrived = one_request(pre, dec, rid, transport, dname, [56 + i], [60 + i])
+            took = time.monotonic() - t0
+            if arrived is None:
+                fail("%r over %s: no arrival on the decode side (completion %r)"
+                     % (rid, transport, done))
+            for what, ev in (("completion", done), ("arrival", arrived)):
+                if ev["status"] != "finished" or type(ev["request_id"]) is not type(rid) or \
+                        ev["request_id"] != rid:
+                    fail("%r over %s: %s %r" % (rid, transport, what, ev))
+            if took > 5:
+                fail("%r over %s: took %.1f s" % (rid, transport, took))
+            print("ok: request id %r over %s: completion and arrival finished with the id as "
+                  "given (%s), in %.2f s" % (rid, transport, type(rid).__name__, took))
+
+
 def main():
     if len(sys.argv) == 6 and sys.argv[1] == "--child":
         return child(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))
@@ -349,6 +403,7 @@ def main():
     print("ok: close() beside a thread waiting in poll(): the session ended when the poll "
           "returned, the thread's next call raised (%s)" % errors[0])
     chunk_cancel_connect(pname, dname)
+    bytes_ids(pname, dname)
     killed_engine(pname, dname)
     print("ok: python engine: all passed")
 

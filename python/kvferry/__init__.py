@@ -60,7 +60,11 @@ class _Event(ctypes.Structure):
                 ("blocks", ctypes.c_uint32), ("rank", ctypes.c_uint32),
                 ("accept_ns", ctypes.c_uint64), ("last_layer_ns", ctypes.c_uint64),
                 ("done_ns", ctypes.c_uint64),
-                ("dest_block_ids", ctypes.POINTER(ctypes.c_uint32)), ("n_dest", ctypes.c_uint32)]
+                ("dest_block_ids", ctypes.POINTER(ctypes.c_uint32)), ("n_dest", ctypes.c_uint32),
+                ("flags", ctypes.c_uint32)]
+
+
+_EVENT_ID_BIN = 1  # KVF_EVENT_ID_BIN: the id came as bytes (msgpack bin) and goes back as bytes
 
 
 def library_path():
@@ -168,7 +172,9 @@ def _event_dict(ev):
         "type": _EVENT_TYPES.get(ev.type, "unknown"),
         "session": int(ev.session),
         "status": STATUS_NAMES[ev.status] if 0 <= ev.status < _STATUS_COUNT else "unknown status",
-        "request_id": ev.request_id.decode(errors="replace"),
+        # An id submitted as bytes comes back as the same bytes; a str id as str.
+        "request_id": ev.request_id if ev.flags & _EVENT_ID_BIN else
+        ev.request_id.decode(errors="replace"),
         "peer": ev.peer.decode(errors="replace"),
         "reason": ev.reason.decode(errors="replace"),
         "bytes": int(ev.bytes),

@@ -12,6 +12,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "clock.h"
 #include "err.h"
 #include "log.h"
 #include "rdma.h"
@@ -191,6 +192,42 @@ static int rdma_init(struct connector *cn)
         return 0;
 }
 
+static int rdma_unavailable(struct connector *cn, bool receive, char *why, size_t whylen)
+{
+        struct rdma_state *st = rdma_state(cn);
+        if (!st) {
+                snprintf(why, whylen, "the rdma transport did not start");
+                return -ENODEV;
+        }
+        if (receive) {
+                if (st->unavailable[0] || !st->ctx) {
+                        snprintf(why, whylen, "%s", st->unavailable[0] ? st->unavailable : "not a decode instance");
+                        return -EPROTONOSUPPORT;
+                }
+                return 0;
+        }
+        if (st->no_cache[0]) {
+                snprintf(why, whylen, "%s", st->no_cache);
+                return -EPROTONOSUPPORT;
+        }
+        /* A device may be added while the connector runs (a soft-RoCE link): count again
+         * now and then, not on every transfer. */
+        uint64_t now = kvf_now_ns();
+        if (!st->devices_ns || kvf_elapsed(now, st->devices_ns) > kvf_ms(1000)) {
+                int n = 0;
+                struct ibv_device **l = ibv_get_device_list(&n);
+                st->ndevices = l ? n : 0;
+                if (l)
+                        ibv_free_device_list(l);
+                st->devices_ns = now;
+        }
+        if (st->ndevices <= 0) {
+                snprintf(why, whylen, "no rdma device on this host");
+                return -ENODEV;
+        }
+        return 0;
+}
+
 static void rdma_fini(struct connector *cn)
 {
         struct rdma_state *st = rdma_state(cn);
@@ -225,6 +262,7 @@ const struct conn_transport conn_rdma_transport = {
         .xfer_free = rdma_xfer_free,
         .noticed = rdma_noticed,
         .wake = rdma_wake,
+        .unavailable = rdma_unavailable,
         .welcome = rdma_welcome,
         .welcome_undo = rdma_welcome_undo,
         .serve = rdma_serve,

@@ -110,6 +110,9 @@ static void decide(struct sender *s, uint32_t slot, int status, const char *reas
         if (r->state == KVF_REQ_COMPLETING)
                 return; /* (closing it reported the engine's failure: decided already) */
         r->status = (uint32_t)status;
+        /* A failure always says why: an engine (and an operator) cannot act on a bare status. */
+        if (status != KVF_STATUS_FINISHED && (!reason || !reason[0]))
+                reason = "no reason was recorded";
         snprintf(r->reason, sizeof(r->reason), "%s", reason ? reason : "");
         r->completion_pos = ~0ull;
         sender_disarm(s, slot);
@@ -668,7 +671,9 @@ int sender_on_connector_record(void *ctx, uint16_t type, const uint8_t *p, uint3
                         if (ours && (q->state == KVF_REQ_FINISHING ||
                                      (q->state == KVF_REQ_ACTIVE && r.status != KVF_STATUS_FINISHED)))
                                 decide(s, slot, r.status,
-                                       r.status == KVF_STATUS_FINISHED ? "" : r.reason);
+                                       r.status == KVF_STATUS_FINISHED ? ""
+                                       : r.reason[0]                   ? r.reason
+                                                                       : "the connector gave no reason");
                 }
         } else if (type == KVF_RT_PEER_STATE) {
                 if (r.up)

@@ -217,6 +217,36 @@ def bytes_ids(pname, dname):
                   "given (%s), in %.2f s" % (rid, transport, type(rid).__name__, took))
 
 
+def rdma_refused(pname, dname):
+    """An rdma task where rdma cannot be had (this test's host has no rdma device; or the
+    decode side takes none): it fails at once, not at its timeout, with a reason naming rdma,
+    on both sides; the instances go on working (a tcp request then finishes)."""
+    with kvferry.Client(dname) as dec, kvferry.Client(pname) as pre:
+        for i in range(2):  # the second one meets what the first one taught the connector
+            rid = "py-rdma-%d-%d" % (pre.session, i)
+            t0 = time.monotonic()
+            done, arrived = one_request(pre, dec, rid, "rdma", dname, [50 + i], [50 + i],
+                                        timeout_s=3)
+            took = time.monotonic() - t0
+            if done["status"] == "finished":
+                print("skipped: rdma works between these instances: %r" % done)
+                return
+            if "rdma" not in done["reason"] or took > 3:
+                fail("rdma task: completion after %.1f s: %r" % (took, done))
+            if arrived is not None and (arrived["status"] == "finished" or
+                                        "rdma" not in arrived["reason"]):
+                fail("rdma task: the decode side's arrival: %r" % arrived)
+            print("ok: an rdma task without rdma: '%s' after %.2f s (%s); decode side: %s"
+                  % (done["status"], took, done["reason"],
+                     "%s (%s)" % (arrived["status"], arrived["reason"]) if arrived
+                     else "not told"))
+        rid = "py-after-rdma-%d" % pre.session
+        done, arrived = one_request(pre, dec, rid, "tcp", dname, [52], [52], timeout_s=10)
+        if done["status"] != "finished" or not arrived or arrived["status"] != "finished":
+            fail("a tcp request after the rdma ones: %r, %r" % (done, arrived))
+        print("ok: a tcp request after them finished on both sides")
+
+
 def main():
     if len(sys.argv) == 6 and sys.argv[1] == "--child":
         return child(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))
@@ -404,6 +434,7 @@ def main():
           "returned, the thread's next call raised (%s)" % errors[0])
     chunk_cancel_connect(pname, dname)
     bytes_ids(pname, dname)
+    rdma_refused(pname, dname)
     killed_engine(pname, dname)
     print("ok: python engine: all passed")
 

@@ -327,6 +327,10 @@ int main(int argc, char **argv)
                 default: kvf_opt_die(prog, "unknown option");
                 }
         }
+#ifndef KVF_HAVE_RDMA
+        if (cn.cfg.rdma.device[0])
+                kvf_opt_die(prog, "--rdma-device: this connector is built without rdma");
+#endif
         if (!instance)
                 kvf_opt_die(prog, "--instance is required");
         if (kvf_net_parse(listen_at, cn.cfg.listen_host, sizeof(cn.cfg.listen_host), &cn.cfg.listen_port) < 0)

@@ -155,8 +155,43 @@ int rdma_wc_is_link(enum ibv_wc_status st)
                st == IBV_WC_FATAL_ERR;
 }
 
+/*
+ * --rdma-device names a device of this host, or the connector does not start: a
+ * typo would otherwise leave an instance up that refuses every rdma transfer.
+ * The message lists the devices there are.
+ */
+static int check_device(const char *name)
+{
+        int n = 0;
+        struct ibv_device **list = ibv_get_device_list(&n);
+        char have[160] = "";
+        size_t used = 0;
+        bool found = false;
+        for (int i = 0; list && i < n; i++) {
+                const char *d = ibv_get_device_name(list[i]);
+                found |= !strcmp(d, name);
+                int w = snprintf(have + used, sizeof(have) - used, "%s%s", used ? ", " : "", d);
+                if (w > 0 && (size_t)w < sizeof(have) - used)
+                        used += (size_t)w;
+        }
+        if (list)
+                ibv_free_device_list(list);
+        if (found)
+                return 0;
+        if (!used)
+                return kvf_err_set(-ENODEV, "--rdma-device %s: this host has no rdma device (leave "
+                                            "--rdma-device out to run without rdma)", name);
+        return kvf_err_set(-ENODEV, "--rdma-device %s: no such rdma device on this host; it has: %s", name,
+                           have);
+}
+
 static int rdma_init(struct connector *cn)
 {
+        if (cn->cfg.rdma.device[0]) {
+                int rc = check_device(cn->cfg.rdma.device);
+                if (rc < 0)
+                        return rc;
+        }
         struct rdma_state *st = calloc(1, sizeof(*st));
         if (!st)
                 return kvf_err_set(-ENOMEM, "rdma: out of memory");

@@ -165,6 +165,23 @@ has "Address already in use" "up --listen on a port in use"
 gone $TAG-l
 pass "--listen that cannot bind: up fails at once with the connector's message, nothing left running"
 
+# ---- 6b. an rdma device this host does not have ----
+AT_EXIT+=("'$K' down --instance $TAG-r >/dev/null 2>&1") # (should an up wrongly succeed)
+devs=()
+for d in /sys/class/infiniband/*; do [ -e "$d" ] && devs+=("${d##*/}"); done
+try rdma-device "$K" up --instance $TAG-r --role decode $L --rdma-device kvf-no-such-dev7
+want_rc 1 "up --rdma-device kvf-no-such-dev7"
+quick "up --rdma-device kvf-no-such-dev7"
+has "--rdma-device kvf-no-such-dev7" "up --rdma-device kvf-no-such-dev7 names the device"
+if [ ${#devs[@]} = 0 ]; then
+  has "this host has no rdma device" "up --rdma-device kvf-no-such-dev7 on a host without rdma"
+else
+  has "no such rdma device on this host; it has: ${devs[*]}" "up --rdma-device kvf-no-such-dev7 lists the devices"
+fi
+gone $TAG-r
+[ ! -e "$R/$TAG-r" ] || fail "up --rdma-device kvf-no-such-dev7 left a run directory $R/$TAG-r"
+pass "--rdma-device naming no device of this host: up refuses it before anything starts (${devs[*]:-no rdma device here})"
+
 # ---- 8. the run directory and its files are ours alone ----
 chmod 755 "$R" # as the old script left it
 mkdir -m 755 "$R/$TAG-d"

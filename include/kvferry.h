@@ -140,6 +140,12 @@ const char *kvf_last_error(void);
  * previous session's requests, so a restarted engine that submits the same
  * request ids again never collides with them. What became of the previous
  * sessions' requests is told by kvf_poll_previous().
+ *
+ * A client belongs to the process that attached it. In a child after fork(),
+ * every call that touches the instance returns -EBADF with kvf_last_error()
+ * "this client was attached by pid N; after fork() attach anew in the child"
+ * (kvf_cache_tensor returns NULL and kvf_last_step 0, with that message), and
+ * kvf_detach releases only the child's own copies: the parent's session goes on.
  */
 int kvf_attach(const char *name, unsigned wait_ms, struct kvf_client **out);
 void kvf_detach(struct kvf_client *c);

@@ -247,6 +247,50 @@ def rdma_refused(pname, dname):
         print("ok: a tcp request after them finished on both sides")
 
 
+def forked(pname, dname):
+    """A client used in a child after fork(): every call raises with the message naming the
+    pid that attached; the parent's session goes on (a request of it finishes)."""
+    with kvferry.Client(dname) as dec, kvferry.Client(pname) as pre:
+        parent = os.getpid()
+        r, w = os.pipe()
+        kid = os.fork()
+        if kid == 0:
+            os.close(r)
+            bad = []
+            want = "this client was attached by pid %d; after fork() attach anew in the child" \
+                % parent
+            calls = (("submit_task", lambda: pre.submit_task(
+                          {"request_id": "py-forked", "src_block_ids": [1], "dest_block_ids": [1],
+                           "current_id": 1 << 30, "transfer_protocol": "ipc", "peer": dname})),
+                     ("layer_done", lambda: pre.layer_done(1 << 30, 0)),
+                     ("poll", lambda: pre.poll(timeout_ms=10)),
+                     ("cancel", lambda: pre.cancel("py-forked")),
+                     ("last_step", lambda: pre.last_step),
+                     ("tensor", lambda: pre.tensor(0, 0)))
+            for what, call in calls:
+                try:
+                    call()
+                    bad.append("%s: no error" % what)
+                except kvferry.KvferryError as e:
+                    if e.errno != errno.EBADF or want not in str(e):
+                        bad.append("%s: %r" % (what, e))
+            pre.close()  # ends nothing of the parent's
+            os.write(w, ("\n".join(bad) or "ok").encode())
+            os._exit(0)
+        os.close(w)
+        with os.fdopen(r) as f:
+            report = f.read()
+        os.waitpid(kid, 0)
+        if report != "ok":
+            fail("a client used after fork(): %s" % report)
+        done, arrived = one_request(pre, dec, "py-after-fork-%d" % pre.session, "ipc", dname,
+                                    [53], [53])
+        if done["status"] != "finished" or not arrived or arrived["status"] != "finished":
+            fail("the parent's request after the fork: %r, %r" % (done, arrived))
+        print("ok: a client used in a child after fork(): every call raised (naming pid %d); "
+              "the parent's request then finished on both sides" % parent)
+
+
 def main():
     if len(sys.argv) == 6 and sys.argv[1] == "--child":
         return child(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))
@@ -435,6 +479,7 @@ def main():
     chunk_cancel_connect(pname, dname)
     bytes_ids(pname, dname)
     rdma_refused(pname, dname)
+    forked(pname, dname)
     killed_engine(pname, dname)
     print("ok: python engine: all passed")
 

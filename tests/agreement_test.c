@@ -47,7 +47,7 @@ static void run_one(struct kvf_client *pc, const char *id, uint32_t blk)
 
 /* The completion and the arrival of `id` (within timeout_ms each); statuses in *c, *a (-1 none). */
 static void outcome(struct kvf_client *pc, struct kvf_client *dc, const char *id, int timeout_ms, int *c,
-                    int *a, char *why, size_t whylen)
+                    int *a, char *why, size_t whylen, char *awhy, size_t awhylen)
 {
         struct kvf_event ev;
         *c = *a = -1;
@@ -63,19 +63,23 @@ static void outcome(struct kvf_client *pc, struct kvf_client *dc, const char *id
                         continue;
                 CHECK(*a < 0); /* one arrival */
                 *a = ev.status;
+                snprintf(awhy, awhylen, "%s", ev.reason);
         }
 }
 
 static void expect_agree(struct kvf_client *pc, struct kvf_client *dc, const char *id, const char *what)
 {
         int c, a;
-        char why[256] = "";
-        outcome(pc, dc, id, 20000, &c, &a, why, sizeof(why));
+        char why[256] = "", awhy[256] = "";
+        outcome(pc, dc, id, 20000, &c, &a, why, sizeof(why), awhy, sizeof(awhy));
         printf("  %-44s completion %-16s arrival %s%s%s\n", what, c < 0 ? "(none)" : kvf_status_name(c),
                a < 0 ? "(none)" : kvf_status_name(a), why[0] ? " -- " : "", why);
         CHECK(c >= 0);
         /* Agreement: finished on one side only if finished on the other. */
         CHECK((c == KVF_STATUS_FINISHED) == (a == KVF_STATUS_FINISHED));
+        /* A failure (a timeout above all) always says why, on either side. */
+        CHECK(c == KVF_STATUS_FINISHED || why[0]);
+        CHECK(a < 0 || a == KVF_STATUS_FINISHED || awhy[0]);
 }
 
 int main(void)

@@ -33,6 +33,14 @@ const char *kvf_last_error(void)
         return kvf_err_msg();
 }
 
+#if UINTPTR_MAX == UINT64_MAX
+/* kvf_event.flags took the tail padding after n_dest: the struct kept its size (and an engine
+ * built against the header before it, its layout). */
+_Static_assert(offsetof(struct kvf_event, flags) == offsetof(struct kvf_event, n_dest) + 4 &&
+                       sizeof(struct kvf_event) == offsetof(struct kvf_event, flags) + 4,
+               "kvf_event.flags must sit in the former tail padding");
+#endif
+
 int kvf_client_owned(const struct kvf_client *c)
 {
         /* (getpid() is a system call since glibc 2.25, some tens of ns: cheap beside a

@@ -332,24 +332,25 @@ int conn_xfer_open(struct connector *cn, const struct kvf_record *o, char *why, 
                         snprintf(why, whylen, "the connector is out of memory");
                 return -ENOMEM;
         }
-        /* This side cannot send over the transport at all, or the peer refused it for good:
-         * fail now, not when the request times out. Remembered as failed, so a finish
-         * notice already on its way goes to the peer as an abort (conn_xfer_noticed). */
+        /* A new transfer this side cannot send over the transport at all, or that the peer
+         * refused for good: fail now, not when the request times out. Remembered as failed,
+         * so a finish notice already on its way goes to the peer as an abort
+         * (conn_xfer_noticed). (An open sent again for a transfer we have is no new one:
+         * its notice may be in doubt, and only the peer's answer ends it.) */
         char no[KVF_REASON_MAX];
         bool cannot = t->unavailable && t->unavailable(cn, false, no, sizeof(no)) < 0;
         pthread_mutex_lock(&xp->mu);
-        if (cannot || xp->refused_status) {
+        struct xfer *x = find(xp, o->key);
+        if (!x && (cannot || xp->refused_status)) {
                 if (cannot)
                         snprintf(why, whylen, "%s is not available at '%s': %s", t->name,
                                  cn->ctl.hdr->instance, no);
                 else
                         snprintf(why, whylen, "%s", xp->refused);
-                if (!find(xp, o->key))
-                        remember_failed(xp, o->key, KVF_STATUS_CONNECTION, why);
+                remember_failed(xp, o->key, KVF_STATUS_CONNECTION, why);
                 pthread_mutex_unlock(&xp->mu);
                 return -EPROTONOSUPPORT;
         }
-        struct xfer *x = find(xp, o->key);
         if (!x) {
                 x = calloc(1, sizeof(*x));
                 uint32_t *dst = malloc((o->n_dst ? o->n_dst : 1) * sizeof(uint32_t));

@@ -106,6 +106,10 @@ static void decide(struct sender *s, uint32_t slot, int status, const char *reas
         if (r->state == KVF_REQ_FREE || r->state == KVF_REQ_COMPLETING)
                 return;
         bool was_active = r->state == KVF_REQ_ACTIVE;
+        /* FINISHING, its finish notice not yet posted (a failure the connector reported
+         * first, say a transport it cannot use): the peer has heard of it no more than of
+         * an active one. */
+        bool unnoticed = r->state == KVF_REQ_FINISHING && !r->notice_gen;
         sender_plan_close(s, slot); /* the engine claims no more of it (its claims are awaited) */
         if (r->state == KVF_REQ_COMPLETING)
                 return; /* (closing it reported the engine's failure: decided already) */
@@ -121,7 +125,7 @@ static void decide(struct sender *s, uint32_t slot, int status, const char *reas
         sender_mark(s, slot, SLOT_NEEDS_COMPLETION);
         /* A request that fails while moving: tell the peer, so its engine can
          * free the blocks it reserved (best effort, not waited for). */
-        if (was_active && status != KVF_STATUS_FINISHED &&
+        if ((was_active || unnoticed) && status != KVF_STATUS_FINISHED &&
             (r->peer_idx != UINT32_MAX || r->transport != KVF_TRANSPORT_IPC))
                 sender_mark(s, slot, SLOT_ABORT_NOTICE);
 }

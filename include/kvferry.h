@@ -40,10 +40,12 @@ enum kvf_status {
         KVF_STATUS_BAD_TASK = 1,       /* "bad task": a field is missing, ill-typed or wrong */
         KVF_STATUS_BLOCK_RANGE = 2,    /* "block id out of range" */
         KVF_STATUS_UNKNOWN_PEER = 3,   /* "unknown peer" */
-        KVF_STATUS_CONNECTION = 4,     /* "connection error": unreachable, lost, or peer died */
+        KVF_STATUS_CONNECTION = 4,     /* "connection error": unreachable, lost, or peer died;
+                                        * or the transport cannot be had between the two (rdma
+                                        * without a device, or not built): at once, reason says */
         KVF_STATUS_LAYOUT_MISMATCH = 5,/* "peer layout mismatch" */
         KVF_STATUS_CANCELLED = 6,      /* "cancelled" */
-        KVF_STATUS_TIMEOUT = 7,        /* "timed out" */
+        KVF_STATUS_TIMEOUT = 7,        /* "timed out" (the reason says where it stopped) */
         KVF_STATUS_WRITE = 8,          /* "write error" */
         KVF_STATUS_AUTH = 9,           /* "authentication failed" */
         KVF_STATUS_ENGINE_GONE = 10,   /* "engine gone": the engine session that owned the

@@ -329,7 +329,7 @@ int main(int argc, char **argv)
         }
 #ifndef KVF_HAVE_RDMA
         if (cn.cfg.rdma.device[0])
-                kvf_opt_die(prog, "--rdma-device: this connector is built without rdma");
+                kvf_opt_die(prog, "--rdma-device %s: this connector is built without rdma", cn.cfg.rdma.device);
 #endif
         if (!instance)
                 kvf_opt_die(prog, "--instance is required");

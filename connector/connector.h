@@ -72,6 +72,7 @@ struct event {
 struct notice {
         uint64_t key;
         char request_id[KVF_REQ_ID_MAX];
+        bool id_bin; /* the request id is bytes (msgpack bin): answered as it came */
         uint8_t *frame; /* encoded NOTICE record */
         uint32_t len;
         uint64_t first_ns; /* when the connector got it */
@@ -207,8 +208,8 @@ void conn_events_run(struct connector *cn);
 void conn_dispatch(struct connector *cn, struct event *ev);
 /* Tell the sender how a network transfer ended (WRITE_RESULT): dispatched from this thread
  * when `dispatch`, else queued for the control thread. */
-void conn_write_result(struct connector *cn, uint64_t key, const char *request_id, int status,
-                       const char *reason, bool dispatch);
+void conn_write_result(struct connector *cn, uint64_t key, const char *request_id, bool id_bin,
+                       int status, const char *reason, bool dispatch);
 /* Answer an engine's connect task (CONNECT_RESULT), queued for the control thread. */
 void conn_connect_result(struct connector *cn, const struct connect_wait *w, const char *peer,
                          int status, const char *reason);

@@ -63,7 +63,7 @@ static void on_finish(struct connector *cn, struct kvf_record *f)
                 if (p)
                         snprintf(why, sizeof(why), "the connector is out of memory");
                 if (!aborting) /* nobody waits for an abort notice */
-                        conn_write_result(cn, f->key, f->request_id, KVF_STATUS_CONNECTION, why, false);
+                        conn_write_result(cn, f->key, f->request_id, f->id_bin, KVF_STATUS_CONNECTION, why, false);
                 kvf_errlog(&cn->ctl, KVF_ROLE_CONNECTOR, "req %s: notice for '%s' dropped: %s",
                            f->request_id, f->peer, why);
                 return;
@@ -89,7 +89,7 @@ static void on_finish(struct connector *cn, struct kvf_record *f)
         if (kvf_record_encode_alloc(&w, &n->frame, &len) < 0) {
                 free(n);
                 if (!aborting)
-                        conn_write_result(cn, f->key, f->request_id, KVF_STATUS_CONNECTION,
+                        conn_write_result(cn, f->key, f->request_id, f->id_bin, KVF_STATUS_CONNECTION,
                                           "the connector could not encode the finish notice", false);
                 kvf_errlog(&cn->ctl, KVF_ROLE_CONNECTOR, "req %s: could not encode its notice",
                            f->request_id);
@@ -101,6 +101,7 @@ static void on_finish(struct connector *cn, struct kvf_record *f)
         n->withdraw = f->withdraw;
         n->first_ns = kvf_now_ns();
         snprintf(n->request_id, sizeof(n->request_id), "%s", f->request_id);
+        n->id_bin = f->id_bin;
         if (f->withdraw) {
                 conn_peer_withdraw(p, n);
         } else {
@@ -130,7 +131,7 @@ static int on_sender_record(void *ctx, uint16_t type, const uint8_t *pl, uint32_
         case KVF_RT_OPEN: {
                 char why[KVF_REASON_MAX];
                 if (conn_xfer_open(cn, &r, why, sizeof(why)) < 0)
-                        conn_write_result(cn, r.key, r.request_id, KVF_STATUS_CONNECTION, why, false);
+                        conn_write_result(cn, r.key, r.request_id, r.id_bin, KVF_STATUS_CONNECTION, why, false);
                 break;
         }
         case KVF_RT_WRITE_BATCH:
@@ -143,7 +144,7 @@ static int on_sender_record(void *ctx, uint16_t type, const uint8_t *pl, uint32_
                 if (rc == -ENOENT)
                         rc = 0; /* the transfer failed already; its result went out */
                 else if (rc < 0) {
-                        conn_write_result(cn, r.key, r.request_id, KVF_STATUS_WRITE,
+                        conn_write_result(cn, r.key, r.request_id, r.id_bin, KVF_STATUS_WRITE,
                                           "the connector could not queue a write batch", false);
                         rc = 0;
                 }
@@ -326,6 +327,10 @@ int main(int argc, char **argv)
                 default: kvf_opt_die(prog, "unknown option");
                 }
         }
+#ifndef KVF_HAVE_RDMA
+        if (cn.cfg.rdma.device[0])
+                kvf_opt_die(prog, "--rdma-device %s: this connector is built without rdma", cn.cfg.rdma.device);
+#endif
         if (!instance)
                 kvf_opt_die(prog, "--instance is required");
         if (kvf_net_parse(listen_at, cn.cfg.listen_host, sizeof(cn.cfg.listen_host), &cn.cfg.listen_port) < 0)

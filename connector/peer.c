@@ -38,7 +38,7 @@
 static void post_result(struct connector *cn, const struct notice *n, int status, const char *reason)
 {
         if (!n->abort_notice) /* nobody waits for those */
-                conn_write_result(cn, n->key, n->request_id, status, reason, true);
+                conn_write_result(cn, n->key, n->request_id, n->id_bin, status, reason, true);
 }
 
 static void post_state(struct peer *p, bool up, const char *reason)
@@ -788,7 +788,7 @@ void conn_peer_withdraw(struct peer *p, struct notice *n)
         if (old)
                 free_notice(old);
         if (dropped) {
-                conn_write_result(p->cn, n->key, n->request_id, KVF_STATUS_TIMEOUT,
+                conn_write_result(p->cn, n->key, n->request_id, n->id_bin, KVF_STATUS_TIMEOUT,
                                   "timed out: the finish notice never reached the peer (withdrawn)", false);
                 conn_xfer_forget(p, n->key);
                 free_notice(n);

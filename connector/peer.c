@@ -57,6 +57,7 @@
 #include <linux/sockios.h>
 #include <sys/eventfd.h>
 #include <sys/ioctl.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -807,12 +808,18 @@ static void tick(struct peer_io *io, struct peer *p, uint64_t now)
                         lost(io, p, -ETIMEDOUT, why);
                         break;
                 }
+                /* (Every path that queues a notice wakes us; this is a backstop.) */
+                int rc = send_queued(io, p, why, sizeof(why));
+                if (rc < 0) {
+                        lost(io, p, rc, why);
+                        break;
+                }
                 pthread_mutex_lock(&p->wmu);
                 bool quiet = p->olen == p->ooff; /* (a full socket gets no ping on top) */
                 pthread_mutex_unlock(&p->wmu);
                 if (now - p->last_tx >= keep && quiet) {
                         struct kvf_record ping = {.type = KVF_RT_PING};
-                        int rc = send_record(io, p, &ping, why, sizeof(why));
+                        rc = send_record(io, p, &ping, why, sizeof(why));
                         if (rc < 0) {
                                 lost(io, p, rc, why);
                                 break;
@@ -1426,6 +1433,13 @@ int conn_peers_start(struct connector *cn)
                         free(pl->io);
                 free(pl);
                 return kvf_err_set(-ENOMEM, "peers: out of memory");
+        }
+        /* Every connected peer holds a socket, and so does one waiting for a handshake
+         * worker: the descriptors, not the threads, now grow with the peers. */
+        struct rlimit rl;
+        if (getrlimit(RLIMIT_NOFILE, &rl) == 0 && rl.rlim_cur < rl.rlim_max) {
+                rl.rlim_cur = rl.rlim_max;
+                setrlimit(RLIMIT_NOFILE, &rl);
         }
         pthread_mutex_init(&pl->mu, NULL);
         pthread_condattr_t ca;

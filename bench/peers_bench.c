@@ -8,9 +8,10 @@
  *
  * Usage: kvf-bench-peers --instance NAME --peers N --addr PREFIX:PORT
  *   peer i is PREFIX.<i/200>.<1+i%200>:PORT (PREFIX: two octets, e.g. 127.1)
- * Prints one line: peers, threads before, threads at most, RssAnon KiB before
- * and at most, completions, seconds.
+ * Prints one line: peers, threads, RssAnon KiB and open descriptors, each
+ * before and at most, then completions and seconds.
  */
+#include <dirent.h>
 #include <errno.h>
 #include <getopt.h>
 #include <stdio.h>
@@ -39,6 +40,20 @@ static long status_field(int pid, const char *field)
                 }
         fclose(f);
         return v;
+}
+
+static long fds_of(int pid)
+{
+        char path[64];
+        snprintf(path, sizeof(path), "/proc/%d/fd", pid);
+        DIR *d = opendir(path);
+        long n = 0;
+        if (!d)
+                return -1;
+        for (struct dirent *e; (e = readdir(d));)
+                n += e->d_name[0] != '.';
+        closedir(d);
+        return n;
 }
 
 int main(int argc, char **argv)
@@ -81,7 +96,7 @@ int main(int argc, char **argv)
         struct kvf_layout_info L;
         kvf_get_layout(cl, &L);
         long th0 = status_field(pid, "Threads"), rss0 = status_field(pid, "RssAnon");
-        long thmax = th0, rssmax = rss0;
+        long fd0 = fds_of(pid), thmax = th0, rssmax = rss0, fdmax = fd0;
         uint64_t t0 = kvf_now_ns(), step = kvf_last_step(cl) + 1;
         for (int i = 0; i < n; i++) {
                 char id[32], peer[96];
@@ -108,12 +123,14 @@ int main(int argc, char **argv)
                 long th = status_field(pid, "Threads"), rss = status_field(pid, "RssAnon");
                 thmax = th > thmax ? th : thmax;
                 rssmax = rss > rssmax ? rss : rssmax;
+                long fds = fds_of(pid);
+                fdmax = fds > fdmax ? fds : fdmax;
                 struct kvf_event ev;
                 while (kvf_poll(cl, &ev, 20) == 1)
                         got += ev.type == KVF_EVENT_COMPLETION;
         }
-        printf("peers %d threads %ld -> %ld rss_anon_kib %ld -> %ld completed %d seconds %.1f\n", n, th0,
-               thmax, rss0, rssmax, got, (double)(kvf_now_ns() - t0) / 1e9);
+        printf("peers %d threads %ld -> %ld rss_anon_kib %ld -> %ld fds %ld -> %ld completed %d seconds %.1f\n",
+               n, th0, thmax, rss0, rssmax, fd0, fdmax, got, (double)(kvf_now_ns() - t0) / 1e9);
         kvf_detach(cl);
         return got == n ? 0 : 1;
 }

@@ -42,11 +42,12 @@ I=0 LINE= TH= RSS=
 run() { # run KIND COUNT ADDR: one line of figures (LINE, and TH, RSS at most), on a fresh prefill instance
   I=$((I + 1)); local inst="pb$$-$I"; CUR=$inst
   "$ROOT/tools/kvferry" up --instance "$inst" --role prefill --model llama-3.1-8b --tp 8 --blocks 256 \
-    --max-requests 4096 --peer-timeout-ms 2000 --connect-timeout-ms 1000 >/dev/null
+    --max-requests 4096 --peer-timeout-ms 2000 --connect-timeout-ms 1000 >/dev/null 2>"$KVFERRY_RUN_DIR/up.err" ||
+    { cat "$KVFERRY_RUN_DIR/up.err" >&2; exit 1; }
   LINE=$("$B/bench/kvf-bench-peers" --instance "$inst" --peers "$2" --addr "$3")
   "$ROOT/tools/kvferry" down --instance "$inst" >/dev/null 2>&1; CUR=
   printf '%-12s %s\n' "$1" "$LINE"
-  read -r TH RSS <<<"$(echo "$LINE" | awk '{print $5, $8}')"
+  read -r TH RSS <<<"$(echo "$LINE" | awk '{print $6, $10}')"
 }
 echo "connector of a prefill instance, tcp tasks to N distinct peers (--peer-threads 2, --handshake-threads 2)"
 for kind in unreachable accepting; do

@@ -98,6 +98,7 @@ struct connect_wait {
         char *task_id;
         uint64_t session; /* the engine session that asked */
         bool id_bin;
+        uint64_t since; /* when the peer took it (peer.c) */
 };
 
 struct peer_io;

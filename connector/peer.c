@@ -136,15 +136,27 @@ static void post_state(struct peer *p, bool up, const char *reason)
         conn_post(p->cn, ev);
 }
 
-static void answer_connects(struct peer *p, int status, const char *reason)
+/* Answer the connect tasks waiting for p: all, or (older_than != 0) those waiting longer. */
+static void answer_connects_older(struct peer *p, int status, const char *reason, uint64_t older_than)
 {
         pthread_mutex_lock(&p->mu);
+        uint64_t now = kvf_now_ns();
+        unsigned keep = 0;
         for (unsigned i = 0; i < p->nconnect; i++) {
+                if (older_than && kvf_elapsed(now, p->connects[i].since) <= older_than) {
+                        p->connects[keep++] = p->connects[i];
+                        continue;
+                }
                 conn_connect_result(p->cn, &p->connects[i], p->name, status, reason);
                 free(p->connects[i].task_id);
         }
-        p->nconnect = 0;
+        p->nconnect = keep;
         pthread_mutex_unlock(&p->mu);
+}
+
+static void answer_connects(struct peer *p, int status, const char *reason)
+{
+        answer_connects_older(p, status, reason, 0);
 }
 
 static void free_notice(struct notice *n)
@@ -790,13 +802,12 @@ static void tick(struct peer_io *io, struct peer *p, uint64_t now)
                  * timeout. */
                 if (now - p->last_fail_check >= kvf_ms(HS_FAIL_CHECK_MS)) {
                         uint64_t dead = kvf_ms(cn->cfg.peer_timeout_ms);
+                        const char *why_hs = "no connection to the peer within the peer timeout "
+                                             "(its handshake is pending)";
                         p->last_fail_check = now;
-                        fail_queued(p, KVF_STATUS_CONNECTION,
-                                    "no connection to the peer within the peer timeout (its handshake is pending)",
-                                    dead, false);
-                        conn_xfer_fail(p, KVF_STATUS_CONNECTION,
-                                       "no connection to the peer within the peer timeout (its handshake is pending)",
-                                       dead);
+                        fail_queued(p, KVF_STATUS_CONNECTION, why_hs, dead, false);
+                        conn_xfer_fail(p, KVF_STATUS_CONNECTION, why_hs, dead);
+                        answer_connects_older(p, KVF_STATUS_CONNECTION, why_hs, dead);
                 }
                 set_due(io, p, p->last_fail_check + kvf_ms(HS_FAIL_CHECK_MS));
                 break;
@@ -1356,6 +1367,7 @@ void conn_peer_connect_task(struct peer *p, const struct connect_wait *w)
             (p->connects[p->nconnect].task_id = strdup(w->task_id))) {
                 p->connects[p->nconnect].session = w->session;
                 p->connects[p->nconnect].id_bin = w->id_bin;
+                p->connects[p->nconnect].since = kvf_now_ns();
                 p->nconnect++;
                 queued = true;
         }

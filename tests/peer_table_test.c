@@ -11,6 +11,11 @@
  * peers are addresses routed to a gateway whose frames land on an interface
  * with no address, where a SYN gets no answer (the connect times out); the other half are 127.1.x.y:9, where
  * nobody listens (refused at once). Otherwise all 1000 are of the second kind.
+ *
+ * Last, peers that accept and never answer hold both handshake workers for
+ * their handshake timeout, one after another: a connected peer must go on
+ * meanwhile (its requests finish at once, its connection stays up), since
+ * its I/O thread never waits for a handshake.
  */
 #include <dirent.h>
 #include <errno.h>
@@ -20,6 +25,8 @@
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 
 #include "check.h"
 #include "clock.h"
@@ -268,6 +275,73 @@ int main(void)
                 n++;
         }
         printf("ok: a reachable peer afterwards: tcp and ipc requests finished\n");
+
+        /* Hung handshakes: a socket that listens and never accepts (the kernel completes the
+         * connects; nobody answers HELLO), 20 peers on it. */
+        int lfd = socket(AF_INET, SOCK_STREAM, 0);
+        struct sockaddr_in sa = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_ANY)};
+        socklen_t sl = sizeof(sa);
+        CHECK(lfd >= 0 && bind(lfd, (struct sockaddr *)&sa, sizeof(sa)) == 0 && listen(lfd, 128) == 0 &&
+              getsockname(lfd, (struct sockaddr *)&sa, &sl) == 0);
+        step = kvf_last_step(c) + 1;
+        one(c, "h-first", KVF_TRANSPORT_TCP, daddr, 1070, step);
+        for (uint32_t l = 0; l < L.num_layers; l++)
+                CHECK_EQ(kvf_layer_done(c, step, l), 0);
+        finished_or_die(c, "h-first", 10000); /* the live peer's connection is up */
+        step = kvf_last_step(c) + 1;
+        for (int i = 0; i < 20; i++) {
+                char id[32], peer[64];
+                snprintf(id, sizeof(id), "h%d", i);
+                snprintf(peer, sizeof(peer), "127.3.0.%d:%u", 1 + i, ntohs(sa.sin_port));
+                submitted[i] = kvf_now_ns();
+                one(c, id, KVF_TRANSPORT_TCP, peer, (uint32_t)(1020 + i), step);
+        }
+        for (uint32_t l = 0; l < L.num_layers; l++)
+                CHECK_EQ(kvf_layer_done(c, step, l), 0);
+        uint64_t slowest = 0;
+        for (int r = 0; r < 8; r++) { /* 8 requests to the live peer while the workers are held */
+                usleep(250000);
+                char id[32];
+                snprintf(id, sizeof(id), "h-live%d", r);
+                step = kvf_last_step(c) + 1;
+                one(c, id, KVF_TRANSPORT_TCP, daddr, 1080 + (uint32_t)r, step);
+                uint64_t t0 = kvf_now_ns();
+                for (uint32_t l = 0; l < L.num_layers; l++)
+                        CHECK_EQ(kvf_layer_done(c, step, l), 0);
+                for (;;) {
+                        struct kvf_event ev;
+                        CHECK_EQ(kvf_poll(c, &ev, 5000), 1);
+                        if (ev.type != KVF_EVENT_COMPLETION)
+                                continue;
+                        if (ev.request_id[0] == 'h' && ev.request_id[1] != '-') {
+                                int i = atoi(ev.request_id + 1);
+                                CHECK(i >= 0 && i < 20);
+                                if (ev.status != KVF_STATUS_CONNECTION || !strstr(ev.reason, "handshake")) {
+                                        fprintf(stderr, "%s: %s: %s\n", ev.request_id,
+                                                kvf_status_name(ev.status), ev.reason);
+                                        return 1;
+                                }
+                                CHECK(kvf_elapsed(kvf_now_ns(), submitted[i]) <= kvf_ms(FAIL_BOUND_MS));
+                                continue;
+                        }
+                        if (strcmp(ev.request_id, id))
+                                continue;
+                        if (ev.status != KVF_STATUS_FINISHED) {
+                                fprintf(stderr, "%s: %s: %s\n", id, kvf_status_name(ev.status), ev.reason);
+                                return 1;
+                        }
+                        break;
+                }
+                uint64_t took = kvf_elapsed(kvf_now_ns(), t0);
+                slowest = took > slowest ? took : slowest;
+        }
+        close(lfd);
+        /* Each live request needs no handshake: it must not wait for the workers (20 hung
+         * handshakes of 500 ms on 2 workers hold them for 5 s). */
+        CHECK(slowest < kvf_ms(1000));
+        printf("ok: 20 peers that accept and never answer held the handshake workers; a connected peer's "
+               "8 requests meanwhile finished, the slowest in %llu ms\n",
+               (unsigned long long)(slowest / KVF_NS_PER_MS));
         kvf_detach(c);
         printf("peer_table_test: all passed\n");
         return 0;

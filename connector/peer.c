@@ -1303,12 +1303,45 @@ static bool has_room(const struct peer *p, int fd, uint32_t len)
 }
 
 /*
+ * wmu held, the socket's output buffer empty: send n's frame without waiting.
+ * 0 nothing sent (no room), 1 all of it, 2 part of it: the rest is the first
+ * thing in obuf now, for the I/O thread (the peer cannot answer a frame it
+ * has not read whole, so n is not acknowledged before that), < 0 an error.
+ */
+static int direct_send(struct peer *p, int fd, const struct notice *n)
+{
+        uint8_t hdr[KVF_FRAME_HDR];
+        kvf_net_put_hdr(hdr, n->len, KVF_RT_NOTICE, 0);
+        struct iovec iov[2] = {{hdr, sizeof(hdr)}, {n->frame, n->len}};
+        struct msghdr mh = {.msg_iov = iov, .msg_iovlen = n->len ? 2 : 1};
+        ssize_t w = sendmsg(fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
+        if (w < 0)
+                return errno == EAGAIN || errno == EINTR ? 0 : -errno;
+        size_t done = (size_t)w, total = sizeof(hdr) + n->len;
+        if (done == total)
+                return 1;
+        if (obuf_put(p, KVF_RT_NOTICE, n->frame, n->len) < 0) {
+                /* Out of memory for the rest: finish it here, bounded by the peer timeout. */
+                int rc = done < sizeof(hdr) ? kvf_net_write_all(fd, hdr + done, sizeof(hdr) - done,
+                                                                 p->cn->cfg.peer_timeout_ms)
+                                            : 0;
+                size_t off = done < sizeof(hdr) ? 0 : done - sizeof(hdr);
+                if (rc == 0)
+                        rc = kvf_net_write_all(fd, n->frame + off, n->len - off, p->cn->cfg.peer_timeout_ms);
+                return rc < 0 ? rc : 1;
+        }
+        p->ooff += (uint32_t)done; /* (obuf was empty: the frame is all there is) */
+        return 2;
+}
+
+/*
  * A notice for the peer. When the peer is connected and nothing waits before
  * it, the calling thread sends it at once: handing it to the I/O thread costs
  * a thread wake-up on the transfer's tail. Otherwise, and for abort notices,
- * the I/O thread sends it. A socket without room now is never waited on here,
- * and wmu is only tried: its holder never waits either, but a wait here would
- * put the control thread behind another thread's system call.
+ * the I/O thread sends it. A socket without room now is never waited on here
+ * (what it does not take of the frame goes to obuf), and wmu is only tried:
+ * its holder never waits either, but a wait here would put the control
+ * thread behind another thread's system call.
  */
 void conn_peer_enqueue(struct peer *p, struct notice *n)
 {
@@ -1343,7 +1376,7 @@ void conn_peer_enqueue(struct peer *p, struct notice *n)
                 pthread_mutex_lock(&p->mu);
                 n->sent = true;
                 pthread_mutex_unlock(&p->mu);
-                rc = kvf_net_try_send_frame(fd, KVF_RT_NOTICE, n->frame, n->len, p->cn->cfg.peer_timeout_ms);
+                rc = direct_send(p, fd, n);
         } else if (same) {
                 rc = 0;
         }
@@ -1353,8 +1386,9 @@ void conn_peer_enqueue(struct peer *p, struct notice *n)
                 requeue_first(p, n);
         }
         pthread_mutex_unlock(&p->wmu);
-        /* Sent: n may be acknowledged and freed already; touch it no more. A send
-         * error: the I/O thread finds the connection broken and sends n again. */
+        /* Sent: n may be acknowledged and freed already; touch it no more. Sent in part:
+         * the I/O thread sends the rest. A send error: the I/O thread finds the
+         * connection broken and sends n again. */
         if (rc != 1)
                 wake(p);
 }

@@ -281,8 +281,8 @@ static struct xfer_peer *xfer_peer(struct peer *p, const struct conn_transport *
                 return NULL;
         }
         /* The data path starts when the peer's control connection is up (conn_xfer_start):
-         * a peer that cannot be reached costs no threads but its own. Under p->mu with the
-         * peer thread's setting of `up`: of the two, whichever comes second starts it. */
+         * a peer that cannot be reached costs no thread at all. Under p->mu with the
+         * I/O thread's setting of `up`: of the two, whichever comes second starts it. */
         pthread_mutex_lock(&p->mu);
         *slot = xp;
         bool up = p->up;
@@ -293,7 +293,7 @@ static struct xfer_peer *xfer_peer(struct peer *p, const struct conn_transport *
 }
 
 /* The peer's state for transport i (NULL: none yet), from any thread: the control thread
- * creates it under p->mu while the peer thread and others may look. Never with p->mu held. */
+ * creates it under p->mu while the peer's I/O thread and others may look. Never with p->mu held. */
 static struct xfer_peer *xfer_peer_get(struct peer *p, unsigned i)
 {
         pthread_mutex_lock(&p->mu);

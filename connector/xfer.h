@@ -98,7 +98,7 @@ int conn_xfer_open(struct connector *cn, const struct kvf_record *open, char *wh
  * is gone (failed, its result went out); -EINVAL a bad batch; -ENOMEM. */
 int conn_xfer_batch(struct connector *cn, const struct kvf_record *batch);
 /*
- * The transfer's finish notice is handed to the peer thread: from now on only
+ * The transfer's finish notice is handed to the peer: from now on only
  * the notice's outcome ends it (conn_xfer_fail leaves it alone; the notice's
  * failure or acknowledgement forgets it). Returns KVF_STATUS_FINISHED, or, for
  * a transfer this connector failed already (its write result went out before
@@ -108,11 +108,11 @@ int conn_xfer_batch(struct connector *cn, const struct kvf_record *batch);
 int conn_xfer_noticed(struct peer *p, uint64_t key, char *why, size_t whylen);
 /* Any thread: the notice for `key` was acknowledged, or the transfer failed: forget it. */
 void conn_xfer_forget(struct peer *p, uint64_t key);
-/* Peer thread: fail transfers waiting longer than older_than (0 = all) with status, except
+/* The peer's I/O thread: fail transfers waiting longer than older_than (0 = all) with status, except
  * those whose notice is out (conn_xfer_noticed). */
 void conn_xfer_fail(struct peer *p, int status, const char *reason, uint64_t older_than);
 bool conn_xfer_busy(struct peer *p);
-/* Peer thread: its control connection is up; start the data paths (once). */
+/* The peer's I/O thread: its control connection is up; start the data paths (once). */
 void conn_xfer_start(struct peer *p);
 /* Stop the peer's data paths (joined); conn_xfer_free releases what is left. */
 void conn_xfer_stop(struct peer *p);

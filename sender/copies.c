@@ -172,7 +172,7 @@ static void fail_batch(struct sender *s, const char *why)
 }
 
 /*
- * Prewake (--prewake-us, issue 14). A batch that ends requests is followed by
+ * Prewake (--prewake-us). A batch that ends requests is followed by
  * their finish notices, and the connector's control thread, asleep on its
  * doorbell, takes tens of microseconds to run once rung (55 us p50 on a
  * 2-vCPU EPYC VM, where a halted vCPU is woken by the host): a wake-up on

@@ -194,7 +194,7 @@ static bool stream_words_due(struct sender *s)
  * --layer-wait spin: requests wait for layers, and a layer or a new task came in the last
  * EXPECT_MAX_GAP: poll until then. A sleeping sender gives up its CPU: the scheduler
  * places the engine's and the other roles' threads there, and the woken sender then
- * waits for them (milliseconds when they run out a default slice; issue 14 measured it).
+ * waits for them (milliseconds when they run out a default slice, as measured).
  * A polling one keeps its CPU, and the others go to the other CPUs.
  */
 static bool spin_for_layers(struct sender *s, struct pace *pc, uint64_t now)

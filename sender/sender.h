@@ -6,8 +6,14 @@
  *
  * Its request table lives in the control segment (struct kvf_req_slot), so a
  * restarted sender adopts every request in flight. What is kept only in
- * this process (the request-id map, the step buckets, peer mappings) is
- * rebuilt from the table at start.
+ * this process (the request-id map, the step buckets, peer mappings, a
+ * request's in-process state and what it owes the rings) is rebuilt from the
+ * table at start.
+ *
+ * Files call downward only: main.c -> tasks.c (records in) -> request.c (a
+ * request's states and transitions) -> progress.c, copies.c, plan.c,
+ * outbox.c, sessions.c, peers.c, table.c, which return what happened and
+ * never call back up. setup.c opens and closes a sender (main.c, tests).
  *
  * Single-threaded: everything here runs on the sender's one thread.
  */

@@ -672,6 +672,43 @@ static void case_full_rings(struct sender *s)
         }
         turn(s);
         CHECK_EQ(count_type(completions(&P), KVF_REC_COMPLETION), 6);
+
+        /* a notice that never reached the connector (its ring stayed full): the deadline ends it
+         * with no withdrawal, since the peer cannot have published anything */
+        st = next_step();
+        for (int i = 0; i < 6; i++) {
+                snprintf(id, sizeof(id), "fn-%02d-%0100d", i, 0);
+                task(&P, id, tcp_peer, KVF_TRANSPORT_TCP, src, 2, dst, 2, st, false);
+        }
+        task(&P, "nt-owed", D.name, KVF_TRANSPORT_IPC, src, 2, dst, 2, st, false);
+        for (uint32_t l = 1; l <= LAYERS; l++) {
+                progress(&P, st, l);
+                turn(s);
+        }
+        uint32_t nt = slot_of(s, "nt-owed");
+        CHECK_STATE(s, nt, SREQ_LANDED, KVF_REQ_FINISHING);
+        CHECK(s->flags[nt] & SLOT_NEEDS_NOTICE);
+        CHECK_EQ(s->ctl.reqtab[nt].notice_gen, 0);
+        sender_tick(s, s->ctl.reqtab[nt].deadline_ns + 1);
+        turn(s);
+        unsigned ended = 0, withdrawals = 0;
+        for (int k = 0; k < 20 && ended < 7; k++) {
+                struct outs *o = completions(&P);
+                for (unsigned i = 0; i < o->n; i++) {
+                        if (!strcmp(o->r[i].id, "nt-owed"))
+                                CHECK_DONE(o, "nt-owed", KVF_STATUS_TIMEOUT,
+                                           "before the finish notice could reach the connector");
+                        else
+                                CHECK(o->r[i].status == KVF_STATUS_TIMEOUT); /* the moving ones */
+                        ended++;
+                }
+                o = to_connector(&P);
+                for (unsigned i = 0; i < o->n; i++)
+                        withdrawals += o->r[i].withdraw;
+                turn(s);
+        }
+        CHECK_EQ(ended, 7);
+        CHECK_EQ(withdrawals, 0);
 }
 
 static struct sender A, B;

@@ -62,7 +62,8 @@ static void news(struct sender *s, uint32_t slot)
         if (s->cp.state[slot] & COPY_NEWS)
                 return;
         s->cp.state[slot] |= COPY_NEWS;
-        s->cp.news[s->cp.nnews++] = slot;
+        /* A ring of one entry per slot: a slot is in it at most once (COPY_NEWS). */
+        s->cp.news[(s->cp.news_at + s->cp.nnews++) % s->ctl.hdr->reqtab_slots] = slot;
 }
 
 /* A copy of the slot failed: its bytes are undefined (the first failure is the reason). */
@@ -81,8 +82,9 @@ bool sender_copies_news(struct sender *s, uint32_t *slot, bool *fail, char *why,
         if (!s->cp.nnews)
                 return false;
         /* Oldest first: the order the batches completed in. */
-        uint32_t i = s->cp.news[0];
-        memmove(s->cp.news, s->cp.news + 1, --s->cp.nnews * sizeof(*s->cp.news));
+        uint32_t i = s->cp.news[s->cp.news_at];
+        s->cp.news_at = (s->cp.news_at + 1) % s->ctl.hdr->reqtab_slots;
+        s->cp.nnews--;
         *slot = i;
         *fail = s->cp.state[i] & COPY_FAILED;
         if (*fail)

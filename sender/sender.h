@@ -148,8 +148,9 @@ struct sender {
                 uint32_t nflight;
                 uint32_t *inflight; /* per slot: its batches in flight, the engine's owes included */
                 uint8_t *state;     /* per slot: COPY_* */
-                uint32_t *news;     /* slots with COPY_NEWS: what request.c has to hear */
-                uint32_t nnews;
+                uint32_t *news;     /* slots with COPY_NEWS, a ring from news_at: what request.c
+                                     * has to hear */
+                uint32_t news_at, nnews;
                 char (*why)[KVF_REASON_MAX]; /* per slot with COPY_FAILED: the first failure */
                 struct copy_owe *owes; /* the engine's copies not yet seen landed */
                 uint32_t nowes, capowes;

@@ -523,6 +523,7 @@ static bool finishes_now(const struct sender *s, uint32_t slot, uint64_t step)
 
 void sender_req_progress(struct sender *s, uint64_t word, uint64_t publish_ns)
 {
+        static const struct sender_ev layers_ready = {.type = SENDER_EV_LAYERS};
         s->progress = word;
         s->progress_ns = publish_ns;
         s->copy_timed = false;
@@ -537,7 +538,7 @@ void sender_req_progress(struct sender *s, uint64_t word, uint64_t publish_ns)
                         /* every request here completes its mark and re-arms elsewhere */
                         uint32_t slot = s->buckets[0].slots[0];
                         sender_disarm(s, slot);
-                        advance(s, slot);
+                        sender_req_event(s, slot, &layers_ready);
                         continue;
                 }
                 /* bucket == step: requests advance but may stay in it */
@@ -556,7 +557,7 @@ void sender_req_progress(struct sender *s, uint64_t word, uint64_t publish_ns)
                                         s->tmp[k] = t;
                                 }
                 for (uint32_t k = 0; k < n; k++) {
-                        advance(s, s->tmp[k]);
+                        sender_req_event(s, s->tmp[k], &layers_ready);
                         if (k + 1 == nf && nf < n) {
                                 sender_req_copies(s, true);
                                 sender_flush_slots(s, s->tmp, nf);

@@ -61,6 +61,9 @@ void sender_close(struct sender *s)
 
 void sender_free(struct sender *s)
 {
+        /* The own cache first: its backend's copy engine (a worker thread, a GPU stream) may
+         * still be writing into a peer's cache, which must stay mapped until it has stopped. */
+        kvf_cache_unmap(&s->own);
         sender_copies_free(s);
         sender_table_free(s);
         free(s->pl_step);
@@ -70,6 +73,5 @@ void sender_free(struct sender *s)
         s->scratch_cap = 0;
         sender_net_peers_close(s);
         sender_peers_close(s);
-        kvf_cache_unmap(&s->own);
         kvf_ctl_detach(&s->ctl);
 }

@@ -820,7 +820,7 @@ static void case_async(void)
         uint64_t st = next_step();
         engine_attach(&PA);
         connector_start(&PA);
-        setenv("KVFERRY_ASYNC_DELAY_US", "20000", 1);
+        setenv("KVFERRY_ASYNC_DELAY_US", "100000", 1); /* (lands well after the checks of LANDING) */
         sender_up(&A, &PA);
         CHECK(!A.sync_copies);
         task(&PA, "as-ok", DA.name, KVF_TRANSPORT_IPC, src, 2, dst, 2, st, false);

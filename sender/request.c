@@ -30,8 +30,8 @@
 #include "sender.h"
 
 static const char *const state_names[SREQ_COUNT] = {
-        [SREQ_FREE] = "free",       [SREQ_MOVING] = "moving", [SREQ_LANDING] = "landing",
-        [SREQ_LANDED] = "landed",   [SREQ_HANDED] = "handed over", [SREQ_DECIDED] = "decided",
+    [SREQ_FREE] = "free",     [SREQ_MOVING] = "moving",      [SREQ_LANDING] = "landing",
+    [SREQ_LANDED] = "landed", [SREQ_HANDED] = "handed over", [SREQ_DECIDED] = "decided",
 };
 
 const char *sender_req_state_name(enum sender_req_state st)
@@ -58,9 +58,9 @@ static bool noticed_state(enum sender_req_state st)
 static void set_state(struct sender *s, uint32_t slot, enum sender_req_state st)
 {
         static const uint32_t shm[SREQ_COUNT] = {
-                [SREQ_FREE] = KVF_REQ_FREE,          [SREQ_MOVING] = KVF_REQ_ACTIVE,
-                [SREQ_LANDING] = KVF_REQ_ACTIVE,     [SREQ_LANDED] = KVF_REQ_FINISHING,
-                [SREQ_HANDED] = KVF_REQ_HANDED_OVER, [SREQ_DECIDED] = KVF_REQ_COMPLETING,
+            [SREQ_FREE] = KVF_REQ_FREE,          [SREQ_MOVING] = KVF_REQ_ACTIVE,
+            [SREQ_LANDING] = KVF_REQ_ACTIVE,     [SREQ_LANDED] = KVF_REQ_FINISHING,
+            [SREQ_HANDED] = KVF_REQ_HANDED_OVER, [SREQ_DECIDED] = KVF_REQ_COMPLETING,
         };
         struct kvf_req_slot *r = &s->ctl.reqtab[slot];
         s->rq[slot] = (uint8_t)st;
@@ -126,7 +126,9 @@ void sender_fail(struct sender *s, uint32_t slot, int status, const char *fmt, .
         va_start(ap, fmt);
         vsnprintf(reason, sizeof(reason), fmt, ap);
         va_end(ap);
-        sender_req_event(s, slot, &(struct sender_ev){.type = SENDER_EV_FAIL, .status = status, .reason = reason});
+        sender_req_event(
+            s, slot,
+            &(struct sender_ev){.type = SENDER_EV_FAIL, .status = status, .reason = reason});
 }
 
 /* A post that failed: back-pressure (true) leaves the work owed; a record that can never be
@@ -136,7 +138,8 @@ static bool post_failed(struct sender *s, uint32_t slot, int rc)
         char why[KVF_REASON_MAX];
         if (sender_post_again(rc))
                 return true;
-        kvf_errlog(&s->ctl, KVF_ROLE_SENDER, "req %s: %s", s->ctl.reqtab[slot].request_id, kvf_err_msg());
+        kvf_errlog(&s->ctl, KVF_ROLE_SENDER, "req %s: %s", s->ctl.reqtab[slot].request_id,
+                   kvf_err_msg());
         snprintf(why, sizeof(why), "%s", kvf_err_msg());
         decide(s, slot, KVF_STATUS_WRITE, why);
         return false;
@@ -146,7 +149,8 @@ static bool post_failed(struct sender *s, uint32_t slot, int rc)
 static void to_notice(struct sender *s, uint32_t slot)
 {
         struct kvf_req_slot *r = &s->ctl.reqtab[slot];
-        r->last_layer_ns = s->progress_ns && s->progress_ns > r->accept_ns ? s->progress_ns : r->accept_ns;
+        r->last_layer_ns =
+            s->progress_ns && s->progress_ns > r->accept_ns ? s->progress_ns : r->accept_ns;
         sender_disarm(s, slot);
         r->notice_gen = 0;
         set_state(s, slot, r->transport == KVF_TRANSPORT_IPC ? SREQ_LANDED : SREQ_HANDED);
@@ -211,7 +215,8 @@ static int post_notice(struct sender *s, uint32_t slot, enum sender_notice kind)
                 return rc;
         sender_copies_expected(s);
         if (kind != SENDER_NOTICE_ABORT)
-                s->ctl.reqtab[slot].notice_gen = kvf_load_acquire(&s->ctl.roles[KVF_ROLE_CONNECTOR].generation);
+                s->ctl.reqtab[slot].notice_gen =
+                    kvf_load_acquire(&s->ctl.roles[KVF_ROLE_CONNECTOR].generation);
         return 0;
 }
 
@@ -260,7 +265,9 @@ static void flush_slot(struct sender *s, uint32_t i)
                         return;
         }
         if (*f & SLOT_NEEDS_NOTICE) {
-                rc = post_notice(s, i, s->ctl.reqtab[i].withdraw_ns ? SENDER_NOTICE_WITHDRAW : SENDER_NOTICE_FINISH);
+                rc = post_notice(s, i,
+                                 s->ctl.reqtab[i].withdraw_ns ? SENDER_NOTICE_WITHDRAW
+                                                              : SENDER_NOTICE_FINISH);
                 if (rc == 0)
                         *f &= (uint8_t)~SLOT_NEEDS_NOTICE;
                 else
@@ -320,19 +327,21 @@ static void noticed_timeout(struct sender *s, uint32_t i, uint64_t now)
         uint64_t w = s->progress;
         char why[KVF_REASON_MAX];
         if (!r->notice_gen) {
-                snprintf(why, sizeof(why),
-                         "timed out after %llu ms before the finish notice could reach the connector "
-                         "(%u of %u blocks written, step %llu layer %u)",
-                         ms, r->sent_full, r->n_send, (unsigned long long)KVF_PROGRESS_STEP(w),
-                         KVF_PROGRESS_LAYERS(w));
+                snprintf(
+                    why, sizeof(why),
+                    "timed out after %llu ms before the finish notice could reach the connector "
+                    "(%u of %u blocks written, step %llu layer %u)",
+                    ms, r->sent_full, r->n_send, (unsigned long long)KVF_PROGRESS_STEP(w),
+                    KVF_PROGRESS_LAYERS(w));
                 decide(s, i, KVF_STATUS_TIMEOUT, why);
                 return;
         }
         if (!r->withdraw_ns) {
                 r->withdraw_ns = now;
                 mark(s, i, SLOT_NEEDS_NOTICE); /* posted as a withdrawal (flush_slot) */
-                kvf_warn("req %s: no confirmation from peer '%s' after %llu ms: asking it what it did",
-                         r->request_id, r->peer, ms);
+                kvf_warn(
+                    "req %s: no confirmation from peer '%s' after %llu ms: asking it what it did",
+                    r->request_id, r->peer, ms);
                 return;
         }
         if (now - r->withdraw_ns > s->request_timeout_ns) {
@@ -363,7 +372,8 @@ static void adopt_slot(struct sender *s, uint32_t i)
          * reported finished. */
         if ((r->flags & KVF_REQF_COPY_PENDING) && st != SREQ_DECIDED) {
                 r->flags &= ~KVF_REQF_COPY_PENDING;
-                decide(s, i, KVF_STATUS_WRITE, "the sender restarted while a copy of this request was being made");
+                decide(s, i, KVF_STATUS_WRITE,
+                       "the sender restarted while a copy of this request was being made");
                 return;
         }
         switch (st) {
@@ -458,8 +468,9 @@ void sender_req_event(struct sender *s, uint32_t slot, const struct sender_ev *e
                         snprintf(why, sizeof(why),
                                  "timed out after %llu ms: %u of %u blocks sent for every layer; "
                                  "progress is at step %llu layer %u",
-                                 (unsigned long long)(s->request_timeout_ns / 1000000), r->sent_full, r->n_send,
-                                 (unsigned long long)KVF_PROGRESS_STEP(w), KVF_PROGRESS_LAYERS(w));
+                                 (unsigned long long)(s->request_timeout_ns / 1000000),
+                                 r->sent_full, r->n_send, (unsigned long long)KVF_PROGRESS_STEP(w),
+                                 KVF_PROGRESS_LAYERS(w));
                         decide(s, slot, KVF_STATUS_TIMEOUT, why);
                 } else if (noticed_state(st)) {
                         noticed_timeout(s, slot, ev->now);
@@ -504,10 +515,11 @@ void sender_req_copies(struct sender *s, bool flush)
         else
                 sender_copies_poll(s);
         while (sender_copies_news(s, &slot, &failed, why, sizeof(why)))
-                sender_req_event(s, slot,
-                                 &(struct sender_ev){.type = SENDER_EV_COPIES,
-                                                     .status = failed ? KVF_STATUS_WRITE : KVF_STATUS_FINISHED,
-                                                     .reason = failed ? why : NULL});
+                sender_req_event(
+                    s, slot,
+                    &(struct sender_ev){.type = SENDER_EV_COPIES,
+                                        .status = failed ? KVF_STATUS_WRITE : KVF_STATUS_FINISHED,
+                                        .reason = failed ? why : NULL});
 }
 
 /* This word (the step's last layer) completes the request: its front mark is its last one,
@@ -515,7 +527,8 @@ void sender_req_copies(struct sender *s, bool flush)
 static bool finishes_now(const struct sender *s, uint32_t slot, uint64_t step)
 {
         const struct kvf_req_slot *r = &s->ctl.reqtab[slot];
-        if (sender_req_state(s, slot) != SREQ_MOVING || !r->last_chunk_seen || r->chunk_tail - r->chunk_head != 1)
+        if (sender_req_state(s, slot) != SREQ_MOVING || !r->last_chunk_seen ||
+            r->chunk_tail - r->chunk_head != 1)
                 return false;
         const struct kvf_chunk_mark *m = &r->chunks[r->chunk_head % KVF_CHUNKS_MAX];
         return m->step == step && m->block_end >= r->n_send;
@@ -593,7 +606,8 @@ void sender_sessions_check(struct sender *s, bool check_process)
                 if (!ended)
                         sender_session_why_ended(s, r->session, live, why, sizeof(why));
                 snprintf(reason, sizeof(reason), "%s before the transfer finished", why);
-                sender_req_event(s, i, &(struct sender_ev){.type = SENDER_EV_ENGINE_GONE, .reason = reason});
+                sender_req_event(
+                    s, i, &(struct sender_ev){.type = SENDER_EV_ENGINE_GONE, .reason = reason});
                 ended++;
         }
         if (old && old != SENDER_SESSION_UNKNOWN)
@@ -601,7 +615,8 @@ void sender_sessions_check(struct sender *s, bool check_process)
         if (old == SENDER_SESSION_UNKNOWN)
                 old = 0; /* (a sender starting: the log says 0 -> live) */
         if (old || ended)
-                kvf_info("engine session %llu -> %llu: %u requests of earlier sessions end with 'engine gone'",
+                kvf_info("engine session %llu -> %llu: %u requests of earlier sessions end with "
+                         "'engine gone'",
                          (unsigned long long)old, (unsigned long long)live, ended);
         s->session = live;
         /* Release: the requests above are decided before the new engine's attach (which
@@ -627,10 +642,13 @@ static void check_peers(struct sender *s)
                         for (uint32_t k = 0; k < n; k++) {
                                 struct kvf_req_slot *r = &s->ctl.reqtab[k];
                                 if (moving_state(sender_req_state(s, k)) && r->peer_idx == i &&
-                                    r->transport == KVF_TRANSPORT_IPC && r->peer_session && r->peer_session != live)
-                                        sender_fail(s, k, KVF_STATUS_ENGINE_GONE,
-                                                    "the engine session %llu of peer '%s' ended during the transfer: its blocks are no longer reserved",
-                                                    (unsigned long long)r->peer_session, name);
+                                    r->transport == KVF_TRANSPORT_IPC && r->peer_session &&
+                                    r->peer_session != live)
+                                        sender_fail(
+                                            s, k, KVF_STATUS_ENGINE_GONE,
+                                            "the engine session %llu of peer '%s' ended during the "
+                                            "transfer: its blocks are no longer reserved",
+                                            (unsigned long long)r->peer_session, name);
                         }
                         continue;
                 }
@@ -642,7 +660,9 @@ static void check_peers(struct sender *s)
                         if (moving_state(sender_req_state(s, k)) && r->peer_idx == i &&
                             r->transport == KVF_TRANSPORT_IPC)
                                 sender_fail(s, k, KVF_STATUS_CONNECTION,
-                                            "peer instance '%s' went away or was restarted during the transfer", name);
+                                            "peer instance '%s' went away or was restarted during "
+                                            "the transfer",
+                                            name);
                 }
                 sender_peer_drop(s, i);
         }
@@ -656,11 +676,11 @@ void sender_adopt(struct sender *s)
         /* The shared state says where each request was; the in-process split follows. */
         for (uint32_t i = 0; i < n; i++) {
                 uint32_t st = kvf_load_acquire(&s->ctl.reqtab[i].state);
-                s->rq[i] = st == KVF_REQ_FREE         ? SREQ_FREE
-                           : st == KVF_REQ_FINISHING  ? SREQ_LANDED
+                s->rq[i] = st == KVF_REQ_FREE          ? SREQ_FREE
+                           : st == KVF_REQ_FINISHING   ? SREQ_LANDED
                            : st == KVF_REQ_HANDED_OVER ? SREQ_HANDED
-                           : st == KVF_REQ_COMPLETING ? SREQ_DECIDED
-                                                      : SREQ_MOVING;
+                           : st == KVF_REQ_COMPLETING  ? SREQ_DECIDED
+                                                       : SREQ_MOVING;
         }
         /* The engine executor's entries: closed; what the engine claimed is waited for. */
         sender_plan_adopt_all(s, lost);
@@ -677,7 +697,8 @@ void sender_adopt(struct sender *s)
                         continue;
                 }
                 if (lost && lost[i]) {
-                        decide(s, i, KVF_STATUS_WRITE, "out of memory to track the engine's copies");
+                        decide(s, i, KVF_STATUS_WRITE,
+                               "out of memory to track the engine's copies");
                         continue;
                 }
                 sender_req_event(s, i, &(struct sender_ev){.type = SENDER_EV_ADOPT});
@@ -707,13 +728,15 @@ void sender_tick(struct sender *s, uint64_t now)
                 if (!live_state(st))
                         continue;
                 if (now > r->deadline_ns) {
-                        sender_req_event(s, i, &(struct sender_ev){.type = SENDER_EV_TIMEOUT, .now = now});
+                        sender_req_event(
+                            s, i, &(struct sender_ev){.type = SENDER_EV_TIMEOUT, .now = now});
                         if (!noticed_state(sender_req_state(s, i)))
                                 continue;
                 }
                 if ((cgen != s->connector_gen && r->transport != KVF_TRANSPORT_IPC) ||
                     (noticed_state(st) && r->notice_gen && r->notice_gen != cgen))
-                        sender_req_event(s, i, &(struct sender_ev){.type = SENDER_EV_CONNECTOR_NEW});
+                        sender_req_event(s, i,
+                                         &(struct sender_ev){.type = SENDER_EV_CONNECTOR_NEW});
         }
         s->connector_gen = cgen;
 }

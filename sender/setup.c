@@ -29,7 +29,8 @@ int sender_open(struct sender *s, const char *instance, const struct sender_opts
                 kvf_ctl_detach(&s->ctl);
                 return rc;
         }
-        if ((rc = sender_table_init(s)) < 0 || (rc = sender_copies_init(s)) < 0 || (rc = sender_plan_init(s)) < 0) {
+        if ((rc = sender_table_init(s)) < 0 || (rc = sender_copies_init(s)) < 0 ||
+            (rc = sender_plan_init(s)) < 0) {
                 sender_free(s);
                 return rc;
         }

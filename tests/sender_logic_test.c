@@ -52,8 +52,8 @@ static void cleanup(void)
 
 static void inst_make(struct inst *in, const char *tag, uint32_t irole, uint32_t backend)
 {
-        struct kvf_ctl_params p = {.instance_role = irole, .backend = backend, .reqtab_slots = SLOTS,
-                                   .max_blocks = 16};
+        struct kvf_ctl_params p = {
+            .instance_role = irole, .backend = backend, .reqtab_slots = SLOTS, .max_blocks = 16};
         snprintf(in->name, sizeof(in->name), "slt-%s%d", tag, (int)getpid());
         p.instance = in->name;
         for (int i = 0; i < KVF_RING_COUNT; i++)
@@ -62,7 +62,8 @@ static void inst_make(struct inst *in, const char *tag, uint32_t irole, uint32_t
         kvf_ctl_unlink(in->name);
         CHECK(kvf_ctl_create(&p, &in->ctl) == 0);
         in->made = true;
-        CHECK(kvf_cache_create(in->ctl.hdr, &(struct kvf_cache_opts){.huge_pages = KVF_HUGE_OFF}) == 0);
+        CHECK(kvf_cache_create(in->ctl.hdr, &(struct kvf_cache_opts){.huge_pages = KVF_HUGE_OFF}) ==
+              0);
         kvf_role_begin(&in->ctl, KVF_ROLE_ALLOCATOR);
         kvf_ctl_publish(&in->ctl);
         CHECK(kvf_cache_map(in->ctl.hdr, true, &in->cache) == 0);
@@ -92,17 +93,24 @@ static void put(struct kvf_ring *ring, const struct kvf_record *r)
         CHECK(n > 0);
         int rc = kvf_ring_write(ring, r->type, buf, (uint32_t)n, NULL);
         if (rc < 0) {
-                fprintf(stderr, "writing the %s record of '%s' into ring %s: %s\n", kvf_rec_type_name(r->type),
-                        r->request_id, kvf_ring_name((int)ring->hdr->id), strerror(-rc));
+                fprintf(stderr, "writing the %s record of '%s' into ring %s: %s\n",
+                        kvf_rec_type_name(r->type), r->request_id,
+                        kvf_ring_name((int)ring->hdr->id), strerror(-rc));
                 exit(1);
         }
 }
 
-static void task(struct inst *in, const char *id, const char *peer, int transport, const uint32_t *src,
-                 uint32_t nsrc, const uint32_t *dst, uint32_t ndst, uint64_t step, bool chunked)
+static void task(struct inst *in, const char *id, const char *peer, int transport,
+                 const uint32_t *src, uint32_t nsrc, const uint32_t *dst, uint32_t ndst,
+                 uint64_t step, bool chunked)
 {
-        struct kvf_record t = {.type = KVF_REC_TASK, .current_id = step, .transport = transport,
-                               .src = (uint32_t *)src, .n_src = nsrc, .dst = (uint32_t *)dst, .n_dst = ndst,
+        struct kvf_record t = {.type = KVF_REC_TASK,
+                               .current_id = step,
+                               .transport = transport,
+                               .src = (uint32_t *)src,
+                               .n_src = nsrc,
+                               .dst = (uint32_t *)dst,
+                               .n_dst = ndst,
                                .chunked = chunked};
         snprintf(t.request_id, sizeof(t.request_id), "%s", id);
         snprintf(t.peer, sizeof(t.peer), "%s", peer);
@@ -111,7 +119,8 @@ static void task(struct inst *in, const char *id, const char *peer, int transpor
 
 static void chunk(struct inst *in, const char *id, uint64_t step, uint64_t tokens, bool last)
 {
-        struct kvf_record c = {.type = KVF_REC_CHUNK, .current_id = step, .tokens = tokens, .last = last};
+        struct kvf_record c = {
+            .type = KVF_REC_CHUNK, .current_id = step, .tokens = tokens, .last = last};
         snprintf(c.request_id, sizeof(c.request_id), "%s", id);
         put(&in->ctl.rings[KVF_RING_ENGINE_TO_SENDER], &c);
 }
@@ -123,7 +132,8 @@ static void cancel(struct inst *in, const char *id)
         put(&in->ctl.rings[KVF_RING_ENGINE_TO_SENDER], &c);
 }
 
-static void write_result(struct inst *in, uint64_t key, const char *id, int status, const char *reason)
+static void write_result(struct inst *in, uint64_t key, const char *id, int status,
+                         const char *reason)
 {
         struct kvf_record w = {.type = KVF_RT_WRITE_RESULT, .key = key, .status = status};
         snprintf(w.request_id, sizeof(w.request_id), "%s", id);
@@ -216,7 +226,8 @@ static const struct rec *find(const struct outs *o, uint16_t type, const char *i
                 const struct rec *c_ = find((o), KVF_REC_COMPLETION, (id));                        \
                 CHECK(c_);                                                                         \
                 if (c_->status != (st) || !strstr(c_->reason, (has))) {                            \
-                        fprintf(stderr, "%s:%d: %s: status %d reason \"%s\", expected %d \"%s\"\n", \
+                        fprintf(stderr,                                                            \
+                                "%s:%d: %s: status %d reason \"%s\", expected %d \"%s\"\n",        \
                                 __FILE__, __LINE__, (id), c_->status, c_->reason, (st), (has));    \
                         exit(1);                                                                   \
                 }                                                                                  \
@@ -237,7 +248,8 @@ static void turn(struct sender *s)
 {
         uint64_t eg = kvf_load_acquire(&s->ctl.roles[KVF_ROLE_ENGINE].generation);
         if (eg != s->engine_gen_seen ||
-            (s->session && kvf_load_acquire(&s->ctl.roles[KVF_ROLE_ENGINE].state) == KVF_STATE_STOPPED)) {
+            (s->session &&
+             kvf_load_acquire(&s->ctl.roles[KVF_ROLE_ENGINE].state) == KVF_STATE_STOPPED)) {
                 s->engine_gen_seen = eg;
                 sender_sessions_check(s, true);
         }
@@ -274,9 +286,11 @@ static uint32_t slot_of(struct sender *s, const char *id)
         do {                                                                                       \
                 if (sender_req_state((s), (slot)) != (st) ||                                       \
                     kvf_load_acquire(&(s)->ctl.reqtab[(slot)].state) != (shm)) {                   \
-                        fprintf(stderr, "%s:%d: slot %u is %s (shared %u), expected %s (%u)\n",     \
-                                __FILE__, __LINE__, (slot), sender_req_state_name(sender_req_state((s), (slot))), \
-                                (s)->ctl.reqtab[(slot)].state, sender_req_state_name(st), (unsigned)(shm)); \
+                        fprintf(stderr, "%s:%d: slot %u is %s (shared %u), expected %s (%u)\n",    \
+                                __FILE__, __LINE__, (slot),                                        \
+                                sender_req_state_name(sender_req_state((s), (slot))),              \
+                                (s)->ctl.reqtab[(slot)].state, sender_req_state_name(st),          \
+                                (unsigned)(shm));                                                  \
                         exit(1);                                                                   \
                 }                                                                                  \
         } while (0)
@@ -287,14 +301,17 @@ static uint64_t key_of(struct sender *s, uint32_t slot)
 }
 
 /* Every byte of src blocks -> dst blocks (every layer, both tensors) is in the peer's cache. */
-static bool landed(struct inst *from, struct inst *to, const uint32_t *src, const uint32_t *dst, uint32_t n)
+static bool landed(struct inst *from, struct inst *to, const uint32_t *src, const uint32_t *dst,
+                   uint32_t n)
 {
         const struct kvf_cache_layout *L = &from->cache.layout;
         for (uint32_t l = 0; l < LAYERS; l++)
                 for (uint32_t t = 0; t < 2; t++)
                         for (uint32_t i = 0; i < n; i++)
-                                if (memcmp(to->cache.base + kvf_layout_offset(&to->cache.layout, l, t, dst[i]),
-                                           from->cache.base + kvf_layout_offset(L, l, t, src[i]), L->block_bytes))
+                                if (memcmp(to->cache.base +
+                                               kvf_layout_offset(&to->cache.layout, l, t, dst[i]),
+                                           from->cache.base + kvf_layout_offset(L, l, t, src[i]),
+                                           L->block_bytes))
                                         return false;
         return true;
 }
@@ -340,7 +357,8 @@ static void case_ipc_finished(struct sender *s)
         CHECK(s->ctl.reqtab[slot].notice_gen != 0);
         struct outs *o = to_connector(&P);
         CHECK_EQ(o->n, 1);
-        CHECK(o->r[0].type == KVF_RT_FINISH && o->r[0].status == KVF_STATUS_FINISHED && !o->r[0].withdraw);
+        CHECK(o->r[0].type == KVF_RT_FINISH && o->r[0].status == KVF_STATUS_FINISHED &&
+              !o->r[0].withdraw);
         CHECK_EQ(o->r[0].key, key_of(s, slot));
         CHECK_EQ(completions(&P)->n, 0); /* only the peer's answer decides */
         write_result(&P, key_of(s, slot), "ipc-ok", KVF_STATUS_FINISHED, "");
@@ -366,8 +384,10 @@ static void case_bad_tasks(struct sender *s)
         task(&P, "dup", tcp_peer, KVF_TRANSPORT_TCP, src, 2, dst, 2, st, false);
         task(&P, "dup", tcp_peer, KVF_TRANSPORT_TCP, src, 2, dst, 2, st, false);
         /* a record that does not decode still names its request */
-        uint8_t junk[] = {0x81, 0xaa, 'r', 'e', 'q', 'u', 'e', 's', 't', '_', 'i', 'd', 0xa3, 'b', 'a', 'd'};
-        CHECK(kvf_ring_write(&P.ctl.rings[KVF_RING_ENGINE_TO_SENDER], KVF_REC_TASK, junk, sizeof(junk), NULL) == 0);
+        uint8_t junk[] = {0x81, 0xaa, 'r', 'e', 'q',  'u', 'e', 's',
+                          't',  '_',  'i', 'd', 0xa3, 'b', 'a', 'd'};
+        CHECK(kvf_ring_write(&P.ctl.rings[KVF_RING_ENGINE_TO_SENDER], KVF_REC_TASK, junk,
+                             sizeof(junk), NULL) == 0);
         turn(s);
         struct outs *o = completions(&P);
         CHECK_DONE(o, "bad-empty", KVF_STATUS_BAD_TASK, "nothing to send");
@@ -432,7 +452,8 @@ static void case_timeout(struct sender *s)
         task(&P, "to-answered", D.name, KVF_TRANSPORT_IPC, src, 1, dst, 1, st, false);
         progress(&P, st, LAYERS);
         turn(s);
-        uint32_t m = slot_of(s, "to-moving"), l = slot_of(s, "to-landed"), a = slot_of(s, "to-answered");
+        uint32_t m = slot_of(s, "to-moving"), l = slot_of(s, "to-landed"),
+                 a = slot_of(s, "to-answered");
         CHECK_STATE(s, l, SREQ_LANDED, KVF_REQ_FINISHING);
         to_connector(&P);
         uint64_t t = s->ctl.reqtab[a].deadline_ns + 1; /* (the latest of the three) */
@@ -447,7 +468,8 @@ static void case_timeout(struct sender *s)
         CHECK(ab && ab->status == KVF_STATUS_TIMEOUT && !ab->withdraw);
         const struct rec *w = find(o, KVF_RT_FINISH, "to-landed");
         CHECK(w && w->withdraw && w->status == KVF_STATUS_TIMEOUT);
-        CHECK(find(o, KVF_RT_FINISH, "to-answered") && find(o, KVF_RT_FINISH, "to-answered")->withdraw);
+        CHECK(find(o, KVF_RT_FINISH, "to-answered") &&
+              find(o, KVF_RT_FINISH, "to-answered")->withdraw);
         CHECK_STATE(s, l, SREQ_LANDED, KVF_REQ_FINISHING);
         CHECK(s->ctl.reqtab[l].withdraw_ns == t);
         /* the peer answers one withdrawal: it had published the arrival */
@@ -473,11 +495,13 @@ static void case_tcp(struct sender *s)
         task(&P, "tcp-fail", tcp_peer, KVF_TRANSPORT_TCP, src, 3, dst, 3, st, false);
         task(&P, "tcp-cancel", tcp_peer, KVF_TRANSPORT_TCP, src, 3, dst, 3, st, false);
         turn(s);
-        uint32_t ok = slot_of(s, "tcp-ok"), f = slot_of(s, "tcp-fail"), c = slot_of(s, "tcp-cancel");
+        uint32_t ok = slot_of(s, "tcp-ok"), f = slot_of(s, "tcp-fail"),
+                 c = slot_of(s, "tcp-cancel");
         struct outs *o = to_connector(&P);
         CHECK_EQ(count_type(o, KVF_RT_OPEN), 3);
         /* a failure the connector reports while it moves ends it (an abort follows) */
-        write_result(&P, key_of(s, f), "tcp-fail", KVF_STATUS_CONNECTION, "peer unreachable for 5000 ms");
+        write_result(&P, key_of(s, f), "tcp-fail", KVF_STATUS_CONNECTION,
+                     "peer unreachable for 5000 ms");
         /* a "finished" for a request still moving is not believed */
         write_result(&P, key_of(s, ok), "tcp-ok", KVF_STATUS_FINISHED, "");
         progress(&P, st, 2);
@@ -485,7 +509,8 @@ static void case_tcp(struct sender *s)
         CHECK_DONE(completions(&P), "tcp-fail", KVF_STATUS_CONNECTION, "unreachable");
         CHECK_STATE(s, ok, SREQ_MOVING, KVF_REQ_ACTIVE);
         o = to_connector(&P);
-        CHECK(find(o, KVF_RT_FINISH, "tcp-fail") && find(o, KVF_RT_FINISH, "tcp-fail")->status == KVF_STATUS_CONNECTION);
+        CHECK(find(o, KVF_RT_FINISH, "tcp-fail") &&
+              find(o, KVF_RT_FINISH, "tcp-fail")->status == KVF_STATUS_CONNECTION);
         const struct rec *b = find(o, KVF_RT_WRITE_BATCH, "tcp-ok");
         CHECK(b && b->layer == 0 && b->layer_count == 2);
         progress(&P, st, LAYERS);
@@ -562,7 +587,8 @@ static void case_engine_gone(struct sender *s)
         CHECK_DONE(o, "eg-unread", KVF_STATUS_ENGINE_GONE, "before this task was read");
         CHECK(!find(o, KVF_REC_COMPLETION, "eg-landed"));
         CHECK_STATE(s, l, SREQ_LANDED, KVF_REQ_FINISHING);
-        CHECK(sender_map_find(s, "eg-landed") == UINT32_MAX); /* its id is free for the new engine */
+        CHECK(sender_map_find(s, "eg-landed") ==
+              UINT32_MAX); /* its id is free for the new engine */
         CHECK_EQ(s->ctl.sender->engine_session_ack, P.engine);
         o = to_connector(&P);
         CHECK(find(o, KVF_RT_FINISH, "eg-moving")->status == KVF_STATUS_ENGINE_GONE);
@@ -655,7 +681,8 @@ static void case_full_rings(struct sender *s)
                 for (unsigned i = 0; i < o->n; i++) {
                         opens += o->r[i].type == KVF_RT_OPEN;
                         finishes += o->r[i].type == KVF_RT_FINISH;
-                        layers += o->r[i].type == KVF_RT_WRITE_BATCH ? (unsigned)o->r[i].layer_count : 0;
+                        layers +=
+                            o->r[i].type == KVF_RT_WRITE_BATCH ? (unsigned)o->r[i].layer_count : 0;
                 }
                 turn(s);
         }
@@ -730,8 +757,9 @@ static void case_restart(void)
         turn(&A);
         progress(&P, st + 1, 2);
         turn(&A);
-        uint32_t ld = slot_of(&A, "rs-landed"), hd = slot_of(&A, "rs-handed"), mv = slot_of(&A, "rs-moving"),
-                 tm = slot_of(&A, "rs-tcp-moving"), dl = slot_of(&A, "rs-delivered"), ud = slot_of(&A, "rs-undelivered");
+        uint32_t ld = slot_of(&A, "rs-landed"), hd = slot_of(&A, "rs-handed"),
+                 mv = slot_of(&A, "rs-moving"), tm = slot_of(&A, "rs-tcp-moving"),
+                 dl = slot_of(&A, "rs-delivered"), ud = slot_of(&A, "rs-undelivered");
         CHECK_STATE(&A, ld, SREQ_LANDED, KVF_REQ_FINISHING);
         CHECK_STATE(&A, hd, SREQ_HANDED, KVF_REQ_HANDED_OVER);
         CHECK_STATE(&A, mv, SREQ_MOVING, KVF_REQ_ACTIVE);
@@ -743,7 +771,8 @@ static void case_restart(void)
         CHECK(find(completions(&P), KVF_REC_COMPLETION, "rs-delivered"));
         CHECK_STATE(&A, dl, SREQ_FREE, KVF_REQ_FREE);
         CHECK(A.ctl.reqtab[dl].completion_pos != ~0ull);
-        A.ctl.reqtab[dl].state = KVF_REQ_COMPLETING; /* (the crash window between commit and free) */
+        A.ctl.reqtab[dl].state =
+            KVF_REQ_COMPLETING; /* (the crash window between commit and free) */
         /* rs-undelivered: decided while the completion ring is full */
         char id[160];
         for (int i = 0; i < 20; i++) {
@@ -820,7 +849,8 @@ static void case_async(void)
         uint64_t st = next_step();
         engine_attach(&PA);
         connector_start(&PA);
-        setenv("KVFERRY_ASYNC_DELAY_US", "100000", 1); /* (lands well after the checks of LANDING) */
+        setenv("KVFERRY_ASYNC_DELAY_US", "100000",
+               1); /* (lands well after the checks of LANDING) */
         sender_up(&A, &PA);
         CHECK(!A.sync_copies);
         task(&PA, "as-ok", DA.name, KVF_TRANSPORT_IPC, src, 2, dst, 2, st, false);

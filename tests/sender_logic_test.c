@@ -12,6 +12,7 @@
  * word, as a crash would leave it.
  */
 #include <inttypes.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -48,6 +49,14 @@ static void cleanup(void)
         for (unsigned i = 0; i < 4; i++)
                 if (all[i]->made)
                         kvf_ctl_unlink(all[i]->name);
+}
+
+/* A crash leaves no segments behind either (a CHECK exits, and atexit cleans up). */
+static void on_fatal(int sig)
+{
+        cleanup();
+        signal(sig, SIG_DFL);
+        raise(sig);
 }
 
 static void inst_make(struct inst *in, const char *tag, uint32_t irole, uint32_t backend)
@@ -912,6 +921,13 @@ int main(void)
 {
         uint64_t t0 = kvf_now_ns();
         atexit(cleanup);
+#ifdef __SANITIZE_ADDRESS__
+        const int fatal[] = {SIGABRT, SIGTERM, SIGINT}; /* (AddressSanitizer reports the others) */
+#else
+        const int fatal[] = {SIGSEGV, SIGBUS, SIGABRT, SIGTERM, SIGINT};
+#endif
+        for (unsigned i = 0; i < sizeof(fatal) / sizeof(fatal[0]); i++)
+                signal(fatal[i], on_fatal);
         inst_make(&P, "p", KVF_IROLE_PREFILL, KVF_BACKEND_HOST);
         inst_make(&D, "d", KVF_IROLE_DECODE, KVF_BACKEND_HOST);
         inst_make(&PA, "pa", KVF_IROLE_PREFILL, KVF_BACKEND_HOST_ASYNC);

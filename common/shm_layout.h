@@ -36,7 +36,7 @@
  * included: a segment of another build is then refused for its version, not as corrupt.
  * 5: the rdma counters and data_frames_sent_tcp. 6: notices_held_back, prewakes and
  * prewakes_met; a doorbell's expect_until. */
-#define KVF_LAYOUT_VERSION 6u
+#define KVF_LAYOUT_VERSION 7u
 #define KVF_CACHE_LINE 64u
 #define KVF_HEADER_SIZE 4096u
 
@@ -251,10 +251,17 @@ struct kvf_errlog_entry {
 
 enum kvf_req_state {
         KVF_REQ_FREE = 0,
-        KVF_REQ_ACTIVE = 1,     /* accepted, moving layers */
-        KVF_REQ_FINISHING = 2,  /* every byte written, waiting for the peer's arrival ack */
-        KVF_REQ_COMPLETING = 3, /* completion being posted at completion_pos */
+        KVF_REQ_ACTIVE = 1,      /* accepted: bytes still to hand over, or (ipc) copies of them
+                                  * not yet seen landed (flags KVF_REQF_COPY_PENDING) */
+        KVF_REQ_FINISHING = 2,   /* ipc: every byte landed in the peer's cache; the finish notice
+                                  * is owed or out, the peer's answer decides */
+        KVF_REQ_COMPLETING = 3,  /* decided (status, reason): completion being posted at
+                                  * completion_pos */
+        KVF_REQ_HANDED_OVER = 4, /* tcp, rdma: every write batch is in the connector's hands (it
+                                  * writes them); the finish notice is owed or out, the peer's
+                                  * answer decides whether every byte was written */
 };
+/* The sender's states of a request, with what is kept only in its process, are in sender/sender.h. */
 
 struct kvf_chunk_mark {
         uint64_t step;      /* forward step that computes this chunk */

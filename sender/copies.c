@@ -1,14 +1,16 @@
 /*
  * Same-host copies (ipc): the runs of every request a progress word (or a
  * task, a chunk) makes ready are gathered into one batch, submitted to the
- * cache backend at once (a GPU backend runs one kernel for it), and a request
- * goes FINISHING only once the batch that carried its last bytes has
- * completed (copies in flight). The host backend completes a batch before
- * submit returns; a failed batch becomes "write error" for exactly the
- * requests it carried.
+ * cache backend at once (a GPU backend runs one kernel for it). What happened
+ * to a request's copies goes up as news (sender_copies_news), never as a call:
+ * request.c moves a request from LANDING to LANDED once no copy of it is
+ * gathered or in flight, and fails exactly the requests a failed batch
+ * carried ("write error"). The host backend completes a batch before submit
+ * returns.
  */
 #include <errno.h>
 #include <stdatomic.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -26,9 +28,69 @@ int sender_copies_init(struct sender *s)
         s->cp.state = calloc(n, 1);
         s->cp.slots = malloc(n * sizeof(*s->cp.slots));
         s->cp.owing = calloc(n, sizeof(*s->cp.owing));
-        if (!s->cp.inflight || !s->cp.state || !s->cp.slots || !s->cp.owing)
+        s->cp.news = malloc(n * sizeof(*s->cp.news));
+        s->cp.why = calloc(n, sizeof(*s->cp.why));
+        if (!s->cp.inflight || !s->cp.state || !s->cp.slots || !s->cp.owing || !s->cp.news || !s->cp.why)
                 return kvf_err_set(-ENOMEM, "out of memory for the copy batches of %u slots", n);
         return 0;
+}
+
+void sender_copies_free(struct sender *s)
+{
+        while (s->cp.flight) {
+                struct copy_batch *cb = s->cp.flight;
+                s->cp.flight = cb->next;
+                free(cb->slots);
+                free(cb);
+        }
+        s->cp.flight_tail = NULL;
+        s->cp.nflight = 0;
+        free(s->cp.runs);
+        free(s->cp.inflight);
+        free(s->cp.state);
+        free(s->cp.slots);
+        free(s->cp.owing);
+        free(s->cp.owes);
+        free(s->cp.news);
+        free(s->cp.why);
+        memset(&s->cp, 0, sizeof(s->cp));
+}
+
+/* Tell request.c about the slot (once per slot until it has heard). */
+static void news(struct sender *s, uint32_t slot)
+{
+        if (s->cp.state[slot] & COPY_NEWS)
+                return;
+        s->cp.state[slot] |= COPY_NEWS;
+        /* A ring of one entry per slot: a slot is in it at most once (COPY_NEWS). */
+        s->cp.news[(s->cp.news_at + s->cp.nnews++) % s->ctl.hdr->reqtab_slots] = slot;
+}
+
+/* A copy of the slot failed: its bytes are undefined (the first failure is the reason). */
+static void failed(struct sender *s, uint32_t slot, const char *why)
+{
+        if (!(s->cp.state[slot] & COPY_FAILED)) {
+                s->cp.state[slot] |= COPY_FAILED;
+                snprintf(s->cp.why[slot], sizeof(s->cp.why[slot]), "copy into peer '%s' failed: %s",
+                         s->ctl.reqtab[slot].peer, why);
+        }
+        news(s, slot);
+}
+
+bool sender_copies_news(struct sender *s, uint32_t *slot, bool *fail, char *why, size_t whylen)
+{
+        if (!s->cp.nnews)
+                return false;
+        /* Oldest first: the order the batches completed in. */
+        uint32_t i = s->cp.news[s->cp.news_at];
+        s->cp.news_at = (s->cp.news_at + 1) % s->ctl.hdr->reqtab_slots;
+        s->cp.nnews--;
+        *slot = i;
+        *fail = s->cp.state[i] & COPY_FAILED;
+        if (*fail)
+                snprintf(why, whylen, "%s", s->cp.why[i]);
+        s->cp.state[i] &= (uint8_t)~(COPY_NEWS | COPY_FAILED);
+        return true;
 }
 
 static int grow_runs(struct sender *s, uint32_t more)
@@ -97,19 +159,22 @@ int sender_copies_add(struct sender *s, uint32_t slot, uint32_t l0, uint32_t l1,
         return 0;
 }
 
-/* Fail every request of the batch being built (or that was just refused). */
+/* Every request of the batch being built (or that was just refused) failed. */
 static void fail_batch(struct sender *s, const char *why)
 {
         for (uint32_t i = 0; i < s->cp.nslots; i++) {
                 uint32_t slot = s->cp.slots[i];
                 s->cp.state[slot] &= (uint8_t)~COPY_IN_BATCH;
-                sender_fail(s, slot, KVF_STATUS_WRITE, "copy into peer '%s' failed: %s",
-                            s->ctl.reqtab[slot].peer, why);
+                if (!s->cp.inflight[slot]) {
+                        s->cp.state[slot] &= (uint8_t)~COPY_LAST;
+                        s->ctl.reqtab[slot].flags &= ~KVF_REQF_COPY_PENDING;
+                }
+                failed(s, slot, why);
         }
 }
 
 /*
- * Prewake (--prewake-us, issue 14). A batch that ends requests is followed by
+ * Prewake (--prewake-us). A batch that ends requests is followed by
  * their finish notices, and the connector's control thread, asleep on its
  * doorbell, takes tens of microseconds to run once rung (55 us p50 on a
  * 2-vCPU EPYC VM, where a halted vCPU is woken by the host): a wake-up on
@@ -146,7 +211,7 @@ void sender_copies_expected(struct sender *s)
 static bool ends_requests(const struct sender *s)
 {
         for (uint32_t i = 0; i < s->cp.nslots; i++)
-                if (s->cp.state[s->cp.slots[i]] & COPY_AWAITED)
+                if (s->cp.state[s->cp.slots[i]] & COPY_LAST)
                         return true;
         return false;
 }
@@ -252,35 +317,25 @@ void sender_copies_flush(struct sender *s)
         sender_copies_poll(s);
 }
 
-/* One of the slot's batches is done (failed, or landed). */
+/* One of the slot's batches is done (failed, or landed): news for request.c. */
 static void batch_done(struct sender *s, uint32_t slot, int rc)
 {
-        struct kvf_req_slot *r = &s->ctl.reqtab[slot];
-        if (rc < 0) /* its bytes are undefined: never finished (decide ignores a decided slot) */
-                sender_fail(s, slot, KVF_STATUS_WRITE, "copy into peer '%s' failed: %s", r->peer, kvf_err_msg());
+        if (rc < 0)
+                failed(s, slot, kvf_err_msg());
         if (--s->cp.inflight[slot] || (s->cp.state[slot] & COPY_IN_BATCH))
                 return; /* more of its copies still to land */
-        bool waited = s->cp.state[slot] & COPY_AWAITED;
-        s->cp.state[slot] = 0;
-        r->flags &= ~KVF_REQF_COPY_PENDING;
-        if (s->flags[slot])
-                s->pending = true; /* what flush_slot held back for the copies */
-        if (waited) {
-                sender_all_sent(s, slot); /* its last bytes have landed (no-op once decided) */
-                sender_notice_now(s, slot);
-        }
+        s->cp.state[slot] &= (uint8_t)~COPY_LAST;
+        s->ctl.reqtab[slot].flags &= ~KVF_REQF_COPY_PENDING;
+        news(s, slot); /* no copy of it is out any more */
 }
 
-void sender_copies_owe(struct sender *s, uint32_t slot, uint64_t word, uint32_t gen)
+int sender_copies_owe(struct sender *s, uint32_t slot, uint64_t word, uint32_t gen)
 {
         if (s->cp.nowes == s->cp.capowes) {
                 uint32_t cap = s->cp.capowes ? 2 * s->cp.capowes : 64;
                 struct copy_owe *o = realloc(s->cp.owes, cap * sizeof(*o));
-                if (!o) {
-                        /* Cannot wait for them: the request cannot be reported finished. */
-                        sender_fail(s, slot, KVF_STATUS_WRITE, "out of memory to track the engine's copies");
-                        return;
-                }
+                if (!o) /* cannot wait for them: the request cannot be reported finished */
+                        return kvf_err_set(-ENOMEM, "out of memory to track the engine's copies");
                 s->cp.owes = o;
                 s->cp.capowes = cap;
         }
@@ -290,6 +345,7 @@ void sender_copies_owe(struct sender *s, uint32_t slot, uint64_t word, uint32_t 
         s->cp.inflight[slot]++;
         s->cp.owing[slot]++;
         s->ctl.reqtab[slot].flags |= KVF_REQF_ENGINE_COPY;
+        return 0;
 }
 
 bool sender_copies_owing(const struct sender *s, uint32_t slot)
@@ -372,9 +428,9 @@ bool sender_copies_busy(const struct sender *s, uint32_t slot)
         return (s->cp.state[slot] & COPY_IN_BATCH) || s->cp.inflight[slot];
 }
 
-void sender_copies_await(struct sender *s, uint32_t slot)
+void sender_copies_last(struct sender *s, uint32_t slot)
 {
-        s->cp.state[slot] |= COPY_AWAITED;
+        s->cp.state[slot] |= COPY_LAST;
 }
 
 void sender_copies_drain(struct sender *s, uint64_t timeout_ns)

@@ -176,70 +176,10 @@ static bool handle_progress(struct sender *s, struct pace *pc)
          * first layer-done, so a word of a new engine session is never applied to
          * requests of the one before (sessions.c). */
         sender_sessions_check(s, false);
-        sender_on_progress(s, w, pub);
-        sender_copies_flush(s); /* the layer's copies of every request: one batch */
-        /* Finish notices before new tasks: a request whose last layer was just copied
-         * waits for its notice, a new task's first layer is a layer's compute away
-         * (kvf-sim measured the notice behind the next step's task: 40 to 100 us later). */
-        if (s->pending)
-                sender_flush_pending(s);
+        /* Its copies as one batch, then the finish notices it made possible, before new
+         * tasks are read (request.c). */
+        sender_req_progress(s, w, pub);
         return true;
-}
-
-/*
- * Tasks one at a time: a crash re-reads at most one (tasks.c). A task held
- * back (table full, or its rejection waits for room in the completion ring)
- * is tried again when a slot is freed, or after 1 ms, not on every spin.
- */
-static bool read_engine(struct sender *s, uint64_t beat)
-{
-        struct kvf_ring *in = &s->ctl.rings[KVF_RING_ENGINE_TO_SENDER];
-        bool worked = false;
-        if (s->engine_blocked && kvf_now_ns() >= s->engine_retry_ns)
-                s->engine_blocked = false;
-        for (int i = 0; i < 64 && !s->engine_blocked; i++) {
-                uint64_t head = kvf_load_relaxed(&in->hdr->head);
-                int n = kvf_ring_read(in, sender_on_engine_record, s, 1);
-                if (n == 0 && kvf_ring_readable(in) && kvf_load_relaxed(&in->hdr->head) == head) {
-                        s->engine_blocked = true; /* a record is there, but waits */
-                        s->engine_retry_ns = kvf_now_ns() + 1000000;
-                        break;
-                }
-                if (n < 0) {
-                        kvf_errlog(&s->ctl, KVF_ROLE_SENDER, "ring engine->sender: %s", kvf_err_msg());
-                        kvf_sleep_ns(beat);
-                        break;
-                }
-                if (n == 0)
-                        break;
-                worked = true;
-        }
-        sender_copies_flush(s); /* a late task's layers, a chunk's blocks */
-        return worked;
-}
-
-/* Write results and peer states; then what slots owe the rings, and copies in flight. */
-static bool read_connector(struct sender *s)
-{
-        struct kvf_ring *from_conn = &s->ctl.rings[KVF_RING_CONNECTOR_TO_SENDER];
-        bool worked = false;
-        int n = kvf_ring_read(from_conn, sender_on_connector_record, s, 256);
-        if (n > 0)
-                worked = true;
-        else if (n < 0)
-                kvf_errlog(&s->ctl, KVF_ROLE_SENDER, "ring connector->sender: %s", kvf_err_msg());
-        if (s->pending)
-                sender_flush_pending(s);
-        sender_copies_flush(s);
-        if (s->sliced) {
-                s->sliced = false;
-                worked = true; /* more of a backlog: after the next progress check */
-        }
-        if (s->cp.flight || s->cp.nowes) {
-                sender_copies_poll(s);
-                worked = true; /* batches in flight: keep looking (no wake-up comes) */
-        }
-        return worked;
 }
 
 /* Layer-done words the engine queued on its GPU stream to be written there: no doorbell
@@ -254,7 +194,7 @@ static bool stream_words_due(struct sender *s)
  * --layer-wait spin: requests wait for layers, and a layer or a new task came in the last
  * EXPECT_MAX_GAP: poll until then. A sleeping sender gives up its CPU: the scheduler
  * places the engine's and the other roles' threads there, and the woken sender then
- * waits for them (milliseconds when they run out a default slice; issue 14 measured it).
+ * waits for them (milliseconds when they run out a default slice, as measured).
  * A polling one keeps its CPU, and the others go to the other CPUs.
  */
 static bool spin_for_layers(struct sender *s, struct pace *pc, uint64_t now)
@@ -319,8 +259,8 @@ static int run(struct sender *s, uint64_t spin_ns)
         while (!kvf_load_relaxed(&stop)) {
                 bool worked = check_engine(s);
                 worked |= handle_progress(s, &pc);
-                worked |= read_engine(s, beat);
-                worked |= read_connector(s);
+                worked |= sender_read_engine(s, beat);
+                worked |= sender_read_connector(s);
                 worked |= stream_words_due(s);
 
                 uint64_t now = kvf_now_ns();
@@ -414,45 +354,23 @@ int main(int argc, char **argv)
         prctl(PR_SET_TIMERSLACK, 1UL, 0, 0, 0);
 
         static struct sender s;
-        int rc = kvf_ctl_attach_wait(instance, true, 10000, &s.ctl);
-        if (rc < 0) {
-                kvf_error("%s", kvf_err_msg());
-                return 1;
-        }
-        s.layout = &s.ctl.hdr->layout;
-        s.layers = kvf_layout_layers(s.layout);
-        s.tensors = kvf_layout_tensors(s.layout);
-        s.request_timeout_ns = kvf_ms(timeout_ms);
-        s.prewake_ns = prewake_us * 1000;
-        if ((rc = kvf_cache_map(s.ctl.hdr, false, &s.own)) < 0 || (rc = sender_table_init(&s)) < 0 ||
-            (rc = sender_copies_init(&s)) < 0 || (rc = sender_plan_init(&s)) < 0) {
+        const struct sender_opts so = {.request_timeout_ns = kvf_ms(timeout_ms), .prewake_ns = prewake_us * 1000,
+                                       .attach_wait_ms = 10000};
+        if (sender_open(&s, instance, &so) < 0) {
                 kvf_error("%s", kvf_err_msg());
                 return 1;
         }
         layer_wait_mode(&s, layer_wait); /* before the claim: up returns once we are claimed */
-        int64_t gen = kvf_role_claim(&s.ctl, KVF_ROLE_SENDER);
-        if (gen < 0) {
+        if (sender_start(&s) < 0) {
                 kvf_error("%s", kvf_err_msg());
                 return 1;
         }
-        s.gen = (uint64_t)gen;
-        s.sync_copies = s.own.be->stage == NULL; /* host memory, copied by this thread */
         kvf_store_relaxed(&s.ctl.roles[KVF_ROLE_SENDER].slice_us, slice_us);
-        s.connector_gen = kvf_load_acquire(&s.ctl.roles[KVF_ROLE_CONNECTOR].generation);
-        /* Adopted requests advance against the real progress word, nothing later. */
-        s.progress = kvf_load_acquire(&s.ctl.progress->word);
-        s.progress_ns = kvf_load_relaxed(&s.ctl.progress->publish_ns);
-        s.copy_timed = true;
-        sender_adopt(&s);
         if (s.own.be->id == KVF_BACKEND_CUDA)
                 log_gpu(&s);
         kvf_info("running (generation %llu)", (unsigned long long)s.gen);
         run(&s, spin_us * 1000);
-        kvf_role_end(&s.ctl, KVF_ROLE_SENDER);
         kvf_info("stopping");
-        sender_copies_drain(&s, kvf_ms(2000)); /* never unmap under a copy in flight */
-        sender_peers_close(&s);
-        kvf_cache_unmap(&s.own);
-        kvf_ctl_detach(&s.ctl);
+        sender_close(&s);
         return 0;
 }

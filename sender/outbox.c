@@ -1,17 +1,22 @@
 /*
- * The sender's outbox: records for the connector (open, write batch, finish),
- * encoded into one scratch buffer and written to ring sender->connector.
+ * The sender's outbox: records for the connector (open, write batch, finish
+ * notice) and the engine (completions), encoded into one scratch buffer and
+ * written to their rings.
  *
- * What a failed post means decides what happens to the request: a full ring
- * (-EAGAIN) or a failed allocation (-ENOMEM) is back-pressure, and the slot
- * tries again from the same place later; a record that can never be encoded
- * or never fit the ring (-ENOSPC, -EINVAL, -EMSGSIZE) would be retried for
- * ever, so its request fails now with "write error" and the reason.
+ * A failed post is returned, and the caller (request.c) decides what it means
+ * for the request: a full ring (-EAGAIN) or a failed allocation (-ENOMEM) is
+ * back-pressure, and the slot tries again from the same place later; a record
+ * that can never be encoded or never fit the ring (-ENOSPC, -EINVAL,
+ * -EMSGSIZE) would be retried for ever, so its request fails with "write
+ * error" and the reason.
  */
 #include <errno.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "atomics.h"
+#include "clock.h"
 #include "err.h"
 #include "log.h"
 #include "sender.h"
@@ -49,11 +54,94 @@ int sender_post(struct sender *s, const struct kvf_record *r)
         return rc;
 }
 
-bool sender_post_retry(struct sender *s, uint32_t slot, int rc)
+void sender_count_status(struct sender *s, int status)
 {
-        if (rc == -EAGAIN || rc == -ENOMEM)
-                return true;
-        kvf_errlog(&s->ctl, KVF_ROLE_SENDER, "req %s: %s", s->ctl.reqtab[slot].request_id, kvf_err_msg());
-        sender_fail(s, slot, KVF_STATUS_WRITE, "%s", kvf_err_msg());
-        return false;
+        static const enum kvf_counter_id by_status[KVF_STATUS_COUNT] = {
+                [KVF_STATUS_FINISHED] = KVF_CTR_REQUESTS_FINISHED,
+                [KVF_STATUS_BAD_TASK] = KVF_CTR_FAILED_BAD_TASK,
+                [KVF_STATUS_BLOCK_RANGE] = KVF_CTR_FAILED_BLOCK_RANGE,
+                [KVF_STATUS_UNKNOWN_PEER] = KVF_CTR_FAILED_UNKNOWN_PEER,
+                [KVF_STATUS_CONNECTION] = KVF_CTR_FAILED_CONNECTION,
+                [KVF_STATUS_LAYOUT_MISMATCH] = KVF_CTR_FAILED_LAYOUT,
+                [KVF_STATUS_CANCELLED] = KVF_CTR_FAILED_CANCELLED,
+                [KVF_STATUS_TIMEOUT] = KVF_CTR_FAILED_TIMEOUT,
+                [KVF_STATUS_WRITE] = KVF_CTR_FAILED_WRITE,
+                [KVF_STATUS_AUTH] = KVF_CTR_FAILED_AUTH,
+                [KVF_STATUS_ENGINE_GONE] = KVF_CTR_FAILED_ENGINE_GONE,
+                [KVF_STATUS_PEER_ROLE] = KVF_CTR_FAILED_PEER_ROLE,
+        };
+        if (status < 0 || status >= KVF_STATUS_COUNT)
+                return;
+        kvf_count(&s->ctl, by_status[status], 1);
+        if (status != KVF_STATUS_FINISHED)
+                kvf_count(&s->ctl, KVF_CTR_REQUESTS_FAILED, 1);
+}
+
+int sender_post_notice(struct sender *s, uint32_t slot, enum sender_notice kind)
+{
+        struct kvf_req_slot *r = &s->ctl.reqtab[slot];
+        struct kvf_record f = {.type = KVF_RT_FINISH,
+                               .key = sender_key(slot, r->incarnation),
+                               .transport = (int)r->transport,
+                               .status = kind == SENDER_NOTICE_FINISH     ? KVF_STATUS_FINISHED
+                                         : kind == SENDER_NOTICE_WITHDRAW ? KVF_STATUS_TIMEOUT
+                                                                          : (int)r->status,
+                               .bytes = r->bytes,
+                               .blocks = r->n_send,
+                               .dst = kvf_slot_blocks(&s->ctl, slot) + s->ctl.hdr->max_blocks,
+                               .n_dst = r->n_send,
+                               .session = r->peer_session,
+                               .withdraw = kind == SENDER_NOTICE_WITHDRAW,
+                               .id_bin = r->flags & KVF_REQF_ID_BIN};
+
+        memcpy(f.request_id, r->request_id, sizeof(f.request_id));
+        memcpy(f.peer, r->peer, sizeof(f.peer));
+        if (kind == SENDER_NOTICE_ABORT)
+                memcpy(f.reason, r->reason, sizeof(f.reason));
+        else if (kind == SENDER_NOTICE_WITHDRAW)
+                snprintf(f.reason, sizeof(f.reason),
+                         "timed out after %llu ms waiting for the peer to confirm the arrival",
+                         (unsigned long long)(s->request_timeout_ns / 1000000));
+        if (r->transport == KVF_TRANSPORT_IPC && r->peer_idx < SENDER_MAX_PEERS && s->peers[r->peer_idx].in_use)
+                f.generation = s->peers[r->peer_idx].created_ns;
+        return sender_post(s, &f);
+}
+
+int sender_post_completion(struct sender *s, uint32_t slot)
+{
+        struct kvf_req_slot *r = &s->ctl.reqtab[slot];
+        struct kvf_ring *ring = &s->ctl.rings[KVF_RING_SENDER_TO_ENGINE];
+        /* Finished means every byte landed, once: report that amount (copies repeated after
+         * a restart are not counted twice). */
+        uint64_t full = sender_request_bytes(s, r);
+        struct kvf_record c = {.type = KVF_REC_COMPLETION, .status = (int)r->status,
+                               .bytes = r->status == KVF_STATUS_FINISHED ? full : r->bytes,
+                               .blocks = r->n_send,
+                               .accept_ns = r->accept_ns, .last_layer_ns = r->last_layer_ns,
+                               .done_ns = kvf_now_ns()};
+        size_t len;
+        void *p;
+        uint64_t pos;
+
+        memcpy(c.request_id, r->request_id, sizeof(c.request_id));
+        memcpy(c.peer, r->peer, sizeof(c.peer));
+        memcpy(c.reason, r->reason, sizeof(c.reason));
+        c.session = r->session;
+        c.id_bin = r->flags & KVF_REQF_ID_BIN;
+        if (sender_encode(s, &c, &len) < 0 || kvf_ring_claim(ring, KVF_REC_COMPLETION, (uint32_t)len, &p, &pos) < 0)
+                return -EAGAIN;
+        /* Crash window: with the position stored first, a successor can ask the ring whether
+         * this record was committed. */
+        kvf_store_release(&r->completion_pos, pos);
+        memcpy(p, s->scratch, len);
+        kvf_ring_commit(ring, pos);
+        sender_count_status(s, (int)r->status);
+        if (r->status == KVF_STATUS_FINISHED) {
+                if (r->last_layer_ns && c.done_ns > r->last_layer_ns)
+                        kvf_hist_add(&s->ctl.sender->hist[KVF_HIST_LAST_TO_DONE], c.done_ns - r->last_layer_ns);
+                kvf_debug("req %s: finished, %llu bytes", r->request_id, (unsigned long long)r->bytes);
+        } else {
+                kvf_info("req %s: %s: %s", r->request_id, kvf_status_name((int)r->status), r->reason);
+        }
+        return 0;
 }

@@ -3,10 +3,11 @@
  * segment read-only (layout, identity) and maps its host cache read-write.
  *
  * A peer that restarts gets a new segment file: the mapping we hold then
- * points at a file nobody reads any more. sender_peers_check() notices
- * (inode changed or gone) and drops the mapping; requests still moving to it
- * fail with "connection error", and the decode connector independently
- * refuses a finish notice that names another segment incarnation.
+ * points at a file nobody reads any more. sender_peer_check() notices
+ * (inode changed or gone); request.c then fails the requests still moving to
+ * it with "connection error" and drops the mapping, and the decode connector
+ * independently refuses a finish notice that names another segment
+ * incarnation.
  */
 #include <arpa/inet.h>
 #include <dirent.h>
@@ -113,43 +114,25 @@ int sender_peer_get(struct sender *s, const char *name, uint32_t *idx, char *why
         return 0;
 }
 
-/* Drop peers whose segment was removed or replaced; fail what still moves to them. */
-void sender_peers_check(struct sender *s)
+int sender_peer_check(struct sender *s, uint32_t i, uint64_t *live)
 {
+        struct ipc_peer *p = &s->peers[i];
         char path[128];
         struct stat st;
-
-        for (uint32_t i = 0; i < SENDER_MAX_PEERS; i++) {
-                struct ipc_peer *p = &s->peers[i];
-                if (!p->in_use)
-                        continue;
-                snprintf(path, sizeof(path), "/dev/shm/kvferry.%s", p->name);
-                if (stat(path, &st) == 0 && st.st_ino == p->ino) {
-                        /* The peer's engine: a session that ended frees the blocks it reserved. */
-                        uint64_t live = kvf_engine_session(&p->ctl, true);
-                        for (uint32_t k = 0; k < s->ctl.hdr->reqtab_slots; k++) {
-                                struct kvf_req_slot *r = &s->ctl.reqtab[k];
-                                if (r->state == KVF_REQ_ACTIVE && r->peer_idx == i &&
-                                    r->transport == KVF_TRANSPORT_IPC && r->peer_session &&
-                                    r->peer_session != live)
-                                        sender_fail(s, k, KVF_STATUS_ENGINE_GONE,
-                                                    "the engine session %llu of peer '%s' ended during the transfer: its blocks are no longer reserved",
-                                                    (unsigned long long)r->peer_session, p->name);
-                        }
-                        continue;
-                }
-                kvf_warn("peer '%s' went away or was restarted: dropping its mapping", p->name);
-                sender_copies_drain(s, kvf_ms(1000)); /* never unmap under a copy in flight */
-                for (uint32_t k = 0; k < s->ctl.hdr->reqtab_slots; k++) {
-                        struct kvf_req_slot *r = &s->ctl.reqtab[k];
-                        if (r->state == KVF_REQ_ACTIVE && r->peer_idx == i &&
-                            r->transport == KVF_TRANSPORT_IPC)
-                                sender_fail(s, k, KVF_STATUS_CONNECTION,
-                                            "peer instance '%s' went away or was restarted during the transfer",
-                                            p->name);
-                }
-                drop(p);
+        if (!p->in_use)
+                return 0;
+        snprintf(path, sizeof(path), "/dev/shm/kvferry.%s", p->name);
+        if (stat(path, &st) == 0 && st.st_ino == p->ino) {
+                *live = kvf_engine_session(&p->ctl, true);
+                return 1;
         }
+        return -ENOENT;
+}
+
+void sender_peer_drop(struct sender *s, uint32_t i)
+{
+        if (s->peers[i].in_use)
+                drop(&s->peers[i]);
 }
 
 void sender_peers_close(struct sender *s)

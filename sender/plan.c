@@ -48,11 +48,12 @@ int sender_plan_init(struct sender *s)
 }
 
 /*
- * Close the slot's entry if it is open. Returns true when this call closed it;
- * its final claims then become an owe, and a failure the engine reported
- * fails the request.
+ * Close the slot's entry if it is open; its final claims then become an owe.
+ * 1 when this call closed it, 0 when it was not open, < 0 (kvf_err the reason)
+ * when the engine reported a failure of its copies or they cannot be waited
+ * for: the request's bytes are then undefined.
  */
-static bool close_entry(struct sender *s, uint32_t slot)
+static int close_entry(struct sender *s, uint32_t slot)
 {
         struct kvf_plan_entry *e = &s->ctl.plan[slot];
         uint64_t v = kvf_load_acquire(&e->ctl);
@@ -61,40 +62,39 @@ static bool close_entry(struct sender *s, uint32_t slot)
         while ((v & KVF_PLAN_OPEN) && !kvf_cas_acq_rel(&e->ctl, &v, v & ~KVF_PLAN_OPEN)) {
         }
         if (!(v & KVF_PLAN_OPEN))
-                return false;
+                return 0;
         uint32_t c = KVF_PLAN_CLAIMED(v);
         struct kvf_req_slot *r = &s->ctl.reqtab[slot];
+        int rc = 1;
         if (c > e->first)
-                sender_copies_owe(s, slot, KVF_PROGRESS_PACK(e->step, c), KVF_PLAN_GEN(v));
+                rc = sender_copies_owe(s, slot, KVF_PROGRESS_PACK(e->step, c), KVF_PLAN_GEN(v));
         else if (!sender_copies_owing(s, slot))
                 r->flags &= ~KVF_REQF_ENGINE_COPY;
         if (c < s->layers)
                 kvf_fetch_add_relaxed(&s->ctl.exec->taken_back, 1);
         /* Acquire: pairs with the engine's release store of err (why is complete). */
-        if (kvf_load_acquire(&e->err))
-                sender_fail(s, slot, KVF_STATUS_WRITE, "copy into peer '%s' failed: %.*s", r->peer,
-                            (int)sizeof(e->why), e->why);
-        return true;
+        if (rc > 0 && kvf_load_acquire(&e->err))
+                rc = kvf_err_set(-EIO, "copy into peer '%s' failed: %.*s", r->peer, (int)sizeof(e->why), e->why);
+        return rc < 0 ? rc : 1;
 }
 
-void sender_plan_offer(struct sender *s, uint32_t slot)
+int sender_plan_offer(struct sender *s, uint32_t slot)
 {
         struct kvf_req_slot *r = &s->ctl.reqtab[slot];
-        if (!s->plan_on || r->state != KVF_REQ_ACTIVE || r->transport != KVF_TRANSPORT_IPC ||
+        if (!s->plan_on || r->transport != KVF_TRANSPORT_IPC ||
             r->peer_idx >= SENDER_MAX_PEERS || !s->peers[r->peer_idx].in_use || r->chunk_head == r->chunk_tail)
-                return;
+                return 0;
         const struct kvf_chunk_mark *m = &r->chunks[r->chunk_head % KVF_CHUNKS_MAX];
         /* Its layers are ready already (advance copies them), published for this step
          * already (open, or taken back: the sender finishes that step), or nothing to move. */
         if (m->step < KVF_PROGRESS_STEP(s->progress) || s->pl_step[slot] == m->step ||
             m->block_end <= r->sent_full || r->cur_layers >= s->layers)
-                return;
+                return 0;
         struct kvf_plan_entry *e = &s->ctl.plan[slot];
         uint64_t v = kvf_load_acquire(&e->ctl);
-        if (v & KVF_PLAN_OPEN) /* (closed at the end of every step; never here) */
-                close_entry(s, slot);
-        if (r->state != KVF_REQ_ACTIVE)
-                return;
+        int rc;
+        if ((v & KVF_PLAN_OPEN) && (rc = close_entry(s, slot)) < 0) /* (closed at the end of every step; never here) */
+                return rc;
         const struct ipc_peer *p = &s->peers[r->peer_idx];
         e->step = m->step;
         e->b0 = r->sent_full;
@@ -116,40 +116,49 @@ void sender_plan_offer(struct sender *s, uint32_t slot)
                 kvf_store_release(&s->ctl.exec->hi, slot + 1); /* (after the entry: the engine's acquire) */
         kvf_fetch_add_relaxed(&s->ctl.exec->published, 1);
         s->pl_step[slot] = m->step;
+        return 0;
 }
 
-uint32_t sender_plan_take(struct sender *s, uint32_t slot, uint64_t step, uint32_t b0, uint32_t b1, uint32_t l0,
-                          uint32_t l1)
+int sender_plan_take(struct sender *s, uint32_t slot, uint64_t step, uint32_t b0, uint32_t b1, uint32_t l0,
+                     uint32_t l1, uint32_t *from)
 {
+        *from = l0;
         if (!s->plan_on || s->pl_step[slot] != step)
-                return l0;
+                return 0;
         struct kvf_plan_entry *e = &s->ctl.plan[slot];
         /* Acquire: pairs with the engine's claiming CAS. */
         uint64_t v = kvf_load_acquire(&e->ctl);
         if (!(v & KVF_PLAN_OPEN))
-                return l0; /* taken back before: the engine's layers ended below l0 */
+                return 0; /* taken back before: the engine's layers ended below l0 */
+        int rc;
         if (e->b0 != b0 || e->b1 != b1) {
                 /* The mark grew after the entry was published (a second chunk record for
                  * the same step): the engine copies the old blocks only. Take it back and
                  * copy every layer since `first` for all of them (the engine's share again:
                  * the same bytes, harmless). */
-                close_entry(s, slot);
-                return e->first < l0 ? e->first : l0;
+                if ((rc = close_entry(s, slot)) < 0)
+                        return rc;
+                *from = e->first < l0 ? e->first : l0;
+                return 0;
         }
-        if (KVF_PLAN_CLAIMED(v) >= l1 && l1 < s->layers)
-                return l1; /* the engine's, and the step goes on */
-        close_entry(s, slot);
+        if (KVF_PLAN_CLAIMED(v) >= l1 && l1 < s->layers) {
+                *from = l1; /* the engine's, and the step goes on */
+                return 0;
+        }
+        if ((rc = close_entry(s, slot)) < 0)
+                return rc;
         uint32_t c = KVF_PLAN_CLAIMED(kvf_load_relaxed(&e->ctl));
-        return c > l0 ? (c < l1 ? c : l1) : l0;
+        *from = c > l0 ? (c < l1 ? c : l1) : l0;
+        return 0;
 }
 
-void sender_plan_close(struct sender *s, uint32_t slot)
+int sender_plan_close(struct sender *s, uint32_t slot)
 {
-        if (s->plan_on)
-                close_entry(s, slot);
+        int rc = s->plan_on ? close_entry(s, slot) : 0;
+        return rc < 0 ? rc : 0;
 }
 
-void sender_plan_adopt_all(struct sender *s)
+void sender_plan_adopt_all(struct sender *s, uint8_t *failed)
 {
         uint32_t n = s->ctl.hdr->reqtab_slots;
         for (uint32_t i = 0; i < n; i++) {
@@ -173,9 +182,11 @@ void sender_plan_adopt_all(struct sender *s)
                 while ((v & KVF_PLAN_OPEN) && !kvf_cas_acq_rel(&e->ctl, &v, v & ~KVF_PLAN_OPEN)) {
                 }
                 s->pl_step[i] = e->step; /* that step is the sender's from here */
-                if (KVF_PLAN_CLAIMED(v) > e->first)
-                        sender_copies_owe(s, i, KVF_PROGRESS_PACK(e->step, KVF_PLAN_CLAIMED(v)), KVF_PLAN_GEN(v));
-                else
+                if (KVF_PLAN_CLAIMED(v) > e->first) {
+                        if (sender_copies_owe(s, i, KVF_PROGRESS_PACK(e->step, KVF_PLAN_CLAIMED(v)),
+                                              KVF_PLAN_GEN(v)) < 0 && failed)
+                                failed[i] = 1;
+                } else
                         r->flags &= ~KVF_REQF_ENGINE_COPY;
         }
 }

@@ -1,5 +1,6 @@
 /*
- * Layer-done progress -> what to move now.
+ * Layer-done progress -> what to move now, for one request at a time
+ * (request.c walks the step buckets and acts on what sender_advance returns).
  *
  * The engine publishes one word: (step, layers done in that step). A request
  * waits on chunk marks (step, block_end): after `step`, its blocks
@@ -115,8 +116,12 @@ int sender_resend(struct sender *s, uint32_t slot)
         return 0;
 }
 
+/*
+ * Hand over layers [l0, l1) of send-blocks [b0, b1): 0, -EAGAIN (a ring is full: again later
+ * from the same place), or -ECANCELED: the request cannot go on (*status, kvf_err the reason).
+ */
 static int send_range(struct sender *s, uint32_t slot, uint32_t l0, uint32_t l1, uint32_t b0,
-                      uint32_t b1)
+                      uint32_t b1, bool net_blocked, int *status)
 {
         struct kvf_req_slot *r = &s->ctl.reqtab[slot];
         if (l0 >= l1 || b0 >= b1)
@@ -133,21 +138,26 @@ static int send_range(struct sender *s, uint32_t slot, uint32_t l0, uint32_t l1,
                 const struct ipc_peer *p = &s->peers[r->peer_idx];
                 uint64_t ps = r->peer_session ? kvf_engine_session(&p->ctl, false) : 0;
                 if (ps != r->peer_session) {
-                        sender_fail(s, slot, KVF_STATUS_ENGINE_GONE,
-                                    "the engine session %llu of peer '%s' ended during the transfer: its blocks are no longer reserved",
-                                    (unsigned long long)r->peer_session, r->peer);
-                        return 0;
+                        *status = KVF_STATUS_ENGINE_GONE;
+                        return kvf_err_set(-ECANCELED,
+                                           "the engine session %llu of peer '%s' ended during the transfer: its blocks are no longer reserved",
+                                           (unsigned long long)r->peer_session, r->peer);
                 }
                 if (copy_ipc(s, slot, l0, l1, b0, b1) < 0) {
-                        sender_fail(s, slot, KVF_STATUS_WRITE, "%s", kvf_err_msg());
-                        return 0;
+                        *status = KVF_STATUS_WRITE;
+                        return -ECANCELED; /* (kvf_err says why) */
                 }
         } else {
-                if (s->flags[slot] & SLOT_NET_BLOCKED)
+                if (net_blocked)
                         return -EAGAIN; /* the open record (or a resend) goes first */
                 int rc = post_batch(s, slot, l0, l1, b0, b1);
-                if (rc < 0)
-                        return sender_post_retry(s, slot, rc) ? -EAGAIN : 0; /* (else: failed) */
+                if (rc < 0 && sender_post_again(rc))
+                        return -EAGAIN;
+                if (rc < 0) {
+                        kvf_errlog(&s->ctl, KVF_ROLE_SENDER, "req %s: %s", r->request_id, kvf_err_msg());
+                        *status = KVF_STATUS_WRITE;
+                        return -ECANCELED; /* a record that can never be posted */
+                }
         }
         if (r->transport != KVF_TRANSPORT_IPC) /* (an ipc batch is timed when it is submitted) */
                 kvf_hist_add(&s->ctl.sender->hist[KVF_HIST_COPY], kvf_now_ns() - t0);
@@ -159,10 +169,10 @@ static int send_range(struct sender *s, uint32_t slot, uint32_t l0, uint32_t l1,
 /*
  * The next piece of layer `layer` of a request whose one layer is more than a slice
  * (blocks [sent_full, block_end)): at most `max_blocks` blocks from where its last piece
- * ended. 1: that was the layer's last piece; 0: more is left; -EAGAIN: try again later.
+ * ended. 1: that was the layer's last piece; 0: more is left; < 0 as send_range.
  */
 static int copy_layer_piece(struct sender *s, uint32_t slot, uint32_t layer, uint32_t block_end,
-                            uint32_t max_blocks)
+                            uint32_t max_blocks, int *status)
 {
         struct kvf_req_slot *r = &s->ctl.reqtab[slot];
         struct layer_cut *c = &s->cut[slot];
@@ -170,7 +180,7 @@ static int copy_layer_piece(struct sender *s, uint32_t slot, uint32_t layer, uin
                 *c = (struct layer_cut){.accept_ns = r->accept_ns, .layer = layer, .b0 = r->sent_full};
         uint32_t b0 = r->sent_full + c->done;
         uint32_t n = block_end - b0 < max_blocks ? block_end - b0 : max_blocks;
-        int rc = send_range(s, slot, layer, layer + 1, b0, b0 + n);
+        int rc = send_range(s, slot, layer, layer + 1, b0, b0 + n, false, status);
         if (rc < 0)
                 return rc;
         if (b0 + n < block_end) {
@@ -181,55 +191,26 @@ static int copy_layer_piece(struct sender *s, uint32_t slot, uint32_t layer, uin
         return 1;
 }
 
-/* What is left of the request waits for the loop's next turn: at once (a slice of a
- * backlog; no sleep in between), or when a full ring has room. */
-static void next_turn(struct sender *s, uint32_t slot, bool at_once)
-{
-        sender_mark(s, slot, SLOT_NEEDS_ADVANCE);
-        if (at_once)
-                s->sliced = true;
-        sender_arm(s, slot);
-}
-
-/* Every byte of the request is written: ask the connector to tell the peer. */
-void sender_all_sent(struct sender *s, uint32_t slot)
-{
-        struct kvf_req_slot *r = &s->ctl.reqtab[slot];
-        if (r->state != KVF_REQ_ACTIVE)
-                return;
-        if (sender_copies_busy(s, slot)) {
-                /* Its last copies are gathered or in flight: FINISHING once they land. */
-                sender_disarm(s, slot);
-                sender_copies_await(s, slot);
-                return;
-        }
-        r->last_layer_ns = s->progress_ns && s->progress_ns > r->accept_ns ? s->progress_ns
-                                                                           : r->accept_ns;
-        sender_disarm(s, slot);
-        /* Release: the copies above are complete before anyone sees FINISHING. */
-        kvf_store_release(&r->state, KVF_REQ_FINISHING);
-        r->notice_gen = 0;
-        sender_mark(s, slot, SLOT_NEEDS_NOTICE);
-}
-
-/* Move whatever the current progress word allows for one request. */
-void sender_advance(struct sender *s, uint32_t slot)
+/*
+ * Move whatever the current progress word allows for one MOVING request, and say how it
+ * went; request.c acts on it. WAIT leaves the request armed at its front mark's step.
+ */
+enum sender_adv sender_advance(struct sender *s, uint32_t slot, bool net_blocked, int *status)
 {
         struct kvf_req_slot *r = &s->ctl.reqtab[slot];
         uint64_t step = KVF_PROGRESS_STEP(s->progress);
         uint32_t done = KVF_PROGRESS_LAYERS(s->progress);
-        /* A backlog goes in slices (issue 14): a late task's every layer, or a chunk that
-         * completes many blocks, would otherwise hold up the next layer-done of every other
-         * request for as long as its copy takes. What is left waits for the loop's next
-         * turn (SLOT_NEEDS_ADVANCE), after that turn's progress word: newly ready layers of
+        /* A backlog goes in slices: a late task's every layer, or a chunk that completes
+         * many blocks, would otherwise hold up the next layer-done of every other request
+         * for as long as its copy takes. What is left waits for the loop's next turn
+         * (SENDER_ADV_AGAIN), after that turn's progress word: newly ready layers of
          * in-time requests go first. Copies this thread makes itself (host caches, same
          * host) go in slices of SENDER_SLICE_BYTES_SYNC, and a layer of a backlog larger
          * than that is cut by blocks (copy_layer_piece); otherwise one layer is never split. */
         const bool cut_ok = s->sync_copies && !s->plan_on && r->transport == KVF_TRANSPORT_IPC;
         uint64_t budget = cut_ok ? SENDER_SLICE_BYTES_SYNC : SENDER_SLICE_BYTES;
+        int rc;
 
-        if (r->state != KVF_REQ_ACTIVE)
-                return;
         while (r->chunk_head != r->chunk_tail) {
                 struct kvf_chunk_mark *m = &r->chunks[r->chunk_head % KVF_CHUNKS_MAX];
                 uint32_t ready;
@@ -242,12 +223,13 @@ void sender_advance(struct sender *s, uint32_t slot)
                 if (ready > r->cur_layers) {
                         /* Engine executor: the layers the engine claimed are its own (plan.c);
                          * the sender copies [from, ready), in slices. */
-                        uint32_t from = r->transport == KVF_TRANSPORT_IPC
-                                            ? sender_plan_take(s, slot, m->step, r->sent_full,
-                                                               m->block_end, r->cur_layers, ready)
-                                            : r->cur_layers;
-                        if (r->state != KVF_REQ_ACTIVE)
-                                return;
+                        uint32_t from = r->cur_layers;
+                        if (r->transport == KVF_TRANSPORT_IPC &&
+                            sender_plan_take(s, slot, m->step, r->sent_full, m->block_end, r->cur_layers, ready,
+                                             &from) < 0) {
+                                *status = KVF_STATUS_WRITE;
+                                return SENDER_ADV_FAILED;
+                        }
                         uint64_t block = (uint64_t)s->tensors * s->layout->block_bytes;
                         uint64_t per_layer = (uint64_t)(m->block_end > r->sent_full ? m->block_end - r->sent_full : 0) * block;
                         if (cut_ok && per_layer > SENDER_SLICE_BYTES_SYNC && ready - from >= 2) {
@@ -255,42 +237,32 @@ void sender_advance(struct sender *s, uint32_t slot)
                                  * pieces. (A request that is not behind, with one layer ready,
                                  * copies it whole: every other request ready now came with the
                                  * same progress word, and pieces would only delay them all.) */
-                                if (budget < block) { /* this turn's slice is spent */
-                                        next_turn(s, slot, true);
-                                        return;
-                                }
-                                int rc = copy_layer_piece(s, slot, from, m->block_end,
-                                                          (uint32_t)(budget / block));
-                                if (rc < 0) {
-                                        next_turn(s, slot, false);
-                                        return;
-                                }
-                                if (r->state != KVF_REQ_ACTIVE)
-                                        return;
+                                if (budget < block) /* this turn's slice is spent */
+                                        return SENDER_ADV_AGAIN;
+                                rc = copy_layer_piece(s, slot, from, m->block_end, (uint32_t)(budget / block),
+                                                      status);
+                                if (rc == -ECANCELED)
+                                        return SENDER_ADV_FAILED;
+                                if (rc < 0)
+                                        return SENDER_ADV_BLOCKED;
                                 if (rc == 1) /* the layer's last piece (more layers are ready) */
                                         r->cur_layers = from + 1;
-                                next_turn(s, slot, true); /* the next slice */
                                 kvf_count(&s->ctl, KVF_CTR_COPY_SLICES, 1);
-                                return;
+                                return SENDER_ADV_AGAIN; /* the next slice */
                         }
                         uint64_t fit = per_layer ? budget / per_layer : ready - from;
                         uint32_t upto = ready;
                         if (fit < ready - from)
                                 upto = from + (fit ? (uint32_t)fit : 1);
                         if (from < upto &&
-                            send_range(s, slot, from, upto, r->sent_full, m->block_end) < 0) {
-                                /* the ring is full: try again from the same place later */
-                                next_turn(s, slot, false);
-                                return;
-                        }
-                        if (r->state != KVF_REQ_ACTIVE)
-                                return;
+                            (rc = send_range(s, slot, from, upto, r->sent_full, m->block_end, net_blocked, status)) < 0)
+                                /* a full ring: again from the same place later */
+                                return rc == -ECANCELED ? SENDER_ADV_FAILED : SENDER_ADV_BLOCKED;
                         uint64_t spent = per_layer * (upto - from);
                         r->cur_layers = upto;
                         if (upto < ready) {
-                                next_turn(s, slot, true); /* the next slice */
                                 kvf_count(&s->ctl, KVF_CTR_COPY_SLICES, 1);
-                                return;
+                                return SENDER_ADV_AGAIN; /* the next slice */
                         }
                         budget = budget > spent ? budget - spent : 0;
                 }
@@ -302,66 +274,13 @@ void sender_advance(struct sender *s, uint32_t slot)
                 r->cur_layers = 0;
                 r->chunk_head++;
         }
-        if (r->chunk_head == r->chunk_tail && r->last_chunk_seen && r->sent_full >= r->n_send) {
-                sender_all_sent(s, slot);
-        } else {
-                sender_plan_offer(s, slot); /* engine executor: the next step's plan */
-                sender_arm(s, slot);
+        if (r->chunk_head == r->chunk_tail && r->last_chunk_seen && r->sent_full >= r->n_send)
+                return SENDER_ADV_ALL_SENT;
+        /* engine executor: the next step's plan */
+        if (sender_plan_offer(s, slot) < 0) {
+                *status = KVF_STATUS_WRITE;
+                return SENDER_ADV_FAILED;
         }
-}
-
-/* This word (the step's last layer) completes the request: its front mark is its last one,
- * covering every block, and it is of this step. */
-static bool finishes_now(const struct sender *s, uint32_t slot, uint64_t step)
-{
-        const struct kvf_req_slot *r = &s->ctl.reqtab[slot];
-        if (r->state != KVF_REQ_ACTIVE || !r->last_chunk_seen || r->chunk_tail - r->chunk_head != 1)
-                return false;
-        const struct kvf_chunk_mark *m = &r->chunks[r->chunk_head % KVF_CHUNKS_MAX];
-        return m->step == step && m->block_end >= r->n_send;
-}
-
-void sender_on_progress(struct sender *s, uint64_t word, uint64_t publish_ns)
-{
-        s->progress = word;
-        s->progress_ns = publish_ns;
-        s->copy_timed = false;
-        uint64_t step = KVF_PROGRESS_STEP(word);
-
-        /* Buckets move while we work (requests re-arm at later steps), so
-         * take the first bucket again after each request. */
-        for (;;) {
-                if (s->nbuckets == 0 || s->buckets[0].step > step)
-                        break;
-                if (s->buckets[0].step < step) {
-                        /* every request here completes its mark and re-arms elsewhere */
-                        uint32_t slot = s->buckets[0].slots[0];
-                        sender_disarm(s, slot);
-                        sender_advance(s, slot);
-                        continue;
-                }
-                /* bucket == step: requests advance but may stay in it */
-                struct bucket *b = &s->buckets[0];
-                uint32_t n = b->n, nf = 0;
-                memcpy(s->tmp, b->slots, n * sizeof(uint32_t));
-                /* The step's last layer: the requests it completes go first, as a batch of
-                 * their own, and their finish notices go out before the others' copies (a
-                 * chunked step ends one request and starts the next: the ended one's tail
-                 * must not wait for the next one's first chunk). */
-                if (KVF_PROGRESS_LAYERS(word) >= s->layers)
-                        for (uint32_t k = 0; k < n; k++)
-                                if (finishes_now(s, s->tmp[k], step)) {
-                                        uint32_t t = s->tmp[nf];
-                                        s->tmp[nf++] = s->tmp[k];
-                                        s->tmp[k] = t;
-                                }
-                for (uint32_t k = 0; k < n; k++) {
-                        sender_advance(s, s->tmp[k]);
-                        if (k + 1 == nf && nf < n) {
-                                sender_copies_flush(s);
-                                sender_flush_slots(s, s->tmp, nf);
-                        }
-                }
-                break;
-        }
+        sender_arm(s, slot);
+        return SENDER_ADV_WAIT;
 }

@@ -6,14 +6,21 @@
  *
  * Its request table lives in the control segment (struct kvf_req_slot), so a
  * restarted sender adopts every request in flight. What is kept only in
- * this process (the request-id map, the step buckets, peer mappings) is
- * rebuilt from the table at start.
+ * this process (the request-id map, the step buckets, peer mappings, a
+ * request's in-process state and what it owes the rings) is rebuilt from the
+ * table at start.
+ *
+ * Files call downward only: main.c -> tasks.c (records in) -> request.c (a
+ * request's states and transitions) -> progress.c, copies.c, plan.c,
+ * outbox.c, sessions.c, peers.c, table.c, which return what happened and
+ * never call back up. setup.c opens and closes a sender (main.c, tests).
  *
  * Single-threaded: everything here runs on the sender's one thread.
  */
 #ifndef KVF_SENDER_H
 #define KVF_SENDER_H
 
+#include <errno.h>
 #include <stdbool.h>
 #include <stdint.h>
 #include <sys/types.h>
@@ -99,7 +106,8 @@ struct sender {
         uint32_t *map;
         uint32_t map_cap;
         uint64_t *armed;  /* per slot: the step it is armed at, or UINT64_MAX */
-        uint8_t *flags;   /* per slot: SLOT_* below */
+        uint8_t *rq;      /* per slot: enum sender_req_state (request.c writes it, and only it) */
+        uint8_t *flags;   /* per slot: SLOT_* below, what it owes the rings (request.c) */
         uint32_t *tmp;    /* scratch list of slots */
         uint32_t *resend; /* per slot: SLOT_RESEND cursor (see sender_resend) */
         struct layer_cut *cut; /* per slot: a layer copied in slices (sender_advance) */
@@ -140,6 +148,10 @@ struct sender {
                 uint32_t nflight;
                 uint32_t *inflight; /* per slot: its batches in flight, the engine's owes included */
                 uint8_t *state;     /* per slot: COPY_* */
+                uint32_t *news;     /* slots with COPY_NEWS, a ring from news_at: what request.c
+                                     * has to hear */
+                uint32_t news_at, nnews;
+                char (*why)[KVF_REASON_MAX]; /* per slot with COPY_FAILED: the first failure */
                 struct copy_owe *owes; /* the engine's copies not yet seen landed */
                 uint32_t nowes, capowes;
                 uint32_t *owing;    /* per slot: its owes */
@@ -158,19 +170,134 @@ struct sender {
 };
 
 /*
+ * ---- request.c: a request's states and the one function that moves them ----
+ *
+ * Every state means the same for every transport. The shared table keeps what a
+ * restarted sender needs (kvf_req_slot.state and its fields); the split of ACTIVE
+ * into MOVING and LANDING, and what a slot owes the rings (SLOT_*), are kept in this
+ * process only and recomputed at adoption.
+ *
+ *   state          kvf_req_slot.state  meaning (invariants)
+ *   SREQ_FREE      FREE                no request; no flags, not armed, not in the id map
+ *   SREQ_MOVING    ACTIVE              accepted; some (layer, block) is not yet handed over
+ *                                      (submitted to a copy batch, ipc; posted as a write
+ *                                      batch, tcp/rdma). Armed at its front mark's step
+ *                                      while it waits for layers. No finish notice exists.
+ *   SREQ_LANDING   ACTIVE + COPY_PENDING  ipc: every byte handed over, some copy of it not
+ *                                      yet seen landed (batches in flight, the engine's
+ *                                      owes). Not armed. No notice exists.
+ *   SREQ_LANDED    FINISHING           ipc: every byte has landed in the peer's cache. The
+ *                                      finish notice is owed (notice_gen 0) or out (the
+ *                                      connector generation it went to); withdraw_ns != 0:
+ *                                      withdrawn, waiting for the peer's answer.
+ *   SREQ_HANDED    HANDED_OVER         tcp/rdma: every write batch is in the connector's
+ *                                      hands (or owed again after a restart: SLOT_RESEND);
+ *                                      the connector writes them. Notice as in LANDED; the
+ *                                      connector's write result says whether every byte
+ *                                      was written and the arrival published.
+ *   SREQ_DECIDED   COMPLETING          status and reason stored; the completion is owed, or
+ *                                      was claimed at completion_pos; then FREE.
+ *
+ * A cancel, a timeout, an ended engine session or a lost peer fail MOVING and LANDING
+ * (with an abort notice to the peer, after copies in flight land); in LANDED and HANDED
+ * only the peer's answer decides (a timeout withdraws the notice; see ARCHITECTURE.md 6).
+ */
+enum sender_req_state {
+        SREQ_FREE = 0,
+        SREQ_MOVING,
+        SREQ_LANDING,
+        SREQ_LANDED,
+        SREQ_HANDED,
+        SREQ_DECIDED,
+        SREQ_COUNT
+};
+
+enum sender_ev_type {
+        SENDER_EV_ACCEPTED,      /* its task is in the slot (tasks.c): it starts moving */
+        SENDER_EV_LAYERS,        /* a chunk mark or the progress word may have made layers ready */
+        SENDER_EV_COPIES,        /* copies.c has news: a batch failed, or every copy landed */
+        SENDER_EV_WRITE_RESULT,  /* the connector's answer for its key: status, reason */
+        SENDER_EV_CANCEL,        /* the engine cancelled it */
+        SENDER_EV_FAIL,          /* it cannot go on: status, reason (a bad chunk, a lost peer...) */
+        SENDER_EV_ENGINE_GONE,   /* its engine session is over: reason */
+        SENDER_EV_TIMEOUT,       /* its deadline passed: now */
+        SENDER_EV_CONNECTOR_NEW, /* the connector restarted: what it held for us is lost */
+        SENDER_EV_RETRY,         /* rings may have room: post what it owes (SLOT_*) */
+        SENDER_EV_ADOPT,         /* a restarted sender found it in the table */
+        SENDER_EV_COUNT
+};
+
+struct sender_ev {
+        enum sender_ev_type type;
+        int status;         /* WRITE_RESULT, FAIL */
+        const char *reason; /* WRITE_RESULT, FAIL, ENGINE_GONE */
+        uint64_t now;       /* TIMEOUT */
+};
+
+/* The one transition function: what `ev` does to the request in `slot`. */
+void sender_req_event(struct sender *s, uint32_t slot, const struct sender_ev *ev);
+static inline enum sender_req_state sender_req_state(const struct sender *s, uint32_t slot)
+{
+        return (enum sender_req_state)s->rq[slot];
+}
+const char *sender_req_state_name(enum sender_req_state st);
+/* Fail a request (SENDER_EV_FAIL) with a formatted reason. */
+void sender_fail(struct sender *s, uint32_t slot, int status, const char *fmt, ...)
+        __attribute__((format(printf, 4, 5)));
+/* A new progress word: advance the requests armed at or below its step; their copies go as
+ * one batch, and the notices they make possible are posted. */
+void sender_req_progress(struct sender *s, uint64_t word, uint64_t publish_ns);
+/* Submit the gathered copy batch, poll batches in flight, and apply what landed or failed. */
+void sender_req_copies(struct sender *s, bool flush);
+/* What slots owe the rings: all of them, or these (their finish notices now). */
+void sender_flush_pending(struct sender *s);
+void sender_flush_slots(struct sender *s, const uint32_t *slots, uint32_t n);
+/* End the requests of engine sessions that are over; check_process reads /proc (ticks). */
+void sender_sessions_check(struct sender *s, bool check_process);
+/* At start: take over every request of the table. */
+void sender_adopt(struct sender *s);
+/* Every heartbeat: liveness, peers, deadlines, a restarted connector. */
+void sender_tick(struct sender *s, uint64_t now);
+
+/*
  * Work a slot still owes the rings, because a ring was full or the connector
  * restarted. Kept in this process only: a restarted sender recomputes it.
  */
-#define SLOT_NEEDS_NOTICE 1u     /* FINISHING, finish notice not yet in the ring */
-#define SLOT_NEEDS_COMPLETION 2u /* status decided, completion not yet in the ring */
-#define SLOT_ABORT_NOTICE 4u     /* failed while active: tell the peer (best effort) */
+#define SLOT_NEEDS_NOTICE 1u     /* LANDED/HANDED, finish notice not yet in the ring */
+#define SLOT_NEEDS_COMPLETION 2u /* DECIDED, completion not yet in the ring */
+#define SLOT_ABORT_NOTICE 4u     /* failed while moving: tell the peer (best effort) */
 #define SLOT_NEEDS_OPEN 8u       /* network transfer: the open record is not in the ring */
 #define SLOT_RESEND 16u          /* network transfer: hand everything sent so far again */
-#define SLOT_NEEDS_ADVANCE 32u   /* a write batch did not fit: advance again later */
+#define SLOT_NEEDS_ADVANCE 32u   /* a write batch did not fit, or a slice is left: advance again */
 #define SLOT_NET_BLOCKED (SLOT_NEEDS_OPEN | SLOT_RESEND)
+
+/* setup.c: a sender on an instance's segment (main.c, tests) */
+struct sender_opts {
+        uint64_t request_timeout_ns;
+        uint64_t prewake_ns;
+        unsigned attach_wait_ms; /* wait this long for the segment to be ready */
+};
+/* Attach (writable), map the own cache, make the in-process tables. 0, or < 0 with kvf_err
+ * set (what was made is freed). */
+int sender_open(struct sender *s, const char *instance, const struct sender_opts *o);
+/* Claim the sender role (a predecessor's ring ends are repaired) and adopt the table. */
+int sender_start(struct sender *s);
+/* Stopping: end the role, wait (bounded) for copies in flight, then sender_free. */
+void sender_close(struct sender *s);
+/* Unmap, detach and free what this process holds, writing nothing into the segment. */
+void sender_free(struct sender *s);
+
+/* tasks.c: records in */
+int sender_on_engine_record(void *ctx, uint16_t type, const uint8_t *p, uint32_t len, uint64_t pos);
+int sender_on_connector_record(void *ctx, uint16_t type, const uint8_t *p, uint32_t len,
+                               uint64_t pos);
+/* Read the engine's records (tasks one at a time; false: nothing read) and the connector's. */
+bool sender_read_engine(struct sender *s, uint64_t beat);
+bool sender_read_connector(struct sender *s);
 
 /* table.c */
 int sender_table_init(struct sender *s);
+void sender_table_free(struct sender *s);
 uint32_t sender_map_find(const struct sender *s, const char *request_id);
 void sender_map_insert(struct sender *s, uint32_t slot);
 void sender_map_remove(struct sender *s, uint32_t slot);
@@ -184,7 +311,10 @@ static inline uint64_t sender_key(uint32_t slot, uint64_t incarnation)
 
 /* peers.c */
 int sender_peer_get(struct sender *s, const char *name, uint32_t *idx, char *why, size_t whylen);
-void sender_peers_check(struct sender *s);
+/* Peer i: 1 and its live engine session (0 none) while its segment is the one mapped,
+ * 0 when the entry is not in use, -ENOENT when it went away or was replaced. */
+int sender_peer_check(struct sender *s, uint32_t i, uint64_t *live);
+void sender_peer_drop(struct sender *s, uint32_t i);
 /*
  * An ipc task that names its peer FastDeploy's way (device_ids, or ip and
  * port of a connector of this host): find the instance and put its name in
@@ -194,29 +324,28 @@ void sender_peers_check(struct sender *s);
 int sender_peer_resolve(struct sender *s, struct kvf_record *t, char *why, size_t whylen);
 void sender_peers_close(struct sender *s);
 
-/* tasks.c */
-int sender_on_engine_record(void *ctx, uint16_t type, const uint8_t *p, uint32_t len, uint64_t pos);
-int sender_on_connector_record(void *ctx, uint16_t type, const uint8_t *p, uint32_t len,
-                               uint64_t pos);
-void sender_fail(struct sender *s, uint32_t slot, int status, const char *fmt, ...)
-        __attribute__((format(printf, 4, 5)));
-void sender_flush_pending(struct sender *s);
-/* What these slots owe the rings (their finish notices), now: the rest waits for the loop. */
-void sender_flush_slots(struct sender *s, const uint32_t *slots, uint32_t n);
-/* Post a FINISHING request's notice at once if that is all it owes (tasks.c). */
-void sender_notice_now(struct sender *s, uint32_t slot);
-void sender_adopt(struct sender *s);
-void sender_tick(struct sender *s, uint64_t now);
-
-/* outbox.c */
+/* outbox.c: records out */
 /* Encode into the scratch buffer: 0, -ENOMEM (try again), or < 0 for a record that cannot be. */
 int sender_encode(struct sender *s, const struct kvf_record *r, size_t *len);
 /* Encode and write to ring sender->connector: 0, -EAGAIN (full), -ENOMEM, or a permanent error
  * (-EMSGSIZE: never fits; an encoding error), kvf_err set. */
 int sender_post(struct sender *s, const struct kvf_record *r);
-/* After a failed post for `slot`: true = back-pressure, try again later; false = the request
- * failed with "write error" (a record it needs can never be posted). */
-bool sender_post_retry(struct sender *s, uint32_t slot, int rc);
+/* A failed post's rc: true = back-pressure (full ring, no memory: try again later); false = the
+ * record can never be posted (kvf_err says why). */
+static inline bool sender_post_again(int rc)
+{
+        return rc == -EAGAIN || rc == -ENOMEM;
+}
+enum sender_notice {
+        SENDER_NOTICE_FINISH,   /* every byte is written: the peer publishes the arrival */
+        SENDER_NOTICE_ABORT,    /* failed while moving: the peer frees its blocks (best effort) */
+        SENDER_NOTICE_WITHDRAW, /* LANDED/HANDED past its deadline: the peer says what it did */
+};
+int sender_post_notice(struct sender *s, uint32_t slot, enum sender_notice kind);
+/* The completion of a DECIDED slot: 0 (committed; completion_pos stored before the commit) or
+ * -EAGAIN (the ring is full, or no memory). */
+int sender_post_completion(struct sender *s, uint32_t slot);
+void sender_count_status(struct sender *s, int status);
 
 /* Every byte a request moves: its send-blocks in every layer and tensor. */
 static inline uint64_t sender_request_bytes(const struct sender *s, const struct kvf_req_slot *r)
@@ -224,62 +353,79 @@ static inline uint64_t sender_request_bytes(const struct sender *s, const struct
         return (uint64_t)r->n_send * s->layers * s->tensors * s->layout->block_bytes;
 }
 
-static inline void sender_mark(struct sender *s, uint32_t slot, uint8_t flag)
-{
-        s->flags[slot] |= flag;
-        s->pending = true;
-}
-
 /* sessions.c */
 /* tcp peers: note the decode engine session a peer's connector told of; look it up (0 unknown). */
 void sender_net_peer_note(struct sender *s, const char *peer, uint64_t session);
 uint64_t sender_net_peer_session(struct sender *s, const char *peer);
+void sender_net_peers_close(struct sender *s);
 /* The engine session of the engine->sender record at `pos` (inside a ring handler). */
 uint64_t sender_record_session(struct sender *s, uint64_t pos);
-/* End the requests of engine sessions that are over; check_process reads /proc (ticks). */
-void sender_sessions_check(struct sender *s, bool check_process);
+/* The engine session live now (0 none); check_process reads /proc and remembers a dead one. */
+uint64_t sender_session_live(struct sender *s, bool check_process);
+/* How session `old` ended, in words, for the reason of its requests. */
+void sender_session_why_ended(struct sender *s, uint64_t old, uint64_t live, char *buf, size_t len);
 
-/* copies.c */
+/* copies.c: same-host copy batches; results go to request.c as news, never up by a call */
 #define COPY_IN_BATCH 1u /* has runs in the batch being gathered */
-#define COPY_AWAITED 4u  /* every byte is submitted: FINISHING once its batches land */
+#define COPY_LAST 4u     /* its last bytes are gathered or in flight: prewake (request.c says) */
+#define COPY_NEWS 8u     /* in cp.news: request.c has not yet heard of its batches */
+#define COPY_FAILED 16u  /* a batch of it failed (cp.why says how) */
 int sender_copies_init(struct sender *s);
+void sender_copies_free(struct sender *s);
 /* Gather layers [l0, l1) of runs (src, dst index, count triples, nwords of them) of an ipc slot. */
 int sender_copies_add(struct sender *s, uint32_t slot, uint32_t l0, uint32_t l1, const uint32_t *runs,
                       uint32_t nwords);
 /* Submit what was gathered (one batch), then poll. */
 void sender_copies_flush(struct sender *s);
-/* Batches that completed: FINISHING for requests waiting on them, write error for failed ones. */
+/* Batches (and the engine's owes) that completed: news for their slots. */
 void sender_copies_poll(struct sender *s);
-/* The finish notice the connector was told to expect is in its ring (copies.c, prewake). */
+/*
+ * The next slot with news, oldest first: true, and *failed when a batch of it failed (`why`
+ * says how); sender_copies_busy() then says whether copies of it are still out. false when
+ * there is none.
+ */
+bool sender_copies_news(struct sender *s, uint32_t *slot, bool *failed, char *why, size_t whylen);
+/* The finish notice the connector was told to expect is in its ring (prewake). */
 void sender_copies_expected(struct sender *s);
 /* The slot has copies gathered or in flight: nothing may be said about it yet. */
 bool sender_copies_busy(const struct sender *s, uint32_t slot);
-void sender_copies_await(struct sender *s, uint32_t slot);
+/* Its last bytes are gathered or in flight (a batch carrying them prewakes the connector). */
+void sender_copies_last(struct sender *s, uint32_t slot);
 /* Flush, then wait up to timeout_ns for every batch in flight (a peer going, the sender stopping). */
 void sender_copies_drain(struct sender *s, uint64_t timeout_ns);
-/* The engine's context owes the slot copies that have landed once exec.landed >= word. */
-void sender_copies_owe(struct sender *s, uint32_t slot, uint64_t word, uint32_t gen);
+/* The engine's context owes the slot copies that have landed once exec.landed >= word.
+ * 0, or -ENOMEM (kvf_err set): they cannot be waited for. */
+int sender_copies_owe(struct sender *s, uint32_t slot, uint64_t word, uint32_t gen);
 bool sender_copies_owing(const struct sender *s, uint32_t slot);
 
-/* plan.c: the engine executor (KVF_EXEC_ENGINE) */
+/* plan.c: the engine executor (KVF_EXEC_ENGINE). Failures are returned (< 0, kvf_err the
+ * reason; the request fails with "write error"). */
 int sender_plan_init(struct sender *s);
 /* Publish the slot's entry for its front mark's step, if that step is still to come. */
-void sender_plan_offer(struct sender *s, uint32_t slot);
-/* Layers [l0, l1) of send-blocks [b0, b1) of the slot's `step` are ready: the first layer the
- * sender copies itself (the engine has the ones below). */
-uint32_t sender_plan_take(struct sender *s, uint32_t slot, uint64_t step, uint32_t b0, uint32_t b1, uint32_t l0,
-                          uint32_t l1);
+int sender_plan_offer(struct sender *s, uint32_t slot);
+/* Layers [l0, l1) of send-blocks [b0, b1) of the slot's `step` are ready: *from is the first
+ * layer the sender copies itself (the engine has the ones below). */
+int sender_plan_take(struct sender *s, uint32_t slot, uint64_t step, uint32_t b0, uint32_t b1, uint32_t l0,
+                     uint32_t l1, uint32_t *from);
 /* The request is decided: no more claims; what the engine claimed is waited for. */
-void sender_plan_close(struct sender *s, uint32_t slot);
-/* At start: close every entry; the engine's claims of adopted requests are waited for again. */
-void sender_plan_adopt_all(struct sender *s);
+int sender_plan_close(struct sender *s, uint32_t slot);
+/* At start: close every entry; the engine's claims of adopted requests are waited for again.
+ * Slots whose owe could not be kept get their bit in `failed` (one byte per slot). */
+void sender_plan_adopt_all(struct sender *s, uint8_t *failed);
 
-/* progress.c */
-void sender_on_progress(struct sender *s, uint64_t word, uint64_t publish_ns);
-void sender_advance(struct sender *s, uint32_t slot);
-/* Every byte of the request is written (copies landed): FINISHING, its notice follows. */
-void sender_all_sent(struct sender *s, uint32_t slot);
-/* Network transfers: the open record, and handing everything sent so far again. 0 or -EAGAIN. */
+/* progress.c: what the progress word makes ready for one request, handed over */
+enum sender_adv {
+        SENDER_ADV_WAIT,     /* waits for layers (armed at its front mark's step) */
+        SENDER_ADV_AGAIN,    /* a slice is left: the loop's next turn, at once */
+        SENDER_ADV_BLOCKED,  /* a ring is full: again when it has room */
+        SENDER_ADV_ALL_SENT, /* every byte is handed over */
+        SENDER_ADV_FAILED,   /* it cannot go on: *status, kvf_err the reason */
+};
+/* Move what the current progress word allows for a MOVING request; net_blocked: its open
+ * record (or a resend) is still owed, so no write batch may go before it. */
+enum sender_adv sender_advance(struct sender *s, uint32_t slot, bool net_blocked, int *status);
+/* Network transfers: the open record, and handing everything sent so far again. 0, or a failed
+ * post's rc (sender_post_again says which). */
 int sender_post_open(struct sender *s, uint32_t slot);
 int sender_resend(struct sender *s, uint32_t slot);
 

@@ -1,5 +1,7 @@
 /*
- * Engine sessions, prefill side (see ctl.h, kvf_engine_session).
+ * Engine sessions, prefill side (see ctl.h, kvf_engine_session): which
+ * session is live, and how one ended. request.c ends the requests of an
+ * ended session (sender_sessions_check).
  *
  * A request belongs to the engine session that submitted it (the task
  * record's producer generation). When that session ends (the engine
@@ -33,8 +35,7 @@ uint64_t sender_record_session(struct sender *s, uint64_t pos)
         return kvf_gen_from16(cur, kvf_ring_record_gen(in, pos));
 }
 
-/* How the session `old` ended, in words, for the reason of its requests. */
-static void why_ended(struct sender *s, uint64_t old, uint64_t live, char *buf, size_t len)
+void sender_session_why_ended(struct sender *s, uint64_t old, uint64_t live, char *buf, size_t len)
 {
         const struct kvf_role_slot *e = &s->ctl.roles[KVF_ROLE_ENGINE];
         if (live)
@@ -48,7 +49,7 @@ static void why_ended(struct sender *s, uint64_t old, uint64_t live, char *buf, 
                          (unsigned long long)old, kvf_load_acquire(&e->pid));
 }
 
-void sender_sessions_check(struct sender *s, bool check_process)
+uint64_t sender_session_live(struct sender *s, bool check_process)
 {
         uint64_t live, over = 0;
         if (check_process) {
@@ -60,38 +61,7 @@ void sender_sessions_check(struct sender *s, bool check_process)
                 if (live && live == s->dead_session)
                         live = 0; /* found dead by an earlier check: the slot still says running */
         }
-        if (live == s->session)
-                return;
-        uint64_t old = s->session;
-        char why[KVF_REASON_MAX];
-        uint32_t ended = 0, n = s->ctl.hdr->reqtab_slots;
-        for (uint32_t i = 0; i < n; i++) {
-                struct kvf_req_slot *r = &s->ctl.reqtab[i];
-                if (r->state == KVF_REQ_FREE || r->session == live)
-                        continue;
-                /* Its id is free for the new session (a restarted engine submits it again);
-                 * write results still find the slot by its key. */
-                sender_map_remove(s, i);
-                if (r->state != KVF_REQ_ACTIVE)
-                        continue;
-                if (!ended)
-                        why_ended(s, r->session, live, why, sizeof(why));
-                sender_fail(s, i, KVF_STATUS_ENGINE_GONE, "%s before the transfer finished", why);
-                ended++;
-        }
-        if (old && old != SENDER_SESSION_UNKNOWN)
-                kvf_count(&s->ctl, KVF_CTR_SESSIONS_ENDED, 1);
-        if (old == SENDER_SESSION_UNKNOWN)
-                old = 0; /* (a sender starting: the log says 0 -> live) */
-        if (old || ended)
-                kvf_info("engine session %llu -> %llu: %u requests of earlier sessions end with 'engine gone'",
-                         (unsigned long long)old, (unsigned long long)live, ended);
-        s->session = live;
-        /* Release: the requests above are decided before the new engine's attach
-         * (which waits for this) goes on. Their completions follow as the ring
-         * allows, tagged with their own session. */
-        if (live)
-                kvf_store_release(&s->ctl.sender->engine_session_ack, live);
+        return live;
 }
 
 static struct net_peer *net_peer_slot(struct sender *s, const char *peer)
@@ -138,4 +108,13 @@ uint64_t sender_net_peer_session(struct sender *s, const char *peer)
                 p->ino = fstat(p->ctl.fd, &st) == 0 ? st.st_ino : 0;
         }
         return p->mapped ? kvf_engine_session(&p->ctl, false) : p->session;
+}
+
+void sender_net_peers_close(struct sender *s)
+{
+        for (uint32_t i = 0; i < SENDER_NET_PEERS; i++)
+                if (s->net_peers[i].mapped) {
+                        kvf_ctl_detach(&s->net_peers[i].ctl);
+                        s->net_peers[i].mapped = false;
+                }
 }

@@ -16,6 +16,7 @@ int sender_table_init(struct sender *s)
                 s->map_cap <<= 1;
         s->map = malloc(s->map_cap * sizeof(*s->map));
         s->armed = malloc(n * sizeof(*s->armed));
+        s->rq = calloc(n, 1);
         s->flags = calloc(n, 1);
         s->tmp = malloc(n * sizeof(*s->tmp));
         s->resend = calloc(n, sizeof(*s->resend));
@@ -25,12 +26,35 @@ int sender_table_init(struct sender *s)
         while (idset_cap < 2 * s->ctl.hdr->max_blocks)
                 idset_cap <<= 1;
         s->idset = calloc(idset_cap, sizeof(*s->idset));
-        if (!s->map || !s->armed || !s->flags || !s->tmp || !s->resend || !s->cut || !s->runs || !s->idset)
+        if (!s->map || !s->armed || !s->rq || !s->flags || !s->tmp || !s->resend || !s->cut || !s->runs || !s->idset)
                 return kvf_err_set(-ENOMEM, "out of memory for a %u-slot request table", n);
         memset(s->map, 0xff, s->map_cap * sizeof(*s->map));
         for (uint32_t i = 0; i < n; i++)
                 s->armed[i] = UINT64_MAX;
         return 0;
+}
+
+void sender_table_free(struct sender *s)
+{
+        for (uint32_t i = 0; i < s->nbuckets; i++)
+                free(s->buckets[i].slots);
+        free(s->buckets);
+        s->buckets = NULL;
+        s->nbuckets = s->capbuckets = 0;
+        free(s->map);
+        free(s->armed);
+        free(s->rq);
+        free(s->flags);
+        free(s->tmp);
+        free(s->resend);
+        free(s->cut);
+        free(s->runs);
+        free(s->idset);
+        s->map = NULL;
+        s->armed = NULL;
+        s->rq = s->flags = NULL;
+        s->tmp = s->resend = s->runs = s->idset = NULL;
+        s->cut = NULL;
 }
 
 static uint32_t home(const struct sender *s, const char *id)
@@ -87,7 +111,7 @@ uint32_t sender_slot_alloc(struct sender *s)
         uint32_t n = s->ctl.hdr->reqtab_slots;
         for (uint32_t k = 0; k < n; k++) {
                 uint32_t i = (hint + k) % n;
-                if (s->ctl.reqtab[i].state == KVF_REQ_FREE && s->flags[i] == 0) {
+                if (s->rq[i] == SREQ_FREE && s->ctl.reqtab[i].state == KVF_REQ_FREE && s->flags[i] == 0) {
                         hint = i + 1;
                         return i;
                 }
@@ -142,11 +166,12 @@ void sender_disarm(struct sender *s, uint32_t slot)
         }
 }
 
-/* Put the slot in the bucket of its front chunk's step (or nowhere). */
+/* Put the slot in the bucket of its front chunk's step (or nowhere: only a MOVING request
+ * waits for layers). */
 void sender_arm(struct sender *s, uint32_t slot)
 {
         const struct kvf_req_slot *r = &s->ctl.reqtab[slot];
-        if (r->state != KVF_REQ_ACTIVE || r->chunk_head == r->chunk_tail) {
+        if (s->rq[slot] != SREQ_MOVING || r->chunk_head == r->chunk_tail) {
                 sender_disarm(s, slot);
                 return;
         }

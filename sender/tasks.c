@@ -1,13 +1,13 @@
 /*
- * Tasks in, completions out.
+ * Records in: tasks, chunk progress and cancels from the engine; write
+ * results and peer states from the connector. A task is validated here and
+ * either rejected (a completion for a task that never got a slot) or put in a
+ * slot; from then on every change of the request is an event for request.c.
  *
- * Exactly one completion per request, across sender crashes:
- *  - a task record is consumed one at a time, so at most one is re-read
- *    after a crash; an accepted task is recognised by its ring position
- *    (slot.task_pos), a rejected one by the sender area's reject_task_pos;
- *  - a decided request is COMPLETING; its completion's ring position is
- *    stored before the record is committed, and kvf_ring_delivered() tells a
- *    successor whether that record made it.
+ * A task record is consumed one at a time, so at most one is re-read after a
+ * crash; an accepted task is recognised by its ring position (slot.task_pos),
+ * a rejected one by the sender area's reject_task_pos and
+ * kvf_ring_delivered(reject_completion_pos).
  */
 #include <errno.h>
 #include <stdarg.h>
@@ -21,268 +21,6 @@
 #include "layout.h"
 #include "log.h"
 #include "sender.h"
-
-static void count_status(struct sender *s, int status)
-{
-        static const enum kvf_counter_id by_status[KVF_STATUS_COUNT] = {
-                [KVF_STATUS_FINISHED] = KVF_CTR_REQUESTS_FINISHED,
-                [KVF_STATUS_BAD_TASK] = KVF_CTR_FAILED_BAD_TASK,
-                [KVF_STATUS_BLOCK_RANGE] = KVF_CTR_FAILED_BLOCK_RANGE,
-                [KVF_STATUS_UNKNOWN_PEER] = KVF_CTR_FAILED_UNKNOWN_PEER,
-                [KVF_STATUS_CONNECTION] = KVF_CTR_FAILED_CONNECTION,
-                [KVF_STATUS_LAYOUT_MISMATCH] = KVF_CTR_FAILED_LAYOUT,
-                [KVF_STATUS_CANCELLED] = KVF_CTR_FAILED_CANCELLED,
-                [KVF_STATUS_TIMEOUT] = KVF_CTR_FAILED_TIMEOUT,
-                [KVF_STATUS_WRITE] = KVF_CTR_FAILED_WRITE,
-                [KVF_STATUS_AUTH] = KVF_CTR_FAILED_AUTH,
-                [KVF_STATUS_ENGINE_GONE] = KVF_CTR_FAILED_ENGINE_GONE,
-                [KVF_STATUS_PEER_ROLE] = KVF_CTR_FAILED_PEER_ROLE,
-        };
-        if (status < 0 || status >= KVF_STATUS_COUNT)
-                return;
-        kvf_count(&s->ctl, by_status[status], 1);
-        if (status != KVF_STATUS_FINISHED)
-                kvf_count(&s->ctl, KVF_CTR_REQUESTS_FAILED, 1);
-}
-
-static void free_slot(struct sender *s, uint32_t slot)
-{
-        struct kvf_req_slot *r = &s->ctl.reqtab[slot];
-        sender_disarm(s, slot);
-        sender_map_remove(s, slot);
-        s->flags[slot] = 0;
-        s->engine_blocked = false; /* a task waiting for a slot can have this one */
-        /* Release: everything about the old request is done before the slot
-         * can be seen free (and reused). */
-        kvf_store_release(&r->state, KVF_REQ_FREE);
-}
-
-/* Post the completion of a decided (COMPLETING) slot; -EAGAIN if the ring is full. */
-static int post_completion(struct sender *s, uint32_t slot)
-{
-        struct kvf_req_slot *r = &s->ctl.reqtab[slot];
-        struct kvf_ring *ring = &s->ctl.rings[KVF_RING_SENDER_TO_ENGINE];
-        /* Finished means every byte landed, once: report that amount (copies
-         * repeated after a restart are not counted twice). */
-        uint64_t full = sender_request_bytes(s, r);
-        struct kvf_record c = {.type = KVF_REC_COMPLETION, .status = (int)r->status,
-                               .bytes = r->status == KVF_STATUS_FINISHED ? full : r->bytes,
-                               .blocks = r->n_send,
-                               .accept_ns = r->accept_ns, .last_layer_ns = r->last_layer_ns,
-                               .done_ns = kvf_now_ns()};
-        size_t len;
-        void *p;
-        uint64_t pos;
-
-        memcpy(c.request_id, r->request_id, sizeof(c.request_id));
-        memcpy(c.peer, r->peer, sizeof(c.peer));
-        memcpy(c.reason, r->reason, sizeof(c.reason));
-        c.session = r->session;
-        c.id_bin = r->flags & KVF_REQF_ID_BIN;
-        if (sender_encode(s, &c, &len) < 0 || kvf_ring_claim(ring, KVF_REC_COMPLETION, (uint32_t)len, &p, &pos) < 0)
-                return -EAGAIN;
-        /* Crash window: with the position stored first, a successor can ask
-         * the ring whether this record was committed. */
-        kvf_store_release(&r->completion_pos, pos);
-        memcpy(p, s->scratch, len);
-        kvf_ring_commit(ring, pos);
-        count_status(s, (int)r->status);
-        if (r->status == KVF_STATUS_FINISHED) {
-                if (r->last_layer_ns && c.done_ns > r->last_layer_ns)
-                        kvf_hist_add(&s->ctl.sender->hist[KVF_HIST_LAST_TO_DONE],
-                                     c.done_ns - r->last_layer_ns);
-                kvf_debug("req %s: finished, %llu bytes", r->request_id, (unsigned long long)r->bytes);
-        } else {
-                kvf_info("req %s: %s: %s", r->request_id, kvf_status_name((int)r->status), r->reason);
-        }
-        free_slot(s, slot);
-        return 0;
-}
-
-/* Decide a request's status; the completion is posted now or when the ring has room. */
-static void decide(struct sender *s, uint32_t slot, int status, const char *reason)
-{
-        struct kvf_req_slot *r = &s->ctl.reqtab[slot];
-        if (r->state == KVF_REQ_FREE || r->state == KVF_REQ_COMPLETING)
-                return;
-        bool was_active = r->state == KVF_REQ_ACTIVE;
-        /* FINISHING, its finish notice not yet posted (a failure the connector reported
-         * first, say a transport it cannot use): the peer has heard of it no more than of
-         * an active one. */
-        bool unnoticed = r->state == KVF_REQ_FINISHING && !r->notice_gen;
-        sender_plan_close(s, slot); /* the engine claims no more of it (its claims are awaited) */
-        if (r->state == KVF_REQ_COMPLETING)
-                return; /* (closing it reported the engine's failure: decided already) */
-        r->status = (uint32_t)status;
-        /* A failure always says why: an engine (and an operator) cannot act on a bare status. */
-        if (status != KVF_STATUS_FINISHED && (!reason || !reason[0]))
-                reason = "no reason was recorded";
-        snprintf(r->reason, sizeof(r->reason), "%s", reason ? reason : "");
-        r->completion_pos = ~0ull;
-        sender_disarm(s, slot);
-        kvf_store_release(&r->state, KVF_REQ_COMPLETING);
-        s->flags[slot] = 0;
-        sender_mark(s, slot, SLOT_NEEDS_COMPLETION);
-        /* A request that fails while moving: tell the peer, so its engine can
-         * free the blocks it reserved (best effort, not waited for). */
-        if ((was_active || unnoticed) && status != KVF_STATUS_FINISHED &&
-            (r->peer_idx != UINT32_MAX || r->transport != KVF_TRANSPORT_IPC))
-                sender_mark(s, slot, SLOT_ABORT_NOTICE);
-}
-
-void sender_fail(struct sender *s, uint32_t slot, int status, const char *fmt, ...)
-{
-        char reason[KVF_REASON_MAX];
-        va_list ap;
-        va_start(ap, fmt);
-        vsnprintf(reason, sizeof(reason), fmt, ap);
-        va_end(ap);
-        decide(s, slot, status, reason);
-}
-
-enum notice_kind {
-        NOTICE_FINISH,   /* every byte is written: the peer publishes the arrival */
-        NOTICE_ABORT,    /* the request failed while moving: the peer frees its blocks (best effort) */
-        NOTICE_WITHDRAW, /* FINISHING past its deadline: the peer says what it did (outcome agreement) */
-};
-
-/* A notice for the connector to deliver to the peer. */
-static int post_notice(struct sender *s, uint32_t slot, enum notice_kind kind)
-{
-        struct kvf_req_slot *r = &s->ctl.reqtab[slot];
-        struct kvf_record f = {.type = KVF_RT_FINISH,
-                               .key = sender_key(slot, r->incarnation),
-                               .transport = (int)r->transport,
-                               .status = kind == NOTICE_FINISH ? KVF_STATUS_FINISHED
-                                         : kind == NOTICE_WITHDRAW ? KVF_STATUS_TIMEOUT
-                                                                   : (int)r->status,
-                               .bytes = r->bytes,
-                               .blocks = r->n_send,
-                               .dst = kvf_slot_blocks(&s->ctl, slot) + s->ctl.hdr->max_blocks,
-                               .n_dst = r->n_send,
-                               .session = r->peer_session,
-                               .withdraw = kind == NOTICE_WITHDRAW,
-                               .id_bin = r->flags & KVF_REQF_ID_BIN};
-
-        memcpy(f.request_id, r->request_id, sizeof(f.request_id));
-        memcpy(f.peer, r->peer, sizeof(f.peer));
-        if (kind == NOTICE_ABORT)
-                memcpy(f.reason, r->reason, sizeof(f.reason));
-        else if (kind == NOTICE_WITHDRAW)
-                snprintf(f.reason, sizeof(f.reason),
-                         "timed out after %llu ms waiting for the peer to confirm the arrival",
-                         (unsigned long long)(s->request_timeout_ns / 1000000));
-        if (r->transport == KVF_TRANSPORT_IPC && r->peer_idx < SENDER_MAX_PEERS &&
-            s->peers[r->peer_idx].in_use)
-                f.generation = s->peers[r->peer_idx].created_ns;
-        int rc = sender_post(s, &f);
-        if (rc < 0)
-                return rc;
-        sender_copies_expected(s);
-        if (kind != NOTICE_ABORT)
-                r->notice_gen = kvf_load_acquire(&s->ctl.roles[KVF_ROLE_CONNECTOR].generation);
-        return 0;
-}
-
-/* Post what one slot owes, in order; stop at the first ring that is full. */
-static void flush_slot(struct sender *s, uint32_t i)
-{
-        uint8_t *f = &s->flags[i];
-        /* Copies of its still gathered or in flight: no notice, no completion before they
-         * land (an abort notice lets the peer's engine reuse the blocks). copies.c marks
-         * pending again when they do. */
-        if (sender_copies_busy(s, i))
-                return;
-        int rc;
-        if (*f & SLOT_ABORT_NOTICE) {
-                /* Best effort: one that can never be posted is given up (the peer times out). */
-                if ((rc = post_notice(s, i, NOTICE_ABORT)) < 0 && (rc == -EAGAIN || rc == -ENOMEM))
-                        return;
-                if (rc < 0)
-                        kvf_errlog(&s->ctl, KVF_ROLE_SENDER, "req %s: abort notice: %s",
-                                   s->ctl.reqtab[i].request_id, kvf_err_msg());
-                *f &= (uint8_t)~SLOT_ABORT_NOTICE;
-        }
-        if (*f & SLOT_NEEDS_COMPLETION) {
-                post_completion(s, i); /* frees the slot and its flags */
-                return;
-        }
-        if (*f & SLOT_NEEDS_OPEN) {
-                if ((rc = sender_post_open(s, i)) < 0) {
-                        sender_post_retry(s, i, rc);
-                        return;
-                }
-                *f &= (uint8_t)~SLOT_NEEDS_OPEN;
-        }
-        if (*f & SLOT_RESEND) {
-                if ((rc = sender_resend(s, i)) < 0) {
-                        sender_post_retry(s, i, rc);
-                        return;
-                }
-                *f &= (uint8_t)~SLOT_RESEND;
-        }
-        if (*f & SLOT_NEEDS_ADVANCE) {
-                *f &= (uint8_t)~SLOT_NEEDS_ADVANCE;
-                sender_advance(s, i); /* sets the flag again if the ring is still full */
-                if (*f & SLOT_NEEDS_ADVANCE)
-                        return;
-        }
-        if (*f & SLOT_NEEDS_NOTICE) {
-                rc = post_notice(s, i, s->ctl.reqtab[i].withdraw_ns ? NOTICE_WITHDRAW : NOTICE_FINISH);
-                if (rc == 0)
-                        *f &= (uint8_t)~SLOT_NEEDS_NOTICE;
-                else
-                        sender_post_retry(s, i, rc); /* (a FINISHING request that fails is decided) */
-        }
-}
-
-/*
- * A request whose last copy just landed owes only its finish notice: post it now, not on the
- * loop's next pass over pending slots (measured on the EPYC VM: that pass came 10 to 30 us
- * after the copy, at times 200 to 300 us, behind the engine ring's tasks and the connector
- * ring's results; now about 6 us). Anything else it owes first, or a full ring, is left to
- * sender_flush_pending.
- */
-void sender_notice_now(struct sender *s, uint32_t slot)
-{
-        if (s->flags[slot] == SLOT_NEEDS_NOTICE)
-                flush_slot(s, slot);
-}
-
-/* flush_slot for a slot with flags; true if some are still left. */
-static bool flush_flagged(struct sender *s, uint32_t i)
-{
-        if (!s->flags[i])
-                return false;
-        flush_slot(s, i);
-        return s->flags[i] != 0;
-}
-
-void sender_flush_pending(struct sender *s)
-{
-        uint32_t n = s->ctl.hdr->reqtab_slots;
-        bool left = false;
-        s->pending = false;
-        for (uint32_t i = 0; i < n; i++)
-                left |= flush_flagged(s, i);
-        s->pending |= left;
-}
-
-void sender_flush_slots(struct sender *s, const uint32_t *slots, uint32_t n)
-{
-        for (uint32_t k = 0; k < n; k++)
-                s->pending |= flush_flagged(s, slots[k]);
-}
-
-/* The connector lost what it held: a network request must be handed over again. */
-static void redo_network(struct sender *s, uint32_t slot)
-{
-        struct kvf_req_slot *r = &s->ctl.reqtab[slot];
-        s->resend[slot] = 0;
-        sender_mark(s, slot, SLOT_NEEDS_OPEN | SLOT_RESEND);
-        if (r->state == KVF_REQ_FINISHING)
-                sender_mark(s, slot, SLOT_NEEDS_NOTICE);
-}
 
 /* ---- rejections: a completion for a task that never got a slot ---- */
 
@@ -327,7 +65,7 @@ static int reject(struct sender *s, const struct task_ref *t, const char *peer, 
         memcpy(p, s->scratch, len);
         kvf_ring_commit(ring, pos);
         kvf_count(&s->ctl, KVF_CTR_TASKS_REJECTED, 1);
-        count_status(s, status);
+        sender_count_status(s, status);
         kvf_errlog(&s->ctl, KVF_ROLE_SENDER, "req %s: task rejected: %s: %s", c.request_id,
                    kvf_status_name(status), c.reason);
         return 0;
@@ -511,20 +249,9 @@ static int accept_task(struct sender *s, struct kvf_record *t, const struct task
         snprintf(r->request_id, sizeof(r->request_id), "%s", id);
         snprintf(r->peer, sizeof(r->peer), "%s", t->peer);
         r->reason[0] = '\0';
-        /* Release: the slot is complete before it is seen active. */
-        kvf_store_release(&r->state, KVF_REQ_ACTIVE);
-        sender_map_insert(s, slot);
-        kvf_count(&s->ctl, KVF_CTR_TASKS_ACCEPTED, 1);
-        int rc;
-        if (r->transport != KVF_TRANSPORT_IPC && (rc = sender_post_open(s, slot)) < 0) {
-                if (!sender_post_retry(s, slot, rc))
-                        return 0; /* failed: its completion says why */
-                sender_mark(s, slot, SLOT_NEEDS_OPEN);
-        }
         kvf_debug("req %s: accepted, %u of %u blocks to '%s', step %llu", id, t->n_dst, t->n_src,
                   t->peer, (unsigned long long)t->current_id);
-        /* Its layers may be done already (task after layer-done): move them now. */
-        sender_advance(s, slot);
+        sender_req_event(s, slot, &(struct sender_ev){.type = SENDER_EV_ACCEPTED});
         return 0;
 }
 
@@ -538,7 +265,7 @@ static void on_chunk(struct sender *s, const struct kvf_record *c)
                 return;
         }
         struct kvf_req_slot *r = &s->ctl.reqtab[slot];
-        if (r->state != KVF_REQ_ACTIVE || r->last_chunk_seen)
+        if (sender_req_state(s, slot) != SREQ_MOVING || r->last_chunk_seen)
                 return; /* already complete (or a re-read after restart) */
         uint64_t full = c->tokens / s->layout->block_size;
         uint64_t first = r->n_src - r->n_send; /* prefix the peer already holds */
@@ -566,7 +293,7 @@ static void on_chunk(struct sender *s, const struct kvf_record *c)
                         back->step = c->current_id;
                         if (end > back->block_end)
                                 back->block_end = end;
-                        sender_advance(s, slot);
+                        sender_req_event(s, slot, &(struct sender_ev){.type = SENDER_EV_LAYERS});
                         return;
                 }
         }
@@ -574,7 +301,7 @@ static void on_chunk(struct sender *s, const struct kvf_record *c)
         m->step = c->current_id;
         m->block_end = end;
         r->chunk_tail++;
-        sender_advance(s, slot);
+        sender_req_event(s, slot, &(struct sender_ev){.type = SENDER_EV_LAYERS});
 }
 
 static void on_cancel(struct sender *s, const struct kvf_record *c)
@@ -584,10 +311,9 @@ static void on_cancel(struct sender *s, const struct kvf_record *c)
                 kvf_warn("req %s: cancel for a request that is not in flight: ignored", c->request_id);
                 return;
         }
-        struct kvf_req_slot *r = &s->ctl.reqtab[slot];
-        if (r->state == KVF_REQ_ACTIVE)
-                decide(s, slot, KVF_STATUS_CANCELLED, "cancelled by the engine");
-        /* FINISHING: every byte has landed; the completion will say finished. */
+        /* Moving: it fails; once every byte has left us the notice commits it, and the
+         * completion says what the peer did. */
+        sender_req_event(s, slot, &(struct sender_ev){.type = SENDER_EV_CANCEL});
 }
 
 int sender_on_engine_record(void *ctx, uint16_t type, const uint8_t *p, uint32_t len, uint64_t pos)
@@ -669,15 +395,10 @@ int sender_on_connector_record(void *ctx, uint16_t type, const uint8_t *p, uint3
                 uint32_t slot = (uint32_t)(r.key >> 40);
                 if (slot < s->ctl.hdr->reqtab_slots) {
                         struct kvf_req_slot *q = &s->ctl.reqtab[slot];
-                        /* Finished only once every byte is written (FINISHING); an error
-                         * (a network transfer that failed early) ends an active one too. */
-                        bool ours = sender_key(slot, q->incarnation) == r.key;
-                        if (ours && (q->state == KVF_REQ_FINISHING ||
-                                     (q->state == KVF_REQ_ACTIVE && r.status != KVF_STATUS_FINISHED)))
-                                decide(s, slot, r.status,
-                                       r.status == KVF_STATUS_FINISHED ? ""
-                                       : r.reason[0]                   ? r.reason
-                                                                       : "the connector gave no reason");
+                        if (sender_key(slot, q->incarnation) == r.key)
+                                sender_req_event(s, slot,
+                                                 &(struct sender_ev){.type = SENDER_EV_WRITE_RESULT,
+                                                                     .status = r.status, .reason = r.reason});
                 }
         } else if (type == KVF_RT_PEER_STATE) {
                 if (r.up)
@@ -689,146 +410,60 @@ int sender_on_connector_record(void *ctx, uint16_t type, const uint8_t *p, uint3
         return 0;
 }
 
-/* ---- restart and housekeeping ---- */
-
-void sender_adopt(struct sender *s)
-{
-        struct kvf_ring *ring = &s->ctl.rings[KVF_RING_SENDER_TO_ENGINE];
-        uint32_t n = s->ctl.hdr->reqtab_slots, adopted = 0;
-        char why[KVF_REASON_MAX];
-
-        /* The engine executor's entries: closed; what the engine claimed is waited for. */
-        sender_plan_adopt_all(s);
-        for (uint32_t i = 0; i < n; i++) {
-                struct kvf_req_slot *r = &s->ctl.reqtab[i];
-                uint32_t st = kvf_load_acquire(&r->state);
-                if (st == KVF_REQ_FREE)
-                        continue;
-                adopted++;
-                sender_map_insert(s, i);
-                r->peer_idx = UINT32_MAX;
-                if (st != KVF_REQ_COMPLETING && r->transport == KVF_TRANSPORT_IPC &&
-                    sender_peer_get(s, r->peer, &r->peer_idx, why, sizeof(why)) < 0) {
-                        decide(s, i, KVF_STATUS_CONNECTION, why);
-                        continue;
-                }
-                /* Copies of its were gathered, submitted or in flight when the sender
-                 * died: whether they ran is unknown (a batch not yet flushed never ran,
-                 * a kernel may have gone with the dead sender's context), while its
-                 * progress says they did. It cannot be reported finished. */
-                if ((r->flags & KVF_REQF_COPY_PENDING) && st != KVF_REQ_COMPLETING) {
-                        r->flags &= ~KVF_REQF_COPY_PENDING;
-                        decide(s, i, KVF_STATUS_WRITE,
-                               "the sender restarted while a copy of this request was being made");
-                        continue;
-                }
-                switch (st) {
-                case KVF_REQ_ACTIVE:
-                        /* What we handed the connector may be lost with us: hand it again. */
-                        if (r->transport != KVF_TRANSPORT_IPC)
-                                redo_network(s, i);
-                        sender_advance(s, i);
-                        break;
-                case KVF_REQ_FINISHING:
-                        /* The notice may be lost with us; the peer de-duplicates. */
-                        if (r->transport != KVF_TRANSPORT_IPC)
-                                redo_network(s, i);
-                        sender_mark(s, i, SLOT_NEEDS_NOTICE);
-                        kvf_count(&s->ctl, KVF_CTR_NOTICES_REISSUED, 1);
-                        break;
-                case KVF_REQ_COMPLETING:
-                        if (r->completion_pos != ~0ull && kvf_ring_delivered(ring, r->completion_pos))
-                                free_slot(s, i);
-                        else
-                                sender_mark(s, i, SLOT_NEEDS_COMPLETION);
-                        break;
-                default:
-                        decide(s, i, KVF_STATUS_WRITE, "request slot in an unknown state");
-                }
-        }
-        if (adopted) {
-                kvf_count(&s->ctl, KVF_CTR_REQUESTS_ADOPTED, adopted);
-                kvf_info("adopted %u requests from the table", adopted);
-        }
-        /* Requests of an engine session that ended while no sender ran end now. */
-        s->session = SENDER_SESSION_UNKNOWN;
-        sender_sessions_check(s, true);
-}
+/* ---- the loop's readers (main.c; tests drive them directly) ---- */
 
 /*
- * A FINISHING request past its deadline: its notice may have reached the peer,
- * which may have published the arrival. Never decide alone while the peer
- * may still answer: ask the connector to withdraw the notice (the peer then
- * says what it did, from its journal), and decide on that answer. Only a
- * notice that never went to a connector, or a peer silent for a whole second
- * timeout, ends the request here.
+ * Tasks one at a time: a crash re-reads at most one. A task held back (table full, or its
+ * rejection waits for room in the completion ring) is tried again when a slot is freed, or
+ * after 1 ms, not on every spin.
  */
-static void finishing_timeout(struct sender *s, uint32_t i, uint64_t now, uint64_t w)
+bool sender_read_engine(struct sender *s, uint64_t beat)
 {
-        struct kvf_req_slot *r = &s->ctl.reqtab[i];
-        unsigned long long ms = s->request_timeout_ns / 1000000;
-        if (!r->notice_gen) {
-                sender_fail(s, i, KVF_STATUS_TIMEOUT,
-                            "timed out after %llu ms before the finish notice could reach the connector "
-                            "(%u of %u blocks written, step %llu layer %u)",
-                            ms, r->sent_full, r->n_send, (unsigned long long)KVF_PROGRESS_STEP(w),
-                            KVF_PROGRESS_LAYERS(w));
-                return;
+        struct kvf_ring *in = &s->ctl.rings[KVF_RING_ENGINE_TO_SENDER];
+        bool worked = false;
+        if (s->engine_blocked && kvf_now_ns() >= s->engine_retry_ns)
+                s->engine_blocked = false;
+        for (int i = 0; i < 64 && !s->engine_blocked; i++) {
+                uint64_t head = kvf_load_relaxed(&in->hdr->head);
+                int n = kvf_ring_read(in, sender_on_engine_record, s, 1);
+                if (n == 0 && kvf_ring_readable(in) && kvf_load_relaxed(&in->hdr->head) == head) {
+                        s->engine_blocked = true; /* a record is there, but waits */
+                        s->engine_retry_ns = kvf_now_ns() + 1000000;
+                        break;
+                }
+                if (n < 0) {
+                        kvf_errlog(&s->ctl, KVF_ROLE_SENDER, "ring engine->sender: %s", kvf_err_msg());
+                        kvf_sleep_ns(beat);
+                        break;
+                }
+                if (n == 0)
+                        break;
+                worked = true;
         }
-        if (!r->withdraw_ns) {
-                r->withdraw_ns = now;
-                sender_mark(s, i, SLOT_NEEDS_NOTICE); /* posted as a withdrawal (flush_slot) */
-                kvf_warn("req %s: no confirmation from peer '%s' after %llu ms: asking it what it did",
-                         r->request_id, r->peer, ms);
-                return;
-        }
-        if (now - r->withdraw_ns > s->request_timeout_ns)
-                sender_fail(s, i, KVF_STATUS_TIMEOUT,
-                            "timed out after %llu ms: the peer never confirmed or denied the arrival "
-                            "(in doubt: it may have published it)",
-                            2 * ms);
+        sender_req_copies(s, true); /* a late task's layers, a chunk's blocks */
+        return worked;
 }
 
-void sender_tick(struct sender *s, uint64_t now)
+/* Write results and peer states; then what slots owe the rings, and copies in flight. */
+bool sender_read_connector(struct sender *s)
 {
-        uint32_t n = s->ctl.hdr->reqtab_slots;
-        uint64_t cgen = kvf_load_acquire(&s->ctl.roles[KVF_ROLE_CONNECTOR].generation);
-
-        kvf_role_heartbeat(&s->ctl, KVF_ROLE_SENDER);
-        sender_sessions_check(s, true);
-        kvf_log_flush(); /* suppressed lines, once their window is over */
-        sender_peers_check(s);
-        for (uint32_t i = 0; i < n; i++) {
-                struct kvf_req_slot *r = &s->ctl.reqtab[i];
-                uint32_t st = r->state;
-                if (st != KVF_REQ_ACTIVE && st != KVF_REQ_FINISHING)
-                        continue;
-                if (now > r->deadline_ns) {
-                        uint64_t w = s->progress;
-                        if (st == KVF_REQ_FINISHING) {
-                                finishing_timeout(s, i, now, w);
-                                if (r->state != KVF_REQ_FINISHING)
-                                        continue;
-                        } else {
-                                sender_fail(s, i, KVF_STATUS_TIMEOUT,
-                                            "timed out after %llu ms: %u of %u blocks sent for every layer; "
-                                            "progress is at step %llu layer %u",
-                                            (unsigned long long)(s->request_timeout_ns / 1000000),
-                                            r->sent_full, r->n_send, (unsigned long long)KVF_PROGRESS_STEP(w),
-                                            KVF_PROGRESS_LAYERS(w));
-                                continue;
-                        }
-                }
-                /* A connector restart loses what it held: notices, and for network
-                 * transfers every block not yet acknowledged. Hand them over again. */
-                if (cgen != s->connector_gen && r->transport != KVF_TRANSPORT_IPC) {
-                        redo_network(s, i);
-                        kvf_count(&s->ctl, KVF_CTR_NOTICES_REISSUED, 1);
-                } else if (st == KVF_REQ_FINISHING && r->notice_gen && r->notice_gen != cgen &&
-                           !(s->flags[i] & SLOT_NEEDS_NOTICE)) {
-                        sender_mark(s, i, SLOT_NEEDS_NOTICE);
-                        kvf_count(&s->ctl, KVF_CTR_NOTICES_REISSUED, 1);
-                }
+        struct kvf_ring *from_conn = &s->ctl.rings[KVF_RING_CONNECTOR_TO_SENDER];
+        bool worked = false;
+        int n = kvf_ring_read(from_conn, sender_on_connector_record, s, 256);
+        if (n > 0)
+                worked = true;
+        else if (n < 0)
+                kvf_errlog(&s->ctl, KVF_ROLE_SENDER, "ring connector->sender: %s", kvf_err_msg());
+        if (s->pending)
+                sender_flush_pending(s);
+        sender_req_copies(s, true);
+        if (s->sliced) {
+                s->sliced = false;
+                worked = true; /* more of a backlog: after the next progress check */
         }
-        s->connector_gen = cgen;
+        if (s->cp.flight || s->cp.nowes) {
+                sender_req_copies(s, false);
+                worked = true; /* batches in flight: keep looking (no wake-up comes) */
+        }
+        return worked;
 }

@@ -321,7 +321,7 @@ static const char *state_name(uint32_t s)
 
 static const char *req_state_name(uint32_t s)
 {
-        static const char *const n[] = {"free", "active", "finishing", "completing"};
+        static const char *const n[] = {"free", "active", "finishing", "completing", "handed-over"};
         return s < sizeof(n) / sizeof(n[0]) ? n[s] : "invalid";
 }
 
@@ -1212,12 +1212,12 @@ static void print_request(struct dump *d, uint32_t i, const struct kvf_req_slot 
 static void print_requests(struct dump *d)
 {
         uint32_t n = usable_slots(d);
-        uint64_t count[5] = {0};
+        uint64_t count[6] = {0}; /* by state; [5]: invalid */
         unsigned listed = 0, limit = d->json ? UINT32_MAX : KVF_DUMP_TEXT_REQUESTS;
 
         for (uint32_t i = 0; i < n; i++) {
                 uint32_t st = kvf_load_relaxed(&d->c.reqtab[i].state);
-                count[st <= KVF_REQ_COMPLETING ? st : 4]++;
+                count[st <= KVF_REQ_HANDED_OVER ? st : 5]++;
         }
         uint64_t in_use = n - count[KVF_REQ_FREE];
         if (d->json) {
@@ -1228,7 +1228,8 @@ static void print_requests(struct dump *d)
                 j_u64(d, "active", count[KVF_REQ_ACTIVE]);
                 j_u64(d, "finishing", count[KVF_REQ_FINISHING]);
                 j_u64(d, "completing", count[KVF_REQ_COMPLETING]);
-                j_u64(d, "invalid", count[4]);
+                j_u64(d, "handed_over", count[KVF_REQ_HANDED_OVER]);
+                j_u64(d, "invalid", count[5]);
                 j_open(d, "list", '[');
         } else {
                 fprintf(d->f,
@@ -1236,8 +1237,10 @@ static void print_requests(struct dump *d)
                         " finishing, %" PRIu64 " completing",
                         d->h.reqtab_slots, in_use, count[KVF_REQ_ACTIVE], count[KVF_REQ_FINISHING],
                         count[KVF_REQ_COMPLETING]);
-                if (count[4])
-                        fprintf(d->f, ", %" PRIu64 " in an invalid state", count[4]);
+                if (count[KVF_REQ_HANDED_OVER])
+                        fprintf(d->f, ", %" PRIu64 " handed over", count[KVF_REQ_HANDED_OVER]);
+                if (count[5])
+                        fprintf(d->f, ", %" PRIu64 " in an invalid state", count[5]);
                 fputc('\n', d->f);
                 if (in_use)
                         fprintf(d->f, "  %5s %-24s %-10s %-22s %-4s %11s %12s %10s\n", "slot",

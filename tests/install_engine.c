@@ -18,7 +18,8 @@
 
 static unsigned char byte_of(unsigned req, unsigned layer, unsigned v, unsigned blk, uint64_t i)
 {
-        return (unsigned char)(req * 131u + layer * 31u + v * 17u + blk * 7u + (unsigned)(i % 251u));
+        return (unsigned char)(req * 131u + layer * 31u + v * 17u + blk * 7u +
+                               (unsigned)(i % 251u));
 }
 
 static int wait_events(struct kvf_client *c, unsigned want, int type, const char *what)
@@ -80,10 +81,15 @@ int main(int argc, char **argv)
                 }
                 char id[64];
                 snprintf(id, sizeof(id), "install-%u", r);
-                struct kvf_task t = {.request_id = id, .src_block_ids = src, .n_src = BLOCKS_PER_REQ,
-                                     .dest_block_ids = dst, .n_dest = BLOCKS_PER_REQ,
-                                     .current_id = step + r, .transport = KVF_TRANSPORT_IPC,
-                                     .peer = argv[2], .peer_session = kvf_session(dec)};
+                struct kvf_task t = {.request_id = id,
+                                     .src_block_ids = src,
+                                     .n_src = BLOCKS_PER_REQ,
+                                     .dest_block_ids = dst,
+                                     .n_dest = BLOCKS_PER_REQ,
+                                     .current_id = step + r,
+                                     .transport = KVF_TRANSPORT_IPC,
+                                     .peer = argv[2],
+                                     .peer_session = kvf_session(dec)};
                 if (kvf_submit_task(pre, &t) < 0) {
                         fprintf(stderr, "install_engine: submit %s: %s\n", id, kvf_last_error());
                         goto out;
@@ -93,10 +99,12 @@ int main(int argc, char **argv)
                                 unsigned char *base = kvf_cache_tensor(pre, l, (int)v);
                                 for (unsigned b = 0; b < BLOCKS_PER_REQ; b++)
                                         for (uint64_t i = 0; i < lo.block_bytes; i++)
-                                                base[src[b] * lo.block_bytes + i] = byte_of(r, l, v, b, i);
+                                                base[src[b] * lo.block_bytes + i] =
+                                                    byte_of(r, l, v, b, i);
                         }
                         if (kvf_layer_done(pre, step + r, l) < 0) {
-                                fprintf(stderr, "install_engine: layer done: %s\n", kvf_last_error());
+                                fprintf(stderr, "install_engine: layer done: %s\n",
+                                        kvf_last_error());
                                 goto out;
                         }
                 }
@@ -111,16 +119,20 @@ int main(int argc, char **argv)
                                 for (unsigned b = 0; b < BLOCKS_PER_REQ; b++) {
                                         uint64_t d = lo.num_blocks - 1 - (r * BLOCKS_PER_REQ + b);
                                         for (uint64_t i = 0; i < lo.block_bytes; i++)
-                                                if (base[d * lo.block_bytes + i] != byte_of(r, l, v, b, i)) {
+                                                if (base[d * lo.block_bytes + i] !=
+                                                    byte_of(r, l, v, b, i)) {
                                                         fprintf(stderr,
-                                                                "install_engine: request %u layer %u tensor %u block %u byte %llu differs\n",
+                                                                "install_engine: request %u layer "
+                                                                "%u tensor %u block %u byte %llu "
+                                                                "differs\n",
                                                                 r, l, v, b, (unsigned long long)i);
                                                         goto out;
                                                 }
                                 }
                         }
-        printf("install_engine: %u requests over ipc, %u layers, every byte verified (kvferry %s)\n", n,
-               layers, KVFERRY_VERSION);
+        printf(
+            "install_engine: %u requests over ipc, %u layers, every byte verified (kvferry %s)\n",
+            n, layers, KVFERRY_VERSION);
         ret = 0;
 out:
         if (pre)

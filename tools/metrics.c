@@ -42,8 +42,10 @@ static const char *prog = "kvf-metrics";
 static void usage(void)
 {
         printf("Usage: %s --instance NAME --listen HOST:PORT\n"
-               "Serve the instance's metrics as Prometheus text at http://HOST:PORT/metrics (read-only:\n"
-               "the control segment is mapped read-only). HOST is an IPv4 or IPv6 address of this host;\n"
+               "Serve the instance's metrics as Prometheus text at http://HOST:PORT/metrics "
+               "(read-only:\n"
+               "the control segment is mapped read-only). HOST is an IPv4 or IPv6 address of this "
+               "host;\n"
                "PORT 0 picks a free port (printed on stderr).\n"
                "  --instance NAME   the instance (as given to tools/kvferry up)\n"
                "  --listen HOST:PORT\n"
@@ -166,9 +168,9 @@ static uint64_t bucket_low(unsigned b)
 }
 
 /* Upper bounds of the exported buckets, in seconds. */
-static const double le_s[] = {1e-6,   2.5e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4,
-                              5e-4,   1e-3,   2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1,
-                              0.25,   0.5,    1.0,  2.5,  5.0,    10.0,   30.0};
+static const double le_s[] = {1e-6, 2.5e-6, 5e-6,   1e-5, 2.5e-5, 5e-5,   1e-4, 2.5e-4,
+                              5e-4, 1e-3,   2.5e-3, 5e-3, 1e-2,   2.5e-2, 5e-2, 0.1,
+                              0.25, 0.5,    1.0,    2.5,  5.0,    10.0,   30.0};
 
 /*
  * A segment histogram (nanoseconds, log buckets) as a Prometheus histogram in
@@ -193,9 +195,8 @@ static void histogram(struct out *o, const char *name, const struct kvf_histogra
         char lbl[48];
         for (size_t k = 0; k < sizeof(le_s) / sizeof(le_s[0]); k++) {
                 double le_ns = le_s[k] * 1e9;
-                while (i < KVF_HIST_BUCKETS && (i + 1 == KVF_HIST_BUCKETS
-                                                        ? false
-                                                        : (double)bucket_low(i + 1) <= le_ns)) {
+                while (i < KVF_HIST_BUCKETS &&
+                       (i + 1 == KVF_HIST_BUCKETS ? false : (double)bucket_low(i + 1) <= le_ns)) {
                         cum += b[i];
                         i++;
                 }
@@ -224,17 +225,17 @@ static const struct {
         enum kvf_counter_id id;
         const char *status;
 } failed_by[] = {
-        {KVF_CTR_FAILED_BAD_TASK, "bad_task"},
-        {KVF_CTR_FAILED_BLOCK_RANGE, "block_range"},
-        {KVF_CTR_FAILED_UNKNOWN_PEER, "unknown_peer"},
-        {KVF_CTR_FAILED_CONNECTION, "connection"},
-        {KVF_CTR_FAILED_LAYOUT, "layout_mismatch"},
-        {KVF_CTR_FAILED_CANCELLED, "cancelled"},
-        {KVF_CTR_FAILED_TIMEOUT, "timeout"},
-        {KVF_CTR_FAILED_WRITE, "write"},
-        {KVF_CTR_FAILED_AUTH, "auth"},
-        {KVF_CTR_FAILED_ENGINE_GONE, "engine_gone"},
-        {KVF_CTR_FAILED_PEER_ROLE, "peer_role"},
+    {KVF_CTR_FAILED_BAD_TASK, "bad_task"},
+    {KVF_CTR_FAILED_BLOCK_RANGE, "block_range"},
+    {KVF_CTR_FAILED_UNKNOWN_PEER, "unknown_peer"},
+    {KVF_CTR_FAILED_CONNECTION, "connection"},
+    {KVF_CTR_FAILED_LAYOUT, "layout_mismatch"},
+    {KVF_CTR_FAILED_CANCELLED, "cancelled"},
+    {KVF_CTR_FAILED_TIMEOUT, "timeout"},
+    {KVF_CTR_FAILED_WRITE, "write"},
+    {KVF_CTR_FAILED_AUTH, "auth"},
+    {KVF_CTR_FAILED_ENGINE_GONE, "engine_gone"},
+    {KVF_CTR_FAILED_PEER_ROLE, "peer_role"},
 };
 
 static void render(struct out *o, const struct kvf_ctl *c, bool up)
@@ -249,8 +250,10 @@ static void render(struct out *o, const struct kvf_ctl *c, bool up)
         char lbl[160];
 
         family(o, "kvferry_info", "gauge",
-               "Constant 1; the labels say what the instance is (role, backend, rank, layout version)");
-        snprintf(lbl, sizeof(lbl), "role=\"%s\",backend=\"%s\",rank=\"%u\",nranks=\"%u\",version=\"%s\"",
+               "Constant 1; the labels say what the instance is (role, backend, rank, layout "
+               "version)");
+        snprintf(lbl, sizeof(lbl),
+                 "role=\"%s\",backend=\"%s\",rank=\"%u\",nranks=\"%u\",version=\"%s\"",
                  kvf_irole_name(h->instance_role),
                  h->backend == KVF_BACKEND_CUDA         ? "cuda"
                  : h->backend == KVF_BACKEND_HOST_ASYNC ? "host-async"
@@ -261,17 +264,21 @@ static void render(struct out *o, const struct kvf_ctl *c, bool up)
         /* Transfers by how they ended. */
         family(o, "kvferry_transfers_total", "counter",
                "Requests (transfers) ended, by status: finished, or the reason they failed");
-        sample(o, "kvferry_transfers_total", "status=\"finished\"", ctr(c, KVF_CTR_REQUESTS_FINISHED));
+        sample(o, "kvferry_transfers_total", "status=\"finished\"",
+               ctr(c, KVF_CTR_REQUESTS_FINISHED));
         for (size_t i = 0; i < sizeof(failed_by) / sizeof(failed_by[0]); i++) {
                 snprintf(lbl, sizeof(lbl), "status=\"%s\"", failed_by[i].status);
                 sample(o, "kvferry_transfers_total", lbl, ctr(c, failed_by[i].id));
         }
         counter1(o, c, "kvferry_num_failed_transfers_total", KVF_CTR_REQUESTS_FAILED,
-                 "Requests (transfers) that failed, whatever the reason (vLLM NIXL: nixl_num_failed_transfers)");
+                 "Requests (transfers) that failed, whatever the reason (vLLM NIXL: "
+                 "nixl_num_failed_transfers)");
         counter1(o, c, "kvferry_num_failed_notifications_total", KVF_CTR_NOTICES_REISSUED,
-                 "Finish notices to the decode peer whose delivery was not confirmed and that were sent again (vLLM NIXL: nixl_num_failed_notifications)");
+                 "Finish notices to the decode peer whose delivery was not confirmed and that were "
+                 "sent again (vLLM NIXL: nixl_num_failed_notifications)");
         counter1(o, c, "kvferry_num_kv_expired_reqs_total", KVF_CTR_FAILED_TIMEOUT,
-                 "Requests ended 'timed out': not finished within --request-timeout-ms of their task (vLLM NIXL: nixl_num_kv_expired_reqs)");
+                 "Requests ended 'timed out': not finished within --request-timeout-ms of their "
+                 "task (vLLM NIXL: nixl_num_kv_expired_reqs)");
         counter1(o, c, "kvferry_tasks_accepted_total", KVF_CTR_TASKS_ACCEPTED,
                  "Tasks the sender accepted into its request table");
         counter1(o, c, "kvferry_tasks_rejected_total", KVF_CTR_TASKS_REJECTED,
@@ -290,29 +297,37 @@ static void render(struct out *o, const struct kvf_ctl *c, bool up)
         sample(o, "kvferry_transport_bytes_total", "transport=\"rdma\"", b_rdma);
         counter1(o, c, "kvferry_received_bytes_total", KVF_CTR_BYTES_TCP_RECEIVED,
                  "Bytes of KV cache received over tcp (decode side)");
-        histogram_totals(o, "kvferry_bytes_transferred", b_ipc + b_tcp + b_rdma, finished,
-                         "Bytes moved per finished transfer (vLLM NIXL: nixl_bytes_transferred); only the +Inf bucket: the sum is every byte moved, the count the finished transfers");
+        histogram_totals(
+            o, "kvferry_bytes_transferred", b_ipc + b_tcp + b_rdma, finished,
+            "Bytes moved per finished transfer (vLLM NIXL: nixl_bytes_transferred); only the +Inf "
+            "bucket: the sum is every byte moved, the count the finished transfers");
         /* Descriptors: the units handed to a transport. */
         uint64_t d_frames = ctr(c, KVF_CTR_FRAMES_TCP), d_wr = ctr(c, KVF_CTR_RDMA_WRITES),
                  d_copy = ctr(c, KVF_CTR_COPY_BATCHES);
         family(o, "kvferry_descriptors_total", "counter",
-               "Units of work handed to a transport: tcp data frames, rdma write work requests, same-host copy batches");
+               "Units of work handed to a transport: tcp data frames, rdma write work requests, "
+               "same-host copy batches");
         sample(o, "kvferry_descriptors_total", "kind=\"tcp_frame\"", d_frames);
         sample(o, "kvferry_descriptors_total", "kind=\"rdma_write\"", d_wr);
         sample(o, "kvferry_descriptors_total", "kind=\"copy_batch\"", d_copy);
-        histogram_totals(o, "kvferry_num_descriptors", d_frames + d_wr + d_copy, finished,
-                         "Descriptors per finished transfer (vLLM NIXL: nixl_num_descriptors); only the +Inf bucket: the sum is every descriptor, the count the finished transfers");
+        histogram_totals(
+            o, "kvferry_num_descriptors", d_frames + d_wr + d_copy, finished,
+            "Descriptors per finished transfer (vLLM NIXL: nixl_num_descriptors); only the +Inf "
+            "bucket: the sum is every descriptor, the count the finished transfers");
 
         /* Latency (the sender's histograms). */
         histogram(o, "kvferry_xfer_time_seconds", &c->sender->hist[KVF_HIST_COPY],
-                  "Time from posting one layer's batch of copies or writes to its completion (vLLM NIXL: nixl_xfer_time_seconds)");
+                  "Time from posting one layer's batch of copies or writes to its completion (vLLM "
+                  "NIXL: nixl_xfer_time_seconds)");
         histogram(o, "kvferry_tail_seconds", &c->sender->hist[KVF_HIST_LAST_TO_DONE],
                   "Time from a request's last layer being ready to its completion");
-        histogram(o, "kvferry_copy_start_seconds", &c->sender->hist[KVF_HIST_LAYER_TO_COPY],
-                  "Time from the engine publishing a layer-done event to the sender starting its copy");
+        histogram(
+            o, "kvferry_copy_start_seconds", &c->sender->hist[KVF_HIST_LAYER_TO_COPY],
+            "Time from the engine publishing a layer-done event to the sender starting its copy");
 
         /* Rings. */
-        family(o, "kvferry_ring_used_bytes", "gauge", "Bytes of records written and not yet consumed");
+        family(o, "kvferry_ring_used_bytes", "gauge",
+               "Bytes of records written and not yet consumed");
         for (int r = 0; r < KVF_RING_COUNT; r++) {
                 snprintf(lbl, sizeof(lbl), "ring=\"%s\"", kvf_ring_name(r));
                 sample(o, "kvferry_ring_used_bytes", lbl, kvf_ring_used(&c->ring_hdrs[r]));
@@ -331,16 +346,19 @@ static void render(struct out *o, const struct kvf_ctl *c, bool up)
         }
 
         /* Roles. */
-        family(o, "kvferry_role_up", "gauge", "1 when the role's process is alive and its heartbeat fresh");
+        family(o, "kvferry_role_up", "gauge",
+               "1 when the role's process is alive and its heartbeat fresh");
         for (int r = 0; r < KVF_ROLE_COUNT; r++) {
                 snprintf(lbl, sizeof(lbl), "role=\"%s\"", kvf_role_name(r));
                 sample(o, "kvferry_role_up", lbl, kvf_role_alive(c, (enum kvf_role_id)r, now));
         }
         family(o, "kvferry_role_restarts_total", "counter",
-               "Starts of the role after its first (the supervisor restarted it; engine: re-attaches)");
+               "Starts of the role after its first (the supervisor restarted it; engine: "
+               "re-attaches)");
         for (int r = 0; r < KVF_ROLE_COUNT; r++) {
                 snprintf(lbl, sizeof(lbl), "role=\"%s\"", kvf_role_name(r));
-                sample(o, "kvferry_role_restarts_total", lbl, kvf_load_relaxed(&c->roles[r].restarts));
+                sample(o, "kvferry_role_restarts_total", lbl,
+                       kvf_load_relaxed(&c->roles[r].restarts));
         }
 
         /* Peers and refusals. */
@@ -361,7 +379,8 @@ static void render(struct out *o, const struct kvf_ctl *c, bool up)
 
         /* Every counter of the segment, by its ring-dump name. */
         family(o, "kvferry_segment_events_total", "counter",
-               "Every counter of the control segment, by its name in kvf-ringdump (common/counters.h)");
+               "Every counter of the control segment, by its name in kvf-ringdump "
+               "(common/counters.h)");
         uint32_t n = h->counters_count < KVF_COUNTER_COUNT ? h->counters_count : KVF_COUNTER_COUNT;
         for (uint32_t i = 0; i < n; i++) {
                 snprintf(lbl, sizeof(lbl), "counter=\"%s\"", kvf_counter_names[i]);
@@ -454,12 +473,13 @@ static int parse_listen(const char *s, struct sockaddr_storage *ss, socklen_t *s
         unsigned long port = strtoul(colon + 1, &end, 10);
         if (*end || errno || port > 65535)
                 return kvf_err_set(-EINVAL, "--listen '%s': port must be 0 to 65535", s);
-        struct addrinfo hints = {.ai_flags = AI_NUMERICHOST | AI_PASSIVE, .ai_socktype = SOCK_STREAM};
+        struct addrinfo hints = {.ai_flags = AI_NUMERICHOST | AI_PASSIVE,
+                                 .ai_socktype = SOCK_STREAM};
         struct addrinfo *ai = NULL;
         int g = getaddrinfo(host, NULL, &hints, &ai);
         if (g || !ai)
-                return kvf_err_set(-EINVAL, "--listen '%s': '%s' is not an IP address (%s)", s, host,
-                                gai_strerror(g));
+                return kvf_err_set(-EINVAL, "--listen '%s': '%s' is not an IP address (%s)", s,
+                                   host, gai_strerror(g));
         memcpy(ss, ai->ai_addr, ai->ai_addrlen);
         *sl = ai->ai_addrlen;
         freeaddrinfo(ai);
@@ -482,11 +502,21 @@ int main(int argc, char **argv)
         int ch;
         while ((ch = getopt_long(argc, argv, "", opts, NULL)) != -1) {
                 switch (ch) {
-                case O_INST: inst = optarg; break;
-                case O_LISTEN: listen_at = optarg; break;
-                case O_HELP: usage(); return 0;
-                case O_VERSION: printf("%s %s\n", prog, KVFERRY_VERSION); return 0;
-                default: fprintf(stderr, "Try '%s --help'.\n", prog); return 2;
+                case O_INST:
+                        inst = optarg;
+                        break;
+                case O_LISTEN:
+                        listen_at = optarg;
+                        break;
+                case O_HELP:
+                        usage();
+                        return 0;
+                case O_VERSION:
+                        printf("%s %s\n", prog, KVFERRY_VERSION);
+                        return 0;
+                default:
+                        fprintf(stderr, "Try '%s --help'.\n", prog);
+                        return 2;
                 }
         }
         if (optind < argc)
@@ -511,10 +541,10 @@ int main(int argc, char **argv)
         unsigned flags = MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_POLL;
         if (ss.ss_family == AF_INET6)
                 flags |= MHD_USE_IPv6;
-        struct MHD_Daemon *d = MHD_start_daemon(
-                flags, 0, NULL, NULL, handle, NULL, MHD_OPTION_SOCK_ADDR, (struct sockaddr *)&ss,
-                MHD_OPTION_CONNECTION_LIMIT, MAX_CONNECTIONS, MHD_OPTION_CONNECTION_TIMEOUT,
-                CONNECTION_TIMEOUT_S, MHD_OPTION_END);
+        struct MHD_Daemon *d =
+            MHD_start_daemon(flags, 0, NULL, NULL, handle, NULL, MHD_OPTION_SOCK_ADDR,
+                             (struct sockaddr *)&ss, MHD_OPTION_CONNECTION_LIMIT, MAX_CONNECTIONS,
+                             MHD_OPTION_CONNECTION_TIMEOUT, CONNECTION_TIMEOUT_S, MHD_OPTION_END);
         if (!d) {
                 fprintf(stderr, "%s: instance %s: cannot listen on %s: %s\n", prog, inst, listen_at,
                         strerror(errno ? errno : EADDRINUSE));

@@ -32,6 +32,10 @@ declared=$(grep -oE '\bkvf_[a-z_0-9]+ *\(' "$ROOT/include/kvferry.h" | tr -d '( 
 pyver=$(sed -n 's/^version = "\(.*\)"/\1/p' "$ROOT/python/pyproject.toml")
 [ "$pyver" = "$(PKG_CONFIG_PATH=$P/lib/pkgconfig pkg-config --modversion kvferry)" ] ||
   fail "python/pyproject.toml's version $pyver differs from kvferry.pc's"
+v=$(env -u KVFERRY_BUILD "$P/bin/kvferry" --version) || fail "installed kvferry --version"
+[ "$v" = "kvferry $pyver" ] || fail "installed kvferry --version says '$v'"
+rc=0; out=$(env -u KVFERRY_BUILD "$P/bin/kvferry" setup 2>&1) || rc=$?
+[ $rc = 1 ] && grep -q "this kvferry is installed in $P" <<<"$out" || fail "installed kvferry setup: exit $rc: $out"
 pass "cmake --install: binaries, libkvferry (soname, only the header's API exported), header, kvferry.pc, supervisor, shapes, unit"
 
 # ---- a C engine from pkg-config, against instances of the installed supervisor ----

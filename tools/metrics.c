@@ -541,13 +541,14 @@ int main(int argc, char **argv)
         unsigned flags = MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_POLL;
         if (ss.ss_family == AF_INET6)
                 flags |= MHD_USE_IPv6;
+        errno = 0;
         struct MHD_Daemon *d =
             MHD_start_daemon(flags, 0, NULL, NULL, handle, NULL, MHD_OPTION_SOCK_ADDR,
                              (struct sockaddr *)&ss, MHD_OPTION_CONNECTION_LIMIT, MAX_CONNECTIONS,
                              MHD_OPTION_CONNECTION_TIMEOUT, CONNECTION_TIMEOUT_S, MHD_OPTION_END);
         if (!d) {
                 fprintf(stderr, "%s: instance %s: cannot listen on %s: %s\n", prog, inst, listen_at,
-                        strerror(errno ? errno : EADDRINUSE));
+                        errno ? strerror(errno) : "libmicrohttpd could not start its daemon");
                 return 1;
         }
         const union MHD_DaemonInfo *di = MHD_get_daemon_info(d, MHD_DAEMON_INFO_BIND_PORT);

@@ -38,8 +38,20 @@ rc=0; out=$(env -u KVFERRY_BUILD "$P/bin/kvferry" setup 2>&1) || rc=$?
 [ $rc = 1 ] && grep -q "this kvferry is installed in $P" <<<"$out" || fail "installed kvferry setup: exit $rc: $out"
 pass "cmake --install: binaries, libkvferry (soname, only the header's API exported), header, kvferry.pc, supervisor, shapes, unit"
 
+# A sanitizer build's libkvferry needs its runtime first: the engine is built with the same
+# -fsanitize, and Python gets the runtimes preloaded (its own allocations are not ours to judge).
+SAN=$(sed -n 's/^KVF_SANITIZE:[A-Z]*=//p' "$B/CMakeCache.txt" 2>/dev/null || true)
+case "$SAN" in OFF|FALSE|NO|0) SAN="" ;; esac
+PRE=()
+for rt in asan ubsan tsan; do
+  lib=$(ldd "$P/lib/libkvferry.so.0" | awk -v r="lib$rt.so" 'index($1, r) == 1 { print $3 }')
+  [ -z "$lib" ] || PRE+=("$lib")
+done
+PYENV=()
+[ ${#PRE[@]} -eq 0 ] || PYENV=(LD_PRELOAD="${PRE[*]}" ASAN_OPTIONS="${ASAN_OPTIONS:+$ASAN_OPTIONS:}detect_leaks=0")
+
 # ---- a C engine from pkg-config, against instances of the installed supervisor ----
-flags=$(PKG_CONFIG_PATH=$P/lib/pkgconfig pkg-config --cflags --libs kvferry)
+flags="$(PKG_CONFIG_PATH=$P/lib/pkgconfig pkg-config --cflags --libs kvferry)${SAN:+ -fsanitize=$SAN}"
 libdir=$(PKG_CONFIG_PATH=$P/lib/pkgconfig pkg-config --variable=libdir kvferry)
 # shellcheck disable=SC2086
 $CC -std=c17 -Wall -Wextra -Werror -o "$R/engine" "$ROOT/tests/install_engine.c" $flags -Wl,-rpath,"$libdir" ||
@@ -66,13 +78,13 @@ cp -r "$ROOT/python" "$R/pysrc" # pip builds in the source folder: leave the tre
   fail "pip install ./python: $(tail -n 5 "$R/pip.out")"
 # Found through the dynamic linker's path, and through the prefix's lib/ (the C library
 # installed into the venv's prefix).
-got=$(cd / && env -u KVFERRY_BUILD LD_LIBRARY_PATH="$P/lib" "$R/venv/bin/python" -c '
+got=$(cd / && env -u KVFERRY_BUILD "${PYENV[@]}" LD_LIBRARY_PATH="$P/lib" "$R/venv/bin/python" -c '
 import kvferry, sys
 with kvferry.Client(sys.argv[1]) as c:
     print(kvferry.library_path(), c.layout.num_layers)' $TAG-p) || fail "import kvferry in the venv (LD_LIBRARY_PATH)"
 [ "$(awk '{print $2}' <<<"$got")" = 32 ] || fail "the venv's kvferry read a wrong layout: $got"
 cmake --install "$B" --prefix "$R/venv" >/dev/null 2>&1 || fail "cmake --install into the venv"
-got=$(cd / && env -u KVFERRY_BUILD "$R/venv/bin/python" -c 'import kvferry; print(kvferry.library_path())') ||
+got=$(cd / && env -u KVFERRY_BUILD "${PYENV[@]}" "$R/venv/bin/python" -c 'import kvferry; print(kvferry.library_path())') ||
   fail "import kvferry in the venv (the prefix's lib)"
 [ "$got" = "$R/venv/lib/libkvferry.so.0" ] || fail "the venv's kvferry took $got, not the prefix's lib"
 show=$("$R/venv/bin/pip" show kvferry 2>/dev/null) || fail "pip show kvferry"

@@ -7,6 +7,7 @@
 
 #include <pthread.h>
 #include <stdint.h>
+#include <sys/types.h>
 
 #include "cache.h"
 #include "ctl.h"
@@ -24,6 +25,10 @@ struct kvf_stream; /* stream.c: signals on CUDA streams, the engine executor */
 struct kvf_client {
         struct kvf_ctl ctl;
         uint64_t session; /* the engine role generation this attach claimed */
+        /* The process that attached. A child forked from it shares its mappings of the
+         * segment and the caches but is not the engine the session belongs to: what it
+         * submitted or polled would go into (or be taken from) the parent's session. */
+        pid_t pid;
         pthread_mutex_t submit_mu;
         pthread_mutex_t poll_mu; /* also guards the previous-session list and dst */
         pthread_mutex_t stream_mu; /* kvf_layer_done_on_stream and the stream state */
@@ -37,6 +42,9 @@ struct kvf_client {
         struct kvf_stream *stream; /* created at the first kvf_layer_done_on_stream */
 };
 
+/* kvferry.c: 0 in the process that attached c, else -EBADF with kvf_err saying why (a child
+ * after fork()). Every public call that touches the segment or the caches starts with it. */
+int kvf_client_owned(const struct kvf_client *c);
 /* kvferry.c: a layer-done event is valid (layer in range, steps not going back): 0 or -EINVAL. */
 int kvf_client_layer_check(struct kvf_client *c, uint64_t step, uint32_t layer);
 /* kvferry.c: publish progress word `want` (monotonic max) and ring the sender's doorbell.

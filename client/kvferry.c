@@ -33,6 +33,25 @@ const char *kvf_last_error(void)
         return kvf_err_msg();
 }
 
+#if UINTPTR_MAX == UINT64_MAX
+/* kvf_event.flags took the tail padding after n_dest: the struct kept its size (and an engine
+ * built against the header before it, its layout). */
+_Static_assert(offsetof(struct kvf_event, flags) == offsetof(struct kvf_event, n_dest) + 4 &&
+                       sizeof(struct kvf_event) == offsetof(struct kvf_event, flags) + 4,
+               "kvf_event.flags must sit in the former tail padding");
+#endif
+
+int kvf_client_owned(const struct kvf_client *c)
+{
+        /* (getpid() is a system call since glibc 2.25, some tens of ns: cheap beside a
+         * ring write, and nothing cached here can go stale across fork()) */
+        pid_t me = getpid();
+        if (me == c->pid)
+                return 0;
+        return kvf_err_set(-EBADF, "this client was attached by pid %d; after fork() attach anew in the child "
+                                   "(pid %d)", (int)c->pid, (int)me);
+}
+
 static int map_cache(struct kvf_client *c)
 {
         const struct kvf_ctl_header *h = c->ctl.hdr;
@@ -92,6 +111,7 @@ int kvf_attach(const char *name, unsigned wait_ms, struct kvf_client **out)
                 goto fail;
         }
         c->session = (uint64_t)gen;
+        c->pid = getpid();
         if ((rc = map_cache(c)) < 0) {
                 kvf_err_ctx(rc, "attach to instance '%s'", name);
                 goto fail;
@@ -116,6 +136,23 @@ void kvf_detach(struct kvf_client *c)
 {
         if (!c)
                 return;
+        if (kvf_client_owned(c) < 0) {
+                /* A forked child: the session is the parent's, which goes on using it. Release
+                 * only what is this process's own: its copies of the mappings of the segment
+                 * and (host) caches, and the memory. GPU mappings and the mutexes (another
+                 * thread of the parent may have held one at the fork) are left alone. */
+                if (c->cache.host)
+                        kvf_cache_unmap(&c->cache);
+                while (c->prev_head) {
+                        struct previous *p = c->prev_head;
+                        c->prev_head = p->next;
+                        free(p);
+                }
+                free(c->dst);
+                kvf_ctl_detach(&c->ctl);
+                free(c);
+                return;
+        }
         kvf_stream_detach(c); /* (its copies and signals reference the cache and us) */
         kvf_role_end(&c->ctl, KVF_ROLE_ENGINE);
         /* The session is over: the sender ends its requests now, not at its next tick. */
@@ -137,12 +174,17 @@ void kvf_detach(struct kvf_client *c)
 
 int kvf_get_layout(struct kvf_client *c, struct kvf_layout_info *out)
 {
+        int rc = kvf_client_owned(c);
+        if (rc < 0)
+                return rc;
         kvf_layout_to_info(&c->ctl.hdr->layout, out);
         return 0;
 }
 
 void *kvf_cache_tensor(struct kvf_client *c, uint32_t layer, int v)
 {
+        if (kvf_client_owned(c) < 0)
+                return NULL;
         const struct kvf_cache_layout *l = &c->ctl.hdr->layout;
         if (!c->cache.base || layer >= kvf_layout_layers(l) || v < 0 || (uint32_t)v >= kvf_layout_tensors(l))
                 return NULL;
@@ -159,6 +201,8 @@ static int submit_bytes(struct kvf_client *c, int ring, int type, const void *bu
         struct kvf_ring *r = &c->ctl.rings[ring];
         int rc;
 
+        if ((rc = kvf_client_owned(c)) < 0)
+                return rc;
         if (len > UINT32_MAX)
                 return kvf_err_set(-EMSGSIZE, "record of %zu bytes is too large", len);
         pthread_mutex_lock(&c->submit_mu);
@@ -258,6 +302,9 @@ int kvf_submit_raw(struct kvf_client *c, int target, int record_type, const void
 
 int kvf_client_layer_check(struct kvf_client *c, uint64_t step, uint32_t layer)
 {
+        int rc = kvf_client_owned(c);
+        if (rc < 0)
+                return rc;
         const struct kvf_cache_layout *l = &c->ctl.hdr->layout;
         if (layer >= kvf_layout_layers(l))
                 return kvf_err_set(-EINVAL, "layer %u is beyond the %u layers of this instance", layer,
@@ -299,6 +346,8 @@ int kvf_layer_done(struct kvf_client *c, uint64_t step, uint32_t layer)
 
 uint64_t kvf_last_step(struct kvf_client *c)
 {
+        if (kvf_client_owned(c) < 0)
+                return 0;
         return KVF_PROGRESS_STEP(kvf_load_acquire(&c->ctl.progress->word));
 }
 
@@ -324,6 +373,7 @@ static void fill_event(struct kvf_client *c, struct kvf_event *ev, struct kvf_re
         }
         ev->session = r->session;
         ev->status = r->status;
+        ev->flags = r->id_bin ? KVF_EVENT_ID_BIN : 0;
         snprintf(ev->request_id, sizeof(ev->request_id), "%s", r->request_id);
         snprintf(ev->peer, sizeof(ev->peer), "%s", r->peer);
         snprintf(ev->reason, sizeof(ev->reason), "%s", r->reason);
@@ -414,6 +464,9 @@ uint64_t kvf_session(struct kvf_client *c)
 
 int kvf_poll_previous(struct kvf_client *c, struct kvf_event *ev)
 {
+        int rc = kvf_client_owned(c);
+        if (rc < 0)
+                return rc;
         pthread_mutex_lock(&c->poll_mu);
         struct previous *p = c->prev_head;
         if (p) {
@@ -446,8 +499,10 @@ static bool engine_has_work(void *arg)
 int kvf_poll(struct kvf_client *c, struct kvf_event *ev, int timeout_ms)
 {
         uint64_t end = timeout_ms < 0 ? UINT64_MAX : kvf_now_ns() + kvf_ms(timeout_ms);
+        int rc = kvf_client_owned(c);
+        if (rc < 0)
+                return rc;
         uint64_t beat = kvf_ms(c->ctl.hdr->heartbeat_ms);
-        int rc;
 
         pthread_mutex_lock(&c->poll_mu);
         for (;;) {

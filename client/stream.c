@@ -51,8 +51,10 @@ int kvf_set_layer_signal(struct kvf_client *c, int method)
 {
         if (method != KVF_SIGNAL_DEFAULT && method != KVF_SIGNAL_HOSTFN && method != KVF_SIGNAL_WRITEVALUE)
                 return kvf_err_set(-EINVAL, "layer signal method %d is not hostfn (1) or writevalue (2)", method);
+        int rc = kvf_client_owned(c);
+        if (rc < 0)
+                return rc;
         pthread_mutex_lock(&c->stream_mu);
-        int rc = 0;
         if (c->stream)
                 rc = kvf_err_set(-EBUSY, "the layer signal method is chosen at the first kvf_layer_done_on_stream");
         else
@@ -65,7 +67,9 @@ int kvf_set_layer_signal(struct kvf_client *c, int method)
 
 int kvf_layer_done_on_stream(struct kvf_client *c, void *stream, uint64_t step, uint32_t layer)
 {
-        (void)c;
+        int rc = kvf_client_owned(c);
+        if (rc < 0)
+                return rc;
         (void)stream;
         (void)step;
         (void)layer;

@@ -160,7 +160,9 @@ static int publish_locked(struct connector *cn, const struct kvf_record *n, uint
                                .done_ns = kvf_now_ns(), .session = session, .id_bin = n->id_bin};
         snprintf(a.request_id, sizeof(a.request_id), "%s", n->request_id);
         snprintf(a.peer, sizeof(a.peer), "%s", n->peer);
-        snprintf(a.reason, sizeof(a.reason), "%s", why ? why : n->reason);
+        snprintf(a.reason, sizeof(a.reason), "%s",
+                 why ? why : n->reason[0] || status == KVF_STATUS_FINISHED ? n->reason
+                                                                           : "the prefill side gave no reason");
         uint8_t *buf;
         size_t len;
         void *p;
@@ -220,14 +222,31 @@ int conn_arrival_notice(struct connector *cn, struct event *ev)
         struct kvf_record *n = &ev->rec;
         /* A network transfer (not ipc, which the sender copied itself): its data lands
          * through a transport, and the arrival waits for it (landing.c). */
-        bool net = conn_transport_of(n->transport) != NULL;
-        char reason[KVF_REASON_MAX], gone[KVF_REASON_MAX];
+        const struct conn_transport *t = conn_transport_of(n->transport);
+        bool net = t != NULL;
+        char reason[KVF_REASON_MAX], gone[KVF_REASON_MAX], no[KVF_REASON_MAX];
         /* The session the sender bound it to (the task's, or the last it heard of from us),
          * else (a network transfer) the one live when it first reached us. */
         uint64_t bound = n->session || !net ? n->session : conn_landing_session(cn, n->peer, ev->src_gen, n->key);
         uint64_t live = conn_engine_session(cn);
         int status = n->status;
         const char *why = NULL;
+
+        /* A transport this connector cannot receive (not built in, or refused to every peer:
+         * no device): its data never comes, so the finish notice of such a transfer (sent
+         * before the prefill side heard of the refusal) is answered now, not at its timeout. */
+        if (status == KVF_STATUS_FINISHED && n->transport != KVF_TRANSPORT_IPC &&
+            (!t || (t->unavailable && t->unavailable(cn, true, no, sizeof(no)) < 0))) {
+                if (!t)
+                        snprintf(gone, sizeof(gone),
+                                 "transfer_protocol '%s' is not supported by the connector of '%s' (not built in)",
+                                 kvf_transport_name(n->transport), cn->ctl.hdr->instance);
+                else
+                        snprintf(gone, sizeof(gone), "%s is not available at '%s': %s", t->name,
+                                 cn->ctl.hdr->instance, no);
+                status = KVF_STATUS_CONNECTION;
+                why = gone;
+        }
 
         if (bound && bound != live && status == KVF_STATUS_FINISHED) {
                 snprintf(gone, sizeof(gone),
@@ -263,7 +282,7 @@ int conn_arrival_notice(struct connector *cn, struct event *ev)
         snprintf(ack.request_id, sizeof(ack.request_id), "%s", n->request_id);
         snprintf(ack.reason, sizeof(ack.reason), "%s",
                  st < 0 ? "the decode connector could not publish the arrival"
-                        : reason[0] ? reason : why ? why : "");
+                        : reason[0] ? reason : why ? why : n->reason);
         if (ack.status != n->status)
                 kvf_errlog(&cn->ctl, KVF_ROLE_CONNECTOR, "req %s from %s: %s: %s", n->request_id,
                            n->peer, kvf_status_name(ack.status), ack.reason);

@@ -9,8 +9,16 @@
  *   session  - one per incoming connection: handshake as server, then reads
  *              notices and pings (control) or a transport's data connection
  *              (tcp_rx.c: block frames);
- *   peer     - one per outgoing peer: connects, handshakes as client, sends
- *              finish notices, matches acknowledgements, pings, reconnects;
+ *   peer I/O - a fixed pool (--peer-threads, default 2) for every outgoing
+ *              peer's control connection: each thread owns an io_uring and
+ *              the peers hashed to it, and multiplexes their non-blocking
+ *              connects, notices, acks, pings, timers and reconnections
+ *              (peer.c); the number of peers sets no number of threads;
+ *   handshake - a fixed pool (--handshake-threads, default 2) that runs the
+ *              blocking client handshake on a connected socket (and a
+ *              same-host peer's connect) and hands the authenticated socket
+ *              back to the peer's I/O thread; it also stops a retired
+ *              peer's data paths;
  *   data     - per outgoing peer and transport: the transport's data path
  *              (transport.h; tcp: --streams threads with io_uring, tcp_tx.c).
  * The two outbound rings (connector->engine, connector->sender) are written
@@ -46,7 +54,9 @@ struct conn_config {
         unsigned connect_timeout_ms; /* also bounds each handshake step */
         unsigned keepalive_ms;
         unsigned peer_timeout_ms; /* silence (or unreachability) after which a peer is dead */
-        unsigned peer_idle_ms;    /* a peer without work this long is retired (thread, sockets) */
+        unsigned peer_idle_ms;    /* a peer without work this long is retired (sockets, data threads) */
+        unsigned peer_threads;    /* I/O threads for the peers' control connections */
+        unsigned handshake_threads; /* threads running client handshakes */
         struct conn_tcp_config tcp;   /* the tcp transport's */
         struct conn_rdma_config rdma; /* the rdma transport's */
 };
@@ -72,6 +82,7 @@ struct event {
 struct notice {
         uint64_t key;
         char request_id[KVF_REQ_ID_MAX];
+        bool id_bin; /* the request id is bytes (msgpack bin): answered as it came */
         uint8_t *frame; /* encoded NOTICE record */
         uint32_t len;
         uint64_t first_ns; /* when the connector got it */
@@ -88,37 +99,71 @@ struct connect_wait {
         char *task_id;
         uint64_t session; /* the engine session that asked */
         bool id_bin;
+        uint64_t since; /* when the peer took it (peer.c) */
 };
+
+struct peer_io;
 
 struct peer {
         char name[KVF_PEER_MAX];
         struct connector *cn;
-        pthread_t thread;
+        struct peer_io *io; /* the I/O thread that owns its control connection (for life) */
         pthread_mutex_t mu;
-        /* Writes on the control socket: the peer thread's, and the control thread's
-         * direct sends of notices (conn_peer_enqueue). Taken before mu. */
+        /* Writes on the control socket: the I/O thread's, and the control thread's
+         * direct sends of notices (conn_peer_enqueue). Taken before mu. Never held
+         * across a wait: the socket is non-blocking and what it does not take now
+         * stays in obuf. */
         pthread_mutex_t wmu;
-        int wake_fd; /* eventfd: new work for the peer thread */
         /* changed under both wmu and mu: the connected control socket, or -1, and
          * which connection it is (a new number per connection) */
         int fd;
         uint64_t conn;
         bool unix_stream; /* fd is a unix stream socket (a same-host peer) */
+        /* under wmu: frames the I/O thread wrote that the socket has not taken yet
+         * (obuf[ooff..olen)), and the abort notices among them (freed once out) */
+        uint8_t *obuf;
+        uint32_t olen, ooff, ocap;
+        struct notice *oaborts;
         /* under mu */
         struct notice *queue, *queue_tail; /* to send */
         struct notice *inflight;           /* sent, waiting for an ack */
         struct connect_wait connects[64];  /* connect tasks waiting for an answer */
         unsigned nconnect;
         unsigned failures; /* connection attempts failed in a row */
-        uint64_t remote_session; /* the decode engine session the peer last told us of (peer thread) */
+        uint64_t remote_session; /* the decode engine session the peer last told us of (I/O thread) */
         bool up;
-        bool stop; /* atomic (kvf_store_release / kvf_load_acquire): the peer thread is to end */
+        bool stop; /* atomic (kvf_store_release / kvf_load_acquire): the peer is retired */
         /* per transport (transport.h: conn_transports[]), created on first use; set under mu */
         struct xfer_peer *xfers[CONN_MAX_TRANSPORTS];
-        /* control thread only: retirement (peer.c conn_peers_tick) */
+
+        /* Its I/O thread's only (peer.c), except where a handshake worker has it (state
+         * PS_HS: the worker reads host, port, cfd and writes the hs_ fields, handed over
+         * under the pools' mutexes). */
+        int state;
+        uint32_t slot, ugen; /* its place in the I/O thread's table; completions' generation */
+        bool armed_rd, armed_wr, armed_cn;
+        int cfd; /* a connect under way (PS_CONNECTING) or done, for the handshake */
+        bool hs_local;
+        int hs_fd, hs_rc, hs_status;
+        char hs_why[KVF_REASON_MAX];
+        char hs_instance[KVF_INSTANCE_MAX];
+        char host[128];
+        uint16_t port;
+        uint64_t due, retry_at, conn_deadline, last_rx, last_tx, backoff_ms, last_fail_check;
+        struct kvf_reader rd;
+        /* under the I/O thread's mutex: news for it (a mailbox of peers) */
+        unsigned mail;
+        struct peer *mail_next;
+        bool in_mail;
+        /* under the handshake pool's mutex */
+        int job;
+        struct peer *job_next;
+
+        /* control thread only: the table (peer.c), retirement (conn_peers_tick) */
+        struct peer *hnext;
         uint64_t idle_since; /* no work since then, 0 = busy */
         struct peer *next_retired;
-        int exited; /* atomic: the peer thread has returned (it may be joined) */
+        int exited; /* atomic: its I/O thread and its data paths are done with it (it may be freed) */
 };
 
 struct session {
@@ -130,8 +175,6 @@ struct session {
         uint64_t peer_gen; /* the peer's incarnation, from the handshake */
         struct session *next;
 };
-
-#define MAX_PEERS 256u
 
 /* How often a thread blocked in poll(), a ring wait or a condition variable looks at the stop
  * flags (and, where it has one, its own deadline): the bound on how long a stop waits for it. */
@@ -166,9 +209,11 @@ struct connector {
         unsigned nthreads;
         pthread_cond_t threads_cv;
 
-        struct peer *peers[MAX_PEERS];
-        unsigned npeers;
-        struct peer *retired; /* stopping, to be joined and freed (control thread) */
+        /* The peers (control thread): a hash table by name that doubles as it fills. */
+        struct peer **ptab;
+        unsigned ptab_cap, npeers;
+        struct peer *retired; /* stopping, to be freed once their threads let go (control thread) */
+        struct peer_pool *pool; /* the I/O and handshake threads (peer.c) */
 
         /* The decode engine's session (connector.h conn_engine_session): the control
          * thread reads /proc each heartbeat; a dead one is remembered here. */
@@ -207,8 +252,8 @@ void conn_events_run(struct connector *cn);
 void conn_dispatch(struct connector *cn, struct event *ev);
 /* Tell the sender how a network transfer ended (WRITE_RESULT): dispatched from this thread
  * when `dispatch`, else queued for the control thread. */
-void conn_write_result(struct connector *cn, uint64_t key, const char *request_id, int status,
-                       const char *reason, bool dispatch);
+void conn_write_result(struct connector *cn, uint64_t key, const char *request_id, bool id_bin,
+                       int status, const char *reason, bool dispatch);
 /* Answer an engine's connect task (CONNECT_RESULT), queued for the control thread. */
 void conn_connect_result(struct connector *cn, const struct connect_wait *w, const char *peer,
                          int status, const char *reason);
@@ -237,20 +282,23 @@ int conn_handshake_server(struct connector *cn, int fd, struct peer_identity *ou
 int conn_send_record(int fd, const struct kvf_record *r, unsigned timeout_ms);
 
 /* peer.c */
+/* Start the peers' I/O and handshake threads (main.c, before the control loop): 0 or -errno
+ * with kvf_err set. */
+int conn_peers_start(struct connector *cn);
 /*
- * The peer named `name`, created on first use (control thread). NULL when
- * out of memory, or when the table is full of peers that have work and are
- * reachable (*why says so); idle or unreachable peers are retired to make room.
+ * The peer named `name`, created on first use (control thread). NULL only when
+ * the connector is out of memory (*why says so): the table has no fixed size.
  */
 struct peer *conn_peer_get(struct connector *cn, const char *name, char *why, size_t whylen);
 void conn_peer_enqueue(struct peer *p, struct notice *n);
 /* The sender withdraws the finish notice of n->key (n is the withdrawal): see peer.c. */
 void conn_peer_withdraw(struct peer *p, struct notice *n);
 void conn_peer_connect_task(struct peer *p, const struct connect_wait *w);
-/* Control thread, each heartbeat: retire peers idle longer than peer_idle_ms, reap retired ones. */
+/* Control thread, each heartbeat: retire peers idle longer than peer_idle_ms, free retired ones. */
 void conn_peers_tick(struct connector *cn, uint64_t now);
+/* At stop (after the session threads): end every connection and thread of the peers. */
 void conn_peers_stop(struct connector *cn);
-/* Wake the peer's thread: it has work (a transfer opened) and should connect. */
+/* Any thread: the peer has work (a transfer opened) and should connect. */
 void conn_peer_kick(struct peer *p);
 /* Where to connect: "host:port" as given, or a same-host instance's published address. On
  * failure *status says how a task for this peer fails (unknown peer, or connection error). */

@@ -136,8 +136,8 @@ void conn_events_run(struct connector *cn)
         }
 }
 
-void conn_write_result(struct connector *cn, uint64_t key, const char *request_id, int status,
-                       const char *reason, bool dispatch)
+void conn_write_result(struct connector *cn, uint64_t key, const char *request_id, bool id_bin,
+                       int status, const char *reason, bool dispatch)
 {
         struct event *ev = calloc(1, sizeof(*ev));
         if (!ev) {
@@ -150,6 +150,7 @@ void conn_write_result(struct connector *cn, uint64_t key, const char *request_i
         ev->rec.type = KVF_RT_WRITE_RESULT;
         ev->rec.key = key;
         ev->rec.status = status;
+        ev->rec.id_bin = id_bin;
         snprintf(ev->rec.request_id, sizeof(ev->rec.request_id), "%s", request_id);
         snprintf(ev->rec.reason, sizeof(ev->rec.reason), "%s", reason ? reason : "");
         if (dispatch)

@@ -184,7 +184,10 @@ int conn_handshake_server(struct connector *cn, int fd, struct peer_identity *ou
         *tstate = NULL;
         const struct conn_transport *t = conn_transport_by_purpose(r.purpose);
         if (strcmp(r.purpose, "control") && !t) {
-                refuse(fd, KVF_STATUS_CONNECTION, "unknown connection purpose", to);
+                char no[160];
+                snprintf(no, sizeof(no), "this connector has no transport for connection purpose '%.15s' (not built in)",
+                         r.purpose);
+                refuse(fd, KVF_STATUS_CONNECTION, no, to);
                 return kvf_err_set(-EPROTO, "handshake: unknown connection purpose '%s'", r.purpose);
         }
         snprintf(purpose, purposelen, "%s", r.purpose);

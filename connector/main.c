@@ -38,6 +38,8 @@ static void usage(void)
                "  --peer-timeout-ms N      a peer silent or unreachable this long is dead (default 5000)\n"
                "  --streams N              tcp data connections per peer (default 2)\n"
                "  --peer-idle-ms N         close a peer without work for this long (default 60000)\n"
+               "  --peer-threads N         threads for every outgoing peer's control connection (default 2)\n"
+               "  --handshake-threads N    threads running outgoing handshakes (default 2)\n"
                "  --zerocopy               send data frames with zero-copy sends (io_uring send_zc)\n"
                "  --rdma-device NAME       the rdma device (its interface's address); default: the device\n"
                "                           of the listen address (decode), of the route (prefill)\n"
@@ -49,7 +51,7 @@ static void usage(void)
                prog);
 }
 
-/* A finish, abort or withdraw notice from the sender: hand it to the peer's thread. */
+/* A finish, abort or withdraw notice from the sender: hand it to the peer. */
 static void on_finish(struct connector *cn, struct kvf_record *f)
 {
         char why[KVF_REASON_MAX];
@@ -63,7 +65,7 @@ static void on_finish(struct connector *cn, struct kvf_record *f)
                 if (p)
                         snprintf(why, sizeof(why), "the connector is out of memory");
                 if (!aborting) /* nobody waits for an abort notice */
-                        conn_write_result(cn, f->key, f->request_id, KVF_STATUS_CONNECTION, why, false);
+                        conn_write_result(cn, f->key, f->request_id, f->id_bin, KVF_STATUS_CONNECTION, why, false);
                 kvf_errlog(&cn->ctl, KVF_ROLE_CONNECTOR, "req %s: notice for '%s' dropped: %s",
                            f->request_id, f->peer, why);
                 return;
@@ -89,7 +91,7 @@ static void on_finish(struct connector *cn, struct kvf_record *f)
         if (kvf_record_encode_alloc(&w, &n->frame, &len) < 0) {
                 free(n);
                 if (!aborting)
-                        conn_write_result(cn, f->key, f->request_id, KVF_STATUS_CONNECTION,
+                        conn_write_result(cn, f->key, f->request_id, f->id_bin, KVF_STATUS_CONNECTION,
                                           "the connector could not encode the finish notice", false);
                 kvf_errlog(&cn->ctl, KVF_ROLE_CONNECTOR, "req %s: could not encode its notice",
                            f->request_id);
@@ -101,6 +103,7 @@ static void on_finish(struct connector *cn, struct kvf_record *f)
         n->withdraw = f->withdraw;
         n->first_ns = kvf_now_ns();
         snprintf(n->request_id, sizeof(n->request_id), "%s", f->request_id);
+        n->id_bin = f->id_bin;
         if (f->withdraw) {
                 conn_peer_withdraw(p, n);
         } else {
@@ -130,7 +133,7 @@ static int on_sender_record(void *ctx, uint16_t type, const uint8_t *pl, uint32_
         case KVF_RT_OPEN: {
                 char why[KVF_REASON_MAX];
                 if (conn_xfer_open(cn, &r, why, sizeof(why)) < 0)
-                        conn_write_result(cn, r.key, r.request_id, KVF_STATUS_CONNECTION, why, false);
+                        conn_write_result(cn, r.key, r.request_id, r.id_bin, KVF_STATUS_CONNECTION, why, false);
                 break;
         }
         case KVF_RT_WRITE_BATCH:
@@ -143,7 +146,7 @@ static int on_sender_record(void *ctx, uint16_t type, const uint8_t *pl, uint32_
                 if (rc == -ENOENT)
                         rc = 0; /* the transfer failed already; its result went out */
                 else if (rc < 0) {
-                        conn_write_result(cn, r.key, r.request_id, KVF_STATUS_WRITE,
+                        conn_write_result(cn, r.key, r.request_id, r.id_bin, KVF_STATUS_WRITE,
                                           "the connector could not queue a write batch", false);
                         rc = 0;
                 }
@@ -269,7 +272,7 @@ static int map_cache(struct connector *cn)
 int main(int argc, char **argv)
 {
         enum { O_LISTEN = 1000, O_TOKEN, O_CTO, O_KEEP, O_PTO, O_STREAMS, O_ZC, O_VERSION, O_IDLE,
-               O_RDEV, O_RSQ, O_RSIG, O_RDEREG, O_SLICE };
+               O_RDEV, O_RSQ, O_RSIG, O_RDEREG, O_SLICE, O_PTHREADS, O_HSTHREADS };
         static const struct option opts[] = {{"instance", required_argument, 0, 'i'},
                                              {"listen", required_argument, 0, O_LISTEN},
                                              {"token-file", required_argument, 0, O_TOKEN},
@@ -278,6 +281,8 @@ int main(int argc, char **argv)
                                              {"peer-timeout-ms", required_argument, 0, O_PTO},
                                              {"streams", required_argument, 0, O_STREAMS},
                                              {"peer-idle-ms", required_argument, 0, O_IDLE},
+                                             {"peer-threads", required_argument, 0, O_PTHREADS},
+                                             {"handshake-threads", required_argument, 0, O_HSTHREADS},
                                              {"zerocopy", no_argument, 0, O_ZC},
                                              {"rdma-device", required_argument, 0, O_RDEV},
                                              {"rdma-sq-depth", required_argument, 0, O_RSQ},
@@ -299,6 +304,8 @@ int main(int argc, char **argv)
         cn.cfg.peer_timeout_ms = 5000;
         cn.cfg.tcp.streams = 2;
         cn.cfg.peer_idle_ms = 60000;
+        cn.cfg.peer_threads = 2;
+        cn.cfg.handshake_threads = 2;
         cn.cfg.rdma.sq_depth = 256;
         cn.cfg.rdma.signal_every = 32;
         while ((c = getopt_long(argc, argv, "i:h", opts, NULL)) != -1) {
@@ -321,11 +328,17 @@ int main(int argc, char **argv)
                 case O_RDEREG: cn.cfg.rdma.test_dereg = true; break;
                 case O_SLICE: slice_us = kvf_sched_slice_opt(prog, optarg); break;
                 case O_IDLE: cn.cfg.peer_idle_ms = (unsigned)kvf_opt_u64("peer-idle-ms", optarg, 100, 86400000); break;
+                case O_PTHREADS: cn.cfg.peer_threads = (unsigned)kvf_opt_u64("peer-threads", optarg, 1, 16); break;
+                case O_HSTHREADS: cn.cfg.handshake_threads = (unsigned)kvf_opt_u64("handshake-threads", optarg, 1, 16); break;
                 case 'h': usage(); return 0;
                 case O_VERSION: printf("%s %s\n", prog, KVFERRY_VERSION); return 0;
                 default: kvf_opt_die(prog, "unknown option");
                 }
         }
+#ifndef KVF_HAVE_RDMA
+        if (cn.cfg.rdma.device[0])
+                kvf_opt_die(prog, "--rdma-device %s: this connector is built without rdma", cn.cfg.rdma.device);
+#endif
         if (!instance)
                 kvf_opt_die(prog, "--instance is required");
         if (kvf_net_parse(listen_at, cn.cfg.listen_host, sizeof(cn.cfg.listen_host), &cn.cfg.listen_port) < 0)
@@ -364,6 +377,11 @@ int main(int argc, char **argv)
         kvf_store_relaxed(&cn.ctl.roles[KVF_ROLE_CONNECTOR].slice_us, slice_us);
         conn_journal_init(&cn);
         if (conn_transports_init(&cn) < 0) {
+                kvf_error("%s", kvf_err_msg());
+                kvf_role_end(&cn.ctl, KVF_ROLE_CONNECTOR);
+                return 1;
+        }
+        if (conn_peers_start(&cn) < 0) {
                 kvf_error("%s", kvf_err_msg());
                 kvf_role_end(&cn.ctl, KVF_ROLE_CONNECTOR);
                 return 1;

@@ -359,6 +359,41 @@ int kvf_net_connect(const char *host, uint16_t port, unsigned timeout_ms)
         return fd;
 }
 
+int kvf_net_connect_start(const char *host, uint16_t port, bool *done)
+{
+        struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM,
+                                 .ai_flags = AI_NUMERICHOST | AI_NUMERICSERV};
+        struct addrinfo *res;
+        char ps[8];
+        snprintf(ps, sizeof(ps), "%u", port);
+        if (getaddrinfo(host, ps, &hints, &res) != 0)
+                return -EINVAL; /* a name: resolving it may block, so the caller does it elsewhere */
+        int fd = socket(res->ai_family, res->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+        int rc = fd < 0 ? -errno : 0;
+        if (fd >= 0 && connect(fd, res->ai_addr, res->ai_addrlen) < 0)
+                rc = errno == EINPROGRESS ? 1 : -errno;
+        freeaddrinfo(res);
+        if (rc < 0) {
+                if (fd >= 0)
+                        close(fd);
+                return kvf_err_set(rc, "connect to %s:%u: %s", host, port, strerror(-rc));
+        }
+        *done = rc == 0;
+        return fd;
+}
+
+int kvf_net_connect_finish(int fd, const char *host, uint16_t port)
+{
+        int err = 0;
+        socklen_t el = sizeof(err);
+        if (getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &el) < 0)
+                err = errno;
+        if (err)
+                return kvf_err_set(-err, "connect to %s:%u: %s", host, port, strerror(err));
+        tune(fd);
+        return 0;
+}
+
 int kvf_net_write_all(int fd, const void *p, size_t n, unsigned timeout_ms)
 {
         const uint8_t *b = p;

@@ -36,6 +36,17 @@ int kvf_net_accept(int listen_fd, bool tcp);
 /* Connect with a timeout; returns a blocking socket with TCP_NODELAY and keepalive set. */
 int kvf_net_connect(const char *host, uint16_t port, unsigned timeout_ms);
 /*
+ * A connect that never blocks, for a caller that waits on many sockets at once:
+ * start it (host must be a numeric address: -EINVAL, kvf_err not set, for a
+ * name, whose resolution may block), then, once the socket polls writable,
+ * finish it. start returns a non-blocking socket, *done saying whether it is
+ * connected already, or -errno with kvf_err set; finish returns 0 with the
+ * socket tuned as kvf_net_connect's (still non-blocking), or -errno with
+ * kvf_err set ("connect to HOST:PORT: Connection refused").
+ */
+int kvf_net_connect_start(const char *host, uint16_t port, bool *done);
+int kvf_net_connect_finish(int fd, const char *host, uint16_t port);
+/*
  * Same-host control connections: a unix socket file per instance,
  * /dev/shm/kvferry-sock.<uid>/<instance>.ctl, listened on beside the tcp port.
  * The directory is ours only if it is a real directory owned by us with mode

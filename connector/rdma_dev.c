@@ -12,6 +12,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "clock.h"
 #include "err.h"
 #include "log.h"
 #include "rdma.h"
@@ -154,8 +155,43 @@ int rdma_wc_is_link(enum ibv_wc_status st)
                st == IBV_WC_FATAL_ERR;
 }
 
+/*
+ * --rdma-device names a device of this host, or the connector does not start: a
+ * typo would otherwise leave an instance up that refuses every rdma transfer.
+ * The message lists the devices there are.
+ */
+static int check_device(const char *name)
+{
+        int n = 0;
+        struct ibv_device **list = ibv_get_device_list(&n);
+        char have[160] = "";
+        size_t used = 0;
+        bool found = false;
+        for (int i = 0; list && i < n; i++) {
+                const char *d = ibv_get_device_name(list[i]);
+                found |= !strcmp(d, name);
+                int w = snprintf(have + used, sizeof(have) - used, "%s%s", used ? ", " : "", d);
+                if (w > 0 && (size_t)w < sizeof(have) - used)
+                        used += (size_t)w;
+        }
+        if (list)
+                ibv_free_device_list(list);
+        if (found)
+                return 0;
+        if (!used)
+                return kvf_err_set(-ENODEV, "--rdma-device %s: this host has no rdma device (leave "
+                                            "--rdma-device out to run without rdma)", name);
+        return kvf_err_set(-ENODEV, "--rdma-device %s: no such rdma device on this host; it has: %s", name,
+                           have);
+}
+
 static int rdma_init(struct connector *cn)
 {
+        if (cn->cfg.rdma.device[0]) {
+                int rc = check_device(cn->cfg.rdma.device);
+                if (rc < 0)
+                        return rc;
+        }
         struct rdma_state *st = calloc(1, sizeof(*st));
         if (!st)
                 return kvf_err_set(-ENOMEM, "rdma: out of memory");
@@ -188,6 +224,42 @@ static int rdma_init(struct connector *cn)
         uint32_t role = cn->ctl.hdr->instance_role;
         if (role == KVF_IROLE_DECODE || role == KVF_IROLE_MIXED)
                 rdma_rx_init(cn, st); /* (not fatal: tcp still works; the reason is kept) */
+        return 0;
+}
+
+static int rdma_unavailable(struct connector *cn, bool receive, char *why, size_t whylen)
+{
+        struct rdma_state *st = rdma_state(cn);
+        if (!st) {
+                snprintf(why, whylen, "the rdma transport did not start");
+                return -ENODEV;
+        }
+        if (receive) {
+                if (st->unavailable[0] || !st->ctx) {
+                        snprintf(why, whylen, "%s", st->unavailable[0] ? st->unavailable : "not a decode instance");
+                        return -EPROTONOSUPPORT;
+                }
+                return 0;
+        }
+        if (st->no_cache[0]) {
+                snprintf(why, whylen, "%s", st->no_cache);
+                return -EPROTONOSUPPORT;
+        }
+        /* A device may be added while the connector runs (a soft-RoCE link): count again
+         * now and then, not on every transfer. */
+        uint64_t now = kvf_now_ns();
+        if (!st->devices_ns || kvf_elapsed(now, st->devices_ns) > kvf_ms(1000)) {
+                int n = 0;
+                struct ibv_device **l = ibv_get_device_list(&n);
+                st->ndevices = l ? n : 0;
+                if (l)
+                        ibv_free_device_list(l);
+                st->devices_ns = now;
+        }
+        if (st->ndevices <= 0) {
+                snprintf(why, whylen, "no rdma device on this host");
+                return -ENODEV;
+        }
         return 0;
 }
 
@@ -225,6 +297,7 @@ const struct conn_transport conn_rdma_transport = {
         .xfer_free = rdma_xfer_free,
         .noticed = rdma_noticed,
         .wake = rdma_wake,
+        .unavailable = rdma_unavailable,
         .welcome = rdma_welcome,
         .welcome_undo = rdma_welcome_undo,
         .serve = rdma_serve,

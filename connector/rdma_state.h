@@ -27,6 +27,10 @@ struct rdma_state {
         char no_cache[192];
         /* Why peers cannot send here over rdma (the handshake is refused with it), or "". */
         char unavailable[192];
+        /* prefill side, control thread only (rdma_unavailable): the rdma devices this host
+         * has, and when they were counted (counted again after a second) */
+        int ndevices;
+        uint64_t devices_ns;
         /* decode side: the rdma_cm listener */
         struct rdma_event_channel *ec;
         struct rdma_cm_id *listen_id;

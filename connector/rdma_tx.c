@@ -659,11 +659,16 @@ static void *rdma_main(void *arg)
                          * past the peer timeout: the transfers not yet noticed fail now; the
                          * control connection handles the rest (as for tcp). */
                         bool permanent = status != KVF_STATUS_CONNECTION || rc == -EACCES ||
-                                         rc == -EPROTONOSUPPORT || rc == -EPROTO;
-                        if (permanent || kvf_elapsed(now, failing_since) > kvf_ms(cn->cfg.peer_timeout_ms)) {
+                                         rc == -EPROTONOSUPPORT || rc == -EPROTO || rc == -ENODEV;
+                        if (permanent) {
+                                /* Retrying will not help: fail the transfers, and those
+                                 * opened after them at their open (until the peer is
+                                 * connected anew), not after the request's timeout. */
                                 kvf_errlog(&cn->ctl, KVF_ROLE_CONNECTOR, "%s", why);
-                                conn_xfer_fail_transport(xp, status, why,
-                                                         permanent ? 0 : kvf_ms(cn->cfg.peer_timeout_ms));
+                                conn_xfer_refuse(xp, status, why);
+                        } else if (kvf_elapsed(now, failing_since) > kvf_ms(cn->cfg.peer_timeout_ms)) {
+                                kvf_errlog(&cn->ctl, KVF_ROLE_CONNECTOR, "%s", why);
+                                conn_xfer_fail_transport(xp, status, why, kvf_ms(cn->cfg.peer_timeout_ms));
                         } else {
                                 kvf_debug("%s", why);
                         }

@@ -50,7 +50,7 @@ int tcp_xfer_open(struct xfer_peer *xp, struct xfer *x)
         if (!tx)
                 return -ENOMEM;
         struct kvf_record r = {.type = KVF_RT_XOPEN, .key = x->key, .dst = x->dst, .n_dst = x->n_dst,
-                               .session = x->session};
+                               .session = x->session, .id_bin = x->id_bin};
         snprintf(r.request_id, sizeof(r.request_id), "%s", x->request_id);
         size_t cap = kvf_record_encoded_max(&r);
         uint8_t *b = malloc(KVF_FRAME_HDR + cap);

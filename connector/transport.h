@@ -60,6 +60,12 @@ struct conn_transport {
         /* Frames were queued or a transfer opened (xp->mu not held), for a data path that
          * cannot sleep on xp->cv; NULL: the broadcast on xp->cv is enough. */
         void (*wake)(struct xfer_peer *xp);
+        /* Why this connector can never move a transfer of this transport, as the sending
+         * side (`receive` false: no device, a cache it cannot register) or as the receiving
+         * one (true: peers are refused), written into why; 0 when it can. NULL: always can.
+         * A permanent condition: transfers fail at once with it instead of waiting for a
+         * data path that will never come (xfer.c at open, arrivals.c at the notice). */
+        int (*unavailable)(struct connector *cn, bool receive, char *why, size_t whylen);
 
         /* ---- handshake fields of its own, on its data connections ---- */
         /* Server side (decode): add fields to the WELCOME about to go out to the peer

@@ -22,16 +22,21 @@ uint64_t xfer_frame_bytes(const struct xfer_peer *xp, const struct frame *f)
 
 static void post_result(struct connector *cn, const struct xfer *x, int status, const char *reason)
 {
-        conn_write_result(cn, x->key, x->request_id, status, reason, true);
+        conn_write_result(cn, x->key, x->request_id, x->id_bin, status, reason, true);
 }
 
 /* xp->mu held: x is failed here (its result is posted): remember it for conn_xfer_noticed. */
-static void fail_xfer(struct xfer_peer *xp, const struct xfer *x, int status, const char *reason)
+static void remember_failed(struct xfer_peer *xp, uint64_t key, int status, const char *reason)
 {
         struct xfer_failed *f = &xp->failed[xp->nfailed++ % XFER_FAILED_KEPT];
-        f->key = x->key;
+        f->key = key;
         f->status = status;
         snprintf(f->reason, sizeof(f->reason), "%s", reason);
+}
+
+static void fail_xfer(struct xfer_peer *xp, const struct xfer *x, int status, const char *reason)
+{
+        remember_failed(xp, x->key, status, reason);
         post_result(xp->p->cn, x, status, reason);
 }
 
@@ -247,6 +252,11 @@ static struct xfer_peer **slot_of(struct peer *p, const struct conn_transport *t
 
 static void start_one(struct xfer_peer *xp)
 {
+        /* A new control connection: the peer may be another incarnation, which takes the
+         * transport it refused before; its data path says so again if it does not. */
+        pthread_mutex_lock(&xp->mu);
+        xp->refused_status = 0;
+        pthread_mutex_unlock(&xp->mu);
         if (xp->t->start)
                 xp->t->start(xp);
 }
@@ -271,8 +281,8 @@ static struct xfer_peer *xfer_peer(struct peer *p, const struct conn_transport *
                 return NULL;
         }
         /* The data path starts when the peer's control connection is up (conn_xfer_start):
-         * a peer that cannot be reached costs no threads but its own. Under p->mu with the
-         * peer thread's setting of `up`: of the two, whichever comes second starts it. */
+         * a peer that cannot be reached costs no thread at all. Under p->mu with the
+         * I/O thread's setting of `up`: of the two, whichever comes second starts it. */
         pthread_mutex_lock(&p->mu);
         *slot = xp;
         bool up = p->up;
@@ -283,7 +293,7 @@ static struct xfer_peer *xfer_peer(struct peer *p, const struct conn_transport *
 }
 
 /* The peer's state for transport i (NULL: none yet), from any thread: the control thread
- * creates it under p->mu while the peer thread and others may look. Never with p->mu held. */
+ * creates it under p->mu while the peer's I/O thread and others may look. Never with p->mu held. */
 static struct xfer_peer *xfer_peer_get(struct peer *p, unsigned i)
 {
         pthread_mutex_lock(&p->mu);
@@ -322,8 +332,25 @@ int conn_xfer_open(struct connector *cn, const struct kvf_record *o, char *why, 
                         snprintf(why, whylen, "the connector is out of memory");
                 return -ENOMEM;
         }
+        /* A new transfer this side cannot send over the transport at all, or that the peer
+         * refused for good: fail now, not when the request times out. Remembered as failed,
+         * so a finish notice already on its way goes to the peer as an abort
+         * (conn_xfer_noticed). (An open sent again for a transfer we have is no new one:
+         * its notice may be in doubt, and only the peer's answer ends it.) */
+        char no[KVF_REASON_MAX];
+        bool cannot = t->unavailable && t->unavailable(cn, false, no, sizeof(no)) < 0;
         pthread_mutex_lock(&xp->mu);
         struct xfer *x = find(xp, o->key);
+        if (!x && (cannot || xp->refused_status)) {
+                if (cannot)
+                        snprintf(why, whylen, "%s is not available at '%s': %s", t->name,
+                                 cn->ctl.hdr->instance, no);
+                else
+                        snprintf(why, whylen, "%s", xp->refused);
+                remember_failed(xp, o->key, KVF_STATUS_CONNECTION, why);
+                pthread_mutex_unlock(&xp->mu);
+                return -EPROTONOSUPPORT;
+        }
         if (!x) {
                 x = calloc(1, sizeof(*x));
                 uint32_t *dst = malloc((o->n_dst ? o->n_dst : 1) * sizeof(uint32_t));
@@ -341,6 +368,7 @@ int conn_xfer_open(struct connector *cn, const struct kvf_record *o, char *why, 
                 x->n_dst = o->n_dst;
                 x->first_ns = kvf_now_ns();
                 snprintf(x->request_id, sizeof(x->request_id), "%s", o->request_id);
+                x->id_bin = o->id_bin;
                 if (t->xfer_open && t->xfer_open(xp, x) < 0) {
                         free(dst);
                         free(x);
@@ -475,6 +503,15 @@ void conn_xfer_fail_transport(struct xfer_peer *xp, int status, const char *reas
                 drop(xp, x);
         }
         pthread_mutex_unlock(&xp->mu);
+}
+
+void conn_xfer_refuse(struct xfer_peer *xp, int status, const char *reason)
+{
+        pthread_mutex_lock(&xp->mu);
+        xp->refused_status = status;
+        snprintf(xp->refused, sizeof(xp->refused), "%s", reason);
+        pthread_mutex_unlock(&xp->mu);
+        conn_xfer_fail_transport(xp, status, reason, 0);
 }
 
 void conn_xfer_fail(struct peer *p, int status, const char *reason, uint64_t older_than)

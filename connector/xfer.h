@@ -41,6 +41,7 @@ struct frame {
 struct xfer {
         uint64_t key;
         char request_id[KVF_REQ_ID_MAX];
+        bool id_bin; /* the request id is bytes (msgpack bin): every record about it says so */
         uint32_t *dst;
         uint32_t n_dst;
         struct frame **fr;
@@ -70,6 +71,12 @@ struct xfer_peer {
         uint64_t remote_blocks; /* from the handshake; 0 = not known yet */
         bool stop;              /* atomic: the data path is to end */
         void *tp;               /* the transport's (peer_init) */
+        /* The peer refused this transport's data path for good (its handshake said it takes
+         * none: no device, not built): transfers opened from now on fail at once with this
+         * status and reason, until the control connection is made again (the peer may have
+         * been restarted with it). Status 0: not refused. */
+        int refused_status;
+        char refused[KVF_REASON_MAX];
         /* Transfers this connector failed (its data path, the peer timeout): their write
          * result is out, but the sender's finish notice may already be in its ring, and must
          * then go to the peer as an abort (conn_xfer_noticed). A ring of the latest. */
@@ -91,7 +98,7 @@ int conn_xfer_open(struct connector *cn, const struct kvf_record *open, char *wh
  * is gone (failed, its result went out); -EINVAL a bad batch; -ENOMEM. */
 int conn_xfer_batch(struct connector *cn, const struct kvf_record *batch);
 /*
- * The transfer's finish notice is handed to the peer thread: from now on only
+ * The transfer's finish notice is handed to the peer: from now on only
  * the notice's outcome ends it (conn_xfer_fail leaves it alone; the notice's
  * failure or acknowledgement forgets it). Returns KVF_STATUS_FINISHED, or, for
  * a transfer this connector failed already (its write result went out before
@@ -101,11 +108,11 @@ int conn_xfer_batch(struct connector *cn, const struct kvf_record *batch);
 int conn_xfer_noticed(struct peer *p, uint64_t key, char *why, size_t whylen);
 /* Any thread: the notice for `key` was acknowledged, or the transfer failed: forget it. */
 void conn_xfer_forget(struct peer *p, uint64_t key);
-/* Peer thread: fail transfers waiting longer than older_than (0 = all) with status, except
+/* The peer's I/O thread: fail transfers waiting longer than older_than (0 = all) with status, except
  * those whose notice is out (conn_xfer_noticed). */
 void conn_xfer_fail(struct peer *p, int status, const char *reason, uint64_t older_than);
 bool conn_xfer_busy(struct peer *p);
-/* Peer thread: its control connection is up; start the data paths (once). */
+/* The peer's I/O thread: its control connection is up; start the data paths (once). */
 void conn_xfer_start(struct peer *p);
 /* Stop the peer's data paths (joined); conn_xfer_free releases what is left. */
 void conn_xfer_stop(struct peer *p);
@@ -131,6 +138,11 @@ void xfer_set_remote_blocks(struct xfer_peer *xp, uint64_t num_blocks);
 /* xp->mu not held: conn_xfer_fail for this transport's transfers only (its data path cannot
  * be had: the peer refuses it, or it failed past the peer timeout). */
 void conn_xfer_fail_transport(struct xfer_peer *xp, int status, const char *reason, uint64_t older_than);
+/* xp->mu not held: the data path can never be had from this peer (a permanent refusal):
+ * fail what is not noticed (conn_xfer_fail_transport) and every transfer opened from now on,
+ * at its open, until the control connection is made again. A noticed transfer is answered
+ * by the peer, which refuses it for the same reason (arrivals.c). */
+void conn_xfer_refuse(struct xfer_peer *xp, int status, const char *reason);
 /* xp->mu held: end transfer x now with `status` (a write error its data path met). */
 void xfer_fail_one(struct xfer_peer *xp, struct xfer *x, int status, const char *reason);
 /* xp->mu held: keep x allocated while a data path refers to it outside a frame (rdma: its

@@ -40,10 +40,12 @@ enum kvf_status {
         KVF_STATUS_BAD_TASK = 1,       /* "bad task": a field is missing, ill-typed or wrong */
         KVF_STATUS_BLOCK_RANGE = 2,    /* "block id out of range" */
         KVF_STATUS_UNKNOWN_PEER = 3,   /* "unknown peer" */
-        KVF_STATUS_CONNECTION = 4,     /* "connection error": unreachable, lost, or peer died */
+        KVF_STATUS_CONNECTION = 4,     /* "connection error": unreachable, lost, or peer died;
+                                        * or the transport cannot be had between the two (rdma
+                                        * without a device, or not built): at once, reason says */
         KVF_STATUS_LAYOUT_MISMATCH = 5,/* "peer layout mismatch" */
         KVF_STATUS_CANCELLED = 6,      /* "cancelled" */
-        KVF_STATUS_TIMEOUT = 7,        /* "timed out" */
+        KVF_STATUS_TIMEOUT = 7,        /* "timed out" (the reason says where it stopped) */
         KVF_STATUS_WRITE = 8,          /* "write error" */
         KVF_STATUS_AUTH = 9,           /* "authentication failed" */
         KVF_STATUS_ENGINE_GONE = 10,   /* "engine gone": the engine session that owned the
@@ -116,7 +118,12 @@ struct kvf_event {
          * (NULL when the arrival carries none) */
         const uint32_t *dest_block_ids;
         uint32_t n_dest;
+        /* KVF_EVENT_ID_BIN: request_id came as msgpack bin (an engine's bytes id, not
+         * necessarily UTF-8), and every record about the request carries it as bin */
+        uint32_t flags;
 };
+
+#define KVF_EVENT_ID_BIN 1u
 
 struct kvf_client;
 
@@ -135,6 +142,12 @@ const char *kvf_last_error(void);
  * previous session's requests, so a restarted engine that submits the same
  * request ids again never collides with them. What became of the previous
  * sessions' requests is told by kvf_poll_previous().
+ *
+ * A client belongs to the process that attached it. In a child after fork(),
+ * every call that touches the instance returns -EBADF with kvf_last_error()
+ * "this client was attached by pid N; after fork() attach anew in the child"
+ * (kvf_cache_tensor returns NULL and kvf_last_step 0, with that message), and
+ * kvf_detach releases only the child's own copies: the parent's session goes on.
  */
 int kvf_attach(const char *name, unsigned wait_ms, struct kvf_client **out);
 void kvf_detach(struct kvf_client *c);

@@ -68,7 +68,8 @@ static int post_batch(struct sender *s, uint32_t slot, uint32_t l0, uint32_t l1,
         struct kvf_req_slot *r = &s->ctl.reqtab[slot];
         struct kvf_record w = {.type = KVF_RT_WRITE_BATCH, .key = sender_key(slot, r->incarnation),
                                .layer = l0, .layer_count = l1 - l0, .runs = s->runs,
-                               .n_runs = build_runs(s, slot, b0, b1), .transport = (int)r->transport};
+                               .n_runs = build_runs(s, slot, b0, b1), .transport = (int)r->transport,
+                               .id_bin = r->flags & KVF_REQF_ID_BIN};
         memcpy(w.request_id, r->request_id, sizeof(w.request_id));
         memcpy(w.peer, r->peer, sizeof(w.peer));
         return sender_post(s, &w); /* the connector counts what it sends */
@@ -82,7 +83,8 @@ int sender_post_open(struct sender *s, uint32_t slot)
                                .dst = kvf_slot_blocks(&s->ctl, slot) + s->ctl.hdr->max_blocks,
                                .n_dst = r->n_send,
                                .bytes = sender_request_bytes(s, r),
-                               .session = r->peer_session};
+                               .session = r->peer_session,
+                               .id_bin = r->flags & KVF_REQF_ID_BIN};
         memcpy(o.request_id, r->request_id, sizeof(o.request_id));
         memcpy(o.peer, r->peer, sizeof(o.peer));
         return sender_post(s, &o);

@@ -106,10 +106,17 @@ static void decide(struct sender *s, uint32_t slot, int status, const char *reas
         if (r->state == KVF_REQ_FREE || r->state == KVF_REQ_COMPLETING)
                 return;
         bool was_active = r->state == KVF_REQ_ACTIVE;
+        /* FINISHING, its finish notice not yet posted (a failure the connector reported
+         * first, say a transport it cannot use): the peer has heard of it no more than of
+         * an active one. */
+        bool unnoticed = r->state == KVF_REQ_FINISHING && !r->notice_gen;
         sender_plan_close(s, slot); /* the engine claims no more of it (its claims are awaited) */
         if (r->state == KVF_REQ_COMPLETING)
                 return; /* (closing it reported the engine's failure: decided already) */
         r->status = (uint32_t)status;
+        /* A failure always says why: an engine (and an operator) cannot act on a bare status. */
+        if (status != KVF_STATUS_FINISHED && (!reason || !reason[0]))
+                reason = "no reason was recorded";
         snprintf(r->reason, sizeof(r->reason), "%s", reason ? reason : "");
         r->completion_pos = ~0ull;
         sender_disarm(s, slot);
@@ -118,7 +125,7 @@ static void decide(struct sender *s, uint32_t slot, int status, const char *reas
         sender_mark(s, slot, SLOT_NEEDS_COMPLETION);
         /* A request that fails while moving: tell the peer, so its engine can
          * free the blocks it reserved (best effort, not waited for). */
-        if (was_active && status != KVF_STATUS_FINISHED &&
+        if ((was_active || unnoticed) && status != KVF_STATUS_FINISHED &&
             (r->peer_idx != UINT32_MAX || r->transport != KVF_TRANSPORT_IPC))
                 sender_mark(s, slot, SLOT_ABORT_NOTICE);
 }
@@ -668,7 +675,9 @@ int sender_on_connector_record(void *ctx, uint16_t type, const uint8_t *p, uint3
                         if (ours && (q->state == KVF_REQ_FINISHING ||
                                      (q->state == KVF_REQ_ACTIVE && r.status != KVF_STATUS_FINISHED)))
                                 decide(s, slot, r.status,
-                                       r.status == KVF_STATUS_FINISHED ? "" : r.reason);
+                                       r.status == KVF_STATUS_FINISHED ? ""
+                                       : r.reason[0]                   ? r.reason
+                                                                       : "the connector gave no reason");
                 }
         } else if (type == KVF_RT_PEER_STATE) {
                 if (r.up)

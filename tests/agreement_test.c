@@ -38,6 +38,7 @@ struct req {
         char id[32];
         int c, a;      /* completion, arrival status; NONE */
         char why[240]; /* the completion's reason */
+        char awhy[240]; /* the arrival's reason */
         bool judged;   /* its scenario checked it: nothing more may come for it */
 };
 static struct req reqs[MAX_REQS];
@@ -90,8 +91,7 @@ static int take(struct kvf_client *c, int ms)
                 exit(1);
         }
         *st = ev.status;
-        if (ev.type == KVF_EVENT_COMPLETION)
-                snprintf(r->why, sizeof(r->why), "%s", ev.reason);
+        snprintf(ev.type == KVF_EVENT_COMPLETION ? r->why : r->awhy, sizeof(r->why), "%s", ev.reason);
         return 1;
 }
 
@@ -167,6 +167,13 @@ static void judge(const char *what, struct req *r, const struct outcome *ok, uns
                 if ((r[i].c == KVF_STATUS_FINISHED) != (r[i].a == KVF_STATUS_FINISHED)) {
                         fprintf(stderr, "%s: the two sides disagree: completion %s, arrival %s\n",
                                 r[i].id, sname(r[i].c), sname(r[i].a));
+                        exit(1);
+                }
+                /* A failure (a timeout above all) always says why, on either side. */
+                if ((r[i].c != KVF_STATUS_FINISHED && !r[i].why[0]) ||
+                    (r[i].a != NONE && r[i].a != KVF_STATUS_FINISHED && !r[i].awhy[0])) {
+                        fprintf(stderr, "%s: a failure without a reason: completion %s '%s', arrival %s '%s'\n",
+                                r[i].id, sname(r[i].c), r[i].why, sname(r[i].a), r[i].awhy);
                         exit(1);
                 }
                 unsigned k = 0;

@@ -10,6 +10,9 @@
  * and reports (frames_rejected, error log), nothing outside the
  * transfer's destination blocks is written (the cache is filled with a
  * canary first and compared after), and a correct transfer still lands.
+ * Then two notices the connector must answer at once, with a reason in the
+ * ack and the arrival: a withdrawn transfer whose data never came, and an
+ * rdma transfer to a connector that takes no rdma.
  */
 #include <arpa/inet.h>
 #include <errno.h>
@@ -513,6 +516,43 @@ int main(void)
         const uint8_t *g = kvf_cache_tensor(eng, 2, 0), *d = kvf_cache_tensor(eng, 1, 1);
         for (uint64_t i = 0; i < 3 * (uint64_t)bb; i++) /* blocks 10..12: gathered and plain */
                 CHECK(g[10 * bb + i] == 2 * 2 + 0 + 1 && d[10 * bb + i] == 1 * 2 + 1 + 1);
+
+        /* A finish notice the peer can never complete, then answered on the spot: a transfer
+         * whose data never came, withdrawn (as the sender does past its deadline), and an rdma
+         * transfer to this connector, which listens on no rdma device. Each ends at once
+         * with a failure that says why, in the ack and in the arrival alike. */
+        static const uint32_t d2[1] = {20}, d4[1] = {21};
+        xopen(dfd, 100, d2, 1);
+        struct kvf_record f = {.type = KVF_RT_NOTICE, .key = 100, .transport = KVF_TRANSPORT_TCP,
+                               .status = KVF_STATUS_FINISHED, .dst = (uint32_t *)d2, .n_dst = 1, .blocks = 1};
+        snprintf(f.request_id, sizeof(f.request_id), "evil-100");
+        snprintf(f.peer, sizeof(f.peer), "evil");
+        CHECK(send_rec(cfd, &f) == 0); /* (waits for its data) */
+        f.status = KVF_STATUS_TIMEOUT;
+        f.withdraw = true;
+        snprintf(f.reason, sizeof(f.reason), "timed out after 3000 ms waiting for the peer to confirm the arrival");
+        CHECK(send_rec(cfd, &f) == 0);
+        struct kvf_record r = {.type = KVF_RT_NOTICE, .key = 101, .transport = KVF_TRANSPORT_RDMA,
+                               .status = KVF_STATUS_FINISHED, .dst = (uint32_t *)d4, .n_dst = 1, .blocks = 1};
+        snprintf(r.request_id, sizeof(r.request_id), "evil-101");
+        snprintf(r.peer, sizeof(r.peer), "evil");
+        CHECK(send_rec(cfd, &r) == 0);
+        for (int k = 0; k < 2; k++) {
+                do
+                        rc = recv_rec(cfd, KVF_RT_ACK, &ack);
+                while (rc == -(KVF_RT_PING) - 1000 || rc == -(KVF_RT_PONG) - 1000);
+                CHECK(rc == 0);
+                printf("  ack of %s: %s: %s\n", ack.request_id, kvf_status_name(ack.status), ack.reason);
+                if (ack.key == 100)
+                        CHECK(ack.status == KVF_STATUS_TIMEOUT && ack.reason[0]);
+                else
+                        CHECK(ack.key == 101 && ack.status == KVF_STATUS_CONNECTION && strstr(ack.reason, "rdma"));
+                CHECK(kvf_poll(eng, &ev, 5000) == 1);
+                CHECK(ev.type == KVF_EVENT_ARRIVAL && !strcmp(ev.request_id, ack.request_id));
+                CHECK(ev.status == ack.status && !strcmp(ev.reason, ack.reason));
+        }
+        printf("  a withdrawn transfer and an rdma one this connector cannot take: answered at once, "
+               "with the same reason in the ack and the arrival\n");
         close(dfd);
         close(cfd);
         printf("hostile_peer_test: %d cases refused; a correct transfer afterwards arrived\n", ncase);

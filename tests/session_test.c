@@ -477,6 +477,88 @@ static void case_unread_task(void)
                "new engine's request with the same id finishes\n");
 }
 
+/* The child's side of case_fork: every call on the parent's client is refused with the same
+ * message; returns the number of calls that were not. */
+static int forked_calls(struct kvf_client *c, pid_t parent)
+{
+        char want[128];
+        snprintf(want, sizeof(want), "this client was attached by pid %d; after fork() attach anew in the child",
+                 (int)parent);
+        uint32_t s[1] = {62}, d[1] = {62};
+        struct kvf_event ev;
+        struct kvf_layout_info li;
+        int bad = 0, rc;
+#define REFUSED(call)                                                                              \
+        do {                                                                                       \
+                rc = (call);                                                                       \
+                if (rc != -EBADF || !strstr(kvf_last_error(), want)) {                             \
+                        fprintf(stderr, "child: %s returned %d (%s)\n", #call, rc, kvf_last_error()); \
+                        bad++;                                                                     \
+                }                                                                                  \
+        } while (0)
+        REFUSED(submit(c, "t-forked", s, d, 1, 1u << 30, KVF_TRANSPORT_IPC));
+        REFUSED(kvf_submit_chunk(c, "t-forked", 1, 16, 1));
+        REFUSED(kvf_submit_cancel(c, "t-forked"));
+        REFUSED(kvf_submit_connect(c, "t-forked-connect", D));
+        REFUSED(kvf_submit_raw(c, KVF_TO_SENDER, KVF_REC_CANCEL, "\x81\xaarequest_id\xa1x", 14));
+        REFUSED(kvf_layer_done(c, 1u << 30, 0));
+        REFUSED(kvf_layer_done_on_stream(c, NULL, 1u << 30, 0));
+        REFUSED(kvf_set_layer_signal(c, KVF_SIGNAL_HOSTFN));
+        REFUSED(kvf_poll(c, &ev, 10));
+        REFUSED(kvf_poll_previous(c, &ev));
+        REFUSED(kvf_get_layout(c, &li));
+#undef REFUSED
+        if (kvf_cache_tensor(c, 0, 0) || !strstr(kvf_last_error(), want)) {
+                fprintf(stderr, "child: kvf_cache_tensor gave the parent's cache (%s)\n", kvf_last_error());
+                bad++;
+        }
+        if (kvf_last_step(c) != 0 || !strstr(kvf_last_error(), want)) {
+                fprintf(stderr, "child: kvf_last_step was answered (%s)\n", kvf_last_error());
+                bad++;
+        }
+        printf("  child: %s\n", kvf_last_error());
+        fflush(stdout);
+        kvf_detach(c); /* its own copies only: the parent's session goes on */
+        return bad;
+}
+
+/*
+ * A client used in a child after fork() would publish into the parent's engine session: every
+ * call of the child is refused, naming the pid that attached, and its detach ends nothing. The
+ * parent's session goes on (a request of it finishes; nothing of the child's reaches anyone).
+ */
+static void case_fork(struct kvf_client *dc)
+{
+        struct kvf_client *c;
+        CHECK_EQ(kvf_attach(P, 5000, &c), 0);
+        uint64_t session = kvf_session(c);
+        fflush(stdout);
+        pid_t kid = fork();
+        CHECK(kid >= 0);
+        if (kid == 0)
+                _exit(forked_calls(c, getppid()) ? 1 : 0);
+        int st;
+        CHECK(waitpid(kid, &st, 0) == kid);
+        CHECK(WIFEXITED(st) && WEXITSTATUS(st) == 0);
+        CHECK_EQ(kvf_session(c), session);
+        uint32_t s[1] = {62}, d[1] = {62};
+        uint64_t step = kvf_last_step(c) + 1;
+        CHECK_EQ(submit(c, "t-after-fork", s, d, 1, step, KVF_TRANSPORT_IPC), 0);
+        for (uint32_t l = 0; l < L.num_layers; l++)
+                CHECK_EQ(kvf_layer_done(c, step, l), 0);
+        struct kvf_event ev;
+        unsigned others = 0;
+        CHECK(wait_event(c, KVF_EVENT_COMPLETION, "t-after-fork", 10000, &ev, &others));
+        CHECK_EQ(ev.status, KVF_STATUS_FINISHED);
+        CHECK_EQ(others, 0); /* nothing of the child's reached the parent's session */
+        /* (the decode engine may still hold an earlier case's arrival: not counted) */
+        CHECK(wait_event(dc, KVF_EVENT_ARRIVAL, "t-after-fork", 10000, &ev, NULL));
+        CHECK_EQ(ev.status, KVF_STATUS_FINISHED);
+        kvf_detach(c);
+        printf("ok: a client used in a child after fork(): every call refused, naming the pid that attached; "
+               "the parent's session went on (its request finished on both sides)\n");
+}
+
 int main(void)
 {
         snprintf(P, sizeof(P), "se%d-p", (int)getpid());
@@ -494,6 +576,7 @@ int main(void)
         }
         case_unread(dc);
         case_unread_task();
+        case_fork(dc);
         case_decode_engine(&dc, KVF_TRANSPORT_IPC);
         case_decode_engine(&dc, KVF_TRANSPORT_TCP);
         char H[64];

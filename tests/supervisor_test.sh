@@ -165,6 +165,45 @@ has "Address already in use" "up --listen on a port in use"
 gone $TAG-l
 pass "--listen that cannot bind: up fails at once with the connector's message, nothing left running"
 
+# ---- 6b. an rdma device this host does not have ----
+AT_EXIT+=("'$K' down --instance $TAG-r >/dev/null 2>&1") # (should an up wrongly succeed)
+devs=()
+for d in /sys/class/infiniband/*; do [ -e "$d" ] && devs+=("${d##*/}"); done
+try rdma-device "$K" up --instance $TAG-r --role decode $L --rdma-device kvf-no-such-dev7
+want_rc 1 "up --rdma-device kvf-no-such-dev7"
+quick "up --rdma-device kvf-no-such-dev7"
+has "--rdma-device kvf-no-such-dev7" "up --rdma-device kvf-no-such-dev7 names the device"
+if [ ${#devs[@]} = 0 ]; then
+  has "this host has no rdma device" "up --rdma-device kvf-no-such-dev7 on a host without rdma"
+else
+  has "no such rdma device on this host; it has: ${devs[*]}" "up --rdma-device kvf-no-such-dev7 lists the devices"
+fi
+gone $TAG-r
+[ ! -e "$R/$TAG-r" ] || fail "up --rdma-device kvf-no-such-dev7 left a run directory $R/$TAG-r"
+# The connector refuses it too, at its start (a supervisor other than tools/kvferry's): against
+# an instance of an allocator alone.
+"$B/kvf-allocator" --instance $TAG-r --role decode $L --backend host >"$R/rdma-alloc.log" 2>&1 &
+alloc=$!
+AT_EXIT+=("kill $alloc 2>/dev/null; wait $alloc 2>/dev/null; '$B/kvf-ctl' unlink --instance $TAG-r --force 2>/dev/null")
+"$B/kvf-ctl" wait-ready --instance $TAG-r --roles allocator --timeout-ms 10000 ||
+  fail "the allocator of $TAG-r did not become ready: $(cat "$R/rdma-alloc.log")"
+try rdma-device-connector timeout 20 "$B/kvf-connector" --instance $TAG-r --rdma-device kvf-no-such-dev7
+has "--rdma-device kvf-no-such-dev7" "kvf-connector --rdma-device kvf-no-such-dev7 names the device"
+if ! ldd "$B/kvf-connector" | grep -q libibverbs; then
+  want_rc 2 "kvf-connector --rdma-device kvf-no-such-dev7 (built without rdma)"
+  has "built without rdma" "kvf-connector --rdma-device kvf-no-such-dev7 (built without rdma)"
+elif [ ${#devs[@]} = 0 ]; then
+  want_rc 1 "kvf-connector --rdma-device kvf-no-such-dev7"
+  has "this host has no rdma device" "kvf-connector --rdma-device kvf-no-such-dev7 on a host without rdma"
+else
+  want_rc 1 "kvf-connector --rdma-device kvf-no-such-dev7"
+  has "no such rdma device on this host; it has:" "kvf-connector --rdma-device kvf-no-such-dev7 lists the devices"
+fi
+kill $alloc 2>/dev/null || true
+wait $alloc 2>/dev/null || true
+"$B/kvf-ctl" unlink --instance $TAG-r 2>/dev/null || true
+pass "--rdma-device naming no device of this host: up refuses it before anything starts, the connector at its start (${devs[*]:-no rdma device here})"
+
 # ---- 8. the run directory and its files are ours alone ----
 chmod 755 "$R" # as the old script left it
 mkdir -m 755 "$R/$TAG-d"

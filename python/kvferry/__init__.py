@@ -61,7 +61,11 @@ class _Event(ctypes.Structure):
                 ("blocks", ctypes.c_uint32), ("rank", ctypes.c_uint32),
                 ("accept_ns", ctypes.c_uint64), ("last_layer_ns", ctypes.c_uint64),
                 ("done_ns", ctypes.c_uint64),
-                ("dest_block_ids", ctypes.POINTER(ctypes.c_uint32)), ("n_dest", ctypes.c_uint32)]
+                ("dest_block_ids", ctypes.POINTER(ctypes.c_uint32)), ("n_dest", ctypes.c_uint32),
+                ("flags", ctypes.c_uint32)]
+
+
+_EVENT_ID_BIN = 1  # KVF_EVENT_ID_BIN: the id came as bytes (msgpack bin) and goes back as bytes
 
 
 def library_path():
@@ -178,7 +182,9 @@ def _event_dict(ev):
         "type": _EVENT_TYPES.get(ev.type, "unknown"),
         "session": int(ev.session),
         "status": STATUS_NAMES[ev.status] if 0 <= ev.status < _STATUS_COUNT else "unknown status",
-        "request_id": ev.request_id.decode(errors="replace"),
+        # An id submitted as bytes comes back as the same bytes; a str id as str.
+        "request_id": ev.request_id if ev.flags & _EVENT_ID_BIN else
+        ev.request_id.decode(errors="replace"),
         "peer": ev.peer.decode(errors="replace"),
         "reason": ev.reason.decode(errors="replace"),
         "bytes": int(ev.bytes),
@@ -205,7 +211,10 @@ class Client:
     session only when the last of them is gone (`closed` says whether it has): a view never
     points at unmapped memory. Threads may share a client; close() from one thread while
     another is in a call (a poll that waits) takes effect when that call returns, and calls
-    after close() raise."""
+    after close() raise. A client belongs to the process that made it: in a child forked
+    after that, every call raises KvferryError (EBADF, "this client was attached by pid N;
+    after fork() attach anew in the child"), and closing it there ends nothing of the
+    parent's session."""
 
     def __init__(self, instance, wait_ms=5000):
         self._h = None
@@ -215,6 +224,7 @@ class Client:
         self._closing = False
         self._active = 0  # calls into the library in progress
         self._lock = threading.RLock()  # re-entrant: a view may die (GC) inside a locked region
+        self._pid = os.getpid()  # a forked child must attach anew (see _call)
         h = ctypes.c_void_p()
         _check(_lib.kvf_attach(instance.encode(), int(wait_ms), ctypes.byref(h)), "kvferry")
         self._h = h
@@ -252,7 +262,12 @@ class Client:
             self._detach_if_done()
 
     def _call(self, fn, *args):
-        """fn(handle, *args), the handle kept valid until it returns."""
+        """fn(handle, *args), the handle kept valid until it returns. In a child forked after the
+        attach every call raises, as libkvferry refuses it: the session is the parent's."""
+        if os.getpid() != self._pid:
+            raise KvferryError(_errno.EBADF, "kvferry: this client was attached by pid %d; after "
+                               "fork() attach anew in the child (pid %d)"
+                               % (self._pid, os.getpid()))
         with self._lock:
             if not self._h or self._closing:
                 raise KvferryError(_errno.EBADF, "kvferry: client of '%s' closed" %

@@ -25,6 +25,12 @@ done
 grep -q "^ExecStart=$P/bin/kvferry up --instance %i" "$P/lib/systemd/system/kvferry@.service" ||
   fail "the unit does not name the installed supervisor"
 grep -q '^EnvironmentFile=/etc/kvferry/%i.conf' "$P/lib/systemd/system/kvferry@.service" || fail "the unit's EnvironmentFile"
+# systemd's own check of the unit, as an instance of the template (where systemd is installed).
+if command -v systemd-analyze >/dev/null; then
+  cp "$P/lib/systemd/system/kvferry@.service" "$R/kvferry@check.service"
+  sdv=$(systemd-analyze verify "$R/kvferry@check.service" 2>&1 | grep -F "kvferry@check.service" || true)
+  [ -z "$sdv" ] || fail "systemd-analyze verify finds fault with the unit: $sdv"
+fi
 # Exported: exactly the functions kvferry.h declares.
 exported=$(nm -D --defined-only "$P/lib/libkvferry.so.0" | awk '$2 == "T" { sub(/@.*/, "", $3); print $3 }' | sort)
 declared=$(grep -oE '\bkvf_[a-z_0-9]+ *\(' "$ROOT/include/kvferry.h" | tr -d '( ' | sort -u)

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # up --metrics: kvf-metrics serves Prometheus text that promtool accepts; its figures after a
 # kvf-sim run equal what kvf-sim counted; it is scraped while requests move; it maps the
-# segment read-only; it is restarted like a role, and a role's restart shows in it; Debian's
+# segment read-only; every series is documented; 100 stalled connections leave the data path
+# alone; it is restarted like a role, and a role's restart shows in it; Debian's
 # Prometheus server scrapes it and answers a kvferry series through its HTTP API. Only the
 # Prometheus server part is skipped (77, at the end) where the binary is missing.
 source "$(dirname "$0")/lib.sh"
@@ -82,6 +83,37 @@ for s in kvferry_xfer_time_seconds kvferry_bytes_transferred kvferry_num_descrip
 done
 pass "after the run the figures equal kvf-sim's summary (finished, failed, bytes, arrivals, tails)"
 
+# Every family on the page is documented.
+for f in $(sed -n 's/^# TYPE \([a-z_]*\) .*/\1/p' <<<"$tp" | sort -u); do
+  grep -qF "\`$f\`" "$ROOT/docs/OPERATIONS.md" || fail "$f is not documented in docs/OPERATIONS.md"
+done
+pass "every series on the page is documented in docs/OPERATIONS.md"
+
+# ---- a hostile scraper: 100 connections that send half a request and stall ----
+/usr/bin/python3 - "$(port_of "$P")" "$R/stall.ready" <<'EOF' &
+import socket, sys, time
+conns = []
+for _ in range(100):
+    try:
+        s = socket.create_connection(("127.0.0.1", int(sys.argv[1])), timeout=2)
+        s.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")  # never finished
+        conns.append(s)
+    except OSError:
+        pass
+open(sys.argv[2], "w").write("%d\n" % len(conns))
+time.sleep(6)
+EOF
+stall=$!
+PIDS+=("$stall")
+for _ in $(seq 100); do [ -s "$R/stall.ready" ] && break; sleep 0.05; done
+"$B/kvf-sim" --prefill "$P" --decode "$D" --requests 40 --quiet --strict >"$R/sim2.out" 2>&1 ||
+  fail "kvf-sim failed while /metrics was flooded: $(tail -n 5 "$R/sim2.out")"
+wait "$stall" || true
+t=$(scrape "$P") || fail "no scrape after the stalled connections went"
+f=$(value "$t" "kvferry_transfers_total{instance=\"$P\",status=\"finished\"}")
+[ "$f" = 240 ] || fail "finished after 240 requests: $f"
+pass "100 stalled connections to /metrics: 40 more requests moved (strict), and /metrics answers after"
+
 # ---- restarts: a role's shows, and the metrics server is restarted like a role ----
 kill_role sender "$P"
 t=$(scrape "$P")
@@ -130,6 +162,6 @@ for _ in $(seq 300); do
   grep -q '"value"' <<<"$got" && break
   sleep 0.1
 done
-grep -q '"value":\[[0-9.]*,"200"\]' <<<"$got" ||
-  fail "Prometheus did not return kvferry_transfers_total = 200: $got; $(tail -n 5 "$R/prom/prometheus.log")"
-pass "Prometheus scraped the instance: /api/v1/query returns kvferry_transfers_total{status=\"finished\"} = 200"
+grep -q '"value":\[[0-9.]*,"240"\]' <<<"$got" ||
+  fail "Prometheus did not return kvferry_transfers_total = 240: $got; $(tail -n 5 "$R/prom/prometheus.log")"
+pass "Prometheus scraped the instance: /api/v1/query returns kvferry_transfers_total{status=\"finished\"} = 240"

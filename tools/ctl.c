@@ -117,6 +117,12 @@ int main(int argc, char **argv)
                 return 0;
         }
         const char *cmd = argv[1];
+        if (strcmp(cmd, "wait-ready") && strcmp(cmd, "unlink") && strcmp(cmd, "alive") &&
+            strcmp(cmd, "gpus")) {
+                fprintf(stderr, "%s: unknown command '%s'; the commands are wait-ready, unlink, alive and gpus (%s --help)\n",
+                        prog, cmd, prog);
+                return 2;
+        }
         if (!strcmp(cmd, "gpus")) {
                 int n = kvf_cache_gpus();
                 if (n <= 0)

@@ -418,7 +418,10 @@ static void print_header(struct dump *d)
                 j_u64(d, "nranks", h->nranks);
                 j_cstr(d, "backend", backend_name(h->backend));
                 j_u64(d, "backend_id", h->backend);
-                j_u64(d, "device", h->device);
+                if (h->device == KVF_DEVICE_NONE) /* no device: a host cache without --device */
+                        j_null(d, "device");
+                else
+                        j_u64(d, "device", h->device);
                 j_str(d, "cache_name", h->cache_name, cnl);
                 j_cstr(d, "executor", executor_name(h->executor));
                 if (h->backend == KVF_BACKEND_CUDA) {

@@ -16,8 +16,9 @@ nothing else. Errors of the calls themselves raise KvferryError (an OSError: .er
 kvferry's message); a full ring raises RingFull (a BlockingIOError): nothing was written, try
 again later.
 
-The library is found at $KVFERRY_LIB, else in $KVFERRY_BUILD, else in the build/ folder of the
-repository this package sits in, else where the dynamic linker finds libkvferry.so.0.
+The library is found at $KVFERRY_LIB, else in $KVFERRY_BUILD, else in this package's own folder,
+else in the build/ folder of the repository this package sits in, else where the dynamic linker
+finds libkvferry.so.0, else in the lib/ folder of the prefix the package is installed in.
 """
 import ctypes
 import ctypes.util
@@ -72,15 +73,24 @@ def library_path():
     if os.environ.get("KVFERRY_LIB"):
         return os.environ["KVFERRY_LIB"]
     here = os.path.dirname(os.path.abspath(__file__))
-    builds = [os.environ.get("KVFERRY_BUILD"), os.path.join(here, "..", "..", "build")]
+    builds = [os.environ.get("KVFERRY_BUILD"), here, os.path.join(here, "..", "..", "build")]
     for b in builds:
         if b and os.path.exists(os.path.join(b, "libkvferry.so.0")):
             return os.path.normpath(os.path.join(b, "libkvferry.so.0"))
     found = ctypes.util.find_library("kvferry")
-    if not found:
-        raise ImportError("kvferry: libkvferry not found: set KVFERRY_LIB to libkvferry.so.0, or "
-                          "KVFERRY_BUILD to the build folder")
-    return found
+    if found:
+        return found
+    # The prefix's lib/: sys.prefix (pip into /usr/local, a venv), and the prefix whose
+    # lib/pythonX.Y/site-packages holds this package (pip install --prefix P).
+    import sys
+    prefixes = [sys.prefix, os.path.join(here, "..", "..", "..", "..")]
+    for p in prefixes:
+        cand = os.path.normpath(os.path.join(p, "lib", "libkvferry.so.0"))
+        if os.path.exists(cand):
+            return cand
+    raise ImportError("kvferry: libkvferry not found: set KVFERRY_LIB to libkvferry.so.0, or "
+                      "KVFERRY_BUILD to the build folder, or install it (cmake --install) where "
+                      "the dynamic linker or this prefix (%s) finds it" % sys.prefix)
 
 
 def _load():

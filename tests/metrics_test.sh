@@ -1,0 +1,167 @@
+#!/usr/bin/env bash
+# up --metrics: kvf-metrics serves Prometheus text that promtool accepts; its figures after a
+# kvf-sim run equal what kvf-sim counted; it is scraped while requests move; it maps the
+# segment read-only; every series is documented; 100 stalled connections leave the data path
+# alone; it is restarted like a role, and a role's restart shows in it; Debian's
+# Prometheus server scrapes it and answers a kvferry series through its HTTP API. Only the
+# Prometheus server part is skipped (77, at the end) where the binary is missing.
+source "$(dirname "$0")/lib.sh"
+R=$KVFERRY_RUN_DIR
+L="--model llama-3.1-8b --tp 8 --cache-mib 64"
+D=$TAG-d P=$TAG-p
+PIDS=()
+AT_EXIT+=('for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done')
+
+command -v curl >/dev/null || fail "curl is missing (tools/kvferry setup installs it)"
+command -v promtool >/dev/null || fail "promtool is missing (Debian's prometheus; tools/kvferry setup installs it)"
+
+# port_of NAME: the port its metrics server reported
+port_of() { sed -n 's/.*(port \([0-9]*\)).*/\1/p' "$R/$1/metrics.log" | tail -n1; }
+scrape() { curl -sf --max-time 5 "http://127.0.0.1:$(port_of "$1")/metrics"; }
+# value TEXT SERIES: the value of one exact series line (name{labels}) in TEXT
+value() { awk -v s="$2" '$1 == s { print $2 }' <<<"$1"; }
+
+up "$D" --role decode $L --metrics 127.0.0.1:0
+up "$P" --role prefill $L --metrics 127.0.0.1:0
+[ -n "$(port_of "$D")" ] && [ -n "$(port_of "$P")" ] || fail "no metrics port in metrics.log"
+
+# ---- read-only, and the format ----
+mp=$(pgrep -f "kvf-metrics --instance $P " | head -n1) || fail "no kvf-metrics for $P"
+scrape "$P" >/dev/null || fail "the first scrape failed" # it maps the segment on the first scrape
+perm=$(awk -v f="/dev/shm/kvferry.$P" '$6 == f { print $2 }' "/proc/$mp/maps" | sort -u)
+[ "$perm" = "r--s" ] || fail "kvf-metrics maps the segment '$perm', not read-only (r--s)"
+[ -z "$(awk '$6 ~ /\.cache$/' "/proc/$mp/maps")" ] || fail "kvf-metrics maps the cache"
+pass "kvf-metrics maps the control segment read-only and not the cache"
+scrape "$P" | promtool check metrics || fail "promtool check metrics refuses the prefill page"
+scrape "$D" | promtool check metrics || fail "promtool check metrics refuses the decode page"
+code=$(curl -s -o /dev/null -w '%{http_code}' "http://127.0.0.1:$(port_of "$P")/nosuch")
+[ "$code" = 404 ] || fail "/nosuch answered $code, want 404"
+code=$(curl -s -o /dev/null -w '%{http_code}' -X POST -d x "http://127.0.0.1:$(port_of "$P")/metrics")
+[ "$code" = 405 ] || fail "POST /metrics answered $code, want 405"
+pass "promtool accepts both pages; 404 elsewhere, 405 for POST"
+
+# ---- scraped while kvf-sim moves requests; then equal to its summary ----
+"$B/kvf-sim" --prefill "$P" --decode "$D" --requests 200 --layer-us 100 --quiet --strict \
+  --json "$R/sim.json" >"$R/sim.out" 2>&1 &
+sim=$!
+PIDS+=("$sim")
+n=0 last=0 moving=0
+while kill -0 "$sim" 2>/dev/null; do
+  t=$(scrape "$P") || fail "a scrape during the run failed"
+  f=$(value "$t" "kvferry_transfers_total{instance=\"$P\",status=\"finished\"}")
+  [ "$f" -ge "$last" ] || fail "finished went back from $last to $f"
+  [ "$f" -gt 0 ] && [ "$f" -lt 200 ] && moving=1
+  last=$f n=$((n + 1))
+done
+wait "$sim" || fail "kvf-sim failed: $(tail -n 5 "$R/sim.out")"
+[ $moving = 1 ] || echo "note: no scrape fell while requests were half done ($n scrapes)"
+pass "$n scrapes while kvf-sim ran, finished never went back"
+
+tp=$(scrape "$P") td=$(scrape "$D")
+sim_get() { /usr/bin/python3 -c 'import json,sys
+j=json.load(open(sys.argv[1])); print([i for i in j["instances"] if i["role"]==sys.argv[2]][0][sys.argv[3]])' "$R/sim.json" "$@"; }
+eq() { [ "$2" = "$3" ] || fail "$1: metrics say '$2', kvf-sim counted '$3'"; }
+eq "finished (prefill)" "$(value "$tp" "kvferry_transfers_total{instance=\"$P\",status=\"finished\"}")" "$(sim_get prefill finished)"
+eq "failed (prefill)" "$(value "$tp" "kvferry_num_failed_transfers_total{instance=\"$P\"}")" "$(sim_get prefill failed)"
+eq "bytes (prefill, ipc)" "$(value "$tp" "kvferry_transport_bytes_total{instance=\"$P\",transport=\"ipc\"}")" "$(sim_get prefill bytes)"
+eq "bytes_transferred_sum" "$(value "$tp" "kvferry_bytes_transferred_sum{instance=\"$P\"}")" "$(sim_get prefill bytes)"
+eq "bytes_transferred_count" "$(value "$tp" "kvferry_bytes_transferred_count{instance=\"$P\"}")" "$(sim_get prefill finished)"
+eq "arrivals (decode)" "$(value "$td" "kvferry_arrivals_total{instance=\"$D\"}")" "$(sim_get decode finished)"
+eq "tail histogram count" "$(value "$tp" "kvferry_tail_seconds_count{instance=\"$P\"}")" "$(sim_get prefill finished)"
+eq "tail +Inf bucket" "$(value "$tp" "kvferry_tail_seconds_bucket{instance=\"$P\",le=\"+Inf\"}")" "$(sim_get prefill finished)"
+eq "expired" "$(value "$tp" "kvferry_num_kv_expired_reqs_total{instance=\"$P\"}")" 0
+eq "peers" "$(value "$tp" "kvferry_peer_connects_total{instance=\"$P\"}")" 1
+[ "$(value "$tp" "kvferry_num_descriptors_sum{instance=\"$P\"}")" -gt 0 ] || fail "no descriptors counted"
+[ "$(value "$tp" "kvferry_xfer_time_seconds_count{instance=\"$P\"}")" -gt 0 ] || fail "no transfer times"
+# Cumulative buckets never decrease.
+awk -v s="kvferry_xfer_time_seconds_bucket" 'index($1, s) == 1 { if ($2 < prev) bad = 1; prev = $2 } END { exit bad }' <<<"$tp" ||
+  fail "xfer_time buckets are not cumulative"
+for s in kvferry_xfer_time_seconds kvferry_bytes_transferred kvferry_num_descriptors kvferry_num_failed_transfers_total \
+         kvferry_num_failed_notifications_total kvferry_num_kv_expired_reqs_total; do
+  grep -q "^# TYPE $s " <<<"$tp" || fail "no TYPE line for $s"
+  grep -q "^# HELP $s " <<<"$tp" || fail "no HELP line for $s"
+done
+pass "after the run the figures equal kvf-sim's summary (finished, failed, bytes, arrivals, tails)"
+
+# Every family on the page is documented.
+for f in $(sed -n 's/^# TYPE \([a-z_]*\) .*/\1/p' <<<"$tp" | sort -u); do
+  grep -qF "\`$f\`" "$ROOT/docs/OPERATIONS.md" || fail "$f is not documented in docs/OPERATIONS.md"
+done
+pass "every series on the page is documented in docs/OPERATIONS.md"
+
+# ---- a hostile scraper: 100 connections that send half a request and stall ----
+/usr/bin/python3 - "$(port_of "$P")" "$R/stall.ready" <<'EOF' &
+import socket, sys, time
+conns = []
+for _ in range(100):
+    try:
+        s = socket.create_connection(("127.0.0.1", int(sys.argv[1])), timeout=2)
+        s.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")  # never finished
+        conns.append(s)
+    except OSError:
+        pass
+open(sys.argv[2], "w").write("%d\n" % len(conns))
+time.sleep(6)
+EOF
+stall=$!
+PIDS+=("$stall")
+for _ in $(seq 100); do [ -s "$R/stall.ready" ] && break; sleep 0.05; done
+"$B/kvf-sim" --prefill "$P" --decode "$D" --requests 40 --quiet --strict >"$R/sim2.out" 2>&1 ||
+  fail "kvf-sim failed while /metrics was flooded: $(tail -n 5 "$R/sim2.out")"
+wait "$stall" || true
+t=$(scrape "$P") || fail "no scrape after the stalled connections went"
+f=$(value "$t" "kvferry_transfers_total{instance=\"$P\",status=\"finished\"}")
+[ "$f" = 240 ] || fail "finished after 240 requests: $f"
+pass "100 stalled connections to /metrics: 40 more requests moved (strict), and /metrics answers after"
+
+# ---- restarts: a role's shows, and the metrics server is restarted like a role ----
+kill_role sender "$P"
+t=$(scrape "$P")
+eq "sender restarts" "$(value "$t" "kvferry_role_restarts_total{instance=\"$P\",role=\"sender\"}")" 1
+kill -KILL "$mp"
+for _ in $(seq 100); do t=$(scrape "$P" 2>/dev/null) && break; sleep 0.1; done
+[ -n "${t:-}" ] || fail "kvf-metrics was not restarted within 10 s"
+grep -q "metrics (pid $mp) exited" "$R/$P/supervisor.log" || fail "the supervisor did not log the metrics restart"
+pass "a sender restart shows in kvferry_role_restarts_total; a killed kvf-metrics is restarted"
+
+# ---- a bad --metrics is refused; a port in use fails up with the reason ----
+out=$("$ROOT/tools/kvferry" up --instance "$TAG-x" --role decode $L --metrics nohost 2>&1) && fail "--metrics nohost accepted"
+grep -q "HOST:PORT" <<<"$out" || fail "--metrics nohost: unclear message: $out"
+STARTED+=("$TAG-x")
+out=$("$ROOT/tools/kvferry" up --instance "$TAG-x" --role decode $L --metrics "127.0.0.1:$(port_of "$P")" 2>&1) &&
+  fail "--metrics on a port in use came up"
+grep -q "could not start" <<<"$out" || fail "--metrics on a port in use: unclear message: $out"
+[ ! -e "/dev/shm/kvferry.$TAG-x" ] || fail "a failed up left its segment"
+pass "--metrics: a bad address is refused, a port in use fails up with the reason"
+
+# ---- Debian's Prometheus server ----
+PROM=$(command -v prometheus || true)
+if [ -z "$PROM" ]; then
+  echo "skipped: the Prometheus server part (no prometheus binary; Debian package prometheus)"
+  exit 77
+fi
+pp=$(/usr/bin/python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
+mkdir -p "$R/prom"
+cat >"$R/prom/prometheus.yml" <<EOF
+global:
+  scrape_interval: 1s
+  evaluation_interval: 1s
+scrape_configs:
+  - job_name: kvferry
+    honor_labels: true
+    static_configs:
+      - targets: ['127.0.0.1:$(port_of "$P")', '127.0.0.1:$(port_of "$D")']
+EOF
+"$PROM" --config.file="$R/prom/prometheus.yml" --storage.tsdb.path="$R/prom/data" \
+  --web.listen-address="127.0.0.1:$pp" >"$R/prom/prometheus.log" 2>&1 &
+PIDS+=($!)
+got=""
+for _ in $(seq 300); do
+  got=$(curl -sf --max-time 2 "http://127.0.0.1:$pp/api/v1/query" \
+          --data-urlencode "query=kvferry_transfers_total{instance=\"$P\",status=\"finished\"}" 2>/dev/null || true)
+  grep -q '"value"' <<<"$got" && break
+  sleep 0.1
+done
+grep -q '"value":\[[0-9.]*,"240"\]' <<<"$got" ||
+  fail "Prometheus did not return kvferry_transfers_total = 240: $got; $(tail -n 5 "$R/prom/prometheus.log")"
+pass "Prometheus scraped the instance: /api/v1/query returns kvferry_transfers_total{status=\"finished\"} = 240"

@@ -1,0 +1,565 @@
+/*
+ * kvf-metrics: serves an instance's counters, rings, roles and latency
+ * histograms as Prometheus text at /metrics.
+ *
+ *   kvf-metrics --instance NAME --listen HOST:PORT
+ *
+ * It maps the control segment read-only and writes nothing anywhere but its
+ * socket: a slow, hostile or crashing scraper can cost this process, never a
+ * role of the data path. HTTP is libmicrohttpd's, one internal thread, a
+ * bounded number of connections and a per-connection timeout. The segment is
+ * mapped again when the instance's file changes (the instance was started
+ * afresh under the same name), and a scrape while there is none answers
+ * kvferry_up 0. docs/OPERATIONS.md describes every series.
+ *
+ * Exit codes: 0 stopped by SIGTERM/SIGINT, 1 cannot listen, 2 usage.
+ */
+#include <arpa/inet.h>
+#include <errno.h>
+#include <getopt.h>
+#include <microhttpd.h>
+#include <netdb.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "atomics.h"
+#include "clock.h"
+#include "ctl.h"
+#include "err.h"
+#include "kvferry.h"
+#include "opts.h"
+
+static const char *prog = "kvf-metrics";
+
+#define MAX_CONNECTIONS 64u
+#define CONNECTION_TIMEOUT_S 10u
+
+static void usage(void)
+{
+        printf("Usage: %s --instance NAME --listen HOST:PORT\n"
+               "Serve the instance's metrics as Prometheus text at http://HOST:PORT/metrics "
+               "(read-only:\n"
+               "the control segment is mapped read-only). HOST is an IPv4 or IPv6 address of this "
+               "host;\n"
+               "PORT 0 picks a free port (printed on stderr).\n"
+               "  --instance NAME   the instance (as given to tools/kvferry up)\n"
+               "  --listen HOST:PORT\n"
+               "  --help, --version\n"
+               "Exit: 0 stopped by a signal; 1 cannot listen; 2 usage.\n",
+               prog);
+}
+
+/* ---- the segment: mapped read-only, mapped again when the file changes ---- */
+
+struct seg {
+        const char *instance;
+        char path[96];
+        bool attached;
+        dev_t dev;
+        ino_t ino;
+        struct kvf_ctl ctl;
+};
+
+static struct seg seg;
+
+/* 0: attached to the instance's current segment; <0: none (kvf_err says why). */
+static int seg_refresh(struct seg *s)
+{
+        struct stat st;
+        if (stat(s->path, &st) < 0) {
+                if (s->attached) {
+                        kvf_ctl_detach(&s->ctl);
+                        s->attached = false;
+                }
+                return -ENOENT;
+        }
+        if (s->attached && st.st_dev == s->dev && st.st_ino == s->ino)
+                return 0;
+        if (s->attached) {
+                kvf_ctl_detach(&s->ctl);
+                s->attached = false;
+        }
+        int rc = kvf_ctl_attach(s->instance, false, &s->ctl);
+        if (rc < 0)
+                return rc;
+        s->attached = true;
+        s->dev = st.st_dev;
+        s->ino = st.st_ino;
+        return 0;
+}
+
+/* ---- the text ---- */
+
+struct out {
+        char *buf;
+        size_t len, cap;
+        bool oom;
+        const char *inst; /* the instance label's value, escaped */
+};
+
+static void outf(struct out *o, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void outf(struct out *o, const char *fmt, ...)
+{
+        if (o->oom)
+                return;
+        for (;;) {
+                va_list ap;
+                va_start(ap, fmt);
+                int n = vsnprintf(o->buf + o->len, o->cap - o->len, fmt, ap);
+                va_end(ap);
+                if (n < 0) {
+                        o->oom = true;
+                        return;
+                }
+                if ((size_t)n < o->cap - o->len) {
+                        o->len += (size_t)n;
+                        return;
+                }
+                size_t cap = o->cap * 2 + (size_t)n;
+                char *b = realloc(o->buf, cap);
+                if (!b) {
+                        o->oom = true;
+                        return;
+                }
+                o->buf = b;
+                o->cap = cap;
+        }
+}
+
+static void family(struct out *o, const char *name, const char *type, const char *help)
+{
+        outf(o, "# HELP %s %s\n# TYPE %s %s\n", name, help, name, type);
+}
+
+/* name{instance="..."[,extra]} value */
+static void sample(struct out *o, const char *name, const char *labels, uint64_t v)
+{
+        outf(o, "%s{instance=\"%s\"%s%s} %llu\n", name, o->inst, labels ? "," : "",
+             labels ? labels : "", (unsigned long long)v);
+}
+
+static uint64_t ctr(const struct kvf_ctl *c, enum kvf_counter_id id)
+{
+        return kvf_load_relaxed(&c->counters[id].value);
+}
+
+static void counter1(struct out *o, const struct kvf_ctl *c, const char *name,
+                     enum kvf_counter_id id, const char *help)
+{
+        family(o, name, "counter", help);
+        sample(o, name, NULL, ctr(c, id));
+}
+
+/* The lower bound of histogram bucket b (common/hist.c's bucketing): bucket b holds
+ * [low(b), low(b + 1)). */
+static uint64_t bucket_low(unsigned b)
+{
+        if (b < 8)
+                return b;
+        unsigned lg = b / 8 + 2;
+        if (lg >= 64)
+                return UINT64_MAX;
+        return (1ull << lg) | ((uint64_t)(b % 8) << (lg - 3));
+}
+
+/* Upper bounds of the exported buckets, in seconds. */
+static const double le_s[] = {1e-6, 2.5e-6, 5e-6,   1e-5, 2.5e-5, 5e-5,   1e-4, 2.5e-4,
+                              5e-4, 1e-3,   2.5e-3, 5e-3, 1e-2,   2.5e-2, 5e-2, 0.1,
+                              0.25, 0.5,    1.0,    2.5,  5.0,    10.0,   30.0};
+
+/*
+ * A segment histogram (nanoseconds, log buckets) as a Prometheus histogram in
+ * seconds. A segment bucket counts under an exported bound only when all of
+ * it lies at or below the bound, so each cumulative count is exact or an
+ * undercount by at most the segment bucket straddling the bound (12.5 %). The
+ * count is the buckets' sum (read at one time with them), not the separate
+ * count word, so that +Inf equals _count.
+ */
+static void histogram(struct out *o, const char *name, const struct kvf_histogram *h,
+                      const char *help)
+{
+        uint64_t b[KVF_HIST_BUCKETS], total = 0;
+        for (unsigned i = 0; i < KVF_HIST_BUCKETS; i++) {
+                b[i] = kvf_load_relaxed(&h->buckets[i]);
+                total += b[i];
+        }
+        uint64_t sum = kvf_load_relaxed(&h->sum);
+        family(o, name, "histogram", help);
+        unsigned i = 0;
+        uint64_t cum = 0;
+        char lbl[48];
+        for (size_t k = 0; k < sizeof(le_s) / sizeof(le_s[0]); k++) {
+                double le_ns = le_s[k] * 1e9;
+                while (i < KVF_HIST_BUCKETS &&
+                       (i + 1 == KVF_HIST_BUCKETS ? false : (double)bucket_low(i + 1) <= le_ns)) {
+                        cum += b[i];
+                        i++;
+                }
+                snprintf(lbl, sizeof(lbl), "le=\"%g\"", le_s[k]);
+                outf(o, "%s_bucket{instance=\"%s\",%s} %llu\n", name, o->inst, lbl,
+                     (unsigned long long)cum);
+        }
+        outf(o, "%s_bucket{instance=\"%s\",le=\"+Inf\"} %llu\n", name, o->inst,
+             (unsigned long long)total);
+        outf(o, "%s_sum{instance=\"%s\"} %.9g\n", name, o->inst, (double)sum / 1e9);
+        outf(o, "%s_count{instance=\"%s\"} %llu\n", name, o->inst, (unsigned long long)total);
+}
+
+/* A histogram of which only the totals are kept: one +Inf bucket, its sum and count. */
+static void histogram_totals(struct out *o, const char *name, uint64_t sum, uint64_t count,
+                             const char *help)
+{
+        family(o, name, "histogram", help);
+        outf(o, "%s_bucket{instance=\"%s\",le=\"+Inf\"} %llu\n", name, o->inst,
+             (unsigned long long)count);
+        outf(o, "%s_sum{instance=\"%s\"} %llu\n", name, o->inst, (unsigned long long)sum);
+        outf(o, "%s_count{instance=\"%s\"} %llu\n", name, o->inst, (unsigned long long)count);
+}
+
+static const struct {
+        enum kvf_counter_id id;
+        const char *status;
+} failed_by[] = {
+    {KVF_CTR_FAILED_BAD_TASK, "bad_task"},
+    {KVF_CTR_FAILED_BLOCK_RANGE, "block_range"},
+    {KVF_CTR_FAILED_UNKNOWN_PEER, "unknown_peer"},
+    {KVF_CTR_FAILED_CONNECTION, "connection"},
+    {KVF_CTR_FAILED_LAYOUT, "layout_mismatch"},
+    {KVF_CTR_FAILED_CANCELLED, "cancelled"},
+    {KVF_CTR_FAILED_TIMEOUT, "timeout"},
+    {KVF_CTR_FAILED_WRITE, "write"},
+    {KVF_CTR_FAILED_AUTH, "auth"},
+    {KVF_CTR_FAILED_ENGINE_GONE, "engine_gone"},
+    {KVF_CTR_FAILED_PEER_ROLE, "peer_role"},
+};
+
+static void render(struct out *o, const struct kvf_ctl *c, bool up)
+{
+        family(o, "kvferry_up", "gauge",
+               "1 when the instance's control segment is mapped and valid, else 0");
+        sample(o, "kvferry_up", NULL, up);
+        if (!up)
+                return;
+        const struct kvf_ctl_header *h = c->hdr;
+        uint64_t now = kvf_now_ns();
+        char lbl[160];
+
+        family(o, "kvferry_info", "gauge",
+               "Constant 1; the labels say what the instance is (role, backend, rank, layout "
+               "version)");
+        snprintf(lbl, sizeof(lbl),
+                 "role=\"%s\",backend=\"%s\",rank=\"%u\",nranks=\"%u\",version=\"%s\"",
+                 kvf_irole_name(h->instance_role),
+                 h->backend == KVF_BACKEND_CUDA         ? "cuda"
+                 : h->backend == KVF_BACKEND_HOST_ASYNC ? "host-async"
+                                                        : "host",
+                 h->rank, h->nranks, KVFERRY_VERSION);
+        sample(o, "kvferry_info", lbl, 1);
+
+        /* Transfers by how they ended. */
+        family(o, "kvferry_transfers_total", "counter",
+               "Requests (transfers) ended, by status: finished, or the reason they failed");
+        sample(o, "kvferry_transfers_total", "status=\"finished\"",
+               ctr(c, KVF_CTR_REQUESTS_FINISHED));
+        for (size_t i = 0; i < sizeof(failed_by) / sizeof(failed_by[0]); i++) {
+                snprintf(lbl, sizeof(lbl), "status=\"%s\"", failed_by[i].status);
+                sample(o, "kvferry_transfers_total", lbl, ctr(c, failed_by[i].id));
+        }
+        counter1(o, c, "kvferry_num_failed_transfers_total", KVF_CTR_REQUESTS_FAILED,
+                 "Requests (transfers) that failed, whatever the reason (vLLM NIXL: "
+                 "nixl_num_failed_transfers)");
+        counter1(o, c, "kvferry_num_failed_notifications_total", KVF_CTR_NOTICES_REISSUED,
+                 "Finish notices to the decode peer whose delivery was not confirmed and that were "
+                 "sent again (vLLM NIXL: nixl_num_failed_notifications)");
+        counter1(o, c, "kvferry_num_kv_expired_reqs_total", KVF_CTR_FAILED_TIMEOUT,
+                 "Requests ended 'timed out': not finished within --request-timeout-ms of their "
+                 "task (vLLM NIXL: nixl_num_kv_expired_reqs)");
+        counter1(o, c, "kvferry_tasks_accepted_total", KVF_CTR_TASKS_ACCEPTED,
+                 "Tasks the sender accepted into its request table");
+        counter1(o, c, "kvferry_tasks_rejected_total", KVF_CTR_TASKS_REJECTED,
+                 "Tasks the sender refused at once (bad task, table full, ...)");
+        counter1(o, c, "kvferry_arrivals_total", KVF_CTR_ARRIVALS,
+                 "Arrivals published to the decode engine (decode side)");
+
+        /* Bytes. */
+        uint64_t b_ipc = ctr(c, KVF_CTR_BYTES_IPC), b_tcp = ctr(c, KVF_CTR_BYTES_TCP),
+                 b_rdma = ctr(c, KVF_CTR_BYTES_RDMA);
+        uint64_t finished = ctr(c, KVF_CTR_REQUESTS_FINISHED);
+        family(o, "kvferry_transport_bytes_total", "counter",
+               "Bytes of KV cache moved by this instance's sender, by transport");
+        sample(o, "kvferry_transport_bytes_total", "transport=\"ipc\"", b_ipc);
+        sample(o, "kvferry_transport_bytes_total", "transport=\"tcp\"", b_tcp);
+        sample(o, "kvferry_transport_bytes_total", "transport=\"rdma\"", b_rdma);
+        counter1(o, c, "kvferry_received_bytes_total", KVF_CTR_BYTES_TCP_RECEIVED,
+                 "Bytes of KV cache received over tcp (decode side)");
+        histogram_totals(
+            o, "kvferry_bytes_transferred", b_ipc + b_tcp + b_rdma, finished,
+            "Bytes moved per finished transfer (vLLM NIXL: nixl_bytes_transferred); only the +Inf "
+            "bucket: the sum is every byte moved, the count the finished transfers");
+        /* Descriptors: the units handed to a transport. */
+        uint64_t d_frames = ctr(c, KVF_CTR_FRAMES_TCP), d_wr = ctr(c, KVF_CTR_RDMA_WRITES),
+                 d_copy = ctr(c, KVF_CTR_COPY_BATCHES);
+        family(o, "kvferry_descriptors_total", "counter",
+               "Units of work handed to a transport: tcp data frames, rdma write work requests, "
+               "same-host copy batches");
+        sample(o, "kvferry_descriptors_total", "kind=\"tcp_frame\"", d_frames);
+        sample(o, "kvferry_descriptors_total", "kind=\"rdma_write\"", d_wr);
+        sample(o, "kvferry_descriptors_total", "kind=\"copy_batch\"", d_copy);
+        histogram_totals(
+            o, "kvferry_num_descriptors", d_frames + d_wr + d_copy, finished,
+            "Descriptors per finished transfer (vLLM NIXL: nixl_num_descriptors); only the +Inf "
+            "bucket: the sum is every descriptor, the count the finished transfers");
+
+        /* Latency (the sender's histograms). */
+        histogram(o, "kvferry_xfer_time_seconds", &c->sender->hist[KVF_HIST_COPY],
+                  "Time from posting one layer's batch of copies or writes to its completion (vLLM "
+                  "NIXL: nixl_xfer_time_seconds)");
+        histogram(o, "kvferry_tail_seconds", &c->sender->hist[KVF_HIST_LAST_TO_DONE],
+                  "Time from a request's last layer being ready to its completion");
+        histogram(
+            o, "kvferry_copy_start_seconds", &c->sender->hist[KVF_HIST_LAYER_TO_COPY],
+            "Time from the engine publishing a layer-done event to the sender starting its copy");
+
+        /* Rings. */
+        family(o, "kvferry_ring_used_bytes", "gauge",
+               "Bytes of records written and not yet consumed");
+        for (int r = 0; r < KVF_RING_COUNT; r++) {
+                snprintf(lbl, sizeof(lbl), "ring=\"%s\"", kvf_ring_name(r));
+                sample(o, "kvferry_ring_used_bytes", lbl, kvf_ring_used(&c->ring_hdrs[r]));
+        }
+        family(o, "kvferry_ring_capacity_bytes", "gauge", "Size of each ring");
+        for (int r = 0; r < KVF_RING_COUNT; r++) {
+                snprintf(lbl, sizeof(lbl), "ring=\"%s\"", kvf_ring_name(r));
+                sample(o, "kvferry_ring_capacity_bytes", lbl, h->ring_capacity[r]);
+        }
+        family(o, "kvferry_ring_full_events_total", "counter",
+               "Writes refused because the ring was full (the writer retries or holds back)");
+        for (int r = 0; r < KVF_RING_COUNT; r++) {
+                snprintf(lbl, sizeof(lbl), "ring=\"%s\"", kvf_ring_name(r));
+                sample(o, "kvferry_ring_full_events_total", lbl,
+                       kvf_load_relaxed(&c->ring_hdrs[r].full_events));
+        }
+
+        /* Roles. */
+        family(o, "kvferry_role_up", "gauge",
+               "1 when the role's process is alive and its heartbeat fresh");
+        for (int r = 0; r < KVF_ROLE_COUNT; r++) {
+                snprintf(lbl, sizeof(lbl), "role=\"%s\"", kvf_role_name(r));
+                sample(o, "kvferry_role_up", lbl, kvf_role_alive(c, (enum kvf_role_id)r, now));
+        }
+        family(o, "kvferry_role_restarts_total", "counter",
+               "Starts of the role after its first (the supervisor restarted it; engine: "
+               "re-attaches)");
+        for (int r = 0; r < KVF_ROLE_COUNT; r++) {
+                snprintf(lbl, sizeof(lbl), "role=\"%s\"", kvf_role_name(r));
+                sample(o, "kvferry_role_restarts_total", lbl,
+                       kvf_load_relaxed(&c->roles[r].restarts));
+        }
+
+        /* Peers and refusals. */
+        counter1(o, c, "kvferry_peer_connects_total", KVF_CTR_PEER_CONNECTS,
+                 "Peer connections established (handshake passed)");
+        counter1(o, c, "kvferry_peer_failures_total", KVF_CTR_PEER_FAILURES,
+                 "Peer connections that failed or were lost");
+        counter1(o, c, "kvferry_peers_retired_total", KVF_CTR_PEERS_RETIRED,
+                 "Peers closed after --peer-idle-ms without work");
+        counter1(o, c, "kvferry_auth_failures_total", KVF_CTR_AUTH_FAILURES,
+                 "Handshakes refused: the peer did not prove the shared token");
+        counter1(o, c, "kvferry_bad_records_total", KVF_CTR_BAD_RECORDS,
+                 "Ring records refused as malformed");
+        counter1(o, c, "kvferry_frames_rejected_total", KVF_CTR_FRAMES_REJECTED,
+                 "Network frames refused as malformed or out of bounds");
+        counter1(o, c, "kvferry_errors_logged_total", KVF_CTR_ERRORS_LOGGED,
+                 "Errors written to the instance's error log (kvf-ringdump shows them)");
+
+        /* Every counter of the segment, by its ring-dump name. */
+        family(o, "kvferry_segment_events_total", "counter",
+               "Every counter of the control segment, by its name in kvf-ringdump "
+               "(common/counters.h)");
+        uint32_t n = h->counters_count < KVF_COUNTER_COUNT ? h->counters_count : KVF_COUNTER_COUNT;
+        for (uint32_t i = 0; i < n; i++) {
+                snprintf(lbl, sizeof(lbl), "counter=\"%s\"", kvf_counter_names[i]);
+                sample(o, "kvferry_segment_events_total", lbl, ctr(c, (enum kvf_counter_id)i));
+        }
+
+        family(o, "kvferry_scrape_timestamp_seconds", "gauge",
+               "CLOCK_REALTIME when this page was made");
+        outf(o, "kvferry_scrape_timestamp_seconds{instance=\"%s\"} %.3f\n", o->inst,
+             (double)kvf_wall_ns() / 1e9);
+}
+
+/* ---- HTTP ---- */
+
+static char inst_label[2 * KVF_INSTANCE_MAX];
+
+static enum MHD_Result reply(struct MHD_Connection *conn, unsigned status, const char *type,
+                             char *body, size_t len, enum MHD_ResponseMemoryMode mode)
+{
+        struct MHD_Response *r = MHD_create_response_from_buffer(len, body, mode);
+        if (!r) {
+                if (mode == MHD_RESPMEM_MUST_FREE)
+                        free(body);
+                return MHD_NO;
+        }
+        MHD_add_response_header(r, MHD_HTTP_HEADER_CONTENT_TYPE, type);
+        enum MHD_Result ret = MHD_queue_response(conn, status, r);
+        MHD_destroy_response(r);
+        return ret;
+}
+
+static enum MHD_Result handle(void *cls, struct MHD_Connection *conn, const char *url,
+                              const char *method, const char *version, const char *upload,
+                              size_t *upload_len, void **con_cls)
+{
+        (void)cls, (void)version, (void)upload;
+        static int first;
+        if (*con_cls == NULL) { /* headers only so far: answer once the request is whole */
+                *con_cls = &first;
+                return MHD_YES;
+        }
+        static char not_found[] = "not found; the metrics are at /metrics\n";
+        static char bad_method[] = "only GET and HEAD are served\n";
+        static char oom[] = "out of memory\n";
+        if (*upload_len) {
+                *upload_len = 0; /* a body is read and dropped */
+                return MHD_YES;
+        }
+        if (strcmp(method, "GET") && strcmp(method, "HEAD"))
+                return reply(conn, MHD_HTTP_METHOD_NOT_ALLOWED, "text/plain", bad_method,
+                             strlen(bad_method), MHD_RESPMEM_PERSISTENT);
+        if (strcmp(url, "/metrics"))
+                return reply(conn, MHD_HTTP_NOT_FOUND, "text/plain", not_found, strlen(not_found),
+                             MHD_RESPMEM_PERSISTENT);
+        struct out o = {.cap = 64 << 10, .inst = inst_label};
+        o.buf = malloc(o.cap);
+        if (!o.buf)
+                return reply(conn, MHD_HTTP_INTERNAL_SERVER_ERROR, "text/plain", oom, strlen(oom),
+                             MHD_RESPMEM_PERSISTENT);
+        bool up = seg_refresh(&seg) == 0;
+        render(&o, &seg.ctl, up);
+        if (o.oom) {
+                free(o.buf);
+                return reply(conn, MHD_HTTP_INTERNAL_SERVER_ERROR, "text/plain", oom, strlen(oom),
+                             MHD_RESPMEM_PERSISTENT);
+        }
+        return reply(conn, MHD_HTTP_OK, "text/plain; version=0.0.4; charset=utf-8", o.buf, o.len,
+                     MHD_RESPMEM_MUST_FREE);
+}
+
+/* HOST:PORT or [HOST]:PORT to a socket address; -EINVAL with kvf_err. */
+static int parse_listen(const char *s, struct sockaddr_storage *ss, socklen_t *sl)
+{
+        char host[64];
+        const char *colon = strrchr(s, ':');
+        if (!colon || colon == s || !colon[1])
+                return kvf_err_set(-EINVAL, "--listen '%s': want HOST:PORT", s);
+        size_t hl = (size_t)(colon - s);
+        const char *h = s;
+        if (s[0] == '[' && colon[-1] == ']') {
+                h = s + 1;
+                hl -= 2;
+        }
+        if (hl >= sizeof(host))
+                return kvf_err_set(-EINVAL, "--listen '%s': host too long", s);
+        memcpy(host, h, hl);
+        host[hl] = 0;
+        char *end;
+        errno = 0;
+        unsigned long port = strtoul(colon + 1, &end, 10);
+        if (*end || errno || port > 65535)
+                return kvf_err_set(-EINVAL, "--listen '%s': port must be 0 to 65535", s);
+        struct addrinfo hints = {.ai_flags = AI_NUMERICHOST | AI_PASSIVE,
+                                 .ai_socktype = SOCK_STREAM};
+        struct addrinfo *ai = NULL;
+        int g = getaddrinfo(host, NULL, &hints, &ai);
+        if (g || !ai)
+                return kvf_err_set(-EINVAL, "--listen '%s': '%s' is not an IP address (%s)", s,
+                                   host, gai_strerror(g));
+        memcpy(ss, ai->ai_addr, ai->ai_addrlen);
+        *sl = ai->ai_addrlen;
+        freeaddrinfo(ai);
+        if (ss->ss_family == AF_INET)
+                ((struct sockaddr_in *)ss)->sin_port = htons((uint16_t)port);
+        else
+                ((struct sockaddr_in6 *)ss)->sin6_port = htons((uint16_t)port);
+        return 0;
+}
+
+int main(int argc, char **argv)
+{
+        const char *inst = NULL, *listen_at = NULL;
+        enum { O_INST = 1, O_LISTEN, O_HELP, O_VERSION };
+        static const struct option opts[] = {{"instance", required_argument, 0, O_INST},
+                                             {"listen", required_argument, 0, O_LISTEN},
+                                             {"help", no_argument, 0, O_HELP},
+                                             {"version", no_argument, 0, O_VERSION},
+                                             {0, 0, 0, 0}};
+        int ch;
+        while ((ch = getopt_long(argc, argv, "", opts, NULL)) != -1) {
+                switch (ch) {
+                case O_INST:
+                        inst = optarg;
+                        break;
+                case O_LISTEN:
+                        listen_at = optarg;
+                        break;
+                case O_HELP:
+                        usage();
+                        return 0;
+                case O_VERSION:
+                        printf("%s %s\n", prog, KVFERRY_VERSION);
+                        return 0;
+                default:
+                        fprintf(stderr, "Try '%s --help'.\n", prog);
+                        return 2;
+                }
+        }
+        if (optind < argc)
+                kvf_opt_die(prog, "unexpected argument '%s'", argv[optind]);
+        if (!inst)
+                kvf_opt_die(prog, "--instance is required");
+        if (!listen_at)
+                kvf_opt_die(prog, "--listen HOST:PORT is required");
+        if (kvf_instance_name_check(inst) < 0)
+                kvf_opt_die(prog, "%s", kvf_err_msg());
+        struct sockaddr_storage ss;
+        socklen_t sl;
+        if (parse_listen(listen_at, &ss, &sl) < 0)
+                kvf_opt_die(prog, "%s", kvf_err_msg());
+        /* Instance names are [A-Za-z0-9_.-]: nothing to escape in a label value. */
+        snprintf(inst_label, sizeof(inst_label), "%s", inst);
+        seg.instance = inst;
+        snprintf(seg.path, sizeof(seg.path), "/dev/shm/kvferry.%s", inst);
+
+        int stop = 0;
+        kvf_opt_signals(&stop);
+        unsigned flags = MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_POLL;
+        if (ss.ss_family == AF_INET6)
+                flags |= MHD_USE_IPv6;
+        errno = 0;
+        struct MHD_Daemon *d =
+            MHD_start_daemon(flags, 0, NULL, NULL, handle, NULL, MHD_OPTION_SOCK_ADDR,
+                             (struct sockaddr *)&ss, MHD_OPTION_CONNECTION_LIMIT, MAX_CONNECTIONS,
+                             MHD_OPTION_CONNECTION_TIMEOUT, CONNECTION_TIMEOUT_S, MHD_OPTION_END);
+        if (!d) {
+                fprintf(stderr, "%s: instance %s: cannot listen on %s: %s\n", prog, inst, listen_at,
+                        errno ? strerror(errno) : "libmicrohttpd could not start its daemon");
+                return 1;
+        }
+        const union MHD_DaemonInfo *di = MHD_get_daemon_info(d, MHD_DAEMON_INFO_BIND_PORT);
+        fprintf(stderr, "%s: instance %s: serving http://%s/metrics (port %u)\n", prog, inst,
+                listen_at, di ? (unsigned)di->port : 0u);
+        fflush(stderr);
+        while (!kvf_load_relaxed(&stop))
+                kvf_sleep_ns(kvf_ms(200));
+        MHD_stop_daemon(d);
+        if (seg.attached)
+                kvf_ctl_detach(&seg.ctl);
+        fprintf(stderr, "%s: instance %s: stopped\n", prog, inst);
+        return 0;
+}

@@ -42,6 +42,7 @@ class Run:
         self.free_d = list(range(self.shape.blocks))
         self.fd_step = None
         self.slots_free = list(range(64))
+        self.hook = None  # called once, mid-batch, after layer 1 is signalled
 
     def ready(self):
         self.dec.wait_ready()
@@ -144,6 +145,9 @@ class Run:
                         self.pre.signals[r].send(layer, [(q["slot"], b, n) for q, b, n in chunk])
                     else:
                         self.pre.signals[r].layer(layer)
+                if layer == 1 and self.hook:
+                    self.hook()
+                    self.hook = None
             for q, b, n in chunk:
                 done[q["rid"]] = b + n
         got = self.finished([q["rid"] for q in plan])
@@ -250,23 +254,34 @@ class Run:
         print("ok: connect tasks answered: success for the decode ranks, failure for a dead port")
         # the messagers still serve
         self.trace(8)
+        # the prefill engine's queue server goes away and comes back: the messagers say so,
+        # stay up, connect again and serve
+        try:
+            self.pre.restart_queue()
+        except RuntimeError as e:
+            fail(str(e), *self.insts)
+        self.trace(8)
+        print("ok: the queue server went away and came back: the messagers reconnected and served")
 
     def kill_role(self):
         """A kvferry role of prefill rank 1 killed while a batch moves: every request gets one
         status, on every rank, and no rank hangs at a barrier."""
-        run = os.environ.get("KVFERRY_RUN_DIR", "/tmp/kvferry-%d" % os.getuid())
         inst = "fd%s-prefill-1" % self.pre.suffix
-        pidf = os.path.join(run, inst, "kvf-sender.pid")
-        if not os.path.exists(pidf):
-            cands = [f for f in os.listdir(os.path.join(run, inst)) if "sender" in f and f.endswith(".pid")]
-            if not cands:
-                fail("no sender pid file in %s: %s" % (inst, os.listdir(os.path.join(run, inst))))
-            pidf = os.path.join(run, inst, cands[0])
-        pid = int(open(pidf).read().split()[0])
-        os.kill(pid, 9)
+        pid = None
+        for d in os.listdir("/proc"):
+            if d.isdigit():
+                try:
+                    argv = open("/proc/%s/cmdline" % d, "rb").read().split(b"\0")
+                except OSError:
+                    continue
+                if argv and argv[0].endswith(b"kvf-sender") and inst.encode() in argv:
+                    pid = int(d)
+        if pid is None:
+            fail("no kvf-sender of %s running" % inst, *self.insts)
         t0 = time.monotonic()
+        self.hook = lambda: os.kill(pid, 9)
         self.trace_any(8)
-        print("ok: a prefill rank's sender killed: every request answered once on every rank "
+        print("ok: a prefill rank's sender killed mid-batch: every request answered once on every rank "
               "(%.1f s)" % (time.monotonic() - t0))
 
     def trace_any(self, n):

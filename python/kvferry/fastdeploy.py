@@ -428,6 +428,10 @@ class QueueClient:
         for n in _QUEUE_IDS:
             _M.register(n)
         self.address, self.n, self.me, self.dp = address, nranks, rank, dp
+        # Proxies keep one connection per thread and server address: those of a server that
+        # went away are dead, and the next proxies must not inherit them.
+        from multiprocessing.managers import BaseProxy
+        BaseProxy._address_to_local.pop(address, None)
         self.m = _M(address=address, authkey=authkey)
         last = None
         for _ in range(tries):
@@ -438,7 +442,7 @@ class QueueClient:
                 last = e
                 time.sleep(interval)
         else:
-            raise ConnectionError("EngineWorkerQueue at %r: %s" % (address, last))
+            raise ConnectionError("EngineWorkerQueue at %r: %s" % (address, last or "no answer"))
         g = lambda n: getattr(self.m, n)(dp)  # noqa: E731
         self.lock_info, self.cache_infos = g("get_lock_info"), g("get_cache_infos")
         self.read_info = g("get_client_read_info_flag")
@@ -520,6 +524,9 @@ class _held:
         self.lock.release()
 
 
+QUEUE_ERRORS = (EOFError, ConnectionError, OSError)
+
+
 def wait_barrier(b, timeout, what):
     """A barrier of every rank's messager; a timeout breaks it for all (no rank hangs)."""
     import threading as _t
@@ -541,6 +548,7 @@ class Messager:
     def __init__(self, cfg):
         self.cfg = cfg
         self.stopping = threading.Event()
+        self.lost = threading.Event()  # the queue went away: its threads end, run() reconnects
         self.started_instance = False
         self.records = []
         self.client = None
@@ -704,27 +712,26 @@ class Messager:
 
     # -- threads --
 
+    def serving(self):
+        return not self.stopping.is_set() and not self.lost.is_set()
+
     def info_loop(self):
-        while not self.stopping.is_set():
+        while self.serving():
             try:
                 infos = self.queue.get_cache_info()
-            except (EOFError, ConnectionError, OSError) as e:
-                self.queue_gone(e)
-                return
-            if not infos:
-                time.sleep(0.001)
-                continue
-            wait_barrier(self.queue.cache_info_barrier, self.cfg.ns.kvf_barrier_timeout,
-                         "cache_info")
-            added = self.take_infos(infos)
-            if added and self.cfg.mode == "per_chunk":
-                try:
+                if not infos:
+                    time.sleep(0.001)
+                    continue
+                wait_barrier(self.queue.cache_info_barrier, self.cfg.ns.kvf_barrier_timeout,
+                             "cache_info")
+                added = self.take_infos(infos)
+                if added and self.cfg.mode == "per_chunk":
                     wait_barrier(self.queue.finish_add_barrier, self.cfg.ns.kvf_barrier_timeout,
                                  "finish_add_cache_task")
                     self.queue.put_finished_add_cache_task_req(added)
-                except (EOFError, ConnectionError, OSError) as e:
-                    self.queue_gone(e)
-                    return
+            except QUEUE_ERRORS as e:
+                self.queue_gone(e)
+                return
 
     def event_loop(self):
         while not self.stopping.is_set():
@@ -762,30 +769,33 @@ class Messager:
 
     def report_loop(self):
         """Statuses to the engine in merge order, every rank the same request at a time."""
-        while not self.stopping.is_set():
+        while self.serving():
             with self.cv:
-                while not self.stopping.is_set() and not (self.order and self.order[0] in self.status):
+                while self.serving() and not (self.order and self.order[0] in self.status):
                     self.cv.wait(0.2)
-                if self.stopping.is_set():
+                if not self.serving():
                     return
-                rid = self.order.pop(0)
-                kind, st = self.status.pop(rid)
+                rid = self.order[0]
+                kind, st = self.status[rid]
             fd = st if kind == "fd" else fd_status(st, self.old_names)
             try:
                 wait_barrier(self.queue.finish_send_barrier, self.cfg.ns.kvf_barrier_timeout,
                              "finish_send_cache")
                 self.queue.put_finished_req([[rid, fd]])
-            except (EOFError, ConnectionError, OSError) as e:
-                self.queue_gone(e)
+            except QUEUE_ERRORS as e:
+                self.queue_gone(e)  # the status stays, for the queue that comes back
                 return
+            with self.cv:
+                self.order.pop(0)
+                self.status.pop(rid)
             log.info("request %s: %s", rid, fd)
 
     def connect_loop(self):
         last = None
-        while not self.stopping.is_set():
+        while self.serving():
             try:
                 task, _ = self.queue.get_connect_rdma_task()
-            except (EOFError, ConnectionError, OSError) as e:
+            except QUEUE_ERRORS as e:
                 self.queue_gone(e)
                 return
             if task is None or (isinstance(task, dict) and task.get("task_id") == last):
@@ -797,13 +807,16 @@ class Messager:
             try:
                 wait_barrier(self.queue.conn_barrier, self.cfg.ns.kvf_barrier_timeout, "connect_task")
                 ok = self.connect(task)
-            except (ValueError, TypeError, KeyError, kvferry.KvferryError) as e:
+            except QUEUE_ERRORS as e:
+                self.queue_gone(e)
+                return
+            except (ValueError, TypeError, KeyError, AttributeError) as e:
                 log.error("connect task %r: %s", task, e)
             try:
                 self.queue.put_connect_rdma_task_response({"task_id": last, "success": ok})
                 wait_barrier(self.queue.resp_barrier, self.cfg.ns.kvf_barrier_timeout,
                              "connect_task_response")
-            except (EOFError, ConnectionError, OSError) as e:
+            except QUEUE_ERRORS as e:
                 self.queue_gone(e)
                 return
             log.info("connect task %s: %s", tid, "connected" if ok else "failed")
@@ -827,9 +840,10 @@ class Messager:
         return True
 
     def queue_gone(self, e):
-        if not self.stopping.is_set():
-            log.error("the EngineWorkerQueue went away (%s): stopping", e)
-            self.stopping.set()
+        if self.serving():
+            log.error("the EngineWorkerQueue went away (%s: %s): connecting again until it is "
+                      "back; statuses wait for it", type(e).__name__, e)
+            self.lost.set()
 
     # -- life --
 
@@ -852,18 +866,33 @@ class Messager:
             log.warning("cache_ready_signal.%s: %s (the engine creates it)", c.suffix, e)
         addr = "/dev/shm/fd_task_queue_%d.sock" % c.queue_port if c.queue_unix else \
             (c.ns.pod_ip, c.queue_port)
-        self.queue = QueueClient(addr, c.nranks, c.rank, c.dp)
-        threads = [self.event_loop]
-        if c.role in ("prefill", "mixed"):
-            threads += [self.info_loop, self.report_loop, self.connect_loop]
-        for f in threads:
-            threading.Thread(target=f, name=f.__name__, daemon=True).start()
-        log.info("ready")
+        threading.Thread(target=self.event_loop, name="events", daemon=True).start()
         parent = os.getppid()
-        while not self.stopping.wait(0.2):
-            if os.getppid() != parent:
-                log.info("the engine is gone: stopping")
-                break
+        said = 0.0
+        while not self.stopping.is_set():
+            try:
+                self.queue = QueueClient(addr, c.nranks, c.rank, c.dp, tries=1)
+            except QUEUE_ERRORS as e:
+                if time.monotonic() - said > 10:
+                    log.error("%s; trying again every second", e if "EngineWorkerQueue" in str(e)
+                              else "EngineWorkerQueue at %r: %s: %s" % (addr, type(e).__name__, e))
+                    said = time.monotonic()
+                if self.stopping.wait(1.0) or os.getppid() != parent:
+                    break
+                continue
+            self.lost.clear()
+            threads = []
+            if c.role in ("prefill", "mixed"):
+                for f in (self.info_loop, self.report_loop, self.connect_loop):
+                    threads.append(threading.Thread(target=f, name=f.__name__, daemon=True))
+                    threads[-1].start()
+            log.info("ready: serving the EngineWorkerQueue at %r", addr)
+            while not self.stopping.wait(0.2) and not self.lost.is_set():
+                if os.getppid() != parent:
+                    log.info("the engine is gone: stopping")
+                    self.stopping.set()
+            for t in threads:
+                t.join(5)
 
     def close(self):
         self.stopping.set()

@@ -113,6 +113,25 @@ class Instance:
         while self.engine.connected() < self.tp and time.monotonic() < end:
             time.sleep(0.05)
 
+    def restart_queue(self, down_s=1.5):
+        """The engine's queue server goes away and comes back on the same port."""
+        self.server.shutdown()
+        time.sleep(down_s)
+        for p in self.procs:
+            if p.poll() is not None:
+                raise RuntimeError("a %s messager exited %d when the queue went away:\n%s"
+                                   % (self.role, p.returncode, self.log_tail()))
+        self.server = ewq.serve(("127.0.0.1", self.port), self.tp)
+        self.engine = ewq.Engine(("127.0.0.1", self.port), self.tp)
+        if self.role == "prefill" and self.mode == "per_chunk":
+            import threading
+            threading.Thread(target=self._drain_added, daemon=True).start()
+        end = time.monotonic() + 30
+        while self.engine.connected() < self.tp and time.monotonic() < end:
+            time.sleep(0.05)
+        if self.engine.connected() < self.tp:
+            raise RuntimeError("the messagers did not come back to the queue:\n" + self.log_tail())
+
     def _drain_added(self):
         """V1: the engine takes the messagers' "cache task added" answers as they come."""
         eng = ewq.Engine(("127.0.0.1", self.port), self.tp)

@@ -853,10 +853,9 @@ class Messager:
                  "signals %s, instance %s", c.role, c.rank, c.nranks, c.dp, c.device, c.layers,
                  c.extra, c.blocks, c.heads, c.block_size, c.head_dim, c.dtype, c.mode, c.instance)
         self.bring_up()
-        try:
-            self.records = publish_records(self.client, c)
-        except OSError as e:
-            log.warning("caches not published in FastDeploy's format: %s", e)
+        # FastDeploy's worker attaches only through these records: without them it waits on
+        # cache_ready_signal for ever, so a failure here ends the messager, said loudly.
+        self.records = publish_records(self.client, c)
         if c.role in ("prefill", "mixed"):
             self.bridge = Bridge(self.client, c)
         try:
@@ -911,6 +910,10 @@ class Messager:
 
 
 def main(argv=None):
+    import shlex
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # kvferry's options for a messager FastDeploy starts with its own argv
+    argv += shlex.split(os.environ.get("KVFERRY_FD_ARGS", ""))
     ns, rest = parser().parse_known_args(argv)
     logging.basicConfig(level=getattr(logging, str(ns.kvf_log_level).upper(), logging.INFO),
                         format="%(asctime)s kvferry.fastdeploy[%(process)d] %(levelname)s %(message)s")

@@ -28,14 +28,14 @@ def fail(msg, *insts):
 class Run:
     def __init__(self, a):
         self.a = a
-        self.shape = dep.Shape()
+        self.shape = dep.Shape(extra=1 if a.older else 0)
         tag = "kvfemu%d%s" % (os.getpid(), a.mode[4])
         base = 1000 + (os.getpid() % 500) * 8  # device labels no other run on this host uses
         logdir = os.environ.get("KVFERRY_RUN_DIR", "/tmp")
         self.dec = dep.Instance("decode", a.tp, self.shape, [base + 4 + r for r in range(a.tp)],
-                                a.mode, a.protocol, tag, logdir)
+                                a.mode, a.protocol, tag, logdir, older=a.older)
         self.pre = dep.Instance("prefill", a.tp, self.shape, [base + r for r in range(a.tp)],
-                                a.mode, a.protocol, tag, logdir)
+                                a.mode, a.protocol, tag, logdir, older=a.older)
         self.insts = (self.pre, self.dec)
         self.rng = random.Random(7)
         self.free_p = list(range(self.shape.blocks))
@@ -100,7 +100,7 @@ class Run:
         # decode: the blocks it reserved hold a filler, so that untouched bytes show
         for r in range(self.a.tp):
             for q in plan:
-                for layer in range(sh.layers):
+                for layer in range(sh.all_layers):
                     for v in (0, 1):
                         t = self.dec.caches[r].tensor(layer, v)
                         for d in q["dst"]:
@@ -132,7 +132,7 @@ class Run:
             if not per_chunk:
                 for s in self.pre.signals:
                     s.begin_step()
-            for layer in range(sh.layers):
+            for layer in range(sh.all_layers):
                 for r in range(self.a.tp):
                     for v in (0, 1):
                         t = self.pre.caches[r].tensor(layer, v)
@@ -157,7 +157,7 @@ class Run:
             if st != "finished":
                 continue
             for r in range(self.a.tp):
-                for layer in range(sh.layers):
+                for layer in range(sh.all_layers):
                     for v in (0, 1):
                         t = self.dec.caches[r].tensor(layer, v)
                         for i, d in enumerate(q["dst"]):
@@ -188,7 +188,7 @@ class Run:
                 fail("trace requests failed: %r" % bad, *self.insts)
         print("ok: %d trace requests (%s, %s, %d ranks) finished and verified byte for byte on "
               "every decode rank: %d blocks x %d layers x 2 tensors, %.1f s"
-              % (n, self.a.mode, self.a.protocol, self.a.tp, blocks, self.shape.layers,
+              % (n, self.a.mode, self.a.protocol, self.a.tp, blocks, self.shape.all_layers,
                  time.monotonic() - t0))
 
     # -- failures, bad input, connect tasks --
@@ -229,7 +229,7 @@ class Run:
         if pc:
             # signals for slots no task holds, and a message kvferry refuses: both logged
             for r in range(self.a.tp):
-                for layer in range(sh.layers):
+                for layer in range(sh.all_layers):
                     self.pre.signals[r].send(layer, [(200, 0, 16), (201, 16, 16)])
                 self.pre.signals[r].send(0, [], count=9999)
         got = self.finished(list(want))
@@ -299,12 +299,16 @@ def main():
     p.add_argument("--requests", type=int, default=40)
     p.add_argument("--faults", action="store_true")
     p.add_argument("--kill", action="store_true")
+    p.add_argument("--older", action="store_true",
+                   help="the older argv (--engine_pid, --num_hidden_layers, --num_gpu_blocks ...), "
+                        "the queue on a unix socket, and an MTP layer (--speculative_config)")
     a = p.parse_args()
     r = Run(a)
     try:
         r.ready()
-        print("ok: %s: prefill and decode up, %d ranks each, caches attached from the records"
-              % (a.mode, a.tp))
+        print("ok: %s: prefill and decode up, %d ranks each%s, caches attached from the records"
+              % (a.mode, a.tp, " (older argv, queue on a unix socket, an MTP layer)"
+                 if a.older else ""))
         r.trace(a.requests)
         if a.faults:
             r.faults()

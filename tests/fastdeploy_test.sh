@@ -11,5 +11,5 @@ cd "$ROOT"
 [ -e "$B/libkvferry_fastdeploy.so.0" ] || fail "$B/libkvferry_fastdeploy.so.0 is not built"
 T=(timeout 150 /usr/bin/python3 "$ROOT/tests/fastdeploy_test.py")
 "${T[@]}" --mode per_chunk --protocol ipc --requests 200 --faults --kill || fail "per_chunk over ipc"
-"${T[@]}" --mode per_query --protocol tcp --requests 60 --faults || fail "per_query over tcp"
+"${T[@]}" --mode per_query --protocol tcp --requests 60 --faults --older || fail "per_query over tcp"
 pass "fastdeploy: both signal modes, ipc and tcp, through FastDeploy's interfaces"

@@ -269,30 +269,46 @@ class Bridge:
         if rc < 0:
             raise OSError(-rc, "fastdeploy bridge: %s" % err.value.decode(errors="replace"))
         self._err_seen = ""
+        self._lk = threading.Lock()  # no call into the bridge while (or after) it stops
+
+    def _h(self):
+        if not self.h:
+            raise OSError(_errno.EBADF, "fastdeploy bridge: stopped")
+        return self.h
 
     def stop(self):
-        if self.h:
-            self.lib.kvf_fd_bridge_stop(self.h)
-            self.h = None
+        with self._lk:
+            if self.h:
+                self.lib.kvf_fd_bridge_stop(self.h)
+                self.h = None
 
     def step_of(self, fd_step):
-        return int(self.lib.kvf_fd_bridge_step_of(self.h, int(fd_step)))
+        with self._lk:
+            return int(self.lib.kvf_fd_bridge_step_of(self._h(), int(fd_step)))
 
     def submit_slot(self, slot, rid, need, packed, off):
-        return self.lib.kvf_fd_bridge_submit_slot(self.h, slot, rid.encode(), need, packed,
-                                                  len(packed), off)
+        with self._lk:
+            return self.lib.kvf_fd_bridge_submit_slot(self._h(), slot, rid.encode(), need, packed,
+                                                      len(packed), off)
 
     def release_slot(self, slot, rid):
-        return self.lib.kvf_fd_bridge_release_slot(self.h, slot, rid.encode())
+        with self._lk:
+            if not self.h:
+                return -_errno.EBADF
+            return self.lib.kvf_fd_bridge_release_slot(self.h, slot, rid.encode())
 
     def stats(self):
         s = _BridgeStats()
-        self.lib.kvf_fd_bridge_get_stats(self.h, ctypes.byref(s))
+        with self._lk:
+            self.lib.kvf_fd_bridge_get_stats(self._h(), ctypes.byref(s))
         return {n: int(getattr(s, n)) for n, _ in _BridgeStats._fields_}
 
     def new_error(self):
         b = ctypes.create_string_buffer(400)
-        self.lib.kvf_fd_bridge_error(self.h, b, 400)
+        with self._lk:
+            if not self.h:
+                return None
+            self.lib.kvf_fd_bridge_error(self.h, b, 400)
         e = b.value.decode(errors="replace")
         if e and e != self._err_seen:
             self._err_seen = e
@@ -637,13 +653,18 @@ class Messager:
                 self._release(rid)
                 self._fail_now(rid, FD_WRITE_ERROR, "decode side: %s" % info["error_msg"])
                 continue
+            with self.cv:
+                moving = rid in self.order
+            if moving:
+                log.error("request %s is still moving: a second task of that id is dropped", rid)
+                continue
             if "src_block_ids" in info and "dest_block_ids" not in info:
                 added.append(rid)
             first = self.halves.pop(rid, None)
-            if first is None:
+            if first is None and not ("src_block_ids" in info and "dest_block_ids" in info):
                 self.halves[rid] = dict(info)
                 continue
-            task = dict(first)
+            task = dict(first or {})
             task.update(info)
             try:
                 self.submit(rid, task)
@@ -678,31 +699,32 @@ class Messager:
         if "peer" in t:
             rec["peer"] = str(t["peer"])
         cur = int(t["current_id"])
-        with self.cv:
-            self.order.append(rid)
         if self.cfg.mode == "per_chunk":
             if not 0 <= cur < 512:
                 raise ValueError("current_id %d is not a batch slot (0..511)" % cur)
             need = int(t.get("need_prefill_tokens") or len(src) * self.cfg.block_size)
             rec["chunked"] = True
             packed, off = pack_with_step(rec)
-            with self.cv:
-                self.slot_of[rid] = cur
-            rc = self.bridge.submit_slot(cur, rid, need, packed, off)
-            if rc < 0:
-                with self.cv:
-                    self.slot_of.pop(rid, None)
-                    self.order.remove(rid)
-                raise OSError(-rc, "slot %d: %s" % (cur, os.strerror(-rc) if rc != -_errno.EBUSY
-                                                    else "another request still holds it"))
         else:
             rec["current_id"] = self.bridge.step_of(cur % 100003) if self.bridge else cur
-            try:
+        # In the report order before kvferry can answer; out of it again if kvferry never got it.
+        with self.cv:
+            self.order.append(rid)
+            if self.cfg.mode == "per_chunk":
+                self.slot_of[rid] = cur
+        try:
+            if self.cfg.mode == "per_chunk":
+                rc = self.bridge.submit_slot(cur, rid, need, packed, off)
+                if rc < 0:
+                    raise OSError(-rc, "slot %d: %s" % (cur, "another request still holds it"
+                                                        if rc == -_errno.EBUSY else os.strerror(-rc)))
+            else:
                 self.client.submit_task(rec)
-            except kvferry.KvferryError:
-                with self.cv:
-                    self.order.remove(rid)
-                raise
+        except BaseException:
+            with self.cv:
+                self.slot_of.pop(rid, None)
+                self.order.remove(rid)
+            raise
 
     def _release(self, rid):
         with self.cv:
@@ -788,7 +810,7 @@ class Messager:
             with self.cv:
                 self.order.pop(0)
                 self.status.pop(rid)
-            log.info("request %s: %s", rid, fd)
+            (log.debug if fd == FD_FINISHED else log.warning)("request %s: %s", rid, fd)
 
     def connect_loop(self):
         last = None
@@ -902,6 +924,10 @@ class Messager:
                 pass
         remove_records(self.records)
         if self.bridge:
+            try:
+                log.info("layer signals: %s", " ".join("%s %d" % kv for kv in self.bridge.stats().items()))
+            except OSError:
+                pass
             self.bridge.stop()
             self.bridge = None
         if self.client:

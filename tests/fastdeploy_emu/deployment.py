@@ -28,8 +28,10 @@ def free_port():
 
 
 class Shape:
-    def __init__(self, layers=4, blocks=256, heads=2, block_size=16, head_dim=32, dtype="bfloat16"):
+    def __init__(self, layers=4, blocks=256, heads=2, block_size=16, head_dim=32, dtype="bfloat16",
+                 extra=0):
         self.layers, self.blocks, self.heads = layers, blocks, heads
+        self.extra, self.all_layers = extra, layers + extra
         self.block_size, self.head_dim, self.dtype = block_size, head_dim, dtype
         self.block_bytes = heads * block_size * head_dim * 2
 
@@ -42,13 +44,17 @@ class Instance:
     """One emulated FastDeploy instance (prefill or decode): its queue server, its
     cache_ready_signal, a messager per rank, and the worker's view of each rank's caches."""
 
-    def __init__(self, role, tp, shape, devices, mode, protocol, tag, logdir, rdma_ports=None):
+    def __init__(self, role, tp, shape, devices, mode, protocol, tag, logdir, rdma_ports=None,
+                 older=False):
         self.role, self.tp, self.shape, self.devices = role, tp, shape, devices
         self.mode, self.protocol = mode, protocol
         self.port = free_port()
         self.suffix = "%s%s" % (tag, role[0])
-        self.server = ewq.serve(("127.0.0.1", self.port), tp)
-        self.engine = ewq.Engine(("127.0.0.1", self.port), tp)
+        # FD_ENGINE_TASK_QUEUE_WITH_SHM: the queue on a unix socket named by the port
+        self.addr = "/dev/shm/fd_task_queue_%d.sock" % self.port if older else \
+            ("127.0.0.1", self.port)
+        self.server = ewq.serve(self.addr, tp)
+        self.engine = ewq.Engine(self.addr, tp)
         self.ready_path = "/dev/shm/cache_ready_signal.%s" % self.suffix
         with open(self.ready_path, "wb") as f:  # the engine makes it, as FastDeploy's does
             f.write(b"\0" * 4 * tp)
@@ -62,18 +68,26 @@ class Instance:
             env.update(FLAGS_use_pd_disaggregation="1")
             env.pop("FLAGS_use_pd_disaggregation_per_chunk", None)
             env.pop("ENABLE_V1_KVCACHE_SCHEDULER", None)
+        if older:
+            env["FD_ENGINE_TASK_QUEUE_WITH_SHM"] = "1"
+        spec = json.dumps({"method": "mtp", "num_speculative_tokens": 1} if shape.extra else {})
         for r in range(tp):
             argv = [sys.executable, "-m", "kvferry.fastdeploy",
                     "--splitwise_role", role, "--rank", str(r), "--device_id", str(devices[r]),
-                    "--num_layers", str(shape.layers), "--mp_num", str(tp),
-                    "--cache_dtype", shape.dtype, "--key_cache_shape", shape.shape,
-                    "--value_cache_shape", shape.shape, "--pod_ip", "127.0.0.1",
-                    "--default_dtype", "bfloat16", "--cache_queue_port", str(free_port()),
+                    "--mp_num", str(tp), "--cache_dtype", shape.dtype, "--pod_ip", "127.0.0.1",
                     "--engine_worker_queue_port", str(self.port), "--protocol", protocol,
-                    "--local_data_parallel_id", "0", "--ipc_suffix", self.suffix,
-                    "--rdma_port", str(self.rdma_ports[r]), "--speculative_config", "{}",
-                    "--kvf-msg-key-device-stride", "1", "--kvf-tasks-over", "tcp",
-                    "--kvf-up-arg", "--request-timeout-ms 20000"]
+                    "--local_data_parallel_id", "0", "--rdma_port", str(self.rdma_ports[r]),
+                    "--speculative_config", spec]
+            if older:  # FastDeploy's first messager: the engine's pid, the shape in pieces
+                argv += ["--engine_pid", self.suffix, "--num_hidden_layers", str(shape.layers),
+                         "--num_gpu_blocks", str(shape.blocks), "--kv_num_head", str(shape.heads),
+                         "--block_size", str(shape.block_size), "--head_dim", str(shape.head_dim)]
+            else:
+                argv += ["--ipc_suffix", self.suffix, "--num_layers", str(shape.layers),
+                         "--key_cache_shape", shape.shape, "--value_cache_shape", shape.shape,
+                         "--default_dtype", "bfloat16", "--cache_queue_port", str(free_port())]
+            argv += ["--kvf-msg-key-device-stride", "1", "--kvf-tasks-over", "tcp",
+                     "--kvf-up-arg", "--request-timeout-ms 20000"]
             log = open(os.path.join(logdir, "messager-%s-%d.log" % (role, r)), "w")
             self.logs.append(log.name)
             self.procs.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env,
@@ -97,7 +111,7 @@ class Instance:
         else:
             raise RuntimeError("%s: cache_ready_signal not set within %d s:\n%s" %
                                (self.role, timeout, self.log_tail()))
-        self.caches = [worker.Caches(r, self.devices[r], self.shape.layers) for r in range(self.tp)]
+        self.caches = [worker.Caches(r, self.devices[r], self.shape.all_layers) for r in range(self.tp)]
         if self.role == "prefill":
             for r in range(self.tp):
                 if self.mode == "per_chunk":
@@ -121,8 +135,8 @@ class Instance:
             if p.poll() is not None:
                 raise RuntimeError("a %s messager exited %d when the queue went away:\n%s"
                                    % (self.role, p.returncode, self.log_tail()))
-        self.server = ewq.serve(("127.0.0.1", self.port), self.tp)
-        self.engine = ewq.Engine(("127.0.0.1", self.port), self.tp)
+        self.server = ewq.serve(self.addr, self.tp)
+        self.engine = ewq.Engine(self.addr, self.tp)
         if self.role == "prefill" and self.mode == "per_chunk":
             import threading
             threading.Thread(target=self._drain_added, daemon=True).start()
@@ -134,7 +148,7 @@ class Instance:
 
     def _drain_added(self):
         """V1: the engine takes the messagers' "cache task added" answers as they come."""
-        eng = ewq.Engine(("127.0.0.1", self.port), self.tp)
+        eng = ewq.Engine(self.addr, self.tp)
         while True:
             try:
                 r = eng.get_finished_add_cache_task_req()

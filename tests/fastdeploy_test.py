@@ -31,11 +31,17 @@ class Run:
         self.shape = dep.Shape(extra=1 if a.older else 0)
         tag = "kvfemu%d%s" % (os.getpid(), a.mode[4])
         base = 1000 + (os.getpid() % 500) * 8  # device labels no other run on this host uses
+        pdev = [base + r for r in range(a.tp)]
+        ddev = [base + 4 + r for r in range(a.tp)]
+        if a.gpu:  # real GPUs: prefill on the first tp, decode on the next tp (or the same)
+            ngpu = int(os.environ.get("KVF_TEST_GPUS", "1"))
+            pdev = list(range(a.tp))
+            ddev = list(range(a.tp, 2 * a.tp)) if ngpu >= 2 * a.tp else pdev
         logdir = os.environ.get("KVFERRY_RUN_DIR", "/tmp")
-        self.dec = dep.Instance("decode", a.tp, self.shape, [base + 4 + r for r in range(a.tp)],
-                                a.mode, a.protocol, tag, logdir, older=a.older)
-        self.pre = dep.Instance("prefill", a.tp, self.shape, [base + r for r in range(a.tp)],
-                                a.mode, a.protocol, tag, logdir, older=a.older)
+        self.dec = dep.Instance("decode", a.tp, self.shape, ddev, a.mode, a.protocol, tag, logdir,
+                                older=a.older, gpu=a.gpu)
+        self.pre = dep.Instance("prefill", a.tp, self.shape, pdev, a.mode, a.protocol, tag, logdir,
+                                older=a.older, gpu=a.gpu)
         self.insts = (self.pre, self.dec)
         self.rng = random.Random(7)
         self.free_p = list(range(self.shape.blocks))
@@ -299,6 +305,8 @@ def main():
     p.add_argument("--requests", type=int, default=40)
     p.add_argument("--faults", action="store_true")
     p.add_argument("--kill", action="store_true")
+    p.add_argument("--gpu", action="store_true",
+                   help="GPU caches (2 x tp GPUs): FastDeploy's cudaIpcMemHandle records")
     p.add_argument("--older", action="store_true",
                    help="the older argv (--engine_pid, --num_hidden_layers, --num_gpu_blocks ...), "
                         "the queue on a unix socket, and an MTP layer (--speculative_config)")
@@ -317,8 +325,8 @@ def main():
     finally:
         t0 = time.monotonic()
         codes = [r.pre.stop(), r.dec.stop()]
-    left = [n for n in os.listdir("/dev/shm") if n.endswith(tuple(".device%d" % d for d in
-                                                                   r.pre.devices + r.dec.devices))]
+    ends = tuple(".device%d%s" % (d, s) for d in r.pre.devices + r.dec.devices for s in ("", ".d"))
+    left = [n for n in os.listdir("/dev/shm") if n.endswith(ends) and n.startswith(("key_", "value_"))]
     if any(c != 0 for cs in codes for c in cs):
         fail("messagers' exit codes on SIGTERM: %r" % codes, *r.insts)
     if left:

@@ -43,6 +43,7 @@ _DTYPES = {"bfloat16": "bf16", "bf16": "bf16", "float16": "fp16", "fp16": "fp16"
 
 RECORD_MAGIC = b"KVFHOST1"
 RECORD_FMT = "<8sQQQ256s"  # magic, offset, bytes, pid of the publisher, path (NUL padded)
+GPU_RECORD_BYTES = 72  # FastDeploy's: size_t nprocesses; cudaIpcMemHandle_t handle
 
 
 def fd_status(kvf_status, old_names=False):
@@ -343,11 +344,16 @@ def _mapping_of(addr):
 
 
 def record_names(cfg):
+    """FastDeploy's names of this rank's tensors (".<FD_IPC_APPEND_SUFFIX>" after them when
+    that is set, as FastDeploy does for two instances on one GPU)."""
+    sfx = os.environ.get("FD_IPC_APPEND_SUFFIX", "")
+    sfx = "." + sfx if sfx and "/" not in sfx else ""
     names = []
     for layer in range(cfg.layers + cfg.extra):
-        names.append(("key_caches_%d_rank%d.device%d" % (layer, cfg.rank, cfg.device), layer, 0))
+        names.append(("key_caches_%d_rank%d.device%d%s" % (layer, cfg.rank, cfg.device, sfx), layer, 0))
         if not cfg.key_only:
-            names.append(("value_caches_%d_rank%d.device%d" % (layer, cfg.rank, cfg.device), layer, 1))
+            names.append(("value_caches_%d_rank%d.device%d%s" % (layer, cfg.rank, cfg.device, sfx),
+                          layer, 1))
     return names
 
 
@@ -355,9 +361,21 @@ def publish_records(client, cfg, shm_dir="/dev/shm"):
     """FastDeploy's per-tensor records. Host caches: kvferry's own record (RECORD_FMT: a magic, a
     file and an offset) under FastDeploy's name; each replaces a stale one atomically."""
     if client.device is not None:
-        raise OSError(_errno.ENOTSUP, "publishing GPU caches as FastDeploy's cudaIpcMemHandle "
-                      "records needs one allocation per tensor, which the cuda backend does "
-                      "not make yet (docs/FASTDEPLOY.md)")
+        # GPU caches: the allocator made one allocation per tensor and published FastDeploy's
+        # own records (kvf-allocator --fastdeploy); they must all be there.
+        for name, _, _ in record_names(cfg):
+            p = os.path.join(shm_dir, name)
+            try:
+                size = os.stat(p).st_size
+            except OSError:
+                size = -1
+            if size != GPU_RECORD_BYTES:
+                raise OSError(_errno.ENOENT, "%s: %s; the instance %s was not started with "
+                              "`tools/kvferry up --fastdeploy` (one allocation per tensor), or "
+                              "--device/--rank differ from FastDeploy's" %
+                              (p, "missing" if size < 0 else "%d bytes, not FastDeploy's 72" % size,
+                               cfg.instance))
+        return []
     done = []
     for name, layer, v in record_names(cfg):
         t = client.tensor(layer, v)
@@ -584,7 +602,7 @@ class Messager:
 
     def up_args(self):
         c = self.cfg
-        a = ["--instance", c.instance, "--role", c.role, "--layers", str(c.layers),
+        a = ["--instance", c.instance, "--role", c.role, "--fastdeploy", "--layers", str(c.layers),
              "--kv-heads", str(c.heads), "--head-dim", str(c.head_dim), "--dtype", c.dtype,
              "--blocks", str(c.blocks), "--block-size", str(c.block_size),
              "--rank", str(c.rank), "--nranks", str(c.nranks), "--device", str(c.device)]
@@ -878,6 +896,9 @@ class Messager:
         # FastDeploy's worker attaches only through these records: without them it waits on
         # cache_ready_signal for ever, so a failure here ends the messager, said loudly.
         self.records = publish_records(self.client, c)
+        if self.client.device is not None:
+            log.info("GPU %d caches: FastDeploy's records published by the allocator",
+                     self.client.device)
         if c.role in ("prefill", "mixed"):
             self.bridge = Bridge(self.client, c)
         try:

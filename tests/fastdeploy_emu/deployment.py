@@ -45,7 +45,7 @@ class Instance:
     cache_ready_signal, a messager per rank, and the worker's view of each rank's caches."""
 
     def __init__(self, role, tp, shape, devices, mode, protocol, tag, logdir, rdma_ports=None,
-                 older=False):
+                 older=False, gpu=False):
         self.role, self.tp, self.shape, self.devices = role, tp, shape, devices
         self.mode, self.protocol = mode, protocol
         self.port = free_port()
@@ -70,6 +70,10 @@ class Instance:
             env.pop("ENABLE_V1_KVCACHE_SCHEDULER", None)
         if older:
             env["FD_ENGINE_TASK_QUEUE_WITH_SHM"] = "1"
+        # decode on the GPUs prefill uses (one GPU): its records get FastDeploy's suffix
+        self.name_suffix = "d" if gpu and role == "decode" else ""
+        if self.name_suffix:
+            env["FD_IPC_APPEND_SUFFIX"] = self.name_suffix
         spec = json.dumps({"method": "mtp", "num_speculative_tokens": 1} if shape.extra else {})
         for r in range(tp):
             argv = [sys.executable, "-m", "kvferry.fastdeploy",
@@ -86,6 +90,8 @@ class Instance:
                 argv += ["--ipc_suffix", self.suffix, "--num_layers", str(shape.layers),
                          "--key_cache_shape", shape.shape, "--value_cache_shape", shape.shape,
                          "--default_dtype", "bfloat16", "--cache_queue_port", str(free_port())]
+            if gpu:
+                argv += ["--kvf-backend", "cuda"]
             argv += ["--kvf-msg-key-device-stride", "1", "--kvf-tasks-over", "tcp",
                      "--kvf-up-arg", "--request-timeout-ms 20000"]
             log = open(os.path.join(logdir, "messager-%s-%d.log" % (role, r)), "w")
@@ -111,7 +117,9 @@ class Instance:
         else:
             raise RuntimeError("%s: cache_ready_signal not set within %d s:\n%s" %
                                (self.role, timeout, self.log_tail()))
-        self.caches = [worker.Caches(r, self.devices[r], self.shape.all_layers) for r in range(self.tp)]
+        self.caches = [worker.Caches(r, self.devices[r], self.shape.all_layers,
+                                     tensor_bytes=self.shape.blocks * self.shape.block_bytes,
+                                     suffix=self.name_suffix) for r in range(self.tp)]
         if self.role == "prefill":
             for r in range(self.tp):
                 if self.mode == "per_chunk":

@@ -17,7 +17,81 @@ class AttachError(Exception):
     pass
 
 
-def attach_tensor(name, shm_dir="/dev/shm"):
+class _Cuda:
+    """The few CUDA runtime calls a FastDeploy worker makes to attach and fill its caches."""
+    lib = None
+
+    class Handle(ctypes.Structure):
+        _fields_ = [("reserved", ctypes.c_char * 64)]
+
+    @classmethod
+    def get(cls):
+        if cls.lib is None:
+            names = [os.environ.get("CUDART_LIB", ""), "libcudart.so", "libcudart.so.13",
+                     "libcudart.so.12", "/usr/local/cuda/lib64/libcudart.so"]
+            for n in names:
+                if not n:
+                    continue
+                try:
+                    cls.lib = ctypes.CDLL(n)
+                    break
+                except OSError:
+                    pass
+            else:
+                raise AttachError("no CUDA runtime (libcudart) to attach GPU caches with")
+        return cls.lib
+
+
+class DeviceTensor:
+    """A tensor opened from FastDeploy's 72-byte record: cudaIpcOpenMemHandle, the pointer used
+    with no offset. Slices read and write through cudaMemcpy."""
+
+    def __init__(self, device, handle, size):
+        cu = _Cuda.get()
+        self.cu, self.device, self.size = cu, device, size
+        self._set()
+        ptr = ctypes.c_void_p()
+        h = _Cuda.Handle()
+        ctypes.memmove(ctypes.byref(h), handle, 64)
+        cu.cudaIpcOpenMemHandle.argtypes = [ctypes.POINTER(ctypes.c_void_p), _Cuda.Handle, ctypes.c_uint]
+        rc = cu.cudaIpcOpenMemHandle(ctypes.byref(ptr), h, 1)  # cudaIpcMemLazyEnablePeerAccess
+        if rc != 0:
+            raise AttachError("cudaIpcOpenMemHandle: CUDA error %d" % rc)
+        self.ptr = ptr.value
+
+    def _set(self):
+        self.cu.cudaSetDevice(self.device)
+
+    def __len__(self):
+        return self.size
+
+    def _range(self, k):
+        a, b, _ = k.indices(self.size)
+        return a, b
+
+    def __setitem__(self, k, data):
+        a, b = self._range(k)
+        if len(data) != b - a:
+            raise ValueError("%d bytes for a slice of %d" % (len(data), b - a))
+        self._set()
+        buf = ctypes.create_string_buffer(bytes(data), len(data))
+        self.cu.cudaMemcpy.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        rc = self.cu.cudaMemcpy(ctypes.c_void_p(self.ptr + a), buf, b - a, 1)  # host to device
+        if rc:
+            raise AttachError("cudaMemcpy to the cache: CUDA error %d" % rc)
+
+    def __getitem__(self, k):
+        a, b = self._range(k)
+        self._set()
+        buf = ctypes.create_string_buffer(b - a)
+        self.cu.cudaMemcpy.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        rc = self.cu.cudaMemcpy(buf, ctypes.c_void_p(self.ptr + a), b - a, 2)  # device to host
+        if rc:
+            raise AttachError("cudaMemcpy from the cache: CUDA error %d" % rc)
+        return buf.raw
+
+
+def attach_tensor(name, shm_dir="/dev/shm", device=None, size=None):
     """The tensor named `name` (key_caches_{layer}_rank{rank}.device{device}): a writable
     memoryview of exactly the tensor's bytes."""
     path = os.path.join(shm_dir, name)
@@ -27,7 +101,9 @@ def attach_tensor(name, shm_dir="/dev/shm"):
     except OSError as e:
         raise AttachError("record %s: %s" % (name, e))
     if len(rec) == GPU_RECORD_BYTES:
-        raise AttachError("%s holds a CUDA IPC handle: this worker has no GPU" % name)
+        if device is None or size is None:
+            raise AttachError("%s holds a CUDA IPC handle: give the device and size" % name)
+        return DeviceTensor(device, rec[8:72], size)
     if len(rec) != struct.calcsize(RECORD_FMT) or rec[:8] != RECORD_MAGIC:
         raise AttachError("%s is not a kvferry host-cache record (%d bytes)" % (name, len(rec)))
     _, off, size, _pid, p = struct.unpack(RECORD_FMT, rec)
@@ -43,12 +119,16 @@ def attach_tensor(name, shm_dir="/dev/shm"):
 
 
 class Caches:
-    def __init__(self, rank, device, layers, key_only=False):
+    def __init__(self, rank, device, layers, key_only=False, tensor_bytes=None, suffix=""):
         self.t = {}
+        kw = {"device": device, "size": tensor_bytes}
+        sfx = "." + suffix if suffix else ""
         for layer in range(layers):
-            self.t[(layer, 0)] = attach_tensor("key_caches_%d_rank%d.device%d" % (layer, rank, device))
+            self.t[(layer, 0)] = attach_tensor("key_caches_%d_rank%d.device%d%s" % (layer, rank, device, sfx),
+                                               **kw)
             if not key_only:
-                self.t[(layer, 1)] = attach_tensor("value_caches_%d_rank%d.device%d" % (layer, rank, device))
+                self.t[(layer, 1)] = attach_tensor("value_caches_%d_rank%d.device%d%s"
+                                                   % (layer, rank, device, sfx), **kw)
 
     def tensor(self, layer, v):
         return self.t[(layer, v)]

@@ -12,4 +12,14 @@ cd "$ROOT"
 T=(timeout 150 /usr/bin/python3 "$ROOT/tests/fastdeploy_test.py")
 "${T[@]}" --mode per_chunk --protocol ipc --requests 200 --faults --kill || fail "per_chunk over ipc"
 "${T[@]}" --mode per_query --protocol tcp --requests 60 --faults --older || fail "per_query over tcp"
+# GPU caches in FastDeploy's own format (one allocation per tensor, cudaIpcMemHandle records),
+# where a GPU is visible and the build has CUDA: one rank, decode on the same GPU as prefill
+# (FD_IPC_APPEND_SUFFIX) unless KVF_TEST_GPUS says there are two.
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 &&
+  [ -e "$B/gpu/libkvf_gpu.a" ]; then
+  "${T[@]}" --gpu --tp 1 --mode per_chunk --protocol ipc --requests 40 --faults || fail "GPU, ipc"
+  "${T[@]}" --gpu --tp 1 --mode per_query --protocol tcp --requests 20 || fail "GPU, tcp"
+else
+  echo "GPU part skipped: no GPU visible, or a build without CUDA"
+fi
 pass "fastdeploy: both signal modes, ipc and tcp, through FastDeploy's interfaces"

@@ -37,8 +37,8 @@ static void record_name(const struct kvf_ctl_header *h, uint32_t i, char *out, s
         uint32_t t = kvf_layout_tensors(&h->layout);
         const char *sfx = getenv("FD_IPC_APPEND_SUFFIX");
         bool dot = sfx && sfx[0] && !strchr(sfx, '/');
-        snprintf(out, len, "%s_caches_%u_rank%u.device%u%s%s", i % t ? "value" : "key", i / t, h->rank,
-                 h->device, dot ? "." : "", dot ? sfx : "");
+        snprintf(out, len, "%s_caches_%u_rank%u.device%u%s%s", i % t ? "value" : "key", i / t,
+                 h->rank, h->device, dot ? "." : "", dot ? sfx : "");
 }
 
 static const uint8_t *handle_of(const struct kvf_ctl_header *h, uint32_t i)
@@ -57,7 +57,8 @@ int kvf_fd_publish(const struct kvf_ctl_header *h)
                 snprintf(tmp, sizeof(tmp), "%s/.%s.%d", shm_dir(), name, (int)getpid());
                 int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
                 if (fd < 0)
-                        return kvf_err_set(-errno, "FastDeploy record %s: %s", tmp, strerror(errno));
+                        return kvf_err_set(-errno, "FastDeploy record %s: %s", tmp,
+                                           strerror(errno));
                 ssize_t n = write(fd, &r, sizeof(r));
                 int e = n == (ssize_t)sizeof(r) ? 0 : (n < 0 ? errno : EIO);
                 close(fd);

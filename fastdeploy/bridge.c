@@ -31,10 +31,10 @@ struct fd_msg {
 
 struct slot {
         char rid[128];
-        bool active;        /* a task holds the slot */
-        bool adopted;       /* the history below belongs to a task (now or before) */
-        bool fresh;         /* the active task came before any chunk of its own */
-        uint64_t need;      /* need_prefill_tokens of the active task */
+        bool active;   /* a task holds the slot */
+        bool adopted;  /* the history below belongs to a task (now or before) */
+        bool fresh;    /* the active task came before any chunk of its own */
+        uint64_t need; /* need_prefill_tokens of the active task */
         /* The slot's chunks since its last chunk that did not continue the one before. */
         bool have;
         uint64_t first_step;
@@ -57,12 +57,13 @@ struct kvf_fd_bridge {
         pthread_mutex_t mu; /* slots, stats, err, steps */
         struct slot slots[KVF_FD_MAX_SLOTS];
         struct kvf_fd_bridge_stats st;
-        uint64_t base;        /* the kvferry step of FastDeploy's (unwrapped) step -1 */
-        int64_t unwrapped;    /* per_query: FastDeploy's step without the wrap (-1: before any) */
+        uint64_t base;     /* the kvferry step of FastDeploy's (unwrapped) step -1 */
+        int64_t unwrapped; /* per_query: FastDeploy's step without the wrap (-1: before any) */
         char err[320];
 };
 
-static void set_err(struct kvf_fd_bridge *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void set_err(struct kvf_fd_bridge *b, const char *fmt, ...)
+    __attribute__((format(printf, 2, 3)));
 static void set_err(struct kvf_fd_bridge *b, const char *fmt, ...)
 {
         va_list ap;
@@ -194,11 +195,14 @@ static void *chunk_thread(void *arg)
                 int count = n >= 8 ? t[0] : -1, layer = n >= 8 ? t[1] : -1;
                 pthread_mutex_lock(&b->mu);
                 b->st.signals++;
-                if (count < 0 || count > KVF_FD_MAX_SLOTS || (size_t)n < (size_t)(2 + 3 * count) * 4 ||
-                    layer < 0 || (unsigned)layer >= b->cfg.layers) {
+                if (count < 0 || count > KVF_FD_MAX_SLOTS ||
+                    (size_t)n < (size_t)(2 + 3 * count) * 4 || layer < 0 ||
+                    (unsigned)layer >= b->cfg.layers) {
                         b->st.bad_signals++;
-                        set_err(b, "refused a layer message of %zd bytes: count %d, layer %d (%u layers)", n,
-                                count, layer, b->cfg.layers);
+                        set_err(
+                            b,
+                            "refused a layer message of %zd bytes: count %d, layer %d (%u layers)",
+                            n, count, layer, b->cfg.layers);
                         pthread_mutex_unlock(&b->mu);
                         continue;
                 }
@@ -212,11 +216,14 @@ static void *chunk_thread(void *arg)
                                 int slot = t[2 + 3 * i], before = t[3 + 3 * i], tok = t[4 + 3 * i];
                                 if (slot < 0 || slot >= KVF_FD_MAX_SLOTS || before < 0 || tok < 0) {
                                         b->st.bad_signals++;
-                                        set_err(b, "refused a chunk triple (slot %d, before %d, tokens %d)",
+                                        set_err(b,
+                                                "refused a chunk triple (slot %d, before %d, "
+                                                "tokens %d)",
                                                 slot, before, tok);
                                         continue;
                                 }
-                                slot_chunk(b, (unsigned)slot, b->st.kvf_step, (uint64_t)before, (uint64_t)tok);
+                                slot_chunk(b, (unsigned)slot, b->st.kvf_step, (uint64_t)before,
+                                           (uint64_t)tok);
                         }
                 }
                 prev_layer = layer;
@@ -229,7 +236,8 @@ static void *chunk_thread(void *arg)
 
 /* ---- per_query: two int32 values in POSIX shared memory, polled ---- */
 
-static int map_word(struct kvf_fd_bridge *b, const char *what, int32_t **out, char *err, size_t errlen)
+static int map_word(struct kvf_fd_bridge *b, const char *what, int32_t **out, char *err,
+                    size_t errlen)
 {
         char path[512];
         snprintf(path, sizeof(path), "%s/splitwise_complete_prefilled_%s_%u.%u",
@@ -248,7 +256,8 @@ static int map_word(struct kvf_fd_bridge *b, const char *what, int32_t **out, ch
                 return -e;
         }
         if (!made && sb.st_size < 4) {
-                snprintf(err, errlen, "%s holds %lld bytes, not an int32", path, (long long)sb.st_size);
+                snprintf(err, errlen, "%s holds %lld bytes, not an int32", path,
+                         (long long)sb.st_size);
                 close(fd);
                 return -EPROTO;
         }
@@ -294,7 +303,8 @@ static void *query_thread(void *arg)
                         if (s1 < 0 || s1 >= M) {
                                 if (s1 != -1) {
                                         b->st.bad_signals++;
-                                        set_err(b, "step value %d is outside 0..%lld", s1, (long long)M - 1);
+                                        set_err(b, "step value %d is outside 0..%lld", s1,
+                                                (long long)M - 1);
                                 }
                         } else {
                                 int64_t prev = last_raw < 0 ? -1 : last_raw;
@@ -328,7 +338,8 @@ static void *query_thread(void *arg)
                 if (changed && trusted && l >= 0 && l > published && b->unwrapped >= 0) {
                         if ((unsigned)l >= b->cfg.layers) {
                                 b->st.bad_signals++;
-                                set_err(b, "layer value %d: this instance has %u layers", l, b->cfg.layers);
+                                set_err(b, "layer value %d: this instance has %u layers", l,
+                                        b->cfg.layers);
                         } else {
                                 go = true;
                                 published = l;
@@ -359,7 +370,8 @@ int kvf_fd_bridge_start(struct kvf_client *c, const struct kvf_fd_bridge_config 
                 return -EINVAL;
         }
         if (cfg->mode != KVF_FD_PER_QUERY && cfg->mode != KVF_FD_PER_CHUNK) {
-                snprintf(err, errlen, "signal mode %d is neither per_query (1) nor per_chunk (2)", cfg->mode);
+                snprintf(err, errlen, "signal mode %d is neither per_query (1) nor per_chunk (2)",
+                         cfg->mode);
                 return -EINVAL;
         }
         if (cfg->layers == 0 || cfg->layers > 100000) {
@@ -398,14 +410,16 @@ int kvf_fd_bridge_start(struct kvf_client *c, const struct kvf_fd_bridge_config 
                 b->msqid = msgget(cfg->msg_key, IPC_CREAT | 0666);
                 if (b->msqid < 0) {
                         rc = -errno;
-                        snprintf(err, errlen, "message queue key 0x%x: %s", cfg->msg_key, strerror(errno));
+                        snprintf(err, errlen, "message queue key 0x%x: %s", cfg->msg_key,
+                                 strerror(errno));
                         goto fail;
                 }
                 /* Messages a previous run left would name slots of requests long gone. */
                 while (msgrcv(b->msqid, &b->msg, sizeof(b->msg.mtext), 0, IPC_NOWAIT) >= 0) {
                 }
         }
-        rc = -pthread_create(&b->thread, NULL, cfg->mode == KVF_FD_PER_QUERY ? query_thread : chunk_thread, b);
+        rc = -pthread_create(&b->thread, NULL,
+                             cfg->mode == KVF_FD_PER_QUERY ? query_thread : chunk_thread, b);
         if (rc < 0) {
                 snprintf(err, errlen, "start the bridge's thread: %s", strerror(-rc));
                 goto fail;
@@ -497,7 +511,8 @@ int kvf_fd_bridge_submit_slot(struct kvf_fd_bridge *b, unsigned slot, const char
         pthread_mutex_lock(&b->mu);
         struct slot *s = &b->slots[slot];
         if (s->active) {
-                set_err(b, "slot %u: request %s is still there, %s refused", slot, s->rid, request_id);
+                set_err(b, "slot %u: request %s is still there, %s refused", slot, s->rid,
+                        request_id);
                 pthread_mutex_unlock(&b->mu);
                 free(buf);
                 return -EBUSY;

@@ -47,13 +47,13 @@ enum kvf_fd_mode { KVF_FD_PER_QUERY = 1, KVF_FD_PER_CHUNK = 2 };
 #define KVF_FD_STEP_MODULO 100003 /* per_query's step counter wraps at this */
 
 struct kvf_fd_bridge_config {
-        int mode;             /* enum kvf_fd_mode */
-        unsigned rank_id;     /* rank + data_parallel_id * nranks: the signals' rank */
-        unsigned device;      /* the signals' device suffix */
-        unsigned layers;      /* the instance's layers (model + extra): larger ids are refused */
-        int msg_key;          /* per_chunk: the System V key (FastDeploy's ftok value) */
-        unsigned poll_us;     /* per_query: sleep between idle polls (0: 50) */
-        const char *shm_dir;  /* per_query: where POSIX shm lives (NULL: /dev/shm) */
+        int mode;            /* enum kvf_fd_mode */
+        unsigned rank_id;    /* rank + data_parallel_id * nranks: the signals' rank */
+        unsigned device;     /* the signals' device suffix */
+        unsigned layers;     /* the instance's layers (model + extra): larger ids are refused */
+        int msg_key;         /* per_chunk: the System V key (FastDeploy's ftok value) */
+        unsigned poll_us;    /* per_query: sleep between idle polls (0: 50) */
+        const char *shm_dir; /* per_query: where POSIX shm lives (NULL: /dev/shm) */
 };
 
 struct kvf_fd_bridge_stats {
@@ -87,8 +87,7 @@ int64_t kvf_fd_bridge_step_of(struct kvf_fd_bridge *b, int64_t fd_step);
  * the task and then the chunks already seen, and from then on a chunk record per
  * forward pass that includes the slot. -EBUSY: another request holds the slot. */
 int kvf_fd_bridge_submit_slot(struct kvf_fd_bridge *b, unsigned slot, const char *request_id,
-                              uint64_t need_tokens, const void *task, size_t len,
-                              size_t step_off);
+                              uint64_t need_tokens, const void *task, size_t len, size_t step_off);
 /* The request in `slot` ended (its completion came): the slot is free again. */
 int kvf_fd_bridge_release_slot(struct kvf_fd_bridge *b, unsigned slot, const char *request_id);
 

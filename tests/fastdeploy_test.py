@@ -327,6 +327,11 @@ def main():
         codes = [r.pre.stop(), r.dec.stop()]
     ends = tuple(".device%d%s" % (d, s) for d in r.pre.devices + r.dec.devices for s in ("", ".d"))
     left = [n for n in os.listdir("/dev/shm") if n.endswith(ends) and n.startswith(("key_", "value_"))]
+    for name in r.pre.logs + r.dec.logs:  # a sanitizer build's reports fail the test
+        with open(name, errors="replace") as f:
+            text = f.read()
+        if "runtime error:" in text or "Sanitizer" in text:
+            fail("a sanitizer report in %s" % name, *r.insts)
     if any(c != 0 for cs in codes for c in cs):
         fail("messagers' exit codes on SIGTERM: %r" % codes, *r.insts)
     if left:

@@ -576,6 +576,123 @@ def wait_barrier(b, timeout, what):
         return False
 
 
+# ---- the order every rank reports in -----------------------------------------------------------
+
+class OrderLog:
+    """The order in which the ranks of one engine report their requests: rank 0 appends each
+    request id when it reports it, the other ranks read and follow (FastDeploy's engine takes one
+    request per round from every rank, so all must report the same one). A file in /dev/shm of
+    ORDER_SLOTS entries, written by rank 0 only: an entry is its bytes, then its index; the count
+    last; readers check the index and a CRC, so a torn entry is read again, never used."""
+
+    MAGIC = b"KVFORD01"
+    HEAD = 64
+    SLOTS = 16384
+    ENTRY = 160  # u64 index + 1, u32 length, u32 crc32, the id (at most 144 bytes)
+
+    def __init__(self, suffix, dp, leader, shm_dir="/dev/shm"):
+        self.path = os.path.join(shm_dir, "kvferry-fd-order.%s.dp%d" % (suffix, dp))
+        self.leader = leader
+        self.m = None
+        self.epoch = None
+        self.next = 0
+        if leader:
+            import random
+            size = self.HEAD + self.SLOTS * self.ENTRY
+            tmp = "%s.%d" % (self.path, os.getpid())
+            with open(tmp, "wb") as f:
+                f.truncate(size)
+                f.write(self.MAGIC + struct.pack("<QQQ", random.getrandbits(63) | 1, 0, os.getpid()))
+            os.rename(tmp, self.path)  # a follower sees the old log or the new, whole
+            self._ino = os.stat(self.path).st_ino
+            self._open()
+
+    def _open(self):
+        try:
+            fd = os.open(self.path, os.O_RDWR if self.leader else os.O_RDONLY)
+        except OSError:
+            return False
+        try:
+            size = os.fstat(fd).st_size
+            if size < self.HEAD + self.SLOTS * self.ENTRY:
+                return False
+            prot = mmap.PROT_READ | (mmap.PROT_WRITE if self.leader else 0)
+            m = mmap.mmap(fd, size, mmap.MAP_SHARED, prot)
+        finally:
+            os.close(fd)
+        if m[:8] != self.MAGIC:
+            return False
+        if not self.leader:
+            # a log whose writer is gone (a crashed run's) is no log
+            try:
+                os.kill(struct.unpack_from("<Q", m, 24)[0], 0)
+            except (OSError, OverflowError):
+                return False
+        self.m = m
+        self.epoch = struct.unpack_from("<Q", m, 8)[0]
+        self.next = struct.unpack_from("<Q", m, 16)[0] if self.leader else 0
+        return True
+
+    def append(self, rid):
+        import zlib
+        b = rid.encode()[:144]
+        i = self.next
+        off = self.HEAD + (i % self.SLOTS) * self.ENTRY
+        self.m[off + 16:off + 16 + len(b)] = b
+        struct.pack_into("<II", self.m, off + 8, len(b), zlib.crc32(b))
+        struct.pack_into("<Q", self.m, off, i + 1)
+        struct.pack_into("<Q", self.m, 16, i + 1)
+        self.next = i + 1
+
+    def read(self):
+        """The next request id rank 0 reported, or None (not yet, or no log yet)."""
+        import zlib
+        if self.m is None and not self._open():
+            return None
+        if self.m[:8] != self.MAGIC:
+            return None
+        # rank 0 started again (looked at once a second): its new log counts from 0 (the old
+        # file stays mapped here until then)
+        fresh = False
+        now = time.monotonic()
+        if now - getattr(self, "_looked", 0) > 1:
+            self._looked = now
+            try:
+                st = os.stat(self.path)
+                fresh = st.st_ino != getattr(self, "_ino", st.st_ino)
+                self._ino = st.st_ino
+            except OSError:
+                pass
+        if fresh:
+            self.m = None
+            if not self._open():
+                return None
+            log.warning("rank 0's report order started again: following the new one")
+        count = struct.unpack_from("<Q", self.m, 16)[0]
+        if count <= self.next:
+            return None
+        if count - self.next > self.SLOTS:
+            log.error("%d reports behind rank 0: skipping to its last %d", count - self.next, self.SLOTS)
+            self.next = count - self.SLOTS
+        off = self.HEAD + (self.next % self.SLOTS) * self.ENTRY
+        idx = struct.unpack_from("<Q", self.m, off)[0]
+        n, crc = struct.unpack_from("<II", self.m, off + 8)
+        b = bytes(self.m[off + 16:off + 16 + min(n, 144)])
+        if idx != self.next + 1 or zlib.crc32(b) != crc:
+            return None  # being written: read it again later
+        self.next += 1
+        return b.decode(errors="replace")
+
+    def close(self):
+        """Rank 0: the log goes (when it is still its own)."""
+        try:
+            if self.leader and os.stat(self.path).st_ino == self._ino:
+                os.unlink(self.path)
+        except OSError:
+            pass
+        self.m = None
+
+
 # ---- the messager ---------------------------------------------------------------------------
 
 class Messager:
@@ -591,7 +708,10 @@ class Messager:
         self.ready = None
         self.lock = threading.Lock()
         self.halves = {}      # request_id -> the half that came first
-        self.order = []       # request ids in merge order (the same on every rank)
+        self.order = []       # request ids moving (submitted, or failed and not yet reported)
+        self.done = []        # request ids whose status is known here, in that order
+        self.orderlog = None  # the order every rank reports in (OrderLog)
+        self.cur = None       # the request being reported (kept across a queue reconnect)
         self.status = {}      # request_id -> kvferry status, once known here
         self.slot_of = {}     # request_id -> batch slot (per_chunk)
         self.connects = {}    # task_id -> connect result
@@ -655,6 +775,7 @@ class Messager:
             if rid not in self.status:
                 self.order.append(rid)
                 self.status[rid] = ("fd", status)
+                self.done.append(rid)
                 self.cv.notify_all()
 
     def take_infos(self, infos):
@@ -792,6 +913,8 @@ class Messager:
                     log.warning("request %s: %s (%s)", rid, ev["status"], ev["reason"])
                 self._release(rid)
                 with self.cv:
+                    if rid in self.order and rid not in self.status:
+                        self.done.append(rid)
                     self.status[rid] = ("kvf", ev["status"])
                     self.cv.notify_all()
             elif ev["type"] == "connect result":
@@ -807,15 +930,40 @@ class Messager:
             if e:
                 log.error("layer signals: %s", e)
 
+    def next_to_report(self):
+        """Rank 0: the first request whose status it knows. The others: the next one rank 0
+        reported, once its status is known here (a request this rank never had, after 10 s:
+        "write cache error", so that no rank waits for ever)."""
+        with self.cv:
+            if self.cur is None:
+                if self.cfg.rank == 0:
+                    if self.done:
+                        self.cur = self.done[0]
+                        self.orderlog.append(self.cur)
+                else:
+                    self.cur = self.orderlog.read()
+                    self.cur_since = time.monotonic()
+            if self.cur is None:
+                return None
+            rid = self.cur
+            if rid in self.status:
+                return rid
+            if rid not in self.order and time.monotonic() - self.cur_since > 10:
+                log.error("rank 0 reported request %s, which this rank never had", rid)
+                self.order.append(rid)
+                self.status[rid] = ("fd", FD_WRITE_ERROR)
+                return rid
+            return None
+
     def report_loop(self):
-        """Statuses to the engine in merge order, every rank the same request at a time."""
+        """Statuses to the engine, every rank the same request at a time (OrderLog)."""
         while self.serving():
+            rid = self.next_to_report()
+            if rid is None:
+                with self.cv:
+                    self.cv.wait(0.0005 if self.cfg.rank else 0.2)
+                continue
             with self.cv:
-                while self.serving() and not (self.order and self.order[0] in self.status):
-                    self.cv.wait(0.2)
-                if not self.serving():
-                    return
-                rid = self.order[0]
                 kind, st = self.status[rid]
             fd = st if kind == "fd" else fd_status(st, self.old_names)
             try:
@@ -826,8 +974,12 @@ class Messager:
                 self.queue_gone(e)  # the status stays, for the queue that comes back
                 return
             with self.cv:
-                self.order.pop(0)
-                self.status.pop(rid)
+                self.cur = None
+                self.status.pop(rid, None)
+                if rid in self.order:
+                    self.order.remove(rid)
+                if rid in self.done:
+                    self.done.remove(rid)
             (log.debug if fd == FD_FINISHED else log.warning)("request %s: %s", rid, fd)
 
     def connect_loop(self):
@@ -908,6 +1060,8 @@ class Messager:
             log.warning("cache_ready_signal.%s: %s (the engine creates it)", c.suffix, e)
         addr = "/dev/shm/fd_task_queue_%d.sock" % c.queue_port if c.queue_unix else \
             (c.ns.pod_ip, c.queue_port)
+        if c.role in ("prefill", "mixed"):
+            self.orderlog = OrderLog(c.suffix, c.dp, c.rank == 0)
         threading.Thread(target=self.event_loop, name="events", daemon=True).start()
         parent = os.getppid()
         said = 0.0
@@ -944,6 +1098,8 @@ class Messager:
             except (ValueError, OSError):
                 pass
         remove_records(self.records)
+        if self.orderlog:
+            self.orderlog.close()
         if self.bridge:
             try:
                 log.info("layer signals: %s", " ".join("%s %d" % kv for kv in self.bridge.stats().items()))

@@ -60,9 +60,9 @@ class Run:
                 s.layer(-1)
             time.sleep(0.05)
 
-    def decode_half(self, rid, dest, protocol=None, devices=None):
+    def decode_half(self, rid, dest, protocol=None, devices=None, ports=None):
         return {"request_id": rid, "device_ids": [str(d) for d in (devices or self.dec.devices)],
-                "ip": "127.0.0.1", "rdma_ports": [str(p) for p in self.dec.rdma_ports],
+                "ip": "127.0.0.1", "rdma_ports": [str(p) for p in (ports or self.dec.rdma_ports)],
                 "transfer_protocol": protocol or self.a.protocol, "dest_block_ids": dest,
                 "decode_tp_size": self.a.tp}
 
@@ -215,6 +215,11 @@ class Run:
         put("bad-peer", {"request_id": "bad-peer", "src_block_ids": [1], "current_id": cur(50),
                          "need_prefill_tokens": 16},
             self.decode_half("bad-peer", [2], protocol="ipc", devices=[60001, 60002]))
+        # a dead peer: nobody listens at decode's address any more
+        dead = [dep.free_port() for _ in range(self.a.tp)]
+        put("dead-peer", {"request_id": "dead-peer", "src_block_ids": [7], "current_id": cur(54),
+                          "need_prefill_tokens": 16},
+            self.decode_half("dead-peer", [8], protocol="tcp", ports=dead))
         # a block id out of range
         put("bad-range", {"request_id": "bad-range", "src_block_ids": [sh.blocks + 7],
                           "current_id": cur(51), "need_prefill_tokens": 16},
@@ -230,6 +235,7 @@ class Run:
         # garbage in the list: no request id at all (logged, nothing answered)
         self.pre.engine.put_cache_info([{"no": "request id"}, "not a dict"])
         want = {"bad-peer": "connection error" if pc else "connect error",
+                "dead-peer": "connection error" if pc else "connect error",
                 "bad-range": "write cache error", "bad-dict": "write cache error",
                 "dec-error": "write cache error"}
         if pc:
@@ -242,7 +248,7 @@ class Run:
         for rid, st in want.items():
             if got[rid][0] != st:
                 fail("%s: %r, expected %r" % (rid, got[rid], st), *self.insts)
-        print("ok: unknown peer -> %r, bad block id, malformed dict and decode's error_msg -> %r; "
+        print("ok: unknown and dead peers -> %r, bad block id, malformed dict and decode's error_msg -> %r; "
               "a list with no request ids, signals of unknown slots and a bad message refused"
               % (want["bad-peer"], "write cache error"))
         # connect tasks: the decode ranks' ports (connected), and a port nobody listens on

@@ -109,7 +109,8 @@ static int chunk_once(void *p)
         return kvf_submit_chunk(a->b->c, a->rid, a->step, a->tokens, a->last);
 }
 
-/* With b->mu held. */
+/* With b->mu held. After the request's last chunk the slot is free for the next request: the
+ * request itself goes on moving (its completion comes from the sender). */
 static void put_chunk(struct kvf_fd_bridge *b, struct slot *s, uint64_t step, uint64_t end)
 {
         struct chunk_args a = {b, s->rid, step, end, s->need && end >= s->need};
@@ -121,6 +122,8 @@ static void put_chunk(struct kvf_fd_bridge *b, struct slot *s, uint64_t step, ui
                 return;
         }
         b->st.chunks++;
+        if (a.last)
+                s->active = false;
 }
 
 /* One (slot, before, tokens) triple of forward step `step`, with b->mu held. */
@@ -129,7 +132,19 @@ static void slot_chunk(struct kvf_fd_bridge *b, unsigned idx, uint64_t step, uin
 {
         struct slot *s = &b->slots[idx];
         uint64_t end = before + tokens;
-        if (!s->have || s->fresh || before != s->last_end) {
+        bool cont = s->have && !s->fresh && before == s->last_end;
+        if (s->active && !s->fresh && !cont) {
+                /* Another request's chunk before this one's last: FastDeploy gave the slot to a
+                 * new request, and this one will get no more (the sender times it out). */
+                b->st.errors++;
+                set_err(b,
+                        "slot %u: request %s had %llu of %llu tokens when a chunk of another "
+                        "request came (%llu tokens from %llu)",
+                        idx, s->rid, (unsigned long long)s->last_end, (unsigned long long)s->need,
+                        (unsigned long long)tokens, (unsigned long long)before);
+                s->active = false;
+        }
+        if (!cont) {
                 /* A request's first chunk here (or the slot's history restarts): a task that
                  * comes later adopts the history from this chunk on. */
                 s->have = true;

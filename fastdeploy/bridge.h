@@ -25,7 +25,8 @@
  * hands the bridge the request's task (its slot is FastDeploy's current_id) and
  * the bridge writes the task and its chunk records, with the chunks it saw in
  * that slot before the task came (a slot's history is kept from its last
- * chunk that does not continue the previous one).
+ * chunk that does not continue the previous one). A slot is free for the next
+ * request once its request's last chunk is written (or its completion came).
  *
  * Threads: every function may be called from any thread; the bridge's own
  * thread only ever calls kvf_layer_done() and the submit calls of the client.

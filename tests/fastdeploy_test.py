@@ -8,7 +8,6 @@ side; failures with FastDeploy's statuses; connect tasks; bad input that the mes
 import argparse
 import os
 import random
-import subprocess
 import sys
 import time
 
@@ -92,8 +91,9 @@ class Run:
 
     # -- a batch of requests through one or two forward steps --
 
-    def batch(self, reqs):
-        """reqs: [(rid, tokens, held_blocks)]. Returns the FastDeploy statuses."""
+    def batch(self, reqs, late_decode=False):
+        """reqs: [(rid, tokens, held_blocks)]. Returns the FastDeploy statuses. late_decode:
+        decode's halves come after the forward pass (the layers' signals before the tasks)."""
         sh = self.shape
         bs = sh.block_size
         plan = []
@@ -125,7 +125,8 @@ class Run:
         for q in plan:
             dest = ([-1] * q["held"] + q["dst"]) if per_chunk else q["dst"]
             dec.append(self.decode_half(q["rid"], dest))
-        self.pre.engine.put_cache_info(dec)
+        if not late_decode:
+            self.pre.engine.put_cache_info(dec)
         # the forward pass: chunks of at most 96 tokens, every layer written then signalled
         done = {q["rid"]: 0 for q in plan}
         while any(done[q["rid"]] < q["tokens"] for q in plan):
@@ -156,6 +157,9 @@ class Run:
                     self.hook = None
             for q, b, n in chunk:
                 done[q["rid"]] = b + n
+        if late_decode:
+            time.sleep(0.01)
+            self.pre.engine.put_cache_info(dec)
         got = self.finished([q["rid"] for q in plan])
         # verify every finished request on every decode rank, byte for byte
         for q in plan:
@@ -180,21 +184,24 @@ class Run:
     def trace(self, n, per_batch=4):
         lengths = dep.trace_lengths(n)
         t0 = time.monotonic()
-        blocks = 0
+        blocks = lates = 0
         for i in range(0, n, per_batch):
             reqs = []
             for j, ln in enumerate(lengths[i:i + per_batch]):
                 tokens = max(1, min(ln // 24, 40 * self.shape.block_size))
                 held = 2 if (i + j) % 5 == 3 and tokens > 3 * self.shape.block_size else 0
                 reqs.append(("req-%d" % (i + j), tokens, held))
-            st, nb = self.batch(reqs)
+            late = (i // per_batch) % 3 == 2
+            st, nb = self.batch(reqs, late_decode=late)
+            lates += late
             blocks += nb
             bad = {k: v for k, v in st.items() if v != "finished"}
             if bad:
                 fail("trace requests failed: %r" % bad, *self.insts)
         print("ok: %d trace requests (%s, %s, %d ranks) finished and verified byte for byte on "
-              "every decode rank: %d blocks x %d layers x 2 tensors, %.1f s"
-              % (n, self.a.mode, self.a.protocol, self.a.tp, blocks, self.shape.all_layers,
+              "every decode rank: %d blocks x %d layers x 2 tensors, %d batches with decode's "
+              "halves after the layers, %.1f s"
+              % (n, self.a.mode, self.a.protocol, self.a.tp, blocks, self.shape.all_layers, lates,
                  time.monotonic() - t0))
 
     # -- failures, bad input, connect tasks --

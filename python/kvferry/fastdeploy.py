@@ -123,7 +123,10 @@ def parser():
       help="send rdma tasks over this transport instead (a host without RDMA: tcp)")
     a("--kvf-listen", default=None, help="decode: HOST:PORT to listen at (default pod_ip:rdma_port)")
     a("--kvf-up-arg", action="append", default=[], help="another tools/kvferry up option (repeat)")
-    a("--kvf-barrier-timeout", type=float, default=120.0)
+    a("--kvf-barrier-timeout", type=float, default=120.0,
+      help="seconds a barrier of the ranks may take before it is broken (default 120)")
+    a("--kvf-poll-us", type=int, default=50,
+      help="per_query: microseconds between polls of the layer values when idle (default 50)")
     a("--kvf-queue-unix", action="store_true",
       help="the EngineWorkerQueue listens at /dev/shm/fd_task_queue_<port>.sock "
            "(default when FD_ENGINE_TASK_QUEUE_WITH_SHM=1)")
@@ -263,7 +266,8 @@ class Bridge:
         c = _BridgeCfg(mode=1 if cfg.mode == "per_query" else 2, rank_id=cfg.rank_id,
                        device=cfg.device, layers=cfg.layers + cfg.extra,
                        msg_key=msg_key(cfg.rank_id, cfg.device, cfg.ns.kvf_msg_key_device_stride)
-                       if cfg.mode == "per_chunk" else 0, poll_us=50, shm_dir=None)
+                       if cfg.mode == "per_chunk" else 0, poll_us=max(1, cfg.ns.kvf_poll_us),
+                       shm_dir=None)
         self.h = ctypes.c_void_p()
         err = ctypes.create_string_buffer(512)
         rc = self.lib.kvf_fd_bridge_start(client._h, ctypes.byref(c), ctypes.byref(self.h), err, 512)

@@ -282,6 +282,61 @@ class Run:
         self.trace(8)
         print("ok: the queue server went away and came back: the messagers reconnected and served")
 
+    def latency(self, n=30):
+        """From a layer's signal to its bytes in the decode cache (rank 0, host caches): the
+        bridge, the sender and the copy, with no Python of the messager in between."""
+        sh = self.shape
+        pc = self.a.mode == "per_chunk"
+        bb = sh.block_bytes
+        got = []
+        for i in range(n):
+            rid = "lat-%d-%d" % (os.getpid(), i)
+            src, dst = [self.free_p.pop()], [self.free_d.pop()]
+            slot = self.slots_free.pop(0)
+            if not pc:
+                for sg in self.pre.signals:
+                    step = sg.begin_step()
+            for r in range(self.a.tp):
+                for layer in range(sh.all_layers):
+                    self.dec.caches[r].tensor(layer, 1)[dst[0] * bb:(dst[0] + 1) * bb] = b"\0" * bb
+            self.pre.engine.put_cache_info([{"request_id": rid, "src_block_ids": src,
+                                             "current_id": slot if pc else step,
+                                             "need_prefill_tokens": sh.block_size}])
+            self.pre.engine.put_cache_info([self.decode_half(rid, dst)])
+            time.sleep(0.02)  # the task is in kvferry before its layers come
+            last = sh.all_layers - 1
+            want = None
+            for layer in range(sh.all_layers):
+                for r in range(self.a.tp):
+                    for v in (0, 1):
+                        pat = dep.pattern(rid, layer, v, 0, r, bb)
+                        self.pre.caches[r].tensor(layer, v)[src[0] * bb:(src[0] + 1) * bb] = pat
+                        if r == 0 and layer == last and v == 1:
+                            want = pat
+                t = self.dec.caches[0].tensor(last, 1)
+                for r in range(self.a.tp):
+                    t0 = time.perf_counter()
+                    if pc:
+                        self.pre.signals[r].send(layer, [(slot, 0, sh.block_size)])
+                    else:
+                        self.pre.signals[r].layer(layer)
+                    if r == 0 and layer == last:
+                        end = t0 + 1.0
+                        while t[dst[0] * bb:(dst[0] + 1) * bb] != want and time.perf_counter() < end:
+                            pass
+                        got.append(time.perf_counter() - t0)
+            self.finished([rid])
+            self.free_p += src
+            self.free_d += dst
+            self.slots_free.append(slot)
+        got.sort()
+        p50, p90 = got[len(got) // 2] * 1e6, got[int(len(got) * 0.9)] * 1e6
+        if got[len(got) // 2] > 0.05:
+            fail("last layer's signal -> bytes on decode: p50 %.0f us" % p50, *self.insts)
+        print("ok: last layer's signal -> its bytes in the decode cache (%s, %s): p50 %.0f us, "
+              "p90 %.0f us, max %.0f us over %d requests (a Python spin reading the block)"
+              % (self.a.mode, self.a.protocol, p50, p90, got[-1] * 1e6, n))
+
     def kill_role(self):
         """A kvferry role of prefill rank 1 killed while a batch moves: every request gets one
         status, on every rank, and no rank hangs at a barrier."""
@@ -331,6 +386,8 @@ def main():
               % (a.mode, a.tp, " (older argv, queue on a unix socket, an MTP layer)"
                  if a.older else ""))
         r.trace(a.requests)
+        if not a.gpu:
+            r.latency()
         if a.faults:
             r.faults()
         if a.kill:

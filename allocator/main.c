@@ -27,6 +27,7 @@
 #include "kvferry.h"
 #include "ctl.h"
 #include "err.h"
+#include "fastdeploy_publish.h"
 #include "hugepages.h"
 #include "layout.h"
 #include "log.h"
@@ -64,6 +65,9 @@ static void usage(void)
                "  --device N             the GPU this instance serves (cuda: where the cache lives,\n"
                "                         default 0); FastDeploy's ipc tasks name a same-host peer by\n"
                "                         it (device_ids). Default: none\n"
+               "  --fastdeploy           cuda: one allocation per tensor, each published as FastDeploy's\n"
+               "                         record (key_caches_{layer}_rank{rank}.device{device}) for its\n"
+               "                         workers; removed when the allocator stops (docs/FASTDEPLOY.md)\n"
                "  --executor E           cuda: where same-host copies run: sender (the sender's own\n"
                "                         context; fast beside a busy engine only under MPS), engine\n"
                "                         (the engine's context, enqueued by kvf_layer_done_on_stream),\n"
@@ -98,8 +102,10 @@ static void log_cache(const struct kvf_ctl *ctl, uint8_t *cache)
                  (long long)(huge_bytes > 0 ? huge_bytes >> 20 : 0));
 }
 
-/* The cuda backend's parameters: the device, one IPC handle, where copies run. */
-static int setup_cuda(struct kvf_ctl_params *p, const char *executor)
+/* The cuda backend's parameters: the device, one IPC handle, where copies run. With
+ * --fastdeploy (one allocation per tensor) copies run in the sender's context: the engine
+ * executor's plans address one allocation. */
+static int setup_cuda(struct kvf_ctl_params *p, const char *executor, bool fastdeploy)
 {
         int n = kvf_cache_gpus();
         if (n <= 0)
@@ -115,7 +121,10 @@ static int setup_cuda(struct kvf_ctl_params *p, const char *executor)
 #else
         int mps = 0;
 #endif
-        if (!strcmp(executor, "sender"))
+        if (fastdeploy && !strcmp(executor, "engine"))
+                return kvf_err_set(-EINVAL, "--executor engine: with --fastdeploy (one allocation per tensor) "
+                                   "copies run in the sender's context");
+        if (!strcmp(executor, "sender") || fastdeploy)
                 p->executor = KVF_EXEC_SENDER;
         else if (!strcmp(executor, "engine"))
                 p->executor = KVF_EXEC_ENGINE;
@@ -134,7 +143,7 @@ int main(int argc, char **argv)
 {
         enum { O_ROLE = 1000, O_MODEL, O_TP, O_LAYERS, O_EXTRA, O_HEADS, O_HDIM, O_DTYPE, O_KEYONLY,
                O_BSIZE, O_BLOCKS, O_MIB, O_RANK, O_NRANKS, O_DEVICE, O_MAXREQ, O_MAXBLK, O_RING, O_HB,
-               O_ADOPT, O_HUGE, O_VERSION, O_BACKEND, O_EXECUTOR };
+               O_ADOPT, O_HUGE, O_VERSION, O_BACKEND, O_EXECUTOR, O_FASTDEPLOY };
         static const struct option opts[] = {
                 {"instance", required_argument, 0, 'i'},  {"role", required_argument, 0, O_ROLE},
                 {"model", required_argument, 0, O_MODEL}, {"tp", required_argument, 0, O_TP},
@@ -155,6 +164,7 @@ int main(int argc, char **argv)
                 {"ring-kib", required_argument, 0, O_RING},
                 {"heartbeat-ms", required_argument, 0, O_HB}, {"adopt", no_argument, 0, O_ADOPT},
                 {"huge-pages", required_argument, 0, O_HUGE},
+                {"fastdeploy", no_argument, 0, O_FASTDEPLOY},
                 {"help", no_argument, 0, 'h'},            {"version", no_argument, 0, O_VERSION},
                 {0, 0, 0, 0}};
         struct kvf_ctl_params p = {.backend = KVF_BACKEND_HOST, .instance_role = KVF_IROLE_MIXED,
@@ -164,7 +174,7 @@ int main(int argc, char **argv)
         uint64_t mib = 0;
         struct kvf_ctl ctl;
         int rc;
-        bool adopt = false, backend_auto = false;
+        bool adopt = false, backend_auto = false, fastdeploy = false, published = false;
         const char *executor = "auto";
         enum kvf_huge_mode huge = KVF_HUGE_AUTO;
         uint8_t *cache = NULL;
@@ -240,6 +250,7 @@ int main(int argc, char **argv)
                 }
                 case O_HB: p.heartbeat_ms = (uint32_t)kvf_opt_u64("heartbeat-ms", optarg, 1, 60000); break;
                 case O_ADOPT: adopt = true; break;
+                case O_FASTDEPLOY: fastdeploy = true; break;
                 case O_HUGE:
                         if (!strcmp(optarg, "auto"))
                                 huge = KVF_HUGE_AUTO;
@@ -272,7 +283,7 @@ int main(int argc, char **argv)
                 else
                         kvf_info("backend auto: host (%s)", kvf_err_msg());
         }
-        if (p.backend == KVF_BACKEND_CUDA && (rc = setup_cuda(&p, executor)) < 0) {
+        if (p.backend == KVF_BACKEND_CUDA && (rc = setup_cuda(&p, executor, fastdeploy)) < 0) {
                 kvf_error("%s", kvf_err_msg());
                 return 1;
         }
@@ -316,6 +327,8 @@ int main(int argc, char **argv)
                 if (kvf_layout_make(&p.layout, layers, extra, blocks, heads, bsize, hdim, dtype,
                                     key_only) < 0)
                         kvf_opt_die(prog, "%s", kvf_err_msg());
+                if (fastdeploy && p.backend == KVF_BACKEND_CUDA)
+                        p.cuda_handles = kvf_layout_layers(&p.layout) * kvf_layout_tensors(&p.layout);
                 if ((rc = kvf_ctl_create(&p, &ctl)) < 0) {
                         kvf_error("%s", kvf_err_msg());
                         return 1;
@@ -330,6 +343,24 @@ int main(int argc, char **argv)
                         kvf_ctl_shm_name(p.instance, seg, sizeof(seg));
                         shm_unlink(seg);
                         return 1;
+                }
+                if (fastdeploy && p.backend == KVF_BACKEND_CUDA) {
+                        if ((rc = kvf_fd_publish(ctl.hdr)) < 0) {
+                                char seg[96];
+                                kvf_error("%s", kvf_err_msg());
+                                kvf_fd_unpublish(ctl.hdr);
+                                kvf_ctl_detach(&ctl);
+                                kvf_ctl_shm_name(p.instance, seg, sizeof(seg));
+                                shm_unlink(seg);
+                                return 1;
+                        }
+                        published = true;
+                        kvf_info("fastdeploy: %u tensors, one allocation each, published as "
+                                 "key_caches_*_rank%u.device%u / value_caches_*", ctl.hdr->cuda_handles_count,
+                                 p.rank, p.device);
+                } else if (fastdeploy) {
+                        kvf_info("fastdeploy: a %s cache is published by its messager "
+                                 "(python3 -m kvferry.fastdeploy)", kvf_cache_backend(p.backend)->name);
                 }
                 log_cache(&ctl, cache);
                 kvf_role_begin(&ctl, KVF_ROLE_ALLOCATOR);
@@ -360,6 +391,8 @@ int main(int argc, char **argv)
         }
         kvf_role_end(&ctl, KVF_ROLE_ALLOCATOR);
         kvf_info("stopping");
+        if (published)
+                kvf_fd_unpublish(ctl.hdr);
         if (cache)
                 kvf_host_cache_unmap_raw(cache, ctl.hdr->layout.cache_bytes);
         kvf_ctl_detach(&ctl);

@@ -42,6 +42,13 @@ struct kvf_cache {
         int device;       /* GPU backends: the CUDA device (as this process numbers them) whose
                            * kernels use this mapping; -1 for host memory */
         void *priv;       /* the backend's */
+        /* cuda, one allocation per tensor (an instance made for FastDeploy's workers, which
+         * attach each tensor by its own IPC handle): the n_parts tensors' addresses in
+         * kvf_layout_offset order, part_bytes each, base being the first; NULL when the cache
+         * is one allocation. A run never crosses a tensor, so it stays in one part. */
+        uint8_t **parts;
+        uint64_t part_bytes;
+        uint32_t n_parts;
 };
 
 /* One run of contiguous bytes from the source cache to one of the batch's destinations. */
@@ -196,6 +203,9 @@ void kvf_cache_unmap(struct kvf_cache *c);
 /* The address of byte `off` of the cache, as this process uses it (host or device). */
 static inline void *kvf_cache_addr(const struct kvf_cache *c, uint64_t off)
 {
+        if (c->parts)
+                return off / c->part_bytes < c->n_parts ? c->parts[off / c->part_bytes] + off % c->part_bytes
+                                                        : (void *)0;
         return c->base ? c->base + off : (void *)0;
 }
 

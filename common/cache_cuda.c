@@ -14,6 +14,16 @@
  * as its list of peers; one handle to open per peer; and engines in other
  * languages need one handle and the layout to find every tensor.
  *
+ * One allocation per tensor (the segment has layers x tensors handles, in
+ * kvf_layout_offset order: an instance made for FastDeploy, whose workers
+ * open each tensor's own handle and use the pointer as the tensor): every
+ * mapping opens them all and keeps their addresses (kvf_cache.parts); a run
+ * never crosses a tensor, so each run names the region of its tensor and an
+ * offset in it, and a batch's region table has a region per tensor per
+ * cache. GPUDirect RDMA registers one allocation and is refused there (tcp
+ * and same-host copies carry such caches); copies run in the sender's
+ * context (the engine executor's plans address one allocation).
+ *
  * Copies (same host): one kernel launch per batch, through the gpu/ copier
  * (kvf_gpu_copy_submit: runs checked against their regions before anything
  * is launched, one event per batch, polled). The copier lives on the source
@@ -45,11 +55,17 @@ struct cuda_map {
         int device; /* kernels that use this mapping run here */
         int owner;  /* the device holding the memory */
         void *ptr;  /* the IPC-opened pointer (base) */
+        uint8_t **parts; /* one allocation per tensor: each tensor's IPC-opened pointer */
+        uint32_t n_parts;
         struct kvf_gpu_copier *copier; /* created at the first copy from this cache */
         struct kvf_gpu_run *runs;
         uint32_t cap_runs;
         struct kvf_gpu_region *dst;
         uint32_t cap_dst;
+        struct kvf_gpu_region *src;
+        uint32_t cap_src;
+        uint32_t *dfirst; /* each destination cache's first region */
+        uint32_t cap_dfirst;
         struct kvf_ctl_header hdr; /* the instance's, as mapped (names its dma-buf offer) */
 };
 
@@ -79,6 +95,51 @@ static void uuid_str(const uint8_t u[16], char *out, size_t len)
                  u[14], u[15]);
 }
 
+/* Tensors of the layout: the handle count of an instance with one allocation per tensor. */
+static uint32_t layout_parts(const struct kvf_cache_layout *l)
+{
+        return kvf_layout_layers(l) * kvf_layout_tensors(l);
+}
+
+static uint64_t round_2m(uint64_t b)
+{
+        return (b + (2u << 20) - 1) & ~(uint64_t)((2u << 20) - 1);
+}
+
+/* One zeroed allocation per tensor, each handle in the segment's table. */
+static int create_parts(struct kvf_ctl_header *h, int dev)
+{
+        const struct kvf_cache_layout *l = &h->layout;
+        uint32_t n = h->cuda_handles_count;
+        uint64_t tb = (uint64_t)l->num_blocks * l->block_bytes;
+        char need[32];
+        void **p = calloc(n, sizeof(*p));
+        int rc = 0;
+        if (!p)
+                return kvf_err_set(-ENOMEM, "out of memory");
+        kvf_fmt_bytes(tb, need, sizeof(need));
+        for (uint32_t i = 0; i < n; i++) {
+                if ((rc = kvf_gpu_alloc(dev, round_2m(tb), &p[i])) < 0) {
+                        rc = kvf_err_set(rc, "allocate tensor %u of %u (%s) on GPU %d: %s%s", i, n, need, dev,
+                                         kvf_gpu_err_msg(), rc == -ENOMEM ? "; use fewer --blocks" : "");
+                        break;
+                }
+                if ((rc = kvf_gpu_memset(dev, p[i], 0, tb)) < 0 ||
+                    (rc = kvf_gpu_ipc_export(p[i], (uint8_t *)h + h->cuda_handles_off +
+                                                       (uint64_t)i * KVF_GPU_IPC_HANDLE_SIZE)) < 0) {
+                        rc = gpu_err(rc, "cuda backend");
+                        break;
+                }
+        }
+        if (rc == 0 && (rc = kvf_gpu_device_uuid(dev, h->cuda_uuid)) < 0)
+                rc = gpu_err(rc, "cuda backend");
+        if (rc < 0)
+                for (uint32_t i = 0; i < n && p[i]; i++)
+                        kvf_gpu_free(dev, p[i]);
+        free(p); /* the allocations live as long as this process */
+        return rc;
+}
+
 static int cuda_create(struct kvf_ctl_header *h, const struct kvf_cache_opts *o)
 {
         const struct kvf_cache_layout *l = &h->layout;
@@ -92,9 +153,11 @@ static int cuda_create(struct kvf_ctl_header *h, const struct kvf_cache_opts *o)
                 return kvf_err_set(-ENODEV, "cuda backend: no GPU visible: %s", kvf_gpu_err_msg());
         if (h->device == KVF_DEVICE_NONE || dev >= n)
                 return kvf_err_set(-ENODEV, "cuda backend: no GPU %u here (%d visible)", h->device, n);
+        if (h->cuda_handles_count > 1 && h->cuda_handles_count == layout_parts(l))
+                return create_parts(h, dev);
         if (h->cuda_handles_count != 1)
-                return kvf_err_set(-EINVAL, "cuda backend: the segment has room for %u handles, needs 1",
-                                   h->cuda_handles_count);
+                return kvf_err_set(-EINVAL, "cuda backend: the segment has room for %u handles, needs 1 "
+                                   "(or %u, one per tensor)", h->cuda_handles_count, layout_parts(l));
         kvf_fmt_bytes(l->cache_bytes, need, sizeof(need));
         /* Whole 2 MiB pages (the allocation's granularity): a dma-buf of the cache
          * (GPUDirect RDMA) covers whole host pages. */
@@ -127,9 +190,10 @@ static int cuda_map(const struct kvf_ctl_header *h, bool writable, struct kvf_ca
 {
         char u[48];
         (void)writable; /* an IPC mapping is read-write; the roles keep to their side */
-        if (h->cuda_handles_count != 1)
-                return kvf_err_set(-EPROTO, "instance '%s': %u CUDA handles, the cuda backend makes 1",
-                                   h->instance, h->cuda_handles_count);
+        uint32_t nparts = layout_parts(&h->layout);
+        if (h->cuda_handles_count != 1 && h->cuda_handles_count != nparts)
+                return kvf_err_set(-EPROTO, "instance '%s': %u CUDA handles, the cuda backend makes 1 "
+                                   "(or %u, one per tensor)", h->instance, h->cuda_handles_count, nparts);
         uuid_str(h->cuda_uuid, u, sizeof(u));
         int owner = kvf_gpu_device_by_uuid(h->cuda_uuid);
         if (owner < 0)
@@ -143,15 +207,43 @@ static int cuda_map(const struct kvf_ctl_header *h, bool writable, struct kvf_ca
         m->device = out->device >= 0 ? out->device : owner;
         m->hdr = *h;
         m->owner = owner;
-        int rc = kvf_gpu_ipc_open(m->device, (const uint8_t *)h + h->cuda_handles_off, &m->ptr, NULL);
+        int rc;
+        if (h->cuda_handles_count > 1) {
+                m->n_parts = h->cuda_handles_count;
+                if (!(m->parts = calloc(m->n_parts, sizeof(*m->parts)))) {
+                        free(m);
+                        return kvf_err_set(-ENOMEM, "out of memory");
+                }
+                rc = 0;
+                for (uint32_t i = 0; i < m->n_parts && rc == 0; i++) {
+                        void *q = NULL;
+                        rc = kvf_gpu_ipc_open(m->device, (const uint8_t *)h + h->cuda_handles_off +
+                                                                 (uint64_t)i * KVF_GPU_IPC_HANDLE_SIZE,
+                                              &q, NULL);
+                        m->parts[i] = q;
+                }
+                if (rc < 0)
+                        for (uint32_t i = 0; i < m->n_parts && m->parts[i]; i++)
+                                kvf_gpu_ipc_close(m->device, m->parts[i]);
+                else
+                        m->ptr = m->parts[0];
+        } else {
+                rc = kvf_gpu_ipc_open(m->device, (const uint8_t *)h + h->cuda_handles_off, &m->ptr, NULL);
+        }
         if (rc < 0) {
                 kvf_err_set(rc == -EXDEV ? -EXDEV : -ENOENT, "open the cache of instance '%s' (%s, GPU %d here)%s: %s",
                             h->instance, u, owner, m->device != owner ? " for copies from another GPU" : "",
                             kvf_gpu_err_msg());
+                free(m->parts);
                 free(m);
                 return rc == -EXDEV ? -EXDEV : -ENOENT;
         }
         out->base = m->ptr;
+        if (m->parts) {
+                out->parts = m->parts;
+                out->n_parts = m->n_parts;
+                out->part_bytes = (uint64_t)h->layout.num_blocks * h->layout.block_bytes;
+        }
         out->host = false;
         out->device = m->device;
         out->priv = m;
@@ -165,9 +257,16 @@ static void cuda_unmap(struct kvf_cache *c)
                 return;
         /* Waits (bounded) for the copies in flight: never close the mapping under them. */
         kvf_gpu_copier_destroy(m->copier);
-        kvf_gpu_ipc_close(m->device, m->ptr);
+        if (m->parts)
+                for (uint32_t i = 0; i < m->n_parts; i++)
+                        kvf_gpu_ipc_close(m->device, m->parts[i]);
+        else
+                kvf_gpu_ipc_close(m->device, m->ptr);
+        free(m->parts);
         free(m->runs);
         free(m->dst);
+        free(m->src);
+        free(m->dfirst);
         free(m);
         c->priv = NULL;
 }
@@ -224,6 +323,37 @@ static void gpu_runs(const struct kvf_copy_run *r, uint32_t n, struct kvf_gpu_ru
                                               .bytes = r[i].bytes, .src_region = 0, .dst_region = r[i].dst};
 }
 
+/* A cache's regions: the one allocation, or one per tensor. */
+static uint32_t cache_regions(const struct kvf_cache *c)
+{
+        return c->parts ? c->n_parts : 1;
+}
+
+static void put_regions(const struct kvf_cache *c, struct kvf_gpu_region *r)
+{
+        if (!c->parts) {
+                r[0] = (struct kvf_gpu_region){.base = (uint64_t)(uintptr_t)c->base, .bytes = c->bytes};
+                return;
+        }
+        for (uint32_t i = 0; i < c->n_parts; i++)
+                r[i] = (struct kvf_gpu_region){.base = (uint64_t)(uintptr_t)c->parts[i], .bytes = c->part_bytes};
+}
+
+/* An offset of cache c as (region, offset in it), region counted from `first`. An offset past
+ * the last tensor gets region UINT32_MAX, which the copier refuses (never the next cache's). */
+static void split_off(const struct kvf_cache *c, uint32_t first, uint64_t off, uint32_t *region,
+                      uint64_t *rest)
+{
+        if (!c->parts) {
+                *region = first;
+                *rest = off;
+                return;
+        }
+        uint64_t i = off / c->part_bytes;
+        *region = i < c->n_parts ? first + (uint32_t)i : UINT32_MAX;
+        *rest = off % c->part_bytes;
+}
+
 static int cuda_copy_submit(const struct kvf_copy_batch *b, uint64_t *ticket)
 {
         struct cuda_map *m = b->src->priv;
@@ -231,19 +361,41 @@ static int cuda_copy_submit(const struct kvf_copy_batch *b, uint64_t *ticket)
 
         if (!m->copier && (rc = kvf_gpu_copier_create(m->device, 0, NULL, &m->copier)) < 0)
                 return gpu_err(rc, "create the GPU copier");
+        uint32_t ndr = 0;
+        for (uint32_t i = 0; i < b->ndst; i++)
+                ndr += cache_regions(b->dst[i]);
         if (grow((void **)&m->runs, &m->cap_runs, b->nruns, sizeof(*m->runs)) < 0 ||
-            grow((void **)&m->dst, &m->cap_dst, b->ndst ? b->ndst : 1, sizeof(*m->dst)) < 0)
+            grow((void **)&m->dst, &m->cap_dst, ndr ? ndr : 1, sizeof(*m->dst)) < 0 ||
+            grow((void **)&m->dfirst, &m->cap_dfirst, b->ndst ? b->ndst : 1, sizeof(*m->dfirst)) < 0 ||
+            grow((void **)&m->src, &m->cap_src, cache_regions(b->src), sizeof(*m->src)) < 0)
                 return kvf_err_set(-ENOMEM, "out of memory for a copy batch of %u runs", b->nruns);
+        ndr = 0;
         for (uint32_t i = 0; i < b->ndst; i++) {
                 const struct kvf_cache *d = b->dst[i];
                 if (d->be != &kvf_cache_cuda || d->device != m->device)
                         return kvf_err_set(-EXDEV, "a GPU copy's destination %u is not mapped for GPU %d",
                                            i, m->device);
-                m->dst[i] = (struct kvf_gpu_region){.base = (uint64_t)(uintptr_t)d->base, .bytes = d->bytes};
+                m->dfirst[i] = ndr;
+                put_regions(d, m->dst + ndr);
+                ndr += cache_regions(d);
         }
-        gpu_runs(b->runs, b->nruns, m->runs);
-        struct kvf_gpu_region src = {.base = (uint64_t)(uintptr_t)b->src->base, .bytes = b->src->bytes};
-        struct kvf_gpu_batch gb = {.src = &src, .n_src = 1, .dst = m->dst, .n_dst = b->ndst};
+        put_regions(b->src, m->src);
+        if (!b->src->parts && ndr == b->ndst) {
+                gpu_runs(b->runs, b->nruns, m->runs);
+        } else {
+                for (uint32_t i = 0; i < b->nruns; i++) {
+                        const struct kvf_copy_run *r = &b->runs[i];
+                        struct kvf_gpu_run *g = &m->runs[i];
+                        g->bytes = r->bytes;
+                        split_off(b->src, 0, r->src_off, &g->src_region, &g->src_off);
+                        if (r->dst < b->ndst)
+                                split_off(b->dst[r->dst], m->dfirst[r->dst], r->dst_off, &g->dst_region,
+                                          &g->dst_off);
+                        else
+                                *g = (struct kvf_gpu_run){.bytes = r->bytes, .dst_region = UINT32_MAX};
+                }
+        }
+        struct kvf_gpu_batch gb = {.src = m->src, .n_src = cache_regions(b->src), .dst = m->dst, .n_dst = ndr};
         return submit(m->copier, &gb, m->runs, b->nruns, ticket);
 }
 
@@ -261,24 +413,34 @@ static int cuda_copy_poll(struct kvf_cache *src, uint64_t ticket)
 
 struct stage_eng {
         struct kvf_gpu_copier *copier;
-        struct kvf_gpu_region region[2]; /* 0: the cache; 1: the group's staging buffer */
+        /* the cache's regions (one, or one per tensor), then the group's staging buffer */
+        struct kvf_gpu_region *region;
+        uint32_t n_cache;
+        struct kvf_cache cache; /* a copy: parts live as long as the mapping, which outlives this */
         int device;
 };
 
 static int stage_open(struct kvf_cache *c, void **eng)
 {
         struct stage_eng *e = calloc(1, sizeof(*e));
+        if (e && !(e->region = calloc(cache_regions(c) + 1, sizeof(*e->region)))) {
+                free(e);
+                e = NULL;
+        }
         if (!e)
                 return kvf_err_set(-ENOMEM, "out of memory for a stager");
         /* A batch is at most 4 MiB in 4 KiB chunks and its runs' ends. */
         struct kvf_gpu_copier_opts o = {.arena_chunks = 4 * ((KVF_STAGE_BYTES >> 12) + KVF_STAGE_RUNS)};
         int rc = kvf_gpu_copier_create(c->device, 0, &o, &e->copier);
         if (rc < 0) {
+                free(e->region);
                 free(e);
                 return gpu_err(rc, "create a staging copier");
         }
         e->device = c->device;
-        e->region[0] = (struct kvf_gpu_region){.base = (uint64_t)(uintptr_t)c->base, .bytes = c->bytes};
+        e->cache = *c;
+        e->n_cache = cache_regions(c);
+        put_regions(c, e->region);
         *eng = e;
         return 0;
 }
@@ -287,6 +449,7 @@ static void stage_close(void *eng)
 {
         struct stage_eng *e = eng;
         kvf_gpu_copier_destroy(e->copier); /* waits (bounded) for its copies */
+        free(e->region);
         free(e);
 }
 
@@ -312,10 +475,28 @@ static int stage_copy(void *eng, bool to_cache, uint8_t *buf, const struct kvf_c
         struct kvf_gpu_run runs[KVF_STAGE_RUNS];
         if (n > KVF_STAGE_RUNS)
                 return kvf_err_set(-EINVAL, "a staged group of %u runs", n);
-        gpu_runs(r, n, runs);
-        e->region[1] = (struct kvf_gpu_region){.base = (uint64_t)(uintptr_t)buf, .bytes = KVF_STAGE_BYTES};
-        struct kvf_gpu_batch gb = {.src = &e->region[to_cache ? 1 : 0], .n_src = 1,
-                                   .dst = &e->region[to_cache ? 0 : 1], .n_dst = 1};
+        uint32_t nb = e->n_cache; /* the buffer's region */
+        e->region[nb] = (struct kvf_gpu_region){.base = (uint64_t)(uintptr_t)buf, .bytes = KVF_STAGE_BYTES};
+        if (nb == 1) {
+                gpu_runs(r, n, runs);
+                struct kvf_gpu_batch gb = {.src = &e->region[to_cache ? 1 : 0], .n_src = 1,
+                                           .dst = &e->region[to_cache ? 0 : 1], .n_dst = 1};
+                return submit(e->copier, &gb, runs, n, ticket);
+        }
+        /* One table for both sides: the cache's tensors, then the buffer. */
+        for (unsigned i = 0; i < n; i++) {
+                runs[i].bytes = r[i].bytes;
+                if (to_cache) {
+                        runs[i].src_region = nb;
+                        runs[i].src_off = r[i].src_off;
+                        split_off(&e->cache, 0, r[i].dst_off, &runs[i].dst_region, &runs[i].dst_off);
+                } else {
+                        split_off(&e->cache, 0, r[i].src_off, &runs[i].src_region, &runs[i].src_off);
+                        runs[i].dst_region = nb;
+                        runs[i].dst_off = r[i].dst_off;
+                }
+        }
+        struct kvf_gpu_batch gb = {.src = e->region, .n_src = nb + 1, .dst = e->region, .n_dst = nb + 1};
         return submit(e->copier, &gb, runs, n, ticket);
 }
 
@@ -333,6 +514,10 @@ static int cuda_dmabuf(struct kvf_cache *c, int *fd, uint64_t *len)
 {
         struct cuda_map *m = c->priv;
         char first[KVF_ERR_MAX];
+        if (m->parts)
+                return kvf_err_set(-ENOTSUP, "the cache is one allocation per tensor (%u of them, made for "
+                                   "FastDeploy's workers) and GPUDirect RDMA registers one: use tcp",
+                                   m->n_parts);
         if (kvf_cuda_dmabuf_fetch(&m->hdr, fd, len) == 0)
                 return 0;
         snprintf(first, sizeof(first), "%s", kvf_err_msg());

@@ -24,6 +24,11 @@ struct ibv_mr *rdma_reg_cache(struct ibv_pd *pd, struct kvf_cache *c, int access
         struct ibv_mr *mr;
         char dmabuf_why[200] = "";
 
+        if (c->parts) { /* one allocation per tensor: a region here would span unrelated memory */
+                kvf_err_set(-EOPNOTSUPP, "the cache on %s is one GPU allocation per tensor (made for "
+                            "FastDeploy's workers): rdma needs one; tcp carries it", dev);
+                return NULL;
+        }
         if (c->host || !c->be->dmabuf) {
                 mr = ibv_reg_mr(pd, c->base, c->bytes, access);
                 if (!mr)

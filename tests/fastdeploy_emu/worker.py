@@ -1,0 +1,204 @@
+"""An emulated FastDeploy model worker: attaches the caches a messager published, the way
+FastDeploy's worker does (open each tensor's POSIX shared-memory record by FastDeploy's name,
+map what it names, use the pointer with no offset), and raises the layer signals of either
+mode (per_query: two int32 shm values; per_chunk: a System V message queue)."""
+import ctypes
+import mmap
+import os
+import struct
+
+RECORD_MAGIC = b"KVFHOST1"
+RECORD_FMT = "<8sQQQ256s"
+GPU_RECORD_BYTES = 72  # FastDeploy's { size_t nprocesses; cudaIpcMemHandle_t handle; }
+STEP_MODULO = 100003
+
+
+class AttachError(Exception):
+    pass
+
+
+class _Cuda:
+    """The few CUDA runtime calls a FastDeploy worker makes to attach and fill its caches."""
+    lib = None
+
+    class Handle(ctypes.Structure):
+        _fields_ = [("reserved", ctypes.c_char * 64)]
+
+    @classmethod
+    def get(cls):
+        if cls.lib is None:
+            names = [os.environ.get("CUDART_LIB", ""), "libcudart.so", "libcudart.so.13",
+                     "libcudart.so.12", "/usr/local/cuda/lib64/libcudart.so"]
+            for n in names:
+                if not n:
+                    continue
+                try:
+                    cls.lib = ctypes.CDLL(n)
+                    break
+                except OSError:
+                    pass
+            else:
+                raise AttachError("no CUDA runtime (libcudart) to attach GPU caches with")
+        return cls.lib
+
+
+class DeviceTensor:
+    """A tensor opened from FastDeploy's 72-byte record: cudaIpcOpenMemHandle, the pointer used
+    with no offset. Slices read and write through cudaMemcpy."""
+
+    def __init__(self, device, handle, size):
+        cu = _Cuda.get()
+        self.cu, self.device, self.size = cu, device, size
+        self._set()
+        ptr = ctypes.c_void_p()
+        h = _Cuda.Handle()
+        ctypes.memmove(ctypes.byref(h), handle, 64)
+        cu.cudaIpcOpenMemHandle.argtypes = [ctypes.POINTER(ctypes.c_void_p), _Cuda.Handle, ctypes.c_uint]
+        rc = cu.cudaIpcOpenMemHandle(ctypes.byref(ptr), h, 1)  # cudaIpcMemLazyEnablePeerAccess
+        if rc != 0:
+            raise AttachError("cudaIpcOpenMemHandle: CUDA error %d" % rc)
+        self.ptr = ptr.value
+
+    def _set(self):
+        self.cu.cudaSetDevice(self.device)
+
+    def __len__(self):
+        return self.size
+
+    def _range(self, k):
+        a, b, _ = k.indices(self.size)
+        return a, b
+
+    def __setitem__(self, k, data):
+        a, b = self._range(k)
+        if len(data) != b - a:
+            raise ValueError("%d bytes for a slice of %d" % (len(data), b - a))
+        self._set()
+        buf = ctypes.create_string_buffer(bytes(data), len(data))
+        self.cu.cudaMemcpy.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        rc = self.cu.cudaMemcpy(ctypes.c_void_p(self.ptr + a), buf, b - a, 1)  # host to device
+        if rc:
+            raise AttachError("cudaMemcpy to the cache: CUDA error %d" % rc)
+
+    def __getitem__(self, k):
+        a, b = self._range(k)
+        self._set()
+        buf = ctypes.create_string_buffer(b - a)
+        self.cu.cudaMemcpy.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        rc = self.cu.cudaMemcpy(buf, ctypes.c_void_p(self.ptr + a), b - a, 2)  # device to host
+        if rc:
+            raise AttachError("cudaMemcpy from the cache: CUDA error %d" % rc)
+        return buf.raw
+
+
+def attach_tensor(name, shm_dir="/dev/shm", device=None, size=None):
+    """The tensor named `name` (key_caches_{layer}_rank{rank}.device{device}): a writable
+    memoryview of exactly the tensor's bytes."""
+    path = os.path.join(shm_dir, name)
+    try:
+        with open(path, "rb") as f:
+            rec = f.read()
+    except OSError as e:
+        raise AttachError("record %s: %s" % (name, e))
+    if len(rec) == GPU_RECORD_BYTES:
+        if device is None or size is None:
+            raise AttachError("%s holds a CUDA IPC handle: give the device and size" % name)
+        return DeviceTensor(device, rec[8:72], size)
+    if len(rec) != struct.calcsize(RECORD_FMT) or rec[:8] != RECORD_MAGIC:
+        raise AttachError("%s is not a kvferry host-cache record (%d bytes)" % (name, len(rec)))
+    _, off, size, _pid, p = struct.unpack(RECORD_FMT, rec)
+    p = p.rstrip(b"\0").decode()
+    page = mmap.ALLOCATIONGRANULARITY
+    start = off - off % page
+    fd = os.open(p, os.O_RDWR)
+    try:
+        m = mmap.mmap(fd, size + off - start, offset=start)
+    finally:
+        os.close(fd)
+    return memoryview(m)[off - start:off - start + size]
+
+
+class Caches:
+    def __init__(self, rank, device, layers, key_only=False, tensor_bytes=None, suffix=""):
+        self.t = {}
+        kw = {"device": device, "size": tensor_bytes}
+        sfx = "." + suffix if suffix else ""
+        for layer in range(layers):
+            self.t[(layer, 0)] = attach_tensor("key_caches_%d_rank%d.device%d%s" % (layer, rank, device, sfx),
+                                               **kw)
+            if not key_only:
+                self.t[(layer, 1)] = attach_tensor("value_caches_%d_rank%d.device%d%s"
+                                                   % (layer, rank, device, sfx), **kw)
+
+    def tensor(self, layer, v):
+        return self.t[(layer, v)]
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.ftok.restype, _libc.ftok.argtypes = ctypes.c_int, [ctypes.c_char_p, ctypes.c_int]
+_libc.msgget.restype, _libc.msgget.argtypes = ctypes.c_int, [ctypes.c_int, ctypes.c_int]
+_libc.msgsnd.restype, _libc.msgsnd.argtypes = ctypes.c_int, [ctypes.c_int, ctypes.c_void_p,
+                                                             ctypes.c_size_t, ctypes.c_int]
+_libc.msgctl.restype, _libc.msgctl.argtypes = ctypes.c_int, [ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+
+
+class _Msg(ctypes.Structure):
+    _fields_ = [("mtype", ctypes.c_long), ("mtext", ctypes.c_int * (512 * 3 + 2))]
+
+
+class PerChunkSignal:
+    """FastDeploy's per_chunk layer signal: one message per layer on the rank's queue."""
+
+    def __init__(self, rank_id, device=0, stride=0):
+        key = _libc.ftok(b"/opt/", 1024 + rank_id + stride * device)
+        self.q = _libc.msgget(key, 0o1000 | 0o666)  # IPC_CREAT
+        if self.q < 0:
+            raise OSError(ctypes.get_errno(), "msgget")
+
+    def send(self, layer, triples, count=None):
+        m = _Msg(mtype=1)
+        m.mtext[0] = len(triples) if count is None else count
+        m.mtext[1] = layer
+        for i, (slot, before, tokens) in enumerate(triples):
+            m.mtext[2 + 3 * i], m.mtext[3 + 3 * i], m.mtext[4 + 3 * i] = slot, before, tokens
+        if _libc.msgsnd(self.q, ctypes.byref(m), ctypes.sizeof(m.mtext), 0) < 0:
+            raise OSError(ctypes.get_errno(), "msgsnd")
+
+    def remove(self):
+        _libc.msgctl(self.q, 0, None)  # IPC_RMID
+
+
+class PerQuerySignal:
+    """FastDeploy's per_query signal: the step (mod 100003) and the last layer written."""
+
+    def __init__(self, rank_id, device, shm_dir="/dev/shm"):
+        self.m = {}
+        for what in ("step", "layer"):
+            p = os.path.join(shm_dir, "splitwise_complete_prefilled_%s_%d.%d" % (what, rank_id, device))
+            fd = os.open(p, os.O_RDWR | os.O_CREAT, 0o666)
+            if os.fstat(fd).st_size < 4:
+                os.ftruncate(fd, 4)
+            self.m[what] = mmap.mmap(fd, 4)
+            os.close(fd)
+        self.paths = [os.path.join(shm_dir, "splitwise_complete_prefilled_%s_%d.%d" % (w, rank_id, device))
+                      for w in ("step", "layer")]
+
+    def step(self):
+        return struct.unpack("<i", self.m["step"][:4])[0]
+
+    def begin_step(self):
+        """A forward step starts: the counter moves on, the layer goes back to -1."""
+        s = (self.step() + 1) % STEP_MODULO
+        struct.pack_into("<i", self.m["step"], 0, s)
+        struct.pack_into("<i", self.m["layer"], 0, -1)
+        return s
+
+    def layer(self, layer):
+        struct.pack_into("<i", self.m["layer"], 0, layer)
+
+    def remove(self):
+        for p in self.paths:
+            try:
+                os.unlink(p)
+            except OSError:
+                pass

@@ -1,0 +1,414 @@
+"""kvferry as FastDeploy's cache messager, against an emulated FastDeploy deployment
+(tests/fastdeploy_emu): prefill and decode instances of TP ranks, requests of the conversation
+trace moved through FastDeploy's interfaces alone and verified byte for byte on the decode
+side; failures with FastDeploy's statuses; connect tasks; bad input that the messager survives.
+
+    fastdeploy_test.py --mode per_chunk|per_query --protocol ipc|tcp --requests N [--faults]
+"""
+import argparse
+import os
+import random
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "fastdeploy_emu"))
+import deployment as dep  # noqa: E402
+
+M = 100003
+
+
+def fail(msg, *insts):
+    for i in insts:
+        sys.stderr.write(i.log_tail())
+    sys.stderr.write("\nFAIL: %s\n" % msg)
+    sys.exit(1)
+
+
+class Run:
+    def __init__(self, a):
+        self.a = a
+        self.shape = dep.Shape(extra=1 if a.older else 0)
+        tag = "kvfemu%d%s" % (os.getpid(), a.mode[4])
+        base = 1000 + (os.getpid() % 500) * 8  # device labels no other run on this host uses
+        pdev = [base + r for r in range(a.tp)]
+        ddev = [base + 4 + r for r in range(a.tp)]
+        if a.gpu:  # real GPUs: prefill on the first tp, decode on the next tp (or the same)
+            ngpu = int(os.environ.get("KVF_TEST_GPUS", "1"))
+            pdev = list(range(a.tp))
+            ddev = list(range(a.tp, 2 * a.tp)) if ngpu >= 2 * a.tp else pdev
+        logdir = os.environ.get("KVFERRY_RUN_DIR", "/tmp")
+        self.dec = dep.Instance("decode", a.tp, self.shape, ddev, a.mode, a.protocol, tag, logdir,
+                                older=a.older, gpu=a.gpu)
+        self.pre = dep.Instance("prefill", a.tp, self.shape, pdev, a.mode, a.protocol, tag, logdir,
+                                older=a.older, gpu=a.gpu)
+        self.insts = (self.pre, self.dec)
+        self.rng = random.Random(7)
+        self.free_p = list(range(self.shape.blocks))
+        self.free_d = list(range(self.shape.blocks))
+        self.fd_step = None
+        self.slots_free = list(range(64))
+        self.hook = None  # called once, mid-batch, after layer 1 is signalled
+
+    def ready(self):
+        self.dec.wait_ready()
+        self.pre.wait_ready()
+        if self.a.mode == "per_query":
+            # the engine's step counter near its wrap, so that this run crosses it
+            for s in self.pre.signals:
+                s.m["step"][:4] = (M - 5).to_bytes(4, "little")
+                s.layer(-1)
+            time.sleep(0.05)
+
+    def decode_half(self, rid, dest, protocol=None, devices=None, ports=None):
+        return {"request_id": rid, "device_ids": [str(d) for d in (devices or self.dec.devices)],
+                "ip": "127.0.0.1", "rdma_ports": [str(p) for p in (ports or self.dec.rdma_ports)],
+                "transfer_protocol": protocol or self.a.protocol, "dest_block_ids": dest,
+                "decode_tp_size": self.a.tp}
+
+    def finished(self, want, timeout=30):
+        """get_finished_req until every id in want was answered: {rid: (status, per-rank)}."""
+        got = {}
+        end = time.monotonic() + timeout
+        while len(got) < len(want) and time.monotonic() < end:
+            r, items = self.pre.engine.get_finished_req()
+            if not r:
+                time.sleep(0.002)
+                continue
+            rid, st = r[0]
+            ranks = set(i[0] for i in items)
+            if ranks != {rid}:
+                fail("ranks answered different requests in one round: %r" % items, *self.insts)
+            if rid in got:
+                fail("request %s answered twice" % rid, *self.insts)
+            got[rid] = (st, items)
+        if len(got) < len(want):
+            fail("no status within %d s for %s" % (timeout, sorted(set(want) - set(got))[:5]),
+                 *self.insts)
+        extra = set(got) - set(want)
+        if extra:
+            fail("statuses for requests never sent: %s" % extra, *self.insts)
+        return got
+
+    # -- a batch of requests through one or two forward steps --
+
+    def batch(self, reqs, late_decode=False):
+        """reqs: [(rid, tokens, held_blocks)]. Returns the FastDeploy statuses. late_decode:
+        decode's halves come after the forward pass (the layers' signals before the tasks)."""
+        sh = self.shape
+        bs = sh.block_size
+        plan = []
+        for rid, tokens, held in reqs:
+            nb = -(-tokens // bs)
+            src = [self.free_p.pop(self.rng.randrange(len(self.free_p))) for _ in range(nb)]
+            dst = [self.free_d.pop(self.rng.randrange(len(self.free_d))) for _ in range(nb - held)]
+            slot = self.slots_free.pop(0)
+            plan.append(dict(rid=rid, tokens=tokens, held=held, src=src, dst=dst, slot=slot))
+        # decode: the blocks it reserved hold a filler, so that untouched bytes show
+        for r in range(self.a.tp):
+            for q in plan:
+                for layer in range(sh.all_layers):
+                    for v in (0, 1):
+                        t = self.dec.caches[r].tensor(layer, v)
+                        for d in q["dst"]:
+                            t[d * sh.block_bytes:(d + 1) * sh.block_bytes] = b"\xa5" * sh.block_bytes
+        per_chunk = self.a.mode == "per_chunk"
+        if not per_chunk:
+            first_step = (self.pre.signals[0].step() + 1) % M
+        # the prefill engine's halves, then decode's (the splitwise connector's order for ipc)
+        halves = []
+        for q in plan:
+            halves.append({"request_id": q["rid"], "src_block_ids": q["src"],
+                           "current_id": q["slot"] if per_chunk else first_step,
+                           "need_prefill_tokens": q["tokens"]})
+        self.pre.engine.put_cache_info(halves)
+        dec = []
+        for q in plan:
+            dest = ([-1] * q["held"] + q["dst"]) if per_chunk else q["dst"]
+            dec.append(self.decode_half(q["rid"], dest))
+        if not late_decode:
+            self.pre.engine.put_cache_info(dec)
+        # the forward pass: chunks of at most 96 tokens, every layer written then signalled
+        done = {q["rid"]: 0 for q in plan}
+        while any(done[q["rid"]] < q["tokens"] for q in plan):
+            chunk = []
+            for q in plan:
+                b = done[q["rid"]]
+                if b < q["tokens"]:
+                    n = min(96, q["tokens"] - b) if per_chunk else q["tokens"] - b
+                    chunk.append((q, b, n))
+            if not per_chunk:
+                for s in self.pre.signals:
+                    s.begin_step()
+            for layer in range(sh.all_layers):
+                for r in range(self.a.tp):
+                    for v in (0, 1):
+                        t = self.pre.caches[r].tensor(layer, v)
+                        for q, b, n in chunk:
+                            for bi in range(b // bs, -(-(b + n) // bs)):
+                                blk = q["src"][bi]
+                                t[blk * sh.block_bytes:(blk + 1) * sh.block_bytes] = \
+                                    dep.pattern(q["rid"], layer, v, bi, r, sh.block_bytes)
+                    if per_chunk:
+                        self.pre.signals[r].send(layer, [(q["slot"], b, n) for q, b, n in chunk])
+                    else:
+                        self.pre.signals[r].layer(layer)
+                if layer == 1 and self.hook:
+                    self.hook()
+                    self.hook = None
+            for q, b, n in chunk:
+                done[q["rid"]] = b + n
+        if late_decode:
+            time.sleep(0.01)
+            self.pre.engine.put_cache_info(dec)
+        got = self.finished([q["rid"] for q in plan])
+        # verify every finished request on every decode rank, byte for byte
+        for q in plan:
+            st = got[q["rid"]][0]
+            if st != "finished":
+                continue
+            for r in range(self.a.tp):
+                for layer in range(sh.all_layers):
+                    for v in (0, 1):
+                        t = self.dec.caches[r].tensor(layer, v)
+                        for i, d in enumerate(q["dst"]):
+                            want = dep.pattern(q["rid"], layer, v, i + q["held"], r, sh.block_bytes)
+                            if t[d * sh.block_bytes:(d + 1) * sh.block_bytes] != want:
+                                fail("%s: rank %d layer %d tensor %d block %d (dest %d) differs"
+                                     % (q["rid"], r, layer, v, i, d), *self.insts)
+        for q in plan:
+            self.free_p += q["src"]
+            self.free_d += q["dst"]
+            self.slots_free.append(q["slot"])
+        return {rid: v[0] for rid, v in got.items()}, sum(len(q["dst"]) for q in plan)
+
+    def trace(self, n, per_batch=4):
+        lengths = dep.trace_lengths(n)
+        t0 = time.monotonic()
+        blocks = lates = 0
+        for i in range(0, n, per_batch):
+            reqs = []
+            for j, ln in enumerate(lengths[i:i + per_batch]):
+                tokens = max(1, min(ln // 24, 40 * self.shape.block_size))
+                held = 2 if (i + j) % 5 == 3 and tokens > 3 * self.shape.block_size else 0
+                reqs.append(("req-%d" % (i + j), tokens, held))
+            late = (i // per_batch) % 3 == 2
+            st, nb = self.batch(reqs, late_decode=late)
+            lates += late
+            blocks += nb
+            bad = {k: v for k, v in st.items() if v != "finished"}
+            if bad:
+                fail("trace requests failed: %r" % bad, *self.insts)
+        print("ok: %d trace requests (%s, %s, %d ranks) finished and verified byte for byte on "
+              "every decode rank: %d blocks x %d layers x 2 tensors, %d batches with decode's "
+              "halves after the layers, %.1f s"
+              % (n, self.a.mode, self.a.protocol, self.a.tp, blocks, self.shape.all_layers, lates,
+                 time.monotonic() - t0))
+
+    # -- failures, bad input, connect tasks --
+
+    def faults(self):
+        sh = self.shape
+        pc = self.a.mode == "per_chunk"
+        cur = lambda slot: slot if pc else (self.pre.signals[0].step() + 1) % M  # noqa: E731
+        ids = {}
+
+        def put(rid, p_half, d_half):
+            self.pre.engine.put_cache_info([p_half])
+            if d_half is not None:
+                self.pre.engine.put_cache_info([d_half])
+            ids[rid] = None
+
+        # an unknown peer: decode devices no instance serves
+        put("bad-peer", {"request_id": "bad-peer", "src_block_ids": [1], "current_id": cur(50),
+                         "need_prefill_tokens": 16},
+            self.decode_half("bad-peer", [2], protocol="ipc", devices=[60001, 60002]))
+        # a dead peer: nobody listens at decode's address any more
+        dead = [dep.free_port() for _ in range(self.a.tp)]
+        put("dead-peer", {"request_id": "dead-peer", "src_block_ids": [7], "current_id": cur(54),
+                          "need_prefill_tokens": 16},
+            self.decode_half("dead-peer", [8], protocol="tcp", ports=dead))
+        # a block id out of range
+        put("bad-range", {"request_id": "bad-range", "src_block_ids": [sh.blocks + 7],
+                          "current_id": cur(51), "need_prefill_tokens": 16},
+            self.decode_half("bad-range", [3]))
+        # a malformed half: dest_block_ids is not a list of ids
+        put("bad-dict", {"request_id": "bad-dict", "src_block_ids": [4], "current_id": cur(52),
+                         "need_prefill_tokens": 16},
+            dict(self.decode_half("bad-dict", [5]), dest_block_ids="oops"))
+        # decode could not take it: its half is an error_msg
+        put("dec-error", {"request_id": "dec-error", "src_block_ids": [6], "current_id": cur(53),
+                          "need_prefill_tokens": 16},
+            {"request_id": "dec-error", "error_msg": "decode has no free blocks"})
+        # garbage in the list: no request id at all (logged, nothing answered)
+        self.pre.engine.put_cache_info([{"no": "request id"}, "not a dict"])
+        want = {"bad-peer": "connection error" if pc else "connect error",
+                "dead-peer": "connection error" if pc else "connect error",
+                "bad-range": "write cache error", "bad-dict": "write cache error",
+                "dec-error": "write cache error"}
+        if pc:
+            # signals for slots no task holds, and a message kvferry refuses: both logged
+            for r in range(self.a.tp):
+                for layer in range(sh.all_layers):
+                    self.pre.signals[r].send(layer, [(200, 0, 16), (201, 16, 16)])
+                self.pre.signals[r].send(0, [], count=9999)
+        got = self.finished(list(want))
+        for rid, st in want.items():
+            if got[rid][0] != st:
+                fail("%s: %r, expected %r" % (rid, got[rid], st), *self.insts)
+        print("ok: unknown and dead peers -> %r, bad block id, malformed dict and decode's error_msg -> %r; "
+              "a list with no request ids, signals of unknown slots and a bad message refused"
+              % (want["bad-peer"], "write cache error"))
+        # connect tasks: the decode ranks' ports (connected), and a port nobody listens on
+        for tid, ports, ok in (("c-ok", self.dec.rdma_ports, True),
+                               ("c-bad", [dep.free_port() for _ in range(self.a.tp)], False)):
+            self.pre.engine.put_connect_rdma_task({"task_id": tid, "ip": "127.0.0.1",
+                                                   "rdma_ports": ports})
+            end = time.monotonic() + 40
+            resp = None
+            while resp is None and time.monotonic() < end:
+                resp = self.pre.engine.get_connect_rdma_task_response()
+                time.sleep(0.005)
+            if not resp or resp["task_id"] != tid or resp["success"] != ok:
+                fail("connect task %s: %r" % (tid, resp), *self.insts)
+        print("ok: connect tasks answered: success for the decode ranks, failure for a dead port")
+        # the messagers still serve
+        self.trace(8)
+        # the prefill engine's queue server goes away and comes back: the messagers say so,
+        # stay up, connect again and serve
+        try:
+            self.pre.restart_queue()
+        except RuntimeError as e:
+            fail(str(e), *self.insts)
+        self.trace(8)
+        print("ok: the queue server went away and came back: the messagers reconnected and served")
+
+    def latency(self, n=30):
+        """From a layer's signal to its bytes in the decode cache (rank 0, host caches): the
+        bridge, the sender and the copy, with no Python of the messager in between."""
+        sh = self.shape
+        pc = self.a.mode == "per_chunk"
+        bb = sh.block_bytes
+        got = []
+        for i in range(n):
+            rid = "lat-%d-%d" % (os.getpid(), i)
+            src, dst = [self.free_p.pop()], [self.free_d.pop()]
+            slot = self.slots_free.pop(0)
+            if not pc:
+                for sg in self.pre.signals:
+                    step = sg.begin_step()
+            for r in range(self.a.tp):
+                for layer in range(sh.all_layers):
+                    self.dec.caches[r].tensor(layer, 1)[dst[0] * bb:(dst[0] + 1) * bb] = b"\0" * bb
+            self.pre.engine.put_cache_info([{"request_id": rid, "src_block_ids": src,
+                                             "current_id": slot if pc else step,
+                                             "need_prefill_tokens": sh.block_size}])
+            self.pre.engine.put_cache_info([self.decode_half(rid, dst)])
+            time.sleep(0.02)  # the task is in kvferry before its layers come
+            last = sh.all_layers - 1
+            want = None
+            for layer in range(sh.all_layers):
+                for r in range(self.a.tp):
+                    for v in (0, 1):
+                        pat = dep.pattern(rid, layer, v, 0, r, bb)
+                        self.pre.caches[r].tensor(layer, v)[src[0] * bb:(src[0] + 1) * bb] = pat
+                        if r == 0 and layer == last and v == 1:
+                            want = pat
+                t = self.dec.caches[0].tensor(last, 1)
+                for r in range(self.a.tp):
+                    t0 = time.perf_counter()
+                    if pc:
+                        self.pre.signals[r].send(layer, [(slot, 0, sh.block_size)])
+                    else:
+                        self.pre.signals[r].layer(layer)
+                    if r == 0 and layer == last:
+                        end = t0 + 1.0
+                        while t[dst[0] * bb:(dst[0] + 1) * bb] != want and time.perf_counter() < end:
+                            pass
+                        got.append(time.perf_counter() - t0)
+            self.finished([rid])
+            self.free_p += src
+            self.free_d += dst
+            self.slots_free.append(slot)
+        got.sort()
+        p50, p90 = got[len(got) // 2] * 1e6, got[int(len(got) * 0.9)] * 1e6
+        if got[len(got) // 2] > 0.05:
+            fail("last layer's signal -> bytes on decode: p50 %.0f us" % p50, *self.insts)
+        print("ok: last layer's signal -> its bytes in the decode cache (%s, %s): p50 %.0f us, "
+              "p90 %.0f us, max %.0f us over %d requests (a Python spin reading the block)"
+              % (self.a.mode, self.a.protocol, p50, p90, got[-1] * 1e6, n))
+
+    def kill_role(self):
+        """A kvferry role of prefill rank 1 killed while a batch moves: every request gets one
+        status, on every rank, and no rank hangs at a barrier."""
+        inst = "fd%s-prefill-1" % self.pre.suffix
+        pid = None
+        for d in os.listdir("/proc"):
+            if d.isdigit():
+                try:
+                    argv = open("/proc/%s/cmdline" % d, "rb").read().split(b"\0")
+                except OSError:
+                    continue
+                if argv and argv[0].endswith(b"kvf-sender") and inst.encode() in argv:
+                    pid = int(d)
+        if pid is None:
+            fail("no kvf-sender of %s running" % inst, *self.insts)
+        t0 = time.monotonic()
+        self.hook = lambda: os.kill(pid, 9)
+        self.trace_any(8)
+        print("ok: a prefill rank's sender killed mid-batch: every request answered once on every rank "
+              "(%.1f s)" % (time.monotonic() - t0))
+
+    def trace_any(self, n):
+        reqs = [("kill-%d" % i, 64, 0) for i in range(n)]
+        st, _ = self.batch(reqs)
+        if set(st) != set(r[0] for r in reqs):
+            fail("statuses %r" % st, *self.insts)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--mode", default="per_chunk", choices=["per_chunk", "per_query"])
+    p.add_argument("--protocol", default="ipc", choices=["ipc", "tcp"])
+    p.add_argument("--tp", type=int, default=2)
+    p.add_argument("--requests", type=int, default=40)
+    p.add_argument("--faults", action="store_true")
+    p.add_argument("--kill", action="store_true")
+    p.add_argument("--gpu", action="store_true",
+                   help="GPU caches (2 x tp GPUs): FastDeploy's cudaIpcMemHandle records")
+    p.add_argument("--older", action="store_true",
+                   help="the older argv (--engine_pid, --num_hidden_layers, --num_gpu_blocks ...), "
+                        "the queue on a unix socket, and an MTP layer (--speculative_config)")
+    a = p.parse_args()
+    r = Run(a)
+    try:
+        r.ready()
+        print("ok: %s: prefill and decode up, %d ranks each%s, caches attached from the records"
+              % (a.mode, a.tp, " (older argv, queue on a unix socket, an MTP layer)"
+                 if a.older else ""))
+        r.trace(a.requests)
+        if not a.gpu:
+            r.latency()
+        if a.faults:
+            r.faults()
+        if a.kill:
+            r.kill_role()
+    finally:
+        t0 = time.monotonic()
+        codes = [r.pre.stop(), r.dec.stop()]
+    ends = tuple(".device%d%s" % (d, s) for d in r.pre.devices + r.dec.devices for s in ("", ".d"))
+    left = [n for n in os.listdir("/dev/shm") if n.endswith(ends) and n.startswith(("key_", "value_"))]
+    for name in r.pre.logs + r.dec.logs:  # a sanitizer build's reports fail the test
+        with open(name, errors="replace") as f:
+            text = f.read()
+        if "runtime error:" in text or "Sanitizer" in text:
+            fail("a sanitizer report in %s" % name, *r.insts)
+    if any(c != 0 for cs in codes for c in cs):
+        fail("messagers' exit codes on SIGTERM: %r" % codes, *r.insts)
+    if left:
+        fail("records left after the messagers stopped: %s" % left[:4])
+    print("ok: SIGTERM stopped every messager (%.1f s), their instances and records gone"
+          % (time.monotonic() - t0))
+
+
+if __name__ == "__main__":
+    main()

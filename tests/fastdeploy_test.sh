@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# kvferry as FastDeploy's cache messager (python3 -m kvferry.fastdeploy), driven through
+# FastDeploy's interfaces alone by an emulated deployment (tests/fastdeploy_emu): two TP ranks
+# of prefill and of decode, both layer-signal modes, ipc and tcp, trace requests verified byte
+# for byte, FastDeploy's statuses for failures, connect tasks, bad input, a killed role.
+source "$(dirname "$0")/lib.sh"
+cd "$ROOT"
+/usr/bin/python3 -c 'import msgpack' 2>/dev/null ||
+  fail "python3-msgpack is missing (tools/kvferry setup installs it)"
+[ -d /opt ] || { echo "skipped: FastDeploy's per_chunk queue key needs /opt"; exit 77; }
+[ -e "$B/libkvferry_fastdeploy.so.0" ] || fail "$B/libkvferry_fastdeploy.so.0 is not built"
+# A sanitizer build's libraries need their runtime loaded before the interpreter starts (in
+# the test and in every messager it starts), and the interpreter's own allocations are not ours
+# to judge (leaks off; everything else stays on).
+PRE=()
+for rt in asan ubsan tsan; do
+  if ldd "$B/libkvferry.so.0" 2>/dev/null | grep -q "lib$rt\.so"; then
+    PRE+=("$(ldd "$B/libkvferry.so.0" | awk -v r="lib$rt.so" 'index($1, r) == 1 {print $3}')")
+  fi
+done
+if [ ${#PRE[@]} -gt 0 ]; then
+  export LD_PRELOAD="${PRE[*]}" ASAN_OPTIONS="${ASAN_OPTIONS:+$ASAN_OPTIONS:}detect_leaks=0"
+fi
+T=(timeout 150 /usr/bin/python3 "$ROOT/tests/fastdeploy_test.py")
+"${T[@]}" --mode per_chunk --protocol ipc --requests 200 --faults --kill || fail "per_chunk over ipc"
+"${T[@]}" --mode per_query --protocol tcp --requests 60 --faults --older || fail "per_query over tcp"
+# GPU caches in FastDeploy's own format (one allocation per tensor, cudaIpcMemHandle records),
+# where a GPU is visible and the build has CUDA: one rank, decode on the same GPU as prefill
+# (FD_IPC_APPEND_SUFFIX) unless KVF_TEST_GPUS says there are two.
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 &&
+  [ -e "$B/gpu/libkvf_gpu.a" ]; then
+  "${T[@]}" --gpu --tp 1 --mode per_chunk --protocol ipc --requests 40 --faults || fail "GPU, ipc"
+  "${T[@]}" --gpu --tp 1 --mode per_query --protocol tcp --requests 20 || fail "GPU, tcp"
+else
+  echo "GPU part skipped: no GPU visible, or a build without CUDA"
+fi
+pass "fastdeploy: both signal modes, ipc and tcp, through FastDeploy's interfaces"

@@ -45,14 +45,15 @@ cleanup() {
 trap cleanup EXIT
 # roles_json BUILD INSTANCE: ring-dump's JSON of the instance
 roles_json() { "$1/kvf-ringdump" --instance "$2" --json; }
-# snapshot BUILD INSTANCE...: "cpu_ticks ring_records" summed over the instances' roles and rings
+# snapshot BUILD INSTANCE...: a JSON object: CPU ticks per "instance/role" and "records", the
+# ring records of every ring of the instances
 snapshot() {
   local b=$1; shift
   local files=()
   for i in "$@"; do roles_json "$b" "$i" >"$KVFERRY_RUN_DIR/$i.json"; files+=("$KVFERRY_RUN_DIR/$i.json"); done
   /usr/bin/python3 - "${files[@]}" <<'EOF'
 import json, sys
-ticks = recs = 0
+out = {"records": 0}
 for f in sys.argv[1:]:
     d = json.load(open(f))
     for r in d["roles"]:
@@ -60,14 +61,14 @@ for f in sys.argv[1:]:
             continue
         with open(f"/proc/{r['pid']}/stat") as s:
             fields = s.read().rsplit(")", 1)[1].split()
-        ticks += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15)
-    recs += sum(g["records_written"] for g in d["rings"])
-print(ticks, recs)
+        out[f"{d['instance']}/{r['role']}"] = int(fields[11]) + int(fields[12])  # utime, stime
+    out["records"] += sum(g["records_written"] for g in d["rings"])
+print(json.dumps(out))
 EOF
 }
 HZ=$(getconf CLK_TCK)
 echo "cost_bench: $N requests of at most $TOKENS tokens per run, $ROUNDS rounds, --layer-wait $WAIT; $(lscpu | grep 'Model name' | sed 's/  */ /g')"
-printf '%-40s %-4s %5s %14s %14s %8s\n' build tr round "cpu us/req" "records/req" "wall s"
+printf '%-40s %-4s %5s %10s %12s %7s  %s\n' build tr round "cpu us/req" "records/req" "wall s" "cpu us/req by role (p: prefill, d: decode)"
 RES=$KVFERRY_RUN_DIR/results
 : >"$RES"
 k=0
@@ -81,18 +82,27 @@ for ((r = 1; r <= ROUNDS; r++)); do
         --cache-mib 256 --layer-wait "$WAIT" >/dev/null 2>&1
       KVFERRY_BUILD=$b "$ROOT/tools/kvferry" up --instance "$p" --role prefill --model llama-3.1-8b --tp 8 \
         --cache-mib 256 --layer-wait "$WAIT" >/dev/null 2>&1
-      read -r c0 r0 < <(snapshot "$b" "$d" "$p")
+      snapshot "$b" "$d" "$p" >"$KVFERRY_RUN_DIR/s0.json"
       t0=$(date +%s.%N)
       "$b/kvf-sim" --prefill "$p" --decode "$d" --requests "$N" --max-tokens "$TOKENS" --transport "$t" --quiet \
         --json "$KVFERRY_RUN_DIR/sim.json" >"$KVFERRY_RUN_DIR/sim.out" 2>&1 ||
         { cat "$KVFERRY_RUN_DIR/sim.out" >&2; echo "cost_bench: kvf-sim failed ($b, $t)" >&2; exit 1; }
       t1=$(date +%s.%N)
-      read -r c1 r1 < <(snapshot "$b" "$d" "$p")
+      snapshot "$b" "$d" "$p" >"$KVFERRY_RUN_DIR/s1.json"
       KVFERRY_BUILD=$b "$ROOT/tools/kvferry" down --instance "$p" --instance "$d" >/dev/null 2>&1
-      cpu=$(/usr/bin/python3 -c "print(f'{($c1 - $c0) * 1e6 / $HZ / $N:.1f}')")
-      recs=$(/usr/bin/python3 -c "print(f'{($r1 - $r0) / $N:.2f}')")
-      wall=$(/usr/bin/python3 -c "print(f'{$t1 - $t0:.2f}')")
-      printf '%-40s %-4s %5s %14s %14s %8s\n' "$b" "$t" "$r" "$cpu" "$recs" "$wall"
+      read -r cpu recs wall roles < <(/usr/bin/python3 - "$KVFERRY_RUN_DIR/s0.json" "$KVFERRY_RUN_DIR/s1.json" \
+        "$N" "$HZ" "$t0" "$t1" "$p" <<'EOF'
+import json, sys
+a, b = json.load(open(sys.argv[1])), json.load(open(sys.argv[2]))
+n, hz, t0, t1, p = int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5]), float(sys.argv[6]), sys.argv[7]
+us = lambda k: (b.get(k, 0) - a.get(k, 0)) * 1e6 / hz / n
+roles = [k for k in b if k != "records"]
+cpu = sum(us(k) for k in roles)
+short = ",".join(f"{'p' if k.startswith(p + '/') else 'd'}-{k.split('/')[1]}={us(k):.0f}" for k in sorted(roles))
+print(f"{cpu:.1f} {(b['records'] - a['records']) / n:.2f} {t1 - t0:.2f} {short}")
+EOF
+)
+      printf '%-40s %-4s %5s %10s %12s %7s  %s\n' "$b" "$t" "$r" "$cpu" "$recs" "$wall" "$roles"
       echo "$b $t $cpu $recs" >>"$RES"
     done
   done

@@ -49,7 +49,7 @@ extern "C" {
  * KVFERRY_PRE node: kvf_poll and kvf_group_poll refuse there with -ENOTSUP
  * (their struct kvf_event had one of two layouts that cannot be told apart),
  * kvf_submit_task reads only the fields every such header had.
- * docs/ARCHITECTURE.md, "Public ABI".
+ * docs/ARCHITECTURE.md, section 2c.
  */
 #define KVFERRY_ABI 1
 

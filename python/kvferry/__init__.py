@@ -71,7 +71,8 @@ class _Event(ctypes.Structure):
 _CONSTANTS = ("KVF_STATUS_COUNT", "KVF_EVENT_ID_BIN", "KVF_TO_SENDER", "KVF_TO_CONNECTOR",
               "KVF_REC_TASK", "KVF_REC_CHUNK", "KVF_REC_CANCEL", "KVF_REC_CONNECT",
               "KVF_EVENT_COMPLETION", "KVF_EVENT_ARRIVAL", "KVF_EVENT_CONNECT_RESULT",
-              "KVF_TRANSPORT_IPC", "KVF_TRANSPORT_TCP", "KVF_TRANSPORT_RDMA")
+              "KVF_TRANSPORT_IPC", "KVF_TRANSPORT_TCP", "KVF_TRANSPORT_RDMA",
+              "KVF_SIGNAL_DEFAULT", "KVF_SIGNAL_HOSTFN", "KVF_SIGNAL_WRITEVALUE")
 
 
 def library_path():
@@ -459,7 +460,8 @@ class Client:
 
     def set_layer_signal(self, method):
         """"hostfn" or "writevalue", before the first layer_done_on_stream()."""
-        m = {"default": 0, "hostfn": 1, "writevalue": 2}.get(method)
+        m = {"default": _C["KVF_SIGNAL_DEFAULT"], "hostfn": _C["KVF_SIGNAL_HOSTFN"],
+             "writevalue": _C["KVF_SIGNAL_WRITEVALUE"]}.get(method)
         if m is None:
             raise KvferryError(_errno.EINVAL, "kvferry: layer signal '%s': hostfn or "
                                "writevalue" % method)

@@ -26,20 +26,13 @@
 #include "layout.h"
 #include "records.h"
 
+#include "abi.h"
 #include "client.h"
 
 const char *kvf_last_error(void)
 {
         return kvf_err_msg();
 }
-
-#if UINTPTR_MAX == UINT64_MAX
-/* kvf_event.flags took the tail padding after n_dest: the struct kept its size (and an engine
- * built against the header before it, its layout). */
-_Static_assert(offsetof(struct kvf_event, flags) == offsetof(struct kvf_event, n_dest) + 4 &&
-                       sizeof(struct kvf_event) == offsetof(struct kvf_event, flags) + 4,
-               "kvf_event.flags must sit in the former tail padding");
-#endif
 
 int kvf_client_owned(const struct kvf_client *c)
 {
@@ -172,12 +165,14 @@ void kvf_detach(struct kvf_client *c)
         free(c);
 }
 
-int kvf_get_layout(struct kvf_client *c, struct kvf_layout_info *out)
+int kvf_get_layout_sized(struct kvf_client *c, struct kvf_layout_info *out, size_t out_size)
 {
-        int rc = kvf_client_owned(c);
-        if (rc < 0)
+        int rc = kvf_abi_size_check(out_size, KVF_LAYOUT_INFO_SIZE_ABI1, "struct kvf_layout_info");
+        if (rc < 0 || (rc = kvf_client_owned(c)) < 0)
                 return rc;
-        kvf_layout_to_info(&c->ctl.hdr->layout, out);
+        struct kvf_layout_info li;
+        kvf_layout_to_info(&c->ctl.hdr->layout, &li);
+        kvf_abi_copy_out(out, out_size, &li, sizeof(li));
         return 0;
 }
 
@@ -240,11 +235,14 @@ static int copy_str(char *dst, size_t cap, const char *src, const char *what)
         return 0;
 }
 
-int kvf_submit_task(struct kvf_client *c, const struct kvf_task *t)
+int kvf_client_submit_task(struct kvf_client *c, const struct kvf_task *caller, size_t size)
 {
         struct kvf_record r = {.type = KVF_REC_TASK};
-        int rc;
+        struct kvf_task task, *t = &task;
+        int rc = kvf_abi_copy_in(&task, sizeof(task), caller, size, "struct kvf_task");
 
+        if (rc < 0)
+                return rc;
         if ((rc = copy_str(r.request_id, sizeof(r.request_id), t->request_id, "request_id")) < 0 ||
             (rc = copy_str(r.peer, sizeof(r.peer), t->peer, "peer")) < 0)
                 return rc;
@@ -259,6 +257,12 @@ int kvf_submit_task(struct kvf_client *c, const struct kvf_task *t)
         if (kvf_transport_name(r.transport)[0] == '?')
                 return kvf_err_set(-EINVAL, "transport %d is not ipc, tcp or rdma", t->transport);
         return submit_record(c, KVF_RING_ENGINE_TO_SENDER, &r);
+}
+
+int kvf_submit_task_sized(struct kvf_client *c, const struct kvf_task *t, size_t t_size)
+{
+        int rc = kvf_abi_size_check(t_size, KVF_TASK_SIZE_ABI1, "struct kvf_task");
+        return rc < 0 ? rc : kvf_client_submit_task(c, t, t_size);
 }
 
 int kvf_submit_chunk(struct kvf_client *c, const char *request_id, uint64_t step,
@@ -462,10 +466,11 @@ uint64_t kvf_session(struct kvf_client *c)
         return c->session;
 }
 
-int kvf_poll_previous(struct kvf_client *c, struct kvf_event *ev)
+int kvf_poll_previous_sized(struct kvf_client *c, struct kvf_event *out, size_t ev_size)
 {
-        int rc = kvf_client_owned(c);
-        if (rc < 0)
+        struct kvf_event event, *ev = &event;
+        int rc = kvf_abi_size_check(ev_size, KVF_EVENT_SIZE_ABI1, "struct kvf_event");
+        if (rc < 0 || (rc = kvf_client_owned(c)) < 0)
                 return rc;
         pthread_mutex_lock(&c->poll_mu);
         struct previous *p = c->prev_head;
@@ -477,6 +482,8 @@ int kvf_poll_previous(struct kvf_client *c, struct kvf_event *ev)
                 *ev = p->ev;
         }
         pthread_mutex_unlock(&c->poll_mu);
+        if (p)
+                kvf_abi_copy_out(out, ev_size, ev, sizeof(*ev));
         free(p);
         return p != NULL;
 }
@@ -496,7 +503,8 @@ static bool engine_has_work(void *arg)
                kvf_ring_readable(&c->ctl.rings[KVF_RING_CONNECTOR_TO_ENGINE]);
 }
 
-int kvf_poll(struct kvf_client *c, struct kvf_event *ev, int timeout_ms)
+/* kvf_poll into the library's own struct (the caller's size is applied by the wrappers). */
+static int poll_event(struct kvf_client *c, struct kvf_event *ev, int timeout_ms)
 {
         uint64_t end = timeout_ms < 0 ? UINT64_MAX : kvf_now_ns() + kvf_ms(timeout_ms);
         int rc = kvf_client_owned(c);
@@ -519,6 +527,16 @@ int kvf_poll(struct kvf_client *c, struct kvf_event *ev, int timeout_ms)
                 kvf_doorbell_wait(&c->ctl.bells[KVF_BELL_ENGINE], engine_has_work, c, 64, wait);
         }
         pthread_mutex_unlock(&c->poll_mu);
+        return rc;
+}
+
+int kvf_poll_sized(struct kvf_client *c, struct kvf_event *ev, size_t ev_size, int timeout_ms)
+{
+        struct kvf_event e;
+        int rc = kvf_abi_size_check(ev_size, KVF_EVENT_SIZE_ABI1, "struct kvf_event");
+        if (rc < 0 || (rc = poll_event(c, &e, timeout_ms)) <= 0)
+                return rc;
+        kvf_abi_copy_out(ev, ev_size, &e, sizeof(e));
         return rc;
 }
 
@@ -629,7 +647,7 @@ static int fold(struct kvf_group *g, unsigned rank, struct kvf_event *ev)
         return 1;
 }
 
-int kvf_group_poll(struct kvf_group *g, struct kvf_event *ev, int timeout_ms)
+static int group_poll(struct kvf_group *g, struct kvf_event *ev, int timeout_ms)
 {
         uint64_t end = timeout_ms < 0 ? UINT64_MAX : kvf_now_ns() + kvf_ms(timeout_ms);
 
@@ -637,7 +655,7 @@ int kvf_group_poll(struct kvf_group *g, struct kvf_event *ev, int timeout_ms)
                 bool any = false;
                 for (unsigned k = 0; k < g->n; k++) {
                         unsigned i = (g->next + k) % g->n;
-                        int rc = kvf_poll(g->m[i], ev, 0);
+                        int rc = poll_event(g->m[i], ev, 0);
                         if (rc < 0)
                                 return kvf_err_ctx(rc, "rank %u", i);
                         if (rc == 0)
@@ -665,4 +683,14 @@ int kvf_group_poll(struct kvf_group *g, struct kvf_event *ev, int timeout_ms)
                 kvf_doorbell_wait(&c->ctl.bells[KVF_BELL_ENGINE], engine_has_work, c, 0,
                                   left < 1000000ull ? left : 1000000ull);
         }
+}
+
+int kvf_group_poll_sized(struct kvf_group *g, struct kvf_event *ev, size_t ev_size, int timeout_ms)
+{
+        struct kvf_event e;
+        int rc = kvf_abi_size_check(ev_size, KVF_EVENT_SIZE_ABI1, "struct kvf_event");
+        if (rc < 0 || (rc = group_poll(g, &e, timeout_ms)) <= 0)
+                return rc;
+        kvf_abi_copy_out(ev, ev_size, &e, sizeof(e));
+        return rc;
 }

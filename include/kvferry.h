@@ -34,6 +34,25 @@ extern "C" {
 
 #define KVFERRY_VERSION "0.1.0"
 
+/*
+ * ABI: the public structs below grow only at their end, and every call that
+ * writes into one or reads from one is told its size by the caller: the
+ * function-like macros kvf_poll(), kvf_poll_previous(), kvf_group_poll(),
+ * kvf_get_layout() and kvf_submit_task() pass sizeof(*ev) (etc.) to the
+ * *_sized entry points. The library writes only what fits the caller's size
+ * (zeroing what it has no field for) and reads only what the caller declared
+ * (a field beyond the library's own struct must be zero, else -E2BIG). Sizes
+ * below the ABI 1 struct are refused with -EINVAL. Programs linked before
+ * these entry points existed reach libkvferry.map's KVFERRY_0 node (which
+ * takes the ABI 1 structs as they were then, the struct sizes of this header
+ * as first released with it) or, linked with no symbol versions at all, its
+ * KVFERRY_PRE node: kvf_poll and kvf_group_poll refuse there with -ENOTSUP
+ * (their struct kvf_event had one of two layouts that cannot be told apart),
+ * kvf_submit_task reads only the fields every such header had.
+ * docs/ARCHITECTURE.md, section 2c.
+ */
+#define KVFERRY_ABI 1
+
 /* One status per request, exactly once. Names are what completions carry. */
 enum kvf_status {
         KVF_STATUS_FINISHED = 0,       /* "finished": every byte landed */
@@ -160,10 +179,12 @@ uint64_t kvf_session(struct kvf_client *c);
  * the session), 0 = none kept. Those still in the rings are found by kvf_poll()
  * and kvf_attach(); at most 65536 are kept (kvf_previous_dropped() counts the rest).
  */
-int kvf_poll_previous(struct kvf_client *c, struct kvf_event *ev);
+int kvf_poll_previous_sized(struct kvf_client *c, struct kvf_event *ev, size_t ev_size);
+#define kvf_poll_previous(c, ev) kvf_poll_previous_sized((c), (ev), sizeof(*(ev)))
 uint64_t kvf_previous_dropped(struct kvf_client *c);
 
-int kvf_get_layout(struct kvf_client *c, struct kvf_layout_info *out);
+int kvf_get_layout_sized(struct kvf_client *c, struct kvf_layout_info *out, size_t out_size);
+#define kvf_get_layout(c, out) kvf_get_layout_sized((c), (out), sizeof(*(out)))
 /*
  * The tensor of `layer` (0 = K, 1 = V), [num_blocks, heads, block_size, head_dim],
  * contiguous: host memory for a host instance, a device pointer (on the GPU
@@ -176,7 +197,8 @@ void *kvf_cache_tensor(struct kvf_client *c, uint32_t layer, int v);
  * (CUDA_VISIBLE_DEVICES), that holds them. */
 int kvf_cache_device(struct kvf_client *c);
 
-int kvf_submit_task(struct kvf_client *c, const struct kvf_task *t);
+int kvf_submit_task_sized(struct kvf_client *c, const struct kvf_task *t, size_t t_size);
+#define kvf_submit_task(c, t) kvf_submit_task_sized((c), (t), sizeof(*(t)))
 /* Chunked prefill: after `step`, tokens [0, tokens_done) are complete; last = final chunk. */
 int kvf_submit_chunk(struct kvf_client *c, const char *request_id, uint64_t step,
                      uint64_t tokens_done, int last);
@@ -240,8 +262,9 @@ enum kvf_layer_signal {
 /* Choose before the first kvf_layer_done_on_stream(); -EINVAL for an unknown method, -EBUSY after. */
 int kvf_set_layer_signal(struct kvf_client *c, int method);
 
-/* Next event: 1 = *ev filled, 0 = none within timeout_ms (-1 waits forever), < 0 error. */
-int kvf_poll(struct kvf_client *c, struct kvf_event *ev, int timeout_ms);
+/* Next event (ev_size: the caller's sizeof(*ev), see KVFERRY_ABI): 1 = *ev filled, 0 = none within timeout_ms (-1 waits forever), < 0 error. */
+int kvf_poll_sized(struct kvf_client *c, struct kvf_event *ev, size_t ev_size, int timeout_ms);
+#define kvf_poll(c, ev, timeout_ms) kvf_poll_sized((c), (ev), sizeof(*(ev)), (timeout_ms))
 
 /*
  * A group of instances, one per tensor-parallel rank. kvf_group_poll()
@@ -253,7 +276,22 @@ int kvf_group_attach(const char *const *names, unsigned n, unsigned wait_ms,
                      struct kvf_group **out);
 void kvf_group_detach(struct kvf_group *g);
 struct kvf_client *kvf_group_member(struct kvf_group *g, unsigned rank);
-int kvf_group_poll(struct kvf_group *g, struct kvf_event *ev, int timeout_ms);
+int kvf_group_poll_sized(struct kvf_group *g, struct kvf_event *ev, size_t ev_size,
+                         int timeout_ms);
+#define kvf_group_poll(g, ev, timeout_ms)                                                     \
+        kvf_group_poll_sized((g), (ev), sizeof(*(ev)), (timeout_ms))
+
+/*
+ * What this library was built with, for bindings that repeat the header (the
+ * Python package): KVFERRY_ABI for "abi", sizeof for "sizeof kvf_event" (also
+ * kvf_task, kvf_layout_info), a field's offset for "offsetof kvf_event.peer"
+ * and its size for "sizeof kvf_event.peer", a constant's value for its name
+ * ("KVF_STATUS_COUNT", "KVF_EVENT_ID_BIN", "KVF_REC_TASK", "KVF_TO_SENDER",
+ * ...). -ENOENT for a name it does not know.
+ */
+int64_t kvf_abi_info(const char *name);
+/* KVFERRY_VERSION as the library was built. */
+const char *kvf_version(void);
 
 #ifdef __cplusplus
 }

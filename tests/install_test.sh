@@ -32,7 +32,7 @@ if command -v systemd-analyze >/dev/null; then
   [ -z "$sdv" ] || fail "systemd-analyze verify finds fault with the unit: $sdv"
 fi
 # Exported: exactly the functions kvferry.h declares.
-exported=$(nm -D --defined-only "$P/lib/libkvferry.so.0" | awk '$2 == "T" { sub(/@.*/, "", $3); print $3 }' | sort)
+exported=$(nm -D --defined-only "$P/lib/libkvferry.so.0" | awk '$2 == "T" { sub(/@.*/, "", $3); print $3 }' | sort -u)
 declared=$(grep -oE '\bkvf_[a-z_0-9]+ *\(' "$ROOT/include/kvferry.h" | tr -d '( ' | sort -u)
 [ "$exported" = "$declared" ] || fail "libkvferry exports other than kvferry.h declares: $(diff <(echo "$declared") <(echo "$exported") | grep '^[<>]' | tr '\n' ' ')"
 pyver=$(sed -n 's/^version = "\(.*\)"/\1/p' "$ROOT/python/pyproject.toml")

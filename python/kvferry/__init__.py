@@ -19,6 +19,11 @@ again later.
 The library is found at $KVFERRY_LIB, else in $KVFERRY_BUILD, else in this package's own folder,
 else in the build/ folder of the repository this package sits in, else where the dynamic linker
 finds libkvferry.so.0, else in the lib/ folder of the prefix the package is installed in.
+
+The structs below repeat kvferry.h; at import the package checks each field's offset and size,
+and the constants it uses, against what the library reports (kvf_abi_info), and refuses a
+library of another ABI (ImportError naming both). Calls pass the struct sizes they use
+(kvf_poll_sized ...), so a newer library whose structs grew at their end still serves it.
 """
 import ctypes
 import ctypes.util
@@ -30,12 +35,9 @@ import weakref
 __all__ = ["Client", "KvferryError", "RingFull", "Layout", "DeviceTensor", "STATUS_NAMES",
            "library_path"]
 
-_STATUS_COUNT = 12
-_EVENT_TYPES = {1: "completion", 2: "arrival", 3: "connect result"}
-_TRANSPORTS = {1: "ipc", 2: "tcp", 3: "rdma"}
+ABI = 1  # KVFERRY_ABI of the kvferry.h this package repeats
+VERSION = "0.1.0"  # KVFERRY_VERSION of that header
 _DTYPES = {1: ("bf16", 2), 2: ("fp16", 2), 3: ("fp8", 1), 4: ("uint8", 1)}
-_TO_SENDER, _TO_CONNECTOR = 0, 1
-_REC_TASK, _REC_CHUNK, _REC_CANCEL, _REC_CONNECT = 1, 2, 3, 5
 
 
 class KvferryError(OSError):
@@ -65,7 +67,12 @@ class _Event(ctypes.Structure):
                 ("flags", ctypes.c_uint32)]
 
 
-_EVENT_ID_BIN = 1  # KVF_EVENT_ID_BIN: the id came as bytes (msgpack bin) and goes back as bytes
+# The constants the package uses, by their names in kvferry.h: values from the library (_abi_check).
+_CONSTANTS = ("KVF_STATUS_COUNT", "KVF_EVENT_ID_BIN", "KVF_TO_SENDER", "KVF_TO_CONNECTOR",
+              "KVF_REC_TASK", "KVF_REC_CHUNK", "KVF_REC_CANCEL", "KVF_REC_CONNECT",
+              "KVF_EVENT_COMPLETION", "KVF_EVENT_ARRIVAL", "KVF_EVENT_CONNECT_RESULT",
+              "KVF_TRANSPORT_IPC", "KVF_TRANSPORT_TCP", "KVF_TRANSPORT_RDMA",
+              "KVF_SIGNAL_DEFAULT", "KVF_SIGNAL_HOSTFN", "KVF_SIGNAL_WRITEVALUE")
 
 
 def library_path():
@@ -93,17 +100,66 @@ def library_path():
                       "the dynamic linker or this prefix (%s) finds it" % sys.prefix)
 
 
+def _abi_check(info, path, lib_version):
+    """Check the structs and constants above against `info` (name -> the library's value, None
+    for a name it does not know); returns the constants. ImportError naming both versions when
+    they differ. $KVFERRY_TEST_LIBRARY_ABI stands in for the ABI the library reports (tests)."""
+    lib_abi = os.environ.get("KVFERRY_TEST_LIBRARY_ABI") or info("abi")
+    lib_abi = None if lib_abi is None else int(lib_abi)
+    here = "the kvferry Python package (kvferry %s, ABI %d)" % (VERSION, ABI)
+    there = "%s (kvferry %s, ABI %s)" % (path, lib_version or "of a release without kvf_abi_info",
+                                         "unknown" if lib_abi is None else lib_abi)
+    if lib_abi != ABI:
+        raise ImportError("kvferry: %s cannot use %s: install the package and the library of "
+                          "one kvferry release" % (here, there))
+    wrong = []
+    for struct, ctype in (("kvf_event", _Event), ("kvf_layout_info", _Layout)):
+        for name, _ in ctype._fields_:
+            field = getattr(ctype, name)
+            for what, mine in (("offsetof", field.offset), ("sizeof", field.size)):
+                theirs = info("%s %s.%s" % (what, struct, name))
+                if theirs != mine:
+                    wrong.append("%s %s.%s: %s here, %s there" % (what, struct, name, mine, theirs))
+        if (info("sizeof " + struct) or 0) < ctypes.sizeof(ctype):
+            wrong.append("sizeof %s: %d here, %s there" % (struct, ctypes.sizeof(ctype),
+                                                           info("sizeof " + struct)))
+    consts = {}
+    for name in _CONSTANTS:
+        consts[name] = info(name)
+        if consts[name] is None:
+            wrong.append("%s: unknown there" % name)
+    if wrong:
+        raise ImportError("kvferry: %s does not match %s: %s" % (here, there, "; ".join(wrong)))
+    return consts
+
+
 def _load():
-    lib = ctypes.CDLL(library_path())
+    path = library_path()
+    lib = ctypes.CDLL(path)
+    try:
+        abi_info = lib.kvf_abi_info
+        lib.kvf_version.restype = ctypes.c_char_p
+        lib_version = lib.kvf_version().decode()
+    except AttributeError:
+        abi_info, lib_version = None, None
+    if abi_info is not None:
+        abi_info.restype, abi_info.argtypes = ctypes.c_int64, [ctypes.c_char_p]
+    def info(name):
+        if abi_info is None:
+            return None
+        v = abi_info(name.encode())
+        return None if v < 0 else int(v)
+    consts = _abi_check(info, path, lib_version)
     p, i, u32, u64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_uint64
+    sz = ctypes.c_size_t
     sigs = {
         "kvf_status_name": (ctypes.c_char_p, [i]),
         "kvf_last_error": (ctypes.c_char_p, []),
         "kvf_attach": (i, [ctypes.c_char_p, ctypes.c_uint, ctypes.POINTER(p)]),
         "kvf_detach": (None, [p]),
         "kvf_session": (u64, [p]),
-        "kvf_poll_previous": (i, [p, ctypes.POINTER(_Event)]),
-        "kvf_get_layout": (i, [p, ctypes.POINTER(_Layout)]),
+        "kvf_poll_previous_sized": (i, [p, ctypes.POINTER(_Event), sz]),
+        "kvf_get_layout_sized": (i, [p, ctypes.POINTER(_Layout), sz]),
         "kvf_cache_tensor": (p, [p, u32, i]),
         "kvf_cache_device": (i, [p]),
         "kvf_submit_raw": (i, [p, i, i, ctypes.c_char_p, ctypes.c_size_t]),
@@ -111,15 +167,24 @@ def _load():
         "kvf_last_step": (u64, [p]),
         "kvf_layer_done_on_stream": (i, [p, p, u64, u32]),
         "kvf_set_layer_signal": (i, [p, i]),
-        "kvf_poll": (i, [p, ctypes.POINTER(_Event), i]),
+        "kvf_poll_sized": (i, [p, ctypes.POINTER(_Event), sz, i]),
     }
     for name, (res, args) in sigs.items():
         f = getattr(lib, name)
         f.restype, f.argtypes = res, args
-    return lib
+    return lib, consts
 
 
-_lib = _load()
+_lib, _C = _load()
+_STATUS_COUNT = _C["KVF_STATUS_COUNT"]
+_EVENT_ID_BIN = _C["KVF_EVENT_ID_BIN"]
+_TO_SENDER, _TO_CONNECTOR = _C["KVF_TO_SENDER"], _C["KVF_TO_CONNECTOR"]
+_REC_TASK, _REC_CHUNK, _REC_CANCEL, _REC_CONNECT = (_C["KVF_REC_TASK"], _C["KVF_REC_CHUNK"],
+                                                    _C["KVF_REC_CANCEL"], _C["KVF_REC_CONNECT"])
+_EVENT_TYPES = {_C["KVF_EVENT_COMPLETION"]: "completion", _C["KVF_EVENT_ARRIVAL"]: "arrival",
+                _C["KVF_EVENT_CONNECT_RESULT"]: "connect result"}
+_TRANSPORTS = {_C["KVF_TRANSPORT_IPC"]: "ipc", _C["KVF_TRANSPORT_TCP"]: "tcp",
+               _C["KVF_TRANSPORT_RDMA"]: "rdma"}
 STATUS_NAMES = tuple(_lib.kvf_status_name(s).decode() for s in range(_STATUS_COUNT))
 
 
@@ -191,10 +256,10 @@ def _event_dict(ev):
         "blocks": int(ev.blocks),
         "rank": int(ev.rank),
     }
-    if ev.type == 1:
+    if ev.type == _C["KVF_EVENT_COMPLETION"]:
         d.update(accept_ns=int(ev.accept_ns), last_layer_ns=int(ev.last_layer_ns),
                  done_ns=int(ev.done_ns))
-    elif ev.type == 2:
+    elif ev.type == _C["KVF_EVENT_ARRIVAL"]:
         d["done_ns"] = int(ev.done_ns)
         # valid only until the next poll: copied out here
         d["dest_block_ids"] = [ev.dest_block_ids[j] for j in range(ev.n_dest)] \
@@ -230,7 +295,8 @@ class Client:
         self._h = h
         try:
             li = _Layout()
-            _check(_lib.kvf_get_layout(self._h, ctypes.byref(li)), "layout")
+            _check(_lib.kvf_get_layout_sized(self._h, ctypes.byref(li), ctypes.sizeof(li)),
+                   "layout")
             self.layout = Layout(li)
             dev = _lib.kvf_cache_device(self._h)
             self.device = None if dev < 0 else dev  # None: the caches are host memory
@@ -394,7 +460,8 @@ class Client:
 
     def set_layer_signal(self, method):
         """"hostfn" or "writevalue", before the first layer_done_on_stream()."""
-        m = {"default": 0, "hostfn": 1, "writevalue": 2}.get(method)
+        m = {"default": _C["KVF_SIGNAL_DEFAULT"], "hostfn": _C["KVF_SIGNAL_HOSTFN"],
+             "writevalue": _C["KVF_SIGNAL_WRITEVALUE"]}.get(method)
         if m is None:
             raise KvferryError(_errno.EINVAL, "kvferry: layer signal '%s': hostfn or "
                                "writevalue" % method)
@@ -406,13 +473,15 @@ class Client:
         """The next completion, arrival or connect result of this session, as a dict, or None
         when none came within timeout_ms (-1 waits)."""
         ev = _Event()
-        if _check(self._call(_lib.kvf_poll, ctypes.byref(ev), int(timeout_ms)), "poll"):
+        if _check(self._call(_lib.kvf_poll_sized, ctypes.byref(ev), ctypes.sizeof(ev),
+                                 int(timeout_ms)), "poll"):
             return _event_dict(ev)
         return None
 
     def poll_previous(self):
         """What became of earlier sessions' requests (kvf_poll_previous), or None."""
         ev = _Event()
-        if _check(self._call(_lib.kvf_poll_previous, ctypes.byref(ev)), "poll previous"):
+        if _check(self._call(_lib.kvf_poll_previous_sized, ctypes.byref(ev),
+                                 ctypes.sizeof(ev)), "poll previous"):
             return _event_dict(ev)
         return None

@@ -8,7 +8,7 @@
 #                    block size) and against UCX over TCP (ucx_perftest ucp_put_bw, UCX_TLS=tcp),
 #                    for 16, 64 and 128 KiB blocks, scattered (no two blocks contiguous) and contiguous;
 #                    transfer tail against one layer's bytes at iperf3's rate.
-# Targets (issue 14), each judged in the same run and counted in the last line: throughput >= 0.9 x
+# Targets for the host path and tcp, each judged in the same run and counted in the last line: throughput >= 0.9 x
 # memcpy; tail p50 <= one layer at memcpy rate + 100 us (one request per step, chunked prefill);
 # layer-done -> copy start p50 < 20 us and p99 < 200 us with late tasks present; tcp >= 0.85 x
 # iperf3 for scattered 16 KiB blocks and >= 0.95 x for 64 and 128 KiB blocks.
@@ -50,12 +50,12 @@ j() { /usr/bin/python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); prin
 py() { /usr/bin/python3 -c "print($1)"; }
 # steal: the host's steal ticks (USER_HZ) of all CPUs so far (/proc/stat), for a run's share of it
 steal() { awk '/^cpu /{print $9}' /proc/stat; }
-# target WHAT True|False: one of issue 14's targets, for the summary at the end.
+# target WHAT True|False: one of the targets (host path and tcp), for the summary at the end.
 MET=0 MISSED=()
 target() { if [ "$2" = True ]; then MET=$((MET + 1)); else MISSED+=("$1"); fi; }
 summary() {
   echo
-  echo "targets (issue 14): $MET of $((MET + ${#MISSED[@]})) met$([ ${#MISSED[@]} -gt 0 ] && printf '; missed: %s' "$(IFS=';'; echo "${MISSED[*]}")")"
+  echo "targets (host path): $MET of $((MET + ${#MISSED[@]})) met$([ ${#MISSED[@]} -gt 0 ] && printf '; missed: %s' "$(IFS=';'; echo "${MISSED[*]}")")"
 }
 # Every run's engine touches both caches through its own mappings first (--warm-caches, below).
 sim() { local out=$1; shift; "$B/kvf-sim" --quiet --verify sample --warm-caches --json "$out" "$@" >/dev/null; }
@@ -73,7 +73,7 @@ up $T-d --role decode $L8
 up $T-p --role prefill $L8
 echo "caches: decode $(pages $T-d); prefill $(pages $T-p)"
 # Warm-up, as a user's steady state has it. On some VMs the first write through each new
-# mapping of a 4 KiB page costs microseconds, again in every process that maps it (issue 14);
+# mapping of a 4 KiB page costs microseconds, again in every process that maps it;
 # a long-running deployment has paid that long ago. So: (1) a first run of the same requests:
 # the sender maps the peer's cache on its first task for that peer (MAP_POPULATE, 2 GiB here)
 # and writes, through its mappings, the blocks the measured runs write (the simulator hands
@@ -92,7 +92,7 @@ target "throughput >= 0.9 x memcpy" "$(py "$rate/$base >= 0.9")"
 # chunked prefill (4096-token chunks in 8192-token steps: a step ends one request and starts
 # the next); whole requests batched into 8192-token steps (every request in the step finishes
 # at its last layer, so later ones also wait for the others' last layers).
-# Target (issue 14) for the first two: tail p50 <= one layer at memcpy rate + 100 us.
+# Target for the first two: tail p50 <= one layer at memcpy rate + 100 us.
 for shape in "one request per step|--step-tokens 1" "chunked prefill, 4096-token chunks, 8192-token steps|--step-tokens 8192 --chunk-tokens 4096" "whole requests batched into 8192-token steps|--step-tokens 8192"; do
   st0=$(steal) ns0=$(date +%s%N)
   sim $R/tail.json --prefill $T-p --decode $T-d --requests $N --layer-us 3000 ${shape#*|} --baseline

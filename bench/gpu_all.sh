@@ -8,6 +8,8 @@
 # Needs the build, the repository and the driver (and liburing.so.2 on LD_LIBRARY_PATH for the
 # connector). OUTDIR/summary.txt: one line per part, then every "ok:"/"FAIL" line of the tests
 # and the benchmarks' summary. Exit 0 all passed, 1 something failed, 77 no GPU.
+# Raw output goes to OUTDIR, outside docs/: docs/results/ keeps only the small summaries that
+# docs/BENCHMARKS.md ("Where the summaries are") describes; .gitignore refuses run output there.
 set -uo pipefail
 [ $# -eq 1 ] || { echo "usage: bench/gpu_all.sh OUTDIR" >&2; exit 2; }
 HERE=$(cd "$(dirname "$0")" && pwd)

@@ -1,6 +1,6 @@
 /*
  * gpu_copy_bench: per-layer copy throughput of kvferry's batched kernel
- * against the two references of issue 11, measured in the same run:
+ * against two references measured in the same run:
  *   (a) bulk      one cudaMemcpyAsync of the same byte count, device to
  *                 device, contiguous: the limit;
  *   (b) per-block one cudaMemcpyAsync per block (FastDeploy's method).
@@ -640,7 +640,7 @@ int main(int argc, char **argv)
                 BENCH_KVF(kvf_gpu_free(o.device, dst));
         }
 
-        /* Targets (issue 11). */
+        /* Targets. */
         unsigned t1 = 0, t1_ok = 0, t1_first = 0, t2 = 0, t2_ok = 0, t2_limit_ok = 0;
         double worst1 = INFINITY, worst2 = INFINITY, worst1_first = INFINITY;
         char t2_misses[1024] = "";

@@ -21,6 +21,8 @@
 # nothing but the build, the repository and the driver (liburing.so.2 for the connector).
 # summary.txt: one line per step with its exit code, then the tails table.
 # Exit: 0 every step passed, 1 some failed, 2 usage, 77 no GPU.
+# Raw output goes to OUTDIR, outside docs/: docs/results/ keeps only the small summaries that
+# docs/BENCHMARKS.md ("Where the summaries are") describes; .gitignore refuses run output there.
 set -uo pipefail
 
 HERE=$(cd "$(dirname "$0")" && pwd)

@@ -1,6 +1,6 @@
 /*
  * gpu_latency_bench: from a layer's end on the GPU to its copy starting and
- * landing, per executor, with the engine idle or busy (issue 11).
+ * landing, per executor, with the engine idle or busy.
  *
  * The "engine" is this process's main thread with its own CUDA stream. For
  * each layer of each step it queues a layer kernel, then the layer-done
@@ -52,7 +52,7 @@
  * NTP-like ping through mapped memory, offset and drift; its error bound is
  * printed).
  *
- * Targets (issue 11), judged per engine state against the reference of the
+ * Targets, judged per engine state against the reference of the
  * same run: copy start p50 under 20 us for each executor; landed p50, busy,
  * within 1.2 x the reference's.
  *

@@ -23,6 +23,8 @@
 #   export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
 #   nvidia-cuda-mps-control -d              # start
 #   echo quit | nvidia-cuda-mps-control     # stop
+# Raw output goes to OUTDIR, outside docs/: docs/results/ keeps only the small summaries that
+# docs/BENCHMARKS.md ("Where the summaries are") describes; .gitignore refuses run output there.
 set -uo pipefail
 
 # The driver's tools (nvidia-cuda-mps-control) are not always on PATH (/usr/local/nvidia/bin).

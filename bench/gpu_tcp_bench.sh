@@ -16,6 +16,8 @@
 # Prints one line per run and the ratio of the medians (cuda / host); OUTDIR keeps each run's
 # output, JSON summary and ring-dump. Exit 0 every run verified and all by tcp, 1 a run failed,
 # 2 usage, 77 no GPU.
+# Raw output goes to OUTDIR, outside docs/: docs/results/ keeps only the small summaries that
+# docs/BENCHMARKS.md ("Where the summaries are") describes; .gitignore refuses run output there.
 set -uo pipefail
 [ $# -ge 1 ] || { echo "usage: bench/gpu_tcp_bench.sh OUTDIR [ROUNDS [scatter]]" >&2; exit 2; }
 ROOT=$(cd "$(dirname "$0")/.." && pwd)

@@ -5,7 +5,7 @@
  * and how much of a mapping the kernel really maps with 2 MiB pages.
  *
  * Why: on some virtual machines the first write through each new mapping of a
- * 4 KiB page costs microseconds (issue 14), and every process of an instance,
+ * 4 KiB page costs microseconds, and every process of an instance,
  * its peers' senders and the engine map the caches; with 2 MiB pages there are
  * 512 times fewer such first touches.
  *

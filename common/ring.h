@@ -1,6 +1,6 @@
 /*
  * Single-producer single-consumer ring of variable-length records in shared
- * memory (see DESIGN.md section 4 and docs/ARCHITECTURE.md).
+ * memory (see docs/ARCHITECTURE.md section 4).
  *
  * Record: an 8-byte header word {int32 length, u16 type, u16 generation}
  * followed by the payload, padded to 8 bytes. The length word is the commit

@@ -383,7 +383,7 @@ extern "C" void kvf_gpu_copier_counts(const struct kvf_gpu_copier *c, uint64_t *
 /*
  * A batch's runs in the order of their source addresses, for the planner's
  * emit pass: thread blocks that run side by side then read nearby memory.
- * Measured on the H200 (docs/results/h200-2026-12-02b/order_ab): scattered
+ * Measured on the H200 (docs/BENCHMARKS.md section 4): scattered
  * 16 KiB blocks copied 1.5 to 2 % faster, which took the 64 MiB row over the
  * 0.85 x bulk target in every round instead of one in four. Only for a batch
  * whose descriptors are written fresh (the layers after reuse them, already

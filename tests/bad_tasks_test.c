@@ -264,7 +264,7 @@ int main(void)
          * no rdma device is (or this build has no rdma at all). */
         bad("rdma to a peer without rdma", "m16", KVF_STATUS_CONNECTION, "rdma", "m16", s3, 3, d3, 3, "rdma",
             D, false);
-        /* Only an instance that receives may be written into (issue 9 item 2). */
+        /* Only an instance that receives may be written into. */
         bad("peer is a prefill instance (ipc)", "m17", KVF_STATUS_PEER_ROLE, "is a prefill instance", "m17",
             s3, 3, d3, 3, "ipc", P2, false);
         {
@@ -303,7 +303,7 @@ int main(void)
                 submit_pk(&k);
                 expect("ipc peer by ip + rdma_ports (strings)", "fd-ip", KVF_STATUS_BLOCK_RANGE, want);
         }
-        /* Engine bugs are refused at once, never left to time out (issue 9 item 4). */
+        /* Engine bugs are refused at once, never left to time out. */
         {
                 uint32_t cs[3] = {0, 1, 2}, cd[3] = {30, 31, 32};
                 uint64_t far = kvf_last_step(c) + 1000;

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU caches end to end on one host (issue 11): prefill and decode instances with --backend cuda
+# GPU caches end to end on one host: prefill and decode instances with --backend cuda
 # on one GPU, kvf-sim in GPU mode (each layer a kernel that writes the blocks and keeps every SM
 # busy, signalled with kvf_layer_done_on_stream; every byte of every arrival checked on the GPU).
 #   - both executors (the engine's context; the sender's context): per-query with late tasks and
@@ -95,7 +95,7 @@ for ex in engine sender; do
   pass "$ex executor: key-only (MLA, 61 layers x 1 tensor) and 32 + 2 extra layers verified"
 done
 
-# GPU caches over tcp (issue 12): each connector thread stages through a ring of pinned host
+# GPU caches over tcp: each connector thread stages through a ring of pinned host
 # buffers (common/cache_stage.c), one copy kernel per send batch and per received frame, the next
 # batch's copy running while this one is on the wire; contiguous and scattered blocks, every byte
 # verified on the GPU, all of them by tcp; then the decode connector killed mid-transfer.

@@ -506,7 +506,7 @@ int main(void)
         CHECK(kvf_poll(eng, &ev, 5000) == 1);
         CHECK(ev.type == KVF_EVENT_ARRIVAL && !strcmp(ev.request_id, "good-after-evil") &&
               ev.status == KVF_STATUS_FINISHED && !strcmp(ev.peer, "evil"));
-        /* A tcp arrival counts what landed and lists where (issue 9, item 10). */
+        /* A tcp arrival counts what landed and lists where. */
         CHECK_EQ(ev.bytes, (uint64_t)3 * bb * layers * tensors);
         CHECK_EQ(ev.blocks, 3);
         CHECK(ev.n_dest == 3 && ev.dest_block_ids[0] == 10 && ev.dest_block_ids[1] == 11 &&

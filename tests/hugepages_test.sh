@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Host caches in 2 MiB pages (issue 14).
+# Host caches in 2 MiB pages.
 #  1. --huge-pages on, as root: `up` reserves the pages; the allocator, connector and sender of
 #     a decode and a prefill instance and the engine (kvf-sim, moving requests between them)
 #     all map both caches with 2 MiB pages (their /proc/PID/smaps); `down` removes the

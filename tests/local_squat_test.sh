@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Another local user against the same-host control sockets (issue 9, item 5). The user
+# Another local user against the same-host control sockets. The user
 # `nobody` squats every name it can: the old abstract socket name @kvferry.<instance>.ctl, and
 # the socket directory /dev/shm/kvferry-sock.<uid> itself (made first, with a socket inside whose
 # backlog is full). Same-host transfers must still finish promptly, the connectors must say why

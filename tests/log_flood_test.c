@@ -1,5 +1,5 @@
 /*
- * Logs under abuse (issue 9, item 7): 2000 connections to a connector that
+ * Logs under abuse: 2000 connections to a connector that
  * never authenticate, and 2000 bad tasks to a sender. The control segment's
  * error log still counts every one, but a log file takes at most 10 lines of
  * a cause per 10 s: connector.log and sender.log hold a bounded number of

@@ -1,5 +1,5 @@
 /*
- * Records that can never fit their ring (issue 10): nothing anyone waits for
+ * Records that can never fit their ring: nothing anyone waits for
  * may vanish, nor be retried for ever as if the ring were only full.
  *
  *  - prefill side: a write batch too large for ring sender->connector (a task

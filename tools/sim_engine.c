@@ -434,7 +434,7 @@ static void wait_until(uint64_t due)
  * long-running engine has touched them: a write (of the byte already there) to each page of
  * the prefill caches, which the engine computes into, a read of each page of the decode caches,
  * which it only reads here. On a VM where the first write through each new mapping of a page
- * is slow (issue 14) this is what a fresh engine process pays once and a steady state does not.
+ * is slow this is what a fresh engine process pays once and a steady state does not.
  */
 static void warm_caches(struct sim *s)
 {

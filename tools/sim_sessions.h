@@ -1,7 +1,7 @@
 /*
  * kvf-sim --session-log FILE: what an engine killed mid-run leaves behind,
  * for the fault test to check that every request of an ended engine session
- * ended the same way on both sides (issue 9).
+ * ended the same way on both sides.
  *
  * The log is one line per event, written with one write(2) each, so a
  * SIGKILL loses nothing already logged:

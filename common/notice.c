@@ -60,6 +60,12 @@ int kvf_notice_bind(struct kvf_ctl *c, uint32_t s, struct kvf_ring *notice, stru
 }
 
 /* Take slot s whose holder pid was `cur` (0 or a dead process). */
+static int drop_reply(void *ctx, uint16_t type, const uint8_t *pl, uint32_t len, uint64_t pos)
+{
+        (void)ctx, (void)type, (void)pl, (void)len, (void)pos;
+        return 0;
+}
+
 static int take(struct kvf_ctl *c, uint32_t s, int32_t cur, const char *owner,
                 uint64_t owner_created_ns, struct kvf_notice_end *out)
 {
@@ -73,6 +79,8 @@ static int take(struct kvf_ctl *c, uint32_t s, int32_t cur, const char *owner,
         if (cur != me && !kvf_cas_acq_rel(&ns->pid, &cur, -me))
                 return -EAGAIN;
         uint64_t gen = kvf_load_acquire(&ns->generation) + 1;
+        bool same = strncmp(ns->owner, owner, sizeof(ns->owner)) == 0 &&
+                    kvf_load_relaxed(&ns->owner_created_ns) == owner_created_ns;
         kvf_store_relaxed(&ns->state, KVF_STATE_STARTING);
         kvf_store_relaxed(&ns->pid_starttime, kvf_pid_starttime(getpid()));
         kvf_store_relaxed(&ns->heartbeat_ns, kvf_now_ns());
@@ -99,6 +107,10 @@ static int take(struct kvf_ctl *c, uint32_t s, int32_t cur, const char *owner,
         if (kvf_ring_consumer_attach(&out->reply) > 0)
                 kvf_warn("notice slot %u of '%s': repaired its reply ring after a crash", s,
                          c->hdr->instance);
+        /* Answers to another instance's requests: not ours to read (keys would collide). */
+        if (!same)
+                while (kvf_ring_read(&out->reply, drop_reply, NULL, 256) > 0)
+                        ;
         kvf_store_release(&ns->state, KVF_STATE_RUNNING);
         out->slot = ns;
         out->idx = s;
@@ -130,9 +142,14 @@ int kvf_notice_claim(struct kvf_ctl *peer, const char *owner, uint64_t owner_cre
                         bool mine = strncmp(ns->owner, owner, sizeof(ns->owner)) == 0 &&
                                     kvf_load_relaxed(&ns->owner_created_ns) == owner_created_ns;
                         bool alive = cur == me || kvf_notice_holder_alive(peer, s, now);
+                        /* Notices left by another instance's sender stay its own: its
+                                         * connector reads them as the holder's (connectors name a
+                                         * notice's source by the slot), so the slot waits until
+                                         * they are read. */
+                        bool left = kvf_load_acquire(&ns->notice.tail) != kvf_load_acquire(&ns->notice.head);
                         bool ok = pass == 0   ? mine && (!alive || cur == me)
-                                  : pass == 1 ? cur == 0
-                                              : !alive;
+                                  : pass == 1 ? cur == 0 && !left
+                                              : !alive && !left;
                         if (!ok)
                                 continue;
                         int rc = take(peer, s, cur, owner, owner_created_ns, out);

@@ -439,7 +439,7 @@ enum kvf_cache_backing {
  * same instance re-finds its slot (and the notices it left in it).
  */
 #define KVF_NOTICE_SLOTS 16u
-#define KVF_NOTICE_RING_CAPACITY 16384u
+#define KVF_NOTICE_RING_CAPACITY 65536u
 struct kvf_notice_slot {
         /* line 0: the holder */
         int32_t pid;             /* holder's pid; 0: free. CAS only */

@@ -161,10 +161,14 @@ static int on_reply(void *ctx, uint16_t type, const uint8_t *pl, uint32_t len, u
         /* The same event as a write result from our connector: the key names the slot and
          * its incarnation, so an answer for a request no longer here is dropped. */
         uint32_t slot = (uint32_t)(r.key >> 40);
-        if (slot < s->ctl.hdr->reqtab_slots && sender_key(slot, s->ctl.reqtab[slot].incarnation) == r.key)
+        if (slot < s->ctl.hdr->reqtab_slots && sender_key(slot, s->ctl.reqtab[slot].incarnation) == r.key) {
+                /* A withdrawn notice answered: counted as our connector counts it on the socket path. */
+                if (s->ctl.reqtab[slot].withdraw_ns && s->ctl.reqtab[slot].state == KVF_REQ_FINISHING)
+                        kvf_count(&s->ctl, KVF_CTR_NOTICES_IN_DOUBT, 1);
                 sender_req_event(s, slot,
                                  &(struct sender_ev){.type = SENDER_EV_WRITE_RESULT, .status = r.status,
                                                      .reason = r.reason});
+        }
         kvf_record_free(&r);
         return 0;
 }

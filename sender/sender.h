@@ -197,7 +197,9 @@ struct sender {
  *                                      owes). Not armed. No notice exists.
  *   SREQ_LANDED    FINISHING           ipc: every byte has landed in the peer's cache. The
  *                                      finish notice is owed (notice_gen 0) or out (the
- *                                      connector generation it went to); withdraw_ns != 0:
+ *                                      connector generation it went to, or
+ *                                      SENDER_NOTICE_GEN_RING: committed to the peer's
+ *                                      notice ring); withdraw_ns != 0:
  *                                      withdrawn, waiting for the peer's answer.
  *   SREQ_HANDED    HANDED_OVER         tcp/rdma: every write batch is in the connector's
  *                                      hands (or owed again after a restart: SLOT_RESEND);

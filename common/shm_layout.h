@@ -453,7 +453,9 @@ struct kvf_notice_slot {
         /* lines 1-2: the holder's instance name */
         char owner[KVF_INSTANCE_MAX];
         uint8_t pad1[80];
-        /* the reply ring's consumer is the holder: it waits on this doorbell */
+        /* rung with an answer only when the decode connector could not map the holder's own
+         * segment (whose sender doorbell it rings otherwise): nobody sleeps on it, the holder
+         * then finds answers on its loop's next turn */
         struct kvf_doorbell reply_bell;
         struct kvf_ring_hdr notice; /* producer: holder; consumer: this connector */
         struct kvf_ring_hdr reply;  /* producer: this connector; consumer: holder */

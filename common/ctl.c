@@ -124,7 +124,7 @@ void kvf_cache_shm_name(const char *instance, char *buf, size_t len)
 /* Where every region goes, derived from a few parameters only. */
 struct plan {
         uint64_t roles, bells, progress, cinfo, rings, counters, errlog, journal, sender_area,
-                reqtab, blocks, cuda, exec, plan, ring_data[KVF_RING_COUNT], total;
+                reqtab, blocks, cuda, exec, plan, notice, notice_data, ring_data[KVF_RING_COUNT], total;
 };
 
 static uint64_t align_up(uint64_t v, uint64_t a)
@@ -169,6 +169,8 @@ static int make_plan(uint32_t slots, uint32_t max_blocks, uint32_t cuda_handles,
         off += sizeof(struct kvf_exec);
         p->plan = off;
         off += (uint64_t)slots * sizeof(struct kvf_plan_entry);
+        p->notice = off = align_up(off, KVF_CACHE_LINE);
+        off += (uint64_t)KVF_NOTICE_SLOTS * sizeof(struct kvf_notice_slot);
         p->reqtab = off = align_up(off, 4096);
         off += (uint64_t)slots * sizeof(struct kvf_req_slot);
         p->blocks = off = align_up(off, 4096);
@@ -182,6 +184,9 @@ static int make_plan(uint32_t slots, uint32_t max_blocks, uint32_t cuda_handles,
                 p->ring_data[i] = off = align_up(off, 4096);
                 off += cap[i];
         }
+        /* the notice slots' rings: slot s's notice ring, then its reply ring */
+        p->notice_data = off = align_up(off, 4096);
+        off += (uint64_t)KVF_NOTICE_SLOTS * 2 * KVF_NOTICE_RING_CAPACITY;
         p->total = align_up(off, 4096);
         return 0;
 }
@@ -204,6 +209,7 @@ static void bind_views(struct kvf_ctl *c, const struct plan *p)
         c->blocks = (uint32_t *)(void *)(b + p->blocks);
         c->exec = (struct kvf_exec *)(void *)(b + p->exec);
         c->plan = (struct kvf_plan_entry *)(void *)(b + p->plan);
+        c->notices = (struct kvf_notice_slot *)(void *)(b + p->notice);
         c->cuda_handles = b + p->cuda;
 }
 
@@ -337,6 +343,19 @@ int kvf_ctl_create(const struct kvf_ctl_params *prm, struct kvf_ctl *out)
         h->exec_off = p.exec;
         h->plan_off = p.plan;
         h->plan_slots = slots;
+        h->notice_off = p.notice;
+        h->notice_slots = KVF_NOTICE_SLOTS;
+        h->notice_ring_capacity = KVF_NOTICE_RING_CAPACITY;
+        for (uint32_t s = 0; s < KVF_NOTICE_SLOTS; s++) {
+                struct kvf_notice_slot *ns = &out->notices[s];
+                uint64_t d = p.notice_data + (uint64_t)s * 2 * KVF_NOTICE_RING_CAPACITY;
+                ns->reply_bell.asymmetric = kvf_doorbell_asymmetric_supported();
+                kvf_ring_format(&ns->notice, KVF_RING_NOTICE, KVF_ROLE_SENDER, KVF_ROLE_CONNECTOR,
+                                KVF_BELL_CONNECTOR, d, KVF_NOTICE_RING_CAPACITY);
+                kvf_ring_format(&ns->reply, KVF_RING_REPLY, KVF_ROLE_CONNECTOR, KVF_ROLE_SENDER,
+                                KVF_BELL_SENDER, d + KVF_NOTICE_RING_CAPACITY,
+                                KVF_NOTICE_RING_CAPACITY);
+        }
         h->heartbeat_ms = prm->heartbeat_ms ? prm->heartbeat_ms : KVF_DEFAULT_HEARTBEAT_MS;
         bool asym = kvf_doorbell_asymmetric_supported();
         for (int i = 0; i < KVF_BELL_COUNT; i++)
@@ -453,6 +472,9 @@ int kvf_ctl_validate(void *base, uint64_t size, uid_t uid, struct kvf_ctl *out)
                 cap[i] = h->ring_capacity[i];
         if (make_plan(h->reqtab_slots, h->max_blocks, h->cuda_handles_count, cap, &p) < 0)
                 return kvf_err_ctx(-EBADMSG, "corrupt control segment");
+        if (h->notice_slots != KVF_NOTICE_SLOTS || h->notice_ring_capacity != KVF_NOTICE_RING_CAPACITY)
+                return bad("%u notice slots of %u-byte rings, expected %u of %u", h->notice_slots,
+                           h->notice_ring_capacity, KVF_NOTICE_SLOTS, KVF_NOTICE_RING_CAPACITY);
         if (h->plan_slots != h->reqtab_slots)
                 return bad("%u plan entries for %u request slots", h->plan_slots, h->reqtab_slots);
         if (p.total != h->total_size)
@@ -470,6 +492,7 @@ int kvf_ctl_validate(void *base, uint64_t size, uid_t uid, struct kvf_ctl *out)
                 {"request table", h->reqtab_off, p.reqtab}, {"block arena", h->blocks_off, p.blocks},
                 {"CUDA handles", h->cuda_handles_off, p.cuda},
                 {"executor words", h->exec_off, p.exec}, {"plan entries", h->plan_off, p.plan},
+                {"notice slots", h->notice_off, p.notice},
         };
         for (size_t i = 0; i < sizeof(offs) / sizeof(offs[0]); i++)
                 if (offs[i].have != offs[i].want)
@@ -491,6 +514,15 @@ int kvf_ctl_validate(void *base, uint64_t size, uid_t uid, struct kvf_ctl *out)
                 if (kvf_ring_bind(&out->rings[i], base, size, rh, &out->bells[rh->bell]) < 0)
                         return kvf_err_ctx(-EBADMSG, "corrupt control segment");
                 out->rings[i].full_ctr = &out->counters[KVF_CTR_RING_FULL].value;
+        }
+        for (uint32_t s = 0; s < KVF_NOTICE_SLOTS; s++) {
+                const struct kvf_notice_slot *ns = &out->notices[s];
+                uint64_t d = p.notice_data + (uint64_t)s * 2 * KVF_NOTICE_RING_CAPACITY;
+                if (ns->notice.id != KVF_RING_NOTICE || ns->reply.id != KVF_RING_REPLY ||
+                    ns->notice.capacity != KVF_NOTICE_RING_CAPACITY ||
+                    ns->reply.capacity != KVF_NOTICE_RING_CAPACITY || ns->notice.data_off != d ||
+                    ns->reply.data_off != d + KVF_NOTICE_RING_CAPACITY)
+                        return bad("notice slot %u: its rings have the wrong identity, capacity or offset", s);
         }
         return 0;
 }

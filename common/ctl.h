@@ -63,6 +63,7 @@ struct kvf_ctl {
         struct kvf_exec *exec;        /* engine executor's words */
         struct kvf_plan_entry *plan;  /* hdr->plan_slots entries, one per request slot */
         uint8_t *cuda_handles;        /* hdr->cuda_handles_count x 64 bytes */
+        struct kvf_notice_slot *notices; /* KVF_NOTICE_SLOTS (common/notice.h) */
 };
 
 /* Check a name; fills kvf_err and returns -EINVAL when it is not one. */

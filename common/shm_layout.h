@@ -24,6 +24,9 @@
  *                                   `err`/`why` by the engine (engine executor)
  *   exec, line 0 .................. the engine (engine executor); line 1: the sender
  *   connector info ................ connector only (seqlock)
+ *   notice slot s, holder line .... the prefill sender holding it (claimed by CAS of `pid`)
+ *   notice slot s, rings .......... notice ring: producer the holder, consumer this instance's
+ *                                   connector; reply ring: the other way round
  */
 #ifndef KVF_SHM_LAYOUT_H
 #define KVF_SHM_LAYOUT_H
@@ -35,8 +38,8 @@
 /* Bumped by every change to what a segment holds, the list of counters (common/counters.h)
  * included: a segment of another build is then refused for its version, not as corrupt.
  * 5: the rdma counters and data_frames_sent_tcp. 6: notices_held_back, prewakes and
- * prewakes_met; a doorbell's expect_until. */
-#define KVF_LAYOUT_VERSION 7u
+ * prewakes_met; a doorbell's expect_until. 8: notice slots (same-host notices in one hop). */
+#define KVF_LAYOUT_VERSION 8u
 #define KVF_CACHE_LINE 64u
 #define KVF_HEADER_SIZE 4096u
 
@@ -79,6 +82,10 @@ enum kvf_ring_id {
         KVF_RING_SENDER_TO_CONNECTOR = 4, /* write batches, finish notices */
         KVF_RING_CONNECTOR_TO_SENDER = 5, /* write results, peer state */
         KVF_RING_COUNT = 6,
+        /* The rings of a notice slot (not in the array above: a slot holds one pair). */
+        KVF_RING_NOTICE = 16,  /* a prefill sender -> this (decode) connector: finish notices,
+                                * withdrawals, aborts */
+        KVF_RING_REPLY = 17,   /* this connector -> that prefill sender: the notices' answers */
 };
 
 enum kvf_instance_role {
@@ -420,6 +427,40 @@ enum kvf_cache_backing {
 #define KVF_CACHE_PATH_MAX 128u /* incl. NUL */
 #define KVF_CACHE_NOTE_MAX 192u /* incl. NUL */
 
+/*
+ * Notice slots (same-host notices in one hop): a decode instance's segment
+ * offers KVF_NOTICE_SLOTS pairs of rings, so that a prefill sender on this
+ * host posts a finish notice straight to this instance's connector and reads
+ * its answer without going through either connector's socket. A prefill
+ * sender claims a slot like a role slot: a CAS of `pid` from 0 (free) or from
+ * a dead holder's pid; then it writes the rest of the holder line and stores
+ * `generation` (bumped) with a release store. `owner` + `owner_created_ns`
+ * name the prefill instance and its incarnation, so a restarted sender of the
+ * same instance re-finds its slot (and the notices it left in it).
+ */
+#define KVF_NOTICE_SLOTS 16u
+#define KVF_NOTICE_RING_CAPACITY 65536u
+struct kvf_notice_slot {
+        /* line 0: the holder */
+        int32_t pid;             /* holder's pid; 0: free. CAS only */
+        uint32_t state;          /* enum kvf_role_state of the holder */
+        uint64_t generation;     /* bumped by every claim; stamped on the notice ring's records */
+        uint64_t pid_starttime;  /* /proc/<pid>/stat field 22 of the holder */
+        uint64_t heartbeat_ns;   /* CLOCK_MONOTONIC, refreshed by the holder */
+        uint64_t owner_created_ns; /* created_ns of the holder's own segment (its incarnation) */
+        uint64_t claims;         /* claims of this slot (statistics) */
+        uint8_t pad0[16];
+        /* lines 1-2: the holder's instance name */
+        char owner[KVF_INSTANCE_MAX];
+        uint8_t pad1[80];
+        /* rung with an answer only when the decode connector could not map the holder's own
+         * segment (whose sender doorbell it rings otherwise): nobody sleeps on it, the holder
+         * then finds answers on its loop's next turn */
+        struct kvf_doorbell reply_bell;
+        struct kvf_ring_hdr notice; /* producer: holder; consumer: this connector */
+        struct kvf_ring_hdr reply;  /* producer: this connector; consumer: holder */
+};
+
 /* What the connector publishes about itself (seqlock: seq odd while writing). */
 struct kvf_connector_info {
         uint32_t seq;
@@ -476,7 +517,10 @@ struct kvf_ctl_header {
         uint32_t plan_slots;   /* plan entries (= reqtab_slots) */
         uint64_t exec_off;     /* struct kvf_exec */
         uint64_t plan_off;     /* struct kvf_plan_entry[plan_slots] */
-        uint8_t reserved[3704 - 8 - KVF_CACHE_PATH_MAX - KVF_CACHE_NOTE_MAX - 40];
+        uint64_t notice_off;   /* struct kvf_notice_slot[notice_slots] */
+        uint32_t notice_slots; /* KVF_NOTICE_SLOTS */
+        uint32_t notice_ring_capacity; /* bytes of each notice and reply ring */
+        uint8_t reserved[3704 - 8 - KVF_CACHE_PATH_MAX - KVF_CACHE_NOTE_MAX - 40 - 16];
 };
 
 _Static_assert(sizeof(struct kvf_cache_layout) == 48, "layout size");
@@ -498,6 +542,11 @@ _Static_assert(offsetof(struct kvf_sender_area, hist) == 64, "sender area histog
 _Static_assert(sizeof(struct kvf_plan_entry) == 256, "plan entry size");
 _Static_assert(sizeof(struct kvf_exec) == 2 * KVF_CACHE_LINE, "exec size");
 _Static_assert(offsetof(struct kvf_exec, hi) == KVF_CACHE_LINE, "exec sender line");
+_Static_assert(sizeof(struct kvf_notice_slot) == 3 * KVF_CACHE_LINE + 2 * KVF_CACHE_LINE +
+                               2 * 3 * KVF_CACHE_LINE, "notice slot size");
+_Static_assert(offsetof(struct kvf_notice_slot, owner) == KVF_CACHE_LINE, "notice slot owner");
+_Static_assert(offsetof(struct kvf_notice_slot, reply_bell) == 3 * KVF_CACHE_LINE, "notice slot bell");
+_Static_assert(offsetof(struct kvf_ctl_header, notice_off) == 760, "notice offset");
 _Static_assert(offsetof(struct kvf_ctl_header, version) == 8, "version offset");
 _Static_assert(offsetof(struct kvf_ctl_header, instance) == 48, "instance offset");
 _Static_assert(offsetof(struct kvf_ctl_header, layout) == 96, "layout offset");

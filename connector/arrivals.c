@@ -289,8 +289,15 @@ int conn_arrival_notice(struct connector *cn, struct event *ev)
         if (n->withdraw)
                 kvf_info("req %s from %s: withdrawn by the sender; the arrival is '%s'", n->request_id,
                          n->peer, kvf_status_name(ack.status));
-        /* If the session is gone the prefill side re-sends; the journal de-duplicates. */
-        conn_session_send(cn, ev->session, &ack);
+        /* A notice from a slot: a reply ring with no room leaves the notice in its ring, read
+         * again later and answered from the journal. From a socket: if the session is gone
+         * the prefill side re-sends; the journal de-duplicates. */
+        if (ev->ring_slot) {
+                if (conn_notice_reply(cn, ev->ring_slot - 1, &ack) < 0)
+                        return -EAGAIN;
+        } else {
+                conn_session_send(cn, ev->session, &ack);
+        }
         if (net && status == KVF_STATUS_FINISHED)
                 conn_landing_close(cn, n->peer, ev->src_gen, n->key); /* aborts: above */
         return 0;

@@ -72,6 +72,8 @@ enum ev_kind {
 struct event {
         enum ev_kind kind;
         uint64_t session; /* EV_NOTICE: who to answer */
+        uint32_t ring_slot; /* EV_NOTICE from notice slot ring_slot - 1 (notices.c); 0: from a
+                             * socket session */
         uint64_t src_gen; /* EV_NOTICE, EV_DATA_DONE: the sending instance's incarnation (the
                            * created_ns it proved in the handshake): transfer keys restart
                            * when a prefill instance is re-created under the same name */
@@ -185,8 +187,18 @@ struct session {
 struct rx_xfer;
 #define RX_BUCKETS 1024u /* landing.c's transfer table, hashed by (peer, key) */
 
+/* A notice slot as the decode connector sees it (notices.c). */
+struct conn_notice_slot {
+        struct kvf_ring notice, reply;
+        uint64_t holder_gen;   /* the slot generation `holder` was mapped for; 0 none */
+        struct kvf_ctl holder; /* the holder's own segment, for its sender's doorbell */
+        bool mapped;
+};
+
 struct connector {
         struct kvf_ctl ctl;
+        struct conn_notice_slot nslots[KVF_NOTICE_SLOTS];
+        bool notices_blocked; /* a notice waits for room (arrival or reply ring): retry in 1 ms */
         struct kvf_cache cache; /* own cache: sent from (prefill), landed into (decode) */
         pthread_mutex_t rxmu; /* landing.c's table */
         struct rx_xfer *rx[RX_BUCKETS];
@@ -314,6 +326,16 @@ bool conn_sessions_stop(struct connector *cn, unsigned wait_ms);
 int conn_session_send(struct connector *cn, uint64_t session, const struct kvf_record *r);
 /* Send r on every incoming control connection (control thread). */
 void conn_sessions_send_all(struct connector *cn, const struct kvf_record *r);
+
+/* notices.c: same-host notices in one hop, read by the control thread */
+/* Bind the notice slots' rings (after the role claim): repairs a predecessor's consume. */
+int conn_notices_init(struct connector *cn);
+/* Handle the notices committed to every claimed slot; true if any was read. */
+bool conn_notices_read(struct connector *cn);
+bool conn_notices_readable(struct connector *cn);
+/* Answer a notice that came from slot s: 0, or -EAGAIN when its reply ring is full. */
+int conn_notice_reply(struct connector *cn, uint32_t s, const struct kvf_record *ack);
+void conn_notices_close(struct connector *cn);
 
 /* arrivals.c: the decode side of a notice */
 void conn_journal_init(struct connector *cn);

@@ -213,7 +213,8 @@ static bool has_work(void *arg)
                kvf_load_acquire(&cn->ctl.roles[KVF_ROLE_ENGINE].generation) != cn->eng_gen_seen ||
                (!kvf_load_acquire(&cn->tx_blocked) &&
                 kvf_ring_readable(&cn->ctl.rings[KVF_RING_SENDER_TO_CONNECTOR])) ||
-               kvf_ring_readable(&cn->ctl.rings[KVF_RING_ENGINE_TO_CONNECTOR]);
+               kvf_ring_readable(&cn->ctl.rings[KVF_RING_ENGINE_TO_CONNECTOR]) ||
+               (!cn->notices_blocked && conn_notices_readable(cn));
 }
 
 static void control_loop(struct connector *cn)
@@ -234,6 +235,7 @@ static void control_loop(struct connector *cn)
                 worked |= n > 0;
                 n = kvf_ring_read(&cn->ctl.rings[KVF_RING_ENGINE_TO_CONNECTOR], on_engine_record, cn, 64);
                 worked |= n > 0;
+                worked |= conn_notices_read(cn);
                 if (kvf_load_acquire(&cn->nevents) > 0 || cn->deferred) {
                         conn_events_run(cn);
                         worked = true;
@@ -253,10 +255,10 @@ static void control_loop(struct connector *cn)
                         conn_landing_expire(cn, LANDING_OPEN_MAX_NS, LANDING_CLOSED_KEEP_NS);
                         next = now + beat;
                 }
-                if (worked && !cn->deferred && !kvf_load_acquire(&cn->tx_blocked))
+                if (worked && !cn->deferred && !kvf_load_acquire(&cn->tx_blocked) && !cn->notices_blocked)
                         continue;
                 kvf_count(&cn->ctl, KVF_CTR_WAKEUPS_CONNECTOR, 1);
-                uint64_t wait = cn->deferred || cn->tx_blocked ? kvf_ms(1) : beat;
+                uint64_t wait = cn->deferred || cn->tx_blocked || cn->notices_blocked ? kvf_ms(1) : beat;
                 if (kvf_doorbell_wait(&cn->ctl.bells[KVF_BELL_CONNECTOR], has_work, cn, 256, wait) == 2)
                         kvf_count(&cn->ctl, KVF_CTR_PREWAKES_MET, 1); /* the sender's prewake */
         }
@@ -376,6 +378,11 @@ int main(int argc, char **argv)
         cn.gen = (uint64_t)gen;
         kvf_store_relaxed(&cn.ctl.roles[KVF_ROLE_CONNECTOR].slice_us, slice_us);
         conn_journal_init(&cn);
+        if (conn_notices_init(&cn) < 0) {
+                kvf_error("%s", kvf_err_msg());
+                kvf_role_end(&cn.ctl, KVF_ROLE_CONNECTOR);
+                return 1;
+        }
         if (conn_transports_init(&cn) < 0) {
                 kvf_error("%s", kvf_err_msg());
                 kvf_role_end(&cn.ctl, KVF_ROLE_CONNECTOR);

@@ -43,6 +43,7 @@ enum region {
         R_COUNTERS,
         R_ERRLOG,
         R_REQTAB,     /* request slots and the block arena */
+        R_NOTICES,    /* the notice slots (holder lines and their rings' headers) */
         R_RING_DATA0, /* ... R_RING_DATA0 + 5 */
         R_COUNT = R_RING_DATA0 + KVF_RING_COUNT,
 };
@@ -219,6 +220,12 @@ static void init(void)
                 die("create the seed segment");
         kvf_ctl_publish(&c);
         fill(&c);
+        /* a notice slot held (by init: a live pid that is never ours) */
+        c.notices[3].pid = 1;
+        c.notices[3].state = KVF_STATE_RUNNING;
+        c.notices[3].generation = 2;
+        c.notices[3].heartbeat_ns = kvf_now_ns();
+        snprintf(c.notices[3].owner, sizeof(c.notices[3].owner), "fuzz-prefill");
         now_ns = kvf_now_ns() + 1000000000ull;
 
         const struct kvf_ctl_header *h = c.hdr;
@@ -234,6 +241,8 @@ static void init(void)
         regions[R_ERRLOG].len = h->journal_off - h->errlog_off;
         regions[R_REQTAB].off = h->reqtab_off;
         regions[R_REQTAB].len = c.ring_hdrs[0].data_off - h->reqtab_off;
+        regions[R_NOTICES].off = h->notice_off;
+        regions[R_NOTICES].len = (uint64_t)KVF_NOTICE_SLOTS * sizeof(struct kvf_notice_slot);
         for (int i = 0; i < KVF_RING_COUNT; i++) {
                 regions[R_RING_DATA0 + i].off = c.ring_hdrs[i].data_off;
                 regions[R_RING_DATA0 + i].len = c.ring_hdrs[i].capacity;

@@ -77,6 +77,27 @@ void sender_count_status(struct sender *s, int status)
                 kvf_count(&s->ctl, KVF_CTR_REQUESTS_FAILED, 1);
 }
 
+/*
+ * Straight into the peer's notice ring, encoded as the notice its connector would get on
+ * the socket: it names its source (us) and the decode connector reads the source's
+ * incarnation from the slot. Once committed the notice outlives both connectors: it is
+ * answered in the reply ring, or (the peer instance re-created) never (check_peers).
+ */
+static int post_to_ring(struct sender *s, struct ipc_peer *p, struct kvf_record *f)
+{
+        size_t len = 0;
+        f->type = KVF_RT_NOTICE;
+        snprintf(f->peer, sizeof(f->peer), "%s", s->ctl.hdr->instance);
+        int rc = sender_encode(s, f, &len);
+        if (rc < 0)
+                return rc;
+        rc = kvf_ring_write(&p->nend.notice, KVF_RT_NOTICE, s->scratch, (uint32_t)len, NULL);
+        if (rc == -EMSGSIZE)
+                return kvf_err_set(rc, "a %zu-byte notice can never fit the notice ring of '%s' (%llu bytes)",
+                                   len, p->name, (unsigned long long)p->nend.notice.capacity);
+        return rc < 0 ? rc : 1;
+}
+
 int sender_post_notice(struct sender *s, uint32_t slot, enum sender_notice kind)
 {
         struct kvf_req_slot *r = &s->ctl.reqtab[slot];
@@ -102,8 +123,12 @@ int sender_post_notice(struct sender *s, uint32_t slot, enum sender_notice kind)
                 snprintf(f.reason, sizeof(f.reason),
                          "timed out after %llu ms waiting for the peer to confirm the arrival",
                          (unsigned long long)(s->request_timeout_ns / 1000000));
-        if (r->transport == KVF_TRANSPORT_IPC && r->peer_idx < SENDER_MAX_PEERS && s->peers[r->peer_idx].in_use)
-                f.generation = s->peers[r->peer_idx].created_ns;
+        if (r->transport == KVF_TRANSPORT_IPC && r->peer_idx < SENDER_MAX_PEERS && s->peers[r->peer_idx].in_use) {
+                struct ipc_peer *p = &s->peers[r->peer_idx];
+                f.generation = p->created_ns;
+                if (p->nend.slot && kvf_notice_held(&p->nend))
+                        return post_to_ring(s, p, &f);
+        }
         return sender_post(s, &f);
 }
 

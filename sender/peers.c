@@ -30,6 +30,9 @@
 
 static void drop(struct ipc_peer *p)
 {
+        /* Notices still in the ring stay there: the peer's connector answers them into the
+         * reply ring, where our successor in this slot (a restart of ours) finds them. */
+        kvf_notice_release(&p->nend);
         kvf_cache_unmap(&p->cache);
         kvf_ctl_detach(&p->ctl);
         memset(p, 0, sizeof(*p));
@@ -40,7 +43,8 @@ static int open_peer(struct sender *s, struct ipc_peer *p, const char *name, cha
                      size_t whylen)
 {
         struct stat st;
-        int rc = kvf_ctl_attach(name, false, &p->ctl);
+        /* Read-write only for the notice slots (same user, mode 0600, as for the cache). */
+        int rc = kvf_ctl_attach(name, s->notice_rings, &p->ctl);
 
         if (rc < 0) {
                 snprintf(why, whylen, "%s", kvf_err_msg());
@@ -78,6 +82,15 @@ static int open_peer(struct sender *s, struct ipc_peer *p, const char *name, cha
         snprintf(p->name, sizeof(p->name), "%s", name);
         p->in_use = true;
         kvf_info("mapped peer '%s': %u blocks", name, h->layout.num_blocks);
+        if (s->notice_rings) {
+                int sl = kvf_notice_claim(&p->ctl, s->ctl.hdr->instance, s->ctl.hdr->created_ns, &p->nend);
+                if (sl >= 0)
+                        kvf_info("peer '%s': notice slot %d: finish notices go to its connector in one hop",
+                                 name, sl);
+                else
+                        kvf_warn("peer '%s': no notice slot (%s): finish notices go through the connectors' sockets",
+                                 name, kvf_err_msg());
+        }
         return 0;
 fail:
         kvf_ctl_detach(&p->ctl);
@@ -114,6 +127,76 @@ int sender_peer_get(struct sender *s, const char *name, uint32_t *idx, char *why
         return 0;
 }
 
+/* Each heartbeat: keep the notice slot, or find one again (a slot was taken from us after a
+ * stall, or none was free when the peer was mapped). */
+static void notice_slot_tick(struct sender *s, struct ipc_peer *p)
+{
+        if (p->nend.slot && !kvf_notice_held(&p->nend)) {
+                kvf_warn("peer '%s': notice slot %u was taken over: finish notices go through the connectors' sockets",
+                         p->name, p->nend.idx);
+                p->nend.slot = NULL;
+        }
+        if (p->nend.slot) {
+                kvf_notice_heartbeat(&p->nend);
+                return;
+        }
+        if (kvf_notice_claim(&p->ctl, s->ctl.hdr->instance, s->ctl.hdr->created_ns, &p->nend) >= 0)
+                kvf_info("peer '%s': notice slot %u: finish notices go to its connector in one hop",
+                         p->name, p->nend.idx);
+}
+
+static int on_reply(void *ctx, uint16_t type, const uint8_t *pl, uint32_t len, uint64_t pos)
+{
+        struct sender *s = ctx;
+        struct kvf_record r;
+        (void)pos;
+        if (type != KVF_RT_ACK || kvf_record_decode(type, pl, len, 0, &r) < 0) {
+                kvf_count(&s->ctl, KVF_CTR_BAD_RECORDS, 1);
+                kvf_errlog(&s->ctl, KVF_ROLE_SENDER, "bad %s record in a reply ring: %s",
+                           kvf_rec_type_name(type), type == KVF_RT_ACK ? kvf_err_msg() : "unexpected type");
+                if (type == KVF_RT_ACK)
+                        kvf_record_free(&r);
+                return 0;
+        }
+        /* The same event as a write result from our connector: the key names the slot and
+         * its incarnation, so an answer for a request no longer here is dropped. */
+        uint32_t slot = (uint32_t)(r.key >> 40);
+        if (slot < s->ctl.hdr->reqtab_slots && sender_key(slot, s->ctl.reqtab[slot].incarnation) == r.key) {
+                /* A withdrawn notice answered: counted as our connector counts it on the socket path. */
+                if (s->ctl.reqtab[slot].withdraw_ns && s->ctl.reqtab[slot].state == KVF_REQ_FINISHING)
+                        kvf_count(&s->ctl, KVF_CTR_NOTICES_IN_DOUBT, 1);
+                sender_req_event(s, slot,
+                                 &(struct sender_ev){.type = SENDER_EV_WRITE_RESULT, .status = r.status,
+                                                     .reason = r.reason});
+        }
+        kvf_record_free(&r);
+        return 0;
+}
+
+bool sender_read_replies(struct sender *s)
+{
+        bool worked = false;
+        for (uint32_t i = 0; i < SENDER_MAX_PEERS; i++) {
+                struct ipc_peer *p = &s->peers[i];
+                if (!p->in_use || !p->nend.slot)
+                        continue;
+                int n = kvf_ring_read(&p->nend.reply, on_reply, s, 64);
+                if (n > 0)
+                        worked = true;
+                else if (n < 0)
+                        kvf_errlog(&s->ctl, KVF_ROLE_SENDER, "reply ring of '%s': %s", p->name, kvf_err_msg());
+        }
+        return worked;
+}
+
+bool sender_replies_readable(struct sender *s)
+{
+        for (uint32_t i = 0; i < SENDER_MAX_PEERS; i++)
+                if (s->peers[i].in_use && s->peers[i].nend.slot && kvf_ring_readable(&s->peers[i].nend.reply))
+                        return true;
+        return false;
+}
+
 int sender_peer_check(struct sender *s, uint32_t i, uint64_t *live)
 {
         struct ipc_peer *p = &s->peers[i];
@@ -124,6 +207,8 @@ int sender_peer_check(struct sender *s, uint32_t i, uint64_t *live)
         snprintf(path, sizeof(path), "/dev/shm/kvferry.%s", p->name);
         if (stat(path, &st) == 0 && st.st_ino == p->ino) {
                 *live = kvf_engine_session(&p->ctl, true);
+                if (s->notice_rings)
+                        notice_slot_tick(s, p);
                 return 1;
         }
         return -ENOENT;

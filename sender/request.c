@@ -217,6 +217,11 @@ static int post_notice(struct sender *s, uint32_t slot, enum sender_notice kind)
         int rc = sender_post_notice(s, slot, kind);
         if (rc < 0)
                 return rc;
+        if (rc == 1) {
+                if (kind != SENDER_NOTICE_ABORT)
+                        s->ctl.reqtab[slot].notice_gen = SENDER_NOTICE_GEN_RING;
+                return 0;
+        }
         sender_copies_expected(s);
         if (kind != SENDER_NOTICE_ABORT)
                 s->ctl.reqtab[slot].notice_gen =
@@ -490,6 +495,7 @@ void sender_req_event(struct sender *s, uint32_t slot, const struct sender_ev *e
                         redo_network(s, slot);
                         kvf_count(&s->ctl, KVF_CTR_NOTICES_REISSUED, 1);
                 } else if (noticed_state(st) && r->notice_gen && r->notice_gen != cgen &&
+                           r->notice_gen != SENDER_NOTICE_GEN_RING &&
                            !(s->flags[slot] & SLOT_NEEDS_NOTICE)) {
                         mark(s, slot, SLOT_NEEDS_NOTICE);
                         kvf_count(&s->ctl, KVF_CTR_NOTICES_REISSUED, 1);
@@ -667,6 +673,19 @@ static void check_peers(struct sender *s)
                                             "peer instance '%s' went away or was restarted during "
                                             "the transfer",
                                             name);
+                        /* Its notice is in the notice ring of a segment nobody reads any more:
+                         * no answer comes, and the re-created instance (another incarnation)
+                         * never publishes an arrival for blocks of its predecessor's cache. */
+                        else if (r->peer_idx == i && r->transport == KVF_TRANSPORT_IPC &&
+                                 noticed_state(sender_req_state(s, k)) &&
+                                 r->notice_gen == SENDER_NOTICE_GEN_RING) {
+                                char why[KVF_REASON_MAX];
+                                snprintf(why, sizeof(why),
+                                         "peer instance '%s' went away or was restarted before it answered "
+                                         "the finish notice: the blocks went into its previous cache",
+                                         name);
+                                decide(s, k, KVF_STATUS_CONNECTION, why);
+                        }
                 }
                 sender_peer_drop(s, i);
         }
@@ -738,7 +757,8 @@ void sender_tick(struct sender *s, uint64_t now)
                                 continue;
                 }
                 if ((cgen != s->connector_gen && r->transport != KVF_TRANSPORT_IPC) ||
-                    (noticed_state(st) && r->notice_gen && r->notice_gen != cgen))
+                    (noticed_state(st) && r->notice_gen && r->notice_gen != cgen &&
+                     r->notice_gen != SENDER_NOTICE_GEN_RING))
                         sender_req_event(s, i,
                                          &(struct sender_ev){.type = SENDER_EV_CONNECTOR_NEW});
         }

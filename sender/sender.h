@@ -27,6 +27,7 @@
 
 #include "cache.h"
 #include "ctl.h"
+#include "notice.h"
 #include "records.h"
 
 #define SENDER_MAX_PEERS 64u
@@ -73,7 +74,14 @@ struct ipc_peer {
         uint64_t created_ns;    /* identity of the peer's segment we mapped */
         ino_t ino;
         bool in_use;
+        /* --notice-rings: the notice slot we hold in the peer's segment (slot NULL: none,
+         * its notices go through the connectors' sockets) */
+        struct kvf_notice_end nend;
 };
+
+/* notice_gen of a finish notice committed to a peer's notice ring (not to our connector):
+ * a restart of our connector does not lose it. Never a connector generation. */
+#define SENDER_NOTICE_GEN_RING UINT64_MAX
 
 /* Requests armed at a forward step: their front chunk completes in that step. */
 struct bucket {
@@ -160,6 +168,7 @@ struct sender {
                 bool expecting;      /* the connector was told a finish notice is coming */
         } cp;
         uint64_t prewake_ns; /* --prewake-us (copies.c) */
+        bool notice_rings;   /* --notice-rings (peers.c, outbox.c) */
         /* plan.c: the engine executor */
         bool plan_on;
         uint64_t *pl_step; /* per slot: the step its plan entry was last published for, or ~0 */
@@ -188,7 +197,9 @@ struct sender {
  *                                      owes). Not armed. No notice exists.
  *   SREQ_LANDED    FINISHING           ipc: every byte has landed in the peer's cache. The
  *                                      finish notice is owed (notice_gen 0) or out (the
- *                                      connector generation it went to); withdraw_ns != 0:
+ *                                      connector generation it went to, or
+ *                                      SENDER_NOTICE_GEN_RING: committed to the peer's
+ *                                      notice ring); withdraw_ns != 0:
  *                                      withdrawn, waiting for the peer's answer.
  *   SREQ_HANDED    HANDED_OVER         tcp/rdma: every write batch is in the connector's
  *                                      hands (or owed again after a restart: SLOT_RESEND);
@@ -275,6 +286,7 @@ void sender_tick(struct sender *s, uint64_t now);
 struct sender_opts {
         uint64_t request_timeout_ns;
         uint64_t prewake_ns;
+        bool notice_rings;       /* post ipc notices into the decode segment's notice slots */
         unsigned attach_wait_ms; /* wait this long for the segment to be ready */
 };
 /* Attach (writable), map the own cache, make the in-process tables. 0, or < 0 with kvf_err
@@ -284,7 +296,8 @@ int sender_open(struct sender *s, const char *instance, const struct sender_opts
 int sender_start(struct sender *s);
 /* Stopping: end the role, wait (bounded) for copies in flight, then sender_free. */
 void sender_close(struct sender *s);
-/* Unmap, detach and free what this process holds, writing nothing into the segment. */
+/* Unmap, detach and free what this process holds, writing nothing into its own segment (the
+ * notice slots it holds in peers' segments are given back). */
 void sender_free(struct sender *s);
 
 /* tasks.c: records in */
@@ -341,7 +354,13 @@ enum sender_notice {
         SENDER_NOTICE_ABORT,    /* failed while moving: the peer frees its blocks (best effort) */
         SENDER_NOTICE_WITHDRAW, /* LANDED/HANDED past its deadline: the peer says what it did */
 };
+/* 0: posted to our connector; 1: committed to the peer's notice ring (ipc, --notice-rings);
+ * < 0 as sender_post. */
 int sender_post_notice(struct sender *s, uint32_t slot, enum sender_notice kind);
+/* Answers in the notice slots' reply rings (peers.c): true if any was read. */
+bool sender_read_replies(struct sender *s);
+/* Whether some reply ring has an answer to read (the loop's wait). */
+bool sender_replies_readable(struct sender *s);
 /* The completion of a DECIDED slot: 0 (committed; completion_pos stored before the commit) or
  * -EAGAIN (the ring is full, or no memory). */
 int sender_post_completion(struct sender *s, uint32_t slot);

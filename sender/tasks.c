@@ -454,6 +454,8 @@ bool sender_read_connector(struct sender *s)
                 worked = true;
         else if (n < 0)
                 kvf_errlog(&s->ctl, KVF_ROLE_SENDER, "ring connector->sender: %s", kvf_err_msg());
+        if (s->notice_rings && sender_read_replies(s))
+                worked = true;
         if (s->pending)
                 sender_flush_pending(s);
         sender_req_copies(s, true);

@@ -244,12 +244,18 @@ static const struct rec *find(const struct outs *o, uint16_t type, const char *i
 
 /* ---- the sender ---- */
 
-static void sender_up(struct sender *s, struct inst *in)
+static void sender_up_with(struct sender *s, struct inst *in, bool notice_rings)
 {
         memset(s, 0, sizeof(*s));
-        const struct sender_opts o = {.request_timeout_ns = TIMEOUT_NS, .prewake_ns = 100000};
+        const struct sender_opts o = {.request_timeout_ns = TIMEOUT_NS, .prewake_ns = 100000,
+                                      .notice_rings = notice_rings};
         CHECK(sender_open(s, in->name, &o) == 0);
         CHECK(sender_start(s) == 0);
+}
+
+static void sender_up(struct sender *s, struct inst *in)
+{
+        sender_up_with(s, in, false);
 }
 
 /* One turn of kvf-sender's loop (main.c's run), less its waiting. */
@@ -749,6 +755,149 @@ static void case_full_rings(struct sender *s)
 
 static struct sender A, B;
 
+/* ---- same-host notices in one hop: the test plays D's connector on D's notice slots ---- */
+
+struct slot_peer {
+        struct kvf_ring notice, reply; /* D's connector's views */
+};
+
+static void slot_peer_bind(struct slot_peer *sp, uint32_t s)
+{
+        CHECK(kvf_notice_bind(&D.ctl, s, &sp->notice, &sp->reply) == 0);
+        kvf_ring_producer_attach(&sp->reply, 7);
+}
+
+/* What the sender committed to the slot's notice ring: NOTICE records naming their source. */
+static struct outs *slot_notices(struct slot_peer *sp)
+{
+        static struct outs o;
+        o.n = 0;
+        while (kvf_ring_read(&sp->notice, grab, &o, 64) > 0) {
+        }
+        return &o;
+}
+
+static void slot_ack(struct slot_peer *sp, uint64_t key, const char *id, int status, const char *why)
+{
+        struct kvf_record a = {.type = KVF_RT_ACK, .key = key, .status = status, .session = D.engine};
+        snprintf(a.request_id, sizeof(a.request_id), "%s", id);
+        snprintf(a.reason, sizeof(a.reason), "%s", why);
+        put(&sp->reply, &a);
+}
+
+static void case_notice_rings(void)
+{
+        const uint32_t src[2] = {3, 4}, dst[2] = {30, 31};
+        struct slot_peer sp;
+        uint64_t st = next_step();
+        step_now += 4;
+        sender_up_with(&A, &P, true);
+        task(&P, "nr-ok", D.name, KVF_TRANSPORT_IPC, src, 2, dst, 2, st, false);
+        task(&P, "nr-fail", D.name, KVF_TRANSPORT_IPC, src, 2, dst, 2, st, false);
+        task(&P, "nr-doubt", D.name, KVF_TRANSPORT_IPC, src, 2, dst, 2, st, false);
+        task(&P, "nr-withdrawn", D.name, KVF_TRANSPORT_IPC, src, 2, dst, 2, st, false);
+        progress(&P, st, LAYERS);
+        turn(&A);
+        /* the peer was mapped and a slot claimed: the one this instance holds */
+        uint32_t ok = slot_of(&A, "nr-ok"), fl = slot_of(&A, "nr-fail"), db = slot_of(&A, "nr-doubt"),
+                 wd = slot_of(&A, "nr-withdrawn");
+        uint32_t pi = A.ctl.reqtab[ok].peer_idx;
+        CHECK(pi < SENDER_MAX_PEERS && A.peers[pi].nend.slot != NULL);
+        uint32_t ns = A.peers[pi].nend.idx;
+        CHECK(!strcmp(D.ctl.notices[ns].owner, P.name));
+        CHECK_EQ(D.ctl.notices[ns].pid, getpid());
+        CHECK_EQ(D.ctl.notices[ns].owner_created_ns, P.ctl.hdr->created_ns);
+        slot_peer_bind(&sp, ns);
+        CHECK_STATE(&A, ok, SREQ_LANDED, KVF_REQ_FINISHING);
+        CHECK(A.ctl.reqtab[ok].notice_gen == SENDER_NOTICE_GEN_RING);
+        /* nothing for our own connector: the notices are in the decode segment's ring */
+        CHECK_EQ(count_type(to_connector(&P), KVF_RT_FINISH), 0);
+        struct outs *o = slot_notices(&sp);
+        CHECK_EQ(o->n, 4);
+        const struct rec *n0 = find(o, KVF_RT_NOTICE, "nr-ok");
+        CHECK(n0 && n0->status == KVF_STATUS_FINISHED && !n0->withdraw && n0->key == key_of(&A, ok));
+        /* finished, and failed, as the decode connector answers */
+        slot_ack(&sp, key_of(&A, ok), "nr-ok", KVF_STATUS_FINISHED, "");
+        slot_ack(&sp, key_of(&A, fl), "nr-fail", KVF_STATUS_ENGINE_GONE, "the decode engine session ended");
+        turn(&A);
+        o = completions(&P);
+        CHECK_DONE(o, "nr-ok", KVF_STATUS_FINISHED, "");
+        CHECK_DONE(o, "nr-fail", KVF_STATUS_ENGINE_GONE, "session ended");
+        CHECK_STATE(&A, ok, SREQ_FREE, KVF_REQ_FREE);
+        /* our connector restarts: a notice in the peer's ring is not lost with it, none re-posted */
+        connector_start(&P);
+        sender_tick(&A, kvf_now_ns());
+        turn(&A);
+        CHECK_EQ(to_connector(&P)->n, 0);
+        CHECK_EQ(slot_notices(&sp)->n, 0);
+        /* past the deadline: withdrawals go the same way; one answered, one never (in doubt) */
+        uint64_t t = A.ctl.reqtab[wd].deadline_ns + 1;
+        if (A.ctl.reqtab[db].deadline_ns + 1 > t)
+                t = A.ctl.reqtab[db].deadline_ns + 1;
+        sender_tick(&A, t);
+        turn(&A);
+        o = slot_notices(&sp);
+        CHECK(find(o, KVF_RT_NOTICE, "nr-withdrawn") && find(o, KVF_RT_NOTICE, "nr-withdrawn")->withdraw);
+        CHECK(find(o, KVF_RT_NOTICE, "nr-doubt") && find(o, KVF_RT_NOTICE, "nr-doubt")->withdraw);
+        CHECK_EQ(count_type(to_connector(&P), KVF_RT_FINISH), 0);
+        slot_ack(&sp, key_of(&A, wd), "nr-withdrawn", KVF_STATUS_FINISHED, "");
+        turn(&A);
+        CHECK_DONE(completions(&P), "nr-withdrawn", KVF_STATUS_FINISHED, "");
+        sender_tick(&A, t + TIMEOUT_NS + 1);
+        turn(&A);
+        CHECK_DONE(completions(&P), "nr-doubt", KVF_STATUS_TIMEOUT, "in doubt");
+        /* the sender dies with a LANDED request; its successor re-claims the same slot and
+         * re-posts the notice (the decode journal answers a repeat) */
+        task(&P, "nr-restart", D.name, KVF_TRANSPORT_IPC, src, 2, dst, 2, st + 1, false);
+        progress(&P, st + 1, LAYERS);
+        turn(&A);
+        uint32_t rs = slot_of(&A, "nr-restart");
+        CHECK_STATE(&A, rs, SREQ_LANDED, KVF_REQ_FINISHING);
+        CHECK(find(slot_notices(&sp), KVF_RT_NOTICE, "nr-restart"));
+        uint64_t gen0 = D.ctl.notices[ns].generation;
+        sender_free(&A); /* dies (gives the slot back as it unmaps the peer) */
+        sender_up_with(&B, &P, true);
+        turn(&B);
+        CHECK_STATE(&B, rs, SREQ_LANDED, KVF_REQ_FINISHING);
+        pi = B.ctl.reqtab[rs].peer_idx;
+        CHECK(pi < SENDER_MAX_PEERS && B.peers[pi].nend.slot && B.peers[pi].nend.idx == ns);
+        CHECK(D.ctl.notices[ns].generation > gen0);
+        o = slot_notices(&sp);
+        CHECK(find(o, KVF_RT_NOTICE, "nr-restart") && !find(o, KVF_RT_NOTICE, "nr-restart")->withdraw);
+        slot_ack(&sp, key_of(&B, rs), "nr-restart", KVF_STATUS_FINISHED, "");
+        turn(&B);
+        CHECK_DONE(completions(&P), "nr-restart", KVF_STATUS_FINISHED, "");
+        sender_close(&B);
+
+        /* every slot held by a live process of another instance: the socket path */
+        struct kvf_notice_slot keep[KVF_NOTICE_SLOTS];
+        memcpy(keep, D.ctl.notices, sizeof(keep));
+        for (uint32_t s = 0; s < KVF_NOTICE_SLOTS; s++) {
+                struct kvf_notice_slot *x = &D.ctl.notices[s];
+                x->pid = 1; /* init: alive, and never us */
+                x->pid_starttime = kvf_pid_starttime(1);
+                x->heartbeat_ns = kvf_now_ns() + 60ull * 1000000000ull;
+                x->state = KVF_STATE_RUNNING;
+                x->generation++;
+                snprintf(x->owner, sizeof(x->owner), "someone-else");
+        }
+        sender_up_with(&A, &P, true);
+        st = next_step();
+        task(&P, "nr-socket", D.name, KVF_TRANSPORT_IPC, src, 2, dst, 2, st, false);
+        progress(&P, st, LAYERS);
+        turn(&A);
+        uint32_t sk = slot_of(&A, "nr-socket");
+        CHECK(A.peers[A.ctl.reqtab[sk].peer_idx].nend.slot == NULL);
+        CHECK(A.ctl.reqtab[sk].notice_gen != SENDER_NOTICE_GEN_RING && A.ctl.reqtab[sk].notice_gen != 0);
+        o = to_connector(&P);
+        CHECK(find(o, KVF_RT_FINISH, "nr-socket"));
+        write_result(&P, key_of(&A, sk), "nr-socket", KVF_STATUS_FINISHED, "");
+        turn(&A);
+        CHECK_DONE(completions(&P), "nr-socket", KVF_STATUS_FINISHED, "");
+        sender_close(&A);
+        memcpy(D.ctl.notices, keep, sizeof(keep));
+}
+
 /* A sender dies (nothing more written) and a successor adopts the table, in each state. */
 static void case_restart(void)
 {
@@ -951,6 +1100,7 @@ int main(void)
         sender_close(&S);
         case_restart();
         sender_close(&B);
+        case_notice_rings();
         case_async();
 
         kvf_cache_unmap(&P.cache);

@@ -25,6 +25,7 @@
 #include "doorbell.h"
 #include "err.h"
 #include "layout.h"
+#include "notice.h"
 #include "kvferry.h"
 #include "records.h"
 
@@ -1046,6 +1047,83 @@ static void print_rings(struct dump *d)
                 j_close(d, ']');
 }
 
+/* Notice slots: which prefill sender holds each (ever claimed) one, and its rings' fill. */
+static void print_notices(struct dump *d)
+{
+        unsigned shown = 0;
+
+        if (d->json)
+                j_open(d, "notice_slots", '[');
+        for (uint32_t s = 0; s < KVF_NOTICE_SLOTS; s++) {
+                const struct kvf_notice_slot *ns = &d->c.notices[s];
+                uint64_t gen = kvf_load_relaxed(&ns->generation);
+                if (gen == 0)
+                        continue;
+                int32_t pid = kvf_load_relaxed(&ns->pid);
+                uint32_t state = kvf_load_relaxed(&ns->state);
+                uint64_t hb = kvf_load_relaxed(&ns->heartbeat_ns);
+                int alive = d->o->check_pids ? kvf_notice_holder_alive(&d->c, s, d->now) : -1;
+                const struct kvf_ring_hdr *rh[2] = {&ns->notice, &ns->reply};
+                uint64_t used[2], cap[2];
+                for (int k = 0; k < 2; k++) {
+                        uint64_t head = kvf_load_relaxed(&rh[k]->head);
+                        uint64_t tail = kvf_load_relaxed(&rh[k]->tail);
+                        used[k] = tail > head ? tail - head : 0;
+                        cap[k] = KVF_NOTICE_RING_CAPACITY; /* validated */
+                }
+                size_t on = fixlen(ns->owner, sizeof(ns->owner));
+                if (d->json) {
+                        j_open(d, NULL, '{');
+                        j_u64(d, "slot", s);
+                        j_str(d, "owner", ns->owner, on);
+                        j_u64(d, "owner_created_ns", kvf_load_relaxed(&ns->owner_created_ns));
+                        j_i64(d, "pid", pid);
+                        if (alive < 0)
+                                j_null(d, "alive");
+                        else
+                                j_bool(d, "alive", alive);
+                        j_cstr(d, "state", state_name(state));
+                        j_u64(d, "generation", gen);
+                        j_u64(d, "claims", kvf_load_relaxed(&ns->claims));
+                        if (hb)
+                                j_i64(d, "heartbeat_age_ms", age_ms(d->now, hb));
+                        else
+                                j_null(d, "heartbeat_age_ms");
+                        j_u64(d, "notice_used", used[0]);
+                        j_u64(d, "notice_written", kvf_load_relaxed(&ns->notice.records_written));
+                        j_u64(d, "notice_read", kvf_load_relaxed(&ns->notice.records_read));
+                        j_u64(d, "reply_used", used[1]);
+                        j_u64(d, "reply_written", kvf_load_relaxed(&ns->reply.records_written));
+                        j_u64(d, "reply_read", kvf_load_relaxed(&ns->reply.records_read));
+                        j_u64(d, "ring_capacity", cap[0]);
+                        j_close(d, '}');
+                        continue;
+                }
+                if (shown++ == 0)
+                        fprintf(d->f, "\nnotice slots (same-host notices; %u slots):\n"
+                                      "  %4s %-24s %10s %-6s %-9s %6s %8s %8s  %s\n",
+                                KVF_NOTICE_SLOTS, "slot", "holder", "pid", "alive", "state", "gen",
+                                "notices", "replies", "heartbeat");
+                char ob[4 * KVF_INSTANCE_MAX + 8], hbt[48];
+                if (hb)
+                        snprintf(hbt, sizeof(hbt), "%" PRId64 " ms ago", age_ms(d->now, hb));
+                else
+                        snprintf(hbt, sizeof(hbt), "never");
+                fprintf(d->f,
+                        "  %4" PRIu32 " %-24s %10" PRId32 " %-6s %-9s %6" PRIu64 " %7.1f%% %7.1f%%  %s\n",
+                        s, esc(ob, sizeof(ob), ns->owner, on), pid,
+                        alive < 0 ? "?" : alive ? "yes" : "no", state_name(state), gen,
+                        (double)used[0] * 100.0 / (double)cap[0],
+                        (double)used[1] * 100.0 / (double)cap[1], hbt);
+        }
+        if (d->json)
+                j_close(d, ']');
+        else if (shown == 0)
+                fprintf(d->f, "\nnotice slots: none claimed (%u free; same-host prefill senders "
+                              "post their notices through the connectors' sockets)\n",
+                        KVF_NOTICE_SLOTS);
+}
+
 static void print_bells(struct dump *d)
 {
         if (d->json)
@@ -1324,6 +1402,7 @@ int kvf_dump(void *base, uint64_t size, FILE *out, const struct kvf_dump_opts *o
         print_header(&d);
         print_roles(&d);
         print_rings(&d);
+        print_notices(&d);
         print_bells(&d);
         print_counters(&d);
         print_errlog(&d);

@@ -1,0 +1,172 @@
+/*
+ * Same-host notices in one hop (decode side): prefill senders on this host
+ * commit finish notices, withdrawals and aborts to the notice slots of this
+ * instance's segment (common/notice.h); the control thread reads them here,
+ * publishes their arrivals through the one commit point every transport uses
+ * (conn_arrival_notice -> conn_publish_arrival, with the journal), and writes
+ * the answer into the slot's reply ring, ringing the holder's sender doorbell.
+ *
+ * Crashes: a notice is consumed (head moved) only after its answer is
+ * committed to the reply ring, so a connector that dies after publishing and
+ * before answering leaves the notice in the ring; its successor reads it
+ * again and the journal answers it without a second arrival.
+ */
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "atomics.h"
+#include "connector.h"
+#include "err.h"
+#include "log.h"
+#include "notice.h"
+
+int conn_notices_init(struct connector *cn)
+{
+        struct kvf_ring notice[KVF_NOTICE_SLOTS], reply[KVF_NOTICE_SLOTS];
+        int rc = kvf_notice_connector_attach(&cn->ctl, notice, reply, cn->gen);
+        if (rc < 0)
+                return rc;
+        if (rc > 0) {
+                kvf_count(&cn->ctl, KVF_CTR_RING_REPAIRS, (uint64_t)rc);
+                kvf_warn("repaired %d notice rings after a crash", rc);
+        }
+        for (uint32_t s = 0; s < KVF_NOTICE_SLOTS; s++) {
+                cn->nslots[s].notice = notice[s];
+                cn->nslots[s].reply = reply[s];
+                cn->nslots[s].holder.fd = -1;
+        }
+        return 0;
+}
+
+/* Map the holder's segment for its sender's doorbell (once per claim of the slot). Without
+ * it the answer is still in the reply ring; the sender finds it on its next turn. */
+static void holder_bell(struct connector *cn, uint32_t s, const char *owner, uint64_t created_ns,
+                        uint64_t gen)
+{
+        struct conn_notice_slot *v = &cn->nslots[s];
+        if (v->holder_gen == gen)
+                return;
+        if (v->mapped) {
+                kvf_ctl_detach(&v->holder);
+                v->mapped = false;
+        }
+        v->reply.bell = &cn->ctl.notices[s].reply_bell;
+        v->holder_gen = gen;
+        if (kvf_ctl_attach(owner, true, &v->holder) < 0) {
+                kvf_warn("notice slot %u: cannot map '%s' to wake its sender: %s", s, owner, kvf_err_msg());
+                return;
+        }
+        if (v->holder.hdr->created_ns != created_ns) {
+                kvf_warn("notice slot %u: '%s' was re-created since it claimed the slot", s, owner);
+                kvf_ctl_detach(&v->holder);
+                return;
+        }
+        v->mapped = true;
+        v->reply.bell = &v->holder.bells[KVF_BELL_SENDER];
+        kvf_info("notice slot %u: held by the sender of '%s'", s, owner);
+}
+
+struct rd {
+        struct connector *cn;
+        uint32_t s;
+        char owner[KVF_INSTANCE_MAX];
+        uint64_t owner_gen;
+};
+
+static int on_notice(void *ctx, uint16_t type, const uint8_t *pl, uint32_t len, uint64_t pos)
+{
+        struct rd *x = ctx;
+        struct connector *cn = x->cn;
+        struct event ev = {.kind = EV_NOTICE, .ring_slot = x->s + 1, .src_gen = x->owner_gen};
+        (void)pos;
+
+        if (type != KVF_RT_NOTICE || kvf_record_decode(KVF_RT_NOTICE, pl, len, 0, &ev.rec) < 0) {
+                kvf_count(&cn->ctl, KVF_CTR_BAD_RECORDS, 1);
+                kvf_errlog(&cn->ctl, KVF_ROLE_CONNECTOR, "notice slot %u: bad %s record: %s", x->s,
+                           kvf_rec_type_name(type), type == KVF_RT_NOTICE ? kvf_err_msg() : "unexpected type");
+                if (type == KVF_RT_NOTICE)
+                        kvf_record_free(&ev.rec);
+                return 0;
+        }
+        /* The notice names its source by the slot's holder, as a socket notice by the
+         * instance its handshake proved (a slot with notices left in it is never claimed by
+         * another instance: common/notice.c). */
+        snprintf(ev.rec.peer, sizeof(ev.rec.peer), "%s", x->owner);
+        int rc = conn_arrival_notice(cn, &ev);
+        kvf_record_free(&ev.rec);
+        if (rc == -EAGAIN) {
+                cn->notices_blocked = true;
+                return -EAGAIN;
+        }
+        return 0;
+}
+
+bool conn_notices_read(struct connector *cn)
+{
+        bool worked = false;
+        cn->notices_blocked = false;
+        for (uint32_t s = 0; s < KVF_NOTICE_SLOTS; s++) {
+                struct kvf_notice_slot *ns = &cn->ctl.notices[s];
+                struct conn_notice_slot *v = &cn->nslots[s];
+                if (!kvf_ring_readable(&v->notice))
+                        continue;
+                /* Pairs with the release store of generation in the claim: owner and its
+                 * incarnation are those of this generation's holder. */
+                struct rd x = {.cn = cn, .s = s};
+                uint64_t gen = kvf_load_acquire(&ns->generation);
+                memcpy(x.owner, ns->owner, sizeof(x.owner));
+                x.owner[sizeof(x.owner) - 1] = '\0';
+                x.owner_gen = kvf_load_relaxed(&ns->owner_created_ns);
+                if (kvf_instance_name_check(x.owner) < 0) {
+                        kvf_errlog(&cn->ctl, KVF_ROLE_CONNECTOR,
+                                   "notice slot %u: its holder's name is not an instance name: notices left unread", s);
+                        continue;
+                }
+                holder_bell(cn, s, x.owner, x.owner_gen, gen);
+                int n = kvf_ring_read(&v->notice, on_notice, &x, 64);
+                if (n > 0)
+                        worked = true;
+                else if (n < 0)
+                        kvf_errlog(&cn->ctl, KVF_ROLE_CONNECTOR, "notice slot %u: %s", s, kvf_err_msg());
+        }
+        return worked;
+}
+
+bool conn_notices_readable(struct connector *cn)
+{
+        for (uint32_t s = 0; s < KVF_NOTICE_SLOTS; s++)
+                if (kvf_ring_readable(&cn->nslots[s].notice))
+                        return true;
+        return false;
+}
+
+int conn_notice_reply(struct connector *cn, uint32_t s, const struct kvf_record *ack)
+{
+        uint8_t *buf;
+        size_t len;
+        if (s >= KVF_NOTICE_SLOTS)
+                return -EINVAL;
+        if (kvf_record_encode_alloc(ack, &buf, &len) < 0)
+                return -EAGAIN;
+        int rc = kvf_ring_write(&cn->nslots[s].reply, KVF_RT_ACK, buf, (uint32_t)len, NULL);
+        free(buf);
+        if (rc == -EAGAIN) {
+                cn->notices_blocked = true;
+                return -EAGAIN;
+        }
+        if (rc < 0) /* never fits: the sender withdraws at its deadline, the journal answers */
+                kvf_errlog(&cn->ctl, KVF_ROLE_CONNECTOR, "req %s: notice slot %u: reply: %s",
+                           ack->request_id, s, kvf_err_msg());
+        return 0;
+}
+
+void conn_notices_close(struct connector *cn)
+{
+        for (uint32_t s = 0; s < KVF_NOTICE_SLOTS; s++)
+                if (cn->nslots[s].mapped) {
+                        kvf_ctl_detach(&cn->nslots[s].holder);
+                        cn->nslots[s].mapped = false;
+                }
+}

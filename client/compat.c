@@ -25,7 +25,11 @@
 #undef kvf_get_layout
 #undef kvf_submit_task
 
-#define LEGACY(fn, node) __attribute__((used, visibility("default"), symver(#fn "@" node)))
+/* The .symver directive rather than GCC's symver attribute, which clang does not have: fn@node
+ * names impl, the definition that follows, in the library's dynamic symbol table. */
+#define LEGACY(fn, impl, node)                                                                     \
+        __asm__(".symver " #impl ", " #fn "@" node);                                               \
+        __attribute__((used, visibility("default")))
 
 /* Defined here only, under their versioned names: no header declares them. */
 int kvf_poll_abi0(struct kvf_client *c, struct kvf_event *ev, int timeout_ms);
@@ -39,31 +43,31 @@ int kvf_group_poll_pre(struct kvf_group *g, struct kvf_event *ev, int timeout_ms
 int kvf_get_layout_pre(struct kvf_client *c, struct kvf_layout_info *out);
 int kvf_submit_task_pre(struct kvf_client *c, const struct kvf_task *t);
 
-LEGACY(kvf_poll, "KVFERRY_0")
+LEGACY(kvf_poll, kvf_poll_abi0, "KVFERRY_0")
 int kvf_poll_abi0(struct kvf_client *c, struct kvf_event *ev, int timeout_ms)
 {
         return kvf_poll_sized(c, ev, KVF_EVENT_SIZE_ABI1, timeout_ms);
 }
 
-LEGACY(kvf_poll_previous, "KVFERRY_0")
+LEGACY(kvf_poll_previous, kvf_poll_previous_abi0, "KVFERRY_0")
 int kvf_poll_previous_abi0(struct kvf_client *c, struct kvf_event *ev)
 {
         return kvf_poll_previous_sized(c, ev, KVF_EVENT_SIZE_ABI1);
 }
 
-LEGACY(kvf_group_poll, "KVFERRY_0")
+LEGACY(kvf_group_poll, kvf_group_poll_abi0, "KVFERRY_0")
 int kvf_group_poll_abi0(struct kvf_group *g, struct kvf_event *ev, int timeout_ms)
 {
         return kvf_group_poll_sized(g, ev, KVF_EVENT_SIZE_ABI1, timeout_ms);
 }
 
-LEGACY(kvf_get_layout, "KVFERRY_0")
+LEGACY(kvf_get_layout, kvf_get_layout_abi0, "KVFERRY_0")
 int kvf_get_layout_abi0(struct kvf_client *c, struct kvf_layout_info *out)
 {
         return kvf_get_layout_sized(c, out, KVF_LAYOUT_INFO_SIZE_ABI1);
 }
 
-LEGACY(kvf_submit_task, "KVFERRY_0")
+LEGACY(kvf_submit_task, kvf_submit_task_abi0, "KVFERRY_0")
 int kvf_submit_task_abi0(struct kvf_client *c, const struct kvf_task *t)
 {
         return kvf_submit_task_sized(c, t, KVF_TASK_SIZE_ABI1);
@@ -78,33 +82,33 @@ static int refuse_event(const char *fn)
                            fn, KVFERRY_VERSION, KVFERRY_ABI);
 }
 
-LEGACY(kvf_poll, "KVFERRY_PRE")
+LEGACY(kvf_poll, kvf_poll_pre, "KVFERRY_PRE")
 int kvf_poll_pre(struct kvf_client *c, struct kvf_event *ev, int timeout_ms)
 {
         (void)c, (void)ev, (void)timeout_ms;
         return refuse_event("kvf_poll");
 }
 
-LEGACY(kvf_poll_previous, "KVFERRY_PRE")
+LEGACY(kvf_poll_previous, kvf_poll_previous_pre, "KVFERRY_PRE")
 int kvf_poll_previous_pre(struct kvf_client *c, struct kvf_event *ev)
 {
         return kvf_poll_previous_sized(c, ev, KVF_EVENT_SIZE_ABI1);
 }
 
-LEGACY(kvf_group_poll, "KVFERRY_PRE")
+LEGACY(kvf_group_poll, kvf_group_poll_pre, "KVFERRY_PRE")
 int kvf_group_poll_pre(struct kvf_group *g, struct kvf_event *ev, int timeout_ms)
 {
         (void)g, (void)ev, (void)timeout_ms;
         return refuse_event("kvf_group_poll");
 }
 
-LEGACY(kvf_get_layout, "KVFERRY_PRE")
+LEGACY(kvf_get_layout, kvf_get_layout_pre, "KVFERRY_PRE")
 int kvf_get_layout_pre(struct kvf_client *c, struct kvf_layout_info *out)
 {
         return kvf_get_layout_sized(c, out, KVF_LAYOUT_INFO_SIZE_ABI1);
 }
 
-LEGACY(kvf_submit_task, "KVFERRY_PRE")
+LEGACY(kvf_submit_task, kvf_submit_task_pre, "KVFERRY_PRE")
 int kvf_submit_task_pre(struct kvf_client *c, const struct kvf_task *t)
 {
         /* (the size check is for callers that declare one; this size is the library's own) */

@@ -66,7 +66,7 @@ int kvf_tp_total_heads(uint32_t kv_p, uint32_t p, uint32_t kv_d, uint32_t d, uin
                 else {
                         snprintf(why, whylen,
                                  "one kv head per rank on both sides (tp %u and %u): the model's kv heads "
-                                 "cannot be told from these; the task must name them (num_kv_heads)", p, d);
+                                 "cannot be told from these", p, d);
                         return -EINVAL;
                 }
         }

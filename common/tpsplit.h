@@ -54,10 +54,10 @@ uint32_t kvf_tp_source(uint32_t heads, uint32_t p, uint32_t d, uint32_t drank, u
 uint32_t kvf_tp_sources(uint32_t heads, uint32_t p, uint32_t d, uint32_t drank);
 
 /* The model's KV heads from the per-rank heads of both sides (kv_p on each of
- * p ranks, kv_d on each of d): `given` when not 0 (the task's `num_kv_heads`),
- * checked against both sides; otherwise inferred. 0 and *heads, or -EINVAL with
- * `why` (both sides hold one head per rank and their groups differ: the total
- * cannot be told, so the task must name it; or the sides disagree). */
+ * p ranks, kv_d on each of d): `given` when not 0 (a caller that knows the
+ * model), checked against both sides; otherwise inferred. 0 and *heads, or
+ * -EINVAL with `why` (both sides hold one head per rank and their groups
+ * differ: the total cannot be told; or the sides disagree). */
 int kvf_tp_total_heads(uint32_t kv_p, uint32_t p, uint32_t kv_d, uint32_t d, uint32_t given,
                        uint32_t *heads, char *why, size_t whylen);
 

@@ -28,6 +28,7 @@
 #include "cache.h"
 #include "ctl.h"
 #include "records.h"
+#include "tpsplit.h"
 
 #define SENDER_MAX_PEERS 64u
 /* Bytes one request may move in one go before other requests' ready layers get their turn:
@@ -73,6 +74,10 @@ struct ipc_peer {
         uint64_t created_ns;    /* identity of the peer's segment we mapped */
         ino_t ino;
         bool in_use;
+        /* A peer of another tensor-parallel split (or block size) of the same model: the
+         * pieces of each block this rank sends it (common/tpsplit.h); npieces 0 when the
+         * layouts are equal and whole blocks move. */
+        struct kvf_tp_plan plan;
 };
 
 /* Requests armed at a forward step: their front chunk completes in that step. */

@@ -191,7 +191,7 @@ int main(void)
         refused(4, 2, 64, 1, 8, 48, 4, 0, "block sizes 64 and 48 do not divide one another");
         refused(4, 2, 16, 2, 8, 16, 4, 0, "not one split");
         refused(4, 2, 16, 1, 8, 16, 5, 0, "4 layers here, 5 there");
-        refused(1, 8, 16, 1, 4, 16, 4, 0, "num_kv_heads");
+        refused(1, 8, 16, 1, 4, 16, 4, 0, "cannot be told");
         refused(1, 8, 16, 1, 4, 16, 4, 3, "not one split");
         /* the same case with the heads named is accepted */
         {

@@ -352,10 +352,19 @@ int sender_post_notice(struct sender *s, uint32_t slot, enum sender_notice kind)
 int sender_post_completion(struct sender *s, uint32_t slot);
 void sender_count_status(struct sender *s, int status);
 
-/* Every byte a request moves: its send-blocks in every layer and tensor. */
+/* Every byte a request moves: its send-blocks in every layer and tensor (to a peer of another
+ * tensor-parallel split, only the head slices this rank sends it). */
 static inline uint64_t sender_request_bytes(const struct sender *s, const struct kvf_req_slot *r)
 {
-        return (uint64_t)r->n_send * s->layers * s->tensors * s->layout->block_bytes;
+        uint64_t per_block = s->layout->block_bytes;
+        if (r->transport == KVF_TRANSPORT_IPC && r->peer_idx < SENDER_MAX_PEERS &&
+            s->peers[r->peer_idx].plan.npieces) {
+                const struct kvf_tp_plan *pl = &s->peers[r->peer_idx].plan;
+                per_block = 0;
+                for (uint32_t i = 0; i < pl->npieces; i++)
+                        per_block += pl->pieces[i].bytes;
+        }
+        return (uint64_t)r->n_send * s->layers * s->tensors * per_block;
 }
 
 /* sessions.c */

@@ -256,6 +256,12 @@ int main(int argc, char **argv)
                         bytes += ev.bytes;
                 }
         uint64_t elapsed = kvf_now_ns() - t0;
+        /* Completions count each byte once: every decode rank's heads of every block. */
+        uint64_t want = 0;
+        for (uint32_t q = 0; q < NREQ; q++)
+                for (uint32_t j = 0; j < d; j++)
+                        want += (uint64_t)nb[q] * LAYERS * tensors * D.L[j].block_bytes;
+        CHECK_EQ(bytes, want);
         /* Every decode rank hears of each request once per source. */
         for (uint32_t j = 0; j < d; j++)
                 for (uint32_t n = 0; n < NREQ * expect_parts[j]; n++) {

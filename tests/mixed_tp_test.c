@@ -9,6 +9,8 @@
  *
  * mixed_tp_test P D HEADS [key-only]   a transfer, every byte checked
  * mixed_tp_test mismatch               the refusals
+ * mixed_tp_test kill P D HEADS          decode rank D-1 goes down mid-transfer: every task has
+ *                                      exactly one completion, those to the other ranks finish
  * $MIXED_TP_REQUESTS sets the requests (default 12); the summary line gives the time from the
  * first layer-done to the last completion (bench/mixed_tp_bench.sh reads it).
  */
@@ -164,10 +166,100 @@ static int mismatches(void)
         return 0;
 }
 
+/* Decode rank d-1 goes down after layer 0 of 40 requests: every task gets exactly one
+ * completion; those to the other decode ranks finish, and those ranks get their arrivals. */
+static int kill_one(uint32_t p, uint32_t d, uint32_t heads)
+{
+        struct side P = {0}, D = {0};
+        const uint32_t nreq = 40;
+        start(&D, "d", "decode", d, heads, 0, 16 * nreq);
+        start(&P, "p", "prefill", p, heads, 0, 16 * nreq);
+        uint64_t step = 0;
+        for (uint32_t i = 0; i < p; i++)
+                if (kvf_last_step(P.c[i]) > step)
+                        step = kvf_last_step(P.c[i]);
+        step++;
+        uint32_t tasks[MAXR] = {0}, to_dead[MAXR] = {0};
+        for (uint32_t q = 0; q < nreq; q++) {
+                uint32_t src[4] = {4 * q, 4 * q + 1, 4 * q + 2, 4 * q + 3}, dst[4];
+                for (uint32_t b = 0; b < 4; b++)
+                        dst[b] = 16 * nreq - 1 - 4 * q - b;
+                for (uint32_t j = 0; j < d; j++)
+                        for (uint32_t i = 0; i < p; i++) {
+                                int sends = 0;
+                                for (uint32_t h = D.first[j]; h < D.first[j] + D.count[j]; h++)
+                                        sends |= kvf_tp_source(heads, p, d, j, h) == i;
+                                if (!sends)
+                                        continue;
+                                char id[64];
+                                snprintf(id, sizeof(id), "k%u.d%u", q, j);
+                                struct kvf_task t = {.request_id = id, .src_block_ids = src, .n_src = 4,
+                                                     .dest_block_ids = dst, .n_dest = 4, .current_id = step,
+                                                     .transport = KVF_TRANSPORT_IPC, .peer = D.name[j]};
+                                CHECK_EQ(kvf_submit_task(P.c[i], &t), 0);
+                                tasks[i]++;
+                                to_dead[i] += j == d - 1;
+                        }
+        }
+        for (uint32_t i = 0; i < p; i++)
+                CHECK_EQ(kvf_layer_done(P.c[i], step, 0), 0);
+        kvf_detach(D.c[d - 1]);
+        char cmd[512];
+        snprintf(cmd, sizeof(cmd), "%s/tools/kvferry down --instance %s >/dev/null 2>&1", KVF_SOURCE_DIR,
+                 D.name[d - 1]);
+        CHECK_EQ(system(cmd), 0);
+        for (unsigned k = 0; k < t_ninstances; k++) /* down already: not stopped again at exit */
+                if (!strcmp(t_names[k], D.name[d - 1])) {
+                        memcpy(t_names[k], t_names[--t_ninstances], sizeof(t_names[k]));
+                        break;
+                }
+        for (uint32_t i = 0; i < p; i++)
+                for (uint32_t l = 1; l < LAYERS; l++)
+                        CHECK_EQ(kvf_layer_done(P.c[i], step, l), 0);
+        for (uint32_t i = 0; i < p; i++) {
+                uint32_t fin = 0, failed = 0;
+                char seen[64 * 40][16];
+                for (uint32_t n = 0; n < tasks[i]; n++) {
+                        struct kvf_event ev = wait_event(P.c[i], KVF_EVENT_COMPLETION);
+                        for (uint32_t k = 0; k < n; k++)
+                                if (!strcmp(seen[k], ev.request_id)) {
+                                        fprintf(stderr, "prefill rank %u: two completions of %s\n", i, ev.request_id);
+                                        return 1;
+                                }
+                        snprintf(seen[n], sizeof(seen[n]), "%s", ev.request_id);
+                        char dead[16];
+                        snprintf(dead, sizeof(dead), ".d%u", d - 1);
+                        int to_it = strstr(ev.request_id, dead) != NULL;
+                        if (ev.status == KVF_STATUS_FINISHED)
+                                fin++;
+                        else if (to_it)
+                                failed++;
+                        else {
+                                fprintf(stderr, "prefill rank %u: %s to a live rank: %s: %s\n", i, ev.request_id,
+                                        kvf_status_name(ev.status), ev.reason);
+                                return 1;
+                        }
+                }
+                struct kvf_event ev;
+                CHECK_EQ(kvf_poll(P.c[i], &ev, 1000), 0); /* nothing more */
+                printf("prefill rank %u: %u tasks, %u finished, %u to the rank that went down failed\n", i,
+                       tasks[i], fin, failed);
+                CHECK(fin >= tasks[i] - to_dead[i]);
+        }
+        for (uint32_t j = 0; j + 1 < d; j++)
+                for (uint32_t n = 0; n < nreq * kvf_tp_sources(heads, p, d, j); n++) {
+                        struct kvf_event ev = wait_event(D.c[j], KVF_EVENT_ARRIVAL);
+                        CHECK_EQ(ev.status, KVF_STATUS_FINISHED);
+                }
+        return 0;
+}
+
 int main(int argc, char **argv)
 {
         if (argc == 2 && !strcmp(argv[1], "mismatch"))
                 return mismatches();
+        if (argc == 5 && !strcmp(argv[1], "kill"))
+                return kill_one((uint32_t)atoi(argv[2]), (uint32_t)atoi(argv[3]), (uint32_t)atoi(argv[4]));
         if (argc < 4)
                 return fprintf(stderr, "usage: mixed_tp_test P D HEADS [key-only]\n"), 2;
         uint32_t p = (uint32_t)atoi(argv[1]), d = (uint32_t)atoi(argv[2]),

@@ -11,7 +11,8 @@
 int kvf_tp_heads(uint32_t heads, uint32_t tp, uint32_t rank, uint32_t *first, uint32_t *count)
 {
         if (heads == 0 || tp == 0 || rank >= tp)
-                return kvf_err_set(-EINVAL, "rank %u of a group of %u, %u kv heads", rank, tp, heads);
+                return kvf_err_set(-EINVAL, "rank %u of a group of %u, %u kv heads", rank, tp,
+                                   heads);
         if (tp <= heads) {
                 if (heads % tp)
                         return kvf_err_set(-EINVAL, "tp %u does not divide %u kv heads", tp, heads);
@@ -65,16 +66,17 @@ int kvf_tp_total_heads(uint32_t kv_p, uint32_t p, uint32_t kv_d, uint32_t d, uin
                         h = p; /* the same split on both sides whatever the total */
                 else {
                         snprintf(why, whylen,
-                                 "one kv head per rank on both sides (tp %u and %u): the model's kv heads "
-                                 "cannot be told from these", p, d);
+                                 "one kv head per rank on both sides (tp %u and %u): the model's "
+                                 "kv heads "
+                                 "cannot be told from these",
+                                 p, d);
                         return -EINVAL;
                 }
         }
         uint32_t f, n;
-        if (!h || kvf_tp_heads(h, p, 0, &f, &n) < 0 || n != kv_p || kvf_tp_heads(h, d, 0, &f, &n) < 0 ||
-            n != kv_d) {
-                snprintf(why, whylen,
-                         "these are not one split of %u kv heads", h);
+        if (!h || kvf_tp_heads(h, p, 0, &f, &n) < 0 || n != kv_p ||
+            kvf_tp_heads(h, d, 0, &f, &n) < 0 || n != kv_d) {
+                snprintf(why, whylen, "these are not one split of %u kv heads", h);
                 return -EINVAL;
         }
         *heads = h;
@@ -87,10 +89,12 @@ int kvf_tp_check(const struct kvf_cache_layout *pl, uint32_t p, const struct kvf
         char what[192], sub[256];
         snprintf(what, sizeof(what),
                  "prefill %u kv head(s) x tp %u, %u tokens/block; decode %u kv head(s) x tp %u, %u "
-                 "tokens/block", pl->kv_heads, p, pl->block_size, dl->kv_heads, d, dl->block_size);
+                 "tokens/block",
+                 pl->kv_heads, p, pl->block_size, dl->kv_heads, d, dl->block_size);
 #define DIFF(field, name)                                                                          \
         if (pl->field != dl->field) {                                                              \
-                snprintf(why, whylen, "%s: %u " name " here, %u there", what, pl->field, dl->field);  \
+                snprintf(why, whylen, "%s: %u " name " here, %u there", what, pl->field,           \
+                         dl->field);                                                               \
                 return -EPROTO;                                                                    \
         }
         DIFF(num_layers, "layers");
@@ -104,7 +108,8 @@ int kvf_tp_check(const struct kvf_cache_layout *pl, uint32_t p, const struct kvf
                 return -EPROTO;
         }
         if (pl->key_only && (pl->kv_heads != 1 || dl->kv_heads != 1)) {
-                snprintf(why, whylen, "%s: a key-only (MLA) cache has one replicated latent head", what);
+                snprintf(why, whylen, "%s: a key-only (MLA) cache has one replicated latent head",
+                         what);
                 return -EPROTO;
         }
         if (pl->key_only)
@@ -130,16 +135,19 @@ int kvf_tp_plan(const struct kvf_cache_layout *pl, uint32_t p, uint32_t prank,
 {
         uint32_t pf, pn, df, dn;
         memset(out, 0, sizeof(*out));
-        if (kvf_tp_heads(heads, p, prank, &pf, &pn) < 0 || kvf_tp_heads(heads, d, drank, &df, &dn) < 0)
+        if (kvf_tp_heads(heads, p, prank, &pf, &pn) < 0 ||
+            kvf_tp_heads(heads, d, drank, &df, &dn) < 0)
                 return -EINVAL;
         if (pn != pl->kv_heads || dn != dl->kv_heads || pl->head_dim != dl->head_dim ||
             pl->dtype != dl->dtype)
                 return kvf_err_set(-EINVAL, "layouts are not a split of %u kv heads", heads);
         const uint32_t bs = pl->block_size, bd = dl->block_size;
         if (bs % bd && bd % bs)
-                return kvf_err_set(-EINVAL, "block sizes %u and %u do not divide one another", bs, bd);
+                return kvf_err_set(-EINVAL, "block sizes %u and %u do not divide one another", bs,
+                                   bd);
         const uint32_t g = bs > bd ? bs : bd, seg = bs < bd ? bs : bd;
-        const uint64_t tok = (uint64_t)pl->head_dim * kvf_dtype_size(pl->dtype); /* one token of one head */
+        const uint64_t tok =
+            (uint64_t)pl->head_dim * kvf_dtype_size(pl->dtype); /* one token of one head */
         out->src_per_group = g / bs;
         out->dst_per_group = g / bd;
 
@@ -152,15 +160,16 @@ int kvf_tp_plan(const struct kvf_cache_layout *pl, uint32_t p, uint32_t prank,
                         continue;
                 for (uint32_t t = 0; t < g; t += seg) {
                         struct kvf_tp_piece x = {
-                                .sblk = t / bs, .dblk = t / bd,
-                                .soff = (uint32_t)(((uint64_t)(h - pf) * bs + t % bs) * tok),
-                                .doff = (uint32_t)(((uint64_t)(h - df) * bd + t % bd) * tok),
-                                .bytes = (uint32_t)(seg * tok)};
+                            .sblk = t / bs,
+                            .dblk = t / bd,
+                            .soff = (uint32_t)(((uint64_t)(h - pf) * bs + t % bs) * tok),
+                            .doff = (uint32_t)(((uint64_t)(h - df) * bd + t % bd) * tok),
+                            .bytes = (uint32_t)(seg * tok)};
                         /* With equal block sizes, consecutive heads of a block follow one another
                          * on both sides: one piece for the shared head range. */
                         struct kvf_tp_piece *l = n ? &pc[n - 1] : NULL;
-                        if (l && l->sblk == x.sblk && l->dblk == x.dblk && l->soff + l->bytes == x.soff &&
-                            l->doff + l->bytes == x.doff)
+                        if (l && l->sblk == x.sblk && l->dblk == x.dblk &&
+                            l->soff + l->bytes == x.soff && l->doff + l->bytes == x.doff)
                                 l->bytes += x.bytes;
                         else
                                 pc[n++] = x;

@@ -58,7 +58,8 @@ static void start_with(struct side *s, const char *tag, const char *role, uint32
                 t_up(s->name[k],
                      "--role %s --layers %d --kv-heads %u --head-dim %u --dtype bf16 %s --tp %u "
                      "--rank %u --nranks %u --block-size %u --blocks %u --max-requests 600",
-                     role, LAYERS, heads, hdim, key_only ? "--key-only" : "", tp, k, tp, bsize, blocks);
+                     role, LAYERS, heads, hdim, key_only ? "--key-only" : "", tp, k, tp, bsize,
+                     blocks);
         }
 }
 
@@ -79,7 +80,8 @@ static uint8_t *at(struct kvf_client *c, const struct kvf_layout_info *L, uint32
 {
         uint8_t *base = kvf_cache_tensor(c, l, (int)z);
         CHECK(base);
-        return base + (uint64_t)block * L->block_bytes + ((uint64_t)h * L->block_size + t) * HDIM * 2;
+        return base + (uint64_t)block * L->block_bytes +
+               ((uint64_t)h * L->block_size + t) * HDIM * 2;
 }
 
 static struct kvf_event wait_event(struct kvf_client *c, int type)
@@ -104,15 +106,20 @@ static void refused(const char *from, const char *to, int transport, const char 
         if (transport == KVF_TRANSPORT_TCP)
                 t_connector_addr(to, peer, sizeof(peer));
         uint32_t b = 3;
-        struct kvf_task t = {.request_id = "refused", .src_block_ids = &b, .n_src = 1,
-                             .dest_block_ids = &b, .n_dest = 1, .current_id = kvf_last_step(c) + 1,
-                             .transport = transport, .peer = peer};
+        struct kvf_task t = {.request_id = "refused",
+                             .src_block_ids = &b,
+                             .n_src = 1,
+                             .dest_block_ids = &b,
+                             .n_dest = 1,
+                             .current_id = kvf_last_step(c) + 1,
+                             .transport = transport,
+                             .peer = peer};
         CHECK_EQ(kvf_submit_task(c, &t), 0);
         CHECK_EQ(kvf_layer_done(c, t.current_id, LAYERS - 1), 0);
         struct kvf_event ev = wait_event(c, KVF_EVENT_COMPLETION);
         if (ev.status != KVF_STATUS_LAYOUT_MISMATCH || !strstr(ev.reason, needle)) {
-                fprintf(stderr, "%s -> %s: %s: \"%s\", wanted layout mismatch with \"%s\"\n", from, to,
-                        kvf_status_name(ev.status), ev.reason, needle);
+                fprintf(stderr, "%s -> %s: %s: \"%s\", wanted layout mismatch with \"%s\"\n", from,
+                        to, kvf_status_name(ev.status), ev.reason, needle);
                 exit(1);
         }
         printf("refused as it should be: %s -> %s: %s\n", from, to, ev.reason);
@@ -130,20 +137,29 @@ static void refused_tp(const char *from, const char *to, unsigned decode_tp)
         msgpack_packer_init(&pk, &sb, msgpack_sbuffer_write);
         msgpack_pack_map(&pk, 7);
 #define KEY(k) msgpack_pack_str_with_body(&pk, k, strlen(k))
-        KEY("request_id"); KEY("tp-refused");
-        KEY("src_block_ids"); msgpack_pack_array(&pk, 1); msgpack_pack_uint32(&pk, 3);
-        KEY("dest_block_ids"); msgpack_pack_array(&pk, 1); msgpack_pack_uint32(&pk, 3);
-        KEY("current_id"); msgpack_pack_uint64(&pk, kvf_last_step(c) + 1);
-        KEY("transfer_protocol"); KEY("ipc");
-        KEY("peer"); KEY(to);
-        KEY("decode_tp_size"); msgpack_pack_uint32(&pk, decode_tp);
+        KEY("request_id");
+        KEY("tp-refused");
+        KEY("src_block_ids");
+        msgpack_pack_array(&pk, 1);
+        msgpack_pack_uint32(&pk, 3);
+        KEY("dest_block_ids");
+        msgpack_pack_array(&pk, 1);
+        msgpack_pack_uint32(&pk, 3);
+        KEY("current_id");
+        msgpack_pack_uint64(&pk, kvf_last_step(c) + 1);
+        KEY("transfer_protocol");
+        KEY("ipc");
+        KEY("peer");
+        KEY(to);
+        KEY("decode_tp_size");
+        msgpack_pack_uint32(&pk, decode_tp);
 #undef KEY
         CHECK_EQ(kvf_submit_raw(c, KVF_TO_SENDER, KVF_REC_TASK, sb.data, sb.size), 0);
         msgpack_sbuffer_destroy(&sb);
         struct kvf_event ev = wait_event(c, KVF_EVENT_COMPLETION);
         if (ev.status != KVF_STATUS_LAYOUT_MISMATCH || !strstr(ev.reason, "decode_tp_size is")) {
-                fprintf(stderr, "decode_tp_size %u: %s: \"%s\"\n", decode_tp, kvf_status_name(ev.status),
-                        ev.reason);
+                fprintf(stderr, "decode_tp_size %u: %s: \"%s\"\n", decode_tp,
+                        kvf_status_name(ev.status), ev.reason);
                 exit(1);
         }
         printf("refused as it should be: %s -> %s: %s\n", from, to, ev.reason);
@@ -153,14 +169,17 @@ static void refused_tp(const char *from, const char *to, unsigned decode_tp)
 static int mismatches(void)
 {
         struct side P = {0}, D = {0}, E = {0}, F = {0}, G = {0};
-        start(&P, "p", "prefill", 2, 8, 0, 64);      /* 8 heads, 4 per rank */
-        start(&D, "d", "decode", 8, 8, 0, 64);       /* 8 heads, 1 per rank */
-        start_with(&E, "e", "decode", 2, 4, 0, HDIM, BSIZE, 64); /* 4 heads, 2 per rank: another model */
-        start_with(&F, "f", "decode", 2, 8, 0, HDIM, 24, 64);    /* 8 heads, 24 tokens/block */
-        start_with(&G, "g", "decode", 2, 8, 0, HDIM, 32, 64);    /* 8 heads, 32 tokens/block */
+        start(&P, "p", "prefill", 2, 8, 0, 64); /* 8 heads, 4 per rank */
+        start(&D, "d", "decode", 8, 8, 0, 64);  /* 8 heads, 1 per rank */
+        start_with(&E, "e", "decode", 2, 4, 0, HDIM, BSIZE,
+                   64); /* 4 heads, 2 per rank: another model */
+        start_with(&F, "f", "decode", 2, 8, 0, HDIM, 24, 64); /* 8 heads, 24 tokens/block */
+        start_with(&G, "g", "decode", 2, 8, 0, HDIM, 32, 64); /* 8 heads, 32 tokens/block */
         refused(P.name[0], E.name[0], KVF_TRANSPORT_IPC, "not one split of 8 kv heads");
-        refused(P.name[0], F.name[0], KVF_TRANSPORT_IPC, "block sizes 16 and 24 do not divide one another");
-        refused(P.name[0], G.name[0], KVF_TRANSPORT_IPC, "between different block sizes are not supported");
+        refused(P.name[0], F.name[0], KVF_TRANSPORT_IPC,
+                "block sizes 16 and 24 do not divide one another");
+        refused(P.name[0], G.name[0], KVF_TRANSPORT_IPC,
+                "between different block sizes are not supported");
         refused(P.name[0], D.name[7], KVF_TRANSPORT_IPC, "sends it none of its heads");
         refused_tp(P.name[0], D.name[0], 4);
         return 0;
@@ -193,9 +212,14 @@ static int kill_one(uint32_t p, uint32_t d, uint32_t heads)
                                         continue;
                                 char id[64];
                                 snprintf(id, sizeof(id), "k%u.d%u", q, j);
-                                struct kvf_task t = {.request_id = id, .src_block_ids = src, .n_src = 4,
-                                                     .dest_block_ids = dst, .n_dest = 4, .current_id = step,
-                                                     .transport = KVF_TRANSPORT_IPC, .peer = D.name[j]};
+                                struct kvf_task t = {.request_id = id,
+                                                     .src_block_ids = src,
+                                                     .n_src = 4,
+                                                     .dest_block_ids = dst,
+                                                     .n_dest = 4,
+                                                     .current_id = step,
+                                                     .transport = KVF_TRANSPORT_IPC,
+                                                     .peer = D.name[j]};
                                 CHECK_EQ(kvf_submit_task(P.c[i], &t), 0);
                                 tasks[i]++;
                                 to_dead[i] += j == d - 1;
@@ -205,8 +229,8 @@ static int kill_one(uint32_t p, uint32_t d, uint32_t heads)
                 CHECK_EQ(kvf_layer_done(P.c[i], step, 0), 0);
         kvf_detach(D.c[d - 1]);
         char cmd[512];
-        snprintf(cmd, sizeof(cmd), "%s/tools/kvferry down --instance %s >/dev/null 2>&1", KVF_SOURCE_DIR,
-                 D.name[d - 1]);
+        snprintf(cmd, sizeof(cmd), "%s/tools/kvferry down --instance %s >/dev/null 2>&1",
+                 KVF_SOURCE_DIR, D.name[d - 1]);
         CHECK_EQ(system(cmd), 0);
         for (unsigned k = 0; k < t_ninstances; k++) /* down already: not stopped again at exit */
                 if (!strcmp(t_names[k], D.name[d - 1])) {
@@ -223,7 +247,8 @@ static int kill_one(uint32_t p, uint32_t d, uint32_t heads)
                         struct kvf_event ev = wait_event(P.c[i], KVF_EVENT_COMPLETION);
                         for (uint32_t k = 0; k < n; k++)
                                 if (!strcmp(seen[k], ev.request_id)) {
-                                        fprintf(stderr, "prefill rank %u: two completions of %s\n", i, ev.request_id);
+                                        fprintf(stderr, "prefill rank %u: two completions of %s\n",
+                                                i, ev.request_id);
                                         return 1;
                                 }
                         snprintf(seen[n], sizeof(seen[n]), "%s", ev.request_id);
@@ -235,15 +260,16 @@ static int kill_one(uint32_t p, uint32_t d, uint32_t heads)
                         else if (to_it)
                                 failed++;
                         else {
-                                fprintf(stderr, "prefill rank %u: %s to a live rank: %s: %s\n", i, ev.request_id,
-                                        kvf_status_name(ev.status), ev.reason);
+                                fprintf(stderr, "prefill rank %u: %s to a live rank: %s: %s\n", i,
+                                        ev.request_id, kvf_status_name(ev.status), ev.reason);
                                 return 1;
                         }
                 }
                 struct kvf_event ev;
                 CHECK_EQ(kvf_poll(P.c[i], &ev, 1000), 0); /* nothing more */
-                printf("prefill rank %u: %u tasks, %u finished, %u to the rank that went down failed\n", i,
-                       tasks[i], fin, failed);
+                printf("prefill rank %u: %u tasks, %u finished, %u to the rank that went down "
+                       "failed\n",
+                       i, tasks[i], fin, failed);
                 CHECK(fin >= tasks[i] - to_dead[i]);
         }
         for (uint32_t j = 0; j + 1 < d; j++)
@@ -259,7 +285,8 @@ int main(int argc, char **argv)
         if (argc == 2 && !strcmp(argv[1], "mismatch"))
                 return mismatches();
         if (argc == 5 && !strcmp(argv[1], "kill"))
-                return kill_one((uint32_t)atoi(argv[2]), (uint32_t)atoi(argv[3]), (uint32_t)atoi(argv[4]));
+                return kill_one((uint32_t)atoi(argv[2]), (uint32_t)atoi(argv[3]),
+                                (uint32_t)atoi(argv[4]));
         if (argc < 4)
                 return fprintf(stderr, "usage: mixed_tp_test P D HEADS [key-only]\n"), 2;
         uint32_t p = (uint32_t)atoi(argv[1]), d = (uint32_t)atoi(argv[2]),
@@ -282,7 +309,8 @@ int main(int argc, char **argv)
                         step = kvf_last_step(P.c[i]);
         step++;
 
-        /* Request q: n_q blocks, source blocks 2 + 5q.., destination blocks 10 NREQ + 10 - 8q - 2b (scattered, descending) */
+        /* Request q: n_q blocks, source blocks 2 + 5q.., destination blocks 10 NREQ + 10 - 8q - 2b
+         * (scattered, descending) */
         static uint32_t src[NREQ_MAX][4], dst[NREQ_MAX][4], nb[NREQ_MAX];
         for (uint32_t q = 0; q < NREQ; q++) {
                 nb[q] = 1 + q % 4;
@@ -296,16 +324,20 @@ int main(int argc, char **argv)
                                         for (uint32_t b = 0; b < nb[q]; b++)
                                                 for (uint32_t h = 0; h < P.count[i]; h++)
                                                         for (uint32_t t = 0; t < BSIZE; t++) {
-                                                                uint8_t *o = at(P.c[i], &P.L[i], l, z, src[q][b], h, t);
-                                                                for (uint32_t y = 0; y < HDIM * 2; y++)
-                                                                        o[y] = content(q, P.first[i] + h, b * BSIZE + t, y, l, z);
+                                                                uint8_t *o = at(P.c[i], &P.L[i], l,
+                                                                                z, src[q][b], h, t);
+                                                                for (uint32_t y = 0; y < HDIM * 2;
+                                                                     y++)
+                                                                        o[y] = content(
+                                                                            q, P.first[i] + h,
+                                                                            b * BSIZE + t, y, l, z);
                                                         }
                 for (uint32_t j = 0; j < d; j++)
                         for (uint32_t l = 0; l < LAYERS; l++)
                                 for (uint32_t z = 0; z < tensors; z++)
                                         for (uint32_t b = 0; b < nb[q]; b++)
-                                                memset(at(D.c[j], &D.L[j], l, z, dst[q][b], 0, 0), 0,
-                                                       D.L[j].block_bytes);
+                                                memset(at(D.c[j], &D.L[j], l, z, dst[q][b], 0, 0),
+                                                       0, D.L[j].block_bytes);
         }
 
         /* One task per (prefill rank, decode rank it sends to); the id names the decode rank. */
@@ -323,10 +355,14 @@ int main(int argc, char **argv)
                                         continue;
                                 char id[64];
                                 snprintf(id, sizeof(id), "q%u.d%u", q, j);
-                                struct kvf_task t = {.request_id = id, .src_block_ids = src[q],
-                                                     .n_src = nb[q], .dest_block_ids = dst[q],
-                                                     .n_dest = nb[q], .current_id = step,
-                                                     .transport = KVF_TRANSPORT_IPC, .peer = D.name[j]};
+                                struct kvf_task t = {.request_id = id,
+                                                     .src_block_ids = src[q],
+                                                     .n_src = nb[q],
+                                                     .dest_block_ids = dst[q],
+                                                     .n_dest = nb[q],
+                                                     .current_id = step,
+                                                     .transport = KVF_TRANSPORT_IPC,
+                                                     .peer = D.name[j]};
                                 CHECK_EQ(kvf_submit_task(P.c[i], &t), 0);
                                 tasks[i]++;
                                 runs += (uint64_t)nb[q] * LAYERS * tensors;
@@ -373,12 +409,32 @@ int main(int argc, char **argv)
                                         for (uint32_t b = 0; b < nb[q]; b++)
                                                 for (uint32_t h = 0; h < D.count[j]; h++)
                                                         for (uint32_t t = 0; t < BSIZE; t++) {
-                                                                const uint8_t *o = at(D.c[j], &D.L[j], l, z, dst[q][b], h, t);
-                                                                for (uint32_t y = 0; y < HDIM * 2; y++, checked++)
-                                                                        if (o[y] != content(q, D.first[j] + h, b * BSIZE + t, y, l, z)) {
-                                                                                fprintf(stderr,
-                                                                                        "tp %u->%u: request %u decode rank %u layer %u tensor %u block %u head %u token %u byte %u differs\n",
-                                                                                        p, d, q, j, l, z, b, D.first[j] + h, b * BSIZE + t, y);
+                                                                const uint8_t *o =
+                                                                    at(D.c[j], &D.L[j], l, z,
+                                                                       dst[q][b], h, t);
+                                                                for (uint32_t y = 0; y < HDIM * 2;
+                                                                     y++, checked++)
+                                                                        if (o[y] !=
+                                                                            content(q,
+                                                                                    D.first[j] + h,
+                                                                                    b * BSIZE + t,
+                                                                                    y, l, z)) {
+                                                                                fprintf(
+                                                                                    stderr,
+                                                                                    "tp %u->%u: "
+                                                                                    "request %u "
+                                                                                    "decode rank "
+                                                                                    "%u layer %u "
+                                                                                    "tensor %u "
+                                                                                    "block %u head "
+                                                                                    "%u token %u "
+                                                                                    "byte %u "
+                                                                                    "differs\n",
+                                                                                    p, d, q, j, l,
+                                                                                    z, b,
+                                                                                    D.first[j] + h,
+                                                                                    b * BSIZE + t,
+                                                                                    y);
                                                                                 return 1;
                                                                         }
                                                         }

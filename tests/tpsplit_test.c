@@ -52,11 +52,17 @@ static void make_side(struct rank *r, uint32_t tp, uint32_t heads, uint32_t bsiz
                                 for (uint32_t t = 0; t < bsize; t++)
                                         for (uint32_t y = 0; y < hdim; y++)
                                                 for (uint32_t l = 0; l < 2; l++)
-                                                        for (uint32_t z = 0; z < kvf_layout_tensors(&r[k].L); z++)
-                                                                r[k].mem[kvf_layout_offset(&r[k].L, l, z, block_id(b)) +
-                                                                         ((uint64_t)h * bsize + t) * hdim + y] =
-                                                                        content(r[k].first + h + 100 * l + 1000 * z,
-                                                                                b * bsize + t, y);
+                                                        for (uint32_t z = 0;
+                                                             z < kvf_layout_tensors(&r[k].L); z++)
+                                                                r[k].mem[kvf_layout_offset(
+                                                                             &r[k].L, l, z,
+                                                                             block_id(b)) +
+                                                                         ((uint64_t)h * bsize + t) *
+                                                                             hdim +
+                                                                         y] =
+                                                                    content(r[k].first + h +
+                                                                                100 * l + 1000 * z,
+                                                                            b * bsize + t, y);
         }
 }
 
@@ -81,7 +87,8 @@ static uint64_t run_case(uint32_t heads, uint32_t key_only, uint32_t p, uint32_t
         for (uint32_t j = 0; j < d; j++) {
                 uint32_t h;
                 char why[512];
-                CHECK(kvf_tp_check(&P[0].L, p, &D[j].L, d, heads, &h, why, sizeof(why)) == 0 || (fprintf(stderr, "%s\n", why), 0));
+                CHECK(kvf_tp_check(&P[0].L, p, &D[j].L, d, heads, &h, why, sizeof(why)) == 0 ||
+                      (fprintf(stderr, "%s\n", why), 0));
                 CHECK_EQ(h, key_only ? 1 : heads);
                 uint32_t senders = 0;
                 for (uint32_t i = 0; i < p; i++) {
@@ -102,12 +109,22 @@ static uint64_t run_case(uint32_t heads, uint32_t key_only, uint32_t p, uint32_t
                                                 continue;
                                         pieces++;
                                         for (uint32_t l = 0; l < 2; l++)
-                                                for (uint32_t z = 0; z < kvf_layout_tensors(&P[i].L); z++) {
-                                                        uint64_t so = kvf_layout_offset(&P[i].L, l, z, block_id(sb)) + c->soff;
-                                                        uint64_t dof = kvf_layout_offset(&D[j].L, l, z, block_id(db)) + c->doff;
-                                                        CHECK(c->soff + c->bytes <= P[i].L.block_bytes);
-                                                        CHECK(c->doff + c->bytes <= D[j].L.block_bytes);
-                                                        memcpy(D[j].mem + dof, P[i].mem + so, c->bytes);
+                                                for (uint32_t z = 0;
+                                                     z < kvf_layout_tensors(&P[i].L); z++) {
+                                                        uint64_t so =
+                                                            kvf_layout_offset(&P[i].L, l, z,
+                                                                              block_id(sb)) +
+                                                            c->soff;
+                                                        uint64_t dof =
+                                                            kvf_layout_offset(&D[j].L, l, z,
+                                                                              block_id(db)) +
+                                                            c->doff;
+                                                        CHECK(c->soff + c->bytes <=
+                                                              P[i].L.block_bytes);
+                                                        CHECK(c->doff + c->bytes <=
+                                                              D[j].L.block_bytes);
+                                                        memcpy(D[j].mem + dof, P[i].mem + so,
+                                                               c->bytes);
                                                         for (uint32_t y = 0; y < c->bytes; y++)
                                                                 D[j].writes[dof + y]++;
                                                 }
@@ -120,16 +137,29 @@ static uint64_t run_case(uint32_t heads, uint32_t key_only, uint32_t p, uint32_t
                         for (uint32_t hh = 0; hh < D[j].count; hh++)
                                 for (uint32_t y = 0; y < hdim; y++)
                                         for (uint32_t l = 0; l < 2; l++)
-                                                for (uint32_t z = 0; z < kvf_layout_tensors(&D[j].L); z++) {
-                                                        uint64_t o = kvf_layout_offset(&D[j].L, l, z, block_id(tk / bd)) +
-                                                                     ((uint64_t)hh * bd + tk % bd) * hdim + y;
+                                                for (uint32_t z = 0;
+                                                     z < kvf_layout_tensors(&D[j].L); z++) {
+                                                        uint64_t o =
+                                                            kvf_layout_offset(&D[j].L, l, z,
+                                                                              block_id(tk / bd)) +
+                                                            ((uint64_t)hh * bd + tk % bd) * hdim +
+                                                            y;
                                                         if (D[j].writes[o] != 1 ||
-                                                            D[j].mem[o] != content(D[j].first + hh + 100 * l + 1000 * z, tk, y)) {
+                                                            D[j].mem[o] !=
+                                                                content(D[j].first + hh + 100 * l +
+                                                                            1000 * z,
+                                                                        tk, y)) {
                                                                 fprintf(stderr,
-                                                                        "heads %u %u->%u bs %u->%u: decode rank %u head %u token %u byte %u: written %u times, %s\n",
-                                                                        heads, p, d, bs, bd, j, D[j].first + hh, tk, y,
+                                                                        "heads %u %u->%u bs "
+                                                                        "%u->%u: decode rank %u "
+                                                                        "head %u token %u byte %u: "
+                                                                        "written %u times, %s\n",
+                                                                        heads, p, d, bs, bd, j,
+                                                                        D[j].first + hh, tk, y,
                                                                         D[j].writes[o],
-                                                                        D[j].writes[o] ? "wrong content" : "never");
+                                                                        D[j].writes[o]
+                                                                            ? "wrong content"
+                                                                            : "never");
                                                                 exit(1);
                                                         }
                                                 }
@@ -167,21 +197,21 @@ int main(void)
         static const struct {
                 uint32_t heads, key_only, p, bs, d, bd;
         } cases[] = {
-                {8, 0, 1, 16, 2, 16},  {8, 0, 2, 16, 8, 16},  {8, 0, 8, 16, 2, 16},
-                {8, 0, 4, 64, 4, 16},  {8, 0, 4, 16, 4, 64},  {8, 0, 2, 64, 8, 16},
-                {8, 0, 8, 16, 2, 32},  {2, 0, 1, 16, 2, 16},  {2, 0, 2, 16, 8, 16},
-                {2, 0, 8, 16, 2, 16},  {2, 0, 4, 32, 4, 16},  {2, 0, 8, 16, 4, 16},
-                {1, 1, 1, 16, 2, 16},  {1, 1, 2, 16, 8, 16},  {1, 1, 8, 16, 2, 16},
-                {1, 1, 4, 64, 4, 16},  {1, 1, 4, 16, 4, 64},  {8, 0, 1, 16, 1, 16},
+            {8, 0, 1, 16, 2, 16}, {8, 0, 2, 16, 8, 16}, {8, 0, 8, 16, 2, 16}, {8, 0, 4, 64, 4, 16},
+            {8, 0, 4, 16, 4, 64}, {8, 0, 2, 64, 8, 16}, {8, 0, 8, 16, 2, 32}, {2, 0, 1, 16, 2, 16},
+            {2, 0, 2, 16, 8, 16}, {2, 0, 8, 16, 2, 16}, {2, 0, 4, 32, 4, 16}, {2, 0, 8, 16, 4, 16},
+            {1, 1, 1, 16, 2, 16}, {1, 1, 2, 16, 8, 16}, {1, 1, 8, 16, 2, 16}, {1, 1, 4, 64, 4, 16},
+            {1, 1, 4, 16, 4, 64}, {8, 0, 1, 16, 1, 16},
         };
         for (size_t c = 0; c < sizeof(cases) / sizeof(cases[0]); c++)
                 for (uint32_t tokens = 1; tokens <= 200; tokens += 67) {
-                        uint64_t pc = run_case(cases[c].heads, cases[c].key_only, cases[c].p, cases[c].bs,
-                                               cases[c].d, cases[c].bd, tokens);
+                        uint64_t pc = run_case(cases[c].heads, cases[c].key_only, cases[c].p,
+                                               cases[c].bs, cases[c].d, cases[c].bd, tokens);
                         if (tokens == 135)
-                                printf("heads %u%s tp %u->%u, %u->%u tokens/block, %u tokens: %llu pieces per layer and tensor\n",
-                                       cases[c].heads, cases[c].key_only ? " (mla)" : "", cases[c].p,
-                                       cases[c].d, cases[c].bs, cases[c].bd, tokens,
+                                printf("heads %u%s tp %u->%u, %u->%u tokens/block, %u tokens: %llu "
+                                       "pieces per layer and tensor\n",
+                                       cases[c].heads, cases[c].key_only ? " (mla)" : "",
+                                       cases[c].p, cases[c].d, cases[c].bs, cases[c].bd, tokens,
                                        (unsigned long long)pc);
                 }
 

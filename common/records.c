@@ -29,6 +29,7 @@ enum fid {
         CHUNKED, SRC, DST, RUNS, KEY, LAYER, STATUS, PROTOCOL, BYTES, BLOCKS, ACCEPT_NS,
         LAST_LAYER_NS, DONE_NS, GENERATION, UP, INSTANCE, PURPOSE, ROLE, PROTO, BOOT_ID, NONCE,
         PROOF, LAYER_COUNT, L_LAYERS, L_EXTRA, L_BLOCKS, L_HEADS, L_BSIZE, L_HDIM, L_DTYPE, L_KEYONLY,
+        L_RANK, L_NRANKS, DECODE_TP,
         SESSION, WITHDRAW, DEVICE_IDS, PEER_SESSION, RDMA_PORT, RDMA_ADDR, RDMA_LEN, RDMA_RKEY,
         RDMA_TICKET, NFIELDS
 };
@@ -78,6 +79,9 @@ static const struct field fields[NFIELDS] = {
         [L_HDIM] = FU("head_dim", lay_hdim),
         [L_DTYPE] = FU("dtype", lay_dtype),
         [L_KEYONLY] = FU("key_only", lay_keyonly),
+        [L_RANK] = FU("rank", lay_rank),
+        [L_NRANKS] = FU("nranks", lay_nranks),
+        [DECODE_TP] = FU("decode_tp_size", decode_tp),
         [SESSION] = FU("session", session),
         [WITHDRAW] = FB("withdraw", withdraw),
         [PEER_SESSION] = FU("peer_session", peer_session),
@@ -108,13 +112,13 @@ struct spec {
 #define USES(...) (const struct use[]){__VA_ARGS__}, sizeof((const struct use[]){__VA_ARGS__}) / sizeof(struct use)
 
 #define LAYOUT_USES {L_LAYERS, R}, {L_EXTRA, R}, {L_BLOCKS, R}, {L_HEADS, R}, {L_BSIZE, R}, \
-                {L_HDIM, R}, {L_DTYPE, R}, {L_KEYONLY, R}
+                {L_HDIM, R}, {L_DTYPE, R}, {L_KEYONLY, R}, {L_RANK, Z}, {L_NRANKS, Z}
 
 static const struct spec specs[KVF_RT_WIRE_MAX + 1] = {
         [KVF_REC_TASK] = {"task",
                          USES({REQUEST_ID, R}, {SRC, R}, {DST, R}, {CURRENT_ID, R}, {PROTOCOL, R},
                               {PEER, 0}, {CHUNKED, 0}, {PEER_SESSION, 0}, {IP, D}, {PORT, D},
-                              {RDMA_PORTS, D}, {DEVICE_IDS, D}),
+                              {RDMA_PORTS, D}, {DEVICE_IDS, D}, {DECODE_TP, D}),
                          true},
         [KVF_REC_CHUNK] = {"chunk", USES({REQUEST_ID, R}, {CURRENT_ID, R}, {TOKENS_DONE, R}, {LAST, 0}),
                           false},

@@ -86,6 +86,7 @@ struct kvf_record {
                               * at the decode side when it was sent */
         uint64_t device;     /* decode only: device_ids[rank], a same-host peer's device (ipc) */
         uint64_t peer_session; /* task: the decode engine session that reserved dest_block_ids (0 unknown) */
+        uint64_t decode_tp;    /* task: FastDeploy's decode_tp_size, the decode group's size (0 not given) */
         /* handshake */
         char instance[KVF_INSTANCE_MAX];
         char purpose[16];
@@ -93,6 +94,8 @@ struct kvf_record {
         uint8_t nonce[32], proof[32];
         uint64_t lay_layers, lay_extra, lay_blocks, lay_heads, lay_bsize, lay_hdim, lay_dtype,
                 lay_keyonly;
+        uint64_t lay_rank, lay_nranks; /* the instance's tensor-parallel rank and group size
+                                        * (omitted when zero; absent: rank 0 of 1) */
         /* welcome of an rdma data connection (omitted when zero): the decode connector's
          * rdma_cm port, its region for this peer (address, length, remote key), and the
          * ticket the peer's rdma_cm connect must carry (binds it to this handshake) */

@@ -13,6 +13,7 @@
 #include "connector.h"
 #include "err.h"
 #include "layout.h"
+#include "tpsplit.h"
 #include "log.h"
 #include "transport.h"
 
@@ -84,6 +85,49 @@ static void identity_rec(struct kvf_record *r, uint32_t type, const struct kvf_c
         r->generation = h->created_ns;
         r->boot_id = h->boot_id;
         layout_to_rec(r, &h->layout);
+        r->lay_rank = h->rank;
+        r->lay_nranks = h->nranks;
+}
+
+/*
+ * May a prefill instance of layout `pl` (rank pr of p) send to a decode instance of layout `dl`
+ * (rank dr of d)? Equal layouts and groups: yes. Another tensor-parallel split of the same
+ * model (common/tpsplit.h): on a control connection (same-host copies, whose notices it
+ * carries) when the prefill rank sends that decode rank some heads; never on a data
+ * connection, whose frames and writes carry whole blocks. 0, or -EXDEV with `why`.
+ */
+static int check_split(const struct kvf_cache_layout *pl, uint32_t pr, uint32_t p,
+                       const struct kvf_cache_layout *dl, uint32_t dr, uint32_t d,
+                       const char *purpose, char *why, size_t whylen)
+{
+        char diff[400];
+        uint32_t heads;
+        p = p ? p : 1;
+        d = d ? d : 1;
+        if (p == d && kvf_layout_compatible(pl, dl, why, whylen) == 0)
+                return 0;
+        if (kvf_tp_check(pl, p, dl, d, 0, &heads, diff, sizeof(diff)) < 0) {
+                snprintf(why, whylen, "%s", diff);
+                return -EXDEV;
+        }
+        if (strcmp(purpose, "control")) {
+                snprintf(why, whylen,
+                         "prefill %u kv head(s) x tp %u, %u tokens/block; decode %u kv head(s) x tp %u, "
+                         "%u tokens/block: a '%s' connection (tcp, rdma) moves whole blocks of equal "
+                         "layouts; other splits move over ipc only", pl->kv_heads, p, pl->block_size,
+                         dl->kv_heads, d, dl->block_size, purpose);
+                return -EXDEV;
+        }
+        if (pl->block_size != dl->block_size) {
+                snprintf(why, whylen, "%u tokens/block here, %u there: same-host copies between "
+                         "different block sizes are not supported", pl->block_size, dl->block_size);
+                return -EXDEV;
+        }
+        if (pr >= p || dr >= d || kvf_tp_sources(heads, p, d, dr) == 0) {
+                snprintf(why, whylen, "rank %u of %u to rank %u of %u", pr, p, dr, d);
+                return -EXDEV;
+        }
+        return 0;
 }
 
 static int rec_to_layout(const struct kvf_record *r, struct kvf_cache_layout *l)
@@ -112,7 +156,7 @@ int conn_handshake_client(struct connector *cn, int fd, const char *purpose,
         unsigned to = cn->cfg.connect_timeout_ms;
         uint8_t nonce_c[KVF_NONCE_LEN], want[KVF_SHA256_LEN];
         struct kvf_record r = {.type = KVF_RT_HELLO, .proto = PROTO_VERSION};
-        char why[160];
+        char why[480];
         int rc;
 
         *status = KVF_STATUS_CONNECTION;
@@ -154,7 +198,8 @@ int conn_handshake_client(struct connector *cn, int fd, const char *purpose,
         }
         if ((rc = rec_to_layout(&r, &out->layout)) < 0)
                 return kvf_err_ctx(rc, "handshake");
-        if (kvf_layout_compatible(&h->layout, &out->layout, why, sizeof(why)) < 0) {
+        if (check_split(&h->layout, h->rank, h->nranks, &out->layout, (uint32_t)r.lay_rank,
+                        (uint32_t)r.lay_nranks, purpose, why, sizeof(why)) < 0) {
                 *status = KVF_STATUS_LAYOUT_MISMATCH;
                 return kvf_err_set(-EXDEV, "handshake: peer layout mismatch with '%s': %s",
                                    out->instance, why);
@@ -170,7 +215,7 @@ int conn_handshake_server(struct connector *cn, int fd, struct peer_identity *ou
         unsigned to = cn->cfg.connect_timeout_ms;
         uint8_t nonce_c[KVF_NONCE_LEN], nonce_s[KVF_NONCE_LEN], want[KVF_SHA256_LEN];
         struct kvf_record r;
-        char why[160], reason[KVF_REASON_MAX];
+        char why[480], reason[KVF_REASON_MAX];
         int rc;
 
         if ((rc = recv_record(fd, KVF_RT_HELLO, &r, to, NULL)) < 0)
@@ -224,7 +269,8 @@ int conn_handshake_server(struct connector *cn, int fd, struct peer_identity *ou
                 refuse(fd, KVF_STATUS_LAYOUT_MISMATCH, kvf_err_msg(), to);
                 return kvf_err_ctx(rc, "handshake with '%s'", out->instance);
         }
-        if (kvf_layout_compatible(&h->layout, &out->layout, why, sizeof(why)) < 0) {
+        if (check_split(&out->layout, (uint32_t)r.lay_rank, (uint32_t)r.lay_nranks, &h->layout,
+                        h->rank, h->nranks, purpose, why, sizeof(why)) < 0) {
                 snprintf(reason, sizeof(reason), "peer layout mismatch (as seen by '%s'): %s",
                          h->instance, why);
                 refuse(fd, KVF_STATUS_LAYOUT_MISMATCH, reason, to);

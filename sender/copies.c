@@ -128,17 +128,42 @@ int sender_copies_add(struct sender *s, uint32_t slot, uint32_t l0, uint32_t l1,
         const uint32_t *dst = kvf_slot_blocks(&s->ctl, slot) + s->ctl.hdr->max_blocks;
         uint64_t bb = L->block_bytes, blocks = 0;
 
-        if (grow_runs(s, (l1 - l0) * s->tensors * (nwords / 3)) < 0)
+        uint32_t di = dst_index(s, r->peer_idx), nruns = nwords / 3;
+        const struct kvf_tp_plan *pl = &p->plan;
+        uint64_t bytes = 0;
+        if (pl->npieces) {
+                /* Another tensor-parallel split: each block's head slice, one run per block
+                 * (slices of consecutive blocks are never contiguous). Equal block sizes only
+                 * (peers.c), so a plan is one group of one block each side. */
+                nruns = 0;
+                for (uint32_t k = 0; k < nwords; k += 3)
+                        nruns += runs[k + 2] * pl->npieces;
+        }
+        if (grow_runs(s, (l1 - l0) * s->tensors * nruns) < 0)
                 return kvf_err_set(-ENOMEM, "out of memory for a copy batch");
-        uint32_t di = dst_index(s, r->peer_idx);
         for (uint32_t l = l0; l < l1; l++)
                 for (uint32_t t = 0; t < s->tensors; t++)
                         for (uint32_t k = 0; k < nwords; k += 3) {
-                                s->cp.runs[s->cp.nruns++] = (struct kvf_copy_run){
-                                        .dst = di,
-                                        .src_off = kvf_layout_offset(L, l, t, runs[k]),
-                                        .dst_off = kvf_layout_offset(PL, l, t, dst[runs[k + 1]]),
-                                        .bytes = runs[k + 2] * bb};
+                                if (!pl->npieces) {
+                                        s->cp.runs[s->cp.nruns++] = (struct kvf_copy_run){
+                                                .dst = di,
+                                                .src_off = kvf_layout_offset(L, l, t, runs[k]),
+                                                .dst_off = kvf_layout_offset(PL, l, t, dst[runs[k + 1]]),
+                                                .bytes = runs[k + 2] * bb};
+                                        blocks += runs[k + 2];
+                                        bytes += runs[k + 2] * bb;
+                                        continue;
+                                }
+                                for (uint32_t b = 0; b < runs[k + 2]; b++)
+                                        for (uint32_t x = 0; x < pl->npieces; x++) {
+                                                const struct kvf_tp_piece *c = &pl->pieces[x];
+                                                s->cp.runs[s->cp.nruns++] = (struct kvf_copy_run){
+                                                        .dst = di,
+                                                        .src_off = kvf_layout_offset(L, l, t, runs[k] + b) + c->soff,
+                                                        .dst_off = kvf_layout_offset(PL, l, t, dst[runs[k + 1] + b]) + c->doff,
+                                                        .bytes = c->bytes};
+                                                bytes += c->bytes;
+                                        }
                                 blocks += runs[k + 2];
                         }
         if (!(s->cp.state[slot] & COPY_IN_BATCH)) {
@@ -153,9 +178,9 @@ int sender_copies_add(struct sender *s, uint32_t slot, uint32_t l0, uint32_t l1,
         r->flags |= KVF_REQF_COPY_PENDING;
         atomic_signal_fence(memory_order_seq_cst);
         kvf_count(&s->ctl, KVF_CTR_BLOCKS_IPC, blocks);
-        kvf_count(&s->ctl, KVF_CTR_BYTES_IPC, blocks * bb);
-        r->bytes += blocks * bb;
-        s->cp.nbytes += blocks * bb;
+        kvf_count(&s->ctl, KVF_CTR_BYTES_IPC, bytes);
+        r->bytes += bytes;
+        s->cp.nbytes += bytes;
         return 0;
 }
 

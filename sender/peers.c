@@ -33,10 +33,71 @@ static void drop(struct ipc_peer *p)
         /* Notices still in the ring stay there: the peer's connector answers them into the
          * reply ring, where our successor in this slot (a restart of ours) finds them. */
         kvf_notice_release(&p->nend);
+        kvf_tp_plan_free(&p->plan);
         kvf_cache_unmap(&p->cache);
         kvf_ctl_detach(&p->ctl);
         memset(p, 0, sizeof(*p));
         p->ctl.fd = -1;
+}
+
+/*
+ * May this instance copy into peer p (attached, not yet mapped)? Equal layouts and groups move
+ * whole blocks. A peer of another tensor-parallel group size (the instances' --nranks) gets a
+ * plan of head slices (common/tpsplit.h): this rank sends only the heads the split says it
+ * sends to that rank, and a task towards a rank it sends nothing is refused. 0, or -EXDEV with
+ * both layouts in `why`.
+ */
+static int check_split(struct sender *s, struct ipc_peer *p, const char *name, char *why,
+                       size_t whylen)
+{
+        const struct kvf_ctl_header *me = s->ctl.hdr, *h = p->ctl.hdr;
+        char diff[400];
+        uint32_t heads;
+        if (me->nranks == h->nranks &&
+            kvf_layout_compatible(s->layout, &h->layout, diff, sizeof(diff)) == 0)
+                return 0;
+        if (kvf_tp_check(s->layout, me->nranks, &h->layout, h->nranks, 0, &heads, diff,
+                         sizeof(diff)) < 0) {
+                snprintf(why, whylen, "peer layout mismatch with '%s': %s", name, diff);
+                return -EXDEV;
+        }
+        if (s->plan_on) {
+                snprintf(why, whylen,
+                         "peer layout mismatch with '%s': it is another tensor-parallel split, whose "
+                         "head slices the engine executor does not copy (use --executor sender)", name);
+                return -EXDEV;
+        }
+        if (s->layout->block_size != h->layout.block_size) {
+                /* The plan handles it (tpsplit_test); the request's block accounting (one
+                 * destination block per source block) does not yet. */
+                snprintf(why, whylen,
+                         "peer layout mismatch with '%s': %u tokens/block here, %u there: same-host "
+                         "copies between different block sizes are not supported", name,
+                         s->layout->block_size, h->layout.block_size);
+                return -EXDEV;
+        }
+        if (kvf_tp_plan(s->layout, me->nranks, me->rank, &h->layout, h->nranks, h->rank, heads,
+                        &p->plan) < 0) {
+                snprintf(why, whylen, "peer '%s': %s", name, kvf_err_msg());
+                return -EXDEV;
+        }
+        if (p->plan.npieces == 0) {
+                snprintf(why, whylen,
+                         "peer '%s' is decode rank %u of %u: prefill rank %u of %u sends it none of "
+                         "its heads (%u kv heads; decode rank j gets each head from the prefill rank "
+                         "that holds it, the (j mod replicas)-th where it is replicated)", name,
+                         h->rank, h->nranks, me->rank, me->nranks, heads);
+                kvf_tp_plan_free(&p->plan);
+                return -EXDEV;
+        }
+        const struct kvf_tp_piece *w = p->plan.pieces;
+        if (p->plan.npieces == 1 && w->soff == 0 && w->doff == 0 &&
+            w->bytes == s->layout->block_bytes && w->bytes == h->layout.block_bytes)
+                kvf_tp_plan_free(&p->plan); /* whole blocks after all (a replicated head, MLA) */
+        kvf_info("peer '%s' is rank %u of %u, this is rank %u of %u (%u kv heads): %u piece(s) per block",
+                 name, h->rank, h->nranks, me->rank, me->nranks, heads,
+                 p->plan.npieces ? p->plan.npieces : 1);
+        return 0;
 }
 
 static int open_peer(struct sender *s, struct ipc_peer *p, const char *name, char *why,
@@ -66,12 +127,8 @@ static int open_peer(struct sender *s, struct ipc_peer *p, const char *name, cha
                 rc = -EPROTO;
                 goto fail;
         }
-        char diff[160];
-        if (kvf_layout_compatible(s->layout, &h->layout, diff, sizeof(diff)) < 0) {
-                snprintf(why, whylen, "peer layout mismatch with '%s': %s", name, diff);
-                rc = -EXDEV;
+        if ((rc = check_split(s, p, name, why, whylen)) < 0)
                 goto fail;
-        }
         if ((rc = kvf_cache_map_peer(h, true, &s->own, &p->cache)) < 0) {
                 snprintf(why, whylen, "peer '%s': %s", name, kvf_err_msg());
                 goto fail;
@@ -93,6 +150,7 @@ static int open_peer(struct sender *s, struct ipc_peer *p, const char *name, cha
         }
         return 0;
 fail:
+        kvf_tp_plan_free(&p->plan);
         kvf_ctl_detach(&p->ctl);
         return rc;
 }

@@ -29,6 +29,7 @@
 #include "ctl.h"
 #include "notice.h"
 #include "records.h"
+#include "tpsplit.h"
 
 #define SENDER_MAX_PEERS 64u
 /* Bytes one request may move in one go before other requests' ready layers get their turn:
@@ -77,6 +78,10 @@ struct ipc_peer {
         /* --notice-rings: the notice slot we hold in the peer's segment (slot NULL: none,
          * its notices go through the connectors' sockets) */
         struct kvf_notice_end nend;
+        /* A peer of another tensor-parallel split (or block size) of the same model: the
+         * pieces of each block this rank sends it (common/tpsplit.h); npieces 0 when the
+         * layouts are equal and whole blocks move. */
+        struct kvf_tp_plan plan;
 };
 
 /* notice_gen of a finish notice committed to a peer's notice ring (not to our connector):
@@ -366,10 +371,19 @@ bool sender_replies_readable(struct sender *s);
 int sender_post_completion(struct sender *s, uint32_t slot);
 void sender_count_status(struct sender *s, int status);
 
-/* Every byte a request moves: its send-blocks in every layer and tensor. */
+/* Every byte a request moves: its send-blocks in every layer and tensor (to a peer of another
+ * tensor-parallel split, only the head slices this rank sends it). */
 static inline uint64_t sender_request_bytes(const struct sender *s, const struct kvf_req_slot *r)
 {
-        return (uint64_t)r->n_send * s->layers * s->tensors * s->layout->block_bytes;
+        uint64_t per_block = s->layout->block_bytes;
+        if (r->transport == KVF_TRANSPORT_IPC && r->peer_idx < SENDER_MAX_PEERS &&
+            s->peers[r->peer_idx].plan.npieces) {
+                const struct kvf_tp_plan *pl = &s->peers[r->peer_idx].plan;
+                per_block = 0;
+                for (uint32_t i = 0; i < pl->npieces; i++)
+                        per_block += pl->pieces[i].bytes;
+        }
+        return (uint64_t)r->n_send * s->layers * s->tensors * per_block;
 }
 
 /* sessions.c */

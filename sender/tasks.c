@@ -173,6 +173,14 @@ static int validate_task(struct sender *s, struct kvf_record *t, uint32_t *pidx,
                         return KVF_STATUS_PEER_ROLE; /* (why says it) */
                 if (rc < 0)
                         return KVF_STATUS_CONNECTION; /* (why says it) */
+                /* FastDeploy's decode_tp_size names the decode group: a peer that says which
+                 * group it belongs to (--nranks) must be of that size, or the heads would be
+                 * split for another group than the engine thinks (docs/ARCHITECTURE.md 7b). */
+                const struct kvf_ctl_header *ph = s->peers[*pidx].ctl.hdr;
+                if (t->decode_tp && ph->nranks > 1 && t->decode_tp != ph->nranks)
+                        return verdict(why, whylen, KVF_STATUS_LAYOUT_MISMATCH,
+                                      "decode_tp_size is %llu, but peer '%s' is rank %u of a group of %u",
+                                      (unsigned long long)t->decode_tp, t->peer, ph->rank, ph->nranks);
                 uint32_t peer_blocks = s->peers[*pidx].ctl.hdr->layout.num_blocks;
                 for (uint32_t i = 0; i < t->n_dst; i++)
                         if (t->dst[i] >= peer_blocks)

@@ -911,8 +911,8 @@ static const struct bad bads[] = {
          "task record: value of unknown key 'extra' is malformed or nested too deep"},
         {"unknown key, ext claiming 4 GiB", T, 0, NULL, NULL, "ext", ADD, v_trunc_ext,
          "task record: value of unknown key 'ext' is malformed or nested too deep"},
-        {"unknown key, invalid byte 0xc1", T, 0, NULL, NULL, "decode_tp_size", ADD, v_c1,
-         "task record: value of unknown key 'decode_tp_size' is malformed"},
+        {"unknown key, invalid byte 0xc1", T, 0, NULL, NULL, "need_prefill_tokens", ADD, v_c1,
+         "task record: value of unknown key 'need_prefill_tokens' is malformed"},
         {"status not a known status", KVF_REC_COMPLETION, 0, NULL, raw_completion_status, NULL, 0, NULL,
          "completion record: field 'status' is 'done', not a known status"},
         {"bool field a string", KVF_REC_CHUNK, 0, NULL, raw_chunk_last_str, NULL, 0, NULL,
@@ -1038,7 +1038,8 @@ static void test_partial_free(void)
 
 /* ---- unknown keys and FastDeploy's spellings ---- */
 
-/* FastDeploy keys kvferry does not use (device_ids only names an ipc peer without one). */
+/* FastDeploy keys kvferry does not use (device_ids only names an ipc peer without one;
+ * decode_tp_size is checked against an ipc peer's group, so a task carries it once). */
 static void pack_fd_extras(msgpack_packer *pk, bool with_status, bool with_devices)
 {
         if (with_devices) {
@@ -1046,12 +1047,14 @@ static void pack_fd_extras(msgpack_packer *pk, bool with_status, bool with_devic
                 msgpack_pack_array(pk, 2);
                 msgpack_pack_int(pk, 0);
                 msgpack_pack_int(pk, 1);
+                msgpack_pack_str_with_body(pk, "decode_tp_size", 14);
+                msgpack_pack_int(pk, 2);
         } else {
                 msgpack_pack_str_with_body(pk, "no_devices", 10);
                 msgpack_pack_nil(pk);
+                msgpack_pack_str_with_body(pk, "no_tp_size", 10);
+                msgpack_pack_int(pk, 2);
         }
-        msgpack_pack_str_with_body(pk, "decode_tp_size", 14);
-        msgpack_pack_int(pk, 2);
         if (with_status)
                 pack_kv_str(pk, "status", "init"); /* FastDeploy's runtime state, not a task field */
         msgpack_pack_str_with_body(pk, "meta", 4);
@@ -1163,7 +1166,7 @@ static void test_unknown_keys(void)
                 msgpack_sbuffer_init(&sb);
                 msgpack_packer_init(&pk, &sb, msgpack_sbuffer_write);
                 msgpack_pack_map(&pk, n + 15);
-                /* (device_ids is a task's key: once only) */
+                /* (device_ids and decode_tp_size are a task's keys: once only) */
                 pack_fd_extras(&pk, false, true);
                 msgpack_sbuffer_write(&sb, (const char *)first, (size_t)(rest - first));
                 pack_fd_extras(&pk, false, t != KVF_REC_TASK);

@@ -1,0 +1,450 @@
+/*
+ * Same-host (ipc) transfers between tensor-parallel groups of different sizes:
+ * real instances (tools/kvferry up --tp T --rank R --nranks T), each prefill
+ * rank's cache filled with content defined per (request, head, token, layer,
+ * tensor), one task per (prefill rank, decode rank it sends to) as the split
+ * says (common/tpsplit.h), and then every byte of every head of every block
+ * on every decode rank checked. Mismatched splits are refused with both
+ * layouts in the reason.
+ *
+ * mixed_tp_test P D HEADS [key-only]   a transfer, every byte checked
+ * mixed_tp_test mismatch               the refusals
+ * mixed_tp_test kill P D HEADS          decode rank D-1 goes down mid-transfer: every task has
+ *                                      exactly one completion, those to the other ranks finish
+ * $MIXED_TP_REQUESTS sets the requests (default 12); the summary line gives the time from the
+ * first layer-done to the last completion (bench/mixed_tp_bench.sh reads it).
+ */
+#include <inttypes.h>
+#include <msgpack.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "instances.h"
+#include "kvferry.h"
+#include "layout.h"
+#include "tpsplit.h"
+
+#define MAXR 8
+#define NREQ_MAX 512
+static uint32_t HDIM = 32; /* $MIXED_TP_HEAD_DIM */
+#define BSIZE 16
+#define LAYERS 3
+
+static uint8_t content(uint32_t req, uint32_t head, uint32_t token, uint32_t y, uint32_t l,
+                       uint32_t z)
+{
+        uint32_t x = req * 2246822519u ^ head * 2654435761u ^ token * 40503u ^ y * 97u ^ l * 7919u ^
+                     z * 104729u;
+        x ^= x >> 15;
+        x *= 2246822519u;
+        return (uint8_t)(x ^ x >> 13);
+}
+
+struct side {
+        char name[MAXR][64];
+        struct kvf_client *c[MAXR];
+        struct kvf_layout_info L[MAXR];
+        uint32_t first[MAXR], count[MAXR];
+};
+
+static void start_with(struct side *s, const char *tag, const char *role, uint32_t tp,
+                       uint32_t heads, int key_only, uint32_t hdim, uint32_t bsize, uint32_t blocks)
+{
+        for (uint32_t k = 0; k < tp; k++) {
+                snprintf(s->name[k], sizeof(s->name[k]), "mtp%d%s%u", (int)getpid(), tag, k);
+                t_up(s->name[k],
+                     "--role %s --layers %d --kv-heads %u --head-dim %u --dtype bf16 %s --tp %u "
+                     "--rank %u --nranks %u --block-size %u --blocks %u --max-requests 600",
+                     role, LAYERS, heads, hdim, key_only ? "--key-only" : "", tp, k, tp, bsize,
+                     blocks);
+        }
+}
+
+static void start(struct side *s, const char *tag, const char *role, uint32_t tp, uint32_t heads,
+                  int key_only, uint32_t blocks)
+{
+        start_with(s, tag, role, tp, heads, key_only, HDIM, BSIZE, blocks);
+        for (uint32_t k = 0; k < tp; k++) {
+                CHECK_EQ(kvf_attach(s->name[k], 10000, &s->c[k]), 0);
+                CHECK_EQ(kvf_get_layout(s->c[k], &s->L[k]), 0);
+                CHECK_EQ(kvf_tp_heads(key_only ? 1 : heads, tp, k, &s->first[k], &s->count[k]), 0);
+                CHECK_EQ(s->L[k].kv_heads, s->count[k]);
+        }
+}
+
+static uint8_t *at(struct kvf_client *c, const struct kvf_layout_info *L, uint32_t l, uint32_t z,
+                   uint32_t block, uint32_t h, uint32_t t)
+{
+        uint8_t *base = kvf_cache_tensor(c, l, (int)z);
+        CHECK(base);
+        return base + (uint64_t)block * L->block_bytes +
+               ((uint64_t)h * L->block_size + t) * HDIM * 2;
+}
+
+static struct kvf_event wait_event(struct kvf_client *c, int type)
+{
+        struct kvf_event ev;
+        for (;;) {
+                int rc = kvf_poll(c, &ev, 20000);
+                CHECK(rc == 1);
+                if (ev.type == type)
+                        return ev;
+        }
+}
+
+/* A task from prefill instance `from` to decode instance `to` ends `layout mismatch` with a
+ * reason that holds `needle`. */
+static void refused(const char *from, const char *to, int transport, const char *needle)
+{
+        struct kvf_client *c;
+        char peer[128];
+        CHECK_EQ(kvf_attach(from, 10000, &c), 0);
+        snprintf(peer, sizeof(peer), "%s", to);
+        if (transport == KVF_TRANSPORT_TCP)
+                t_connector_addr(to, peer, sizeof(peer));
+        uint32_t b = 3;
+        struct kvf_task t = {.request_id = "refused",
+                             .src_block_ids = &b,
+                             .n_src = 1,
+                             .dest_block_ids = &b,
+                             .n_dest = 1,
+                             .current_id = kvf_last_step(c) + 1,
+                             .transport = transport,
+                             .peer = peer};
+        CHECK_EQ(kvf_submit_task(c, &t), 0);
+        CHECK_EQ(kvf_layer_done(c, t.current_id, LAYERS - 1), 0);
+        struct kvf_event ev = wait_event(c, KVF_EVENT_COMPLETION);
+        if (ev.status != KVF_STATUS_LAYOUT_MISMATCH || !strstr(ev.reason, needle)) {
+                fprintf(stderr, "%s -> %s: %s: \"%s\", wanted layout mismatch with \"%s\"\n", from,
+                        to, kvf_status_name(ev.status), ev.reason, needle);
+                exit(1);
+        }
+        printf("refused as it should be: %s -> %s: %s\n", from, to, ev.reason);
+        kvf_detach(c);
+}
+
+/* An ipc task whose decode_tp_size is not the peer's group: refused, naming both. */
+static void refused_tp(const char *from, const char *to, unsigned decode_tp)
+{
+        struct kvf_client *c;
+        msgpack_sbuffer sb;
+        msgpack_packer pk;
+        CHECK_EQ(kvf_attach(from, 10000, &c), 0);
+        msgpack_sbuffer_init(&sb);
+        msgpack_packer_init(&pk, &sb, msgpack_sbuffer_write);
+        msgpack_pack_map(&pk, 7);
+#define KEY(k) msgpack_pack_str_with_body(&pk, k, strlen(k))
+        KEY("request_id");
+        KEY("tp-refused");
+        KEY("src_block_ids");
+        msgpack_pack_array(&pk, 1);
+        msgpack_pack_uint32(&pk, 3);
+        KEY("dest_block_ids");
+        msgpack_pack_array(&pk, 1);
+        msgpack_pack_uint32(&pk, 3);
+        KEY("current_id");
+        msgpack_pack_uint64(&pk, kvf_last_step(c) + 1);
+        KEY("transfer_protocol");
+        KEY("ipc");
+        KEY("peer");
+        KEY(to);
+        KEY("decode_tp_size");
+        msgpack_pack_uint32(&pk, decode_tp);
+#undef KEY
+        CHECK_EQ(kvf_submit_raw(c, KVF_TO_SENDER, KVF_REC_TASK, sb.data, sb.size), 0);
+        msgpack_sbuffer_destroy(&sb);
+        struct kvf_event ev = wait_event(c, KVF_EVENT_COMPLETION);
+        if (ev.status != KVF_STATUS_LAYOUT_MISMATCH || !strstr(ev.reason, "decode_tp_size is")) {
+                fprintf(stderr, "decode_tp_size %u: %s: \"%s\"\n", decode_tp,
+                        kvf_status_name(ev.status), ev.reason);
+                exit(1);
+        }
+        printf("refused as it should be: %s -> %s: %s\n", from, to, ev.reason);
+        kvf_detach(c);
+}
+
+static int mismatches(void)
+{
+        struct side P = {0}, D = {0}, E = {0}, F = {0}, G = {0};
+        start(&P, "p", "prefill", 2, 8, 0, 64); /* 8 heads, 4 per rank */
+        start(&D, "d", "decode", 8, 8, 0, 64);  /* 8 heads, 1 per rank */
+        start_with(&E, "e", "decode", 2, 4, 0, HDIM, BSIZE,
+                   64); /* 4 heads, 2 per rank: another model */
+        start_with(&F, "f", "decode", 2, 8, 0, HDIM, 24, 64); /* 8 heads, 24 tokens/block */
+        start_with(&G, "g", "decode", 2, 8, 0, HDIM, 32, 64); /* 8 heads, 32 tokens/block */
+        refused(P.name[0], E.name[0], KVF_TRANSPORT_IPC, "not one split of 8 kv heads");
+        refused(P.name[0], F.name[0], KVF_TRANSPORT_IPC,
+                "block sizes 16 and 24 do not divide one another");
+        refused(P.name[0], G.name[0], KVF_TRANSPORT_IPC,
+                "between different block sizes are not supported");
+        refused(P.name[0], D.name[7], KVF_TRANSPORT_IPC, "sends it none of its heads");
+        refused_tp(P.name[0], D.name[0], 4);
+        return 0;
+}
+
+/* Decode rank d-1 goes down after layer 0 of 40 requests: every task gets exactly one
+ * completion; those to the other decode ranks finish, and those ranks get their arrivals. */
+static int kill_one(uint32_t p, uint32_t d, uint32_t heads)
+{
+        struct side P = {0}, D = {0};
+        const uint32_t nreq = 40;
+        start(&D, "d", "decode", d, heads, 0, 16 * nreq);
+        start(&P, "p", "prefill", p, heads, 0, 16 * nreq);
+        uint64_t step = 0;
+        for (uint32_t i = 0; i < p; i++)
+                if (kvf_last_step(P.c[i]) > step)
+                        step = kvf_last_step(P.c[i]);
+        step++;
+        uint32_t tasks[MAXR] = {0}, to_dead[MAXR] = {0};
+        for (uint32_t q = 0; q < nreq; q++) {
+                uint32_t src[4] = {4 * q, 4 * q + 1, 4 * q + 2, 4 * q + 3}, dst[4];
+                for (uint32_t b = 0; b < 4; b++)
+                        dst[b] = 16 * nreq - 1 - 4 * q - b;
+                for (uint32_t j = 0; j < d; j++)
+                        for (uint32_t i = 0; i < p; i++) {
+                                int sends = 0;
+                                for (uint32_t h = D.first[j]; h < D.first[j] + D.count[j]; h++)
+                                        sends |= kvf_tp_source(heads, p, d, j, h) == i;
+                                if (!sends)
+                                        continue;
+                                char id[64];
+                                snprintf(id, sizeof(id), "k%u.d%u", q, j);
+                                struct kvf_task t = {.request_id = id,
+                                                     .src_block_ids = src,
+                                                     .n_src = 4,
+                                                     .dest_block_ids = dst,
+                                                     .n_dest = 4,
+                                                     .current_id = step,
+                                                     .transport = KVF_TRANSPORT_IPC,
+                                                     .peer = D.name[j]};
+                                CHECK_EQ(kvf_submit_task(P.c[i], &t), 0);
+                                tasks[i]++;
+                                to_dead[i] += j == d - 1;
+                        }
+        }
+        for (uint32_t i = 0; i < p; i++)
+                CHECK_EQ(kvf_layer_done(P.c[i], step, 0), 0);
+        kvf_detach(D.c[d - 1]);
+        char cmd[512];
+        snprintf(cmd, sizeof(cmd), "%s/tools/kvferry down --instance %s >/dev/null 2>&1",
+                 KVF_SOURCE_DIR, D.name[d - 1]);
+        CHECK_EQ(system(cmd), 0);
+        for (unsigned k = 0; k < t_ninstances; k++) /* down already: not stopped again at exit */
+                if (!strcmp(t_names[k], D.name[d - 1])) {
+                        memcpy(t_names[k], t_names[--t_ninstances], sizeof(t_names[k]));
+                        break;
+                }
+        for (uint32_t i = 0; i < p; i++)
+                for (uint32_t l = 1; l < LAYERS; l++)
+                        CHECK_EQ(kvf_layer_done(P.c[i], step, l), 0);
+        for (uint32_t i = 0; i < p; i++) {
+                uint32_t fin = 0, failed = 0;
+                char seen[64 * 40][16];
+                for (uint32_t n = 0; n < tasks[i]; n++) {
+                        struct kvf_event ev = wait_event(P.c[i], KVF_EVENT_COMPLETION);
+                        for (uint32_t k = 0; k < n; k++)
+                                if (!strcmp(seen[k], ev.request_id)) {
+                                        fprintf(stderr, "prefill rank %u: two completions of %s\n",
+                                                i, ev.request_id);
+                                        return 1;
+                                }
+                        snprintf(seen[n], sizeof(seen[n]), "%s", ev.request_id);
+                        char dead[16];
+                        snprintf(dead, sizeof(dead), ".d%u", d - 1);
+                        int to_it = strstr(ev.request_id, dead) != NULL;
+                        if (ev.status == KVF_STATUS_FINISHED)
+                                fin++;
+                        else if (to_it)
+                                failed++;
+                        else {
+                                fprintf(stderr, "prefill rank %u: %s to a live rank: %s: %s\n", i,
+                                        ev.request_id, kvf_status_name(ev.status), ev.reason);
+                                return 1;
+                        }
+                }
+                struct kvf_event ev;
+                CHECK_EQ(kvf_poll(P.c[i], &ev, 1000), 0); /* nothing more */
+                printf("prefill rank %u: %u tasks, %u finished, %u to the rank that went down "
+                       "failed\n",
+                       i, tasks[i], fin, failed);
+                CHECK(fin >= tasks[i] - to_dead[i]);
+        }
+        for (uint32_t j = 0; j + 1 < d; j++)
+                for (uint32_t n = 0; n < nreq * kvf_tp_sources(heads, p, d, j); n++) {
+                        struct kvf_event ev = wait_event(D.c[j], KVF_EVENT_ARRIVAL);
+                        CHECK_EQ(ev.status, KVF_STATUS_FINISHED);
+                }
+        return 0;
+}
+
+int main(int argc, char **argv)
+{
+        if (argc == 2 && !strcmp(argv[1], "mismatch"))
+                return mismatches();
+        if (argc == 5 && !strcmp(argv[1], "kill"))
+                return kill_one((uint32_t)atoi(argv[2]), (uint32_t)atoi(argv[3]),
+                                (uint32_t)atoi(argv[4]));
+        if (argc < 4)
+                return fprintf(stderr, "usage: mixed_tp_test P D HEADS [key-only]\n"), 2;
+        uint32_t p = (uint32_t)atoi(argv[1]), d = (uint32_t)atoi(argv[2]),
+                 heads = (uint32_t)atoi(argv[3]);
+        int key_only = argc > 4 && !strcmp(argv[4], "key-only");
+        uint32_t H = key_only ? 1 : heads;
+        struct side P = {0}, D = {0};
+        if (getenv("MIXED_TP_HEAD_DIM"))
+                HDIM = (uint32_t)atoi(getenv("MIXED_TP_HEAD_DIM"));
+        CHECK(HDIM >= 1 && HDIM <= 1024);
+        const char *nr = getenv("MIXED_TP_REQUESTS");
+        const uint32_t NREQ = nr ? (uint32_t)atoi(nr) : 12;
+        CHECK(NREQ >= 1 && NREQ <= NREQ_MAX);
+        start(&D, "d", "decode", d, heads, key_only, 10 * NREQ + 16);
+        start(&P, "p", "prefill", p, heads, key_only, 10 * NREQ + 16);
+        const uint32_t tensors = key_only ? 1 : 2;
+        uint64_t step = 0;
+        for (uint32_t i = 0; i < p; i++)
+                if (kvf_last_step(P.c[i]) > step)
+                        step = kvf_last_step(P.c[i]);
+        step++;
+
+        /* Request q: n_q blocks, source blocks 2 + 5q.., destination blocks 10 NREQ + 10 - 8q - 2b
+         * (scattered, descending) */
+        static uint32_t src[NREQ_MAX][4], dst[NREQ_MAX][4], nb[NREQ_MAX];
+        for (uint32_t q = 0; q < NREQ; q++) {
+                nb[q] = 1 + q % 4;
+                for (uint32_t b = 0; b < nb[q]; b++) {
+                        src[q][b] = 2 + 5 * q + b;
+                        dst[q][b] = 10 * NREQ + 10 - 8 * q - 2 * b;
+                }
+                for (uint32_t i = 0; i < p; i++)
+                        for (uint32_t l = 0; l < LAYERS; l++)
+                                for (uint32_t z = 0; z < tensors; z++)
+                                        for (uint32_t b = 0; b < nb[q]; b++)
+                                                for (uint32_t h = 0; h < P.count[i]; h++)
+                                                        for (uint32_t t = 0; t < BSIZE; t++) {
+                                                                uint8_t *o = at(P.c[i], &P.L[i], l,
+                                                                                z, src[q][b], h, t);
+                                                                for (uint32_t y = 0; y < HDIM * 2;
+                                                                     y++)
+                                                                        o[y] = content(
+                                                                            q, P.first[i] + h,
+                                                                            b * BSIZE + t, y, l, z);
+                                                        }
+                for (uint32_t j = 0; j < d; j++)
+                        for (uint32_t l = 0; l < LAYERS; l++)
+                                for (uint32_t z = 0; z < tensors; z++)
+                                        for (uint32_t b = 0; b < nb[q]; b++)
+                                                memset(at(D.c[j], &D.L[j], l, z, dst[q][b], 0, 0),
+                                                       0, D.L[j].block_bytes);
+        }
+
+        /* One task per (prefill rank, decode rank it sends to); the id names the decode rank. */
+        uint32_t tasks[MAXR] = {0}, expect_parts[MAXR] = {0};
+        uint64_t runs = 0; /* copy runs: one per (layer, tensor, block, source) with head slices;
+                            * whole blocks merge only where both sides' ids are consecutive */
+        for (uint32_t q = 0; q < NREQ; q++)
+                for (uint32_t j = 0; j < d; j++) {
+                        expect_parts[j] = kvf_tp_sources(H, p, d, j);
+                        for (uint32_t i = 0; i < p; i++) {
+                                int sends = 0;
+                                for (uint32_t h = D.first[j]; h < D.first[j] + D.count[j]; h++)
+                                        sends |= kvf_tp_source(H, p, d, j, h) == i;
+                                if (!sends)
+                                        continue;
+                                char id[64];
+                                snprintf(id, sizeof(id), "q%u.d%u", q, j);
+                                struct kvf_task t = {.request_id = id,
+                                                     .src_block_ids = src[q],
+                                                     .n_src = nb[q],
+                                                     .dest_block_ids = dst[q],
+                                                     .n_dest = nb[q],
+                                                     .current_id = step,
+                                                     .transport = KVF_TRANSPORT_IPC,
+                                                     .peer = D.name[j]};
+                                CHECK_EQ(kvf_submit_task(P.c[i], &t), 0);
+                                tasks[i]++;
+                                runs += (uint64_t)nb[q] * LAYERS * tensors;
+                        }
+                }
+        uint64_t t0 = kvf_now_ns();
+        for (uint32_t i = 0; i < p; i++)
+                for (uint32_t l = 0; l < LAYERS; l++)
+                        CHECK_EQ(kvf_layer_done(P.c[i], step, l), 0);
+        uint64_t bytes = 0;
+        for (uint32_t i = 0; i < p; i++)
+                for (uint32_t n = 0; n < tasks[i]; n++) {
+                        struct kvf_event ev = wait_event(P.c[i], KVF_EVENT_COMPLETION);
+                        if (ev.status != KVF_STATUS_FINISHED) {
+                                fprintf(stderr, "prefill rank %u: %s: %s: %s\n", i, ev.request_id,
+                                        kvf_status_name(ev.status), ev.reason);
+                                return 1;
+                        }
+                        bytes += ev.bytes;
+                }
+        uint64_t elapsed = kvf_now_ns() - t0;
+        /* Completions count each byte once: every decode rank's heads of every block. */
+        uint64_t want = 0;
+        for (uint32_t q = 0; q < NREQ; q++)
+                for (uint32_t j = 0; j < d; j++)
+                        want += (uint64_t)nb[q] * LAYERS * tensors * D.L[j].block_bytes;
+        CHECK_EQ(bytes, want);
+        /* Every decode rank hears of each request once per source. */
+        for (uint32_t j = 0; j < d; j++)
+                for (uint32_t n = 0; n < NREQ * expect_parts[j]; n++) {
+                        struct kvf_event ev = wait_event(D.c[j], KVF_EVENT_ARRIVAL);
+                        if (ev.status != KVF_STATUS_FINISHED) {
+                                fprintf(stderr, "decode rank %u: %s: %s: %s\n", j, ev.request_id,
+                                        kvf_status_name(ev.status), ev.reason);
+                                return 1;
+                        }
+                }
+        /* Every byte of every head of every block on every decode rank. */
+        uint64_t checked = 0;
+        for (uint32_t q = 0; q < NREQ; q++)
+                for (uint32_t j = 0; j < d; j++)
+                        for (uint32_t l = 0; l < LAYERS; l++)
+                                for (uint32_t z = 0; z < tensors; z++)
+                                        for (uint32_t b = 0; b < nb[q]; b++)
+                                                for (uint32_t h = 0; h < D.count[j]; h++)
+                                                        for (uint32_t t = 0; t < BSIZE; t++) {
+                                                                const uint8_t *o =
+                                                                    at(D.c[j], &D.L[j], l, z,
+                                                                       dst[q][b], h, t);
+                                                                for (uint32_t y = 0; y < HDIM * 2;
+                                                                     y++, checked++)
+                                                                        if (o[y] !=
+                                                                            content(q,
+                                                                                    D.first[j] + h,
+                                                                                    b * BSIZE + t,
+                                                                                    y, l, z)) {
+                                                                                fprintf(
+                                                                                    stderr,
+                                                                                    "tp %u->%u: "
+                                                                                    "request %u "
+                                                                                    "decode rank "
+                                                                                    "%u layer %u "
+                                                                                    "tensor %u "
+                                                                                    "block %u head "
+                                                                                    "%u token %u "
+                                                                                    "byte %u "
+                                                                                    "differs\n",
+                                                                                    p, d, q, j, l,
+                                                                                    z, b,
+                                                                                    D.first[j] + h,
+                                                                                    b * BSIZE + t,
+                                                                                    y);
+                                                                                return 1;
+                                                                        }
+                                                        }
+        printf("tp %u->%u, %u kv heads%s: %u requests, %" PRIu64 " bytes sent in %.3f ms, %" PRIu64
+               " bytes verified on %u decode ranks; %.1f copy runs per request\n",
+               p, d, heads, key_only ? " (key-only)" : "", NREQ, bytes, elapsed / 1e6, checked, d,
+               (double)runs / NREQ);
+        for (uint32_t k = 0; k < p; k++)
+                kvf_detach(P.c[k]);
+        for (uint32_t k = 0; k < d; k++)
+                kvf_detach(D.c[k]);
+        return 0;
+}

@@ -443,6 +443,22 @@ static void *conn_main(void *arg)
                         rc = fd = kvf_net_connect(host, port, cn->cfg.connect_timeout_ms);
                 if (rc >= 0)
                         rc = conn_handshake_client(cn, fd, conn_tcp_transport.purpose, &id, NULL, &status);
+                if (rc < 0 && status == KVF_STATUS_LAYOUT_MISMATCH) {
+                        /* The peer's layout is one the control connection takes (another
+                         * tensor-parallel split of the model, which ipc copies carry) but tcp
+                         * frames do not: retrying cannot help. Its transfers fail now, with
+                         * the peer's reason, and so do those opened later, until the control
+                         * connection is made anew. */
+                        char refusal[KVF_REASON_MAX];
+                        snprintf(refusal, sizeof(refusal), "tcp to '%s': %s", p->name, kvf_err_msg());
+                        kvf_errlog(&cn->ctl, KVF_ROLE_CONNECTOR, "%s", refusal);
+                        conn_xfer_refuse_all(xp, status, refusal);
+                        if (fd >= 0)
+                                close(fd);
+                        usleep(backoff_ms * 1000);
+                        backoff_ms = backoff_ms * 2 > 1000 ? 1000 : backoff_ms * 2;
+                        continue;
+                }
                 if (rc < 0) {
                         /* The control connection reports and fails work; just retry. */
                         kvf_debug("data connection %u to '%s': %s", dc->idx, p->name, kvf_err_msg());

@@ -143,6 +143,9 @@ void conn_xfer_fail_transport(struct xfer_peer *xp, int status, const char *reas
  * at its open, until the control connection is made again. A noticed transfer is answered
  * by the peer, which refuses it for the same reason (arrivals.c). */
 void conn_xfer_refuse(struct xfer_peer *xp, int status, const char *reason);
+/* As conn_xfer_refuse, and transfers whose notice is out fail too: for a refusal of every data
+ * connection (the peer's layout is one this transport cannot carry), where nothing can land. */
+void conn_xfer_refuse_all(struct xfer_peer *xp, int status, const char *reason);
 /* xp->mu held: end transfer x now with `status` (a write error its data path met). */
 void xfer_fail_one(struct xfer_peer *xp, struct xfer *x, int status, const char *reason);
 /* xp->mu held: keep x allocated while a data path refers to it outside a frame (rdma: its

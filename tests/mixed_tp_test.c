@@ -182,6 +182,11 @@ static int mismatches(void)
                 "between different block sizes are not supported");
         refused(P.name[0], D.name[7], KVF_TRANSPORT_IPC, "sends it none of its heads");
         refused_tp(P.name[0], D.name[0], 4);
+        /* Over tcp another split is refused (head slices go by ipc only), at once, not at the
+         * request's timeout. */
+        uint64_t t0 = kvf_now_ns();
+        refused(P.name[0], D.name[0], KVF_TRANSPORT_TCP, "layout");
+        CHECK(kvf_now_ns() - t0 < 5000000000ull);
         return 0;
 }
 

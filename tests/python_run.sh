@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# python_run.sh SCRIPT [ARGS...]: Debian's python3 on SCRIPT against $KVFERRY_BUILD's libkvferry.
+# A sanitizer build's libkvferry needs its runtime loaded before the interpreter starts, and the
+# interpreter's own allocations are not ours to judge (leaks off; everything else stays on).
+set -euo pipefail
+lib=${KVFERRY_BUILD:?KVFERRY_BUILD names the build}/libkvferry.so.0
+PRE=()
+for rt in asan ubsan tsan; do
+  so=$(ldd "$lib" 2>/dev/null | awk -v r="lib$rt.so" 'index($1, r) == 1 {print $3}')
+  [ -z "$so" ] || PRE+=("$so")
+done
+if [ ${#PRE[@]} -gt 0 ]; then
+  export LD_PRELOAD="${PRE[*]}" ASAN_OPTIONS="${ASAN_OPTIONS:+$ASAN_OPTIONS:}detect_leaks=0"
+fi
+exec /usr/bin/python3 "$@"

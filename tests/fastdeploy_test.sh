@@ -11,19 +11,9 @@ PY=${KVF_PYTHON:-/usr/bin/python3}
   fail "msgpack is missing for $PY (tools/kvferry setup installs python3-msgpack; KVF_PYTHON names another python3)"
 [ -d /opt ] || { echo "skipped: FastDeploy's per_chunk queue key needs /opt"; exit 77; }
 [ -e "$B/libkvferry_fastdeploy.so.0" ] || fail "$B/libkvferry_fastdeploy.so.0 is not built"
-# A sanitizer build's libraries need their runtime loaded before the interpreter starts (in
-# the test and in every messager it starts), and the interpreter's own allocations are not ours
-# to judge (leaks off; everything else stays on).
-PRE=()
-for rt in asan ubsan tsan; do
-  if ldd "$B/libkvferry.so.0" 2>/dev/null | grep -q "lib$rt\.so"; then
-    PRE+=("$(ldd "$B/libkvferry.so.0" | awk -v r="lib$rt.so" 'index($1, r) == 1 {print $3}')")
-  fi
-done
-if [ ${#PRE[@]} -gt 0 ]; then
-  export LD_PRELOAD="${PRE[*]}" ASAN_OPTIONS="${ASAN_OPTIONS:+$ASAN_OPTIONS:}detect_leaks=0"
-fi
-T=(timeout 150 "$PY" "$ROOT/tests/fastdeploy_test.py")
+# tests/python_run.sh: $PY, with a sanitizer build's runtime preloaded for it and the messagers
+# it starts.
+T=(timeout 150 "$ROOT/tests/python_run.sh" "$ROOT/tests/fastdeploy_test.py")
 "${T[@]}" --mode per_chunk --protocol ipc --requests 200 --faults --kill || fail "per_chunk over ipc"
 "${T[@]}" --mode per_query --protocol tcp --requests 60 --faults --older || fail "per_query over tcp"
 # GPU caches in FastDeploy's own format (one allocation per tensor, cudaIpcMemHandle records),

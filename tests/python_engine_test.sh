@@ -8,15 +8,5 @@ cd "$ROOT"
 L="--model llama-3.1-8b --tp 8 --cache-mib 64"
 up $TAG-d --role decode $L
 up $TAG-p --role prefill $L
-# A sanitizer build's libkvferry needs its runtime loaded before the interpreter starts, and the
-# interpreter's own allocations are not ours to judge (leaks off; everything else stays on).
-PRE=()
-for rt in asan ubsan tsan; do
-  if ldd "$B/libkvferry.so.0" 2>/dev/null | grep -q "lib$rt\.so"; then
-    PRE+=("$(ldd "$B/libkvferry.so.0" | awk -v r="lib$rt.so" 'index($1, r) == 1 {print $3}')")
-  fi
-done
-ENV=(PYTHONPATH="$ROOT/python")
-[ ${#PRE[@]} -eq 0 ] || ENV+=(LD_PRELOAD="${PRE[*]}" ASAN_OPTIONS="${ASAN_OPTIONS:+$ASAN_OPTIONS:}detect_leaks=0")
-env "${ENV[@]}" /usr/bin/python3 "$ROOT/tests/python_engine.py" $TAG-p $TAG-d || fail "python engine"
+PYTHONPATH="$ROOT/python" "$ROOT/tests/python_run.sh" "$ROOT/tests/python_engine.py" $TAG-p $TAG-d || fail "python engine"
 pass "python engine: the kvferry package moved and verified its requests"

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# python_run.sh SCRIPT [ARGS...]: Debian's python3 on SCRIPT against $KVFERRY_BUILD's libkvferry.
-# A sanitizer build's libkvferry needs its runtime loaded before the interpreter starts, and the
-# interpreter's own allocations are not ours to judge (leaks off; everything else stays on).
+# python_run.sh SCRIPT [ARGS...]: python3 ($KVF_PYTHON, default Debian's) on SCRIPT against
+# $KVFERRY_BUILD's libkvferry. A sanitizer build's libkvferry needs its runtime loaded before the
+# interpreter starts, in it and in every process it starts (exported), and the interpreter's own
+# allocations are not ours to judge (leaks off; everything else stays on).
 set -euo pipefail
 lib=${KVFERRY_BUILD:?KVFERRY_BUILD names the build}/libkvferry.so.0
 PRE=()
@@ -12,4 +13,4 @@ done
 if [ ${#PRE[@]} -gt 0 ]; then
   export LD_PRELOAD="${PRE[*]}" ASAN_OPTIONS="${ASAN_OPTIONS:+$ASAN_OPTIONS:}detect_leaks=0"
 fi
-exec /usr/bin/python3 "$@"
+exec "${KVF_PYTHON:-/usr/bin/python3}" "$@"

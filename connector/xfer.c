@@ -516,10 +516,11 @@ void conn_xfer_refuse(struct xfer_peer *xp, int status, const char *reason)
 
 void conn_xfer_refuse_all(struct xfer_peer *xp, int status, const char *reason)
 {
-        conn_xfer_refuse(xp, status, reason);
         /* Noticed ones too: the peer refuses every data connection, so no byte of them can land
          * and it can never publish them finished; failing them here cannot disagree with it. */
         pthread_mutex_lock(&xp->mu);
+        xp->refused_status = status;
+        snprintf(xp->refused, sizeof(xp->refused), "%s", reason);
         for (struct xfer *x = xp->xfers, *nx; x; x = nx) {
                 nx = x->next;
                 fail_xfer(xp, x, status, reason);

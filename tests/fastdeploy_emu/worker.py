@@ -79,6 +79,13 @@ class DeviceTensor:
         rc = self.cu.cudaMemcpy(ctypes.c_void_p(self.ptr + a), buf, b - a, 1)  # host to device
         if rc:
             raise AttachError("cudaMemcpy to the cache: CUDA error %d" % rc)
+        # From pageable memory cudaMemcpy returns once the bytes are staged, before the DMA
+        # into the cache has landed. FastDeploy fires its layer signal from a host function
+        # queued after the cache-write kernel, i.e. once the bytes are in GPU memory: wait for
+        # that here, or a signal sent next could let the messager copy stale bytes.
+        rc = self.cu.cudaDeviceSynchronize()
+        if rc:
+            raise AttachError("cudaDeviceSynchronize after a cache write: CUDA error %d" % rc)
 
     def __getitem__(self, k):
         a, b = self._range(k)

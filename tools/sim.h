@@ -55,6 +55,7 @@ struct sim_req {
         int arrival;    /* -1 until known */
         bool verified;
         uint64_t bytes, arrival_ns, completion_ns, completion_seen_ns;
+        uint64_t sender_last_ns; /* the completion's last_layer_ns: when the sender saw its last layer */
         bool src_freed, dst_freed;
         char reason[240];
 };
@@ -116,6 +117,9 @@ struct sim_tail {
         uint64_t left; /* bytes left to send at its last layer-done: its final step's share
                           of one layer, or all of it when its task came after the layers */
         bool late;     /* its task came after its last layer */
+        int64_t seen_ns; /* last layer-done -> the sender saw it (its completion's last_layer_ns;
+                          * GPU mode: from the kernel's end, so the signal's delay shows) */
+        uint32_t seq;    /* the request (for the slowest tails' list) */
 };
 
 struct sim_gpu;

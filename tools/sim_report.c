@@ -51,6 +51,7 @@ static struct spread spread_of(double *v, unsigned n)
 
 struct tail_figures {
         struct spread all, in_time, late, completion;
+        struct spread seen; /* last layer-done -> the sender saw it (negative as 0) */
         struct spread
             norm; /* tail / (2 x its bytes left at memcpy rate + 50 us); with a baseline */
 };
@@ -67,14 +68,15 @@ static struct tail_figures tail_figures(const struct sim *s, double memcpy_bps)
         unsigned m = s->ntails ? s->ntails : 1;
         double *all = calloc(m, sizeof(double)), *in_time = calloc(m, sizeof(double));
         double *late = calloc(m, sizeof(double)), *comp = calloc(m, sizeof(double));
-        double *norm = calloc(m, sizeof(double));
+        double *norm = calloc(m, sizeof(double)), *seen = calloc(m, sizeof(double));
 
-        if (all && in_time && late && comp && norm) {
+        if (all && in_time && late && comp && norm && seen) {
                 unsigned n_in = 0, n_late = 0;
                 for (unsigned i = 0; i < s->ntails; i++) {
                         const struct sim_tail *t = &s->tails[i];
                         all[i] = (double)t->ns;
                         comp[i] = (double)t->cns;
+                        seen[i] = t->seen_ns > 0 ? (double)t->seen_ns : 0;
                         if (t->late)
                                 late[n_late++] = (double)t->ns;
                         else
@@ -87,6 +89,7 @@ static struct tail_figures tail_figures(const struct sim *s, double memcpy_bps)
                 f.in_time = spread_of(in_time, n_in);
                 f.late = spread_of(late, n_late);
                 f.completion = spread_of(comp, s->ntails);
+                f.seen = spread_of(seen, s->ntails);
                 if (memcpy_bps > 0)
                         f.norm = spread_of(norm, s->ntails);
         }
@@ -95,6 +98,7 @@ static struct tail_figures tail_figures(const struct sim *s, double memcpy_bps)
         free(late);
         free(comp);
         free(norm);
+        free(seen);
         return f;
 }
 
@@ -277,6 +281,8 @@ static void print_text(const struct sim *s, const struct figures *g)
         printf("               last layer-done -> completion (prefill side): "
                "p50 %.1f us, p99 %.1f us\n",
                tf->completion.p50 / 1e3, tf->completion.p99 / 1e3);
+        printf("               last layer-done -> the sender saw it: p50 %.1f us, p99 %.1f us\n",
+               tf->seen.p50 / 1e3, tf->seen.p99 / 1e3);
         printf("  copy start   layer-done -> copy start: p50 %.1f us, p99 %.1f us\n",
                (double)g->h50[KVF_HIST_LAYER_TO_COPY] / 1e3, (double)g->h99[KVF_HIST_LAYER_TO_COPY] / 1e3);
         if (s->o.warm_caches)
@@ -308,6 +314,29 @@ static void print_text(const struct sim *s, const struct figures *g)
 }
 
 /* The same as one JSON line; the tests read its fields by name. */
+
+/* The 10 slowest tails, each split into its stages (ns): [seq, tail, completion, seen, late]. */
+static void slowest_json(const struct sim *s, FILE *f)
+{
+        unsigned pick[10], n = 0;
+        for (; n < 10 && n < s->ntails; n++) {
+                unsigned best = UINT32_MAX;
+                for (unsigned i = 0; i < s->ntails; i++) {
+                        bool used = false;
+                        for (unsigned k = 0; k < n; k++)
+                                used |= pick[k] == i;
+                        if (!used && (best == UINT32_MAX || s->tails[i].ns > s->tails[best].ns))
+                                best = i;
+                }
+                pick[n] = best;
+        }
+        for (unsigned k = 0; k < n; k++) {
+                const struct sim_tail *t = &s->tails[pick[k]];
+                fprintf(f, "%s[%u,%llu,%llu,%lld,%d]", k ? "," : "", t->seq, (unsigned long long)t->ns,
+                        (unsigned long long)t->cns, (long long)t->seen_ns, t->late ? 1 : 0);
+        }
+}
+
 static void write_json(const struct sim *s, const struct figures *g, const char *path)
 {
         const struct tail_figures *tf = &g->tf;
@@ -344,7 +373,7 @@ static void write_json(const struct sim *s, const struct figures *g, const char 
                 "\"ok\":%s,\"cancelled\":%llu,\"cancels_sent\":%llu,\"timed_out\":%llu,"
                 "\"connection_errors\":%llu,\"finished_but_failed_pairs\":%llu,\"warm_bytes\":%llu,"
                 "\"warm_ns\":%llu,\"gpu\":%s,\"requests_per_s\":%.1f,\"unexpected_failures\":%llu,"
-                "\"strict\":%s}\n",
+                "\"strict\":%s,\"seen_p50_ns\":%.0f,\"seen_p99_ns\":%.0f,\"slowest\":[",
                 kvf_sim_counted(s), (unsigned long long)s->finished, (unsigned long long)s->failed,
                 g->unaccounted, (unsigned long long)s->corrupt, (unsigned long long)s->moved_bytes,
                 (unsigned long long)s->verified_bytes, g->secs, g->rate, tf->all.p50, tf->all.p99,
@@ -361,7 +390,10 @@ static void write_json(const struct sim *s, const struct figures *g, const char 
                 (unsigned long long)s->fail_by_status[KVF_STATUS_CONNECTION],
                 (unsigned long long)s->bad_status_pairs, (unsigned long long)s->warm_bytes,
                 (unsigned long long)s->warm_ns, s->sg ? "true" : "false", g->rps,
-                (unsigned long long)s->unexpected_failures, g->strict ? "true" : "false");
+                (unsigned long long)s->unexpected_failures, g->strict ? "true" : "false", tf->seen.p50,
+                tf->seen.p99);
+        slowest_json(s, f);
+        fprintf(f, "]}\n");
         fclose(f);
 }
 

@@ -126,7 +126,9 @@ static void maybe_done(struct sim *s, struct sim_req *r)
                                     .left = r->late_task ? r->bytes
                                                          : (uint64_t)r->last_blocks * s->tensors *
                                                                s->L.block_bytes * s->o.ranks,
-                                    .late = r->late_task};
+                                    .late = r->late_task,
+                                    .seen_ns = r->sender_last_ns ? (int64_t)(r->sender_last_ns - r->last_layer_ns) : 0,
+                                    .seq = r->seq};
                         }
                 }
         } else {
@@ -269,6 +271,7 @@ static void on_completion(struct sim *s, unsigned p, const struct kvf_event *ev)
         r->completion_seen_ns = kvf_now_ns();
         r->bytes = ev->bytes;
         r->completion_ns = ev->done_ns;
+        r->sender_last_ns = ev->last_layer_ns;
         snprintf(r->reason, sizeof(r->reason), "%s", ev->reason);
         if (ev->status != KVF_STATUS_FINISHED && !s->o.quiet && !r->cancel)
                 fprintf(stderr, "%s: request %s: %s: %s\n", KVF_SIM_PROG, r->id,

@@ -120,6 +120,7 @@ struct sim_tail {
         int64_t seen_ns; /* last layer-done -> the sender saw it (its completion's last_layer_ns;
                           * GPU mode: from the kernel's end, so the signal's delay shows) */
         uint32_t seq;    /* the request (for the slowest tails' list) */
+        uint64_t at_ns;  /* its last layer-done, from the run's start */
 };
 
 struct sim_gpu;

@@ -55,6 +55,7 @@ struct sim_gpu {
         /* clock: a GPU time g and the host time h it corresponds to (prefill rank 0's GPU) */
         uint32_t *clk_host, *clk_dev;
         unsigned long long clk_g, clk_h, clk_rtt, clk_at;
+        unsigned long long clk_drift_max; /* the largest correction a recalibration made */
 };
 
 static unsigned long long now_ns(void)
@@ -141,6 +142,7 @@ __global__ void clock_kernel(uint32_t *w, int rounds)
 static int calibrate(struct sim_gpu *g)
 {
         struct side *p = &g->pre[0];
+        unsigned long long old_g = g->clk_g, old_h = g->clk_h;
         CK(cudaSetDevice(p->dev), "cudaSetDevice");
         memset(g->clk_host, 0, 64);
         clock_kernel<<<1, 1, 0, p->s>>>(g->clk_dev, CALIB_ROUNDS);
@@ -164,6 +166,12 @@ static int calibrate(struct sim_gpu *g)
                 }
         }
         CK(cudaStreamSynchronize(p->s), "clock calibration");
+        if (g->clk_at) { /* how far the old mapping had drifted: the GPU's time against ours */
+                long long d = (long long)(g->clk_g - old_g) - (long long)(g->clk_h - old_h);
+                unsigned long long a = (unsigned long long)(d < 0 ? -d : d);
+                if (a > g->clk_drift_max)
+                        g->clk_drift_max = a;
+        }
         g->clk_rtt = best;
         g->clk_at = now_ns();
         return 0;
@@ -321,6 +329,11 @@ extern "C" int sim_gpu_step_end(struct sim_gpu *g, uint64_t *last_ns)
         if (end)
                 *last_ns = end - g->clk_g + g->clk_h;
         return 0;
+}
+
+extern "C" uint64_t sim_gpu_clock_drift(const struct sim_gpu *g)
+{
+        return g->clk_drift_max;
 }
 
 extern "C" int sim_gpu_expect(struct sim_gpu *g, unsigned rank, const void *ptr, uint64_t bytes, uint64_t key)

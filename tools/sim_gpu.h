@@ -45,6 +45,9 @@ int sim_gpu_layer(struct sim_gpu *g, unsigned rank, struct kvf_client *c, uint64
 int sim_gpu_step_end(struct sim_gpu *g, uint64_t *last_ns);
 
 /* Decode: queue block `ptr` of `bytes`, expected to hold the pattern of `key`. */
+/* The largest correction of the GPU clock's mapping to ours at a recalibration (every second):
+ * how far a GPU end time may be off. */
+uint64_t sim_gpu_clock_drift(const struct sim_gpu *g);
 int sim_gpu_expect(struct sim_gpu *g, unsigned rank, const void *ptr, uint64_t bytes, uint64_t key);
 /* Compare what rank's queue holds, on the GPU: the number of blocks that differ (the queue is
  * emptied), *first_bad the queue index of the first of them. */

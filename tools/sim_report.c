@@ -315,7 +315,8 @@ static void print_text(const struct sim *s, const struct figures *g)
 
 /* The same as one JSON line; the tests read its fields by name. */
 
-/* The 10 slowest tails, each split into its stages (ns): [seq, tail, completion, seen, late]. */
+/* The 10 slowest tails, each split into its stages (ns): [seq, tail, completion, seen, late,
+ * its last layer-done from the run's start]. */
 static void slowest_json(const struct sim *s, FILE *f)
 {
         unsigned pick[10], n = 0;
@@ -332,8 +333,9 @@ static void slowest_json(const struct sim *s, FILE *f)
         }
         for (unsigned k = 0; k < n; k++) {
                 const struct sim_tail *t = &s->tails[pick[k]];
-                fprintf(f, "%s[%u,%llu,%llu,%lld,%d]", k ? "," : "", t->seq, (unsigned long long)t->ns,
-                        (unsigned long long)t->cns, (long long)t->seen_ns, t->late ? 1 : 0);
+                fprintf(f, "%s[%u,%llu,%llu,%lld,%d,%llu]", k ? "," : "", t->seq, (unsigned long long)t->ns,
+                        (unsigned long long)t->cns, (long long)t->seen_ns, t->late ? 1 : 0,
+                        (unsigned long long)t->at_ns);
         }
 }
 
@@ -393,7 +395,8 @@ static void write_json(const struct sim *s, const struct figures *g, const char 
                 (unsigned long long)s->unexpected_failures, g->strict ? "true" : "false", tf->seen.p50,
                 tf->seen.p99);
         slowest_json(s, f);
-        fprintf(f, "]}\n");
+        fprintf(f, "],\"gpu_clock_drift_max_ns\":%llu}\n",
+                s->sg ? (unsigned long long)sim_gpu_clock_drift(s->sg) : 0ull);
         fclose(f);
 }
 

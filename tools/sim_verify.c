@@ -128,7 +128,8 @@ static void maybe_done(struct sim *s, struct sim_req *r)
                                                                s->L.block_bytes * s->o.ranks,
                                     .late = r->late_task,
                                     .seen_ns = r->sender_last_ns ? (int64_t)(r->sender_last_ns - r->last_layer_ns) : 0,
-                                    .seq = r->seq};
+                                    .seq = r->seq,
+                                    .at_ns = r->last_layer_ns > s->t_start ? r->last_layer_ns - s->t_start : 0};
                         }
                 }
         } else {

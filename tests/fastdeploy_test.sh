@@ -19,14 +19,11 @@ T=(timeout 150 "$ROOT/tests/python_run.sh" "$ROOT/tests/fastdeploy_test.py")
 # GPU caches in FastDeploy's own format (one allocation per tensor, cudaIpcMemHandle records),
 # where a GPU is visible and the build has CUDA: one rank, decode on the same GPU as prefill
 # (FD_IPC_APPEND_SUFFIX) unless KVF_TEST_GPUS says there are two.
-# The messager refuses these caches unless KVFERRY_FD_GPU=1 (one block of one request differed
-# in a run on the H200): this part runs only when KVF_TEST_FASTDEPLOY_GPU=1 asks for it.
-if [ "${KVF_TEST_FASTDEPLOY_GPU:-0}" = 1 ] && command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 &&
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 &&
   [ -e "$B/gpu/libkvf_gpu.a" ]; then
-  export KVFERRY_FD_GPU=1
   "${T[@]}" --gpu --tp 1 --mode per_chunk --protocol ipc --requests 40 --faults || fail "GPU, ipc"
   "${T[@]}" --gpu --tp 1 --mode per_query --protocol tcp --requests 20 || fail "GPU, tcp"
 else
-  echo "GPU part skipped: not asked for (KVF_TEST_FASTDEPLOY_GPU=1), no GPU visible, or a build without CUDA"
+  echo "GPU part skipped: no GPU visible, or a build without CUDA"
 fi
 pass "fastdeploy: both signal modes, ipc and tcp, through FastDeploy's interfaces"

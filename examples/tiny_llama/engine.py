@@ -170,6 +170,8 @@ class Side:
         return {"dest": dest, "session": self.client.session}
 
     def decode(self, rid, first_token, n_gen, keep=0):
+        if rid not in self.tables:
+            raise Fail("%s: no blocks reserved for it (reserve comes first)" % rid)
         held, dest, prompt_len = self.tables.pop(rid)
         table = held + dest
         ev = self.wait_event(rid)

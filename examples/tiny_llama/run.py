@@ -142,6 +142,24 @@ def disaggregated(reqs, transport, pre, dec, decode_instance, tag):
     return out
 
 
+def user_errors(pre, dec, decode_instance):
+    """Commands an engine must refuse with a message, going on working after them."""
+    cases = ((dec, "decode", {"rid": "never-reserved", "first_token": 0, "n_gen": 2},
+              "no blocks reserved"),
+             (pre, "prefill", {"rid": "bad-prefix", "tokens": [1, 2, 3], "dest": [0],
+                               "peer": decode_instance, "peer_session": 0, "transport": "ipc",
+                               "prefix": {"rid": "nobody", "blocks": 1}}, "not kept here"),
+             (dec, "reserve", {"rid": "too-long", "prompt_len": 1 << 30}, "cache full"))
+    for proc, op, kw, want in cases:
+        try:
+            proc.call(op, **kw)
+        except RuntimeError as e:
+            if want not in str(e):
+                raise SystemExit("FAIL: %s %r: %s, not '%s'" % (op, kw["rid"], e, want))
+            continue
+        raise SystemExit("FAIL: %s %r was not refused" % (op, kw["rid"]))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--prefill")
@@ -169,6 +187,7 @@ def main():
     distinct = len({tuple(t) for t, _ in ref.values()})
     pre = EngineProc("prefill", a.prefill, a.caches)
     dec = EngineProc("decode", a.decode, a.caches)
+    user_errors(pre, dec, a.decode)
     bad, moved, t_dis = [], 0, {}
     transports = [t for t in a.transports.split(",") if t]
     for transport in transports:

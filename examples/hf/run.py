@@ -1,0 +1,462 @@
+#!/usr/bin/env python3
+"""Hugging Face transformers models' KV caches carried by kvferry on GPU caches, token-exact.
+
+    python3 examples/hf/run.py --model llama|qwen2|deepseek-v3 [--transport ipc|tcp]
+                               [--prompts 20] [--gen 16]
+
+Builds a small model of the family from its config with seeded random weights (no download),
+bf16 on CUDA, attention "eager". Starts a prefill and a decode kvferry instance on GPU caches
+(`tools/kvferry up --backend cuda`, the model's cache layout; or uses --prefill/--decode
+instances already up), a prefill engine and a decode engine (this script with --serve), and
+for each prompt:
+
+  - the decode engine reserves blocks of its paged cache and hands them over with its session;
+  - the prefill engine submits the task and runs the prompt through the model with a
+    DynamicCache; a forward hook on each decoder layer copies that layer's K and V from the
+    DynamicCache into its blocks of kvferry's paged cache (torch, on the current stream) and
+    publishes the layer with layer_done_on_stream(); the first token is the argmax of the
+    prompt's last logits;
+  - the decode engine takes the arrival, builds a DynamicCache from the received blocks and
+    generates greedily from the first token.
+
+The reference is this process: the same model (same seed), model.generate(do_sample=False) per
+prompt. Every prompt's tokens must equal the reference's, and the decode side's K and V of the
+prompt must equal bit for bit those of a prefill in this process; exit 1 naming each mismatch,
+77 (skipped) without torch, transformers or a GPU.
+
+DeepSeek-V3 (MLA): transformers caches, per layer, the up-projected K (qk_nope_head_dim +
+qk_rope_head_dim per head) and V (v_head_dim per head) of every attention head, not the
+compressed latent. Those are what this script transports, as K and V of num_attention_heads
+heads; V is zero-padded to K's head dim in kvferry's cache (one head dim per layout) and cut
+back on the decode side.
+"""
+import argparse
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import time
+
+# Deterministic cuBLAS (must be set before CUDA starts): the engines and the reference must
+# compute the same bits from the same inputs.
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.normpath(os.path.join(HERE, "..", ".."))
+MODELS = ("llama", "qwen2", "deepseek-v3")
+BLOCK_SIZE = 16
+LENGTHS = (1, 7, 16, 17, 31, 32, 33, 48, 50, 64, 65, 79, 96, 100, 111, 127, 128, 5, 40, 90)
+
+
+def need_torch():
+    try:
+        import kvferry  # noqa: F401
+    except ImportError:
+        sys.path.insert(0, os.path.join(ROOT, "python"))  # the repository's package
+    try:
+        import torch  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError as e:
+        print("skipped: %s (this script needs PyTorch and transformers)" % e)
+        sys.exit(77)
+
+
+def build_config(name):
+    import transformers as tf
+    common = dict(vocab_size=1024, hidden_size=256, intermediate_size=512,
+                  max_position_embeddings=2048, initializer_range=0.1, tie_word_embeddings=False,
+                  bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    if name == "llama":
+        cfg = tf.LlamaConfig(num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
+                             head_dim=32, **common)
+    elif name == "qwen2":
+        cfg = tf.Qwen2Config(num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
+                             use_sliding_window=False, **common)
+    elif name == "deepseek-v3":
+        cfg = tf.DeepseekV3Config(num_hidden_layers=3, num_attention_heads=8,
+                                  num_key_value_heads=8, moe_intermediate_size=128,
+                                  n_shared_experts=1, n_routed_experts=8, num_experts_per_tok=2,
+                                  n_group=2, topk_group=1, first_k_dense_replace=1,
+                                  q_lora_rank=64, kv_lora_rank=32, qk_nope_head_dim=32,
+                                  qk_rope_head_dim=16, v_head_dim=32, **common)
+    else:
+        raise SystemExit("--model: one of %s" % ", ".join(MODELS))
+    return cfg
+
+
+def kv_shape(name, cfg):
+    """(kv heads, K head dim, V head dim) of what the model's DynamicCache holds per layer."""
+    if name == "deepseek-v3":
+        return (cfg.num_attention_heads, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim,
+                cfg.v_head_dim)
+    hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return cfg.num_key_value_heads, hd, hd
+
+
+def instance_flags(name, cfg):
+    heads, kd, _ = kv_shape(name, cfg)
+    return ["--layers", str(cfg.num_hidden_layers), "--kv-heads", str(heads), "--head-dim",
+            str(kd), "--dtype", "bf16", "--block-size", str(BLOCK_SIZE)]
+
+
+def build_model(name, seed):
+    """The model, the same weights in every process: seeded init on the CPU in float32, then
+    bf16 on the GPU."""
+    import torch
+    import transformers as tf
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    cfg = build_config(name)
+    torch.manual_seed(seed)
+    model = tf.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
+    model = model.to(device="cuda", dtype=torch.bfloat16).eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return cfg, model
+
+
+def layer_kv(cache, layer):
+    """One layer's (K, V) [batch, heads, seq, dim] of a DynamicCache (transformers 5: .layers;
+    4.x: .key_cache / .value_cache)."""
+    if hasattr(cache, "layers"):
+        return cache.layers[layer].keys, cache.layers[layer].values
+    return cache.key_cache[layer], cache.value_cache[layer]
+
+
+def prefill_forward(model, tokens, on_layer=None):
+    """The prompt through the model with a fresh DynamicCache, as generate() runs it (an
+    attention mask of ones, logits of the last token only). on_layer(layer, cache) runs as each
+    decoder layer returns. Returns (first token, cache)."""
+    import torch
+    from transformers import DynamicCache
+    cache = DynamicCache()
+    ids = torch.tensor([tokens], device="cuda")
+    hooks = []
+    if on_layer is not None:
+        for i, layer in enumerate(model.model.layers):
+            hooks.append(layer.register_forward_hook(
+                lambda mod, args, out, i=i: on_layer(i, cache)))
+    try:
+        with torch.no_grad():
+            out = model(input_ids=ids, attention_mask=torch.ones_like(ids),
+                        past_key_values=cache, use_cache=True, logits_to_keep=1)
+    finally:
+        for h in hooks:
+            h.remove()
+    return int(torch.argmax(out.logits[0, -1].float())), cache
+
+
+def decode_greedy(model, cache, first, prompt_len, n):
+    """n tokens greedily from `first` at position prompt_len, as generate() steps (one token,
+    the attention mask of every position so far, its cache position)."""
+    import torch
+    out = [first]
+    with torch.no_grad():
+        for i in range(n - 1):
+            pos = prompt_len + i
+            ids = torch.tensor([[out[-1]]], device="cuda")
+            o = model(input_ids=ids, attention_mask=torch.ones(1, pos + 1, dtype=torch.long,
+                                                               device="cuda"),
+                      past_key_values=cache, use_cache=True, logits_to_keep=1,
+                      cache_position=torch.tensor([pos], device="cuda"))
+            out.append(int(torch.argmax(o.logits[0, -1].float())))
+    return out
+
+
+def digest(kvs, prompt_len):
+    """sha256 of every layer's K and V of positions [0, prompt_len) (bf16 bits)."""
+    import torch
+    h = hashlib.sha256()
+    for k, v in kvs:
+        for t in (k, v):
+            h.update(t[..., :prompt_len, :].contiguous().view(torch.int16).cpu().numpy()
+                     .tobytes())
+    return h.hexdigest()
+
+
+# -- the engines (--serve) -------------------------------------------------------------------
+
+class Served:
+    def __init__(self, role, instance, name, seed):
+        import torch
+        import kvferry
+        self.kvferry, self.role, self.name = kvferry, role, name
+        self.cfg, self.model = build_model(name, seed)
+        self.client = kvferry.Client(instance)
+        lo = self.client.layout
+        heads, self.kd, self.vd = kv_shape(name, self.cfg)
+        want = (self.cfg.num_hidden_layers, heads, BLOCK_SIZE, self.kd, "bf16")
+        have = (lo.num_layers, lo.kv_heads, lo.block_size, lo.head_dim, lo.dtype_name)
+        if want != have or self.client.device is None:
+            raise RuntimeError("instance %s has %r on %s; %s wants %d layers of %d heads x %d "
+                               "tokens x %d bf16 on a GPU: start it with --backend cuda %s"
+                               % (instance, lo, "host memory" if self.client.device is None else
+                                  "GPU %d" % self.client.device, name, *want[:4],
+                                  " ".join(instance_flags(name, self.cfg))))
+        dev = torch.device("cuda", self.client.device)
+        self.paged = [tuple(torch.as_tensor(self.client.tensor(layer, v), device=dev)
+                            .view(torch.bfloat16) for v in (0, 1))
+                      for layer in range(lo.num_layers)]
+        self.free = list(range(lo.num_blocks))
+        self.reserved = {}
+        self.early = {}
+        self.step = self.client.last_step
+
+    def alloc(self, n):
+        if n > len(self.free):
+            raise RuntimeError("cache full: %d blocks wanted, %d free" % (n, len(self.free)))
+        got, self.free = self.free[:n], self.free[n:]
+        return got
+
+    def wait_event(self, rid, timeout_s=60.0):
+        if rid in self.early:
+            return self.early.pop(rid)
+        end = time.monotonic() + timeout_s
+        while time.monotonic() < end:
+            ev = self.client.poll(timeout_ms=200)
+            if ev is None:
+                continue
+            if ev["request_id"] == rid:
+                return ev
+            self.early[ev["request_id"]] = ev
+        raise RuntimeError("%s: no event after %.0f s" % (rid, timeout_s))
+
+    def prefill(self, rid, tokens, dest, peer, peer_session, transport):
+        import torch
+        n = len(tokens)
+        table = self.alloc(-(-n // BLOCK_SIZE))
+        tab = torch.tensor(table, device="cuda")
+        pos = torch.arange(n, device="cuda")
+        blk, off = tab[pos // BLOCK_SIZE], pos % BLOCK_SIZE
+        self.step += 1
+        step = self.step
+        self.client.submit_task({"request_id": rid, "src_block_ids": table,
+                                 "dest_block_ids": dest, "current_id": step,
+                                 "transfer_protocol": transport, "peer": peer,
+                                 "peer_session": peer_session})
+        stream = torch.cuda.current_stream()
+
+        def on_layer(layer, cache):
+            k, v = layer_kv(cache, layer)  # [1, heads, n, dim]
+            if v.shape[-1] < self.kd:
+                v = torch.nn.functional.pad(v, (0, self.kd - v.shape[-1]))
+            pk, pv = self.paged[layer]
+            pk[blk, :, off] = k[0].transpose(0, 1)
+            pv[blk, :, off] = v[0].transpose(0, 1)
+            self.client.layer_done_on_stream(stream.cuda_stream, step, layer)
+
+        try:
+            first, _ = prefill_forward(self.model, tokens, on_layer)
+        except BaseException:
+            self.client.cancel(rid)
+            self.wait_event(rid)
+            self.free.extend(table)
+            raise
+        done = self.wait_event(rid)
+        self.free.extend(table)
+        return {"first_token": first, "status": done["status"], "reason": done["reason"],
+                "bytes": done["bytes"]}
+
+    def reserve(self, rid, prompt_len):
+        dest = self.alloc(-(-prompt_len // BLOCK_SIZE))
+        self.reserved[rid] = (dest, prompt_len)
+        return {"dest": dest, "session": self.client.session}
+
+    def decode(self, rid, first_token, n_gen):
+        import torch
+        from transformers import DynamicCache
+        if rid not in self.reserved:
+            raise RuntimeError("%s: no blocks reserved for it" % rid)
+        dest, n = self.reserved.pop(rid)
+        try:
+            ev = self.wait_event(rid)
+            if ev["status"] != "finished" or ev["dest_block_ids"] != dest:
+                raise RuntimeError("%s: arrival %s (%s), blocks %r for %r" % (
+                    rid, ev["status"], ev["reason"], ev["dest_block_ids"], dest))
+            tab = torch.tensor(dest, device="cuda")
+            cache, kvs = DynamicCache(), []
+            for layer, (pk, pv) in enumerate(self.paged):
+                # [blocks, heads, bs, dim] -> [1, heads, n, dim], a copy of the received blocks
+                k = pk[tab].permute(1, 0, 2, 3).reshape(pk.shape[1], -1, self.kd)[:, :n]
+                v = pv[tab].permute(1, 0, 2, 3).reshape(pv.shape[1], -1, self.kd)[:, :n,
+                                                                                  :self.vd]
+                k, v = k.unsqueeze(0).contiguous(), v.unsqueeze(0).contiguous()
+                cache.update(k, v, layer)
+                kvs.append((k, v))
+            d = digest(kvs, n)
+            tokens = decode_greedy(self.model, cache, first_token, n, n_gen)
+        finally:
+            self.free.extend(dest)
+        return {"tokens": tokens, "digest": d}
+
+
+def serve(a):
+    try:
+        s = Served(a.serve, a.instance, a.model, a.seed)
+    except Exception as e:  # noqa: BLE001 - told to the driver, which names it
+        print(json.dumps({"ok": False, "error": "%s: %s" % (type(e).__name__, e)}), flush=True)
+        return 1
+    ops = {"prefill": s.prefill} if a.serve == "prefill" else \
+        {"reserve": s.reserve, "decode": s.decode}
+    print(json.dumps({"ok": True, "session": s.client.session}), flush=True)
+    for line in sys.stdin:
+        try:
+            cmd = json.loads(line)
+            op = ops.get(cmd.pop("op", None))
+            if op is None:
+                raise RuntimeError("unknown command %r" % line.strip())
+            out = dict(op(**cmd), ok=True)
+        except Exception as e:  # noqa: BLE001 - the engine answers and goes on
+            out = {"ok": False, "error": "%s: %s" % (type(e).__name__, e)}
+        print(json.dumps(out), flush=True)
+    import torch
+    torch.cuda.synchronize()  # the stream's layer signals have run before the session ends
+    s.client.close()
+    return 0
+
+
+# -- the driver ------------------------------------------------------------------------------
+
+class EngineProc:
+    def __init__(self, role, instance, a):
+        self.role = role
+        self.p = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--serve", role,
+                                   "--instance", instance, "--model", a.model, "--seed",
+                                   str(a.seed)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                  text=True)
+        self._answer()
+
+    def _answer(self):
+        line = self.p.stdout.readline()
+        if not line:
+            raise SystemExit("FAIL: the %s engine ended (exit %s)" % (self.role, self.p.wait()))
+        ans = json.loads(line)
+        if not ans.get("ok"):
+            raise SystemExit("FAIL: %s engine: %s" % (self.role, ans.get("error")))
+        return ans
+
+    def call(self, op, **kw):
+        self.p.stdin.write(json.dumps(dict(kw, op=op)) + "\n")
+        self.p.stdin.flush()
+        return self._answer()
+
+    def close(self):
+        if self.p.poll() is None:
+            self.p.stdin.close()
+            self.p.wait(timeout=60)
+
+
+def kvferry_cli(*args):
+    r = subprocess.run([os.path.join(ROOT, "tools", "kvferry")] + list(args),
+                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if r.returncode:
+        raise SystemExit("FAIL: tools/kvferry %s: %s" % (" ".join(args), r.stderr.strip()))
+
+
+def drive(a):
+    import torch
+    cfg, model = build_model(a.model, a.seed)
+    g = torch.Generator().manual_seed(a.seed + 1)
+    prompts = [torch.randint(0, cfg.vocab_size, (LENGTHS[i % len(LENGTHS)] + i // len(LENGTHS),),
+                             generator=g).tolist() for i in range(a.prompts)]
+    # The reference: model.generate in this process, and the prompt's K/V of a prefill here.
+    t0 = time.monotonic()
+    ref = []
+    for p in prompts:
+        ids = torch.tensor([p], device="cuda")
+        with torch.no_grad():
+            seq = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                                 max_new_tokens=a.gen, do_sample=False)
+        first, cache = prefill_forward(model, p)
+        dg = digest([layer_kv(cache, i) for i in range(cfg.num_hidden_layers)], len(p))
+        # the engines' own loop in this process: tells a transport problem from a difference
+        # between that loop and generate()
+        ref.append((seq[0, len(p):].tolist(), dg, decode_greedy(model, cache, first, len(p),
+                                                                a.gen)))
+    t_ref = time.monotonic() - t0
+    del model
+    torch.cuda.empty_cache()
+
+    started = []
+    pname, dname = a.prefill, a.decode
+    try:
+        if not pname or not dname:
+            tag = "hf%d" % os.getpid()
+            pname, dname = tag + "-p", tag + "-d"
+            flags = instance_flags(a.model, cfg) + ["--backend", "cuda", "--blocks", "512"]
+            for name, role in ((dname, "decode"), (pname, "prefill")):
+                kvferry_cli("up", "--instance", name, "--role", role, *flags)
+                started.append(name)
+        pre, dec = EngineProc("prefill", pname, a), EngineProc("decode", dname, a)
+        bad, moved = [], 0
+        t0 = time.monotonic()
+        for i, p in enumerate(prompts):
+            rid = "hf-%d-%s-%s-%d" % (os.getpid(), a.model, a.transport, i)
+            res = dec.call("reserve", rid=rid, prompt_len=len(p))
+            pr = pre.call("prefill", rid=rid, tokens=p, dest=res["dest"], peer=dname,
+                          peer_session=res["session"], transport=a.transport)
+            if pr["status"] != "finished":
+                bad.append("prompt %d: completion %s (%s)" % (i, pr["status"], pr["reason"]))
+                continue
+            d = dec.call("decode", rid=rid, first_token=pr["first_token"], n_gen=a.gen)
+            moved += pr["bytes"]
+            if d["tokens"] != ref[i][0]:
+                bad.append("prompt %d (%d tokens): tokens %r, model.generate %r (%s)"
+                           % (i, len(p), d["tokens"], ref[i][0],
+                              "and the same prefill-and-decode loop in one process gave "
+                              "the engines' tokens: not a transport problem"
+                              if d["tokens"] == ref[i][2] else
+                              "the loop in one process gave %r" % (ref[i][2],)))
+            if d["digest"] != ref[i][1]:
+                bad.append("prompt %d: the decode side's K/V differ from a prefill in one "
+                           "process" % i)
+        t_dis = time.monotonic() - t0
+        pre.close()
+        dec.close()
+    finally:
+        for name in started:
+            kvferry_cli("down", "--instance", name)
+    for b in bad:
+        print("FAIL: %s %s: %s" % (a.model, a.transport, b))
+    if bad:
+        return 1
+    print("ok: %s over %s: %d prompts of %d-%d tokens, %d tokens each: equal to model.generate "
+          "in one process, the prompt's K/V bit-equal (%.1f MiB moved; reference %.1f s, "
+          "disaggregated %.1f s; torch %s, transformers %s)"
+          % (a.model, a.transport, len(prompts), min(map(len, prompts)),
+             max(map(len, prompts)), a.gen, moved / 2**20, t_ref, t_dis, torch.__version__,
+             __import__("transformers").__version__))
+    return 0
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", choices=MODELS, default="llama")
+    ap.add_argument("--transport", choices=("ipc", "tcp"), default="ipc")
+    ap.add_argument("--prompts", type=int, default=20)
+    ap.add_argument("--gen", type=int, default=16)
+    ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--prefill", help="a running prefill instance (default: start one)")
+    ap.add_argument("--decode", help="a running decode instance (default: start one)")
+    ap.add_argument("--instance-flags", action="store_true",
+                    help="print the `tools/kvferry up` shape flags of --model's cache and exit")
+    ap.add_argument("--serve", choices=("prefill", "decode"), help=argparse.SUPPRESS)
+    ap.add_argument("--instance", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    need_torch()
+    if a.instance_flags:
+        print(" ".join(instance_flags(a.model, build_config(a.model))))
+        return 0
+    if a.serve:
+        return serve(a)
+    if a.prompts < 1 or a.gen < 1:
+        ap.error("--prompts and --gen must be at least 1")
+    import torch
+    if not torch.cuda.is_available():
+        print("skipped: no GPU visible to torch")
+        return 77
+    return drive(a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

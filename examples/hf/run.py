@@ -174,6 +174,60 @@ def digest(kvs, prompt_len):
     return h.hexdigest()
 
 
+def write_layer(paged, kv, blk, off):
+    """One layer's K and V [1, heads, n, dim] (a DynamicCache's) into paged (K, V) [blocks,
+    heads, block_size, dim] at blocks blk, offsets off (one each per position). A V narrower
+    than the cache's head dim (MLA) is zero-padded."""
+    import torch
+    (pk, pv), (k, v) = paged, kv
+    if v.shape[-1] < pv.shape[-1]:
+        v = torch.nn.functional.pad(v, (0, pv.shape[-1] - v.shape[-1]))
+    pk[blk, :, off] = k[0].transpose(0, 1)
+    pv[blk, :, off] = v[0].transpose(0, 1)
+
+
+def cache_from_blocks(paged, table, n, v_dim):
+    """A DynamicCache of positions [0, n) from the blocks `table` of the paged cache (a copy);
+    V cut back to v_dim. Returns (cache, [(K, V) per layer])."""
+    import torch
+    from transformers import DynamicCache
+    tab = torch.tensor(table, device="cuda")
+    cache, kvs = DynamicCache(), []
+    for layer, (pk, pv) in enumerate(paged):
+        heads, dim = pk.shape[1], pk.shape[3]
+        # [blocks, heads, bs, dim] -> [1, heads, n, dim]
+        k = pk[tab].permute(1, 0, 2, 3).reshape(heads, -1, dim)[:, :n]
+        v = pv[tab].permute(1, 0, 2, 3).reshape(heads, -1, dim)[:, :n, :v_dim]
+        k, v = k.unsqueeze(0).contiguous(), v.unsqueeze(0).contiguous()
+        cache.update(k, v, layer)
+        kvs.append((k, v))
+    return cache, kvs
+
+
+def local_run(cfg, model, name, prompts, gen):
+    """The engines' path without kvferry, in this process: prefill into a paged cache of this
+    process's GPU memory through the same hooks, a DynamicCache from its blocks, the same
+    greedy loop. Returns [(tokens, digest)] per prompt."""
+    import torch
+    heads, kd, vd = kv_shape(name, cfg)
+    nb = max(-(-len(p) // BLOCK_SIZE) for p in prompts) + 3
+    paged = [tuple(torch.zeros((nb, heads, BLOCK_SIZE, kd), dtype=torch.bfloat16,
+                               device="cuda") for _ in (0, 1))
+             for _ in range(cfg.num_hidden_layers)]
+    out = []
+    for p in prompts:
+        n = len(p)
+        table = list(range(nb - 1, nb - 1 - -(-n // BLOCK_SIZE), -1))  # scattered: reversed
+        tab = torch.tensor(table, device="cuda")
+        pos = torch.arange(n, device="cuda")
+        blk, off = tab[pos // BLOCK_SIZE], pos % BLOCK_SIZE
+        first, _ = prefill_forward(model, p, lambda layer, c: write_layer(
+            paged[layer], layer_kv(c, layer), blk, off))
+        cache, kvs = cache_from_blocks(paged, table, n, vd)
+        out.append((decode_greedy(model, cache, first, n, gen), digest(kvs, n)))
+    return out
+
+
 # -- the engines (--serve) -------------------------------------------------------------------
 
 class Served:
@@ -237,12 +291,7 @@ class Served:
         stream = torch.cuda.current_stream()
 
         def on_layer(layer, cache):
-            k, v = layer_kv(cache, layer)  # [1, heads, n, dim]
-            if v.shape[-1] < self.kd:
-                v = torch.nn.functional.pad(v, (0, self.kd - v.shape[-1]))
-            pk, pv = self.paged[layer]
-            pk[blk, :, off] = k[0].transpose(0, 1)
-            pv[blk, :, off] = v[0].transpose(0, 1)
+            write_layer(self.paged[layer], layer_kv(cache, layer), blk, off)
             self.client.layer_done_on_stream(stream.cuda_stream, step, layer)
 
         try:
@@ -263,8 +312,6 @@ class Served:
         return {"dest": dest, "session": self.client.session}
 
     def decode(self, rid, first_token, n_gen):
-        import torch
-        from transformers import DynamicCache
         if rid not in self.reserved:
             raise RuntimeError("%s: no blocks reserved for it" % rid)
         dest, n = self.reserved.pop(rid)
@@ -273,16 +320,7 @@ class Served:
             if ev["status"] != "finished" or ev["dest_block_ids"] != dest:
                 raise RuntimeError("%s: arrival %s (%s), blocks %r for %r" % (
                     rid, ev["status"], ev["reason"], ev["dest_block_ids"], dest))
-            tab = torch.tensor(dest, device="cuda")
-            cache, kvs = DynamicCache(), []
-            for layer, (pk, pv) in enumerate(self.paged):
-                # [blocks, heads, bs, dim] -> [1, heads, n, dim], a copy of the received blocks
-                k = pk[tab].permute(1, 0, 2, 3).reshape(pk.shape[1], -1, self.kd)[:, :n]
-                v = pv[tab].permute(1, 0, 2, 3).reshape(pv.shape[1], -1, self.kd)[:, :n,
-                                                                                  :self.vd]
-                k, v = k.unsqueeze(0).contiguous(), v.unsqueeze(0).contiguous()
-                cache.update(k, v, layer)
-                kvs.append((k, v))
+            cache, kvs = cache_from_blocks(self.paged, dest, n, self.vd)
             d = digest(kvs, n)
             tokens = decode_greedy(self.model, cache, first_token, n, n_gen)
         finally:
@@ -374,6 +412,21 @@ def drive(a):
         ref.append((seq[0, len(p):].tolist(), dg, decode_greedy(model, cache, first, len(p),
                                                                 a.gen)))
     t_ref = time.monotonic() - t0
+    if a.local:
+        bad = []
+        for i, (tokens, dg) in enumerate(local_run(cfg, model, a.model, prompts, a.gen)):
+            if tokens != ref[i][0] or dg != ref[i][1]:
+                bad.append("prompt %d (%d tokens): paged path %r %s, generate %r, loop %r" % (
+                    i, len(prompts[i]), tokens, "K/V equal" if dg == ref[i][1] else
+                    "K/V differ", ref[i][0], ref[i][2]))
+        for b in bad:
+            print("FAIL: %s local: %s" % (a.model, b))
+        if not bad:
+            print("ok: %s local (no kvferry): %d prompts through a paged cache of this "
+                  "process's memory equal to model.generate, K/V bit-equal (torch %s, "
+                  "transformers %s)" % (a.model, len(prompts), torch.__version__,
+                                        __import__("transformers").__version__))
+        return 1 if bad else 0
     del model
     torch.cuda.empty_cache()
 
@@ -438,6 +491,9 @@ def main():
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--prefill", help="a running prefill instance (default: start one)")
     ap.add_argument("--decode", help="a running decode instance (default: start one)")
+    ap.add_argument("--local", action="store_true",
+                    help="no kvferry: the engines' path (hooks into a paged cache, a "
+                    "DynamicCache from its blocks) in this process, against model.generate")
     ap.add_argument("--instance-flags", action="store_true",
                     help="print the `tools/kvferry up` shape flags of --model's cache and exit")
     ap.add_argument("--serve", choices=("prefill", "decode"), help=argparse.SUPPRESS)

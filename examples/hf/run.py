@@ -24,11 +24,14 @@ prompt. Every prompt's tokens must equal the reference's, and the decode side's 
 prompt must equal bit for bit those of a prefill in this process; exit 1 naming each mismatch,
 77 (skipped) without torch, transformers or a GPU.
 
-DeepSeek-V3 (MLA): transformers caches, per layer, the up-projected K (qk_nope_head_dim +
-qk_rope_head_dim per head) and V (v_head_dim per head) of every attention head, not the
-compressed latent. Those are what this script transports, as K and V of num_attention_heads
-heads; V is zero-padded to K's head dim in kvferry's cache (one head dim per layout) and cut
-back on the decode side.
+What is moved is what the model's DynamicCache holds, read from a one-token forward pass
+(class Geometry). DeepSeek-V3 (MLA): transformers 5 caches per layer the compressed latent
+(the normalised kv_lora_rank vector, as "keys") and the rotary key (qk_rope_head_dim, as
+"values") of a single head; these travel in one key-only tensor, each token's latent and rotary
+key side by side, as kvferry's deepseek-v3-mla layout holds MLA's cache (`--key-only`), and the
+decode side splits them again. transformers 4.x cached the up-projected per-head K
+(qk_nope_head_dim + qk_rope_head_dim) and V (v_head_dim) instead: those travel as K and V of
+num_attention_heads heads, V zero-padded to K's head dim and cut back on the decode side.
 """
 import argparse
 import hashlib
@@ -85,19 +88,48 @@ def build_config(name):
     return cfg
 
 
-def kv_shape(name, cfg):
-    """(kv heads, K head dim, V head dim) of what the model's DynamicCache holds per layer."""
-    if name == "deepseek-v3":
-        return (cfg.num_attention_heads, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim,
-                cfg.v_head_dim)
-    hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    return cfg.num_key_value_heads, hd, hd
+class Geometry:
+    """What the model's DynamicCache holds per layer, read from the cache of a one-token
+    forward pass (it differs between transformers releases: DeepSeek-V3's MLA caches the
+    up-projected per-head K and V in 4.x, the compressed latent in 5.x), and kvferry's layout
+    for it:
 
+    - K and V of `heads` heads (Llama, Qwen2; DeepSeek-V3 up-projected): two tensors per layer,
+      head_dim the larger of K's and V's (the narrower one zero-padded, cut back on decode);
+    - a single-head latent (DeepSeek-V3 in transformers 5: "keys" the normalised kv_lora_rank
+      latent, "values" the rotary key of qk_rope_head_dim): one key-only tensor per layer, each
+      token's latent and rotary key side by side (kv_lora_rank + qk_rope_head_dim), as
+      kvferry's deepseek-v3-mla layout holds MLA's cache."""
 
-def instance_flags(name, cfg):
-    heads, kd, _ = kv_shape(name, cfg)
-    return ["--layers", str(cfg.num_hidden_layers), "--kv-heads", str(heads), "--head-dim",
-            str(kd), "--dtype", "bf16", "--block-size", str(BLOCK_SIZE)]
+    def __init__(self, model):
+        import torch
+        from transformers import DynamicCache
+        cache = DynamicCache()
+        dev = next(model.parameters()).device
+        with torch.no_grad():
+            model(input_ids=torch.tensor([[1]], device=dev), past_key_values=cache,
+                  use_cache=True)
+        k, v = layer_kv(cache, 0)
+        if k.shape[1] != v.shape[1]:
+            raise RuntimeError("the cache holds K of %d heads and V of %d" % (k.shape[1],
+                                                                              v.shape[1]))
+        self.layers, self.heads = len(cache.layers) if hasattr(cache, "layers") else \
+            len(cache.key_cache), k.shape[1]
+        self.kd, self.vd = k.shape[-1], v.shape[-1]
+        self.key_only = self.heads == 1 and self.kd != self.vd
+        self.head_dim = self.kd + self.vd if self.key_only else max(self.kd, self.vd)
+        self.tensors = 1 if self.key_only else 2
+
+    def flags(self):
+        """`tools/kvferry up` flags of this layout."""
+        return ["--layers", str(self.layers), "--kv-heads", str(self.heads), "--head-dim",
+                str(self.head_dim), "--dtype", "bf16", "--block-size", str(BLOCK_SIZE)] + \
+            (["--key-only"] if self.key_only else [])
+
+    def __repr__(self):
+        return "%d layers: %s" % (self.layers, (
+            "a latent of %d + %d per token (key-only)" % (self.kd, self.vd) if self.key_only
+            else "K of %d x %d, V of %d x %d" % (self.heads, self.kd, self.heads, self.vd)))
 
 
 def build_model(name, seed):
@@ -175,29 +207,37 @@ def digest(kvs, prompt_len):
 
 
 def write_layer(paged, kv, blk, off):
-    """One layer's K and V [1, heads, n, dim] (a DynamicCache's) into paged (K, V) [blocks,
-    heads, block_size, dim] at blocks blk, offsets off (one each per position). A V narrower
-    than the cache's head dim (MLA) is zero-padded."""
+    """One layer's K and V [1, heads, n, dim] (a DynamicCache's) into its paged tensors
+    [blocks, heads, block_size, head_dim] at blocks blk, offsets off (one each per position):
+    (K, V), the narrower zero-padded; or (latent,) key-only, K and V side by side."""
     import torch
-    (pk, pv), (k, v) = paged, kv
-    if v.shape[-1] < pv.shape[-1]:
-        v = torch.nn.functional.pad(v, (0, pv.shape[-1] - v.shape[-1]))
-    pk[blk, :, off] = k[0].transpose(0, 1)
-    pv[blk, :, off] = v[0].transpose(0, 1)
+    k, v = kv
+    if len(paged) == 1:
+        paged[0][blk, :, off] = torch.cat((k, v), dim=-1)[0].transpose(0, 1)
+        return
+    for t, x in zip(paged, (k, v)):
+        if x.shape[-1] < t.shape[-1]:
+            x = torch.nn.functional.pad(x, (0, t.shape[-1] - x.shape[-1]))
+        t[blk, :, off] = x[0].transpose(0, 1)
 
 
-def cache_from_blocks(paged, table, n, v_dim):
-    """A DynamicCache of positions [0, n) from the blocks `table` of the paged cache (a copy);
-    V cut back to v_dim. Returns (cache, [(K, V) per layer])."""
+def cache_from_blocks(paged, table, n, geo):
+    """A DynamicCache of positions [0, n) from the blocks `table` of the paged cache (a copy),
+    K and V cut back to what the model caches. Returns (cache, [(K, V) per layer])."""
     import torch
     from transformers import DynamicCache
     tab = torch.tensor(table, device="cuda")
     cache, kvs = DynamicCache(), []
-    for layer, (pk, pv) in enumerate(paged):
-        heads, dim = pk.shape[1], pk.shape[3]
-        # [blocks, heads, bs, dim] -> [1, heads, n, dim]
-        k = pk[tab].permute(1, 0, 2, 3).reshape(heads, -1, dim)[:, :n]
-        v = pv[tab].permute(1, 0, 2, 3).reshape(heads, -1, dim)[:, :n, :v_dim]
+
+    def seq(t):  # [blocks, heads, bs, dim] -> [1, heads, n, dim]
+        return t[tab].permute(1, 0, 2, 3).reshape(t.shape[1], -1, t.shape[3])[:, :n]
+
+    for layer, tensors in enumerate(paged):
+        if geo.key_only:
+            x = seq(tensors[0])
+            k, v = x[..., :geo.kd], x[..., geo.kd:geo.kd + geo.vd]
+        else:
+            k, v = seq(tensors[0])[..., :geo.kd], seq(tensors[1])[..., :geo.vd]
         k, v = k.unsqueeze(0).contiguous(), v.unsqueeze(0).contiguous()
         cache.update(k, v, layer)
         kvs.append((k, v))
@@ -209,11 +249,11 @@ def local_run(cfg, model, name, prompts, gen):
     process's GPU memory through the same hooks, a DynamicCache from its blocks, the same
     greedy loop. Returns [(tokens, digest)] per prompt."""
     import torch
-    heads, kd, vd = kv_shape(name, cfg)
+    geo = Geometry(model)
     nb = max(-(-len(p) // BLOCK_SIZE) for p in prompts) + 3
-    paged = [tuple(torch.zeros((nb, heads, BLOCK_SIZE, kd), dtype=torch.bfloat16,
-                               device="cuda") for _ in (0, 1))
-             for _ in range(cfg.num_hidden_layers)]
+    paged = [tuple(torch.zeros((nb, geo.heads, BLOCK_SIZE, geo.head_dim), dtype=torch.bfloat16,
+                               device="cuda") for _ in range(geo.tensors))
+             for _ in range(geo.layers)]
     out = []
     for p in prompts:
         n = len(p)
@@ -223,7 +263,7 @@ def local_run(cfg, model, name, prompts, gen):
         blk, off = tab[pos // BLOCK_SIZE], pos % BLOCK_SIZE
         first, _ = prefill_forward(model, p, lambda layer, c: write_layer(
             paged[layer], layer_kv(c, layer), blk, off))
-        cache, kvs = cache_from_blocks(paged, table, n, vd)
+        cache, kvs = cache_from_blocks(paged, table, n, geo)
         out.append((decode_greedy(model, cache, first, n, gen), digest(kvs, n)))
     return out
 
@@ -238,18 +278,19 @@ class Served:
         self.cfg, self.model = build_model(name, seed)
         self.client = kvferry.Client(instance)
         lo = self.client.layout
-        heads, self.kd, self.vd = kv_shape(name, self.cfg)
-        want = (self.cfg.num_hidden_layers, heads, BLOCK_SIZE, self.kd, "bf16")
-        have = (lo.num_layers, lo.kv_heads, lo.block_size, lo.head_dim, lo.dtype_name)
-        if want != have or self.client.device is None:
-            raise RuntimeError("instance %s has %r on %s; %s wants %d layers of %d heads x %d "
-                               "tokens x %d bf16 on a GPU: start it with --backend cuda %s"
-                               % (instance, lo, "host memory" if self.client.device is None else
-                                  "GPU %d" % self.client.device, name, *want[:4],
-                                  " ".join(instance_flags(name, self.cfg))))
+        self.geo = geo = Geometry(self.model)
+        want = (geo.layers, geo.heads, BLOCK_SIZE, geo.head_dim, "bf16", geo.key_only)
+        have = (lo.num_layers, lo.kv_heads, lo.block_size, lo.head_dim, lo.dtype_name,
+                bool(lo.key_only))
+        if want != have or lo.extra_layers or self.client.device is None:
+            raise RuntimeError("instance %s has %r on %s; %s caches %r: start it with "
+                               "--backend cuda %s" % (
+                                   instance, lo, "host memory" if self.client.device is None
+                                   else "GPU %d" % self.client.device, name, geo,
+                                   " ".join(geo.flags())))
         dev = torch.device("cuda", self.client.device)
         self.paged = [tuple(torch.as_tensor(self.client.tensor(layer, v), device=dev)
-                            .view(torch.bfloat16) for v in (0, 1))
+                            .view(torch.bfloat16) for v in range(geo.tensors))
                       for layer in range(lo.num_layers)]
         self.free = list(range(lo.num_blocks))
         self.reserved = {}
@@ -320,7 +361,7 @@ class Served:
             if ev["status"] != "finished" or ev["dest_block_ids"] != dest:
                 raise RuntimeError("%s: arrival %s (%s), blocks %r for %r" % (
                     rid, ev["status"], ev["reason"], ev["dest_block_ids"], dest))
-            cache, kvs = cache_from_blocks(self.paged, dest, n, self.vd)
+            cache, kvs = cache_from_blocks(self.paged, dest, n, self.geo)
             d = digest(kvs, n)
             tokens = decode_greedy(self.model, cache, first_token, n, n_gen)
         finally:
@@ -412,6 +453,7 @@ def drive(a):
         ref.append((seq[0, len(p):].tolist(), dg, decode_greedy(model, cache, first, len(p),
                                                                 a.gen)))
     t_ref = time.monotonic() - t0
+    geo = Geometry(model)
     if a.local:
         bad = []
         for i, (tokens, dg) in enumerate(local_run(cfg, model, a.model, prompts, a.gen)):
@@ -436,7 +478,7 @@ def drive(a):
         if not pname or not dname:
             tag = "hf%d" % os.getpid()
             pname, dname = tag + "-p", tag + "-d"
-            flags = instance_flags(a.model, cfg) + ["--backend", "cuda", "--blocks", "512"]
+            flags = geo.flags() + ["--backend", "cuda", "--blocks", "512"]
             for name, role in ((dname, "decode"), (pname, "prefill")):
                 kvferry_cli("up", "--instance", name, "--role", role, *flags)
                 started.append(name)
@@ -501,7 +543,10 @@ def main():
     a = ap.parse_args()
     need_torch()
     if a.instance_flags:
-        print(" ".join(instance_flags(a.model, build_config(a.model))))
+        import transformers as tf
+        # the cache's shapes only: a float32 model on the CPU, no GPU needed
+        print(" ".join(Geometry(tf.AutoModelForCausalLM.from_config(
+            build_config(a.model), attn_implementation="eager")).flags()))
         return 0
     if a.serve:
         return serve(a)

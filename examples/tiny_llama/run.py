@@ -218,7 +218,8 @@ def main():
     print("ok: tiny_llama (%d layers, %d/%d heads, caches %s): %d requests x %s = %d: tokens "
           "equal to the single process's and the prompt's K/V bit-equal, every one (%d prompts "
           "of %d-%d tokens, a decode-side prefix hit of %d blocks, 2 chunked prefills; %d "
-          "tokens each, %d distinct sequences); %.1f MiB moved; reference %.1f s, %s"
+          "tokens each, %d distinct sequences); 3 bad commands refused; %.1f MiB moved; "
+          "reference %.1f s, %s"
           % (cfg.layers, cfg.heads, cfg.kv_heads, a.caches, n, "{%s}" % ",".join(transports),
              n * len(transports), a.prompts, min(lens), max(lens),
              next((r["prefix"]["blocks"] for r in reqs if r["prefix"]), 0), a.gen, distinct,

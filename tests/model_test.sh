@@ -15,17 +15,22 @@ export PYTHONPATH="$ROOT/python"
 RUN=("$ROOT/tests/python_run.sh" "$ROOT/examples/tiny_llama/run.py")
 # The model's cache layout (layers, kv heads, head dim, dtype, block size), from the model.
 read -r -a SHAPE <<<"$("${RUN[@]}" --instance-flags)"
-# The engines' own caches (kvferry.host_buffer + Client.register_caches) where the package
-# has them; else the allocator's.
-CACHES=own
-if [ "${KVF_MODEL_CACHES:-auto}" = engine ] ||
-  { [ "${KVF_MODEL_CACHES:-auto}" = auto ] &&
-    "${RUN[0]}" -c 'import kvferry, sys; sys.exit(not hasattr(kvferry, "host_buffer"))' 2>/dev/null; }; then
-  CACHES=engine
+# The caches: the allocator's (own), and the engines' own (kvferry.host_buffer +
+# Client.register_caches, instances up with --caches engine) where the package has them.
+# KVF_MODEL_CACHES="own engine" (or one of them) chooses.
+MODES=${KVF_MODEL_CACHES:-}
+if [ -z "$MODES" ]; then
+  MODES=own
+  if "${RUN[0]}" -c 'import kvferry, sys; sys.exit(not hasattr(kvferry, "host_buffer"))' 2>/dev/null; then
+    MODES="own engine"
+  fi
 fi
-UP_CACHES=()
-[ $CACHES = own ] || UP_CACHES=(--caches engine)
-up $TAG-md --role decode "${SHAPE[@]}" --blocks 512 "${UP_CACHES[@]}"
-up $TAG-mp --role prefill "${SHAPE[@]}" --blocks 512 "${UP_CACHES[@]}"
-"${RUN[@]}" --prefill $TAG-mp --decode $TAG-md --transports ipc,tcp --prompts 20 --caches $CACHES ||
-  fail "the tiny Llama through kvferry"
+for mode in $MODES; do
+  UP_CACHES=()
+  [ "$mode" = own ] || UP_CACHES=(--caches "$mode")
+  up $TAG-$mode-d --role decode "${SHAPE[@]}" --blocks 512 "${UP_CACHES[@]}"
+  up $TAG-$mode-p --role prefill "${SHAPE[@]}" --blocks 512 "${UP_CACHES[@]}"
+  "${RUN[@]}" --prefill $TAG-$mode-p --decode $TAG-$mode-d --transports ipc,tcp --prompts 20 \
+    --caches "$mode" || fail "the tiny Llama through kvferry, caches $mode"
+  down $TAG-$mode-p; down $TAG-$mode-d
+done

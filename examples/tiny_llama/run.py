@@ -185,8 +185,12 @@ def main():
     ref = reference(cfg, Weights(cfg), reqs)
     t_ref = time.monotonic() - t0
     distinct = len({tuple(t) for t, _ in ref.values()})
-    pre = EngineProc("prefill", a.prefill, a.caches)
-    dec = EngineProc("decode", a.decode, a.caches)
+    try:
+        pre = EngineProc("prefill", a.prefill, a.caches)
+        dec = EngineProc("decode", a.decode, a.caches)
+    except RuntimeError as e:
+        print("FAIL: %s" % e)
+        return 1
     user_errors(pre, dec, a.decode)
     bad, moved, t_dis = [], 0, {}
     transports = [t for t in a.transports.split(",") if t]

@@ -127,8 +127,11 @@ class Side:
                 keep=0):
         eng, bs = self.eng, self.cfg.block_size
         held = self.held(prefix)
-        table = held + eng.alloc(eng.blocks_for(len(tokens)) - len(held))
         start = len(held) * bs
+        if start >= len(tokens):
+            raise Fail("%s: a prefix of %d tokens leaves nothing of its %d to compute"
+                       % (rid, start, len(tokens)))
+        table = held + eng.alloc(eng.blocks_for(len(tokens)) - len(held))
         pieces = [(lo, min(lo + chunk, len(tokens))) for lo in range(start, len(tokens), chunk)] \
             if chunk else [(start, len(tokens))]
         first_step = self.step + 1

@@ -294,9 +294,11 @@ build_image() {
   while IFS= read -r a; do
     [ -e "$IMG/$a" ] || [ -L "$IMG/$a" ] || ln -s /usr/bin/busybox "$IMG/$a"
   done < <(/bin/busybox --list-full | sed 's,^usr/,,; s,^,usr/,')
-  # Threads unwind through libgcc_s, which glibc dlopens: ldd never lists it.
+  # Threads unwind through libgcc_s, which glibc dlopens: ldd never lists it. awk reads to the
+  # end: an early exit would kill ldconfig with SIGPIPE (and this script, under pipefail) once
+  # the cache's listing outgrows the pipe (python3-torch's libraries make it over 64 KiB).
   local gcc_s
-  gcc_s=$(/sbin/ldconfig -p 2>/dev/null | awk '$1 == "libgcc_s.so.1" && /x86-64/ {print $NF; exit}')
+  gcc_s=$(/sbin/ldconfig -p 2>/dev/null | awk '$1 == "libgcc_s.so.1" && /x86-64/ && !f {print $NF; f = 1}')
   add_elf "${gcc_s:-$LIBDIR/libgcc_s.so.1}" "$LIBDIR/libgcc_s.so.1"
   # libibverbs finds its providers through /etc/libibverbs.d and dlopens them.
   copy_in /etc/libibverbs.d/rxe.driver /etc/libibverbs.d/rxe.driver

@@ -1291,9 +1291,21 @@ static void requeue_first(struct peer *p, struct notice *n)
  */
 #define UNIX_ONE_BUFFER 2048u
 
+/* A/B switches of bench/tail_ab.sh (ENV_A, ENV_B): KVF_AB_ROOM_CHECK_ALL=1 checks the room
+ * for every frame, KVF_AB_NO_DIRECT_NOTICES=1 hands every notice to the I/O thread. */
+static bool ab_room_check_all, ab_no_direct;
+
+__attribute__((constructor)) static void ab_switches(void)
+{
+        const char *v = getenv("KVF_AB_ROOM_CHECK_ALL");
+        ab_room_check_all = v && !strcmp(v, "1");
+        v = getenv("KVF_AB_NO_DIRECT_NOTICES");
+        ab_no_direct = v && !strcmp(v, "1");
+}
+
 static bool has_room(const struct peer *p, int fd, uint32_t len)
 {
-        if (p->unix_stream && len <= UNIX_ONE_BUFFER - KVF_FRAME_HDR)
+        if (!ab_room_check_all && p->unix_stream && len <= UNIX_ONE_BUFFER - KVF_FRAME_HDR)
                 return true;
         int queued = 0, sndbuf = 0;
         socklen_t sl = sizeof(sndbuf);
@@ -1348,7 +1360,7 @@ void conn_peer_enqueue(struct peer *p, struct notice *n)
         pthread_mutex_lock(&p->mu);
         int fd = p->fd;
         uint64_t conn = p->conn;
-        bool direct = fd >= 0 && !p->queue && !n->abort_notice;
+        bool direct = !ab_no_direct && fd >= 0 && !p->queue && !n->abort_notice;
         if (direct) {
                 /* In flight before it is sent: its ack can come back at once. */
                 n->next = p->inflight;

@@ -291,9 +291,18 @@ static void flush_slot(struct sender *s, uint32_t i)
  * ring's results; now about 6 us). Anything else it owes first, or a full ring, is left to
  * sender_flush_pending.
  */
+/* A/B switch of bench/tail_ab.sh (ENV_A, ENV_B): KVF_AB_NO_NOTICE_NOW=1 leaves it to the pass. */
+static bool ab_no_notice_now;
+
+__attribute__((constructor)) static void ab_switches(void)
+{
+        const char *v = getenv("KVF_AB_NO_NOTICE_NOW");
+        ab_no_notice_now = v && !strcmp(v, "1");
+}
+
 static void notice_now(struct sender *s, uint32_t slot)
 {
-        if (s->flags[slot] == SLOT_NEEDS_NOTICE)
+        if (!ab_no_notice_now && s->flags[slot] == SLOT_NEEDS_NOTICE)
                 flush_slot(s, slot);
 }
 

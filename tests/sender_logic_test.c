@@ -17,6 +17,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include "cache.h"
@@ -894,6 +895,36 @@ static void case_notice_rings(void)
         write_result(&P, key_of(&A, sk), "nr-socket", KVF_STATUS_FINISHED, "");
         turn(&A);
         CHECK_DONE(completions(&P), "nr-socket", KVF_STATUS_FINISHED, "");
+        sender_close(&A);
+
+        /* the holder of one of them was killed (another instance's sender, its ring read
+         * empty): that slot is reclaimed, the others stay with their live holders */
+        pid_t dead = fork();
+        CHECK(dead >= 0);
+        if (dead == 0)
+                _exit(0);
+        CHECK(waitpid(dead, NULL, 0) == dead);
+        const uint32_t rs2 = KVF_NOTICE_SLOTS - 1;
+        D.ctl.notices[rs2].pid = dead;
+        D.ctl.notices[rs2].pid_starttime = 0;
+        snprintf(D.ctl.notices[rs2].owner, sizeof(D.ctl.notices[rs2].owner), "killed-one");
+        sender_up_with(&A, &P, true);
+        st = next_step();
+        task(&P, "nr-reclaimed", D.name, KVF_TRANSPORT_IPC, src, 2, dst, 2, st, false);
+        progress(&P, st, LAYERS);
+        turn(&A);
+        uint32_t rc2 = slot_of(&A, "nr-reclaimed");
+        pi = A.ctl.reqtab[rc2].peer_idx;
+        CHECK(A.peers[pi].nend.slot != NULL && A.peers[pi].nend.idx == rs2);
+        CHECK_EQ(D.ctl.notices[rs2].pid, getpid());
+        CHECK(!strcmp(D.ctl.notices[rs2].owner, P.name));
+        CHECK(A.ctl.reqtab[rc2].notice_gen == SENDER_NOTICE_GEN_RING);
+        struct slot_peer sp2;
+        slot_peer_bind(&sp2, rs2);
+        CHECK(find(slot_notices(&sp2), KVF_RT_NOTICE, "nr-reclaimed"));
+        slot_ack(&sp2, key_of(&A, rc2), "nr-reclaimed", KVF_STATUS_FINISHED, "");
+        turn(&A);
+        CHECK_DONE(completions(&P), "nr-reclaimed", KVF_STATUS_FINISHED, "");
         sender_close(&A);
         memcpy(D.ctl.notices, keep, sizeof(keep));
 }

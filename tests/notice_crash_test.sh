@@ -41,7 +41,7 @@ start_held() {
   dc=$(pid_of connector $TAG-d) || fail "$name: no decode connector"
   kill -STOP "$dc"
   "$B/kvf-sim" --quiet --json "$KVFERRY_RUN_DIR/$name.json" --timeout-s 120 --prefill $TAG-p --decode $TAG-d \
-    --requests "$n" --layer-us 0 --prefix-pct 0 --late-pct 0 >"$KVFERRY_RUN_DIR/$name.txt" &
+    --requests "$n" --max-tokens 64 --step-tokens 65536 --layer-us 0 --prefix-pct 0 --late-pct 0 >"$KVFERRY_RUN_DIR/$name.txt" &
   sim=$!
   t0=$SECONDS
   until [ "$(slot_field $TAG-d $TAG-p notice_written)" -ge $((w0 + n)) ]; do

@@ -50,20 +50,6 @@ grep -q "peer '$TAG-d0' (instance $TAG-d0, same host) connected over a unix sock
 pass "same-host peers: the connectors' control connection is a unix socket"
 fi
 
-# Prewake (sender --prewake-us, default 100): the batch that carries a request's last bytes rings
-# the connector ahead, so its wake-up overlaps the copy. One request per step: every request's
-# last layer is a batch of its own, so each one prewakes once. Whether the connector was already
-# polling when the notice came (prewakes_met) depends on the machine's timing and is reported,
-# not required (ring_test checks the polling itself); an instance started with --prewake-us 0
-# never prewakes.
-w0=$(counter $TAG-p0 prewakes) m0=$(counter $TAG-p0 prewakes_met)
-j=$(case_run "prewake" pw --prefill $TAG-p0 --decode $TAG-d0 --requests 20 --layer-us 300 --step-tokens 1 \
-      --late-pct 0 --prefix-pct 0)
-[ "$(json_get "$j" finished)" = 20 ] || fail "prewake: not all 20 finished"
-pw=$(( $(counter $TAG-p0 prewakes) - w0 )) met=$(( $(counter $TAG-p0 prewakes_met) - m0 ))
-[ "$RINGS" = 1 ] || [ "$pw" -ge 20 ] || fail "prewake: $pw prewakes for 20 requests that each ended in a batch of their own"
-pass "prewake: 20 requests one per step, $pw prewakes of the connector ($met found it polling), every byte verified"
-
 # A late task whose one layer is more than a slice (sender_advance): two requests of 8192 tokens
 # (128 blocks x K and V x 16 KiB = 4 MiB per layer), every layer done before the task comes.
 # The sender copies each layer in 1 MiB pieces, the loop's progress check between them: at
@@ -98,15 +84,15 @@ c=$(json_get "$j" cancelled)
 [ "$(json_get "$j" finished_but_failed_pairs)" = 0 ] || fail "cancel: a cancelled request also arrived as finished"
 pass "cancel mid-transfer: $c cancelled (of $(json_get "$j" cancels_sent) cancels), the rest finished and verified"
 
-# A full control socket. A same-host notice of up to 2 KiB is sent without a room check (a unix
-# socket queues it whole or not at all), so a full socket must answer EAGAIN and the peer thread
-# send the notice later. The decode connector stopped while 500 one-block requests finish in one
-# step: the socket fills (a small notice takes about 780 bytes of its 208 KiB), notices are held
-# back; then it goes on, and every request must finish, verified, each once.
+# A full control socket (the socket path: instances with --no-notice-rings). A notice the socket
+# has no room for is held back for the peer thread, which sends it later. The decode connector
+# stopped while 500 one-block requests finish in one step: the socket fills (a small notice takes
+# about 780 bytes of its 208 KiB), notices are held back; then it goes on, and every request must
+# finish, verified, each once.
 LF="--model llama-3.1-8b --tp 8 --cache-mib 512" # 512 blocks: 500 requests of one block at once
 # (a peer timeout longer than the stop can last under the sanitizers' slowness)
 up $TAG-fd --role decode $LF --peer-timeout-ms 120000
-up $TAG-fp --role prefill $LF --peer-timeout-ms 120000 --prewake-us 0 --no-notice-rings
+up $TAG-fp --role prefill $LF --peer-timeout-ms 120000 --no-notice-rings
 case_run "full socket, warm-up" fw --prefill $TAG-fp --decode $TAG-fd --requests 5 --layer-us 0 >/dev/null
 dc=$(pid_of connector $TAG-fd) || fail "full socket: no decode connector"
 h0=$(counter $TAG-fp notices_held_back)
@@ -124,8 +110,6 @@ j=$KVFERRY_RUN_DIR/full.json
 [ "$(json_get "$j" corrupt)" = 0 ] || fail "full socket: corrupt requests"
 [ "$(json_get "$j" unaccounted)" = 0 ] || fail "full socket: requests without a completion"
 pass "a full control socket: the decode connector stopped, a notice met the full socket ($held held back) and the peer thread sent the queue after; 500 requests finished and verified"
-[ "$(counter $TAG-fp prewakes)" = 0 ] || fail "--prewake-us 0: the sender prewoke its connector $(counter $TAG-fp prewakes) times"
-pass "--prewake-us 0: no prewake"
 down $TAG-fp; down $TAG-fd
 down $TAG-p0; down $TAG-d0
 

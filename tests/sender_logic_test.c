@@ -248,7 +248,7 @@ static const struct rec *find(const struct outs *o, uint16_t type, const char *i
 static void sender_up_with(struct sender *s, struct inst *in, bool notice_rings)
 {
         memset(s, 0, sizeof(*s));
-        const struct sender_opts o = {.request_timeout_ns = TIMEOUT_NS, .prewake_ns = 100000,
+        const struct sender_opts o = {.request_timeout_ns = TIMEOUT_NS,
                                       .notice_rings = notice_rings};
         CHECK(sender_open(s, in->name, &o) == 0);
         CHECK(sender_start(s) == 0);

@@ -56,8 +56,10 @@ static void on_fatal(int sig)
 
 static void inst_make(struct inst *in, const char *tag, uint32_t irole)
 {
-        struct kvf_ctl_params p = {.instance_role = irole, .backend = KVF_BACKEND_HOST,
-                                   .reqtab_slots = 8, .max_blocks = 16};
+        struct kvf_ctl_params p = {.instance_role = irole,
+                                   .backend = KVF_BACKEND_HOST,
+                                   .reqtab_slots = 8,
+                                   .max_blocks = 16};
         snprintf(in->name, sizeof(in->name), "clt-%s%d", tag, (int)getpid());
         p.instance = in->name;
         for (int i = 0; i < KVF_RING_COUNT; i++)
@@ -175,13 +177,22 @@ static void notice(const char *id, uint64_t key, int status, bool withdraw, uint
                    uint64_t generation, uint32_t dst0)
 {
         uint32_t dst[2] = {dst0, dst0 + 1};
-        struct kvf_record n = {.type = KVF_RT_NOTICE, .key = key, .transport = KVF_TRANSPORT_IPC,
-                               .status = status, .bytes = 1, .blocks = 2, .dst = dst, .n_dst = 2,
-                               .session = session, .withdraw = withdraw, .generation = generation};
+        struct kvf_record n = {.type = KVF_RT_NOTICE,
+                               .key = key,
+                               .transport = KVF_TRANSPORT_IPC,
+                               .status = status,
+                               .bytes = 1,
+                               .blocks = 2,
+                               .dst = dst,
+                               .n_dst = 2,
+                               .session = session,
+                               .withdraw = withdraw,
+                               .generation = generation};
         snprintf(n.request_id, sizeof(n.request_id), "%s", id);
         snprintf(n.peer, sizeof(n.peer), "%s", P.name);
         if (status != KVF_STATUS_FINISHED)
-                snprintf(n.reason, sizeof(n.reason), "%s", withdraw ? "the sender timed out" : "it failed");
+                snprintf(n.reason, sizeof(n.reason), "%s",
+                         withdraw ? "the sender timed out" : "it failed");
         static uint8_t buf[4096];
         int len = kvf_record_encode(&n, buf, sizeof(buf));
         CHECK(len > 0);
@@ -203,7 +214,8 @@ static uint64_t notices_left(void)
         return kvf_load_acquire(&slot.notice.hdr->tail) - kvf_load_acquire(&slot.notice.hdr->head);
 }
 
-/* Fill a ring (through its producer's view) with dummy records until it is full; returns how many. */
+/* Fill a ring (through its producer's view) with dummy records until it is full; returns how many.
+ */
 static unsigned fill(struct kvf_ring *ring, uint16_t type)
 {
         struct kvf_record a = {.type = type, .status = KVF_STATUS_FINISHED};
@@ -249,7 +261,8 @@ static void case_publish(void)
         CHECK_EQ(o->r[0].status, KVF_STATUS_FINISHED);
         CHECK_EQ(o->r[0].session, D.engine);
         CHECK_EQ(notices_left(), 0);
-        printf("ok: a slot's finish notice: one arrival (finished, its blocks, every byte), one ack\n");
+        printf("ok: a slot's finish notice: one arrival (finished, its blocks, every byte), one "
+               "ack\n");
 }
 
 /* The same notice again (a restarted sender re-posts), and a withdrawal of it: answered from
@@ -277,7 +290,8 @@ static void case_duplicates(void)
         notice("ab-1", 103, KVF_STATUS_WRITE, false, D.engine, D.ctl.hdr->created_ns, 8);
         CHECK(conn_notices_read(&C1));
         o = arrivals();
-        CHECK(o->n == 1 && o->r[0].status == KVF_STATUS_WRITE && strstr(o->r[0].reason, "it failed"));
+        CHECK(o->n == 1 && o->r[0].status == KVF_STATUS_WRITE &&
+              strstr(o->r[0].reason, "it failed"));
         o = replies();
         CHECK(o->n == 1 && o->r[0].key == 103 && o->r[0].status == KVF_STATUS_WRITE);
         printf("ok: a repeated notice and a withdrawal answered from the journal without a second "
@@ -299,7 +313,8 @@ static void case_failures(void)
         CHECK(conn_notices_read(&C1));
         CHECK_EQ(arrivals()->n, 0);
         o = replies();
-        CHECK(o->n == 1 && o->r[0].status == KVF_STATUS_BLOCK_RANGE && strstr(o->r[0].reason, "out of range"));
+        CHECK(o->n == 1 && o->r[0].status == KVF_STATUS_BLOCK_RANGE &&
+              strstr(o->r[0].reason, "out of range"));
         /* bound to an engine session that has ended: "engine gone", for that session */
         uint64_t old = D.engine;
         kvf_role_end(&D.ctl, KVF_ROLE_ENGINE);
@@ -321,11 +336,13 @@ static void case_failures(void)
         CHECK(conn_notices_read(&C1));
         CHECK_EQ(counter(KVF_CTR_BAD_RECORDS), b0 + 2);
         o = arrivals();
-        CHECK(o->n == 1 && !strcmp(o->r[0].id, "after-junk") && o->r[0].status == KVF_STATUS_FINISHED);
+        CHECK(o->n == 1 && !strcmp(o->r[0].id, "after-junk") &&
+              o->r[0].status == KVF_STATUS_FINISHED);
         CHECK_EQ(replies()->n, 1);
         CHECK_EQ(notices_left(), 0);
-        printf("ok: refused notices (a previous cache, blocks out of range, an ended engine session) "
-               "answered with their status and reason; bad records skipped and counted\n");
+        printf(
+            "ok: refused notices (a previous cache, blocks out of range, an ended engine session) "
+            "answered with their status and reason; bad records skipped and counted\n");
 }
 
 /* A full reply ring: the notice is published once and stays in its ring until the answer fits. */
@@ -350,8 +367,10 @@ static void case_full_reply(void)
         o = replies();
         CHECK(o->n == 1 && o->r[0].key == 301 && o->r[0].status == KVF_STATUS_FINISHED);
         CHECK_EQ(notices_left(), 0);
-        printf("ok: a notice whose reply ring was full (%u answers unread): published once, left in "
-               "its ring, answered from the journal once there was room\n", n);
+        printf(
+            "ok: a notice whose reply ring was full (%u answers unread): published once, left in "
+            "its ring, answered from the journal once there was room\n",
+            n);
 }
 
 /* A full arrival ring: nothing published, nothing answered; the notice waits in its ring. */
@@ -367,11 +386,13 @@ static void case_full_arrivals(void)
         CHECK_EQ(arrivals()->n, n); /* the engine reads: room */
         CHECK(conn_notices_read(&C1));
         struct outs *o = arrivals();
-        CHECK(o->n == 1 && !strcmp(o->r[0].id, "full-arr") && o->r[0].status == KVF_STATUS_FINISHED);
+        CHECK(o->n == 1 && !strcmp(o->r[0].id, "full-arr") &&
+              o->r[0].status == KVF_STATUS_FINISHED);
         o = replies();
         CHECK(o->n == 1 && o->r[0].key == 401);
-        printf("ok: a notice whose arrival ring was full waited in its slot, then was published and "
-               "answered once\n");
+        printf(
+            "ok: a notice whose arrival ring was full waited in its slot, then was published and "
+            "answered once\n");
 }
 
 /* The connector dies after publishing, before answering (the reply ring was full); its successor
@@ -397,8 +418,9 @@ static void case_restart(void)
         CHECK(find(o, "restart") && find(o, "restart")->status == KVF_STATUS_FINISHED);
         CHECK(find(o, "restart-2") && find(o, "restart-2")->status == KVF_STATUS_FINISHED);
         CHECK_EQ(notices_left(), 0);
-        printf("ok: the connector died with a published notice unanswered: its successor answered it "
-               "from the journal (no second arrival) and published the next\n");
+        printf(
+            "ok: the connector died with a published notice unanswered: its successor answered it "
+            "from the journal (no second arrival) and published the next\n");
 }
 
 int main(void)

@@ -927,6 +927,33 @@ static void case_notice_rings(void)
         CHECK_DONE(completions(&P), "nr-reclaimed", KVF_STATUS_FINISHED, "");
         sender_close(&A);
         memcpy(D.ctl.notices, keep, sizeof(keep));
+
+        /* the decode instance re-created (a new segment) while a notice sits unanswered in its
+         * old slot ring: nobody reads that ring any more, so the request ends "connection
+         * error" here, once; the new instance refuses a notice of its predecessor's blocks
+         * (connector_logic_test), so no arrival says otherwise */
+        sender_up_with(&A, &P, true);
+        st = next_step();
+        task(&P, "nr-recreated", D.name, KVF_TRANSPORT_IPC, src, 2, dst, 2, st, false);
+        progress(&P, st, LAYERS);
+        turn(&A);
+        uint32_t rr = slot_of(&A, "nr-recreated");
+        CHECK_STATE(&A, rr, SREQ_LANDED, KVF_REQ_FINISHING);
+        CHECK(A.ctl.reqtab[rr].notice_gen == SENDER_NOTICE_GEN_RING);
+        kvf_cache_unmap(&D.cache);
+        kvf_ctl_detach(&D.ctl);
+        kvf_ctl_unlink(D.name);
+        inst_make(&D, "d", KVF_IROLE_DECODE, KVF_BACKEND_HOST);
+        sender_tick(&A, kvf_now_ns());
+        turn(&A);
+        o = completions(&P);
+        CHECK_DONE(o, "nr-recreated", KVF_STATUS_CONNECTION, "before it answered the finish notice");
+        CHECK_EQ(o->n, 1);
+        CHECK_STATE(&A, rr, SREQ_FREE, KVF_REQ_FREE);
+        sender_tick(&A, kvf_now_ns() + 2 * TIMEOUT_NS);
+        turn(&A);
+        CHECK_EQ(completions(&P)->n, 0); /* and nothing more of it, even past its deadline */
+        sender_close(&A);
 }
 
 /* A sender dies (nothing more written) and a successor adopts the table, in each state. */

@@ -6,6 +6,8 @@
 # Usage: bench/tail_ab.sh TREE_A TREE_B [ROUNDS] [-- kvf-sim options]
 #   UP_A, UP_B: extra options of `tools/kvferry up` for A's and B's instances (the same tree
 #   twice with UP_A="--slice-us 0" compares an option, not two builds).
+#   ENV_A, ENV_B: NAME=VALUE words put in the environment of A's and B's instances (the A/B
+#   switches KVF_AB_*: docs/BENCHMARKS.md section 13).
 #   default kvf-sim options: 200 requests clipped to 2048 tokens (transfer overhead, not copy,
 #   dominates), 1000 us per layer, one request per step.
 set -euo pipefail
@@ -24,13 +26,14 @@ cleanup() {
 }
 trap cleanup EXIT
 one() {
-  local root=$1 t=ab$$x$RANDOM up_extra
+  local root=$1 t=ab$$x$RANDOM up_extra env_extra
   read -r -a up_extra <<<"$2"
+  read -r -a env_extra <<<"$3"
   export KVFERRY_RUN_DIR; KVFERRY_RUN_DIR=$(mktemp -d /tmp/kvferry-ab.XXXXXX)
   export KVFERRY_TOKEN_FILE=$KVFERRY_RUN_DIR/token
   CUR_ROOT=$root CUR_T=$t
-  "$root/tools/kvferry" up --instance $t-d --role decode $L8 "${up_extra[@]}" >/dev/null 2>&1
-  "$root/tools/kvferry" up --instance $t-p --role prefill $L8 "${up_extra[@]}" >/dev/null 2>&1
+  env "${env_extra[@]}" "$root/tools/kvferry" up --instance $t-d --role decode $L8 "${up_extra[@]}" >/dev/null 2>&1
+  env "${env_extra[@]}" "$root/tools/kvferry" up --instance $t-p --role prefill $L8 "${up_extra[@]}" >/dev/null 2>&1
   local sim=${SIM:-$root/build/kvf-sim}
   "$sim" --quiet --verify sample --prefill $t-p --decode $t-d --requests 10 --layer-us 0 >/dev/null
   "$sim" --quiet --verify sample --prefill $t-p --decode $t-d --baseline --json "$KVFERRY_RUN_DIR/o.json" "${ARGS[@]}" >/dev/null
@@ -45,6 +48,6 @@ print('tail, tasks in time: p50 %5.0f us p99 %6.0f us | late tasks %d | all: p50
   CUR_T=
 }
 for i in $(seq "$ROUNDS"); do
-  echo -n "A $i  "; one "$A" "${UP_A:-}"
-  echo -n "B $i  "; one "$B" "${UP_B:-}"
+  echo -n "A $i  "; one "$A" "${UP_A:-}" "${ENV_A:-}"
+  echo -n "B $i  "; one "$B" "${UP_B:-}" "${ENV_B:-}"
 done

@@ -61,9 +61,7 @@
         X(RDMA_POST_ERRORS, "rdma_post_errors")                                                    \
         X(RDMA_DONE_RECEIVED, "rdma_done_messages_received")                                       \
         X(FRAMES_TCP, "data_frames_sent_tcp")                                                      \
-        X(NOTICES_HELD_BACK, "notices_held_back")                                                  \
-        X(PREWAKES, "prewakes")                                                                    \
-        X(PREWAKES_MET, "prewakes_met")
+        X(NOTICES_HELD_BACK, "notices_held_back")
 
 enum kvf_counter_id {
 #define KVF_COUNTER_ENUM(id, name) KVF_CTR_##id,

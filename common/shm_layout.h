@@ -38,8 +38,9 @@
 /* Bumped by every change to what a segment holds, the list of counters (common/counters.h)
  * included: a segment of another build is then refused for its version, not as corrupt.
  * 5: the rdma counters and data_frames_sent_tcp. 6: notices_held_back, prewakes and
- * prewakes_met; a doorbell's expect_until. 8: notice slots (same-host notices in one hop). */
-#define KVF_LAYOUT_VERSION 8u
+ * prewakes_met; a doorbell's expect_until. 8: notice slots (same-host notices in one hop).
+ * 9: prewakes and prewakes_met gone (the sender no longer prewakes its connector). */
+#define KVF_LAYOUT_VERSION 9u
 #define KVF_CACHE_LINE 64u
 #define KVF_HEADER_SIZE 4096u
 

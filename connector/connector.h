@@ -120,7 +120,6 @@ struct peer {
          * which connection it is (a new number per connection) */
         int fd;
         uint64_t conn;
-        bool unix_stream; /* fd is a unix stream socket (a same-host peer) */
         /* under wmu: frames the I/O thread wrote that the socket has not taken yet
          * (obuf[ooff..olen)), and the abort notices among them (freed once out) */
         uint8_t *obuf;

@@ -259,8 +259,7 @@ static void control_loop(struct connector *cn)
                         continue;
                 kvf_count(&cn->ctl, KVF_CTR_WAKEUPS_CONNECTOR, 1);
                 uint64_t wait = cn->deferred || cn->tx_blocked || cn->notices_blocked ? kvf_ms(1) : beat;
-                if (kvf_doorbell_wait(&cn->ctl.bells[KVF_BELL_CONNECTOR], has_work, cn, 256, wait) == 2)
-                        kvf_count(&cn->ctl, KVF_CTR_PREWAKES_MET, 1); /* the sender's prewake */
+                kvf_doorbell_wait(&cn->ctl.bells[KVF_BELL_CONNECTOR], has_work, cn, 256, wait);
         }
 }
 

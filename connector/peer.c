@@ -400,14 +400,12 @@ static void set_due(struct peer_io *io, struct peer *p, uint64_t due)
 
 /* ------------------------------------------------------------------ a connection */
 
-/* A new connection's socket (a unix stream socket when local), for conn_peer_enqueue's
- * direct sends. */
-static void set_socket(struct peer *p, int fd, bool local)
+/* A new connection's socket, for conn_peer_enqueue's direct sends. */
+static void set_socket(struct peer *p, int fd)
 {
         pthread_mutex_lock(&p->wmu);
         pthread_mutex_lock(&p->mu);
         p->fd = fd;
-        p->unix_stream = local;
         p->conn++;
         pthread_mutex_unlock(&p->mu);
         pthread_mutex_unlock(&p->wmu);
@@ -670,7 +668,7 @@ static void hs_done(struct peer_io *io, struct peer *p)
         else
                 kvf_info("peer '%s' (instance %s at %s:%u) connected", p->name, p->hs_instance, p->host,
                          p->port);
-        set_socket(p, fd, p->hs_local);
+        set_socket(p, fd);
         pthread_mutex_lock(&p->mu);
         p->failures = 0;
         p->up = true;
@@ -1276,25 +1274,23 @@ static void requeue_first(struct peer *p, struct notice *n)
         pthread_mutex_unlock(&p->mu);
 }
 
+/* A/B switch of bench/tail_ab.sh (ENV_A, ENV_B): KVF_AB_NO_DIRECT_NOTICES=1 hands every notice
+ * to the I/O thread. */
+static bool ab_no_direct;
+
+__attribute__((constructor)) static void ab_switches(void)
+{
+        const char *v = getenv("KVF_AB_NO_DIRECT_NOTICES");
+        ab_no_direct = v && !strcmp(v, "1");
+}
+
 /*
  * Room for len more bytes in fd's send buffer, with a margin for the kernel's
  * per-buffer overhead: then one non-blocking send takes the whole frame and
  * the calling thread never waits on a peer that stopped reading.
- *
- * A unix stream socket needs no such check for a small frame: it cuts a send
- * into buffers of half its send buffer size, and Linux allows no send buffer
- * under 4.5 KiB, so a frame of up to UNIX_ONE_BUFFER bytes (header included)
- * is one buffer, which a non-blocking send queues whole or not at all
- * (EAGAIN: the I/O thread sends it later). That saves two system calls
- * (SIOCOUTQ, SO_SNDBUF) on a same-host transfer's tail: about 8 us on a
- * 2-vCPU EPYC VM, where code that slept for milliseconds runs cold.
  */
-#define UNIX_ONE_BUFFER 2048u
-
-static bool has_room(const struct peer *p, int fd, uint32_t len)
+static bool has_room(int fd, uint32_t len)
 {
-        if (p->unix_stream && len <= UNIX_ONE_BUFFER - KVF_FRAME_HDR)
-                return true;
         int queued = 0, sndbuf = 0;
         socklen_t sl = sizeof(sndbuf);
         if (ioctl(fd, SIOCOUTQ, &queued) < 0 || getsockopt(fd, SOL_SOCKET, SO_SNDBUF, &sndbuf, &sl) < 0)
@@ -1348,7 +1344,7 @@ void conn_peer_enqueue(struct peer *p, struct notice *n)
         pthread_mutex_lock(&p->mu);
         int fd = p->fd;
         uint64_t conn = p->conn;
-        bool direct = fd >= 0 && !p->queue && !n->abort_notice;
+        bool direct = !ab_no_direct && fd >= 0 && !p->queue && !n->abort_notice;
         if (direct) {
                 /* In flight before it is sent: its ack can come back at once. */
                 n->next = p->inflight;
@@ -1370,7 +1366,7 @@ void conn_peer_enqueue(struct peer *p, struct notice *n)
         /* Still the same connection, and nothing of the I/O thread's waiting before it? If
          * the connection changed, its end moved n back to the queue. */
         bool same = p->conn == conn && p->fd == fd;
-        if (same && p->olen == p->ooff && has_room(p, fd, n->len)) {
+        if (same && p->olen == p->ooff && has_room(fd, n->len)) {
                 /* From here the peer may have it: in doubt (fail_queued). Set before the
                  * send: once sent, its ack may free it at any moment. */
                 pthread_mutex_lock(&p->mu);

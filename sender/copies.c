@@ -180,7 +180,6 @@ int sender_copies_add(struct sender *s, uint32_t slot, uint32_t l0, uint32_t l1,
         kvf_count(&s->ctl, KVF_CTR_BLOCKS_IPC, blocks);
         kvf_count(&s->ctl, KVF_CTR_BYTES_IPC, bytes);
         r->bytes += bytes;
-        s->cp.nbytes += bytes;
         return 0;
 }
 
@@ -191,124 +190,28 @@ static void fail_batch(struct sender *s, const char *why)
                 uint32_t slot = s->cp.slots[i];
                 s->cp.state[slot] &= (uint8_t)~COPY_IN_BATCH;
                 if (!s->cp.inflight[slot]) {
-                        s->cp.state[slot] &= (uint8_t)~COPY_LAST;
                         s->ctl.reqtab[slot].flags &= ~KVF_REQF_COPY_PENDING;
                 }
                 failed(s, slot, why);
         }
 }
 
-/*
- * Prewake (--prewake-us). A batch that ends requests is followed by
- * their finish notices, and the connector's control thread, asleep on its
- * doorbell, takes tens of microseconds to run once rung (55 us p50 on a
- * 2-vCPU EPYC VM, where a halted vCPU is woken by the host): a wake-up on
- * every transfer's tail. So the connector is rung ahead, told to poll until
- * the notice comes (kvf_doorbell_expect), and its wake-up overlaps the copy:
- * a copy this thread makes itself is cut so that its last prewake_ns (at the
- * recent copy rate) run after the ring; a copy queued to a device rings when
- * the sender's poll finds it prewake_ns from its expected end (at once when
- * it is shorter). The notice itself still goes only once every byte has
- * landed. The price: the connector's CPU for the window, once per batch that
- * ends requests, and never more than KVF_DOORBELL_EXPECT_MAX_NS per wait.
- */
-#define PREWAKE_SLACK_NS 100000ull /* the window past the expected end of the copy */
-#define RATE_MIN_BYTES (256u << 10) /* smaller batches time their overhead, not the rate */
-
-static void expect_notice(struct sender *s, uint64_t within_ns)
-{
-        struct kvf_doorbell *bell = &s->ctl.bells[KVF_BELL_CONNECTOR];
-        kvf_doorbell_expect(bell, kvf_now_ns() + within_ns);
-        kvf_doorbell_ring(bell);
-        s->cp.expecting = true;
-        kvf_count(&s->ctl, KVF_CTR_PREWAKES, 1);
-}
-
-void sender_copies_expected(struct sender *s)
-{
-        if (!s->cp.expecting)
-                return;
-        s->cp.expecting = false;
-        kvf_doorbell_expect(&s->ctl.bells[KVF_BELL_CONNECTOR], 0);
-}
-
-/* Does the batch being gathered carry the last bytes of a request? */
-static bool ends_requests(const struct sender *s)
-{
-        for (uint32_t i = 0; i < s->cp.nslots; i++)
-                if (s->cp.state[s->cp.slots[i]] & COPY_LAST)
-                        return true;
-        return false;
-}
-
-/*
- * Submit the gathered batch (`bytes` of it). One that ends requests prewakes
- * the connector; *prewake_at is set when that is left to the poll (a copy
- * queued to a device: when it is due), else 0.
- */
-static int submit(struct sender *s, uint64_t bytes, uint64_t *ticket, uint64_t *prewake_at)
+static int submit(struct sender *s, uint64_t *ticket)
 {
         struct kvf_copy_batch b = {.src = &s->own, .dst = s->cp.dst, .ndst = s->cp.ndst,
                                    .runs = s->cp.runs, .nruns = s->cp.nruns};
-        *prewake_at = 0;
-        if (!s->prewake_ns || !ends_requests(s))
-                return kvf_cache_copy_submit(&b, ticket);
-        uint64_t rate = s->cp.ns_per_mib; /* 0: not known yet */
-        uint64_t est = rate ? (uint64_t)((double)bytes * (double)rate / (1 << 20)) : 0;
-        if (est <= s->prewake_ns) {
-                expect_notice(s, est + PREWAKE_SLACK_NS);
-                return kvf_cache_copy_submit(&b, ticket);
-        }
-        if (!s->sync_copies) {
-                *prewake_at = kvf_now_ns() + est - s->prewake_ns;
-                return kvf_cache_copy_submit(&b, ticket);
-        }
-        /* Cut at 4 KiB inside the run where the last prewake_ns of copying starts. */
-        uint64_t head = bytes - (uint64_t)((double)s->prewake_ns * (1 << 20) / (double)rate), at = 0;
-        uint32_t k = 0;
-        while (k < s->cp.nruns && at + s->cp.runs[k].bytes <= head)
-                at += s->cp.runs[k++].bytes;
-        if (k == s->cp.nruns) { /* (rounding) nothing after the cut */
-                expect_notice(s, PREWAKE_SLACK_NS);
-                return kvf_cache_copy_submit(&b, ticket);
-        }
-        struct kvf_copy_run *r = &s->cp.runs[k], keep = *r;
-        uint64_t off = (head - at) & ~(uint64_t)4095;
-        r->bytes = off;
-        b.nruns = k + (off ? 1 : 0);
-        int rc = b.nruns ? kvf_cache_copy_submit(&b, ticket) : 0;
-        *r = keep;
-        if (rc < 0)
-                return rc;
-        expect_notice(s, s->prewake_ns + PREWAKE_SLACK_NS);
-        r->src_off += off;
-        r->dst_off += off;
-        r->bytes -= off;
-        b.runs = r;
-        b.nruns = s->cp.nruns - k;
-        rc = kvf_cache_copy_submit(&b, ticket);
-        *r = keep;
-        return rc;
-}
-
-/* A batch landed (or failed): the recent copy rate, per MiB. */
-static void note_rate(struct sender *s, const struct copy_batch *cb, uint64_t now)
-{
-        if (cb->bytes < RATE_MIN_BYTES || now <= cb->t0)
-                return;
-        uint64_t x = (uint64_t)((double)(now - cb->t0) * (1 << 20) / (double)cb->bytes);
-        s->cp.ns_per_mib = s->cp.ns_per_mib ? (7 * s->cp.ns_per_mib + x) / 8 : x;
+        return kvf_cache_copy_submit(&b, ticket);
 }
 
 void sender_copies_flush(struct sender *s)
 {
         if (!s->cp.nruns && !s->cp.nslots)
                 return;
-        uint64_t t0 = kvf_now_ns(), ticket = 0, bytes = s->cp.nbytes, prewake_at = 0;
+        uint64_t t0 = kvf_now_ns(), ticket = 0;
         struct copy_batch *cb = calloc(1, sizeof(*cb));
         uint32_t *slots = cb ? malloc(s->cp.nslots * sizeof(*slots) + 1) : NULL;
         int rc = !slots ? kvf_err_set(-ENOMEM, "out of memory for a copy batch")
-                        : s->cp.nruns ? submit(s, bytes, &ticket, &prewake_at) : 0;
+                        : s->cp.nruns ? submit(s, &ticket) : 0;
         if (rc < 0) {
                 kvf_errlog(&s->ctl, KVF_ROLE_SENDER, "copy batch of %u runs refused: %s", s->cp.nruns,
                            kvf_err_msg());
@@ -318,9 +221,6 @@ void sender_copies_flush(struct sender *s)
         } else {
                 kvf_hist_add(&s->ctl.sender->hist[KVF_HIST_COPY], kvf_now_ns() - t0);
                 cb->ticket = ticket;
-                cb->t0 = t0;
-                cb->bytes = bytes;
-                cb->prewake_at = prewake_at;
                 cb->slots = slots;
                 cb->nslots = s->cp.nslots;
                 for (uint32_t i = 0; i < s->cp.nslots; i++) {
@@ -338,7 +238,6 @@ void sender_copies_flush(struct sender *s)
                 s->cp.nflight++;
         }
         s->cp.nruns = s->cp.nslots = s->cp.ndst = 0;
-        s->cp.nbytes = 0;
         sender_copies_poll(s);
 }
 
@@ -349,7 +248,6 @@ static void batch_done(struct sender *s, uint32_t slot, int rc)
                 failed(s, slot, kvf_err_msg());
         if (--s->cp.inflight[slot] || (s->cp.state[slot] & COPY_IN_BATCH))
                 return; /* more of its copies still to land */
-        s->cp.state[slot] &= (uint8_t)~COPY_LAST;
         s->ctl.reqtab[slot].flags &= ~KVF_REQF_COPY_PENDING;
         news(s, slot); /* no copy of it is out any more */
 }
@@ -424,19 +322,11 @@ void sender_copies_poll(struct sender *s)
         while (s->cp.flight) {
                 struct copy_batch *cb = s->cp.flight;
                 int rc = kvf_cache_copy_poll(&s->own, cb->ticket);
-                if (rc == 0) {
-                        /* (batches land in order: the oldest is the one to watch) */
-                        if (cb->prewake_at && kvf_now_ns() >= cb->prewake_at) {
-                                cb->prewake_at = 0;
-                                expect_notice(s, s->prewake_ns + PREWAKE_SLACK_NS);
-                        }
-                        break;
-                }
+                if (rc == 0)
+                        break; /* (batches land in order: the oldest is the one to watch) */
                 if (rc < 0)
                         kvf_errlog(&s->ctl, KVF_ROLE_SENDER, "copy batch of %u requests failed: %s",
                                    cb->nslots, kvf_err_msg());
-                if (rc > 0)
-                        note_rate(s, cb, kvf_now_ns());
                 s->cp.flight = cb->next;
                 if (!s->cp.flight)
                         s->cp.flight_tail = NULL;
@@ -451,11 +341,6 @@ void sender_copies_poll(struct sender *s)
 bool sender_copies_busy(const struct sender *s, uint32_t slot)
 {
         return (s->cp.state[slot] & COPY_IN_BATCH) || s->cp.inflight[slot];
-}
-
-void sender_copies_last(struct sender *s, uint32_t slot)
-{
-        s->cp.state[slot] |= COPY_LAST;
 }
 
 void sender_copies_drain(struct sender *s, uint64_t timeout_ns)

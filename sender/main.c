@@ -42,12 +42,10 @@ static void usage(void)
                "  --instance NAME           the instance (its allocator must be running)\n"
                "  --request-timeout-ms N    fail a request not finished N ms after its task (default 60000)\n"
                "  --spin-us N               busy-wait this long for work before sleeping (default 50)\n"
-               "  --prewake-us N            ring the connector this long before a copy that ends requests\n"
-               "                            is done, so that it is awake for their finish notices, and\n"
-               "                            have it poll meanwhile (default 100; 0: off)\n"
                "  --notice-rings            same-host (ipc) finish notices go straight into a notice slot\n"
                "                            of the decode instance's segment, answered there, instead of\n"
-               "                            through both connectors (default: off)\n"
+               "                            through both connectors (the default)\n"
+               "  --no-notice-rings         same-host finish notices go through both connectors' sockets\n"
                "  --layer-wait MODE         while requests wait for the engine's layers: spin (poll without\n"
                "                            sleeping until 20 ms pass without a layer or a new task), paced\n"
                "                            (sleep, waking ahead of the engine's pace), or auto (default):\n"
@@ -315,20 +313,20 @@ static void layer_wait_mode(struct sender *s, const char *mode)
 
 int main(int argc, char **argv)
 {
-        enum { O_TIMEOUT = 1000, O_SPIN, O_SLICE, O_LAYER_WAIT, O_PREWAKE, O_NOTICE_RINGS, O_VERSION };
+        enum { O_TIMEOUT = 1000, O_SPIN, O_SLICE, O_LAYER_WAIT, O_NOTICE_RINGS, O_NO_NOTICE_RINGS, O_VERSION };
         static const struct option opts[] = {{"instance", required_argument, 0, 'i'},
                                              {"request-timeout-ms", required_argument, 0, O_TIMEOUT},
                                              {"spin-us", required_argument, 0, O_SPIN},
-                                             {"prewake-us", required_argument, 0, O_PREWAKE},
                                              {"notice-rings", no_argument, 0, O_NOTICE_RINGS},
+                                             {"no-notice-rings", no_argument, 0, O_NO_NOTICE_RINGS},
                                              {"slice-us", required_argument, 0, O_SLICE},
                                              {"layer-wait", required_argument, 0, O_LAYER_WAIT},
                                              {"help", no_argument, 0, 'h'},
                                              {"version", no_argument, 0, O_VERSION},
                                              {0, 0, 0, 0}};
         const char *instance = NULL;
-        uint64_t timeout_ms = 60000, spin_us = 50, prewake_us = 100;
-        bool notice_rings = false;
+        uint64_t timeout_ms = 60000, spin_us = 50;
+        bool notice_rings = true;
         uint32_t slice_us = KVF_SLICE_US_DEFAULT;
         const char *layer_wait = "auto";
         int c;
@@ -339,7 +337,7 @@ int main(int argc, char **argv)
                 case O_TIMEOUT: timeout_ms = kvf_opt_u64("request-timeout-ms", optarg, 1, 86400000); break;
                 case O_SPIN: spin_us = kvf_opt_u64("spin-us", optarg, 0, 1000000); break;
                 case O_NOTICE_RINGS: notice_rings = true; break;
-                case O_PREWAKE: prewake_us = kvf_opt_u64("prewake-us", optarg, 0, 1000); break;
+                case O_NO_NOTICE_RINGS: notice_rings = false; break;
                 case O_SLICE: slice_us = kvf_sched_slice_opt(prog, optarg); break;
                 case O_LAYER_WAIT:
                         if (strcmp(optarg, "auto") && strcmp(optarg, "spin") && strcmp(optarg, "paced"))
@@ -361,7 +359,7 @@ int main(int argc, char **argv)
         prctl(PR_SET_TIMERSLACK, 1UL, 0, 0, 0);
 
         static struct sender s;
-        const struct sender_opts so = {.request_timeout_ns = kvf_ms(timeout_ms), .prewake_ns = prewake_us * 1000,
+        const struct sender_opts so = {.request_timeout_ns = kvf_ms(timeout_ms),
                                        .notice_rings = notice_rings,
                                        .attach_wait_ms = 10000};
         if (sender_open(&s, instance, &so) < 0) {

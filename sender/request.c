@@ -169,7 +169,6 @@ static void all_sent(struct sender *s, uint32_t slot)
         sender_disarm(s, slot);
         if (sender_copies_busy(s, slot)) {
                 set_state(s, slot, SREQ_LANDING);
-                sender_copies_last(s, slot);
                 return;
         }
         to_notice(s, slot);
@@ -222,7 +221,6 @@ static int post_notice(struct sender *s, uint32_t slot, enum sender_notice kind)
                         s->ctl.reqtab[slot].notice_gen = SENDER_NOTICE_GEN_RING;
                 return 0;
         }
-        sender_copies_expected(s);
         if (kind != SENDER_NOTICE_ABORT)
                 s->ctl.reqtab[slot].notice_gen =
                     kvf_load_acquire(&s->ctl.roles[KVF_ROLE_CONNECTOR].generation);
@@ -282,19 +280,6 @@ static void flush_slot(struct sender *s, uint32_t i)
                 else
                         post_failed(s, i, rc); /* (one that can never be posted decides it) */
         }
-}
-
-/*
- * A request whose last copy just landed owes only its finish notice: post it now, not on the
- * loop's next pass over pending slots (measured on the EPYC VM: that pass came 10 to 30 us
- * after the copy, at times 200 to 300 us, behind the engine ring's tasks and the connector
- * ring's results; now about 6 us). Anything else it owes first, or a full ring, is left to
- * sender_flush_pending.
- */
-static void notice_now(struct sender *s, uint32_t slot)
-{
-        if (s->flags[slot] == SLOT_NEEDS_NOTICE)
-                flush_slot(s, slot);
 }
 
 /* flush_slot for a slot with flags; true if some are still left. */
@@ -443,10 +428,8 @@ void sender_req_event(struct sender *s, uint32_t slot, const struct sender_ev *e
                         return; /* more of its copies still to land */
                 if (s->flags[slot])
                         s->pending = true; /* what flush_slot held back for the copies */
-                if (sender_req_state(s, slot) == SREQ_LANDING) {
+                if (sender_req_state(s, slot) == SREQ_LANDING)
                         to_notice(s, slot); /* its last bytes have landed */
-                        notice_now(s, slot);
-                }
                 return;
         case SENDER_EV_WRITE_RESULT:
                 /* Finished only once every byte has left us (LANDED, HANDED); an error (a

@@ -50,8 +50,6 @@ struct layer_cut {
 /* A copy batch in flight: its backend ticket and the requests it carries. */
 struct copy_batch {
         uint64_t ticket;
-        uint64_t t0, bytes; /* submitted then, that many bytes (the copy rate, copies.c) */
-        uint64_t prewake_at; /* it ends requests: prewake the connector then (copies.c), 0 done */
         uint32_t *slots;
         uint32_t nslots;
         struct copy_batch *next;
@@ -150,7 +148,6 @@ struct sender {
         struct {
                 struct kvf_copy_run *runs;
                 uint32_t nruns, caprun;
-                uint64_t nbytes;   /* the runs' bytes */
                 struct kvf_cache *dst[SENDER_MAX_PEERS];
                 uint32_t dst_peer[SENDER_MAX_PEERS];
                 uint32_t ndst;
@@ -168,11 +165,7 @@ struct sender {
                 struct copy_owe *owes; /* the engine's copies not yet seen landed */
                 uint32_t nowes, capowes;
                 uint32_t *owing;    /* per slot: its owes */
-                uint64_t ns_per_mib; /* copy time per MiB of recent batches of 256 KiB or more
-                                      * (moving average; 0 none yet): when a batch will end */
-                bool expecting;      /* the connector was told a finish notice is coming */
         } cp;
-        uint64_t prewake_ns; /* --prewake-us (copies.c) */
         bool notice_rings;   /* --notice-rings (peers.c, outbox.c) */
         /* plan.c: the engine executor */
         bool plan_on;
@@ -290,7 +283,6 @@ void sender_tick(struct sender *s, uint64_t now);
 /* setup.c: a sender on an instance's segment (main.c, tests) */
 struct sender_opts {
         uint64_t request_timeout_ns;
-        uint64_t prewake_ns;
         bool notice_rings;       /* post ipc notices into the decode segment's notice slots */
         unsigned attach_wait_ms; /* wait this long for the segment to be ready */
 };
@@ -400,7 +392,6 @@ void sender_session_why_ended(struct sender *s, uint64_t old, uint64_t live, cha
 
 /* copies.c: same-host copy batches; results go to request.c as news, never up by a call */
 #define COPY_IN_BATCH 1u /* has runs in the batch being gathered */
-#define COPY_LAST 4u     /* its last bytes are gathered or in flight: prewake (request.c says) */
 #define COPY_NEWS 8u     /* in cp.news: request.c has not yet heard of its batches */
 #define COPY_FAILED 16u  /* a batch of it failed (cp.why says how) */
 int sender_copies_init(struct sender *s);
@@ -418,12 +409,8 @@ void sender_copies_poll(struct sender *s);
  * there is none.
  */
 bool sender_copies_news(struct sender *s, uint32_t *slot, bool *failed, char *why, size_t whylen);
-/* The finish notice the connector was told to expect is in its ring (prewake). */
-void sender_copies_expected(struct sender *s);
 /* The slot has copies gathered or in flight: nothing may be said about it yet. */
 bool sender_copies_busy(const struct sender *s, uint32_t slot);
-/* Its last bytes are gathered or in flight (a batch carrying them prewakes the connector). */
-void sender_copies_last(struct sender *s, uint32_t slot);
 /* Flush, then wait up to timeout_ns for every batch in flight (a peer going, the sender stopping). */
 void sender_copies_drain(struct sender *s, uint64_t timeout_ns);
 /* The engine's context owes the slot copies that have landed once exec.landed >= word.

@@ -22,12 +22,7 @@ int sender_open(struct sender *s, const char *instance, const struct sender_opts
         s->layers = kvf_layout_layers(s->layout);
         s->tensors = kvf_layout_tensors(s->layout);
         s->request_timeout_ns = o->request_timeout_ns;
-        s->prewake_ns = o->prewake_ns;
         s->notice_rings = o->notice_rings;
-        /* The prewake wakes our connector for a notice that, with notice rings, goes to the
-         * peer's connector instead (ARCHITECTURE.md section 6). */
-        if (s->notice_rings)
-                s->prewake_ns = 0;
         for (uint32_t i = 0; i < SENDER_MAX_PEERS; i++)
                 s->peers[i].ctl.fd = -1;
         if ((rc = kvf_cache_map(s->ctl.hdr, false, &s->own)) < 0) {

@@ -11,10 +11,13 @@
  * agree, and that no request gets a second completion or arrival. Where two
  * outcomes are both right (said at the scenario), it counts each.
  *
- * KVFERRY_NOTICE_RINGS=1 (the instances' senders run with --notice-rings): the
- * notices go into the decode segment's notice ring, which outlives the decode
- * connector, and no connection is involved; the scenarios then expect what
- * ARCHITECTURE.md section 7 says of that path (said at each).
+ * By default (notice rings, the senders' default) the notices go into the
+ * decode segment's notice ring, which outlives the decode connector, and no
+ * connection is involved; the scenarios then expect what ARCHITECTURE.md
+ * section 7 says of that path (said at each). KVFERRY_NOTICE_RINGS=0 (up passes
+ * --no-notice-rings; the agreement_sockets test) runs them over the
+ * connectors' sockets, the path of tcp and rdma notices and of an ipc peer
+ * that got no notice slot.
  */
 #include <errno.h>
 #include <signal.h>
@@ -37,7 +40,7 @@
 #define REQUEST_TIMEOUT_MS 3000
 
 static char P[64], D[64];
-static bool rings; /* KVFERRY_NOTICE_RINGS=1 */
+static bool rings; /* not KVFERRY_NOTICE_RINGS=0 */
 static struct kvf_layout_info L;
 
 struct req {
@@ -225,9 +228,9 @@ static const struct outcome TIMED_OUT = {KVF_STATUS_TIMEOUT, KVF_STATUS_TIMEOUT}
 int main(void)
 {
         setvbuf(stdout, NULL, _IOLBF, 0); /* in order with stderr in the test log */
-        rings = getenv("KVFERRY_NOTICE_RINGS") && !strcmp(getenv("KVFERRY_NOTICE_RINGS"), "1");
-        if (rings)
-                printf("notices through the decode segment's notice rings (--notice-rings)\n");
+        rings = !getenv("KVFERRY_NOTICE_RINGS") || strcmp(getenv("KVFERRY_NOTICE_RINGS"), "0");
+        printf(rings ? "notices through the decode segment's notice rings (the default)\n"
+                     : "notices through the connectors' sockets (--no-notice-rings)\n");
         snprintf(P, sizeof(P), "ag%d-p", (int)getpid());
         snprintf(D, sizeof(D), "ag%d-d", (int)getpid());
         const char *lay = "--model llama-3.1-8b --tp 8 --blocks 64";

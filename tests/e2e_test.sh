@@ -33,10 +33,11 @@ up $TAG-p0 --role prefill $L
 j=$(case_run "per-query" pq --prefill $TAG-p0 --decode $TAG-d0 --requests 40 --layer-us 100 --late-pct 25 --prefix-pct 30)
 [ "$(json_get "$j" finished)" = 40 ] || fail "per-query: not all 40 finished"
 pass "per-query prefill: 40 requests finished and verified (25% of tasks after their layers, 30% prefix hits)"
-# KVFERRY_NOTICE_RINGS=1 (tools/kvferry up passes --notice-rings): ipc notices go into the decode
-# segment's notice slots, so the socket-path checks below (the unix control connection, prewakes,
-# a full control socket) are replaced by the slot's.
-RINGS=${KVFERRY_NOTICE_RINGS:-0}
+# Notice rings (the default; KVFERRY_NOTICE_RINGS=0 turns them off): ipc notices go into the
+# decode segment's notice slots, so the unix control connection carries none of them. The socket
+# path (tcp and rdma notices; an ipc peer that got no slot) is checked below on instances started
+# with --no-notice-rings (a full control socket).
+RINGS=${KVFERRY_NOTICE_RINGS:-1}
 if [ "$RINGS" = 1 ]; then
   grep -q "peer '$TAG-d0': notice slot [0-9]*: finish notices go to its connector in one hop" "$KVFERRY_RUN_DIR/$TAG-p0/sender.log" ||
     fail "--notice-rings: the prefill sender holds no notice slot of '$TAG-d0'"
@@ -48,20 +49,6 @@ grep -q "peer '$TAG-d0' (instance $TAG-d0, same host) connected over a unix sock
   fail "the prefill connector did not reach its same-host peer over the unix socket"
 pass "same-host peers: the connectors' control connection is a unix socket"
 fi
-
-# Prewake (sender --prewake-us, default 100): the batch that carries a request's last bytes rings
-# the connector ahead, so its wake-up overlaps the copy. One request per step: every request's
-# last layer is a batch of its own, so each one prewakes once. Whether the connector was already
-# polling when the notice came (prewakes_met) depends on the machine's timing and is reported,
-# not required (ring_test checks the polling itself); an instance started with --prewake-us 0
-# never prewakes.
-w0=$(counter $TAG-p0 prewakes) m0=$(counter $TAG-p0 prewakes_met)
-j=$(case_run "prewake" pw --prefill $TAG-p0 --decode $TAG-d0 --requests 20 --layer-us 300 --step-tokens 1 \
-      --late-pct 0 --prefix-pct 0)
-[ "$(json_get "$j" finished)" = 20 ] || fail "prewake: not all 20 finished"
-pw=$(( $(counter $TAG-p0 prewakes) - w0 )) met=$(( $(counter $TAG-p0 prewakes_met) - m0 ))
-[ "$RINGS" = 1 ] || [ "$pw" -ge 20 ] || fail "prewake: $pw prewakes for 20 requests that each ended in a batch of their own"
-pass "prewake: 20 requests one per step, $pw prewakes of the connector ($met found it polling), every byte verified"
 
 # A late task whose one layer is more than a slice (sender_advance): two requests of 8192 tokens
 # (128 blocks x K and V x 16 KiB = 4 MiB per layer), every layer done before the task comes.
@@ -97,15 +84,15 @@ c=$(json_get "$j" cancelled)
 [ "$(json_get "$j" finished_but_failed_pairs)" = 0 ] || fail "cancel: a cancelled request also arrived as finished"
 pass "cancel mid-transfer: $c cancelled (of $(json_get "$j" cancels_sent) cancels), the rest finished and verified"
 
-# A full control socket. A same-host notice of up to 2 KiB is sent without a room check (a unix
-# socket queues it whole or not at all), so a full socket must answer EAGAIN and the peer thread
-# send the notice later. The decode connector stopped while 500 one-block requests finish in one
-# step: the socket fills (a small notice takes about 780 bytes of its 208 KiB), notices are held
-# back; then it goes on, and every request must finish, verified, each once.
+# A full control socket (the socket path: instances with --no-notice-rings). A notice the socket
+# has no room for is held back for the peer thread, which sends it later. The decode connector
+# stopped while 500 one-block requests finish in one step: the socket fills (a small notice takes
+# about 780 bytes of its 208 KiB), notices are held back; then it goes on, and every request must
+# finish, verified, each once.
 LF="--model llama-3.1-8b --tp 8 --cache-mib 512" # 512 blocks: 500 requests of one block at once
 # (a peer timeout longer than the stop can last under the sanitizers' slowness)
 up $TAG-fd --role decode $LF --peer-timeout-ms 120000
-up $TAG-fp --role prefill $LF --peer-timeout-ms 120000 --prewake-us 0
+up $TAG-fp --role prefill $LF --peer-timeout-ms 120000 --no-notice-rings
 case_run "full socket, warm-up" fw --prefill $TAG-fp --decode $TAG-fd --requests 5 --layer-us 0 >/dev/null
 dc=$(pid_of connector $TAG-fd) || fail "full socket: no decode connector"
 h0=$(counter $TAG-fp notices_held_back)
@@ -117,14 +104,12 @@ for _ in $(seq 300); do [ "$(counter $TAG-fp notices_held_back)" -gt "$h0" ] && 
 held=$(( $(counter $TAG-fp notices_held_back) - h0 ))
 kill -CONT "$dc"
 wait $sim || { cat "$KVFERRY_RUN_DIR/full.txt" >&2; fail "full socket: kvf-sim failed"; }
-[ "$RINGS" = 1 ] || [ "$held" -gt 0 ] || fail "full socket: no notice was held back (the socket never filled?)"
+[ "$held" -gt 0 ] || fail "full socket: no notice was held back (the socket never filled?)"
 j=$KVFERRY_RUN_DIR/full.json
 [ "$(json_get "$j" finished)" = 500 ] || fail "full socket: $(json_get "$j" finished) of 500 finished"
 [ "$(json_get "$j" corrupt)" = 0 ] || fail "full socket: corrupt requests"
 [ "$(json_get "$j" unaccounted)" = 0 ] || fail "full socket: requests without a completion"
 pass "a full control socket: the decode connector stopped, a notice met the full socket ($held held back) and the peer thread sent the queue after; 500 requests finished and verified"
-[ "$(counter $TAG-fp prewakes)" = 0 ] || fail "--prewake-us 0: the sender prewoke its connector $(counter $TAG-fp prewakes) times"
-pass "--prewake-us 0: no prewake"
 down $TAG-fp; down $TAG-fd
 down $TAG-p0; down $TAG-d0
 

@@ -71,7 +71,9 @@ squat "@kvferry.$TAG-d.ctl" "$KVFERRY_RUN_DIR/squat-abstract.txt"
 as_nobody mkdir -m 0700 "$SOCKDIR"
 squat "$SOCKDIR/$TAG-d.ctl" "$KVFERRY_RUN_DIR/squat-dir.txt"
 up $TAG-d --role decode $L
-up $TAG-p --role prefill $L --request-timeout-ms 3000 --connect-timeout-ms 500
+# (its ipc notices through the connectors, not the decode instance's notice slots: the connectors'
+# same-host control connection is what is squatted)
+up $TAG-p --role prefill $L --request-timeout-ms 3000 --connect-timeout-ms 500 --no-notice-rings
 run_sim squatted
 why="unix socket directory $SOCKDIR is owned by uid 65534 (nobody)"
 grep -q "$why" "$CLOG" || fail "the decode connector did not log why it has no unix socket ('$why')"

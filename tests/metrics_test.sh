@@ -22,7 +22,9 @@ scrape() { curl -sf --max-time 5 "http://127.0.0.1:$(port_of "$1")/metrics"; }
 value() { awk -v s="$2" '$1 == s { print $2 }' <<<"$1"; }
 
 up "$D" --role decode $L --metrics 127.0.0.1:0
-up "$P" --role prefill $L --metrics 127.0.0.1:0
+# Its ipc notices through the connectors (not the decode instance's notice slots, the default),
+# so that the prefill connector connects to its peer and peer_connects counts it.
+up "$P" --role prefill $L --metrics 127.0.0.1:0 --no-notice-rings
 [ -n "$(port_of "$D")" ] && [ -n "$(port_of "$P")" ] || fail "no metrics port in metrics.log"
 
 # ---- read-only, and the format ----

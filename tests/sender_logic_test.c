@@ -17,6 +17,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include "cache.h"
@@ -247,7 +248,7 @@ static const struct rec *find(const struct outs *o, uint16_t type, const char *i
 static void sender_up_with(struct sender *s, struct inst *in, bool notice_rings)
 {
         memset(s, 0, sizeof(*s));
-        const struct sender_opts o = {.request_timeout_ns = TIMEOUT_NS, .prewake_ns = 100000,
+        const struct sender_opts o = {.request_timeout_ns = TIMEOUT_NS,
                                       .notice_rings = notice_rings};
         CHECK(sender_open(s, in->name, &o) == 0);
         CHECK(sender_start(s) == 0);
@@ -895,7 +896,64 @@ static void case_notice_rings(void)
         turn(&A);
         CHECK_DONE(completions(&P), "nr-socket", KVF_STATUS_FINISHED, "");
         sender_close(&A);
+
+        /* the holder of one of them was killed (another instance's sender, its ring read
+         * empty): that slot is reclaimed, the others stay with their live holders */
+        pid_t dead = fork();
+        CHECK(dead >= 0);
+        if (dead == 0)
+                _exit(0);
+        CHECK(waitpid(dead, NULL, 0) == dead);
+        const uint32_t rs2 = KVF_NOTICE_SLOTS - 1;
+        D.ctl.notices[rs2].pid = dead;
+        D.ctl.notices[rs2].pid_starttime = 0;
+        snprintf(D.ctl.notices[rs2].owner, sizeof(D.ctl.notices[rs2].owner), "killed-one");
+        sender_up_with(&A, &P, true);
+        st = next_step();
+        task(&P, "nr-reclaimed", D.name, KVF_TRANSPORT_IPC, src, 2, dst, 2, st, false);
+        progress(&P, st, LAYERS);
+        turn(&A);
+        uint32_t rc2 = slot_of(&A, "nr-reclaimed");
+        pi = A.ctl.reqtab[rc2].peer_idx;
+        CHECK(A.peers[pi].nend.slot != NULL && A.peers[pi].nend.idx == rs2);
+        CHECK_EQ(D.ctl.notices[rs2].pid, getpid());
+        CHECK(!strcmp(D.ctl.notices[rs2].owner, P.name));
+        CHECK(A.ctl.reqtab[rc2].notice_gen == SENDER_NOTICE_GEN_RING);
+        struct slot_peer sp2;
+        slot_peer_bind(&sp2, rs2);
+        CHECK(find(slot_notices(&sp2), KVF_RT_NOTICE, "nr-reclaimed"));
+        slot_ack(&sp2, key_of(&A, rc2), "nr-reclaimed", KVF_STATUS_FINISHED, "");
+        turn(&A);
+        CHECK_DONE(completions(&P), "nr-reclaimed", KVF_STATUS_FINISHED, "");
+        sender_close(&A);
         memcpy(D.ctl.notices, keep, sizeof(keep));
+
+        /* the decode instance re-created (a new segment) while a notice sits unanswered in its
+         * old slot ring: nobody reads that ring any more, so the request ends "connection
+         * error" here, once; the new instance refuses a notice of its predecessor's blocks
+         * (connector_logic_test), so no arrival says otherwise */
+        sender_up_with(&A, &P, true);
+        st = next_step();
+        task(&P, "nr-recreated", D.name, KVF_TRANSPORT_IPC, src, 2, dst, 2, st, false);
+        progress(&P, st, LAYERS);
+        turn(&A);
+        uint32_t rr = slot_of(&A, "nr-recreated");
+        CHECK_STATE(&A, rr, SREQ_LANDED, KVF_REQ_FINISHING);
+        CHECK(A.ctl.reqtab[rr].notice_gen == SENDER_NOTICE_GEN_RING);
+        kvf_cache_unmap(&D.cache);
+        kvf_ctl_detach(&D.ctl);
+        kvf_ctl_unlink(D.name);
+        inst_make(&D, "d", KVF_IROLE_DECODE, KVF_BACKEND_HOST);
+        sender_tick(&A, kvf_now_ns());
+        turn(&A);
+        o = completions(&P);
+        CHECK_DONE(o, "nr-recreated", KVF_STATUS_CONNECTION, "before it answered the finish notice");
+        CHECK_EQ(o->n, 1);
+        CHECK_STATE(&A, rr, SREQ_FREE, KVF_REQ_FREE);
+        sender_tick(&A, kvf_now_ns() + 2 * TIMEOUT_NS);
+        turn(&A);
+        CHECK_EQ(completions(&P)->n, 0); /* and nothing more of it, even past its deadline */
+        sender_close(&A);
 }
 
 /* A sender dies (nothing more written) and a successor adopts the table, in each state. */

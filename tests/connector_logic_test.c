@@ -1,0 +1,450 @@
+/*
+ * The decode connector's event handling, driven in-process: no kvf-connector, no
+ * sender, no supervisor. The test makes real control segments in /dev/shm (a
+ * decode instance and a same-host prefill instance, host caches), claims a notice
+ * slot of the decode segment as the prefill sender would, writes notices into its
+ * ring, runs the connector's reading of the slots (conn_notices_read) itself, and
+ * checks what comes out: arrivals in the connector->engine ring (status, blocks,
+ * session), answers in the slot's reply ring (key, status, reason), the journal
+ * (a repeat or a withdrawal is answered without a second arrival), and what waits
+ * when a ring is full. A "restart" is a second struct connector over the same
+ * segment after the first was dropped without a word, as a crash would leave it.
+ */
+#include <pthread.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "cache.h"
+#include "cache_host_alloc.h"
+#include "check.h"
+#include "clock.h"
+#include "connector.h"
+#include "ctl.h"
+#include "layout.h"
+#include "notice.h"
+#include "records.h"
+
+#define LAYERS 4u
+#define BLOCKS 32u
+
+struct inst {
+        char name[KVF_INSTANCE_MAX];
+        struct kvf_ctl ctl; /* the test's view: engine, allocator */
+        uint64_t engine;    /* the engine session the test plays */
+        bool made;
+};
+
+static struct inst P, D;
+
+static void cleanup(void)
+{
+        if (P.made)
+                kvf_ctl_unlink(P.name);
+        if (D.made)
+                kvf_ctl_unlink(D.name);
+}
+
+static void on_fatal(int sig)
+{
+        cleanup();
+        signal(sig, SIG_DFL);
+        raise(sig);
+}
+
+static void inst_make(struct inst *in, const char *tag, uint32_t irole)
+{
+        struct kvf_ctl_params p = {.instance_role = irole,
+                                   .backend = KVF_BACKEND_HOST,
+                                   .reqtab_slots = 8,
+                                   .max_blocks = 16};
+        snprintf(in->name, sizeof(in->name), "clt-%s%d", tag, (int)getpid());
+        p.instance = in->name;
+        for (int i = 0; i < KVF_RING_COUNT; i++)
+                p.ring_capacity[i] = KVF_RING_MIN_CAPACITY;
+        CHECK(kvf_layout_make(&p.layout, LAYERS, 0, BLOCKS, 1, 4, 16, KVF_DTYPE_FP16, 0) == 0);
+        kvf_ctl_unlink(in->name);
+        CHECK(kvf_ctl_create(&p, &in->ctl) == 0);
+        in->made = true;
+        CHECK(kvf_cache_create(in->ctl.hdr, &(struct kvf_cache_opts){.huge_pages = KVF_HUGE_OFF}) ==
+              0);
+        kvf_role_begin(&in->ctl, KVF_ROLE_ALLOCATOR);
+        kvf_ctl_publish(&in->ctl);
+}
+
+static void engine_attach(struct inst *in)
+{
+        in->engine = kvf_role_begin(&in->ctl, KVF_ROLE_ENGINE);
+}
+
+/* The decode connector starts over D's segment, as main.c's start does (no sockets). */
+static void connector_up(struct connector *cn)
+{
+        memset(cn, 0, sizeof(*cn));
+        CHECK(kvf_ctl_attach(D.name, true, &cn->ctl) == 0);
+        pthread_mutex_init(&cn->evmu, NULL);
+        pthread_mutex_init(&cn->smu, NULL);
+        pthread_mutex_init(&cn->rxmu, NULL);
+        pthread_mutex_init(&cn->engine_mu, NULL);
+        pthread_mutex_init(&cn->sender_mu, NULL);
+        cn->listen_fd = cn->unix_fd = -1;
+        cn->gen = kvf_role_begin(&cn->ctl, KVF_ROLE_CONNECTOR);
+        conn_journal_init(cn);
+        CHECK(conn_notices_init(cn) == 0);
+}
+
+/* Dropped without a word (a crash): nothing of it is undone in the segment. */
+static void connector_drop(struct connector *cn)
+{
+        conn_notices_close(cn);
+        free(cn->jidx);
+        kvf_ctl_detach(&cn->ctl);
+}
+
+/* ------------------------------------------------------------------ what comes out */
+
+struct rec {
+        uint16_t type;
+        char id[KVF_REQ_ID_MAX];
+        char reason[KVF_REASON_MAX];
+        int status;
+        uint64_t key, session, bytes;
+        uint32_t n_dst, dst0;
+};
+
+struct outs {
+        unsigned n;
+        struct rec r[4096];
+};
+
+static int grab(void *ctx, uint16_t type, const uint8_t *p, uint32_t len, uint64_t pos)
+{
+        struct outs *o = ctx;
+        struct kvf_record k;
+        (void)pos;
+        CHECK(kvf_record_decode(type, p, len, 0, &k) == 0);
+        CHECK(o->n < sizeof(o->r) / sizeof(o->r[0]));
+        struct rec *r = &o->r[o->n++];
+        r->type = type;
+        snprintf(r->id, sizeof(r->id), "%s", k.request_id);
+        snprintf(r->reason, sizeof(r->reason), "%s", k.reason);
+        r->status = k.status;
+        r->key = k.key;
+        r->session = k.session;
+        r->bytes = k.bytes;
+        r->n_dst = k.n_dst;
+        r->dst0 = k.n_dst ? k.dst[0] : 0;
+        kvf_record_free(&k);
+        return 0;
+}
+
+static struct outs *drain(struct kvf_ring *ring)
+{
+        static struct outs o;
+        o.n = 0;
+        while (kvf_ring_read(ring, grab, &o, 64) > 0) {
+        }
+        return &o;
+}
+
+/* The arrivals the decode engine gets. */
+static struct outs *arrivals(void)
+{
+        return drain(&D.ctl.rings[KVF_RING_CONNECTOR_TO_ENGINE]);
+}
+
+static const struct rec *find(const struct outs *o, const char *id)
+{
+        for (unsigned i = 0; i < o->n; i++)
+                if (!strcmp(o->r[i].id, id))
+                        return &o->r[i];
+        return NULL;
+}
+
+static uint64_t counter(enum kvf_counter_id id)
+{
+        return kvf_load_relaxed(&D.ctl.counters[id].value);
+}
+
+/* ------------------------------------------------------------------ the prefill sender's side */
+
+static struct kvf_notice_end slot; /* P's sender's claim of a slot of D */
+static struct kvf_ctl dview;       /* P's sender's mapping of D */
+
+static void notice(const char *id, uint64_t key, int status, bool withdraw, uint64_t session,
+                   uint64_t generation, uint32_t dst0)
+{
+        uint32_t dst[2] = {dst0, dst0 + 1};
+        struct kvf_record n = {.type = KVF_RT_NOTICE,
+                               .key = key,
+                               .transport = KVF_TRANSPORT_IPC,
+                               .status = status,
+                               .bytes = 1,
+                               .blocks = 2,
+                               .dst = dst,
+                               .n_dst = 2,
+                               .session = session,
+                               .withdraw = withdraw,
+                               .generation = generation};
+        snprintf(n.request_id, sizeof(n.request_id), "%s", id);
+        snprintf(n.peer, sizeof(n.peer), "%s", P.name);
+        if (status != KVF_STATUS_FINISHED)
+                snprintf(n.reason, sizeof(n.reason), "%s",
+                         withdraw ? "the sender timed out" : "it failed");
+        static uint8_t buf[4096];
+        int len = kvf_record_encode(&n, buf, sizeof(buf));
+        CHECK(len > 0);
+        CHECK_EQ(kvf_ring_write(&slot.notice, KVF_RT_NOTICE, buf, (uint32_t)len, NULL), 0);
+}
+
+static void finish(const char *id, uint64_t key, uint32_t dst0)
+{
+        notice(id, key, KVF_STATUS_FINISHED, false, D.engine, D.ctl.hdr->created_ns, dst0);
+}
+
+static struct outs *replies(void)
+{
+        return drain(&slot.reply);
+}
+
+static uint64_t notices_left(void)
+{
+        return kvf_load_acquire(&slot.notice.hdr->tail) - kvf_load_acquire(&slot.notice.hdr->head);
+}
+
+/* Fill a ring (through its producer's view) with dummy records until it is full; returns how many.
+ */
+static unsigned fill(struct kvf_ring *ring, uint16_t type)
+{
+        struct kvf_record a = {.type = type, .status = KVF_STATUS_FINISHED};
+        snprintf(a.request_id, sizeof(a.request_id), "filler");
+        snprintf(a.peer, sizeof(a.peer), "%s", P.name);
+        uint8_t buf[512];
+        int len = kvf_record_encode(&a, buf, sizeof(buf));
+        CHECK(len > 0);
+        unsigned n = 0;
+        while (kvf_ring_write(ring, type, buf, (uint32_t)len, NULL) == 0)
+                n++;
+        return n;
+}
+
+/* ------------------------------------------------------------------ cases */
+
+static struct connector C1, C2;
+
+/* A finish notice: one arrival, finished, for the session it was bound to; one ack. */
+static void case_publish(void)
+{
+        uint64_t a0 = counter(KVF_CTR_ARRIVALS);
+        finish("pub-1", 101, 4);
+        CHECK(conn_notices_readable(&C1));
+        CHECK(conn_notices_read(&C1));
+        CHECK(!conn_notices_readable(&C1));
+        struct outs *o = arrivals();
+        CHECK_EQ(o->n, 1);
+        CHECK_EQ(o->r[0].type, KVF_RT_ARRIVAL);
+        CHECK(!strcmp(o->r[0].id, "pub-1"));
+        CHECK_EQ(o->r[0].status, KVF_STATUS_FINISHED);
+        CHECK_EQ(o->r[0].session, D.engine);
+        CHECK_EQ(o->r[0].n_dst, 2);
+        CHECK_EQ(o->r[0].dst0, 4);
+        /* every byte of both blocks in every layer and tensor, whatever the notice said */
+        CHECK_EQ(o->r[0].bytes, 2ull * LAYERS * kvf_layout_tensors(&D.ctl.hdr->layout) *
+                                    D.ctl.hdr->layout.block_bytes);
+        CHECK_EQ(counter(KVF_CTR_ARRIVALS), a0 + 1);
+        o = replies();
+        CHECK_EQ(o->n, 1);
+        CHECK_EQ(o->r[0].type, KVF_RT_ACK);
+        CHECK_EQ(o->r[0].key, 101);
+        CHECK_EQ(o->r[0].status, KVF_STATUS_FINISHED);
+        CHECK_EQ(o->r[0].session, D.engine);
+        CHECK_EQ(notices_left(), 0);
+        printf("ok: a slot's finish notice: one arrival (finished, its blocks, every byte), one "
+               "ack\n");
+}
+
+/* The same notice again (a restarted sender re-posts), and a withdrawal of it: answered from
+ * the journal, no second arrival. */
+static void case_duplicates(void)
+{
+        uint64_t d0 = counter(KVF_CTR_ARRIVALS_DEDUPED);
+        finish("pub-1", 101, 4);
+        notice("pub-1", 101, KVF_STATUS_TIMEOUT, true, D.engine, D.ctl.hdr->created_ns, 4);
+        CHECK(conn_notices_read(&C1));
+        CHECK_EQ(arrivals()->n, 0);
+        struct outs *o = replies();
+        CHECK_EQ(o->n, 2);
+        CHECK(o->r[0].key == 101 && o->r[0].status == KVF_STATUS_FINISHED);
+        CHECK(o->r[1].key == 101 && o->r[1].status == KVF_STATUS_FINISHED);
+        CHECK_EQ(counter(KVF_CTR_ARRIVALS_DEDUPED), d0 + 2);
+        /* a withdrawal of a notice never published: the timeout is published, and said */
+        notice("wd-1", 102, KVF_STATUS_TIMEOUT, true, D.engine, D.ctl.hdr->created_ns, 6);
+        CHECK(conn_notices_read(&C1));
+        o = arrivals();
+        CHECK(o->n == 1 && !strcmp(o->r[0].id, "wd-1") && o->r[0].status == KVF_STATUS_TIMEOUT);
+        o = replies();
+        CHECK(o->n == 1 && o->r[0].key == 102 && o->r[0].status == KVF_STATUS_TIMEOUT);
+        /* an abort: its error arrival, acknowledged with the same status */
+        notice("ab-1", 103, KVF_STATUS_WRITE, false, D.engine, D.ctl.hdr->created_ns, 8);
+        CHECK(conn_notices_read(&C1));
+        o = arrivals();
+        CHECK(o->n == 1 && o->r[0].status == KVF_STATUS_WRITE &&
+              strstr(o->r[0].reason, "it failed"));
+        o = replies();
+        CHECK(o->n == 1 && o->r[0].key == 103 && o->r[0].status == KVF_STATUS_WRITE);
+        printf("ok: a repeated notice and a withdrawal answered from the journal without a second "
+               "arrival; an unpublished withdrawal and an abort published with their status\n");
+}
+
+/* Notices the decode side must refuse: each an error arrival (or none) and an ack that says why. */
+static void case_failures(void)
+{
+        /* blocks of the previous incarnation of D's cache */
+        notice("old-gen", 201, KVF_STATUS_FINISHED, false, D.engine, D.ctl.hdr->created_ns - 1, 4);
+        CHECK(conn_notices_read(&C1));
+        CHECK_EQ(arrivals()->n, 0);
+        struct outs *o = replies();
+        CHECK(o->n == 1 && o->r[0].key == 201 && o->r[0].status == KVF_STATUS_CONNECTION);
+        CHECK(strstr(o->r[0].reason, "was restarted during the transfer"));
+        /* blocks out of range */
+        finish("range", 202, BLOCKS - 1);
+        CHECK(conn_notices_read(&C1));
+        CHECK_EQ(arrivals()->n, 0);
+        o = replies();
+        CHECK(o->n == 1 && o->r[0].status == KVF_STATUS_BLOCK_RANGE &&
+              strstr(o->r[0].reason, "out of range"));
+        /* bound to an engine session that has ended: "engine gone", for that session */
+        uint64_t old = D.engine;
+        kvf_role_end(&D.ctl, KVF_ROLE_ENGINE);
+        engine_attach(&D);
+        CHECK(D.engine != old);
+        notice("gone", 203, KVF_STATUS_FINISHED, false, old, D.ctl.hdr->created_ns, 10);
+        CHECK(conn_notices_read(&C1));
+        o = arrivals();
+        CHECK(o->n == 1 && o->r[0].status == KVF_STATUS_ENGINE_GONE && o->r[0].session == old);
+        o = replies();
+        CHECK(o->n == 1 && o->r[0].key == 203 && o->r[0].status == KVF_STATUS_ENGINE_GONE);
+        CHECK_EQ(o->r[0].session, D.engine); /* the ack says which session is live now */
+        /* a record that is not a notice: counted, skipped; the next notice still goes */
+        uint64_t b0 = counter(KVF_CTR_BAD_RECORDS);
+        uint8_t junk[16] = {0xc1, 0xc1, 0xc1};
+        CHECK_EQ(kvf_ring_write(&slot.notice, KVF_RT_NOTICE, junk, sizeof(junk), NULL), 0);
+        CHECK_EQ(kvf_ring_write(&slot.notice, KVF_RT_ACK, junk, sizeof(junk), NULL), 0);
+        finish("after-junk", 204, 12);
+        CHECK(conn_notices_read(&C1));
+        CHECK_EQ(counter(KVF_CTR_BAD_RECORDS), b0 + 2);
+        o = arrivals();
+        CHECK(o->n == 1 && !strcmp(o->r[0].id, "after-junk") &&
+              o->r[0].status == KVF_STATUS_FINISHED);
+        CHECK_EQ(replies()->n, 1);
+        CHECK_EQ(notices_left(), 0);
+        printf(
+            "ok: refused notices (a previous cache, blocks out of range, an ended engine session) "
+            "answered with their status and reason; bad records skipped and counted\n");
+}
+
+/* A full reply ring: the notice is published once and stays in its ring until the answer fits. */
+static void case_full_reply(void)
+{
+        unsigned n = fill(&C1.nslots[slot.idx].reply, KVF_RT_ACK);
+        CHECK(n > 0);
+        finish("full-reply", 301, 14);
+        conn_notices_read(&C1);
+        CHECK(C1.notices_blocked);
+        struct outs *o = arrivals();
+        CHECK(o->n == 1 && !strcmp(o->r[0].id, "full-reply"));
+        CHECK_EQ(notices_left() > 0, 1);
+        conn_notices_read(&C1); /* again: still no room, still no second arrival */
+        CHECK(C1.notices_blocked);
+        CHECK_EQ(arrivals()->n, 0);
+        o = replies();
+        CHECK_EQ(o->n, n); /* the sender reads its replies: room */
+        CHECK(conn_notices_read(&C1));
+        CHECK(!C1.notices_blocked);
+        CHECK_EQ(arrivals()->n, 0);
+        o = replies();
+        CHECK(o->n == 1 && o->r[0].key == 301 && o->r[0].status == KVF_STATUS_FINISHED);
+        CHECK_EQ(notices_left(), 0);
+        printf(
+            "ok: a notice whose reply ring was full (%u answers unread): published once, left in "
+            "its ring, answered from the journal once there was room\n",
+            n);
+}
+
+/* A full arrival ring: nothing published, nothing answered; the notice waits in its ring. */
+static void case_full_arrivals(void)
+{
+        unsigned n = fill(&C1.ctl.rings[KVF_RING_CONNECTOR_TO_ENGINE], KVF_RT_ARRIVAL);
+        CHECK(n > 0);
+        finish("full-arr", 401, 16);
+        conn_notices_read(&C1);
+        CHECK(C1.notices_blocked);
+        CHECK_EQ(replies()->n, 0);
+        CHECK(notices_left() > 0);
+        CHECK_EQ(arrivals()->n, n); /* the engine reads: room */
+        CHECK(conn_notices_read(&C1));
+        struct outs *o = arrivals();
+        CHECK(o->n == 1 && !strcmp(o->r[0].id, "full-arr") &&
+              o->r[0].status == KVF_STATUS_FINISHED);
+        o = replies();
+        CHECK(o->n == 1 && o->r[0].key == 401);
+        printf(
+            "ok: a notice whose arrival ring was full waited in its slot, then was published and "
+            "answered once\n");
+}
+
+/* The connector dies after publishing, before answering (the reply ring was full); its successor
+ * finds the notice still in the ring and answers it from the journal: no second arrival. */
+static void case_restart(void)
+{
+        unsigned n = fill(&C1.nslots[slot.idx].reply, KVF_RT_ACK);
+        finish("restart", 501, 18);
+        finish("restart-2", 502, 20);
+        conn_notices_read(&C1);
+        struct outs *o = arrivals();
+        CHECK(o->n == 1 && !strcmp(o->r[0].id, "restart"));
+        CHECK(notices_left() > 0);
+        connector_drop(&C1); /* dies */
+        CHECK_EQ(replies()->n, n);
+        connector_up(&C2);
+        CHECK(conn_notices_readable(&C2));
+        CHECK(conn_notices_read(&C2));
+        o = arrivals();
+        CHECK(o->n == 1 && !strcmp(o->r[0].id, "restart-2"));
+        o = replies();
+        CHECK_EQ(o->n, 2);
+        CHECK(find(o, "restart") && find(o, "restart")->status == KVF_STATUS_FINISHED);
+        CHECK(find(o, "restart-2") && find(o, "restart-2")->status == KVF_STATUS_FINISHED);
+        CHECK_EQ(notices_left(), 0);
+        printf(
+            "ok: the connector died with a published notice unanswered: its successor answered it "
+            "from the journal (no second arrival) and published the next\n");
+}
+
+int main(void)
+{
+        setvbuf(stdout, NULL, _IOLBF, 0);
+        atexit(cleanup);
+        signal(SIGSEGV, on_fatal);
+        signal(SIGABRT, on_fatal);
+        inst_make(&D, "d", KVF_IROLE_DECODE);
+        inst_make(&P, "p", KVF_IROLE_PREFILL);
+        engine_attach(&D);
+        connector_up(&C1);
+        CHECK(kvf_ctl_attach(D.name, true, &dview) == 0);
+        int s = kvf_notice_claim(&dview, P.name, P.ctl.hdr->created_ns, &slot);
+        CHECK(s >= 0);
+        case_publish();
+        case_duplicates();
+        case_failures();
+        case_full_reply();
+        case_full_arrivals();
+        case_restart();
+        kvf_notice_release(&slot);
+        connector_drop(&C2);
+        kvf_ctl_detach(&dview);
+        printf("connector_logic_test: all cases passed\n");
+        return 0;
+}

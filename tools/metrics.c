@@ -167,21 +167,38 @@ static uint64_t bucket_low(unsigned b)
         return (1ull << lg) | ((uint64_t)(b % 8) << (lg - 3));
 }
 
-/* Upper bounds of the exported buckets, in seconds. */
+/* Upper bounds of the exported buckets: seconds; bytes (powers of 4 from 64 KiB to 4 GiB);
+ * descriptors (powers of 2 from 1 to 65536). */
 static const double le_s[] = {1e-6, 2.5e-6, 5e-6,   1e-5, 2.5e-5, 5e-5,   1e-4, 2.5e-4,
                               5e-4, 1e-3,   2.5e-3, 5e-3, 1e-2,   2.5e-2, 5e-2, 0.1,
                               0.25, 0.5,    1.0,    2.5,  5.0,    10.0,   30.0};
+static const double le_bytes[] = {65536.0,     262144.0,     1048576.0,   4194304.0,  16777216.0,
+                                  67108864.0,  268435456.0,  1073741824.0, 4294967296.0};
+static const double le_descs[] = {1,    2,    4,    8,     16,    32,    64,    128,  256,
+                                  512,  1024, 2048, 4096,  8192,  16384, 32768, 65536};
+
+/* How a segment histogram is exported: its bounds, and the segment unit per exported unit. */
+struct hist_kind {
+        const double *le;
+        size_t nle;
+        double unit; /* 1e9: nanoseconds exported as seconds; 1: bytes, descriptors */
+};
+static const struct hist_kind seconds = {le_s, sizeof(le_s) / sizeof(le_s[0]), 1e9};
+static const struct hist_kind sizes_bytes = {le_bytes, sizeof(le_bytes) / sizeof(le_bytes[0]), 1};
+static const struct hist_kind sizes_descs = {le_descs, sizeof(le_descs) / sizeof(le_descs[0]), 1};
 
 /*
- * A segment histogram (nanoseconds, log buckets) as a Prometheus histogram in
- * seconds. A segment bucket counts under an exported bound only when all of
- * it lies at or below the bound, so each cumulative count is exact or an
- * undercount by at most the segment bucket straddling the bound (12.5 %). The
- * count is the buckets' sum (read at one time with them), not the separate
- * count word, so that +Inf equals _count.
+ * A segment histogram (log buckets) as a Prometheus histogram: nanoseconds
+ * in seconds, or a size histogram (bytes, descriptors) as it is. A segment
+ * bucket counts under an exported bound only when all of it lies at or below
+ * the bound, so each cumulative count is exact or an undercount by at most the
+ * segment bucket straddling the bound (12.5 %); a size histogram's buckets are
+ * (low, high] (common/hist.c), so its power-of-two bounds are exact. The count
+ * is the buckets' sum (read at one time with them), not the separate count
+ * word, so that +Inf equals _count.
  */
 static void histogram(struct out *o, const char *name, const struct kvf_histogram *h,
-                      const char *help)
+                      const struct hist_kind *k, const char *help)
 {
         uint64_t b[KVF_HIST_BUCKETS], total = 0;
         for (unsigned i = 0; i < KVF_HIST_BUCKETS; i++) {
@@ -193,32 +210,24 @@ static void histogram(struct out *o, const char *name, const struct kvf_histogra
         unsigned i = 0;
         uint64_t cum = 0;
         char lbl[48];
-        for (size_t k = 0; k < sizeof(le_s) / sizeof(le_s[0]); k++) {
-                double le_ns = le_s[k] * 1e9;
+        for (size_t j = 0; j < k->nle; j++) {
+                double le_raw = k->le[j] * k->unit;
                 while (i < KVF_HIST_BUCKETS &&
-                       (i + 1 == KVF_HIST_BUCKETS ? false : (double)bucket_low(i + 1) <= le_ns)) {
+                       (i + 1 == KVF_HIST_BUCKETS ? false : (double)bucket_low(i + 1) <= le_raw)) {
                         cum += b[i];
                         i++;
                 }
-                snprintf(lbl, sizeof(lbl), "le=\"%g\"", le_s[k]);
+                snprintf(lbl, sizeof(lbl), "le=\"%.10g\"", k->le[j]);
                 outf(o, "%s_bucket{instance=\"%s\",%s} %llu\n", name, o->inst, lbl,
                      (unsigned long long)cum);
         }
         outf(o, "%s_bucket{instance=\"%s\",le=\"+Inf\"} %llu\n", name, o->inst,
              (unsigned long long)total);
-        outf(o, "%s_sum{instance=\"%s\"} %.9g\n", name, o->inst, (double)sum / 1e9);
+        if (k->unit == 1)
+                outf(o, "%s_sum{instance=\"%s\"} %llu\n", name, o->inst, (unsigned long long)sum);
+        else
+                outf(o, "%s_sum{instance=\"%s\"} %.9g\n", name, o->inst, (double)sum / k->unit);
         outf(o, "%s_count{instance=\"%s\"} %llu\n", name, o->inst, (unsigned long long)total);
-}
-
-/* A histogram of which only the totals are kept: one +Inf bucket, its sum and count. */
-static void histogram_totals(struct out *o, const char *name, uint64_t sum, uint64_t count,
-                             const char *help)
-{
-        family(o, name, "histogram", help);
-        outf(o, "%s_bucket{instance=\"%s\",le=\"+Inf\"} %llu\n", name, o->inst,
-             (unsigned long long)count);
-        outf(o, "%s_sum{instance=\"%s\"} %llu\n", name, o->inst, (unsigned long long)sum);
-        outf(o, "%s_count{instance=\"%s\"} %llu\n", name, o->inst, (unsigned long long)count);
 }
 
 static const struct {
@@ -273,9 +282,14 @@ static void render(struct out *o, const struct kvf_ctl *c, bool up)
         counter1(o, c, "kvferry_num_failed_transfers_total", KVF_CTR_REQUESTS_FAILED,
                  "Requests (transfers) that failed, whatever the reason (vLLM NIXL: "
                  "nixl_num_failed_transfers)");
-        counter1(o, c, "kvferry_num_failed_notifications_total", KVF_CTR_NOTICES_REISSUED,
-                 "Finish notices to the decode peer whose delivery was not confirmed and that were "
-                 "sent again (vLLM NIXL: nixl_num_failed_notifications)");
+        counter1(o, c, "kvferry_num_failed_notifications_total", KVF_CTR_NOTICES_FAILED,
+                 "Notices (finish, abort, withdrawal notices between the instances, and their "
+                 "answers in notice rings) that could not be delivered: the peer was gone or "
+                 "unreachable, a send failed, or the answer never came and the request failed "
+                 "(vLLM NIXL: nixl_num_failed_notifications)");
+        counter1(o, c, "kvferry_notices_reissued_total", KVF_CTR_NOTICES_REISSUED,
+                 "Finish notices handed over again after a connector or sender restart (the peer "
+                 "de-duplicates them)");
         counter1(o, c, "kvferry_num_kv_expired_reqs_total", KVF_CTR_FAILED_TIMEOUT,
                  "Requests ended 'timed out': not finished within --request-timeout-ms of their "
                  "task (vLLM NIXL: nixl_num_kv_expired_reqs)");
@@ -289,7 +303,6 @@ static void render(struct out *o, const struct kvf_ctl *c, bool up)
         /* Bytes. */
         uint64_t b_ipc = ctr(c, KVF_CTR_BYTES_IPC), b_tcp = ctr(c, KVF_CTR_BYTES_TCP),
                  b_rdma = ctr(c, KVF_CTR_BYTES_RDMA);
-        uint64_t finished = ctr(c, KVF_CTR_REQUESTS_FINISHED);
         family(o, "kvferry_transport_bytes_total", "counter",
                "Bytes of KV cache moved by this instance's sender, by transport");
         sample(o, "kvferry_transport_bytes_total", "transport=\"ipc\"", b_ipc);
@@ -297,10 +310,10 @@ static void render(struct out *o, const struct kvf_ctl *c, bool up)
         sample(o, "kvferry_transport_bytes_total", "transport=\"rdma\"", b_rdma);
         counter1(o, c, "kvferry_received_bytes_total", KVF_CTR_BYTES_TCP_RECEIVED,
                  "Bytes of KV cache received over tcp (decode side)");
-        histogram_totals(
-            o, "kvferry_bytes_transferred", b_ipc + b_tcp + b_rdma, finished,
-            "Bytes moved per finished transfer (vLLM NIXL: nixl_bytes_transferred); only the +Inf "
-            "bucket: the sum is every byte moved, the count the finished transfers");
+        histogram(o, "kvferry_bytes_transferred", &c->sender->hist[KVF_HIST_REQ_BYTES],
+                  &sizes_bytes,
+                  "Bytes of each finished transfer (request), one observation per transfer (vLLM "
+                  "NIXL: nixl_bytes_transferred)");
         /* Descriptors: the units handed to a transport. */
         uint64_t d_frames = ctr(c, KVF_CTR_FRAMES_TCP), d_wr = ctr(c, KVF_CTR_RDMA_WRITES),
                  d_copy = ctr(c, KVF_CTR_COPY_BATCHES);
@@ -310,19 +323,20 @@ static void render(struct out *o, const struct kvf_ctl *c, bool up)
         sample(o, "kvferry_descriptors_total", "kind=\"tcp_frame\"", d_frames);
         sample(o, "kvferry_descriptors_total", "kind=\"rdma_write\"", d_wr);
         sample(o, "kvferry_descriptors_total", "kind=\"copy_batch\"", d_copy);
-        histogram_totals(
-            o, "kvferry_num_descriptors", d_frames + d_wr + d_copy, finished,
-            "Descriptors per finished transfer (vLLM NIXL: nixl_num_descriptors); only the +Inf "
-            "bucket: the sum is every descriptor, the count the finished transfers");
+        histogram(o, "kvferry_num_descriptors", &c->sender->hist[KVF_HIST_REQ_DESCS], &sizes_descs,
+                  "Descriptors of each finished transfer: copy runs (ipc), data frames (tcp), "
+                  "write work requests (rdma) (vLLM NIXL: nixl_num_descriptors)");
 
         /* Latency (the sender's histograms). */
-        histogram(o, "kvferry_xfer_time_seconds", &c->sender->hist[KVF_HIST_COPY],
-                  "Time from posting one layer's batch of copies or writes to its completion (vLLM "
-                  "NIXL: nixl_xfer_time_seconds)");
-        histogram(o, "kvferry_tail_seconds", &c->sender->hist[KVF_HIST_LAST_TO_DONE],
+        histogram(o, "kvferry_xfer_time_seconds", &c->sender->hist[KVF_HIST_REQ_XFER], &seconds,
+                  "Time of each finished transfer, from its first bytes handed to a copy or the "
+                  "connector to its completion (vLLM NIXL: nixl_xfer_time_seconds)");
+        histogram(o, "kvferry_batch_time_seconds", &c->sender->hist[KVF_HIST_COPY], &seconds,
+                  "Time from posting one layer's batch of copies or writes to its completion");
+        histogram(o, "kvferry_tail_seconds", &c->sender->hist[KVF_HIST_LAST_TO_DONE], &seconds,
                   "Time from a request's last layer being ready to its completion");
         histogram(
-            o, "kvferry_copy_start_seconds", &c->sender->hist[KVF_HIST_LAYER_TO_COPY],
+            o, "kvferry_copy_start_seconds", &c->sender->hist[KVF_HIST_LAYER_TO_COPY], &seconds,
             "Time from the engine publishing a layer-done event to the sender starting its copy");
 
         /* Rings. */
@@ -366,6 +380,17 @@ static void render(struct out *o, const struct kvf_ctl *c, bool up)
                  "Peer connections established (handshake passed)");
         counter1(o, c, "kvferry_peer_failures_total", KVF_CTR_PEER_FAILURES,
                  "Peer connections that failed or were lost");
+        /* The connector's gauges; nothing is connected while it is not running. */
+        bool conn_alive = kvf_role_alive(c, KVF_ROLE_CONNECTOR, now);
+        family(o, "kvferry_peers", "gauge",
+               "The connector's peers by state: connected, connecting (a connect or handshake "
+               "under way), failed (its last attempts failed; retried after a back-off)");
+        sample(o, "kvferry_peers", "state=\"connected\"",
+               conn_alive ? ctr(c, KVF_CTR_PEERS_CONNECTED) : 0);
+        sample(o, "kvferry_peers", "state=\"connecting\"",
+               conn_alive ? ctr(c, KVF_CTR_PEERS_CONNECTING) : 0);
+        sample(o, "kvferry_peers", "state=\"failed\"",
+               conn_alive ? ctr(c, KVF_CTR_PEERS_FAILED) : 0);
         counter1(o, c, "kvferry_peers_retired_total", KVF_CTR_PEERS_RETIRED,
                  "Peers closed after --peer-idle-ms without work");
         counter1(o, c, "kvferry_auth_failures_total", KVF_CTR_AUTH_FAILURES,
@@ -383,6 +408,8 @@ static void render(struct out *o, const struct kvf_ctl *c, bool up)
                "(common/counters.h)");
         uint32_t n = h->counters_count < KVF_COUNTER_COUNT ? h->counters_count : KVF_COUNTER_COUNT;
         for (uint32_t i = 0; i < n; i++) {
+                if (KVF_CTR_IS_GAUGE(i)) /* (kvferry_peers) */
+                        continue;
                 snprintf(lbl, sizeof(lbl), "counter=\"%s\"", kvf_counter_names[i]);
                 sample(o, "kvferry_segment_events_total", lbl, ctr(c, (enum kvf_counter_id)i));
         }

@@ -2,11 +2,12 @@
 # up --metrics: kvf-metrics serves Prometheus text that promtool accepts; its figures after a
 # kvf-sim run equal what kvf-sim counted; it is scraped while requests move; it maps the
 # segment read-only; every series is documented; the per-transfer histograms (bytes,
-# descriptors, time) have one observation per finished request; a notice to an unreachable peer
-# counts as a failed notification; kvferry_peers shows the one connected peer over tcp; 100
-# stalled connections leave the data path alone; it is restarted like a role, and a role's restart shows in it; Debian's
-# Prometheus server scrapes it and answers a kvferry series through its HTTP API. Only the
-# Prometheus server part is skipped (77, at the end) where the binary is missing.
+# descriptors, time) have one observation per finished request (ipc, tcp); a notice to an
+# unreachable peer or to a decode instance killed mid-transfer counts as a failed notification;
+# kvferry_peers shows the one connected peer over tcp; 100 stalled connections leave the data
+# path alone; it is restarted like a role, and a role's restart shows in it; Debian's Prometheus
+# server scrapes it and answers a kvferry series through its HTTP API. Only the Prometheus server
+# part is skipped (77, at the end) where the binary is missing.
 source "$(dirname "$0")/lib.sh"
 R=$KVFERRY_RUN_DIR
 L="--model llama-3.1-8b --tp 8 --cache-mib 64"
@@ -140,6 +141,28 @@ eq "finished (unreachable)" "$(value "$t" "kvferry_bytes_transferred_count{insta
 [ "$(value "$t" "kvferry_peers{instance=\"$P3\",state=\"connected\"}")" = 0 ] || fail "an unreachable peer counted connected"
 scrape "$P3" | promtool check metrics || fail "promtool check metrics refuses the page after failures"
 pass "notices to an unreachable peer: $nf failed notifications counted; no transfer observed"
+
+# ---- a decode instance killed mid-transfer: the notices to it fail, and count ----
+D2=$TAG-k
+up "$D2" --role decode $L
+acc0=$(counter "$P3" tasks_accepted) nf0=$(counter "$P3" notices_failed)
+"$B/kvf-sim" --prefill "$P3" --decode "$D2" --requests 100000 --layer-us 3000 --quiet --timeout-s 20 \
+  >"$R/simkill.out" 2>&1 &
+ks=$!
+PIDS+=("$ks")
+wait_counter "$P3" tasks_accepted $((acc0 + 3)) 10000 || fail "no transfer to $D2 started"
+kp=$(cat "$R/$D2/supervisor.pid")
+kill -KILL "$kp"
+for r in allocator connector sender; do p=$(pid_of $r "$D2") && kill -KILL "$p"; done
+wait_counter "$P3" notices_failed $((nf0 + 1)) 10000 ||
+  fail "no failed notification counted after $D2 was killed mid-transfer"
+kill "$ks" 2>/dev/null || true
+wait "$ks" 2>/dev/null || true
+t=$(scrape "$P3")
+[ "$(value "$t" "kvferry_num_failed_notifications_total{instance=\"$P3\"}")" -gt "$nf0" ] ||
+  fail "kvferry_num_failed_notifications_total did not grow after $D2 was killed"
+"$ROOT/tools/kvferry" down --instance "$D2" >/dev/null 2>&1 || true # (its leftover shared memory)
+pass "a decode instance killed mid-transfer: $(( $(counter "$P3" notices_failed) - nf0 )) failed notifications counted"
 
 # Every family on the page is documented.
 for f in $(sed -n 's/^# TYPE \([a-z_]*\) .*/\1/p' <<<"$tp" | sort -u); do

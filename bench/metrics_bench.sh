@@ -3,7 +3,8 @@
 # one tp-8 rank, the conversation trace) with a scraper hitting both instances' /metrics at RATE
 # requests per second (loopback, one keep-alive connection per instance, paced, so bounded),
 # against the same run without it, in the same session on the same instances, alternated
-# (A B A B ...). Prints every run, the medians and the ratio scraped / unscraped.
+# (A B A B ...). Prints every run, the medians and the ratio scraped / unscraped, and what one
+# page costs kvf-metrics: its size and the CPU time (user + system) both servers spent per GET.
 # Usage: bench/metrics_bench.sh [--rounds N] [--rate R] [--requests N]
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -36,6 +37,10 @@ L="--model llama-3.1-8b --tp 8 --cache-mib 2048"
 "$ROOT/tools/kvferry" up --instance $T-p --role prefill $L --metrics 127.0.0.1:0 >/dev/null 2>&1
 PD=$(port_of $T-d) PP=$(port_of $T-p)
 [ -n "$PD" ] && [ -n "$PP" ] || { echo "metrics_bench: no metrics port in $R/*/metrics.log" >&2; exit 1; }
+MPIDS="$(pgrep -f "kvf-metrics --instance $T-p " | head -n1) $(pgrep -f "kvf-metrics --instance $T-d " | head -n1)"
+# cpu_ticks: user + system clock ticks of both kvf-metrics processes so far
+cpu_ticks() { local t=0 p; for p in $MPIDS; do t=$((t + $(awk '{ print $14 + $15 }' "/proc/$p/stat"))); done; echo $t; }
+TICK=$(getconf CLK_TCK)
 
 # The scraper: paced GETs of /metrics, alternating the two instances, each over its own
 # keep-alive connection, until the file $1.stop exists; then writes how many it made, their rate
@@ -75,18 +80,23 @@ run() { # run KIND I: one kvf-sim run; prints its GiB/s and requests/s
 echo "kvferry metrics scraping: $(nproc) CPUs, $(lscpu | grep 'Model name' | sed 's/.*: *//'), Linux $(uname -r), $(date -u +%F)"
 echo "kvf-sim --requests $REQS (ipc, llama-3.1-8b tp 8, conversation trace), $ROUNDS rounds alternated; scraper: $RATE GETs/s over both instances' /metrics"
 run warmup 0 >/dev/null # the sender maps the peer's cache on its first task
-A=() S=()
+A=() S=() C=()
 for i in $(seq "$ROUNDS"); do
   a=$(run plain "$i")
+  c0=$(cpu_ticks)
   scraper "$R/scrape.$i" &
   SCRAPER=$!
   sleep 0.3
   s=$(run scraped "$i")
   touch "$R/scrape.$i.stop"; wait "$SCRAPER" || { echo "metrics_bench: the scraper failed" >&2; exit 1; }; SCRAPER=""
+  c1=$(cpu_ticks)
   read -r n rps lat_us <"$R/scrape.$i"
-  echo "round $i: unscraped ${a% *} GiB/s ${a#* } req/s | scraped ${s% *} GiB/s ${s#* } req/s (scraper: $n GETs, $rps/s, mean $lat_us us)"
-  A+=("${a% *}") S+=("${s% *}")
+  cpu_us=$(/usr/bin/python3 -c "print('%.0f' % (1e6 * ($c1 - $c0) / $TICK / $n))")
+  echo "round $i: unscraped ${a% *} GiB/s ${a#* } req/s | scraped ${s% *} GiB/s ${s#* } req/s (scraper: $n GETs, $rps/s, mean $lat_us us; kvf-metrics $cpu_us us CPU per GET)"
+  A+=("${a% *}") S+=("${s% *}") C+=("$cpu_us")
 done
 median() { printf '%s\n' "$@" | sort -g | awk '{ v[NR] = $1 } END { print (NR % 2) ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2 }'; }
 ma=$(median "${A[@]}") ms=$(median "${S[@]}")
+bytes=$(curl -sf --max-time 5 "http://127.0.0.1:$PP/metrics" | wc -c)
+echo "a page: $bytes bytes (prefill, after the runs); kvf-metrics CPU per GET, median $(median "${C[@]}") us"
 echo "median: unscraped $ma GiB/s, scraped $ms GiB/s; ratio scraped/unscraped $(/usr/bin/python3 -c "print('%.3f' % ($ms / $ma))")"

@@ -2,6 +2,10 @@
  * The counters of an instance: one 64-bit value per cache line in the
  * control segment, added to by any role, read by tools. The list is the
  * contract with ring-dump's JSON output: append, never reorder.
+ *
+ * The PEERS_* slots are gauges, not counters: the connector's peers by state
+ * (connector/peer.c), moved up and down as peers change state and set to 0 by
+ * every connector start. KVF_CTR_IS_GAUGE tells them apart.
  */
 #ifndef KVF_COUNTERS_H
 #define KVF_COUNTERS_H
@@ -61,7 +65,11 @@
         X(RDMA_POST_ERRORS, "rdma_post_errors")                                                    \
         X(RDMA_DONE_RECEIVED, "rdma_done_messages_received")                                       \
         X(FRAMES_TCP, "data_frames_sent_tcp")                                                      \
-        X(NOTICES_HELD_BACK, "notices_held_back")
+        X(NOTICES_HELD_BACK, "notices_held_back")                                                  \
+        X(NOTICES_FAILED, "notices_failed")                                                        \
+        X(PEERS_CONNECTED, "peers_connected")                                                      \
+        X(PEERS_CONNECTING, "peers_connecting")                                                    \
+        X(PEERS_FAILED, "peers_failed")
 
 enum kvf_counter_id {
 #define KVF_COUNTER_ENUM(id, name) KVF_CTR_##id,
@@ -69,6 +77,10 @@ enum kvf_counter_id {
 #undef KVF_COUNTER_ENUM
                 KVF_COUNTER_COUNT
 };
+
+#define KVF_CTR_IS_GAUGE(id)                                                                       \
+        ((id) == KVF_CTR_PEERS_CONNECTED || (id) == KVF_CTR_PEERS_CONNECTING ||                    \
+         (id) == KVF_CTR_PEERS_FAILED)
 
 extern const char *const kvf_counter_names[KVF_COUNTER_COUNT];
 

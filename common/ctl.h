@@ -189,6 +189,7 @@ void kvf_connector_info_write(struct kvf_ctl *c, const char *host, uint32_t port
 
 /* Histograms (nanoseconds): add a value; estimate quantile q in [0, 1]. */
 void kvf_hist_add(struct kvf_histogram *h, uint64_t v);
+void kvf_hist_add_size(struct kvf_histogram *h, uint64_t v); /* bytes, descriptors */
 uint64_t kvf_hist_quantile(const struct kvf_histogram *h, double q);
 
 /* A hash of this boot (same host, same boot: same value). */

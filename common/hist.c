@@ -1,4 +1,4 @@
-/* Latency histograms in the control segment (ctl.h): log2 buckets, 8 sub-buckets each. */
+/* Histograms in the control segment (ctl.h): log2 buckets, 8 sub-buckets each. */
 #include "ctl.h"
 
 #include "atomics.h"
@@ -28,6 +28,18 @@ void kvf_hist_add(struct kvf_histogram *h, uint64_t v)
         if (v > m)
                 kvf_store_relaxed(&h->max, v);
         kvf_fetch_add_relaxed(&h->buckets[hist_bucket(v)], 1);
+}
+
+/* A size (bytes, descriptors): bucketed by v - 1, so that a bucket is (low, high] and a bound
+ * at a power of two, as Prometheus' `le`, counts a value equal to it (shm_layout.h). */
+void kvf_hist_add_size(struct kvf_histogram *h, uint64_t v)
+{
+        kvf_fetch_add_relaxed(&h->count, 1);
+        kvf_fetch_add_relaxed(&h->sum, v);
+        uint64_t m = kvf_load_relaxed(&h->max);
+        if (v > m)
+                kvf_store_relaxed(&h->max, v);
+        kvf_fetch_add_relaxed(&h->buckets[hist_bucket(v ? v - 1 : 0)], 1);
 }
 
 uint64_t kvf_hist_quantile(const struct kvf_histogram *h, double q)

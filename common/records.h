@@ -21,6 +21,34 @@
 #include "shm_layout.h"
 
 /*
+ * A write batch's runs (WRITE_BATCH: (src, dst index, count) triples) become
+ * one unit per run per (layer, tensor) in the connector, a run longer than the
+ * transport's unit split into several (connector/xfer.c): a frame (tcp, at most
+ * KVF_FRAME_MAX_TCP payload bytes) or an RDMA write work request (at most
+ * KVF_FRAME_MAX_RDMA). These are a network transfer's descriptors.
+ */
+#define KVF_FRAME_MAX_TCP (4u << 20)
+#define KVF_FRAME_MAX_RDMA (1u << 30) /* a work request's length (mlx5's max_msg_sz; rxe takes 2 GiB) */
+
+static inline uint64_t kvf_frame_max(int transport)
+{
+        return transport == KVF_TRANSPORT_RDMA ? KVF_FRAME_MAX_RDMA : KVF_FRAME_MAX_TCP;
+}
+
+/* The units (descriptors) a write batch of `layers` layers, `tensors` tensors and these runs
+ * (n_runs words) becomes on a transport whose unit holds at most frame_max bytes. */
+static inline uint64_t kvf_batch_frames(const uint32_t *runs, uint32_t n_runs, uint32_t layers,
+                                        uint32_t tensors, uint64_t block_bytes, uint64_t frame_max)
+{
+        uint64_t per = block_bytes ? frame_max / block_bytes : 1, n = 0;
+        if (per == 0)
+                per = 1;
+        for (uint32_t r = 0; r + 2 < n_runs; r += 3)
+                n += (runs[r + 2] + per - 1) / per;
+        return n * layers * tensors;
+}
+
+/*
  * The record types kvferry's own processes exchange. The types an engine sees
  * (1 to 7) are enum kvf_record_type in kvferry.h, under their public names
  * KVF_REC_*; these follow them.

@@ -39,7 +39,9 @@
  * included: a segment of another build is then refused for its version, not as corrupt.
  * 5: the rdma counters and data_frames_sent_tcp. 6: notices_held_back, prewakes and
  * prewakes_met; a doorbell's expect_until. 8: notice slots (same-host notices in one hop).
- * 9: prewakes and prewakes_met gone (the sender no longer prewakes its connector). */
+ * 9: per-request histograms (bytes, descriptors, transfer time) and a request's xfer_start_ns and
+ * descs; counters notices_failed and the peer gauges; prewakes and prewakes_met gone (the sender
+ * no longer prewakes its connector). */
 #define KVF_LAYOUT_VERSION 9u
 #define KVF_CACHE_LINE 64u
 #define KVF_HEADER_SIZE 4096u
@@ -311,7 +313,10 @@ struct kvf_req_slot {
         uint64_t peer_session;   /* ipc: the peer's engine session when the task was accepted, 0 none */
         uint64_t withdraw_ns;    /* FINISHING past its deadline: when the sender asked the connector
                                   * to withdraw the notice (it waits for the peer's answer), or 0 */
-        uint8_t pad1[280];
+        uint64_t xfer_start_ns;  /* when its first bytes were handed to a copy or the connector, or 0 */
+        uint64_t descs;          /* descriptors handed over so far: copy runs (ipc), frames (tcp),
+                                  * write work requests (rdma); see sender/progress.c */
+        uint8_t pad1[264];
 };
 #define KVF_REQF_ID_BIN 1u       /* the request id came as msgpack bin: echo it as bin */
 #define KVF_REQF_COPY_PENDING 2u /* ipc: copies of it gathered into a batch, not yet seen complete */
@@ -331,9 +336,13 @@ struct kvf_journal_entry {
 };
 
 /*
- * Latency histogram: bucket i counts values v with floor(log2(v)) * 8 +
+ * Histogram: bucket i counts values v with floor(log2(v)) * 8 +
  * (next 3 bits of v) == i, i.e. 8 sub-buckets per power of two (<= 12.5 %
- * error). Values in nanoseconds. Written by one role with relaxed adds.
+ * error; every power of two is a bucket boundary). Values in nanoseconds for
+ * the latencies, in bytes or descriptors for the per-request sizes. A size
+ * histogram (kvf_hist_add_size) buckets v - 1 instead of v (0 with 1), so that
+ * its buckets hold (low, high] and a power-of-two bound counts the values
+ * equal to it. Written by one role with relaxed adds.
  */
 #define KVF_HIST_BUCKETS 512u
 struct kvf_histogram {
@@ -348,7 +357,11 @@ enum kvf_hist_id {
         KVF_HIST_LAYER_TO_COPY = 0, /* sender: layer-done published -> its copy starts */
         KVF_HIST_COPY = 1,          /* sender: one layer's copy batch, start to end */
         KVF_HIST_LAST_TO_DONE = 2,  /* sender: request's last layer ready -> completion */
-        KVF_HIST_COUNT = 3,
+        /* One observation per finished request (vLLM NIXL's meanings, per transfer): */
+        KVF_HIST_REQ_BYTES = 3,     /* its bytes (a size histogram) */
+        KVF_HIST_REQ_DESCS = 4,     /* its descriptors, kvf_req_slot.descs (a size histogram) */
+        KVF_HIST_REQ_XFER = 5,      /* its first bytes handed over -> its completion, ns */
+        KVF_HIST_COUNT = 6,
 };
 
 /*

@@ -141,6 +141,7 @@ struct peer {
          * PS_HS: the worker reads host, port, cfd and writes the hs_ fields, handed over
          * under the pools' mutexes). */
         int state;
+        int gauge; /* the peers gauge counting it (peer.c, pstate): the counter id, or 0 */
         uint32_t slot, ugen; /* its place in the I/O thread's table; completions' generation */
         bool armed_rd, armed_wr, armed_cn;
         int cfd; /* a connect under way (PS_CONNECTING) or done, for the handshake */

@@ -376,6 +376,10 @@ int main(int argc, char **argv)
         }
         cn.gen = (uint64_t)gen;
         kvf_store_relaxed(&cn.ctl.roles[KVF_ROLE_CONNECTOR].slice_us, slice_us);
+        /* The peer gauges count this connector's peers: a predecessor's went with it. */
+        kvf_store_relaxed(&cn.ctl.counters[KVF_CTR_PEERS_CONNECTED].value, 0);
+        kvf_store_relaxed(&cn.ctl.counters[KVF_CTR_PEERS_CONNECTING].value, 0);
+        kvf_store_relaxed(&cn.ctl.counters[KVF_CTR_PEERS_FAILED].value, 0);
         conn_journal_init(&cn);
         if (conn_notices_init(&cn) < 0) {
                 kvf_error("%s", kvf_err_msg());

@@ -156,9 +156,11 @@ int conn_notice_reply(struct connector *cn, uint32_t s, const struct kvf_record 
                 cn->notices_blocked = true;
                 return -EAGAIN;
         }
-        if (rc < 0) /* never fits: the sender withdraws at its deadline, the journal answers */
+        if (rc < 0) { /* never fits: the sender withdraws at its deadline, the journal answers */
+                kvf_count(&cn->ctl, KVF_CTR_NOTICES_FAILED, 1);
                 kvf_errlog(&cn->ctl, KVF_ROLE_CONNECTOR, "req %s: notice slot %u: reply: %s",
                            ack->request_id, s, kvf_err_msg());
+        }
         return 0;
 }
 

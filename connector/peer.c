@@ -69,6 +69,28 @@
 
 /* A peer's connection, as its I/O thread sees it. */
 enum { PS_IDLE, PS_CONNECTING, PS_HS, PS_UP, PS_GONE };
+/*
+ * Set p's state and keep the segment's peer gauges (common/counters.h) in step: a peer counts
+ * as connected (PS_UP), connecting (a connect or handshake under way) or failed (idle after
+ * attempts that failed, in its back-off), else in none. Only p's I/O thread calls it (and the
+ * stop, after the threads are joined); the gauges are shared by every I/O thread: atomic adds.
+ */
+static void pstate(struct peer *p, int st)
+{
+        p->state = st;
+        int g = st == PS_UP                           ? KVF_CTR_PEERS_CONNECTED
+                : st == PS_CONNECTING || st == PS_HS  ? KVF_CTR_PEERS_CONNECTING
+                : st == PS_IDLE && p->failures        ? KVF_CTR_PEERS_FAILED
+                                                      : 0;
+        if (g == p->gauge)
+                return;
+        if (p->gauge)
+                kvf_count(&p->cn->ctl, (enum kvf_counter_id)p->gauge, UINT64_MAX); /* - 1 */
+        if (g)
+                kvf_count(&p->cn->ctl, (enum kvf_counter_id)g, 1);
+        p->gauge = g;
+}
+
 /* Mailbox news (p->mail). */
 enum { M_WAKE = 1, M_HS = 2, M_STOP = 4 };
 /* Handshake pool jobs (p->job). */
@@ -188,6 +210,7 @@ static void fail_queued(struct peer *p, int status, const char *reason, uint64_t
                         snprintf(doubt, sizeof(doubt), "%s (in doubt: the notice had reached the peer)",
                                  reason);
                         post_result(p->cn, n, status, n->sent ? doubt : reason);
+                        kvf_count(&p->cn->ctl, KVF_CTR_NOTICES_FAILED, 1); /* not delivered */
                         if (!n->abort_notice)
                                 forget[nforget++] = n->key;
                         free_notice(n);
@@ -603,7 +626,7 @@ static void lost(struct peer_io *io, struct peer *p, int rc, const char *why)
         }
         kvf_reader_free(&p->rd);
         memset(&p->rd, 0, sizeof(p->rd));
-        p->state = PS_IDLE;
+        pstate(p, PS_IDLE);
         p->retry_at = 0; /* reconnect at once if there is work, as after any lost connection */
         if (rc < 0) {
                 kvf_warn("peer '%s' lost: %s", p->name, why);
@@ -631,7 +654,7 @@ static void failed(struct peer_io *io, struct peer *p, int status, const char *r
         conn_xfer_fail(p, status, why, permanent ? 0 : dead);
         kvf_errlog(&cn->ctl, KVF_ROLE_CONNECTOR, "peer %s: %s", p->name, why);
         uint64_t now = kvf_now_ns();
-        p->state = PS_IDLE;
+        pstate(p, PS_IDLE);
         p->retry_at = now + kvf_ms(p->backoff_ms);
         p->backoff_ms = p->backoff_ms * 2 > 1000 ? 1000 : p->backoff_ms * 2;
         set_due(io, p, p->retry_at);
@@ -642,13 +665,13 @@ static void hs_done(struct peer_io *io, struct peer *p)
 {
         struct connector *cn = p->cn;
         if (p->hs_rc == -ECANCELED) { /* no work left, or stopping: nothing was tried */
-                p->state = PS_IDLE;
+                pstate(p, PS_IDLE);
                 p->retry_at = 0;
                 set_due(io, p, kvf_now_ns());
                 return;
         }
         if (p->hs_rc < 0) {
-                p->state = PS_IDLE;
+                pstate(p, PS_IDLE);
                 failed(io, p, p->hs_status, p->hs_why);
                 return;
         }
@@ -673,7 +696,7 @@ static void hs_done(struct peer_io *io, struct peer *p)
         p->failures = 0;
         p->up = true;
         pthread_mutex_unlock(&p->mu);
-        p->state = PS_UP;
+        pstate(p, PS_UP);
         p->last_rx = p->last_tx = kvf_now_ns();
         arm(io, p, fd, K_RD);
         post_state(p, true, NULL);
@@ -715,7 +738,7 @@ static void kick(struct peer_io *io, struct peer *p, uint64_t now)
                 }
                 if (fd >= 0 && !done) {
                         p->cfd = fd;
-                        p->state = PS_CONNECTING;
+                        pstate(p, PS_CONNECTING);
                         p->conn_deadline = now + kvf_ms(cn->cfg.connect_timeout_ms);
                         arm(io, p, fd, K_CN);
                         set_due(io, p, p->conn_deadline);
@@ -728,7 +751,7 @@ static void kick(struct peer_io *io, struct peer *p, uint64_t now)
                 }
                 p->cfd = fd; /* connected, or -1: a name the worker resolves and connects */
         }
-        p->state = PS_HS;
+        pstate(p, PS_HS);
         p->last_fail_check = now;
         set_due(io, p, now + kvf_ms(HS_FAIL_CHECK_MS));
         job_push(io->pool, p, J_HS);
@@ -746,7 +769,7 @@ static void connected(struct peer_io *io, struct peer *p)
                 return;
         }
         uint64_t now = kvf_now_ns();
-        p->state = PS_HS;
+        pstate(p, PS_HS);
         p->last_fail_check = now;
         set_due(io, p, now + kvf_ms(HS_FAIL_CHECK_MS));
         job_push(io->pool, p, J_HS);
@@ -762,7 +785,7 @@ static void let_go(struct peer_io *io, struct peer *p)
                 close(p->cfd);
                 p->cfd = -1;
         }
-        p->state = PS_GONE;
+        pstate(p, PS_GONE);
         io->slots[p->slot] = NULL;
         io->free[io->nfree++] = p->slot;
         p->slot = SLOT_NONE;
@@ -871,7 +894,7 @@ static void news(struct peer_io *io, struct peer *p, unsigned what, uint64_t now
                 }
                 p->slot = io->free[--io->nfree];
                 io->slots[p->slot] = p;
-                p->state = PS_IDLE;
+                pstate(p, PS_IDLE);
                 p->backoff_ms = 50;
         }
         if (what & M_HS)
@@ -1010,7 +1033,7 @@ static void *io_main(void *arg)
                         disarm(io, p);
                         close(p->cfd);
                         p->cfd = -1;
-                        p->state = PS_IDLE;
+                        pstate(p, PS_IDLE);
                 }
         }
         io_uring_submit(&io->ring);
@@ -1449,6 +1472,7 @@ void conn_peer_withdraw(struct peer *p, struct notice *n)
         if (old)
                 free_notice(old);
         if (dropped) {
+                kvf_count(&p->cn->ctl, KVF_CTR_NOTICES_FAILED, 1); /* it never reached the peer */
                 conn_write_result(p->cn, n->key, n->request_id, n->id_bin, KVF_STATUS_TIMEOUT,
                                   "timed out: the finish notice never reached the peer (withdrawn)", false);
                 conn_xfer_forget(p, n->key);

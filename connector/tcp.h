@@ -53,7 +53,7 @@ struct kvf_datav_run {
 };
 _Static_assert(sizeof(struct kvf_datav_hdr) == 16 && sizeof(struct kvf_datav_run) == 16, "datav sizes");
 
-#define KVF_DATA_FRAME_MAX (4u << 20) /* payload bytes per frame (a run is split above it) */
+#define KVF_DATA_FRAME_MAX KVF_FRAME_MAX_TCP /* payload bytes per frame (a run is split above it) */
 #define KVF_DATAV_RUNS_MAX 64u        /* runs in one gathered frame */
 #define KVF_XOPEN_MAX (1u << 20)      /* bytes of an XOPEN record */
 

@@ -177,6 +177,7 @@ int sender_copies_add(struct sender *s, uint32_t slot, uint32_t l0, uint32_t l1,
          * and never reports the request finished. */
         r->flags |= KVF_REQF_COPY_PENDING;
         atomic_signal_fence(memory_order_seq_cst);
+        r->descs += (uint64_t)(l1 - l0) * s->tensors * nruns; /* its descriptors: the copy runs */
         kvf_count(&s->ctl, KVF_CTR_BLOCKS_IPC, blocks);
         kvf_count(&s->ctl, KVF_CTR_BYTES_IPC, bytes);
         r->bytes += bytes;

@@ -164,6 +164,13 @@ int sender_post_completion(struct sender *s, uint32_t slot)
         if (r->status == KVF_STATUS_FINISHED) {
                 if (r->last_layer_ns && c.done_ns > r->last_layer_ns)
                         kvf_hist_add(&s->ctl.sender->hist[KVF_HIST_LAST_TO_DONE], c.done_ns - r->last_layer_ns);
+                /* Per transfer, as vLLM's NIXL connector counts: its bytes, its descriptors,
+                 * and its time from the first bytes handed over (else its task) to now. */
+                struct kvf_histogram *h = s->ctl.sender->hist;
+                uint64_t t0 = r->xfer_start_ns ? r->xfer_start_ns : r->accept_ns;
+                kvf_hist_add_size(&h[KVF_HIST_REQ_BYTES], full);
+                kvf_hist_add_size(&h[KVF_HIST_REQ_DESCS], r->descs);
+                kvf_hist_add(&h[KVF_HIST_REQ_XFER], c.done_ns > t0 ? c.done_ns - t0 : 0);
                 kvf_debug("req %s: finished, %llu bytes", r->request_id, (unsigned long long)r->bytes);
         } else {
                 kvf_info("req %s: %s: %s", r->request_id, kvf_status_name((int)r->status), r->reason);

@@ -73,7 +73,13 @@ static int post_batch(struct sender *s, uint32_t slot, uint32_t l0, uint32_t l1,
                                .id_bin = r->flags & KVF_REQF_ID_BIN};
         memcpy(w.request_id, r->request_id, sizeof(w.request_id));
         memcpy(w.peer, r->peer, sizeof(w.peer));
-        return sender_post(s, &w); /* the connector counts what it sends */
+        int rc = sender_post(s, &w); /* the connector counts what it sends */
+        /* Its descriptors: the frames (tcp) or work requests (rdma) the connector makes of
+         * this batch (common/records.h); a batch handed again after a restart counts again. */
+        if (rc == 0)
+                r->descs += kvf_batch_frames(w.runs, w.n_runs, w.layer_count, s->tensors,
+                                             s->layout->block_bytes, kvf_frame_max(w.transport));
+        return rc;
 }
 
 int sender_post_open(struct sender *s, uint32_t slot)
@@ -159,6 +165,8 @@ static int send_range(struct sender *s, uint32_t slot, uint32_t l0, uint32_t l1,
                         return -ECANCELED; /* a record that can never be posted */
                 }
         }
+        if (!r->xfer_start_ns)
+                r->xfer_start_ns = t0; /* its transfer time runs from here (KVF_HIST_REQ_XFER) */
         if (r->transport != KVF_TRANSPORT_IPC) /* (an ipc batch is timed when it is submitted) */
                 kvf_hist_add(&s->ctl.sender->hist[KVF_HIST_COPY], kvf_now_ns() - t0);
         kvf_count(&s->ctl, KVF_CTR_COPY_BATCHES, 1);
@@ -229,6 +237,15 @@ enum sender_adv sender_advance(struct sender *s, uint32_t slot, bool net_blocked
                                              &from) < 0) {
                                 *status = KVF_STATUS_WRITE;
                                 return SENDER_ADV_FAILED;
+                        }
+                        if (from > r->cur_layers) {
+                                /* The engine copied layers [cur_layers, from): their runs are
+                                 * the request's descriptors too, and its transfer began no
+                                 * later than the layer-done word that made them ready. */
+                                uint32_t words = build_runs(s, slot, r->sent_full, m->block_end);
+                                r->descs += (uint64_t)(from - r->cur_layers) * s->tensors * (words / 3);
+                                if (!r->xfer_start_ns)
+                                        r->xfer_start_ns = s->progress_ns ? s->progress_ns : kvf_now_ns();
                         }
                         uint64_t block = (uint64_t)s->tensors * s->layout->block_bytes;
                         uint64_t per_layer = (uint64_t)(m->block_end > r->sent_full ? m->block_end - r->sent_full : 0) * block;

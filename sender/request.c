@@ -241,9 +241,11 @@ static void flush_slot(struct sender *s, uint32_t i)
                 /* Best effort: one that can never be posted is given up (the peer times out). */
                 if ((rc = post_notice(s, i, SENDER_NOTICE_ABORT)) < 0 && sender_post_again(rc))
                         return;
-                if (rc < 0)
+                if (rc < 0) {
+                        kvf_count(&s->ctl, KVF_CTR_NOTICES_FAILED, 1);
                         kvf_errlog(&s->ctl, KVF_ROLE_SENDER, "req %s: abort notice: %s",
                                    s->ctl.reqtab[i].request_id, kvf_err_msg());
+                }
                 *f &= (uint8_t)~SLOT_ABORT_NOTICE;
         }
         if (*f & SLOT_NEEDS_COMPLETION) {
@@ -275,10 +277,12 @@ static void flush_slot(struct sender *s, uint32_t i)
                 rc = post_notice(s, i,
                                  s->ctl.reqtab[i].withdraw_ns ? SENDER_NOTICE_WITHDRAW
                                                               : SENDER_NOTICE_FINISH);
-                if (rc == 0)
+                if (rc == 0) {
                         *f &= (uint8_t)~SLOT_NEEDS_NOTICE;
-                else
-                        post_failed(s, i, rc); /* (one that can never be posted decides it) */
+                } else if (!post_failed(s, i, rc)) {
+                        /* (one that can never be posted decides it) */
+                        kvf_count(&s->ctl, KVF_CTR_NOTICES_FAILED, 1);
+                }
         }
 }
 
@@ -327,6 +331,7 @@ static void noticed_timeout(struct sender *s, uint32_t i, uint64_t now)
                     "(%u of %u blocks written, step %llu layer %u)",
                     ms, r->sent_full, r->n_send, (unsigned long long)KVF_PROGRESS_STEP(w),
                     KVF_PROGRESS_LAYERS(w));
+                kvf_count(&s->ctl, KVF_CTR_NOTICES_FAILED, 1); /* never delivered */
                 decide(s, i, KVF_STATUS_TIMEOUT, why);
                 return;
         }
@@ -343,6 +348,7 @@ static void noticed_timeout(struct sender *s, uint32_t i, uint64_t now)
                          "timed out after %llu ms: the peer never confirmed or denied the arrival "
                          "(in doubt: it may have published it)",
                          2 * ms);
+                kvf_count(&s->ctl, KVF_CTR_NOTICES_FAILED, 1); /* its answer never came */
                 decide(s, i, KVF_STATUS_TIMEOUT, why);
         }
 }
@@ -667,6 +673,7 @@ static void check_peers(struct sender *s)
                                          "peer instance '%s' went away or was restarted before it answered "
                                          "the finish notice: the blocks went into its previous cache",
                                          name);
+                                kvf_count(&s->ctl, KVF_CTR_NOTICES_FAILED, 1); /* no answer comes */
                                 decide(s, k, KVF_STATUS_CONNECTION, why);
                         }
                 }

@@ -238,6 +238,8 @@ static int accept_task(struct sender *s, struct kvf_record *t, const struct task
         r->last_layer_ns = 0;
         r->deadline_ns = r->accept_ns + s->request_timeout_ns;
         r->bytes = 0;
+        r->xfer_start_ns = 0;
+        r->descs = 0;
         r->notice_gen = 0;
         r->transport = (uint32_t)t->transport;
         r->n_src = t->n_src;

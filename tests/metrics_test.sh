@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # up --metrics: kvf-metrics serves Prometheus text that promtool accepts; its figures after a
 # kvf-sim run equal what kvf-sim counted; it is scraped while requests move; it maps the
-# segment read-only; every series is documented; 100 stalled connections leave the data path
-# alone; it is restarted like a role, and a role's restart shows in it; Debian's
-# Prometheus server scrapes it and answers a kvferry series through its HTTP API. Only the
-# Prometheus server part is skipped (77, at the end) where the binary is missing.
+# segment read-only; every series is documented; the per-transfer histograms (bytes,
+# descriptors, time) have one observation per finished request (ipc, tcp); a notice to an
+# unreachable peer or to a decode instance killed mid-transfer counts as a failed notification;
+# kvferry_peers shows the one connected peer over tcp; 100 stalled connections leave the data
+# path alone; it is restarted like a role, and a role's restart shows in it; Debian's Prometheus
+# server scrapes it and answers a kvferry series through its HTTP API. Only the Prometheus server
+# part is skipped (77, at the end) where the binary is missing.
 source "$(dirname "$0")/lib.sh"
 R=$KVFERRY_RUN_DIR
 L="--model llama-3.1-8b --tp 8 --cache-mib 64"
@@ -73,17 +76,95 @@ eq "tail histogram count" "$(value "$tp" "kvferry_tail_seconds_count{instance=\"
 eq "tail +Inf bucket" "$(value "$tp" "kvferry_tail_seconds_bucket{instance=\"$P\",le=\"+Inf\"}")" "$(sim_get prefill finished)"
 eq "expired" "$(value "$tp" "kvferry_num_kv_expired_reqs_total{instance=\"$P\"}")" 0
 eq "peers" "$(value "$tp" "kvferry_peer_connects_total{instance=\"$P\"}")" 1
-[ "$(value "$tp" "kvferry_num_descriptors_sum{instance=\"$P\"}")" -gt 0 ] || fail "no descriptors counted"
-[ "$(value "$tp" "kvferry_xfer_time_seconds_count{instance=\"$P\"}")" -gt 0 ] || fail "no transfer times"
+# One observation per finished transfer: bytes (sum: every byte), descriptors, transfer time.
+fin=$(sim_get prefill finished)
+eq "bytes_transferred +Inf" "$(value "$tp" "kvferry_bytes_transferred_bucket{instance=\"$P\",le=\"+Inf\"}")" "$fin"
+eq "bytes_transferred le=4 GiB" "$(value "$tp" "kvferry_bytes_transferred_bucket{instance=\"$P\",le=\"4294967296\"}")" "$fin"
+eq "num_descriptors_count" "$(value "$tp" "kvferry_num_descriptors_count{instance=\"$P\"}")" "$fin"
+eq "xfer_time_seconds_count" "$(value "$tp" "kvferry_xfer_time_seconds_count{instance=\"$P\"}")" "$fin"
+# ipc descriptors are copy runs, one at least per layer and tensor: llama-3.1-8b has 32 layers,
+# K and V, so at least 64 per request; a request's blocks at most add one run each.
+dsum=$(value "$tp" "kvferry_num_descriptors_sum{instance=\"$P\"}")
+blocks=$(value "$tp" "kvferry_segment_events_total{instance=\"$P\",counter=\"blocks_moved_ipc\"}")
+[ "$dsum" -ge $((fin * 64)) ] && [ "$dsum" -le "$blocks" ] ||
+  fail "num_descriptors_sum $dsum: want at least 64 per request ($((fin * 64))) and at most the blocks moved ($blocks)"
+[ "$(value "$tp" "kvferry_num_descriptors_bucket{instance=\"$P\",le=\"32\"}")" = 0 ] ||
+  fail "a transfer of fewer than 64 descriptors: $(grep '^kvferry_num_descriptors_bucket' <<<"$tp")"
+# Each transfer's time lies within the run: the sum of transfer times is at most finished x the
+# run's wall time.
+wall=$(json_get "$R/sim.json" seconds)
+/usr/bin/python3 -c 'import sys; s, n, w = map(float, sys.argv[1:]); sys.exit(not (0 < s <= n * w))' \
+  "$(value "$tp" "kvferry_xfer_time_seconds_sum{instance=\"$P\"}")" "$fin" "$wall" ||
+  fail "xfer_time_seconds_sum is not within finished x the run's time ($wall s)"
 # Cumulative buckets never decrease.
-awk -v s="kvferry_xfer_time_seconds_bucket" 'index($1, s) == 1 { if ($2 < prev) bad = 1; prev = $2 } END { exit bad }' <<<"$tp" ||
-  fail "xfer_time buckets are not cumulative"
+for h in kvferry_xfer_time_seconds kvferry_bytes_transferred kvferry_num_descriptors; do
+  awk -v s="${h}_bucket{" 'index($1, s) == 1 { if ($2 < prev) bad = 1; prev = $2 } END { exit bad }' <<<"$tp" ||
+    fail "$h buckets are not cumulative"
+done
+eq "failed notifications (all delivered)" "$(value "$tp" "kvferry_num_failed_notifications_total{instance=\"$P\"}")" 0
+eq "peers connected" "$(value "$tp" "kvferry_peers{instance=\"$P\",state=\"connected\"}")" 1
 for s in kvferry_xfer_time_seconds kvferry_bytes_transferred kvferry_num_descriptors kvferry_num_failed_transfers_total \
          kvferry_num_failed_notifications_total kvferry_num_kv_expired_reqs_total; do
   grep -q "^# TYPE $s " <<<"$tp" || fail "no TYPE line for $s"
   grep -q "^# HELP $s " <<<"$tp" || fail "no HELP line for $s"
 done
-pass "after the run the figures equal kvf-sim's summary (finished, failed, bytes, arrivals, tails)"
+pass "after the run the figures equal kvf-sim's summary (finished, failed, bytes, arrivals, tails, per-transfer histograms)"
+
+# ---- tcp: descriptors are the connector's frames; one connected peer ----
+f0=$(value "$tp" "kvferry_num_descriptors_sum{instance=\"$P\"}")
+"$B/kvf-sim" --prefill "$P" --decode "$D" --transport tcp --requests 20 --layer-us 100 --quiet --strict \
+  --json "$R/simtcp.json" >"$R/simtcp.out" 2>&1 || fail "kvf-sim over tcp failed: $(tail -n 5 "$R/simtcp.out")"
+t=$(scrape "$P")
+eq "bytes_transferred_count (tcp)" "$(value "$t" "kvferry_bytes_transferred_count{instance=\"$P\"}")" $((fin + 20))
+eq "num_descriptors_count (tcp)" "$(value "$t" "kvferry_num_descriptors_count{instance=\"$P\"}")" $((fin + 20))
+eq "bytes_transferred_sum (ipc + tcp)" "$(value "$t" "kvferry_bytes_transferred_sum{instance=\"$P\"}")" \
+  $(( $(sim_get prefill bytes) + $(json_get "$R/simtcp.json" bytes) ))
+# A tcp frame holds one run of one layer and tensor, up to 4 MiB: the frames of 20 requests lie
+# between 64 per request and the blocks sent (blocks of 64 KiB or less here: none is split).
+fd=$(( $(value "$t" "kvferry_num_descriptors_sum{instance=\"$P\"}") - f0 ))
+bt=$(value "$t" "kvferry_segment_events_total{instance=\"$P\",counter=\"blocks_sent_tcp\"}")
+[ "$fd" -ge $((20 * 64)) ] && [ "$fd" -le "$bt" ] || fail "tcp descriptors $fd: want 1280 to $bt (blocks sent)"
+eq "peers connected (tcp)" "$(value "$t" "kvferry_peers{instance=\"$P\",state=\"connected\"}")" 1
+eq "peers failed (tcp)" "$(value "$t" "kvferry_peers{instance=\"$P\",state=\"failed\"}")" 0
+pass "tcp: 20 more transfers observed, $fd descriptors (frames), kvferry_peers{state=\"connected\"} = 1"
+
+# ---- a peer that cannot be reached: its notices fail, and count ----
+P3=$TAG-u
+up "$P3" --role prefill $L --metrics 127.0.0.1:0 --peer-timeout-ms 300 --connect-timeout-ms 200
+dead=$(/usr/bin/python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
+"$B/kvf-sim" --prefill "$P3" --decode "$D" --transport tcp --peer-map "$D=127.0.0.1:$dead" --requests 2 \
+  --layer-us 100 --quiet --json "$R/simdead.json" >"$R/simdead.out" 2>&1 || true
+[ "$(json_get "$R/simdead.json" failed)" = 2 ] || fail "2 requests to an unreachable peer: $(tail -n 5 "$R/simdead.out")"
+wait_counter "$P3" notices_failed 1 5000 || fail "no failed notification counted for an unreachable peer"
+t=$(scrape "$P3")
+nf=$(value "$t" "kvferry_num_failed_notifications_total{instance=\"$P3\"}")
+[ "$nf" -ge 1 ] || fail "kvferry_num_failed_notifications_total is $nf after notices to an unreachable peer"
+eq "finished (unreachable)" "$(value "$t" "kvferry_bytes_transferred_count{instance=\"$P3\"}")" 0
+[ "$(value "$t" "kvferry_peers{instance=\"$P3\",state=\"connected\"}")" = 0 ] || fail "an unreachable peer counted connected"
+scrape "$P3" | promtool check metrics || fail "promtool check metrics refuses the page after failures"
+pass "notices to an unreachable peer: $nf failed notifications counted; no transfer observed"
+
+# ---- a decode instance killed mid-transfer: the notices to it fail, and count ----
+D2=$TAG-k
+up "$D2" --role decode $L
+acc0=$(counter "$P3" tasks_accepted) nf0=$(counter "$P3" notices_failed)
+"$B/kvf-sim" --prefill "$P3" --decode "$D2" --requests 100000 --layer-us 3000 --quiet --timeout-s 20 \
+  >"$R/simkill.out" 2>&1 &
+ks=$!
+PIDS+=("$ks")
+wait_counter "$P3" tasks_accepted $((acc0 + 3)) 10000 || fail "no transfer to $D2 started"
+kp=$(cat "$R/$D2/supervisor.pid")
+kill -KILL "$kp"
+for r in allocator connector sender; do p=$(pid_of $r "$D2") && kill -KILL "$p"; done
+wait_counter "$P3" notices_failed $((nf0 + 1)) 10000 ||
+  fail "no failed notification counted after $D2 was killed mid-transfer"
+kill "$ks" 2>/dev/null || true
+wait "$ks" 2>/dev/null || true
+t=$(scrape "$P3")
+[ "$(value "$t" "kvferry_num_failed_notifications_total{instance=\"$P3\"}")" -gt "$nf0" ] ||
+  fail "kvferry_num_failed_notifications_total did not grow after $D2 was killed"
+"$ROOT/tools/kvferry" down --instance "$D2" >/dev/null 2>&1 || true # (its leftover shared memory)
+pass "a decode instance killed mid-transfer: $(( $(counter "$P3" notices_failed) - nf0 )) failed notifications counted"
 
 # Every family on the page is documented.
 for f in $(sed -n 's/^# TYPE \([a-z_]*\) .*/\1/p' <<<"$tp" | sort -u); do
@@ -113,7 +194,7 @@ for _ in $(seq 100); do [ -s "$R/stall.ready" ] && break; sleep 0.05; done
 wait "$stall" || true
 t=$(scrape "$P") || fail "no scrape after the stalled connections went"
 f=$(value "$t" "kvferry_transfers_total{instance=\"$P\",status=\"finished\"}")
-[ "$f" = 240 ] || fail "finished after 240 requests: $f"
+[ "$f" = 260 ] || fail "finished after 260 requests (200 + 20 tcp + 40): $f"
 pass "100 stalled connections to /metrics: 40 more requests moved (strict), and /metrics answers after"
 
 # ---- restarts: a role's shows, and the metrics server is restarted like a role ----
@@ -164,6 +245,6 @@ for _ in $(seq 300); do
   grep -q '"value"' <<<"$got" && break
   sleep 0.1
 done
-grep -q '"value":\[[0-9.]*,"240"\]' <<<"$got" ||
-  fail "Prometheus did not return kvferry_transfers_total = 240: $got; $(tail -n 5 "$R/prom/prometheus.log")"
-pass "Prometheus scraped the instance: /api/v1/query returns kvferry_transfers_total{status=\"finished\"} = 240"
+grep -q '"value":\[[0-9.]*,"260"\]' <<<"$got" ||
+  fail "Prometheus did not return kvferry_transfers_total = 260: $got; $(tail -n 5 "$R/prom/prometheus.log")"
+pass "Prometheus scraped the instance: /api/v1/query returns kvferry_transfers_total{status=\"finished\"} = 260"

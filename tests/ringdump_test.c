@@ -365,7 +365,15 @@ static void build_segment(struct kvf_ctl *c)
         s->sent_full = 1;
         s->bytes = 8192;
         s->accept_ns = kvf_now_ns() - 1500000000ull;
+        s->xfer_start_ns = s->accept_ns + 200000000ull;
+        s->descs = 7;
         s->incarnation = 1;
+        /* The sender's histograms: finished transfers of 64 KiB, 64 KiB and 1 MiB. */
+        kvf_hist_add_size(&c->sender->hist[KVF_HIST_REQ_BYTES], 65536);
+        kvf_hist_add_size(&c->sender->hist[KVF_HIST_REQ_BYTES], 65536);
+        kvf_hist_add_size(&c->sender->hist[KVF_HIST_REQ_BYTES], 1048576);
+        kvf_hist_add_size(&c->sender->hist[KVF_HIST_REQ_DESCS], 64);
+        kvf_hist_add_size(&c->sender->hist[KVF_HIST_REQ_DESCS], 64);
         s = &c->reqtab[2];
         s->state = KVF_REQ_COMPLETING;
         s->status = KVF_STATUS_BAD_TASK;
@@ -632,6 +640,16 @@ static const char json_script[] =
     "lst=rq['list']\n"
     "assert lst[0]['request_id']=='req-1' and lst[0]['state']=='active' and "
     "lst[0]['age_ms']>=1500\n"
+    "assert lst[0]['descriptors']==7 and lst[0]['xfer_ms']>=1300, lst[0]\n"
+    "assert lst[1]['descriptors']==0 and lst[1]['xfer_ms'] is None, lst[1]\n"
+    "h=d['histograms']\n"
+    "assert sorted(h)==sorted(['layer_to_copy_ns','copy_batch_ns','last_layer_to_done_ns',"
+    "'request_bytes','request_descriptors','request_xfer_ns']), h\n"
+    "b=h['request_bytes']\n"
+    "assert (b['count'],b['sum'],b['max'])==(3,1179648,1048576), b\n"
+    "assert 57344<b['p50']<=65536 and 917504<b['p99']<=1048576, b\n"
+    "assert h['request_descriptors']['sum']==128 and 56<h['request_descriptors']['p50']<=64, h\n"
+    "assert h['copy_batch_ns']['count']==0 and h['copy_batch_ns']['p99']==0\n"
     "assert lst[1]['request_id']=='weird\"id\\x1b[31m\\ufffd' and lst[1]['status']=='bad task'\n";
 
 static void test_output(void)
@@ -652,6 +670,9 @@ static void test_output(void)
         EXPECT_HAS(r.out, "progress: step 7, 3 layers done (10 events)");
         EXPECT_HAS(r.out, "tasks_accepted");
         EXPECT_LACKS(r.out, "chunk_records"); /* zero: hidden without --verbose */
+        EXPECT_HAS(r.out, "histograms (the sender's)");
+        EXPECT_HAS(r.out, "request_bytes");
+        EXPECT_LACKS(r.out, "copy_batch_ns"); /* empty: hidden without --verbose */
         EXPECT_HAS(r.out, "task           request_id=req-1 peer=10.0.0.2:7000 transport=tcp");
         EXPECT_HAS(r.out, "undecodable: task record is not a msgpack map");
         EXPECT_HAS(r.out, "chunk          request_id=req-1 step=43 tokens_done=48 last=yes");

@@ -349,6 +349,22 @@ static uint64_t next_step(void)
 static const char *tcp_peer = "192.0.2.7:7100"; /* a remote decode connector: never dialled here */
 static const char *nobody = "no-such-instance-with-a-rather-long-name-0123";
 
+/* The sender's per-transfer histograms and the failed-notification counter, as a case saw
+ * them before it began: each checks what it added. */
+struct figures {
+        uint64_t n_bytes, bytes, n_descs, descs, n_xfer, notices_failed;
+};
+
+static struct figures figures(const struct sender *s)
+{
+        const struct kvf_histogram *h = s->ctl.sender->hist;
+        return (struct figures){
+            .n_bytes = h[KVF_HIST_REQ_BYTES].count, .bytes = h[KVF_HIST_REQ_BYTES].sum,
+            .n_descs = h[KVF_HIST_REQ_DESCS].count, .descs = h[KVF_HIST_REQ_DESCS].sum,
+            .n_xfer = h[KVF_HIST_REQ_XFER].count,
+            .notices_failed = s->ctl.counters[KVF_CTR_NOTICES_FAILED].value};
+}
+
 /* ---- the cases ---- */
 
 /* accepted -> layers -> landed -> notice -> acknowledged finished (ipc); the prefix rule. */
@@ -356,6 +372,7 @@ static void case_ipc_finished(struct sender *s)
 {
         const uint32_t src[3] = {1, 2, 3}, dst[2] = {20, 22};
         uint64_t st = next_step();
+        struct figures f0 = figures(s);
         task(&P, "ipc-ok", D.name, KVF_TRANSPORT_IPC, src, 3, dst, 2, st, false);
         turn(s);
         uint32_t slot = slot_of(s, "ipc-ok");
@@ -384,6 +401,15 @@ static void case_ipc_finished(struct sender *s)
         CHECK_EQ(o->n, 1);
         CHECK_DONE(o, "ipc-ok", KVF_STATUS_FINISHED, "");
         CHECK_EQ(o->r[0].bytes, 2ull * LAYERS * 2 * P.cache.layout.block_bytes);
+        /* One observation per transfer: its bytes; its descriptors, the copy runs: source
+         * blocks 2, 3 go to 20, 22 (two runs) in every layer and tensor; its time. */
+        struct figures f1 = figures(s);
+        CHECK_EQ(f1.n_bytes, f0.n_bytes + 1);
+        CHECK_EQ(f1.bytes, f0.bytes + 2ull * LAYERS * 2 * P.cache.layout.block_bytes);
+        CHECK_EQ(f1.n_descs, f0.n_descs + 1);
+        CHECK_EQ(f1.descs, f0.descs + 2ull * LAYERS * 2);
+        CHECK_EQ(f1.n_xfer, f0.n_xfer + 1);
+        CHECK_EQ(f1.notices_failed, f0.notices_failed);
 }
 
 /* Tasks that never get a slot: each a completion with its status and reason. */
@@ -463,6 +489,7 @@ static void case_timeout(struct sender *s)
 {
         const uint32_t src[1] = {7}, dst[1] = {11};
         uint64_t st = next_step();
+        struct figures f0 = figures(s);
         task(&P, "to-moving", D.name, KVF_TRANSPORT_IPC, src, 1, dst, 1, st + 5, false);
         task(&P, "to-landed", D.name, KVF_TRANSPORT_IPC, src, 1, dst, 1, st, false);
         task(&P, "to-answered", D.name, KVF_TRANSPORT_IPC, src, 1, dst, 1, st, false);
@@ -492,6 +519,7 @@ static void case_timeout(struct sender *s)
         write_result(&P, key_of(s, a), "to-answered", KVF_STATUS_FINISHED, "");
         turn(s);
         CHECK_DONE(completions(&P), "to-answered", KVF_STATUS_FINISHED, "");
+        CHECK_EQ(figures(s).notices_failed, f0.notices_failed); /* answered: delivered */
         /* the other is never answered: in doubt after a second timeout */
         sender_tick(s, t + TIMEOUT_NS / 2);
         turn(s);
@@ -500,6 +528,11 @@ static void case_timeout(struct sender *s)
         turn(s);
         CHECK_DONE(completions(&P), "to-landed", KVF_STATUS_TIMEOUT, "in doubt");
         CHECK_STATE(s, l, SREQ_FREE, KVF_REQ_FREE);
+        /* its answer never came and it failed: one failed notification; the timed-out
+         * transfers are not observed in the per-transfer histograms, the answered one is */
+        struct figures f1 = figures(s);
+        CHECK_EQ(f1.notices_failed, f0.notices_failed + 1);
+        CHECK_EQ(f1.n_bytes, f0.n_bytes + 1);
 }
 
 /* tcp: open, write batches, handed over, notice; the connector's write result decides. */
@@ -507,6 +540,7 @@ static void case_tcp(struct sender *s)
 {
         const uint32_t src[3] = {1, 2, 9}, dst[3] = {3, 4, 5};
         uint64_t st = next_step();
+        struct figures f0 = figures(s);
         task(&P, "tcp-ok", tcp_peer, KVF_TRANSPORT_TCP, src, 3, dst, 3, st, false);
         task(&P, "tcp-fail", tcp_peer, KVF_TRANSPORT_TCP, src, 3, dst, 3, st, false);
         task(&P, "tcp-cancel", tcp_peer, KVF_TRANSPORT_TCP, src, 3, dst, 3, st, false);
@@ -547,6 +581,15 @@ static void case_tcp(struct sender *s)
         CHECK_DONE(o, "tcp-cancel", KVF_STATUS_FINISHED, "");
         CHECK_DONE(o, "tcp-ok", KVF_STATUS_WRITE, "the connector gave no reason");
         CHECK_EQ(count_type(to_connector(&P), KVF_RT_FINISH), 0); /* no abort once handed over */
+        /* One transfer finished (tcp-cancel): its descriptors are the frames its batches
+         * make, runs 1-2 -> 3-4 and 9 -> 5 in every layer and tensor; the failed ones are not
+         * observed. */
+        struct figures f1 = figures(s);
+        CHECK_EQ(f1.n_bytes, f0.n_bytes + 1);
+        CHECK_EQ(f1.bytes, f0.bytes + 3ull * LAYERS * 2 * P.cache.layout.block_bytes);
+        CHECK_EQ(f1.n_descs, f0.n_descs + 1);
+        CHECK_EQ(f1.descs, f0.descs + 2ull * LAYERS * 2);
+        CHECK_EQ(f1.n_xfer, f0.n_xfer + 1);
 }
 
 /* Chunked prefill: a mark per chunk; a chunk whose step goes backwards fails it. */

@@ -131,16 +131,94 @@ static void outf(struct out *o, const char *fmt, ...)
         }
 }
 
+/*
+ * The lines of a page are strings and integers put together without printf: a page is a few
+ * hundred lines, and printf's format parsing was half of what a scrape cost (perf, 96 us a page).
+ */
+static bool out_room(struct out *o, size_t n)
+{
+        if (o->oom)
+                return false;
+        if (o->cap - o->len > n)
+                return true;
+        size_t cap = o->cap * 2 + n;
+        char *b = realloc(o->buf, cap);
+        if (!b) {
+                o->oom = true;
+                return false;
+        }
+        o->buf = b;
+        o->cap = cap;
+        return true;
+}
+
+static void out_s(struct out *o, const char *str)
+{
+        size_t n = strlen(str);
+        if (!out_room(o, n))
+                return;
+        memcpy(o->buf + o->len, str, n);
+        o->len += n;
+}
+
+static void out_u64(struct out *o, uint64_t v)
+{
+        char d[24];
+        size_t n = 0;
+        do {
+                d[sizeof(d) - ++n] = (char)('0' + v % 10);
+                v /= 10;
+        } while (v);
+        if (!out_room(o, n))
+                return;
+        memcpy(o->buf + o->len, d + sizeof(d) - n, n);
+        o->len += n;
+}
+
 static void family(struct out *o, const char *name, const char *type, const char *help)
 {
-        outf(o, "# HELP %s %s\n# TYPE %s %s\n", name, help, name, type);
+        out_s(o, "# HELP ");
+        out_s(o, name);
+        out_s(o, " ");
+        out_s(o, help);
+        out_s(o, "\n# TYPE ");
+        out_s(o, name);
+        out_s(o, " ");
+        out_s(o, type);
+        out_s(o, "\n");
 }
 
 /* name{instance="..."[,extra]} value */
 static void sample(struct out *o, const char *name, const char *labels, uint64_t v)
 {
-        outf(o, "%s{instance=\"%s\"%s%s} %llu\n", name, o->inst, labels ? "," : "",
-             labels ? labels : "", (unsigned long long)v);
+        out_s(o, name);
+        out_s(o, "{instance=\"");
+        out_s(o, o->inst);
+        out_s(o, labels ? "\"," : "\"");
+        if (labels)
+                out_s(o, labels);
+        out_s(o, "} ");
+        out_u64(o, v);
+        out_s(o, "\n");
+}
+
+/* name[suffix]{instance="...",key="value"} v, or without the key when key is NULL */
+static void sample_kv(struct out *o, const char *name, const char *suffix, const char *key,
+                      const char *value, uint64_t v)
+{
+        out_s(o, name);
+        out_s(o, suffix);
+        out_s(o, "{instance=\"");
+        out_s(o, o->inst);
+        if (key) {
+                out_s(o, "\",");
+                out_s(o, key);
+                out_s(o, "=\"");
+                out_s(o, value);
+        }
+        out_s(o, "\"} ");
+        out_u64(o, v);
+        out_s(o, "\n");
 }
 
 static uint64_t ctr(const struct kvf_ctl *c, enum kvf_counter_id id)
@@ -167,21 +245,59 @@ static uint64_t bucket_low(unsigned b)
         return (1ull << lg) | ((uint64_t)(b % 8) << (lg - 3));
 }
 
-/* Upper bounds of the exported buckets, in seconds. */
-static const double le_s[] = {1e-6, 2.5e-6, 5e-6,   1e-5, 2.5e-5, 5e-5,   1e-4, 2.5e-4,
-                              5e-4, 1e-3,   2.5e-3, 5e-3, 1e-2,   2.5e-2, 5e-2, 0.1,
-                              0.25, 0.5,    1.0,    2.5,  5.0,    10.0,   30.0};
+/*
+ * Upper bounds of the exported buckets: seconds; bytes (powers of 4 from 64 KiB to 4 GiB);
+ * descriptors (powers of 2 from 1 to 65536). Each as its `le` text and in the segment's unit
+ * (ns, bytes, descriptors), so a scrape formats no floating-point bound.
+ */
+struct bound {
+        const char *le;
+        uint64_t raw;
+};
+static const struct bound le_s[] = {
+    {"1e-06", 1000},          {"2.5e-06", 2500},        {"5e-06", 5000},
+    {"1e-05", 10000},         {"2.5e-05", 25000},       {"5e-05", 50000},
+    {"0.0001", 100000},       {"0.00025", 250000},      {"0.0005", 500000},
+    {"0.001", 1000000},       {"0.0025", 2500000},      {"0.005", 5000000},
+    {"0.01", 10000000},       {"0.025", 25000000},      {"0.05", 50000000},
+    {"0.1", 100000000},       {"0.25", 250000000},      {"0.5", 500000000},
+    {"1", 1000000000},        {"2.5", 2500000000},      {"5", 5000000000},
+    {"10", 10000000000},      {"30", 30000000000},
+};
+static const struct bound le_bytes[] = {
+    {"65536", 1ull << 16},    {"262144", 1ull << 18},   {"1048576", 1ull << 20},
+    {"4194304", 1ull << 22},  {"16777216", 1ull << 24}, {"67108864", 1ull << 26},
+    {"268435456", 1ull << 28}, {"1073741824", 1ull << 30}, {"4294967296", 1ull << 32},
+};
+static const struct bound le_descs[] = {
+    {"1", 1},       {"2", 2},       {"4", 4},         {"8", 8},         {"16", 16},
+    {"32", 32},     {"64", 64},     {"128", 128},     {"256", 256},     {"512", 512},
+    {"1024", 1024}, {"2048", 2048}, {"4096", 4096},   {"8192", 8192},   {"16384", 16384},
+    {"32768", 32768}, {"65536", 65536},
+};
+
+/* How a segment histogram is exported: its bounds, and the segment unit per exported unit. */
+struct hist_kind {
+        const struct bound *le;
+        size_t nle;
+        double unit; /* 1e9: nanoseconds exported as seconds; 1: bytes, descriptors */
+};
+static const struct hist_kind seconds = {le_s, sizeof(le_s) / sizeof(le_s[0]), 1e9};
+static const struct hist_kind sizes_bytes = {le_bytes, sizeof(le_bytes) / sizeof(le_bytes[0]), 1};
+static const struct hist_kind sizes_descs = {le_descs, sizeof(le_descs) / sizeof(le_descs[0]), 1};
 
 /*
- * A segment histogram (nanoseconds, log buckets) as a Prometheus histogram in
- * seconds. A segment bucket counts under an exported bound only when all of
- * it lies at or below the bound, so each cumulative count is exact or an
- * undercount by at most the segment bucket straddling the bound (12.5 %). The
- * count is the buckets' sum (read at one time with them), not the separate
- * count word, so that +Inf equals _count.
+ * A segment histogram (log buckets) as a Prometheus histogram: nanoseconds
+ * in seconds, or a size histogram (bytes, descriptors) as it is. A segment
+ * bucket counts under an exported bound only when all of it lies at or below
+ * the bound, so each cumulative count is exact or an undercount by at most the
+ * segment bucket straddling the bound (12.5 %); a size histogram's buckets are
+ * (low, high] (common/hist.c), so its power-of-two bounds are exact. The count
+ * is the buckets' sum (read at one time with them), not the separate count
+ * word, so that +Inf equals _count.
  */
 static void histogram(struct out *o, const char *name, const struct kvf_histogram *h,
-                      const char *help)
+                      const struct hist_kind *k, const char *help)
 {
         uint64_t b[KVF_HIST_BUCKETS], total = 0;
         for (unsigned i = 0; i < KVF_HIST_BUCKETS; i++) {
@@ -192,33 +308,19 @@ static void histogram(struct out *o, const char *name, const struct kvf_histogra
         family(o, name, "histogram", help);
         unsigned i = 0;
         uint64_t cum = 0;
-        char lbl[48];
-        for (size_t k = 0; k < sizeof(le_s) / sizeof(le_s[0]); k++) {
-                double le_ns = le_s[k] * 1e9;
-                while (i < KVF_HIST_BUCKETS &&
-                       (i + 1 == KVF_HIST_BUCKETS ? false : (double)bucket_low(i + 1) <= le_ns)) {
+        for (size_t j = 0; j < k->nle; j++) {
+                while (i + 1 < KVF_HIST_BUCKETS && bucket_low(i + 1) <= k->le[j].raw) {
                         cum += b[i];
                         i++;
                 }
-                snprintf(lbl, sizeof(lbl), "le=\"%g\"", le_s[k]);
-                outf(o, "%s_bucket{instance=\"%s\",%s} %llu\n", name, o->inst, lbl,
-                     (unsigned long long)cum);
+                sample_kv(o, name, "_bucket", "le", k->le[j].le, cum);
         }
-        outf(o, "%s_bucket{instance=\"%s\",le=\"+Inf\"} %llu\n", name, o->inst,
-             (unsigned long long)total);
-        outf(o, "%s_sum{instance=\"%s\"} %.9g\n", name, o->inst, (double)sum / 1e9);
-        outf(o, "%s_count{instance=\"%s\"} %llu\n", name, o->inst, (unsigned long long)total);
-}
-
-/* A histogram of which only the totals are kept: one +Inf bucket, its sum and count. */
-static void histogram_totals(struct out *o, const char *name, uint64_t sum, uint64_t count,
-                             const char *help)
-{
-        family(o, name, "histogram", help);
-        outf(o, "%s_bucket{instance=\"%s\",le=\"+Inf\"} %llu\n", name, o->inst,
-             (unsigned long long)count);
-        outf(o, "%s_sum{instance=\"%s\"} %llu\n", name, o->inst, (unsigned long long)sum);
-        outf(o, "%s_count{instance=\"%s\"} %llu\n", name, o->inst, (unsigned long long)count);
+        sample_kv(o, name, "_bucket", "le", "+Inf", total);
+        if (k->unit == 1)
+                outf(o, "%s_sum{instance=\"%s\"} %llu\n", name, o->inst, (unsigned long long)sum);
+        else
+                outf(o, "%s_sum{instance=\"%s\"} %.9g\n", name, o->inst, (double)sum / k->unit);
+        sample_kv(o, name, "_count", NULL, NULL, total);
 }
 
 static const struct {
@@ -248,6 +350,7 @@ static void render(struct out *o, const struct kvf_ctl *c, bool up)
         const struct kvf_ctl_header *h = c->hdr;
         uint64_t now = kvf_now_ns();
         char lbl[160];
+        bool alive[KVF_ROLE_COUNT]; /* (each a read of /proc: once a page) */
 
         family(o, "kvferry_info", "gauge",
                "Constant 1; the labels say what the instance is (role, backend, rank, layout "
@@ -267,15 +370,20 @@ static void render(struct out *o, const struct kvf_ctl *c, bool up)
         sample(o, "kvferry_transfers_total", "status=\"finished\"",
                ctr(c, KVF_CTR_REQUESTS_FINISHED));
         for (size_t i = 0; i < sizeof(failed_by) / sizeof(failed_by[0]); i++) {
-                snprintf(lbl, sizeof(lbl), "status=\"%s\"", failed_by[i].status);
-                sample(o, "kvferry_transfers_total", lbl, ctr(c, failed_by[i].id));
+                sample_kv(o, "kvferry_transfers_total", "", "status", failed_by[i].status,
+                          ctr(c, failed_by[i].id));
         }
         counter1(o, c, "kvferry_num_failed_transfers_total", KVF_CTR_REQUESTS_FAILED,
                  "Requests (transfers) that failed, whatever the reason (vLLM NIXL: "
                  "nixl_num_failed_transfers)");
-        counter1(o, c, "kvferry_num_failed_notifications_total", KVF_CTR_NOTICES_REISSUED,
-                 "Finish notices to the decode peer whose delivery was not confirmed and that were "
-                 "sent again (vLLM NIXL: nixl_num_failed_notifications)");
+        counter1(o, c, "kvferry_num_failed_notifications_total", KVF_CTR_NOTICES_FAILED,
+                 "Notices (finish, abort, withdrawal notices between the instances, and their "
+                 "answers in notice rings) that could not be delivered: the peer was gone or "
+                 "unreachable, a send failed, or the answer never came and the request failed "
+                 "(vLLM NIXL: nixl_num_failed_notifications)");
+        counter1(o, c, "kvferry_notices_reissued_total", KVF_CTR_NOTICES_REISSUED,
+                 "Finish notices handed over again after a connector or sender restart (the peer "
+                 "de-duplicates them)");
         counter1(o, c, "kvferry_num_kv_expired_reqs_total", KVF_CTR_FAILED_TIMEOUT,
                  "Requests ended 'timed out': not finished within --request-timeout-ms of their "
                  "task (vLLM NIXL: nixl_num_kv_expired_reqs)");
@@ -289,7 +397,6 @@ static void render(struct out *o, const struct kvf_ctl *c, bool up)
         /* Bytes. */
         uint64_t b_ipc = ctr(c, KVF_CTR_BYTES_IPC), b_tcp = ctr(c, KVF_CTR_BYTES_TCP),
                  b_rdma = ctr(c, KVF_CTR_BYTES_RDMA);
-        uint64_t finished = ctr(c, KVF_CTR_REQUESTS_FINISHED);
         family(o, "kvferry_transport_bytes_total", "counter",
                "Bytes of KV cache moved by this instance's sender, by transport");
         sample(o, "kvferry_transport_bytes_total", "transport=\"ipc\"", b_ipc);
@@ -297,10 +404,10 @@ static void render(struct out *o, const struct kvf_ctl *c, bool up)
         sample(o, "kvferry_transport_bytes_total", "transport=\"rdma\"", b_rdma);
         counter1(o, c, "kvferry_received_bytes_total", KVF_CTR_BYTES_TCP_RECEIVED,
                  "Bytes of KV cache received over tcp (decode side)");
-        histogram_totals(
-            o, "kvferry_bytes_transferred", b_ipc + b_tcp + b_rdma, finished,
-            "Bytes moved per finished transfer (vLLM NIXL: nixl_bytes_transferred); only the +Inf "
-            "bucket: the sum is every byte moved, the count the finished transfers");
+        histogram(o, "kvferry_bytes_transferred", &c->sender->hist[KVF_HIST_REQ_BYTES],
+                  &sizes_bytes,
+                  "Bytes of each finished transfer (request), one observation per transfer (vLLM "
+                  "NIXL: nixl_bytes_transferred)");
         /* Descriptors: the units handed to a transport. */
         uint64_t d_frames = ctr(c, KVF_CTR_FRAMES_TCP), d_wr = ctr(c, KVF_CTR_RDMA_WRITES),
                  d_copy = ctr(c, KVF_CTR_COPY_BATCHES);
@@ -310,55 +417,54 @@ static void render(struct out *o, const struct kvf_ctl *c, bool up)
         sample(o, "kvferry_descriptors_total", "kind=\"tcp_frame\"", d_frames);
         sample(o, "kvferry_descriptors_total", "kind=\"rdma_write\"", d_wr);
         sample(o, "kvferry_descriptors_total", "kind=\"copy_batch\"", d_copy);
-        histogram_totals(
-            o, "kvferry_num_descriptors", d_frames + d_wr + d_copy, finished,
-            "Descriptors per finished transfer (vLLM NIXL: nixl_num_descriptors); only the +Inf "
-            "bucket: the sum is every descriptor, the count the finished transfers");
+        histogram(o, "kvferry_num_descriptors", &c->sender->hist[KVF_HIST_REQ_DESCS], &sizes_descs,
+                  "Descriptors of each finished transfer: copy runs (ipc), data frames (tcp), "
+                  "write work requests (rdma) (vLLM NIXL: nixl_num_descriptors)");
 
         /* Latency (the sender's histograms). */
-        histogram(o, "kvferry_xfer_time_seconds", &c->sender->hist[KVF_HIST_COPY],
-                  "Time from posting one layer's batch of copies or writes to its completion (vLLM "
-                  "NIXL: nixl_xfer_time_seconds)");
-        histogram(o, "kvferry_tail_seconds", &c->sender->hist[KVF_HIST_LAST_TO_DONE],
+        histogram(o, "kvferry_xfer_time_seconds", &c->sender->hist[KVF_HIST_REQ_XFER], &seconds,
+                  "Time of each finished transfer, from its first bytes handed to a copy or the "
+                  "connector to its completion (vLLM NIXL: nixl_xfer_time_seconds)");
+        histogram(o, "kvferry_batch_time_seconds", &c->sender->hist[KVF_HIST_COPY], &seconds,
+                  "Time from posting one layer's batch of copies or writes to its completion");
+        histogram(o, "kvferry_tail_seconds", &c->sender->hist[KVF_HIST_LAST_TO_DONE], &seconds,
                   "Time from a request's last layer being ready to its completion");
         histogram(
-            o, "kvferry_copy_start_seconds", &c->sender->hist[KVF_HIST_LAYER_TO_COPY],
+            o, "kvferry_copy_start_seconds", &c->sender->hist[KVF_HIST_LAYER_TO_COPY], &seconds,
             "Time from the engine publishing a layer-done event to the sender starting its copy");
 
         /* Rings. */
         family(o, "kvferry_ring_used_bytes", "gauge",
                "Bytes of records written and not yet consumed");
         for (int r = 0; r < KVF_RING_COUNT; r++) {
-                snprintf(lbl, sizeof(lbl), "ring=\"%s\"", kvf_ring_name(r));
-                sample(o, "kvferry_ring_used_bytes", lbl, kvf_ring_used(&c->ring_hdrs[r]));
+                sample_kv(o, "kvferry_ring_used_bytes", "", "ring", kvf_ring_name(r),
+                          kvf_ring_used(&c->ring_hdrs[r]));
         }
         family(o, "kvferry_ring_capacity_bytes", "gauge", "Size of each ring");
         for (int r = 0; r < KVF_RING_COUNT; r++) {
-                snprintf(lbl, sizeof(lbl), "ring=\"%s\"", kvf_ring_name(r));
-                sample(o, "kvferry_ring_capacity_bytes", lbl, h->ring_capacity[r]);
+                sample_kv(o, "kvferry_ring_capacity_bytes", "", "ring", kvf_ring_name(r),
+                          h->ring_capacity[r]);
         }
         family(o, "kvferry_ring_full_events_total", "counter",
                "Writes refused because the ring was full (the writer retries or holds back)");
         for (int r = 0; r < KVF_RING_COUNT; r++) {
-                snprintf(lbl, sizeof(lbl), "ring=\"%s\"", kvf_ring_name(r));
-                sample(o, "kvferry_ring_full_events_total", lbl,
-                       kvf_load_relaxed(&c->ring_hdrs[r].full_events));
+                sample_kv(o, "kvferry_ring_full_events_total", "", "ring", kvf_ring_name(r),
+                          kvf_load_relaxed(&c->ring_hdrs[r].full_events));
         }
 
         /* Roles. */
         family(o, "kvferry_role_up", "gauge",
                "1 when the role's process is alive and its heartbeat fresh");
         for (int r = 0; r < KVF_ROLE_COUNT; r++) {
-                snprintf(lbl, sizeof(lbl), "role=\"%s\"", kvf_role_name(r));
-                sample(o, "kvferry_role_up", lbl, kvf_role_alive(c, (enum kvf_role_id)r, now));
+                alive[r] = kvf_role_alive(c, (enum kvf_role_id)r, now);
+                sample_kv(o, "kvferry_role_up", "", "role", kvf_role_name(r), alive[r]);
         }
         family(o, "kvferry_role_restarts_total", "counter",
                "Starts of the role after its first (the supervisor restarted it; engine: "
                "re-attaches)");
         for (int r = 0; r < KVF_ROLE_COUNT; r++) {
-                snprintf(lbl, sizeof(lbl), "role=\"%s\"", kvf_role_name(r));
-                sample(o, "kvferry_role_restarts_total", lbl,
-                       kvf_load_relaxed(&c->roles[r].restarts));
+                sample_kv(o, "kvferry_role_restarts_total", "", "role", kvf_role_name(r),
+                          kvf_load_relaxed(&c->roles[r].restarts));
         }
 
         /* Peers and refusals. */
@@ -366,6 +472,17 @@ static void render(struct out *o, const struct kvf_ctl *c, bool up)
                  "Peer connections established (handshake passed)");
         counter1(o, c, "kvferry_peer_failures_total", KVF_CTR_PEER_FAILURES,
                  "Peer connections that failed or were lost");
+        /* The connector's gauges; nothing is connected while it is not running. */
+        bool conn_alive = alive[KVF_ROLE_CONNECTOR];
+        family(o, "kvferry_peers", "gauge",
+               "The connector's peers by state: connected, connecting (a connect or handshake "
+               "under way), failed (its last attempts failed; retried after a back-off)");
+        sample(o, "kvferry_peers", "state=\"connected\"",
+               conn_alive ? ctr(c, KVF_CTR_PEERS_CONNECTED) : 0);
+        sample(o, "kvferry_peers", "state=\"connecting\"",
+               conn_alive ? ctr(c, KVF_CTR_PEERS_CONNECTING) : 0);
+        sample(o, "kvferry_peers", "state=\"failed\"",
+               conn_alive ? ctr(c, KVF_CTR_PEERS_FAILED) : 0);
         counter1(o, c, "kvferry_peers_retired_total", KVF_CTR_PEERS_RETIRED,
                  "Peers closed after --peer-idle-ms without work");
         counter1(o, c, "kvferry_auth_failures_total", KVF_CTR_AUTH_FAILURES,
@@ -383,8 +500,10 @@ static void render(struct out *o, const struct kvf_ctl *c, bool up)
                "(common/counters.h)");
         uint32_t n = h->counters_count < KVF_COUNTER_COUNT ? h->counters_count : KVF_COUNTER_COUNT;
         for (uint32_t i = 0; i < n; i++) {
-                snprintf(lbl, sizeof(lbl), "counter=\"%s\"", kvf_counter_names[i]);
-                sample(o, "kvferry_segment_events_total", lbl, ctr(c, (enum kvf_counter_id)i));
+                if (KVF_CTR_IS_GAUGE(i)) /* (kvferry_peers) */
+                        continue;
+                sample_kv(o, "kvferry_segment_events_total", "", "counter", kvf_counter_names[i],
+                          ctr(c, (enum kvf_counter_id)i));
         }
 
         family(o, "kvferry_scrape_timestamp_seconds", "gauge",

@@ -1181,6 +1181,56 @@ static void print_counters(struct dump *d)
                 fprintf(d->f, "  (all zero)\n");
 }
 
+/* ---- the sender's histograms ---- */
+
+static const struct {
+        const char *name;
+        bool size; /* a size histogram (kvf_hist_add_size): bytes or descriptors, not ns */
+} hist_info[KVF_HIST_COUNT] = {
+    [KVF_HIST_LAYER_TO_COPY] = {"layer_to_copy_ns", false},
+    [KVF_HIST_COPY] = {"copy_batch_ns", false},
+    [KVF_HIST_LAST_TO_DONE] = {"last_layer_to_done_ns", false},
+    [KVF_HIST_REQ_BYTES] = {"request_bytes", true},
+    [KVF_HIST_REQ_DESCS] = {"request_descriptors", true},
+    [KVF_HIST_REQ_XFER] = {"request_xfer_ns", false},
+};
+
+static void print_histograms(struct dump *d)
+{
+        unsigned shown = 0;
+        if (d->json)
+                j_open(d, "histograms", '{');
+        else
+                fprintf(d->f, "\nhistograms (the sender's):  %-22s %10s %14s %12s %12s\n", "", "count",
+                        "sum", "p50", "p99");
+        for (unsigned i = 0; i < KVF_HIST_COUNT && d->c.sender; i++) {
+                /* A private copy: the sender adds to it meanwhile. */
+                struct kvf_histogram h;
+                memcpy(&h, &d->c.sender->hist[i], sizeof(h));
+                /* A size histogram keeps v - 1: its quantiles are one more. */
+                uint64_t adj = hist_info[i].size ? 1 : 0;
+                uint64_t p50 = h.count ? kvf_hist_quantile(&h, 0.50) + adj : 0;
+                uint64_t p99 = h.count ? kvf_hist_quantile(&h, 0.99) + adj : 0;
+                if (d->json) {
+                        j_open(d, hist_info[i].name, '{');
+                        j_u64(d, "count", h.count);
+                        j_u64(d, "sum", h.sum);
+                        j_u64(d, "max", h.max);
+                        j_u64(d, "p50", p50);
+                        j_u64(d, "p99", p99);
+                        j_close(d, '}');
+                } else if (h.count || d->o->verbose) {
+                        fprintf(d->f, "  %-48s %10" PRIu64 " %14" PRIu64 " %12" PRIu64 " %12" PRIu64 "\n",
+                                hist_info[i].name, h.count, h.sum, p50, p99);
+                        shown++;
+                }
+        }
+        if (d->json)
+                j_close(d, '}');
+        else if (!shown)
+                fprintf(d->f, "  (all empty)\n");
+}
+
 /* ---- error log ---- */
 
 static void print_errlog(struct dump *d)
@@ -1261,6 +1311,11 @@ static void print_request(struct dump *d, uint32_t i, const struct kvf_req_slot 
                 j_u64(d, "sent_full", s->sent_full);
                 j_u64(d, "cur_layers", s->cur_layers);
                 j_u64(d, "bytes", s->bytes);
+                j_u64(d, "descriptors", s->descs);
+                if (s->xfer_start_ns)
+                        j_i64(d, "xfer_ms", age_ms(d->now, s->xfer_start_ns));
+                else
+                        j_null(d, "xfer_ms");
                 if (s->accept_ns)
                         j_i64(d, "age_ms", age);
                 else
@@ -1405,6 +1460,7 @@ int kvf_dump(void *base, uint64_t size, FILE *out, const struct kvf_dump_opts *o
         print_notices(&d);
         print_bells(&d);
         print_counters(&d);
+        print_histograms(&d);
         print_errlog(&d);
         print_requests(&d);
         if (d.json) {

@@ -7,7 +7,8 @@
  * on every decode rank checked. Mismatched splits are refused with both
  * layouts in the reason.
  *
- * mixed_tp_test P D HEADS [key-only]   a transfer, every byte checked
+ * mixed_tp_test P D HEADS [key-only] [tcp]   a transfer, every byte checked (tcp: over the
+ *                                      connectors' tcp data connections, frames of head slices)
  * mixed_tp_test mismatch               the refusals
  * mixed_tp_test kill P D HEADS          decode rank D-1 goes down mid-transfer: every task has
  *                                      exactly one completion, those to the other ranks finish
@@ -192,11 +193,12 @@ static int mismatches(void)
                 "between different block sizes are not supported");
         refused(P.name[0], D.name[7], KVF_TRANSPORT_IPC, "sends it none of its heads");
         refused_tp(P.name[0], D.name[0], 4);
-        /* Over tcp another split is refused (head slices go by ipc only), at once, not at the
-         * request's timeout. */
+        /* Over tcp, at once (the data connection's handshake), not at the request's timeout:
+         * a rank that gets none of this rank's heads, and block sizes that do not divide. */
         uint64_t t0 = kvf_now_ns();
-        refused(P.name[0], D.name[0], KVF_TRANSPORT_TCP, "layout");
-        CHECK(kvf_now_ns() - t0 < 5000000000ull);
+        refused(P.name[0], D.name[7], KVF_TRANSPORT_TCP, "sends it none of its heads");
+        refused(P.name[0], F.name[0], KVF_TRANSPORT_TCP, "block sizes 16 and 24 do not divide");
+        CHECK(kvf_now_ns() - t0 < 10000000000ull);
         detach_all(&P), detach_all(&D), detach_all(&E), detach_all(&F), detach_all(&G);
         return 0;
 }
@@ -306,10 +308,18 @@ int main(int argc, char **argv)
                 return kill_one((uint32_t)atoi(argv[2]), (uint32_t)atoi(argv[3]),
                                 (uint32_t)atoi(argv[4]));
         if (argc < 4)
-                return fprintf(stderr, "usage: mixed_tp_test P D HEADS [key-only]\n"), 2;
+                return fprintf(stderr, "usage: mixed_tp_test P D HEADS [key-only] [tcp]\n"), 2;
         uint32_t p = (uint32_t)atoi(argv[1]), d = (uint32_t)atoi(argv[2]),
                  heads = (uint32_t)atoi(argv[3]);
-        int key_only = argc > 4 && !strcmp(argv[4], "key-only");
+        int key_only = 0, tcp = 0;
+        for (int a = 4; a < argc; a++) {
+                if (!strcmp(argv[a], "key-only"))
+                        key_only = 1;
+                else if (!strcmp(argv[a], "tcp"))
+                        tcp = 1;
+                else
+                        return fprintf(stderr, "mixed_tp_test: unknown option '%s'\n", argv[a]), 2;
+        }
         uint32_t H = key_only ? 1 : heads;
         struct side P = {0}, D = {0};
         if (getenv("MIXED_TP_HEAD_DIM"))
@@ -320,6 +330,12 @@ int main(int argc, char **argv)
         CHECK(NREQ >= 1 && NREQ <= NREQ_MAX);
         start(&D, "d", "decode", d, heads, key_only, 10 * NREQ + 16);
         start(&P, "p", "prefill", p, heads, key_only, 10 * NREQ + 16);
+        char daddr[MAXR][128];
+        for (uint32_t j = 0; j < d; j++) {
+                snprintf(daddr[j], sizeof(daddr[j]), "%s", D.name[j]);
+                if (tcp)
+                        t_connector_addr(D.name[j], daddr[j], sizeof(daddr[j]));
+        }
         const uint32_t tensors = key_only ? 1 : 2;
         uint64_t step = 0;
         for (uint32_t i = 0; i < p; i++)
@@ -360,6 +376,7 @@ int main(int argc, char **argv)
 
         /* One task per (prefill rank, decode rank it sends to); the id names the decode rank. */
         uint32_t tasks[MAXR] = {0}, expect_parts[MAXR] = {0};
+        uint64_t src_bytes = 0; /* whole source blocks of every task */
         uint64_t runs = 0; /* copy runs: one per (layer, tensor, block, source) with head slices;
                             * whole blocks merge only where both sides' ids are consecutive */
         for (uint32_t q = 0; q < NREQ; q++)
@@ -379,10 +396,12 @@ int main(int argc, char **argv)
                                                      .dest_block_ids = dst[q],
                                                      .n_dest = nb[q],
                                                      .current_id = step,
-                                                     .transport = KVF_TRANSPORT_IPC,
-                                                     .peer = D.name[j]};
+                                                     .transport = tcp ? KVF_TRANSPORT_TCP
+                                                                      : KVF_TRANSPORT_IPC,
+                                                     .peer = daddr[j]};
                                 CHECK_EQ(kvf_submit_task(P.c[i], &t), 0);
                                 tasks[i]++;
+                                src_bytes += (uint64_t)nb[q] * LAYERS * tensors * P.L[i].block_bytes;
                                 runs += (uint64_t)nb[q] * LAYERS * tensors;
                         }
                 }
@@ -402,12 +421,24 @@ int main(int argc, char **argv)
                         bytes += ev.bytes;
                 }
         uint64_t elapsed = kvf_now_ns() - t0;
-        /* Completions count each byte once: every decode rank's heads of every block. */
+        /* Completions count each byte once: every decode rank's heads of every block. (Over
+         * tcp the sender does not know the peer's split, and counts whole source blocks.) */
         uint64_t want = 0;
         for (uint32_t q = 0; q < NREQ; q++)
                 for (uint32_t j = 0; j < d; j++)
                         want += (uint64_t)nb[q] * LAYERS * tensors * D.L[j].block_bytes;
-        CHECK_EQ(bytes, want);
+        CHECK_EQ(bytes, tcp ? src_bytes : want);
+        /* Over tcp, the frames carried exactly the decode ranks' heads: the prefill
+         * connectors' byte counters (frames sent once each: nothing was lost here). */
+        uint64_t frames = 0;
+        if (tcp) {
+                uint64_t sent = 0;
+                for (uint32_t i = 0; i < p; i++) {
+                        sent += (uint64_t)t_counter(P.name[i], KVF_CTR_BYTES_TCP);
+                        frames += (uint64_t)t_counter(P.name[i], KVF_CTR_FRAMES_TCP);
+                }
+                CHECK_EQ(sent, want);
+        }
         /* Every decode rank hears of each request once per source. */
         for (uint32_t j = 0; j < d; j++)
                 for (uint32_t n = 0; n < NREQ * expect_parts[j]; n++) {
@@ -456,10 +487,10 @@ int main(int argc, char **argv)
                                                                                 return 1;
                                                                         }
                                                         }
-        printf("tp %u->%u, %u kv heads%s: %u requests, %" PRIu64 " bytes sent in %.3f ms, %" PRIu64
-               " bytes verified on %u decode ranks; %.1f copy runs per request\n",
-               p, d, heads, key_only ? " (key-only)" : "", NREQ, bytes, elapsed / 1e6, checked, d,
-               (double)runs / NREQ);
+        printf("tp %u->%u, %u kv heads%s%s: %u requests, %" PRIu64 " bytes sent in %.3f ms, %" PRIu64
+               " bytes verified on %u decode ranks; %.1f %s per request\n",
+               p, d, heads, key_only ? " (key-only)" : "", tcp ? " over tcp" : "", NREQ, bytes, elapsed / 1e6, checked, d,
+               (double)(tcp ? frames : runs) / NREQ, tcp ? "tcp frames" : "copy runs");
         for (uint32_t k = 0; k < p; k++)
                 kvf_detach(P.c[k]);
         for (uint32_t k = 0; k < d; k++)

@@ -7,8 +7,10 @@
  * on every decode rank checked. Mismatched splits are refused with both
  * layouts in the reason.
  *
- * mixed_tp_test P D HEADS [key-only] [tcp]   a transfer, every byte checked (tcp: over the
- *                                      connectors' tcp data connections, frames of head slices)
+ * mixed_tp_test P D HEADS [key-only] [tcp] [staged]   a transfer, every byte checked (tcp:
+ *                                      over the connectors' tcp data connections, frames of head
+ *                                      slices; staged: caches on the host-async backend, whose
+ *                                      frames go through staging memory as a GPU cache's do)
  * mixed_tp_test mismatch               the refusals
  * mixed_tp_test kill P D HEADS          decode rank D-1 goes down mid-transfer: every task has
  *                                      exactly one completion, those to the other ranks finish
@@ -31,6 +33,7 @@
 #define MAXR 8
 #define NREQ_MAX 512
 static uint32_t HDIM = 32; /* $MIXED_TP_HEAD_DIM */
+static const char *BACKEND = ""; /* "staged": both sides' caches on the host-async backend */
 #define BSIZE 16
 #define LAYERS 3
 
@@ -58,9 +61,9 @@ static void start_with(struct side *s, const char *tag, const char *role, uint32
                 snprintf(s->name[k], sizeof(s->name[k]), "mtp%d%s%u", (int)getpid(), tag, k);
                 t_up(s->name[k],
                      "--role %s --layers %d --kv-heads %u --head-dim %u --dtype bf16 %s --tp %u "
-                     "--rank %u --nranks %u --block-size %u --blocks %u --max-requests 600",
+                     "--rank %u --nranks %u --block-size %u --blocks %u --max-requests 600 %s",
                      role, LAYERS, heads, hdim, key_only ? "--key-only" : "", tp, k, tp, bsize,
-                     blocks);
+                     blocks, BACKEND);
         }
 }
 
@@ -308,7 +311,7 @@ int main(int argc, char **argv)
                 return kill_one((uint32_t)atoi(argv[2]), (uint32_t)atoi(argv[3]),
                                 (uint32_t)atoi(argv[4]));
         if (argc < 4)
-                return fprintf(stderr, "usage: mixed_tp_test P D HEADS [key-only] [tcp]\n"), 2;
+                return fprintf(stderr, "usage: mixed_tp_test P D HEADS [key-only] [tcp] [staged]\n"), 2;
         uint32_t p = (uint32_t)atoi(argv[1]), d = (uint32_t)atoi(argv[2]),
                  heads = (uint32_t)atoi(argv[3]);
         int key_only = 0, tcp = 0;
@@ -317,6 +320,8 @@ int main(int argc, char **argv)
                         key_only = 1;
                 else if (!strcmp(argv[a], "tcp"))
                         tcp = 1;
+                else if (!strcmp(argv[a], "staged"))
+                        BACKEND = "--backend host-async"; /* tcp frames through staging memory */
                 else
                         return fprintf(stderr, "mixed_tp_test: unknown option '%s'\n", argv[a]), 2;
         }

@@ -310,7 +310,11 @@ struct kvf_req_slot {
         uint64_t peer_session;   /* ipc: the peer's engine session when the task was accepted, 0 none */
         uint64_t withdraw_ns;    /* FINISHING past its deadline: when the sender asked the connector
                                   * to withdraw the notice (it waits for the peer's answer), or 0 */
-        uint8_t pad1[280];
+        /* Destination blocks when they are not n_send (a peer of another block size: the
+         * request sends all n_src source blocks into n_dst blocks of the peer's size); 0: n_send. */
+        uint32_t n_dst;
+        uint32_t pad2;
+        uint8_t pad1[272];
 };
 #define KVF_REQF_ID_BIN 1u       /* the request id came as msgpack bin: echo it as bin */
 #define KVF_REQF_COPY_PENDING 2u /* ipc: copies of it gathered into a batch, not yet seen complete */

@@ -93,8 +93,9 @@ static void identity_rec(struct kvf_record *r, uint32_t type, const struct kvf_c
  * May a prefill instance of layout `pl` (rank pr of p) send to a decode instance of layout `dl`
  * (rank dr of d)? Equal layouts and groups: yes. Another tensor-parallel split of the same
  * model (common/tpsplit.h): on a control connection (same-host copies, whose notices it
- * carries) and on a tcp data connection (frames of head slices) when the prefill rank sends
- * that decode rank some heads; never on an rdma connection, whose writes carry whole blocks.
+ * carries, block sizes that divide one another too) and on a tcp data connection (frames of
+ * head slices, equal block sizes) when the prefill rank sends that decode rank some heads;
+ * never on an rdma connection, whose writes carry whole blocks.
  * 0, or -EXDEV with `why`.
  */
 static int check_split(const struct kvf_cache_layout *pl, uint32_t pr, uint32_t p,
@@ -119,9 +120,10 @@ static int check_split(const struct kvf_cache_layout *pl, uint32_t pr, uint32_t 
                          dl->kv_heads, d, dl->block_size, purpose);
                 return -EXDEV;
         }
-        if (pl->block_size != dl->block_size) {
-                snprintf(why, whylen, "%u tokens/block here, %u there: transfers between "
-                         "different block sizes are not supported", pl->block_size, dl->block_size);
+        if (pl->block_size != dl->block_size && strcmp(purpose, "control")) {
+                snprintf(why, whylen, "%u tokens/block here, %u there: tcp frames carry one head "
+                         "slice per block; tokens are regrouped into other block sizes over ipc only",
+                         pl->block_size, dl->block_size);
                 return -EXDEV;
         }
         if (pr >= p || dr >= d || kvf_tp_sources(heads, p, d, dr) == 0) {

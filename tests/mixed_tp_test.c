@@ -35,6 +35,8 @@
 static uint32_t HDIM = 32; /* $MIXED_TP_HEAD_DIM */
 static const char *BACKEND = ""; /* "staged": both sides' caches on the host-async backend */
 #define BSIZE 16
+static uint32_t BP = BSIZE, BD = BSIZE; /* tokens per block: prefill, decode (bs=P/D) */
+#define DMAX 64 /* destination blocks of a request at most */
 #define LAYERS 3
 
 static uint8_t content(uint32_t req, uint32_t head, uint32_t token, uint32_t y, uint32_t l,
@@ -70,7 +72,8 @@ static void start_with(struct side *s, const char *tag, const char *role, uint32
 static void start(struct side *s, const char *tag, const char *role, uint32_t tp, uint32_t heads,
                   int key_only, uint32_t blocks)
 {
-        start_with(s, tag, role, tp, heads, key_only, HDIM, BSIZE, blocks);
+        start_with(s, tag, role, tp, heads, key_only, HDIM, strcmp(role, "prefill") ? BD : BP,
+                   blocks);
         for (uint32_t k = 0; k < tp; k++) {
                 CHECK_EQ(kvf_attach(s->name[k], 10000, &s->c[k]), 0);
                 CHECK_EQ(kvf_get_layout(s->c[k], &s->L[k]), 0);
@@ -87,6 +90,32 @@ static void detach_all(struct side *s)
                         kvf_detach(s->c[k]);
                         s->c[k] = NULL;
                 }
+}
+
+/* Copy runs of one task (every layer and tensor) from prefill rank i to decode rank j: the
+ * split's pieces of each source block that land in one of its ndst destination blocks, as
+ * sender/copies.c makes them (whole blocks when the plan is one whole block). */
+static uint64_t task_runs(const struct side *P, uint32_t p, uint32_t i, const struct side *D,
+                          uint32_t d, uint32_t j, uint32_t heads, int key_only, uint32_t nsrc,
+                          uint32_t ndst, uint32_t tensors)
+{
+        struct kvf_cache_layout pl, dl;
+        struct kvf_tp_plan plan;
+        CHECK_EQ(kvf_layout_make(&pl, LAYERS, 0, 64, P->count[i], BP, HDIM, KVF_DTYPE_BF16,
+                                 (uint32_t)key_only),
+                 0);
+        CHECK_EQ(kvf_layout_make(&dl, LAYERS, 0, 64, D->count[j], BD, HDIM, KVF_DTYPE_BF16,
+                                 (uint32_t)key_only),
+                 0);
+        CHECK_EQ(kvf_tp_plan(&pl, p, i, &dl, d, j, heads, &plan), 0);
+        uint64_t n = 0;
+        for (uint32_t b = 0; b < nsrc; b++)
+                for (uint32_t x = 0; x < plan.npieces; x++)
+                        n += plan.pieces[x].sblk == b % plan.src_per_group &&
+                             b / plan.src_per_group * plan.dst_per_group + plan.pieces[x].dblk <
+                                 ndst;
+        kvf_tp_plan_free(&plan);
+        return n * LAYERS * tensors;
 }
 
 static uint8_t *at(struct kvf_client *c, const struct kvf_layout_info *L, uint32_t l, uint32_t z,
@@ -109,9 +138,10 @@ static struct kvf_event wait_event(struct kvf_client *c, int type)
         }
 }
 
-/* A task from prefill instance `from` to decode instance `to` ends `layout mismatch` with a
- * reason that holds `needle`. */
-static void refused(const char *from, const char *to, int transport, const char *needle)
+/* A task of ns source blocks and nd destination blocks from prefill instance `from` to decode
+ * instance `to` ends with `status` and a reason that holds `needle`. */
+static void refused_as(const char *from, const char *to, int transport, const char *needle,
+                       uint32_t ns, uint32_t nd, int status)
 {
         struct kvf_client *c;
         char peer[128];
@@ -119,25 +149,31 @@ static void refused(const char *from, const char *to, int transport, const char 
         snprintf(peer, sizeof(peer), "%s", to);
         if (transport == KVF_TRANSPORT_TCP)
                 t_connector_addr(to, peer, sizeof(peer));
-        uint32_t b = 3;
+        uint32_t sb[4] = {3, 4, 5, 6}, db[4] = {7, 9, 11, 13};
+        CHECK(ns <= 4 && nd <= 4);
         struct kvf_task t = {.request_id = "refused",
-                             .src_block_ids = &b,
-                             .n_src = 1,
-                             .dest_block_ids = &b,
-                             .n_dest = 1,
+                             .src_block_ids = sb,
+                             .n_src = ns,
+                             .dest_block_ids = db,
+                             .n_dest = nd,
                              .current_id = kvf_last_step(c) + 1,
                              .transport = transport,
                              .peer = peer};
         CHECK_EQ(kvf_submit_task(c, &t), 0);
         CHECK_EQ(kvf_layer_done(c, t.current_id, LAYERS - 1), 0);
         struct kvf_event ev = wait_event(c, KVF_EVENT_COMPLETION);
-        if (ev.status != KVF_STATUS_LAYOUT_MISMATCH || !strstr(ev.reason, needle)) {
-                fprintf(stderr, "%s -> %s: %s: \"%s\", wanted layout mismatch with \"%s\"\n", from,
-                        to, kvf_status_name(ev.status), ev.reason, needle);
+        if (ev.status != status || !strstr(ev.reason, needle)) {
+                fprintf(stderr, "%s -> %s: %s: \"%s\", wanted %s with \"%s\"\n", from, to,
+                        kvf_status_name(ev.status), ev.reason, kvf_status_name(status), needle);
                 exit(1);
         }
         printf("refused as it should be: %s -> %s: %s\n", from, to, ev.reason);
         kvf_detach(c);
+}
+
+static void refused(const char *from, const char *to, int transport, const char *needle)
+{
+        refused_as(from, to, transport, needle, 1, 1, KVF_STATUS_LAYOUT_MISMATCH);
 }
 
 /* An ipc task whose decode_tp_size is not the peer's group: refused, naming both. */
@@ -192,8 +228,11 @@ static int mismatches(void)
         refused(P.name[0], E.name[0], KVF_TRANSPORT_IPC, "not one split of 8 kv heads");
         refused(P.name[0], F.name[0], KVF_TRANSPORT_IPC,
                 "block sizes 16 and 24 do not divide one another");
-        refused(P.name[0], G.name[0], KVF_TRANSPORT_IPC,
-                "between different block sizes are not supported");
+        /* 16 -> 32 tokens/block: 3 source blocks fill 2 destination blocks, not 1 or 3 */
+        refused_as(P.name[0], G.name[0], KVF_TRANSPORT_IPC, "fill 2 to 2 blocks", 3, 1,
+                   KVF_STATUS_BAD_TASK);
+        refused_as(P.name[0], G.name[0], KVF_TRANSPORT_IPC, "fill 2 to 2 blocks", 3, 3,
+                   KVF_STATUS_BAD_TASK);
         refused(P.name[0], D.name[7], KVF_TRANSPORT_IPC, "sends it none of its heads");
         refused_tp(P.name[0], D.name[0], 4);
         /* Over tcp, at once (the data connection's handshake), not at the request's timeout:
@@ -201,6 +240,7 @@ static int mismatches(void)
         uint64_t t0 = kvf_now_ns();
         refused(P.name[0], D.name[7], KVF_TRANSPORT_TCP, "sends it none of its heads");
         refused(P.name[0], F.name[0], KVF_TRANSPORT_TCP, "block sizes 16 and 24 do not divide");
+        refused(P.name[0], G.name[0], KVF_TRANSPORT_TCP, "regrouped into other block sizes over ipc only");
         CHECK(kvf_now_ns() - t0 < 10000000000ull);
         detach_all(&P), detach_all(&D), detach_all(&E), detach_all(&F), detach_all(&G);
         return 0;
@@ -320,6 +360,9 @@ int main(int argc, char **argv)
                         key_only = 1;
                 else if (!strcmp(argv[a], "tcp"))
                         tcp = 1;
+                else if (sscanf(argv[a], "bs=%u/%u", &BP, &BD) == 2)
+                        CHECK(BP >= 2 && BD >= 2 && (BP % BD == 0 || BD % BP == 0) &&
+                              (BP > BD ? BP / BD : BD / BP) * 4 <= DMAX);
                 else if (!strcmp(argv[a], "staged"))
                         BACKEND = "--backend host-async"; /* tcp frames through staging memory */
                 else
@@ -333,7 +376,19 @@ int main(int argc, char **argv)
         const char *nr = getenv("MIXED_TP_REQUESTS");
         const uint32_t NREQ = nr ? (uint32_t)atoi(nr) : 12;
         CHECK(NREQ >= 1 && NREQ <= NREQ_MAX);
-        start(&D, "d", "decode", d, heads, key_only, 10 * NREQ + 16);
+        /* Request q: nb[q] source blocks (1 to 4) at 2 + 5q.., holding tok[q] tokens (every
+         * third request's last block half full); its ndst[q] destination blocks (the decode
+         * side's block size) every other block, descending from the top. */
+        static uint32_t src[NREQ_MAX][4], dst[NREQ_MAX][DMAX], nb[NREQ_MAX], tok[NREQ_MAX],
+            ndst[NREQ_MAX];
+        uint32_t dblocks = 16;
+        for (uint32_t q = 0; q < NREQ; q++) {
+                nb[q] = 1 + q % 4;
+                tok[q] = nb[q] * BP - (q % 3 == 1 ? BP / 2 : 0);
+                ndst[q] = (tok[q] + BD - 1) / BD;
+                dblocks += 2 * ndst[q];
+        }
+        start(&D, "d", "decode", d, heads, key_only, dblocks);
         start(&P, "p", "prefill", p, heads, key_only, 10 * NREQ + 16);
         char daddr[MAXR][128];
         for (uint32_t j = 0; j < d; j++) {
@@ -348,33 +403,30 @@ int main(int argc, char **argv)
                         step = kvf_last_step(P.c[i]);
         step++;
 
-        /* Request q: n_q blocks, source blocks 2 + 5q.., destination blocks 10 NREQ + 10 - 8q - 2b
-         * (scattered, descending) */
-        static uint32_t src[NREQ_MAX][4], dst[NREQ_MAX][4], nb[NREQ_MAX];
-        for (uint32_t q = 0; q < NREQ; q++) {
-                nb[q] = 1 + q % 4;
-                for (uint32_t b = 0; b < nb[q]; b++) {
+        for (uint32_t q = 0, top = dblocks; q < NREQ; q++) {
+                for (uint32_t b = 0; b < nb[q]; b++)
                         src[q][b] = 2 + 5 * q + b;
-                        dst[q][b] = 10 * NREQ + 10 - 8 * q - 2 * b;
-                }
+                for (uint32_t b = 0; b < ndst[q]; b++)
+                        dst[q][b] = top - 1 - 2 * b;
+                top -= 2 * ndst[q];
                 for (uint32_t i = 0; i < p; i++)
                         for (uint32_t l = 0; l < LAYERS; l++)
                                 for (uint32_t z = 0; z < tensors; z++)
                                         for (uint32_t b = 0; b < nb[q]; b++)
                                                 for (uint32_t h = 0; h < P.count[i]; h++)
-                                                        for (uint32_t t = 0; t < BSIZE; t++) {
+                                                        for (uint32_t t = 0; t < BP; t++) {
                                                                 uint8_t *o = at(P.c[i], &P.L[i], l,
                                                                                 z, src[q][b], h, t);
                                                                 for (uint32_t y = 0; y < HDIM * 2;
                                                                      y++)
                                                                         o[y] = content(
                                                                             q, P.first[i] + h,
-                                                                            b * BSIZE + t, y, l, z);
+                                                                            b * BP + t, y, l, z);
                                                         }
                 for (uint32_t j = 0; j < d; j++)
                         for (uint32_t l = 0; l < LAYERS; l++)
                                 for (uint32_t z = 0; z < tensors; z++)
-                                        for (uint32_t b = 0; b < nb[q]; b++)
+                                        for (uint32_t b = 0; b < ndst[q]; b++)
                                                 memset(at(D.c[j], &D.L[j], l, z, dst[q][b], 0, 0),
                                                        0, D.L[j].block_bytes);
         }
@@ -399,7 +451,7 @@ int main(int argc, char **argv)
                                                      .src_block_ids = src[q],
                                                      .n_src = nb[q],
                                                      .dest_block_ids = dst[q],
-                                                     .n_dest = nb[q],
+                                                     .n_dest = ndst[q],
                                                      .current_id = step,
                                                      .transport = tcp ? KVF_TRANSPORT_TCP
                                                                       : KVF_TRANSPORT_IPC,
@@ -407,7 +459,8 @@ int main(int argc, char **argv)
                                 CHECK_EQ(kvf_submit_task(P.c[i], &t), 0);
                                 tasks[i]++;
                                 src_bytes += (uint64_t)nb[q] * LAYERS * tensors * P.L[i].block_bytes;
-                                runs += (uint64_t)nb[q] * LAYERS * tensors;
+                                runs += task_runs(&P, p, i, &D, d, j, H, key_only, nb[q], ndst[q],
+                                                  tensors);
                         }
                 }
         uint64_t t0 = kvf_now_ns();
@@ -431,7 +484,11 @@ int main(int argc, char **argv)
         uint64_t want = 0;
         for (uint32_t q = 0; q < NREQ; q++)
                 for (uint32_t j = 0; j < d; j++)
-                        want += (uint64_t)nb[q] * LAYERS * tensors * D.L[j].block_bytes;
+                        for (uint32_t b = 0; b < ndst[q]; b++) {
+                                /* the destination block's tokens some source block holds */
+                                uint32_t in = nb[q] * BP - b * BD < BD ? nb[q] * BP - b * BD : BD;
+                                want += (uint64_t)LAYERS * tensors * D.L[j].block_bytes / BD * in;
+                        }
         CHECK_EQ(bytes, tcp ? src_bytes : want);
         /* Over tcp, the frames carried exactly the decode ranks' heads: the prefill
          * connectors' byte counters (frames sent once each: nothing was lost here). */
@@ -460,9 +517,10 @@ int main(int argc, char **argv)
                 for (uint32_t j = 0; j < d; j++)
                         for (uint32_t l = 0; l < LAYERS; l++)
                                 for (uint32_t z = 0; z < tensors; z++)
-                                        for (uint32_t b = 0; b < nb[q]; b++)
+                                        for (uint32_t b = 0; b < ndst[q]; b++)
                                                 for (uint32_t h = 0; h < D.count[j]; h++)
-                                                        for (uint32_t t = 0; t < BSIZE; t++) {
+                                                        for (uint32_t t = 0;
+                                                             t < BD && b * BD + t < tok[q]; t++) {
                                                                 const uint8_t *o =
                                                                     at(D.c[j], &D.L[j], l, z,
                                                                        dst[q][b], h, t);
@@ -471,7 +529,7 @@ int main(int argc, char **argv)
                                                                         if (o[y] !=
                                                                             content(q,
                                                                                     D.first[j] + h,
-                                                                                    b * BSIZE + t,
+                                                                                    b * BD + t,
                                                                                     y, l, z)) {
                                                                                 fprintf(
                                                                                     stderr,
@@ -487,14 +545,14 @@ int main(int argc, char **argv)
                                                                                     p, d, q, j, l,
                                                                                     z, b,
                                                                                     D.first[j] + h,
-                                                                                    b * BSIZE + t,
+                                                                                    b * BD + t,
                                                                                     y);
                                                                                 return 1;
                                                                         }
                                                         }
-        printf("tp %u->%u, %u kv heads%s%s: %u requests, %" PRIu64 " bytes sent in %.3f ms, %" PRIu64
+        printf("tp %u->%u, %u kv heads%s%s, %u/%u tokens/block: %u requests, %" PRIu64 " bytes sent in %.3f ms, %" PRIu64
                " bytes verified on %u decode ranks; %.1f %s per request\n",
-               p, d, heads, key_only ? " (key-only)" : "", tcp ? " over tcp" : "", NREQ, bytes, elapsed / 1e6, checked, d,
+               p, d, heads, key_only ? " (key-only)" : "", tcp ? " over tcp" : "", BP, BD, NREQ, bytes, elapsed / 1e6, checked, d,
                (double)(tcp ? frames : runs) / NREQ, tcp ? "tcp frames" : "copy runs");
         for (uint32_t k = 0; k < p; k++)
                 kvf_detach(P.c[k]);

@@ -550,9 +550,10 @@ int main(int argc, char **argv)
                                                                                 return 1;
                                                                         }
                                                         }
+        /* (bytes moved: each decode rank's heads of the tokens its blocks hold, once) */
         printf("tp %u->%u, %u kv heads%s%s, %u/%u tokens/block: %u requests, %" PRIu64 " bytes sent in %.3f ms, %" PRIu64
                " bytes verified on %u decode ranks; %.1f %s per request\n",
-               p, d, heads, key_only ? " (key-only)" : "", tcp ? " over tcp" : "", BP, BD, NREQ, bytes, elapsed / 1e6, checked, d,
+               p, d, heads, key_only ? " (key-only)" : "", tcp ? " over tcp" : "", BP, BD, NREQ, want, elapsed / 1e6, checked, d,
                (double)(tcp ? frames : runs) / NREQ, tcp ? "tcp frames" : "copy runs");
         for (uint32_t k = 0; k < p; k++)
                 kvf_detach(P.c[k]);

@@ -16,7 +16,8 @@
 # 8 kv heads of --head-dim, bf16), every byte of every head checked on every decode rank after
 # the clock stops. Throughput is the bytes moved (each head of each token once: the same in
 # every row but the block-size one, whose blocks hold twice the tokens) over the time from the
-# first layer-done to the last completion on the prefill side. Descriptors per request: copy
+# first layer-done to the last completion on the prefill side; ratio = the row's throughput over
+# the reference's (the mean 1->1 time), so >= 1 is faster. Descriptors per request: copy
 # runs (ipc) or tcp frames sent (DATA/DATAV/DATAS). Target: >= 0.9 x the reference.
 # Usage: bench/mixed_tp_bench.sh [--requests N] [--head-dim N] [--no-tcp]
 set -euo pipefail
@@ -51,15 +52,16 @@ one() {
 table() {
   local name=$1 r1=$2 r2=$3
   shift 3
-  local refms
+  local refms refby
   refms=$(awk -v a="${r1%% *}" -v b="${r2%% *}" 'BEGIN { print (a + b) / 2 }')
+  refby=$(echo "$r1" | awk '{ print $2 }')
   echo "== $name"
   printf '%-16s %10s %12s %10s %8s %12s\n' tp ms MiB MiB/s ratio desc/request
   for r in "1->1_(first) $r1" "$@" "1->1_(last) $r2"; do
     set -- $r
-    awk -v l="$1" -v ms="$2" -v by="$3" -v desc="$4" -v ref="$refms" 'BEGIN {
+    awk -v l="$1" -v ms="$2" -v by="$3" -v desc="$4" -v ref="$refms" -v refby="$refby" 'BEGIN {
       printf "%-16s %10.1f %12.1f %10.1f %8.2f %12.1f\n", l, ms, by / 1048576,
-             by / 1048576 / (ms / 1000), ref / ms, desc }'
+             by / 1048576 / (ms / 1000), (by / ms) / (refby / ref), desc }'
   done
 }
 

@@ -35,7 +35,7 @@ while [ $# -gt 0 ]; do
     *) echo "mixed_tp_bench.sh: unknown option '$1' (--requests N, --head-dim N, --no-tcp)" >&2; exit 2 ;;
   esac
 done
-BIN=$BUILD/tests/mixed_tp_1_2_8
+BIN=$BUILD/tests/mixed_tp_1_2_8_both
 [ -x "$BIN" ] || { echo "mixed_tp_bench.sh: $BIN is not built (cmake --build build)" >&2; exit 1; }
 export KVFERRY_BUILD=$BUILD MIXED_TP_REQUESTS=$REQ MIXED_TP_HEAD_DIM=$HDIM
 

@@ -7,7 +7,10 @@
  * on every decode rank checked. Mismatched splits are refused with both
  * layouts in the reason.
  *
- * mixed_tp_test P D HEADS [key-only] [tcp] [staged]   a transfer, every byte checked (tcp:
+ * mixed_tp_test P D HEADS [key-only] [tcp|both] [staged] [bs=P/D]   a transfer, every byte
+ *                                      checked (both: over ipc, then over tcp on the same
+ *                                      instances; bs=P/D: P tokens per prefill block, D per
+ *                                      decode block, tokens regrouped; tcp:
  *                                      over the connectors' tcp data connections, frames of head
  *                                      slices; staged: caches on the host-async backend, whose
  *                                      frames go through staging memory as a GPU cache's do)
@@ -351,15 +354,17 @@ int main(int argc, char **argv)
                 return kill_one((uint32_t)atoi(argv[2]), (uint32_t)atoi(argv[3]),
                                 (uint32_t)atoi(argv[4]));
         if (argc < 4)
-                return fprintf(stderr, "usage: mixed_tp_test P D HEADS [key-only] [tcp] [staged]\n"), 2;
+                return fprintf(stderr, "usage: mixed_tp_test P D HEADS [key-only] [tcp|both] [staged] [bs=P/D]\n"), 2;
         uint32_t p = (uint32_t)atoi(argv[1]), d = (uint32_t)atoi(argv[2]),
                  heads = (uint32_t)atoi(argv[3]);
-        int key_only = 0, tcp = 0;
+        int key_only = 0, use_ipc = 1, use_tcp = 0;
         for (int a = 4; a < argc; a++) {
                 if (!strcmp(argv[a], "key-only"))
                         key_only = 1;
                 else if (!strcmp(argv[a], "tcp"))
-                        tcp = 1;
+                        use_ipc = 0, use_tcp = 1;
+                else if (!strcmp(argv[a], "both"))
+                        use_ipc = 1, use_tcp = 1;
                 else if (sscanf(argv[a], "bs=%u/%u", &BP, &BD) == 2)
                         CHECK(BP >= 2 && BD >= 2 && (BP % BD == 0 || BD % BP == 0) &&
                               (BP > BD ? BP / BD : BD / BP) * 4 <= DMAX);
@@ -390,171 +395,177 @@ int main(int argc, char **argv)
         }
         start(&D, "d", "decode", d, heads, key_only, dblocks);
         start(&P, "p", "prefill", p, heads, key_only, 10 * NREQ + 16);
-        char daddr[MAXR][128];
-        for (uint32_t j = 0; j < d; j++) {
-                snprintf(daddr[j], sizeof(daddr[j]), "%s", D.name[j]);
-                if (tcp)
-                        t_connector_addr(D.name[j], daddr[j], sizeof(daddr[j]));
-        }
-        const uint32_t tensors = key_only ? 1 : 2;
-        uint64_t step = 0;
-        for (uint32_t i = 0; i < p; i++)
-                if (kvf_last_step(P.c[i]) > step)
-                        step = kvf_last_step(P.c[i]);
-        step++;
+        /* One round per transport asked for (both: ipc, then tcp, on the same instances). */
+        for (int round = 0; round < 2; round++) {
+                const int tcp = round == 1;
+                if (tcp ? !use_tcp : !use_ipc)
+                        continue;
+                char daddr[MAXR][128];
+                for (uint32_t j = 0; j < d; j++) {
+                        snprintf(daddr[j], sizeof(daddr[j]), "%s", D.name[j]);
+                        if (tcp)
+                                t_connector_addr(D.name[j], daddr[j], sizeof(daddr[j]));
+                }
+                const uint32_t tensors = key_only ? 1 : 2;
+                uint64_t step = 0;
+                for (uint32_t i = 0; i < p; i++)
+                        if (kvf_last_step(P.c[i]) > step)
+                                step = kvf_last_step(P.c[i]);
+                step++;
 
-        for (uint32_t q = 0, top = dblocks; q < NREQ; q++) {
-                for (uint32_t b = 0; b < nb[q]; b++)
-                        src[q][b] = 2 + 5 * q + b;
-                for (uint32_t b = 0; b < ndst[q]; b++)
-                        dst[q][b] = top - 1 - 2 * b;
-                top -= 2 * ndst[q];
+                for (uint32_t q = 0, top = dblocks; q < NREQ; q++) {
+                        for (uint32_t b = 0; b < nb[q]; b++)
+                                src[q][b] = 2 + 5 * q + b;
+                        for (uint32_t b = 0; b < ndst[q]; b++)
+                                dst[q][b] = top - 1 - 2 * b;
+                        top -= 2 * ndst[q];
+                        for (uint32_t i = 0; i < p; i++)
+                                for (uint32_t l = 0; l < LAYERS; l++)
+                                        for (uint32_t z = 0; z < tensors; z++)
+                                                for (uint32_t b = 0; b < nb[q]; b++)
+                                                        for (uint32_t h = 0; h < P.count[i]; h++)
+                                                                for (uint32_t t = 0; t < BP; t++) {
+                                                                        uint8_t *o = at(P.c[i], &P.L[i], l,
+                                                                                        z, src[q][b], h, t);
+                                                                        for (uint32_t y = 0; y < HDIM * 2;
+                                                                             y++)
+                                                                                o[y] = content(
+                                                                                    q, P.first[i] + h,
+                                                                                    b * BP + t, y, l, z);
+                                                                }
+                        for (uint32_t j = 0; j < d; j++)
+                                for (uint32_t l = 0; l < LAYERS; l++)
+                                        for (uint32_t z = 0; z < tensors; z++)
+                                                for (uint32_t b = 0; b < ndst[q]; b++)
+                                                        memset(at(D.c[j], &D.L[j], l, z, dst[q][b], 0, 0),
+                                                               0, D.L[j].block_bytes);
+                }
+
+                /* One task per (prefill rank, decode rank it sends to); the id names the decode rank. */
+                uint32_t tasks[MAXR] = {0}, expect_parts[MAXR] = {0};
+                uint64_t src_bytes = 0; /* whole source blocks of every task */
+                uint64_t runs = 0; /* copy runs: one per (layer, tensor, block, source) with head slices;
+                                    * whole blocks merge only where both sides' ids are consecutive */
+                for (uint32_t q = 0; q < NREQ; q++)
+                        for (uint32_t j = 0; j < d; j++) {
+                                expect_parts[j] = kvf_tp_sources(H, p, d, j);
+                                for (uint32_t i = 0; i < p; i++) {
+                                        int sends = 0;
+                                        for (uint32_t h = D.first[j]; h < D.first[j] + D.count[j]; h++)
+                                                sends |= kvf_tp_source(H, p, d, j, h) == i;
+                                        if (!sends)
+                                                continue;
+                                        char id[64];
+                                        snprintf(id, sizeof(id), "%sq%u.d%u", tcp ? "t" : "", q, j);
+                                        struct kvf_task t = {.request_id = id,
+                                                             .src_block_ids = src[q],
+                                                             .n_src = nb[q],
+                                                             .dest_block_ids = dst[q],
+                                                             .n_dest = ndst[q],
+                                                             .current_id = step,
+                                                             .transport = tcp ? KVF_TRANSPORT_TCP
+                                                                              : KVF_TRANSPORT_IPC,
+                                                             .peer = daddr[j]};
+                                        CHECK_EQ(kvf_submit_task(P.c[i], &t), 0);
+                                        tasks[i]++;
+                                        src_bytes += (uint64_t)nb[q] * LAYERS * tensors * P.L[i].block_bytes;
+                                        runs += task_runs(&P, p, i, &D, d, j, H, key_only, nb[q], ndst[q],
+                                                          tensors);
+                                }
+                        }
+                uint64_t t0 = kvf_now_ns();
                 for (uint32_t i = 0; i < p; i++)
                         for (uint32_t l = 0; l < LAYERS; l++)
-                                for (uint32_t z = 0; z < tensors; z++)
-                                        for (uint32_t b = 0; b < nb[q]; b++)
-                                                for (uint32_t h = 0; h < P.count[i]; h++)
-                                                        for (uint32_t t = 0; t < BP; t++) {
-                                                                uint8_t *o = at(P.c[i], &P.L[i], l,
-                                                                                z, src[q][b], h, t);
-                                                                for (uint32_t y = 0; y < HDIM * 2;
-                                                                     y++)
-                                                                        o[y] = content(
-                                                                            q, P.first[i] + h,
-                                                                            b * BP + t, y, l, z);
-                                                        }
-                for (uint32_t j = 0; j < d; j++)
-                        for (uint32_t l = 0; l < LAYERS; l++)
-                                for (uint32_t z = 0; z < tensors; z++)
-                                        for (uint32_t b = 0; b < ndst[q]; b++)
-                                                memset(at(D.c[j], &D.L[j], l, z, dst[q][b], 0, 0),
-                                                       0, D.L[j].block_bytes);
-        }
-
-        /* One task per (prefill rank, decode rank it sends to); the id names the decode rank. */
-        uint32_t tasks[MAXR] = {0}, expect_parts[MAXR] = {0};
-        uint64_t src_bytes = 0; /* whole source blocks of every task */
-        uint64_t runs = 0; /* copy runs: one per (layer, tensor, block, source) with head slices;
-                            * whole blocks merge only where both sides' ids are consecutive */
-        for (uint32_t q = 0; q < NREQ; q++)
-                for (uint32_t j = 0; j < d; j++) {
-                        expect_parts[j] = kvf_tp_sources(H, p, d, j);
+                                CHECK_EQ(kvf_layer_done(P.c[i], step, l), 0);
+                uint64_t bytes = 0;
+                for (uint32_t i = 0; i < p; i++)
+                        for (uint32_t n = 0; n < tasks[i]; n++) {
+                                struct kvf_event ev = wait_event(P.c[i], KVF_EVENT_COMPLETION);
+                                if (ev.status != KVF_STATUS_FINISHED) {
+                                        fprintf(stderr, "prefill rank %u: %s: %s: %s\n", i, ev.request_id,
+                                                kvf_status_name(ev.status), ev.reason);
+                                        return 1;
+                                }
+                                bytes += ev.bytes;
+                        }
+                uint64_t elapsed = kvf_now_ns() - t0;
+                /* Completions count each byte once: every decode rank's heads of every block. (Over
+                 * tcp the sender does not know the peer's split, and counts whole source blocks.) */
+                uint64_t want = 0;
+                for (uint32_t q = 0; q < NREQ; q++)
+                        for (uint32_t j = 0; j < d; j++)
+                                for (uint32_t b = 0; b < ndst[q]; b++) {
+                                        /* the destination block's tokens some source block holds */
+                                        uint32_t in = nb[q] * BP - b * BD < BD ? nb[q] * BP - b * BD : BD;
+                                        want += (uint64_t)LAYERS * tensors * D.L[j].block_bytes / BD * in;
+                                }
+                CHECK_EQ(bytes, tcp ? src_bytes : want);
+                /* Over tcp, the frames carried exactly the decode ranks' heads: the prefill
+                 * connectors' byte counters (frames sent once each: nothing was lost here). */
+                uint64_t frames = 0;
+                if (tcp) {
+                        uint64_t sent = 0;
                         for (uint32_t i = 0; i < p; i++) {
-                                int sends = 0;
-                                for (uint32_t h = D.first[j]; h < D.first[j] + D.count[j]; h++)
-                                        sends |= kvf_tp_source(H, p, d, j, h) == i;
-                                if (!sends)
-                                        continue;
-                                char id[64];
-                                snprintf(id, sizeof(id), "q%u.d%u", q, j);
-                                struct kvf_task t = {.request_id = id,
-                                                     .src_block_ids = src[q],
-                                                     .n_src = nb[q],
-                                                     .dest_block_ids = dst[q],
-                                                     .n_dest = ndst[q],
-                                                     .current_id = step,
-                                                     .transport = tcp ? KVF_TRANSPORT_TCP
-                                                                      : KVF_TRANSPORT_IPC,
-                                                     .peer = daddr[j]};
-                                CHECK_EQ(kvf_submit_task(P.c[i], &t), 0);
-                                tasks[i]++;
-                                src_bytes += (uint64_t)nb[q] * LAYERS * tensors * P.L[i].block_bytes;
-                                runs += task_runs(&P, p, i, &D, d, j, H, key_only, nb[q], ndst[q],
-                                                  tensors);
+                                sent += (uint64_t)t_counter(P.name[i], KVF_CTR_BYTES_TCP);
+                                frames += (uint64_t)t_counter(P.name[i], KVF_CTR_FRAMES_TCP);
                         }
+                        CHECK_EQ(sent, want);
                 }
-        uint64_t t0 = kvf_now_ns();
-        for (uint32_t i = 0; i < p; i++)
-                for (uint32_t l = 0; l < LAYERS; l++)
-                        CHECK_EQ(kvf_layer_done(P.c[i], step, l), 0);
-        uint64_t bytes = 0;
-        for (uint32_t i = 0; i < p; i++)
-                for (uint32_t n = 0; n < tasks[i]; n++) {
-                        struct kvf_event ev = wait_event(P.c[i], KVF_EVENT_COMPLETION);
-                        if (ev.status != KVF_STATUS_FINISHED) {
-                                fprintf(stderr, "prefill rank %u: %s: %s: %s\n", i, ev.request_id,
-                                        kvf_status_name(ev.status), ev.reason);
-                                return 1;
-                        }
-                        bytes += ev.bytes;
-                }
-        uint64_t elapsed = kvf_now_ns() - t0;
-        /* Completions count each byte once: every decode rank's heads of every block. (Over
-         * tcp the sender does not know the peer's split, and counts whole source blocks.) */
-        uint64_t want = 0;
-        for (uint32_t q = 0; q < NREQ; q++)
+                /* Every decode rank hears of each request once per source. */
                 for (uint32_t j = 0; j < d; j++)
-                        for (uint32_t b = 0; b < ndst[q]; b++) {
-                                /* the destination block's tokens some source block holds */
-                                uint32_t in = nb[q] * BP - b * BD < BD ? nb[q] * BP - b * BD : BD;
-                                want += (uint64_t)LAYERS * tensors * D.L[j].block_bytes / BD * in;
+                        for (uint32_t n = 0; n < NREQ * expect_parts[j]; n++) {
+                                struct kvf_event ev = wait_event(D.c[j], KVF_EVENT_ARRIVAL);
+                                if (ev.status != KVF_STATUS_FINISHED) {
+                                        fprintf(stderr, "decode rank %u: %s: %s: %s\n", j, ev.request_id,
+                                                kvf_status_name(ev.status), ev.reason);
+                                        return 1;
+                                }
                         }
-        CHECK_EQ(bytes, tcp ? src_bytes : want);
-        /* Over tcp, the frames carried exactly the decode ranks' heads: the prefill
-         * connectors' byte counters (frames sent once each: nothing was lost here). */
-        uint64_t frames = 0;
-        if (tcp) {
-                uint64_t sent = 0;
-                for (uint32_t i = 0; i < p; i++) {
-                        sent += (uint64_t)t_counter(P.name[i], KVF_CTR_BYTES_TCP);
-                        frames += (uint64_t)t_counter(P.name[i], KVF_CTR_FRAMES_TCP);
-                }
-                CHECK_EQ(sent, want);
+                /* Every byte of every head of every block on every decode rank. */
+                uint64_t checked = 0;
+                for (uint32_t q = 0; q < NREQ; q++)
+                        for (uint32_t j = 0; j < d; j++)
+                                for (uint32_t l = 0; l < LAYERS; l++)
+                                        for (uint32_t z = 0; z < tensors; z++)
+                                                for (uint32_t b = 0; b < ndst[q]; b++)
+                                                        for (uint32_t h = 0; h < D.count[j]; h++)
+                                                                for (uint32_t t = 0;
+                                                                     t < BD && b * BD + t < tok[q]; t++) {
+                                                                        const uint8_t *o =
+                                                                            at(D.c[j], &D.L[j], l, z,
+                                                                               dst[q][b], h, t);
+                                                                        for (uint32_t y = 0; y < HDIM * 2;
+                                                                             y++, checked++)
+                                                                                if (o[y] !=
+                                                                                    content(q,
+                                                                                            D.first[j] + h,
+                                                                                            b * BD + t,
+                                                                                            y, l, z)) {
+                                                                                        fprintf(
+                                                                                            stderr,
+                                                                                            "tp %u->%u: "
+                                                                                            "request %u "
+                                                                                            "decode rank "
+                                                                                            "%u layer %u "
+                                                                                            "tensor %u "
+                                                                                            "block %u head "
+                                                                                            "%u token %u "
+                                                                                            "byte %u "
+                                                                                            "differs\n",
+                                                                                            p, d, q, j, l,
+                                                                                            z, b,
+                                                                                            D.first[j] + h,
+                                                                                            b * BD + t,
+                                                                                            y);
+                                                                                        return 1;
+                                                                                }
+                                                                }
+                /* (bytes moved: each decode rank's heads of the tokens its blocks hold, once) */
+                printf("tp %u->%u, %u kv heads%s%s, %u/%u tokens/block: %u requests, %" PRIu64 " bytes sent in %.3f ms, %" PRIu64
+                       " bytes verified on %u decode ranks; %.1f %s per request\n",
+                       p, d, heads, key_only ? " (key-only)" : "", tcp ? " over tcp" : "", BP, BD, NREQ, want, elapsed / 1e6, checked, d,
+                       (double)(tcp ? frames : runs) / NREQ, tcp ? "tcp frames" : "copy runs");
         }
-        /* Every decode rank hears of each request once per source. */
-        for (uint32_t j = 0; j < d; j++)
-                for (uint32_t n = 0; n < NREQ * expect_parts[j]; n++) {
-                        struct kvf_event ev = wait_event(D.c[j], KVF_EVENT_ARRIVAL);
-                        if (ev.status != KVF_STATUS_FINISHED) {
-                                fprintf(stderr, "decode rank %u: %s: %s: %s\n", j, ev.request_id,
-                                        kvf_status_name(ev.status), ev.reason);
-                                return 1;
-                        }
-                }
-        /* Every byte of every head of every block on every decode rank. */
-        uint64_t checked = 0;
-        for (uint32_t q = 0; q < NREQ; q++)
-                for (uint32_t j = 0; j < d; j++)
-                        for (uint32_t l = 0; l < LAYERS; l++)
-                                for (uint32_t z = 0; z < tensors; z++)
-                                        for (uint32_t b = 0; b < ndst[q]; b++)
-                                                for (uint32_t h = 0; h < D.count[j]; h++)
-                                                        for (uint32_t t = 0;
-                                                             t < BD && b * BD + t < tok[q]; t++) {
-                                                                const uint8_t *o =
-                                                                    at(D.c[j], &D.L[j], l, z,
-                                                                       dst[q][b], h, t);
-                                                                for (uint32_t y = 0; y < HDIM * 2;
-                                                                     y++, checked++)
-                                                                        if (o[y] !=
-                                                                            content(q,
-                                                                                    D.first[j] + h,
-                                                                                    b * BD + t,
-                                                                                    y, l, z)) {
-                                                                                fprintf(
-                                                                                    stderr,
-                                                                                    "tp %u->%u: "
-                                                                                    "request %u "
-                                                                                    "decode rank "
-                                                                                    "%u layer %u "
-                                                                                    "tensor %u "
-                                                                                    "block %u head "
-                                                                                    "%u token %u "
-                                                                                    "byte %u "
-                                                                                    "differs\n",
-                                                                                    p, d, q, j, l,
-                                                                                    z, b,
-                                                                                    D.first[j] + h,
-                                                                                    b * BD + t,
-                                                                                    y);
-                                                                                return 1;
-                                                                        }
-                                                        }
-        /* (bytes moved: each decode rank's heads of the tokens its blocks hold, once) */
-        printf("tp %u->%u, %u kv heads%s%s, %u/%u tokens/block: %u requests, %" PRIu64 " bytes sent in %.3f ms, %" PRIu64
-               " bytes verified on %u decode ranks; %.1f %s per request\n",
-               p, d, heads, key_only ? " (key-only)" : "", tcp ? " over tcp" : "", BP, BD, NREQ, want, elapsed / 1e6, checked, d,
-               (double)(tcp ? frames : runs) / NREQ, tcp ? "tcp frames" : "copy runs");
         for (uint32_t k = 0; k < p; k++)
                 kvf_detach(P.c[k]);
         for (uint32_t k = 0; k < d; k++)

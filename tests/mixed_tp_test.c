@@ -504,10 +504,19 @@ int main(int argc, char **argv)
                  * connectors' byte counters (frames sent once each: nothing was lost here). */
                 uint64_t frames = 0;
                 if (tcp) {
-                        uint64_t sent = 0;
-                        for (uint32_t i = 0; i < p; i++) {
-                                sent += (uint64_t)t_counter(P.name[i], KVF_CTR_BYTES_TCP);
-                                frames += (uint64_t)t_counter(P.name[i], KVF_CTR_FRAMES_TCP);
+                        /* A data connection counts a batch once its sends are reaped, which
+                         * may be after the arrival and the completion: wait for the counters
+                         * (20 s at most), then they must be exactly the heads. */
+                        uint64_t sent = 0, until = kvf_now_ns() + 20000000000ull;
+                        for (;;) {
+                                sent = frames = 0;
+                                for (uint32_t i = 0; i < p; i++) {
+                                        sent += (uint64_t)t_counter(P.name[i], KVF_CTR_BYTES_TCP);
+                                        frames += (uint64_t)t_counter(P.name[i], KVF_CTR_FRAMES_TCP);
+                                }
+                                if (sent >= want || kvf_now_ns() > until)
+                                        break;
+                                usleep(1000);
                         }
                         CHECK_EQ(sent, want);
                 }

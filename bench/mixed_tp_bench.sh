@@ -1,53 +1,82 @@
 #!/usr/bin/env bash
-# Host-path (ipc) throughput between tensor-parallel groups of different sizes, against the
-# same-TP transfer measured in the same run:
-#   1->1  one prefill instance holding all 8 kv heads into one decode instance: the reference,
-#         run first and last (A B ... A); each mixed row is judged against the mean of the two
+# Throughput between tensor-parallel groups of different sizes and between block sizes, over
+# the host path (ipc) and over tcp, each against the same-TP transfer of its transport measured
+# in the same run:
+#   1->1  one prefill instance holding all 8 kv heads into one decode instance: the reference
+#         of each transport, run first and last (A B ... A); each row is judged against the mean
+#         of its transport's two
 #   1->2  one prefill rank sends each decode rank its 4 heads (head slices of every block)
 #   2->8  each of 2 prefill ranks sends 4 decode ranks one head each
+#   8->2  each decode rank gathers its 4 heads from 4 prefill ranks
 #   4->4  the same split on both sides (whole blocks), as a second reference
+#   4->4 bs 32/16  the same split, 32 tokens per prefill block regrouped into 16-token blocks
+#                  (ipc only: tcp refuses other block sizes)
 # Every run is tests/mixed_tp_test (built in $KVFERRY_BUILD, default build/): the same requests
-# (1 to 4 blocks of 16 tokens, 3 layers, K and V, 8 kv heads of --head-dim, bf16), every byte of
-# every head checked on every decode rank after the clock stops. Throughput is the bytes of all
-# requests over the time from the first layer-done to the last completion on the prefill side
-# (the same bytes in every row: each head moves once). Target: >= 0.9 x the reference.
-# Usage: bench/mixed_tp_bench.sh [--requests N] [--head-dim N]
+# (1 to 4 source blocks of 16 tokens, every third one's last block half full, 3 layers, K and V,
+# 8 kv heads of --head-dim, bf16), every byte of every head checked on every decode rank after
+# the clock stops. Throughput is the bytes moved (each head of each token once: the same in
+# every row but the block-size one, whose blocks hold twice the tokens) over the time from the
+# first layer-done to the last completion on the prefill side; ratio = the row's throughput over
+# the reference's (the mean 1->1 time), so >= 1 is faster. Descriptors per request: copy
+# runs (ipc) or tcp frames sent (DATA/DATAV/DATAS). Target: >= 0.9 x the reference.
+# Usage: bench/mixed_tp_bench.sh [--requests N] [--head-dim N] [--no-tcp]
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 BUILD=${KVFERRY_BUILD:-$ROOT/build}
 REQ=400
 HDIM=128
+TCP=1
 while [ $# -gt 0 ]; do
   case "$1" in
     --requests) REQ=$2; shift 2 ;;
     --head-dim) HDIM=$2; shift 2 ;;
-    -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
-    *) echo "mixed_tp_bench.sh: unknown option '$1' (--requests N, --head-dim N)" >&2; exit 2 ;;
+    --no-tcp) TCP=0; shift ;;
+    -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
+    *) echo "mixed_tp_bench.sh: unknown option '$1' (--requests N, --head-dim N, --no-tcp)" >&2; exit 2 ;;
   esac
 done
-BIN=$BUILD/tests/mixed_tp_1_2_8
+BIN=$BUILD/tests/mixed_tp_1_2_8_both
 [ -x "$BIN" ] || { echo "mixed_tp_bench.sh: $BIN is not built (cmake --build build)" >&2; exit 1; }
 export KVFERRY_BUILD=$BUILD MIXED_TP_REQUESTS=$REQ MIXED_TP_HEAD_DIM=$HDIM
 
-# one P D: prints "ms bytes runs_per_request"
+# one P D [options]: prints "ms bytes descriptors_per_request"
 one() {
-  local out
-  out=$("$ROOT/tests/own_run_dir.sh" "$BIN" "$1" "$2" 8 2>/dev/null | grep '^tp ') || {
-    echo "mixed_tp_bench.sh: tp $1->$2 failed" >&2; exit 1; }
-  echo "$out" | sed -n 's/.* \([0-9]*\) bytes sent in \([0-9.]*\) ms.*; \([0-9.]*\) copy runs per request/\2 \1 \3/p'
+  local out p=$1 d=$2
+  shift 2
+  out=$("$ROOT/tests/own_run_dir.sh" "$BIN" "$p" "$d" 8 "$@" 2>/dev/null | grep '^tp ') || {
+    echo "mixed_tp_bench.sh: tp $p->$d $* failed" >&2; exit 1; }
+  echo "$out" | sed -n 's/.* \([0-9]*\) bytes sent in \([0-9.]*\) ms.*; \([0-9.]*\) \(copy runs\|tcp frames\) per request/\2 \1 \3/p'
+}
+
+# table NAME REF1 REF2 ROWS...: each row "label ms bytes desc", judged against the refs' mean
+table() {
+  local name=$1 r1=$2 r2=$3
+  shift 3
+  local refms refby
+  refms=$(awk -v a="${r1%% *}" -v b="${r2%% *}" 'BEGIN { print (a + b) / 2 }')
+  refby=$(echo "$r1" | awk '{ print $2 }')
+  echo "== $name"
+  printf '%-16s %10s %12s %10s %8s %12s\n' tp ms MiB MiB/s ratio desc/request
+  for r in "1->1_(first) $r1" "$@" "1->1_(last) $r2"; do
+    set -- $r
+    awk -v l="$1" -v ms="$2" -v by="$3" -v desc="$4" -v ref="$refms" -v refby="$refby" 'BEGIN {
+      printf "%-16s %10.1f %12.1f %10.1f %8.2f %12.1f\n", l, ms, by / 1048576,
+             by / 1048576 / (ms / 1000), (by / ms) / (refby / ref), desc }'
+  done
 }
 
 lscpu | grep 'Model name' || true
 echo "requests: $REQ, head dim $HDIM, 8 kv heads, 16 tokens/block, 3 layers, K and V, bf16"
 ref1=$(one 1 1)
 rows=()
-for pd in "1 2" "2 8" "4 4"; do rows+=("$pd $(one $pd)"); done
+for pd in "1 2" "2 8" "8 2" "4 4"; do rows+=("${pd/ /->} $(one $pd)"); done
+rows+=("4->4_bs_32/16 $(one 4 4 bs=32/16)")
 ref2=$(one 1 1)
-refms=$(awk -v a="${ref1%% *}" -v b="${ref2%% *}" 'BEGIN { print (a + b) / 2 }')
-printf '%-6s %10s %12s %10s %8s %12s\n' tp ms MiB MiB/s ratio runs/request
-for r in "1 1 $ref1" "${rows[@]}" "1 1 $ref2"; do
-  set -- $r
-  awk -v p="$1" -v d="$2" -v ms="$3" -v by="$4" -v runs="$5" -v ref="$refms" 'BEGIN {
-    printf "%-6s %10.1f %12.1f %10.1f %8.2f %12.1f\n", p "->" d, ms, by / 1048576,
-           by / 1048576 / (ms / 1000), ref / ms, runs }'
-done
+table "ipc (copy runs per request)" "$ref1" "$ref2" "${rows[@]}"
+if [ "$TCP" = 1 ]; then
+  tref1=$(one 1 1 tcp)
+  trows=()
+  for pd in "1 2" "2 8" "8 2" "4 4"; do trows+=("${pd/ /->} $(one $pd tcp)"); done
+  tref2=$(one 1 1 tcp)
+  table "tcp (frames per request)" "$tref1" "$tref2" "${trows[@]}"
+fi

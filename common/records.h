@@ -76,6 +76,7 @@ enum kvf_rec_type {
         /* Data frames carry a binary header and block bytes, not a record (connector/tcp.h). */
         KVF_RT_DATA = 48,
         KVF_RT_DATAV = 49, /* several runs of one transfer gathered in one frame */
+        KVF_RT_DATAS = 50, /* head slices of blocks, to a rank of another tensor-parallel split */
 };
 
 _Static_assert((int)KVF_REC_ARRIVAL < (int)KVF_RT_WRITE_BATCH, "the engine's record types come first");

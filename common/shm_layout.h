@@ -316,7 +316,11 @@ struct kvf_req_slot {
         uint64_t xfer_start_ns;  /* when its first bytes were handed to a copy or the connector, or 0 */
         uint64_t descs;          /* descriptors handed over so far: copy runs (ipc), frames (tcp),
                                   * write work requests (rdma); see sender/progress.c */
-        uint8_t pad1[264];
+        /* Destination blocks when they are not n_send (a peer of another block size: the
+         * request sends all n_src source blocks into n_dst blocks of the peer's size); 0: n_send. */
+        uint32_t n_dst;
+        uint32_t pad2;
+        uint8_t pad1[256];
 };
 #define KVF_REQF_ID_BIN 1u       /* the request id came as msgpack bin: echo it as bin */
 #define KVF_REQF_COPY_PENDING 2u /* ipc: copies of it gathered into a batch, not yet seen complete */

@@ -191,3 +191,38 @@ uint32_t kvf_tp_dst_blocks(uint32_t n_src, uint32_t src_bsize, uint32_t dst_bsiz
         uint64_t tokens = (uint64_t)n_src * src_bsize;
         return (uint32_t)((tokens + dst_bsize - 1) / dst_bsize);
 }
+
+int kvf_tp_slice(const struct kvf_cache_layout *pl, uint32_t p, uint32_t prank,
+                 const struct kvf_cache_layout *dl, uint32_t d, uint32_t drank, uint32_t *soff,
+                 uint32_t *doff, uint32_t *len)
+{
+        char why[400];
+        uint32_t heads;
+        struct kvf_tp_plan plan;
+        *soff = *doff = *len = 0;
+        p = p ? p : 1;
+        d = d ? d : 1;
+        if (p == d && kvf_layout_compatible(pl, dl, why, sizeof(why)) == 0)
+                return 0;
+        if (kvf_tp_check(pl, p, dl, d, 0, &heads, why, sizeof(why)) < 0)
+                return kvf_err_set(-EXDEV, "%s", why);
+        if (pl->block_size != dl->block_size)
+                return kvf_err_set(-EXDEV, "%u tokens/block and %u: not one slice per block",
+                                   pl->block_size, dl->block_size);
+        if (kvf_tp_plan(pl, p, prank, dl, d, drank, heads, &plan) < 0)
+                return kvf_err_set(-EXDEV, "%s", kvf_err_msg());
+        int rc = 0;
+        if (plan.npieces != 1)
+                rc = kvf_err_set(-EXDEV,
+                                 "prefill rank %u of %u sends decode rank %u of %u %s (%u kv heads)",
+                                 prank, p, drank, d,
+                                 plan.npieces ? "more than one slice a block" : "none of its heads",
+                                 heads);
+        else if (plan.pieces[0].bytes != pl->block_bytes || plan.pieces[0].bytes != dl->block_bytes) {
+                *soff = plan.pieces[0].soff;
+                *doff = plan.pieces[0].doff;
+                *len = plan.pieces[0].bytes;
+        }
+        kvf_tp_plan_free(&plan);
+        return rc;
+}

@@ -97,6 +97,18 @@ int kvf_tp_plan(const struct kvf_cache_layout *pl, uint32_t p, uint32_t prank,
                 struct kvf_tp_plan *out);
 void kvf_tp_plan_free(struct kvf_tp_plan *plan);
 
+/*
+ * The one head slice of each block prefill rank `prank` (layout pl, group p) sends decode rank
+ * `drank` (layout dl, group d), for transports that move one contiguous range per block (tcp
+ * frames): equal block sizes. 0 with *len 0: whole blocks (equal layouts and groups, or a
+ * slice that is the whole block: a replicated head, MLA); 0 with *soff, *doff, *len: that
+ * slice; -EXDEV (kvf_err says why): not one split of one model, different block sizes, or
+ * this prefill rank sends that decode rank no head.
+ */
+int kvf_tp_slice(const struct kvf_cache_layout *pl, uint32_t p, uint32_t prank,
+                 const struct kvf_cache_layout *dl, uint32_t d, uint32_t drank, uint32_t *soff,
+                 uint32_t *doff, uint32_t *len);
+
 /* Destination blocks a request of n_src source blocks fills (n_src * Bs / Bd,
  * rounded up when the last source block is partly used by the receiver's). */
 uint32_t kvf_tp_dst_blocks(uint32_t n_src, uint32_t src_bsize, uint32_t dst_bsize);

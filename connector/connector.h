@@ -282,6 +282,7 @@ struct peer_identity {
         char instance[KVF_INSTANCE_MAX];
         struct kvf_cache_layout layout;
         uint64_t created_ns;
+        uint32_t rank, nranks; /* its place in its tensor-parallel group (nranks >= 1) */
 };
 /* purpose: "control" (notices, acks, pings) or a transport's data connection (its purpose,
  * transport.h). welcome (may be NULL) receives the server's WELCOME, whose fields a transport

@@ -93,8 +93,10 @@ static void identity_rec(struct kvf_record *r, uint32_t type, const struct kvf_c
  * May a prefill instance of layout `pl` (rank pr of p) send to a decode instance of layout `dl`
  * (rank dr of d)? Equal layouts and groups: yes. Another tensor-parallel split of the same
  * model (common/tpsplit.h): on a control connection (same-host copies, whose notices it
- * carries) when the prefill rank sends that decode rank some heads; never on a data
- * connection, whose frames and writes carry whole blocks. 0, or -EXDEV with `why`.
+ * carries, block sizes that divide one another too) and on a tcp data connection (frames of
+ * head slices, equal block sizes) when the prefill rank sends that decode rank some heads;
+ * never on an rdma connection, whose writes carry whole blocks.
+ * 0, or -EXDEV with `why`.
  */
 static int check_split(const struct kvf_cache_layout *pl, uint32_t pr, uint32_t p,
                        const struct kvf_cache_layout *dl, uint32_t dr, uint32_t d,
@@ -110,22 +112,37 @@ static int check_split(const struct kvf_cache_layout *pl, uint32_t pr, uint32_t 
                 snprintf(why, whylen, "%s", diff);
                 return -EXDEV;
         }
-        if (strcmp(purpose, "control")) {
+        if (strcmp(purpose, "control") && strcmp(purpose, "data")) {
                 snprintf(why, whylen,
                          "prefill %u kv head(s) x tp %u, %u tokens/block; decode %u kv head(s) x tp %u, "
-                         "%u tokens/block: a '%s' connection (tcp, rdma) moves whole blocks of equal "
-                         "layouts; other splits move over ipc only", pl->kv_heads, p, pl->block_size,
+                         "%u tokens/block: a '%s' connection moves whole blocks of equal layouts; "
+                         "other splits move over ipc and tcp only", pl->kv_heads, p, pl->block_size,
                          dl->kv_heads, d, dl->block_size, purpose);
                 return -EXDEV;
         }
-        if (pl->block_size != dl->block_size) {
-                snprintf(why, whylen, "%u tokens/block here, %u there: same-host copies between "
-                         "different block sizes are not supported", pl->block_size, dl->block_size);
+        if (pl->block_size != dl->block_size && strcmp(purpose, "control")) {
+                snprintf(why, whylen, "%u tokens/block here, %u there: tcp frames carry one head "
+                         "slice per block; tokens are regrouped into other block sizes over ipc only",
+                         pl->block_size, dl->block_size);
                 return -EXDEV;
         }
         if (pr >= p || dr >= d || kvf_tp_sources(heads, p, d, dr) == 0) {
                 snprintf(why, whylen, "rank %u of %u to rank %u of %u", pr, p, dr, d);
                 return -EXDEV;
+        }
+        if (!strcmp(purpose, "data")) {
+                /* Frames carry the heads this prefill rank sends; a rank that sends none has
+                 * nothing to carry (the control connection still carries other ranks' notices). */
+                uint32_t f, n, h, sends = 0;
+                if (kvf_tp_heads(heads, d, dr, &f, &n) == 0)
+                        for (h = f; h < f + n; h++)
+                                sends |= kvf_tp_source(heads, p, d, dr, h) == pr;
+                if (!sends) {
+                        snprintf(why, whylen,
+                                 "decode rank %u of %u: prefill rank %u of %u sends it none of its "
+                                 "heads (%u kv heads)", dr, d, pr, p, heads);
+                        return -EXDEV;
+                }
         }
         return 0;
 }
@@ -188,6 +205,8 @@ int conn_handshake_client(struct connector *cn, int fd, const char *purpose,
                 *welcome = r; /* (no arrays in a welcome: nothing to free) */
         snprintf(out->instance, sizeof(out->instance), "%s", r.instance);
         out->created_ns = r.generation;
+        out->rank = (uint32_t)r.lay_rank;
+        out->nranks = r.lay_nranks ? (uint32_t)r.lay_nranks : 1;
         /* Only an instance that receives may be written into (the server refuses
          * too; this holds against a server that does not). */
         if (r.role != KVF_IROLE_DECODE && r.role != KVF_IROLE_MIXED) {
@@ -258,6 +277,8 @@ int conn_handshake_server(struct connector *cn, int fd, struct peer_identity *ou
         }
         snprintf(out->instance, sizeof(out->instance), "%s", r.instance);
         out->created_ns = r.generation;
+        out->rank = (uint32_t)r.lay_rank;
+        out->nranks = r.lay_nranks ? (uint32_t)r.lay_nranks : 1;
         if (h->instance_role != KVF_IROLE_DECODE && h->instance_role != KVF_IROLE_MIXED) {
                 snprintf(reason, sizeof(reason),
                          "peer '%s' is a %s instance: only a decode or mixed instance receives KV caches",

@@ -163,7 +163,11 @@ int conn_landing_check(struct connector *cn, const char *peer, uint64_t gen, con
         else if (h->nblocks == 0 || (uint64_t)h->index + h->nblocks > x->n_dst)
                 snprintf(why, whylen, "data for blocks [%u, +%u) of %s, which has %u", h->index,
                          h->nblocks, x->request_id, x->n_dst);
-        else if (bytes != (uint64_t)h->nblocks * L->block_bytes)
+        else if (h->len && (h->nblocks != 1 || h->len != bytes ||
+                            (uint64_t)h->off + h->len > L->block_bytes))
+                snprintf(why, whylen, "a slice of %u bytes at %u of %u block(s) of %llu bytes", h->len,
+                         h->off, h->nblocks, (unsigned long long)L->block_bytes);
+        else if (!h->len && bytes != (uint64_t)h->nblocks * L->block_bytes)
                 snprintf(why, whylen, "%llu bytes of data for %u blocks of %llu bytes",
                          (unsigned long long)bytes, h->nblocks, (unsigned long long)L->block_bytes);
         else {
@@ -175,7 +179,7 @@ int conn_landing_check(struct connector *cn, const char *peer, uint64_t gen, con
                                 break;
                         }
                 if (rc == 0)
-                        *dst_off = kvf_layout_offset(L, h->layer, h->tensor, x->dst[h->index]);
+                        *dst_off = kvf_layout_offset(L, h->layer, h->tensor, x->dst[h->index]) + h->off;
         }
         pthread_mutex_unlock(&cn->rxmu);
         return rc;

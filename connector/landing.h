@@ -33,6 +33,9 @@ struct landing_run {
         uint16_t tensor;
         uint32_t index;   /* first block's position in the transfer's destination list */
         uint32_t nblocks; /* contiguous destination blocks */
+        /* A head slice (another tensor-parallel split): `len` bytes at `off` of the one block
+         * (nblocks 1); len 0: the whole blocks. */
+        uint32_t off, len;
 };
 
 /*
@@ -46,7 +49,7 @@ int conn_landing_open(struct connector *cn, const char *peer, uint64_t gen, cons
 /*
  * Check a run before a byte of it is received: the transfer is open, layer
  * and tensor in range, the run inside the transfer and contiguous in
- * destination ids, `bytes` exactly its length. 0 with *dst_off where it goes
+ * destination ids (a slice: one block, inside it), `bytes` exactly its length. 0 with *dst_off where it goes
  * in the cache; 1 when the transfer is closed or its engine session is over
  * (drain the bytes); -EPROTO with why.
  */

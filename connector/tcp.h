@@ -18,6 +18,16 @@
  * a 16-byte kvf_datav_hdr, nruns 16-byte kvf_datav_run entries, then the
  * runs' payloads in the same order. The receiver checks every run before
  * a byte of payload is read and receives them all with one recvmsg.
+ *
+ * To a decode rank of another tensor-parallel split (common/tpsplit.h) a
+ * block's bytes are not all sent: only the slice of its heads this prefill
+ * rank sends that rank, one contiguous range of each block (heads-major
+ * [heads][tokens][head_dim]), at `src` in the source block and `dst` in the
+ * destination block. Such frames are DATAS: a 24-byte kvf_datas_hdr (the
+ * slice's destination offset and length, the same for every block), nruns
+ * kvf_datav_run entries, then for each run's blocks in order the slice's
+ * bytes (nblocks * len per run; at most KVF_DATAS_BLOCKS_MAX blocks a frame).
+ * The receiver writes each slice at offset `dst` of its block.
  */
 #ifndef KVF_TCP_H
 #define KVF_TCP_H
@@ -53,8 +63,19 @@ struct kvf_datav_run {
 };
 _Static_assert(sizeof(struct kvf_datav_hdr) == 16 && sizeof(struct kvf_datav_run) == 16, "datav sizes");
 
+/* A frame of head slices (KVF_RT_DATAS). */
+struct kvf_datas_hdr {
+        uint64_t key;
+        uint32_t nruns; /* 1 to KVF_DATAV_RUNS_MAX */
+        uint32_t dst;   /* the slice's offset in each destination block */
+        uint32_t len;   /* its bytes (1 to the block's) */
+        uint32_t pad;
+};
+_Static_assert(sizeof(struct kvf_datas_hdr) == 24, "datas header size");
+
 #define KVF_DATA_FRAME_MAX KVF_FRAME_MAX_TCP /* payload bytes per frame (a run is split above it) */
 #define KVF_DATAV_RUNS_MAX 64u        /* runs in one gathered frame */
+#define KVF_DATAS_BLOCKS_MAX 64u      /* blocks of one DATAS frame (one receive vector each) */
 #define KVF_XOPEN_MAX (1u << 20)      /* bytes of an XOPEN record */
 
 /* tcp_tx.c: the prefill side's ops */

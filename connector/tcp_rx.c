@@ -21,6 +21,7 @@
 #include "layout.h"
 #include "log.h"
 #include "tcp.h"
+#include "tpsplit.h"
 
 /*
  * Submit one receive (into mh's iovecs) and wait for it. Returns its result
@@ -196,6 +197,9 @@ struct rx {
         uint64_t gen;
         struct kvf_stager *sg;
         struct pending pend;
+        /* The head slice of each block this peer sends (another tensor-parallel split): len
+         * bytes at off; len 0: whole blocks. */
+        uint32_t slice_off, slice_len;
 };
 
 /* The connection ends for a failure of ours (kvf_err says which): logged. */
@@ -349,6 +353,105 @@ static int serve_datav(struct rx *rx, struct io_uring *ring, int fd, struct rbuf
         return receive_end(rx, io, runs, n, group) < 0 ? 1 : 0;
 }
 
+/*
+ * A DATAS frame (head slices, tcp.h) whose frame header is in the read-ahead
+ * buffer: as serve_datav, each block of each run its own slice of `len`
+ * bytes at `dst` of its block, which must be the slice this peer sends this
+ * rank (rx->slice_*). 0; 1 the connection ends; -EPROTO a violation (why).
+ */
+static int serve_datas(struct rx *rx, struct io_uring *ring, int fd, struct rbuf *st, uint32_t len, unsigned to,
+                       char *why, size_t whylen)
+{
+        struct connector *cn = rx->cn;
+        struct landing_run runs[KVF_DATAS_BLOCKS_MAX];
+        struct kvf_io_run io[KVF_DATAS_BLOCKS_MAX];
+        struct iovec iov[KVF_DATAS_BLOCKS_MAX];
+        struct kvf_datas_hdr h;
+
+        if (len < sizeof(h)) {
+                snprintf(why, whylen, "head-slice data frame of %u bytes", len);
+                return -EPROTO;
+        }
+        if (rbuf_fill(cn, ring, fd, st, KVF_FRAME_HDR + sizeof(h), to) < 0)
+                return 1;
+        memcpy(&h, st->b + st->off + KVF_FRAME_HDR, sizeof(h));
+        uint32_t n = ntohl(h.nruns), off = ntohl(h.dst), slen = ntohl(h.len);
+        uint64_t table = sizeof(h) + (uint64_t)n * sizeof(struct kvf_datav_run);
+        if (n == 0 || n > KVF_DATAV_RUNS_MAX || len < table) {
+                snprintf(why, whylen, "head-slice data frame of %u runs in %u bytes (1 to %u runs)", n, len,
+                         KVF_DATAV_RUNS_MAX);
+                return -EPROTO;
+        }
+        if (!rx->slice_len || off != rx->slice_off || slen != rx->slice_len) {
+                snprintf(why, whylen,
+                         "head slice of %u bytes at %u, where this peer sends %s (%u bytes at %u)", slen,
+                         off, rx->slice_len ? "this rank a slice" : "whole blocks", rx->slice_len,
+                         rx->slice_off);
+                return -EPROTO;
+        }
+        if (rbuf_fill(cn, ring, fd, st, KVF_FRAME_HDR + (uint32_t)table, to) < 0)
+                return 1;
+        const uint8_t *t = st->b + st->off + KVF_FRAME_HDR + sizeof(h);
+        uint64_t key = be64toh(h.key), plen = len - table;
+        uint32_t nb = 0;
+        for (uint32_t i = 0; i < n; i++) {
+                struct kvf_datav_run w;
+                memcpy(&w, t + i * sizeof(w), sizeof(w));
+                uint32_t blocks = ntohl(w.nblocks), index = ntohl(w.index);
+                if (blocks == 0 || blocks > KVF_DATAS_BLOCKS_MAX - nb) {
+                        snprintf(why, whylen, "head-slice data frame of more than %u blocks",
+                                 KVF_DATAS_BLOCKS_MAX);
+                        return -EPROTO;
+                }
+                for (uint32_t b = 0; b < blocks; b++, nb++)
+                        runs[nb] = (struct landing_run){.key = key, .layer = ntohl(w.layer),
+                                                        .tensor = ntohs(w.tensor), .index = index + b,
+                                                        .nblocks = 1, .off = off, .len = slen};
+        }
+        st->off += KVF_FRAME_HDR + (uint32_t)table;
+        if ((uint64_t)nb * slen != plen) {
+                snprintf(why, whylen, "head-slice data frame of %llu payload bytes for %u slices of %u",
+                         (unsigned long long)plen, nb, slen);
+                return -EPROTO;
+        }
+        bool drop = false;
+        for (uint32_t i = 0; i < nb; i++) {
+                io[i].len = slen;
+                int rc = conn_landing_check(cn, rx->peer, rx->gen, &runs[i], slen, &io[i].off, why, whylen);
+                if (rc < 0)
+                        return -EPROTO;
+                drop |= rc == 1;
+        }
+        if (drop) {
+                if (rbuf_payload(cn, ring, fd, st, NULL, plen, to) == 0)
+                        return 0;
+                cut_short(rx);
+                return 1;
+        }
+        unsigned group;
+        if (kvf_stage_in_begin(&cn->cache, rx->sg, io, nb, &group) < 0) {
+                log_disconnect(rx);
+                return 1;
+        }
+        for (uint32_t i = 0; i < nb; i++)
+                iov[i] = (struct iovec){io[i].p, io[i].len};
+        uint32_t i = 0;
+        while (st->off < st->len && i < nb) {
+                size_t k = st->len - st->off < iov[i].iov_len ? st->len - st->off : iov[i].iov_len;
+                memcpy(iov[i].iov_base, st->b + st->off, k);
+                st->off += (uint32_t)k;
+                iov[i].iov_base = (uint8_t *)iov[i].iov_base + k;
+                if ((iov[i].iov_len -= k) == 0)
+                        i++;
+        }
+        if (recv_iov(cn, ring, fd, iov + i, nb - i, to) < 0) {
+                kvf_stage_done(rx->sg, group);
+                cut_short(rx);
+                return 1;
+        }
+        return receive_end(rx, io, runs, nb, group) < 0 ? 1 : 0;
+}
+
 /* Before waiting for the network: the copies of what was received land first (a transfer
  * whose last frame is in must not wait for more data to be marked), unless more data comes
  * within about a copy's time: then it is received while the copies run. 0, or -EIO. */
@@ -397,6 +500,18 @@ void tcp_serve(struct connector *cn, int fd, const struct peer_identity *id, con
         rx->peer = id->instance;
         rx->remote = remote;
         rx->gen = id->created_ns;
+        /* The handshake accepted the peer's split (handshake.c), so this only says which slice. */
+        uint32_t soff;
+        if (kvf_tp_slice(&id->layout, id->nranks, id->rank, &cn->ctl.hdr->layout, cn->ctl.hdr->nranks,
+                         cn->ctl.hdr->rank, &soff, &rx->slice_off, &rx->slice_len) < 0) {
+                kvf_errlog(&cn->ctl, KVF_ROLE_CONNECTOR, "data connection from '%s': %s", id->instance,
+                           kvf_err_msg());
+                kvf_stager_close(rx->sg);
+                io_uring_queue_exit(&ring);
+                free(rx);
+                free(st.b);
+                return;
+        }
         const char *peer = rx->peer;
         uint64_t gen = rx->gen;
         for (;;) {
@@ -430,6 +545,20 @@ void tcp_serve(struct connector *cn, int fd, const struct peer_identity *id, con
                         if (rc < 0)
                                 break;
                         continue;
+                }
+                if (type == KVF_RT_DATAS) {
+                        int rc = serve_datas(rx, &ring, fd, &st, len, to, why, sizeof(why));
+                        if (rc == -EPROTO)
+                                goto violation;
+                        if (rc != 0)
+                                break;
+                        continue;
+                }
+                if ((type == KVF_RT_DATAV || type == KVF_RT_DATA) && rx->slice_len) {
+                        snprintf(why, sizeof(why),
+                                 "whole blocks from a rank of another tensor-parallel split, which sends "
+                                 "this rank %u bytes at %u of each block", rx->slice_len, rx->slice_off);
+                        goto violation;
                 }
                 if (type == KVF_RT_DATAV) {
                         int rc = serve_datav(rx, &ring, fd, &st, len, to, why, sizeof(why));

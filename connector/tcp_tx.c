@@ -18,6 +18,7 @@
 #include "layout.h"
 #include "log.h"
 #include "tcp.h"
+#include "tpsplit.h"
 #include "xfer.h"
 
 #define MAX_STREAMS 16u
@@ -27,6 +28,10 @@ struct data_conn {
         unsigned idx;
         pthread_t thread;
         int fd;
+        /* The peer is a rank of another tensor-parallel split (its handshake says): of each
+         * block, only slen bytes at soff go, to doff of its block (DATAS frames). slen 0:
+         * whole blocks. Set before serve(), for this connection's life. */
+        uint32_t soff, doff, slen;
 };
 
 /* The peer's tcp state (xp->tp); nconns and the threads' start under xp->mu. */
@@ -96,7 +101,9 @@ struct sendbuf {
 
 /* A frame on the wire: DATA (one run), or DATAV (consecutive runs of one transfer). */
 #define WIRE_HDR_MAX                                                                               \
-        (KVF_FRAME_HDR + sizeof(struct kvf_datav_hdr) + KVF_DATAV_RUNS_MAX * sizeof(struct kvf_datav_run))
+        (KVF_FRAME_HDR + sizeof(struct kvf_datas_hdr) + KVF_DATAV_RUNS_MAX * sizeof(struct kvf_datav_run))
+_Static_assert(sizeof(struct kvf_datas_hdr) >= sizeof(struct kvf_datav_hdr), "the larger header");
+_Static_assert(KVF_DATAS_BLOCKS_MAX <= KVF_DATAV_RUNS_MAX, "a DATAS frame's vectors fit a wire's");
 struct wire {
         uint8_t hdr[WIRE_HDR_MAX];
         struct iovec iov[1 + KVF_DATAV_RUNS_MAX];
@@ -118,17 +125,31 @@ struct batch {
         struct wire w[BATCH_FRAMES];
 };
 
+/* The payload bytes frame f puts on the wire: its blocks, or their head slices. */
+static uint64_t wire_bytes(const struct data_conn *dc, const struct frame *f)
+{
+        return dc->slen ? (uint64_t)f->nblocks * dc->slen : xfer_frame_bytes(dc->xp, f);
+}
+
 /*
  * Frames [i, j) of the batch as one wire frame in w: a DATA frame for one,
- * a DATAV frame for several (one transfer's). Returns the bytes it sends.
+ * a DATAV frame for several (one transfer's); to a rank of another split, a
+ * DATAS frame of the blocks' head slices. Returns the bytes it sends.
  */
-static uint64_t wire_frame(struct xfer_peer *xp, struct batch *b, unsigned i, unsigned j, struct wire *w)
+static uint64_t wire_frame(const struct data_conn *dc, struct batch *b, unsigned i, unsigned j, struct wire *w)
 {
+        struct xfer_peer *xp = dc->xp;
         uint64_t payload = 0;
         for (unsigned k = i; k < j; k++)
-                payload += xfer_frame_bytes(xp, b->fs[k]);
+                payload += wire_bytes(dc, b->fs[k]);
         size_t hl;
-        if (j - i == 1) {
+        if (dc->slen) {
+                struct kvf_datas_hdr h = {.key = htobe64(b->fs[i]->x->key), .nruns = htonl(j - i),
+                                          .dst = htonl(dc->doff), .len = htonl(dc->slen)};
+                hl = KVF_FRAME_HDR + sizeof(h) + (j - i) * sizeof(struct kvf_datav_run);
+                kvf_net_put_hdr(w->hdr, (uint32_t)(hl - KVF_FRAME_HDR + payload), KVF_RT_DATAS, 0);
+                memcpy(w->hdr + KVF_FRAME_HDR, &h, sizeof(h));
+        } else if (j - i == 1) {
                 const struct frame *f = b->fs[i];
                 struct kvf_data_hdr h = {.key = htobe64(f->x->key), .layer = htonl(f->layer),
                                          .tensor = htons(f->tensor), .index = htonl(f->index),
@@ -141,7 +162,9 @@ static uint64_t wire_frame(struct xfer_peer *xp, struct batch *b, unsigned i, un
                 hl = KVF_FRAME_HDR + sizeof(h) + (j - i) * sizeof(struct kvf_datav_run);
                 kvf_net_put_hdr(w->hdr, (uint32_t)(hl - KVF_FRAME_HDR + payload), KVF_RT_DATAV, 0);
                 memcpy(w->hdr + KVF_FRAME_HDR, &h, sizeof(h));
-                uint8_t *r = w->hdr + KVF_FRAME_HDR + sizeof(h);
+        }
+        if (dc->slen || j - i > 1) {
+                uint8_t *r = w->hdr + hl - (j - i) * sizeof(struct kvf_datav_run);
                 for (unsigned k = i; k < j; k++, r += sizeof(struct kvf_datav_run)) {
                         const struct frame *f = b->fs[k];
                         struct kvf_datav_run run = {.layer = htonl(f->layer), .tensor = htons(f->tensor),
@@ -150,21 +173,35 @@ static uint64_t wire_frame(struct xfer_peer *xp, struct batch *b, unsigned i, un
                 }
         }
         w->iov[0] = (struct iovec){w->hdr, hl};
-        for (unsigned k = i; k < j; k++)
-                w->iov[1 + k - i] = (struct iovec){b->sb[k].src, xfer_frame_bytes(xp, b->fs[k])};
-        w->mh = (struct msghdr){.msg_iov = w->iov, .msg_iovlen = 1 + j - i};
+        unsigned v = 1;
+        if (dc->slen) {
+                /* Each block's slice: blocks of a frame are consecutive in the source (staged as
+                 * one run), and the slice is at the same offset in each. */
+                const uint64_t bb = xp->p->cn->ctl.hdr->layout.block_bytes;
+                for (unsigned k = i; k < j; k++)
+                        for (uint32_t n = 0; n < b->fs[k]->nblocks; n++)
+                                w->iov[v++] = (struct iovec){b->sb[k].src + n * bb + dc->soff, dc->slen};
+        } else {
+                for (unsigned k = i; k < j; k++)
+                        w->iov[v++] = (struct iovec){b->sb[k].src, xfer_frame_bytes(xp, b->fs[k])};
+        }
+        w->mh = (struct msghdr){.msg_iov = w->iov, .msg_iovlen = v};
         return hl + payload;
 }
 
 /* Where the wire frame that starts at frame i ends: the frames after it of the same transfer
- * that need no XOPEN of their own, within the run and byte limits of a DATAV frame. */
-static unsigned gather_end(struct xfer_peer *xp, const struct batch *b, unsigned i, unsigned n)
+ * that need no XOPEN of their own, within the run, block and byte limits of its kind. */
+static unsigned gather_end(const struct data_conn *dc, const struct batch *b, unsigned i, unsigned n)
 {
-        uint64_t bytes = xfer_frame_bytes(xp, b->fs[i]);
+        uint64_t bytes = wire_bytes(dc, b->fs[i]);
+        uint32_t blocks = b->fs[i]->nblocks;
         unsigned j = i + 1;
         while (j < n && j - i < KVF_DATAV_RUNS_MAX && b->fs[j]->x == b->fs[i]->x && !b->sb[j].xopen &&
-               bytes + xfer_frame_bytes(xp, b->fs[j]) <= KVF_DATA_FRAME_MAX)
-                bytes += xfer_frame_bytes(xp, b->fs[j++]);
+               bytes + wire_bytes(dc, b->fs[j]) <= KVF_DATA_FRAME_MAX &&
+               (!dc->slen || blocks + b->fs[j]->nblocks <= KVF_DATAS_BLOCKS_MAX)) {
+                bytes += wire_bytes(dc, b->fs[j]);
+                blocks += b->fs[j++]->nblocks;
+        }
         return j;
 }
 
@@ -203,7 +240,7 @@ static int send_submit(struct data_conn *dc, struct io_uring *ring, struct kvf_s
         }
         *nwire = 0;
         for (unsigned i = 0, j; i < n; i = j) {
-                j = gather_end(xp, b, i, n);
+                j = gather_end(dc, b, i, n);
                 struct wire *w = &b->w[(*nwire)++];
                 struct io_uring_sqe *sqe;
                 if (b->sb[i].xopen) {
@@ -215,7 +252,7 @@ static int send_submit(struct data_conn *dc, struct io_uring *ring, struct kvf_s
                         io_uring_sqe_set_data64(sqe, b->sb[i].xopen_len);
                         ops++;
                 }
-                uint64_t len = wire_frame(xp, b, i, j, w);
+                uint64_t len = wire_frame(dc, b, i, j, w);
                 sqe = io_uring_get_sqe(ring);
                 if (cn->cfg.tcp.zerocopy)
                         io_uring_prep_sendmsg_zc(sqe, dc->fd, &w->mh, MSG_WAITALL | MSG_NOSIGNAL);
@@ -394,9 +431,10 @@ static bool serve(struct data_conn *dc, struct io_uring *ring, struct batch *bs[
                         kvf_warn("data connection %u to '%s' lost: %s", dc->idx, xp->p->name, strerror(-rc));
                         return all;
                 }
+                uint64_t blocks = b->bytes / cn->ctl.hdr->layout.block_bytes;
                 kvf_count(&cn->ctl, KVF_CTR_FRAMES_TCP, nwire);
-                kvf_count(&cn->ctl, KVF_CTR_BYTES_TCP, b->bytes);
-                kvf_count(&cn->ctl, KVF_CTR_BLOCKS_TCP, b->bytes / cn->ctl.hdr->layout.block_bytes);
+                kvf_count(&cn->ctl, KVF_CTR_BYTES_TCP, dc->slen ? blocks * dc->slen : b->bytes);
+                kvf_count(&cn->ctl, KVF_CTR_BLOCKS_TCP, blocks);
                 cur = !cur;
         }
 }
@@ -444,9 +482,9 @@ static void *conn_main(void *arg)
                 if (rc >= 0)
                         rc = conn_handshake_client(cn, fd, conn_tcp_transport.purpose, &id, NULL, &status);
                 if (rc < 0 && status == KVF_STATUS_LAYOUT_MISMATCH) {
-                        /* The peer's layout is one the control connection takes (another
-                         * tensor-parallel split of the model, which ipc copies carry) but tcp
-                         * frames do not: retrying cannot help. Its transfers fail now, with
+                        /* The peer's layout is one the control connection takes but tcp frames
+                         * do not (a decode rank this prefill rank sends no head, another block
+                         * size): retrying cannot help. Its transfers fail now, with
                          * the peer's reason, and so do those opened later, until the control
                          * connection is made anew. */
                         char refusal[KVF_REASON_MAX];
@@ -468,6 +506,26 @@ static void *conn_main(void *arg)
                         backoff_ms = backoff_ms * 2 > 1000 ? 1000 : backoff_ms * 2;
                         continue;
                 }
+                const struct kvf_ctl_header *me = cn->ctl.hdr;
+                if (rc >= 0 && kvf_tp_slice(&me->layout, me->nranks, me->rank, &id.layout, id.nranks, id.rank,
+                                            &dc->soff, &dc->doff, &dc->slen) < 0) {
+                        /* (The peer's handshake refuses what this refuses; this holds against one
+                         * that does not.) */
+                        char refusal[KVF_REASON_MAX];
+                        snprintf(refusal, sizeof(refusal), "tcp to '%s': peer layout mismatch: %s", p->name,
+                                 kvf_err_msg());
+                        kvf_errlog(&cn->ctl, KVF_ROLE_CONNECTOR, "%s", refusal);
+                        conn_xfer_refuse_all(xp, KVF_STATUS_LAYOUT_MISMATCH, refusal);
+                        close(fd);
+                        usleep(backoff_ms * 1000);
+                        backoff_ms = backoff_ms * 2 > 1000 ? 1000 : backoff_ms * 2;
+                        continue;
+                }
+                if (dc->slen && dc->idx == 0)
+                        kvf_info("tcp to '%s' (rank %u of %u; this is rank %u of %u): %u of each block's "
+                                 "%llu bytes, at %u, to %u of its blocks", p->name, id.rank, id.nranks, me->rank,
+                                 me->nranks, dc->slen, (unsigned long long)me->layout.block_bytes, dc->soff,
+                                 dc->doff);
                 backoff_ms = 50;
                 uint64_t bit = 1ull << dc->idx;
                 pthread_mutex_lock(&xp->mu);
@@ -544,6 +602,7 @@ const struct conn_transport conn_tcp_transport = {
         .id = KVF_TRANSPORT_TCP,
         .purpose = "data",
         .frame_max = KVF_DATA_FRAME_MAX,
+        .frame_blocks_max = KVF_DATAS_BLOCKS_MAX,
         .peer_init = tcp_peer_init,
         .start = tcp_start,
         .stop = tcp_stop,

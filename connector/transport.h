@@ -36,6 +36,9 @@ struct conn_transport {
         const char *purpose;
         /* Payload bytes per frame: a longer run is split into several frames. */
         uint64_t frame_max;
+        /* Blocks per frame at most (0: no limit but frame_max): tcp's head-slice frames give
+         * each block its own receive vector. */
+        uint32_t frame_blocks_max;
 
         /* The connector starts (after its cache is mapped, before it listens) and stops.
          * NULL: nothing to do. init fails the connector's start with kvf_err set. */

@@ -402,6 +402,8 @@ int conn_xfer_batch(struct connector *cn, const struct kvf_record *w)
                 return -ENOMEM;
         uint64_t per64 = t->frame_max / L->block_bytes;
         uint32_t per = per64 == 0 ? 1 : per64 > UINT32_MAX ? UINT32_MAX : (uint32_t)per64;
+        if (t->frame_blocks_max && per > t->frame_blocks_max)
+                per = t->frame_blocks_max;
         pthread_mutex_lock(&xp->mu);
         if (xp->qbytes > XFER_QUEUE_LIMIT) {
                 pthread_mutex_unlock(&xp->mu);

@@ -131,10 +131,12 @@ int sender_copies_add(struct sender *s, uint32_t slot, uint32_t l0, uint32_t l1,
         uint32_t di = dst_index(s, r->peer_idx), nruns = nwords / 3;
         const struct kvf_tp_plan *pl = &p->plan;
         uint64_t bytes = 0;
+        const uint32_t ndst = r->n_dst ? r->n_dst : r->n_send;
         if (pl->npieces) {
-                /* Another tensor-parallel split: each block's head slice, one run per block
-                 * (slices of consecutive blocks are never contiguous). Equal block sizes only
-                 * (peers.c), so a plan is one group of one block each side. */
+                /* Another tensor-parallel split or block size: the plan's pieces of each source
+                 * block, one run each (slices of consecutive blocks are never contiguous).
+                 * Send position i is piece group i / src_per_group; a piece past the last
+                 * destination block (tokens beyond the request's) is not copied. */
                 nruns = 0;
                 for (uint32_t k = 0; k < nwords; k += 3)
                         nruns += runs[k + 2] * pl->npieces;
@@ -154,16 +156,22 @@ int sender_copies_add(struct sender *s, uint32_t slot, uint32_t l0, uint32_t l1,
                                         bytes += runs[k + 2] * bb;
                                         continue;
                                 }
-                                for (uint32_t b = 0; b < runs[k + 2]; b++)
+                                for (uint32_t b = 0; b < runs[k + 2]; b++) {
+                                        const uint32_t pos = runs[k + 1] + b;
+                                        const uint32_t sb = pos % pl->src_per_group;
+                                        const uint32_t d0 = pos / pl->src_per_group * pl->dst_per_group;
                                         for (uint32_t x = 0; x < pl->npieces; x++) {
                                                 const struct kvf_tp_piece *c = &pl->pieces[x];
+                                                if (c->sblk != sb || d0 + c->dblk >= ndst)
+                                                        continue;
                                                 s->cp.runs[s->cp.nruns++] = (struct kvf_copy_run){
                                                         .dst = di,
                                                         .src_off = kvf_layout_offset(L, l, t, runs[k] + b) + c->soff,
-                                                        .dst_off = kvf_layout_offset(PL, l, t, dst[runs[k + 1] + b]) + c->doff,
+                                                        .dst_off = kvf_layout_offset(PL, l, t, dst[d0 + c->dblk]) + c->doff,
                                                         .bytes = c->bytes};
                                                 bytes += c->bytes;
                                         }
+                                }
                                 blocks += runs[k + 2];
                         }
         if (!(s->cp.state[slot] & COPY_IN_BATCH)) {

@@ -110,7 +110,7 @@ int sender_post_notice(struct sender *s, uint32_t slot, enum sender_notice kind)
                                .bytes = r->bytes,
                                .blocks = r->n_send,
                                .dst = kvf_slot_blocks(&s->ctl, slot) + s->ctl.hdr->max_blocks,
-                               .n_dst = r->n_send,
+                               .n_dst = r->n_dst ? r->n_dst : r->n_send,
                                .session = r->peer_session,
                                .withdraw = kind == SENDER_NOTICE_WITHDRAW,
                                .id_bin = r->flags & KVF_REQF_ID_BIN};

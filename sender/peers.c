@@ -44,7 +44,8 @@ static void drop(struct ipc_peer *p)
  * May this instance copy into peer p (attached, not yet mapped)? Equal layouts and groups move
  * whole blocks. A peer of another tensor-parallel group size (the instances' --nranks) gets a
  * plan of head slices (common/tpsplit.h): this rank sends only the heads the split says it
- * sends to that rank, and a task towards a rank it sends nothing is refused. 0, or -EXDEV with
+ * sends to that rank, and a task towards a rank it sends nothing is refused. Block sizes that
+ * divide one another regroup tokens (the plan's groups; tasks.c counts the blocks). 0, or -EXDEV with
  * both layouts in `why`.
  */
 static int check_split(struct sender *s, struct ipc_peer *p, const char *name, char *why,
@@ -67,15 +68,6 @@ static int check_split(struct sender *s, struct ipc_peer *p, const char *name, c
                          "head slices the engine executor does not copy (use --executor sender)", name);
                 return -EXDEV;
         }
-        if (s->layout->block_size != h->layout.block_size) {
-                /* The plan handles it (tpsplit_test); the request's block accounting (one
-                 * destination block per source block) does not yet. */
-                snprintf(why, whylen,
-                         "peer layout mismatch with '%s': %u tokens/block here, %u there: same-host "
-                         "copies between different block sizes are not supported", name,
-                         s->layout->block_size, h->layout.block_size);
-                return -EXDEV;
-        }
         if (kvf_tp_plan(s->layout, me->nranks, me->rank, &h->layout, h->nranks, h->rank, heads,
                         &p->plan) < 0) {
                 snprintf(why, whylen, "peer '%s': %s", name, kvf_err_msg());
@@ -94,9 +86,11 @@ static int check_split(struct sender *s, struct ipc_peer *p, const char *name, c
         if (p->plan.npieces == 1 && w->soff == 0 && w->doff == 0 &&
             w->bytes == s->layout->block_bytes && w->bytes == h->layout.block_bytes)
                 kvf_tp_plan_free(&p->plan); /* whole blocks after all (a replicated head, MLA) */
-        kvf_info("peer '%s' is rank %u of %u, this is rank %u of %u (%u kv heads): %u piece(s) per block",
-                 name, h->rank, h->nranks, me->rank, me->nranks, heads,
-                 p->plan.npieces ? p->plan.npieces : 1);
+        kvf_info("peer '%s' is rank %u of %u, this is rank %u of %u (%u kv heads), %u tokens/block "
+                 "there, %u here: %u piece(s) per group of %u source block(s)",
+                 name, h->rank, h->nranks, me->rank, me->nranks, heads, h->layout.block_size,
+                 s->layout->block_size, p->plan.npieces ? p->plan.npieces : 1,
+                 p->plan.npieces ? p->plan.src_per_group : 1);
         return 0;
 }
 

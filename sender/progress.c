@@ -40,7 +40,9 @@ static uint32_t build_runs(struct sender *s, uint32_t slot, uint32_t b0, uint32_
 
         for (uint32_t i = b0; i < b1;) {
                 uint32_t k = 1;
-                while (i + k < b1 && src[i + k] == src[i] + k && dst[i + k] == dst[i] + k)
+                /* (Regrouped into another block size, n_dst: the copies map each position
+                 * through the plan, and only the source side need be contiguous.) */
+                while (i + k < b1 && src[i + k] == src[i] + k && (r->n_dst || dst[i + k] == dst[i] + k))
                         k++;
                 runs[n++] = src[i];
                 runs[n++] = i;
@@ -88,7 +90,7 @@ int sender_post_open(struct sender *s, uint32_t slot)
         struct kvf_record o = {.type = KVF_RT_OPEN, .key = sender_key(slot, r->incarnation),
                                .transport = (int)r->transport,
                                .dst = kvf_slot_blocks(&s->ctl, slot) + s->ctl.hdr->max_blocks,
-                               .n_dst = r->n_send,
+                               .n_dst = r->n_dst ? r->n_dst : r->n_send,
                                .bytes = sender_request_bytes(s, r),
                                .session = r->peer_session,
                                .id_bin = r->flags & KVF_REQF_ID_BIN};

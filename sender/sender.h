@@ -371,6 +371,18 @@ static inline uint64_t sender_request_bytes(const struct sender *s, const struct
         if (r->transport == KVF_TRANSPORT_IPC && r->peer_idx < SENDER_MAX_PEERS &&
             s->peers[r->peer_idx].plan.npieces) {
                 const struct kvf_tp_plan *pl = &s->peers[r->peer_idx].plan;
+                if (r->n_dst) {
+                        /* Regrouped: each source block's pieces, less those past the last
+                         * destination block (tokens beyond the request's). */
+                        uint64_t sum = 0;
+                        for (uint32_t b = 0; b < r->n_send; b++)
+                                for (uint32_t i = 0; i < pl->npieces; i++)
+                                        if (pl->pieces[i].sblk == b % pl->src_per_group &&
+                                            (b / pl->src_per_group) * pl->dst_per_group +
+                                                    pl->pieces[i].dblk < r->n_dst)
+                                                sum += pl->pieces[i].bytes;
+                        return sum * s->layers * s->tensors;
+                }
                 per_block = 0;
                 for (uint32_t i = 0; i < pl->npieces; i++)
                         per_block += pl->pieces[i].bytes;

@@ -135,10 +135,10 @@ static int validate_task(struct sender *s, struct kvf_record *t, uint32_t *pidx,
         if (t->n_dst == 0)
                 return verdict(why, whylen, KVF_STATUS_BAD_TASK,
                               "dest_block_ids is empty: nothing to send");
-        if (t->n_dst > t->n_src)
+        if (t->n_dst > h->max_blocks)
                 return verdict(why, whylen, KVF_STATUS_BAD_TASK,
-                              "dest_block_ids has %u entries, more than the %u of src_block_ids",
-                              t->n_dst, t->n_src);
+                              "dest_block_ids has %u entries, more than this instance's limit of %u blocks per request",
+                              t->n_dst, h->max_blocks);
         if (t->n_src > h->max_blocks)
                 return verdict(why, whylen, KVF_STATUS_BAD_TASK,
                               "src_block_ids has %u entries, more than this instance's limit of %u blocks per request",
@@ -181,6 +181,19 @@ static int validate_task(struct sender *s, struct kvf_record *t, uint32_t *pidx,
                         return verdict(why, whylen, KVF_STATUS_LAYOUT_MISMATCH,
                                       "decode_tp_size is %llu, but peer '%s' is rank %u of a group of %u",
                                       (unsigned long long)t->decode_tp, t->peer, ph->rank, ph->nranks);
+                const uint32_t bs = s->layout->block_size, bd = ph->layout.block_size;
+                if (bs != bd) {
+                        /* Tokens regrouped into the peer's blocks (common/tpsplit.h): the whole
+                         * request goes, and its destination blocks hold its tokens, the last one
+                         * at least one of the last source block's. */
+                        uint32_t hi = kvf_tp_dst_blocks(t->n_src, bs, bd);
+                        uint32_t lo = (uint32_t)((uint64_t)(t->n_src - 1) * bs / bd) + 1;
+                        if (t->n_dst < lo || t->n_dst > hi)
+                                return verdict(why, whylen, KVF_STATUS_BAD_TASK,
+                                              "dest_block_ids has %u entries: %u source blocks of %u tokens "
+                                              "fill %u to %u blocks of %u tokens at peer '%s'",
+                                              t->n_dst, t->n_src, bs, lo, hi, bd, t->peer);
+                }
                 uint32_t peer_blocks = s->peers[*pidx].ctl.hdr->layout.num_blocks;
                 for (uint32_t i = 0; i < t->n_dst; i++)
                         if (t->dst[i] >= peer_blocks)
@@ -188,6 +201,10 @@ static int validate_task(struct sender *s, struct kvf_record *t, uint32_t *pidx,
                                               "dest_block_ids[%u] = %u is out of range: peer '%s' has %u blocks",
                                               i, t->dst[i], t->peer, peer_blocks);
         }
+        if (t->n_dst > t->n_src && (*pidx == UINT32_MAX || s->layout->block_size == s->peers[*pidx].ctl.hdr->layout.block_size))
+                return verdict(why, whylen, KVF_STATUS_BAD_TASK,
+                              "dest_block_ids has %u entries, more than the %u of src_block_ids",
+                              t->n_dst, t->n_src);
         /* tcp, rdma: the connector checks the peer (reachable, token, layout, block ids), and
          * fails the request with the reason when its build has no such transport. */
         return KVF_STATUS_FINISHED;
@@ -244,6 +261,11 @@ static int accept_task(struct sender *s, struct kvf_record *t, const struct task
         r->transport = (uint32_t)t->transport;
         r->n_src = t->n_src;
         r->n_send = t->n_dst;
+        r->n_dst = 0;
+        if (pidx != UINT32_MAX && s->peers[pidx].plan.src_per_group != s->peers[pidx].plan.dst_per_group) {
+                r->n_send = t->n_src; /* another block size: every source block, regrouped */
+                r->n_dst = t->n_dst;
+        }
         r->sent_full = 0;
         r->cur_layers = 0;
         r->chunk_head = r->chunk_tail = 0;
@@ -252,7 +274,7 @@ static int accept_task(struct sender *s, struct kvf_record *t, const struct task
         if (!t->chunked) {
                 /* Per-query prefill: every block completes in step current_id. */
                 r->chunks[0].step = t->current_id;
-                r->chunks[0].block_end = t->n_dst;
+                r->chunks[0].block_end = r->n_send;
                 r->chunk_tail = 1;
                 r->last_chunk_seen = 1;
         }

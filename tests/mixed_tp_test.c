@@ -7,7 +7,13 @@
  * on every decode rank checked. Mismatched splits are refused with both
  * layouts in the reason.
  *
- * mixed_tp_test P D HEADS [key-only]   a transfer, every byte checked
+ * mixed_tp_test P D HEADS [key-only] [tcp|both] [staged] [bs=P/D]   a transfer, every byte
+ *                                      checked (both: over ipc, then over tcp on the same
+ *                                      instances; bs=P/D: P tokens per prefill block, D per
+ *                                      decode block, tokens regrouped; tcp:
+ *                                      over the connectors' tcp data connections, frames of head
+ *                                      slices; staged: caches on the host-async backend, whose
+ *                                      frames go through staging memory as a GPU cache's do)
  * mixed_tp_test mismatch               the refusals
  * mixed_tp_test kill P D HEADS          decode rank D-1 goes down mid-transfer: every task has
  *                                      exactly one completion, those to the other ranks finish
@@ -30,7 +36,10 @@
 #define MAXR 8
 #define NREQ_MAX 512
 static uint32_t HDIM = 32; /* $MIXED_TP_HEAD_DIM */
+static const char *BACKEND = ""; /* "staged": both sides' caches on the host-async backend */
 #define BSIZE 16
+static uint32_t BP = BSIZE, BD = BSIZE; /* tokens per block: prefill, decode (bs=P/D) */
+#define DMAX 64 /* destination blocks of a request at most */
 #define LAYERS 3
 
 static uint8_t content(uint32_t req, uint32_t head, uint32_t token, uint32_t y, uint32_t l,
@@ -57,16 +66,17 @@ static void start_with(struct side *s, const char *tag, const char *role, uint32
                 snprintf(s->name[k], sizeof(s->name[k]), "mtp%d%s%u", (int)getpid(), tag, k);
                 t_up(s->name[k],
                      "--role %s --layers %d --kv-heads %u --head-dim %u --dtype bf16 %s --tp %u "
-                     "--rank %u --nranks %u --block-size %u --blocks %u --max-requests 600",
+                     "--rank %u --nranks %u --block-size %u --blocks %u --max-requests 600 %s",
                      role, LAYERS, heads, hdim, key_only ? "--key-only" : "", tp, k, tp, bsize,
-                     blocks);
+                     blocks, BACKEND);
         }
 }
 
 static void start(struct side *s, const char *tag, const char *role, uint32_t tp, uint32_t heads,
                   int key_only, uint32_t blocks)
 {
-        start_with(s, tag, role, tp, heads, key_only, HDIM, BSIZE, blocks);
+        start_with(s, tag, role, tp, heads, key_only, HDIM, strcmp(role, "prefill") ? BD : BP,
+                   blocks);
         for (uint32_t k = 0; k < tp; k++) {
                 CHECK_EQ(kvf_attach(s->name[k], 10000, &s->c[k]), 0);
                 CHECK_EQ(kvf_get_layout(s->c[k], &s->L[k]), 0);
@@ -83,6 +93,32 @@ static void detach_all(struct side *s)
                         kvf_detach(s->c[k]);
                         s->c[k] = NULL;
                 }
+}
+
+/* Copy runs of one task (every layer and tensor) from prefill rank i to decode rank j: the
+ * split's pieces of each source block that land in one of its ndst destination blocks, as
+ * sender/copies.c makes them (whole blocks when the plan is one whole block). */
+static uint64_t task_runs(const struct side *P, uint32_t p, uint32_t i, const struct side *D,
+                          uint32_t d, uint32_t j, uint32_t heads, int key_only, uint32_t nsrc,
+                          uint32_t ndst, uint32_t tensors)
+{
+        struct kvf_cache_layout pl, dl;
+        struct kvf_tp_plan plan;
+        CHECK_EQ(kvf_layout_make(&pl, LAYERS, 0, 64, P->count[i], BP, HDIM, KVF_DTYPE_BF16,
+                                 (uint32_t)key_only),
+                 0);
+        CHECK_EQ(kvf_layout_make(&dl, LAYERS, 0, 64, D->count[j], BD, HDIM, KVF_DTYPE_BF16,
+                                 (uint32_t)key_only),
+                 0);
+        CHECK_EQ(kvf_tp_plan(&pl, p, i, &dl, d, j, heads, &plan), 0);
+        uint64_t n = 0;
+        for (uint32_t b = 0; b < nsrc; b++)
+                for (uint32_t x = 0; x < plan.npieces; x++)
+                        n += plan.pieces[x].sblk == b % plan.src_per_group &&
+                             b / plan.src_per_group * plan.dst_per_group + plan.pieces[x].dblk <
+                                 ndst;
+        kvf_tp_plan_free(&plan);
+        return n * LAYERS * tensors;
 }
 
 static uint8_t *at(struct kvf_client *c, const struct kvf_layout_info *L, uint32_t l, uint32_t z,
@@ -105,9 +141,10 @@ static struct kvf_event wait_event(struct kvf_client *c, int type)
         }
 }
 
-/* A task from prefill instance `from` to decode instance `to` ends `layout mismatch` with a
- * reason that holds `needle`. */
-static void refused(const char *from, const char *to, int transport, const char *needle)
+/* A task of ns source blocks and nd destination blocks from prefill instance `from` to decode
+ * instance `to` ends with `status` and a reason that holds `needle`. */
+static void refused_as(const char *from, const char *to, int transport, const char *needle,
+                       uint32_t ns, uint32_t nd, int status)
 {
         struct kvf_client *c;
         char peer[128];
@@ -115,25 +152,31 @@ static void refused(const char *from, const char *to, int transport, const char 
         snprintf(peer, sizeof(peer), "%s", to);
         if (transport == KVF_TRANSPORT_TCP)
                 t_connector_addr(to, peer, sizeof(peer));
-        uint32_t b = 3;
+        uint32_t sb[4] = {3, 4, 5, 6}, db[4] = {7, 9, 11, 13};
+        CHECK(ns <= 4 && nd <= 4);
         struct kvf_task t = {.request_id = "refused",
-                             .src_block_ids = &b,
-                             .n_src = 1,
-                             .dest_block_ids = &b,
-                             .n_dest = 1,
+                             .src_block_ids = sb,
+                             .n_src = ns,
+                             .dest_block_ids = db,
+                             .n_dest = nd,
                              .current_id = kvf_last_step(c) + 1,
                              .transport = transport,
                              .peer = peer};
         CHECK_EQ(kvf_submit_task(c, &t), 0);
         CHECK_EQ(kvf_layer_done(c, t.current_id, LAYERS - 1), 0);
         struct kvf_event ev = wait_event(c, KVF_EVENT_COMPLETION);
-        if (ev.status != KVF_STATUS_LAYOUT_MISMATCH || !strstr(ev.reason, needle)) {
-                fprintf(stderr, "%s -> %s: %s: \"%s\", wanted layout mismatch with \"%s\"\n", from,
-                        to, kvf_status_name(ev.status), ev.reason, needle);
+        if (ev.status != status || !strstr(ev.reason, needle)) {
+                fprintf(stderr, "%s -> %s: %s: \"%s\", wanted %s with \"%s\"\n", from, to,
+                        kvf_status_name(ev.status), ev.reason, kvf_status_name(status), needle);
                 exit(1);
         }
         printf("refused as it should be: %s -> %s: %s\n", from, to, ev.reason);
         kvf_detach(c);
+}
+
+static void refused(const char *from, const char *to, int transport, const char *needle)
+{
+        refused_as(from, to, transport, needle, 1, 1, KVF_STATUS_LAYOUT_MISMATCH);
 }
 
 /* An ipc task whose decode_tp_size is not the peer's group: refused, naming both. */
@@ -188,15 +231,20 @@ static int mismatches(void)
         refused(P.name[0], E.name[0], KVF_TRANSPORT_IPC, "not one split of 8 kv heads");
         refused(P.name[0], F.name[0], KVF_TRANSPORT_IPC,
                 "block sizes 16 and 24 do not divide one another");
-        refused(P.name[0], G.name[0], KVF_TRANSPORT_IPC,
-                "between different block sizes are not supported");
+        /* 16 -> 32 tokens/block: 3 source blocks fill 2 destination blocks, not 1 or 3 */
+        refused_as(P.name[0], G.name[0], KVF_TRANSPORT_IPC, "fill 2 to 2 blocks", 3, 1,
+                   KVF_STATUS_BAD_TASK);
+        refused_as(P.name[0], G.name[0], KVF_TRANSPORT_IPC, "fill 2 to 2 blocks", 3, 3,
+                   KVF_STATUS_BAD_TASK);
         refused(P.name[0], D.name[7], KVF_TRANSPORT_IPC, "sends it none of its heads");
         refused_tp(P.name[0], D.name[0], 4);
-        /* Over tcp another split is refused (head slices go by ipc only), at once, not at the
-         * request's timeout. */
+        /* Over tcp, at once (the data connection's handshake), not at the request's timeout:
+         * a rank that gets none of this rank's heads, and block sizes that do not divide. */
         uint64_t t0 = kvf_now_ns();
-        refused(P.name[0], D.name[0], KVF_TRANSPORT_TCP, "layout");
-        CHECK(kvf_now_ns() - t0 < 5000000000ull);
+        refused(P.name[0], D.name[7], KVF_TRANSPORT_TCP, "sends it none of its heads");
+        refused(P.name[0], F.name[0], KVF_TRANSPORT_TCP, "block sizes 16 and 24 do not divide");
+        refused(P.name[0], G.name[0], KVF_TRANSPORT_TCP, "regrouped into other block sizes over ipc only");
+        CHECK(kvf_now_ns() - t0 < 10000000000ull);
         detach_all(&P), detach_all(&D), detach_all(&E), detach_all(&F), detach_all(&G);
         return 0;
 }
@@ -306,10 +354,25 @@ int main(int argc, char **argv)
                 return kill_one((uint32_t)atoi(argv[2]), (uint32_t)atoi(argv[3]),
                                 (uint32_t)atoi(argv[4]));
         if (argc < 4)
-                return fprintf(stderr, "usage: mixed_tp_test P D HEADS [key-only]\n"), 2;
+                return fprintf(stderr, "usage: mixed_tp_test P D HEADS [key-only] [tcp|both] [staged] [bs=P/D]\n"), 2;
         uint32_t p = (uint32_t)atoi(argv[1]), d = (uint32_t)atoi(argv[2]),
                  heads = (uint32_t)atoi(argv[3]);
-        int key_only = argc > 4 && !strcmp(argv[4], "key-only");
+        int key_only = 0, use_ipc = 1, use_tcp = 0;
+        for (int a = 4; a < argc; a++) {
+                if (!strcmp(argv[a], "key-only"))
+                        key_only = 1;
+                else if (!strcmp(argv[a], "tcp"))
+                        use_ipc = 0, use_tcp = 1;
+                else if (!strcmp(argv[a], "both"))
+                        use_ipc = 1, use_tcp = 1;
+                else if (sscanf(argv[a], "bs=%u/%u", &BP, &BD) == 2)
+                        CHECK(BP >= 2 && BD >= 2 && (BP % BD == 0 || BD % BP == 0) &&
+                              (BP > BD ? BP / BD : BD / BP) * 4 <= DMAX);
+                else if (!strcmp(argv[a], "staged"))
+                        BACKEND = "--backend host-async"; /* tcp frames through staging memory */
+                else
+                        return fprintf(stderr, "mixed_tp_test: unknown option '%s'\n", argv[a]), 2;
+        }
         uint32_t H = key_only ? 1 : heads;
         struct side P = {0}, D = {0};
         if (getenv("MIXED_TP_HEAD_DIM"))
@@ -318,148 +381,200 @@ int main(int argc, char **argv)
         const char *nr = getenv("MIXED_TP_REQUESTS");
         const uint32_t NREQ = nr ? (uint32_t)atoi(nr) : 12;
         CHECK(NREQ >= 1 && NREQ <= NREQ_MAX);
-        start(&D, "d", "decode", d, heads, key_only, 10 * NREQ + 16);
-        start(&P, "p", "prefill", p, heads, key_only, 10 * NREQ + 16);
-        const uint32_t tensors = key_only ? 1 : 2;
-        uint64_t step = 0;
-        for (uint32_t i = 0; i < p; i++)
-                if (kvf_last_step(P.c[i]) > step)
-                        step = kvf_last_step(P.c[i]);
-        step++;
-
-        /* Request q: n_q blocks, source blocks 2 + 5q.., destination blocks 10 NREQ + 10 - 8q - 2b
-         * (scattered, descending) */
-        static uint32_t src[NREQ_MAX][4], dst[NREQ_MAX][4], nb[NREQ_MAX];
+        /* Request q: nb[q] source blocks (1 to 4) at 2 + 5q.., holding tok[q] tokens (every
+         * third request's last block half full); its ndst[q] destination blocks (the decode
+         * side's block size) every other block, descending from the top. */
+        static uint32_t src[NREQ_MAX][4], dst[NREQ_MAX][DMAX], nb[NREQ_MAX], tok[NREQ_MAX],
+            ndst[NREQ_MAX];
+        uint32_t dblocks = 16;
         for (uint32_t q = 0; q < NREQ; q++) {
                 nb[q] = 1 + q % 4;
-                for (uint32_t b = 0; b < nb[q]; b++) {
-                        src[q][b] = 2 + 5 * q + b;
-                        dst[q][b] = 10 * NREQ + 10 - 8 * q - 2 * b;
+                tok[q] = nb[q] * BP - (q % 3 == 1 ? BP / 2 : 0);
+                ndst[q] = (tok[q] + BD - 1) / BD;
+                dblocks += 2 * ndst[q];
+        }
+        start(&D, "d", "decode", d, heads, key_only, dblocks);
+        start(&P, "p", "prefill", p, heads, key_only, 10 * NREQ + 16);
+        /* One round per transport asked for (both: ipc, then tcp, on the same instances). */
+        for (int round = 0; round < 2; round++) {
+                const int tcp = round == 1;
+                if (tcp ? !use_tcp : !use_ipc)
+                        continue;
+                char daddr[MAXR][128];
+                for (uint32_t j = 0; j < d; j++) {
+                        snprintf(daddr[j], sizeof(daddr[j]), "%s", D.name[j]);
+                        if (tcp)
+                                t_connector_addr(D.name[j], daddr[j], sizeof(daddr[j]));
                 }
+                const uint32_t tensors = key_only ? 1 : 2;
+                uint64_t step = 0;
+                for (uint32_t i = 0; i < p; i++)
+                        if (kvf_last_step(P.c[i]) > step)
+                                step = kvf_last_step(P.c[i]);
+                step++;
+
+                for (uint32_t q = 0, top = dblocks; q < NREQ; q++) {
+                        for (uint32_t b = 0; b < nb[q]; b++)
+                                src[q][b] = 2 + 5 * q + b;
+                        for (uint32_t b = 0; b < ndst[q]; b++)
+                                dst[q][b] = top - 1 - 2 * b;
+                        top -= 2 * ndst[q];
+                        for (uint32_t i = 0; i < p; i++)
+                                for (uint32_t l = 0; l < LAYERS; l++)
+                                        for (uint32_t z = 0; z < tensors; z++)
+                                                for (uint32_t b = 0; b < nb[q]; b++)
+                                                        for (uint32_t h = 0; h < P.count[i]; h++)
+                                                                for (uint32_t t = 0; t < BP; t++) {
+                                                                        uint8_t *o = at(P.c[i], &P.L[i], l,
+                                                                                        z, src[q][b], h, t);
+                                                                        for (uint32_t y = 0; y < HDIM * 2;
+                                                                             y++)
+                                                                                o[y] = content(
+                                                                                    q, P.first[i] + h,
+                                                                                    b * BP + t, y, l, z);
+                                                                }
+                        for (uint32_t j = 0; j < d; j++)
+                                for (uint32_t l = 0; l < LAYERS; l++)
+                                        for (uint32_t z = 0; z < tensors; z++)
+                                                for (uint32_t b = 0; b < ndst[q]; b++)
+                                                        memset(at(D.c[j], &D.L[j], l, z, dst[q][b], 0, 0),
+                                                               0, D.L[j].block_bytes);
+                }
+
+                /* One task per (prefill rank, decode rank it sends to); the id names the decode rank. */
+                uint32_t tasks[MAXR] = {0}, expect_parts[MAXR] = {0};
+                uint64_t src_bytes = 0; /* whole source blocks of every task */
+                uint64_t runs = 0; /* copy runs: one per (layer, tensor, block, source) with head slices;
+                                    * whole blocks merge only where both sides' ids are consecutive */
+                for (uint32_t q = 0; q < NREQ; q++)
+                        for (uint32_t j = 0; j < d; j++) {
+                                expect_parts[j] = kvf_tp_sources(H, p, d, j);
+                                for (uint32_t i = 0; i < p; i++) {
+                                        int sends = 0;
+                                        for (uint32_t h = D.first[j]; h < D.first[j] + D.count[j]; h++)
+                                                sends |= kvf_tp_source(H, p, d, j, h) == i;
+                                        if (!sends)
+                                                continue;
+                                        char id[64];
+                                        snprintf(id, sizeof(id), "%sq%u.d%u", tcp ? "t" : "", q, j);
+                                        struct kvf_task t = {.request_id = id,
+                                                             .src_block_ids = src[q],
+                                                             .n_src = nb[q],
+                                                             .dest_block_ids = dst[q],
+                                                             .n_dest = ndst[q],
+                                                             .current_id = step,
+                                                             .transport = tcp ? KVF_TRANSPORT_TCP
+                                                                              : KVF_TRANSPORT_IPC,
+                                                             .peer = daddr[j]};
+                                        CHECK_EQ(kvf_submit_task(P.c[i], &t), 0);
+                                        tasks[i]++;
+                                        src_bytes += (uint64_t)nb[q] * LAYERS * tensors * P.L[i].block_bytes;
+                                        runs += task_runs(&P, p, i, &D, d, j, H, key_only, nb[q], ndst[q],
+                                                          tensors);
+                                }
+                        }
+                uint64_t t0 = kvf_now_ns();
                 for (uint32_t i = 0; i < p; i++)
                         for (uint32_t l = 0; l < LAYERS; l++)
-                                for (uint32_t z = 0; z < tensors; z++)
-                                        for (uint32_t b = 0; b < nb[q]; b++)
-                                                for (uint32_t h = 0; h < P.count[i]; h++)
-                                                        for (uint32_t t = 0; t < BSIZE; t++) {
-                                                                uint8_t *o = at(P.c[i], &P.L[i], l,
-                                                                                z, src[q][b], h, t);
-                                                                for (uint32_t y = 0; y < HDIM * 2;
-                                                                     y++)
-                                                                        o[y] = content(
-                                                                            q, P.first[i] + h,
-                                                                            b * BSIZE + t, y, l, z);
-                                                        }
+                                CHECK_EQ(kvf_layer_done(P.c[i], step, l), 0);
+                uint64_t bytes = 0;
+                for (uint32_t i = 0; i < p; i++)
+                        for (uint32_t n = 0; n < tasks[i]; n++) {
+                                struct kvf_event ev = wait_event(P.c[i], KVF_EVENT_COMPLETION);
+                                if (ev.status != KVF_STATUS_FINISHED) {
+                                        fprintf(stderr, "prefill rank %u: %s: %s: %s\n", i, ev.request_id,
+                                                kvf_status_name(ev.status), ev.reason);
+                                        return 1;
+                                }
+                                bytes += ev.bytes;
+                        }
+                uint64_t elapsed = kvf_now_ns() - t0;
+                /* Completions count each byte once: every decode rank's heads of every block. (Over
+                 * tcp the sender does not know the peer's split, and counts whole source blocks.) */
+                uint64_t want = 0;
+                for (uint32_t q = 0; q < NREQ; q++)
+                        for (uint32_t j = 0; j < d; j++)
+                                for (uint32_t b = 0; b < ndst[q]; b++) {
+                                        /* the destination block's tokens some source block holds */
+                                        uint32_t in = nb[q] * BP - b * BD < BD ? nb[q] * BP - b * BD : BD;
+                                        want += (uint64_t)LAYERS * tensors * D.L[j].block_bytes / BD * in;
+                                }
+                CHECK_EQ(bytes, tcp ? src_bytes : want);
+                /* Over tcp, the frames carried exactly the decode ranks' heads: the prefill
+                 * connectors' byte counters (frames sent once each: nothing was lost here). */
+                uint64_t frames = 0;
+                if (tcp) {
+                        /* A data connection counts a batch once its sends are reaped, which
+                         * may be after the arrival and the completion: wait for the counters
+                         * (20 s at most), then they must be exactly the heads. */
+                        uint64_t sent = 0, until = kvf_now_ns() + 20000000000ull;
+                        for (;;) {
+                                sent = frames = 0;
+                                for (uint32_t i = 0; i < p; i++) {
+                                        sent += (uint64_t)t_counter(P.name[i], KVF_CTR_BYTES_TCP);
+                                        frames += (uint64_t)t_counter(P.name[i], KVF_CTR_FRAMES_TCP);
+                                }
+                                if (sent >= want || kvf_now_ns() > until)
+                                        break;
+                                usleep(1000);
+                        }
+                        CHECK_EQ(sent, want);
+                }
+                /* Every decode rank hears of each request once per source. */
                 for (uint32_t j = 0; j < d; j++)
-                        for (uint32_t l = 0; l < LAYERS; l++)
-                                for (uint32_t z = 0; z < tensors; z++)
-                                        for (uint32_t b = 0; b < nb[q]; b++)
-                                                memset(at(D.c[j], &D.L[j], l, z, dst[q][b], 0, 0),
-                                                       0, D.L[j].block_bytes);
+                        for (uint32_t n = 0; n < NREQ * expect_parts[j]; n++) {
+                                struct kvf_event ev = wait_event(D.c[j], KVF_EVENT_ARRIVAL);
+                                if (ev.status != KVF_STATUS_FINISHED) {
+                                        fprintf(stderr, "decode rank %u: %s: %s: %s\n", j, ev.request_id,
+                                                kvf_status_name(ev.status), ev.reason);
+                                        return 1;
+                                }
+                        }
+                /* Every byte of every head of every block on every decode rank. */
+                uint64_t checked = 0;
+                for (uint32_t q = 0; q < NREQ; q++)
+                        for (uint32_t j = 0; j < d; j++)
+                                for (uint32_t l = 0; l < LAYERS; l++)
+                                        for (uint32_t z = 0; z < tensors; z++)
+                                                for (uint32_t b = 0; b < ndst[q]; b++)
+                                                        for (uint32_t h = 0; h < D.count[j]; h++)
+                                                                for (uint32_t t = 0;
+                                                                     t < BD && b * BD + t < tok[q]; t++) {
+                                                                        const uint8_t *o =
+                                                                            at(D.c[j], &D.L[j], l, z,
+                                                                               dst[q][b], h, t);
+                                                                        for (uint32_t y = 0; y < HDIM * 2;
+                                                                             y++, checked++)
+                                                                                if (o[y] !=
+                                                                                    content(q,
+                                                                                            D.first[j] + h,
+                                                                                            b * BD + t,
+                                                                                            y, l, z)) {
+                                                                                        fprintf(
+                                                                                            stderr,
+                                                                                            "tp %u->%u: "
+                                                                                            "request %u "
+                                                                                            "decode rank "
+                                                                                            "%u layer %u "
+                                                                                            "tensor %u "
+                                                                                            "block %u head "
+                                                                                            "%u token %u "
+                                                                                            "byte %u "
+                                                                                            "differs\n",
+                                                                                            p, d, q, j, l,
+                                                                                            z, b,
+                                                                                            D.first[j] + h,
+                                                                                            b * BD + t,
+                                                                                            y);
+                                                                                        return 1;
+                                                                                }
+                                                                }
+                /* (bytes moved: each decode rank's heads of the tokens its blocks hold, once) */
+                printf("tp %u->%u, %u kv heads%s%s, %u/%u tokens/block: %u requests, %" PRIu64 " bytes sent in %.3f ms, %" PRIu64
+                       " bytes verified on %u decode ranks; %.1f %s per request\n",
+                       p, d, heads, key_only ? " (key-only)" : "", tcp ? " over tcp" : "", BP, BD, NREQ, want, elapsed / 1e6, checked, d,
+                       (double)(tcp ? frames : runs) / NREQ, tcp ? "tcp frames" : "copy runs");
         }
-
-        /* One task per (prefill rank, decode rank it sends to); the id names the decode rank. */
-        uint32_t tasks[MAXR] = {0}, expect_parts[MAXR] = {0};
-        uint64_t runs = 0; /* copy runs: one per (layer, tensor, block, source) with head slices;
-                            * whole blocks merge only where both sides' ids are consecutive */
-        for (uint32_t q = 0; q < NREQ; q++)
-                for (uint32_t j = 0; j < d; j++) {
-                        expect_parts[j] = kvf_tp_sources(H, p, d, j);
-                        for (uint32_t i = 0; i < p; i++) {
-                                int sends = 0;
-                                for (uint32_t h = D.first[j]; h < D.first[j] + D.count[j]; h++)
-                                        sends |= kvf_tp_source(H, p, d, j, h) == i;
-                                if (!sends)
-                                        continue;
-                                char id[64];
-                                snprintf(id, sizeof(id), "q%u.d%u", q, j);
-                                struct kvf_task t = {.request_id = id,
-                                                     .src_block_ids = src[q],
-                                                     .n_src = nb[q],
-                                                     .dest_block_ids = dst[q],
-                                                     .n_dest = nb[q],
-                                                     .current_id = step,
-                                                     .transport = KVF_TRANSPORT_IPC,
-                                                     .peer = D.name[j]};
-                                CHECK_EQ(kvf_submit_task(P.c[i], &t), 0);
-                                tasks[i]++;
-                                runs += (uint64_t)nb[q] * LAYERS * tensors;
-                        }
-                }
-        uint64_t t0 = kvf_now_ns();
-        for (uint32_t i = 0; i < p; i++)
-                for (uint32_t l = 0; l < LAYERS; l++)
-                        CHECK_EQ(kvf_layer_done(P.c[i], step, l), 0);
-        uint64_t bytes = 0;
-        for (uint32_t i = 0; i < p; i++)
-                for (uint32_t n = 0; n < tasks[i]; n++) {
-                        struct kvf_event ev = wait_event(P.c[i], KVF_EVENT_COMPLETION);
-                        if (ev.status != KVF_STATUS_FINISHED) {
-                                fprintf(stderr, "prefill rank %u: %s: %s: %s\n", i, ev.request_id,
-                                        kvf_status_name(ev.status), ev.reason);
-                                return 1;
-                        }
-                        bytes += ev.bytes;
-                }
-        uint64_t elapsed = kvf_now_ns() - t0;
-        /* Completions count each byte once: every decode rank's heads of every block. */
-        uint64_t want = 0;
-        for (uint32_t q = 0; q < NREQ; q++)
-                for (uint32_t j = 0; j < d; j++)
-                        want += (uint64_t)nb[q] * LAYERS * tensors * D.L[j].block_bytes;
-        CHECK_EQ(bytes, want);
-        /* Every decode rank hears of each request once per source. */
-        for (uint32_t j = 0; j < d; j++)
-                for (uint32_t n = 0; n < NREQ * expect_parts[j]; n++) {
-                        struct kvf_event ev = wait_event(D.c[j], KVF_EVENT_ARRIVAL);
-                        if (ev.status != KVF_STATUS_FINISHED) {
-                                fprintf(stderr, "decode rank %u: %s: %s: %s\n", j, ev.request_id,
-                                        kvf_status_name(ev.status), ev.reason);
-                                return 1;
-                        }
-                }
-        /* Every byte of every head of every block on every decode rank. */
-        uint64_t checked = 0;
-        for (uint32_t q = 0; q < NREQ; q++)
-                for (uint32_t j = 0; j < d; j++)
-                        for (uint32_t l = 0; l < LAYERS; l++)
-                                for (uint32_t z = 0; z < tensors; z++)
-                                        for (uint32_t b = 0; b < nb[q]; b++)
-                                                for (uint32_t h = 0; h < D.count[j]; h++)
-                                                        for (uint32_t t = 0; t < BSIZE; t++) {
-                                                                const uint8_t *o =
-                                                                    at(D.c[j], &D.L[j], l, z,
-                                                                       dst[q][b], h, t);
-                                                                for (uint32_t y = 0; y < HDIM * 2;
-                                                                     y++, checked++)
-                                                                        if (o[y] !=
-                                                                            content(q,
-                                                                                    D.first[j] + h,
-                                                                                    b * BSIZE + t,
-                                                                                    y, l, z)) {
-                                                                                fprintf(
-                                                                                    stderr,
-                                                                                    "tp %u->%u: "
-                                                                                    "request %u "
-                                                                                    "decode rank "
-                                                                                    "%u layer %u "
-                                                                                    "tensor %u "
-                                                                                    "block %u head "
-                                                                                    "%u token %u "
-                                                                                    "byte %u "
-                                                                                    "differs\n",
-                                                                                    p, d, q, j, l,
-                                                                                    z, b,
-                                                                                    D.first[j] + h,
-                                                                                    b * BSIZE + t,
-                                                                                    y);
-                                                                                return 1;
-                                                                        }
-                                                        }
-        printf("tp %u->%u, %u kv heads%s: %u requests, %" PRIu64 " bytes sent in %.3f ms, %" PRIu64
-               " bytes verified on %u decode ranks; %.1f copy runs per request\n",
-               p, d, heads, key_only ? " (key-only)" : "", NREQ, bytes, elapsed / 1e6, checked, d,
-               (double)runs / NREQ);
         for (uint32_t k = 0; k < p; k++)
                 kvf_detach(P.c[k]);
         for (uint32_t k = 0; k < d; k++)

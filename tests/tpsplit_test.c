@@ -12,6 +12,7 @@
 #include <string.h>
 
 #include "check.h"
+#include "err.h"
 #include "layout.h"
 #include "tpsplit.h"
 
@@ -231,6 +232,38 @@ int main(void)
                 CHECK(kvf_layout_make(&a, 4, 0, 16, 1, 16, 128, KVF_DTYPE_BF16, 0) == 0);
                 CHECK(kvf_layout_make(&b, 4, 0, 16, 1, 16, 128, KVF_DTYPE_BF16, 0) == 0);
                 CHECK(kvf_tp_check(&a, 8, &b, 4, 2, &h, why, sizeof(why)) == 0 && h == 2);
+        }
+        /* the one slice per block a tcp frame carries (kvf_tp_slice) */
+        {
+                struct kvf_cache_layout p8, d4, d1, d4b, m;
+                uint32_t so, dof, len;
+                const uint32_t head = 16 * 128 * 2; /* one head of a 16-token bf16 block */
+                CHECK(kvf_layout_make(&p8, 4, 0, 16, 8, 16, 128, KVF_DTYPE_BF16, 0) == 0);
+                CHECK(kvf_layout_make(&d4, 4, 0, 99, 4, 16, 128, KVF_DTYPE_BF16, 0) == 0);
+                CHECK(kvf_layout_make(&d1, 4, 0, 16, 1, 16, 128, KVF_DTYPE_BF16, 0) == 0);
+                CHECK(kvf_layout_make(&d4b, 4, 0, 16, 4, 32, 128, KVF_DTYPE_BF16, 0) == 0);
+                CHECK(kvf_layout_make(&m, 4, 0, 16, 1, 16, 512, KVF_DTYPE_BF16, 1) == 0);
+                /* equal layouts and groups (block counts aside): whole blocks */
+                CHECK(kvf_tp_slice(&p8, 1, 0, &p8, 1, 0, &so, &dof, &len) == 0 && len == 0);
+                /* 1 -> 2 over 8 heads: rank 1 gets heads 4..7, at 0 of its blocks */
+                CHECK(kvf_tp_slice(&p8, 1, 0, &d4, 2, 1, &so, &dof, &len) == 0);
+                CHECK(so == 4 * head && dof == 0 && len == 4 * head);
+                /* 2 -> 8 (4 heads a prefill rank, 1 a decode rank): decode rank 6, head 6, is
+                 * head 2 of prefill rank 1 */
+                struct kvf_cache_layout p4;
+                CHECK(kvf_layout_make(&p4, 4, 0, 16, 4, 16, 128, KVF_DTYPE_BF16, 0) == 0);
+                CHECK(kvf_tp_slice(&p4, 2, 1, &d1, 8, 6, &so, &dof, &len) == 0);
+                CHECK(so == 2 * head && dof == 0 && len == head);
+                CHECK(kvf_tp_slice(&p4, 2, 0, &d1, 8, 6, &so, &dof, &len) == -EXDEV);
+                CHECK(strstr(kvf_err_msg(), "none of its heads"));
+                /* 8 -> 2: prefill rank 5 (head 5) into decode rank 1 (heads 4..7) at head 1 */
+                CHECK(kvf_tp_slice(&d1, 8, 5, &d4, 2, 1, &so, &dof, &len) == 0);
+                CHECK(so == 0 && dof == head && len == head);
+                /* MLA: the latent replicated, whole blocks */
+                CHECK(kvf_tp_slice(&m, 2, 1, &m, 8, 3, &so, &dof, &len) == 0 && len == 0);
+                /* another block size: not one slice per block */
+                CHECK(kvf_tp_slice(&p4, 2, 0, &d4b, 2, 0, &so, &dof, &len) == -EXDEV);
+                CHECK(strstr(kvf_err_msg(), "not one slice per block"));
         }
         printf("ok\n");
         return 0;

@@ -48,7 +48,8 @@ int kvf_client_owned(const struct kvf_client *c)
 static int map_cache(struct kvf_client *c)
 {
         const struct kvf_ctl_header *h = c->ctl.hdr;
-        if (h->layout.cache_bytes == 0)
+        /* The engine's caches are the engine's own: nothing of ours to map. */
+        if (h->layout.cache_bytes == 0 || h->backend == KVF_BACKEND_ENGINE)
                 return 0;
         return kvf_cache_map(h, true, &c->cache);
 }
@@ -147,6 +148,8 @@ void kvf_detach(struct kvf_client *c)
                 return;
         }
         kvf_stream_detach(c); /* (its copies and signals reference the cache and us) */
+        if (c->registered)
+                (void)kvf_unregister_caches(c); /* (a failure: the allocator sees us end anyway) */
         kvf_role_end(&c->ctl, KVF_ROLE_ENGINE);
         /* The session is over: the sender ends its requests now, not at its next tick. */
         kvf_doorbell_ring(&c->ctl.bells[KVF_BELL_SENDER]);

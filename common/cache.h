@@ -56,6 +56,7 @@ struct kvf_cache {
          * registration mapped (odd), or the generation seen while waiting for one (even). */
         uint64_t *strides;
         uint64_t reg_gen;
+        const struct kvf_ctl_header *reg_hdr; /* the segment whose registration this maps */
 };
 
 /* One run of contiguous bytes from the source cache to one of the batch's destinations. */
@@ -235,6 +236,14 @@ static inline uint64_t kvf_cache_contig(const struct kvf_cache *c, uint64_t off)
         }
         return c->base && off < c->bytes ? c->bytes - off : 0;
 }
+
+/*
+ * The engine's caches: map the registration the header names now when c maps an older one
+ * (or none), under the lock the connection threads' staged copies hold (cache_engine.c), so
+ * no copy runs on a mapping being replaced. 1 remapped, 0 nothing to do, -errno (kvf_err).
+ * Any other backend: 0.
+ */
+int kvf_cache_refresh(struct kvf_cache *c);
 
 /* Host memory on both sides: copy a batch's runs with the CPU, each run split where either
  * cache's memory is not contiguous. 0, or -EIO (a cache not mapped there: kvf_err says). */

@@ -205,6 +205,7 @@ int kvf_reg_map(const struct kvf_ctl_header *h, bool writable, struct kvf_cache 
         int rc, s = -1;
 
         out->device = -1;
+        out->reg_hdr = h;
         out->reg_gen = kvf_load_acquire(&h->reg_generation);
         if (!(out->reg_gen & 1))
                 return 0; /* waiting for the engine's caches: nothing to map */

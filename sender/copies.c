@@ -487,29 +487,27 @@ static uint32_t token_major(const struct kvf_ctl_header *h)
 
 /* Remap an engine's caches that moved on. Host copies complete before submit returns, so
  * nothing is in flight from the old mapping; runs gathered but not submitted are flushed first. */
-static int refresh(struct sender *s, struct kvf_cache *c, const struct kvf_ctl_header *h, const struct kvf_cache *near)
+static int refresh(struct sender *s, struct kvf_cache *c)
 {
-        if (!is_engine(c) || !kvf_reg_stale(h, c))
+        if (!is_engine(c) || !kvf_reg_stale(c->reg_hdr, c))
                 return 0;
         if (s->cp.nruns)
                 sender_copies_flush(s);
         uint64_t was = c->reg_gen;
-        kvf_cache_unmap(c);
-        int rc = near ? kvf_cache_map_peer(h, near == &s->own ? true : false, near, c)
-                      : kvf_cache_map(h, false, c);
+        int rc = kvf_cache_refresh(c);
         if (rc < 0) {
-                kvf_warn("the engine's caches of '%s': %s", h->instance, kvf_err_msg());
+                kvf_warn("the engine's caches of '%s': %s", c->reg_hdr->instance, kvf_err_msg());
                 return rc;
         }
-        kvf_info("the engine's caches of '%s': generation %llu -> %llu (%s)", h->instance, (unsigned long long)was,
-                 (unsigned long long)c->reg_gen, ready(c) ? "mapped" : "waiting for the engine");
+        kvf_info("the engine's caches of '%s': generation %llu -> %llu (%s)", c->reg_hdr->instance,
+                 (unsigned long long)was, (unsigned long long)c->reg_gen, ready(c) ? "mapped" : "waiting for the engine");
         return 0;
 }
 
 int sender_caches_check(struct sender *s, uint32_t peer_idx, uint32_t slot, char *why, size_t whylen)
 {
         const struct kvf_ctl_header *me = s->ctl.hdr;
-        int rc = refresh(s, &s->own, me, NULL);
+        int rc = refresh(s, &s->own);
         if (rc < 0) {
                 snprintf(why, whylen, "instance '%s': %s", me->instance, kvf_err_msg());
                 return rc;
@@ -523,7 +521,7 @@ int sender_caches_check(struct sender *s, uint32_t peer_idx, uint32_t slot, char
                 return 0;
         struct ipc_peer *p = &s->peers[peer_idx];
         const struct kvf_ctl_header *ph = p->ctl.hdr;
-        if ((rc = refresh(s, &p->cache, ph, &s->own)) < 0) {
+        if ((rc = refresh(s, &p->cache)) < 0) {
                 snprintf(why, whylen, "peer '%s': %s", p->name, kvf_err_msg());
                 return rc;
         }

@@ -264,11 +264,30 @@ def main():
         n += 1
         print("ok: ipc %s -> %s%s: 4 blocks x %d layers verified" % (pk, dk, " (torch)" if use_torch
                                                                      else "", lo.num_layers))
-    # registered <-> own
+    # over tcp: both sides registered, one of them strided
+    transfer(pre, pc, dec, dc, dname, 10, [3, 4, 9, 5], [7, 8, 20, 2], transport="tcp")
+    print("ok: tcp %s -> %s verified" % (pk, dk))
+    pc = Caches(lo, "blocks_first")
+    pre.register_caches(pc.entries)
+    transfer(pre, pc, dec, dc, dname, 11, list(range(10, 26)), list(range(0, 16)), transport="tcp")
+    print("ok: tcp blocks_first -> %s: 16 blocks verified" % dk)
+    # registered <-> own, over ipc and tcp
     with kvferry.Client(oname) as own:
         oc = OwnCaches(own)
-        transfer(pre, pc, own, oc, oname, 20, [1, 2, 3], [4, 5, 6])
-        print("ok: ipc registered (%s) -> own caches verified" % pk)
+        for tag, transport in ((20, "ipc"), (21, "tcp")):
+            transfer(pre, pc, own, oc, oname, tag, [1, 2, 3], [4, 5, 6], transport=transport)
+            transfer(own, oc, dec, dc, dname, tag + 10, [7, 8], [9, 10], transport=transport)
+            print("ok: %s registered -> own caches and own -> registered verified" % transport)
+    # blocks laid out another way on one side: refused
+    pc2 = Caches(lo, "stacked")
+    pre.register_caches(pc2.entries, token_major=True)
+    if "token-major" not in reg_generation(pname):
+        fail("token_major registration: %s" % reg_generation(pname))
+    ev = refused(pre, dname, dec.session, "token-major")
+    if ev["status"] != "peer layout mismatch":
+        fail("token order mismatch: %r" % ev)
+    print("ok: token-major blocks to a head-major peer ended %r: %s" % (ev["status"], ev["reason"]))
+    pre.register_caches(pc.entries)
     print("ok: %d registered transfers in %.2f s" % (n, time.monotonic() - t0))
     gen_before = reg_generation(pname)
 

@@ -8,7 +8,7 @@ cd "$ROOT"
 L="--layers 4 --kv-heads 2 --head-dim 64 --block-size 16 --dtype fp16 --blocks 32"
 up $TAG-rd --role decode --caches engine $L
 up $TAG-rp --role prefill --caches engine $L
-up $TAG-ro --role decode $L
+up $TAG-ro --role mixed $L
 KVF_RINGDUMP="$KVFERRY_BUILD/kvf-ringdump" PYTHONPATH="$ROOT/python" "$ROOT/tests/python_run.sh" \
   "$ROOT/tests/register_engine.py" $TAG-rp $TAG-rd $TAG-ro || fail "register engine"
 pass "engine caches: registered, refused, moved and verified, dropped when the engine died"

@@ -239,10 +239,11 @@ struct kvf_registration {
  * saying what to change (-EINVAL a view or region that does not fit, -EBUSY another
  * process holds a registration, -ENOTSUP not an instance of the engine's caches).
  * The registration lasts until kvf_unregister_caches, kvf_detach, or this process's
- * end; meanwhile the library and the roles keep the regions mapped.
+ * end; meanwhile the allocator and the roles keep the regions mapped. Call it with
+ * r_size = sizeof(struct kvf_registration) (one call of a release that came with its own
+ * library: no macro, so that the library exports exactly what this header declares).
  */
 int kvf_register_caches_sized(struct kvf_client *c, const struct kvf_registration *r, size_t r_size);
-#define kvf_register_caches(c, r) kvf_register_caches_sized((c), (r), sizeof(*(r)))
 int kvf_unregister_caches(struct kvf_client *c);
 
 int kvf_submit_task_sized(struct kvf_client *c, const struct kvf_task *t, size_t t_size);

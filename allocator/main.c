@@ -286,7 +286,7 @@ int main(int argc, char **argv)
                 kvf_opt_die(prog, "%s", kvf_err_msg());
         kvf_log_setup(p.instance, "allocator");
         kvf_opt_signals(&stop);
-        if (backend_auto) {
+        if (backend_auto && !engine) {
                 int n = kvf_cache_gpus();
                 p.backend = n > 0 ? KVF_BACKEND_CUDA : KVF_BACKEND_HOST;
                 if (n > 0)
@@ -296,9 +296,11 @@ int main(int argc, char **argv)
                         kvf_info("backend auto: host (%s)", kvf_err_msg());
         }
         if (engine) {
-                if (backend_auto || p.backend != KVF_BACKEND_HOST || fastdeploy)
-                        kvf_opt_die(prog, "--caches engine: the engine's caches are host memory here (give no "
-                                    "--backend, --fastdeploy)");
+                /* (--backend auto, the supervisor's default, means the engine's host memory here) */
+                if ((!backend_auto && p.backend != KVF_BACKEND_HOST) || fastdeploy)
+                        kvf_opt_die(prog, "--caches engine: the engine's caches are host memory here (give "
+                                    "--backend host or auto, and no --fastdeploy)");
+                backend_auto = false;
                 p.backend = KVF_BACKEND_ENGINE;
         }
         if (p.backend == KVF_BACKEND_ENGINE && !engine)

@@ -24,7 +24,7 @@ cleanup() {
 }
 trap cleanup EXIT
 up() { STARTED+=("$1"); "$ROOT/tools/kvferry" up --instance "$@" >/dev/null; }
-L="--model llama-3.1-8b --tp 8 --cache-mib 128"
+L="--model llama-3.1-8b --tp 8 --cache-mib 256"
 up $T-op --role prefill $L
 up $T-od --role decode $L
 up $T-ep --role prefill --caches engine $L

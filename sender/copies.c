@@ -559,3 +559,11 @@ int sender_caches_check(struct sender *s, uint32_t peer_idx, uint32_t slot, char
         }
         return 0;
 }
+
+void sender_caches_tick(struct sender *s)
+{
+        (void)refresh(s, &s->own);
+        for (uint32_t i = 0; i < SENDER_MAX_PEERS; i++)
+                if (s->peers[i].in_use)
+                        (void)refresh(s, &s->peers[i].cache);
+}

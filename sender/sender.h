@@ -418,6 +418,9 @@ void sender_copies_flush(struct sender *s);
  * request's first copy used (a new one holds other blocks).
  */
 int sender_caches_check(struct sender *s, uint32_t peer_idx, uint32_t slot, char *why, size_t whylen);
+/* Every heartbeat: remap the engine's caches (ours, our peers') whose registration moved on, so
+ * that a dropped one's memory is let go within a heartbeat, not at the next task. */
+void sender_caches_tick(struct sender *s);
 /* Batches (and the engine's owes) that completed: news for their slots. */
 void sender_copies_poll(struct sender *s);
 /*

@@ -232,6 +232,23 @@ def reg_generation(name):
     fail("kvf-ringdump of %s shows no 'engine caches:' line:\n%s" % (name, out[:2000]))
 
 
+def role_pids(name):
+    import json
+    out = subprocess.run([os.environ["KVF_RINGDUMP"], "--instance", name, "--json"],
+                         capture_output=True, text=True, timeout=20).stdout
+    doc = json.loads(out.splitlines()[0])
+    return {r["role"]: r["pid"] for r in doc["roles"]}
+
+
+def engine_maps(pid):
+    """Mappings of host_buffer memory (memfds named kvferry-engine-caches) in process pid."""
+    try:
+        with open("/proc/%d/maps" % pid) as f:
+            return sum("kvferry-engine-caches" in line for line in f)
+    except OSError:
+        return 0
+
+
 def main():
     if sys.argv[1] == "--child":
         child(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))
@@ -288,7 +305,7 @@ def main():
         fail("token order mismatch: %r" % ev)
     print("ok: token-major blocks to a head-major peer ended %r: %s" % (ev["status"], ev["reason"]))
     pre.register_caches(pc.entries)
-    print("ok: %d registered transfers in %.2f s" % (n, time.monotonic() - t0))
+    print("ok: %d layouts and the mixed cases moved in %.2f s" % (n, time.monotonic() - t0))
     gen_before = reg_generation(pname)
 
     # unregister: refused again, then registered again
@@ -339,8 +356,18 @@ def main():
         time.sleep(0.05)
     if "waiting" not in reg_generation(pname):
         fail("the killed engine's registration was not dropped: %s" % reg_generation(pname))
+    # The prefill allocator and connector map this instance's registration only: both let the
+    # dead engine's memory go (the connector within a heartbeat).
+    pids = role_pids(pname)
+    end = time.monotonic() + 10
+    while time.monotonic() < end and any(engine_maps(pids[r]) for r in ("allocator", "connector")):
+        time.sleep(0.05)
+    left = {r: engine_maps(pids[r]) for r in ("allocator", "connector")}
+    if any(left.values()):
+        fail("the dead engine's memory is still mapped: %r" % left)
     print("ok: an engine SIGKILLed mid-transfer: %d requests 'engine gone' on both sides, its "
-          "registration dropped (%s)" % (nkill, reg_generation(pname)))
+          "registration dropped (%s), its memory unmapped by the allocator and the connector"
+          % (nkill, reg_generation(pname)))
     pc = Caches(lo, "blocks_first")
     pre.register_caches(pc.entries)
     transfer(pre, pc, dec, dc, dname, 40, [0, 1], [30, 31])

@@ -130,7 +130,9 @@ def _abi_check(info, path, lib_version):
         raise ImportError("kvferry: %s cannot use %s: install the package and the library of "
                           "one kvferry release" % (here, there))
     wrong = []
-    for struct, ctype in (("kvf_event", _Event), ("kvf_layout_info", _Layout)):
+    for struct, ctype in (("kvf_event", _Event), ("kvf_layout_info", _Layout),
+                          ("kvf_reg_region", _RegRegion), ("kvf_reg_view", _RegView),
+                          ("kvf_registration", _Registration)):
         for name, _ in ctype._fields_:
             field = getattr(ctype, name)
             for what, mine in (("offsetof", field.offset), ("sizeof", field.size)):

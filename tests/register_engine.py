@@ -373,6 +373,26 @@ def main():
     transfer(pre, pc, dec, dc, dname, 40, [0, 1], [30, 31])
     print("ok: a new engine registered and moved again (%s; before: %s)"
           % (reg_generation(pname), gen_before))
+
+    # The allocator SIGKILLed: its supervisor starts another (--adopt), which marks the
+    # registration dropped (the descriptors died with it); the engine registers again.
+    old = role_pids(pname)["allocator"]
+    os.kill(old, signal.SIGKILL)
+    end = time.monotonic() + 20
+    while time.monotonic() < end:
+        pid = role_pids(pname).get("allocator")
+        if pid and pid != old and engine_maps(pid) == 0 and "waiting" in reg_generation(pname):
+            try:
+                pre.register_caches(pc.entries)
+                break
+            except kvferry.KvferryError:  # not answering yet
+                pass
+        time.sleep(0.1)
+    else:
+        fail("no new allocator took the registration: %s" % reg_generation(pname))
+    transfer(pre, pc, dec, dc, dname, 41, [2, 3], [28, 29])
+    print("ok: the allocator SIGKILLed and restarted: the registration was dropped, the engine "
+          "registered again and moved (%s)" % reg_generation(pname))
     pre.close()
     dec.close()
 

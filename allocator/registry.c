@@ -56,7 +56,8 @@ static void drop(const char *why)
 {
         if (!R.held)
                 return;
-        kvf_info("engine caches: dropped the registration of pid %d (%u regions): %s", (int)R.pid, R.nr, why);
+        kvf_info("engine caches: dropped the registration of pid %d (%u regions): %s", (int)R.pid,
+                 R.nr, why);
         for (uint32_t i = 0; i < R.nr; i++) {
                 munmap(R.map[i], R.maplen[i]);
                 close(R.fds[i]);
@@ -73,7 +74,8 @@ static void drop(const char *why)
 
 static void answer(int c, int err, const char *why)
 {
-        struct kvf_reg_msg a = {.err = err, .generation = kvf_load_acquire(&R.ctl->hdr->reg_generation)};
+        struct kvf_reg_msg a = {.err = err,
+                                .generation = kvf_load_acquire(&R.ctl->hdr->reg_generation)};
         if (why)
                 snprintf(a.why, sizeof(a.why), "%s", why);
         (void)kvf_fdpass_send(c, &a, sizeof(a), NULL, 0);
@@ -95,20 +97,26 @@ static void do_register(int c, pid_t pid, const uint8_t *buf, size_t n, int *fds
         memcpy(&q, buf, sizeof(q));
         size_t need = sizeof(q) + (size_t)q.n_regions * sizeof(struct kvf_reg_wire_region) +
                       (size_t)q.n_views * sizeof(struct kvf_reg_wire_view);
-        if (q.n_regions > KVF_FDPASS_MAX || q.n_views > KVF_REG_MAX_VIEWS || n != need || nfds != q.n_regions) {
-                snprintf(why, sizeof(why), "a malformed registration: %u regions, %u descriptors, %u views in %zu bytes",
-                         q.n_regions, nfds, q.n_views, n);
+        if (q.n_regions > KVF_FDPASS_MAX || q.n_views > KVF_REG_MAX_VIEWS || n != need ||
+            nfds != q.n_regions) {
+                snprintf(
+                    why, sizeof(why),
+                    "a malformed registration: %u regions, %u descriptors, %u views in %zu bytes",
+                    q.n_regions, nfds, q.n_views, n);
                 rc = -EPROTO;
                 goto out;
         }
         if (q.device >= 0) {
-                snprintf(why, sizeof(why), "GPU memory (device %d) given to an instance whose engine caches are "
-                         "host memory: give host memory (kvferry.host_buffer)", q.device);
+                snprintf(why, sizeof(why),
+                         "GPU memory (device %d) given to an instance whose engine caches are "
+                         "host memory: give host memory (kvferry.host_buffer)",
+                         q.device);
                 rc = -EINVAL;
                 goto out;
         }
         if (R.held && R.pid != pid && alive(R.pid)) {
-                snprintf(why, sizeof(why), "pid %d registered caches already: it unregisters (or ends) first",
+                snprintf(why, sizeof(why),
+                         "pid %d registered caches already: it unregisters (or ends) first",
                          (int)R.pid);
                 rc = -EBUSY;
                 goto out;
@@ -116,8 +124,10 @@ static void do_register(int c, pid_t pid, const uint8_t *buf, size_t n, int *fds
         for (uint32_t i = 0; i < q.n_regions; i++) {
                 struct stat st;
                 if (fstat(fds[i], &st) < 0 || !S_ISREG(st.st_mode)) {
-                        snprintf(why, sizeof(why), "region %u: foreign memory: its descriptor is not a file of "
-                                 "shared memory (give a memfd or a /dev/shm file)", i);
+                        snprintf(why, sizeof(why),
+                                 "region %u: foreign memory: its descriptor is not a file of "
+                                 "shared memory (give a memfd or a /dev/shm file)",
+                                 i);
                         rc = -EINVAL;
                         goto out;
                 }
@@ -133,7 +143,8 @@ static void do_register(int c, pid_t pid, const uint8_t *buf, size_t n, int *fds
                 snprintf(why, sizeof(why), "out of memory");
                 goto out;
         }
-        if ((rc = kvf_reg_validate(L, rg, q.n_regions, size, v, q.n_views, pl, &strided, why, sizeof(why))) < 0) {
+        if ((rc = kvf_reg_validate(L, rg, q.n_regions, size, v, q.n_views, pl, &strided, why,
+                                   sizeof(why))) < 0) {
                 free(pl);
                 goto out;
         }
@@ -146,7 +157,8 @@ static void do_register(int c, pid_t pid, const uint8_t *buf, size_t n, int *fds
                 len[i] = rg[i].bytes + (rg[i].fd_offset - al);
                 map[i] = mmap(NULL, len[i], PROT_READ, MAP_SHARED, fds[i], (off_t)al);
                 if (map[i] == MAP_FAILED) {
-                        snprintf(why, sizeof(why), "region %u cannot be mapped: %s", i, strerror(errno));
+                        snprintf(why, sizeof(why), "region %u cannot be mapped: %s", i,
+                                 strerror(errno));
                         while (i--)
                                 munmap(map[i], len[i]);
                         free(pl);
@@ -157,8 +169,8 @@ static void do_register(int c, pid_t pid, const uint8_t *buf, size_t n, int *fds
         }
         int pidfd = (int)syscall(SYS_pidfd_open, pid, 0);
         if (pidfd < 0)
-                kvf_warn("engine caches: pidfd_open(%d): %s: its end is noticed by polling", (int)pid,
-                         strerror(errno));
+                kvf_warn("engine caches: pidfd_open(%d): %s: its end is noticed by polling",
+                         (int)pid, strerror(errno));
         drop("a new registration replaces it");
         R.held = true;
         R.pid = pid;
@@ -169,14 +181,16 @@ static void do_register(int c, pid_t pid, const uint8_t *buf, size_t n, int *fds
                 fds[i] = -1; /* kept */
                 R.map[i] = map[i];
                 R.maplen[i] = len[i];
-                R.rg[i] = (struct kvf_reg_wire_region){.bytes = rg[i].bytes, .fd_offset = rg[i].fd_offset};
+                R.rg[i] = (struct kvf_reg_wire_region){.bytes = rg[i].bytes,
+                                                       .fd_offset = rg[i].fd_offset};
         }
         R.placed = pl;
         R.nplaced = want;
         publish(true, pid, bytes, q.token_major, strided);
-        kvf_info("engine caches: registered by pid %d: %u regions, %llu bytes, %u views%s%s, generation %llu",
-                 (int)pid, q.n_regions, (unsigned long long)bytes, q.n_views, strided ? ", strided blocks" : "",
-                 q.token_major ? ", token-major blocks" : "",
+        kvf_info("engine caches: registered by pid %d: %u regions, %llu bytes, %u views%s%s, "
+                 "generation %llu",
+                 (int)pid, q.n_regions, (unsigned long long)bytes, q.n_views,
+                 strided ? ", strided blocks" : "", q.token_major ? ", token-major blocks" : "",
                  (unsigned long long)R.ctl->hdr->reg_generation);
 out:
         if (rc < 0)
@@ -197,7 +211,8 @@ static void do_fetch(int c)
                 answer(c, -ENOMEM, "out of memory");
                 return;
         }
-        struct kvf_reg_msg a = {.n_regions = R.nr, .n_views = R.nplaced,
+        struct kvf_reg_msg a = {.n_regions = R.nr,
+                                .n_views = R.nplaced,
                                 .token_major = R.ctl->hdr->reg_token_major,
                                 .generation = kvf_load_acquire(&R.ctl->hdr->reg_generation)};
         memcpy(buf, &a, sizeof(a));
@@ -238,7 +253,8 @@ static void serve_one(int c)
                         answer(c, 0, NULL);
                 } else {
                         answer(c, R.held ? -EPERM : -ENOENT,
-                               R.held ? "the caches were registered by another process" : "no caches registered");
+                               R.held ? "the caches were registered by another process"
+                                      : "no caches registered");
                 }
         } else if (op == KVF_REG_FETCH) {
                 do_fetch(c);
@@ -256,7 +272,8 @@ static void *run(void *arg)
 {
         (void)arg;
         for (;;) {
-                struct pollfd p[3] = {{R.lfd, POLLIN, 0}, {R.stop_pipe[0], POLLIN, 0}, {R.pidfd, POLLIN, 0}};
+                struct pollfd p[3] = {
+                    {R.lfd, POLLIN, 0}, {R.stop_pipe[0], POLLIN, 0}, {R.pidfd, POLLIN, 0}};
                 int n = poll(p, R.pidfd >= 0 ? 3 : 2, 500);
                 if (n < 0 && errno != EINTR)
                         break;
@@ -289,7 +306,8 @@ int kvf_registry_start(struct kvf_ctl *ctl)
         if ((R.lfd = kvf_fdpass_listen(name)) < 0)
                 return kvf_err_ctx(R.lfd, "the engine caches' registration socket");
         if (pipe2(R.stop_pipe, O_CLOEXEC) < 0 || pthread_create(&R.thread, NULL, run, NULL) != 0) {
-                rc = kvf_err_set(-errno ? -errno : -EAGAIN, "start the registry: %s", strerror(errno));
+                rc = kvf_err_set(-errno ? -errno : -EAGAIN, "start the registry: %s",
+                                 strerror(errno));
                 close(R.lfd);
                 R.lfd = -1;
                 return rc;

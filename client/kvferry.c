@@ -184,6 +184,11 @@ void *kvf_cache_tensor(struct kvf_client *c, uint32_t layer, int v)
         if (kvf_client_owned(c) < 0)
                 return NULL;
         const struct kvf_cache_layout *l = &c->ctl.hdr->layout;
+        if (c->ctl.hdr->backend == KVF_BACKEND_ENGINE) {
+                kvf_err_set(-ENOTSUP, "instance '%s' keeps the engine's own caches (--caches engine): the "
+                            "engine addresses its tensors itself", c->ctl.hdr->instance);
+                return NULL;
+        }
         if (!c->cache.base || layer >= kvf_layout_layers(l) || v < 0 || (uint32_t)v >= kvf_layout_tensors(l))
                 return NULL;
         return kvf_cache_addr(&c->cache, kvf_layout_offset(l, layer, (uint32_t)v, 0));

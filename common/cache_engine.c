@@ -31,7 +31,8 @@ static int remap(struct kvf_cache *c)
 
 int kvf_cache_refresh(struct kvf_cache *c)
 {
-        if (!c->be || c->be->id != KVF_BACKEND_ENGINE || !c->reg_hdr || !kvf_reg_stale(c->reg_hdr, c))
+        if (!c->be || c->be->id != KVF_BACKEND_ENGINE || !c->reg_hdr ||
+            !kvf_reg_stale(c->reg_hdr, c))
                 return 0;
         pthread_rwlock_wrlock(&map_lock);
         int rc = kvf_reg_stale(c->reg_hdr, c) ? remap(c) : 0;
@@ -110,8 +111,8 @@ static void stage_buf_free(void *eng, uint8_t *p)
         free(p);
 }
 
-static int stage_copy(void *eng, bool to_cache, uint8_t *buf, const struct kvf_copy_run *runs, unsigned n,
-                      uint64_t *ticket)
+static int stage_copy(void *eng, bool to_cache, uint8_t *buf, const struct kvf_copy_run *runs,
+                      unsigned n, uint64_t *ticket)
 {
         struct stage_eng *e = eng;
         struct kvf_cache *c = e->c;
@@ -126,8 +127,10 @@ static int stage_copy(void *eng, bool to_cache, uint8_t *buf, const struct kvf_c
                 while (left) {
                         uint64_t k = kvf_cache_contig(c, off);
                         if (k == 0) {
-                                rc = kvf_err_set(-EIO, "the engine's caches are not mapped here (not registered, "
-                                                 "or dropped with their engine)");
+                                rc = kvf_err_set(
+                                    -EIO,
+                                    "the engine's caches are not mapped here (not registered, "
+                                    "or dropped with their engine)");
                                 break;
                         }
                         k = k < left ? k : left;
@@ -151,22 +154,22 @@ static int stage_poll(void *eng, uint64_t ticket)
 }
 
 static const struct kvf_stage_ops stage_ops = {
-        .open = stage_open,
-        .close = stage_close,
-        .buf_alloc = stage_buf_alloc,
-        .buf_free = stage_buf_free,
-        .copy = stage_copy,
-        .poll = stage_poll,
+    .open = stage_open,
+    .close = stage_close,
+    .buf_alloc = stage_buf_alloc,
+    .buf_free = stage_buf_free,
+    .copy = stage_copy,
+    .poll = stage_poll,
 };
 
 const struct kvf_cache_backend kvf_cache_engine = {
-        .name = "engine",
-        .id = KVF_BACKEND_ENGINE,
-        .create = engine_create,
-        .destroy = engine_destroy,
-        .map = engine_map,
-        .unmap = kvf_reg_unmap,
-        .copy_submit = engine_copy_submit,
-        .copy_poll = engine_copy_poll,
-        .stage = &stage_ops,
+    .name = "engine",
+    .id = KVF_BACKEND_ENGINE,
+    .create = engine_create,
+    .destroy = engine_destroy,
+    .map = engine_map,
+    .unmap = kvf_reg_unmap,
+    .copy_submit = engine_copy_submit,
+    .copy_poll = engine_copy_poll,
+    .stage = &stage_ops,
 };

@@ -48,8 +48,8 @@ int kvf_fdpass_peer(int s, pid_t *pid)
         if (getsockopt(s, SOL_SOCKET, SO_PEERCRED, &cr, &l) < 0)
                 return kvf_err_set(-errno, "SO_PEERCRED: %s", strerror(errno));
         if (cr.uid != getuid())
-                return kvf_err_set(-EPERM, "the other end is uid %u, we run as uid %u", (unsigned)cr.uid,
-                                   (unsigned)getuid());
+                return kvf_err_set(-EPERM, "the other end is uid %u, we run as uid %u",
+                                   (unsigned)cr.uid, (unsigned)getuid());
         if (pid)
                 *pid = cr.pid;
         return 0;
@@ -83,7 +83,8 @@ int kvf_fdpass_connect(const char *name, int timeout_ms)
 int kvf_fdpass_send(int s, const void *buf, size_t len, const int *fds, unsigned nfds)
 {
         if (nfds > KVF_FDPASS_MAX)
-                return kvf_err_set(-E2BIG, "%u descriptors in one message, at most %u", nfds, KVF_FDPASS_MAX);
+                return kvf_err_set(-E2BIG, "%u descriptors in one message, at most %u", nfds,
+                                   KVF_FDPASS_MAX);
         struct iovec iov = {(void *)buf, len};
         union {
                 char buf[CMSG_SPACE(sizeof(int) * KVF_FDPASS_MAX)];
@@ -114,7 +115,9 @@ ssize_t kvf_fdpass_recv(int s, void *buf, size_t cap, int *fds, unsigned maxfds,
                 char buf[CMSG_SPACE(sizeof(int) * KVF_FDPASS_MAX)];
                 struct cmsghdr align;
         } u;
-        struct msghdr mh = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = u.buf,
+        struct msghdr mh = {.msg_iov = &iov,
+                            .msg_iovlen = 1,
+                            .msg_control = u.buf,
                             .msg_controllen = sizeof(u.buf)};
         *nfds = 0;
         ssize_t n = recvmsg(s, &mh, MSG_CMSG_CLOEXEC);
@@ -137,8 +140,8 @@ ssize_t kvf_fdpass_recv(int s, void *buf, size_t cap, int *fds, unsigned maxfds,
         if (mh.msg_flags & (MSG_TRUNC | MSG_CTRUNC)) {
                 for (unsigned i = 0; i < got; i++)
                         close(fds[i]);
-                return kvf_err_set(-EMSGSIZE, "a message of more than %zu bytes or %u descriptors", cap,
-                                   maxfds);
+                return kvf_err_set(-EMSGSIZE, "a message of more than %zu bytes or %u descriptors",
+                                   cap, maxfds);
         }
         *nfds = got;
         return n;

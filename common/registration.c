@@ -23,11 +23,13 @@ int kvf_reg_sock_name(const struct kvf_ctl_header *h, char *out, size_t len)
         int n = snprintf(out, len, "kvferry-reg/%u/%s/%llu", h->owner_uid, h->instance,
                          (unsigned long long)h->created_ns);
         if (n < 0 || (size_t)n >= len)
-                return kvf_err_set(-ENAMETOOLONG, "registration socket name of '%s' too long", h->instance);
+                return kvf_err_set(-ENAMETOOLONG, "registration socket name of '%s' too long",
+                                   h->instance);
         return 0;
 }
 
-static int refuse(char *why, size_t whylen, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+static int refuse(char *why, size_t whylen, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
 static int refuse(char *why, size_t whylen, const char *fmt, ...)
 {
         va_list ap;
@@ -65,11 +67,13 @@ static bool blocks_overlap(const struct span *a, const struct span *b, uint64_t 
         return d < bb || a->stride - d < bb;
 }
 
-int kvf_reg_validate(const struct kvf_cache_layout *L, const struct kvf_reg_wire_region *rg, uint32_t nr,
-                     const uint64_t *fd_size, const struct kvf_reg_wire_view *v, uint32_t nv,
-                     struct kvf_reg_placed *out, bool *strided, char *why, size_t whylen)
+int kvf_reg_validate(const struct kvf_cache_layout *L, const struct kvf_reg_wire_region *rg,
+                     uint32_t nr, const uint64_t *fd_size, const struct kvf_reg_wire_view *v,
+                     uint32_t nv, struct kvf_reg_placed *out, bool *strided, char *why,
+                     size_t whylen)
 {
-        uint32_t layers = kvf_layout_layers(L), tensors = kvf_layout_tensors(L), want = layers * tensors;
+        uint32_t layers = kvf_layout_layers(L), tensors = kvf_layout_tensors(L),
+                 want = layers * tensors;
         uint64_t bb = L->block_bytes, nb = L->num_blocks;
         struct span *sp = NULL;
         uint8_t *seen = NULL;
@@ -77,57 +81,71 @@ int kvf_reg_validate(const struct kvf_cache_layout *L, const struct kvf_reg_wire
 
         *strided = false;
         if (nr == 0 || nr > KVF_FDPASS_MAX)
-                return refuse(why, whylen, "%u regions: give 1 to %u (whole allocations, not one per tensor)", nr,
-                              KVF_FDPASS_MAX);
+                return refuse(why, whylen,
+                              "%u regions: give 1 to %u (whole allocations, not one per tensor)",
+                              nr, KVF_FDPASS_MAX);
         for (uint32_t i = 0; i < nr; i++) {
                 if (rg[i].bytes == 0)
                         return refuse(why, whylen, "region %u has 0 bytes", i);
-                if (rg[i].addr + rg[i].bytes < rg[i].addr || rg[i].fd_offset + rg[i].bytes < rg[i].fd_offset)
+                if (rg[i].addr + rg[i].bytes < rg[i].addr ||
+                    rg[i].fd_offset + rg[i].bytes < rg[i].fd_offset)
                         return refuse(why, whylen, "region %u wraps around the address space", i);
                 if (rg[i].fd_offset + rg[i].bytes > fd_size[i])
                         return refuse(why, whylen,
-                                      "region %u: its file has %llu bytes, but fd_offset %llu + %llu bytes needs %llu: "
-                                      "foreign memory, or the wrong size (share the memory the views are in as a "
+                                      "region %u: its file has %llu bytes, but fd_offset %llu + "
+                                      "%llu bytes needs %llu: "
+                                      "foreign memory, or the wrong size (share the memory the "
+                                      "views are in as a "
                                       "file of at least that size)",
-                                      i, (unsigned long long)fd_size[i], (unsigned long long)rg[i].fd_offset,
+                                      i, (unsigned long long)fd_size[i],
+                                      (unsigned long long)rg[i].fd_offset,
                                       (unsigned long long)rg[i].bytes,
                                       (unsigned long long)(rg[i].fd_offset + rg[i].bytes));
                 for (uint32_t j = 0; j < i; j++)
-                        if (rg[i].addr < rg[j].addr + rg[j].bytes && rg[j].addr < rg[i].addr + rg[i].bytes)
-                                return refuse(why, whylen, "regions %u and %u overlap: give each allocation once", j, i);
+                        if (rg[i].addr < rg[j].addr + rg[j].bytes &&
+                            rg[j].addr < rg[i].addr + rg[i].bytes)
+                                return refuse(
+                                    why, whylen,
+                                    "regions %u and %u overlap: give each allocation once", j, i);
         }
         if (nv != want)
-                rc = refuse(why, whylen, "%u views, but the instance has %u layers x %u tensors = %u%s", nv, layers,
-                            tensors, want, L->key_only ? " (key only: one tensor per layer)" : "");
+                rc = refuse(
+                    why, whylen, "%u views, but the instance has %u layers x %u tensors = %u%s", nv,
+                    layers, tensors, want, L->key_only ? " (key only: one tensor per layer)" : "");
         if (rc == 0 && (!(sp = calloc(nv, sizeof(*sp))) || !(seen = calloc(want, 1))))
                 rc = kvf_err_set(-ENOMEM, "out of memory");
         for (uint32_t i = 0; rc == 0 && i < nv; i++) {
                 const struct kvf_reg_wire_view *w = &v[i];
                 if (w->layer >= layers || w->tensor >= tensors) {
-                        rc = refuse(why, whylen, "view %u names (layer %u, %s): the instance has layers 0 to %u and %s",
-                                    i, w->layer, tname(w->tensor), layers - 1,
-                                    tensors == 1 ? "only K (key only)" : "K and V");
+                        rc = refuse(
+                            why, whylen,
+                            "view %u names (layer %u, %s): the instance has layers 0 to %u and %s",
+                            i, w->layer, tname(w->tensor), layers - 1,
+                            tensors == 1 ? "only K (key only)" : "K and V");
                         break;
                 }
                 uint32_t k = w->layer * tensors + w->tensor;
                 if (seen[k]) {
-                        rc = refuse(why, whylen, "(layer %u, %s) is given twice", w->layer, tname(w->tensor));
+                        rc = refuse(why, whylen, "(layer %u, %s) is given twice", w->layer,
+                                    tname(w->tensor));
                         break;
                 }
                 seen[k] = 1;
                 if (w->stride < bb) {
                         rc = refuse(why, whylen,
-                                    "(layer %u, %s): block stride %llu is less than a block (%llu bytes): a block must "
+                                    "(layer %u, %s): block stride %llu is less than a block (%llu "
+                                    "bytes): a block must "
                                     "be contiguous and blocks must not overlap",
-                                    w->layer, tname(w->tensor), (unsigned long long)w->stride, (unsigned long long)bb);
+                                    w->layer, tname(w->tensor), (unsigned long long)w->stride,
+                                    (unsigned long long)bb);
                         break;
                 }
                 if (w->stride != bb)
                         *strided = true;
                 uint64_t lo = w->addr, hi = w->addr + (nb - 1) * w->stride + bb;
                 if (hi < lo || (nb > 1 && w->stride > (UINT64_MAX - bb) / (nb - 1))) {
-                        rc = refuse(why, whylen, "(layer %u, %s) wraps around the address space", w->layer,
-                                    tname(w->tensor));
+                        rc = refuse(why, whylen, "(layer %u, %s) wraps around the address space",
+                                    w->layer, tname(w->tensor));
                         break;
                 }
                 uint32_t r = 0;
@@ -135,14 +153,18 @@ int kvf_reg_validate(const struct kvf_cache_layout *L, const struct kvf_reg_wire
                         r++;
                 if (r == nr) {
                         rc = refuse(why, whylen,
-                                    "(layer %u, %s): its %llu blocks (0x%llx to 0x%llx) are not inside one region: "
-                                    "give a region that covers them (the whole allocation), or check num_blocks "
+                                    "(layer %u, %s): its %llu blocks (0x%llx to 0x%llx) are not "
+                                    "inside one region: "
+                                    "give a region that covers them (the whole allocation), or "
+                                    "check num_blocks "
                                     "and the block size (%llu bytes)",
-                                    w->layer, tname(w->tensor), (unsigned long long)nb, (unsigned long long)lo,
-                                    (unsigned long long)hi, (unsigned long long)bb);
+                                    w->layer, tname(w->tensor), (unsigned long long)nb,
+                                    (unsigned long long)lo, (unsigned long long)hi,
+                                    (unsigned long long)bb);
                         break;
                 }
-                out[k] = (struct kvf_reg_placed){.region = r, .off = lo - rg[r].addr, .stride = w->stride};
+                out[k] = (struct kvf_reg_placed){
+                    .region = r, .off = lo - rg[r].addr, .stride = w->stride};
                 sp[i] = (struct span){lo, hi, w->stride, i};
         }
         if (rc == 0) {
@@ -150,13 +172,18 @@ int kvf_reg_validate(const struct kvf_cache_layout *L, const struct kvf_reg_wire
                 for (uint32_t i = 0; rc == 0 && i < nv; i++)
                         for (uint32_t j = i + 1; rc == 0 && j < nv && sp[j].lo < sp[i].hi; j++)
                                 if (blocks_overlap(&sp[i], &sp[j], bb, nb)) {
-                                        const struct kvf_reg_wire_view *a = &v[sp[i].view], *b = &v[sp[j].view];
+                                        const struct kvf_reg_wire_view *a = &v[sp[i].view],
+                                                                       *b = &v[sp[j].view];
                                         rc = refuse(why, whylen,
-                                                    "(layer %u, %s) and (layer %u, %s) overlap: their blocks share "
+                                                    "(layer %u, %s) and (layer %u, %s) overlap: "
+                                                    "their blocks share "
                                                     "memory%s",
-                                                    a->layer, tname(a->tensor), b->layer, tname(b->tensor),
-                                                    a->stride != b->stride ? " (or interleave with different block "
-                                                                             "strides, which is not supported)" : "");
+                                                    a->layer, tname(a->tensor), b->layer,
+                                                    tname(b->tensor),
+                                                    a->stride != b->stride
+                                                        ? " (or interleave with different block "
+                                                          "strides, which is not supported)"
+                                                        : "");
                                 }
         }
         free(sp);
@@ -212,7 +239,9 @@ int kvf_reg_map(const struct kvf_ctl_header *h, bool writable, struct kvf_cache 
         if ((rc = kvf_reg_sock_name(h, name, sizeof(name))) < 0)
                 return rc;
         if ((s = kvf_fdpass_connect(name, 2000)) < 0)
-                return kvf_err_ctx(s, "the allocator of '%s' does not answer for the engine's caches", h->instance);
+                return kvf_err_ctx(s,
+                                   "the allocator of '%s' does not answer for the engine's caches",
+                                   h->instance);
         struct kvf_reg_msg q = {.op = KVF_REG_FETCH};
         if ((rc = kvf_fdpass_send(s, &q, sizeof(q), NULL, 0)) < 0)
                 goto out;
@@ -227,7 +256,8 @@ int kvf_reg_map(const struct kvf_ctl_header *h, bool writable, struct kvf_cache 
         }
         struct kvf_reg_msg a;
         if ((size_t)n < sizeof(a)) {
-                rc = kvf_err_set(-EPROTO, "a short answer (%zd bytes) from the allocator of '%s'", n, h->instance);
+                rc = kvf_err_set(-EPROTO, "a short answer (%zd bytes) from the allocator of '%s'",
+                                 n, h->instance);
                 goto out;
         }
         memcpy(&a, buf, sizeof(a));
@@ -244,9 +274,11 @@ int kvf_reg_map(const struct kvf_ctl_header *h, bool writable, struct kvf_cache 
         size_t need = sizeof(a) + (size_t)a.n_regions * sizeof(struct kvf_reg_wire_region) +
                       (size_t)want * sizeof(struct kvf_reg_placed);
         if (a.n_regions == 0 || a.n_regions != nfds || a.n_views != want || (size_t)n != need) {
-                rc = kvf_err_set(-EPROTO, "the allocator of '%s' answered %u regions with %u descriptors and %u "
-                                 "views in %zd bytes (want %u views)", h->instance, a.n_regions, nfds, a.n_views, n,
-                                 want);
+                rc = kvf_err_set(
+                    -EPROTO,
+                    "the allocator of '%s' answered %u regions with %u descriptors and %u "
+                    "views in %zd bytes (want %u views)",
+                    h->instance, a.n_regions, nfds, a.n_views, n, want);
                 goto out;
         }
         const struct kvf_reg_wire_region *rg = (const void *)(buf + sizeof(a));
@@ -258,15 +290,18 @@ int kvf_reg_map(const struct kvf_ctl_header *h, bool writable, struct kvf_cache 
                 uint64_t al = rg[i].fd_offset & ~(uint64_t)(page - 1), skip = rg[i].fd_offset - al;
                 void *p = mmap(NULL, rg[i].bytes + skip, prot, MAP_SHARED, fds[i], (off_t)al);
                 if (p == MAP_FAILED) {
-                        rc = kvf_err_set(-ENOMEM, "map region %u of the engine's caches of '%s' (%llu bytes): %s", i,
-                                         h->instance, (unsigned long long)rg[i].bytes, strerror(errno));
+                        rc = kvf_err_set(
+                            -ENOMEM,
+                            "map region %u of the engine's caches of '%s' (%llu bytes): %s", i,
+                            h->instance, (unsigned long long)rg[i].bytes, strerror(errno));
                         goto out;
                 }
                 m->map[m->n] = p;
                 m->len[m->n++] = rg[i].bytes + skip;
                 base[i] = (uint8_t *)p + skip;
         }
-        if (!(out->parts = calloc(want, sizeof(*out->parts))) || !(out->strides = calloc(want, sizeof(uint64_t)))) {
+        if (!(out->parts = calloc(want, sizeof(*out->parts))) ||
+            !(out->strides = calloc(want, sizeof(uint64_t)))) {
                 rc = kvf_err_set(-ENOMEM, "out of memory");
                 goto out;
         }
@@ -274,8 +309,11 @@ int kvf_reg_map(const struct kvf_ctl_header *h, bool writable, struct kvf_cache 
         for (uint32_t k = 0; k < want; k++) {
                 /* Hostile input, however trusted the allocator: every block inside its region. */
                 if (pl[k].region >= a.n_regions || pl[k].stride < L->block_bytes ||
-                    pl[k].off + (L->num_blocks - 1) * pl[k].stride + L->block_bytes > rg[pl[k].region].bytes) {
-                        rc = kvf_err_set(-EPROTO, "the allocator of '%s' placed view %u outside its region", h->instance, k);
+                    pl[k].off + (L->num_blocks - 1) * pl[k].stride + L->block_bytes >
+                        rg[pl[k].region].bytes) {
+                        rc = kvf_err_set(-EPROTO,
+                                         "the allocator of '%s' placed view %u outside its region",
+                                         h->instance, k);
                         goto out;
                 }
                 out->parts[k] = base[pl[k].region] + pl[k].off;

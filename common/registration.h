@@ -30,12 +30,12 @@ enum kvf_reg_op {
 };
 
 struct kvf_reg_msg {
-        uint32_t op;     /* enum kvf_reg_op */
-        int32_t err;     /* answers: 0, or -errno and why */
+        uint32_t op; /* enum kvf_reg_op */
+        int32_t err; /* answers: 0, or -errno and why */
         uint32_t n_regions;
         uint32_t n_views;
         uint32_t token_major;
-        int32_t device;  /* -1 host */
+        int32_t device;      /* -1 host */
         uint64_t generation; /* answers: the registration's (header reg_generation) */
         char why[KVF_REASON_MAX];
 };
@@ -74,9 +74,10 @@ int kvf_reg_sock_name(const struct kvf_ctl_header *h, char *out, size_t len);
  * file. Fills out[layers x tensors] (kvf_layout_offset order). 0, or -EINVAL
  * with `why` saying what is wrong and what to change. Pure: no system call.
  */
-int kvf_reg_validate(const struct kvf_cache_layout *L, const struct kvf_reg_wire_region *rg, uint32_t nr,
-                     const uint64_t *fd_size, const struct kvf_reg_wire_view *v, uint32_t nv,
-                     struct kvf_reg_placed *out, bool *strided, char *why, size_t whylen);
+int kvf_reg_validate(const struct kvf_cache_layout *L, const struct kvf_reg_wire_region *rg,
+                     uint32_t nr, const uint64_t *fd_size, const struct kvf_reg_wire_view *v,
+                     uint32_t nv, struct kvf_reg_placed *out, bool *strided, char *why,
+                     size_t whylen);
 
 /*
  * A role: map the registration the allocator of header h holds (FETCH) into out,

@@ -189,7 +189,8 @@ int kvf_get_layout_sized(struct kvf_client *c, struct kvf_layout_info *out, size
  * The tensor of `layer` (0 = K, 1 = V), [num_blocks, heads, block_size, head_dim],
  * contiguous: host memory for a host instance, a device pointer (on the GPU
  * kvf_cache_device() names) for a cuda instance. NULL for a layer or tensor
- * out of range. The caches are the allocator's: they outlive the engine, so
+ * out of range, or for an instance of the engine's own caches (--caches engine,
+ * kvf_register_caches below). The caches are the allocator's: they outlive the engine, so
  * an engine that attaches again finds them as it left them.
  */
 void *kvf_cache_tensor(struct kvf_client *c, uint32_t layer, int v);

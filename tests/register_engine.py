@@ -262,6 +262,8 @@ def main():
     ev = refused(pre, dname, dec.session, "waiting for the engine's caches")
     print("ok: a task before registering ended %r: %s" % (ev["status"], ev["reason"]))
 
+    expect_error(lambda: pre.tensor(0, 0), "keeps the engine's own caches",
+                 "Client.tensor() on an instance of the engine's caches")
     good = bad_registrations(pre)
     # the prefill side registered, the decode side not yet: refused for the peer
     pre.register_caches(good.entries)

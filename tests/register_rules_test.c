@@ -37,7 +37,7 @@ static int check(const struct kvf_reg_wire_region *rg, uint32_t nr, const uint64
                 bool st_;                                                                          \
                 CHECK_EQ(check(__VA_ARGS__, &st_), -EINVAL);                                       \
                 if (!strstr(why, (needle))) {                                                      \
-                        fprintf(stderr, "%s:%d: \"%s\" lacks \"%s\"\n", __FILE__, __LINE__, why,  \
+                        fprintf(stderr, "%s:%d: \"%s\" lacks \"%s\"\n", __FILE__, __LINE__, why,   \
                                 (needle));                                                         \
                         exit(1);                                                                   \
                 }                                                                                  \
@@ -49,9 +49,12 @@ static void views_of(struct kvf_reg_wire_view *v, bool blocks_first)
 {
         for (uint32_t l = 0; l < NL; l++)
                 for (uint32_t t = 0; t < 2; t++)
-                        v[l * 2 + t] = blocks_first
-                                ? (struct kvf_reg_wire_view){l, t, BASE + (l * 2ull * NB + t) * BB, 2 * BB}
-                                : (struct kvf_reg_wire_view){l, t, BASE + ((l * 2ull + t) * NB) * BB, BB};
+                        v[l * 2 + t] =
+                            blocks_first
+                                ? (struct kvf_reg_wire_view){l, t, BASE + (l * 2ull * NB + t) * BB,
+                                                             2 * BB}
+                                : (struct kvf_reg_wire_view){l, t,
+                                                             BASE + ((l * 2ull + t) * NB) * BB, BB};
 }
 
 int main(void)
@@ -106,7 +109,8 @@ int main(void)
         struct kvf_reg_wire_region short_rg = {BASE, total - BB, 0};
         REFUSED("(layer 2, V): its 5 blocks", &short_rg, 1, &sz, v, 2 * NL);
         /* two regions: every view's blocks inside one of them */
-        struct kvf_reg_wire_region two[2] = {{BASE, total / 2, 0}, {BASE + total / 2, total / 2, 0}};
+        struct kvf_reg_wire_region two[2] = {{BASE, total / 2, 0},
+                                             {BASE + total / 2, total / 2, 0}};
         uint64_t sz2[2] = {total / 2, total / 2};
         CHECK_EQ(check(two, 2, sz2, v, 2 * NL, &strided), 0);
         CHECK_EQ(out[5].region, 1);
@@ -125,29 +129,39 @@ int main(void)
                 parts[k] = mem + (k / 2) * 2ull * NB * BB + (k % 2) * BB;
                 strides[k] = 2 * BB;
         }
-        struct kvf_cache sc = {.layout = L, .bytes = total, .parts = parts, .n_parts = 2 * NL,
-                               .part_bytes = NB * BB, .strides = strides, .host = true};
+        struct kvf_cache sc = {.layout = L,
+                               .bytes = total,
+                               .parts = parts,
+                               .n_parts = 2 * NL,
+                               .part_bytes = NB * BB,
+                               .strides = strides,
+                               .host = true};
         struct kvf_cache fc = {.layout = L, .bytes = total, .base = flat, .host = true};
-        CHECK(kvf_cache_addr(&sc, kvf_layout_offset(&L, 1, 1, 3) + 7) == mem + (2 * NB + 3 * 2 + 1) * BB + 7);
+        CHECK(kvf_cache_addr(&sc, kvf_layout_offset(&L, 1, 1, 3) + 7) ==
+              mem + (2 * NB + 3 * 2 + 1) * BB + 7);
         CHECK_EQ(kvf_cache_contig(&sc, kvf_layout_offset(&L, 1, 1, 3) + 7), BB - 7);
         CHECK_EQ(kvf_cache_contig(&sc, total), 0);
         for (uint64_t i = 0; i < total; i++)
                 flat[i] = (uint8_t)(i * 7 + i / BB);
         /* one run of 4 blocks of layer 2's V, flat -> strided, then back into zeroed memory */
         struct kvf_cache *dsts[1] = {&sc};
-        struct kvf_copy_run run = {.dst = 0, .src_off = kvf_layout_offset(&L, 2, 1, 1),
-                                   .dst_off = kvf_layout_offset(&L, 2, 1, 1), .bytes = 4 * BB};
+        struct kvf_copy_run run = {.dst = 0,
+                                   .src_off = kvf_layout_offset(&L, 2, 1, 1),
+                                   .dst_off = kvf_layout_offset(&L, 2, 1, 1),
+                                   .bytes = 4 * BB};
         struct kvf_copy_batch b = {.src = &fc, .dst = dsts, .ndst = 1, .runs = &run, .nruns = 1};
         CHECK_EQ(kvf_cache_copy_host(&b), 0);
         for (uint32_t blk = 1; blk < 5; blk++)
-                CHECK(!memcmp(mem + (2 * 2 * NB + blk * 2 + 1) * BB, flat + kvf_layout_offset(&L, 2, 1, blk), BB));
+                CHECK(!memcmp(mem + (2 * 2 * NB + blk * 2 + 1) * BB,
+                              flat + kvf_layout_offset(&L, 2, 1, blk), BB));
         CHECK(mem[(2 * 2 * NB + 1 * 2) * BB] == 0); /* K's block between them untouched */
         memset(flat, 0, total);
         struct kvf_cache *back[1] = {&fc};
         b = (struct kvf_copy_batch){.src = &sc, .dst = back, .ndst = 1, .runs = &run, .nruns = 1};
         CHECK_EQ(kvf_cache_copy_host(&b), 0);
         for (uint32_t blk = 1; blk < 5; blk++)
-                CHECK(!memcmp(mem + (2 * 2 * NB + blk * 2 + 1) * BB, flat + kvf_layout_offset(&L, 2, 1, blk), BB));
+                CHECK(!memcmp(mem + (2 * 2 * NB + blk * 2 + 1) * BB,
+                              flat + kvf_layout_offset(&L, 2, 1, blk), BB));
         /* a cache waiting for its registration: the copy is refused, not a crash */
         struct kvf_cache empty = {.layout = L, .bytes = total};
         dsts[0] = &empty;

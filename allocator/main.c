@@ -21,6 +21,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include "atomics.h"
 #include "cache.h"
 #include "cache_host_alloc.h"
 #include "clock.h"
@@ -32,6 +33,7 @@
 #include "layout.h"
 #include "log.h"
 #include "opts.h"
+#include "registry.h"
 #ifdef KVF_HAVE_CUDA
 #include "kvf_gpu.h"
 #endif
@@ -82,6 +84,9 @@ static void usage(void)
                "                         pool there is. As root, on mounts hugetlbfs on /dev/hugepages\n"
                "                         if none is mounted and raises nr_hugepages by what the cache\n"
                "                         needs (never lowers it)\n"
+               "  --caches MODE          own (default: the allocator makes the caches) or engine (the\n"
+               "                         engine allocates them and registers them, kvf_register_caches;\n"
+               "                         host memory; until then the instance refuses tasks)\n"
                "  --adopt                take over an existing segment whose allocator died\n"
                "  --help, --version\n",
                prog, KVF_DEFAULT_REQTAB_SLOTS, KVF_DEFAULT_MAX_BLOCKS,
@@ -143,7 +148,7 @@ int main(int argc, char **argv)
 {
         enum { O_ROLE = 1000, O_MODEL, O_TP, O_LAYERS, O_EXTRA, O_HEADS, O_HDIM, O_DTYPE, O_KEYONLY,
                O_BSIZE, O_BLOCKS, O_MIB, O_RANK, O_NRANKS, O_DEVICE, O_MAXREQ, O_MAXBLK, O_RING, O_HB,
-               O_ADOPT, O_HUGE, O_VERSION, O_BACKEND, O_EXECUTOR, O_FASTDEPLOY };
+               O_ADOPT, O_HUGE, O_VERSION, O_BACKEND, O_EXECUTOR, O_FASTDEPLOY, O_CACHES };
         static const struct option opts[] = {
                 {"instance", required_argument, 0, 'i'},  {"role", required_argument, 0, O_ROLE},
                 {"model", required_argument, 0, O_MODEL}, {"tp", required_argument, 0, O_TP},
@@ -165,6 +170,7 @@ int main(int argc, char **argv)
                 {"heartbeat-ms", required_argument, 0, O_HB}, {"adopt", no_argument, 0, O_ADOPT},
                 {"huge-pages", required_argument, 0, O_HUGE},
                 {"fastdeploy", no_argument, 0, O_FASTDEPLOY},
+                {"caches", required_argument, 0, O_CACHES},
                 {"help", no_argument, 0, 'h'},            {"version", no_argument, 0, O_VERSION},
                 {0, 0, 0, 0}};
         struct kvf_ctl_params p = {.backend = KVF_BACKEND_HOST, .instance_role = KVF_IROLE_MIXED,
@@ -174,7 +180,7 @@ int main(int argc, char **argv)
         uint64_t mib = 0;
         struct kvf_ctl ctl;
         int rc;
-        bool adopt = false, backend_auto = false, fastdeploy = false, published = false;
+        bool adopt = false, backend_auto = false, fastdeploy = false, published = false, engine = false;
         const char *executor = "auto";
         enum kvf_huge_mode huge = KVF_HUGE_AUTO;
         uint8_t *cache = NULL;
@@ -251,6 +257,12 @@ int main(int argc, char **argv)
                 case O_HB: p.heartbeat_ms = (uint32_t)kvf_opt_u64("heartbeat-ms", optarg, 1, 60000); break;
                 case O_ADOPT: adopt = true; break;
                 case O_FASTDEPLOY: fastdeploy = true; break;
+                case O_CACHES:
+                        if (!strcmp(optarg, "engine"))
+                                engine = true;
+                        else if (strcmp(optarg, "own"))
+                                kvf_opt_die(prog, "--caches is own or engine, not '%s'", optarg);
+                        break;
                 case O_HUGE:
                         if (!strcmp(optarg, "auto"))
                                 huge = KVF_HUGE_AUTO;
@@ -274,7 +286,7 @@ int main(int argc, char **argv)
                 kvf_opt_die(prog, "%s", kvf_err_msg());
         kvf_log_setup(p.instance, "allocator");
         kvf_opt_signals(&stop);
-        if (backend_auto) {
+        if (backend_auto && !engine) {
                 int n = kvf_cache_gpus();
                 p.backend = n > 0 ? KVF_BACKEND_CUDA : KVF_BACKEND_HOST;
                 if (n > 0)
@@ -283,6 +295,16 @@ int main(int argc, char **argv)
                 else
                         kvf_info("backend auto: host (%s)", kvf_err_msg());
         }
+        if (engine) {
+                /* (--backend auto, the supervisor's default, means the engine's host memory here) */
+                if ((!backend_auto && p.backend != KVF_BACKEND_HOST) || fastdeploy)
+                        kvf_opt_die(prog, "--caches engine: the engine's caches are host memory here (give "
+                                    "--backend host or auto, and no --fastdeploy)");
+                backend_auto = false;
+                p.backend = KVF_BACKEND_ENGINE;
+        }
+        if (p.backend == KVF_BACKEND_ENGINE && !engine)
+                kvf_opt_die(prog, "--backend engine: say --caches engine");
         if (p.backend == KVF_BACKEND_CUDA && (rc = setup_cuda(&p, executor, fastdeploy)) < 0) {
                 kvf_error("%s", kvf_err_msg());
                 return 1;
@@ -304,6 +326,20 @@ int main(int argc, char **argv)
                 if (kvf_role_claim(&ctl, KVF_ROLE_ALLOCATOR) < 0) {
                         kvf_error("%s", kvf_err_msg());
                         return 1;
+                }
+                if (ctl.hdr->backend == KVF_BACKEND_ENGINE) {
+                        /* The registration died with the allocator that held its descriptors:
+                         * the engine registers again (the roles' mappings of it are stale now). */
+                        if (kvf_load_acquire(&ctl.hdr->reg_generation) & 1) {
+                                ctl.hdr->reg_pid = 0;
+                                kvf_store_release(&ctl.hdr->reg_generation, ctl.hdr->reg_generation + 1);
+                                kvf_warn("the engine's caches were registered with the allocator that died: "
+                                         "the engine registers them again");
+                        }
+                        if (kvf_registry_start(&ctl) < 0) {
+                                kvf_error("%s", kvf_err_msg());
+                                return 1;
+                        }
                 }
                 kvf_info("adopted existing instance (generation %llu)",
                          (unsigned long long)ctl.roles[KVF_ROLE_ALLOCATOR].generation);
@@ -362,13 +398,24 @@ int main(int argc, char **argv)
                         kvf_info("fastdeploy: a %s cache is published by its messager "
                                  "(python3 -m kvferry.fastdeploy)", kvf_cache_backend(p.backend)->name);
                 }
+                if (p.backend == KVF_BACKEND_ENGINE && (rc = kvf_registry_start(&ctl)) < 0) {
+                        char seg[96];
+                        kvf_error("%s", kvf_err_msg());
+                        kvf_ctl_detach(&ctl);
+                        kvf_ctl_shm_name(p.instance, seg, sizeof(seg));
+                        shm_unlink(seg);
+                        return 1;
+                }
                 log_cache(&ctl, cache);
                 kvf_role_begin(&ctl, KVF_ROLE_ALLOCATOR);
                 kvf_ctl_publish(&ctl);
                 char sz[32];
                 const struct kvf_cache_layout *l = &ctl.hdr->layout;
                 char where[96];
-                if (p.backend == KVF_BACKEND_CUDA)
+                if (p.backend == KVF_BACKEND_ENGINE)
+                        snprintf(where, sizeof(where), "of the engine's caches (waiting for the engine to "
+                                 "register them)");
+                else if (p.backend == KVF_BACKEND_CUDA)
                         snprintf(where, sizeof(where), "GPU %u cache (copies in the %s's context)", p.device,
                                  p.executor == KVF_EXEC_ENGINE ? "engine" : "sender");
                 else
@@ -389,6 +436,7 @@ int main(int argc, char **argv)
                 kvf_role_heartbeat(&ctl, KVF_ROLE_ALLOCATOR);
                 kvf_sleep_ns(beat / 2);
         }
+        kvf_registry_stop();
         kvf_role_end(&ctl, KVF_ROLE_ALLOCATOR);
         kvf_info("stopping");
         if (published)

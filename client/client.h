@@ -6,6 +6,7 @@
 #define KVF_CLIENT_H
 
 #include <pthread.h>
+#include <stdbool.h>
 #include <stdint.h>
 #include <sys/types.h>
 
@@ -40,6 +41,7 @@ struct kvf_client {
         uint64_t prev_dropped;
         int signal_method;        /* enum kvf_layer_signal chosen (0: not yet) */
         struct kvf_stream *stream; /* created at the first kvf_layer_done_on_stream */
+        bool registered;           /* this client registered the engine's caches (register.c) */
 };
 
 /* kvferry.c: 0 in the process that attached c, else -EBADF with kvf_err saying why (a child

@@ -48,7 +48,8 @@ int kvf_client_owned(const struct kvf_client *c)
 static int map_cache(struct kvf_client *c)
 {
         const struct kvf_ctl_header *h = c->ctl.hdr;
-        if (h->layout.cache_bytes == 0)
+        /* The engine's caches are the engine's own: nothing of ours to map. */
+        if (h->layout.cache_bytes == 0 || h->backend == KVF_BACKEND_ENGINE)
                 return 0;
         return kvf_cache_map(h, true, &c->cache);
 }
@@ -147,6 +148,8 @@ void kvf_detach(struct kvf_client *c)
                 return;
         }
         kvf_stream_detach(c); /* (its copies and signals reference the cache and us) */
+        if (c->registered)
+                (void)kvf_unregister_caches(c); /* (a failure: the allocator sees us end anyway) */
         kvf_role_end(&c->ctl, KVF_ROLE_ENGINE);
         /* The session is over: the sender ends its requests now, not at its next tick. */
         kvf_doorbell_ring(&c->ctl.bells[KVF_BELL_SENDER]);
@@ -181,6 +184,11 @@ void *kvf_cache_tensor(struct kvf_client *c, uint32_t layer, int v)
         if (kvf_client_owned(c) < 0)
                 return NULL;
         const struct kvf_cache_layout *l = &c->ctl.hdr->layout;
+        if (c->ctl.hdr->backend == KVF_BACKEND_ENGINE) {
+                kvf_err_set(-ENOTSUP, "instance '%s' keeps the engine's own caches (--caches engine): the "
+                            "engine addresses its tensors itself", c->ctl.hdr->instance);
+                return NULL;
+        }
         if (!c->cache.base || layer >= kvf_layout_layers(l) || v < 0 || (uint32_t)v >= kvf_layout_tensors(l))
                 return NULL;
         return kvf_cache_addr(&c->cache, kvf_layout_offset(l, layer, (uint32_t)v, 0));

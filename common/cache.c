@@ -4,6 +4,7 @@
 #include <errno.h>
 #include <string.h>
 
+#include "copy.h"
 #include "err.h"
 #include "layout.h"
 
@@ -11,6 +12,7 @@
 static const struct kvf_cache_backend *const backends[] = {
         &kvf_cache_host,
         &kvf_cache_host_async, /* a test backend: host memory, copies completed later */
+        &kvf_cache_engine,     /* host memory the engine registered */
 #ifdef KVF_HAVE_CUDA
         &kvf_cache_cuda,
 #endif
@@ -103,4 +105,35 @@ void kvf_cache_unmap(struct kvf_cache *c)
         if (c->be)
                 c->be->unmap(c);
         memset(c, 0, sizeof(*c));
+}
+
+int kvf_cache_copy_host(const struct kvf_copy_batch *b)
+{
+        for (uint32_t i = 0; i < b->nruns; i++) {
+                const struct kvf_copy_run *r = &b->runs[i];
+                const struct kvf_cache *d = b->dst[r->dst];
+                uint64_t so = r->src_off, dof = r->dst_off, left = r->bytes;
+                while (left) {
+                        uint64_t n = left, cs = kvf_cache_contig(b->src, so), cd = kvf_cache_contig(d, dof);
+                        n = n < cs ? n : cs;
+                        n = n < cd ? n : cd;
+                        if (n == 0)
+                                return kvf_err_set(-EIO, "copy of %llu bytes at %llu to %llu: %s cache not mapped "
+                                                   "there (the engine's caches were dropped?)",
+                                                   (unsigned long long)left, (unsigned long long)so,
+                                                   (unsigned long long)dof, cs == 0 ? "the source" : "the destination");
+                        kvf_copy_stream(kvf_cache_addr(d, dof), kvf_cache_addr(b->src, so), n);
+                        so += n, dof += n, left -= n;
+                }
+        }
+        /* The streamed stores are visible before anything that says the bytes are there. */
+        kvf_copy_fence();
+        return 0;
+}
+
+bool kvf_cache_backends_compatible(uint32_t a, uint32_t b)
+{
+        bool ha = a == KVF_BACKEND_HOST || a == KVF_BACKEND_ENGINE;
+        bool hb = b == KVF_BACKEND_HOST || b == KVF_BACKEND_ENGINE;
+        return a == b || (ha && hb);
 }

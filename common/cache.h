@@ -49,6 +49,14 @@ struct kvf_cache {
         uint8_t **parts;
         uint64_t part_bytes;
         uint32_t n_parts;
+        /* The engine's caches (cache_engine.c): parts are the (layer, tensor) views of the
+         * registration, and strides[i] the bytes between part i's blocks (NULL: every part's
+         * blocks are back to back). A block is contiguous; blocks of a part need not be, so a
+         * run over more than one block is split (kvf_cache_contig). reg_gen: the
+         * registration mapped (odd), or the generation seen while waiting for one (even). */
+        uint64_t *strides;
+        uint64_t reg_gen;
+        const struct kvf_ctl_header *reg_hdr; /* the segment whose registration this maps */
 };
 
 /* One run of contiguous bytes from the source cache to one of the batch's destinations. */
@@ -203,11 +211,46 @@ void kvf_cache_unmap(struct kvf_cache *c);
 /* The address of byte `off` of the cache, as this process uses it (host or device). */
 static inline void *kvf_cache_addr(const struct kvf_cache *c, uint64_t off)
 {
-        if (c->parts)
-                return off / c->part_bytes < c->n_parts ? c->parts[off / c->part_bytes] + off % c->part_bytes
-                                                        : (void *)0;
-        return c->base ? c->base + off : (void *)0;
+        if (c->parts) {
+                uint64_t i = off / c->part_bytes, r = off % c->part_bytes, bb = c->layout.block_bytes;
+                if (i >= c->n_parts)
+                        return (void *)0;
+                if (c->strides)
+                        return c->parts[i] + r / bb * c->strides[i] + r % bb;
+                return c->parts[i] + r;
+        }
+        return c->base && off < c->bytes ? c->base + off : (void *)0;
 }
+
+/* Bytes contiguous in memory from byte `off` of the cache on (to the end of its block when
+ * the blocks are strided, of its tensor when in parts); 0 when off is outside the cache. */
+static inline uint64_t kvf_cache_contig(const struct kvf_cache *c, uint64_t off)
+{
+        if (c->parts) {
+                uint64_t i = off / c->part_bytes, r = off % c->part_bytes, bb = c->layout.block_bytes;
+                if (i >= c->n_parts)
+                        return 0;
+                if (c->strides && c->strides[i] != bb)
+                        return bb - r % bb;
+                return c->part_bytes - r;
+        }
+        return c->base && off < c->bytes ? c->bytes - off : 0;
+}
+
+/*
+ * The engine's caches: map the registration the header names now when c maps an older one
+ * (or none), under the lock the connection threads' staged copies hold (cache_engine.c), so
+ * no copy runs on a mapping being replaced. 1 remapped, 0 nothing to do, -errno (kvf_err).
+ * Any other backend: 0.
+ */
+int kvf_cache_refresh(struct kvf_cache *c);
+
+/* Host memory on both sides: copy a batch's runs with the CPU, each run split where either
+ * cache's memory is not contiguous. 0, or -EIO (a cache not mapped there: kvf_err says). */
+int kvf_cache_copy_host(const struct kvf_copy_batch *b);
+/* Whether same-host copies between caches of these two backends can run (host memory both,
+ * or the same backend). */
+bool kvf_cache_backends_compatible(uint32_t a, uint32_t b);
 
 static inline int kvf_cache_copy_submit(const struct kvf_copy_batch *b, uint64_t *ticket)
 {
@@ -222,6 +265,7 @@ static inline int kvf_cache_copy_poll(struct kvf_cache *src, uint64_t ticket)
 /* The backends (cache_*.c). */
 extern const struct kvf_cache_backend kvf_cache_host;
 extern const struct kvf_cache_backend kvf_cache_host_async;
+extern const struct kvf_cache_backend kvf_cache_engine;
 #ifdef KVF_HAVE_CUDA
 extern const struct kvf_cache_backend kvf_cache_cuda;
 /* cache_cuda.c: GPUs visible (kvf_cache_gpus); the device this process numbers `uuid`, or < 0. */

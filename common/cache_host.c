@@ -170,17 +170,12 @@ static void host_unmap(struct kvf_cache *c)
         kvf_host_cache_unmap_raw(c->base, c->bytes);
 }
 
-/* Streamed copies, done before submit returns: every ticket is complete. */
+/* Streamed copies, done before submit returns: every ticket is complete. A peer's cache may
+ * be the engine's (strided blocks): kvf_cache_copy_host splits the runs there. */
 static int host_copy_submit(const struct kvf_copy_batch *b, uint64_t *ticket)
 {
-        for (uint32_t i = 0; i < b->nruns; i++) {
-                const struct kvf_copy_run *r = &b->runs[i];
-                kvf_copy_stream(b->dst[r->dst]->base + r->dst_off, b->src->base + r->src_off, r->bytes);
-        }
-        /* The streamed stores are visible before anything that says the bytes are there. */
-        kvf_copy_fence();
         *ticket = 0;
-        return 0;
+        return kvf_cache_copy_host(b);
 }
 
 static int host_copy_poll(struct kvf_cache *src, uint64_t ticket)

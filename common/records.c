@@ -29,7 +29,7 @@ enum fid {
         CHUNKED, SRC, DST, RUNS, KEY, LAYER, STATUS, PROTOCOL, BYTES, BLOCKS, ACCEPT_NS,
         LAST_LAYER_NS, DONE_NS, GENERATION, UP, INSTANCE, PURPOSE, ROLE, PROTO, BOOT_ID, NONCE,
         PROOF, LAYER_COUNT, L_LAYERS, L_EXTRA, L_BLOCKS, L_HEADS, L_BSIZE, L_HDIM, L_DTYPE, L_KEYONLY,
-        L_RANK, L_NRANKS, DECODE_TP,
+        L_RANK, L_NRANKS, L_TOKEN_MAJOR, DECODE_TP,
         SESSION, WITHDRAW, DEVICE_IDS, PEER_SESSION, RDMA_PORT, RDMA_ADDR, RDMA_LEN, RDMA_RKEY,
         RDMA_TICKET, NFIELDS
 };
@@ -81,6 +81,7 @@ static const struct field fields[NFIELDS] = {
         [L_KEYONLY] = FU("key_only", lay_keyonly),
         [L_RANK] = FU("rank", lay_rank),
         [L_NRANKS] = FU("nranks", lay_nranks),
+        [L_TOKEN_MAJOR] = FU("token_major", lay_token_major),
         [DECODE_TP] = FU("decode_tp_size", decode_tp),
         [SESSION] = FU("session", session),
         [WITHDRAW] = FB("withdraw", withdraw),
@@ -112,7 +113,8 @@ struct spec {
 #define USES(...) (const struct use[]){__VA_ARGS__}, sizeof((const struct use[]){__VA_ARGS__}) / sizeof(struct use)
 
 #define LAYOUT_USES {L_LAYERS, R}, {L_EXTRA, R}, {L_BLOCKS, R}, {L_HEADS, R}, {L_BSIZE, R}, \
-                {L_HDIM, R}, {L_DTYPE, R}, {L_KEYONLY, R}, {L_RANK, Z}, {L_NRANKS, Z}
+                {L_HDIM, R}, {L_DTYPE, R}, {L_KEYONLY, R}, {L_RANK, Z}, {L_NRANKS, Z}, \
+                {L_TOKEN_MAJOR, Z}
 
 static const struct spec specs[KVF_RT_WIRE_MAX + 1] = {
         [KVF_REC_TASK] = {"task",

@@ -125,6 +125,7 @@ struct kvf_record {
                 lay_keyonly;
         uint64_t lay_rank, lay_nranks; /* the instance's tensor-parallel rank and group size
                                         * (omitted when zero; absent: rank 0 of 1) */
+        uint64_t lay_token_major; /* the engine's caches: 1 when a block is [block_size, heads, head_dim] */
         /* welcome of an rdma data connection (omitted when zero): the decode connector's
          * rdma_cm port, its region for this peer (address, length, remote key), and the
          * ticket the peer's rdma_cm connect must carry (binds it to this handshake) */

@@ -41,7 +41,8 @@
  * prewakes_met; a doorbell's expect_until. 8: notice slots (same-host notices in one hop).
  * 9: per-request histograms (bytes, descriptors, transfer time) and a request's xfer_start_ns and
  * descs; counters notices_failed and the peer gauges; prewakes and prewakes_met gone (the sender
- * no longer prewakes its connector). */
+ * no longer prewakes its connector); the engine's caches (backend "engine", the header's
+ * reg_* fields, a request's own_reg_gen and peer_reg_gen); a request's n_dst. */
 #define KVF_LAYOUT_VERSION 9u
 #define KVF_CACHE_LINE 64u
 #define KVF_HEADER_SIZE 4096u
@@ -108,6 +109,8 @@ enum kvf_backend {
         KVF_BACKEND_HOST = 1,       /* caches in a shared-memory file */
         KVF_BACKEND_CUDA = 2,       /* caches in GPU memory, CUDA IPC handles below */
         KVF_BACKEND_HOST_ASYNC = 3, /* test backend: host memory, copies completed later */
+        KVF_BACKEND_ENGINE = 4,     /* host memory the engine registered (cache_engine.c): the
+                                     * allocator makes none; reg_* below say what is there */
 };
 
 #define KVF_DEVICE_NONE 0xffffffffu
@@ -320,7 +323,9 @@ struct kvf_req_slot {
          * request sends all n_src source blocks into n_dst blocks of the peer's size); 0: n_send. */
         uint32_t n_dst;
         uint32_t pad2;
-        uint8_t pad1[256];
+        uint64_t own_reg_gen;    /* ipc, engine's caches: the registration generations its first */
+        uint64_t peer_reg_gen;   /* copy went from and into (0: none yet, or not the engine's) */
+        uint8_t pad1[240];
 };
 #define KVF_REQF_ID_BIN 1u       /* the request id came as msgpack bin: echo it as bin */
 #define KVF_REQF_COPY_PENDING 2u /* ipc: copies of it gathered into a batch, not yet seen complete */
@@ -538,7 +543,18 @@ struct kvf_ctl_header {
         uint64_t notice_off;   /* struct kvf_notice_slot[notice_slots] */
         uint32_t notice_slots; /* KVF_NOTICE_SLOTS */
         uint32_t notice_ring_capacity; /* bytes of each notice and reply ring */
-        uint8_t reserved[3704 - 8 - KVF_CACHE_PATH_MAX - KVF_CACHE_NOTE_MAX - 40 - 16];
+        /* Backend engine: the registration the allocator holds (registration.h). The
+         * allocator writes the other reg_* fields, then reg_generation with a release store
+         * (readers: load-acquire reg_generation, read, re-check it); odd = registered, even =
+         * waiting for the engine's caches. Bumped by every registration and every drop, so a
+         * role's mapping of generation g is stale once the word differs from g. */
+        uint64_t reg_generation;
+        int32_t reg_pid;          /* the registering process */
+        uint32_t reg_regions;     /* regions (shared files) it gave */
+        uint64_t reg_bytes;       /* bytes of those regions */
+        uint32_t reg_token_major; /* 1: a block is [block_size, heads, head_dim] */
+        uint32_t reg_strided;     /* 1: some view's block stride is not block_bytes */
+        uint8_t reserved[3704 - 8 - KVF_CACHE_PATH_MAX - KVF_CACHE_NOTE_MAX - 40 - 16 - 32];
 };
 
 _Static_assert(sizeof(struct kvf_cache_layout) == 48, "layout size");
@@ -571,6 +587,7 @@ _Static_assert(offsetof(struct kvf_ctl_header, layout) == 96, "layout offset");
 _Static_assert(offsetof(struct kvf_ctl_header, cache_path) == 400, "cache path offset");
 _Static_assert(offsetof(struct kvf_ctl_header, cuda_uuid) == 720, "cuda uuid offset");
 _Static_assert(offsetof(struct kvf_ctl_header, exec_off) == 744, "exec offset");
+_Static_assert(offsetof(struct kvf_ctl_header, reg_generation) == 776, "registration offset");
 _Static_assert(sizeof(struct kvf_ctl_header) == KVF_HEADER_SIZE, "header size");
 
 #endif

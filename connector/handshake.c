@@ -9,6 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "atomics.h"
 #include "clock.h"
 #include "connector.h"
 #include "err.h"
@@ -63,6 +64,12 @@ static int recv_record(int fd, int want, struct kvf_record *r, unsigned timeout_
         return 0;
 }
 
+/* 1 when the engine registered caches whose blocks are [block_size, heads, head_dim]. */
+static uint32_t token_major(const struct kvf_ctl_header *h)
+{
+        return h->backend == KVF_BACKEND_ENGINE && kvf_load_acquire(&h->reg_token_major) ? 1u : 0u;
+}
+
 static void layout_to_rec(struct kvf_record *r, const struct kvf_cache_layout *l)
 {
         r->lay_layers = l->num_layers;
@@ -87,6 +94,21 @@ static void identity_rec(struct kvf_record *r, uint32_t type, const struct kvf_c
         layout_to_rec(r, &h->layout);
         r->lay_rank = h->rank;
         r->lay_nranks = h->nranks;
+        r->lay_token_major = token_major(h);
+}
+
+/* Peers move whole blocks as they lie: both lay a block out the same way, or neither may send. */
+static int check_token_order(const struct kvf_ctl_header *h, uint64_t theirs, const char *peer, char *why,
+                             size_t whylen)
+{
+        uint32_t ours = token_major(h);
+        if ((theirs != 0) == (ours != 0))
+                return 0;
+        snprintf(why, whylen, "peer layout mismatch with '%s': its blocks are %s, here %s (the engines' "
+                 "token_major): both sides must lay blocks out the same way", peer,
+                 theirs ? "token-major [block_size, heads, head_dim]" : "head-major [heads, block_size, head_dim]",
+                 ours ? "token-major" : "head-major");
+        return -EXDEV;
 }
 
 /*
@@ -223,6 +245,10 @@ int conn_handshake_client(struct connector *cn, int fd, const char *purpose,
                 return kvf_err_set(-EXDEV, "handshake: peer layout mismatch with '%s': %s",
                                    out->instance, why);
         }
+        if (check_token_order(h, r.lay_token_major, out->instance, why, sizeof(why)) < 0) {
+                *status = KVF_STATUS_LAYOUT_MISMATCH;
+                return kvf_err_set(-EXDEV, "handshake: %s", why);
+        }
         *status = KVF_STATUS_FINISHED;
         return 0;
 }
@@ -294,6 +320,11 @@ int conn_handshake_server(struct connector *cn, int fd, struct peer_identity *ou
                         h->rank, h->nranks, purpose, why, sizeof(why)) < 0) {
                 snprintf(reason, sizeof(reason), "peer layout mismatch (as seen by '%s'): %s",
                          h->instance, why);
+                refuse(fd, KVF_STATUS_LAYOUT_MISMATCH, reason, to);
+                return kvf_err_set(-EXDEV, "handshake with '%s': %s", out->instance, reason);
+        }
+        if (check_token_order(h, r.lay_token_major, out->instance, why, sizeof(why)) < 0) {
+                snprintf(reason, sizeof(reason), "%s (as seen by '%s')", why, h->instance);
                 refuse(fd, KVF_STATUS_LAYOUT_MISMATCH, reason, to);
                 return kvf_err_set(-EXDEV, "handshake with '%s': %s", out->instance, reason);
         }

@@ -249,6 +249,10 @@ static void control_loop(struct connector *cn)
                         }
                         kvf_role_heartbeat(&cn->ctl, KVF_ROLE_CONNECTOR);
                         conn_engine_check(cn);
+                        /* The engine's caches: a dropped registration's memory is let go within
+                         * a heartbeat, not only at the next transfer (the staged copies' lock). */
+                        if (kvf_cache_refresh(&cn->cache) < 0)
+                                kvf_errlog(&cn->ctl, KVF_ROLE_CONNECTOR, "the engine's caches: %s", kvf_err_msg());
                         conn_peers_tick(cn, now);
                         kvf_log_flush(); /* suppressed lines of every thread, once their window is over */
                         /* A transfer whose sender went silent for a long while is not coming. */

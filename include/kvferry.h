@@ -189,13 +189,63 @@ int kvf_get_layout_sized(struct kvf_client *c, struct kvf_layout_info *out, size
  * The tensor of `layer` (0 = K, 1 = V), [num_blocks, heads, block_size, head_dim],
  * contiguous: host memory for a host instance, a device pointer (on the GPU
  * kvf_cache_device() names) for a cuda instance. NULL for a layer or tensor
- * out of range. The caches are the allocator's: they outlive the engine, so
+ * out of range, or for an instance of the engine's own caches (--caches engine,
+ * kvf_register_caches below). The caches are the allocator's: they outlive the engine, so
  * an engine that attaches again finds them as it left them.
  */
 void *kvf_cache_tensor(struct kvf_client *c, uint32_t layer, int v);
 /* -1: the caches are host memory; else the CUDA device, as this process numbers devices
  * (CUDA_VISIBLE_DEVICES), that holds them. */
 int kvf_cache_device(struct kvf_client *c);
+
+/*
+ * Caches the engine allocated itself (an instance started with `--caches engine`,
+ * whose allocator makes none): every (layer, tensor) handed over in one call, so
+ * the allocator checks the whole set at once (each (layer, tensor) exactly once,
+ * no two blocks overlapping, every block inside one region) and the roles map it
+ * in one step; a registration is never half there.
+ *
+ * Host memory is shared as files: each region is `bytes` at `addr` in this
+ * process, mapped from descriptor `fd` (a memfd or /dev/shm file) at
+ * `fd_offset`. GPU memory (device >= 0, fd = -1) needs a build with CUDA.
+ */
+struct kvf_reg_region {
+        void *addr;
+        uint64_t bytes;
+        int fd;
+        uint32_t pad;
+        uint64_t fd_offset;
+};
+/* (layer, tensor 0 = K / 1 = V): block b is block_bytes contiguous bytes at addr + b * block_stride
+ * (per-layer tensors: block_stride = block_bytes; blocks-first [blocks, 2, ...]: 2 * block_bytes). */
+struct kvf_reg_view {
+        uint32_t layer;
+        uint32_t tensor;
+        void *addr;
+        uint64_t block_stride;
+};
+struct kvf_registration {
+        const struct kvf_reg_region *regions;
+        uint32_t n_regions;
+        uint32_t pad;
+        const struct kvf_reg_view *views;
+        uint32_t n_views;
+        uint32_t token_major; /* 1: a block is [block_size, heads, head_dim] (vLLM), else
+                               * [heads, block_size, head_dim] */
+        int device;           /* -1 host memory, else the CUDA device as this process numbers it */
+        uint32_t pad2;
+};
+/*
+ * Register the engine's caches with the instance: 0, or -errno with kvf_last_error()
+ * saying what to change (-EINVAL a view or region that does not fit, -EBUSY another
+ * process holds a registration, -ENOTSUP not an instance of the engine's caches).
+ * The registration lasts until kvf_unregister_caches, kvf_detach, or this process's
+ * end; meanwhile the allocator and the roles keep the regions mapped. Call it with
+ * r_size = sizeof(struct kvf_registration) (one call of a release that came with its own
+ * library: no macro, so that the library exports exactly what this header declares).
+ */
+int kvf_register_caches_sized(struct kvf_client *c, const struct kvf_registration *r, size_t r_size);
+int kvf_unregister_caches(struct kvf_client *c);
 
 int kvf_submit_task_sized(struct kvf_client *c, const struct kvf_task *t, size_t t_size);
 #define kvf_submit_task(c, t) kvf_submit_task_sized((c), (t), sizeof(*(t)))

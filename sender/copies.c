@@ -19,6 +19,7 @@
 #include "err.h"
 #include "layout.h"
 #include "log.h"
+#include "registration.h"
 #include "sender.h"
 
 int sender_copies_init(struct sender *s)
@@ -361,4 +362,102 @@ void sender_copies_drain(struct sender *s, uint64_t timeout_ns)
                 if (s->cp.flight)
                         kvf_sleep_ns(100000);
         }
+}
+
+static bool is_engine(const struct kvf_cache *c)
+{
+        return c->be && c->be->id == KVF_BACKEND_ENGINE;
+}
+
+static bool ready(const struct kvf_cache *c)
+{
+        return c->base || c->parts;
+}
+
+static uint32_t token_major(const struct kvf_ctl_header *h)
+{
+        return h->backend == KVF_BACKEND_ENGINE ? kvf_load_acquire(&h->reg_token_major) : 0;
+}
+
+/* Remap an engine's caches that moved on. Host copies complete before submit returns, so
+ * nothing is in flight from the old mapping; runs gathered but not submitted are flushed first. */
+static int refresh(struct sender *s, struct kvf_cache *c)
+{
+        if (!is_engine(c) || !kvf_reg_stale(c->reg_hdr, c))
+                return 0;
+        if (s->cp.nruns)
+                sender_copies_flush(s);
+        uint64_t was = c->reg_gen;
+        int rc = kvf_cache_refresh(c);
+        if (rc < 0) {
+                kvf_warn("the engine's caches of '%s': %s", c->reg_hdr->instance, kvf_err_msg());
+                return rc;
+        }
+        kvf_info("the engine's caches of '%s': generation %llu -> %llu (%s)", c->reg_hdr->instance,
+                 (unsigned long long)was, (unsigned long long)c->reg_gen, ready(c) ? "mapped" : "waiting for the engine");
+        return 0;
+}
+
+int sender_caches_check(struct sender *s, uint32_t peer_idx, uint32_t slot, char *why, size_t whylen)
+{
+        const struct kvf_ctl_header *me = s->ctl.hdr;
+        int rc = refresh(s, &s->own);
+        if (rc < 0) {
+                snprintf(why, whylen, "instance '%s': %s", me->instance, kvf_err_msg());
+                return rc;
+        }
+        if (!ready(&s->own)) {
+                snprintf(why, whylen, "instance '%s' is waiting for the engine's caches: register them first "
+                         "(kvf_register_caches, Client.register_caches)", me->instance);
+                return -ENODEV;
+        }
+        if (peer_idx == UINT32_MAX)
+                return 0;
+        struct ipc_peer *p = &s->peers[peer_idx];
+        const struct kvf_ctl_header *ph = p->ctl.hdr;
+        if ((rc = refresh(s, &p->cache)) < 0) {
+                snprintf(why, whylen, "peer '%s': %s", p->name, kvf_err_msg());
+                return rc;
+        }
+        if (!ready(&p->cache)) {
+                snprintf(why, whylen, "peer '%s' is waiting for its engine's caches (its engine has not registered "
+                         "them)", p->name);
+                return -ENODEV;
+        }
+        uint32_t tm = token_major(me), ptm = token_major(ph);
+        if (tm != ptm) {
+                snprintf(why, whylen, "peer layout mismatch with '%s': its blocks are %s, here %s: both engines "
+                         "must lay blocks out the same way (token_major)", p->name,
+                         ptm ? "token-major [block_size, heads, head_dim]" : "head-major [heads, block_size, head_dim]",
+                         tm ? "token-major" : "head-major");
+                return -EXDEV;
+        }
+        if (tm && p->plan.npieces) {
+                snprintf(why, whylen, "peer layout mismatch with '%s': another tensor-parallel split, whose head "
+                         "slices of token-major blocks are not contiguous: not supported", p->name);
+                return -EXDEV;
+        }
+        if (slot == UINT32_MAX)
+                return 0;
+        struct kvf_req_slot *r = &s->ctl.reqtab[slot];
+        if (!r->own_reg_gen && !r->peer_reg_gen) {
+                r->own_reg_gen = s->own.reg_gen;
+                r->peer_reg_gen = p->cache.reg_gen;
+        } else if (r->own_reg_gen != s->own.reg_gen) {
+                snprintf(why, whylen, "the engine's caches of '%s' were registered anew during the transfer", me->instance);
+                return -ESTALE;
+        } else if (r->peer_reg_gen != p->cache.reg_gen) {
+                snprintf(why, whylen, "the engine's caches of peer '%s' were registered anew during the transfer: "
+                         "its blocks are not the ones reserved", p->name);
+                return -ESTALE;
+        }
+        return 0;
+}
+
+void sender_caches_tick(struct sender *s)
+{
+        (void)refresh(s, &s->own);
+        for (uint32_t i = 0; i < SENDER_MAX_PEERS; i++)
+                if (s->peers[i].in_use)
+                        (void)refresh(s, &s->peers[i].cache);
 }

@@ -113,7 +113,7 @@ static int open_peer(struct sender *s, struct ipc_peer *p, const char *name, cha
                 rc = -EPERM;
                 goto fail;
         }
-        if (h->backend != s->own.be->id) {
+        if (!kvf_cache_backends_compatible(h->backend, s->own.be->id)) {
                 const struct kvf_cache_backend *pb = kvf_cache_backend(h->backend);
                 snprintf(why, whylen, "instance '%s' keeps its cache in '%s' memory, this one in '%s': "
                          "same-host copies need the same backend",

@@ -151,6 +151,11 @@ static int send_range(struct sender *s, uint32_t slot, uint32_t l0, uint32_t l1,
                                            "the engine session %llu of peer '%s' ended during the transfer: its blocks are no longer reserved",
                                            (unsigned long long)r->peer_session, r->peer);
                 }
+                char why[KVF_REASON_MAX];
+                if (sender_caches_check(s, r->peer_idx, slot, why, sizeof(why)) < 0) {
+                        *status = KVF_STATUS_ENGINE_GONE;
+                        return kvf_err_set(-ECANCELED, "%s", why);
+                }
                 if (copy_ipc(s, slot, l0, l1, b0, b1) < 0) {
                         *status = KVF_STATUS_WRITE;
                         return -ECANCELED; /* (kvf_err says why) */

@@ -735,6 +735,7 @@ void sender_tick(struct sender *s, uint64_t now)
         sender_sessions_check(s, true);
         kvf_log_flush(); /* suppressed lines, once their window is over */
         check_peers(s);
+        sender_caches_tick(s);
         for (uint32_t i = 0; i < n; i++) {
                 struct kvf_req_slot *r = &s->ctl.reqtab[i];
                 enum sender_req_state st = sender_req_state(s, i);

@@ -413,6 +413,17 @@ int sender_copies_add(struct sender *s, uint32_t slot, uint32_t l0, uint32_t l1,
                       uint32_t nwords);
 /* Submit what was gathered (one batch), then poll. */
 void sender_copies_flush(struct sender *s);
+/*
+ * The engine's caches: map the registration that is there now, ours (own) and the peer's
+ * (peer_idx, or UINT32_MAX for none), when the mapping is behind it. 0, or -errno with why:
+ * a cache that waits for its engine's registration, token orders that differ, a head split of
+ * token-major blocks. With slot != UINT32_MAX, also that the registrations are the ones the
+ * request's first copy used (a new one holds other blocks).
+ */
+int sender_caches_check(struct sender *s, uint32_t peer_idx, uint32_t slot, char *why, size_t whylen);
+/* Every heartbeat: remap the engine's caches (ours, our peers') whose registration moved on, so
+ * that a dropped one's memory is let go within a heartbeat, not at the next task. */
+void sender_caches_tick(struct sender *s);
 /* Batches (and the engine's owes) that completed: news for their slots. */
 void sender_copies_poll(struct sender *s);
 /*

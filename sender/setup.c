@@ -34,7 +34,8 @@ int sender_open(struct sender *s, const char *instance, const struct sender_opts
                 sender_free(s);
                 return rc;
         }
-        s->sync_copies = s->own.be->stage == NULL; /* host memory, copied by this thread */
+        /* host memory, copied by this thread (the engine's caches stage only for the connector) */
+        s->sync_copies = s->own.be->stage == NULL || s->own.be->id == KVF_BACKEND_ENGINE;
         return 0;
 }
 

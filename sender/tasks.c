@@ -163,6 +163,8 @@ static int validate_task(struct sender *s, struct kvf_record *t, uint32_t *pidx,
         if (!strcmp(t->peer, h->instance))
                 return verdict(why, whylen, KVF_STATUS_BAD_TASK,
                               "peer '%s' is this instance itself", t->peer);
+        if (sender_caches_check(s, UINT32_MAX, UINT32_MAX, why, whylen) < 0)
+                return KVF_STATUS_ENGINE_GONE; /* (why says it) */
         if (t->transport == KVF_TRANSPORT_IPC) {
                 int rc = sender_peer_get(s, t->peer, pidx, why, whylen);
                 if (rc == -ENOENT)
@@ -194,6 +196,11 @@ static int validate_task(struct sender *s, struct kvf_record *t, uint32_t *pidx,
                                               "fill %u to %u blocks of %u tokens at peer '%s'",
                                               t->n_dst, t->n_src, bs, lo, hi, bd, t->peer);
                 }
+                rc = sender_caches_check(s, *pidx, UINT32_MAX, why, whylen);
+                if (rc == -EXDEV)
+                        return KVF_STATUS_LAYOUT_MISMATCH; /* (why says it) */
+                if (rc < 0)
+                        return KVF_STATUS_CONNECTION; /* (why says it) */
                 uint32_t peer_blocks = s->peers[*pidx].ctl.hdr->layout.num_blocks;
                 for (uint32_t i = 0; i < t->n_dst; i++)
                         if (t->dst[i] >= peer_blocks)
@@ -252,6 +259,7 @@ static int accept_task(struct sender *s, struct kvf_record *t, const struct task
                           : pidx != UINT32_MAX     ? kvf_engine_session(&s->peers[pidx].ctl, false)
                                                    : sender_net_peer_session(s, t->peer);
         r->withdraw_ns = 0;
+        r->own_reg_gen = r->peer_reg_gen = 0; /* set by the first copy (sender_caches_check) */
         r->last_layer_ns = 0;
         r->deadline_ns = r->accept_ns + s->request_timeout_ns;
         r->bytes = 0;

@@ -97,6 +97,13 @@ int main(void)
                 got = 1;
         }
         CHECK(got);
+        /* The engine's caches: a struct shorter than this library's is refused; an instance
+         * of its own caches takes none. */
+        struct kvf_registration reg = {0};
+        CHECK_EQ(kvf_register_caches_sized(c, &reg, sizeof(reg) - 8), -EINVAL);
+        CHECK_ERR_HAS("struct kvf_registration");
+        CHECK_EQ(kvf_register_caches_sized(c, &reg, sizeof(reg)), -ENOTSUP);
+        CHECK_ERR_HAS("--caches engine");
         kvf_detach(c);
         printf("abi_sizes_test: short sizes refused, longer ones zero-filled, unknown task fields refused\n");
         return 0;

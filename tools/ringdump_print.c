@@ -487,6 +487,18 @@ static void print_header(struct dump *d)
                               fixlen(h->cache_note, sizeof(h->cache_note)));
                         j_close(d, '}');
                 }
+                if (h->backend == KVF_BACKEND_ENGINE) {
+                        uint64_t g = kvf_load_acquire(&h->reg_generation);
+                        j_open(d, "engine_caches", '{');
+                        j_bool(d, "registered", (g & 1) != 0);
+                        j_u64(d, "generation", g);
+                        j_u64(d, "pid", (uint64_t)(uint32_t)h->reg_pid);
+                        j_u64(d, "regions", h->reg_regions);
+                        j_u64(d, "bytes", h->reg_bytes);
+                        j_bool(d, "token_major", h->reg_token_major != 0);
+                        j_bool(d, "strided", h->reg_strided != 0);
+                        j_close(d, '}');
+                }
                 j_open(d, "connector", '{');
                 j_bool(d, "published", cinfo);
                 if (cinfo) {
@@ -563,6 +575,17 @@ static void print_header(struct dump *d)
                 if (nl)
                         fprintf(d->f, ": %s", esc(e2, sizeof(e2), h->cache_note, nl));
                 fputc('\n', d->f);
+        }
+        if (h->backend == KVF_BACKEND_ENGINE) {
+                uint64_t g = kvf_load_acquire(&h->reg_generation);
+                if (g & 1)
+                        fprintf(d->f, "  engine caches: registered by pid %d: %u regions, %s%s%s, generation %" PRIu64 "\n",
+                                (int)h->reg_pid, h->reg_regions, human_bytes(b2, sizeof(b2), h->reg_bytes),
+                                h->reg_strided ? ", strided blocks" : "",
+                                h->reg_token_major ? ", token-major blocks" : "", g);
+                else
+                        fprintf(d->f, "  engine caches: waiting for the engine's caches (generation %" PRIu64
+                                "): tasks are refused until it registers them\n", g);
         }
         if (cinfo)
                 fprintf(d->f, "  connector: listening on %s:%u\n",

@@ -33,7 +33,7 @@ import threading
 import weakref
 
 __all__ = ["Client", "KvferryError", "RingFull", "Layout", "DeviceTensor", "STATUS_NAMES",
-           "library_path"]
+           "library_path", "host_buffer"]
 
 ABI = 1  # KVFERRY_ABI of the kvferry.h this package repeats
 VERSION = "0.1.0"  # KVFERRY_VERSION of that header
@@ -75,6 +75,23 @@ _CONSTANTS = ("KVF_STATUS_COUNT", "KVF_EVENT_ID_BIN", "KVF_TO_SENDER", "KVF_TO_C
               "KVF_SIGNAL_DEFAULT", "KVF_SIGNAL_HOSTFN", "KVF_SIGNAL_WRITEVALUE")
 
 
+class _RegRegion(ctypes.Structure):
+    _fields_ = [("addr", ctypes.c_void_p), ("bytes", ctypes.c_uint64), ("fd", ctypes.c_int),
+                ("pad", ctypes.c_uint32), ("fd_offset", ctypes.c_uint64)]
+
+
+class _RegView(ctypes.Structure):
+    _fields_ = [("layer", ctypes.c_uint32), ("tensor", ctypes.c_uint32),
+                ("addr", ctypes.c_void_p), ("block_stride", ctypes.c_uint64)]
+
+
+class _Registration(ctypes.Structure):
+    _fields_ = [("regions", ctypes.POINTER(_RegRegion)), ("n_regions", ctypes.c_uint32),
+                ("pad", ctypes.c_uint32), ("views", ctypes.POINTER(_RegView)),
+                ("n_views", ctypes.c_uint32), ("token_major", ctypes.c_uint32),
+                ("device", ctypes.c_int), ("pad2", ctypes.c_uint32)]
+
+
 def library_path():
     """Where libkvferry is taken from (see the module's text)."""
     if os.environ.get("KVFERRY_LIB"):
@@ -113,7 +130,9 @@ def _abi_check(info, path, lib_version):
         raise ImportError("kvferry: %s cannot use %s: install the package and the library of "
                           "one kvferry release" % (here, there))
     wrong = []
-    for struct, ctype in (("kvf_event", _Event), ("kvf_layout_info", _Layout)):
+    for struct, ctype in (("kvf_event", _Event), ("kvf_layout_info", _Layout),
+                          ("kvf_reg_region", _RegRegion), ("kvf_reg_view", _RegView),
+                          ("kvf_registration", _Registration)):
         for name, _ in ctype._fields_:
             field = getattr(ctype, name)
             for what, mine in (("offsetof", field.offset), ("sizeof", field.size)):
@@ -168,6 +187,8 @@ def _load():
         "kvf_layer_done_on_stream": (i, [p, p, u64, u32]),
         "kvf_set_layer_signal": (i, [p, i]),
         "kvf_poll_sized": (i, [p, ctypes.POINTER(_Event), sz, i]),
+        "kvf_register_caches_sized": (i, [p, ctypes.POINTER(_Registration), sz]),
+        "kvf_unregister_caches": (i, [p]),
     }
     for name, (res, args) in sigs.items():
         f = getattr(lib, name)
@@ -195,6 +216,127 @@ def _check(rc, what):
     if -rc == _errno.EAGAIN:
         raise RingFull(-rc, msg)
     raise KvferryError(-rc, msg)
+
+
+# -- the engine's caches ------------------------------------------------------------------------
+
+_host_buffers = {}  # start address -> (fd, nbytes): the memory register_caches accepts
+_host_lock = threading.Lock()
+
+
+def _buffer_closed(addr):
+    with _host_lock:
+        fd = _host_buffers.pop(addr, (None,))[0]
+    if fd is not None:
+        os.close(fd)
+
+
+def host_buffer(nbytes):
+    """nbytes of host memory the instance's roles can map: a memfd shared mapping, as a NumPy
+    uint8 array (torch.frombuffer(buf, dtype=...) makes a tensor of it, zero-copy). The only
+    host memory Client.register_caches accepts: carve the caches out of it (reshape, slice,
+    view as another dtype); the memory lives while any view of it does."""
+    import mmap
+    import numpy as np
+    nbytes = int(nbytes)
+    if nbytes <= 0:
+        raise KvferryError(_errno.EINVAL, "kvferry: host_buffer of %d bytes" % nbytes)
+    fd = os.memfd_create("kvferry-engine-caches", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, nbytes)
+        mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    except BaseException:
+        os.close(fd)
+        raise
+    arr = np.frombuffer(mm, dtype=np.uint8)
+    addr = arr.__array_interface__["data"][0]
+    with _host_lock:
+        _host_buffers[addr] = (fd, nbytes)
+    weakref.finalize(arr, _buffer_closed, addr)
+    return arr
+
+
+def _tensor_info(t):
+    """(address, shape, strides in bytes, item size, device: -1 host) of a NumPy array or a
+    torch tensor."""
+    if hasattr(t, "data_ptr") and hasattr(t, "element_size"):  # torch, imported by the caller
+        es = t.element_size()
+        dev = -1 if t.device.type == "cpu" else (t.device.index or 0)
+        return t.data_ptr(), tuple(t.shape), tuple(x * es for x in t.stride()), es, dev
+    ai = getattr(t, "__array_interface__", None)
+    if ai is None:
+        raise KvferryError(_errno.EINVAL, "kvferry: register caches: %s is neither a NumPy "
+                           "array nor a torch tensor" % type(t).__name__)
+    return ai["data"][0], tuple(t.shape), tuple(t.strides), t.itemsize, -1
+
+
+def _block_views(t, what, lo):
+    """The views of one layer entry's tensor: [(tensor index, address, block stride)]."""
+    addr, shape, strides, es, dev = _tensor_info(t)
+    nb, bb = lo.num_blocks, lo.block_bytes
+
+    def block_check(dims, st, name):
+        want = es
+        for d, x in reversed(list(zip(dims, st))):
+            if d != 1 and x != want:
+                raise KvferryError(_errno.EINVAL, "kvferry: register caches: %s: a block is not "
+                                   "contiguous (shape %r, strides %r bytes): make it so (.contiguous())"
+                                   % (name, shape, strides))
+            want *= d
+        if want != bb:
+            raise KvferryError(_errno.EINVAL, "kvferry: register caches: %s: a block is %d bytes "
+                               "(shape %r), the instance's is %d (block_size %d x %d heads x head_dim "
+                               "%d x %d bytes): the layout does not fit"
+                               % (name, want, tuple(dims), bb, lo.block_size, lo.kv_heads,
+                                  lo.head_dim, es))
+
+    if len(shape) >= 2 and shape[0] == 2 and shape[1] == nb and not lo.key_only:
+        # stacked [2, blocks, ...] (also chosen for [2, 2, ...] when the instance has 2 blocks)
+        block_check(shape[2:], strides[2:], what)
+        return [(0, addr, strides[1]), (1, addr + strides[0], strides[1])], dev
+    if len(shape) >= 2 and shape[0] == nb and shape[1] == 2 and not lo.key_only:
+        # blocks-first [blocks, 2, ...]
+        block_check(shape[2:], strides[2:], what)
+        return [(0, addr, strides[0]), (1, addr + strides[1], strides[0])], dev
+    if len(shape) >= 1 and shape[0] == nb and lo.key_only:
+        block_check(shape[1:], strides[1:], what)
+        return [(0, addr, strides[0])], dev
+    raise KvferryError(_errno.EINVAL, "kvferry: register caches: %s has shape %r: give a (K, V) "
+                       "pair of [blocks, ...] tensors, a stacked [2, blocks, ...] or a blocks-first "
+                       "[blocks, 2, ...] tensor%s, with blocks = %d"
+                       % (what, shape, " (key only: one [blocks, ...] tensor)" if lo.key_only
+                          else "", nb))
+
+
+def _one_tensor(t, what, lo):
+    addr, shape, strides, es, dev = _tensor_info(t)
+    if len(shape) < 1 or shape[0] != lo.num_blocks:
+        raise KvferryError(_errno.EINVAL, "kvferry: register caches: %s has shape %r: its first "
+                           "dimension must be the instance's %d blocks" % (what, shape,
+                                                                            lo.num_blocks))
+    return addr, strides[0], shape, strides, es, dev
+
+
+def _block_views_check(shape, strides, es, lo, what):
+    want = es
+    for d, x in reversed(list(zip(shape[1:], strides[1:]))):
+        if d != 1 and x != want:
+            raise KvferryError(_errno.EINVAL, "kvferry: register caches: %s: a block is not "
+                               "contiguous (shape %r, strides %r bytes): make it so (.contiguous())"
+                               % (what, shape, strides))
+        want *= d
+    if want != lo.block_bytes:
+        raise KvferryError(_errno.EINVAL, "kvferry: register caches: %s: a block is %d bytes "
+                           "(shape %r), the instance's is %d: the layout does not fit"
+                           % (what, want, shape, lo.block_bytes))
+
+
+def _host_region(addr):
+    with _host_lock:
+        for start, (fd, n) in _host_buffers.items():
+            if start <= addr < start + n:
+                return start, n, fd
+    return None
 
 
 class Layout:
@@ -411,6 +553,82 @@ class Client:
                                "torch.as_tensor(client.tensor(...), device='cuda')" % self.device)
         return np.frombuffer(t, dtype=kinds.get(self.layout.dtype, np.uint8)).reshape(
             self.layout.shape)
+
+    # -- the engine's caches -----------------------------------------------------------------
+
+    def register_caches(self, caches, token_major=False):
+        """Hand the instance (started with --caches engine) the engine's own caches: a list
+        with one entry per layer (model layers, then extra layers), each a (K, V) pair of
+        [blocks, ...] tensors, a stacked [2, blocks, ...] tensor, a blocks-first
+        [blocks, 2, ...] tensor (blocks apart by 2 blocks), or one [blocks, ...] tensor (key
+        only). A [2, 2, ...] tensor, on an instance of 2 blocks, is read as stacked (vLLM's
+        layout): give a (K, V) pair for blocks-first. NumPy arrays or torch tensors; host
+        memory from kvferry.host_buffer() (anything else: KvferryError "foreign memory"). A
+        block is contiguous; token_major: a block is [block_size, heads, head_dim] (vLLM),
+        else [heads, block_size, head_dim]. Several layers may share one buffer; each buffer
+        is one region. The registration lasts until unregister_caches(), close(), or this
+        process's end."""
+        lo = self.layout
+        nl = lo.num_layers + lo.extra_layers
+        caches = list(caches)
+        if len(caches) != nl:
+            raise KvferryError(_errno.EINVAL, "kvferry: register caches: %d layer entries, the "
+                               "instance has %d layers" % (len(caches), nl))
+        views, device = [], None
+        for layer, entry in enumerate(caches):
+            if isinstance(entry, (tuple, list)):
+                if len(entry) != (1 if lo.key_only else 2):
+                    raise KvferryError(_errno.EINVAL, "kvferry: register caches: layer %d: %d "
+                                       "tensors, want %s" % (layer, len(entry), "K" if lo.key_only
+                                                             else "(K, V)"))
+                got = []
+                for v, t in enumerate(entry):
+                    what = "layer %d %s" % (layer, "KV"[v])
+                    addr, stride, shape, strides, es, dev = _one_tensor(t, what, lo)
+                    # a block: every dimension after the first, contiguous
+                    _block_views_check(shape, strides, es, lo, what)
+                    got.append((v, addr, stride))
+                    device = dev if device is None else device
+            else:
+                got, dev = _block_views(entry, "layer %d" % layer, lo)
+                device = dev if device is None else device
+            views += [(layer, v, addr, stride) for v, addr, stride in got]
+        device = -1 if device is None else device
+        regions = {}
+        if device < 0:
+            for layer, v, addr, stride in views:
+                r = _host_region(addr)
+                if r is None:
+                    raise KvferryError(_errno.EINVAL, "kvferry: register caches: layer %d %s: foreign "
+                                       "memory at 0x%x: the engine's host caches must live in "
+                                       "kvferry.host_buffer() memory (a file the instance's roles "
+                                       "can map)" % (layer, "KV"[v], addr))
+                regions[r[0]] = r
+            regs = [(start, n, fd, 0) for start, n, fd in regions.values()]
+        else:
+            regs = [(addr, lo.num_blocks * stride, -1, 0) for _, _, addr, stride in views]
+        self.register_raw(views, regs, token_major=token_major, device=device)
+        self._registered = caches  # the memory stays referenced while registered
+
+    def register_raw(self, views, regions, token_major=False, device=-1):
+        """register_caches with raw pointers: views = [(layer, tensor, addr, block_stride)],
+        regions = [(addr, bytes, fd, fd_offset)] (host: fd a memfd or /dev/shm file that maps
+        the region; GPU: fd -1)."""
+        rv = (_RegView * max(1, len(views)))()
+        for i, (layer, v, addr, stride) in enumerate(views):
+            rv[i] = _RegView(int(layer), int(v), int(addr), int(stride))
+        rr = (_RegRegion * max(1, len(regions)))()
+        for i, (addr, n, fd, off) in enumerate(regions):
+            rr[i] = _RegRegion(int(addr), int(n), int(fd), 0, int(off))
+        reg = _Registration(rr, len(regions), 0, rv, len(views), 1 if token_major else 0,
+                            int(device), 0)
+        _check(self._call(_lib.kvf_register_caches_sized, ctypes.byref(reg),
+                          ctypes.sizeof(reg)), "kvferry")
+
+    def unregister_caches(self):
+        """Take the registration back: the instance waits for the engine's caches again."""
+        _check(self._call(_lib.kvf_unregister_caches), "kvferry")
+        self._registered = None
 
     # -- records ---------------------------------------------------------------------------
 

@@ -1,0 +1,327 @@
+/* The allocator's registry of the engine's caches (registry.h). */
+#include "registry.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <poll.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <sys/time.h>
+#include <unistd.h>
+
+#include "atomics.h"
+#include "err.h"
+#include "fdpass.h"
+#include "layout.h"
+#include "log.h"
+#include "registration.h"
+
+/* The registration held: only the registry's thread touches it. */
+static struct {
+        struct kvf_ctl *ctl;
+        int lfd, pidfd, stop_pipe[2];
+        pthread_t thread;
+        bool held;
+        pid_t pid;
+        uint32_t nr;
+        int fds[KVF_FDPASS_MAX];
+        void *map[KVF_FDPASS_MAX];
+        uint64_t maplen[KVF_FDPASS_MAX];
+        struct kvf_reg_wire_region rg[KVF_FDPASS_MAX];
+        struct kvf_reg_placed *placed;
+        uint32_t nplaced;
+} R = {.lfd = -1, .pidfd = -1, .stop_pipe = {-1, -1}};
+
+static void publish(bool held, pid_t pid, uint64_t bytes, uint32_t token_major, bool strided)
+{
+        struct kvf_ctl_header *h = R.ctl->hdr;
+        h->reg_pid = held ? pid : 0;
+        h->reg_regions = held ? R.nr : 0;
+        h->reg_bytes = bytes;
+        h->reg_token_major = token_major;
+        h->reg_strided = strided;
+        /* Release: the fields above are seen by whoever acquires the new generation
+         * (kvf_reg_map, status); a role's mapping of the previous one is stale from here. */
+        kvf_store_release(&h->reg_generation, kvf_load_relaxed(&h->reg_generation) + 1);
+}
+
+static void drop(const char *why)
+{
+        if (!R.held)
+                return;
+        kvf_info("engine caches: dropped the registration of pid %d (%u regions): %s", (int)R.pid,
+                 R.nr, why);
+        for (uint32_t i = 0; i < R.nr; i++) {
+                munmap(R.map[i], R.maplen[i]);
+                close(R.fds[i]);
+        }
+        if (R.pidfd >= 0)
+                close(R.pidfd);
+        R.pidfd = -1;
+        free(R.placed);
+        R.placed = NULL;
+        R.held = false;
+        R.nr = 0;
+        publish(false, 0, 0, 0, false);
+}
+
+static void answer(int c, int err, const char *why)
+{
+        struct kvf_reg_msg a = {.err = err,
+                                .generation = kvf_load_acquire(&R.ctl->hdr->reg_generation)};
+        if (why)
+                snprintf(a.why, sizeof(a.why), "%s", why);
+        (void)kvf_fdpass_send(c, &a, sizeof(a), NULL, 0);
+}
+
+static bool alive(pid_t pid)
+{
+        return kill(pid, 0) == 0 || errno == EPERM;
+}
+
+static void do_register(int c, pid_t pid, const uint8_t *buf, size_t n, int *fds, unsigned nfds)
+{
+        const struct kvf_cache_layout *L = &R.ctl->hdr->layout;
+        struct kvf_reg_msg q;
+        char why[KVF_REASON_MAX] = "";
+        uint64_t size[KVF_FDPASS_MAX];
+        int rc = 0;
+
+        memcpy(&q, buf, sizeof(q));
+        size_t need = sizeof(q) + (size_t)q.n_regions * sizeof(struct kvf_reg_wire_region) +
+                      (size_t)q.n_views * sizeof(struct kvf_reg_wire_view);
+        if (q.n_regions > KVF_FDPASS_MAX || q.n_views > KVF_REG_MAX_VIEWS || n != need ||
+            nfds != q.n_regions) {
+                snprintf(
+                    why, sizeof(why),
+                    "a malformed registration: %u regions, %u descriptors, %u views in %zu bytes",
+                    q.n_regions, nfds, q.n_views, n);
+                rc = -EPROTO;
+                goto out;
+        }
+        if (q.device >= 0) {
+                snprintf(why, sizeof(why),
+                         "GPU memory (device %d) given to an instance whose engine caches are "
+                         "host memory: give host memory (kvferry.host_buffer)",
+                         q.device);
+                rc = -EINVAL;
+                goto out;
+        }
+        if (R.held && R.pid != pid && alive(R.pid)) {
+                snprintf(why, sizeof(why),
+                         "pid %d registered caches already: it unregisters (or ends) first",
+                         (int)R.pid);
+                rc = -EBUSY;
+                goto out;
+        }
+        for (uint32_t i = 0; i < q.n_regions; i++) {
+                struct stat st;
+                if (fstat(fds[i], &st) < 0 || !S_ISREG(st.st_mode)) {
+                        snprintf(why, sizeof(why),
+                                 "region %u: foreign memory: its descriptor is not a file of "
+                                 "shared memory (give a memfd or a /dev/shm file)",
+                                 i);
+                        rc = -EINVAL;
+                        goto out;
+                }
+                size[i] = (uint64_t)st.st_size;
+        }
+        const struct kvf_reg_wire_region *rg = (const void *)(buf + sizeof(q));
+        const struct kvf_reg_wire_view *v = (const void *)(rg + q.n_regions);
+        uint32_t want = kvf_layout_layers(L) * kvf_layout_tensors(L);
+        struct kvf_reg_placed *pl = calloc(want ? want : 1, sizeof(*pl));
+        bool strided = false;
+        if (!pl) {
+                rc = -ENOMEM;
+                snprintf(why, sizeof(why), "out of memory");
+                goto out;
+        }
+        if ((rc = kvf_reg_validate(L, rg, q.n_regions, size, v, q.n_views, pl, &strided, why,
+                                   sizeof(why))) < 0) {
+                free(pl);
+                goto out;
+        }
+        /* Map each region once: one that cannot be mapped is refused now, not at a role. */
+        void *map[KVF_FDPASS_MAX];
+        uint64_t len[KVF_FDPASS_MAX], bytes = 0;
+        long page = sysconf(_SC_PAGESIZE);
+        for (uint32_t i = 0; i < q.n_regions; i++) {
+                uint64_t al = rg[i].fd_offset & ~(uint64_t)(page - 1);
+                len[i] = rg[i].bytes + (rg[i].fd_offset - al);
+                map[i] = mmap(NULL, len[i], PROT_READ, MAP_SHARED, fds[i], (off_t)al);
+                if (map[i] == MAP_FAILED) {
+                        snprintf(why, sizeof(why), "region %u cannot be mapped: %s", i,
+                                 strerror(errno));
+                        while (i--)
+                                munmap(map[i], len[i]);
+                        free(pl);
+                        rc = -EINVAL;
+                        goto out;
+                }
+                bytes += rg[i].bytes;
+        }
+        int pidfd = (int)syscall(SYS_pidfd_open, pid, 0);
+        if (pidfd < 0)
+                kvf_warn("engine caches: pidfd_open(%d): %s: its end is noticed by polling",
+                         (int)pid, strerror(errno));
+        drop("a new registration replaces it");
+        R.held = true;
+        R.pid = pid;
+        R.pidfd = pidfd;
+        R.nr = q.n_regions;
+        for (uint32_t i = 0; i < q.n_regions; i++) {
+                R.fds[i] = fds[i];
+                fds[i] = -1; /* kept */
+                R.map[i] = map[i];
+                R.maplen[i] = len[i];
+                R.rg[i] = (struct kvf_reg_wire_region){.bytes = rg[i].bytes,
+                                                       .fd_offset = rg[i].fd_offset};
+        }
+        R.placed = pl;
+        R.nplaced = want;
+        publish(true, pid, bytes, q.token_major, strided);
+        kvf_info("engine caches: registered by pid %d: %u regions, %llu bytes, %u views%s%s, "
+                 "generation %llu",
+                 (int)pid, q.n_regions, (unsigned long long)bytes, q.n_views,
+                 strided ? ", strided blocks" : "", q.token_major ? ", token-major blocks" : "",
+                 (unsigned long long)R.ctl->hdr->reg_generation);
+out:
+        if (rc < 0)
+                kvf_warn("engine caches: refused the registration of pid %d: %s", (int)pid, why);
+        answer(c, rc, rc < 0 ? why : NULL);
+}
+
+static void do_fetch(int c)
+{
+        if (!R.held) {
+                answer(c, -EAGAIN, "waiting for the engine's caches");
+                return;
+        }
+        size_t n = sizeof(struct kvf_reg_msg) + R.nr * sizeof(struct kvf_reg_wire_region) +
+                   R.nplaced * sizeof(struct kvf_reg_placed);
+        uint8_t *buf = malloc(n);
+        if (!buf) {
+                answer(c, -ENOMEM, "out of memory");
+                return;
+        }
+        struct kvf_reg_msg a = {.n_regions = R.nr,
+                                .n_views = R.nplaced,
+                                .token_major = R.ctl->hdr->reg_token_major,
+                                .generation = kvf_load_acquire(&R.ctl->hdr->reg_generation)};
+        memcpy(buf, &a, sizeof(a));
+        memcpy(buf + sizeof(a), R.rg, R.nr * sizeof(struct kvf_reg_wire_region));
+        memcpy(buf + sizeof(a) + R.nr * sizeof(struct kvf_reg_wire_region), R.placed,
+               R.nplaced * sizeof(struct kvf_reg_placed));
+        (void)kvf_fdpass_send(c, buf, n, R.fds, R.nr);
+        free(buf);
+}
+
+static void serve_one(int c)
+{
+        pid_t pid = 0;
+        int fds[KVF_FDPASS_MAX];
+        unsigned nfds = 0;
+        uint8_t *buf = malloc(KVF_REG_MSG_MAX);
+        if (!buf)
+                return;
+        if (kvf_fdpass_peer(c, &pid) < 0) {
+                answer(c, -EPERM, "another user asked for this instance's caches");
+                goto out;
+        }
+        ssize_t n = kvf_fdpass_recv(c, buf, KVF_REG_MSG_MAX, fds, KVF_FDPASS_MAX, &nfds);
+        if (n < (ssize_t)sizeof(struct kvf_reg_msg)) {
+                if (n >= 0)
+                        answer(c, -EPROTO, "a message shorter than its header");
+                else
+                        answer(c, (int)n, kvf_err_msg());
+                goto out;
+        }
+        uint32_t op;
+        memcpy(&op, buf, sizeof(op));
+        if (op == KVF_REG_REGISTER) {
+                do_register(c, pid, buf, (size_t)n, fds, nfds);
+        } else if (op == KVF_REG_UNREGISTER) {
+                if (R.held && R.pid == pid) {
+                        drop("unregistered");
+                        answer(c, 0, NULL);
+                } else {
+                        answer(c, R.held ? -EPERM : -ENOENT,
+                               R.held ? "the caches were registered by another process"
+                                      : "no caches registered");
+                }
+        } else if (op == KVF_REG_FETCH) {
+                do_fetch(c);
+        } else {
+                answer(c, -EPROTO, "unknown request");
+        }
+out:
+        for (unsigned i = 0; i < nfds; i++)
+                if (fds[i] >= 0)
+                        close(fds[i]);
+        free(buf);
+}
+
+static void *run(void *arg)
+{
+        (void)arg;
+        for (;;) {
+                struct pollfd p[3] = {
+                    {R.lfd, POLLIN, 0}, {R.stop_pipe[0], POLLIN, 0}, {R.pidfd, POLLIN, 0}};
+                int n = poll(p, R.pidfd >= 0 ? 3 : 2, 500);
+                if (n < 0 && errno != EINTR)
+                        break;
+                if (p[1].revents)
+                        break;
+                /* A pidfd is readable once the process has ended; without one, ask. */
+                if (R.held && ((R.pidfd >= 0 && p[2].revents) || (R.pidfd < 0 && !alive(R.pid))))
+                        drop("the registering process ended");
+                if (p[0].revents & POLLIN) {
+                        int c = accept4(R.lfd, NULL, NULL, SOCK_CLOEXEC);
+                        if (c >= 0) {
+                                struct timeval tv = {.tv_sec = 2};
+                                setsockopt(c, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+                                setsockopt(c, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
+                                serve_one(c);
+                                close(c);
+                        }
+                }
+        }
+        return NULL;
+}
+
+int kvf_registry_start(struct kvf_ctl *ctl)
+{
+        char name[160];
+        int rc = kvf_reg_sock_name(ctl->hdr, name, sizeof(name));
+        if (rc < 0)
+                return rc;
+        R.ctl = ctl;
+        if ((R.lfd = kvf_fdpass_listen(name)) < 0)
+                return kvf_err_ctx(R.lfd, "the engine caches' registration socket");
+        if (pipe2(R.stop_pipe, O_CLOEXEC) < 0 || pthread_create(&R.thread, NULL, run, NULL) != 0) {
+                rc = kvf_err_set(-errno ? -errno : -EAGAIN, "start the registry: %s",
+                                 strerror(errno));
+                close(R.lfd);
+                R.lfd = -1;
+                return rc;
+        }
+        return 0;
+}
+
+void kvf_registry_stop(void)
+{
+        if (R.lfd < 0)
+                return;
+        (void)!write(R.stop_pipe[1], "x", 1);
+        pthread_join(R.thread, NULL);
+        drop("the allocator stops");
+        close(R.lfd);
+        R.lfd = -1;
+}

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# The engine's own caches (up --caches engine), registered through the Python package:
+# tests/register_engine.py against two instances of the engine's caches and one of its own.
+source "$(dirname "$0")/lib.sh"
+cd "$ROOT"
+/usr/bin/python3 -c 'import msgpack, numpy' 2>/dev/null ||
+  fail "python3-msgpack or python3-numpy is missing (tools/kvferry setup installs them)"
+L="--layers 4 --kv-heads 2 --head-dim 64 --block-size 16 --dtype fp16 --blocks 32"
+# Refused before anything starts, with what to give instead.
+out=$("$ROOT/tools/kvferry" up --instance $TAG-bad --role decode --caches everything $L 2>&1) &&
+  fail "--caches everything was taken"
+grep -q "caches is own .* or engine" <<<"$out" || fail "--caches everything: $out"
+out=$("$ROOT/tools/kvferry" up --instance $TAG-bad --role decode --backend cuda --caches engine $L 2>&1) &&
+  fail "--caches engine --backend cuda was taken"
+grep -q "caches engine takes the engine's host memory" <<<"$out" || fail "--caches engine --backend cuda: $out"
+up $TAG-rd --role decode --caches engine $L
+up $TAG-rp --role prefill --caches engine $L
+up $TAG-ro --role mixed $L
+KVF_RINGDUMP="$KVFERRY_BUILD/kvf-ringdump" PYTHONPATH="$ROOT/python" "$ROOT/tests/python_run.sh" \
+  "$ROOT/tests/register_engine.py" $TAG-rp $TAG-rd $TAG-ro || fail "register engine"
+pass "engine caches: registered, refused, moved and verified, dropped when the engine died"

@@ -1181,6 +1181,28 @@ static void print_counters(struct dump *d)
                 fprintf(d->f, "  (all zero)\n");
 }
 
+/* ---- the sender's latency histograms (JSON only) ---- */
+
+static const char *const hist_names[KVF_HIST_COUNT] = {"layer_to_copy", "copy", "last_to_done"};
+
+static void print_histograms(struct dump *d)
+{
+        if (!d->json || !d->c.sender)
+                return;
+        j_open(d, "histograms", '{');
+        for (unsigned i = 0; i < KVF_HIST_COUNT; i++) {
+                const struct kvf_histogram *h = &d->c.sender->hist[i];
+                j_open(d, hist_names[i], '{');
+                j_u64(d, "count", kvf_load_relaxed(&h->count));
+                j_u64(d, "sum_ns", kvf_load_relaxed(&h->sum));
+                j_u64(d, "max_ns", kvf_load_relaxed(&h->max));
+                j_u64(d, "p50_ns", kvf_hist_quantile(h, 0.50));
+                j_u64(d, "p99_ns", kvf_hist_quantile(h, 0.99));
+                j_close(d, '}');
+        }
+        j_close(d, '}');
+}
+
 /* ---- error log ---- */
 
 static void print_errlog(struct dump *d)
@@ -1405,6 +1427,7 @@ int kvf_dump(void *base, uint64_t size, FILE *out, const struct kvf_dump_opts *o
         print_notices(&d);
         print_bells(&d);
         print_counters(&d);
+        print_histograms(&d);
         print_errlog(&d);
         print_requests(&d);
         if (d.json) {

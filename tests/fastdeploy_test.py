@@ -509,6 +509,26 @@ class Run:
             fail("statuses %r" % st, *self.insts)
 
 
+def refused_fp8():
+    """A block_wise_fp8 cache: the messager names FastDeploy's scale tensors it would have to
+    move, and refuses with status 2 before it starts anything."""
+    import subprocess
+    argv = [sys.executable, "-m", "kvferry.fastdeploy", "--splitwise_role", "prefill",
+            "--rank", "1", "--mp_num", "2", "--device_id", "7", "--num_layers", "3",
+            "--key_cache_shape", "64,2,16,128", "--value_cache_shape", "64,2,16,128",
+            "--cache_dtype", "block_wise_fp8", "--default_dtype", "bfloat16",
+            "--speculative_config", '{"method": "mtp"}', "--kvf-instance", "never-started"]
+    env = dict(os.environ, PYTHONPATH=os.path.join(dep.ROOT, "python"))
+    p = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=30)
+    want = ("--cache_dtype block_wise_fp8: FastDeploy allocates a scale tensor per layer per K/V "
+            "beside the uint8 caches (8 tensors: key_cache_scales_0_rank1.device7 ... "
+            "value_cache_scales_3_rank1.device7, each [64, 2, 16] of bfloat16); kvferry does not "
+            "move scale tensors yet")
+    if p.returncode != 2 or want not in p.stderr:
+        fail("block_wise_fp8: exit %d, %r" % (p.returncode, p.stderr[-600:]))
+    print("ok: block_wise_fp8 refused with status 2, naming its 8 scale tensors")
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--mode", default="per_chunk", choices=["per_chunk", "per_query"])
@@ -526,6 +546,8 @@ def main():
                    help="the older argv (--engine_pid, --num_hidden_layers, --num_gpu_blocks ...), "
                         "the queue on a unix socket, and an MTP layer (--speculative_config)")
     a = p.parse_args()
+    if not a.bench:
+        refused_fp8()
     r = Run(a)
     try:
         r.ready()

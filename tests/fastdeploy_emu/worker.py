@@ -116,7 +116,7 @@ class GpuLayerWriter:
         self.cu, self.device = cu, device
         cu.cudaSetDevice(device)
         vp, sz = ctypes.c_void_p, ctypes.c_size_t
-        cu.cudaStreamCreate.argtypes = [ctypes.POINTER(vp)]
+        cu.cudaStreamCreateWithFlags.argtypes = [ctypes.POINTER(vp), ctypes.c_uint]
         cu.cudaMemcpyAsync.argtypes = [vp, vp, sz, ctypes.c_int, vp]
         cu.cudaLaunchHostFunc.argtypes = [vp, self.HOSTFN, vp]
         cu.cudaStreamSynchronize.argtypes = [vp]
@@ -124,7 +124,10 @@ class GpuLayerWriter:
         cu.cudaHostAlloc.argtypes = [ctypes.POINTER(vp), sz, ctypes.c_uint]
         cu.cudaFreeHost.argtypes = [vp]
         self.stream = vp()
-        self._check(cu.cudaStreamCreate(ctypes.byref(self.stream)), "cudaStreamCreate")
+        # cudaStreamNonBlocking: the driver's synchronous reads of decode's cache (the legacy
+        # default stream) neither wait for nor hold up this stream's writes and host functions.
+        self._check(cu.cudaStreamCreateWithFlags(ctypes.byref(self.stream), 1),
+                    "cudaStreamCreateWithFlags")
         # One callback object for the writer's life: the runtime holds only its C pointer,
         # so the object must outlive every host function queued with it.
         self._fn = self.HOSTFN(self._fire)

@@ -1192,12 +1192,17 @@ static void print_histograms(struct dump *d)
         j_open(d, "histograms", '{');
         for (unsigned i = 0; i < KVF_HIST_COUNT; i++) {
                 const struct kvf_histogram *h = &d->c.sender->hist[i];
+                uint64_t max = kvf_load_relaxed(&h->max);
+                uint64_t p50 = kvf_hist_quantile(h, 0.50), p99 = kvf_hist_quantile(h, 0.99);
+
+                /* A quantile is its bucket's value (8 buckets to an octave); the maximum is
+                 * exact, and no quantile is above it. */
                 j_open(d, hist_names[i], '{');
                 j_u64(d, "count", kvf_load_relaxed(&h->count));
                 j_u64(d, "sum_ns", kvf_load_relaxed(&h->sum));
-                j_u64(d, "max_ns", kvf_load_relaxed(&h->max));
-                j_u64(d, "p50_ns", kvf_hist_quantile(h, 0.50));
-                j_u64(d, "p99_ns", kvf_hist_quantile(h, 0.99));
+                j_u64(d, "max_ns", max);
+                j_u64(d, "p50_ns", p50 < max ? p50 : max);
+                j_u64(d, "p99_ns", p99 < max ? p99 : max);
                 j_close(d, '}');
         }
         j_close(d, '}');

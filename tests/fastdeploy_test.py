@@ -69,9 +69,10 @@ class Run:
         if self.writers:
             self.writers[r].signal_after(fn, tag)
         else:
+            t = time.perf_counter()
             fn()
             if tag is not None:
-                self.host_fired[tag] = time.perf_counter()
+                self.host_fired[tag] = t
 
     def fired_at(self, r, tag):
         return (self.writers[r].fired_at if self.writers else self.host_fired).pop(tag)

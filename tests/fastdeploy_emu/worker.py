@@ -139,7 +139,7 @@ class GpuLayerWriter:
         self._staged = []   # chunks of the copies queued since the last host function
         self.errors = []    # exceptions the signals raised on the runtime's thread
         self.fired = 0
-        self.fired_at = {}  # tag -> time.perf_counter() when its signal was raised
+        self.fired_at = {}  # tag -> time.perf_counter() just before its signal was raised
 
     def _check(self, rc, what):
         if rc:
@@ -191,9 +191,10 @@ class GpuLayerWriter:
         # On the CUDA runtime's thread: no CUDA calls here.
         signal, staged, tag = self._pending.pop(user_data)
         try:
+            t = time.perf_counter()
             signal()
             if tag is not None:
-                self.fired_at[tag] = time.perf_counter()
+                self.fired_at[tag] = t
         except Exception as e:  # raised on the main thread by drain()
             self.errors.append(e)
         self._free.extend(staged)

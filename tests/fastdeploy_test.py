@@ -48,6 +48,41 @@ class Run:
         self.fd_step = None
         self.slots_free = list(range(64))
         self.hook = None  # called once, mid-batch, after layer 1 is signalled
+        self.writers = []  # GPU caches: prefill rank r's stream (worker.GpuLayerWriter)
+        self.host_fired = {}
+
+    def start_writers(self):
+        """GPU caches: each prefill rank writes on a stream of its own and raises its layer
+        signals from host functions queued after the writes, as FastDeploy's worker does."""
+        if self.a.gpu:
+            self.writers = [dep.worker.GpuLayerWriter(d) for d in self.pre.devices]
+
+    def write(self, r, t, off, data):
+        if self.writers:
+            self.writers[r].write(t, off, data)
+        else:
+            t[off:off + len(data)] = data
+
+    def raise_signal(self, r, fn, tag=None):
+        """fn raises a layer signal of prefill rank r: at once on host caches, else from a host
+        function after rank r's writes queued so far. A tag notes when it was raised."""
+        if self.writers:
+            self.writers[r].signal_after(fn, tag)
+        else:
+            t = time.perf_counter()
+            fn()
+            if tag is not None:
+                self.host_fired[tag] = t
+
+    def fired_at(self, r, tag):
+        return (self.writers[r].fired_at if self.writers else self.host_fired).pop(tag)
+
+    def drain(self):
+        try:
+            for w in self.writers:
+                w.drain()
+        except dep.worker.AttachError as e:
+            fail(str(e), *self.insts)
 
     def ready(self):
         self.dec.wait_ready()
@@ -112,6 +147,7 @@ class Run:
                         for d in q["dst"]:
                             t[d * sh.block_bytes:(d + 1) * sh.block_bytes] = b"\xa5" * sh.block_bytes
         per_chunk = self.a.mode == "per_chunk"
+        self.drain()
         if not per_chunk:
             first_step = (self.pre.signals[0].step() + 1) % M
         # the prefill engine's halves, then decode's (the splitwise connector's order for ipc)
@@ -137,8 +173,8 @@ class Run:
                     n = min(96, q["tokens"] - b) if per_chunk else q["tokens"] - b
                     chunk.append((q, b, n))
             if not per_chunk:
-                for s in self.pre.signals:
-                    s.begin_step()
+                for r, s in enumerate(self.pre.signals):
+                    self.raise_signal(r, s.begin_step)
             for layer in range(sh.all_layers):
                 for r in range(self.a.tp):
                     for v in (0, 1):
@@ -146,17 +182,20 @@ class Run:
                         for q, b, n in chunk:
                             for bi in range(b // bs, -(-(b + n) // bs)):
                                 blk = q["src"][bi]
-                                t[blk * sh.block_bytes:(blk + 1) * sh.block_bytes] = \
-                                    dep.pattern(q["rid"], layer, v, bi, r, sh.block_bytes)
+                                self.write(r, t, blk * sh.block_bytes,
+                                           dep.pattern(q["rid"], layer, v, bi, r, sh.block_bytes))
+                    sg = self.pre.signals[r]
                     if per_chunk:
-                        self.pre.signals[r].send(layer, [(q["slot"], b, n) for q, b, n in chunk])
+                        trip = [(q["slot"], b, n) for q, b, n in chunk]
+                        self.raise_signal(r, lambda sg=sg, layer=layer, trip=trip: sg.send(layer, trip))
                     else:
-                        self.pre.signals[r].layer(layer)
+                        self.raise_signal(r, lambda sg=sg, layer=layer: sg.layer(layer))
                 if layer == 1 and self.hook:
                     self.hook()
                     self.hook = None
             for q, b, n in chunk:
                 done[q["rid"]] = b + n
+        self.drain()
         if late_decode:
             time.sleep(0.01)
             self.pre.engine.put_cache_info(dec)
@@ -337,6 +376,112 @@ class Run:
               "p90 %.0f us, max %.0f us over %d requests (a Python spin reading the block)"
               % (self.a.mode, self.a.protocol, p50, p90, got[-1] * 1e6, n))
 
+    def bench(self, n, blocks=8):
+        """n requests of `blocks` blocks, one at a time, every layer written then signalled (on
+        GPU caches from host functions after the writes): the last layer's signal -> the last
+        block in decode rank 0's cache (this driver's clock), then the prefill rank 0 sender's
+        histograms from kvf-ringdump --json (layer-done -> copy start; last layer -> done)."""
+        import json
+        import subprocess
+        sh = self.shape
+        pc = self.a.mode == "per_chunk"
+        bb, last, bs = sh.block_bytes, sh.all_layers - 1, sh.block_size
+        sys.setswitchinterval(0.0002)  # the host functions take the GIL from a spinning driver
+        tails = []
+        t_start = time.monotonic()
+        for i in range(n):
+            rid = "bench-%d-%d" % (os.getpid(), i)
+            src = [self.free_p.pop(self.rng.randrange(len(self.free_p))) for _ in range(blocks)]
+            dst = [self.free_d.pop(self.rng.randrange(len(self.free_d))) for _ in range(blocks)]
+            slot = self.slots_free.pop(0)
+            self.drain()
+            step = None if pc else (self.pre.signals[0].step() + 1) % M
+            self.pre.engine.put_cache_info([{"request_id": rid, "src_block_ids": src,
+                                             "current_id": slot if pc else step,
+                                             "need_prefill_tokens": blocks * bs}])
+            self.pre.engine.put_cache_info([self.decode_half(rid, dst)])
+            time.sleep(0.005)  # the task reaches kvferry before its layers (FastDeploy's order)
+            if not pc:
+                for r, sg in enumerate(self.pre.signals):
+                    self.raise_signal(r, sg.begin_step)
+            for layer in range(sh.all_layers):
+                for r in range(self.a.tp):
+                    for v in (0, 1):
+                        t = self.pre.caches[r].tensor(layer, v)
+                        for bi, blk in enumerate(src):
+                            self.write(r, t, blk * bb, dep.pattern(rid, layer, v, bi, r, bb))
+                    sg = self.pre.signals[r]
+                    tag = (rid, r) if layer == last else None
+                    if pc:
+                        trip = [(slot, 0, blocks * bs)]
+                        self.raise_signal(r, lambda sg=sg, layer=layer, trip=trip: sg.send(layer, trip),
+                                          tag)
+                    else:
+                        self.raise_signal(r, lambda sg=sg, layer=layer: sg.layer(layer), tag)
+            want = dep.pattern(rid, last, 1, blocks - 1, 0, bb)
+            t = self.dec.caches[0].tensor(last, 1)
+            end = time.perf_counter() + 10
+            while t[dst[-1] * bb:(dst[-1] + 1) * bb] != want and time.perf_counter() < end:
+                pass
+            seen = time.perf_counter()
+            self.drain()
+            if seen >= end:
+                fail("%s: the last block never reached decode rank 0" % rid, *self.insts)
+            tails.append(seen - self.fired_at(0, (rid, 0)))
+            for r in range(1, self.a.tp):
+                self.fired_at(r, (rid, r))
+            got = self.finished([rid])
+            if got[rid][0] != "finished":
+                fail("%s: %r" % (rid, got[rid]), *self.insts)
+            for r in range(self.a.tp):
+                for layer in range(sh.all_layers):
+                    for v in (0, 1):
+                        tt = self.dec.caches[r].tensor(layer, v)
+                        for bi, d in enumerate(dst):
+                            if tt[d * bb:(d + 1) * bb] != dep.pattern(rid, layer, v, bi, r, bb):
+                                fail("%s: rank %d layer %d tensor %d block %d differs"
+                                     % (rid, r, layer, v, bi), *self.insts)
+            self.free_p += src
+            self.free_d += dst
+            self.slots_free.append(slot)
+        tails.sort()
+        q = lambda xs, f: xs[min(len(xs) - 1, int(len(xs) * f))] * 1e6  # noqa: E731
+        build = os.environ.get("KVFERRY_BUILD", os.path.join(dep.ROOT, "build"))
+        inst = "fd%s-prefill-0" % self.pre.suffix
+        out = subprocess.run([os.path.join(build, "kvf-ringdump"), "--instance", inst, "--json",
+                              "--records", "0"], capture_output=True, text=True)
+        if out.returncode != 0:
+            fail("kvf-ringdump %s: %s" % (inst, out.stderr.strip()), *self.insts)
+        h = json.loads(out.stdout)["histograms"]
+        res = {"mode": self.a.mode, "protocol": self.a.protocol, "gpu": bool(self.a.gpu),
+               "requests": n, "blocks": blocks, "layers": sh.all_layers, "block_bytes": bb,
+               "signal_to_copy_p50_us": h["layer_to_copy_ns"]["p50"] / 1e3,
+               "signal_to_copy_p99_us": h["layer_to_copy_ns"]["p99"] / 1e3,
+               "signal_to_copy_count": h["layer_to_copy_ns"]["count"],
+               "last_to_done_p50_us": h["last_layer_to_done_ns"]["p50"] / 1e3,
+               "last_to_done_p99_us": h["last_layer_to_done_ns"]["p99"] / 1e3,
+               "tail_p50_us": q(tails, 0.5), "tail_p99_us": q(tails, 0.99),
+               "fastdeploy_poll_us": 1000.0}
+        res["fastdeploy_poll_over_signal_to_copy_p50"] = \
+            1000.0 / max(res["signal_to_copy_p50_us"], 1e-3)
+        res["fastdeploy_poll_over_tail_p50"] = 1000.0 / max(res["tail_p50_us"], 1e-3)
+        print("ok: bench %s over %s (%s caches), %d requests x %d blocks x %d layers in %.1f s:\n"
+              "  layer signal -> copy start (prefill rank 0 sender): p50 %.1f us, p99 %.1f us "
+              "(%d copy starts)\n"
+              "  last layer's signal -> its last block in decode rank 0 (driver): p50 %.1f us, "
+              "p99 %.1f us\n"
+              "  sender's last layer -> done: p50 %.1f us, p99 %.1f us\n"
+              "  FastDeploy's messager polls its layer signal every 1000 us (its per_chunk send "
+              "loop sleeps 10 ms): 1000 us / kvferry's signal->copy p50 = %.1fx, "
+              "/ kvferry's tail p50 = %.1fx"
+              % (self.a.mode, self.a.protocol, "GPU" if self.a.gpu else "host", n, blocks,
+                 sh.all_layers, time.monotonic() - t_start,
+                 res["signal_to_copy_p50_us"], res["signal_to_copy_p99_us"],
+                 res["signal_to_copy_count"], res["tail_p50_us"], res["tail_p99_us"],
+                 res["last_to_done_p50_us"], res["last_to_done_p99_us"],
+                 res["fastdeploy_poll_over_signal_to_copy_p50"], res["fastdeploy_poll_over_tail_p50"]))
+        print("BENCH " + json.dumps(res))
+
     def kill_role(self):
         """A kvferry role of prefill rank 1 killed while a batch moves: every request gets one
         status, on every rank, and no rank hangs at a barrier."""
@@ -365,6 +510,26 @@ class Run:
             fail("statuses %r" % st, *self.insts)
 
 
+def refused_fp8():
+    """A block_wise_fp8 cache: the messager names FastDeploy's scale tensors it would have to
+    move, and refuses with status 2 before it starts anything."""
+    import subprocess
+    argv = [sys.executable, "-m", "kvferry.fastdeploy", "--splitwise_role", "prefill",
+            "--rank", "1", "--mp_num", "2", "--device_id", "7", "--num_layers", "3",
+            "--key_cache_shape", "64,2,16,128", "--value_cache_shape", "64,2,16,128",
+            "--cache_dtype", "block_wise_fp8", "--default_dtype", "bfloat16",
+            "--speculative_config", '{"method": "mtp"}', "--kvf-instance", "never-started"]
+    env = dict(os.environ, PYTHONPATH=os.path.join(dep.ROOT, "python"))
+    p = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=30)
+    want = ("--cache_dtype block_wise_fp8: FastDeploy allocates a scale tensor per layer per K/V "
+            "beside the uint8 caches (8 tensors: key_cache_scales_0_rank1.device7 ... "
+            "value_cache_scales_3_rank1.device7, each [64, 2, 16] of bfloat16); kvferry does not "
+            "move scale tensors yet")
+    if p.returncode != 2 or want not in p.stderr:
+        fail("block_wise_fp8: exit %d, %r" % (p.returncode, p.stderr[-600:]))
+    print("ok: block_wise_fp8 refused with status 2, naming its 8 scale tensors")
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--mode", default="per_chunk", choices=["per_chunk", "per_query"])
@@ -375,24 +540,39 @@ def main():
     p.add_argument("--kill", action="store_true")
     p.add_argument("--gpu", action="store_true",
                    help="GPU caches (2 x tp GPUs): FastDeploy's cudaIpcMemHandle records")
+    p.add_argument("--bench", type=int, default=0, metavar="N",
+                   help="only N one-at-a-time requests, timed (bench/fastdeploy_gpu_bench.sh)")
+    p.add_argument("--bench-blocks", type=int, default=8)
     p.add_argument("--older", action="store_true",
                    help="the older argv (--engine_pid, --num_hidden_layers, --num_gpu_blocks ...), "
                         "the queue on a unix socket, and an MTP layer (--speculative_config)")
     a = p.parse_args()
+    if not a.bench:
+        refused_fp8()
     r = Run(a)
     try:
         r.ready()
         print("ok: %s: prefill and decode up, %d ranks each%s, caches attached from the records"
               % (a.mode, a.tp, " (older argv, queue on a unix socket, an MTP layer)"
                  if a.older else ""))
-        r.trace(a.requests)
-        if not a.gpu:
-            r.latency()
-        if a.faults:
-            r.faults()
-        if a.kill:
-            r.kill_role()
+        r.start_writers()
+        if a.bench:
+            r.bench(a.bench, a.bench_blocks)
+        else:
+            r.trace(a.requests)
+            if not a.gpu:
+                r.latency()
+            if a.faults:
+                r.faults()
+            if a.kill:
+                r.kill_role()
+        r.drain()
     finally:
+        for w in r.writers:
+            try:
+                w.close()
+            except dep.worker.AttachError as e:
+                sys.stderr.write("closing a GPU writer: %s\n" % e)
         t0 = time.monotonic()
         codes = [r.pre.stop(), r.dec.stop()]
     ends = tuple(".device%d%s" % (d, s) for d in r.pre.devices + r.dec.devices for s in ("", ".d"))

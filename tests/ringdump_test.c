@@ -300,6 +300,11 @@ static void build_segment(struct kvf_ctl *c)
         c->progress->events = 10;
         kvf_count(c, KVF_CTR_TASKS_ACCEPTED, 5);
         kvf_count(c, KVF_CTR_BYTES_TCP, 123456);
+        /* the sender's histograms: 100 copy starts of 1..100 us, one tail of 5 ms (a quantile
+         * is its bucket's value, 8 buckets to an octave, never above the maximum) */
+        for (uint64_t v = 1; v <= 100; v++)
+                kvf_hist_add(&c->sender->hist[KVF_HIST_LAYER_TO_COPY], v * 1000);
+        kvf_hist_add(&c->sender->hist[KVF_HIST_LAST_TO_DONE], 5000000);
         for (int i = 0; i < 2; i++)
                 kvf_errlog(c, KVF_ROLE_SENDER, "peer %s said \"no\"\x01 then \xff\xfe",
                            "10.0.0.2:7000");
@@ -630,6 +635,12 @@ static const char json_script[] =
     "assert len(ctr)==int(sys.argv[2]) and ctr['tasks_accepted']==5 and "
     "ctr['bytes_sent_tcp']==123456\n"
     "assert ctr['chunk_records']==0 and ctr['errors_logged']==3\n"
+    "h=d['histograms']\n"
+    "lc=h['layer_to_copy_ns']\n"
+    "assert (lc['count'],lc['sum'],lc['max'])==(100,5050000,100000), lc\n"
+    "assert (lc['p50'],lc['p99'])==(51200,100000), lc\n"
+    "assert h['copy_batch_ns']=={'count':0,'sum':0,'max':0,'p50':0,'p99':0}, h['copy_batch_ns']\n"
+    "assert (h['last_layer_to_done_ns']['count'],h['last_layer_to_done_ns']['p50'])==(1,4980736), h\n"
     "e=[x for x in d['errors'] if x['role']=='sender']\n"
     "assert len(e)==1 and e[0]['count']==2, e\n"
     "assert e[0]['text']=='peer 10.0.0.2:7000 said \"no\"\\x01 then \\ufffd\\ufffd', "

@@ -1234,6 +1234,11 @@ static void print_histograms(struct dump *d)
                 uint64_t adj = hist_info[i].size ? 1 : 0;
                 uint64_t p50 = h.count ? kvf_hist_quantile(&h, 0.50) + adj : 0;
                 uint64_t p99 = h.count ? kvf_hist_quantile(&h, 0.99) + adj : 0;
+                /* A quantile is its bucket's value; the maximum is exact: none above it. */
+                if (p50 > h.max)
+                        p50 = h.max;
+                if (p99 > h.max)
+                        p99 = h.max;
                 if (d->json) {
                         j_open(d, hist_info[i].name, '{');
                         j_u64(d, "count", h.count);

@@ -134,6 +134,32 @@ def parser():
     return p
 
 
+# Cache dtypes for which FastDeploy's cache manager allocates scale tensors beside the caches.
+SCALED_DTYPES = ("block_wise_fp8",)
+# Element sizes of the scale tensors' dtype (FastDeploy's default dtype, --default_dtype).
+_SCALE_DTYPES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+def scale_tensors(cache_dtype, layers, rank, device, key_shape, key_only, default_dtype):
+    """The scale tensors FastDeploy allocates for this cache dtype: a list of
+    (record name, shape, dtype, bytes), K then V per layer, in layer order; [] when none.
+    Each is [blocks, kv_heads, block_size] of the default dtype, indexed by block like the
+    cache it scales (block b's scales are row b)."""
+    if cache_dtype not in SCALED_DTYPES:
+        return []
+    if default_dtype not in _SCALE_DTYPES:
+        raise ValueError("--default_dtype %s: the scale tensors of %s are bfloat16, float16 or "
+                         "float32" % (default_dtype, cache_dtype))
+    shape = [key_shape[0], key_shape[1], key_shape[2]]
+    nbytes = shape[0] * shape[1] * shape[2] * _SCALE_DTYPES[default_dtype]
+    out = []
+    for layer in range(layers):
+        for t in (("key",) if key_only else ("key", "value")):
+            out.append(("%s_cache_scales_%d_rank%d.device%d" % (t, layer, rank, device), shape,
+                        default_dtype, nbytes))
+    return out
+
+
 class Config:
     """What the arguments mean for this rank."""
 
@@ -176,9 +202,16 @@ class Config:
                                  "kvferry needs K and V of one shape" %
                                  (ns.value_cache_shape, k))
         self.blocks, self.heads, self.block_size, self.head_dim = k
-        if ns.cache_dtype == "block_wise_fp8":
-            raise ValueError("--cache_dtype block_wise_fp8 needs scale tensors, which kvferry "
-                             "does not move yet")
+        self.scales = scale_tensors(ns.cache_dtype, self.layers + self.extra, self.rank,
+                                    self.device, k, self.key_only, ns.default_dtype)
+        if self.scales:
+            raise ValueError(
+                "--cache_dtype %s: FastDeploy allocates a scale tensor per layer per K/V beside "
+                "the uint8 caches (%d tensors: %s ... %s, each [%d, %d, %d] of %s); kvferry does "
+                "not move scale tensors yet, so it refuses this cache rather than send blocks "
+                "without their scales" %
+                (ns.cache_dtype, len(self.scales), self.scales[0][0], self.scales[-1][0],
+                 self.blocks, self.heads, self.block_size, self.scales[0][2]))
         if ns.cache_dtype not in _DTYPES:
             raise ValueError("--cache_dtype %s: kvferry takes %s" %
                              (ns.cache_dtype, ", ".join(sorted(_DTYPES))))

@@ -6,6 +6,7 @@ import ctypes
 import mmap
 import os
 import struct
+import time
 
 RECORD_MAGIC = b"KVFHOST1"
 RECORD_FMT = "<8sQQQ256s"
@@ -96,6 +97,125 @@ class DeviceTensor:
         if rc:
             raise AttachError("cudaMemcpy from the cache: CUDA error %d" % rc)
         return buf.raw
+
+
+class GpuLayerWriter:
+    """FastDeploy's way to write a layer's cache and announce it, on GPU caches: the write is
+    queued on a stream of the worker's own (cudaMemcpyAsync from pinned host memory), and the
+    layer signal is raised by a host function queued after it on the same stream
+    (cudaLaunchHostFunc), so the signal fires once the bytes are in GPU memory and the host
+    never waits for the GPU. The host function is a ctypes callback: it runs on the CUDA
+    runtime's own thread, takes the GIL for the few lines of the signal, and makes no CUDA
+    call (the runtime forbids it there)."""
+
+    HOSTFN = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+    CHUNK = 1 << 20  # pinned staging: bytes of writes packed together until a signal
+
+    def __init__(self, device):
+        cu = _Cuda.get()
+        self.cu, self.device = cu, device
+        cu.cudaSetDevice(device)
+        vp, sz = ctypes.c_void_p, ctypes.c_size_t
+        cu.cudaStreamCreateWithFlags.argtypes = [ctypes.POINTER(vp), ctypes.c_uint]
+        cu.cudaMemcpyAsync.argtypes = [vp, vp, sz, ctypes.c_int, vp]
+        cu.cudaLaunchHostFunc.argtypes = [vp, self.HOSTFN, vp]
+        cu.cudaStreamSynchronize.argtypes = [vp]
+        cu.cudaStreamDestroy.argtypes = [vp]
+        cu.cudaHostAlloc.argtypes = [ctypes.POINTER(vp), sz, ctypes.c_uint]
+        cu.cudaFreeHost.argtypes = [vp]
+        self.stream = vp()
+        # cudaStreamNonBlocking: the driver's synchronous reads of decode's cache (the legacy
+        # default stream) neither wait for nor hold up this stream's writes and host functions.
+        self._check(cu.cudaStreamCreateWithFlags(ctypes.byref(self.stream), 1),
+                    "cudaStreamCreateWithFlags")
+        # One callback object for the writer's life: the runtime holds only its C pointer,
+        # so the object must outlive every host function queued with it.
+        self._fn = self.HOSTFN(self._fire)
+        self._pending = {}  # key (the host function's userData) -> (signal, its staging)
+        self._key = 0
+        self._free = []     # pinned chunks whose copies landed: [(ptr, size)]
+        self._all = []      # every pinned chunk, freed at close
+        self._cur = None    # [ptr, size, used] being filled
+        self._staged = []   # chunks of the copies queued since the last host function
+        self.errors = []    # exceptions the signals raised on the runtime's thread
+        self.fired = 0
+        self.fired_at = {}  # tag -> time.perf_counter() just before its signal was raised
+
+    def _check(self, rc, what):
+        if rc:
+            raise AttachError("%s: CUDA error %d" % (what, rc))
+
+    def _chunk(self, n):
+        for i, (ptr, size) in enumerate(self._free):
+            if size >= n:
+                return list(self._free.pop(i)) + [0]
+        size = max(n, self.CHUNK)
+        ptr = ctypes.c_void_p()
+        self._check(self.cu.cudaHostAlloc(ctypes.byref(ptr), size, 0), "cudaHostAlloc")
+        self._all.append((ptr.value, size))
+        return [ptr.value, size, 0]
+
+    def write(self, tensor, offset, data):
+        """Queue a copy of data into tensor (a DeviceTensor) at offset, on the stream."""
+        n = len(data)
+        if offset < 0 or offset + n > tensor.size:
+            raise ValueError("write of %d bytes at %d past a tensor of %d" % (n, offset, tensor.size))
+        if self._cur is None or self._cur[2] + n > self._cur[1]:
+            if self._cur is not None:
+                self._staged.append((self._cur[0], self._cur[1]))
+            self._cur = self._chunk(n)
+        src = self._cur[0] + self._cur[2]
+        ctypes.memmove(src, bytes(data), n)
+        self._cur[2] += n
+        self.cu.cudaSetDevice(self.device)
+        self._check(self.cu.cudaMemcpyAsync(ctypes.c_void_p(tensor.ptr + offset),
+                                            ctypes.c_void_p(src), n, 1, self.stream),
+                    "cudaMemcpyAsync to the cache")
+
+    def signal_after(self, signal, tag=None):
+        """Queue a host function that calls signal() once every write queued before it has
+        landed; the staging of those writes is reused only after it ran."""
+        if self._cur is not None:
+            self._staged.append((self._cur[0], self._cur[1]))
+            self._cur = None
+        self._key += 1
+        key = self._key
+        self._pending[key] = (signal, self._staged, tag)
+        self._staged = []
+        rc = self.cu.cudaLaunchHostFunc(self.stream, self._fn, ctypes.c_void_p(key))
+        if rc:
+            self._free.extend(self._pending.pop(key)[1])
+            self._check(rc, "cudaLaunchHostFunc")
+
+    def _fire(self, user_data):
+        # On the CUDA runtime's thread: no CUDA calls here.
+        signal, staged, tag = self._pending.pop(user_data)
+        try:
+            t = time.perf_counter()
+            signal()
+            if tag is not None:
+                self.fired_at[tag] = t
+        except Exception as e:  # raised on the main thread by drain()
+            self.errors.append(e)
+        self._free.extend(staged)
+        self.fired += 1
+
+    def drain(self):
+        """Wait for every queued write and signal; raise what a signal raised."""
+        self.cu.cudaSetDevice(self.device)
+        self._check(self.cu.cudaStreamSynchronize(self.stream), "cudaStreamSynchronize")
+        if self.errors:
+            e, self.errors = self.errors[0], []
+            raise AttachError("a layer signal raised on the host function: %r" % (e,))
+
+    def close(self):
+        try:
+            self.drain()
+        finally:
+            self.cu.cudaStreamDestroy(self.stream)
+            for ptr, _ in self._all:
+                self.cu.cudaFreeHost(ctypes.c_void_p(ptr))
+            self._all, self._free = [], []
 
 
 def attach_tensor(name, shm_dir="/dev/shm", device=None, size=None):

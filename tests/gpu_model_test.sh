@@ -20,17 +20,22 @@ source "$HERE/lib.sh"
 cd "$ROOT"
 export KVFERRY_BACKEND=cuda PYTHONPATH="$ROOT/python${PYTHONPATH:+:$PYTHONPATH}"
 export CUBLAS_WORKSPACE_CONFIG=${CUBLAS_WORKSPACE_CONFIG:-:4096:8}
+FAILED=()
 for model in ${KVF_HF_MODELS:-llama qwen2 deepseek-v3}; do
   read -r -a SHAPE <<<"$("$PY" examples/hf/run.py --model "$model" --instance-flags)"
-  up $TAG-$model-d --role decode --backend cuda "${SHAPE[@]}" --blocks 512
-  up $TAG-$model-p --role prefill --backend cuda "${SHAPE[@]}" --blocks 512
+  # KVF_HF_UP_ARGS: more `up` options for both instances (e.g. --executor sender).
+  # shellcheck disable=SC2086
+  up $TAG-$model-d --role decode --backend cuda "${SHAPE[@]}" --blocks 512 ${KVF_HF_UP_ARGS:-}
+  # shellcheck disable=SC2086
+  up $TAG-$model-p --role prefill --backend cuda "${SHAPE[@]}" --blocks 512 ${KVF_HF_UP_ARGS:-}
   for tr in ipc tcp; do
     out=$KVFERRY_RUN_DIR/hf-$model-$tr.txt
     "$PY" examples/hf/run.py --model "$model" --transport $tr --prompts "${KVF_HF_PROMPTS:-20}" \
       --prefill $TAG-$model-p --decode $TAG-$model-d >"$out" 2>&1 ||
-      { cat "$out" >&2; fail "$model over $tr"; }
+      { grep '^FAIL' "$out" >&2; echo "FAIL: $model over $tr" >&2; FAILED+=("$model/$tr"); continue; }
     pass "$(grep '^ok:' "$out" | sed 's/^ok: //')"
   done
   down $TAG-$model-p; down $TAG-$model-d
 done
+[ ${#FAILED[@]} = 0 ] || fail "gpu model test: not token-exact: ${FAILED[*]}"
 pass "gpu model test: every model, both transports, token-exact"

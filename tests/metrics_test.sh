@@ -129,8 +129,10 @@ eq "peers failed (tcp)" "$(value "$t" "kvferry_peers{instance=\"$P\",state=\"fai
 pass "tcp: 20 more transfers observed, $fd descriptors (frames), kvferry_peers{state=\"connected\"} = 1"
 
 # ---- a peer that cannot be reached: its notices fail, and count ----
+# (Through the connectors' sockets: a same-host notice in a notice ring is counted failed in
+# sender_logic_test.)
 P3=$TAG-u
-up "$P3" --role prefill $L --metrics 127.0.0.1:0 --peer-timeout-ms 300 --connect-timeout-ms 200
+up "$P3" --role prefill $L --metrics 127.0.0.1:0 --peer-timeout-ms 300 --connect-timeout-ms 200 --no-notice-rings
 dead=$(/usr/bin/python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
 "$B/kvf-sim" --prefill "$P3" --decode "$D" --transport tcp --peer-map "$D=127.0.0.1:$dead" --requests 2 \
   --layer-us 100 --quiet --json "$R/simdead.json" >"$R/simdead.out" 2>&1 || true

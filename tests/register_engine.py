@@ -335,7 +335,11 @@ def main():
     while len(gone) < nkill and time.monotonic() < end:
         ev = pre.poll_previous()
         if ev is None:
-            time.sleep(0.05)
+            # The dead session's completions may still be in the ring (the sender ended them
+            # after this attach returned): poll() moves them to poll_previous(); this new
+            # session has nothing of its own yet.
+            if pre.poll(timeout_ms=100) is not None:
+                fail("the new engine was told of a request it never submitted")
             continue
         if ev["session"] != killed or ev["status"] != "engine gone":
             fail("poll_previous: %r (the killed session was %d)" % (ev, killed))

@@ -262,7 +262,7 @@ static void control_loop(struct connector *cn)
                 if (worked && !cn->deferred && !kvf_load_acquire(&cn->tx_blocked) && !cn->notices_blocked)
                         continue;
                 kvf_count(&cn->ctl, KVF_CTR_WAKEUPS_CONNECTOR, 1);
-                uint64_t wait = cn->deferred || cn->tx_blocked || cn->notices_blocked ? kvf_ms(1) : beat;
+                uint64_t wait = cn->deferred || kvf_load_acquire(&cn->tx_blocked) || cn->notices_blocked ? kvf_ms(1) : beat;
                 kvf_doorbell_wait(&cn->ctl.bells[KVF_BELL_CONNECTOR], has_work, cn, 256, wait);
         }
 }

@@ -264,6 +264,51 @@ static int receive_end(struct rx *rx, const struct kvf_io_run *io, const struct 
 }
 
 /*
+ * The payload of a data frame whose runs were checked (io[i].off and .len set): plen bytes read
+ * and dropped when `drop` (a closed transfer, or its engine session is over), else received into
+ * the cache (staged or in place), what the read-ahead buffer holds first, then the rest straight
+ * from the socket, and landed. 0; 1 the connection ends.
+ */
+static int receive_runs(struct rx *rx, struct io_uring *ring, int fd, struct rbuf *st, uint64_t plen,
+                        unsigned to, bool drop, struct kvf_io_run *io, struct iovec *iov,
+                        const struct landing_run *runs, uint32_t n)
+{
+        struct connector *cn = rx->cn;
+        if (drop) {
+                if (rbuf_payload(cn, ring, fd, st, NULL, plen, to) == 0)
+                        return 0;
+                cut_short(rx);
+                return 1;
+        }
+        unsigned group;
+        if (kvf_stage_in_begin(&cn->cache, rx->sg, io, n, &group) < 0) {
+                log_disconnect(rx);
+                return 1;
+        }
+        /* What the read-ahead buffer holds already, then the rest straight from the socket. */
+        for (uint32_t i = 0; i < n; i++)
+                iov[i] = (struct iovec){io[i].p, io[i].len};
+        uint32_t i = 0;
+        while (st->off < st->len && i < n) {
+                size_t k = st->len - st->off < iov[i].iov_len ? st->len - st->off : iov[i].iov_len;
+                memcpy(iov[i].iov_base, st->b + st->off, k);
+                st->off += (uint32_t)k;
+                iov[i].iov_base = (uint8_t *)iov[i].iov_base + k;
+                if ((iov[i].iov_len -= k) == 0)
+                        i++;
+        }
+        if (recv_iov(cn, ring, fd, iov + i, n - i, to) < 0) {
+                /* What a failure left in staging memory goes nowhere; in a cache used in
+                 * place it is in blocks of this transfer, unmarked, written again when its
+                 * frames are sent again. */
+                kvf_stage_done(rx->sg, group);
+                cut_short(rx);
+                return 1;
+        }
+        return receive_end(rx, io, runs, n, group) < 0 ? 1 : 0;
+}
+
+/*
  * A DATAV frame whose frame header is in the read-ahead buffer (len: the
  * bytes after it): every run checked before a byte of payload is read, then
  * all of them received with one receive, from the read-ahead buffer first.
@@ -319,38 +364,7 @@ static int serve_datav(struct rx *rx, struct io_uring *ring, int fd, struct rbuf
                         return -EPROTO;
                 drop |= rc == 1;
         }
-        if (drop) { /* a closed transfer (or its engine session is over): read and dropped */
-                if (rbuf_payload(cn, ring, fd, st, NULL, plen, to) == 0)
-                        return 0;
-                cut_short(rx);
-                return 1;
-        }
-        unsigned group;
-        if (kvf_stage_in_begin(&cn->cache, rx->sg, io, n, &group) < 0) {
-                log_disconnect(rx);
-                return 1;
-        }
-        /* What the read-ahead buffer holds already, then the rest straight from the socket. */
-        for (uint32_t i = 0; i < n; i++)
-                iov[i] = (struct iovec){io[i].p, io[i].len};
-        uint32_t i = 0;
-        while (st->off < st->len && i < n) {
-                size_t k = st->len - st->off < iov[i].iov_len ? st->len - st->off : iov[i].iov_len;
-                memcpy(iov[i].iov_base, st->b + st->off, k);
-                st->off += (uint32_t)k;
-                iov[i].iov_base = (uint8_t *)iov[i].iov_base + k;
-                if ((iov[i].iov_len -= k) == 0)
-                        i++;
-        }
-        if (recv_iov(cn, ring, fd, iov + i, n - i, to) < 0) {
-                /* What a failure left in staging memory goes nowhere; in a cache used in
-                 * place it is in blocks of this transfer, unmarked, written again when its
-                 * frames are sent again. */
-                kvf_stage_done(rx->sg, group);
-                cut_short(rx);
-                return 1;
-        }
-        return receive_end(rx, io, runs, n, group) < 0 ? 1 : 0;
+        return receive_runs(rx, ring, fd, st, plen, to, drop, io, iov, runs, n);
 }
 
 /*
@@ -422,34 +436,7 @@ static int serve_datas(struct rx *rx, struct io_uring *ring, int fd, struct rbuf
                         return -EPROTO;
                 drop |= rc == 1;
         }
-        if (drop) {
-                if (rbuf_payload(cn, ring, fd, st, NULL, plen, to) == 0)
-                        return 0;
-                cut_short(rx);
-                return 1;
-        }
-        unsigned group;
-        if (kvf_stage_in_begin(&cn->cache, rx->sg, io, nb, &group) < 0) {
-                log_disconnect(rx);
-                return 1;
-        }
-        for (uint32_t i = 0; i < nb; i++)
-                iov[i] = (struct iovec){io[i].p, io[i].len};
-        uint32_t i = 0;
-        while (st->off < st->len && i < nb) {
-                size_t k = st->len - st->off < iov[i].iov_len ? st->len - st->off : iov[i].iov_len;
-                memcpy(iov[i].iov_base, st->b + st->off, k);
-                st->off += (uint32_t)k;
-                iov[i].iov_base = (uint8_t *)iov[i].iov_base + k;
-                if ((iov[i].iov_len -= k) == 0)
-                        i++;
-        }
-        if (recv_iov(cn, ring, fd, iov + i, nb - i, to) < 0) {
-                kvf_stage_done(rx->sg, group);
-                cut_short(rx);
-                return 1;
-        }
-        return receive_end(rx, io, runs, nb, group) < 0 ? 1 : 0;
+        return receive_runs(rx, ring, fd, st, plen, to, drop, io, iov, runs, nb);
 }
 
 /* Before waiting for the network: the copies of what was received land first (a transfer

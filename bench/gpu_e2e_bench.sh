@@ -19,6 +19,7 @@
 #
 # Binaries: $KVFERRY_BUILD (default build/ of this repository), built where nvcc is. Needs
 # nothing but the build, the repository and the driver (liburing.so.2 for the connector).
+# KVF_SIM_ARGS: more kvf-sim options for step 2 (e.g. --layer-ns-per-token 250 --requests 200).
 # summary.txt: one line per step with its exit code, then the tails table.
 # Exit: 0 every step passed, 1 some failed, 2 usage, 77 no GPU.
 # Raw output goes to OUTDIR, outside docs/: docs/results/ keeps only the small summaries that
@@ -32,7 +33,7 @@ B=$KVFERRY_BUILD
 K=$ROOT/tools/kvferry
 SHAPE="--model llama-3.1-8b --tp 1 --cache-mib 12288"
 SIM="--requests 300 --layer-us 200 --late-pct 10 --prefix-pct 20 --baseline --timeout-s 60
-     --trace $ROOT/data/mooncake-conversation-2000.jsonl"
+     --trace $ROOT/data/mooncake-conversation-2000.jsonl ${KVF_SIM_ARGS:-}"
 
 # __run_sim NAME EXECUTOR [VAR=VALUE...] (this script, run again under a time limit): a decode
 # and a prefill instance (bd<id>-NAME, bp<id>-NAME), one kvf-sim --gpu run, both stopped again.

@@ -371,6 +371,7 @@ static int submit(struct kvf_stream *st, struct kvf_gpu_batch *b, const struct k
                         if ((rc = submit(st, b, runs, n / 2)) < 0)
                                 return rc;
                         b->after_stream = NULL; /* the first half waits for the engine already */
+                        b->after = false;
                         return submit(st, b, runs + n / 2, n - n / 2);
                 }
                 if (rc != -EAGAIN)
@@ -442,7 +443,7 @@ static void exec_layer(struct kvf_client *c, struct kvf_stream *st, void *stream
         if (st->nruns) {
                 struct kvf_gpu_region src = {.base = (uint64_t)(uintptr_t)c->cache.base, .bytes = c->cache.bytes};
                 struct kvf_gpu_batch b = {.src = &src, .n_src = 1, .dst = st->dst, .n_dst = st->ndst,
-                                          .after_stream = stream};
+                                          .after_stream = stream, .after = true};
                 int rc = submit(st, &b, st->runs, st->nruns);
                 if (rc < 0) {
                         snprintf(why, sizeof(why), "engine executor: GPU copy of layer %u: %s", layer,

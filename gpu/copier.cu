@@ -508,7 +508,7 @@ extern "C" int kvf_gpu_copy_submit(struct kvf_gpu_copier *c, const struct kvf_gp
                         goto out;
                 }
         }
-        if (b->after_stream) {
+        if (b->after_stream || b->after) {
                 if ((e = cudaEventRecord(c->after_ev, (cudaStream_t)b->after_stream)) !=
                     cudaSuccess) {
                         rc = kvf_gpu_err_cuda(e, "cudaEventRecord on the engine's stream");

@@ -36,6 +36,7 @@
 #ifndef KVF_GPU_H
 #define KVF_GPU_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -288,12 +289,17 @@ struct kvf_gpu_batch {
         uint32_t n_src;
         const struct kvf_gpu_region *dst;
         uint32_t n_dst;
-        /* NULL, or a stream (of the copier's device) whose work queued so far
-         * must finish before this batch starts: the engine's compute stream,
-         * for a copy on a side stream that follows the layer's kernel. */
+        /* A stream (of the copier's device) whose work queued so far must
+         * finish before this batch starts: the engine's compute stream, for a
+         * copy on a side stream that follows the layer's kernel. Waited for
+         * when it is not NULL, or when `after` is set: NULL is then the
+         * legacy default stream (PyTorch's current stream unless the engine
+         * made its own), which the copier's non-blocking stream does not
+         * follow by itself. */
         void *after_stream;
         /* NULL, or the stamps of kvf_gpu_copy_launch (benchmarks). */
         uint64_t *stamps;
+        bool after;
 };
 
 /*

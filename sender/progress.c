@@ -206,6 +206,20 @@ static int copy_layer_piece(struct sender *s, uint32_t slot, uint32_t layer, uin
         return 1;
 }
 
+/* The publish time of the first progress word handled that covers `want` (the oldest kept if
+ * even that one does), or 0 when none is kept. Newest first: it is nearly always the latest. */
+static uint64_t ready_ns(const struct sender *s, uint64_t want)
+{
+        uint64_t at = 0;
+        for (uint32_t k = s->nwords; k-- > 0;) {
+                uint32_t i = (s->words_at + k) % SENDER_WORDS_SEEN;
+                if (s->words[i] < want)
+                        break;
+                at = s->words_ns[i];
+        }
+        return at ? at : s->progress_ns;
+}
+
 /*
  * Move whatever the current progress word allows for one MOVING request, and say how it
  * went; request.c acts on it. WAIT leaves the request armed at its front mark's step.
@@ -236,6 +250,11 @@ enum sender_adv sender_advance(struct sender *s, uint32_t slot, bool net_blocked
                 else
                         break;
                 if (ready > r->cur_layers) {
+                        /* When the layers that are its last so far became ready (the first
+                         * word that made them so, or the task's arrival if they were ready
+                         * before it): copies that lag behind do not move it. */
+                        uint64_t at = ready_ns(s, KVF_PROGRESS_PACK(m->step, ready));
+                        r->last_layer_ns = at > r->accept_ns ? at : r->accept_ns;
                         /* Engine executor: the layers the engine claimed are its own (plan.c);
                          * the sender copies [from, ready), in slices. */
                         uint32_t from = r->cur_layers;

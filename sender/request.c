@@ -153,8 +153,9 @@ static bool post_failed(struct sender *s, uint32_t slot, int rc)
 static void to_notice(struct sender *s, uint32_t slot)
 {
         struct kvf_req_slot *r = &s->ctl.reqtab[slot];
-        r->last_layer_ns =
-            s->progress_ns && s->progress_ns > r->accept_ns ? s->progress_ns : r->accept_ns;
+        if (!r->last_layer_ns) /* (set as its layers became ready: sender/progress.c) */
+                r->last_layer_ns =
+                    s->progress_ns && s->progress_ns > r->accept_ns ? s->progress_ns : r->accept_ns;
         sender_disarm(s, slot);
         r->notice_gen = 0;
         set_state(s, slot, r->transport == KVF_TRANSPORT_IPC ? SREQ_LANDED : SREQ_HANDED);
@@ -538,6 +539,13 @@ void sender_req_progress(struct sender *s, uint64_t word, uint64_t publish_ns)
         static const struct sender_ev layers_ready = {.type = SENDER_EV_LAYERS};
         s->progress = word;
         s->progress_ns = publish_ns;
+        uint32_t at = (s->words_at + s->nwords) % SENDER_WORDS_SEEN;
+        s->words[at] = word;
+        s->words_ns[at] = publish_ns;
+        if (s->nwords < SENDER_WORDS_SEEN)
+                s->nwords++;
+        else
+                s->words_at = (s->words_at + 1) % SENDER_WORDS_SEEN;
         s->copy_timed = false;
         uint64_t step = KVF_PROGRESS_STEP(word);
 

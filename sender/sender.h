@@ -131,6 +131,11 @@ struct sender {
 
         uint64_t progress;     /* last progress word handled */
         uint64_t progress_ns;  /* its publish time */
+        /* The last SENDER_WORDS_SEEN progress words handled and their publish times, oldest
+         * first from words_at: when the layers a request has now became ready (progress.c). */
+#define SENDER_WORDS_SEEN 64u
+        uint64_t words[SENDER_WORDS_SEEN], words_ns[SENDER_WORDS_SEEN];
+        uint32_t words_at, nwords;
         bool copy_timed;       /* the latency of this progress word is recorded */
         uint64_t connector_gen;
         uint64_t session;      /* the engine session served now (sessions.c), 0 none */

@@ -5,6 +5,7 @@
 #   - both executors (the engine's context; the sender's context): per-query with late tasks and
 #     prefix hits, chunked prefill, cancels; the engine executor must really have copied (its
 #     plan claims counted in the segment); the stream-write signal as well as the host function;
+#     the engine working on the legacy default stream (stream 0, as PyTorch does);
 #   - key-only (MLA) and speculative extra layers, both executors;
 #   - GPU caches over tcp (staged io), contiguous and scattered, and a decode connector killed;
 #   - the sender SIGKILLed mid-transfer, again and again, each executor: one status per request,
@@ -71,13 +72,18 @@ for ex in engine sender; do
   [ "$(jv "$j" finished_but_failed_pairs)" = 0 ] || fail "$ex: a cancelled request also arrived finished"
   j=$(KVFERRY_LAYER_SIGNAL=writevalue sim "$ex: stream-write signal" wv-$ex --prefill $p --decode $d --requests 20 --layer-us 100)
   all_finished "$ex: stream-write signal" "$j" 20
+  # The engine on the legacy default stream (stream 0: PyTorch's current stream unless the
+  # engine made its own), which the engine executor's non-blocking side stream does not
+  # follow unless it waits for it explicitly.
+  j=$(sim "$ex: legacy default stream" ds-$ex --prefill $p --decode $d --requests 40 --layer-us 200 --gpu-default-stream)
+  all_finished "$ex: legacy default stream" "$j" 40
   if [ $ex = engine ]; then
     claimed=$(rdv $p layers_claimed)
     [ "${claimed:-0}" -gt 0 ] || fail "engine executor: the engine claimed no layer (plans published: $(rdv $p plans_published))"
     [ "$(rdv $p copy_errors)" = 0 ] || fail "engine executor: the engine reported copy errors"
     pass "engine executor: $claimed layers copied in the engine's context ($(rdv $p copy_kernels) kernels, $(rdv $p plans_published) plans, $(rdv $p plans_taken_back) taken back by the sender)"
   fi
-  pass "$ex executor: per-query (late tasks, prefix hits), chunked, cancels and the stream-write signal, every byte verified on the GPU"
+  pass "$ex executor: per-query (late tasks, prefix hits), chunked, cancels, the stream-write signal and the legacy default stream, every byte verified on the GPU"
   down $p; down $d
 done
 

@@ -93,6 +93,9 @@ static void usage(void)
                "                      of the source tree)\n"
                "  --max-tokens N      clip prompts to N tokens (default: what the caches allow)\n"
                "  --layer-us N        compute time per layer, microseconds (default 200)\n"
+               "  --layer-ns-per-token N  and N ns more per layer for each token the step prefills, as a\n"
+               "                      real engine's layer takes longer for more tokens (default 0: every step's\n"
+               "                      layer takes --layer-us, however long its prompts)\n"
                "  --step-tokens N     tokens prefilled per forward step (default 16384)\n"
                "  --chunk-tokens N    chunked prefill: at most N tokens of a request per step (default off)\n"
                "  --prefix-pct P      P%% of requests hit a decode-side prefix (fewer dest blocks) (default 20)\n"
@@ -121,6 +124,9 @@ static void usage(void)
                "                      that writes the blocks and keeps every SM busy for --layer-us, signalled with\n"
                "                      kvf_layer_done_on_stream; arrivals are verified on the GPU. Chosen by itself\n"
                "                      when the instances' caches are on GPUs\n"
+               "  --gpu-default-stream  GPU mode: the prefill engine's kernels and layer-done calls go on the legacy\n"
+               "                      default stream (stream 0, PyTorch's current stream unless it made its own)\n"
+               "                      instead of a non-blocking stream of its own\n"
                "  --check-options     check the options (and the trace's presence), run nothing\n"
                "Exit: 0 all requests accounted for and nothing corrupt (and, strict, all finished); 1\n"
                "otherwise; 2 usage.\n",
@@ -133,12 +139,13 @@ static bool parse_opts(int argc, char **argv, struct sim_opts *o)
 {
         enum { O_P = 1000, O_D, O_N, O_TRACE, O_MAXTOK, O_LUS, O_STEP, O_CHUNK, O_PREFIX, O_LATE,
                O_CANCEL, O_TRANSPORT, O_SEED, O_TO, O_BASE, O_JSON, O_QUIET, O_VERSION, O_PEERMAP, O_VERIFY, O_SCATTER, O_CHECK, O_WARM,
-               O_SLOG, O_DRAIN, O_GPU, O_STRICT };
+               O_SLOG, O_DRAIN, O_GPU, O_STRICT, O_GPUDEF, O_LNPT };
         static const struct option lo[] = {
                 {"prefill", required_argument, 0, O_P},  {"decode", required_argument, 0, O_D},
                 {"requests", required_argument, 0, O_N}, {"trace", required_argument, 0, O_TRACE},
                 {"max-tokens", required_argument, 0, O_MAXTOK},
                 {"layer-us", required_argument, 0, O_LUS},
+                {"layer-ns-per-token", required_argument, 0, O_LNPT},
                 {"step-tokens", required_argument, 0, O_STEP},
                 {"chunk-tokens", required_argument, 0, O_CHUNK},
                 {"prefix-pct", required_argument, 0, O_PREFIX},
@@ -156,6 +163,7 @@ static bool parse_opts(int argc, char **argv, struct sim_opts *o)
                 {"session-log", required_argument, 0, O_SLOG},
                 {"drain-previous-s", required_argument, 0, O_DRAIN},
                 {"gpu", no_argument, 0, O_GPU},
+                {"gpu-default-stream", no_argument, 0, O_GPUDEF},
                 {"strict", no_argument, 0, O_STRICT},
                 {"version", no_argument, 0, O_VERSION},  {0, 0, 0, 0}};
         const char *peermap = NULL;
@@ -178,6 +186,7 @@ static bool parse_opts(int argc, char **argv, struct sim_opts *o)
                 case O_TRACE: o->trace = optarg; break;
                 case O_MAXTOK: o->max_tokens = (unsigned)kvf_opt_u64("max-tokens", optarg, 1, 1u << 30); break;
                 case O_LUS: o->layer_us = (unsigned)kvf_opt_u64("layer-us", optarg, 0, 10000000); break;
+                case O_LNPT: o->layer_ns_per_token = kvf_opt_u64("layer-ns-per-token", optarg, 0, 1000000); break;
                 case O_STEP: o->step_tokens = (unsigned)kvf_opt_u64("step-tokens", optarg, 1, 1u << 30); break;
                 case O_CHUNK: o->chunk_tokens = (unsigned)kvf_opt_u64("chunk-tokens", optarg, 1, 1u << 30); break;
                 case O_PREFIX: o->prefix_pct = (unsigned)kvf_opt_u64("prefix-pct", optarg, 0, 100); break;
@@ -210,6 +219,7 @@ static bool parse_opts(int argc, char **argv, struct sim_opts *o)
                 case O_SLOG: o->session_log = optarg; break;
                 case O_DRAIN: o->drain_previous_s = (unsigned)kvf_opt_u64("drain-previous-s", optarg, 0, 3600); break;
                 case O_GPU: o->gpu = true; break;
+                case O_GPUDEF: o->gpu_default_stream = true; break;
                 case O_STRICT: o->strict = true; break;
                 case 'h': usage(); exit(0);
                 case O_VERSION: printf("%s %s\n", prog, KVFERRY_VERSION); exit(0);
@@ -269,7 +279,7 @@ static int gpu_setup(struct sim *s)
                         prog, s->o.gpu ? "--gpu" : "GPU mode");
                 return -1;
         }
-        if (ngpu && sim_gpu_open(&s->sg, s->o.ranks, pdev, ddev, s->o.layer_us) < 0)
+        if (ngpu && sim_gpu_open(&s->sg, s->o.ranks, pdev, ddev, s->o.layer_us, s->o.gpu_default_stream) < 0)
                 return -1;
         if (s->sg && !s->o.quiet)
                 fprintf(stderr, "%s: GPU mode: prefill on GPU %d, decode on GPU %d\n", prog, pdev[0],

@@ -79,6 +79,7 @@ struct sim_opts {
         unsigned requests;
         const char *trace;
         unsigned layer_us;
+        uint64_t layer_ns_per_token; /* --layer-ns-per-token: more compute per token in the step */
         unsigned step_tokens;
         unsigned chunk_tokens;
         unsigned prefix_pct, late_pct, cancel_pct;
@@ -102,6 +103,7 @@ struct sim_opts {
         bool sample_only;
         bool scatter; /* --scatter: block ids in random order, so no two are contiguous */
         bool gpu;     /* --gpu: GPU mode asked for (it is also chosen when the caches are on GPUs) */
+        bool gpu_default_stream; /* --gpu-default-stream: the engine works on the legacy default stream */
         /* --strict: the run fails unless every request finished, verified (or ended 'cancelled'
          * after the simulator cancelled it); always so with more than one instance per side.
          * Otherwise a request that failed is accounted for and fails nothing (the fault tests

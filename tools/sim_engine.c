@@ -297,6 +297,16 @@ static int pick_decode(const struct sim *s, const struct sim_req *r)
         return best;
 }
 
+/* One layer's compute time in e's step: --layer-us, plus --layer-ns-per-token for each token
+ * the step prefills (an engine's layer takes longer the more tokens it computes). */
+static uint64_t sim_layer_ns(const struct sim *s, const struct engine *e)
+{
+        uint64_t tokens = 0;
+        for (unsigned i = 0; i < e->nactive; i++)
+                tokens += e->to[i] - e->from[i];
+        return (uint64_t)s->o.layer_us * 1000 + tokens * s->o.layer_ns_per_token;
+}
+
 /* Start the layer e->layer of e's step: write every active request's share of it. The layer's
  * compute time runs from here (GPU mode: the kernel's, not this thread's). */
 static void begin_layer(struct sim *s, struct engine *e)
@@ -304,7 +314,7 @@ static void begin_layer(struct sim *s, struct engine *e)
         uint64_t t0 = kvf_now_ns();
         for (unsigned i = 0; i < e->nactive; i++)
                 write_layer(s, e->active[i], e->layer, e->from[i], e->to[i]);
-        e->due = s->sg ? t0 : t0 + (uint64_t)s->o.layer_us * 1000;
+        e->due = s->sg ? t0 : t0 + sim_layer_ns(s, e);
 }
 
 /* Start e's next forward step: admit what its step budget and the free blocks allow, then its
@@ -370,7 +380,7 @@ static int end_layer(struct sim *s, struct engine *e)
         for (unsigned k = 0; k < s->o.ranks; k++)
                 if (!s->sg)
                         kvf_layer_done(kvf_group_member(e->in->g, k), e->step, l);
-                else if (sim_gpu_layer(s->sg, k, kvf_group_member(e->in->g, k), e->step, l) < 0)
+                else if (sim_gpu_layer(s->sg, k, kvf_group_member(e->in->g, k), e->step, l, sim_layer_ns(s, e)) < 0)
                         return -1;               /* GPU mode: a kernel, layer-done on its stream */
         uint64_t pub = s->sg ? 0 : kvf_now_ns(); /* GPU mode: known at the step's end */
         if (l == s->layers / 2)

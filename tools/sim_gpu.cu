@@ -40,7 +40,8 @@ struct desc {
 struct side {
         int dev;
         int sms;
-        cudaStream_t s;
+        cudaStream_t s;     /* NULL: the legacy default stream (--gpu-default-stream) */
+        bool own_stream;
         struct desc *host;  /* mapped pinned arena */
         struct desc *dmap;  /* its device alias */
         size_t cap, used;   /* descriptors; [start, used) is the current batch */
@@ -177,13 +178,17 @@ static int calibrate(struct sim_gpu *g)
         return 0;
 }
 
-static int side_init(struct side *x, int dev, bool prefill)
+static int side_init(struct side *x, int dev, bool prefill, bool default_stream)
 {
         x->dev = dev;
         CK(cudaSetDevice(dev), "cudaSetDevice");
         CK(cudaDeviceGetAttribute(&x->sms, cudaDevAttrMultiProcessorCount, dev), "multiprocessor count");
-        /* The engine's stream: normal priority (kvferry's copies take the highest). */
-        CK(cudaStreamCreateWithFlags(&x->s, cudaStreamNonBlocking), "cudaStreamCreate");
+        /* The engine's stream: normal priority (kvferry's copies take the highest); or the
+         * legacy default stream, as an engine that never made one works (PyTorch). */
+        if (!(prefill && default_stream)) {
+                CK(cudaStreamCreateWithFlags(&x->s, cudaStreamNonBlocking), "cudaStreamCreate");
+                x->own_stream = true;
+        }
         x->cap = ARENA_INIT;
         CK(cudaHostAlloc((void **)&x->host, x->cap * sizeof(struct desc), cudaHostAllocMapped | cudaHostAllocPortable),
            "cudaHostAlloc (descriptors)");
@@ -197,11 +202,12 @@ static int side_init(struct side *x, int dev, bool prefill)
 
 static void side_free(struct side *x)
 {
-        if (!x->s)
+        if (!x->host && !x->own_stream)
                 return;
         cudaSetDevice(x->dev);
         cudaStreamSynchronize(x->s);
-        cudaStreamDestroy(x->s);
+        if (x->own_stream)
+                cudaStreamDestroy(x->s);
         cudaFreeHost(x->host);
         cudaFree(x->d_words);
         cudaFreeHost(x->h_words);
@@ -209,7 +215,7 @@ static void side_free(struct side *x)
 }
 
 extern "C" int sim_gpu_open(struct sim_gpu **out, unsigned ranks, const int *prefill_dev, const int *decode_dev,
-                            unsigned layer_us)
+                            unsigned layer_us, bool default_stream)
 {
         struct sim_gpu *g = (struct sim_gpu *)calloc(1, sizeof(*g));
         *out = NULL;
@@ -221,7 +227,8 @@ extern "C" int sim_gpu_open(struct sim_gpu **out, unsigned ranks, const int *pre
         g->ranks = ranks;
         g->layer_us = layer_us;
         for (unsigned k = 0; k < ranks; k++)
-                if (side_init(&g->pre[k], prefill_dev[k], true) < 0 || side_init(&g->dec[k], decode_dev[k], false) < 0) {
+                if (side_init(&g->pre[k], prefill_dev[k], true, default_stream) < 0 ||
+                    side_init(&g->dec[k], decode_dev[k], false, false) < 0) {
                         sim_gpu_close(g);
                         return -1;
                 }
@@ -291,11 +298,13 @@ extern "C" int sim_gpu_fill(struct sim_gpu *g, unsigned rank, void *ptr, uint64_
         return queue(&g->pre[rank], ptr, bytes, key);
 }
 
-extern "C" int sim_gpu_layer(struct sim_gpu *g, unsigned rank, struct kvf_client *c, uint64_t step, uint32_t layer)
+extern "C" int sim_gpu_layer(struct sim_gpu *g, unsigned rank, struct kvf_client *c, uint64_t step, uint32_t layer,
+                             uint64_t layer_ns)
 {
         struct side *x = &g->pre[rank];
-        unsigned waves = g->layer_us / BLOCK_US ? g->layer_us / BLOCK_US : 1;
-        unsigned long long block_ns = g->layer_us ? (unsigned long long)g->layer_us * 1000ull / waves : 0;
+        unsigned long long us = layer_ns / 1000;
+        unsigned waves = us / BLOCK_US ? (unsigned)(us / BLOCK_US) : 1;
+        unsigned long long block_ns = layer_ns / waves;
         CK(cudaSetDevice(x->dev), "cudaSetDevice");
         /* Two 1024-thread blocks per SM fill every thread slot; `waves` of them in a row. */
         layer_kernel<<<waves * 2u * (unsigned)x->sms, 1024, 0, x->s>>>(x->dmap + x->start, (unsigned)(x->used - x->start),

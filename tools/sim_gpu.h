@@ -31,15 +31,18 @@ extern "C" {
 
 struct sim_gpu;
 
-/* GPUs of the prefill and decode members (kvf_cache_device of each), ranks of each. */
+/* GPUs of the prefill and decode members (kvf_cache_device of each), ranks of each. default_stream:
+ * the prefill side's work goes on the legacy default stream (NULL) instead of a stream of its own. */
 int sim_gpu_open(struct sim_gpu **out, unsigned ranks, const int *prefill_dev, const int *decode_dev,
-                 unsigned layer_us);
+                 unsigned layer_us, bool default_stream);
 void sim_gpu_close(struct sim_gpu *g);
 
 /* Prefill: block `ptr` (device memory) of `bytes` gets the pattern of `key` in rank's next layer. */
 int sim_gpu_fill(struct sim_gpu *g, unsigned rank, void *ptr, uint64_t bytes, uint64_t key);
-/* Launch rank's layer kernel (what sim_gpu_fill queued), then kvf_layer_done_on_stream(c, step, layer). */
-int sim_gpu_layer(struct sim_gpu *g, unsigned rank, struct kvf_client *c, uint64_t step, uint32_t layer);
+/* Launch rank's layer kernel (what sim_gpu_fill queued), keeping every SM busy for layer_ns, then
+ * kvf_layer_done_on_stream(c, step, layer). */
+int sim_gpu_layer(struct sim_gpu *g, unsigned rank, struct kvf_client *c, uint64_t step, uint32_t layer,
+                  uint64_t layer_ns);
 /* End of a step: wait for every rank's stream. *last_ns: when rank 0's last layer ended on the
  * GPU, as CLOCK_MONOTONIC of this host (0 if unknown). */
 int sim_gpu_step_end(struct sim_gpu *g, uint64_t *last_ns);

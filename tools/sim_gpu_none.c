@@ -4,8 +4,9 @@
 #include "sim_gpu.h"
 
 int sim_gpu_open(struct sim_gpu **out, unsigned ranks, const int *prefill_dev, const int *decode_dev,
-                 unsigned layer_us)
+                 unsigned layer_us, bool default_stream)
 {
+        (void)default_stream;
         (void)ranks;
         (void)prefill_dev;
         (void)decode_dev;
@@ -26,9 +27,10 @@ int sim_gpu_fill(struct sim_gpu *g, unsigned rank, void *ptr, uint64_t bytes, ui
         return -1;
 }
 
-int sim_gpu_layer(struct sim_gpu *g, unsigned rank, struct kvf_client *c, uint64_t step, uint32_t layer)
+int sim_gpu_layer(struct sim_gpu *g, unsigned rank, struct kvf_client *c, uint64_t step, uint32_t layer,
+                  uint64_t layer_ns)
 {
-        (void)g, (void)rank, (void)c, (void)step, (void)layer;
+        (void)g, (void)rank, (void)c, (void)step, (void)layer, (void)layer_ns;
         return -1;
 }
 

@@ -51,7 +51,7 @@ static struct spread spread_of(double *v, unsigned n)
 
 struct tail_figures {
         struct spread all, in_time, late, completion;
-        struct spread seen; /* last layer-done -> the sender saw it (negative as 0) */
+        struct spread seen; /* in time: last layer-done -> the sender saw it (negative as 0) */
         struct spread
             norm; /* tail / (2 x its bytes left at memcpy rate + 50 us); with a baseline */
 };
@@ -76,11 +76,12 @@ static struct tail_figures tail_figures(const struct sim *s, double memcpy_bps)
                         const struct sim_tail *t = &s->tails[i];
                         all[i] = (double)t->ns;
                         comp[i] = (double)t->cns;
-                        seen[i] = t->seen_ns > 0 ? (double)t->seen_ns : 0;
-                        if (t->late)
+                        if (t->late) {
                                 late[n_late++] = (double)t->ns;
-                        else
+                        } else {
+                                seen[n_in] = t->seen_ns > 0 ? (double)t->seen_ns : 0;
                                 in_time[n_in++] = (double)t->ns;
+                        }
                         if (memcpy_bps > 0)
                                 norm[i] =
                                     (double)t->ns / (2e9 * (double)t->left / memcpy_bps + 50e3);
@@ -89,7 +90,7 @@ static struct tail_figures tail_figures(const struct sim *s, double memcpy_bps)
                 f.in_time = spread_of(in_time, n_in);
                 f.late = spread_of(late, n_late);
                 f.completion = spread_of(comp, s->ntails);
-                f.seen = spread_of(seen, s->ntails);
+                f.seen = spread_of(seen, n_in); /* a late task's layers were ready before it */
                 if (memcpy_bps > 0)
                         f.norm = spread_of(norm, s->ntails);
         }

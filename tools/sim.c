@@ -127,6 +127,10 @@ static void usage(void)
                "  --gpu-default-stream  GPU mode: the prefill engine's kernels and layer-done calls go on the legacy\n"
                "                      default stream (stream 0, PyTorch's current stream unless it made its own)\n"
                "                      instead of a non-blocking stream of its own\n"
+               "  --timeline FILE     GPU mode: a line per step of the first prefill instance, times in ns from\n"
+               "                      the run's start: step, requests, tokens, its last layer launched (host),\n"
+               "                      that layer's end (GPU), a host function queued after it ran (CUDA's\n"
+               "                      callback thread), the step's end seen by the engine\n"
                "  --check-options     check the options (and the trace's presence), run nothing\n"
                "Exit: 0 all requests accounted for and nothing corrupt (and, strict, all finished); 1\n"
                "otherwise; 2 usage.\n",
@@ -139,7 +143,7 @@ static bool parse_opts(int argc, char **argv, struct sim_opts *o)
 {
         enum { O_P = 1000, O_D, O_N, O_TRACE, O_MAXTOK, O_LUS, O_STEP, O_CHUNK, O_PREFIX, O_LATE,
                O_CANCEL, O_TRANSPORT, O_SEED, O_TO, O_BASE, O_JSON, O_QUIET, O_VERSION, O_PEERMAP, O_VERIFY, O_SCATTER, O_CHECK, O_WARM,
-               O_SLOG, O_DRAIN, O_GPU, O_STRICT, O_GPUDEF, O_LNPT };
+               O_SLOG, O_DRAIN, O_GPU, O_STRICT, O_GPUDEF, O_LNPT, O_TIMELINE };
         static const struct option lo[] = {
                 {"prefill", required_argument, 0, O_P},  {"decode", required_argument, 0, O_D},
                 {"requests", required_argument, 0, O_N}, {"trace", required_argument, 0, O_TRACE},
@@ -164,6 +168,7 @@ static bool parse_opts(int argc, char **argv, struct sim_opts *o)
                 {"drain-previous-s", required_argument, 0, O_DRAIN},
                 {"gpu", no_argument, 0, O_GPU},
                 {"gpu-default-stream", no_argument, 0, O_GPUDEF},
+                {"timeline", required_argument, 0, O_TIMELINE},
                 {"strict", no_argument, 0, O_STRICT},
                 {"version", no_argument, 0, O_VERSION},  {0, 0, 0, 0}};
         const char *peermap = NULL;
@@ -220,6 +225,7 @@ static bool parse_opts(int argc, char **argv, struct sim_opts *o)
                 case O_DRAIN: o->drain_previous_s = (unsigned)kvf_opt_u64("drain-previous-s", optarg, 0, 3600); break;
                 case O_GPU: o->gpu = true; break;
                 case O_GPUDEF: o->gpu_default_stream = true; break;
+                case O_TIMELINE: o->timeline = optarg; break;
                 case O_STRICT: o->strict = true; break;
                 case 'h': usage(); exit(0);
                 case O_VERSION: printf("%s %s\n", prog, KVFERRY_VERSION); exit(0);
@@ -279,7 +285,7 @@ static int gpu_setup(struct sim *s)
                         prog, s->o.gpu ? "--gpu" : "GPU mode");
                 return -1;
         }
-        if (ngpu && sim_gpu_open(&s->sg, s->o.ranks, pdev, ddev, s->o.layer_us, s->o.gpu_default_stream) < 0)
+        if (ngpu && sim_gpu_open(&s->sg, s->o.ranks, pdev, ddev, s->o.layer_us, s->o.gpu_default_stream, !!s->o.timeline) < 0)
                 return -1;
         if (s->sg && !s->o.quiet)
                 fprintf(stderr, "%s: GPU mode: prefill on GPU %d, decode on GPU %d\n", prog, pdev[0],

@@ -88,6 +88,7 @@ struct sim_opts {
         int transport;
         uint64_t seed;
         const char *json;
+        const char *timeline; /* --timeline FILE (GPU mode): one line per step of prefill instance 0 */
         const char *session_log;
         unsigned drain_previous_s;
         bool quiet;
@@ -145,6 +146,7 @@ struct sim {
         /* GPU mode (tools/sim_gpu.h): the caches are on GPUs, each layer is a kernel, the
          * checks run on the GPU. NULL in host mode. */
         struct sim_gpu *sg;
+        FILE *timeline; /* --timeline, open while the run goes */
         struct sim_inst pre[KVF_SIM_MAX_INSTANCES], dec[KVF_SIM_MAX_INSTANCES];
         unsigned npre, ndec;
         struct kvf_layout_info L; /* the (first) prefill instance's layout */

@@ -413,6 +413,16 @@ static int end_layer(struct sim *s, struct engine *e)
                 for (unsigned i = 0; i < e->nactive; i++)
                         if (e->to[i] >= e->active[i]->tokens && !e->active[i]->last_layer_ns)
                                 e->active[i]->last_layer_ns = end_ns;
+                if (s->timeline && e->in == &s->pre[0]) {
+                        uint64_t launched, hostfn, t = kvf_now_ns(), tokens = 0;
+                        sim_gpu_step_times(s->sg, &launched, &hostfn);
+                        for (unsigned i = 0; i < e->nactive; i++)
+                                tokens += e->to[i] - e->from[i];
+                        fprintf(s->timeline, "%llu %u %llu %lld %lld %lld %lld\n", (unsigned long long)e->step,
+                                e->nactive, (unsigned long long)tokens, (long long)(launched - s->t_start),
+                                (long long)(end_ns - s->t_start), (long long)(hostfn - s->t_start),
+                                (long long)(t - s->t_start));
+                }
         }
         /* Tasks that arrive after their layers are done. */
         unsigned keep = 0;
@@ -528,6 +538,14 @@ int kvf_sim_run(struct sim *s)
                 fprintf(stderr, "%s: out of memory for the engines' step state\n", KVF_SIM_PROG);
                 return -1;
         }
+        if (o->timeline && s->sg && !(s->timeline = fopen(o->timeline, "w"))) {
+                fprintf(stderr, "%s: --timeline %s: %s\n", KVF_SIM_PROG, o->timeline, strerror(errno));
+                free_engines(eng, s->npre);
+                return -1;
+        }
+        if (s->timeline)
+                fprintf(s->timeline, "# step requests tokens last_layer_launched last_layer_end_gpu "
+                                     "hostfn_after_it step_end_seen (ns from the run's start)\n");
         if (o->warm_caches)
                 warm_caches(s);
         s->t_start = kvf_now_ns();
@@ -609,6 +627,9 @@ int kvf_sim_run(struct sim *s)
                 kvf_sim_progress_line(s, true);
 out:
         free_engines(eng, s->npre);
+        if (s->timeline)
+                fclose(s->timeline);
+        s->timeline = NULL;
         return rc;
 }
 

@@ -57,6 +57,9 @@ struct sim_gpu {
         uint32_t *clk_host, *clk_dev;
         unsigned long long clk_g, clk_h, clk_rtt, clk_at;
         unsigned long long clk_drift_max; /* the largest correction a recalibration made */
+        bool timeline;
+        uint64_t launched_ns;         /* rank 0's latest layer, launched */
+        volatile uint64_t hostfn_ns;  /* ... and a host function queued after it ran */
 };
 
 static unsigned long long now_ns(void)
@@ -215,7 +218,7 @@ static void side_free(struct side *x)
 }
 
 extern "C" int sim_gpu_open(struct sim_gpu **out, unsigned ranks, const int *prefill_dev, const int *decode_dev,
-                            unsigned layer_us, bool default_stream)
+                            unsigned layer_us, bool default_stream, bool timeline)
 {
         struct sim_gpu *g = (struct sim_gpu *)calloc(1, sizeof(*g));
         *out = NULL;
@@ -226,6 +229,7 @@ extern "C" int sim_gpu_open(struct sim_gpu **out, unsigned ranks, const int *pre
         }
         g->ranks = ranks;
         g->layer_us = layer_us;
+        g->timeline = timeline;
         for (unsigned k = 0; k < ranks; k++)
                 if (side_init(&g->pre[k], prefill_dev[k], true, default_stream) < 0 ||
                     side_init(&g->dec[k], decode_dev[k], false, false) < 0) {
@@ -256,6 +260,12 @@ extern "C" void sim_gpu_close(struct sim_gpu *g)
         if (g->clk_host)
                 cudaFreeHost(g->clk_host);
         free(g);
+}
+
+/* --timeline: when CUDA's callback thread got to the host function queued after a layer. */
+static void CUDART_CB stamp_hostfn(void *arg)
+{
+        ((struct sim_gpu *)arg)->hostfn_ns = now_ns();
 }
 
 /* Room for one more descriptor in x's arena; when full, wait for the stream (its kernels read
@@ -316,7 +326,17 @@ extern "C" int sim_gpu_layer(struct sim_gpu *g, unsigned rank, struct kvf_client
                         (unsigned long long)step, layer, kvf_last_error());
                 return -1;
         }
+        if (g->timeline && rank == 0) {
+                g->launched_ns = now_ns();
+                CK(cudaLaunchHostFunc(x->s, stamp_hostfn, g), "cudaLaunchHostFunc (timeline)");
+        }
         return 0;
+}
+
+extern "C" void sim_gpu_step_times(const struct sim_gpu *g, uint64_t *launched_ns, uint64_t *hostfn_ns)
+{
+        *launched_ns = g->launched_ns;
+        *hostfn_ns = g->hostfn_ns;
 }
 
 extern "C" int sim_gpu_step_end(struct sim_gpu *g, uint64_t *last_ns)

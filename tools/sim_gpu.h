@@ -34,7 +34,10 @@ struct sim_gpu;
 /* GPUs of the prefill and decode members (kvf_cache_device of each), ranks of each. default_stream:
  * the prefill side's work goes on the legacy default stream (NULL) instead of a stream of its own. */
 int sim_gpu_open(struct sim_gpu **out, unsigned ranks, const int *prefill_dev, const int *decode_dev,
-                 unsigned layer_us, bool default_stream);
+                 unsigned layer_us, bool default_stream, bool timeline);
+/* With `timeline`: after sim_gpu_step_end, when rank 0's last layer was launched (after its
+ * kvf_layer_done_on_stream returned) and when a host function queued after it ran. */
+void sim_gpu_step_times(const struct sim_gpu *g, uint64_t *launched_ns, uint64_t *hostfn_ns);
 void sim_gpu_close(struct sim_gpu *g);
 
 /* Prefill: block `ptr` (device memory) of `bytes` gets the pattern of `key` in rank's next layer. */

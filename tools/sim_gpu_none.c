@@ -4,9 +4,10 @@
 #include "sim_gpu.h"
 
 int sim_gpu_open(struct sim_gpu **out, unsigned ranks, const int *prefill_dev, const int *decode_dev,
-                 unsigned layer_us, bool default_stream)
+                 unsigned layer_us, bool default_stream, bool timeline)
 {
         (void)default_stream;
+        (void)timeline;
         (void)ranks;
         (void)prefill_dev;
         (void)decode_dev;
@@ -64,4 +65,10 @@ double sim_gpu_copy_rate(struct sim_gpu *g, uint64_t bytes)
 {
         (void)g, (void)bytes;
         return 0;
+}
+
+void sim_gpu_step_times(const struct sim_gpu *g, uint64_t *launched_ns, uint64_t *hostfn_ns)
+{
+        (void)g;
+        *launched_ns = *hostfn_ns = 0;
 }

@@ -316,27 +316,30 @@ static void print_text(const struct sim *s, const struct figures *g)
 
 /* The same as one JSON line; the tests read its fields by name. */
 
-/* The 10 slowest tails, each split into its stages (ns): [seq, tail, completion, seen, late,
- * its last layer-done from the run's start]. */
-static void slowest_json(const struct sim *s, FILE *f)
+/* The 10 slowest tails (of the requests whose task came in time, or of all), each split into
+ * its stages (ns): [seq, tail, completion, seen, late, its last layer-done from the run's
+ * start, bytes left to send at its last layer-done]. */
+static void slowest_json(const struct sim *s, FILE *f, bool in_time)
 {
         unsigned pick[10], n = 0;
-        for (; n < 10 && n < s->ntails; n++) {
+        for (; n < 10; n++) {
                 unsigned best = UINT32_MAX;
                 for (unsigned i = 0; i < s->ntails; i++) {
-                        bool used = false;
+                        bool used = in_time && s->tails[i].late;
                         for (unsigned k = 0; k < n; k++)
                                 used |= pick[k] == i;
                         if (!used && (best == UINT32_MAX || s->tails[i].ns > s->tails[best].ns))
                                 best = i;
                 }
+                if (best == UINT32_MAX)
+                        break;
                 pick[n] = best;
         }
         for (unsigned k = 0; k < n; k++) {
                 const struct sim_tail *t = &s->tails[pick[k]];
-                fprintf(f, "%s[%u,%llu,%llu,%lld,%d,%llu]", k ? "," : "", t->seq, (unsigned long long)t->ns,
-                        (unsigned long long)t->cns, (long long)t->seen_ns, t->late ? 1 : 0,
-                        (unsigned long long)t->at_ns);
+                fprintf(f, "%s[%u,%llu,%llu,%lld,%d,%llu,%llu]", k ? "," : "", t->seq,
+                        (unsigned long long)t->ns, (unsigned long long)t->cns, (long long)t->seen_ns,
+                        t->late ? 1 : 0, (unsigned long long)t->at_ns, (unsigned long long)t->left);
         }
 }
 
@@ -395,7 +398,9 @@ static void write_json(const struct sim *s, const struct figures *g, const char 
                 (unsigned long long)s->warm_ns, s->sg ? "true" : "false", g->rps,
                 (unsigned long long)s->unexpected_failures, g->strict ? "true" : "false", tf->seen.p50,
                 tf->seen.p99);
-        slowest_json(s, f);
+        slowest_json(s, f, false);
+        fprintf(f, "],\"slowest_in_time\":[");
+        slowest_json(s, f, true);
         fprintf(f, "],\"gpu_clock_drift_max_ns\":%llu}\n",
                 s->sg ? (unsigned long long)sim_gpu_clock_drift(s->sg) : 0ull);
         fclose(f);

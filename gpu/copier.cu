@@ -156,6 +156,8 @@ extern "C" int kvf_gpu_copier_create(int device, unsigned flags,
         if ((rc = kvf_gpu_device_sms(device)) < 0)
                 goto fail;
         c->sms = rc;
+        if ((rc = kvf_gpu_copy_kernels_load()) < 0)
+                goto fail;
         if (opts && opts->stream) {
                 c->stream = (cudaStream_t)opts->stream;
         } else {

@@ -333,6 +333,23 @@ extern "C" int kvf_gpu_copy_launch_ex(const struct kvf_gpu_chunk *dev_chunks, ui
         return 0;
 }
 
+/* Load the copy kernels' module now (CUDA loads modules lazily, at a kernel's first launch, and
+ * that load holds up the process's other CUDA work, host functions included, for milliseconds):
+ * at a copier's creation, not at the first request's copy. */
+extern "C" int kvf_gpu_copy_kernels_load(void)
+{
+        static const void *const fns[4] = {
+            (const void *)kvf_copy_kernel<false, false>, (const void *)kvf_copy_kernel<false, true>,
+            (const void *)kvf_copy_kernel<true, false>, (const void *)kvf_copy_kernel<true, true>};
+        for (unsigned i = 0; i < 4; i++) {
+                struct cudaFuncAttributes a;
+                cudaError_t e = cudaFuncGetAttributes(&a, fns[i]);
+                if (e != cudaSuccess)
+                        return kvf_gpu_err_cuda(e, "loading the copy kernel");
+        }
+        return 0;
+}
+
 extern "C" void kvf_gpu_copy_emulate(const struct kvf_gpu_chunk *chunks, size_t n, uint32_t threads)
 {
         if (!threads)

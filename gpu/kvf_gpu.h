@@ -204,6 +204,10 @@ int kvf_gpu_plan(const struct kvf_gpu_run *runs, size_t n_runs, const struct kvf
  */
 uint32_t kvf_gpu_chunk_bytes_for(uint64_t total_bytes, int sms);
 
+/* Load the copy kernels now rather than at their first launch (CUDA's lazy module loading
+ * stalls the process's other CUDA work then); kvf_gpu_copier_create does it. 0 or -EIO. */
+int kvf_gpu_copy_kernels_load(void);
+
 /*
  * Launch the copy kernel over `n` chunks that are already in memory the
  * device can read (device memory, or the device pointer of mapped pinned

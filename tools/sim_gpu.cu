@@ -236,6 +236,19 @@ extern "C" int sim_gpu_open(struct sim_gpu **out, unsigned ranks, const int *pre
                         sim_gpu_close(g);
                         return -1;
                 }
+        /* Load every kernel now: CUDA loads a module at its first launch, which holds up this
+         * process's other CUDA work (the layer-done host functions too) for milliseconds; an
+         * engine that serves has long done so. */
+        const void *const kernels[] = {(const void *)layer_kernel, (const void *)check_kernel,
+                                       (const void *)clock_kernel};
+        for (unsigned i = 0; i < sizeof(kernels) / sizeof(kernels[0]); i++) {
+                struct cudaFuncAttributes a;
+                if (cudaFuncGetAttributes(&a, kernels[i]) != cudaSuccess) {
+                        fprintf(stderr, "kvf-sim: GPU mode: loading the kernels failed\n");
+                        sim_gpu_close(g);
+                        return -1;
+                }
+        }
         cudaError_t e = cudaHostAlloc((void **)&g->clk_host, 64, cudaHostAllocMapped | cudaHostAllocPortable);
         if (e == cudaSuccess)
                 e = cudaHostGetDevicePointer((void **)&g->clk_dev, g->clk_host, 0);

@@ -295,11 +295,20 @@ int main(int argc, char **argv)
                 else
                         kvf_info("backend auto: host (%s)", kvf_err_msg());
         }
+        bool engine_gpu = false;
         if (engine) {
-                /* (--backend auto, the supervisor's default, means the engine's host memory here) */
-                if ((!backend_auto && p.backend != KVF_BACKEND_HOST) || fastdeploy)
-                        kvf_opt_die(prog, "--caches engine: the engine's caches are host memory here (give "
-                                    "--backend host or auto, and no --fastdeploy)");
+                /* (--backend auto, the supervisor's default, means the engine's host memory here;
+                 * --backend cuda: the engine's GPU memory, registered as CUDA IPC handles) */
+                engine_gpu = !backend_auto && p.backend == KVF_BACKEND_CUDA;
+                if ((!backend_auto && p.backend != KVF_BACKEND_HOST && !engine_gpu) || fastdeploy)
+                        kvf_opt_die(prog, "--caches engine: the engine's caches are host memory (--backend "
+                                    "host or auto) or GPU memory (--backend cuda), and no --fastdeploy");
+                if (engine_gpu && kvf_cache_gpus() <= 0) {
+                        kvf_error("--caches engine --backend cuda: %s", kvf_err_msg());
+                        return 1;
+                }
+                if (engine_gpu && p.device == KVF_DEVICE_NONE)
+                        p.device = 0;
                 backend_auto = false;
                 p.backend = KVF_BACKEND_ENGINE;
         }
@@ -369,6 +378,7 @@ int main(int argc, char **argv)
                         kvf_error("%s", kvf_err_msg());
                         return 1;
                 }
+                ctl.hdr->reg_gpu = engine_gpu; /* (read by the engine backend's create) */
                 if ((rc = kvf_cache_create(ctl.hdr, &(struct kvf_cache_opts){.huge_pages = (int)huge,
                                                                              .keep_map = &cache})) < 0) {
                         char seg[96];

@@ -17,6 +17,7 @@
 #include <unistd.h>
 
 #include "atomics.h"
+#include "cache.h"
 #include "err.h"
 #include "fdpass.h"
 #include "layout.h"
@@ -37,6 +38,12 @@ static struct {
         struct kvf_reg_wire_region rg[KVF_FDPASS_MAX];
         struct kvf_reg_placed *placed;
         uint32_t nplaced;
+        /* GPU memory: each region's IPC handle, and its open here (held: the handles are
+         * proven to name live allocations, and what the roles open is what was checked) */
+        bool gpu;
+        int device;
+        uint8_t (*handles)[KVF_REG_HANDLE_SIZE];
+        void *opened[KVF_FDPASS_MAX];
 } R = {.lfd = -1, .pidfd = -1, .stop_pipe = {-1, -1}};
 
 static void publish(bool held, pid_t pid, uint64_t bytes, uint32_t token_major, bool strided)
@@ -58,7 +65,15 @@ static void drop(const char *why)
                 return;
         kvf_info("engine caches: dropped the registration of pid %d (%u regions): %s", (int)R.pid,
                  R.nr, why);
-        for (uint32_t i = 0; i < R.nr; i++) {
+        if (R.gpu) {
+#ifdef KVF_HAVE_CUDA
+                kvf_cache_cuda_reg_close(R.device, R.opened, R.nr);
+#endif
+                free(R.handles);
+                R.handles = NULL;
+                R.gpu = false;
+        }
+        for (uint32_t i = 0; i < R.nr && R.fds[i] >= 0; i++) {
                 munmap(R.map[i], R.maplen[i]);
                 close(R.fds[i]);
         }
@@ -95,10 +110,12 @@ static void do_register(int c, pid_t pid, const uint8_t *buf, size_t n, int *fds
         int rc = 0;
 
         memcpy(&q, buf, sizeof(q));
+        bool gpu = q.device >= 0;
         size_t need = sizeof(q) + (size_t)q.n_regions * sizeof(struct kvf_reg_wire_region) +
-                      (size_t)q.n_views * sizeof(struct kvf_reg_wire_view);
+                      (size_t)q.n_views * sizeof(struct kvf_reg_wire_view) +
+                      (gpu ? (size_t)q.n_regions * KVF_REG_HANDLE_SIZE : 0);
         if (q.n_regions > KVF_FDPASS_MAX || q.n_views > KVF_REG_MAX_VIEWS || n != need ||
-            nfds != q.n_regions) {
+            nfds != (gpu ? 0 : q.n_regions)) {
                 snprintf(
                     why, sizeof(why),
                     "a malformed registration: %u regions, %u descriptors, %u views in %zu bytes",
@@ -106,14 +123,8 @@ static void do_register(int c, pid_t pid, const uint8_t *buf, size_t n, int *fds
                 rc = -EPROTO;
                 goto out;
         }
-        if (q.device >= 0) {
-                snprintf(why, sizeof(why),
-                         "GPU memory (device %d) given to an instance whose engine caches are "
-                         "host memory: give host memory (kvferry.host_buffer)",
-                         q.device);
-                rc = -EINVAL;
+        if ((rc = kvf_reg_check_device(R.ctl->hdr, q.device, q.uuid, why, sizeof(why))) < 0)
                 goto out;
-        }
         if (R.held && R.pid != pid && alive(R.pid)) {
                 snprintf(why, sizeof(why),
                          "pid %d registered caches already: it unregisters (or ends) first",
@@ -121,7 +132,13 @@ static void do_register(int c, pid_t pid, const uint8_t *buf, size_t n, int *fds
                 rc = -EBUSY;
                 goto out;
         }
-        for (uint32_t i = 0; i < q.n_regions; i++) {
+        for (uint32_t i = 0; i < q.n_regions && gpu; i++) {
+                const struct kvf_reg_wire_region *g =
+                    (const struct kvf_reg_wire_region *)(buf + sizeof(q)) + i;
+                /* An allocation is named by its handle from its start: no offset into it. */
+                size[i] = g->fd_offset ? 0 : g->bytes;
+        }
+        for (uint32_t i = 0; i < q.n_regions && !gpu; i++) {
                 struct stat st;
                 if (fstat(fds[i], &st) < 0 || !S_ISREG(st.st_mode)) {
                         snprintf(why, sizeof(why),
@@ -149,10 +166,46 @@ static void do_register(int c, pid_t pid, const uint8_t *buf, size_t n, int *fds
                 goto out;
         }
         /* Map each region once: one that cannot be mapped is refused now, not at a role. */
-        void *map[KVF_FDPASS_MAX];
+        void *map[KVF_FDPASS_MAX], *opened[KVF_FDPASS_MAX];
         uint64_t len[KVF_FDPASS_MAX], bytes = 0;
         long page = sysconf(_SC_PAGESIZE);
+        const uint8_t *handles = (const uint8_t *)(v + q.n_views);
+        int device = -1;
+        uint8_t(*hcopy)[KVF_REG_HANDLE_SIZE] = NULL;
+        if (gpu) {
+#ifdef KVF_HAVE_CUDA
+                device = kvf_cache_cuda_device_of(R.ctl->hdr->cuda_uuid);
+                if (device < 0) {
+                        snprintf(why, sizeof(why), "the instance's GPU is not visible to its allocator");
+                        rc = -ENODEV;
+                } else if (!(hcopy = malloc((size_t)q.n_regions * KVF_REG_HANDLE_SIZE))) {
+                        snprintf(why, sizeof(why), "out of memory");
+                        rc = -ENOMEM;
+                } else {
+                        /* A process opens an allocation once: the registration it replaces
+                         * (maybe of the same allocations) is closed first. */
+                        drop("a new registration replaces it");
+                        rc = kvf_cache_cuda_reg_hold(device, handles, q.n_regions, opened, why,
+                                                     sizeof(why));
+                }
+#else
+                snprintf(why, sizeof(why), "GPU memory: this build has no CUDA");
+                rc = -ENOTSUP;
+#endif
+                if (rc < 0) {
+                        free(hcopy);
+                        free(pl);
+                        goto out;
+                }
+                memcpy(hcopy, handles, (size_t)q.n_regions * KVF_REG_HANDLE_SIZE);
+        }
         for (uint32_t i = 0; i < q.n_regions; i++) {
+                if (gpu) {
+                        map[i] = NULL;
+                        len[i] = 0;
+                        bytes += rg[i].bytes;
+                        continue;
+                }
                 uint64_t al = rg[i].fd_offset & ~(uint64_t)(page - 1);
                 len[i] = rg[i].bytes + (rg[i].fd_offset - al);
                 map[i] = mmap(NULL, len[i], PROT_READ, MAP_SHARED, fds[i], (off_t)al);
@@ -176,9 +229,14 @@ static void do_register(int c, pid_t pid, const uint8_t *buf, size_t n, int *fds
         R.pid = pid;
         R.pidfd = pidfd;
         R.nr = q.n_regions;
+        R.gpu = gpu;
+        R.device = device;
+        R.handles = hcopy;
         for (uint32_t i = 0; i < q.n_regions; i++) {
-                R.fds[i] = fds[i];
-                fds[i] = -1; /* kept */
+                R.opened[i] = gpu ? opened[i] : NULL;
+                R.fds[i] = gpu ? -1 : fds[i];
+                if (!gpu)
+                        fds[i] = -1; /* kept */
                 R.map[i] = map[i];
                 R.maplen[i] = len[i];
                 R.rg[i] = (struct kvf_reg_wire_region){.bytes = rg[i].bytes,
@@ -205,7 +263,7 @@ static void do_fetch(int c)
                 return;
         }
         size_t n = sizeof(struct kvf_reg_msg) + R.nr * sizeof(struct kvf_reg_wire_region) +
-                   R.nplaced * sizeof(struct kvf_reg_placed);
+                   R.nplaced * sizeof(struct kvf_reg_placed) + (R.gpu ? R.nr * KVF_REG_HANDLE_SIZE : 0);
         uint8_t *buf = malloc(n);
         if (!buf) {
                 answer(c, -ENOMEM, "out of memory");
@@ -214,12 +272,17 @@ static void do_fetch(int c)
         struct kvf_reg_msg a = {.n_regions = R.nr,
                                 .n_views = R.nplaced,
                                 .token_major = R.ctl->hdr->reg_token_major,
+                                .device = R.gpu ? R.device : -1,
                                 .generation = kvf_load_acquire(&R.ctl->hdr->reg_generation)};
+        if (R.gpu)
+                memcpy(a.uuid, R.ctl->hdr->cuda_uuid, sizeof(a.uuid));
         memcpy(buf, &a, sizeof(a));
         memcpy(buf + sizeof(a), R.rg, R.nr * sizeof(struct kvf_reg_wire_region));
         memcpy(buf + sizeof(a) + R.nr * sizeof(struct kvf_reg_wire_region), R.placed,
                R.nplaced * sizeof(struct kvf_reg_placed));
-        (void)kvf_fdpass_send(c, buf, n, R.fds, R.nr);
+        if (R.gpu)
+                memcpy(buf + n - R.nr * KVF_REG_HANDLE_SIZE, R.handles, R.nr * KVF_REG_HANDLE_SIZE);
+        (void)kvf_fdpass_send(c, buf, n, R.gpu ? NULL : R.fds, R.gpu ? 0 : R.nr);
         free(buf);
 }
 

@@ -9,7 +9,9 @@
 #include <unistd.h>
 
 #include "abi.h"
+#include "cache.h"
 #include "client.h"
+#include "layout.h"
 #include "err.h"
 #include "fdpass.h"
 #include "registration.h"
@@ -39,6 +41,70 @@ static int ask(struct kvf_client *c, const void *msg, size_t len, const int *fds
         return rc;
 }
 
+/*
+ * GPU memory: the allocations behind the views (each found from its first byte; tensors of
+ * PyTorch's caching allocator are sub-ranges of a cudaMalloc'd segment), each once, with its
+ * IPC handle; or the regions given, each the start of an allocation. Fills rg (addr, bytes)
+ * and handles; *nr the count.
+ */
+static int gpu_regions(const struct kvf_registration *r,
+                       struct kvf_reg_wire_region *rg, uint8_t *handles, uint32_t *nr, uint8_t uuid[16])
+{
+#ifdef KVF_HAVE_CUDA
+        uint32_t n = 0;
+        uint32_t count = r->n_regions ? r->n_regions : r->n_views;
+        for (uint32_t i = 0; i < count; i++) {
+                void *p = r->n_regions ? r->regions[i].addr : r->views[i].addr;
+                uint64_t base, bytes;
+                int dev, vmm, rc;
+                if ((rc = kvf_cache_cuda_mem_range(p, &base, &bytes, &dev, &vmm)) < 0)
+                        return kvf_err_ctx(rc, "register caches: %s %u at %p is not GPU memory of this "
+                                           "process", r->n_regions ? "region" : "view", i, p);
+                if (vmm)
+                        return kvf_err_set(-ENOTSUP,
+                                           "register caches: %s %u at %p is in memory mapped with "
+                                           "cuMemCreate/cuMemMap (PyTorch's expandable segments), "
+                                           "which no CUDA IPC handle can name: set "
+                                           "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False before "
+                                           "the caches are allocated, or let kvferry allocate them "
+                                           "(up --backend cuda without --caches engine)",
+                                           r->n_regions ? "region" : "view", i, p);
+                if (dev != r->device)
+                        return kvf_err_set(-EINVAL,
+                                           "register caches: %s %u is on GPU %d, the registration "
+                                           "says GPU %d: every tensor on one GPU",
+                                           r->n_regions ? "region" : "view", i, dev, r->device);
+                if (r->n_regions && base != (uint64_t)(uintptr_t)p)
+                        return kvf_err_set(-EINVAL,
+                                           "register caches: region %u at %p is not the start of its "
+                                           "allocation (0x%llx): give whole allocations, or no "
+                                           "regions (the library finds them)",
+                                           i, p, (unsigned long long)base);
+                uint32_t k = 0;
+                while (k < n && rg[k].addr != base)
+                        k++;
+                if (k < n)
+                        continue; /* another tensor of an allocation already found */
+                if (n == KVF_FDPASS_MAX)
+                        return kvf_err_set(-E2BIG, "register caches: more than %u allocations",
+                                           KVF_FDPASS_MAX);
+                rg[n] = (struct kvf_reg_wire_region){.addr = base, .bytes = bytes};
+                if ((rc = kvf_cache_cuda_ipc_export((void *)(uintptr_t)base,
+                                                    handles + (uint64_t)n * KVF_REG_HANDLE_SIZE)) < 0)
+                        return kvf_err_ctx(rc, "register caches: the IPC handle of allocation 0x%llx (%llu "
+                                           "bytes)", (unsigned long long)base, (unsigned long long)bytes);
+                n++;
+        }
+        *nr = n;
+        int rc = kvf_cache_cuda_uuid(r->device, uuid);
+        return rc < 0 ? kvf_err_ctx(rc, "register caches") : 0;
+#else
+        (void)rg, (void)handles, (void)nr, (void)uuid;
+        return kvf_err_set(-ENOTSUP, "register caches: GPU memory (device %d): this build has no CUDA",
+                           r->device);
+#endif
+}
+
 int kvf_register_caches_sized(struct kvf_client *c, const struct kvf_registration *r, size_t r_size)
 {
         int rc =
@@ -52,13 +118,13 @@ int kvf_register_caches_sized(struct kvf_client *c, const struct kvf_registratio
                     "register caches: instance '%s' keeps caches of its own (start it with "
                     "--caches engine to give it the engine's)",
                     h->instance);
-        if (r->device >= 0)
-                return kvf_err_set(
-                    -ENOTSUP,
-                    "register caches: GPU memory (device %d): this instance takes the "
-                    "engine's host memory only",
-                    r->device);
-        if (r->n_regions == 0 || r->n_regions > KVF_FDPASS_MAX || !r->regions)
+        char why[KVF_REASON_MAX];
+        /* (the GPU's identity is checked by the allocator: here only the kind of memory) */
+        if ((rc = kvf_reg_check_device(h, r->device, h->cuda_uuid, why, sizeof(why))) < 0)
+                return kvf_err_set(-ENOTSUP, "register caches: %s", why);
+        bool gpu = r->device >= 0;
+        if ((!gpu || r->n_regions) &&
+            (r->n_regions == 0 || r->n_regions > KVF_FDPASS_MAX || !r->regions))
                 return kvf_err_set(-EINVAL, "register caches: %u regions: give 1 to %u",
                                    r->n_regions, KVF_FDPASS_MAX);
         if (r->n_views == 0 || r->n_views > KVF_REG_MAX_VIEWS || !r->views)
@@ -66,7 +132,7 @@ int kvf_register_caches_sized(struct kvf_client *c, const struct kvf_registratio
                     -EINVAL, "register caches: %u views: give one per (layer, tensor), at most %u",
                     r->n_views, KVF_REG_MAX_VIEWS);
         int fds[KVF_FDPASS_MAX];
-        for (uint32_t i = 0; i < r->n_regions; i++) {
+        for (uint32_t i = 0; i < r->n_regions && !gpu; i++) {
                 if (r->regions[i].fd < 0)
                         return kvf_err_set(
                             -EINVAL,
@@ -76,32 +142,50 @@ int kvf_register_caches_sized(struct kvf_client *c, const struct kvf_registratio
                             i);
                 fds[i] = r->regions[i].fd;
         }
-        size_t len = sizeof(struct kvf_reg_msg) +
-                     r->n_regions * sizeof(struct kvf_reg_wire_region) +
-                     r->n_views * sizeof(struct kvf_reg_wire_view);
-        uint8_t *buf = calloc(1, len);
-        if (!buf)
-                return kvf_err_set(-ENOMEM, "out of memory");
+        struct kvf_reg_wire_region grg[KVF_FDPASS_MAX];
+        uint8_t *handles = NULL;
+        uint32_t nr = r->n_regions;
         struct kvf_reg_msg q = {.op = KVF_REG_REGISTER,
-                                .n_regions = r->n_regions,
                                 .n_views = r->n_views,
                                 .token_major = r->token_major ? 1 : 0,
-                                .device = -1};
+                                .device = gpu ? r->device : -1};
+        if (gpu) {
+                if (!(handles = malloc((size_t)KVF_FDPASS_MAX * KVF_REG_HANDLE_SIZE)))
+                        return kvf_err_set(-ENOMEM, "out of memory");
+                if ((rc = gpu_regions(r, grg, handles, &nr, q.uuid)) < 0) {
+                        free(handles);
+                        return rc;
+                }
+        }
+        q.n_regions = nr;
+        size_t len = sizeof(struct kvf_reg_msg) + nr * sizeof(struct kvf_reg_wire_region) +
+                     r->n_views * sizeof(struct kvf_reg_wire_view) +
+                     (gpu ? (size_t)nr * KVF_REG_HANDLE_SIZE : 0);
+        uint8_t *buf = calloc(1, len);
+        if (!buf) {
+                free(handles);
+                return kvf_err_set(-ENOMEM, "out of memory");
+        }
         memcpy(buf, &q, sizeof(q));
         struct kvf_reg_wire_region *rg = (void *)(buf + sizeof(q));
-        struct kvf_reg_wire_view *v = (void *)(rg + r->n_regions);
-        for (uint32_t i = 0; i < r->n_regions; i++)
-                rg[i] =
-                    (struct kvf_reg_wire_region){.addr = (uint64_t)(uintptr_t)r->regions[i].addr,
-                                                 .bytes = r->regions[i].bytes,
-                                                 .fd_offset = r->regions[i].fd_offset};
+        struct kvf_reg_wire_view *v = (void *)(rg + nr);
+        for (uint32_t i = 0; i < nr; i++)
+                rg[i] = gpu ? grg[i]
+                            : (struct kvf_reg_wire_region){
+                                  .addr = (uint64_t)(uintptr_t)r->regions[i].addr,
+                                  .bytes = r->regions[i].bytes,
+                                  .fd_offset = r->regions[i].fd_offset};
+        if (gpu) {
+                memcpy(v + r->n_views, handles, (size_t)nr * KVF_REG_HANDLE_SIZE);
+                free(handles);
+        }
         for (uint32_t i = 0; i < r->n_views; i++)
                 v[i] = (struct kvf_reg_wire_view){.layer = r->views[i].layer,
                                                   .tensor = r->views[i].tensor,
                                                   .addr = (uint64_t)(uintptr_t)r->views[i].addr,
                                                   .stride = r->views[i].block_stride};
         struct kvf_reg_msg a = {0};
-        rc = ask(c, buf, len, fds, r->n_regions, &a);
+        rc = ask(c, buf, len, fds, gpu ? 0 : nr, &a);
         free(buf);
         if (rc < 0)
                 return kvf_err_ctx(rc, "register caches with '%s'", h->instance);

@@ -109,6 +109,14 @@ void kvf_cache_unmap(struct kvf_cache *c)
 
 int kvf_cache_copy_host(const struct kvf_copy_batch *b)
 {
+        /* The engine's caches may be GPU memory under the engine backend's id: never memcpy
+         * into a device pointer. */
+        if (!b->src->host && b->src->parts)
+                return kvf_err_set(-EXDEV, "a host copy from GPU memory (the engine's caches)");
+        for (uint32_t i = 0; i < b->ndst; i++)
+                if (!b->dst[i]->host && b->dst[i]->parts)
+                        return kvf_err_set(-EXDEV, "a host copy into GPU memory (the engine's caches of "
+                                           "a peer): both sides' caches must be of one kind");
         for (uint32_t i = 0; i < b->nruns; i++) {
                 const struct kvf_copy_run *r = &b->runs[i];
                 const struct kvf_cache *d = b->dst[r->dst];

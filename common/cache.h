@@ -271,10 +271,40 @@ extern const struct kvf_cache_backend kvf_cache_cuda;
 /* cache_cuda.c: GPUs visible (kvf_cache_gpus); the device this process numbers `uuid`, or < 0. */
 int kvf_cache_cuda_gpus(void);
 int kvf_cache_cuda_device_of(const uint8_t uuid[16]);
+/* The UUID of this process's device `device`: 0, or -errno (kvf_err). */
+int kvf_cache_cuda_uuid(int device, uint8_t uuid[16]);
+/* The allocation holding device pointer p (kvf_gpu_mem_range): 0, or -errno (kvf_err). */
+int kvf_cache_cuda_mem_range(const void *p, uint64_t *base, uint64_t *bytes, int *device, int *vmm);
+/* The CUDA IPC handle of the allocation starting at base: 0, or -errno (kvf_err). */
+int kvf_cache_cuda_ipc_export(void *base, uint8_t handle[64]);
 /* cache_cuda_dmabuf.c: the allocator offers its allocation's dma-buf (never fails: a refusal
  * carries the reason); another process of the same user fetches a descriptor of it. */
 void kvf_cuda_dmabuf_offer(const struct kvf_ctl_header *h, int device, void *ptr, uint64_t bytes);
 int kvf_cuda_dmabuf_fetch(const struct kvf_ctl_header *h, int *fd, uint64_t *len);
+/*
+ * The engine's caches in GPU memory (registration.h): open each of the nr
+ * allocations' IPC handles once, for kernels on device `near` (-1: the GPU of
+ * the instance, header cuda_uuid), and place the want views (parts, strides)
+ * at opened base + offset. out then copies and stages like a cuda cache in
+ * parts (the engine backend hands its batches to the cuda backend's). 0, or
+ * -errno (kvf_err) with nothing left open.
+ */
+struct kvf_reg_wire_region;
+struct kvf_reg_placed;
+int kvf_cache_cuda_reg_map(const struct kvf_ctl_header *h, int near, const uint8_t *handles,
+                           const struct kvf_reg_wire_region *rg, uint32_t nr,
+                           const struct kvf_reg_placed *pl, uint32_t want, struct kvf_cache *out);
+/* Close what kvf_cache_cuda_reg_map opened, after every copy of this process on that GPU
+ * (the connector's staging copies run on streams of their own) has finished. */
+void kvf_cache_cuda_reg_unmap(struct kvf_cache *c);
+/* The allocator: open a registration's handles (proving they name live allocations of that
+ * GPU) and keep them open until kvf_cache_cuda_reg_close: 0, or -errno with `why`. */
+int kvf_cache_cuda_reg_hold(int device, const uint8_t *handles, uint32_t nr, void **opened,
+                            char *why, size_t whylen);
+void kvf_cache_cuda_reg_close(int device, void **opened, uint32_t nr);
+/* The connector's staging for the engine's GPU caches: the cuda backend's staging ops, which
+ * take the regions of the mapping anew when it was replaced since the last copy. */
+extern const struct kvf_stage_ops kvf_cache_cuda_stage_ops;
 #endif
 
 #endif

@@ -48,6 +48,10 @@
 #include "err.h"
 #include "kvf_gpu.h"
 #include "layout.h"
+#include "log.h"
+#include "registration.h"
+
+_Static_assert(KVF_REG_HANDLE_SIZE == KVF_GPU_IPC_HANDLE_SIZE, "a registration's handle is CUDA's");
 
 #define AGAIN_WAIT_NS 2000000000ull
 
@@ -57,6 +61,8 @@ struct cuda_map {
         void *ptr;  /* the IPC-opened pointer (base) */
         uint8_t **parts; /* one allocation per tensor: each tensor's IPC-opened pointer */
         uint32_t n_parts;
+        void **opens;    /* the engine's caches: each registered allocation's open */
+        uint32_t n_opens;
         struct kvf_gpu_copier *copier; /* created at the first copy from this cache */
         struct kvf_gpu_run *runs;
         uint32_t cap_runs;
@@ -85,6 +91,24 @@ int kvf_cache_cuda_gpus(void)
 int kvf_cache_cuda_device_of(const uint8_t uuid[16])
 {
         return kvf_gpu_device_by_uuid(uuid);
+}
+
+int kvf_cache_cuda_uuid(int device, uint8_t uuid[16])
+{
+        int rc = kvf_gpu_device_uuid(device, uuid);
+        return rc < 0 ? gpu_err(rc, "GPU UUID") : 0;
+}
+
+int kvf_cache_cuda_mem_range(const void *p, uint64_t *base, uint64_t *bytes, int *device, int *vmm)
+{
+        int rc = kvf_gpu_mem_range(p, base, bytes, device, vmm);
+        return rc < 0 ? kvf_err_set(rc, "%s", kvf_gpu_err_msg()) : 0;
+}
+
+int kvf_cache_cuda_ipc_export(void *base, uint8_t handle[64])
+{
+        int rc = kvf_gpu_ipc_export(base, handle);
+        return rc < 0 ? kvf_err_set(rc, "%s", kvf_gpu_err_msg()) : 0;
 }
 
 static void uuid_str(const uint8_t u[16], char *out, size_t len)
@@ -335,8 +359,11 @@ static void put_regions(const struct kvf_cache *c, struct kvf_gpu_region *r)
                 r[0] = (struct kvf_gpu_region){.base = (uint64_t)(uintptr_t)c->base, .bytes = c->bytes};
                 return;
         }
+        uint64_t bb = c->layout.block_bytes, nb = c->layout.num_blocks;
         for (uint32_t i = 0; i < c->n_parts; i++)
-                r[i] = (struct kvf_gpu_region){.base = (uint64_t)(uintptr_t)c->parts[i], .bytes = c->part_bytes};
+                r[i] = (struct kvf_gpu_region){
+                    .base = (uint64_t)(uintptr_t)c->parts[i],
+                    .bytes = c->strides ? (nb - 1) * c->strides[i] + bb : c->part_bytes};
 }
 
 /* An offset of cache c as (region, offset in it), region counted from `first`. An offset past
@@ -349,9 +376,76 @@ static void split_off(const struct kvf_cache *c, uint32_t first, uint64_t off, u
                 *rest = off;
                 return;
         }
-        uint64_t i = off / c->part_bytes;
+        uint64_t i = off / c->part_bytes, r = off % c->part_bytes, bb = c->layout.block_bytes;
         *region = i < c->n_parts ? first + (uint32_t)i : UINT32_MAX;
-        *rest = off % c->part_bytes;
+        *rest = i < c->n_parts && c->strides ? r / bb * c->strides[i] + r % bb : r;
+}
+
+/* One side of a copy: a cache (its regions from `first` on), or a staging buffer (c NULL:
+ * region `first`, contiguous). */
+struct side {
+        const struct kvf_cache *c;
+        uint32_t first;
+};
+
+static uint64_t side_contig(const struct side *s, uint64_t off)
+{
+        return s->c ? kvf_cache_contig(s->c, off) : UINT64_MAX;
+}
+
+static void side_place(const struct side *s, uint64_t off, uint32_t *region, uint64_t *rest)
+{
+        if (s->c) {
+                split_off(s->c, s->first, off, region, rest);
+        } else {
+                *region = s->first;
+                *rest = off;
+        }
+}
+
+/*
+ * The copier's runs for run r, cut wherever either side is not contiguous (an engine's
+ * blocks with a stride: one run per block), appended at (*out)[*n]. A side with nothing
+ * mapped at an offset gets region UINT32_MAX for the rest, which the copier refuses.
+ */
+static int cut_run(const struct kvf_copy_run *r, const struct side *src, const struct side *dst,
+                   struct kvf_gpu_run **out, uint32_t *cap, uint32_t *n)
+{
+        uint64_t so = r->src_off, dof = r->dst_off, left = r->bytes;
+        while (left) {
+                uint64_t k = left, cs = side_contig(src, so), cd = side_contig(dst, dof);
+                k = k < cs ? k : cs;
+                k = k < cd ? k : cd;
+                if (k == 0)
+                        k = left;
+                if (*n >= *cap) {
+                        uint32_t nc = *cap ? *cap * 2 : 256;
+                        void *q = realloc(*out, (size_t)nc * sizeof(**out));
+                        if (!q)
+                                return -ENOMEM;
+                        *out = q;
+                        *cap = nc;
+                }
+                struct kvf_gpu_run *g = &(*out)[(*n)++];
+                g->bytes = k;
+                side_place(src, so, &g->src_region, &g->src_off);
+                side_place(dst, dof, &g->dst_region, &g->dst_off);
+                if (cs == 0)
+                        g->src_region = UINT32_MAX;
+                if (cd == 0)
+                        g->dst_region = UINT32_MAX;
+                so += k, dof += k, left -= k;
+        }
+        return 0;
+}
+
+/* A cache the copier may address on GPU `device`: a cuda mapping, or the engine's caches in
+ * GPU memory (kvf_cache_cuda_reg_map). */
+static bool gpu_mapped(const struct kvf_cache *c, int device)
+{
+        bool cuda = c->be == &kvf_cache_cuda ||
+                    (c->be && c->be->id == KVF_BACKEND_ENGINE && !c->host && c->priv);
+        return cuda && c->device == device;
 }
 
 static int cuda_copy_submit(const struct kvf_copy_batch *b, uint64_t *ticket)
@@ -372,7 +466,7 @@ static int cuda_copy_submit(const struct kvf_copy_batch *b, uint64_t *ticket)
         ndr = 0;
         for (uint32_t i = 0; i < b->ndst; i++) {
                 const struct kvf_cache *d = b->dst[i];
-                if (d->be != &kvf_cache_cuda || d->device != m->device)
+                if (!gpu_mapped(d, m->device))
                         return kvf_err_set(-EXDEV, "a GPU copy's destination %u is not mapped for GPU %d",
                                            i, m->device);
                 m->dfirst[i] = ndr;
@@ -380,23 +474,23 @@ static int cuda_copy_submit(const struct kvf_copy_batch *b, uint64_t *ticket)
                 ndr += cache_regions(d);
         }
         put_regions(b->src, m->src);
+        uint32_t nruns = b->nruns;
         if (!b->src->parts && ndr == b->ndst) {
                 gpu_runs(b->runs, b->nruns, m->runs);
         } else {
+                struct side src = {b->src, 0};
+                nruns = 0;
                 for (uint32_t i = 0; i < b->nruns; i++) {
                         const struct kvf_copy_run *r = &b->runs[i];
-                        struct kvf_gpu_run *g = &m->runs[i];
-                        g->bytes = r->bytes;
-                        split_off(b->src, 0, r->src_off, &g->src_region, &g->src_off);
-                        if (r->dst < b->ndst)
-                                split_off(b->dst[r->dst], m->dfirst[r->dst], r->dst_off, &g->dst_region,
-                                          &g->dst_off);
-                        else
-                                *g = (struct kvf_gpu_run){.bytes = r->bytes, .dst_region = UINT32_MAX};
+                        struct side dst = {r->dst < b->ndst ? b->dst[r->dst] : NULL,
+                                           r->dst < b->ndst ? m->dfirst[r->dst] : UINT32_MAX};
+                        if (cut_run(r, &src, &dst, &m->runs, &m->cap_runs, &nruns) < 0)
+                                return kvf_err_set(-ENOMEM, "out of memory for a copy batch of %u runs",
+                                                   b->nruns);
                 }
         }
         struct kvf_gpu_batch gb = {.src = m->src, .n_src = cache_regions(b->src), .dst = m->dst, .n_dst = ndr};
-        return submit(m->copier, &gb, m->runs, b->nruns, ticket);
+        return submit(m->copier, &gb, m->runs, nruns, ticket);
 }
 
 static int cuda_copy_poll(struct kvf_cache *src, uint64_t ticket)
@@ -418,12 +512,23 @@ struct stage_eng {
         uint32_t n_cache;
         struct kvf_cache cache; /* a copy: parts live as long as the mapping, which outlives this */
         int device;
+        /* The engine's caches: the mapping itself, whose regions are taken anew at every copy
+         * (a registration may be replaced meanwhile, under the lock the caller holds). */
+        const struct kvf_cache *live;
+        struct kvf_gpu_run *runs; /* the runs cut where blocks are strided */
+        uint32_t cap_runs;
 };
 
 static int stage_open(struct kvf_cache *c, void **eng)
 {
+        bool engine = c->be && c->be->id == KVF_BACKEND_ENGINE;
+        uint32_t nreg = engine ? layout_parts(&c->layout) : cache_regions(c);
+        int dev = c->device;
+        if (engine && c->reg_hdr && (dev = kvf_gpu_device_by_uuid(c->reg_hdr->cuda_uuid)) < 0)
+                return kvf_err_set(-ENODEV, "the engine's caches of '%s' are on a GPU this process "
+                                   "does not see (CUDA_VISIBLE_DEVICES?)", c->reg_hdr->instance);
         struct stage_eng *e = calloc(1, sizeof(*e));
-        if (e && !(e->region = calloc(cache_regions(c) + 1, sizeof(*e->region)))) {
+        if (e && !(e->region = calloc(nreg + 1, sizeof(*e->region)))) {
                 free(e);
                 e = NULL;
         }
@@ -431,14 +536,15 @@ static int stage_open(struct kvf_cache *c, void **eng)
                 return kvf_err_set(-ENOMEM, "out of memory for a stager");
         /* A batch is at most 4 MiB in 4 KiB chunks and its runs' ends. */
         struct kvf_gpu_copier_opts o = {.arena_chunks = 4 * ((KVF_STAGE_BYTES >> 12) + KVF_STAGE_RUNS)};
-        int rc = kvf_gpu_copier_create(c->device, 0, &o, &e->copier);
+        int rc = kvf_gpu_copier_create(dev, 0, &o, &e->copier);
         if (rc < 0) {
                 free(e->region);
                 free(e);
                 return gpu_err(rc, "create a staging copier");
         }
-        e->device = c->device;
+        e->device = dev;
         e->cache = *c;
+        e->live = engine ? c : NULL;
         e->n_cache = cache_regions(c);
         put_regions(c, e->region);
         *eng = e;
@@ -450,6 +556,7 @@ static void stage_close(void *eng)
         struct stage_eng *e = eng;
         kvf_gpu_copier_destroy(e->copier); /* waits (bounded) for its copies */
         free(e->region);
+        free(e->runs);
         free(e);
 }
 
@@ -475,8 +582,26 @@ static int stage_copy(void *eng, bool to_cache, uint8_t *buf, const struct kvf_c
         struct kvf_gpu_run runs[KVF_STAGE_RUNS];
         if (n > KVF_STAGE_RUNS)
                 return kvf_err_set(-EINVAL, "a staged group of %u runs", n);
+        if (e->live) {
+                e->cache = *e->live;
+                if (!e->cache.parts || e->cache.host || e->cache.device != e->device)
+                        return kvf_err_set(-EIO, "the engine's caches are not mapped here (not registered, "
+                                           "or dropped with their engine)");
+                e->n_cache = cache_regions(&e->cache);
+                put_regions(&e->cache, e->region);
+        }
         uint32_t nb = e->n_cache; /* the buffer's region */
         e->region[nb] = (struct kvf_gpu_region){.base = (uint64_t)(uintptr_t)buf, .bytes = KVF_STAGE_BYTES};
+        if (e->cache.strides) {
+                struct side cs = {&e->cache, 0}, bs = {NULL, nb};
+                uint32_t k = 0;
+                for (unsigned i = 0; i < n; i++)
+                        if (cut_run(&r[i], to_cache ? &bs : &cs, to_cache ? &cs : &bs, &e->runs, &e->cap_runs,
+                                    &k) < 0)
+                                return kvf_err_set(-ENOMEM, "out of memory for a staged group of %u runs", n);
+                struct kvf_gpu_batch gb = {.src = e->region, .n_src = nb + 1, .dst = e->region, .n_dst = nb + 1};
+                return submit(e->copier, &gb, e->runs, k, ticket);
+        }
         if (nb == 1) {
                 gpu_runs(r, n, runs);
                 struct kvf_gpu_batch gb = {.src = &e->region[to_cache ? 1 : 0], .n_src = 1,
@@ -532,7 +657,7 @@ static int cuda_rdma_flush(struct kvf_cache *c)
         return kvf_gpu_rdma_flush(m->owner) < 0 ? gpu_err(-EIO, "flush GPUDirect RDMA writes") : 0;
 }
 
-static const struct kvf_stage_ops stage_ops = {
+const struct kvf_stage_ops kvf_cache_cuda_stage_ops = {
         .open = stage_open,
         .close = stage_close,
         .buf_alloc = stage_buf_alloc,
@@ -550,7 +675,133 @@ const struct kvf_cache_backend kvf_cache_cuda = {
         .unmap = cuda_unmap,
         .copy_submit = cuda_copy_submit,
         .copy_poll = cuda_copy_poll,
-        .stage = &stage_ops,
+        .stage = &kvf_cache_cuda_stage_ops,
         .dmabuf = cuda_dmabuf,
         .rdma_flush = cuda_rdma_flush,
 };
+
+/* ---- the engine's caches in GPU memory (registration.h) ---- */
+
+int kvf_cache_cuda_reg_hold(int device, const uint8_t *handles, uint32_t nr, void **opened,
+                            char *why, size_t whylen)
+{
+        for (uint32_t i = 0; i < nr; i++) {
+                int owner = -1;
+                opened[i] = NULL;
+                int rc = kvf_gpu_ipc_open(device, handles + (uint64_t)i * KVF_GPU_IPC_HANDLE_SIZE,
+                                          &opened[i], &owner);
+                if (rc == 0 && owner != device) {
+                        kvf_gpu_ipc_close(device, opened[i]);
+                        opened[i] = NULL;
+                        snprintf(why, whylen, "region %u is on GPU %d here, not the instance's GPU %d: "
+                                 "give tensors on the instance's GPU", i, owner, device);
+                        rc = -EINVAL;
+                } else if (rc < 0) {
+                        snprintf(why, whylen, "region %u: its CUDA IPC handle cannot be opened (%s): "
+                                 "give whole cudaMalloc allocations of a live process (PyTorch: "
+                                 "expandable segments off)", i, kvf_gpu_err_msg());
+                        rc = -EINVAL;
+                }
+                if (rc < 0) {
+                        kvf_cache_cuda_reg_close(device, opened, i);
+                        return rc;
+                }
+        }
+        return 0;
+}
+
+void kvf_cache_cuda_reg_close(int device, void **opened, uint32_t nr)
+{
+        for (uint32_t i = 0; i < nr; i++)
+                if (opened[i])
+                        kvf_gpu_ipc_close(device, opened[i]);
+}
+
+int kvf_cache_cuda_reg_map(const struct kvf_ctl_header *h, int near, const uint8_t *handles,
+                           const struct kvf_reg_wire_region *rg, uint32_t nr,
+                           const struct kvf_reg_placed *pl, uint32_t want, struct kvf_cache *out)
+{
+        const struct kvf_cache_layout *L = &h->layout;
+        char u[48];
+        int owner = kvf_gpu_device_by_uuid(h->cuda_uuid);
+        kvf_reg_uuid_str(h->cuda_uuid, u, sizeof(u));
+        if (owner < 0)
+                return kvf_err_set(-ENOENT, "the engine's caches of '%s' are on %s, which this process "
+                                   "does not see (CUDA_VISIBLE_DEVICES?)", h->instance, u);
+        struct cuda_map *m = calloc(1, sizeof(*m));
+        if (!m || !(m->opens = calloc(nr, sizeof(*m->opens))) ||
+            !(out->parts = calloc(want, sizeof(*out->parts))) ||
+            !(out->strides = calloc(want, sizeof(*out->strides)))) {
+                if (m)
+                        free(m->opens);
+                free(m);
+                free(out->parts);
+                out->parts = NULL;
+                return kvf_err_set(-ENOMEM, "out of memory");
+        }
+        m->device = near >= 0 ? near : owner;
+        m->owner = owner;
+        m->hdr = *h;
+        int rc = 0;
+        for (uint32_t i = 0; i < nr && rc == 0; i++) {
+                rc = kvf_gpu_ipc_open(m->device, handles + (uint64_t)i * KVF_GPU_IPC_HANDLE_SIZE,
+                                      &m->opens[i], NULL);
+                if (rc == 0)
+                        m->n_opens++;
+                else
+                        kvf_err_set(rc == -EXDEV ? -EXDEV : -ENOENT,
+                                    "open region %u of %u of the engine's caches of '%s' (%llu bytes on "
+                                    "%s, for GPU %d): %s", i, nr, h->instance,
+                                    (unsigned long long)rg[i].bytes, u, m->device, kvf_gpu_err_msg());
+        }
+        if (rc < 0) {
+                kvf_cache_cuda_reg_close(m->device, m->opens, m->n_opens);
+                free(m->opens);
+                free(m);
+                free(out->parts);
+                free(out->strides);
+                out->parts = NULL;
+                out->strides = NULL;
+                return rc == -EXDEV ? -EXDEV : -ENOENT;
+        }
+        bool strided = false;
+        for (uint32_t k = 0; k < want; k++) {
+                out->parts[k] = (uint8_t *)m->opens[pl[k].region] + pl[k].off;
+                out->strides[k] = pl[k].stride;
+                strided |= pl[k].stride != L->block_bytes;
+        }
+        if (!strided) {
+                free(out->strides);
+                out->strides = NULL;
+        }
+        out->n_parts = want;
+        out->part_bytes = (uint64_t)L->num_blocks * L->block_bytes;
+        out->base = out->parts[0];
+        out->host = false;
+        out->device = m->device;
+        out->priv = m;
+        return 0;
+}
+
+void kvf_cache_cuda_reg_unmap(struct kvf_cache *c)
+{
+        struct cuda_map *m = c->priv;
+        if (!m)
+                return;
+        kvf_gpu_copier_destroy(m->copier); /* waits (bounded) for the copies in flight */
+        /* Copies of other threads (the connector's staging streams) may still read or write
+         * the allocations: their callers hold the mapping's lock for writing now, so none
+         * starts; wait for those queued before closing what they address. */
+        if (kvf_gpu_device_sync(m->device) < 0)
+                kvf_warn("the engine's caches: waiting for GPU %d before closing them: %s", m->device,
+                         kvf_gpu_err_msg());
+        kvf_cache_cuda_reg_close(m->device, m->opens, m->n_opens);
+        free(m->opens);
+        free(m->runs);
+        free(m->dst);
+        free(m->src);
+        free(m->dfirst);
+        free(m);
+        c->priv = NULL;
+        c->base = NULL;
+}

@@ -44,7 +44,20 @@ static int engine_create(struct kvf_ctl_header *h, const struct kvf_cache_opts *
 {
         (void)o;
         h->reg_generation = 0; /* waiting for the engine's caches */
+        if (!h->reg_gpu)
+                return 0;
+#ifdef KVF_HAVE_CUDA
+        /* GPU memory: registrations must be on this GPU, named by its UUID (numbers differ
+         * between processes with CUDA_VISIBLE_DEVICES). */
+        if (kvf_cache_cuda_gpus() <= (int)h->device)
+                return kvf_err_set(-ENODEV, "--caches engine --backend cuda: no GPU %u here", h->device);
+        if (kvf_cache_cuda_uuid((int)h->device, h->cuda_uuid) < 0)
+                return kvf_err_set(-ENODEV, "--caches engine --backend cuda: the UUID of GPU %u: %s",
+                                   h->device, kvf_err_msg());
         return 0;
+#else
+        return kvf_err_set(-ENOTSUP, "--caches engine --backend cuda: this build has no CUDA");
+#endif
 }
 
 static void engine_destroy(const struct kvf_ctl_header *h)
@@ -57,14 +70,29 @@ static int engine_map(const struct kvf_ctl_header *h, bool writable, struct kvf_
         return kvf_reg_map(h, writable, out);
 }
 
+/* GPU memory (an instance of --backend cuda): the cuda backend's kernels, which complete
+ * later; host memory: memcpy, done before this returns. */
+static bool on_gpu(const struct kvf_cache *c)
+{
+        return !c->host && c->priv && c->device >= 0;
+}
+
 static int engine_copy_submit(const struct kvf_copy_batch *b, uint64_t *ticket)
 {
         *ticket = 0;
+#ifdef KVF_HAVE_CUDA
+        if (on_gpu(b->src))
+                return kvf_cache_cuda.copy_submit(b, ticket);
+#endif
         return kvf_cache_copy_host(b);
 }
 
 static int engine_copy_poll(struct kvf_cache *src, uint64_t ticket)
 {
+#ifdef KVF_HAVE_CUDA
+        if (on_gpu(src) && ticket)
+                return kvf_cache_cuda.copy_poll(src, ticket);
+#endif
         (void)src;
         (void)ticket;
         return 1;
@@ -77,6 +105,7 @@ static int engine_copy_poll(struct kvf_cache *src, uint64_t ticket)
 struct stage_eng {
         struct kvf_cache *c;
         uint64_t ticket;
+        void *gpu; /* GPU caches: the cuda backend's staging (pinned buffers, kernels) */
 };
 
 static int stage_open(struct kvf_cache *c, void **eng)
@@ -85,18 +114,39 @@ static int stage_open(struct kvf_cache *c, void **eng)
         if (!e)
                 return kvf_err_set(-ENOMEM, "out of memory");
         e->c = c;
+        if (c->reg_hdr && c->reg_hdr->reg_gpu) {
+#ifdef KVF_HAVE_CUDA
+                int rc = kvf_cache_cuda_stage_ops.open(c, &e->gpu);
+#else
+                int rc = kvf_err_set(-ENOTSUP, "the engine's caches of '%s' are GPU memory and this "
+                                     "build has no CUDA", c->reg_hdr->instance);
+#endif
+                if (rc < 0) {
+                        free(e);
+                        return rc;
+                }
+        }
         *eng = e;
         return 0;
 }
 
 static void stage_close(void *eng)
 {
-        free(eng);
+        struct stage_eng *e = eng;
+#ifdef KVF_HAVE_CUDA
+        if (e->gpu)
+                kvf_cache_cuda_stage_ops.close(e->gpu);
+#endif
+        free(e);
 }
 
 static int stage_buf_alloc(void *eng, uint64_t bytes, uint8_t **out)
 {
-        (void)eng;
+        struct stage_eng *e = eng;
+#ifdef KVF_HAVE_CUDA
+        if (e->gpu)
+                return kvf_cache_cuda_stage_ops.buf_alloc(e->gpu, bytes, out);
+#endif
         void *p = NULL;
         if (posix_memalign(&p, 4096, bytes) != 0)
                 return kvf_err_set(-ENOMEM, "out of memory for a staging buffer of %llu bytes",
@@ -107,7 +157,13 @@ static int stage_buf_alloc(void *eng, uint64_t bytes, uint8_t **out)
 
 static void stage_buf_free(void *eng, uint8_t *p)
 {
-        (void)eng;
+        struct stage_eng *e = eng;
+#ifdef KVF_HAVE_CUDA
+        if (e->gpu) {
+                kvf_cache_cuda_stage_ops.buf_free(e->gpu, p);
+                return;
+        }
+#endif
         free(p);
 }
 
@@ -120,6 +176,15 @@ static int stage_copy(void *eng, bool to_cache, uint8_t *buf, const struct kvf_c
         if (c->reg_hdr && kvf_reg_stale(c->reg_hdr, c))
                 (void)kvf_cache_refresh(c);
         pthread_rwlock_rdlock(&map_lock);
+#ifdef KVF_HAVE_CUDA
+        if (e->gpu) {
+                /* Queued under the lock: a new mapping waits for the GPU before it closes the
+                 * old one (kvf_cache_cuda_reg_unmap), so the kernel never runs on a closed one. */
+                rc = kvf_cache_cuda_stage_ops.copy(e->gpu, to_cache, buf, runs, n, ticket);
+                pthread_rwlock_unlock(&map_lock);
+                return rc;
+        }
+#endif
         for (unsigned i = 0; rc == 0 && i < n; i++) {
                 uint64_t off = to_cache ? runs[i].dst_off : runs[i].src_off;
                 uint8_t *b = buf + (to_cache ? runs[i].src_off : runs[i].dst_off);
@@ -148,7 +213,12 @@ static int stage_copy(void *eng, bool to_cache, uint8_t *buf, const struct kvf_c
 
 static int stage_poll(void *eng, uint64_t ticket)
 {
-        (void)eng;
+        struct stage_eng *e = eng;
+#ifdef KVF_HAVE_CUDA
+        if (e->gpu)
+                return kvf_cache_cuda_stage_ops.poll(e->gpu, ticket);
+#endif
+        (void)e;
         (void)ticket;
         return 1; /* copied before stage_copy returned */
 }

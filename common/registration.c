@@ -191,6 +191,43 @@ int kvf_reg_validate(const struct kvf_cache_layout *L, const struct kvf_reg_wire
         return rc;
 }
 
+void kvf_reg_uuid_str(const uint8_t u[16], char *out, size_t len)
+{
+        snprintf(out, len,
+                 "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x", u[0],
+                 u[1], u[2], u[3], u[4], u[5], u[6], u[7], u[8], u[9], u[10], u[11], u[12], u[13],
+                 u[14], u[15]);
+}
+
+int kvf_reg_check_device(const struct kvf_ctl_header *h, int32_t device, const uint8_t uuid[16],
+                         char *why, size_t whylen)
+{
+        char have[48], given[48];
+        if (device < 0 && h->reg_gpu)
+                return refuse(why, whylen,
+                              "host memory given to instance '%s', whose engine caches are GPU "
+                              "memory (up --caches engine --backend cuda): give tensors on its GPU",
+                              h->instance);
+        if (device < 0)
+                return 0;
+        if (!h->reg_gpu)
+                return refuse(why, whylen,
+                              "GPU memory (device %d) given to instance '%s', whose engine caches "
+                              "are host memory: give host memory (kvferry.host_buffer), or start "
+                              "the instance with --caches engine --backend cuda",
+                              device, h->instance);
+        if (memcmp(uuid, h->cuda_uuid, 16) != 0) {
+                kvf_reg_uuid_str(h->cuda_uuid, have, sizeof(have));
+                kvf_reg_uuid_str(uuid, given, sizeof(given));
+                return refuse(why, whylen,
+                              "the tensors are on %s (device %d of the engine), but instance '%s' "
+                              "serves %s: give tensors on the instance's GPU (or start the "
+                              "instance with that --device)",
+                              given, device, h->instance, have);
+        }
+        return 0;
+}
+
 /* ---- a role's mapping ---- */
 
 struct reg_map {
@@ -206,6 +243,12 @@ bool kvf_reg_stale(const struct kvf_ctl_header *h, const struct kvf_cache *c)
 
 void kvf_reg_unmap(struct kvf_cache *c)
 {
+        if (c->priv && !c->host && c->device >= 0) {
+#ifdef KVF_HAVE_CUDA
+                kvf_cache_cuda_reg_unmap(c); /* closes the IPC opens, frees priv */
+#endif
+                c->priv = NULL;
+        }
         struct reg_map *m = c->priv;
         if (m)
                 for (uint32_t i = 0; i < m->n; i++)
@@ -230,6 +273,7 @@ int kvf_reg_map(const struct kvf_ctl_header *h, bool writable, struct kvf_cache 
         uint8_t *buf = NULL;
         struct reg_map *m = NULL;
         int rc, s = -1;
+        int near = out->device; /* a peer's caches: the device whose kernels copy into them */
 
         out->device = -1;
         out->reg_hdr = h;
@@ -271,9 +315,12 @@ int kvf_reg_map(const struct kvf_ctl_header *h, bool writable, struct kvf_cache 
                 rc = kvf_err_set(a.err, "the engine's caches of '%s': %s", h->instance, a.why);
                 goto out;
         }
+        bool gpu = a.device >= 0;
         size_t need = sizeof(a) + (size_t)a.n_regions * sizeof(struct kvf_reg_wire_region) +
-                      (size_t)want * sizeof(struct kvf_reg_placed);
-        if (a.n_regions == 0 || a.n_regions != nfds || a.n_views != want || (size_t)n != need) {
+                      (size_t)want * sizeof(struct kvf_reg_placed) +
+                      (gpu ? (size_t)a.n_regions * KVF_REG_HANDLE_SIZE : 0);
+        if (a.n_regions == 0 || a.n_regions > KVF_FDPASS_MAX || a.n_regions != (gpu ? 0 : nfds) ||
+            a.n_views != want || (size_t)n != need) {
                 rc = kvf_err_set(
                     -EPROTO,
                     "the allocator of '%s' answered %u regions with %u descriptors and %u "
@@ -283,6 +330,33 @@ int kvf_reg_map(const struct kvf_ctl_header *h, bool writable, struct kvf_cache 
         }
         const struct kvf_reg_wire_region *rg = (const void *)(buf + sizeof(a));
         const struct kvf_reg_placed *pl = (const void *)(rg + a.n_regions);
+        for (uint32_t k = 0; k < want; k++) {
+                /* Hostile input, however trusted the allocator: every block inside its region. */
+                if (pl[k].region >= a.n_regions || pl[k].stride < L->block_bytes ||
+                    pl[k].off + (L->num_blocks - 1) * pl[k].stride + L->block_bytes >
+                        rg[pl[k].region].bytes) {
+                        rc = kvf_err_set(-EPROTO,
+                                         "the allocator of '%s' placed view %u outside its region",
+                                         h->instance, k);
+                        goto out;
+                }
+        }
+        if (gpu) {
+                free(m); /* (the host mappings' record) */
+                m = NULL;
+#ifdef KVF_HAVE_CUDA
+                const uint8_t *handles = (const uint8_t *)(pl + want);
+                if ((rc = kvf_cache_cuda_reg_map(h, near, handles, rg, a.n_regions, pl, want, out)) == 0)
+                        out->reg_gen = a.generation;
+#else
+                (void)near;
+                rc = kvf_err_set(-ENOTSUP,
+                                 "the engine's caches of '%s' are GPU memory and this build has no "
+                                 "CUDA",
+                                 h->instance);
+#endif
+                goto out;
+        }
         long page = sysconf(_SC_PAGESIZE);
         uint8_t *base[KVF_FDPASS_MAX];
         int prot = PROT_READ | (writable ? PROT_WRITE : 0);
@@ -307,15 +381,6 @@ int kvf_reg_map(const struct kvf_ctl_header *h, bool writable, struct kvf_cache 
         }
         bool strided = false;
         for (uint32_t k = 0; k < want; k++) {
-                /* Hostile input, however trusted the allocator: every block inside its region. */
-                if (pl[k].region >= a.n_regions || pl[k].stride < L->block_bytes ||
-                    pl[k].off + (L->num_blocks - 1) * pl[k].stride + L->block_bytes >
-                        rg[pl[k].region].bytes) {
-                        rc = kvf_err_set(-EPROTO,
-                                         "the allocator of '%s' placed view %u outside its region",
-                                         h->instance, k);
-                        goto out;
-                }
                 out->parts[k] = base[pl[k].region] + pl[k].off;
                 out->strides[k] = pl[k].stride;
                 strided |= pl[k].stride != L->block_bytes;

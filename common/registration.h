@@ -11,6 +11,15 @@
  *
  * Every message starts with struct kvf_reg_msg; `err` < 0 in an answer is
  * -errno with `why`.
+ *
+ * GPU memory (an instance whose header says reg_gpu: up --caches engine
+ * --backend cuda): a region is one allocation of the engine's (cudaMalloc'd,
+ * as PyTorch's caching allocator makes them: tensors are sub-ranges of it),
+ * named by its CUDA IPC handle instead of a descriptor. REGISTER and the
+ * FETCH answer carry n_regions handles of KVF_REG_HANDLE_SIZE bytes after
+ * everything else, `device` >= 0 and `uuid` the GPU's; no descriptor travels.
+ * Each process opens each handle once and places the views at opened base +
+ * offset, so tensors that share an allocation share one open.
  */
 #ifndef KVF_REGISTRATION_H
 #define KVF_REGISTRATION_H
@@ -35,8 +44,9 @@ struct kvf_reg_msg {
         uint32_t n_regions;
         uint32_t n_views;
         uint32_t token_major;
-        int32_t device;      /* -1 host */
+        int32_t device;      /* -1 host; else GPU memory (the number the sender used) */
         uint64_t generation; /* answers: the registration's (header reg_generation) */
+        uint8_t uuid[16];    /* device >= 0: the UUID of the GPU holding every region */
         char why[KVF_REASON_MAX];
 };
 
@@ -59,12 +69,15 @@ struct kvf_reg_placed {
         uint64_t stride; /* between blocks */
 };
 
+/* A region of GPU memory: its CUDA IPC handle (cudaIpcMemHandle_t). */
+#define KVF_REG_HANDLE_SIZE 64u
+
 /* Views a registration holds at most (every layer's K and V). */
 #define KVF_REG_MAX_VIEWS (2u * KVF_MAX_LAYERS)
-/* The largest message: header, regions, views. */
+/* The largest message: header, regions, views, handles. */
 #define KVF_REG_MSG_MAX                                                                            \
         (sizeof(struct kvf_reg_msg) + 250u * sizeof(struct kvf_reg_wire_region) +                  \
-         KVF_REG_MAX_VIEWS * sizeof(struct kvf_reg_wire_view))
+         KVF_REG_MAX_VIEWS * sizeof(struct kvf_reg_wire_view) + 250u * KVF_REG_HANDLE_SIZE)
 
 /* The allocator's socket name for the instance of header h. */
 int kvf_reg_sock_name(const struct kvf_ctl_header *h, char *out, size_t len);
@@ -78,6 +91,18 @@ int kvf_reg_validate(const struct kvf_cache_layout *L, const struct kvf_reg_wire
                      uint32_t nr, const uint64_t *fd_size, const struct kvf_reg_wire_view *v,
                      uint32_t nv, struct kvf_reg_placed *out, bool *strided, char *why,
                      size_t whylen);
+
+/*
+ * Whether memory of this kind may be registered with the instance of header h:
+ * host memory (device < 0) with an instance of host caches, GPU memory with an
+ * instance of GPU caches whose GPU is `uuid`. 0, or -EINVAL with `why` naming
+ * what was given, what the instance takes and what to change. Pure.
+ */
+int kvf_reg_check_device(const struct kvf_ctl_header *h, int32_t device, const uint8_t uuid[16],
+                         char *why, size_t whylen);
+
+/* "GPU-xxxxxxxx-xxxx-...", as nvidia-smi writes a UUID. */
+void kvf_reg_uuid_str(const uint8_t u[16], char *out, size_t len);
 
 /*
  * A role: map the registration the allocator of header h holds (FETCH) into out,

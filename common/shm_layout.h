@@ -554,7 +554,11 @@ struct kvf_ctl_header {
         uint64_t reg_bytes;       /* bytes of those regions */
         uint32_t reg_token_major; /* 1: a block is [block_size, heads, head_dim] */
         uint32_t reg_strided;     /* 1: some view's block stride is not block_bytes */
-        uint8_t reserved[3704 - 8 - KVF_CACHE_PATH_MAX - KVF_CACHE_NOTE_MAX - 40 - 16 - 32];
+        /* 1: the engine's caches are GPU memory on the GPU cuda_uuid names (up --caches engine
+         * --backend cuda), registered as CUDA IPC handles; 0: host memory. Set at creation. */
+        uint32_t reg_gpu;
+        uint32_t reg_pad;
+        uint8_t reserved[3704 - 8 - KVF_CACHE_PATH_MAX - KVF_CACHE_NOTE_MAX - 40 - 16 - 32 - 8];
 };
 
 _Static_assert(sizeof(struct kvf_cache_layout) == 48, "layout size");

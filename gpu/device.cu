@@ -385,6 +385,63 @@ extern "C" int kvf_gpu_dmabuf_export(int device, void *ptr, uint64_t bytes, int 
         return 0;
 }
 
+/* ---------------------------------------------------------------- an engine's allocations */
+
+typedef CUresult (*addr_range_fn)(CUdeviceptr *, size_t *, CUdeviceptr);
+typedef CUresult (*retain_fn)(CUmemGenericAllocationHandle *, void *);
+typedef CUresult (*release_fn)(CUmemGenericAllocationHandle);
+
+extern "C" int kvf_gpu_mem_range(const void *ptr, uint64_t *base, uint64_t *bytes, int *device, int *vmm)
+{
+        cudaPointerAttributes a;
+        void *fr, *fret, *frel;
+        int rc;
+        cudaError_t e = cudaPointerGetAttributes(&a, ptr);
+        if (e != cudaSuccess)
+                return kvf_gpu_err_cuda(e, "cudaPointerGetAttributes");
+        if (a.type != cudaMemoryTypeDevice)
+                return kvf_gpu_err_set(-EINVAL, "%p is not device memory (%s)", ptr,
+                                       a.type == cudaMemoryTypeManaged ? "managed memory"
+                                       : a.type == cudaMemoryTypeHost  ? "pinned host memory"
+                                                                       : "not known to CUDA");
+        if ((rc = driver_fn("cuMemGetAddressRange", &fr)) < 0 ||
+            (rc = driver_fn("cuMemRetainAllocationHandle", &fret)) < 0 ||
+            (rc = driver_fn("cuMemRelease", &frel)) < 0)
+                return rc;
+        int prev;
+        if ((rc = kvf_gpu_device_enter(a.device, &prev)) < 0)
+                return rc;
+        CUdeviceptr b = 0;
+        size_t n = 0;
+        CUresult r = ((addr_range_fn)fr)(&b, &n, (CUdeviceptr)(uintptr_t)ptr);
+        if (r != CUDA_SUCCESS) {
+                kvf_gpu_device_leave(prev);
+                return kvf_gpu_err_set(-EINVAL, "cuMemGetAddressRange(%p): %s", ptr, cu_err_string(r));
+        }
+        /* Only memory mapped through the virtual memory management API has an allocation
+         * handle to retain; cudaMalloc'd memory has none. */
+        CUmemGenericAllocationHandle h;
+        r = ((retain_fn)fret)(&h, (void *)(uintptr_t)b);
+        if (r == CUDA_SUCCESS)
+                ((release_fn)frel)(h);
+        kvf_gpu_device_leave(prev);
+        *base = (uint64_t)b;
+        *bytes = (uint64_t)n;
+        *device = a.device;
+        *vmm = r == CUDA_SUCCESS;
+        return 0;
+}
+
+extern "C" int kvf_gpu_device_sync(int device)
+{
+        int prev, rc;
+        if ((rc = kvf_gpu_device_enter(device, &prev)) < 0)
+                return rc;
+        cudaError_t e = cudaDeviceSynchronize();
+        kvf_gpu_device_leave(prev);
+        return e == cudaSuccess ? 0 : kvf_gpu_err_cuda(e, "cudaDeviceSynchronize");
+}
+
 extern "C" int kvf_gpu_rdma_flush(int device)
 {
         int prev, rc;

@@ -102,6 +102,19 @@ int kvf_gpu_ipc_open(int device, const uint8_t handle[KVF_GPU_IPC_HANDLE_SIZE], 
                      int *owner_device);
 int kvf_gpu_ipc_close(int device, void *ptr);
 
+/*
+ * The allocation that holds device pointer `ptr` (an engine's tensor, a
+ * sub-range of what its allocator got from the driver): *base and *bytes from
+ * cuMemGetAddressRange, *device the GPU holding it (this process's number),
+ * *vmm 1 when it was made by cuMemCreate/cuMemMap (PyTorch's expandable
+ * segments: no CUDA IPC handle can name it), else 0. -EINVAL when `ptr` is
+ * not device memory (host, managed), -errno with kvf_gpu_err_msg otherwise.
+ */
+int kvf_gpu_mem_range(const void *ptr, uint64_t *base, uint64_t *bytes, int *device, int *vmm);
+
+/* Wait for all work this process queued on `device` (every stream). */
+int kvf_gpu_device_sync(int device);
+
 /* Let kernels on `device` access memory on `peer` (idempotent); -EXDEV if the
  * hardware cannot (then a copy must be staged through host memory). */
 int kvf_gpu_peer_enable(int device, int peer);

@@ -380,12 +380,16 @@ static uint32_t token_major(const struct kvf_ctl_header *h)
 }
 
 /* Remap an engine's caches that moved on. Host copies complete before submit returns, so
- * nothing is in flight from the old mapping; runs gathered but not submitted are flushed first. */
+ * nothing is in flight from the old mapping; runs gathered but not submitted are flushed first.
+ * GPU copies complete later: every one in flight lands (or fails) before the old mapping's
+ * allocations are closed. */
 static int refresh(struct sender *s, struct kvf_cache *c)
 {
         if (!is_engine(c) || !kvf_reg_stale(c->reg_hdr, c))
                 return 0;
-        if (s->cp.nruns)
+        if (c->reg_hdr->reg_gpu)
+                sender_copies_drain(s, 2000000000ull);
+        else if (s->cp.nruns)
                 sender_copies_flush(s);
         uint64_t was = c->reg_gen;
         int rc = kvf_cache_refresh(c);

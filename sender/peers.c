@@ -121,6 +121,17 @@ static int open_peer(struct sender *s, struct ipc_peer *p, const char *name, cha
                 rc = -EPROTO;
                 goto fail;
         }
+        /* The engine's caches are host or GPU memory under one backend id: the kinds must match. */
+        const struct kvf_ctl_header *me = s->ctl.hdr;
+        bool own_gpu = me->backend == KVF_BACKEND_ENGINE ? me->reg_gpu != 0 : me->backend == KVF_BACKEND_CUDA;
+        bool peer_gpu = h->backend == KVF_BACKEND_ENGINE ? h->reg_gpu != 0 : h->backend == KVF_BACKEND_CUDA;
+        if (own_gpu != peer_gpu) {
+                snprintf(why, whylen, "instance '%s' keeps its engine's caches in %s memory, this one in %s "
+                         "memory: same-host copies need one kind",
+                         name, peer_gpu ? "GPU" : "host", own_gpu ? "GPU" : "host");
+                rc = -EPROTO;
+                goto fail;
+        }
         if ((rc = check_split(s, p, name, why, whylen)) < 0)
                 goto fail;
         if ((rc = kvf_cache_map_peer(h, true, &s->own, &p->cache)) < 0) {

@@ -34,8 +34,10 @@ int sender_open(struct sender *s, const char *instance, const struct sender_opts
                 sender_free(s);
                 return rc;
         }
-        /* host memory, copied by this thread (the engine's caches stage only for the connector) */
-        s->sync_copies = s->own.be->stage == NULL || s->own.be->id == KVF_BACKEND_ENGINE;
+        /* host memory, copied by this thread (the engine's caches stage only for the connector;
+         * in GPU memory they are copied by kernels, which complete later) */
+        s->sync_copies = s->own.be->stage == NULL ||
+                         (s->own.be->id == KVF_BACKEND_ENGINE && !s->ctl.hdr->reg_gpu);
         return 0;
 }
 

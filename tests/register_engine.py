@@ -14,6 +14,7 @@ Exit 0 when all holds; tests/register_test.sh starts the instances.
 """
 import errno
 import os
+import types
 import signal
 import subprocess
 import sys
@@ -204,7 +205,34 @@ def bad_registrations(pre):
     os.close(pipe_w)
     expect_error(lambda: pre.register_raw(views, [(base, total, -1, 0)]), "foreign memory",
                  "a region without a descriptor")
+    # GPU memory (CuPy's array interface, no GPU needed to be refused): to an instance of host
+    # caches, mixed with host memory, over two GPUs, without a device
+    gpu = [FakeCuda((2, nb, bb), 0, 0x7f0000000000 + l * 2 * nb * bb) for l in range(nl)]
+    expect_error(lambda: pre.register_caches(gpu), "GPU memory (device 0) given to instance",
+                 "GPU memory on an instance of host caches")
+    expect_error(lambda: pre.register_raw(views, [], device=0), "whose engine caches are host "
+                 "memory", "raw GPU views on an instance of host caches")
+    expect_error(lambda: pre.register_caches([good.entries[0]] + gpu[1:]),
+                 "layer 1 is in GPU 0, the tensors before it in host memory",
+                 "host and GPU memory mixed")
+    expect_error(lambda: pre.register_caches(gpu[:1] + [FakeCuda((2, nb, bb), 1, 0x7f1000000000)]
+                                             + gpu[2:]),
+                 "layer 1 is in GPU 1, the tensors before it in GPU 0", "tensors on two GPUs")
+    nodev = FakeCuda((2, nb, bb), 0, 0x7f0000000000)
+    nodev.device = None
+    expect_error(lambda: pre.register_caches([nodev] * nl), "gives no device",
+                 "a CUDA array without a device")
     return good
+
+
+class FakeCuda:
+    """Something that speaks CUDA's array interface as CuPy does (a device pointer, .device.id):
+    enough for the Python checks, which run before any CUDA call."""
+
+    def __init__(self, shape, dev, ptr):
+        self.device = types.SimpleNamespace(id=dev)
+        self.__cuda_array_interface__ = {"shape": shape, "typestr": "|u1", "data": (ptr, False),
+                                         "strides": None, "version": 3}
 
 
 def child(pname, dname, dsession, n):

@@ -168,6 +168,61 @@ int main(void)
         b = (struct kvf_copy_batch){.src = &fc, .dst = dsts, .ndst = 1, .runs = &run, .nruns = 1};
         CHECK_EQ(kvf_cache_copy_host(&b), -EIO);
         CHECK_ERR_HAS("not mapped");
+        /* a host copy into GPU memory (the engine's caches of a GPU instance) is refused, never a
+         * memcpy into a device pointer */
+        struct kvf_cache gpu = sc;
+        gpu.host = false;
+        gpu.device = 0;
+        dsts[0] = &gpu;
+        b = (struct kvf_copy_batch){.src = &fc, .dst = dsts, .ndst = 1, .runs = &run, .nruns = 1};
+        CHECK_EQ(kvf_cache_copy_host(&b), -EXDEV);
+        CHECK_ERR_HAS("into GPU memory");
+
+        /* GPU registrations: a region is an allocation (PyTorch's caching allocator: a
+         * segment holding several tensors), its size from the driver and no file; tensors
+         * are placed at their offsets in it, two allocations apart. */
+        {
+                uint64_t seg = 2 * NL * NB * BB + 3 * BB; /* with slack, as a segment has */
+                struct kvf_reg_wire_region g[2] = {{.addr = 0x7f0000200000ull, .bytes = seg},
+                                                   {.addr = 0x7f0000800000ull, .bytes = seg}};
+                uint64_t gs[2] = {g[0].bytes, g[1].bytes};
+                struct kvf_reg_wire_view gv[2 * NL];
+                for (uint32_t l = 0; l < NL; l++)
+                        for (uint32_t t = 0; t < 2; t++)
+                                gv[l * 2 + t] = (struct kvf_reg_wire_view){
+                                    .layer = l, .tensor = t, .stride = BB,
+                                    .addr = g[t].addr + BB + (uint64_t)l * NB * BB};
+                bool st;
+                CHECK_EQ(check(g, 2, gs, gv, 2 * NL, &st), 0);
+                CHECK_EQ(out[2 * 2 + 1].region, 1);
+                CHECK_EQ(out[2 * 2 + 1].off, BB + 2ull * NB * BB);
+                CHECK_EQ(out[1 * 2 + 0].region, 0);
+                /* a tensor past its allocation's end (a view over two segments) */
+                gv[5].addr = g[1].addr + seg - NB * BB + BB;
+                REFUSED("not inside one region", g, 2, gs, gv, 2 * NL);
+        }
+
+        /* The kind of memory and the GPU: host memory to a GPU instance, GPU memory to a host
+         * one, and tensors on another GPU than the instance's, each refused with the fix. */
+        {
+                struct kvf_ctl_header *h = calloc(1, sizeof(*h));
+                CHECK(h != NULL);
+                snprintf(h->instance, sizeof(h->instance), "gpu-rules");
+                uint8_t u0[16] = {0xde, 0xad}, u1[16] = {0xbe, 0xef};
+                CHECK_EQ(kvf_reg_check_device(h, -1, u0, why, sizeof(why)), 0);
+                CHECK_EQ(kvf_reg_check_device(h, 0, u0, why, sizeof(why)), -EINVAL);
+                CHECK(strstr(why, "GPU memory (device 0) given to instance 'gpu-rules'") &&
+                      strstr(why, "--caches engine --backend cuda"));
+                h->reg_gpu = 1;
+                memcpy(h->cuda_uuid, u0, 16);
+                CHECK_EQ(kvf_reg_check_device(h, 0, u0, why, sizeof(why)), 0);
+                CHECK_EQ(kvf_reg_check_device(h, -1, u0, why, sizeof(why)), -EINVAL);
+                CHECK(strstr(why, "host memory given to instance 'gpu-rules'") != NULL);
+                CHECK_EQ(kvf_reg_check_device(h, 1, u1, why, sizeof(why)), -EINVAL);
+                CHECK(strstr(why, "GPU-beef0000-") && strstr(why, "serves GPU-dead0000-") &&
+                      strstr(why, "(device 1 of the engine)"));
+                free(h);
+        }
         free(mem);
         free(flat);
         printf("ok: registration rules and strided copies\n");

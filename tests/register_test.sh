@@ -10,9 +10,17 @@ L="--layers 4 --kv-heads 2 --head-dim 64 --block-size 16 --dtype fp16 --blocks 3
 out=$("$ROOT/tools/kvferry" up --instance $TAG-bad --role decode --caches everything $L 2>&1) &&
   fail "--caches everything was taken"
 grep -q "caches is own .* or engine" <<<"$out" || fail "--caches everything: $out"
-out=$("$ROOT/tools/kvferry" up --instance $TAG-bad --role decode --backend cuda --caches engine $L 2>&1) &&
-  fail "--caches engine --backend cuda was taken"
-grep -q "caches engine takes the engine's host memory" <<<"$out" || fail "--caches engine --backend cuda: $out"
+out=$("$ROOT/tools/kvferry" up --instance $TAG-bad --role decode --backend host-async --caches engine $L 2>&1) &&
+  fail "--caches engine --backend host-async was taken"
+grep -q "caches engine takes the engine's host memory .* or GPU memory" <<<"$out" ||
+  fail "--caches engine --backend host-async: $out"
+if [ "$("$KVFERRY_BUILD/kvf-ctl" gpus 2>/dev/null || echo 0)" = 0 ]; then
+  # GPU engine caches where no GPU is visible: refused when the instance starts, with why
+  out=$("$ROOT/tools/kvferry" up --instance $TAG-bad --role decode --backend cuda --caches engine $L 2>&1) &&
+    fail "--caches engine --backend cuda was taken without a GPU"
+  grep -q "caches engine --backend cuda: no GPU visible" <<<"$out" ||
+    fail "--caches engine --backend cuda without a GPU: $out"
+fi
 up $TAG-rd --role decode --caches engine $L
 up $TAG-rp --role prefill --caches engine $L
 up $TAG-ro --role mixed $L

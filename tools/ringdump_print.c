@@ -28,6 +28,7 @@
 #include "notice.h"
 #include "kvferry.h"
 #include "records.h"
+#include "registration.h"
 
 #define JSON_DEPTH 16
 
@@ -497,6 +498,12 @@ static void print_header(struct dump *d)
                         j_u64(d, "bytes", h->reg_bytes);
                         j_bool(d, "token_major", h->reg_token_major != 0);
                         j_bool(d, "strided", h->reg_strided != 0);
+                        j_cstr(d, "memory", h->reg_gpu ? "gpu" : "host");
+                        if (h->reg_gpu) {
+                                char u[48];
+                                kvf_reg_uuid_str(h->cuda_uuid, u, sizeof(u));
+                                j_cstr(d, "gpu", u);
+                        }
                         j_close(d, '}');
                 }
                 j_open(d, "connector", '{');
@@ -578,11 +585,18 @@ static void print_header(struct dump *d)
         }
         if (h->backend == KVF_BACKEND_ENGINE) {
                 uint64_t g = kvf_load_acquire(&h->reg_generation);
+                char u[48] = "";
+                if (h->reg_gpu)
+                        kvf_reg_uuid_str(h->cuda_uuid, u, sizeof(u));
                 if (g & 1)
-                        fprintf(d->f, "  engine caches: registered by pid %d: %u regions, %s%s%s, generation %" PRIu64 "\n",
-                                (int)h->reg_pid, h->reg_regions, human_bytes(b2, sizeof(b2), h->reg_bytes),
+                        fprintf(d->f, "  engine caches: registered by pid %d: %u %s, %s%s%s%s%s, generation %" PRIu64 "\n",
+                                (int)h->reg_pid, h->reg_regions, h->reg_gpu ? "GPU allocations" : "regions",
+                                human_bytes(b2, sizeof(b2), h->reg_bytes), h->reg_gpu ? " on " : "", u,
                                 h->reg_strided ? ", strided blocks" : "",
                                 h->reg_token_major ? ", token-major blocks" : "", g);
+                else if (h->reg_gpu)
+                        fprintf(d->f, "  engine caches: waiting for the engine's caches (GPU memory on %s; generation %" PRIu64
+                                "): tasks are refused until it registers them\n", u, g);
                 else
                         fprintf(d->f, "  engine caches: waiting for the engine's caches (generation %" PRIu64
                                 "): tasks are refused until it registers them\n", g);

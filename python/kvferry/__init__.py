@@ -263,11 +263,45 @@ def _tensor_info(t):
         es = t.element_size()
         dev = -1 if t.device.type == "cpu" else (t.device.index or 0)
         return t.data_ptr(), tuple(t.shape), tuple(x * es for x in t.stride()), es, dev
+    cai = getattr(t, "__cuda_array_interface__", None)
+    if cai is not None:  # CuPy, or anything that speaks CUDA's array interface
+        shape = tuple(cai["shape"])
+        es = int(_np_itemsize(cai["typestr"]))
+        st = cai.get("strides")
+        if st is None:  # C-contiguous
+            st, acc = [], es
+            for d in reversed(shape):
+                st.insert(0, acc)
+                acc *= d
+        dev = getattr(getattr(t, "device", None), "id", None)
+        if dev is None:
+            raise KvferryError(_errno.EINVAL, "kvferry: register caches: %s gives no device "
+                               "(.device.id): give a CuPy array or a torch tensor"
+                               % type(t).__name__)
+        return int(cai["data"][0]), shape, tuple(int(x) for x in st), es, int(dev)
     ai = getattr(t, "__array_interface__", None)
     if ai is None:
         raise KvferryError(_errno.EINVAL, "kvferry: register caches: %s is neither a NumPy "
-                           "array nor a torch tensor" % type(t).__name__)
+                           "array, a torch tensor nor a CuPy array" % type(t).__name__)
     return ai["data"][0], tuple(t.shape), tuple(t.strides), t.itemsize, -1
+
+
+def _np_itemsize(typestr):
+    """Bytes of an element of an array interface's typestr ("<f2", "|u1", "<V2": bf16)."""
+    try:
+        return int(typestr[2:])
+    except ValueError:
+        raise KvferryError(_errno.EINVAL, "kvferry: register caches: element type %r" % typestr)
+
+
+def _one_device(device, dev, what):
+    """The registration's device so far, with entry `what` on dev: all on one."""
+    if device is None or device == dev:
+        return dev
+    kind = lambda d: "host memory" if d < 0 else "GPU %d" % d
+    raise KvferryError(_errno.EINVAL, "kvferry: register caches: %s is in %s, the tensors "
+                       "before it in %s: every tensor in one kind of memory, on one GPU"
+                       % (what, kind(dev), kind(device)))
 
 
 def _block_views(t, what, lo):
@@ -563,8 +597,11 @@ class Client:
         [blocks, 2, ...] tensor (blocks apart by 2 blocks), or one [blocks, ...] tensor (key
         only). A [2, 2, ...] tensor, on an instance of 2 blocks, is read as stacked (vLLM's
         layout): give a (K, V) pair for blocks-first. NumPy arrays or torch tensors; host
-        memory from kvferry.host_buffer() (anything else: KvferryError "foreign memory"). A
-        block is contiguous; token_major: a block is [block_size, heads, head_dim] (vLLM),
+        memory from kvferry.host_buffer() (anything else: KvferryError "foreign memory"). On
+        an instance started with --caches engine --backend cuda: CUDA torch tensors or CuPy
+        arrays on the instance's GPU, from cudaMalloc'd memory (PyTorch's caching allocator
+        with expandable segments off; each allocation is shared once, however many tensors
+        it holds). A block is contiguous; token_major: a block is [block_size, heads, head_dim] (vLLM),
         else [heads, block_size, head_dim]. Several layers may share one buffer; each buffer
         is one region. The registration lasts until unregister_caches(), close(), or this
         process's end."""
@@ -588,10 +625,10 @@ class Client:
                     # a block: every dimension after the first, contiguous
                     _block_views_check(shape, strides, es, lo, what)
                     got.append((v, addr, stride))
-                    device = dev if device is None else device
+                    device = _one_device(device, dev, what)
             else:
                 got, dev = _block_views(entry, "layer %d" % layer, lo)
-                device = dev if device is None else device
+                device = _one_device(device, dev, "layer %d" % layer)
             views += [(layer, v, addr, stride) for v, addr, stride in got]
         device = -1 if device is None else device
         regions = {}
@@ -606,14 +643,17 @@ class Client:
                 regions[r[0]] = r
             regs = [(start, n, fd, 0) for start, n, fd in regions.values()]
         else:
-            regs = [(addr, lo.num_blocks * stride, -1, 0) for _, _, addr, stride in views]
+            # GPU memory: the library finds each tensor's allocation (cuMemGetAddressRange)
+            # and sends each allocation's IPC handle once
+            regs = []
         self.register_raw(views, regs, token_major=token_major, device=device)
         self._registered = caches  # the memory stays referenced while registered
 
     def register_raw(self, views, regions, token_major=False, device=-1):
         """register_caches with raw pointers: views = [(layer, tensor, addr, block_stride)],
         regions = [(addr, bytes, fd, fd_offset)] (host: fd a memfd or /dev/shm file that maps
-        the region; GPU: fd -1)."""
+        the region; GPU: fd -1 and addr the start of an allocation, or no regions at all: the
+        library finds the allocations behind the views)."""
         rv = (_RegView * max(1, len(views)))()
         for i, (layer, v, addr, stride) in enumerate(views):
             rv[i] = _RegView(int(layer), int(v), int(addr), int(stride))

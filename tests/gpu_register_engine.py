@@ -1,0 +1,335 @@
+#!/usr/bin/env python3
+"""The engine's caches in GPU memory, from PyTorch (tests/gpu_register_test.sh,
+bench/gpu_register_bench.sh). Instances started with --caches engine --backend cuda.
+
+  test  PRE DEC OUT      register per-layer K/V tensors (prefill) and stacked [2, blocks, ...]
+                         tensors (decode), transfers over ipc and tcp verified on the GPU, the
+                         engine killed mid-transfer (its GPU memory freed, by cudaMemGetInfo),
+                         a new engine registering, expandable segments (refused or working)
+  bench PRE DEC OWNP OWND OUT
+                         registration time (64 layers x K/V: one allocation, 128 allocations,
+                         and 128 registrations of one allocation each as the per-tensor
+                         reference); transfer throughput of registered caches against the
+                         allocator's own (OWNP, OWND) in the same run
+Writes OUT/summary.json (and prints it); exits 1 with FAIL: on any failure.
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import torch
+
+import kvferry
+
+
+def fail(msg):
+    print("FAIL: " + msg, file=sys.stderr, flush=True)
+    sys.exit(1)
+
+
+def wait_events(pre, dec, rid, timeout_s=30):
+    done = arrived = None
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end and (done is None or (dec is not None and arrived is None)):
+        for c in (pre, dec):
+            if c is None:
+                continue
+            ev = c.poll(timeout_ms=5)
+            if ev is None or ev.get("request_id") != rid:
+                continue
+            if c is pre:
+                done = ev
+            else:
+                arrived = ev
+    return done, arrived
+
+
+def pattern(n, tag, layer, v, i, dev):
+    x = torch.arange(n, device=dev, dtype=torch.int64)
+    return ((x * (2 * layer + v + 1) + tag * 131 + i * 7) % 251).to(torch.uint8)
+
+
+class Caches:
+    """A side's caches as torch tensors of uint8 blocks: 'kv' per-layer (K, V) tensors (the
+    caching allocator packs several into one segment), 'stacked' one [2, blocks, bb] per layer."""
+
+    def __init__(self, lo, kind, dev):
+        nl, nb, bb = lo.num_layers + lo.extra_layers, lo.num_blocks, lo.block_bytes
+        self.kind = kind
+        if kind == "kv":
+            self.t = [tuple(torch.zeros((nb, bb), dtype=torch.uint8, device=dev) for _ in range(2))
+                      for _ in range(nl)]
+            self.entries = self.t
+        else:
+            self.t = [torch.zeros((2, nb, bb), dtype=torch.uint8, device=dev) for _ in range(nl)]
+            self.entries = self.t
+
+    def block(self, layer, v, b):
+        return self.t[layer][v][b]
+
+
+def transfer(pre, pc, dec, dc, dname, tag, src, dst, transport):
+    lo = pre.layout
+    nl, bb = lo.num_layers + lo.extra_layers, lo.block_bytes
+    for layer in range(nl):
+        for v in range(2):
+            for i, b in enumerate(src):
+                pc.block(layer, v, b).copy_(pattern(bb, tag, layer, v, i, "cuda"))
+            for b in dst:
+                dc.block(layer, v, b).zero_()
+    torch.cuda.synchronize()
+    rid = "greg-%d-%s-%d" % (tag, transport, pre.session)
+    step = pre.last_step + 1
+    pre.submit_task({"request_id": rid, "src_block_ids": src, "dest_block_ids": dst,
+                     "current_id": step, "transfer_protocol": transport, "peer": dname,
+                     "peer_session": dec.session})
+    for layer in range(nl):
+        pre.layer_done(step, layer)
+    done, arrived = wait_events(pre, dec, rid)
+    if done is None or done["status"] != "finished":
+        fail("%s: completion %r" % (rid, done))
+    if arrived is None or arrived["status"] != "finished":
+        fail("%s: arrival %r" % (rid, arrived))
+    torch.cuda.synchronize()
+    bad = 0
+    for layer in range(nl):
+        for v in range(2):
+            for i, b in enumerate(dst):
+                bad += not torch.equal(dc.block(layer, v, b), pattern(bb, tag, layer, v, i, "cuda"))
+    if bad:
+        fail("%s: %d blocks differ on the GPU" % (rid, bad))
+    print("ok: %s: %d blocks x %d layers x K/V moved over %s, every byte equal on the GPU"
+          % (rid, len(src), nl, transport), flush=True)
+
+
+def segments(caches):
+    """Distinct cudaMalloc segments behind the tensors, as PyTorch's allocator reports them."""
+    ptrs = [t.data_ptr() for e in caches.entries for t in (e if isinstance(e, tuple) else (e,))]
+    segs = set()
+    for s in torch.cuda.memory_snapshot():
+        for p in ptrs:
+            if s["address"] <= p < s["address"] + s["total_size"]:
+                segs.add(s["address"])
+    return len(segs), len(ptrs)
+
+
+def child(pname, dname, dsession, mode):
+    """A prefill engine of its own process: registers, says so, then (kill) starts a transfer
+    and publishes its layers slowly until it is killed, or (expandable) reports the refusal."""
+    pre = kvferry.Client(pname)
+    lo = pre.layout
+    pc = Caches(lo, "kv", "cuda")
+    try:
+        pre.register_caches(pc.entries)
+    except kvferry.KvferryError as e:
+        print("refused: %s" % e, flush=True)
+        return
+    print("registered", flush=True)
+    if mode == "expandable":
+        return
+    nl, nb = lo.num_layers + lo.extra_layers, lo.num_blocks
+    step = pre.last_step + 1
+    pre.submit_task({"request_id": "greg-killed", "src_block_ids": list(range(nb)),
+                     "dest_block_ids": list(range(nb)), "current_id": step,
+                     "transfer_protocol": "ipc", "peer": dname, "peer_session": dsession})
+    pre.layer_done(step, 0)
+    print("submitted", flush=True)
+    for layer in range(1, nl):
+        time.sleep(0.5)
+        pre.layer_done(step, layer)
+    time.sleep(60)
+
+
+def spawn(args, env=None):
+    return subprocess.Popen([sys.executable, os.path.abspath(__file__), "--child"] + args,
+                            stdout=subprocess.PIPE, text=True, env=env)
+
+
+def free_bytes():
+    torch.cuda.synchronize()
+    return torch.cuda.mem_get_info()[0]
+
+
+def settled_free(timeout_s=10):
+    """Free GPU memory once it stopped rising (memory other processes release, read again
+    every 200 ms until two readings agree within 4 MiB)."""
+    prev, end = free_bytes(), time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        time.sleep(0.2)
+        cur = free_bytes()
+        if cur - prev < (4 << 20):
+            return cur
+        prev = cur
+    return prev
+
+
+def test(pname, dname, out):
+    summary = {}
+    dec = kvferry.Client(dname)
+    lo = dec.layout
+    nb = lo.num_blocks
+    dc = Caches(lo, "stacked", "cuda")
+    dec.register_caches(dc.entries)
+    pre = kvferry.Client(pname)
+    pc = Caches(lo, "kv", "cuda")
+    t0 = time.perf_counter()
+    pre.register_caches(pc.entries)
+    summary["register_ms"] = (time.perf_counter() - t0) * 1e3
+    summary["prefill_segments"], summary["prefill_tensors"] = segments(pc)
+    print("ok: registered %d tensors in %d segments of PyTorch's allocator (%.1f ms)"
+          % (summary["prefill_tensors"], summary["prefill_segments"], summary["register_ms"]))
+    transfer(pre, pc, dec, dc, dname, 1, [0, 1, 2, 5], [7, 3, 9, 4], "ipc")
+    transfer(pre, pc, dec, dc, dname, 2, list(range(nb // 2)), list(range(nb // 2, nb)), "ipc")
+    transfer(pre, pc, dec, dc, dname, 3, [1, 4, 6], [2, 8, 0], "tcp")
+    transfer(pre, pc, dec, dc, dname, 4, list(range(nb // 2)), list(range(nb // 2, nb)), "tcp")
+    summary["transfers_verified"] = 4
+    pre.close()
+    del pc
+    torch.cuda.empty_cache()
+
+    # The engine killed mid-transfer: its GPU memory freed once every role closed its open.
+    cache_bytes = (lo.num_layers + lo.extra_layers) * 2 * nb * lo.block_bytes
+    free0 = settled_free()  # (this engine's caches go once the roles closed their opens)
+    p = spawn([pname, dname, str(dec.session), "kill"])
+    if p.stdout.readline().strip() != "registered":
+        fail("the child engine did not register")
+    free1 = free_bytes()
+    if p.stdout.readline().strip() != "submitted":
+        fail("the child engine did not submit")
+    time.sleep(0.3)
+    os.kill(p.pid, signal.SIGKILL)
+    p.wait()
+    ev = None
+    end = time.monotonic() + 20
+    while ev is None and time.monotonic() < end:
+        e = dec.poll(timeout_ms=50)
+        if e is not None and e.get("request_id") == "greg-killed":
+            ev = e
+    if ev is None:
+        fail("the decode side heard nothing of the killed engine's request")
+    print("ok: the killed engine's request on the decode side: %r" % (ev,))
+    if ev is not None and ev["status"] == "finished":
+        print("note: the transfer finished before the kill landed")
+    end = time.monotonic() + 20
+    free2 = free_bytes()
+    while free2 < free0 - (32 << 20) and time.monotonic() < end:
+        time.sleep(0.2)
+        free2 = free_bytes()
+    summary.update(free_before_mib=free0 >> 20, free_registered_mib=free1 >> 20,
+                   free_after_kill_mib=free2 >> 20, cache_mib=cache_bytes >> 20)
+    print("GPU free memory: %d MiB before the engine, %d MiB while registered, %d MiB after it "
+          "was killed (its caches %d MiB)" % (free0 >> 20, free1 >> 20, free2 >> 20,
+                                             cache_bytes >> 20))
+    if free1 > free0 - cache_bytes // 2:
+        fail("the child's caches did not show in the free memory")
+    if free2 < free0 - (32 << 20):
+        fail("the killed engine's GPU memory was not freed (a role keeps an IPC open)")
+    print("ok: the killed engine's GPU memory was freed")
+
+    # A new engine registers again and moves bytes.
+    pre = kvferry.Client(pname)
+    pc = Caches(lo, "kv", "cuda")
+    pre.register_caches(pc.entries)
+    transfer(pre, pc, dec, dc, dname, 5, [0, 2, 4], [1, 3, 5], "ipc")
+    transfer(pre, pc, dec, dc, dname, 6, [3, 6], [6, 7], "tcp")
+    pre.close()
+    del pc
+    torch.cuda.empty_cache()
+
+    # Expandable segments: refused at registration with the cause and the fix (or working).
+    env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True")
+    p = spawn([pname, dname, str(dec.session), "expandable"], env=env)
+    line = p.stdout.readline().strip()
+    p.wait()
+    summary["expandable_segments"] = line
+    if line.startswith("refused:"):
+        if "expandable segments" not in line or "expandable_segments:False" not in line:
+            fail("expandable segments refused without the cause and the fix: %s" % line)
+        print("ok: expandable segments refused at registration: %s" % line)
+    elif line != "registered":
+        fail("expandable segments: %r" % line)
+    else:
+        print("ok: expandable segments registered")
+    summary["result"] = "pass"
+    with open(os.path.join(out, "gpu_register_test.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    print(json.dumps(summary))
+
+
+def timed_register(c, entries, reps=5):
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        c.register_caches(entries)
+        ts.append(time.perf_counter() - t0)
+        c.unregister_caches()
+    return sorted(ts)[len(ts) // 2]
+
+
+def throughput(pre, dec, dname, reps):
+    lo = pre.layout
+    nl, nb = lo.num_layers + lo.extra_layers, lo.num_blocks
+    nbytes = nl * 2 * nb * lo.block_bytes
+    best = None
+    for r in range(reps):
+        rid = "greg-bench-%d-%d" % (pre.session, r)
+        step = pre.last_step + 1
+        t0 = time.perf_counter()
+        pre.submit_task({"request_id": rid, "src_block_ids": list(range(nb)),
+                         "dest_block_ids": list(range(nb)), "current_id": step,
+                         "transfer_protocol": "ipc", "peer": dname, "peer_session": dec.session})
+        pre.layer_done(step, nl - 1)
+        done, arrived = wait_events(pre, dec, rid)
+        dt = time.perf_counter() - t0
+        if not done or done["status"] != "finished" or not arrived or arrived["status"] != "finished":
+            fail("bench %s: %r %r" % (rid, done, arrived))
+        best = dt if best is None else min(best, dt)
+    return nbytes / best / 1e9
+
+
+def bench(pname, dname, opname, odname, out):
+    dec = kvferry.Client(dname)
+    pre = kvferry.Client(pname)
+    lo = pre.layout
+    nl, nb, bb = lo.num_layers + lo.extra_layers, lo.num_blocks, lo.block_bytes
+    one = torch.zeros((nl, 2, nb, bb), dtype=torch.uint8, device="cuda")
+    one_entries = [one[layer] for layer in range(nl)]
+    sep = [tuple(torch.zeros((nb, bb), dtype=torch.uint8, device="cuda") for _ in range(2))
+           for _ in range(nl)]
+    r = {"layers": nl, "blocks": nb, "block_bytes": bb}
+    r["register_one_allocation_ms"] = timed_register(pre, one_entries) * 1e3
+    r["register_128_tensors_ms"] = timed_register(pre, sep) * 1e3
+    r["segments_of_128_tensors"] = segments(type("C", (), {"entries": sep})())[0]
+    # The reference: one registration call per tensor (128 calls, one allocation each).
+    t0 = time.perf_counter()
+    for _ in range(2 * nl):
+        pre.register_caches(one_entries)
+    r["register_per_tensor_ms"] = (time.perf_counter() - t0) * 1e3
+    pre.unregister_caches()
+    r["per_tensor_over_whole_set"] = r["register_per_tensor_ms"] / r["register_128_tensors_ms"]
+    # Throughput: registered caches (one allocation each side) vs the allocator's own.
+    pre.register_caches(one_entries)
+    dtwo = torch.zeros((nl, 2, nb, bb), dtype=torch.uint8, device="cuda")
+    dec.register_caches([dtwo[layer] for layer in range(nl)])
+    r["registered_gbps"] = throughput(pre, dec, dname, 10)
+    opre, odec = kvferry.Client(opname), kvferry.Client(odname)
+    r["own_gbps"] = throughput(opre, odec, odname, 10)
+    r["registered_gbps"] = max(r["registered_gbps"], throughput(pre, dec, dname, 10))
+    r["registered_over_own"] = r["registered_gbps"] / r["own_gbps"]
+    with open(os.path.join(out, "gpu_register_bench.json"), "w") as f:
+        json.dump(r, f, indent=1)
+    print(json.dumps(r))
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "--child":
+        child(sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5])
+    elif sys.argv[1] == "test":
+        test(*sys.argv[2:5])
+    elif sys.argv[1] == "bench":
+        bench(*sys.argv[2:7])
+    else:
+        fail("usage: gpu_register_engine.py test PRE DEC OUT | bench PRE DEC OWNP OWND OUT")

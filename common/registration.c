@@ -319,7 +319,7 @@ int kvf_reg_map(const struct kvf_ctl_header *h, bool writable, struct kvf_cache 
         size_t need = sizeof(a) + (size_t)a.n_regions * sizeof(struct kvf_reg_wire_region) +
                       (size_t)want * sizeof(struct kvf_reg_placed) +
                       (gpu ? (size_t)a.n_regions * KVF_REG_HANDLE_SIZE : 0);
-        if (a.n_regions == 0 || a.n_regions > KVF_FDPASS_MAX || a.n_regions != (gpu ? 0 : nfds) ||
+        if (a.n_regions == 0 || a.n_regions > KVF_FDPASS_MAX || nfds != (gpu ? 0u : a.n_regions) ||
             a.n_views != want || (size_t)n != need) {
                 rc = kvf_err_set(
                     -EPROTO,

@@ -271,7 +271,7 @@ def local_run(cfg, model, name, prompts, gen):
 # -- the engines (--serve) -------------------------------------------------------------------
 
 class Served:
-    def __init__(self, role, instance, name, seed):
+    def __init__(self, role, instance, name, seed, caches="own"):
         import torch
         import kvferry
         self.kvferry, self.role, self.name = kvferry, role, name
@@ -282,16 +282,26 @@ class Served:
         want = (geo.layers, geo.heads, BLOCK_SIZE, geo.head_dim, "bf16", geo.key_only)
         have = (lo.num_layers, lo.kv_heads, lo.block_size, lo.head_dim, lo.dtype_name,
                 bool(lo.key_only))
-        if want != have or lo.extra_layers or self.client.device is None:
+        own = caches == "own"
+        if want != have or lo.extra_layers or (own and self.client.device is None):
             raise RuntimeError("instance %s has %r on %s; %s caches %r: start it with "
                                "--backend cuda %s" % (
                                    instance, lo, "host memory" if self.client.device is None
                                    else "GPU %d" % self.client.device, name, geo,
                                    " ".join(geo.flags())))
-        dev = torch.device("cuda", self.client.device)
-        self.paged = [tuple(torch.as_tensor(self.client.tensor(layer, v), device=dev)
-                            .view(torch.bfloat16) for v in range(geo.tensors))
-                      for layer in range(lo.num_layers)]
+        if own:
+            dev = torch.device("cuda", self.client.device)
+            self.paged = [tuple(torch.as_tensor(self.client.tensor(layer, v), device=dev)
+                                .view(torch.bfloat16) for v in range(geo.tensors))
+                          for layer in range(lo.num_layers)]
+        else:
+            # The engine's own caches (an instance started with --caches engine): tensors of
+            # PyTorch's caching allocator, handed to kvferry, which moves blocks out of and into
+            # them where they are.
+            dev = torch.device("cuda", torch.cuda.current_device())
+            self.paged = [tuple(torch.zeros(lo.shape, dtype=torch.bfloat16, device=dev)
+                                for _ in range(geo.tensors)) for _ in range(lo.num_layers)]
+            self.client.register_caches(self.paged)
         self.free = list(range(lo.num_blocks))
         self.reserved = {}
         self.early = {}
@@ -371,7 +381,7 @@ class Served:
 
 def serve(a):
     try:
-        s = Served(a.serve, a.instance, a.model, a.seed)
+        s = Served(a.serve, a.instance, a.model, a.seed, a.caches)
     except Exception as e:  # noqa: BLE001 - told to the driver, which names it
         print(json.dumps({"ok": False, "error": "%s: %s" % (type(e).__name__, e)}), flush=True)
         return 1
@@ -401,7 +411,7 @@ class EngineProc:
         self.role = role
         self.p = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--serve", role,
                                    "--instance", instance, "--model", a.model, "--seed",
-                                   str(a.seed)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                   str(a.seed), "--caches", a.caches], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                   text=True)
         self._answer()
 
@@ -478,7 +488,7 @@ def drive(a):
         if not pname or not dname:
             tag = "hf%d" % os.getpid()
             pname, dname = tag + "-p", tag + "-d"
-            flags = geo.flags() + ["--backend", "cuda", "--blocks", "512"]
+            flags = geo.flags() + ["--backend", "cuda", "--blocks", "512", "--caches", a.caches]
             for name, role in ((dname, "decode"), (pname, "prefill")):
                 kvferry_cli("up", "--instance", name, "--role", role, *flags)
                 started.append(name)
@@ -538,6 +548,9 @@ def main():
                     "DynamicCache from its blocks) in this process, against model.generate")
     ap.add_argument("--instance-flags", action="store_true",
                     help="print the `tools/kvferry up` shape flags of --model's cache and exit")
+    ap.add_argument("--caches", choices=("own", "engine"), default="own",
+                    help="engine: the engines allocate their caches with PyTorch and register "
+                    "them (instances started with --caches engine); own: kvferry's caches")
     ap.add_argument("--serve", choices=("prefill", "decode"), help=argparse.SUPPRESS)
     ap.add_argument("--instance", help=argparse.SUPPRESS)
     a = ap.parse_args()

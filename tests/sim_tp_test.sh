@@ -10,13 +10,18 @@ cd "$ROOT"
 TRACE=$ROOT/data/mooncake-conversation-2000.jsonl
 MAXTOK=700
 
-# want_bytes N [BLOCK]: every head's row of every token of the first N prompts (clipped to
-# MAXTOK; with BLOCK, rounded up to whole blocks of BLOCK tokens), on llama-3.1-8b: 8 kv heads x
-# 32 layers x 2 tensors x 128 dims x 2 bytes.
+# Bytes of one token on all decode ranks together: llama-3.1-8b, its 8 kv heads split over the
+# ranks: 8 heads x 32 layers x 2 tensors x 128 dims x 2 bytes; deepseek-v3-mla on 4 decode ranks,
+# each holding the latent: 4 x 61 layers x 1 tensor x 576 dims x 2 bytes.
+LLAMA=$((8 * 32 * 2 * 128 * 2)) MLA4=$((4 * 61 * 576 * 2))
+
+# want_bytes N [BLOCK [PER_TOKEN]]: every head's row of every token of the first N prompts
+# (clipped to MAXTOK; with BLOCK > 1, rounded up to whole blocks of BLOCK tokens), PER_TOKEN
+# bytes each (default llama-3.1-8b's).
 want_bytes() {
-  /usr/bin/python3 - "$TRACE" "$1" "$MAXTOK" "${2:-1}" <<'PY'
+  /usr/bin/python3 - "$TRACE" "$1" "$MAXTOK" "${2:-1}" "${3:-$LLAMA}" <<'PY'
 import json, sys
-path, n, cap, b = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+path, n, cap, b, per = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
 toks = []
 for line in open(path):
     if len(toks) == n:
@@ -24,15 +29,15 @@ for line in open(path):
     v = json.loads(line).get("input_length", 0)
     if v:
         toks.append((min(v, cap) + b - 1) // b * b)
-print(sum(toks) * 8 * 32 * 2 * 128 * 2)
+print(sum(toks) * per)
 PY
 }
 
-# demo WHAT N JSON [demo options]: the demo moves N requests; every one finished, none corrupt,
-# exactly the bytes of every head of every token verified.
+# demo WHAT N JSON PER_TOKEN MIB [demo options]: the demo moves N requests; every one finished,
+# none corrupt, exactly the bytes of every head of every token verified.
 demo() {
-  local what=$1 n=$2 json=$KVFERRY_RUN_DIR/$3.json txt=$KVFERRY_RUN_DIR/$3.txt; shift 3
-  "$ROOT/tools/kvferry" demo --requests "$n" --cache-mib 256 --layer-us 100 --quiet \
+  local what=$1 n=$2 json=$KVFERRY_RUN_DIR/$3.json txt=$KVFERRY_RUN_DIR/$3.txt per=$4 mib=$5; shift 5
+  "$ROOT/tools/kvferry" demo --requests "$n" --cache-mib "$mib" --layer-us 100 --quiet \
     --prefix-pct 0 --max-tokens $MAXTOK --json "$json" "$@" >"$txt" 2>&1 ||
     { cat "$txt" >&2; fail "$what: the demo failed"; }
   grep -q "every head of every token checked on every decode rank" "$txt" ||
@@ -41,13 +46,13 @@ demo() {
   [ "$(json_get "$json" finished)" = "$n" ] || fail "$what: $(json_get "$json" finished) of $n finished"
   [ "$(json_get "$json" corrupt)" = 0 ] || fail "$what: corrupt requests"
   local want got
-  want=$(want_bytes "$n") got=$(json_get "$json" verified_bytes)
+  want=$(want_bytes "$n" 1 "$per") got=$(json_get "$json" verified_bytes)
   [ "$got" = "$want" ] || fail "$what: $got bytes verified, not $want (every head of every token)"
   echo "$json"
 }
 
 # 2 -> 4 over ipc: 4 heads per prefill rank, 2 per decode rank, one source each.
-j=$(demo "tp 2 -> 4 (ipc)" 24 a --prefill-tp 2 --decode-tp 4)
+j=$(demo "tp 2 -> 4 (ipc)" 24 a $LLAMA 256 --prefill-tp 2 --decode-tp 4)
 [ "$(json_get "$j" prefill_tp)" = 2 ] && [ "$(json_get "$j" decode_tp)" = 4 ] || fail "tp 2 -> 4: the JSON's groups"
 [ "$(json_get "$j" tasks_per_request)" = 4 ] || fail "tp 2 -> 4: $(json_get "$j" tasks_per_request) tasks per request, not 4"
 # over ipc the completions count each byte copied once: every head of the requests' whole blocks
@@ -55,16 +60,21 @@ j=$(demo "tp 2 -> 4 (ipc)" 24 a --prefill-tp 2 --decode-tp 4)
 pass "tp 2 -> 4 over ipc: 24 requests, $(json_get "$j" verified_bytes) bytes verified"
 
 # 4 -> 2 over tcp, chunked prefill: each decode rank gathers its heads from two prefill ranks.
-j=$(demo "tp 4 -> 2 (tcp, chunked)" 16 b --prefill-tp 4 --decode-tp 2 --transport tcp --chunk-tokens 256)
+j=$(demo "tp 4 -> 2 (tcp, chunked)" 16 b $LLAMA 256 --prefill-tp 4 --decode-tp 2 --transport tcp --chunk-tokens 256)
 [ "$(json_get "$j" tasks_per_request)" = 4 ] || fail "tp 4 -> 2: $(json_get "$j" tasks_per_request) tasks per request, not 4"
 pass "tp 4 -> 2 over tcp, chunked: 16 requests, $(json_get "$j" verified_bytes) bytes verified"
 
 # 1 -> 2 with 16 tokens per prefill block and 64 per decode block: tokens regrouped.
-j=$(demo "tp 1 -> 2, 16 -> 64 tokens/block" 24 c --prefill-tp 1 --decode-tp 2 \
+j=$(demo "tp 1 -> 2, 16 -> 64 tokens/block" 24 c $LLAMA 256 --prefill-tp 1 --decode-tp 2 \
   --prefill-block-tokens 16 --decode-block-tokens 64)
 [ "$(json_get "$j" prefill_block_tokens)" = 16 ] && [ "$(json_get "$j" decode_block_tokens)" = 64 ] ||
   fail "16 -> 64: the JSON's block sizes"
 pass "tp 1 -> 2, 16 -> 64 tokens/block over ipc: $(json_get "$j" verified_bytes) bytes verified"
+
+# MLA 2 -> 4: the latent is on every rank; decode rank j receives it from prefill rank j mod 2.
+j=$(demo "deepseek-v3-mla tp 2 -> 4" 12 d $MLA4 512 --model deepseek-v3-mla --prefill-tp 2 --decode-tp 4)
+[ "$(json_get "$j" tasks_per_request)" = 4 ] || fail "MLA 2 -> 4: $(json_get "$j" tasks_per_request) tasks per request, not 4"
+pass "deepseek-v3-mla tp 2 -> 4 over ipc: $(json_get "$j" verified_bytes) bytes verified"
 
 # Usage errors: refused before anything starts, with their reason, status 2.
 usage_case() {
@@ -80,6 +90,8 @@ usage_case "--decode-tp 3" "--decode-tp 3 does not fit llama-3.1-8b's 8 kv heads
   tools/kvferry demo --prefill-tp 2 --decode-tp 3
 usage_case "block sizes 64 and 48" "one must divide the other" \
   tools/kvferry demo --prefill-tp 2 --decode-block-tokens 48
+usage_case "block sizes 32 and 16 over tcp" "regrouped into other block sizes over ipc only" \
+  tools/kvferry demo --prefill-tp 2 --prefill-block-tokens 32 --decode-block-tokens 16 --transport tcp
 usage_case "kvf-sim --prefill-tp 2, one name" "give 2 names separated by commas" \
   "$B/kvf-sim" --prefill a --decode b,c --prefill-tp 2 --check-options
 echo "sim_tp_test: ok"

@@ -171,6 +171,7 @@ struct sim {
         uint32_t dfirst[KVF_SIM_MAX_RANKS], dcount[KVF_SIM_MAX_RANKS];
         bool sends[KVF_SIM_MAX_RANKS][KVF_SIM_MAX_RANKS]; /* prefill rank i -> decode rank j */
         unsigned ntasks; /* tasks per request: the pairs that send */
+        unsigned poll_turn; /* the rank whose doorbell the next wait sleeps on (sim_verify.c) */
         struct sim_req *reqs;
         unsigned nreq;     /* every request of the run */
         unsigned admitted; /* those whose blocks were reserved: after a stop, only these count */
@@ -223,6 +224,11 @@ void kvf_sim_free(struct sim *s);
  * leaves unfinished. */
 uint64_t kvf_sim_block_key(uint32_t seq, unsigned rank, uint32_t layer, uint32_t t, uint32_t j,
                            bool partial);
+/* Word k of a block (or, mixed mode, of a head's row of a token) stamped with key. */
+static inline uint64_t kvf_sim_word(uint64_t key, uint64_t k)
+{
+        return key + k * 0x9e3779b97f4a7c15ull;
+}
 /* Stamp a block with key: every word, or with sample_only both ends. */
 void kvf_sim_fill(uint8_t *p, uint64_t bytes, uint64_t key, bool sample_only);
 /* Whether p holds what kvf_sim_fill(p, bytes, key, sample_only) wrote. */

@@ -25,12 +25,35 @@ static uint64_t mix(uint64_t x)
         return x;
 }
 
-/* The key of one head's row of one token. */
-static uint64_t row_key(uint32_t seq, uint32_t head, uint32_t l, uint32_t t, uint32_t token,
-                        bool partial)
+/* The key of one head's rows: each token's row is keyed head_key + token * an odd constant, so
+ * two tokens' rows differ in every word (and heads, layers, tensors, requests, and rows a chunk
+ * left unfinished, by their mixed head key). */
+static uint64_t head_key(uint32_t seq, uint32_t head, uint32_t l, uint32_t t, bool partial)
 {
-        return mix(kvf_sim_block_key(seq, head, l, t, 0, partial) ^
-                   mix((uint64_t)token + 0x5851f42d4c957f2dull));
+        return mix(kvf_sim_block_key(seq, head, l, t, 0, partial) ^ 0x5851f42d4c957f2dull);
+}
+
+static inline uint64_t row_key(uint64_t hk, uint32_t token)
+{
+        return hk + (uint64_t)token * 0xd1342543de82ef95ull;
+}
+
+/* One row: every word, or with sample_only the first and the last (each row carries its key
+ * at both ends: a row of another token, head or request, or a torn one, is caught). */
+static void row_fill(uint8_t *p, uint64_t words, uint64_t key, bool sample_only)
+{
+        uint64_t *w = (uint64_t *)(void *)p;
+        for (uint64_t k = 0; k < words; k = sample_only && k == 0 && words > 2 ? words - 1 : k + 1)
+                w[k] = kvf_sim_word(key, k);
+}
+
+static bool row_check(const uint8_t *p, uint64_t words, uint64_t key, bool sample_only)
+{
+        const uint64_t *w = (const uint64_t *)(const void *)p;
+        for (uint64_t k = 0; k < words; k = sample_only && k == 0 && words > 2 ? words - 1 : k + 1)
+                if (w[k] != kvf_sim_word(key, k))
+                        return false;
+        return true;
 }
 
 static int cache_layout(const struct kvf_layout_info *L, struct kvf_cache_layout *c)
@@ -99,14 +122,16 @@ void kvf_sim_tp_write(struct sim *s, const struct sim_req *r, unsigned rank, uin
         uint8_t *block = (uint8_t *)kvf_cache_tensor(kvf_group_member(s->pre[r->pi].g, rank), l,
                                                      (int)t) +
                          (uint64_t)r->src[j] * L->block_bytes;
-        for (uint32_t h = 0; h < s->pcount[rank]; h++)
+        for (uint32_t h = 0; h < s->pcount[rank]; h++) {
+                uint64_t hk = head_key(r->seq, s->pfirst[rank] + h, l, t, false),
+                         hp = head_key(r->seq, s->pfirst[rank] + h, l, t, true);
                 for (uint32_t x = 0; x < L->block_size; x++) {
                         uint32_t token = j * L->block_size + x;
-                        uint64_t key = row_key(r->seq, s->pfirst[rank] + h, l, t, token,
-                                               !last && token >= to);
-                        kvf_sim_fill(block + ((uint64_t)h * L->block_size + x) * rb, rb, key,
-                                     s->o.sample_only);
+                        uint64_t key = row_key(!last && token >= to ? hp : hk, token);
+                        row_fill(block + ((uint64_t)h * L->block_size + x) * rb, rb / 8, key,
+                                 s->o.sample_only);
                 }
+        }
 }
 
 bool kvf_sim_tp_verify(struct sim *s, const struct sim_req *r)
@@ -120,20 +145,21 @@ bool kvf_sim_tp_verify(struct sim *s, const struct sim_req *r)
                         for (uint32_t t = 0; t < s->tensors; t++) {
                                 const uint8_t *base = kvf_cache_tensor(c, l, (int)t);
                                 for (uint32_t b = 0; b < r->n_dst; b++)
-                                        for (uint32_t h = 0; h < s->dcount[j]; h++)
+                                        for (uint32_t h = 0; h < s->dcount[j]; h++) {
+                                                uint64_t hk = head_key(r->seq, s->dfirst[j] + h,
+                                                                       l, t, false);
                                                 for (uint32_t x = 0; x < L->block_size; x++) {
                                                         uint32_t token =
                                                             (r->first + b) * L->block_size + x;
                                                         if (token >= r->tokens)
                                                                 break;
-                                                        uint64_t key = row_key(
-                                                            r->seq, s->dfirst[j] + h, l, t, token,
-                                                            false);
                                                         const uint8_t *o =
                                                             base +
                                                             (uint64_t)r->dst[b] * L->block_bytes +
                                                             ((uint64_t)h * L->block_size + x) * rb;
-                                                        if (!kvf_sim_check(o, rb, key, s->o.sample_only)) {
+                                                        if (!row_check(o, rb / 8,
+                                                                       row_key(hk, token),
+                                                                       s->o.sample_only)) {
                                                                 fprintf(stderr,
                                                                         "%s: request %s: decode "
                                                                         "rank %u layer %u tensor "
@@ -147,6 +173,7 @@ bool kvf_sim_tp_verify(struct sim *s, const struct sim_req *r)
                                                         }
                                                         s->verified_bytes += rb;
                                                 }
+                                        }
                         }
         }
         return true;

@@ -33,11 +33,7 @@ uint64_t kvf_sim_block_key(uint32_t seq, unsigned rank, uint32_t layer, uint32_t
                    ((uint64_t)t << 39) ^ j ^ ((uint64_t)partial << 62));
 }
 
-/* Word k of a block stamped with key. */
-static inline uint64_t pattern(uint64_t key, uint64_t k)
-{
-        return key + k * 0x9e3779b97f4a7c15ull;
-}
+#define pattern kvf_sim_word
 
 /* The words of an n-word block that fill() and check() visit: all, or with --verify sample
  * the first 8 and the last 8 (k jumps from 8 to n - 8). */
@@ -432,25 +428,55 @@ static void on_arrival_part(struct sim *s, unsigned d, unsigned j, const struct 
 }
 
 /* Mixed mode: every rank's events, taken one by one (a task's parts come from some ranks of
- * a group, not all). Waits up to timeout_ms on the first rank of the prefill instance whose
- * completion is likely next. */
-static void poll_parts(struct sim *s, int timeout_ms)
+ * a group, not all). 1 when there was any. */
+static int take_parts(struct sim *s)
 {
         struct kvf_event ev;
-        unsigned w = s->npre > 1 && timeout_ms ? likely_next(s) : 0;
-        for (unsigned n = 0; n < s->npre; n++) {
-                unsigned p = (w + n) % s->npre;
+        int any = 0;
+        for (unsigned p = 0; p < s->npre; p++)
                 for (unsigned i = 0; i < s->o.ranks; i++)
-                        while (kvf_poll(kvf_group_member(s->pre[p].g, i), &ev, timeout_ms) > 0) {
-                                timeout_ms = 0;
+                        while (kvf_poll(kvf_group_member(s->pre[p].g, i), &ev, 0) > 0) {
                                 on_completion_part(s, p, i, &ev);
+                                any = 1;
                         }
-                timeout_ms = 0;
-        }
         for (unsigned d = 0; d < s->ndec; d++)
                 for (unsigned j = 0; j < s->o.dranks; j++)
-                        while (kvf_poll(kvf_group_member(s->dec[d].g, j), &ev, 0) > 0)
+                        while (kvf_poll(kvf_group_member(s->dec[d].g, j), &ev, 0) > 0) {
                                 on_arrival_part(s, d, j, &ev);
+                                any = 1;
+                        }
+        return any;
+}
+
+/* Mixed mode: take every event there is; when there is none, wait up to timeout_ms for one.
+ * One doorbell per rank and no way to sleep on several: sleep on each rank of each instance
+ * in turn, at most a millisecond at a time, as kvf_group_poll does. */
+static void poll_parts(struct sim *s, int timeout_ms)
+{
+        const unsigned n = s->npre * s->o.ranks + s->ndec * s->o.dranks;
+        uint64_t end = kvf_now_ns() + (uint64_t)timeout_ms * 1000000ull;
+        while (!take_parts(s) && timeout_ms > 0) {
+                uint64_t now = kvf_now_ns();
+                if (now >= end)
+                        return;
+                unsigned k = s->poll_turn++ % n;
+                struct kvf_client *c =
+                    k < s->npre * s->o.ranks
+                        ? kvf_group_member(s->pre[k / s->o.ranks].g, k % s->o.ranks)
+                        : kvf_group_member(s->dec[(k - s->npre * s->o.ranks) / s->o.dranks].g,
+                                           (k - s->npre * s->o.ranks) % s->o.dranks);
+                struct kvf_event ev;
+                /* (an event found here is handled at once, by the rank's own handler) */
+                if (kvf_poll(c, &ev, 1) > 0) {
+                        if (k < s->npre * s->o.ranks)
+                                on_completion_part(s, k / s->o.ranks, k % s->o.ranks, &ev);
+                        else
+                                on_arrival_part(s, (k - s->npre * s->o.ranks) / s->o.dranks,
+                                                (k - s->npre * s->o.ranks) % s->o.dranks, &ev);
+                        take_parts(s);
+                        return;
+                }
+        }
 }
 
 void kvf_sim_poll_events(struct sim *s, int timeout_ms)

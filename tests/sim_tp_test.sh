@@ -60,7 +60,8 @@ j=$(demo "tp 2 -> 4 (ipc)" 24 a $LLAMA 256 --prefill-tp 2 --decode-tp 4)
 pass "tp 2 -> 4 over ipc: 24 requests, $(json_get "$j" verified_bytes) bytes verified"
 
 # 4 -> 2 over tcp, chunked prefill: each decode rank gathers its heads from two prefill ranks.
-j=$(demo "tp 4 -> 2 (tcp, chunked)" 16 b $LLAMA 256 --prefill-tp 4 --decode-tp 2 --transport tcp --chunk-tokens 256)
+# --verify sample: both ends of each piece's first and last rows (the bytes they cover count).
+j=$(demo "tp 4 -> 2 (tcp, chunked)" 16 b $LLAMA 256 --prefill-tp 4 --decode-tp 2 --transport tcp --chunk-tokens 256 --verify sample)
 [ "$(json_get "$j" tasks_per_request)" = 4 ] || fail "tp 4 -> 2: $(json_get "$j" tasks_per_request) tasks per request, not 4"
 pass "tp 4 -> 2 over tcp, chunked: 16 requests, $(json_get "$j" verified_bytes) bytes verified"
 

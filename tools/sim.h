@@ -171,6 +171,7 @@ struct sim {
         uint32_t dfirst[KVF_SIM_MAX_RANKS], dcount[KVF_SIM_MAX_RANKS];
         bool sends[KVF_SIM_MAX_RANKS][KVF_SIM_MAX_RANKS]; /* prefill rank i -> decode rank j */
         unsigned ntasks; /* tasks per request: the pairs that send */
+        uint32_t seg;    /* tokens of one piece: the smaller block size (--verify sample) */
         unsigned poll_turn; /* the rank whose doorbell the next wait sleeps on (sim_verify.c) */
         struct sim_req *reqs;
         unsigned nreq;     /* every request of the run */

@@ -38,6 +38,18 @@ static inline uint64_t row_key(uint64_t hk, uint32_t token)
         return hk + (uint64_t)token * 0xd1342543de82ef95ull;
 }
 
+/*
+ * --verify sample in mixed mode: the rows of the first and the last token of each piece (each
+ * run of `seg` tokens, the smaller block size: what a transfer moves as one piece of a head),
+ * and of the prompt's last token, and of those only the first and the last word. Each piece
+ * then carries its key at both ends, as each block does in the same-layout check.
+ */
+static bool sampled(const struct sim *s, const struct sim_req *r, uint32_t token)
+{
+        uint32_t x = token % s->seg;
+        return x == 0 || x == s->seg - 1 || token + 1 == r->tokens;
+}
+
 /* One row: every word, or with sample_only the first and the last (each row carries its key
  * at both ends: a row of another token, head or request, or a torn one, is caught). */
 static void row_fill(uint8_t *p, uint64_t words, uint64_t key, bool sample_only)
@@ -94,6 +106,7 @@ int kvf_sim_tp_setup(struct sim *s)
                         KVF_SIM_PROG, p, d, (unsigned long long)row);
                 return -1;
         }
+        s->seg = P->block_size < D->block_size ? P->block_size : D->block_size;
         for (unsigned i = 0; i < p; i++)
                 if (kvf_tp_heads(s->heads, p, i, &s->pfirst[i], &s->pcount[i]) < 0)
                         return -1;
@@ -127,6 +140,8 @@ void kvf_sim_tp_write(struct sim *s, const struct sim_req *r, unsigned rank, uin
                          hp = head_key(r->seq, s->pfirst[rank] + h, l, t, true);
                 for (uint32_t x = 0; x < L->block_size; x++) {
                         uint32_t token = j * L->block_size + x;
+                        if (s->o.sample_only && !sampled(s, r, token))
+                                continue;
                         uint64_t key = row_key(!last && token >= to ? hp : hk, token);
                         row_fill(block + ((uint64_t)h * L->block_size + x) * rb, rb / 8, key,
                                  s->o.sample_only);
@@ -153,6 +168,11 @@ bool kvf_sim_tp_verify(struct sim *s, const struct sim_req *r)
                                                             (r->first + b) * L->block_size + x;
                                                         if (token >= r->tokens)
                                                                 break;
+                                                        /* (sample: the bytes its samples cover) */
+                                                        s->verified_bytes += rb;
+                                                        if (s->o.sample_only &&
+                                                            !sampled(s, r, token))
+                                                                continue;
                                                         const uint8_t *o =
                                                             base +
                                                             (uint64_t)r->dst[b] * L->block_bytes +
@@ -171,7 +191,6 @@ bool kvf_sim_tp_verify(struct sim *s, const struct sim_req *r)
                                                                         s->dfirst[j] + h, token);
                                                                 return false;
                                                         }
-                                                        s->verified_bytes += rb;
                                                 }
                                         }
                         }

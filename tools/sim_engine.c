@@ -233,8 +233,9 @@ static int submit_mixed(struct sim *s, struct sim_req *r, uint64_t step, unsigne
         return 0;
 }
 
-/* Mixed mode: fn(client, task id, ...) for each of prefill rank k's tasks of r (a chunk record
- * or a cancel), retried while its ring is full. */
+/* fn(client, task id, arg) for each of prefill rank k's tasks of r (a chunk record or a
+ * cancel): its one task, or in mixed mode one per decode rank it sends to; retried while the
+ * ring is full. */
 static void each_task(struct sim *s, const struct sim_req *r, unsigned k,
                       int (*fn)(struct sim *, struct kvf_client *, const char *, void *), void *arg)
 {
@@ -427,7 +428,8 @@ static int start_step(struct sim *s, struct engine *e)
                 struct sim_req *r = e->active[i];
                 e->from[i] = r->done_tokens;
                 e->to[i] = r->done_tokens + step_share(s, r);
-                struct chunk_arg ca = {.step = e->step, .to = e->to[i], .last = e->to[i] >= r->tokens};
+                struct chunk_arg ca = {
+                    .step = e->step, .to = e->to[i], .last = e->to[i] >= r->tokens};
                 if (o->chunk_tokens)
                         for (unsigned k = 0; k < o->ranks; k++)
                                 each_task(s, r, k, chunk_one, &ca);

@@ -93,6 +93,8 @@ usage_case "block sizes 64 and 48" "one must divide the other" \
   tools/kvferry demo --prefill-tp 2 --decode-block-tokens 48
 usage_case "block sizes 32 and 16 over tcp" "regrouped into other block sizes over ipc only" \
   tools/kvferry demo --prefill-tp 2 --prefill-block-tokens 32 --decode-block-tokens 16 --transport tcp
+usage_case "--backend cuda with different groups" "kvf-sim's GPU mode runs equal groups" \
+  tools/kvferry demo --prefill-tp 2 --decode-tp 4 --backend cuda
 usage_case "kvf-sim --prefill-tp 2, one name" "give 2 names separated by commas" \
   "$B/kvf-sim" --prefill a --decode b,c --prefill-tp 2 --check-options
 echo "sim_tp_test: ok"

@@ -77,6 +77,20 @@ j=$(demo "deepseek-v3-mla tp 2 -> 4" 12 d $MLA4 512 --model deepseek-v3-mla --pr
 [ "$(json_get "$j" tasks_per_request)" = 4 ] || fail "MLA 2 -> 4: $(json_get "$j" tasks_per_request) tasks per request, not 4"
 pass "deepseek-v3-mla tp 2 -> 4 over ipc: $(json_get "$j" verified_bytes) bytes verified"
 
+# Cancels mid-step, 2 -> 4: each of a request's four tasks is cancelled; the request ends once,
+# cancelled (every pair's completion and arrival in) or finished and verified, never corrupt.
+j=$KVFERRY_RUN_DIR/e.json
+"$ROOT/tools/kvferry" demo --requests 30 --cache-mib 256 --layer-us 100 --quiet --prefix-pct 0 \
+  --max-tokens $MAXTOK --cancel-pct 40 --json "$j" --prefill-tp 2 --decode-tp 4 >"$KVFERRY_RUN_DIR/e.txt" 2>&1 ||
+  { cat "$KVFERRY_RUN_DIR/e.txt" >&2; fail "cancels: the demo failed"; }
+f=$(json_get "$j" finished) c=$(json_get "$j" cancelled)
+[ $((f + c)) = 30 ] || fail "cancels: $f finished + $c cancelled != 30"
+[ "$(json_get "$j" unaccounted)" = 0 ] && [ "$(json_get "$j" corrupt)" = 0 ] &&
+  [ "$(json_get "$j" unexpected_failures)" = 0 ] && [ "$(json_get "$j" finished_but_failed_pairs)" = 0 ] ||
+  fail "cancels: unaccounted, corrupt, unexpected failures or disagreeing sides"
+[ "$c" -ge 1 ] && [ "$c" -le "$(json_get "$j" cancels_sent)" ] || fail "cancels: $c cancelled of $(json_get "$j" cancels_sent) cancels sent"
+pass "cancels, tp 2 -> 4: $f finished and verified, $c cancelled"
+
 # Usage errors: refused before anything starts, with their reason, status 2.
 usage_case() {
   local what=$1 needle=$2 out rc=0; shift 2

@@ -69,7 +69,8 @@
         X(NOTICES_FAILED, "notices_failed")                                                        \
         X(PEERS_CONNECTED, "peers_connected")                                                      \
         X(PEERS_CONNECTING, "peers_connecting")                                                    \
-        X(PEERS_FAILED, "peers_failed")
+        X(PEERS_FAILED, "peers_failed")                                                            \
+        X(BYTES_TCP_RESENT, "bytes_resent_tcp")
 
 enum kvf_counter_id {
 #define KVF_COUNTER_ENUM(id, name) KVF_CTR_##id,

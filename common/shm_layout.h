@@ -42,8 +42,9 @@
  * 9: per-request histograms (bytes, descriptors, transfer time) and a request's xfer_start_ns and
  * descs; counters notices_failed and the peer gauges; prewakes and prewakes_met gone (the sender
  * no longer prewakes its connector); the engine's caches (backend "engine", the header's
- * reg_* fields, a request's own_reg_gen and peer_reg_gen); a request's n_dst. */
-#define KVF_LAYOUT_VERSION 9u
+ * reg_* fields, a request's own_reg_gen and peer_reg_gen); a request's n_dst. 10: the counter
+ * bytes_resent_tcp. */
+#define KVF_LAYOUT_VERSION 10u
 #define KVF_CACHE_LINE 64u
 #define KVF_HEADER_SIZE 4096u
 

@@ -423,6 +423,11 @@ static bool serve(struct data_conn *dc, struct io_uring *ring, struct batch *bs[
                         give_back(dc, st, nb, false); /* (logged; this batch still goes) */
                 if (ops > 0)
                         rc = send_reap(dc, ring, (unsigned)ops, &all);
+                /* the bytes of frames sent once before, on a connection that was lost (read
+                 * before the frames go back: a transfer may then be freed) */
+                uint64_t again = 0;
+                for (unsigned i = 0; i < b->n; i++)
+                        again += b->fs[i]->again ? wire_bytes(dc, b->fs[i]) : 0;
                 /* (not all reaped: the staging memory stays with the kernel's sends, not done) */
                 give_back(dc, all ? st : NULL, b, rc == 0);
                 if (rc < 0) {
@@ -434,6 +439,7 @@ static bool serve(struct data_conn *dc, struct io_uring *ring, struct batch *bs[
                 uint64_t blocks = b->bytes / cn->ctl.hdr->layout.block_bytes;
                 kvf_count(&cn->ctl, KVF_CTR_FRAMES_TCP, nwire);
                 kvf_count(&cn->ctl, KVF_CTR_BYTES_TCP, dc->slen ? blocks * dc->slen : b->bytes);
+                kvf_count(&cn->ctl, KVF_CTR_BYTES_TCP_RESENT, again);
                 kvf_count(&cn->ctl, KVF_CTR_BLOCKS_TCP, blocks);
                 cur = !cur;
         }

@@ -186,8 +186,10 @@ void xfer_requeue_conn(struct xfer_peer *xp, int conn)
 {
         for (struct xfer *x = xp->xfers; x; x = x->next)
                 for (uint32_t i = 0; i < x->nfr; i++)
-                        if (x->fr[i]->state == F_SENT && x->fr[i]->conn == (int8_t)conn)
+                        if (x->fr[i]->state == F_SENT && x->fr[i]->conn == (int8_t)conn) {
+                                x->fr[i]->again = 1;
                                 xfer_enqueue(xp, x->fr[i], false);
+                        }
         pthread_cond_broadcast(&xp->cv);
 }
 

@@ -34,6 +34,8 @@ struct frame {
         uint16_t tensor;
         uint8_t state;
         int8_t conn; /* the data connection that carried it last, or -1 */
+        uint8_t again; /* 1: sent on a connection that was lost, so queued again (its bytes go
+                        * twice: bytes_resent_tcp counts the second time) */
         uint64_t src_off;
         struct frame *qnext;
 };

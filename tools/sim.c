@@ -40,8 +40,9 @@ static void add_instance(const char *opt, const char *arg, struct sim_inst_opts 
                 kvf_opt_die(prog, "--%s wants an instance name (ranks separated by commas), not '%s'",
                             opt, arg);
         if (*ranks && nr != *ranks)
-                kvf_opt_die(prog, "--%s %s: %u rank(s), but the instances before have %u: every "
-                            "instance needs the same number of ranks", opt, arg, nr, *ranks);
+                kvf_opt_die(prog, "--%s %s: %u rank(s), but the %s instances before have %u: "
+                            "every %s instance needs the same number of ranks", opt, arg, nr, opt,
+                            *ranks, opt);
         *ranks = nr;
         (*n)++;
 }
@@ -83,11 +84,17 @@ static void usage(void)
                "Drive prefill and decode instances like inference engines and verify every byte.\n"
                "Commas name the ranks of one instance (a tensor-parallel group, one rank per name);\n"
                "each --prefill or --decode is another instance (at most %u per side, all with the same\n"
-               "number of ranks). Several prefill instances into one decode instance (fan-in): request i\n"
+               "number of ranks on its side). Several prefill instances into one decode instance (fan-in): request i\n"
                "is prefilled by prefill instance i mod N, and the one decode engine hands out blocks for\n"
                "all of them. One prefill instance into several decode instances (fan-out): the prefill\n"
                "engine sends each request to the decode instance with the most free blocks when it is\n"
-               "admitted (ties: the next in turn). The summary shows each instance and the aggregate.\n\n"
+               "admitted (ties: the next in turn). The summary shows each instance and the aggregate.\n"
+               "The two sides' groups may differ in size, heads per rank and block size (one dividing\n"
+               "the other): each prefill rank then sends each decode rank the heads the split gives it\n"
+               "(one task per pair, id r<N>.d<rank>), tokens regrouped into the decode side's blocks,\n"
+               "and every head of every token is checked on every decode rank.\n\n"
+               "  --prefill-tp N      the prefill instances' tensor-parallel size: N rank names each\n"
+               "  --decode-tp N       the decode instances' (both default to the names given)\n"
                "  --requests N        requests to move (default 100)\n"
                "  --trace FILE        JSON lines with input_length (default data/mooncake-conversation-2000.jsonl\n"
                "                      of the source tree)\n"
@@ -143,7 +150,7 @@ static bool parse_opts(int argc, char **argv, struct sim_opts *o)
 {
         enum { O_P = 1000, O_D, O_N, O_TRACE, O_MAXTOK, O_LUS, O_STEP, O_CHUNK, O_PREFIX, O_LATE,
                O_CANCEL, O_TRANSPORT, O_SEED, O_TO, O_BASE, O_JSON, O_QUIET, O_VERSION, O_PEERMAP, O_VERIFY, O_SCATTER, O_CHECK, O_WARM,
-               O_SLOG, O_DRAIN, O_GPU, O_STRICT, O_GPUDEF, O_LNPT, O_TIMELINE };
+               O_SLOG, O_DRAIN, O_GPU, O_STRICT, O_GPUDEF, O_LNPT, O_TIMELINE, O_PTP, O_DTP };
         static const struct option lo[] = {
                 {"prefill", required_argument, 0, O_P},  {"decode", required_argument, 0, O_D},
                 {"requests", required_argument, 0, O_N}, {"trace", required_argument, 0, O_TRACE},
@@ -170,6 +177,8 @@ static bool parse_opts(int argc, char **argv, struct sim_opts *o)
                 {"gpu-default-stream", no_argument, 0, O_GPUDEF},
                 {"timeline", required_argument, 0, O_TIMELINE},
                 {"strict", no_argument, 0, O_STRICT},
+                {"prefill-tp", required_argument, 0, O_PTP},
+                {"decode-tp", required_argument, 0, O_DTP},
                 {"version", no_argument, 0, O_VERSION},  {0, 0, 0, 0}};
         const char *peermap = NULL;
         bool check_only = false;
@@ -186,7 +195,9 @@ static bool parse_opts(int argc, char **argv, struct sim_opts *o)
         while ((c = getopt_long(argc, argv, "h", lo, NULL)) != -1) {
                 switch (c) {
                 case O_P: add_instance("prefill", optarg, o->prefill, &o->nprefill, &o->ranks); break;
-                case O_D: add_instance("decode", optarg, o->decode, &o->ndecode, &o->ranks); break;
+                case O_D: add_instance("decode", optarg, o->decode, &o->ndecode, &o->dranks); break;
+                case O_PTP: o->prefill_tp = (unsigned)kvf_opt_u64("prefill-tp", optarg, 1, KVF_SIM_MAX_RANKS); break;
+                case O_DTP: o->decode_tp = (unsigned)kvf_opt_u64("decode-tp", optarg, 1, KVF_SIM_MAX_RANKS); break;
                 case O_N: o->requests = (unsigned)kvf_opt_u64("requests", optarg, 1, 10000000); break;
                 case O_TRACE: o->trace = optarg; break;
                 case O_MAXTOK: o->max_tokens = (unsigned)kvf_opt_u64("max-tokens", optarg, 1, 1u << 30); break;
@@ -234,10 +245,18 @@ static bool parse_opts(int argc, char **argv, struct sim_opts *o)
         }
         if (!o->nprefill || !o->ndecode)
                 kvf_opt_die(prog, "give --prefill and --decode (each once per instance)");
+        if (o->prefill_tp && o->prefill_tp != o->ranks)
+                kvf_opt_die(prog, "--prefill-tp %u: the prefill instance %s names %u rank(s); give "
+                            "%u names separated by commas", o->prefill_tp, o->prefill[0].name[0],
+                            o->ranks, o->prefill_tp);
+        if (o->decode_tp && o->decode_tp != o->dranks)
+                kvf_opt_die(prog, "--decode-tp %u: the decode instance %s names %u rank(s); give "
+                            "%u names separated by commas", o->decode_tp, o->decode[0].name[0],
+                            o->dranks, o->decode_tp);
         if (o->session_log && (o->nprefill > 1 || o->ndecode > 1))
                 kvf_opt_die(prog, "--session-log takes one prefill and one decode instance");
         for (unsigned i = 0; i < o->ndecode; i++)
-                for (unsigned k = 0; k < o->ranks; k++)
+                for (unsigned k = 0; k < o->dranks; k++)
                         o->decode[i].peer[k] = o->decode[i].name[k];
         if (peermap) {
                 const char *m[KVF_SIM_MAX_RANKS];
@@ -249,7 +268,7 @@ static bool parse_opts(int argc, char **argv, struct sim_opts *o)
                                 kvf_opt_die(prog, "--peer-map wants DECODE=HOST:PORT, not '%s'", m[i]);
                         *eq = '\0';
                         for (unsigned d = 0; d < o->ndecode; d++)
-                                for (unsigned k = 0; k < o->ranks; k++)
+                                for (unsigned k = 0; k < o->dranks; k++)
                                         if (!strcmp(o->decode[d].name[k], m[i]))
                                                 o->decode[d].peer[k] = eq + 1;
                 }
@@ -263,7 +282,7 @@ static int gpu_setup(struct sim *s)
 {
         int pdev[KVF_SIM_MAX_RANKS], ddev[KVF_SIM_MAX_RANKS], ngpu = 0;
         for (unsigned i = 0; i < s->npre + s->ndec; i++)
-                for (unsigned k = 0; k < s->o.ranks; k++) {
+                for (unsigned k = 0; k < (i < s->npre ? s->o.ranks : s->o.dranks); k++) {
                         const struct sim_inst *in = i < s->npre ? &s->pre[i] : &s->dec[i - s->npre];
                         int dev = kvf_cache_device(kvf_group_member(in->g, k));
                         ngpu += dev >= 0;
@@ -276,6 +295,14 @@ static int gpu_setup(struct sim *s)
                 fprintf(stderr, "%s: %s runs one prefill and one decode instance, not %u and %u\n",
                         prog, s->o.gpu ? "--gpu" : "GPU mode (the caches are on GPUs)", s->npre,
                         s->ndec);
+                return -1;
+        }
+        if ((s->o.gpu || ngpu) && s->mixed) {
+                fprintf(stderr,
+                        "%s: %s runs equal groups and layouts; prefill tp %u (%u tokens/block) into "
+                        "decode tp %u (%u tokens/block) runs with host caches\n",
+                        prog, s->o.gpu ? "--gpu" : "GPU mode (the caches are on GPUs)", s->o.ranks,
+                        s->L.block_size, s->o.dranks, s->Ld.block_size);
                 return -1;
         }
         if ((s->o.gpu || ngpu) && ngpu != 2 * (int)s->o.ranks) {

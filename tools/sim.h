@@ -10,6 +10,8 @@
  *   sim_report.c  the progress line, the summary text and its JSON
  *   sim_gpu.cu    GPU mode (--gpu, tools/sim_gpu.h): layers as kernels, checks on the GPU
  *                 (sim_gpu_none.c in a build without CUDA)
+ *   sim_tp.c      groups of different sizes or block sizes (mixed mode): the split, the
+ *                 tasks per (prefill rank, decode rank), content per (head, token), checks
  *
  * Topologies: one or more prefill instances and one or more decode instances
  * (--prefill and --decode, each given once per instance; commas name the
@@ -20,6 +22,13 @@
  * one after the last chosen). Each decode engine hands out its blocks from
  * one pool, whatever the source: blocks of different sources never overlap.
  *
+ * Mixed mode: the prefill instances' groups and the decode instances' differ in size
+ * (--prefill-tp, --decode-tp), in heads per rank or in block size (common/tpsplit.h). Each
+ * prefill rank then submits one task per decode rank it sends heads to (id "r<seq>.d<j>"),
+ * the simulator takes each rank's events itself (not through kvf_group_poll, which waits for
+ * one event per rank and id) and a request is complete once every task's completion and
+ * arrival came; every head of every token of every block is checked on every decode rank.
+ *
  * Single-threaded: every function here runs on main()'s thread, except that
  * the SIGTERM/SIGINT handler sets `stop`.
  */
@@ -27,6 +36,7 @@
 #define KVF_SIM_H
 
 #include <stdbool.h>
+#include <stddef.h>
 #include <stdint.h>
 
 #include "kvferry.h"
@@ -54,6 +64,10 @@ struct sim_req {
         int completion; /* -1 until known */
         int arrival;    /* -1 until known */
         bool verified;
+        /* mixed mode: the tasks (bit 8 i + j: prefill rank i -> decode rank j) whose completion
+         * and arrival came, and the first status other than finished of each side */
+        uint64_t cparts, aparts;
+        int cstat, astat;
         uint64_t bytes, arrival_ns, completion_ns, completion_seen_ns;
         uint64_t sender_last_ns; /* the completion's last_layer_ns: when the sender saw its last layer */
         bool src_freed, dst_freed;
@@ -75,7 +89,9 @@ struct sim_inst_opts {
 struct sim_opts {
         struct sim_inst_opts prefill[KVF_SIM_MAX_INSTANCES], decode[KVF_SIM_MAX_INSTANCES];
         unsigned nprefill, ndecode; /* instances per side */
-        unsigned ranks;             /* ranks per instance, the same for all */
+        unsigned ranks;             /* ranks per prefill instance, the same for all */
+        unsigned dranks;            /* ranks per decode instance, the same for all */
+        unsigned prefill_tp, decode_tp; /* --prefill-tp, --decode-tp (0: not given) */
         unsigned requests;
         const char *trace;
         unsigned layer_us;
@@ -149,8 +165,18 @@ struct sim {
         FILE *timeline; /* --timeline, open while the run goes */
         struct sim_inst pre[KVF_SIM_MAX_INSTANCES], dec[KVF_SIM_MAX_INSTANCES];
         unsigned npre, ndec;
-        struct kvf_layout_info L; /* the (first) prefill instance's layout */
+        struct kvf_layout_info L;  /* the (first) prefill instance's layout */
+        struct kvf_layout_info Ld; /* the (first) decode instance's layout */
         uint32_t layers, tensors;
+        /* Mixed mode (sim_tp.c): the groups differ in size, heads per rank or block size. */
+        bool mixed;
+        uint32_t heads;  /* the model's kv heads (kvf_tp_check) */
+        uint32_t pfirst[KVF_SIM_MAX_RANKS], pcount[KVF_SIM_MAX_RANKS]; /* each rank's heads */
+        uint32_t dfirst[KVF_SIM_MAX_RANKS], dcount[KVF_SIM_MAX_RANKS];
+        bool sends[KVF_SIM_MAX_RANKS][KVF_SIM_MAX_RANKS]; /* prefill rank i -> decode rank j */
+        unsigned ntasks; /* tasks per request: the pairs that send */
+        uint32_t seg;    /* tokens of one piece: the smaller block size (--verify sample) */
+        unsigned poll_turn; /* the rank whose doorbell the next wait sleeps on (sim_verify.c) */
         struct sim_req *reqs;
         unsigned nreq;     /* every request of the run */
         unsigned admitted; /* those whose blocks were reserved: after a stop, only these count */
@@ -203,11 +229,35 @@ void kvf_sim_free(struct sim *s);
  * leaves unfinished. */
 uint64_t kvf_sim_block_key(uint32_t seq, unsigned rank, uint32_t layer, uint32_t t, uint32_t j,
                            bool partial);
+/* Word k of a block (or, mixed mode, of a head's row of a token) stamped with key. */
+static inline uint64_t kvf_sim_word(uint64_t key, uint64_t k)
+{
+        return key + k * 0x9e3779b97f4a7c15ull;
+}
 /* Stamp a block with key: every word, or with sample_only both ends. */
 void kvf_sim_fill(uint8_t *p, uint64_t bytes, uint64_t key, bool sample_only);
+/* Whether p holds what kvf_sim_fill(p, bytes, key, sample_only) wrote. */
+bool kvf_sim_check(const uint8_t *p, uint64_t bytes, uint64_t key, bool sample_only);
 /* Take every completion and arrival there is, waiting up to timeout_ms for the first
  * completion; verify arrivals, free what is done, count it. */
 void kvf_sim_poll_events(struct sim *s, int timeout_ms);
+
+/* sim_tp.c (mixed mode) */
+/* Decide whether the run is in mixed mode and, if so, check the split (kvf_tp_check) and work
+ * out who sends to whom. 0, or -1 after a message. */
+int kvf_sim_tp_setup(struct sim *s);
+/* The task id of r towards decode rank j ("r<seq>.d<j>"). */
+void kvf_sim_tp_task_id(const struct sim_req *r, unsigned j, char *buf, size_t n);
+/* Write layer l, tensor t of r's source block j on prefill rank `rank`: each head's row of
+ * each token, stamped per (request, head, token, layer, tensor); rows of tokens at or past
+ * `to` are stamped `partial` unless `last`. */
+void kvf_sim_tp_write(struct sim *s, const struct sim_req *r, unsigned rank, uint32_t l,
+                      uint32_t t, uint32_t j, uint32_t to, bool last);
+/* Check every head of every token of r's destination blocks on every decode rank; adds to
+ * verified_bytes. True when all match (otherwise one message, the first that differs). */
+bool kvf_sim_tp_verify(struct sim *s, const struct sim_req *r);
+/* The prefill rank of r's instance called `name`, or -1. */
+int kvf_sim_tp_prefill_rank(const struct sim *s, const struct sim_req *r, const char *name);
 
 /* sim_report.c */
 /* Note the sender's histograms before the run, so the report shows this run's share. */

@@ -117,7 +117,8 @@ static int attach_instance(struct sim *s, struct sim_inst *in, const struct sim_
                            const char *role, const struct sim_inst *first)
 {
         in->o = io;
-        if (kvf_group_attach(io->name, s->o.ranks, 10000, &in->g) < 0) {
+        unsigned ranks = strcmp(role, "decode") ? s->o.ranks : s->o.dranks;
+        if (kvf_group_attach(io->name, ranks, 10000, &in->g) < 0) {
                 fprintf(stderr, "%s: %s\n", KVF_SIM_PROG, kvf_last_error());
                 return -1;
         }
@@ -161,19 +162,19 @@ int kvf_sim_setup(struct sim *s)
                 return -1;
         }
         *L = s->pre[0].L;
+        s->Ld = s->dec[0].L;
         s->layers = L->num_layers + L->extra_layers;
         s->tensors = L->key_only ? 1 : 2;
-        /* The largest prompt every cache (and one request's block limit) can hold at once. */
-        uint32_t cap_blocks = L->num_blocks;
+        if (kvf_sim_tp_setup(s) < 0)
+                return -1;
+        /* The largest prompt every cache (and one request's block limit) can hold at once: half
+         * of the smallest cache of each side, in that side's blocks. */
+        uint64_t cap_tok = 4096ull * L->block_size;
         for (unsigned i = 0; i < s->npre + s->ndec; i++) {
                 const struct sim_inst *in = i < s->npre ? &s->pre[i] : &s->dec[i - s->npre];
-                if (in->L.num_blocks < cap_blocks)
-                        cap_blocks = in->L.num_blocks;
+                uint64_t t = (uint64_t)(in->L.num_blocks / 2) * in->L.block_size;
+                cap_tok = t < cap_tok ? t : cap_tok;
         }
-        uint64_t cap_tok = (uint64_t)(cap_blocks / 2) * L->block_size;
-        uint64_t lim = 4096ull * L->block_size;
-        if (cap_tok > lim)
-                cap_tok = lim;
         if (!s->o.max_tokens || s->o.max_tokens > cap_tok)
                 s->o.max_tokens = (unsigned)cap_tok;
         if (load_trace(s, o->trace, o->requests) < 0)
@@ -186,9 +187,11 @@ int kvf_sim_setup(struct sim *s)
                 r->pi = i % s->npre;
                 r->n_src = (r->tokens + L->block_size - 1) / L->block_size;
                 r->first = 0;
-                if (r->n_src > 1 && rnd(s) % 100 < o->prefix_pct)
+                if (r->n_src > 1 && rnd(s) % 100 < o->prefix_pct &&
+                    s->Ld.block_size == L->block_size) /* (no prefix in regrouped blocks) */
                         r->first = (uint32_t)(1 + rnd(s) % (r->n_src - 1) / 2);
-                r->n_dst = r->n_src - r->first;
+                /* the decode side's blocks: as many as its block size needs for the tokens */
+                r->n_dst = (r->tokens + s->Ld.block_size - 1) / s->Ld.block_size - r->first;
                 r->src = malloc(r->n_src * sizeof(uint32_t));
                 r->dst = malloc(r->n_dst * sizeof(uint32_t));
                 r->completion = r->arrival = -1;
@@ -199,10 +202,86 @@ int kvf_sim_setup(struct sim *s)
         return 0;
 }
 
+/* Mixed mode: prefill rank k's tasks of r, one per decode rank it sends to. */
+static int submit_mixed(struct sim *s, struct sim_req *r, uint64_t step, unsigned k)
+{
+        const struct sim_inst *pre = &s->pre[r->pi], *dec = &s->dec[r->di];
+        for (unsigned j = 0; j < s->o.dranks; j++) {
+                if (!s->sends[k][j])
+                        continue;
+                char id[64];
+                kvf_sim_tp_task_id(r, j, id, sizeof(id));
+                struct kvf_task t = {.request_id = id,
+                                     .src_block_ids = r->src,
+                                     .n_src = r->n_src,
+                                     .dest_block_ids = r->dst,
+                                     .n_dest = r->n_dst,
+                                     .current_id = step,
+                                     .transport = s->o.transport,
+                                     .peer = dec->o->peer[j],
+                                     .chunked = s->o.chunk_tokens > 0,
+                                     .peer_session = kvf_session(kvf_group_member(dec->g, j))};
+                int rc;
+                while ((rc = kvf_submit_task(kvf_group_member(pre->g, k), &t)) == -EAGAIN)
+                        kvf_sim_poll_events(s, 1);
+                if (rc < 0) {
+                        fprintf(stderr, "%s: submit %s to %s: %s\n", KVF_SIM_PROG, id,
+                                pre->o->name[k], kvf_last_error());
+                        return rc;
+                }
+        }
+        return 0;
+}
+
+/* fn(client, task id, arg) for each of prefill rank k's tasks of r (a chunk record or a
+ * cancel): its one task, or in mixed mode one per decode rank it sends to; retried while the
+ * ring is full. */
+static void each_task(struct sim *s, const struct sim_req *r, unsigned k,
+                      int (*fn)(struct sim *, struct kvf_client *, const char *, void *), void *arg)
+{
+        struct kvf_client *c = kvf_group_member(s->pre[r->pi].g, k);
+        if (!s->mixed) {
+                while (fn(s, c, r->id, arg) == -EAGAIN)
+                        kvf_sim_poll_events(s, 1);
+                return;
+        }
+        for (unsigned j = 0; j < s->o.dranks; j++) {
+                char id[64];
+                if (!s->sends[k][j])
+                        continue;
+                kvf_sim_tp_task_id(r, j, id, sizeof(id));
+                while (fn(s, c, id, arg) == -EAGAIN)
+                        kvf_sim_poll_events(s, 1);
+        }
+}
+
+struct chunk_arg {
+        uint64_t step;
+        uint32_t to;
+        bool last;
+};
+
+static int chunk_one(struct sim *s, struct kvf_client *c, const char *id, void *arg)
+{
+        const struct chunk_arg *a = arg;
+        (void)s;
+        return kvf_submit_chunk(c, id, a->step, a->to, a->last);
+}
+
+static int cancel_one(struct sim *s, struct kvf_client *c, const char *id, void *arg)
+{
+        (void)s, (void)arg;
+        kvf_submit_cancel(c, id); /* (best effort, as before: the request may be over) */
+        return 0;
+}
+
 static int submit_task(struct sim *s, struct sim_req *r, uint64_t step)
 {
         const struct sim_inst *pre = &s->pre[r->pi], *dec = &s->dec[r->di];
-        for (unsigned k = 0; k < s->o.ranks; k++) {
+        for (unsigned k = 0; s->mixed && k < s->o.ranks; k++)
+                if (submit_mixed(s, r, step, k) < 0)
+                        return -1;
+        for (unsigned k = 0; !s->mixed && k < s->o.ranks; k++) {
                 struct kvf_task t = {.request_id = r->id,
                                      .src_block_ids = r->src,
                                      .n_src = r->n_src,
@@ -242,7 +321,9 @@ static void write_layer(struct sim *s, struct sim_req *r, uint32_t l, uint32_t f
                 struct kvf_client *c = kvf_group_member(s->pre[r->pi].g, k);
                 for (uint32_t t = 0; t < s->tensors; t++) {
                         uint8_t *base = kvf_cache_tensor(c, l, (int)t);
-                        for (uint32_t j = j0; j < j1 && j < r->n_src; j++) {
+                        for (uint32_t j = j0; s->mixed && j < j1 && j < r->n_src; j++)
+                                kvf_sim_tp_write(s, r, k, l, t, j, to, last);
+                        for (uint32_t j = j0; !s->mixed && j < j1 && j < r->n_src; j++) {
                                 /* A block the chunk leaves incomplete gets other bytes: sending it
                                  * before the chunk that completes it would show up in verify. */
                                 bool partial = !last && (uint64_t)(j + 1) * L->block_size > to;
@@ -357,12 +438,11 @@ static int start_step(struct sim *s, struct engine *e)
                 struct sim_req *r = e->active[i];
                 e->from[i] = r->done_tokens;
                 e->to[i] = r->done_tokens + step_share(s, r);
+                struct chunk_arg ca = {
+                    .step = e->step, .to = e->to[i], .last = e->to[i] >= r->tokens};
                 if (o->chunk_tokens)
                         for (unsigned k = 0; k < o->ranks; k++)
-                                while (kvf_submit_chunk(kvf_group_member(e->in->g, k), r->id,
-                                                        e->step, e->to[i],
-                                                        e->to[i] >= r->tokens) == -EAGAIN)
-                                        kvf_sim_poll_events(s, 1);
+                                each_task(s, r, k, chunk_one, &ca);
         }
         e->in_step = true;
         e->layer = 0;
@@ -389,7 +469,7 @@ static int end_layer(struct sim *s, struct engine *e)
                         if (!r->cancel || !r->submitted)
                                 continue;
                         for (unsigned k = 0; k < s->o.ranks; k++)
-                                kvf_submit_cancel(kvf_group_member(e->in->g, k), r->id);
+                                each_task(s, r, k, cancel_one, NULL);
                         s->cancels_sent += !r->cancel_sent;
                         r->cancel_sent = true;
                 }
@@ -468,7 +548,7 @@ static void warm_caches(struct sim *s)
         for (unsigned i = 0; i < s->npre + s->ndec; i++) {
                 bool decode = i >= s->npre;
                 const struct sim_inst *in = decode ? &s->dec[i - s->npre] : &s->pre[i];
-                for (unsigned k = 0; k < s->o.ranks; k++) {
+                for (unsigned k = 0; k < (decode ? s->o.dranks : s->o.ranks); k++) {
                         struct kvf_client *c = kvf_group_member(in->g, k);
                         struct kvf_layout_info li;
                         uint8_t *p = c ? kvf_cache_tensor(c, 0, 0) : NULL;
@@ -497,7 +577,8 @@ static void drain_previous(struct sim *s)
                 for (unsigned i = 0; i < s->npre + s->ndec; i++) {
                         struct sim_inst *in = i < s->npre ? &s->pre[i] : &s->dec[i - s->npre];
                         any |= kvf_group_poll(in->g, &ev, i == 0 ? 50 : 0) > 0;
-                        any |= simlog_previous(in->g, i >= s->npre, s->o.ranks) > 0;
+                        any |= simlog_previous(in->g, i >= s->npre,
+                                               i >= s->npre ? s->o.dranks : s->o.ranks) > 0;
                 }
                 if (any)
                         quiet_since = kvf_now_ns();

@@ -249,6 +249,12 @@ static void print_text(const struct sim *s, const struct figures *g)
                L->num_layers, L->extra_layers, s->tensors, L->kv_heads, L->block_size, L->head_dim,
                kvf_dtype_name(L->dtype), kvf_fmt_bytes(L->block_bytes, gib, sizeof(gib)),
                s->o.ranks);
+        if (s->mixed)
+                printf("  tp           prefill tp %u (%u kv head(s), %u tokens/block) -> decode tp %u "
+                       "(%u kv head(s), %u tokens/block) of %u kv heads: %u tasks per request; "
+                       "every head of every token checked on every decode rank\n",
+                       s->o.ranks, s->L.kv_heads, s->L.block_size, s->o.dranks, s->Ld.kv_heads,
+                       s->Ld.block_size, s->heads, s->ntasks);
         if (s->sg) /* GPU mode */
                 printf("  GPU          caches on GPUs (prefill GPU %d, decode GPU %d): layers are "
                        "kernels (%u us, every SM), signalled on the stream; every byte verified on "
@@ -401,8 +407,11 @@ static void write_json(const struct sim *s, const struct figures *g, const char 
         slowest_json(s, f, false);
         fprintf(f, "],\"slowest_in_time\":[");
         slowest_json(s, f, true);
-        fprintf(f, "],\"gpu_clock_drift_max_ns\":%llu}\n",
-                s->sg ? (unsigned long long)sim_gpu_clock_drift(s->sg) : 0ull);
+        fprintf(f,
+                "],\"gpu_clock_drift_max_ns\":%llu,\"prefill_tp\":%u,\"decode_tp\":%u,"
+                "\"prefill_block_tokens\":%u,\"decode_block_tokens\":%u,\"tasks_per_request\":%u}\n",
+                s->sg ? (unsigned long long)sim_gpu_clock_drift(s->sg) : 0ull, s->o.ranks,
+                s->o.dranks, s->L.block_size, s->Ld.block_size, s->mixed ? s->ntasks : s->o.ranks);
         fclose(f);
 }
 

@@ -33,11 +33,7 @@ uint64_t kvf_sim_block_key(uint32_t seq, unsigned rank, uint32_t layer, uint32_t
                    ((uint64_t)t << 39) ^ j ^ ((uint64_t)partial << 62));
 }
 
-/* Word k of a block stamped with key. */
-static inline uint64_t pattern(uint64_t key, uint64_t k)
-{
-        return key + k * 0x9e3779b97f4a7c15ull;
-}
+#define pattern kvf_sim_word
 
 /* The words of an n-word block that fill() and check() visit: all, or with --verify sample
  * the first 8 and the last 8 (k jumps from 8 to n - 8). */
@@ -53,7 +49,7 @@ void kvf_sim_fill(uint8_t *p, uint64_t bytes, uint64_t key, bool sample_only)
                 w[k] = pattern(key, k);
 }
 
-static bool check(const uint8_t *p, uint64_t bytes, uint64_t key, bool sample_only)
+bool kvf_sim_check(const uint8_t *p, uint64_t bytes, uint64_t key, bool sample_only)
 {
         const uint64_t *w = (const uint64_t *)(const void *)p;
         uint64_t n = bytes / 8;
@@ -153,6 +149,23 @@ static struct sim_req *find_req(struct sim *s, const char *id)
         return v < s->nreq && !strcmp(s->reqs[v].id, id) ? &s->reqs[v] : NULL;
 }
 
+/* Mixed mode: the request of task id "r<seq>.d<j>" and its decode rank *j. */
+static struct sim_req *find_part(struct sim *s, const char *id, unsigned *j)
+{
+        char *end;
+        unsigned long v;
+        if (id[0] != 'r')
+                return NULL;
+        v = strtoul(id + 1, &end, 10);
+        if (v >= s->nreq || strncmp(end, ".d", 2))
+                return NULL;
+        *j = (unsigned)strtoul(end + 2, NULL, 10);
+        struct sim_req *r = &s->reqs[v];
+        char want[64];
+        kvf_sim_tp_task_id(r, *j, want, sizeof(want));
+        return *j < s->o.dranks && !strcmp(want, id) ? r : NULL;
+}
+
 /* The prefill instance of the oldest admitted request still waiting for its completion
  * (completions come about in the order of admission). */
 static unsigned likely_next(struct sim *s)
@@ -219,6 +232,10 @@ static void verify(struct sim *s, struct sim_req *r)
                 verify_gpu(s, r);
                 return;
         }
+        if (s->mixed) {
+                r->verified = kvf_sim_tp_verify(s, r);
+                return;
+        }
         r->verified = true;
         for (unsigned k = 0; k < s->o.ranks && r->verified; k++) {
                 struct kvf_client *c = kvf_group_member(s->dec[r->di].g, k);
@@ -228,7 +245,7 @@ static void verify(struct sim *s, struct sim_req *r)
                                 for (uint32_t i = 0; i < r->n_dst; i++) {
                                         uint64_t key =
                                             kvf_sim_block_key(r->seq, k, l, t, r->first + i, false);
-                                        if (!check(base + (uint64_t)r->dst[i] * L->block_bytes,
+                                        if (!kvf_sim_check(base + (uint64_t)r->dst[i] * L->block_bytes,
                                                    L->block_bytes, key, s->o.sample_only)) {
                                                 fprintf(stderr,
                                                         "%s: request %s: rank %u layer %u "
@@ -242,6 +259,8 @@ static void verify(struct sim *s, struct sim_req *r)
                         }
         }
 }
+
+static void completed(struct sim *s, struct sim_req *r);
 
 /* A completion from prefill instance p. */
 static void on_completion(struct sim *s, unsigned p, const struct kvf_event *ev)
@@ -274,11 +293,59 @@ static void on_completion(struct sim *s, unsigned p, const struct kvf_event *ev)
         r->completion_ns = ev->done_ns;
         r->sender_last_ns = ev->last_layer_ns;
         snprintf(r->reason, sizeof(r->reason), "%s", ev->reason);
-        if (ev->status != KVF_STATUS_FINISHED && !s->o.quiet && !r->cancel)
+        completed(s, r);
+}
+
+/* r's completion is known (every part's, in mixed mode): report a failure, count it. */
+static void completed(struct sim *s, struct sim_req *r)
+{
+        if (r->completion != KVF_STATUS_FINISHED && !s->o.quiet && !r->cancel)
                 fprintf(stderr, "%s: request %s: %s: %s\n", KVF_SIM_PROG, r->id,
-                        kvf_status_name(ev->status), ev->reason);
+                        kvf_status_name(r->completion), r->reason);
         maybe_done(s, r);
 }
+
+/* Mixed mode: a completion from rank i of prefill instance p, for one task of a request; the
+ * request's completion once every task's came (the first status other than finished wins). */
+static void on_completion_part(struct sim *s, unsigned p, unsigned i, const struct kvf_event *ev)
+{
+        unsigned j = 0;
+        if (ev->type != KVF_EVENT_COMPLETION)
+                return;
+        struct sim_req *r = find_part(s, ev->request_id, &j);
+        if (!r) {
+                fprintf(stderr, "%s: completion for unknown request '%s': %s: %s\n", KVF_SIM_PROG,
+                        ev->request_id, kvf_status_name(ev->status), ev->reason);
+                return;
+        }
+        uint64_t bit = 1ull << (i * KVF_SIM_MAX_RANKS + j);
+        if (!r->admitted || r->pi != p || !s->sends[i][j] || (r->cparts & bit)) {
+                fprintf(stderr,
+                        "%s: CORRUPT: %s completion of %s from rank %u of prefill instance %s%s\n",
+                        KVF_SIM_PROG, r->cparts & bit ? "a second" : "a", ev->request_id, i,
+                        s->pre[p].o->name[0],
+                        r->cparts & bit ? "" : ", which did not submit it");
+                s->corrupt++;
+                return;
+        }
+        r->cparts |= bit;
+        r->bytes += ev->bytes;
+        r->completion_ns = ev->done_ns > r->completion_ns ? ev->done_ns : r->completion_ns;
+        if (ev->last_layer_ns > r->sender_last_ns)
+                r->sender_last_ns = ev->last_layer_ns;
+        if (ev->status != KVF_STATUS_FINISHED && r->cstat == KVF_STATUS_FINISHED) {
+                r->cstat = ev->status;
+                snprintf(r->reason, sizeof(r->reason), "%s: %s", ev->request_id, ev->reason);
+        }
+        if ((unsigned)__builtin_popcountll(r->cparts) < s->ntasks)
+                return;
+        r->completion = r->cstat;
+        simlog_event('C', r->id, r->cstat);
+        r->completion_seen_ns = kvf_now_ns();
+        completed(s, r);
+}
+
+static void arrived(struct sim *s, struct sim_req *r, int status);
 
 /* An arrival on decode instance d. */
 static void on_arrival(struct sim *s, unsigned d, const struct kvf_event *ev)
@@ -302,19 +369,114 @@ static void on_arrival(struct sim *s, unsigned d, const struct kvf_event *ev)
                 s->corrupt++;
                 return;
         }
-        simlog_event('A', r->id, ev->status);
+        r->arrival_ns = ev->done_ns;
+        arrived(s, r, ev->status);
+}
+
+/* r's arrival is known (every part's, in mixed mode): check its blocks, count it. */
+static void arrived(struct sim *s, struct sim_req *r, int status)
+{
+        simlog_event('A', r->id, status);
         /* A finished arrival after the completion said otherwise: the two sides
          * disagree (maybe_done counts it when the arrival came first). */
-        if (ev->status == KVF_STATUS_FINISHED && r->completion > 0 && r->dst_freed) {
+        if (status == KVF_STATUS_FINISHED && r->completion > 0 && r->dst_freed) {
                 fprintf(stderr, "%s: request %s: completion '%s' but arrival 'finished'\n",
                         KVF_SIM_PROG, r->id, kvf_status_name(r->completion));
                 s->bad_status_pairs++;
         }
-        r->arrival = ev->status;
-        r->arrival_ns = ev->done_ns;
-        if (ev->status == KVF_STATUS_FINISHED && !r->dst_freed)
+        r->arrival = status;
+        if (status == KVF_STATUS_FINISHED && !r->dst_freed)
                 verify(s, r);
         maybe_done(s, r);
+}
+
+/* Mixed mode: an arrival on rank j of decode instance d, of one task of a request; the
+ * request's arrival once every task's came. */
+static void on_arrival_part(struct sim *s, unsigned d, unsigned j, const struct kvf_event *ev)
+{
+        unsigned jj = 0;
+        if (ev->type != KVF_EVENT_ARRIVAL)
+                return;
+        struct sim_req *r = find_part(s, ev->request_id, &jj);
+        if (!r)
+                return;
+        int i = r->admitted ? kvf_sim_tp_prefill_rank(s, r, ev->peer) : -1;
+        uint64_t bit = i < 0 ? 0 : 1ull << ((unsigned)i * KVF_SIM_MAX_RANKS + j);
+        if (i < 0 || r->di != d || jj != j || !s->sends[i][j]) {
+                fprintf(stderr,
+                        "%s: CORRUPT: an arrival of %s on rank %u of decode instance %s from "
+                        "'%s'; it was sent by %s to %s\n",
+                        KVF_SIM_PROG, ev->request_id, j, s->dec[d].o->name[0], ev->peer,
+                        s->pre[r->pi].o->name[0], r->admitted ? s->dec[r->di].o->name[0] : "none");
+                s->corrupt++;
+                return;
+        }
+        if (r->aparts & bit) {
+                fprintf(stderr, "%s: DUPLICATE arrival for %s from %s\n", KVF_SIM_PROG,
+                        ev->request_id, ev->peer);
+                s->corrupt++;
+                return;
+        }
+        r->aparts |= bit;
+        if (ev->done_ns > r->arrival_ns)
+                r->arrival_ns = ev->done_ns;
+        if (ev->status != KVF_STATUS_FINISHED && r->astat == KVF_STATUS_FINISHED)
+                r->astat = ev->status;
+        if ((unsigned)__builtin_popcountll(r->aparts) < s->ntasks)
+                return;
+        arrived(s, r, r->astat);
+}
+
+/* Mixed mode: every rank's events, taken one by one (a task's parts come from some ranks of
+ * a group, not all). 1 when there was any. */
+static int take_parts(struct sim *s)
+{
+        struct kvf_event ev;
+        int any = 0;
+        for (unsigned p = 0; p < s->npre; p++)
+                for (unsigned i = 0; i < s->o.ranks; i++)
+                        while (kvf_poll(kvf_group_member(s->pre[p].g, i), &ev, 0) > 0) {
+                                on_completion_part(s, p, i, &ev);
+                                any = 1;
+                        }
+        for (unsigned d = 0; d < s->ndec; d++)
+                for (unsigned j = 0; j < s->o.dranks; j++)
+                        while (kvf_poll(kvf_group_member(s->dec[d].g, j), &ev, 0) > 0) {
+                                on_arrival_part(s, d, j, &ev);
+                                any = 1;
+                        }
+        return any;
+}
+
+/* Mixed mode: take every event there is; when there is none, wait up to timeout_ms for one.
+ * One doorbell per rank and no way to sleep on several: sleep on each rank of each instance
+ * in turn, at most a millisecond at a time, as kvf_group_poll does. */
+static void poll_parts(struct sim *s, int timeout_ms)
+{
+        const unsigned n = s->npre * s->o.ranks + s->ndec * s->o.dranks;
+        uint64_t end = kvf_now_ns() + (uint64_t)timeout_ms * 1000000ull;
+        while (!take_parts(s) && timeout_ms > 0) {
+                uint64_t now = kvf_now_ns();
+                if (now >= end)
+                        return;
+                unsigned k = s->poll_turn++ % n;
+                struct kvf_client *c =
+                    k < s->npre * s->o.ranks
+                        ? kvf_group_member(s->pre[k / s->o.ranks].g, k % s->o.ranks)
+                        : kvf_group_member(s->dec[(k - s->npre * s->o.ranks) / s->o.dranks].g,
+                                           (k - s->npre * s->o.ranks) % s->o.dranks);
+                struct kvf_event ev;
+                /* (an event found here is handled at once, by the rank's own handler) */
+                if (kvf_poll(c, &ev, 1) > 0) {
+                        if (k < s->npre * s->o.ranks)
+                                on_completion_part(s, k / s->o.ranks, k % s->o.ranks, &ev);
+                        else
+                                on_arrival_part(s, (k - s->npre * s->o.ranks) / s->o.dranks,
+                                                (k - s->npre * s->o.ranks) % s->o.dranks, &ev);
+                        take_parts(s);
+                        return;
+                }
+        }
 }
 
 void kvf_sim_poll_events(struct sim *s, int timeout_ms)
@@ -330,7 +492,11 @@ void kvf_sim_poll_events(struct sim *s, int timeout_ms)
         for (unsigned i = 0; i < s->npre; i++)
                 simlog_previous(s->pre[i].g, false, s->o.ranks);
         for (unsigned i = 0; i < s->ndec; i++)
-                simlog_previous(s->dec[i].g, true, s->o.ranks);
+                simlog_previous(s->dec[i].g, true, s->o.dranks);
+        if (s->mixed) {
+                poll_parts(s, timeout_ms);
+                return;
+        }
         /* One doorbell per instance and no way to sleep on several: wait on the prefill
          * instance whose completion is likely next, then take what every one has. */
         unsigned w = s->npre > 1 && timeout_ms ? likely_next(s) : 0;

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# The user-facing path between tensor-parallel groups of different sizes: tools/kvferry demo
+# (kvf-sim driving real instances like engines) with --prefill-tp/--decode-tp, against the same
+# split on both sides (2 -> 2, kvf-sim's path for equal groups: one task per rank pair) run
+# first and last in the same invocation. Each row moves the same requests (llama-3.1-8b, the
+# conversation trace clipped to --max-tokens, no decode-side prefix, no compute time) and checks
+# every head of every token on every decode rank (--verify sample: the first and last 64 bytes
+# of each row of the mixed rows, of each block of the reference's). Throughput = requests per
+# second of kvf-sim's run (the same requests, so the same tokens, in every row); ratio = the
+# row's over the mean of the two references', so >= 1 is faster. Tasks per request: prefill rank -> decode rank
+# pairs (each a task, a notice and an arrival).
+# Usage: bench/sim_tp_bench.sh [--requests N] [--transport ipc|tcp]
+set -euo pipefail
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+REQ=200
+TR=ipc
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --requests) REQ=$2; shift 2 ;;
+    --transport) TR=$2; shift 2 ;;
+    -h|--help) sed -n '2,12p' "$0"; exit 0 ;;
+    *) echo "sim_tp_bench.sh: unknown option '$1' (--requests N, --transport ipc|tcp)" >&2; exit 2 ;;
+  esac
+done
+OUT=$(mktemp -d /tmp/sim_tp_bench.XXXXXX)
+trap 'rm -rf "$OUT"' EXIT
+
+# one LABEL [demo options]: prints "label seconds requests_per_s tasks_per_request"
+one() {
+  local label=$1 j=$OUT/$1.json
+  shift
+  "$ROOT/tools/kvferry" demo --requests "$REQ" --cache-mib 512 --layer-us 0 --max-tokens 1024 \
+    --prefix-pct 0 --late-pct 0 --verify sample --transport "$TR" --quiet --json "$j" "$@" \
+    >"$OUT/$label.txt" 2>&1 || { cat "$OUT/$label.txt" >&2; echo "sim_tp_bench.sh: $label failed" >&2; exit 1; }
+  /usr/bin/python3 -c 'import json,sys; d=json.load(open(sys.argv[1]))
+assert d["ok"] and d["finished"] == d["requests"] and d["corrupt"] == 0, "not every request verified"
+print(sys.argv[2], d["seconds"], d["requests_per_s"], d["tasks_per_request"])' "$j" "$label"
+}
+
+lscpu | grep 'Model name' || true
+echo "requests: $REQ over $TR, llama-3.1-8b, prompts clipped to 1024 tokens, no compute time"
+rows=("$(one 2-2_first --prefill-tp 2 --decode-tp 2)")
+rows+=("$(one 2-4 --prefill-tp 2 --decode-tp 4)")
+rows+=("$(one 4-2 --prefill-tp 4 --decode-tp 2)")
+rows+=("$(one 1-2 --prefill-tp 1 --decode-tp 2)")
+[ "$TR" = ipc ] && rows+=("$(one 1-2_bs16-64 --prefill-tp 1 --decode-tp 2 --prefill-block-tokens 16 --decode-block-tokens 64)")
+rows+=("$(one 2-2_last --prefill-tp 2 --decode-tp 2)")
+printf '%s\n' "${rows[@]}" | awk '
+  { l[NR] = $1; s[NR] = $2; r[NR] = $3; t[NR] = $4 }
+  END {
+    ref = (r[1] + r[NR]) / 2
+    printf "%-16s %9s %10s %7s %10s\n", "tp", "s", "req/s", "ratio", "tasks/req"
+    for (i = 1; i <= NR; i++)
+      printf "%-16s %9.3f %10.1f %7.2f %10d\n", l[i], s[i], r[i], r[i] / ref, t[i]
+  }'

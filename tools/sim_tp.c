@@ -1,0 +1,207 @@
+/*
+ * kvf-sim's mixed mode (sim.h): prefill and decode groups of different
+ * sizes, heads per rank or block sizes. The split and who sends what are
+ * common/tpsplit.h's; this file applies them to the simulator: which
+ * (prefill rank, decode rank) pairs get a task, the content each prefill
+ * rank writes (a row per head and token, keyed by the request, the model's
+ * head index, the token's position in the prompt, the layer and the tensor,
+ * so the content does not depend on which rank holds it or on the block
+ * size), and the check of every head of every token on every decode rank.
+ */
+#include <stdio.h>
+#include <string.h>
+
+#include "layout.h"
+#include "sim.h"
+#include "tpsplit.h"
+
+static uint64_t mix(uint64_t x)
+{
+        x ^= x >> 33;
+        x *= 0xff51afd7ed558ccdull;
+        x ^= x >> 33;
+        x *= 0xc4ceb9fe1a85ec53ull;
+        x ^= x >> 33;
+        return x;
+}
+
+/* The key of one head's rows: each token's row is keyed head_key + token * an odd constant, so
+ * two tokens' rows differ in every word (and heads, layers, tensors, requests, and rows a chunk
+ * left unfinished, by their mixed head key). */
+static uint64_t head_key(uint32_t seq, uint32_t head, uint32_t l, uint32_t t, bool partial)
+{
+        return mix(kvf_sim_block_key(seq, head, l, t, 0, partial) ^ 0x5851f42d4c957f2dull);
+}
+
+static inline uint64_t row_key(uint64_t hk, uint32_t token)
+{
+        return hk + (uint64_t)token * 0xd1342543de82ef95ull;
+}
+
+/*
+ * --verify sample in mixed mode: the rows of the first and the last token of each piece (each
+ * run of `seg` tokens, the smaller block size: what a transfer moves as one piece of a head),
+ * and of the prompt's last token, and of those only the first and the last word. Each piece
+ * then carries its key at both ends, as each block does in the same-layout check.
+ */
+static bool sampled(const struct sim *s, const struct sim_req *r, uint32_t token)
+{
+        uint32_t x = token % s->seg;
+        return x == 0 || x == s->seg - 1 || token + 1 == r->tokens;
+}
+
+/* One row: every word, or with sample_only the first and the last (each row carries its key
+ * at both ends: a row of another token, head or request, or a torn one, is caught). */
+static void row_fill(uint8_t *p, uint64_t words, uint64_t key, bool sample_only)
+{
+        uint64_t *w = (uint64_t *)(void *)p;
+        for (uint64_t k = 0; k < words; k = sample_only && k == 0 && words > 2 ? words - 1 : k + 1)
+                w[k] = kvf_sim_word(key, k);
+}
+
+static bool row_check(const uint8_t *p, uint64_t words, uint64_t key, bool sample_only)
+{
+        const uint64_t *w = (const uint64_t *)(const void *)p;
+        for (uint64_t k = 0; k < words; k = sample_only && k == 0 && words > 2 ? words - 1 : k + 1)
+                if (w[k] != kvf_sim_word(key, k))
+                        return false;
+        return true;
+}
+
+static int cache_layout(const struct kvf_layout_info *L, struct kvf_cache_layout *c)
+{
+        return kvf_layout_make(c, L->num_layers, L->extra_layers, 1, L->kv_heads, L->block_size,
+                               L->head_dim, L->dtype, L->key_only);
+}
+
+/* The bytes of one head's row of one token. */
+static uint64_t row_bytes(const struct kvf_layout_info *L)
+{
+        return L->block_bytes / ((uint64_t)L->kv_heads * L->block_size);
+}
+
+int kvf_sim_tp_setup(struct sim *s)
+{
+        const struct kvf_layout_info *P = &s->L, *D = &s->Ld;
+        const unsigned p = s->o.ranks, d = s->o.dranks;
+        s->mixed = p != d || P->kv_heads != D->kv_heads || P->block_size != D->block_size;
+        if (!s->mixed)
+                return 0;
+        struct kvf_cache_layout pl, dl;
+        char why[512];
+        if (cache_layout(P, &pl) < 0 || cache_layout(D, &dl) < 0) {
+                fprintf(stderr, "%s: the instances' layouts: %s\n", KVF_SIM_PROG, kvf_last_error());
+                return -1;
+        }
+        if (kvf_tp_check(&pl, p, &dl, d, 0, &s->heads, why, sizeof(why)) < 0) {
+                fprintf(stderr, "%s: prefill tp %u into decode tp %u: %s\n", KVF_SIM_PROG, p, d,
+                        why);
+                return -1;
+        }
+        uint64_t row = row_bytes(P);
+        if (row % 8) {
+                fprintf(stderr,
+                        "%s: prefill tp %u into decode tp %u: a head's row of one token is %llu "
+                        "bytes; the checks of different splits need a multiple of 8\n",
+                        KVF_SIM_PROG, p, d, (unsigned long long)row);
+                return -1;
+        }
+        s->seg = P->block_size < D->block_size ? P->block_size : D->block_size;
+        for (unsigned i = 0; i < p; i++)
+                if (kvf_tp_heads(s->heads, p, i, &s->pfirst[i], &s->pcount[i]) < 0)
+                        return -1;
+        for (unsigned j = 0; j < d; j++) {
+                if (kvf_tp_heads(s->heads, d, j, &s->dfirst[j], &s->dcount[j]) < 0)
+                        return -1;
+                for (uint32_t h = s->dfirst[j]; h < s->dfirst[j] + s->dcount[j]; h++) {
+                        uint32_t i = kvf_tp_source(s->heads, p, d, j, h);
+                        s->ntasks += !s->sends[i][j];
+                        s->sends[i][j] = true;
+                }
+        }
+        return 0;
+}
+
+void kvf_sim_tp_task_id(const struct sim_req *r, unsigned j, char *buf, size_t n)
+{
+        snprintf(buf, n, "%s.d%u", r->id, j);
+}
+
+void kvf_sim_tp_write(struct sim *s, const struct sim_req *r, unsigned rank, uint32_t l,
+                      uint32_t t, uint32_t j, uint32_t to, bool last)
+{
+        const struct kvf_layout_info *L = &s->L;
+        const uint64_t rb = row_bytes(L);
+        uint8_t *block = (uint8_t *)kvf_cache_tensor(kvf_group_member(s->pre[r->pi].g, rank), l,
+                                                     (int)t) +
+                         (uint64_t)r->src[j] * L->block_bytes;
+        for (uint32_t h = 0; h < s->pcount[rank]; h++) {
+                uint64_t hk = head_key(r->seq, s->pfirst[rank] + h, l, t, false),
+                         hp = head_key(r->seq, s->pfirst[rank] + h, l, t, true);
+                for (uint32_t x = 0; x < L->block_size; x++) {
+                        uint32_t token = j * L->block_size + x;
+                        if (s->o.sample_only && !sampled(s, r, token))
+                                continue;
+                        uint64_t key = row_key(!last && token >= to ? hp : hk, token);
+                        row_fill(block + ((uint64_t)h * L->block_size + x) * rb, rb / 8, key,
+                                 s->o.sample_only);
+                }
+        }
+}
+
+bool kvf_sim_tp_verify(struct sim *s, const struct sim_req *r)
+{
+        const struct kvf_layout_info *L = &s->Ld;
+        const uint64_t rb = row_bytes(L);
+        /* r->first counts destination blocks the peer already held (equal block sizes only) */
+        for (unsigned j = 0; j < s->o.dranks; j++) {
+                struct kvf_client *c = kvf_group_member(s->dec[r->di].g, j);
+                for (uint32_t l = 0; l < s->layers; l++)
+                        for (uint32_t t = 0; t < s->tensors; t++) {
+                                const uint8_t *base = kvf_cache_tensor(c, l, (int)t);
+                                for (uint32_t b = 0; b < r->n_dst; b++)
+                                        for (uint32_t h = 0; h < s->dcount[j]; h++) {
+                                                uint64_t hk = head_key(r->seq, s->dfirst[j] + h,
+                                                                       l, t, false);
+                                                for (uint32_t x = 0; x < L->block_size; x++) {
+                                                        uint32_t token =
+                                                            (r->first + b) * L->block_size + x;
+                                                        if (token >= r->tokens)
+                                                                break;
+                                                        /* (sample: the bytes its samples cover) */
+                                                        s->verified_bytes += rb;
+                                                        if (s->o.sample_only &&
+                                                            !sampled(s, r, token))
+                                                                continue;
+                                                        const uint8_t *o =
+                                                            base +
+                                                            (uint64_t)r->dst[b] * L->block_bytes +
+                                                            ((uint64_t)h * L->block_size + x) * rb;
+                                                        if (!row_check(o, rb / 8,
+                                                                       row_key(hk, token),
+                                                                       s->o.sample_only)) {
+                                                                fprintf(stderr,
+                                                                        "%s: request %s: decode "
+                                                                        "rank %u layer %u tensor "
+                                                                        "%u dest block %u (#%u) "
+                                                                        "head %u token %u "
+                                                                        "differs\n",
+                                                                        KVF_SIM_PROG, r->id, j, l,
+                                                                        t, r->dst[b], b,
+                                                                        s->dfirst[j] + h, token);
+                                                                return false;
+                                                        }
+                                                }
+                                        }
+                        }
+        }
+        return true;
+}
+
+int kvf_sim_tp_prefill_rank(const struct sim *s, const struct sim_req *r, const char *name)
+{
+        for (unsigned i = 0; i < s->o.ranks; i++)
+                if (!strcmp(s->pre[r->pi].o->name[i], name))
+                        return (int)i;
+        return -1;
+}

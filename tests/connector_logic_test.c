@@ -9,6 +9,12 @@
  * (a repeat or a withdrawal is answered without a second arrival), and what waits
  * when a ring is full. A "restart" is a second struct connector over the same
  * segment after the first was dropped without a word, as a crash would leave it.
+ *
+ * Socket notices: sessions without threads of their own over socketpairs
+ * (conn_session_open), notices posted to the event queue as session threads
+ * post them (conn_post_wait, from several threads at once), the test playing
+ * the control thread (conn_events_run), and the answers read at the other end
+ * of each socketpair after the session's outbox is written (conn_session_flush).
  */
 #include <errno.h>
 #include <pthread.h>

@@ -94,7 +94,9 @@ bool kvf_doorbell_asymmetric_supported(void)
                (m & MEMBARRIER_CMD_REGISTER_GLOBAL_EXPEDITED);
 }
 
-static int registered; /* this process: 0 not tried, 1 registered, -1 cannot */
+/* this process: 0 not tried, 1 registered, -1 cannot. Atomic: every thread that rings a bell
+ * may be the first to try (registering twice is harmless: the call is idempotent). */
+static int registered;
 
 /* Per producer thread and bell. */
 static _Thread_local struct {
@@ -125,9 +127,12 @@ static bool no_waiter(struct kvf_doorbell *bell, unsigned me)
 {
         if (me == PRODUCER_SLOTS || ++mine[me].streak < DENSE_AFTER)
                 return false;
-        if (registered == 0)
-                registered = membarrier(MEMBARRIER_CMD_REGISTER_GLOBAL_EXPEDITED) == 0 ? 1 : -1;
-        if (registered != 1) {
+        int reg = kvf_load_acquire(&registered); /* pairs with the release below */
+        if (reg == 0) {
+                reg = membarrier(MEMBARRIER_CMD_REGISTER_GLOBAL_EXPEDITED) == 0 ? 1 : -1;
+                kvf_store_release(&registered, reg); /* after the registration returned */
+        }
+        if (reg != 1) {
                 mine[me].streak = 0;
                 return false;
         }

@@ -91,32 +91,16 @@ void conn_journal_init(struct connector *cn)
 
 bool conn_arrival_published(struct connector *cn, const struct kvf_record *n, uint64_t src_gen)
 {
-        pthread_mutex_lock(&cn->engine_mu);
         uint32_t e = jidx_find(cn, journal_key(n, src_gen));
-        bool yes = e != JEMPTY && kvf_ring_delivered(&cn->ctl.rings[KVF_RING_CONNECTOR_TO_ENGINE],
-                                                     cn->ctl.journal[e].ring_pos);
-        pthread_mutex_unlock(&cn->engine_mu);
-        return yes;
+        return e != JEMPTY && kvf_ring_delivered(&cn->ctl.rings[KVF_RING_CONNECTOR_TO_ENGINE],
+                                                 cn->ctl.journal[e].ring_pos);
 }
 
-static int publish_locked(struct connector *cn, const struct kvf_record *n, uint64_t src_gen,
-                          int status, const char *why, uint64_t session, char *reason,
-                          size_t reasonlen);
-
+/* Control thread only: it is the one producer of connector->engine and the one writer of the
+ * journal, so the two move together without a lock. */
 int conn_publish_arrival(struct connector *cn, const struct kvf_record *n, uint64_t src_gen,
                          int status, const char *why, uint64_t session, char *reason,
                          size_t reasonlen)
-{
-        /* The journal and the ring's producer side move together. */
-        pthread_mutex_lock(&cn->engine_mu);
-        int rc = publish_locked(cn, n, src_gen, status, why, session, reason, reasonlen);
-        pthread_mutex_unlock(&cn->engine_mu);
-        return rc;
-}
-
-static int publish_locked(struct connector *cn, const struct kvf_record *n, uint64_t src_gen,
-                          int status, const char *why, uint64_t session, char *reason,
-                          size_t reasonlen)
 {
         const struct kvf_ctl_header *h = cn->ctl.hdr;
         const struct kvf_cache_layout *L = &h->layout;
@@ -290,13 +274,16 @@ int conn_arrival_notice(struct connector *cn, struct event *ev)
                 kvf_info("req %s from %s: withdrawn by the sender; the arrival is '%s'", n->request_id,
                          n->peer, kvf_status_name(ack.status));
         /* A notice from a slot: a reply ring with no room leaves the notice in its ring, read
-         * again later and answered from the journal. From a socket: if the session is gone
-         * the prefill side re-sends; the journal de-duplicates. */
+         * again later and answered from the journal. From a socket: the answer goes to the
+         * session's outbox, for its own thread to write; if the session is gone the answer
+         * is dropped, the prefill side re-sends and the journal de-duplicates. */
         if (ev->ring_slot) {
                 if (conn_notice_reply(cn, ev->ring_slot - 1, &ack) < 0)
                         return -EAGAIN;
-        } else {
-                conn_session_send(cn, ev->session, &ack);
+        } else if (conn_session_send(cn, ev->session, &ack) == -ENOMEM) {
+                kvf_errlog(&cn->ctl, KVF_ROLE_CONNECTOR,
+                           "req %s from %s: out of memory for its answer: the prefill side asks again",
+                           n->request_id, n->peer);
         }
         if (net && status == KVF_STATUS_FINISHED)
                 conn_landing_close(cn, n->peer, ev->src_gen, n->key); /* aborts: above */
@@ -327,12 +314,6 @@ int conn_arrival_data_done(struct connector *cn, struct event *ev)
         return 0;
 }
 
-uint64_t conn_engine_session(struct connector *cn)
-{
-        uint64_t s = kvf_engine_session(&cn->ctl, false);
-        return s && s == kvf_load_acquire(&cn->eng_dead) ? 0 : s;
-}
-
 /*
  * Each heartbeat, and when the engine's role slot changes: is the decode
  * engine's session still live? When it ended,
@@ -352,7 +333,12 @@ void conn_engine_check(struct connector *cn)
                 kvf_info("decode engine session %llu ended%s", (unsigned long long)cn->eng_seen,
                          live ? "; a new one attached" : "");
         cn->eng_seen = live;
-        conn_landing_end_sessions(cn, live);
+        /* Notices that waited for data that no longer matters: answered "engine gone" by the
+         * events they come back as, in order behind what is queued. */
+        for (struct event *ev = conn_landing_end_sessions(cn, live), *next; ev; ev = next) {
+                next = ev->next;
+                conn_post(cn, ev);
+        }
         /* Tell the prefill instances connected to us: tasks they accept from now on are bound
          * to the new session (a pong is what the sender side reads it from, ack or not). */
         struct kvf_record pong = {.type = KVF_RT_PONG, .session = live};

@@ -21,10 +21,13 @@
  *              peer's data paths;
  *   data     - per outgoing peer and transport: the transport's data path
  *              (transport.h; tcp: --streams threads with io_uring, tcp_tx.c).
- * The two outbound rings (connector->engine, connector->sender) are written
- * by whichever thread has something to say, each under its in-process
- * producer mutex (conn_dispatch); what a full ring refuses goes to the
- * control thread's event queue and is retried there.
+ * Only the control thread writes the two outbound rings (connector->engine,
+ * connector->sender) and the journal: every other thread hands it events
+ * through its queue (evq.c) and rings its doorbell; what a full ring refuses
+ * waits on the control thread and is retried there. The answer to a socket
+ * notice is decided there too and handed back to the session thread that
+ * read the notice, through its outbox (session.c): the control thread never
+ * writes to a socket.
  */
 #ifndef KVF_CONNECTOR_H
 #define KVF_CONNECTOR_H
@@ -168,10 +171,20 @@ struct peer {
         int exited; /* atomic: its I/O thread and its data paths are done with it (it may be freed) */
 };
 
+/* A frame for a session's own thread to write (session.c). */
+struct out_frame {
+        struct out_frame *next;
+        uint16_t type;
+        uint32_t len;
+        uint8_t payload[];
+};
+
 struct session {
         uint64_t id;
-        int fd;
-        pthread_mutex_t wmu; /* writes come from the control thread and the session thread */
+        int fd;    /* written by its session thread only */
+        int efd;   /* eventfd: the outbox has frames */
+        pthread_mutex_t omu; /* the outbox: filled by the control thread, emptied by the session */
+        struct out_frame *out, *out_tail;
         char remote[64];
         char instance[KVF_INSTANCE_MAX];
         uint64_t peer_gen; /* the peer's incarnation, from the handshake */
@@ -208,9 +221,14 @@ struct connector {
         int unix_fd; /* same-host control connections (net.h), or -1 */
         int stop; /* atomic: set once when the connector stops (conn_stopping) */
 
+        /* The control thread's event queue (evq.c), under evmu. */
         pthread_mutex_t evmu;
+        pthread_cond_t evroom; /* a notice waits for room (conn_post_wait) */
         struct event *events, *events_tail;
-        uint64_t nevents; /* queued, for the doorbell's has_work */
+        uint64_t nevents; /* queued, for the doorbell's has_work (release store, acquire loads) */
+        uint64_t ev_held; /* queued or held back by the control thread (deferred) */
+        uint32_t ev_limit; /* notices wait while ev_held is at this */
+        uint32_t ev_waiting; /* atomic: producers waiting for room (tests read it) */
 
         pthread_mutex_t smu;
         struct session *sessions;
@@ -238,11 +256,10 @@ struct connector {
         uint32_t jidx_cap;
         uint32_t jnext;
 
-        struct event *deferred, *deferred_tail; /* events waiting for ring space */
+        struct event *deferred, *deferred_tail; /* events waiting for ring space (control thread) */
         uint32_t tx_blocked;       /* a write batch waits for room in a peer's send queue */
         void *transport[CONN_MAX_TRANSPORTS]; /* each transport's own state (its init) */
-        pthread_mutex_t engine_mu; /* producer side of connector->engine, and the journal */
-        pthread_mutex_t sender_mu; /* producer side of connector->sender */
+        uint64_t acks_dropped; /* atomic: answers for a session that had closed (session.c) */
 };
 
 static inline bool conn_stopping(const struct connector *cn)
@@ -250,31 +267,50 @@ static inline bool conn_stopping(const struct connector *cn)
         return kvf_load_relaxed(&cn->stop);
 }
 
-/* events.c */
-/* Queue an event for the control thread (it retries what a full ring refused). */
-void conn_post(struct connector *cn, struct event *ev);
-/* Control thread: handle what is queued (and what a full ring held back before). */
-void conn_events_run(struct connector *cn);
-/*
- * Handle an event now, on the calling thread, or queue it if a ring is full.
- * Takes ownership of ev. Any thread: the connector's two outbound rings each
- * have an in-process producer mutex, so several threads of this one producer
- * process can write them (the ring stays single-producer across processes).
- */
-void conn_dispatch(struct connector *cn, struct event *ev);
-/* Tell the sender how a network transfer ended (WRITE_RESULT): dispatched from this thread
- * when `dispatch`, else queued for the control thread. */
-void conn_write_result(struct connector *cn, uint64_t key, const char *request_id, bool id_bin,
-                       int status, const char *reason, bool dispatch);
-/* Answer an engine's connect task (CONNECT_RESULT), queued for the control thread. */
-void conn_connect_result(struct connector *cn, const struct connect_wait *w, const char *peer,
-                         int status, const char *reason);
 /*
  * The decode engine's session that is live now, or 0 (see ctl.h): a
  * transfer into this instance is bound to the session live when it opened,
- * since that session reserved its blocks. Any thread; no /proc read.
+ * since that session reserved its blocks. Any thread; no /proc read (the
+ * control thread's heartbeat does that, conn_engine_check, and sets eng_dead).
  */
-uint64_t conn_engine_session(struct connector *cn);
+static inline uint64_t conn_engine_session(struct connector *cn)
+{
+        uint64_t s = kvf_engine_session(&cn->ctl, false);
+        return s && s == kvf_load_acquire(&cn->eng_dead) ? 0 : s;
+}
+
+/* evq.c: the control thread's event queue; calls nothing but the doorbell */
+#define CONN_EVENTS_MAX 4096u /* notices from sockets queued before their sessions wait */
+/* Set up the queue (before any thread starts): 0 or -errno. limit 0: CONN_EVENTS_MAX. */
+int conn_evq_init(struct connector *cn, uint32_t limit);
+/* Any thread: queue an event for the control thread and ring its doorbell; never waits.
+ * Takes ownership of ev. For the connector's own events (results, states, landed data). */
+void conn_post(struct connector *cn, struct event *ev);
+/*
+ * A session thread: queue a notice read from its socket, waiting while the queue
+ * holds its limit (the peer that sends too fast is the one that waits). 0, 1 when
+ * it had to wait, -ESHUTDOWN when the connector stops meanwhile (ev is freed; the
+ * prefill side sends the notice again to the next connector, and the journal
+ * answers it). Takes ownership of ev.
+ */
+int conn_post_wait(struct connector *cn, struct event *ev);
+/* Control thread: take everything queued, in order; then say how many it is done with
+ * (handled or dropped, not held back) so that waiting producers get room. */
+struct event *conn_evq_take(struct connector *cn);
+void conn_evq_done(struct connector *cn, uint64_t n);
+uint64_t conn_evq_held(struct connector *cn);
+/* Any thread: tell the sender how a network transfer ended (WRITE_RESULT). */
+void conn_post_write_result(struct connector *cn, uint64_t key, const char *request_id, bool id_bin,
+                            int status, const char *reason);
+/* Any thread: answer an engine's connect task (CONNECT_RESULT). */
+void conn_post_connect_result(struct connector *cn, const struct connect_wait *w, const char *peer,
+                              int status, const char *reason);
+/* Any thread: every block of a network transfer has landed (EV_DATA_DONE). */
+void conn_post_data_done(struct connector *cn, const char *peer, uint64_t gen, uint64_t key);
+
+/* events.c: what an event does, on the control thread only */
+/* Control thread: handle what is queued (and what a full ring held back before). */
+void conn_events_run(struct connector *cn);
 
 /* handshake.c: 0 with the peer's identity in *out, or -errno with kvf_err set and (client)
  * *status (enum kvf_status) saying what kind of failure it was. */
@@ -324,9 +360,20 @@ void *conn_listener_main(void *arg);
  * wait for them, up to wait_ms. True when none is left (else the caller must keep what they
  * use, the control segment above all, mapped). */
 bool conn_sessions_stop(struct connector *cn, unsigned wait_ms);
+/*
+ * Control thread: hand r to the session's own thread to write (its outbox), never
+ * waiting on the socket. 0; -ENOENT when the session has closed (the answer is
+ * dropped and counted in acks_dropped: the prefill side sends its notice again on
+ * its next connection and the journal answers it); -ENOMEM.
+ */
 int conn_session_send(struct connector *cn, uint64_t session, const struct kvf_record *r);
-/* Send r on every incoming control connection (control thread). */
+/* Control thread: r for every incoming control connection, through their outboxes. */
 void conn_sessions_send_all(struct connector *cn, const struct kvf_record *r);
+/* A session without a thread of its own (tests): registered on fd, its id in *id. 0 or -errno. */
+int conn_session_open(struct connector *cn, int fd, const char *instance, uint64_t peer_gen, uint64_t *id);
+/* Write what the session's outbox holds, as its thread does: 0, or -errno (the socket failed). */
+int conn_session_flush(struct connector *cn, uint64_t id);
+void conn_session_close(struct connector *cn, uint64_t id);
 
 /* notices.c: same-host notices in one hop, read by the control thread */
 /* Bind the notice slots' rings (after the role claim): repairs a predecessor's consume. */

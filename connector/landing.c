@@ -185,19 +185,7 @@ int conn_landing_check(struct connector *cn, const char *peer, uint64_t gen, con
         return rc;
 }
 
-static void post_done(struct connector *cn, const char *peer, uint64_t gen, uint64_t key)
-{
-        struct event *ev = calloc(1, sizeof(*ev));
-        if (!ev)
-                return;
-        ev->kind = EV_DATA_DONE;
-        ev->src_gen = gen;
-        ev->rec.key = key;
-        snprintf(ev->rec.peer, sizeof(ev->rec.peer), "%s", peer);
-        conn_dispatch(cn, ev);
-}
-
-void conn_landing_mark(struct connector *cn, const char *peer, uint64_t gen, const struct landing_run *h)
+bool conn_landing_mark(struct connector *cn, const char *peer, uint64_t gen, const struct landing_run *h)
 {
         const struct kvf_cache_layout *L = &cn->ctl.hdr->layout;
         int done = 0;
@@ -218,8 +206,7 @@ void conn_landing_mark(struct connector *cn, const char *peer, uint64_t gen, con
                 done = x->have == x->need;
         }
         pthread_mutex_unlock(&cn->rxmu);
-        if (done)
-                post_done(cn, peer, gen, h->key);
+        return done;
 }
 
 int conn_landing_complete(struct connector *cn, const char *peer, uint64_t gen, uint64_t key,
@@ -251,9 +238,7 @@ int conn_landing_complete(struct connector *cn, const char *peer, uint64_t gen, 
         }
         x->touched_ns = kvf_now_ns();
         pthread_mutex_unlock(&cn->rxmu);
-        if (done)
-                post_done(cn, peer, gen, key);
-        return 0;
+        return done ? 1 : 0;
 }
 
 int conn_landing_notice(struct connector *cn, const struct kvf_record *n, uint64_t gen, uint64_t session,
@@ -368,7 +353,7 @@ uint64_t conn_landing_session(struct connector *cn, const char *peer, uint64_t g
         return s;
 }
 
-void conn_landing_end_sessions(struct connector *cn, uint64_t live)
+struct event *conn_landing_end_sessions(struct connector *cn, uint64_t live)
 {
         struct event *ready = NULL;
         pthread_mutex_lock(&cn->rxmu);
@@ -391,9 +376,5 @@ void conn_landing_end_sessions(struct connector *cn, uint64_t live)
                         ready = ev;
                 }
         pthread_mutex_unlock(&cn->rxmu);
-        while (ready) {
-                struct event *ev = ready;
-                ready = ev->next;
-                conn_dispatch(cn, ev);
-        }
+        return ready;
 }

@@ -15,7 +15,8 @@
  * is closed (published, aborted), its data is drained, never written.
  *
  * Threads: data paths (session threads) and the control thread; one mutex
- * (cn->rxmu) guards the table.
+ * (cn->rxmu) guards the table. Nothing here calls up: what a data path
+ * learns (a transfer complete) is returned, and the data path posts it.
  */
 #ifndef KVF_LANDING_H
 #define KVF_LANDING_H
@@ -55,14 +56,16 @@ int conn_landing_open(struct connector *cn, const char *peer, uint64_t gen, cons
  */
 int conn_landing_check(struct connector *cn, const char *peer, uint64_t gen, const struct landing_run *h,
                        uint64_t bytes, uint64_t *dst_off, char *why, size_t whylen);
-/* The run's blocks are in: mark them; once the bitmap is full, the data-done event goes out. */
-void conn_landing_mark(struct connector *cn, const char *peer, uint64_t gen, const struct landing_run *h);
+/* The run's blocks are in: mark them. True when this run made the transfer complete: the
+ * caller posts its data-done event (conn_post_data_done). */
+bool conn_landing_mark(struct connector *cn, const char *peer, uint64_t gen, const struct landing_run *h);
 /*
  * Every byte of the transfer is in (a transport that does not mark runs;
  * status KVF_STATUS_FINISHED), or its sender says it will never be (status:
  * why, for a transfer whose notice is out): registers it if need be (bound to
- * `session`, else the engine session live now) and sends the data-done event.
- * A transfer already complete stays complete. 0, or -ENOMEM.
+ * `session`, else the engine session live now). 1 when it is complete now (the
+ * caller posts its data-done event, conn_post_data_done), 0 when it was
+ * already (it stays complete), -ENOMEM.
  */
 int conn_landing_complete(struct connector *cn, const char *peer, uint64_t gen, uint64_t key,
                           uint64_t session, int status, const char *why);
@@ -91,9 +94,10 @@ void conn_landing_expire(struct connector *cn, uint64_t open_ns, uint64_t closed
 uint64_t conn_landing_session(struct connector *cn, const char *peer, uint64_t gen, uint64_t key);
 /*
  * Control thread: engine sessions other than `live` are over. Their open
- * transfers are drained from now on, and a notice that waited for their data
- * is dispatched now, to be answered "engine gone".
+ * transfers are drained from now on; the notices that waited for their data
+ * are returned (a list through ev->next, the caller's), to be answered
+ * "engine gone".
  */
-void conn_landing_end_sessions(struct connector *cn, uint64_t live);
+struct event *conn_landing_end_sessions(struct connector *cn, uint64_t live);
 
 #endif

@@ -65,7 +65,7 @@ static void on_finish(struct connector *cn, struct kvf_record *f)
                 if (p)
                         snprintf(why, sizeof(why), "the connector is out of memory");
                 if (!aborting) /* nobody waits for an abort notice */
-                        conn_write_result(cn, f->key, f->request_id, f->id_bin, KVF_STATUS_CONNECTION, why, false);
+                        conn_post_write_result(cn, f->key, f->request_id, f->id_bin, KVF_STATUS_CONNECTION, why);
                 kvf_errlog(&cn->ctl, KVF_ROLE_CONNECTOR, "req %s: notice for '%s' dropped: %s",
                            f->request_id, f->peer, why);
                 return;
@@ -91,8 +91,8 @@ static void on_finish(struct connector *cn, struct kvf_record *f)
         if (kvf_record_encode_alloc(&w, &n->frame, &len) < 0) {
                 free(n);
                 if (!aborting)
-                        conn_write_result(cn, f->key, f->request_id, f->id_bin, KVF_STATUS_CONNECTION,
-                                          "the connector could not encode the finish notice", false);
+                        conn_post_write_result(cn, f->key, f->request_id, f->id_bin, KVF_STATUS_CONNECTION,
+                                          "the connector could not encode the finish notice");
                 kvf_errlog(&cn->ctl, KVF_ROLE_CONNECTOR, "req %s: could not encode its notice",
                            f->request_id);
                 return;
@@ -132,12 +132,17 @@ static int on_sender_record(void *ctx, uint16_t type, const uint8_t *pl, uint32_
                 break;
         case KVF_RT_OPEN: {
                 char why[KVF_REASON_MAX];
-                if (conn_xfer_open(cn, &r, why, sizeof(why)) < 0)
-                        conn_write_result(cn, r.key, r.request_id, r.id_bin, KVF_STATUS_CONNECTION, why, false);
+                struct peer *p = conn_peer_get(cn, r.peer, why, sizeof(why));
+                if (!p || conn_xfer_open(p, &r, why, sizeof(why)) < 0)
+                        conn_post_write_result(cn, r.key, r.request_id, r.id_bin, KVF_STATUS_CONNECTION, why);
+                else
+                        conn_peer_kick(p); /* its control connection carries the notice later */
                 break;
         }
-        case KVF_RT_WRITE_BATCH:
-                rc = conn_xfer_batch(cn, &r);
+        case KVF_RT_WRITE_BATCH: {
+                char why[KVF_REASON_MAX];
+                struct peer *p = conn_peer_get(cn, r.peer, why, sizeof(why));
+                rc = p ? conn_xfer_batch(p, &r) : -ENOMEM;
                 if (rc == -EAGAIN) {
                         /* back-pressure: leave it in the ring until the queue drains */
                         kvf_store_release(&cn->tx_blocked, 1);
@@ -146,11 +151,12 @@ static int on_sender_record(void *ctx, uint16_t type, const uint8_t *pl, uint32_
                 if (rc == -ENOENT)
                         rc = 0; /* the transfer failed already; its result went out */
                 else if (rc < 0) {
-                        conn_write_result(cn, r.key, r.request_id, r.id_bin, KVF_STATUS_WRITE,
-                                          "the connector could not queue a write batch", false);
+                        conn_post_write_result(cn, r.key, r.request_id, r.id_bin, KVF_STATUS_WRITE,
+                                               "the connector could not queue a write batch");
                         rc = 0;
                 }
                 break;
+        }
         }
         kvf_record_free(&r);
         return rc;
@@ -181,7 +187,7 @@ static int on_engine_record(void *ctx, uint16_t type, const uint8_t *pl, uint32_
                                 snprintf(r.request_id, sizeof(r.request_id), "<unknown>");
                         w.task_id = r.request_id;
                         w.id_bin = r.id_bin;
-                        conn_connect_result(cn, &w, NULL, KVF_STATUS_BAD_TASK, why);
+                        conn_post_connect_result(cn, &w, NULL, KVF_STATUS_BAD_TASK, why);
                 }
                 kvf_errlog(&cn->ctl, KVF_ROLE_CONNECTOR, "bad %s record from the engine: %s",
                            kvf_rec_type_name(type), why);
@@ -196,7 +202,7 @@ static int on_engine_record(void *ctx, uint16_t type, const uint8_t *pl, uint32_
                 if (p)
                         conn_peer_connect_task(p, &w);
                 else
-                        conn_connect_result(cn, &w, r.peer, KVF_STATUS_CONNECTION, why);
+                        conn_post_connect_result(cn, &w, r.peer, KVF_STATUS_CONNECTION, why);
         }
         /* DISCONNECT: peers are closed when the connector stops or after --peer-idle-ms
          * without work; an idle connection costs one ping per keepalive period. */
@@ -359,7 +365,10 @@ int main(int argc, char **argv)
                 kvf_error("%s", kvf_err_msg());
                 return 1;
         }
-        pthread_mutex_init(&cn.evmu, NULL);
+        if (conn_evq_init(&cn, 0) < 0) {
+                kvf_error("cannot set up the event queue");
+                return 1;
+        }
         pthread_mutex_init(&cn.smu, NULL);
         pthread_condattr_t ca;
         pthread_condattr_init(&ca);
@@ -367,8 +376,6 @@ int main(int argc, char **argv)
         pthread_cond_init(&cn.threads_cv, &ca);
         pthread_condattr_destroy(&ca);
         pthread_mutex_init(&cn.rxmu, NULL);
-        pthread_mutex_init(&cn.engine_mu, NULL);
-        pthread_mutex_init(&cn.sender_mu, NULL);
         if (map_cache(&cn) < 0) {
                 kvf_error("%s", kvf_err_msg());
                 return 1;

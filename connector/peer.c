@@ -141,7 +141,7 @@ static bool pool_stopping(const struct peer_pool *pl, const struct connector *cn
 static void post_result(struct connector *cn, const struct notice *n, int status, const char *reason)
 {
         if (!n->abort_notice) /* nobody waits for those */
-                conn_write_result(cn, n->key, n->request_id, n->id_bin, status, reason, true);
+                conn_post_write_result(cn, n->key, n->request_id, n->id_bin, status, reason);
 }
 
 static void post_state(struct peer *p, bool up, const char *reason)
@@ -169,7 +169,7 @@ static void answer_connects_older(struct peer *p, int status, const char *reason
                         p->connects[keep++] = p->connects[i];
                         continue;
                 }
-                conn_connect_result(p->cn, &p->connects[i], p->name, status, reason);
+                conn_post_connect_result(p->cn, &p->connects[i], p->name, status, reason);
                 free(p->connects[i].task_id);
         }
         p->nconnect = keep;
@@ -1426,9 +1426,9 @@ void conn_peer_connect_task(struct peer *p, const struct connect_wait *w)
         }
         pthread_mutex_unlock(&p->mu);
         if (up)
-                conn_connect_result(p->cn, w, p->name, KVF_STATUS_FINISHED, NULL);
+                conn_post_connect_result(p->cn, w, p->name, KVF_STATUS_FINISHED, NULL);
         else if (!queued)
-                conn_connect_result(p->cn, w, p->name, KVF_STATUS_CONNECTION,
+                conn_post_connect_result(p->cn, w, p->name, KVF_STATUS_CONNECTION,
                                     "too many connect tasks wait for this peer already");
         wake(p);
 }
@@ -1473,8 +1473,8 @@ void conn_peer_withdraw(struct peer *p, struct notice *n)
                 free_notice(old);
         if (dropped) {
                 kvf_count(&p->cn->ctl, KVF_CTR_NOTICES_FAILED, 1); /* it never reached the peer */
-                conn_write_result(p->cn, n->key, n->request_id, n->id_bin, KVF_STATUS_TIMEOUT,
-                                  "timed out: the finish notice never reached the peer (withdrawn)", false);
+                conn_post_write_result(p->cn, n->key, n->request_id, n->id_bin, KVF_STATUS_TIMEOUT,
+                                  "timed out: the finish notice never reached the peer (withdrawn)");
                 conn_xfer_forget(p, n->key);
                 free_notice(n);
                 return;

@@ -354,9 +354,12 @@ static int take_completions(struct rx_conn *c, char *why, size_t whylen)
                                 status = KVF_STATUS_WRITE;
                                 snprintf(fwhy, sizeof(fwhy), "%s", kvf_err_msg());
                         }
-                        if (conn_landing_complete(cn, c->peer, c->gen, be64toh(m.key), be64toh(m.session), status,
-                                                  fwhy) < 0)
+                        int crc = conn_landing_complete(cn, c->peer, c->gen, be64toh(m.key),
+                                                        be64toh(m.session), status, fwhy);
+                        if (crc < 0)
                                 kvf_errlog(&cn->ctl, KVF_ROLE_CONNECTOR, "rdma: out of memory for a done message");
+                        else if (crc == 1)
+                                conn_post_data_done(cn, c->peer, c->gen, be64toh(m.key));
                         if (post_recv(c, slot) < 0) {
                                 snprintf(why, whylen, "ibv_post_recv failed");
                                 return -EIO;

@@ -1,14 +1,22 @@
 /*
  * Incoming connections: the listener, and a session thread per connection
  * (server side of the handshake, then notices and pings on a control
- * connection, or a transport's data path on a data connection). Notices go to
- * arrivals.c through the event dispatch.
+ * connection, or a transport's data path on a data connection).
+ *
+ * A control session's thread is the only writer of its socket. It hands the
+ * notices it reads to the control thread (evq.c), which publishes them and
+ * puts the answers in the session's outbox, ringing its eventfd; the session
+ * thread waits on its socket and that eventfd and writes what the outbox
+ * holds. A peer that stops reading holds up its own session thread only; a
+ * session that ends drops what its outbox still holds (the prefill side sends
+ * those notices again and the journal answers them without a second arrival).
  */
 #include <errno.h>
 #include <poll.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/eventfd.h>
 #include <sys/socket.h>
 #include <time.h>
 #include <unistd.h>
@@ -43,30 +51,166 @@ static void session_remove(struct connector *cn, struct session *s)
         pthread_mutex_unlock(&cn->smu);
 }
 
+static struct session *session_new(int fd)
+{
+        struct session *s = calloc(1, sizeof(*s));
+        if (!s)
+                return NULL;
+        s->fd = fd;
+        s->efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+        if (s->efd < 0) {
+                free(s);
+                return NULL;
+        }
+        pthread_mutex_init(&s->omu, NULL);
+        return s;
+}
+
+/* After session_remove: nobody else can reach s. What its outbox holds is dropped. */
+static void session_free(struct connector *cn, struct session *s)
+{
+        uint64_t dropped = 0;
+        for (struct out_frame *f = s->out, *next; f; f = next) {
+                next = f->next;
+                dropped += f->type == KVF_RT_ACK;
+                free(f);
+        }
+        if (dropped)
+                kvf_fetch_add_relaxed(&cn->acks_dropped, dropped);
+        close(s->efd);
+        pthread_mutex_destroy(&s->omu);
+        free(s);
+}
+
+static struct out_frame *frame_of(const struct kvf_record *r)
+{
+        uint8_t *buf;
+        size_t len;
+        if (kvf_record_encode_alloc(r, &buf, &len) < 0)
+                return NULL;
+        struct out_frame *f = malloc(sizeof(*f) + len);
+        if (f) {
+                f->next = NULL;
+                f->type = r->type;
+                f->len = (uint32_t)len;
+                memcpy(f->payload, buf, len);
+        }
+        free(buf);
+        return f;
+}
+
+/* smu held: queue f in s's outbox and wake its thread. */
+static void outbox_put(struct session *s, struct out_frame *f)
+{
+        pthread_mutex_lock(&s->omu);
+        if (s->out_tail)
+                s->out_tail->next = f;
+        else
+                s->out = f;
+        s->out_tail = f;
+        pthread_mutex_unlock(&s->omu);
+        uint64_t one = 1;
+        /* A full counter (never, at 2^64 - 2) or EAGAIN still leaves it readable: the wake is
+         * a hint, and the session thread also looks at its outbox every keepalive period. */
+        ssize_t w = write(s->efd, &one, sizeof(one));
+        (void)w;
+}
+
 int conn_session_send(struct connector *cn, uint64_t id, const struct kvf_record *r)
 {
-        int rc = -ENOENT;
+        struct out_frame *f = frame_of(r);
+        if (!f)
+                return -ENOMEM;
         pthread_mutex_lock(&cn->smu);
-        for (struct session *s = cn->sessions; s; s = s->next)
-                if (s->id == id) {
-                        pthread_mutex_lock(&s->wmu);
-                        rc = conn_send_record(s->fd, r, cn->cfg.keepalive_ms);
-                        pthread_mutex_unlock(&s->wmu);
-                        break;
-                }
+        struct session *s = cn->sessions;
+        while (s && s->id != id)
+                s = s->next;
+        if (s)
+                outbox_put(s, f);
         pthread_mutex_unlock(&cn->smu);
-        return rc;
+        if (s)
+                return 0;
+        free(f);
+        if (r->type == KVF_RT_ACK)
+                kvf_fetch_add_relaxed(&cn->acks_dropped, 1);
+        return -ENOENT;
 }
 
 void conn_sessions_send_all(struct connector *cn, const struct kvf_record *r)
 {
         pthread_mutex_lock(&cn->smu);
         for (struct session *s = cn->sessions; s; s = s->next) {
-                pthread_mutex_lock(&s->wmu);
-                conn_send_record(s->fd, r, cn->cfg.keepalive_ms);
-                pthread_mutex_unlock(&s->wmu);
+                struct out_frame *f = frame_of(r);
+                if (f)
+                        outbox_put(s, f);
         }
         pthread_mutex_unlock(&cn->smu);
+}
+
+/* The session's thread: write what its outbox holds, in order. A frame the socket does not
+ * take within the keepalive period ends the session (the peer stopped reading). */
+static int outbox_flush(struct connector *cn, struct session *s)
+{
+        uint64_t n;
+        ssize_t rd = read(s->efd, &n, sizeof(n)); /* reset the wake before taking the outbox */
+        (void)rd;
+        pthread_mutex_lock(&s->omu);
+        struct out_frame *f = s->out;
+        s->out = s->out_tail = NULL;
+        pthread_mutex_unlock(&s->omu);
+        int rc = 0;
+        while (f) {
+                struct out_frame *next = f->next;
+                if (rc == 0) {
+                        rc = kvf_net_send_frame(s->fd, f->type, f->payload, f->len, cn->cfg.keepalive_ms);
+                        if (rc < 0 && f->type == KVF_RT_ACK)
+                                kvf_fetch_add_relaxed(&cn->acks_dropped, 1);
+                } else if (f->type == KVF_RT_ACK) {
+                        kvf_fetch_add_relaxed(&cn->acks_dropped, 1);
+                }
+                free(f);
+                f = next;
+        }
+        return rc;
+}
+
+int conn_session_open(struct connector *cn, int fd, const char *instance, uint64_t peer_gen, uint64_t *id)
+{
+        struct session *s = session_new(fd);
+        if (!s)
+                return -ENOMEM;
+        snprintf(s->instance, sizeof(s->instance), "%s", instance);
+        s->peer_gen = peer_gen;
+        session_add(cn, s);
+        *id = s->id;
+        return 0;
+}
+
+static struct session *session_take(struct connector *cn, uint64_t id, bool unlink)
+{
+        pthread_mutex_lock(&cn->smu);
+        struct session **pp = &cn->sessions;
+        while (*pp && (*pp)->id != id)
+                pp = &(*pp)->next;
+        struct session *s = *pp;
+        if (s && unlink)
+                *pp = s->next;
+        pthread_mutex_unlock(&cn->smu);
+        return s;
+}
+
+int conn_session_flush(struct connector *cn, uint64_t id)
+{
+        /* Tests: the session has no thread, so nobody frees it meanwhile. */
+        struct session *s = session_take(cn, id, false);
+        return s ? outbox_flush(cn, s) : -ENOENT;
+}
+
+void conn_session_close(struct connector *cn, uint64_t id)
+{
+        struct session *s = session_take(cn, id, true);
+        if (s)
+                session_free(cn, s);
 }
 
 struct session_arg {
@@ -122,19 +266,67 @@ bool conn_sessions_stop(struct connector *cn, unsigned wait_ms)
         return left == 0;
 }
 
+/* A control connection's frames: pings answered here, notices to the control thread.
+ * 0 to go on, -1 to end the session. */
+static int session_frames(struct connector *cn, struct session *s, struct kvf_reader *rd)
+{
+        struct kvf_frame_hdr h;
+        const uint8_t *pl;
+        int rc;
+        while ((rc = kvf_reader_next(rd, &h, &pl)) == 1) {
+                if (h.type == KVF_RT_PING) {
+                        /* Behind the answers already decided: the socket has one writer. */
+                        if (outbox_flush(cn, s) < 0)
+                                return -1;
+                        struct kvf_record pong = {.type = KVF_RT_PONG, .session = conn_engine_session(cn)};
+                        if (conn_send_record(s->fd, &pong, cn->cfg.keepalive_ms) < 0)
+                                return -1;
+                        continue;
+                }
+                if (h.type == KVF_RT_PONG)
+                        continue;
+                struct event *ev = calloc(1, sizeof(*ev));
+                if (!ev)
+                        continue; /* the prefill side sends it again */
+                if (h.type != KVF_RT_NOTICE || kvf_record_decode(KVF_RT_NOTICE, pl, h.len, 0, &ev->rec) < 0) {
+                        kvf_count(&cn->ctl, KVF_CTR_FRAMES_REJECTED, 1);
+                        kvf_errlog(&cn->ctl, KVF_ROLE_CONNECTOR,
+                                   "peer '%s' (%s) sent a bad frame (type %u): %s: disconnecting", s->instance,
+                                   s->remote, h.type, h.type == KVF_RT_NOTICE ? kvf_err_msg() : "unexpected type");
+                        kvf_record_free(&ev->rec);
+                        free(ev);
+                        return -1;
+                }
+                /* The notice names its sender by the authenticated instance. */
+                snprintf(ev->rec.peer, sizeof(ev->rec.peer), "%s", s->instance);
+                ev->kind = EV_NOTICE;
+                ev->session = s->id;
+                ev->src_gen = s->peer_gen;
+                /* The control thread publishes it and answers through the outbox. A full queue
+                 * holds this thread (and so this peer's socket) until there is room. */
+                if (conn_post_wait(cn, ev) < 0)
+                        return -1;
+        }
+        if (rc < 0) {
+                kvf_count(&cn->ctl, KVF_CTR_FRAMES_REJECTED, 1);
+                kvf_errlog(&cn->ctl, KVF_ROLE_CONNECTOR, "peer '%s' (%s) announced a %u-byte frame: disconnecting",
+                           s->instance, s->remote, h.len);
+                return -1;
+        }
+        return 0;
+}
+
 static void *session_main(void *arg)
 {
         struct session_arg *sa = arg;
         struct connector *cn = sa->cn;
-        struct session *s = calloc(1, sizeof(*s));
+        struct session *s = session_new(sa->fd);
         struct peer_identity id;
         struct kvf_reader rd = {0};
         uint64_t dead = kvf_ms(cn->cfg.peer_timeout_ms);
 
         if (!s)
                 goto out_fd;
-        s->fd = sa->fd;
-        pthread_mutex_init(&s->wmu, NULL);
         kvf_net_peer_name(s->fd, s->remote, sizeof(s->remote));
         if (sa->unix_socket && kvf_net_unix_same_user(s->fd) < 0) {
                 kvf_count(&cn->ctl, KVF_CTR_AUTH_FAILURES, 1);
@@ -162,11 +354,16 @@ static void *session_main(void *arg)
         session_add(cn, s);
         uint64_t last_rx = kvf_now_ns();
         while (!conn_stopping(cn)) {
-                struct pollfd pf = {.fd = s->fd, .events = POLLIN};
-                int n = poll(&pf, 1, (int)cn->cfg.keepalive_ms);
+                struct pollfd pf[2] = {{.fd = s->fd, .events = POLLIN}, {.fd = s->efd, .events = POLLIN}};
+                int n = poll(pf, 2, (int)cn->cfg.keepalive_ms);
                 if (n < 0 && errno != EINTR)
                         break;
-                if (n <= 0) {
+                /* The answers first: they end requests on the prefill side. */
+                if (outbox_flush(cn, s) < 0) {
+                        kvf_warn("peer instance '%s' (%s): %s: closing", s->instance, s->remote, kvf_err_msg());
+                        break;
+                }
+                if (n <= 0 || !(pf[0].revents & (POLLIN | POLLHUP | POLLERR))) {
                         if (kvf_now_ns() - last_rx > dead) {
                                 kvf_warn("peer instance '%s' (%s) silent for %u ms: closing", s->instance,
                                          s->remote, cn->cfg.peer_timeout_ms);
@@ -180,56 +377,17 @@ static void *session_main(void *arg)
                 if (rc <= 0)
                         break;
                 last_rx = kvf_now_ns();
-                struct kvf_frame_hdr h;
-                const uint8_t *pl;
-                while ((rc = kvf_reader_next(&rd, &h, &pl)) == 1) {
-                        if (h.type == KVF_RT_PING) {
-                                struct kvf_record pong = {.type = KVF_RT_PONG,
-                                                          .session = conn_engine_session(cn)};
-                                pthread_mutex_lock(&s->wmu);
-                                conn_send_record(s->fd, &pong, cn->cfg.keepalive_ms);
-                                pthread_mutex_unlock(&s->wmu);
-                                continue;
-                        }
-                        if (h.type == KVF_RT_PONG)
-                                continue;
-                        struct event *ev = calloc(1, sizeof(*ev));
-                        if (!ev)
-                                continue;
-                        if (h.type != KVF_RT_NOTICE ||
-                            kvf_record_decode(KVF_RT_NOTICE, pl, h.len, 0, &ev->rec) < 0) {
-                                kvf_count(&cn->ctl, KVF_CTR_FRAMES_REJECTED, 1);
-                                kvf_errlog(&cn->ctl, KVF_ROLE_CONNECTOR,
-                                           "peer '%s' (%s) sent a bad frame (type %u): %s: disconnecting",
-                                           s->instance, s->remote, h.type,
-                                           h.type == KVF_RT_NOTICE ? kvf_err_msg() : "unexpected type");
-                                kvf_record_free(&ev->rec);
-                                free(ev);
-                                goto out_session;
-                        }
-                        /* The notice names its sender by the authenticated instance. */
-                        snprintf(ev->rec.peer, sizeof(ev->rec.peer), "%s", s->instance);
-                        ev->kind = EV_NOTICE;
-                        ev->session = s->id;
-                        ev->src_gen = s->peer_gen;
-                        conn_dispatch(cn, ev); /* publish and acknowledge from this thread */
-                }
-                if (rc < 0) {
-                        kvf_count(&cn->ctl, KVF_CTR_FRAMES_REJECTED, 1);
-                        kvf_errlog(&cn->ctl, KVF_ROLE_CONNECTOR,
-                                   "peer '%s' (%s) announced a %u-byte frame: disconnecting", s->instance,
-                                   s->remote, h.len);
+                if (session_frames(cn, s, &rd) < 0)
                         break;
-                }
         }
-out_session:
         session_remove(cn, s);
         kvf_info("peer instance '%s' (%s) disconnected", s->instance, s->remote);
 out_free:
-        /* No one can reach s after session_remove: the control thread sends under smu. */
+        /* No one can reach s after session_remove: the control thread hands answers over
+         * under smu. */
         kvf_reader_free(&rd);
-        pthread_mutex_destroy(&s->wmu);
-        free(s);
+        if (s)
+                session_free(cn, s);
 out_fd:
         thread_unlink(cn, sa);
         close(sa->fd);

@@ -171,7 +171,8 @@ static void landed(struct connector *cn, const char *peer, uint64_t gen, const s
                    uint64_t bytes)
 {
         kvf_count(&cn->ctl, KVF_CTR_BYTES_TCP_RECEIVED, bytes);
-        conn_landing_mark(cn, peer, gen, run);
+        if (conn_landing_mark(cn, peer, gen, run))
+                conn_post_data_done(cn, peer, gen, run->key);
 }
 
 /*

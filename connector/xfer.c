@@ -22,7 +22,7 @@ uint64_t xfer_frame_bytes(const struct xfer_peer *xp, const struct frame *f)
 
 static void post_result(struct connector *cn, const struct xfer *x, int status, const char *reason)
 {
-        conn_write_result(cn, x->key, x->request_id, x->id_bin, status, reason, true);
+        conn_post_write_result(cn, x->key, x->request_id, x->id_bin, status, reason);
 }
 
 /* xp->mu held: x is failed here (its result is posted): remember it for conn_xfer_noticed. */
@@ -322,16 +322,15 @@ static const struct conn_transport *transport_for(const struct kvf_record *r, ch
         return t;
 }
 
-int conn_xfer_open(struct connector *cn, const struct kvf_record *o, char *why, size_t whylen)
+int conn_xfer_open(struct peer *p, const struct kvf_record *o, char *why, size_t whylen)
 {
+        struct connector *cn = p->cn;
         const struct conn_transport *t = transport_for(o, why, whylen);
         if (!t)
                 return -EPROTONOSUPPORT;
-        struct peer *p = conn_peer_get(cn, o->peer, why, whylen);
-        struct xfer_peer *xp = p ? xfer_peer(p, t) : NULL;
+        struct xfer_peer *xp = xfer_peer(p, t);
         if (!xp) {
-                if (p)
-                        snprintf(why, whylen, "the connector is out of memory");
+                snprintf(why, whylen, "the connector is out of memory");
                 return -ENOMEM;
         }
         /* A new transfer this side cannot send over the transport at all, or that the peer
@@ -387,19 +386,17 @@ int conn_xfer_open(struct connector *cn, const struct kvf_record *o, char *why, 
         pthread_mutex_unlock(&xp->mu);
         if (t->wake)
                 t->wake(xp);
-        conn_peer_kick(p); /* the control connection carries the notice later */
-        return 0;
+        return 0; /* the caller kicks the peer: its control connection carries the notice later */
 }
 
-int conn_xfer_batch(struct connector *cn, const struct kvf_record *w)
+int conn_xfer_batch(struct peer *p, const struct kvf_record *w)
 {
-        const struct kvf_cache_layout *L = &cn->ctl.hdr->layout;
-        char why[KVF_REASON_MAX];
-        const struct conn_transport *t = transport_for(w, why, sizeof(why));
+        struct connector *cn = p->cn;
+        const struct conn_transport *t = conn_transport_of(w->transport);
         if (!t)
                 return -ENOENT; /* its open failed the request already */
-        struct peer *p = conn_peer_get(cn, w->peer, why, sizeof(why));
-        struct xfer_peer *xp = p ? xfer_peer(p, t) : NULL;
+        const struct kvf_cache_layout *L = &cn->ctl.hdr->layout;
+        struct xfer_peer *xp = xfer_peer(p, t);
         if (!xp)
                 return -ENOMEM;
         uint64_t per64 = t->frame_max / L->block_bytes;

@@ -94,11 +94,12 @@ struct xfer_peer {
 
 /* ---- for the connector (main.c, peer.c): control thread, except where noted ---- */
 
-/* A transfer begins (OPEN). 0, or -errno with why. */
-int conn_xfer_open(struct connector *cn, const struct kvf_record *open, char *why, size_t whylen);
+/* A transfer to peer p begins (OPEN). 0 (the caller then kicks the peer, conn_peer_kick), or
+ * -errno with why. */
+int conn_xfer_open(struct peer *p, const struct kvf_record *open, char *why, size_t whylen);
 /* Queue a write batch: 0; -EAGAIN back-pressure (leave it in the ring); -ENOENT the transfer
  * is gone (failed, its result went out); -EINVAL a bad batch; -ENOMEM. */
-int conn_xfer_batch(struct connector *cn, const struct kvf_record *batch);
+int conn_xfer_batch(struct peer *p, const struct kvf_record *batch);
 /*
  * The transfer's finish notice is handed to the peer: from now on only
  * the notice's outcome ends it (conn_xfer_fail leaves it alone; the notice's

@@ -9,12 +9,21 @@
  * (a repeat or a withdrawal is answered without a second arrival), and what waits
  * when a ring is full. A "restart" is a second struct connector over the same
  * segment after the first was dropped without a word, as a crash would leave it.
+ *
+ * Socket notices: sessions without threads of their own over socketpairs
+ * (conn_session_open), notices posted to the event queue as session threads
+ * post them (conn_post_wait, from several threads at once), the test playing
+ * the control thread (conn_events_run), and the answers read at the other end
+ * of each socketpair after the session's outbox is written (conn_session_flush).
  */
+#include <errno.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "cache.h"
@@ -24,11 +33,13 @@
 #include "connector.h"
 #include "ctl.h"
 #include "layout.h"
+#include "net.h"
 #include "notice.h"
 #include "records.h"
 
 #define LAYERS 4u
 #define BLOCKS 32u
+#define EVQ_LIMIT 64u /* the event queue's bound here: small, so that a test fills it */
 
 struct inst {
         char name[KVF_INSTANCE_MAX];
@@ -84,11 +95,9 @@ static void connector_up(struct connector *cn)
 {
         memset(cn, 0, sizeof(*cn));
         CHECK(kvf_ctl_attach(D.name, true, &cn->ctl) == 0);
-        pthread_mutex_init(&cn->evmu, NULL);
+        CHECK(conn_evq_init(cn, EVQ_LIMIT) == 0);
         pthread_mutex_init(&cn->smu, NULL);
         pthread_mutex_init(&cn->rxmu, NULL);
-        pthread_mutex_init(&cn->engine_mu, NULL);
-        pthread_mutex_init(&cn->sender_mu, NULL);
         cn->listen_fd = cn->unix_fd = -1;
         cn->gen = kvf_role_begin(&cn->ctl, KVF_ROLE_CONNECTOR);
         conn_journal_init(cn);
@@ -423,6 +432,291 @@ static void case_restart(void)
             "from the journal (no second arrival) and published the next\n");
 }
 
+/* ------------------------------------------------------------------ socket notices */
+
+/* A prefill instance's control connection, as a session without a thread: the connector's
+ * end is registered, the test reads the answers at the other end. */
+struct sock {
+        int fd[2];
+        uint64_t id;
+};
+
+static void sock_open(struct connector *cn, struct sock *k)
+{
+        CHECK(socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, k->fd) == 0);
+        CHECK(conn_session_open(cn, k->fd[0], P.name, P.ctl.hdr->created_ns, &k->id) == 0);
+}
+
+/* The session ends (its thread would): what its outbox holds is dropped. */
+static void sock_close(struct connector *cn, struct sock *k)
+{
+        conn_session_close(cn, k->id);
+        close(k->fd[0]);
+        close(k->fd[1]);
+}
+
+/* A notice as a session thread hands it over (session.c). */
+static struct event *sock_notice(const struct sock *k, const char *id, uint64_t key, uint32_t dst0)
+{
+        struct event *ev = calloc(1, sizeof(*ev));
+        CHECK(ev != NULL);
+        ev->kind = EV_NOTICE;
+        ev->session = k->id;
+        ev->src_gen = P.ctl.hdr->created_ns;
+        struct kvf_record *n = &ev->rec;
+        n->type = KVF_RT_NOTICE;
+        n->key = key;
+        n->transport = KVF_TRANSPORT_IPC;
+        n->status = KVF_STATUS_FINISHED;
+        n->session = D.engine;
+        n->generation = D.ctl.hdr->created_ns;
+        n->bytes = 1;
+        n->blocks = 2;
+        n->n_dst = 2;
+        n->dst = malloc(2 * sizeof(uint32_t));
+        CHECK(n->dst != NULL);
+        n->dst[0] = dst0;
+        n->dst[1] = dst0 + 1;
+        snprintf(n->request_id, sizeof(n->request_id), "%s", id);
+        snprintf(n->peer, sizeof(n->peer), "%s", P.name);
+        return ev;
+}
+
+/* The session's thread writes its outbox; the test reads every answer that came. */
+static struct outs *sock_acks(struct connector *cn, struct sock *k)
+{
+        static struct outs o;
+        static uint8_t buf[8192];
+        o.n = 0;
+        CHECK_EQ(conn_session_flush(cn, k->id), 0);
+        struct kvf_frame_hdr h;
+        while (kvf_net_recv_frame(k->fd[1], &h, buf, sizeof(buf), 50) == 0)
+                CHECK_EQ(grab(&o, h.type, buf, h.len, 0), 0);
+        return &o;
+}
+
+/* The control thread until the queue is empty, the engine reading arrivals as they come (the
+ * arrival ring holds fewer than a full queue). All arrivals read. */
+static struct outs *run_all(struct connector *cn)
+{
+        static struct outs all;
+        all.n = 0;
+        uint64_t until = kvf_now_ns() + 10 * KVF_NS_PER_S;
+        do {
+                conn_events_run(cn);
+                struct outs *o = arrivals();
+                for (unsigned i = 0; i < o->n; i++)
+                        all.r[all.n++] = o->r[i];
+                CHECK(kvf_now_ns() < until);
+        } while (conn_evq_held(cn) || cn->deferred);
+        return &all;
+}
+
+/* Wait (bounded) until the queue has `n` producers waiting for room. */
+static void wait_waiting(struct connector *cn, uint32_t n)
+{
+        uint64_t until = kvf_now_ns() + 5 * KVF_NS_PER_S;
+        while (kvf_load_acquire(&cn->ev_waiting) != n) {
+                CHECK(kvf_now_ns() < until);
+                nanosleep(&(struct timespec){0, 100000}, NULL);
+        }
+}
+
+#define PRODUCERS 4
+#define PER_PRODUCER 40 /* 160 notices through a queue of 64: producers wait their turn */
+
+struct producer {
+        struct connector *cn;
+        struct sock *k;
+        int t;
+        int waited; /* conn_post_wait said it waited at least once */
+        int rc;
+        int done; /* atomic */
+};
+
+static void *producer_main(void *arg)
+{
+        struct producer *pr = arg;
+        for (int i = 0; i < PER_PRODUCER; i++) {
+                char id[32];
+                snprintf(id, sizeof(id), "mt-%d-%d", pr->t, i);
+                int rc = conn_post_wait(pr->cn, sock_notice(pr->k, id, 1000u + (uint64_t)pr->t * 100 + (uint64_t)i,
+                                                            (uint32_t)(i % 15) * 2));
+                if (rc < 0) {
+                        pr->rc = rc;
+                        break;
+                }
+                pr->waited |= rc == 1;
+        }
+        kvf_store_release(&pr->done, 1);
+        return NULL;
+}
+
+/* Notices from several session threads at once: the control thread alone publishes each once
+ * and answers each on its own session, in the order each session sent them. */
+static void case_threads(struct connector *cn)
+{
+        struct sock k[PRODUCERS];
+        struct producer pr[PRODUCERS];
+        pthread_t th[PRODUCERS];
+        uint64_t a0 = counter(KVF_CTR_ARRIVALS);
+        for (int t = 0; t < PRODUCERS; t++) {
+                sock_open(cn, &k[t]);
+                pr[t] = (struct producer){.cn = cn, .k = &k[t], .t = t};
+                CHECK(pthread_create(&th[t], NULL, producer_main, &pr[t]) == 0);
+        }
+        /* The control thread's loop: run the events until every producer is done and the
+         * queue is empty; the engine reads arrivals as they come. */
+        static struct outs all;
+        all.n = 0;
+        uint64_t until = kvf_now_ns() + 20 * KVF_NS_PER_S;
+        for (;;) {
+                int done = 0;
+                for (int t = 0; t < PRODUCERS; t++)
+                        done += kvf_load_acquire(&pr[t].done);
+                conn_events_run(cn);
+                struct outs *o = arrivals();
+                for (unsigned i = 0; i < o->n; i++)
+                        all.r[all.n++] = o->r[i];
+                if (done == PRODUCERS && conn_evq_held(cn) == 0 && !cn->deferred)
+                        break;
+                CHECK(kvf_now_ns() < until);
+        }
+        int waited = 0;
+        for (int t = 0; t < PRODUCERS; t++) {
+                pthread_join(th[t], NULL);
+                CHECK_EQ(pr[t].rc, 0);
+                waited += pr[t].waited;
+        }
+        CHECK_EQ(all.n, PRODUCERS * PER_PRODUCER);
+        CHECK_EQ(counter(KVF_CTR_ARRIVALS), a0 + PRODUCERS * PER_PRODUCER);
+        /* each producer's notices in its order, each once */
+        int next[PRODUCERS] = {0};
+        for (unsigned i = 0; i < all.n; i++) {
+                int t, n;
+                CHECK(sscanf(all.r[i].id, "mt-%d-%d", &t, &n) == 2 && t >= 0 && t < PRODUCERS);
+                CHECK_EQ(n, next[t]);
+                next[t]++;
+                CHECK_EQ(all.r[i].status, KVF_STATUS_FINISHED);
+        }
+        for (int t = 0; t < PRODUCERS; t++) {
+                /* The control thread wrote nothing to a socket: every answer waits in the
+                 * session's outbox for the session's own thread. */
+                char b;
+                CHECK(recv(k[t].fd[1], &b, 1, MSG_DONTWAIT) < 0 && errno == EAGAIN);
+                struct outs *o = sock_acks(cn, &k[t]);
+                CHECK_EQ(o->n, PER_PRODUCER);
+                for (unsigned i = 0; i < o->n; i++) {
+                        CHECK_EQ(o->r[i].type, KVF_RT_ACK);
+                        CHECK_EQ(o->r[i].key, 1000u + (uint64_t)t * 100 + i);
+                        CHECK_EQ(o->r[i].status, KVF_STATUS_FINISHED);
+                }
+                sock_close(cn, &k[t]);
+        }
+        printf("ok: %d session threads, %d notices each through a queue of %u (%d waited for room): "
+               "each published once by the control thread, answered on its own session in order\n",
+               PRODUCERS, PER_PRODUCER, EVQ_LIMIT, waited);
+}
+
+static struct producer one;
+static void *one_main(void *arg)
+{
+        struct sock *k = arg;
+        one.rc = conn_post_wait(one.cn, sock_notice(k, "full-q-last", 2999, 30));
+        kvf_store_release(&one.done, 1);
+        return NULL;
+}
+
+/* A full queue: the session thread that brings one more notice waits (its peer's socket is not
+ * read meanwhile) until the control thread makes room; the connector's own events still go in.
+ * A connector that stops while it waits lets it go with -ESHUTDOWN (the notice is sent again to
+ * the next connector, and the journal answers it). */
+static void case_full_queue(struct connector *cn)
+{
+        struct sock k;
+        sock_open(cn, &k);
+        for (uint32_t i = 0; i < EVQ_LIMIT; i++) {
+                char id[32];
+                snprintf(id, sizeof(id), "full-q-%u", i);
+                CHECK_EQ(conn_post_wait(cn, sock_notice(&k, id, 2000u + i, (i % 15) * 2)), 0);
+        }
+        CHECK_EQ(conn_evq_held(cn), EVQ_LIMIT);
+        one = (struct producer){.cn = cn};
+        pthread_t th;
+        CHECK(pthread_create(&th, NULL, one_main, &k) == 0);
+        wait_waiting(cn, 1);
+        CHECK(!kvf_load_acquire(&one.done));
+        CHECK_EQ(conn_evq_held(cn), EVQ_LIMIT);
+        /* A landed transfer (a data thread's event) is admitted all the same. */
+        conn_post_data_done(cn, P.name, P.ctl.hdr->created_ns, 77);
+        CHECK_EQ(conn_evq_held(cn), EVQ_LIMIT + 1);
+        struct outs *o = arrivals(); /* nothing published before the control thread runs */
+        CHECK_EQ(o->n, 0);
+        conn_events_run(cn); /* room */
+        pthread_join(th, NULL);
+        CHECK_EQ(one.rc, 1);
+        uint32_t before = arrivals()->n;
+        o = run_all(cn);
+        CHECK_EQ(o->n + before, EVQ_LIMIT + 1);
+        CHECK(!strcmp(o->r[o->n - 1].id, "full-q-last")); /* behind the queue it waited for */
+        o = sock_acks(cn, &k);
+        CHECK_EQ(o->n, EVQ_LIMIT + 1);
+        CHECK_EQ(o->r[EVQ_LIMIT].key, 2999);
+
+        /* Full again, and the connector stops while one waits. */
+        for (uint32_t i = 0; i < EVQ_LIMIT; i++) {
+                char id[32];
+                snprintf(id, sizeof(id), "full-s-%u", i);
+                CHECK_EQ(conn_post_wait(cn, sock_notice(&k, id, 3000u + i, (i % 15) * 2)), 0);
+        }
+        one = (struct producer){.cn = cn};
+        CHECK(pthread_create(&th, NULL, one_main, &k) == 0);
+        wait_waiting(cn, 1);
+        kvf_store_release(&cn->stop, 1);
+        pthread_join(th, NULL);
+        CHECK_EQ(one.rc, -ESHUTDOWN);
+        kvf_store_release(&cn->stop, 0);
+        CHECK_EQ(run_all(cn)->n, EVQ_LIMIT);
+        CHECK_EQ(sock_acks(cn, &k)->n, EVQ_LIMIT);
+        sock_close(cn, &k);
+        printf("ok: a full queue (%u): the next notice's session waited until the control thread "
+               "made room, a data thread's event went in meanwhile; a stop released a waiting "
+               "session with -ESHUTDOWN\n", EVQ_LIMIT);
+}
+
+/* Answers for a session that closed are dropped, queued or not; the prefill side's repeat on
+ * its next connection is answered from the journal without a second arrival. */
+static void case_closed_session(struct connector *cn)
+{
+        uint64_t d0 = counter(KVF_CTR_ARRIVALS_DEDUPED);
+        uint64_t x0 = kvf_load_relaxed(&cn->acks_dropped);
+        struct sock a, b, c;
+        sock_open(cn, &a);
+        sock_open(cn, &b);
+        /* closed before the control thread answered */
+        CHECK_EQ(conn_post_wait(cn, sock_notice(&a, "gone-1", 4001, 2)), 0);
+        /* closed with its answer in the outbox */
+        CHECK_EQ(conn_post_wait(cn, sock_notice(&b, "gone-2", 4002, 4)), 0);
+        sock_close(cn, &a);
+        struct outs *o = run_all(cn);
+        sock_close(cn, &b);
+        CHECK(o->n == 2 && find(o, "gone-1") && find(o, "gone-2"));
+        CHECK_EQ(kvf_load_relaxed(&cn->acks_dropped), x0 + 2);
+        /* the repeats, on a new connection */
+        sock_open(cn, &c);
+        CHECK_EQ(conn_post_wait(cn, sock_notice(&c, "gone-1", 4001, 2)), 0);
+        CHECK_EQ(conn_post_wait(cn, sock_notice(&c, "gone-2", 4002, 4)), 0);
+        CHECK_EQ(run_all(cn)->n, 0);
+        CHECK_EQ(counter(KVF_CTR_ARRIVALS_DEDUPED), d0 + 2);
+        o = sock_acks(cn, &c);
+        CHECK_EQ(o->n, 2);
+        CHECK(o->r[0].key == 4001 && o->r[0].status == KVF_STATUS_FINISHED);
+        CHECK(o->r[1].key == 4002 && o->r[1].status == KVF_STATUS_FINISHED);
+        sock_close(cn, &c);
+        printf("ok: answers for closed sessions dropped (before and after they were decided); the "
+               "repeats on a new connection answered from the journal, no second arrival\n");
+}
+
 int main(void)
 {
         setvbuf(stdout, NULL, _IOLBF, 0);
@@ -442,6 +736,9 @@ int main(void)
         case_full_reply();
         case_full_arrivals();
         case_restart();
+        case_threads(&C2);
+        case_full_queue(&C2);
+        case_closed_session(&C2);
         kvf_notice_release(&slot);
         connector_drop(&C2);
         kvf_ctl_detach(&dview);

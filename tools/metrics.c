@@ -19,10 +19,12 @@
 #include <getopt.h>
 #include <microhttpd.h>
 #include <netdb.h>
+#include <poll.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/pidfd.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -38,6 +40,9 @@ static const char *prog = "kvf-metrics";
 
 #define MAX_CONNECTIONS 64u
 #define CONNECTION_TIMEOUT_S 10u
+/* Per connection: a GET's headers and the answer's; libmicrohttpd clears the pool (32 KiB by
+ * default) for each request, a cost paid per scrape. */
+#define CONNECTION_MEMORY 8192u
 
 static void usage(void)
 {
@@ -56,6 +61,20 @@ static void usage(void)
 
 /* ---- the segment: mapped read-only, mapped again when the file changes ---- */
 
+/*
+ * A role's process as last checked: a pidfd on it while (pid, starttime) in its slot stay the
+ * same, so a scrape asks the kernel one poll() for every role instead of reading /proc/<pid>/stat
+ * for each (which the kernel formats anew every time). The pidfd names the very process that
+ * kvf_role_process_alive() judged once, so a pid reused later cannot pass for it; it turns
+ * readable when that process exits.
+ */
+struct role_watch {
+        int32_t pid;
+        uint64_t starttime;
+        int fd;    /* pidfd, or -1 */
+        bool dead; /* (pid, starttime) was judged not to be the role's live process */
+};
+
 struct seg {
         const char *instance;
         char path[96];
@@ -63,27 +82,118 @@ struct seg {
         dev_t dev;
         ino_t ino;
         struct kvf_ctl ctl;
+        struct role_watch watch[KVF_ROLE_COUNT];
+        bool no_pidfd; /* pidfd_open() is refused here: every check reads /proc */
 };
 
 static struct seg seg;
 
+static void page_forget(void);
+
+static void watch_reset(struct role_watch *w)
+{
+        if (w->fd >= 0)
+                close(w->fd);
+        *w = (struct role_watch){.fd = -1};
+}
+
+/*
+ * kvf_role_alive() for every role, with the process checks answered by the pidfds: the same
+ * verdicts (state, same process, not exited, heartbeat fresh), a /proc read only when a slot
+ * names a process not seen before.
+ */
+static void roles_alive(struct seg *s, uint64_t now, bool alive[KVF_ROLE_COUNT])
+{
+        const struct kvf_ctl *c = &s->ctl;
+        struct pollfd pfd[KVF_ROLE_COUNT];
+        int at[KVF_ROLE_COUNT], npfd = 0;
+        for (int r = 0; r < KVF_ROLE_COUNT; r++) {
+                const struct kvf_role_slot *sl = &c->roles[r];
+                struct role_watch *w = &s->watch[r];
+                alive[r] = false;
+                at[r] = -1;
+                if (s->no_pidfd) {
+                        alive[r] = kvf_role_alive(c, (enum kvf_role_id)r, now);
+                        continue;
+                }
+                int32_t pid = kvf_load_acquire(&sl->pid);
+                uint32_t state = kvf_load_acquire(&sl->state);
+                uint64_t st = kvf_load_relaxed(&sl->pid_starttime);
+                if (pid <= 0 || (state != KVF_STATE_RUNNING && state != KVF_STATE_STARTING))
+                        continue;
+                if (pid != w->pid || st != w->starttime || (w->fd < 0 && !w->dead)) {
+                        watch_reset(w);
+                        w->pid = pid;
+                        w->starttime = st;
+                        /* The pidfd first, then the check: the process checked is then the
+                         * one the pidfd follows (or the check fails). */
+                        w->fd = pidfd_open(pid, 0);
+                        if (w->fd < 0 && errno != ESRCH) {
+                                s->no_pidfd = true; /* (kernel or sandbox without pidfds) */
+                                alive[r] = kvf_role_alive(c, (enum kvf_role_id)r, now);
+                                continue;
+                        }
+                        if (w->fd < 0 || !kvf_role_process_alive(c, (enum kvf_role_id)r)) {
+                                watch_reset(w);
+                                w->pid = pid;
+                                w->starttime = st;
+                                w->dead = true;
+                        }
+                }
+                if (w->dead)
+                        continue;
+                at[r] = npfd;
+                pfd[npfd++] = (struct pollfd){.fd = w->fd, .events = POLLIN};
+        }
+        if (npfd && poll(pfd, (nfds_t)npfd, 0) < 0) {
+                for (int r = 0; r < KVF_ROLE_COUNT; r++) /* (cannot happen: fall back) */
+                        if (at[r] >= 0)
+                                alive[r] = kvf_role_alive(c, (enum kvf_role_id)r, now);
+                return;
+        }
+        uint64_t limit = kvf_ms(c->hdr->heartbeat_ms) * 10;
+        for (int r = 0; r < KVF_ROLE_COUNT; r++) {
+                if (at[r] < 0)
+                        continue;
+                if (pfd[at[r]].revents) { /* exited (readable), or the pidfd broke */
+                        struct role_watch *w = &s->watch[r];
+                        int32_t pid = w->pid;
+                        uint64_t st = w->starttime;
+                        watch_reset(w);
+                        *w = (struct role_watch){.pid = pid, .starttime = st, .fd = -1, .dead = true};
+                        continue;
+                }
+                if (r == KVF_ROLE_ENGINE) {
+                        alive[r] = true;
+                        continue;
+                }
+                uint64_t hb = kvf_load_acquire(&c->roles[r].heartbeat_ns);
+                alive[r] = now < hb || now - hb <= limit;
+        }
+}
+
 /* 0: attached to the instance's current segment; <0: none (kvf_err says why). */
+static void seg_detach(struct seg *s)
+{
+        if (!s->attached)
+                return;
+        kvf_ctl_detach(&s->ctl);
+        s->attached = false;
+        for (int r = 0; r < KVF_ROLE_COUNT; r++)
+                watch_reset(&s->watch[r]);
+        page_forget();
+}
+
 static int seg_refresh(struct seg *s)
 {
         struct stat st;
         if (stat(s->path, &st) < 0) {
-                if (s->attached) {
-                        kvf_ctl_detach(&s->ctl);
-                        s->attached = false;
-                }
+                seg_detach(s);
                 return -ENOENT;
         }
         if (s->attached && st.st_dev == s->dev && st.st_ino == s->ino)
                 return 0;
-        if (s->attached) {
-                kvf_ctl_detach(&s->ctl);
-                s->attached = false;
-        }
+        seg_detach(s);
         int rc = kvf_ctl_attach(s->instance, false, &s->ctl);
         if (rc < 0)
                 return rc;
@@ -95,70 +205,149 @@ static int seg_refresh(struct seg *s)
 
 /* ---- the text ---- */
 
+/*
+ * A page's text is the same from scrape to scrape but for its numbers, so it is rendered in
+ * full once per attachment and kept as a template: the fixed text between the numbers, and
+ * where each number goes. Later scrapes run the same rendering code, which then copies the
+ * template's pieces around freshly read numbers instead of putting names, labels and help
+ * texts together again. The template belongs to one shape of page (the segment's header
+ * fields that appear in labels or decide which series exist); a page of another shape, or one
+ * whose numbers do not line up with the template's, is rendered in full and recorded anew.
+ * Nothing is cached across scrapes but text that does not change: every number is read at the
+ * scrape.
+ */
+struct page_shape {
+        uint32_t instance_role, backend, rank, nranks, counters_count;
+};
+
+struct tmpl {
+        bool valid;
+        struct page_shape shape;
+        char *text; /* the fixed pieces, one after the other */
+        size_t len, cap;
+        size_t *marks; /* marks[k]: where in text the k-th number goes */
+        size_t nmarks, capmarks;
+};
+
+static struct tmpl tmpl;
+
+enum out_mode { OUT_PLAIN, OUT_RECORD, OUT_REPLAY };
+
+/* A page's buffer; given back to a small pool when libmicrohttpd has sent it. */
+struct pagebuf {
+        size_t cap;
+        char text[];
+};
+
 struct out {
-        char *buf;
+        struct pagebuf *pb;
+        char *buf; /* pb->text */
         size_t len, cap;
         bool oom;
+        enum out_mode mode;
+        bool mismatch; /* replay: the numbers did not line up with the template */
+        size_t k, pos; /* replay: next mark, and the text offset copied up to */
         const char *inst; /* the instance label's value, escaped */
 };
 
-static void outf(struct out *o, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-static void outf(struct out *o, const char *fmt, ...)
+static void page_forget(void)
+{
+        tmpl.valid = false;
+        tmpl.len = 0;
+        tmpl.nmarks = 0;
+}
+
+static bool grow(char **p, size_t *cap, size_t len, size_t n)
+{
+        if (*cap - len > n)
+                return true;
+        size_t c = *cap * 2 + n;
+        char *b = realloc(*p, c);
+        if (!b)
+                return false;
+        *p = b;
+        *cap = c;
+        return true;
+}
+
+static void put(struct out *o, const char *s, size_t n)
 {
         if (o->oom)
                 return;
-        for (;;) {
-                va_list ap;
-                va_start(ap, fmt);
-                int n = vsnprintf(o->buf + o->len, o->cap - o->len, fmt, ap);
-                va_end(ap);
-                if (n < 0) {
+        if (o->cap - o->len <= n) {
+                size_t c = o->cap * 2 + n;
+                struct pagebuf *pb = realloc(o->pb, sizeof(*pb) + c);
+                if (!pb) {
                         o->oom = true;
                         return;
                 }
-                if ((size_t)n < o->cap - o->len) {
-                        o->len += (size_t)n;
-                        return;
-                }
-                size_t cap = o->cap * 2 + (size_t)n;
-                char *b = realloc(o->buf, cap);
-                if (!b) {
+                pb->cap = c;
+                o->pb = pb;
+                o->buf = pb->text;
+                o->cap = c;
+        }
+        memcpy(o->buf + o->len, s, n);
+        o->len += n;
+}
+
+/* Fixed text: written (and recorded), or in a replay already in the template. */
+static void out_fixed(struct out *o, const char *s, size_t n)
+{
+        if (o->mode == OUT_REPLAY)
+                return;
+        put(o, s, n);
+        if (o->mode == OUT_RECORD && !o->oom) {
+                if (!grow(&tmpl.text, &tmpl.cap, tmpl.len, n)) {
                         o->oom = true;
                         return;
                 }
-                o->buf = b;
-                o->cap = cap;
+                memcpy(tmpl.text + tmpl.len, s, n);
+                tmpl.len += n;
         }
 }
 
-/*
- * The lines of a page are strings and integers put together without printf: a page is a few
- * hundred lines, and printf's format parsing was half of what a scrape cost (perf, 96 us a page).
- */
-static bool out_room(struct out *o, size_t n)
+/* A number's text: in a replay, after the template's fixed text up to its mark. */
+static void out_number(struct out *o, const char *s, size_t n)
 {
-        if (o->oom)
-                return false;
-        if (o->cap - o->len > n)
-                return true;
-        size_t cap = o->cap * 2 + n;
-        char *b = realloc(o->buf, cap);
-        if (!b) {
-                o->oom = true;
-                return false;
+        if (o->mode == OUT_REPLAY) {
+                if (o->k >= tmpl.nmarks) {
+                        o->mismatch = true;
+                        return;
+                }
+                put(o, tmpl.text + o->pos, tmpl.marks[o->k] - o->pos);
+                o->pos = tmpl.marks[o->k++];
+        } else if (o->mode == OUT_RECORD) {
+                if (tmpl.nmarks == tmpl.capmarks) {
+                        size_t c = tmpl.capmarks ? tmpl.capmarks * 2 : 512;
+                        size_t *m = realloc(tmpl.marks, c * sizeof(*m));
+                        if (!m) {
+                                o->oom = true;
+                                return;
+                        }
+                        tmpl.marks = m;
+                        tmpl.capmarks = c;
+                }
+                tmpl.marks[tmpl.nmarks++] = tmpl.len;
         }
-        o->buf = b;
-        o->cap = cap;
-        return true;
+        put(o, s, n);
+}
+
+/* The page is whole: a replay copies the template's last fixed text. */
+static void out_end(struct out *o)
+{
+        if (o->mode != OUT_REPLAY)
+                return;
+        if (o->k != tmpl.nmarks) {
+                o->mismatch = true;
+                return;
+        }
+        put(o, tmpl.text + o->pos, tmpl.len - o->pos);
 }
 
 static void out_s(struct out *o, const char *str)
 {
-        size_t n = strlen(str);
-        if (!out_room(o, n))
-                return;
-        memcpy(o->buf + o->len, str, n);
-        o->len += n;
+        if (o->mode != OUT_REPLAY)
+                out_fixed(o, str, strlen(str));
 }
 
 static void out_u64(struct out *o, uint64_t v)
@@ -169,14 +358,29 @@ static void out_u64(struct out *o, uint64_t v)
                 d[sizeof(d) - ++n] = (char)('0' + v % 10);
                 v /= 10;
         } while (v);
-        if (!out_room(o, n))
+        out_number(o, d + sizeof(d) - n, n);
+}
+
+/* A number printf formats (a float); a page holds a handful. */
+static void out_numf(struct out *o, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void out_numf(struct out *o, const char *fmt, ...)
+{
+        char d[64];
+        va_list ap;
+        va_start(ap, fmt);
+        int n = vsnprintf(d, sizeof(d), fmt, ap);
+        va_end(ap);
+        if (n < 0 || (size_t)n >= sizeof(d)) {
+                o->oom = true;
                 return;
-        memcpy(o->buf + o->len, d + sizeof(d) - n, n);
-        o->len += n;
+        }
+        out_number(o, d, (size_t)n);
 }
 
 static void family(struct out *o, const char *name, const char *type, const char *help)
 {
+        if (o->mode == OUT_REPLAY)
+                return;
         out_s(o, "# HELP ");
         out_s(o, name);
         out_s(o, " ");
@@ -281,10 +485,27 @@ struct hist_kind {
         const struct bound *le;
         size_t nle;
         double unit; /* 1e9: nanoseconds exported as seconds; 1: bytes, descriptors */
+        unsigned *upto; /* upto[j]: the segment buckets that lie wholly at or below le[j] */
 };
-static const struct hist_kind seconds = {le_s, sizeof(le_s) / sizeof(le_s[0]), 1e9};
-static const struct hist_kind sizes_bytes = {le_bytes, sizeof(le_bytes) / sizeof(le_bytes[0]), 1};
-static const struct hist_kind sizes_descs = {le_descs, sizeof(le_descs) / sizeof(le_descs[0]), 1};
+static unsigned upto_s[sizeof(le_s) / sizeof(le_s[0])];
+static unsigned upto_bytes[sizeof(le_bytes) / sizeof(le_bytes[0])];
+static unsigned upto_descs[sizeof(le_descs) / sizeof(le_descs[0])];
+static const struct hist_kind seconds = {le_s, sizeof(le_s) / sizeof(le_s[0]), 1e9, upto_s};
+static const struct hist_kind sizes_bytes = {le_bytes, sizeof(le_bytes) / sizeof(le_bytes[0]), 1,
+                                             upto_bytes};
+static const struct hist_kind sizes_descs = {le_descs, sizeof(le_descs) / sizeof(le_descs[0]), 1,
+                                             upto_descs};
+
+/* Fills k->upto once, so that a scrape sums bucket ranges without computing bucket bounds. */
+static void hist_kind_init(const struct hist_kind *k)
+{
+        unsigned i = 0;
+        for (size_t j = 0; j < k->nle; j++) {
+                while (i + 1 < KVF_HIST_BUCKETS && bucket_low(i + 1) <= k->le[j].raw)
+                        i++;
+                k->upto[j] = i;
+        }
+}
 
 /*
  * A segment histogram (log buckets) as a Prometheus histogram: nanoseconds
@@ -309,17 +530,20 @@ static void histogram(struct out *o, const char *name, const struct kvf_histogra
         unsigned i = 0;
         uint64_t cum = 0;
         for (size_t j = 0; j < k->nle; j++) {
-                while (i + 1 < KVF_HIST_BUCKETS && bucket_low(i + 1) <= k->le[j].raw) {
+                for (; i < k->upto[j]; i++)
                         cum += b[i];
-                        i++;
-                }
                 sample_kv(o, name, "_bucket", "le", k->le[j].le, cum);
         }
         sample_kv(o, name, "_bucket", "le", "+Inf", total);
+        out_s(o, name);
+        out_s(o, "_sum{instance=\"");
+        out_s(o, o->inst);
+        out_s(o, "\"} ");
         if (k->unit == 1)
-                outf(o, "%s_sum{instance=\"%s\"} %llu\n", name, o->inst, (unsigned long long)sum);
+                out_u64(o, sum);
         else
-                outf(o, "%s_sum{instance=\"%s\"} %.9g\n", name, o->inst, (double)sum / k->unit);
+                out_numf(o, "%.9g", (double)sum / k->unit);
+        out_s(o, "\n");
         sample_kv(o, name, "_count", NULL, NULL, total);
 }
 
@@ -340,8 +564,9 @@ static const struct {
     {KVF_CTR_FAILED_PEER_ROLE, "peer_role"},
 };
 
-static void render(struct out *o, const struct kvf_ctl *c, bool up)
+static void render(struct out *o, struct seg *s, bool up)
 {
+        const struct kvf_ctl *c = &s->ctl;
         family(o, "kvferry_up", "gauge",
                "1 when the instance's control segment is mapped and valid, else 0");
         sample(o, "kvferry_up", NULL, up);
@@ -350,12 +575,14 @@ static void render(struct out *o, const struct kvf_ctl *c, bool up)
         const struct kvf_ctl_header *h = c->hdr;
         uint64_t now = kvf_now_ns();
         char lbl[160];
-        bool alive[KVF_ROLE_COUNT]; /* (each a read of /proc: once a page) */
+        bool alive[KVF_ROLE_COUNT];
 
         family(o, "kvferry_info", "gauge",
                "Constant 1; the labels say what the instance is (role, backend, rank, layout "
                "version)");
-        snprintf(lbl, sizeof(lbl),
+        lbl[0] = 0; /* (fixed text: a replay has it in the template) */
+        if (o->mode != OUT_REPLAY)
+                snprintf(lbl, sizeof(lbl),
                  "role=\"%s\",backend=\"%s\",rank=\"%u\",nranks=\"%u\",version=\"%s\"",
                  kvf_irole_name(h->instance_role),
                  h->backend == KVF_BACKEND_CUDA         ? "cuda"
@@ -455,8 +682,8 @@ static void render(struct out *o, const struct kvf_ctl *c, bool up)
         /* Roles. */
         family(o, "kvferry_role_up", "gauge",
                "1 when the role's process is alive and its heartbeat fresh");
+        roles_alive(s, now, alive);
         for (int r = 0; r < KVF_ROLE_COUNT; r++) {
-                alive[r] = kvf_role_alive(c, (enum kvf_role_id)r, now);
                 sample_kv(o, "kvferry_role_up", "", "role", kvf_role_name(r), alive[r]);
         }
         family(o, "kvferry_role_restarts_total", "counter",
@@ -508,23 +735,85 @@ static void render(struct out *o, const struct kvf_ctl *c, bool up)
 
         family(o, "kvferry_scrape_timestamp_seconds", "gauge",
                "CLOCK_REALTIME when this page was made");
-        outf(o, "kvferry_scrape_timestamp_seconds{instance=\"%s\"} %.3f\n", o->inst,
-             (double)kvf_wall_ns() / 1e9);
+        out_s(o, "kvferry_scrape_timestamp_seconds{instance=\"");
+        out_s(o, o->inst);
+        out_s(o, "\"} ");
+        out_numf(o, "%.3f", (double)kvf_wall_ns() / 1e9);
+        out_s(o, "\n");
 }
 
 /* ---- HTTP ---- */
 
 static char inst_label[2 * KVF_INSTANCE_MAX];
 
-static enum MHD_Result reply(struct MHD_Connection *conn, unsigned status, const char *type,
-                             char *body, size_t len, enum MHD_ResponseMemoryMode mode)
+static struct page_shape shape_of(const struct kvf_ctl_header *h)
 {
-        struct MHD_Response *r = MHD_create_response_from_buffer(len, body, mode);
-        if (!r) {
-                if (mode == MHD_RESPMEM_MUST_FREE)
-                        free(body);
-                return MHD_NO;
+        return (struct page_shape){.instance_role = h->instance_role,
+                                   .backend = h->backend,
+                                   .rank = h->rank,
+                                   .nranks = h->nranks,
+                                   .counters_count = h->counters_count};
+}
+
+/* The page into o: from the template when it fits this segment, else in full (recorded). */
+static void render_page(struct out *o, struct seg *s, bool up)
+{
+        if (!up) {
+                o->mode = OUT_PLAIN;
+                render(o, s, false);
+                return;
         }
+        struct page_shape shape = shape_of(s->ctl.hdr);
+        if (tmpl.valid && !memcmp(&shape, &tmpl.shape, sizeof(shape))) {
+                o->mode = OUT_REPLAY;
+                render(o, s, true);
+                out_end(o);
+                if (!o->mismatch || o->oom)
+                        return;
+                o->len = 0; /* (not seen: the template is per attachment) */
+                o->mismatch = false;
+        }
+        page_forget();
+        o->mode = OUT_RECORD;
+        render(o, s, true);
+        if (!o->oom) {
+                tmpl.valid = true;
+                tmpl.shape = shape;
+        } else {
+                page_forget();
+        }
+}
+
+/* Page buffers sent and given back, for the next scrapes (one per connection at most). */
+static struct pagebuf *pool[MAX_CONNECTIONS];
+static unsigned npool;
+
+/* libmicrohttpd's thread, when a response is done with (or at MHD_stop_daemon). */
+static void page_release(void *cls)
+{
+        if (npool < MAX_CONNECTIONS)
+                pool[npool++] = cls;
+        else
+                free(cls);
+}
+
+static struct pagebuf *page_take(void)
+{
+        if (npool)
+                return pool[--npool];
+        struct pagebuf *pb = malloc(sizeof(*pb) + (64u << 10));
+        if (pb)
+                pb->cap = 64u << 10;
+        return pb;
+}
+
+static enum MHD_Result reply(struct MHD_Connection *conn, unsigned status, const char *type,
+                             char *body, size_t len)
+{
+        struct MHD_Response *r =
+            MHD_create_response_from_buffer(len, body, MHD_RESPMEM_PERSISTENT);
+        if (!r)
+                return MHD_NO;
         MHD_add_response_header(r, MHD_HTTP_HEADER_CONTENT_TYPE, type);
         enum MHD_Result ret = MHD_queue_response(conn, status, r);
         MHD_destroy_response(r);
@@ -550,24 +839,30 @@ static enum MHD_Result handle(void *cls, struct MHD_Connection *conn, const char
         }
         if (strcmp(method, "GET") && strcmp(method, "HEAD"))
                 return reply(conn, MHD_HTTP_METHOD_NOT_ALLOWED, "text/plain", bad_method,
-                             strlen(bad_method), MHD_RESPMEM_PERSISTENT);
+                             strlen(bad_method));
         if (strcmp(url, "/metrics"))
-                return reply(conn, MHD_HTTP_NOT_FOUND, "text/plain", not_found, strlen(not_found),
-                             MHD_RESPMEM_PERSISTENT);
-        struct out o = {.cap = 64 << 10, .inst = inst_label};
-        o.buf = malloc(o.cap);
-        if (!o.buf)
-                return reply(conn, MHD_HTTP_INTERNAL_SERVER_ERROR, "text/plain", oom, strlen(oom),
-                             MHD_RESPMEM_PERSISTENT);
+                return reply(conn, MHD_HTTP_NOT_FOUND, "text/plain", not_found,
+                             strlen(not_found));
+        struct out o = {.pb = page_take(), .inst = inst_label};
+        if (!o.pb)
+                return reply(conn, MHD_HTTP_INTERNAL_SERVER_ERROR, "text/plain", oom, strlen(oom));
+        o.buf = o.pb->text;
+        o.cap = o.pb->cap;
         bool up = seg_refresh(&seg) == 0;
-        render(&o, &seg.ctl, up);
-        if (o.oom) {
-                free(o.buf);
-                return reply(conn, MHD_HTTP_INTERNAL_SERVER_ERROR, "text/plain", oom, strlen(oom),
-                             MHD_RESPMEM_PERSISTENT);
+        render_page(&o, &seg, up);
+        struct MHD_Response *r =
+            o.oom ? NULL
+                  : MHD_create_response_from_buffer_with_free_callback_cls(o.len, o.buf,
+                                                                           page_release, o.pb);
+        if (!r) {
+                page_release(o.pb);
+                return reply(conn, MHD_HTTP_INTERNAL_SERVER_ERROR, "text/plain", oom, strlen(oom));
         }
-        return reply(conn, MHD_HTTP_OK, "text/plain; version=0.0.4; charset=utf-8", o.buf, o.len,
-                     MHD_RESPMEM_MUST_FREE);
+        MHD_add_response_header(r, MHD_HTTP_HEADER_CONTENT_TYPE,
+                                "text/plain; version=0.0.4; charset=utf-8");
+        enum MHD_Result ret = MHD_queue_response(conn, MHD_HTTP_OK, r);
+        MHD_destroy_response(r);
+        return ret;
 }
 
 /* HOST:PORT or [HOST]:PORT to a socket address; -EINVAL with kvf_err. */
@@ -652,7 +947,12 @@ int main(int argc, char **argv)
                 kvf_opt_die(prog, "%s", kvf_err_msg());
         /* Instance names are [A-Za-z0-9_.-]: nothing to escape in a label value. */
         snprintf(inst_label, sizeof(inst_label), "%s", inst);
+        hist_kind_init(&seconds);
+        hist_kind_init(&sizes_bytes);
+        hist_kind_init(&sizes_descs);
         seg.instance = inst;
+        for (int r = 0; r < KVF_ROLE_COUNT; r++)
+                seg.watch[r].fd = -1;
         snprintf(seg.path, sizeof(seg.path), "/dev/shm/kvferry.%s", inst);
 
         int stop = 0;
@@ -664,7 +964,9 @@ int main(int argc, char **argv)
         struct MHD_Daemon *d =
             MHD_start_daemon(flags, 0, NULL, NULL, handle, NULL, MHD_OPTION_SOCK_ADDR,
                              (struct sockaddr *)&ss, MHD_OPTION_CONNECTION_LIMIT, MAX_CONNECTIONS,
-                             MHD_OPTION_CONNECTION_TIMEOUT, CONNECTION_TIMEOUT_S, MHD_OPTION_END);
+                             MHD_OPTION_CONNECTION_TIMEOUT, CONNECTION_TIMEOUT_S,
+                             MHD_OPTION_CONNECTION_MEMORY_LIMIT, (size_t)CONNECTION_MEMORY,
+                             MHD_OPTION_END);
         if (!d) {
                 fprintf(stderr, "%s: instance %s: cannot listen on %s: %s\n", prog, inst, listen_at,
                         errno ? strerror(errno) : "libmicrohttpd could not start its daemon");
@@ -677,8 +979,11 @@ int main(int argc, char **argv)
         while (!kvf_load_relaxed(&stop))
                 kvf_sleep_ns(kvf_ms(200));
         MHD_stop_daemon(d);
-        if (seg.attached)
-                kvf_ctl_detach(&seg.ctl);
+        seg_detach(&seg);
+        for (unsigned i = 0; i < npool; i++)
+                free(pool[i]);
+        free(tmpl.text);
+        free(tmpl.marks);
         fprintf(stderr, "%s: instance %s: stopped\n", prog, inst);
         return 0;
 }

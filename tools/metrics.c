@@ -24,6 +24,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/inotify.h>
 #include <sys/pidfd.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -84,6 +85,9 @@ struct seg {
         struct kvf_ctl ctl;
         struct role_watch watch[KVF_ROLE_COUNT];
         bool no_pidfd; /* pidfd_open() is refused here: every check reads /proc */
+        int ino_fd;    /* inotify on the file's directory, or -1: stat() every scrape */
+        const char *file; /* the file's name in its directory */
+        uint64_t attaches; /* attachments so far */
 };
 
 static struct seg seg;
@@ -98,22 +102,35 @@ static void watch_reset(struct role_watch *w)
 }
 
 /*
- * kvf_role_alive() for every role, with the process checks answered by the pidfds: the same
- * verdicts (state, same process, not exited, heartbeat fresh), a /proc read only when a slot
- * names a process not seen before.
+ * One poll() a scrape: the pidfds of the roles' processes and the inotify descriptor that says
+ * whether the instance's segment file was removed or created since the last scrape (then, and
+ * only then, it is looked at again with stat()).
  */
-static void roles_alive(struct seg *s, uint64_t now, bool alive[KVF_ROLE_COUNT])
+struct scan {
+        struct pollfd pfd[1 + KVF_ROLE_COUNT];
+        int at[KVF_ROLE_COUNT]; /* the role's pidfd in pfd; -1: not alive; -2: ask /proc */
+        int n;
+        int ino;   /* the inotify descriptor in pfd, or -1 */
+        bool done; /* polled for this page */
+};
+
+/* The roles' slots as they are now: which to poll, which are down already. */
+static void roles_scan(struct seg *s, struct scan *sc, bool with_ino)
 {
         const struct kvf_ctl *c = &s->ctl;
-        struct pollfd pfd[KVF_ROLE_COUNT];
-        int at[KVF_ROLE_COUNT], npfd = 0;
+        sc->n = 0;
+        sc->ino = -1;
+        sc->done = false;
+        if (with_ino && s->ino_fd >= 0) {
+                sc->ino = sc->n;
+                sc->pfd[sc->n++] = (struct pollfd){.fd = s->ino_fd, .events = POLLIN};
+        }
         for (int r = 0; r < KVF_ROLE_COUNT; r++) {
                 const struct kvf_role_slot *sl = &c->roles[r];
                 struct role_watch *w = &s->watch[r];
-                alive[r] = false;
-                at[r] = -1;
+                sc->at[r] = -1;
                 if (s->no_pidfd) {
-                        alive[r] = kvf_role_alive(c, (enum kvf_role_id)r, now);
+                        sc->at[r] = -2;
                         continue;
                 }
                 int32_t pid = kvf_load_acquire(&sl->pid);
@@ -130,7 +147,7 @@ static void roles_alive(struct seg *s, uint64_t now, bool alive[KVF_ROLE_COUNT])
                         w->fd = pidfd_open(pid, 0);
                         if (w->fd < 0 && errno != ESRCH) {
                                 s->no_pidfd = true; /* (kernel or sandbox without pidfds) */
-                                alive[r] = kvf_role_alive(c, (enum kvf_role_id)r, now);
+                                sc->at[r] = -2;
                                 continue;
                         }
                         if (w->fd < 0 || !kvf_role_process_alive(c, (enum kvf_role_id)r)) {
@@ -142,20 +159,45 @@ static void roles_alive(struct seg *s, uint64_t now, bool alive[KVF_ROLE_COUNT])
                 }
                 if (w->dead)
                         continue;
-                at[r] = npfd;
-                pfd[npfd++] = (struct pollfd){.fd = w->fd, .events = POLLIN};
+                sc->at[r] = sc->n;
+                sc->pfd[sc->n++] = (struct pollfd){.fd = w->fd, .events = POLLIN};
         }
-        if (npfd && poll(pfd, (nfds_t)npfd, 0) < 0) {
-                for (int r = 0; r < KVF_ROLE_COUNT; r++) /* (cannot happen: fall back) */
-                        if (at[r] >= 0)
-                                alive[r] = kvf_role_alive(c, (enum kvf_role_id)r, now);
+}
+
+static void scan_poll(struct scan *sc)
+{
+        sc->done = true;
+        if (!sc->n || poll(sc->pfd, (nfds_t)sc->n, 0) >= 0)
                 return;
+        for (int r = 0; r < KVF_ROLE_COUNT; r++) /* (cannot happen: ask /proc) */
+                if (sc->at[r] >= 0)
+                        sc->at[r] = -2;
+        if (sc->ino >= 0)
+                sc->pfd[sc->ino].revents = POLLIN; /* and look at the file */
+}
+
+/*
+ * kvf_role_alive() for every role, the process checks answered by the pidfds: the same
+ * verdicts (state, same process, not exited, heartbeat fresh), a /proc read only when a slot
+ * names a process not seen before.
+ */
+static void roles_alive(struct seg *s, struct scan *sc, uint64_t now, bool alive[KVF_ROLE_COUNT])
+{
+        const struct kvf_ctl *c = &s->ctl;
+        if (!sc->done) {
+                roles_scan(s, sc, false);
+                scan_poll(sc);
         }
         uint64_t limit = kvf_ms(c->hdr->heartbeat_ms) * 10;
         for (int r = 0; r < KVF_ROLE_COUNT; r++) {
-                if (at[r] < 0)
+                alive[r] = false;
+                if (sc->at[r] == -2) {
+                        alive[r] = kvf_role_alive(c, (enum kvf_role_id)r, now);
                         continue;
-                if (pfd[at[r]].revents) { /* exited (readable), or the pidfd broke */
+                }
+                if (sc->at[r] < 0)
+                        continue;
+                if (sc->pfd[sc->at[r]].revents) { /* exited (readable), or the pidfd broke */
                         struct role_watch *w = &s->watch[r];
                         int32_t pid = w->pid;
                         uint64_t st = w->starttime;
@@ -172,7 +214,6 @@ static void roles_alive(struct seg *s, uint64_t now, bool alive[KVF_ROLE_COUNT])
         }
 }
 
-/* 0: attached to the instance's current segment; <0: none (kvf_err says why). */
 static void seg_detach(struct seg *s)
 {
         if (!s->attached)
@@ -198,9 +239,56 @@ static int seg_refresh(struct seg *s)
         if (rc < 0)
                 return rc;
         s->attached = true;
+        s->attaches++;
         s->dev = st.st_dev;
         s->ino = st.st_ino;
         return 0;
+}
+
+/* Removed or created since the last look: the segment's file (or the events overflowed). */
+static bool ino_drain(struct seg *s)
+{
+        bool hit = false, lost = false;
+        char buf[4096] __attribute__((aligned(__alignof__(struct inotify_event))));
+        for (;;) {
+                ssize_t n = read(s->ino_fd, buf, sizeof(buf));
+                if (n <= 0 && (lost || (n < 0 && errno != EAGAIN && errno != EINTR))) {
+                        close(s->ino_fd); /* (the watch is gone: stat() every scrape) */
+                        s->ino_fd = -1;
+                        return true;
+                }
+                if (n <= 0)
+                        return hit;
+                for (ssize_t off = 0; off + (ssize_t)sizeof(struct inotify_event) <= n;) {
+                        const struct inotify_event *e = (const struct inotify_event *)(buf + off);
+                        if ((e->mask & IN_Q_OVERFLOW) || (e->len && !strcmp(e->name, s->file)))
+                                hit = true;
+                        if (e->mask & IN_IGNORED)
+                                lost = true;
+                        off += (ssize_t)(sizeof(*e) + e->len);
+                }
+        }
+}
+
+/*
+ * True when the instance's current segment is mapped. While one is, its file is looked at only
+ * when inotify says it was removed or created; the same poll() asks the roles' pidfds, for
+ * roles_alive() (sc->done).
+ */
+static bool seg_current(struct seg *s, struct scan *sc)
+{
+        if (!s->attached || s->ino_fd < 0)
+                return seg_refresh(s) == 0;
+        roles_scan(s, sc, true);
+        scan_poll(sc);
+        if (!sc->pfd[sc->ino].revents || !ino_drain(s))
+                return true;
+        uint64_t before = s->attaches;
+        if (seg_refresh(s) < 0)
+                return false;
+        if (s->attaches != before)
+                sc->done = false; /* (another segment: its roles are scanned afresh) */
+        return true;
 }
 
 /* ---- the text ---- */
@@ -564,7 +652,7 @@ static const struct {
     {KVF_CTR_FAILED_PEER_ROLE, "peer_role"},
 };
 
-static void render(struct out *o, struct seg *s, bool up)
+static void render(struct out *o, struct seg *s, struct scan *sc, bool up)
 {
         const struct kvf_ctl *c = &s->ctl;
         family(o, "kvferry_up", "gauge",
@@ -682,7 +770,7 @@ static void render(struct out *o, struct seg *s, bool up)
         /* Roles. */
         family(o, "kvferry_role_up", "gauge",
                "1 when the role's process is alive and its heartbeat fresh");
-        roles_alive(s, now, alive);
+        roles_alive(s, sc, now, alive);
         for (int r = 0; r < KVF_ROLE_COUNT; r++) {
                 sample_kv(o, "kvferry_role_up", "", "role", kvf_role_name(r), alive[r]);
         }
@@ -756,17 +844,17 @@ static struct page_shape shape_of(const struct kvf_ctl_header *h)
 }
 
 /* The page into o: from the template when it fits this segment, else in full (recorded). */
-static void render_page(struct out *o, struct seg *s, bool up)
+static void render_page(struct out *o, struct seg *s, struct scan *sc, bool up)
 {
         if (!up) {
                 o->mode = OUT_PLAIN;
-                render(o, s, false);
+                render(o, s, sc, false);
                 return;
         }
         struct page_shape shape = shape_of(s->ctl.hdr);
         if (tmpl.valid && !memcmp(&shape, &tmpl.shape, sizeof(shape))) {
                 o->mode = OUT_REPLAY;
-                render(o, s, true);
+                render(o, s, sc, true);
                 out_end(o);
                 if (!o->mismatch || o->oom)
                         return;
@@ -775,7 +863,7 @@ static void render_page(struct out *o, struct seg *s, bool up)
         }
         page_forget();
         o->mode = OUT_RECORD;
-        render(o, s, true);
+        render(o, s, sc, true);
         if (!o->oom) {
                 tmpl.valid = true;
                 tmpl.shape = shape;
@@ -848,8 +936,9 @@ static enum MHD_Result handle(void *cls, struct MHD_Connection *conn, const char
                 return reply(conn, MHD_HTTP_INTERNAL_SERVER_ERROR, "text/plain", oom, strlen(oom));
         o.buf = o.pb->text;
         o.cap = o.pb->cap;
-        bool up = seg_refresh(&seg) == 0;
-        render_page(&o, &seg, up);
+        struct scan sc = {.done = false};
+        bool up = seg_current(&seg, &sc);
+        render_page(&o, &seg, &sc, up);
         struct MHD_Response *r =
             o.oom ? NULL
                   : MHD_create_response_from_buffer_with_free_callback_cls(o.len, o.buf,
@@ -954,6 +1043,16 @@ int main(int argc, char **argv)
         for (int r = 0; r < KVF_ROLE_COUNT; r++)
                 seg.watch[r].fd = -1;
         snprintf(seg.path, sizeof(seg.path), "/dev/shm/kvferry.%s", inst);
+        seg.file = strrchr(seg.path, '/') + 1;
+        /* (Without inotify, every scrape looks at the file.) */
+        seg.ino_fd = inotify_init1(IN_NONBLOCK | IN_CLOEXEC);
+        if (seg.ino_fd >= 0 &&
+            inotify_add_watch(seg.ino_fd, "/dev/shm",
+                              IN_CREATE | IN_DELETE | IN_MOVED_FROM | IN_MOVED_TO | IN_DELETE_SELF |
+                                  IN_MOVE_SELF) < 0) {
+                close(seg.ino_fd);
+                seg.ino_fd = -1;
+        }
 
         int stop = 0;
         kvf_opt_signals(&stop);
@@ -984,6 +1083,8 @@ int main(int argc, char **argv)
                 free(pool[i]);
         free(tmpl.text);
         free(tmpl.marks);
+        if (seg.ino_fd >= 0)
+                close(seg.ino_fd);
         fprintf(stderr, "%s: instance %s: stopped\n", prog, inst);
         return 0;
 }

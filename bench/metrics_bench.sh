@@ -56,7 +56,7 @@ run() { # run KIND I: one kvf-sim run; prints its GiB/s and requests/s
 echo "kvferry metrics scraping: $(nproc) CPUs, $(lscpu | grep 'Model name' | sed 's/.*: *//'), Linux $(uname -r), $(date -u +%F)"
 echo "kvf-sim --requests $REQS (ipc, llama-3.1-8b tp 8, conversation trace), $ROUNDS rounds alternated; scraper: $RATE GETs/s over both instances' /metrics"
 run warmup 0 >/dev/null # the sender maps the peer's cache on its first task
-A=() S=() C=() K=()
+A=() S=() C=() K=() Q=()
 for i in $(seq "$ROUNDS"); do
   a=$(run plain "$i")
   c0=$(cpu_ticks)
@@ -70,10 +70,13 @@ for i in $(seq "$ROUNDS"); do
   cpu_us=$(/usr/bin/python3 -c "print('%.0f' % (1e6 * ($c1 - $c0) / $TICK / $n))")
   echo "round $i: unscraped ${a% *} GiB/s ${a#* } req/s | scraped ${s% *} GiB/s ${s#* } req/s (scraper: $n GETs, $rps/s, mean $lat_us us, its own CPU $cl_us us per GET; kvf-metrics $cpu_us us CPU per GET)"
   A+=("${a% *}") S+=("${s% *}") C+=("$cpu_us") K+=("$cl_us")
+  Q+=("$(/usr/bin/python3 -c "print('%.4f' % (${s% *} / ${a% *}))")")
 done
 median() { printf '%s\n' "$@" | sort -g | awk '{ v[NR] = $1 } END { print (NR % 2) ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2 }'; }
 ma=$(median "${A[@]}") ms=$(median "${S[@]}")
 bytes=$(curl -sf --max-time 5 "http://127.0.0.1:$PP/metrics" | wc -c)
 echo "a page: $bytes bytes (prefill, after the runs); CPU per GET, medians: kvf-metrics $(median "${C[@]}") us (both servers), the scraper $(median "${K[@]}") us"
 echo "unscraped runs: $(printf '%s\n' "${A[@]}" | sort -g | awk -v m="$ma" 'NR == 1 { lo = $1 } { hi = $1 } END { printf "min %.3f max %.3f GiB/s, %.1f %% to %+.1f %% of their median", lo, hi, 100 * (lo / m - 1), 100 * (hi / m - 1) }')"
-echo "median: unscraped $ma GiB/s, scraped $ms GiB/s; ratio scraped/unscraped $(/usr/bin/python3 -c "print('%.3f' % ($ms / $ma))")"
+echo "median: unscraped $ma GiB/s, scraped $ms GiB/s; ratio scraped/unscraped $(/usr/bin/python3 -c "print('%.3f' % ($ms / $ma))") (median of the rounds' own ratios $(median "${Q[@]}"))"
+# What the scrapes took from the two vCPUs the runs share: both servers and the scraper, at RATE.
+echo "scraping's CPU: $(/usr/bin/python3 -c "print('%.1f' % (($(median "${C[@]}") + $(median "${K[@]}")) * $RATE / 1e6 / $(nproc) * 100))") % of the $(nproc) CPUs at $RATE GETs/s (medians: kvf-metrics + the scraper per GET)"

@@ -55,6 +55,8 @@ static uint64_t now_ns(void)
 struct conn {
         int fd;
         unsigned port;
+        char req[160]; /* the GET, made once */
+        int req_len;
         char *buf; /* bytes read and not yet consumed: buf[0, len) */
         size_t len, cap;
 };
@@ -64,6 +66,12 @@ static int conn_open(struct conn *c, const char *host)
         struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons((uint16_t)c->port)};
         if (inet_pton(AF_INET, host, &sa.sin_addr) != 1) {
                 fprintf(stderr, "%s: --host '%s' is not an IPv4 address\n", prog, host);
+                return -EINVAL;
+        }
+        c->req_len = snprintf(c->req, sizeof(c->req), "GET /metrics HTTP/1.1\r\nHost: %s:%u\r\n\r\n",
+                              host, c->port);
+        if (c->req_len <= 0 || c->req_len >= (int)sizeof(c->req)) {
+                fprintf(stderr, "%s: --host '%s' is too long\n", prog, host);
                 return -EINVAL;
         }
         c->fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
@@ -112,13 +120,10 @@ static int conn_fill(struct conn *c)
 }
 
 /* One GET of /metrics and its whole answer, verified; 0 or <0 (message printed). */
-static int get_once(struct conn *c, const char *host, const char *expect)
+static int get_once(struct conn *c, const char *expect, size_t expect_len)
 {
-        char req[160];
-        int rl = snprintf(req, sizeof(req), "GET /metrics HTTP/1.1\r\nHost: %s:%u\r\n\r\n", host,
-                          c->port);
-        for (int off = 0; off < rl;) {
-                ssize_t n = write(c->fd, req + off, (size_t)(rl - off));
+        for (int off = 0; off < c->req_len;) {
+                ssize_t n = write(c->fd, c->req + off, (size_t)(c->req_len - off));
                 if (n < 0 && errno == EINTR)
                         continue;
                 if (n <= 0) {
@@ -135,8 +140,7 @@ static int get_once(struct conn *c, const char *host, const char *expect)
         }
         size_t hlen = (size_t)(eoh - c->buf) + 4;
         *eoh = 0; /* the headers as a string (the body's first byte is read later, not here) */
-        unsigned status = 0;
-        if (sscanf(c->buf, "HTTP/1.%*u %u", &status) != 1 || status != 200) {
+        if (hlen < 16 || memcmp(c->buf, "HTTP/1.", 7) || memcmp(c->buf + 8, " 200 ", 5)) {
                 fprintf(stderr, "%s: port %u: answer '%.40s', want status 200\n", prog, c->port,
                         c->buf);
                 return -EPROTO;
@@ -157,7 +161,7 @@ static int get_once(struct conn *c, const char *host, const char *expect)
                 if (rc < 0)
                         return rc;
         }
-        if (!memmem(c->buf + hlen, (size_t)clen, expect, strlen(expect))) {
+        if (!memmem(c->buf + hlen, (size_t)clen, expect, expect_len)) {
                 fprintf(stderr, "%s: port %u: the page (%lld bytes) lacks '%s'\n", prog, c->port,
                         clen, expect);
                 return -EPROTO;
@@ -260,7 +264,7 @@ int main(int argc, char **argv)
         unsigned long long n = 0;
         while (!stop && (!count || n < count)) {
                 uint64_t t = now_ns();
-                if (get_once(&conns[n % nports], host, expect) < 0) {
+                if (get_once(&conns[n % nports], expect, strlen(expect)) < 0) {
                         rc = 1;
                         goto out;
                 }

@@ -20,7 +20,6 @@
 #include <microhttpd.h>
 #include <netdb.h>
 #include <poll.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -450,19 +449,33 @@ static void out_u64(struct out *o, uint64_t v)
 }
 
 /* A number printf formats (a float); a page holds a handful. */
-static void out_numf(struct out *o, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-static void out_numf(struct out *o, const char *fmt, ...)
+/*
+ * A time histogram's sum in seconds (%.9g of the nanoseconds / 1e9). printf's floating point was
+ * a few per cent of a scrape; a sum changes far less often than it is scraped, so each
+ * histogram's text is kept with the sum it was made from and made again only when that differs.
+ */
+static struct {
+        uint64_t sum;
+        bool valid;
+        uint8_t len;
+        char text[40];
+} sum_text[KVF_HIST_COUNT];
+
+
+static void out_seconds(struct out *o, enum kvf_hist_id hist, uint64_t sum, double unit)
 {
-        char d[64];
-        va_list ap;
-        va_start(ap, fmt);
-        int n = vsnprintf(d, sizeof(d), fmt, ap);
-        va_end(ap);
-        if (n < 0 || (size_t)n >= sizeof(d)) {
-                o->oom = true;
-                return;
+        if (!sum_text[hist].valid || sum_text[hist].sum != sum) {
+                int n = snprintf(sum_text[hist].text, sizeof(sum_text[hist].text), "%.9g",
+                                 (double)sum / unit);
+                if (n < 0 || (size_t)n >= sizeof(sum_text[hist].text)) {
+                        o->oom = true;
+                        return;
+                }
+                sum_text[hist].len = (uint8_t)n;
+                sum_text[hist].sum = sum;
+                sum_text[hist].valid = true;
         }
-        out_number(o, d, (size_t)n);
+        out_number(o, sum_text[hist].text, sum_text[hist].len);
 }
 
 static void family(struct out *o, const char *name, const char *type, const char *help)
@@ -605,9 +618,10 @@ static void hist_kind_init(const struct hist_kind *k)
  * is the buckets' sum (read at one time with them), not the separate count
  * word, so that +Inf equals _count.
  */
-static void histogram(struct out *o, const char *name, const struct kvf_histogram *h,
-                      const struct hist_kind *k, const char *help)
+static void histogram(struct out *o, const char *name, const struct kvf_ctl *c,
+                      enum kvf_hist_id id, const struct hist_kind *k, const char *help)
 {
+        const struct kvf_histogram *h = &c->sender->hist[id];
         uint64_t b[KVF_HIST_BUCKETS], total = 0;
         for (unsigned i = 0; i < KVF_HIST_BUCKETS; i++) {
                 b[i] = kvf_load_relaxed(&h->buckets[i]);
@@ -630,7 +644,7 @@ static void histogram(struct out *o, const char *name, const struct kvf_histogra
         if (k->unit == 1)
                 out_u64(o, sum);
         else
-                out_numf(o, "%.9g", (double)sum / k->unit);
+                out_seconds(o, id, sum, k->unit);
         out_s(o, "\n");
         sample_kv(o, name, "_count", NULL, NULL, total);
 }
@@ -727,7 +741,7 @@ static void render(struct out *o, struct seg *s, struct scan *sc, bool up)
         sample(o, "kvferry_transport_bytes_total", "transport=\"rdma\"", b_rdma);
         counter1(o, c, "kvferry_received_bytes_total", KVF_CTR_BYTES_TCP_RECEIVED,
                  "Bytes of KV cache received over tcp (decode side)");
-        histogram(o, "kvferry_bytes_transferred", &c->sender->hist[KVF_HIST_REQ_BYTES],
+        histogram(o, "kvferry_bytes_transferred", c, KVF_HIST_REQ_BYTES,
                   &sizes_bytes,
                   "Bytes of each finished transfer (request), one observation per transfer (vLLM "
                   "NIXL: nixl_bytes_transferred)");
@@ -740,20 +754,20 @@ static void render(struct out *o, struct seg *s, struct scan *sc, bool up)
         sample(o, "kvferry_descriptors_total", "kind=\"tcp_frame\"", d_frames);
         sample(o, "kvferry_descriptors_total", "kind=\"rdma_write\"", d_wr);
         sample(o, "kvferry_descriptors_total", "kind=\"copy_batch\"", d_copy);
-        histogram(o, "kvferry_num_descriptors", &c->sender->hist[KVF_HIST_REQ_DESCS], &sizes_descs,
+        histogram(o, "kvferry_num_descriptors", c, KVF_HIST_REQ_DESCS, &sizes_descs,
                   "Descriptors of each finished transfer: copy runs (ipc), data frames (tcp), "
                   "write work requests (rdma) (vLLM NIXL: nixl_num_descriptors)");
 
         /* Latency (the sender's histograms). */
-        histogram(o, "kvferry_xfer_time_seconds", &c->sender->hist[KVF_HIST_REQ_XFER], &seconds,
+        histogram(o, "kvferry_xfer_time_seconds", c, KVF_HIST_REQ_XFER, &seconds,
                   "Time of each finished transfer, from its first bytes handed to a copy or the "
                   "connector to its completion (vLLM NIXL: nixl_xfer_time_seconds)");
-        histogram(o, "kvferry_batch_time_seconds", &c->sender->hist[KVF_HIST_COPY], &seconds,
+        histogram(o, "kvferry_batch_time_seconds", c, KVF_HIST_COPY, &seconds,
                   "Time from posting one layer's batch of copies or writes to its completion");
-        histogram(o, "kvferry_tail_seconds", &c->sender->hist[KVF_HIST_LAST_TO_DONE], &seconds,
+        histogram(o, "kvferry_tail_seconds", c, KVF_HIST_LAST_TO_DONE, &seconds,
                   "Time from a request's last layer being ready to its completion");
         histogram(
-            o, "kvferry_copy_start_seconds", &c->sender->hist[KVF_HIST_LAYER_TO_COPY], &seconds,
+            o, "kvferry_copy_start_seconds", c, KVF_HIST_LAYER_TO_COPY, &seconds,
             "Time from the engine publishing a layer-done event to the sender starting its copy");
 
         /* Rings. */
@@ -834,7 +848,12 @@ static void render(struct out *o, struct seg *s, struct scan *sc, bool up)
         out_s(o, "kvferry_scrape_timestamp_seconds{instance=\"");
         out_s(o, o->inst);
         out_s(o, "\"} ");
-        out_numf(o, "%.3f", (double)kvf_wall_ns() / 1e9);
+        /* %.3f of the seconds, without printf's floating point (once a page) */
+        uint64_t ms = (kvf_wall_ns() + 500000) / 1000000;
+        char ts[32];
+        int tn = snprintf(ts, sizeof(ts), "%llu.%03u", (unsigned long long)(ms / 1000),
+                          (unsigned)(ms % 1000));
+        out_number(o, ts, (size_t)tn);
         out_s(o, "\n");
 }
 

@@ -2,13 +2,14 @@
  * kvf-bench-scrape: a paced, bounded /metrics scraper for bench/metrics_bench.sh.
  *
  *   kvf-bench-scrape --port P [--port P ...] [--host 127.0.0.1] [--rate R]
- *                    [--count N] [--expect TEXT]
+ *                    [--count N] [--expect TEXT] [--path PATH] [--status CODE]
  *
  * One keep-alive HTTP/1.1 connection per port; GETs /metrics at R requests per
  * second in all (an absolute schedule, so a slow answer delays the next GET but
  * never makes a burst larger than one), alternating the ports, until N GETs
  * (0: until SIGTERM or SIGINT). Every answer must be status 200 with a
- * Content-Length body that contains TEXT (default "kvferry_up"). It then prints
+ * Content-Length body that contains TEXT (default "kvferry_up"); --path and
+ * --status ask another page (e.g. a 404's, a server's cost floor). It then prints
  * one line: GETs, their rate, mean latency in microseconds, and this process's
  * own CPU time (user + system) per GET in microseconds, so that a benchmark can
  * tell the scraper's cost from the server's.
@@ -61,6 +62,9 @@ struct conn {
         size_t len, cap;
 };
 
+static const char *path = "/metrics";
+static char want_status[8] = " 200 ";
+
 static int conn_open(struct conn *c, const char *host)
 {
         struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons((uint16_t)c->port)};
@@ -68,10 +72,10 @@ static int conn_open(struct conn *c, const char *host)
                 fprintf(stderr, "%s: --host '%s' is not an IPv4 address\n", prog, host);
                 return -EINVAL;
         }
-        c->req_len = snprintf(c->req, sizeof(c->req), "GET /metrics HTTP/1.1\r\nHost: %s:%u\r\n\r\n",
-                              host, c->port);
+        c->req_len = snprintf(c->req, sizeof(c->req), "GET %s HTTP/1.1\r\nHost: %s:%u\r\n\r\n",
+                              path, host, c->port);
         if (c->req_len <= 0 || c->req_len >= (int)sizeof(c->req)) {
-                fprintf(stderr, "%s: --host '%s' is too long\n", prog, host);
+                fprintf(stderr, "%s: --host or --path too long\n", prog);
                 return -EINVAL;
         }
         c->fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
@@ -140,9 +144,9 @@ static int get_once(struct conn *c, const char *expect, size_t expect_len)
         }
         size_t hlen = (size_t)(eoh - c->buf) + 4;
         *eoh = 0; /* the headers as a string (the body's first byte is read later, not here) */
-        if (hlen < 16 || memcmp(c->buf, "HTTP/1.", 7) || memcmp(c->buf + 8, " 200 ", 5)) {
-                fprintf(stderr, "%s: port %u: answer '%.40s', want status 200\n", prog, c->port,
-                        c->buf);
+        if (hlen < 16 || memcmp(c->buf, "HTTP/1.", 7) || memcmp(c->buf + 8, want_status, 5)) {
+                fprintf(stderr, "%s: port %u: answer '%.40s', want status%.4s\n", prog, c->port,
+                        c->buf, want_status);
                 return -EPROTO;
         }
         long long clen = -1;
@@ -181,6 +185,7 @@ static void usage(void)
                "ports, one keep-alive connection each, until N GETs (default 0: until "
                "SIGTERM/SIGINT).\n"
                "Each answer must be 200 with a body containing TEXT (default kvferry_up).\n"
+               "--path PATH (default /metrics) and --status CODE (default 200) ask another page.\n"
                "Prints: GETS RATE MEAN_LATENCY_US CPU_US_PER_GET (this process's user + system).\n"
                "Exit: 0 every answer verified; 1 a failure; 2 usage.\n",
                prog);
@@ -193,11 +198,12 @@ int main(int argc, char **argv)
         const char *host = "127.0.0.1", *expect = "kvferry_up";
         double rate = 400;
         unsigned long long count = 0;
-        enum { O_PORT = 1, O_HOST, O_RATE, O_COUNT, O_EXPECT, O_HELP };
+        enum { O_PORT = 1, O_HOST, O_RATE, O_COUNT, O_EXPECT, O_PATH, O_STATUS, O_HELP };
         static const struct option opts[] = {
             {"port", required_argument, 0, O_PORT},   {"host", required_argument, 0, O_HOST},
             {"rate", required_argument, 0, O_RATE},   {"count", required_argument, 0, O_COUNT},
-            {"expect", required_argument, 0, O_EXPECT}, {"help", no_argument, 0, O_HELP},
+            {"expect", required_argument, 0, O_EXPECT}, {"path", required_argument, 0, O_PATH},
+            {"status", required_argument, 0, O_STATUS}, {"help", no_argument, 0, O_HELP},
             {0, 0, 0, 0}};
         int ch;
         char *end;
@@ -235,6 +241,24 @@ int main(int argc, char **argv)
                 case O_EXPECT:
                         expect = optarg;
                         break;
+                case O_PATH:
+                        if (optarg[0] != '/' || strpbrk(optarg, " \r\n")) {
+                                fprintf(stderr, "%s: --path '%s': want /PATH without spaces\n",
+                                        prog, optarg);
+                                return 2;
+                        }
+                        path = optarg;
+                        break;
+                case O_STATUS: {
+                        unsigned long st = strtoul(optarg, &end, 10);
+                        if (*end || st < 100 || st > 599) {
+                                fprintf(stderr, "%s: --status '%s': want 100 to 599\n", prog,
+                                        optarg);
+                                return 2;
+                        }
+                        snprintf(want_status, sizeof(want_status), " %lu ", st);
+                        break;
+                }
                 case O_HELP:
                         usage();
                         return 0;

@@ -4,7 +4,7 @@
 # and up again once restarted, with its restart counted; the instance gone answers kvferry_up 0
 # and the instance started again under the same name is mapped afresh. kvf-bench-scrape (the
 # benchmark's scraper) makes its paced GETs, verifies each page and fails on a page without the
-# series it expects.
+# series it expects or with another status than the one it asks for.
 source "$(dirname "$0")/lib.sh"
 R=$KVFERRY_RUN_DIR
 L="--model llama-3.1-8b --tp 8 --cache-mib 64"
@@ -63,7 +63,13 @@ if "$B/bench/kvf-bench-scrape" --port "$PORT" --count 2 --expect kvferry_nosuch 
   fail "kvf-bench-scrape accepted a page without the series it expects"
 fi
 grep -q "lacks 'kvferry_nosuch'" "$R/scrape.err" || fail "kvf-bench-scrape said: $(cat "$R/scrape.err")"
-pass "kvf-bench-scrape: 300 GETs verified ($out); a page without the expected series fails"
+if "$B/bench/kvf-bench-scrape" --port "$PORT" --count 2 --path /nosuch 2>"$R/scrape.err"; then
+  fail "kvf-bench-scrape accepted a 404 where it wants 200"
+fi
+grep -q "want status 200" "$R/scrape.err" || fail "kvf-bench-scrape said: $(cat "$R/scrape.err")"
+out=$("$B/bench/kvf-bench-scrape" --port "$PORT" --count 5 --path /nosuch --status 404 \
+  --expect "not found") || fail "kvf-bench-scrape --path /nosuch --status 404 failed"
+pass "kvf-bench-scrape: 300 GETs verified; a page without the expected series, or a 404 where 200 is wanted, fails; a 404 asked for passes"
 
 # ---- a role's process exits: down at once (its supervisor held still), then restarted ----
 sp=$(pid_of sender "$I") || fail "no sender of $I"

@@ -137,7 +137,7 @@ static int get_once(struct conn *c, const char *expect, size_t expect_len)
                 off += (int)n;
         }
         char *eoh;
-        while (!(eoh = memmem(c->buf, c->len, "\r\n\r\n", 4))) {
+        while (!c->len || !(eoh = memmem(c->buf, c->len, "\r\n\r\n", 4))) {
                 int rc = conn_fill(c);
                 if (rc < 0)
                         return rc;

@@ -26,30 +26,31 @@ export KVFERRY_RUN_DIR=$(mktemp -d /tmp/kvferry-bench.XXXXXX)
 export KVFERRY_TOKEN_FILE=$KVFERRY_RUN_DIR/token
 export KVFERRY_BACKEND=host
 R=$KVFERRY_RUN_DIR I=mc$$
-SERVERS=()
+PA="" PB=""
 cleanup() {
   local p
-  for p in "${SERVERS[@]}"; do kill "$p" 2>/dev/null || true; done
+  for p in $PA $PB; do kill "$p" 2>/dev/null || true; done
   "$ROOT/tools/kvferry" down --instance $I >/dev/null 2>&1 || true
   rm -rf "$R"
 }
 trap cleanup EXIT
 "$ROOT/tools/kvferry" up --instance $I --role decode --model llama-3.1-8b --tp 8 --cache-mib 64 >/dev/null 2>&1
-# serve BIN LOG: starts a metrics server of the instance; prints its pid and port
+# serve BIN LOG: starts a metrics server of the instance; prints its pid and port (the caller
+# keeps the pid: cleanup stops it)
 serve() {
   "$1" --instance $I --listen 127.0.0.1:0 2>"$2" &
-  SERVERS+=("$!")
   local p=$! port=""
   for _ in $(seq 500); do
     port=$(sed -n 's/.*(port \([0-9]*\)).*/\1/p' "$2")
     [ -n "$port" ] && break
     sleep 0.01
   done
-  [ -n "$port" ] || { echo "metrics_cpu_ab: $1 did not listen: $(cat "$2")" >&2; exit 1; }
+  [ -n "$port" ] || { kill "$p" 2>/dev/null; echo "metrics_cpu_ab: $1 did not listen: $(cat "$2")" >&2; exit 1; }
   echo "$p $port"
 }
 read -r PA PORTA < <(serve "$B/kvf-metrics" "$R/a.log")
 read -r PB PORTB < <(serve "$REF" "$R/b.log")
+[ -n "${PORTA:-}" ] && [ -n "${PORTB:-}" ] || exit 1
 # run_ns PID: CPU time of all its threads so far, ns
 run_ns() { local t=0 f; for f in /proc/$1/task/*/schedstat; do t=$((t + $(cut -d' ' -f1 "$f"))); done; echo $t; }
 # per_get PID PORT [SCRAPER OPTIONS]: the server's CPU µs per GET over GETS paced GETs

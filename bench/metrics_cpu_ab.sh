@@ -45,7 +45,7 @@ serve() {
     [ -n "$port" ] && break
     sleep 0.01
   done
-  [ -n "$port" ] || { kill "$p" 2>/dev/null; echo "metrics_cpu_ab: $1 did not listen: $(cat "$2")" >&2; exit 1; }
+  [ -n "$port" ] || { kill "$p" 2>/dev/null || true; echo "metrics_cpu_ab: $1 did not listen: $(cat "$2")" >&2; exit 1; }
   echo "$p $port"
 }
 read -r PA PORTA < <(serve "$B/kvf-metrics" "$R/a.log")

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # What scraping /metrics costs the data path: kvf-sim's end-to-end throughput (ipc, llama-3.1-8b,
-# one tp-8 rank, the conversation trace) with a scraper hitting both instances' /metrics at RATE
-# requests per second (loopback, one keep-alive connection per instance, paced, so bounded),
-# against the same run without it, in the same session on the same instances, alternated
-# (A B A B ...). Prints every run, the medians and the ratio scraped / unscraped, and what one
-# page costs kvf-metrics: its size and the CPU time (user + system) both servers spent per GET.
+# one tp-8 rank, the conversation trace) with kvf-bench-scrape hitting both instances' /metrics at
+# RATE GETs per second (loopback, one keep-alive connection per instance, paced, so bounded),
+# against the same run without it, same session, same instances, alternated (A B A B ...).
+# Prints every run, the medians, the unscraped runs' spread, the ratio scraped / unscraped, and
+# a page's size and CPU (user + system) per GET: both kvf-metrics servers', and the scraper's.
 # Usage: bench/metrics_bench.sh [--rounds N] [--rate R] [--requests N]
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -42,34 +42,10 @@ MPIDS="$(pgrep -f "kvf-metrics --instance $T-p " | head -n1) $(pgrep -f "kvf-met
 cpu_ticks() { local t=0 p; for p in $MPIDS; do t=$((t + $(awk '{ print $14 + $15 }' "/proc/$p/stat"))); done; echo $t; }
 TICK=$(getconf CLK_TCK)
 
-# The scraper: paced GETs of /metrics, alternating the two instances, each over its own
-# keep-alive connection, until the file $1.stop exists; then writes how many it made, their rate
-# and mean latency to $1.
-scraper() {
-  exec /usr/bin/python3 - "$RATE" "$PP" "$PD" "$1" <<'EOF'
-import http.client, os, sys, time
-rate, ports, out = float(sys.argv[1]), sys.argv[2:4], sys.argv[4]
-conns = [http.client.HTTPConnection("127.0.0.1", int(p), timeout=5) for p in ports]
-n, lat = 0, 0.0
-t0 = time.monotonic()
-while not (n % 16 == 0 and os.path.exists(out + ".stop")):
-    c = conns[n % 2]
-    t = time.monotonic()
-    c.request("GET", "/metrics")
-    r = c.getresponse()
-    body = r.read()
-    if r.status != 200 or b"kvferry_up" not in body:
-        sys.exit("scrape failed: %d" % r.status)
-    lat += time.monotonic() - t
-    n += 1
-    nxt = t0 + n / rate
-    d = nxt - time.monotonic()
-    if d > 0:
-        time.sleep(d)
-el = time.monotonic() - t0
-open(out, "w").write("%d %.1f %.1f\n" % (n, n / el, 1e6 * lat / max(n, 1)))
-EOF
-}
+# The scraper (kvf-bench-scrape): paced GETs of /metrics, alternating the two instances, each
+# over its own keep-alive connection, every page verified (200, kvferry_up in it), until SIGTERM;
+# then it writes how many it made, their rate, mean latency and its own CPU per GET to $1.
+scraper() { exec "$B/bench/kvf-bench-scrape" --rate "$RATE" --port "$PP" --port "$PD" >"$1"; }
 
 run() { # run KIND I: one kvf-sim run; prints its GiB/s and requests/s
   "$B/kvf-sim" --prefill $T-p --decode $T-d --requests "$REQS" --quiet --verify sample --warm-caches \
@@ -80,7 +56,7 @@ run() { # run KIND I: one kvf-sim run; prints its GiB/s and requests/s
 echo "kvferry metrics scraping: $(nproc) CPUs, $(lscpu | grep 'Model name' | sed 's/.*: *//'), Linux $(uname -r), $(date -u +%F)"
 echo "kvf-sim --requests $REQS (ipc, llama-3.1-8b tp 8, conversation trace), $ROUNDS rounds alternated; scraper: $RATE GETs/s over both instances' /metrics"
 run warmup 0 >/dev/null # the sender maps the peer's cache on its first task
-A=() S=() C=()
+A=() S=() C=() K=() Q=()
 for i in $(seq "$ROUNDS"); do
   a=$(run plain "$i")
   c0=$(cpu_ticks)
@@ -88,15 +64,19 @@ for i in $(seq "$ROUNDS"); do
   SCRAPER=$!
   sleep 0.3
   s=$(run scraped "$i")
-  touch "$R/scrape.$i.stop"; wait "$SCRAPER" || { echo "metrics_bench: the scraper failed" >&2; exit 1; }; SCRAPER=""
+  kill -TERM "$SCRAPER"; wait "$SCRAPER" || { echo "metrics_bench: the scraper failed" >&2; exit 1; }; SCRAPER=""
   c1=$(cpu_ticks)
-  read -r n rps lat_us <"$R/scrape.$i"
+  read -r n rps lat_us cl_us <"$R/scrape.$i"
   cpu_us=$(/usr/bin/python3 -c "print('%.0f' % (1e6 * ($c1 - $c0) / $TICK / $n))")
-  echo "round $i: unscraped ${a% *} GiB/s ${a#* } req/s | scraped ${s% *} GiB/s ${s#* } req/s (scraper: $n GETs, $rps/s, mean $lat_us us; kvf-metrics $cpu_us us CPU per GET)"
-  A+=("${a% *}") S+=("${s% *}") C+=("$cpu_us")
+  echo "round $i: unscraped ${a% *} GiB/s ${a#* } req/s | scraped ${s% *} GiB/s ${s#* } req/s (scraper: $n GETs, $rps/s, mean $lat_us us, its own CPU $cl_us us per GET; kvf-metrics $cpu_us us CPU per GET)"
+  A+=("${a% *}") S+=("${s% *}") C+=("$cpu_us") K+=("$cl_us")
+  Q+=("$(/usr/bin/python3 -c "print('%.4f' % (${s% *} / ${a% *}))")")
 done
 median() { printf '%s\n' "$@" | sort -g | awk '{ v[NR] = $1 } END { print (NR % 2) ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2 }'; }
 ma=$(median "${A[@]}") ms=$(median "${S[@]}")
 bytes=$(curl -sf --max-time 5 "http://127.0.0.1:$PP/metrics" | wc -c)
-echo "a page: $bytes bytes (prefill, after the runs); kvf-metrics CPU per GET, median $(median "${C[@]}") us"
-echo "median: unscraped $ma GiB/s, scraped $ms GiB/s; ratio scraped/unscraped $(/usr/bin/python3 -c "print('%.3f' % ($ms / $ma))")"
+echo "a page: $bytes bytes (prefill, after the runs); CPU per GET, medians: kvf-metrics $(median "${C[@]}") us (both servers), the scraper $(median "${K[@]}") us"
+echo "unscraped runs: $(printf '%s\n' "${A[@]}" | sort -g | awk -v m="$ma" 'NR == 1 { lo = $1 } { hi = $1 } END { printf "min %.3f max %.3f GiB/s, %.1f %% to %+.1f %% of their median", lo, hi, 100 * (lo / m - 1), 100 * (hi / m - 1) }')"
+echo "median: unscraped $ma GiB/s, scraped $ms GiB/s; ratio scraped/unscraped $(/usr/bin/python3 -c "print('%.3f' % ($ms / $ma))") (median of the rounds' own ratios $(median "${Q[@]}"))"
+# What the scrapes took from the two vCPUs the runs share: both servers and the scraper, at RATE.
+echo "scraping's CPU: $(/usr/bin/python3 -c "print('%.1f' % (($(median "${C[@]}") + $(median "${K[@]}")) * $RATE / 1e6 / $(nproc) * 100))") % of the $(nproc) CPUs at $RATE GETs/s (medians: kvf-metrics + the scraper per GET)"

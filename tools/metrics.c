@@ -12,6 +12,12 @@
  * afresh under the same name), and a scrape while there is none answers
  * kvferry_up 0. docs/OPERATIONS.md describes every series.
  *
+ * A scrape is made cheap, since a scraper may ask hundreds of times a second
+ * on the CPUs the data path uses: the page's fixed text is kept between
+ * scrapes and only its numbers are read and written anew; the roles are
+ * followed through pidfds and the segment's file through inotify, both asked
+ * in one poll(); the page goes out in one sendmsg from a reused buffer.
+ *
  * Exit codes: 0 stopped by SIGTERM/SIGINT, 1 cannot listen, 2 usage.
  */
 #include <arpa/inet.h>
@@ -19,10 +25,12 @@
 #include <getopt.h>
 #include <microhttpd.h>
 #include <netdb.h>
-#include <stdarg.h>
+#include <poll.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/inotify.h>
+#include <sys/pidfd.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -38,6 +46,9 @@ static const char *prog = "kvf-metrics";
 
 #define MAX_CONNECTIONS 64u
 #define CONNECTION_TIMEOUT_S 10u
+/* Per connection: a GET's headers and the answer's; libmicrohttpd clears the pool (32 KiB by
+ * default) for each request, a cost paid per scrape. */
+#define CONNECTION_MEMORY 8192u
 
 static void usage(void)
 {
@@ -56,6 +67,20 @@ static void usage(void)
 
 /* ---- the segment: mapped read-only, mapped again when the file changes ---- */
 
+/*
+ * A role's process as last checked: a pidfd on it while (pid, starttime) in its slot stay the
+ * same, so a scrape asks the kernel one poll() for every role instead of reading /proc/<pid>/stat
+ * for each (which the kernel formats anew every time). The pidfd names the very process that
+ * kvf_role_process_alive() judged once, so a pid reused later cannot pass for it; it turns
+ * readable when that process exits.
+ */
+struct role_watch {
+        int32_t pid;
+        uint64_t starttime;
+        int fd;    /* pidfd, or -1 */
+        bool dead; /* (pid, starttime) was judged not to be the role's live process */
+};
+
 struct seg {
         const char *instance;
         char path[96];
@@ -63,102 +88,359 @@ struct seg {
         dev_t dev;
         ino_t ino;
         struct kvf_ctl ctl;
+        struct role_watch watch[KVF_ROLE_COUNT];
+        bool no_pidfd; /* pidfd_open() is refused here: every check reads /proc */
+        int ino_fd;    /* inotify on the file's directory, or -1: stat() every scrape */
+        const char *file; /* the file's name in its directory */
+        uint64_t attaches; /* attachments so far */
 };
 
 static struct seg seg;
 
-/* 0: attached to the instance's current segment; <0: none (kvf_err says why). */
+static void page_forget(void);
+
+static void watch_reset(struct role_watch *w)
+{
+        if (w->fd >= 0)
+                close(w->fd);
+        *w = (struct role_watch){.fd = -1};
+}
+
+/*
+ * One poll() a scrape: the pidfds of the roles' processes and the inotify descriptor that says
+ * whether the instance's segment file was removed or created since the last scrape (then, and
+ * only then, it is looked at again with stat()).
+ */
+struct scan {
+        struct pollfd pfd[1 + KVF_ROLE_COUNT];
+        int at[KVF_ROLE_COUNT]; /* the role's pidfd in pfd; -1: not alive; -2: ask /proc */
+        int n;
+        int ino;   /* the inotify descriptor in pfd, or -1 */
+        bool done; /* polled for this page */
+};
+
+/* The roles' slots as they are now: which to poll, which are down already. */
+static void roles_scan(struct seg *s, struct scan *sc, bool with_ino)
+{
+        const struct kvf_ctl *c = &s->ctl;
+        sc->n = 0;
+        sc->ino = -1;
+        sc->done = false;
+        if (with_ino && s->ino_fd >= 0) {
+                sc->ino = sc->n;
+                sc->pfd[sc->n++] = (struct pollfd){.fd = s->ino_fd, .events = POLLIN};
+        }
+        for (int r = 0; r < KVF_ROLE_COUNT; r++) {
+                const struct kvf_role_slot *sl = &c->roles[r];
+                struct role_watch *w = &s->watch[r];
+                sc->at[r] = -1;
+                if (s->no_pidfd) {
+                        sc->at[r] = -2;
+                        continue;
+                }
+                int32_t pid = kvf_load_acquire(&sl->pid);
+                uint32_t state = kvf_load_acquire(&sl->state);
+                uint64_t st = kvf_load_relaxed(&sl->pid_starttime);
+                if (pid <= 0 || (state != KVF_STATE_RUNNING && state != KVF_STATE_STARTING))
+                        continue;
+                if (pid != w->pid || st != w->starttime || (w->fd < 0 && !w->dead)) {
+                        watch_reset(w);
+                        w->pid = pid;
+                        w->starttime = st;
+                        /* The pidfd first, then the check: the process checked is then the
+                         * one the pidfd follows (or the check fails). */
+                        w->fd = pidfd_open(pid, 0);
+                        if (w->fd < 0 && errno != ESRCH) {
+                                s->no_pidfd = true; /* (kernel or sandbox without pidfds) */
+                                sc->at[r] = -2;
+                                continue;
+                        }
+                        if (w->fd < 0 || !kvf_role_process_alive(c, (enum kvf_role_id)r)) {
+                                watch_reset(w);
+                                w->pid = pid;
+                                w->starttime = st;
+                                w->dead = true;
+                        }
+                }
+                if (w->dead)
+                        continue;
+                sc->at[r] = sc->n;
+                sc->pfd[sc->n++] = (struct pollfd){.fd = w->fd, .events = POLLIN};
+        }
+}
+
+static void scan_poll(struct scan *sc)
+{
+        sc->done = true;
+        if (!sc->n || poll(sc->pfd, (nfds_t)sc->n, 0) >= 0)
+                return;
+        for (int r = 0; r < KVF_ROLE_COUNT; r++) /* (cannot happen: ask /proc) */
+                if (sc->at[r] >= 0)
+                        sc->at[r] = -2;
+        if (sc->ino >= 0)
+                sc->pfd[sc->ino].revents = POLLIN; /* and look at the file */
+}
+
+/*
+ * kvf_role_alive() for every role, the process checks answered by the pidfds: the same
+ * verdicts (state, same process, not exited, heartbeat fresh), a /proc read only when a slot
+ * names a process not seen before.
+ */
+static void roles_alive(struct seg *s, struct scan *sc, uint64_t now, bool alive[KVF_ROLE_COUNT])
+{
+        const struct kvf_ctl *c = &s->ctl;
+        if (!sc->done) {
+                roles_scan(s, sc, false);
+                scan_poll(sc);
+        }
+        uint64_t limit = kvf_ms(c->hdr->heartbeat_ms) * 10;
+        for (int r = 0; r < KVF_ROLE_COUNT; r++) {
+                alive[r] = false;
+                if (sc->at[r] == -2) {
+                        alive[r] = kvf_role_alive(c, (enum kvf_role_id)r, now);
+                        continue;
+                }
+                if (sc->at[r] < 0)
+                        continue;
+                if (sc->pfd[sc->at[r]].revents) { /* exited (readable), or the pidfd broke */
+                        struct role_watch *w = &s->watch[r];
+                        int32_t pid = w->pid;
+                        uint64_t st = w->starttime;
+                        watch_reset(w);
+                        *w = (struct role_watch){.pid = pid, .starttime = st, .fd = -1, .dead = true};
+                        continue;
+                }
+                if (r == KVF_ROLE_ENGINE) {
+                        alive[r] = true;
+                        continue;
+                }
+                uint64_t hb = kvf_load_acquire(&c->roles[r].heartbeat_ns);
+                alive[r] = now < hb || now - hb <= limit;
+        }
+}
+
+static void seg_detach(struct seg *s)
+{
+        if (!s->attached)
+                return;
+        kvf_ctl_detach(&s->ctl);
+        s->attached = false;
+        for (int r = 0; r < KVF_ROLE_COUNT; r++)
+                watch_reset(&s->watch[r]);
+        page_forget();
+}
+
 static int seg_refresh(struct seg *s)
 {
         struct stat st;
         if (stat(s->path, &st) < 0) {
-                if (s->attached) {
-                        kvf_ctl_detach(&s->ctl);
-                        s->attached = false;
-                }
+                seg_detach(s);
                 return -ENOENT;
         }
         if (s->attached && st.st_dev == s->dev && st.st_ino == s->ino)
                 return 0;
-        if (s->attached) {
-                kvf_ctl_detach(&s->ctl);
-                s->attached = false;
-        }
+        seg_detach(s);
         int rc = kvf_ctl_attach(s->instance, false, &s->ctl);
         if (rc < 0)
                 return rc;
         s->attached = true;
+        s->attaches++;
         s->dev = st.st_dev;
         s->ino = st.st_ino;
         return 0;
 }
 
-/* ---- the text ---- */
-
-struct out {
-        char *buf;
-        size_t len, cap;
-        bool oom;
-        const char *inst; /* the instance label's value, escaped */
-};
-
-static void outf(struct out *o, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-static void outf(struct out *o, const char *fmt, ...)
+/* Removed or created since the last look: the segment's file (or the events overflowed). */
+static bool ino_drain(struct seg *s)
 {
-        if (o->oom)
-                return;
+        bool hit = false, lost = false;
+        char buf[4096] __attribute__((aligned(__alignof__(struct inotify_event))));
         for (;;) {
-                va_list ap;
-                va_start(ap, fmt);
-                int n = vsnprintf(o->buf + o->len, o->cap - o->len, fmt, ap);
-                va_end(ap);
-                if (n < 0) {
-                        o->oom = true;
-                        return;
+                ssize_t n = read(s->ino_fd, buf, sizeof(buf));
+                if (n <= 0 && (lost || (n < 0 && errno != EAGAIN && errno != EINTR))) {
+                        close(s->ino_fd); /* (the watch is gone: stat() every scrape) */
+                        s->ino_fd = -1;
+                        return true;
                 }
-                if ((size_t)n < o->cap - o->len) {
-                        o->len += (size_t)n;
-                        return;
+                if (n <= 0)
+                        return hit;
+                for (ssize_t off = 0; off + (ssize_t)sizeof(struct inotify_event) <= n;) {
+                        const struct inotify_event *e = (const struct inotify_event *)(buf + off);
+                        if ((e->mask & IN_Q_OVERFLOW) || (e->len && !strcmp(e->name, s->file)))
+                                hit = true;
+                        if (e->mask & IN_IGNORED)
+                                lost = true;
+                        off += (ssize_t)(sizeof(*e) + e->len);
                 }
-                size_t cap = o->cap * 2 + (size_t)n;
-                char *b = realloc(o->buf, cap);
-                if (!b) {
-                        o->oom = true;
-                        return;
-                }
-                o->buf = b;
-                o->cap = cap;
         }
 }
 
 /*
- * The lines of a page are strings and integers put together without printf: a page is a few
- * hundred lines, and printf's format parsing was half of what a scrape cost (perf, 96 us a page).
+ * True when the instance's current segment is mapped. While one is, its file is looked at only
+ * when inotify says it was removed or created; the same poll() asks the roles' pidfds, for
+ * roles_alive() (sc->done).
  */
-static bool out_room(struct out *o, size_t n)
+static bool seg_current(struct seg *s, struct scan *sc)
+{
+        if (!s->attached || s->ino_fd < 0)
+                return seg_refresh(s) == 0;
+        roles_scan(s, sc, true);
+        scan_poll(sc);
+        if (!sc->pfd[sc->ino].revents || !ino_drain(s))
+                return true;
+        uint64_t before = s->attaches;
+        if (seg_refresh(s) < 0)
+                return false;
+        if (s->attaches != before)
+                sc->done = false; /* (another segment: its roles are scanned afresh) */
+        return true;
+}
+
+/* ---- the text ---- */
+
+/*
+ * A page's text is the same from scrape to scrape but for its numbers, so it is rendered in
+ * full once per attachment and kept as a template: the fixed text between the numbers, and
+ * where each number goes. Later scrapes run the same rendering code, which then copies the
+ * template's pieces around freshly read numbers instead of putting names, labels and help
+ * texts together again. The template belongs to one shape of page (the segment's header
+ * fields that appear in labels or decide which series exist); a page of another shape, or one
+ * whose numbers do not line up with the template's, is rendered in full and recorded anew.
+ * Nothing is cached across scrapes but text that does not change: every number is read at the
+ * scrape.
+ */
+struct page_shape {
+        uint32_t instance_role, backend, rank, nranks, counters_count;
+};
+
+struct tmpl {
+        bool valid;
+        struct page_shape shape;
+        char *text; /* the fixed pieces, one after the other */
+        size_t len, cap;
+        size_t *marks; /* marks[k]: where in text the k-th number goes */
+        size_t nmarks, capmarks;
+};
+
+static struct tmpl tmpl;
+
+enum out_mode { OUT_PLAIN, OUT_RECORD, OUT_REPLAY };
+
+/* A page's buffer; given back to a small pool when libmicrohttpd has sent it. */
+struct pagebuf {
+        size_t cap;
+        char text[];
+};
+
+struct out {
+        struct pagebuf *pb;
+        char *buf; /* pb->text */
+        size_t len, cap;
+        bool oom;
+        enum out_mode mode;
+        bool mismatch; /* replay: the numbers did not line up with the template */
+        size_t k, pos; /* replay: next mark, and the text offset copied up to */
+        const char *inst; /* the instance label's value, escaped */
+};
+
+static void page_forget(void)
+{
+        tmpl.valid = false;
+        tmpl.len = 0;
+        tmpl.nmarks = 0;
+}
+
+static bool grow(char **p, size_t *cap, size_t len, size_t n)
+{
+        if (*cap - len > n)
+                return true;
+        size_t c = *cap * 2 + n;
+        char *b = realloc(*p, c);
+        if (!b)
+                return false;
+        *p = b;
+        *cap = c;
+        return true;
+}
+
+static void put(struct out *o, const char *s, size_t n)
 {
         if (o->oom)
-                return false;
-        if (o->cap - o->len > n)
-                return true;
-        size_t cap = o->cap * 2 + n;
-        char *b = realloc(o->buf, cap);
-        if (!b) {
-                o->oom = true;
-                return false;
+                return;
+        if (o->cap - o->len <= n) {
+                size_t c = o->cap * 2 + n;
+                struct pagebuf *pb = realloc(o->pb, sizeof(*pb) + c);
+                if (!pb) {
+                        o->oom = true;
+                        return;
+                }
+                pb->cap = c;
+                o->pb = pb;
+                o->buf = pb->text;
+                o->cap = c;
         }
-        o->buf = b;
-        o->cap = cap;
-        return true;
+        memcpy(o->buf + o->len, s, n);
+        o->len += n;
+}
+
+/* Fixed text: written (and recorded), or in a replay already in the template. */
+static void out_fixed(struct out *o, const char *s, size_t n)
+{
+        if (o->mode == OUT_REPLAY)
+                return;
+        put(o, s, n);
+        if (o->mode == OUT_RECORD && !o->oom) {
+                if (!grow(&tmpl.text, &tmpl.cap, tmpl.len, n)) {
+                        o->oom = true;
+                        return;
+                }
+                memcpy(tmpl.text + tmpl.len, s, n);
+                tmpl.len += n;
+        }
+}
+
+/* A number's text: in a replay, after the template's fixed text up to its mark. */
+static void out_number(struct out *o, const char *s, size_t n)
+{
+        if (o->mode == OUT_REPLAY) {
+                if (o->k >= tmpl.nmarks) {
+                        o->mismatch = true;
+                        return;
+                }
+                put(o, tmpl.text + o->pos, tmpl.marks[o->k] - o->pos);
+                o->pos = tmpl.marks[o->k++];
+        } else if (o->mode == OUT_RECORD) {
+                if (tmpl.nmarks == tmpl.capmarks) {
+                        size_t c = tmpl.capmarks ? tmpl.capmarks * 2 : 512;
+                        size_t *m = realloc(tmpl.marks, c * sizeof(*m));
+                        if (!m) {
+                                o->oom = true;
+                                return;
+                        }
+                        tmpl.marks = m;
+                        tmpl.capmarks = c;
+                }
+                tmpl.marks[tmpl.nmarks++] = tmpl.len;
+        }
+        put(o, s, n);
+}
+
+/* The page is whole: a replay copies the template's last fixed text. */
+static void out_end(struct out *o)
+{
+        if (o->mode != OUT_REPLAY)
+                return;
+        if (o->k != tmpl.nmarks) {
+                o->mismatch = true;
+                return;
+        }
+        put(o, tmpl.text + o->pos, tmpl.len - o->pos);
 }
 
 static void out_s(struct out *o, const char *str)
 {
-        size_t n = strlen(str);
-        if (!out_room(o, n))
-                return;
-        memcpy(o->buf + o->len, str, n);
-        o->len += n;
+        if (o->mode != OUT_REPLAY)
+                out_fixed(o, str, strlen(str));
 }
 
 static void out_u64(struct out *o, uint64_t v)
@@ -169,14 +451,43 @@ static void out_u64(struct out *o, uint64_t v)
                 d[sizeof(d) - ++n] = (char)('0' + v % 10);
                 v /= 10;
         } while (v);
-        if (!out_room(o, n))
-                return;
-        memcpy(o->buf + o->len, d + sizeof(d) - n, n);
-        o->len += n;
+        out_number(o, d + sizeof(d) - n, n);
+}
+
+/* A number printf formats (a float); a page holds a handful. */
+/*
+ * A time histogram's sum in seconds (%.9g of the nanoseconds / 1e9). printf's floating point was
+ * a few per cent of a scrape; a sum changes far less often than it is scraped, so each
+ * histogram's text is kept with the sum it was made from and made again only when that differs.
+ */
+static struct {
+        uint64_t sum;
+        bool valid;
+        uint8_t len;
+        char text[40];
+} sum_text[KVF_HIST_COUNT];
+
+
+static void out_seconds(struct out *o, enum kvf_hist_id hist, uint64_t sum, double unit)
+{
+        if (!sum_text[hist].valid || sum_text[hist].sum != sum) {
+                int n = snprintf(sum_text[hist].text, sizeof(sum_text[hist].text), "%.9g",
+                                 (double)sum / unit);
+                if (n < 0 || (size_t)n >= sizeof(sum_text[hist].text)) {
+                        o->oom = true;
+                        return;
+                }
+                sum_text[hist].len = (uint8_t)n;
+                sum_text[hist].sum = sum;
+                sum_text[hist].valid = true;
+        }
+        out_number(o, sum_text[hist].text, sum_text[hist].len);
 }
 
 static void family(struct out *o, const char *name, const char *type, const char *help)
 {
+        if (o->mode == OUT_REPLAY)
+                return;
         out_s(o, "# HELP ");
         out_s(o, name);
         out_s(o, " ");
@@ -281,10 +592,27 @@ struct hist_kind {
         const struct bound *le;
         size_t nle;
         double unit; /* 1e9: nanoseconds exported as seconds; 1: bytes, descriptors */
+        unsigned *upto; /* upto[j]: the segment buckets that lie wholly at or below le[j] */
 };
-static const struct hist_kind seconds = {le_s, sizeof(le_s) / sizeof(le_s[0]), 1e9};
-static const struct hist_kind sizes_bytes = {le_bytes, sizeof(le_bytes) / sizeof(le_bytes[0]), 1};
-static const struct hist_kind sizes_descs = {le_descs, sizeof(le_descs) / sizeof(le_descs[0]), 1};
+static unsigned upto_s[sizeof(le_s) / sizeof(le_s[0])];
+static unsigned upto_bytes[sizeof(le_bytes) / sizeof(le_bytes[0])];
+static unsigned upto_descs[sizeof(le_descs) / sizeof(le_descs[0])];
+static const struct hist_kind seconds = {le_s, sizeof(le_s) / sizeof(le_s[0]), 1e9, upto_s};
+static const struct hist_kind sizes_bytes = {le_bytes, sizeof(le_bytes) / sizeof(le_bytes[0]), 1,
+                                             upto_bytes};
+static const struct hist_kind sizes_descs = {le_descs, sizeof(le_descs) / sizeof(le_descs[0]), 1,
+                                             upto_descs};
+
+/* Fills k->upto once, so that a scrape sums bucket ranges without computing bucket bounds. */
+static void hist_kind_init(const struct hist_kind *k)
+{
+        unsigned i = 0;
+        for (size_t j = 0; j < k->nle; j++) {
+                while (i + 1 < KVF_HIST_BUCKETS && bucket_low(i + 1) <= k->le[j].raw)
+                        i++;
+                k->upto[j] = i;
+        }
+}
 
 /*
  * A segment histogram (log buckets) as a Prometheus histogram: nanoseconds
@@ -296,9 +624,10 @@ static const struct hist_kind sizes_descs = {le_descs, sizeof(le_descs) / sizeof
  * is the buckets' sum (read at one time with them), not the separate count
  * word, so that +Inf equals _count.
  */
-static void histogram(struct out *o, const char *name, const struct kvf_histogram *h,
-                      const struct hist_kind *k, const char *help)
+static void histogram(struct out *o, const char *name, const struct kvf_ctl *c,
+                      enum kvf_hist_id id, const struct hist_kind *k, const char *help)
 {
+        const struct kvf_histogram *h = &c->sender->hist[id];
         uint64_t b[KVF_HIST_BUCKETS], total = 0;
         for (unsigned i = 0; i < KVF_HIST_BUCKETS; i++) {
                 b[i] = kvf_load_relaxed(&h->buckets[i]);
@@ -309,17 +638,20 @@ static void histogram(struct out *o, const char *name, const struct kvf_histogra
         unsigned i = 0;
         uint64_t cum = 0;
         for (size_t j = 0; j < k->nle; j++) {
-                while (i + 1 < KVF_HIST_BUCKETS && bucket_low(i + 1) <= k->le[j].raw) {
+                for (; i < k->upto[j]; i++)
                         cum += b[i];
-                        i++;
-                }
                 sample_kv(o, name, "_bucket", "le", k->le[j].le, cum);
         }
         sample_kv(o, name, "_bucket", "le", "+Inf", total);
+        out_s(o, name);
+        out_s(o, "_sum{instance=\"");
+        out_s(o, o->inst);
+        out_s(o, "\"} ");
         if (k->unit == 1)
-                outf(o, "%s_sum{instance=\"%s\"} %llu\n", name, o->inst, (unsigned long long)sum);
+                out_u64(o, sum);
         else
-                outf(o, "%s_sum{instance=\"%s\"} %.9g\n", name, o->inst, (double)sum / k->unit);
+                out_seconds(o, id, sum, k->unit);
+        out_s(o, "\n");
         sample_kv(o, name, "_count", NULL, NULL, total);
 }
 
@@ -340,8 +672,9 @@ static const struct {
     {KVF_CTR_FAILED_PEER_ROLE, "peer_role"},
 };
 
-static void render(struct out *o, const struct kvf_ctl *c, bool up)
+static void render(struct out *o, struct seg *s, struct scan *sc, bool up)
 {
+        const struct kvf_ctl *c = &s->ctl;
         family(o, "kvferry_up", "gauge",
                "1 when the instance's control segment is mapped and valid, else 0");
         sample(o, "kvferry_up", NULL, up);
@@ -349,13 +682,23 @@ static void render(struct out *o, const struct kvf_ctl *c, bool up)
                 return;
         const struct kvf_ctl_header *h = c->hdr;
         uint64_t now = kvf_now_ns();
+        /* The histograms' 24 KiB are read last and are rarely in cache (another process writes
+         * them, minutes apart from the scrapes): their loads are started here, all at once,
+         * instead of one miss after another in histogram(). */
+        for (unsigned i = 0; i < KVF_HIST_COUNT; i++) {
+                const char *p = (const char *)c->sender->hist[i].buckets;
+                for (size_t off = 0; off < sizeof(c->sender->hist[i].buckets); off += 64)
+                        __builtin_prefetch(p + off);
+        }
         char lbl[160];
-        bool alive[KVF_ROLE_COUNT]; /* (each a read of /proc: once a page) */
+        bool alive[KVF_ROLE_COUNT];
 
         family(o, "kvferry_info", "gauge",
                "Constant 1; the labels say what the instance is (role, backend, rank, layout "
                "version)");
-        snprintf(lbl, sizeof(lbl),
+        lbl[0] = 0; /* (fixed text: a replay has it in the template) */
+        if (o->mode != OUT_REPLAY)
+                snprintf(lbl, sizeof(lbl),
                  "role=\"%s\",backend=\"%s\",rank=\"%u\",nranks=\"%u\",version=\"%s\"",
                  kvf_irole_name(h->instance_role),
                  h->backend == KVF_BACKEND_CUDA         ? "cuda"
@@ -404,7 +747,7 @@ static void render(struct out *o, const struct kvf_ctl *c, bool up)
         sample(o, "kvferry_transport_bytes_total", "transport=\"rdma\"", b_rdma);
         counter1(o, c, "kvferry_received_bytes_total", KVF_CTR_BYTES_TCP_RECEIVED,
                  "Bytes of KV cache received over tcp (decode side)");
-        histogram(o, "kvferry_bytes_transferred", &c->sender->hist[KVF_HIST_REQ_BYTES],
+        histogram(o, "kvferry_bytes_transferred", c, KVF_HIST_REQ_BYTES,
                   &sizes_bytes,
                   "Bytes of each finished transfer (request), one observation per transfer (vLLM "
                   "NIXL: nixl_bytes_transferred)");
@@ -417,20 +760,20 @@ static void render(struct out *o, const struct kvf_ctl *c, bool up)
         sample(o, "kvferry_descriptors_total", "kind=\"tcp_frame\"", d_frames);
         sample(o, "kvferry_descriptors_total", "kind=\"rdma_write\"", d_wr);
         sample(o, "kvferry_descriptors_total", "kind=\"copy_batch\"", d_copy);
-        histogram(o, "kvferry_num_descriptors", &c->sender->hist[KVF_HIST_REQ_DESCS], &sizes_descs,
+        histogram(o, "kvferry_num_descriptors", c, KVF_HIST_REQ_DESCS, &sizes_descs,
                   "Descriptors of each finished transfer: copy runs (ipc), data frames (tcp), "
                   "write work requests (rdma) (vLLM NIXL: nixl_num_descriptors)");
 
         /* Latency (the sender's histograms). */
-        histogram(o, "kvferry_xfer_time_seconds", &c->sender->hist[KVF_HIST_REQ_XFER], &seconds,
+        histogram(o, "kvferry_xfer_time_seconds", c, KVF_HIST_REQ_XFER, &seconds,
                   "Time of each finished transfer, from its first bytes handed to a copy or the "
                   "connector to its completion (vLLM NIXL: nixl_xfer_time_seconds)");
-        histogram(o, "kvferry_batch_time_seconds", &c->sender->hist[KVF_HIST_COPY], &seconds,
+        histogram(o, "kvferry_batch_time_seconds", c, KVF_HIST_COPY, &seconds,
                   "Time from posting one layer's batch of copies or writes to its completion");
-        histogram(o, "kvferry_tail_seconds", &c->sender->hist[KVF_HIST_LAST_TO_DONE], &seconds,
+        histogram(o, "kvferry_tail_seconds", c, KVF_HIST_LAST_TO_DONE, &seconds,
                   "Time from a request's last layer being ready to its completion");
         histogram(
-            o, "kvferry_copy_start_seconds", &c->sender->hist[KVF_HIST_LAYER_TO_COPY], &seconds,
+            o, "kvferry_copy_start_seconds", c, KVF_HIST_LAYER_TO_COPY, &seconds,
             "Time from the engine publishing a layer-done event to the sender starting its copy");
 
         /* Rings. */
@@ -455,8 +798,8 @@ static void render(struct out *o, const struct kvf_ctl *c, bool up)
         /* Roles. */
         family(o, "kvferry_role_up", "gauge",
                "1 when the role's process is alive and its heartbeat fresh");
+        roles_alive(s, sc, now, alive);
         for (int r = 0; r < KVF_ROLE_COUNT; r++) {
-                alive[r] = kvf_role_alive(c, (enum kvf_role_id)r, now);
                 sample_kv(o, "kvferry_role_up", "", "role", kvf_role_name(r), alive[r]);
         }
         family(o, "kvferry_role_restarts_total", "counter",
@@ -508,23 +851,90 @@ static void render(struct out *o, const struct kvf_ctl *c, bool up)
 
         family(o, "kvferry_scrape_timestamp_seconds", "gauge",
                "CLOCK_REALTIME when this page was made");
-        outf(o, "kvferry_scrape_timestamp_seconds{instance=\"%s\"} %.3f\n", o->inst,
-             (double)kvf_wall_ns() / 1e9);
+        out_s(o, "kvferry_scrape_timestamp_seconds{instance=\"");
+        out_s(o, o->inst);
+        out_s(o, "\"} ");
+        /* %.3f of the seconds, without printf's floating point (once a page) */
+        uint64_t ms = (kvf_wall_ns() + 500000) / 1000000;
+        char ts[32];
+        int tn = snprintf(ts, sizeof(ts), "%llu.%03u", (unsigned long long)(ms / 1000),
+                          (unsigned)(ms % 1000));
+        out_number(o, ts, (size_t)tn);
+        out_s(o, "\n");
 }
 
 /* ---- HTTP ---- */
 
 static char inst_label[2 * KVF_INSTANCE_MAX];
 
-static enum MHD_Result reply(struct MHD_Connection *conn, unsigned status, const char *type,
-                             char *body, size_t len, enum MHD_ResponseMemoryMode mode)
+static struct page_shape shape_of(const struct kvf_ctl_header *h)
 {
-        struct MHD_Response *r = MHD_create_response_from_buffer(len, body, mode);
-        if (!r) {
-                if (mode == MHD_RESPMEM_MUST_FREE)
-                        free(body);
-                return MHD_NO;
+        return (struct page_shape){.instance_role = h->instance_role,
+                                   .backend = h->backend,
+                                   .rank = h->rank,
+                                   .nranks = h->nranks,
+                                   .counters_count = h->counters_count};
+}
+
+/* The page into o: from the template when it fits this segment, else in full (recorded). */
+static void render_page(struct out *o, struct seg *s, struct scan *sc, bool up)
+{
+        if (!up) {
+                o->mode = OUT_PLAIN;
+                render(o, s, sc, false);
+                return;
         }
+        struct page_shape shape = shape_of(s->ctl.hdr);
+        if (tmpl.valid && !memcmp(&shape, &tmpl.shape, sizeof(shape))) {
+                o->mode = OUT_REPLAY;
+                render(o, s, sc, true);
+                out_end(o);
+                if (!o->mismatch || o->oom)
+                        return;
+                o->len = 0; /* (not seen: the template is per attachment) */
+                o->mismatch = false;
+        }
+        page_forget();
+        o->mode = OUT_RECORD;
+        render(o, s, sc, true);
+        if (!o->oom) {
+                tmpl.valid = true;
+                tmpl.shape = shape;
+        } else {
+                page_forget();
+        }
+}
+
+/* Page buffers sent and given back, for the next scrapes (one per connection at most). */
+static struct pagebuf *pool[MAX_CONNECTIONS];
+static unsigned npool;
+
+/* libmicrohttpd's thread, when a response is done with (or at MHD_stop_daemon). */
+static void page_release(void *cls)
+{
+        if (npool < MAX_CONNECTIONS)
+                pool[npool++] = cls;
+        else
+                free(cls);
+}
+
+static struct pagebuf *page_take(void)
+{
+        if (npool)
+                return pool[--npool];
+        struct pagebuf *pb = malloc(sizeof(*pb) + (64u << 10));
+        if (pb)
+                pb->cap = 64u << 10;
+        return pb;
+}
+
+static enum MHD_Result reply(struct MHD_Connection *conn, unsigned status, const char *type,
+                             char *body, size_t len)
+{
+        struct MHD_Response *r =
+            MHD_create_response_from_buffer(len, body, MHD_RESPMEM_PERSISTENT);
+        if (!r)
+                return MHD_NO;
         MHD_add_response_header(r, MHD_HTTP_HEADER_CONTENT_TYPE, type);
         enum MHD_Result ret = MHD_queue_response(conn, status, r);
         MHD_destroy_response(r);
@@ -550,24 +960,31 @@ static enum MHD_Result handle(void *cls, struct MHD_Connection *conn, const char
         }
         if (strcmp(method, "GET") && strcmp(method, "HEAD"))
                 return reply(conn, MHD_HTTP_METHOD_NOT_ALLOWED, "text/plain", bad_method,
-                             strlen(bad_method), MHD_RESPMEM_PERSISTENT);
+                             strlen(bad_method));
         if (strcmp(url, "/metrics"))
-                return reply(conn, MHD_HTTP_NOT_FOUND, "text/plain", not_found, strlen(not_found),
-                             MHD_RESPMEM_PERSISTENT);
-        struct out o = {.cap = 64 << 10, .inst = inst_label};
-        o.buf = malloc(o.cap);
-        if (!o.buf)
-                return reply(conn, MHD_HTTP_INTERNAL_SERVER_ERROR, "text/plain", oom, strlen(oom),
-                             MHD_RESPMEM_PERSISTENT);
-        bool up = seg_refresh(&seg) == 0;
-        render(&o, &seg.ctl, up);
-        if (o.oom) {
-                free(o.buf);
-                return reply(conn, MHD_HTTP_INTERNAL_SERVER_ERROR, "text/plain", oom, strlen(oom),
-                             MHD_RESPMEM_PERSISTENT);
+                return reply(conn, MHD_HTTP_NOT_FOUND, "text/plain", not_found,
+                             strlen(not_found));
+        struct out o = {.pb = page_take(), .inst = inst_label};
+        if (!o.pb)
+                return reply(conn, MHD_HTTP_INTERNAL_SERVER_ERROR, "text/plain", oom, strlen(oom));
+        o.buf = o.pb->text;
+        o.cap = o.pb->cap;
+        struct scan sc = {.done = false};
+        bool up = seg_current(&seg, &sc);
+        render_page(&o, &seg, &sc, up);
+        struct MHD_Response *r =
+            o.oom ? NULL
+                  : MHD_create_response_from_buffer_with_free_callback_cls(o.len, o.buf,
+                                                                           page_release, o.pb);
+        if (!r) {
+                page_release(o.pb);
+                return reply(conn, MHD_HTTP_INTERNAL_SERVER_ERROR, "text/plain", oom, strlen(oom));
         }
-        return reply(conn, MHD_HTTP_OK, "text/plain; version=0.0.4; charset=utf-8", o.buf, o.len,
-                     MHD_RESPMEM_MUST_FREE);
+        MHD_add_response_header(r, MHD_HTTP_HEADER_CONTENT_TYPE,
+                                "text/plain; version=0.0.4; charset=utf-8");
+        enum MHD_Result ret = MHD_queue_response(conn, MHD_HTTP_OK, r);
+        MHD_destroy_response(r);
+        return ret;
 }
 
 /* HOST:PORT or [HOST]:PORT to a socket address; -EINVAL with kvf_err. */
@@ -652,8 +1069,23 @@ int main(int argc, char **argv)
                 kvf_opt_die(prog, "%s", kvf_err_msg());
         /* Instance names are [A-Za-z0-9_.-]: nothing to escape in a label value. */
         snprintf(inst_label, sizeof(inst_label), "%s", inst);
+        hist_kind_init(&seconds);
+        hist_kind_init(&sizes_bytes);
+        hist_kind_init(&sizes_descs);
         seg.instance = inst;
+        for (int r = 0; r < KVF_ROLE_COUNT; r++)
+                seg.watch[r].fd = -1;
         snprintf(seg.path, sizeof(seg.path), "/dev/shm/kvferry.%s", inst);
+        seg.file = strrchr(seg.path, '/') + 1;
+        /* (Without inotify, every scrape looks at the file.) */
+        seg.ino_fd = inotify_init1(IN_NONBLOCK | IN_CLOEXEC);
+        if (seg.ino_fd >= 0 &&
+            inotify_add_watch(seg.ino_fd, "/dev/shm",
+                              IN_CREATE | IN_DELETE | IN_MOVED_FROM | IN_MOVED_TO | IN_DELETE_SELF |
+                                  IN_MOVE_SELF) < 0) {
+                close(seg.ino_fd);
+                seg.ino_fd = -1;
+        }
 
         int stop = 0;
         kvf_opt_signals(&stop);
@@ -664,7 +1096,9 @@ int main(int argc, char **argv)
         struct MHD_Daemon *d =
             MHD_start_daemon(flags, 0, NULL, NULL, handle, NULL, MHD_OPTION_SOCK_ADDR,
                              (struct sockaddr *)&ss, MHD_OPTION_CONNECTION_LIMIT, MAX_CONNECTIONS,
-                             MHD_OPTION_CONNECTION_TIMEOUT, CONNECTION_TIMEOUT_S, MHD_OPTION_END);
+                             MHD_OPTION_CONNECTION_TIMEOUT, CONNECTION_TIMEOUT_S,
+                             MHD_OPTION_CONNECTION_MEMORY_LIMIT, (size_t)CONNECTION_MEMORY,
+                             MHD_OPTION_END);
         if (!d) {
                 fprintf(stderr, "%s: instance %s: cannot listen on %s: %s\n", prog, inst, listen_at,
                         errno ? strerror(errno) : "libmicrohttpd could not start its daemon");
@@ -677,8 +1111,13 @@ int main(int argc, char **argv)
         while (!kvf_load_relaxed(&stop))
                 kvf_sleep_ns(kvf_ms(200));
         MHD_stop_daemon(d);
-        if (seg.attached)
-                kvf_ctl_detach(&seg.ctl);
+        seg_detach(&seg);
+        for (unsigned i = 0; i < npool; i++)
+                free(pool[i]);
+        free(tmpl.text);
+        free(tmpl.marks);
+        if (seg.ino_fd >= 0)
+                close(seg.ino_fd);
         fprintf(stderr, "%s: instance %s: stopped\n", prog, inst);
         return 0;
 }

@@ -203,6 +203,15 @@ static void advance(struct sender *s, uint32_t slot)
         }
 }
 
+/* The connector's generation moved from one that had run: it lost what it held. From 0 (no
+ * connector had claimed its role when this sender started, as when `up` starts the sender
+ * first) nothing was taken from the rings yet, and handing it all over again would only send
+ * every byte twice. */
+static bool connector_restarted(const struct sender *s, uint64_t cgen)
+{
+        return s->connector_gen && cgen != s->connector_gen;
+}
+
 /* The connector lost what it held: a network request is handed over again. */
 static void redo_network(struct sender *s, uint32_t slot)
 {
@@ -481,7 +490,7 @@ void sender_req_event(struct sender *s, uint32_t slot, const struct sender_ev *e
                 uint64_t cgen = kvf_load_acquire(&s->ctl.roles[KVF_ROLE_CONNECTOR].generation);
                 if (!live_state(st))
                         return;
-                if (cgen != s->connector_gen && r->transport != KVF_TRANSPORT_IPC) {
+                if (connector_restarted(s, cgen) && r->transport != KVF_TRANSPORT_IPC) {
                         redo_network(s, slot);
                         kvf_count(&s->ctl, KVF_CTR_NOTICES_REISSUED, 1);
                 } else if (noticed_state(st) && r->notice_gen && r->notice_gen != cgen &&
@@ -755,7 +764,7 @@ void sender_tick(struct sender *s, uint64_t now)
                         if (!noticed_state(sender_req_state(s, i)))
                                 continue;
                 }
-                if ((cgen != s->connector_gen && r->transport != KVF_TRANSPORT_IPC) ||
+                if ((connector_restarted(s, cgen) && r->transport != KVF_TRANSPORT_IPC) ||
                     (noticed_state(st) && r->notice_gen && r->notice_gen != cgen &&
                      r->notice_gen != SENDER_NOTICE_GEN_RING))
                         sender_req_event(s, i,

@@ -70,12 +70,14 @@ static int engine_map(const struct kvf_ctl_header *h, bool writable, struct kvf_
         return kvf_reg_map(h, writable, out);
 }
 
+#ifdef KVF_HAVE_CUDA
 /* GPU memory (an instance of --backend cuda): the cuda backend's kernels, which complete
  * later; host memory: memcpy, done before this returns. */
 static bool on_gpu(const struct kvf_cache *c)
 {
         return !c->host && c->priv && c->device >= 0;
 }
+#endif
 
 static int engine_copy_submit(const struct kvf_copy_batch *b, uint64_t *ticket)
 {
@@ -142,10 +144,12 @@ static void stage_close(void *eng)
 
 static int stage_buf_alloc(void *eng, uint64_t bytes, uint8_t **out)
 {
-        struct stage_eng *e = eng;
 #ifdef KVF_HAVE_CUDA
+        struct stage_eng *e = eng;
         if (e->gpu)
                 return kvf_cache_cuda_stage_ops.buf_alloc(e->gpu, bytes, out);
+#else
+        (void)eng;
 #endif
         void *p = NULL;
         if (posix_memalign(&p, 4096, bytes) != 0)
@@ -157,12 +161,14 @@ static int stage_buf_alloc(void *eng, uint64_t bytes, uint8_t **out)
 
 static void stage_buf_free(void *eng, uint8_t *p)
 {
-        struct stage_eng *e = eng;
 #ifdef KVF_HAVE_CUDA
+        struct stage_eng *e = eng;
         if (e->gpu) {
                 kvf_cache_cuda_stage_ops.buf_free(e->gpu, p);
                 return;
         }
+#else
+        (void)eng;
 #endif
         free(p);
 }

@@ -18,7 +18,8 @@ if [ "$("$KVFERRY_BUILD/kvf-ctl" gpus 2>/dev/null || echo 0)" = 0 ]; then
   # GPU engine caches where no GPU is visible: refused when the instance starts, with why
   out=$("$ROOT/tools/kvferry" up --instance $TAG-bad --role decode --backend cuda --caches engine $L 2>&1) &&
     fail "--caches engine --backend cuda was taken without a GPU"
-  grep -q "caches engine --backend cuda: no GPU visible" <<<"$out" ||
+  # (a build without CUDA has no cuda backend at all, and says so)
+  grep -qE "caches engine --backend cuda: no GPU visible|no cache backend 'cuda' \(this build has" <<<"$out" ||
     fail "--caches engine --backend cuda without a GPU: $out"
 fi
 up $TAG-rd --role decode --caches engine $L

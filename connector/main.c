@@ -45,6 +45,8 @@ static void usage(void)
                "                           of the listen address (decode), of the route (prefill)\n"
                "  --rdma-sq-depth N        rdma work requests outstanding per peer (default 256)\n"
                "  --rdma-signal-every N    one rdma work request signalled in N (default 32)\n"
+               "  --rdma-ack-timeout N     wait 4.096 us x 2^N for an rdma ACK before resending\n"
+               "                           (1..31; default: rdma_cm's own, about 0.5 s on RoCE)\n"
                "  --rdma-test-dereg        tests only: SIGUSR2 deregisters every peer's rdma region\n"
                KVF_SLICE_USAGE
                "  --help, --version\n",
@@ -283,7 +285,7 @@ static int map_cache(struct connector *cn)
 int main(int argc, char **argv)
 {
         enum { O_LISTEN = 1000, O_TOKEN, O_CTO, O_KEEP, O_PTO, O_STREAMS, O_ZC, O_VERSION, O_IDLE,
-               O_RDEV, O_RSQ, O_RSIG, O_RDEREG, O_SLICE, O_PTHREADS, O_HSTHREADS };
+               O_RDEV, O_RSQ, O_RSIG, O_RACK, O_RDEREG, O_SLICE, O_PTHREADS, O_HSTHREADS };
         static const struct option opts[] = {{"instance", required_argument, 0, 'i'},
                                              {"listen", required_argument, 0, O_LISTEN},
                                              {"token-file", required_argument, 0, O_TOKEN},
@@ -298,6 +300,7 @@ int main(int argc, char **argv)
                                              {"rdma-device", required_argument, 0, O_RDEV},
                                              {"rdma-sq-depth", required_argument, 0, O_RSQ},
                                              {"rdma-signal-every", required_argument, 0, O_RSIG},
+                                             {"rdma-ack-timeout", required_argument, 0, O_RACK},
                                              {"rdma-test-dereg", no_argument, 0, O_RDEREG},
                                              {"slice-us", required_argument, 0, O_SLICE},
                                              {"help", no_argument, 0, 'h'},
@@ -336,6 +339,7 @@ int main(int argc, char **argv)
                         break;
                 case O_RSQ: cn.cfg.rdma.sq_depth = (unsigned)kvf_opt_u64("rdma-sq-depth", optarg, 2, 65536); break;
                 case O_RSIG: cn.cfg.rdma.signal_every = (unsigned)kvf_opt_u64("rdma-signal-every", optarg, 1, 65536); break;
+                case O_RACK: cn.cfg.rdma.ack_timeout = (unsigned)kvf_opt_u64("rdma-ack-timeout", optarg, 1, 31); break;
                 case O_RDEREG: cn.cfg.rdma.test_dereg = true; break;
                 case O_SLICE: slice_us = kvf_sched_slice_opt(prog, optarg); break;
                 case O_IDLE: cn.cfg.peer_idle_ms = (unsigned)kvf_opt_u64("peer-idle-ms", optarg, 100, 86400000); break;

@@ -9,6 +9,8 @@ struct conn_rdma_config {
                                * interface of the listen address (decode) or of the route (prefill) */
         unsigned sq_depth;    /* --rdma-sq-depth: work requests outstanding per queue pair */
         unsigned signal_every; /* --rdma-signal-every: one signalled work request in this many */
+        unsigned ack_timeout;  /* --rdma-ack-timeout: the queue pair's local ACK timeout, as the
+                                * exponent of 4.096 us x 2^N (1..31); 0 = rdma_cm's own choice */
         bool test_dereg;      /* --rdma-test-dereg: SIGUSR2 deregisters every peer's region (tests) */
 };
 

@@ -273,6 +273,11 @@ static int rconn_open(struct rconn *c, int *status)
         c->msg_mr = c->msgs ? ibv_reg_mr(c->pd, c->msgs, c->depth * sizeof(*c->msgs), IBV_ACCESS_LOCAL_WRITE) : NULL;
         if (!c->slots || !c->wrs || !c->sges || !c->msg_mr)
                 return kvf_err_set(-ENOMEM, "out of memory for the send queue");
+        if (cn->cfg.rdma.ack_timeout) {
+                uint8_t t = (uint8_t)cn->cfg.rdma.ack_timeout;
+                if (rdma_set_option(c->id, RDMA_OPTION_ID, RDMA_OPTION_ID_ACK_TIMEOUT, &t, sizeof(t)))
+                        return kvf_err_set(-errno, "rdma ack timeout %u: %s", t, strerror(errno));
+        }
         struct rdma_conn_param cp = {.private_data = w.rdma_ticket, .private_data_len = RDMA_TICKET_LEN,
                                      .responder_resources = 0, .initiator_depth = 0,
                                      .retry_count = 7, .rnr_retry_count = 7};

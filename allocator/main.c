@@ -309,6 +309,10 @@ int main(int argc, char **argv)
                 }
                 if (engine_gpu && p.device == KVF_DEVICE_NONE)
                         p.device = 0;
+                if (!strcmp(executor, "engine"))
+                        kvf_opt_die(prog, "--executor engine copies between kvferry's own GPU caches; on the "
+                                    "engine's registered caches same-host copies run in the sender's "
+                                    "context (leave --executor out, or say sender, and run MPS)");
                 backend_auto = false;
                 p.backend = KVF_BACKEND_ENGINE;
         }

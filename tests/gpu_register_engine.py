@@ -290,7 +290,30 @@ def throughput(pre, dec, dname, reps):
     return nbytes / best / 1e9
 
 
-def bench(pname, dname, opname, odname, out):
+def bench200(hname, r):
+    """200 separate buffers: an instance of 100 layers x K/V, each tensor its own cudaMalloc
+    segment, registered in one call, against 200 registration calls (one per tensor)."""
+    h = kvferry.Client(hname)
+    lo = h.layout
+    nl, nb, bb = lo.num_layers + lo.extra_layers, lo.num_blocks, lo.block_bytes
+    sep = [tuple(torch.zeros((nb, bb), dtype=torch.uint8, device="cuda") for _ in range(2))
+           for _ in range(nl)]
+    one = torch.zeros((nl, 2, nb, bb), dtype=torch.uint8, device="cuda")
+    one_entries = [one[layer] for layer in range(nl)]
+    r["buffers"] = 2 * nl
+    r["register_200_buffers_ms"] = timed_register(h, sep) * 1e3
+    r["segments_of_200_buffers"] = segments(type("C", (), {"entries": sep})())[0]
+    t0 = time.perf_counter()
+    for _ in range(2 * nl):
+        h.register_caches(one_entries)
+    r["register_200_per_buffer_ms"] = (time.perf_counter() - t0) * 1e3
+    h.unregister_caches()
+    r["per_buffer_over_200_in_one_call"] = r["register_200_per_buffer_ms"] / r["register_200_buffers_ms"]
+    del sep, one
+    torch.cuda.empty_cache()
+
+
+def bench(pname, dname, opname, odname, out, hname=None):
     dec = kvferry.Client(dname)
     pre = kvferry.Client(pname)
     lo = pre.layout
@@ -310,6 +333,8 @@ def bench(pname, dname, opname, odname, out):
     r["register_per_tensor_ms"] = (time.perf_counter() - t0) * 1e3
     pre.unregister_caches()
     r["per_tensor_over_whole_set"] = r["register_per_tensor_ms"] / r["register_128_tensors_ms"]
+    if hname:
+        bench200(hname, r)
     # Throughput: registered caches (one allocation each side) vs the allocator's own.
     pre.register_caches(one_entries)
     dtwo = torch.zeros((nl, 2, nb, bb), dtype=torch.uint8, device="cuda")
@@ -330,6 +355,6 @@ if __name__ == "__main__":
     elif sys.argv[1] == "test":
         test(*sys.argv[2:5])
     elif sys.argv[1] == "bench":
-        bench(*sys.argv[2:7])
+        bench(*sys.argv[2:8])
     else:
-        fail("usage: gpu_register_engine.py test PRE DEC OUT | bench PRE DEC OWNP OWND OUT")
+        fail("usage: gpu_register_engine.py test PRE DEC OUT | bench PRE DEC OWNP OWND OUT [H200]")

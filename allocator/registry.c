@@ -150,6 +150,16 @@ static void do_register(int c, pid_t pid, const uint8_t *buf, size_t n, int *fds
                 }
                 size[i] = (uint64_t)st.st_size;
         }
+        /* Sealed against shrinking where the file allows it (a memfd made with
+         * MFD_ALLOW_SEALING): a file that shrinks under the roles' mappings makes their copies
+         * fault (each such copy fails, common/busguard.h); a sealed one cannot. A /dev/shm file
+         * or a memfd without sealing is taken as it is. */
+        uint32_t sealed = 0;
+        for (uint32_t i = 0; i < q.n_regions && !gpu; i++) {
+                int seals = fcntl(fds[i], F_GET_SEALS);
+                if (seals >= 0 && ((seals & F_SEAL_SHRINK) || fcntl(fds[i], F_ADD_SEALS, F_SEAL_SHRINK) == 0))
+                        sealed++;
+        }
         const struct kvf_reg_wire_region *rg = (const void *)(buf + sizeof(q));
         const struct kvf_reg_wire_view *v = (const void *)(rg + q.n_regions);
         uint32_t want = kvf_layout_layers(L) * kvf_layout_tensors(L);
@@ -245,9 +255,9 @@ static void do_register(int c, pid_t pid, const uint8_t *buf, size_t n, int *fds
         R.placed = pl;
         R.nplaced = want;
         publish(true, pid, bytes, q.token_major, strided);
-        kvf_info("engine caches: registered by pid %d: %u regions, %llu bytes, %u views%s%s, "
-                 "generation %llu",
-                 (int)pid, q.n_regions, (unsigned long long)bytes, q.n_views,
+        kvf_info("engine caches: registered by pid %d: %u regions (%u sealed against shrinking), %llu "
+                 "bytes, %u views%s%s, generation %llu",
+                 (int)pid, q.n_regions, sealed, (unsigned long long)bytes, q.n_views,
                  strided ? ", strided blocks" : "", q.token_major ? ", token-major blocks" : "",
                  (unsigned long long)R.ctl->hdr->reg_generation);
 out:

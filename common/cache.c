@@ -4,6 +4,7 @@
 #include <errno.h>
 #include <string.h>
 
+#include "busguard.h"
 #include "copy.h"
 #include "err.h"
 #include "layout.h"
@@ -117,6 +118,19 @@ int kvf_cache_copy_host(const struct kvf_copy_batch *b)
                 if (!b->dst[i]->host && b->dst[i]->parts)
                         return kvf_err_set(-EXDEV, "a host copy into GPU memory (the engine's caches of "
                                            "a peer): both sides' caches must be of one kind");
+        /* A mapping whose file shrank (the engine's caches) faults: that copy fails, the
+         * process lives (busguard.h). Nothing read after the jump changed since sigsetjmp. */
+        struct kvf_busguard g;
+        kvf_busguard_enter(&g);
+        if (sigsetjmp(g.jb, 0)) {
+                kvf_busguard_leave(&g);
+                return kvf_err_set(-EFAULT,
+                                   "a copy of %u runs touched %p, past the end of its cache's file: "
+                                   "the engine's region file shrank after it was registered (seal it "
+                                   "against shrinking, F_SEAL_SHRINK, as kvferry.host_buffer does, and "
+                                   "register again)",
+                                   b->nruns, kvf_busguard_addr());
+        }
         for (uint32_t i = 0; i < b->nruns; i++) {
                 const struct kvf_copy_run *r = &b->runs[i];
                 const struct kvf_cache *d = b->dst[r->dst];
@@ -125,15 +139,18 @@ int kvf_cache_copy_host(const struct kvf_copy_batch *b)
                         uint64_t n = left, cs = kvf_cache_contig(b->src, so), cd = kvf_cache_contig(d, dof);
                         n = n < cs ? n : cs;
                         n = n < cd ? n : cd;
-                        if (n == 0)
+                        if (n == 0) {
+                                kvf_busguard_leave(&g);
                                 return kvf_err_set(-EIO, "copy of %llu bytes at %llu to %llu: %s cache not mapped "
                                                    "there (the engine's caches were dropped?)",
                                                    (unsigned long long)left, (unsigned long long)so,
                                                    (unsigned long long)dof, cs == 0 ? "the source" : "the destination");
+                        }
                         kvf_copy_stream(kvf_cache_addr(d, dof), kvf_cache_addr(b->src, so), n);
                         so += n, dof += n, left -= n;
                 }
         }
+        kvf_busguard_leave(&g);
         /* The streamed stores are visible before anything that says the bytes are there. */
         kvf_copy_fence();
         return 0;

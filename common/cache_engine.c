@@ -10,6 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "busguard.h"
 #include "cache.h"
 #include "err.h"
 #include "registration.h"
@@ -173,37 +174,19 @@ static void stage_buf_free(void *eng, uint8_t *p)
         free(p);
 }
 
-static int stage_copy(void *eng, bool to_cache, uint8_t *buf, const struct kvf_copy_run *runs,
-                      unsigned n, uint64_t *ticket)
+/* Host memory: the runs between the mapping and the staging buffer, with memcpy. */
+static int host_runs(struct kvf_cache *c, bool to_cache, uint8_t *buf, const struct kvf_copy_run *runs,
+                     unsigned n)
 {
-        struct stage_eng *e = eng;
-        struct kvf_cache *c = e->c;
-        int rc = 0;
-        if (c->reg_hdr && kvf_reg_stale(c->reg_hdr, c))
-                (void)kvf_cache_refresh(c);
-        pthread_rwlock_rdlock(&map_lock);
-#ifdef KVF_HAVE_CUDA
-        if (e->gpu) {
-                /* Queued under the lock: a new mapping waits for the GPU before it closes the
-                 * old one (kvf_cache_cuda_reg_unmap), so the kernel never runs on a closed one. */
-                rc = kvf_cache_cuda_stage_ops.copy(e->gpu, to_cache, buf, runs, n, ticket);
-                pthread_rwlock_unlock(&map_lock);
-                return rc;
-        }
-#endif
-        for (unsigned i = 0; rc == 0 && i < n; i++) {
+        for (unsigned i = 0; i < n; i++) {
                 uint64_t off = to_cache ? runs[i].dst_off : runs[i].src_off;
                 uint8_t *b = buf + (to_cache ? runs[i].src_off : runs[i].dst_off);
                 uint64_t left = runs[i].bytes;
                 while (left) {
                         uint64_t k = kvf_cache_contig(c, off);
-                        if (k == 0) {
-                                rc = kvf_err_set(
-                                    -EIO,
-                                    "the engine's caches are not mapped here (not registered, "
-                                    "or dropped with their engine)");
-                                break;
-                        }
+                        if (k == 0)
+                                return kvf_err_set(-EIO, "the engine's caches are not mapped here (not "
+                                                   "registered, or dropped with their engine)");
                         k = k < left ? k : left;
                         if (to_cache)
                                 memcpy(kvf_cache_addr(c, off), b, k);
@@ -212,9 +195,45 @@ static int stage_copy(void *eng, bool to_cache, uint8_t *buf, const struct kvf_c
                         off += k, b += k, left -= k;
                 }
         }
+        return 0;
+}
+
+static int stage_copy(void *eng, bool to_cache, uint8_t *buf, const struct kvf_copy_run *runs,
+                      unsigned n, uint64_t *ticket)
+{
+        struct stage_eng *e = eng;
+        struct kvf_cache *c = e->c;
+        if (c->reg_hdr && kvf_reg_stale(c->reg_hdr, c))
+                (void)kvf_cache_refresh(c);
+        pthread_rwlock_rdlock(&map_lock);
+#ifdef KVF_HAVE_CUDA
+        if (e->gpu) {
+                /* Queued under the lock: a new mapping waits for the GPU before it closes the
+                 * old one (kvf_cache_cuda_reg_unmap), so the kernel never runs on a closed one. */
+                int rc = kvf_cache_cuda_stage_ops.copy(e->gpu, to_cache, buf, runs, n, ticket);
+                pthread_rwlock_unlock(&map_lock);
+                return rc;
+        }
+#endif
+        /* The region file shrunk under the mapping faults: this copy fails, the connector
+         * lives (busguard.h), and the lock is released either way. */
+        struct kvf_busguard g;
+        kvf_busguard_enter(&g);
+        if (sigsetjmp(g.jb, 0)) {
+                kvf_busguard_leave(&g);
+                pthread_rwlock_unlock(&map_lock);
+                return kvf_err_set(-EFAULT,
+                                   "a staged copy touched %p, past the end of the engine's region file "
+                                   "of '%s': it shrank after it was registered (seal it against "
+                                   "shrinking, F_SEAL_SHRINK, as kvferry.host_buffer does, and register "
+                                   "again)",
+                                   kvf_busguard_addr(), c->reg_hdr ? c->reg_hdr->instance : "this instance");
+        }
+        int res = host_runs(c, to_cache, buf, runs, n);
+        kvf_busguard_leave(&g);
         pthread_rwlock_unlock(&map_lock);
         *ticket = ++e->ticket;
-        return rc;
+        return res;
 }
 
 static int stage_poll(void *eng, uint64_t ticket)

@@ -244,7 +244,22 @@ static int receive_end(struct rx *rx, const struct kvf_io_run *io, const struct 
                        unsigned group)
 {
         uint64_t t;
-        if (kvf_stage_in_end(rx->sg, io, n, group, &t) < 0) {
+        int rc = kvf_stage_in_end(rx->sg, io, n, group, &t);
+        if (rc == -EFAULT) {
+                /* The engine's caches cannot take them (their file shrank under the mapping):
+                 * sending them again would fault again. Their transfers end "write error" with
+                 * the cause, and the connection, whose stream is whole, goes on. */
+                char why[KVF_REASON_MAX];
+                snprintf(why, sizeof(why), "%s", kvf_err_msg());
+                kvf_errlog(&rx->cn->ctl, KVF_ROLE_CONNECTOR, "data from '%s' (%s): %s", rx->peer, rx->remote, why);
+                for (unsigned i = 0; i < n; i++)
+                        if ((i == 0 || runs[i].key != runs[i - 1].key) &&
+                            conn_landing_complete(rx->cn, rx->peer, rx->gen, runs[i].key, 0,
+                                                  KVF_STATUS_WRITE, why) == 1)
+                                conn_post_data_done(rx->cn, rx->peer, rx->gen, runs[i].key);
+                return 0;
+        }
+        if (rc < 0) {
                 log_disconnect(rx);
                 return -EIO;
         }

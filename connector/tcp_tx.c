@@ -206,17 +206,29 @@ static unsigned gather_end(const struct data_conn *dc, const struct batch *b, un
 }
 
 /* Stage batch b's payloads: host memory for each frame (the cache itself, or staging memory
- * whose copy out of the cache is queued). 0, or -EIO (logged). */
+ * whose copy out of the cache is queued). 0; -EFAULT: the engine's caches cannot be read (their
+ * file shrank), the batch's transfers failed and the connection goes on; -EIO (logged). */
 static int stage_batch(struct data_conn *dc, struct kvf_stager *st, struct batch *b)
 {
         struct xfer_peer *xp = dc->xp;
         struct connector *cn = xp->p->cn;
         for (unsigned i = 0; i < b->n; i++)
                 b->io[i] = (struct kvf_io_run){.off = b->fs[i]->src_off, .len = xfer_frame_bytes(xp, b->fs[i])};
-        if (kvf_stage_out(&cn->cache, st, b->io, b->n, &b->ticket, &b->group) < 0) {
+        int rc = kvf_stage_out(&cn->cache, st, b->io, b->n, &b->ticket, &b->group);
+        if (rc < 0)
                 kvf_errlog(&cn->ctl, KVF_ROLE_CONNECTOR, "data for '%s': %s", xp->p->name, kvf_err_msg());
-                return -EIO;
+        if (rc == -EFAULT) {
+                /* Reading them again would fault again: their requests end "write error". */
+                char why[KVF_REASON_MAX];
+                snprintf(why, sizeof(why), "%s", kvf_err_msg());
+                pthread_mutex_lock(&xp->mu);
+                for (unsigned i = 0; i < b->n; i++)
+                        xfer_fail_one(xp, b->fs[i]->x, KVF_STATUS_WRITE, why);
+                pthread_mutex_unlock(&xp->mu);
+                return -EFAULT;
         }
+        if (rc < 0)
+                return -EIO;
         for (unsigned i = 0; i < b->n; i++)
                 b->sb[i].src = b->io[i].p;
         return 0;
@@ -410,8 +422,10 @@ static bool serve(struct data_conn *dc, struct io_uring *ring, struct batch *bs[
                                 return true;
                         if (t == 0)
                                 continue;
-                        if (stage_batch(dc, st, b) < 0) {
+                        if ((rc = stage_batch(dc, st, b)) < 0) {
                                 give_back(dc, st, b, false);
+                                if (rc == -EFAULT)
+                                        continue; /* (those transfers failed; the stream is whole) */
                                 return true;
                         }
                 }

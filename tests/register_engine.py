@@ -277,6 +277,103 @@ def engine_maps(pid):
         return 0
 
 
+def outcome(pre, dec, dname, tag, src, dst, transport, timeout_s=15):
+    """Submit one request and wait for its completion (and its arrival, if one comes)."""
+    lo = pre.layout
+    rid = "reg-%d-%d" % (tag, pre.session)
+    step = pre.last_step + 1
+    pre.submit_task({"request_id": rid, "src_block_ids": src, "dest_block_ids": dst,
+                     "current_id": step, "transfer_protocol": transport, "peer": dname,
+                     "peer_session": dec.session})
+    for layer in range(lo.num_layers + lo.extra_layers):
+        pre.layer_done(step, layer)
+    done = arrived = None
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end and (done is None or (arrived is None and
+                                                       time.monotonic() < end - timeout_s / 2)):
+        for c in (pre, dec):
+            ev = c.poll(timeout_ms=50)
+            if ev is not None and ev["request_id"] == rid:
+                if c is pre:
+                    done = ev
+                else:
+                    arrived = ev
+    return done, arrived
+
+
+class RawCaches(Caches):
+    """Caches in one memfd made without MFD_ALLOW_SEALING (so nobody can seal it), registered
+    with register_raw: [layers, 2, blocks, block]."""
+
+    def __init__(self, client):
+        import mmap
+        lo = client.layout
+        nl, nb, bb = lo.num_layers + lo.extra_layers, lo.num_blocks, lo.block_bytes
+        self.lo, self.nbytes = lo, nl * 2 * nb * bb
+        self.fd = os.memfd_create("kvferry-test-unsealed", os.MFD_CLOEXEC)
+        os.ftruncate(self.fd, self.nbytes)
+        self.mm = mmap.mmap(self.fd, self.nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        self.arr = np.frombuffer(self.mm, dtype=np.uint8).reshape((nl, 2, nb, bb))
+        addr = self.arr.__array_interface__["data"][0]
+        self.views = [(layer, v, addr + ((layer * 2 + v) * nb) * bb, bb)
+                      for layer in range(nl) for v in range(2)]
+        self.regions = [(addr, self.nbytes, self.fd, 0)]
+
+    def block(self, layer, v, b):
+        return self.arr[layer, v, b]
+
+
+def shrunk_files(pre, pc, dec, dc, pname, dname):
+    """A region file shrunk under the roles' mappings: each copy through it fails with the
+    cause, and no role dies (a SIGBUS would kill it)."""
+    # kvferry.host_buffer's memory is sealed against shrinking
+    fd = next(iter(kvferry._host_buffers.values()))[0]
+    try:
+        os.ftruncate(fd, 0)
+        fail("a host_buffer's memfd could be shrunk")
+    except PermissionError:
+        pass
+    print("ok: kvferry.host_buffer's memory cannot shrink (F_SEAL_SHRINK)")
+    before = {n: role_pids(n) for n in (pname, dname)}
+    raw = RawCaches(dec)
+    dec.register_raw(raw.views, raw.regions)
+    transfer(pre, pc, dec, raw, dname, 50, [1, 2], [3, 4])  # it works before
+    os.ftruncate(raw.fd, 0)
+    done, arrived = outcome(pre, dec, dname, 51, [1, 2], [3, 4], "ipc")
+    if done is None or done["status"] == "finished" or "shrank" not in done["reason"]:
+        fail("ipc into a shrunk region file: completion %r" % done)
+    if arrived is not None and arrived["status"] == "finished":
+        fail("ipc into a shrunk region file: arrival %r" % arrived)
+    print("ok: ipc into the decode engine's region file shrunk after registering: %r: %s"
+          % (done["status"], done["reason"]))
+    done, arrived = outcome(pre, dec, dname, 52, [1, 2], [3, 4], "tcp")
+    if done is None or done["status"] == "finished":
+        fail("tcp into a shrunk region file: completion %r" % done)
+    if arrived is not None and arrived["status"] == "finished":
+        fail("tcp into a shrunk region file: arrival %r" % arrived)
+    print("ok: tcp into it: %r: %s" % (done["status"], done["reason"]))
+    # the prefill engine's file shrunk: the sender (ipc) and the connector (tcp) read it
+    praw = RawCaches(pre)
+    pre.register_raw(praw.views, praw.regions)
+    dec.register_caches(dc.entries)
+    os.ftruncate(praw.fd, 0)
+    for tag, transport in ((53, "ipc"), (54, "tcp")):
+        done, arrived = outcome(pre, dec, dname, tag, [1, 2], [3, 4], transport)
+        if done is None or done["status"] == "finished":
+            fail("%s from a shrunk region file: completion %r" % (transport, done))
+        if arrived is not None and arrived["status"] == "finished":
+            fail("%s from a shrunk region file: arrival %r" % (transport, arrived))
+        print("ok: %s from the prefill engine's shrunk region file: %r: %s"
+              % (transport, done["status"], done["reason"]))
+    after = {n: role_pids(n) for n in (pname, dname)}
+    if after != before:
+        fail("a role was restarted: %r before, %r after" % (before, after))
+    pre.register_caches(pc.entries)
+    transfer(pre, pc, dec, dc, dname, 55, [1, 2], [3, 4])
+    transfer(pre, pc, dec, dc, dname, 56, [1, 2], [3, 4], transport="tcp")
+    print("ok: no role died (pids %r); registered again, ipc and tcp finished" % after)
+
+
 def main():
     if sys.argv[1] == "--child":
         child(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))
@@ -336,6 +433,7 @@ def main():
     print("ok: token-major blocks to a head-major peer ended %r: %s" % (ev["status"], ev["reason"]))
     pre.register_caches(pc.entries)
     print("ok: %d layouts and the mixed cases moved in %.2f s" % (n, time.monotonic() - t0))
+    shrunk_files(pre, pc, dec, dc, pname, dname)
     gen_before = reg_generation(pname)
 
     # unregister: refused again, then registered again

@@ -29,6 +29,7 @@ import ctypes
 import ctypes.util
 import errno as _errno
 import os
+import fcntl
 import threading
 import weakref
 
@@ -235,15 +236,18 @@ def host_buffer(nbytes):
     """nbytes of host memory the instance's roles can map: a memfd shared mapping, as a NumPy
     uint8 array (torch.frombuffer(buf, dtype=...) makes a tensor of it, zero-copy). The only
     host memory Client.register_caches accepts: carve the caches out of it (reshape, slice,
-    view as another dtype); the memory lives while any view of it does."""
+    view as another dtype); the memory lives while any view of it does. Its file is sealed
+    against shrinking (F_SEAL_SHRINK): the roles map it, and a shrunk file would fault."""
     import mmap
     import numpy as np
     nbytes = int(nbytes)
     if nbytes <= 0:
         raise KvferryError(_errno.EINVAL, "kvferry: host_buffer of %d bytes" % nbytes)
-    fd = os.memfd_create("kvferry-engine-caches", os.MFD_CLOEXEC)
+    fd = os.memfd_create("kvferry-engine-caches", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
         os.ftruncate(fd, nbytes)
+        # It cannot shrink under the roles' mappings (their copies would fault).
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
         mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
     except BaseException:
         os.close(fd)

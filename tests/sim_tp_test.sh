@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The demo (and kvf-sim under it) between tensor-parallel groups of different sizes and block
-# sizes, with real instances started by the supervisor: --prefill-tp/--decode-tp start one
+# sizes, with real instances started by the supervisor, on host caches (tests/gpu_tp_test.sh runs
+# the same on GPU caches): --prefill-tp/--decode-tp start one
 # instance per rank, each prefill rank sends each decode rank its heads, and kvf-sim checks every
 # head of every token on every decode rank. The verified byte count must be exactly the prompts'
 # tokens x the model's heads x layers x tensors x one head's row, and the usage errors say why.
@@ -37,7 +38,7 @@ PY
 # none corrupt, exactly the bytes of every head of every token verified.
 demo() {
   local what=$1 n=$2 json=$KVFERRY_RUN_DIR/$3.json txt=$KVFERRY_RUN_DIR/$3.txt per=$4 mib=$5; shift 5
-  "$ROOT/tools/kvferry" demo --requests "$n" --cache-mib "$mib" --layer-us 100 --quiet \
+  "$ROOT/tools/kvferry" demo --backend host --requests "$n" --cache-mib "$mib" --layer-us 100 --quiet \
     --prefix-pct 0 --max-tokens $MAXTOK --json "$json" "$@" >"$txt" 2>&1 ||
     { cat "$txt" >&2; fail "$what: the demo failed"; }
   grep -q "every head of every token checked on every decode rank" "$txt" ||
@@ -80,7 +81,7 @@ pass "deepseek-v3-mla tp 2 -> 4 over ipc: $(json_get "$j" verified_bytes) bytes 
 # Cancels mid-step, 2 -> 4: each of a request's four tasks is cancelled; the request ends once,
 # cancelled (every pair's completion and arrival in) or finished and verified, never corrupt.
 j=$KVFERRY_RUN_DIR/e.json
-"$ROOT/tools/kvferry" demo --requests 30 --cache-mib 256 --layer-us 100 --quiet --prefix-pct 0 \
+"$ROOT/tools/kvferry" demo --backend host --requests 30 --cache-mib 256 --layer-us 100 --quiet --prefix-pct 0 \
   --max-tokens $MAXTOK --cancel-pct 40 --json "$j" --prefill-tp 2 --decode-tp 4 >"$KVFERRY_RUN_DIR/e.txt" 2>&1 ||
   { cat "$KVFERRY_RUN_DIR/e.txt" >&2; fail "cancels: the demo failed"; }
 f=$(json_get "$j" finished) c=$(json_get "$j" cancelled)
@@ -107,8 +108,10 @@ usage_case "block sizes 64 and 48" "one must divide the other" \
   tools/kvferry demo --prefill-tp 2 --decode-block-tokens 48
 usage_case "block sizes 32 and 16 over tcp" "regrouped into other block sizes over ipc only" \
   tools/kvferry demo --prefill-tp 2 --prefill-block-tokens 32 --decode-block-tokens 16 --transport tcp
-usage_case "--backend cuda with different groups" "kvf-sim's GPU mode runs equal groups" \
-  tools/kvferry demo --prefill-tp 2 --decode-tp 4 --backend cuda
+usage_case "--executor engine on host caches" "--backend host puts the caches in host memory" \
+  tools/kvferry demo --prefill-tp 2 --decode-tp 4 --backend host --executor engine
+usage_case "--executor bogus" "--executor is auto, sender or engine, not 'bogus'" \
+  tools/kvferry demo --prefill-tp 2 --decode-tp 4 --executor bogus
 usage_case "kvf-sim --prefill-tp 2, one name" "give 2 names separated by commas" \
   "$B/kvf-sim" --prefill a --decode b,c --prefill-tp 2 --check-options
 echo "sim_tp_test: ok"

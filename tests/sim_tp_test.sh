@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The demo (and kvf-sim under it) between tensor-parallel groups of different sizes and block
-# sizes, with real instances started by the supervisor, on host caches (tests/gpu_tp_test.sh runs
-# the same on GPU caches): --prefill-tp/--decode-tp start one
-# instance per rank, each prefill rank sends each decode rank its heads, and kvf-sim checks every
-# head of every token on every decode rank. The verified byte count must be exactly the prompts'
+# sizes, with real instances started by the supervisor (host caches unless KVFERRY_TEST_BACKEND
+# says cuda; tests/gpu_tp_test.sh runs the ratios on GPU caches with both executors):
+# --prefill-tp/--decode-tp start one instance per rank, each prefill rank sends each decode rank
+# its heads, and kvf-sim checks every head of every token on every decode rank. The verified byte count must be exactly the prompts'
 # tokens x the model's heads x layers x tensors x one head's row, and the usage errors say why.
 source "$(dirname "$0")/lib.sh"
 cd "$ROOT"
@@ -38,7 +38,7 @@ PY
 # none corrupt, exactly the bytes of every head of every token verified.
 demo() {
   local what=$1 n=$2 json=$KVFERRY_RUN_DIR/$3.json txt=$KVFERRY_RUN_DIR/$3.txt per=$4 mib=$5; shift 5
-  "$ROOT/tools/kvferry" demo --backend host --requests "$n" --cache-mib "$mib" --layer-us 100 --quiet \
+  "$ROOT/tools/kvferry" demo --requests "$n" --cache-mib "$mib" --layer-us 100 --quiet \
     --prefix-pct 0 --max-tokens $MAXTOK --json "$json" "$@" >"$txt" 2>&1 ||
     { cat "$txt" >&2; fail "$what: the demo failed"; }
   grep -q "every head of every token checked on every decode rank" "$txt" ||
@@ -81,7 +81,7 @@ pass "deepseek-v3-mla tp 2 -> 4 over ipc: $(json_get "$j" verified_bytes) bytes 
 # Cancels mid-step, 2 -> 4: each of a request's four tasks is cancelled; the request ends once,
 # cancelled (every pair's completion and arrival in) or finished and verified, never corrupt.
 j=$KVFERRY_RUN_DIR/e.json
-"$ROOT/tools/kvferry" demo --backend host --requests 30 --cache-mib 256 --layer-us 100 --quiet --prefix-pct 0 \
+"$ROOT/tools/kvferry" demo --requests 30 --cache-mib 256 --layer-us 100 --quiet --prefix-pct 0 \
   --max-tokens $MAXTOK --cancel-pct 40 --json "$j" --prefill-tp 2 --decode-tp 4 >"$KVFERRY_RUN_DIR/e.txt" 2>&1 ||
   { cat "$KVFERRY_RUN_DIR/e.txt" >&2; fail "cancels: the demo failed"; }
 f=$(json_get "$j" finished) c=$(json_get "$j" cancelled)

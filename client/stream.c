@@ -279,8 +279,9 @@ static int peer_get(struct kvf_client *c, struct kvf_stream *st, const char *nam
                 snprintf(why, whylen, "engine executor: peer '%s' keeps its cache in host memory", name);
         else if ((rc = kvf_tp_pair_plan(&me->layout, me->nranks, me->rank, &h->layout, h->nranks,
                                         h->rank, &p->plan, diff, sizeof(diff))) < 0)
-                snprintf(why, whylen, "engine executor: %s with '%s': %s",
-                         rc == -EXDEV ? "peer layout mismatch" : "no copies", name, diff);
+                snprintf(why, whylen, rc == -EXDEV ? "engine executor: peer layout mismatch with '%s': %s"
+                                                   : "engine executor: peer '%s': %s",
+                         name, diff);
         else if (kvf_cache_map_peer(h, true, &c->cache, &p->cache) < 0)
                 snprintf(why, whylen, "engine executor: peer '%s': %s", name, kvf_err_msg());
         else {

@@ -225,6 +225,8 @@ int kvf_tp_pair_plan(const struct kvf_cache_layout *me, uint32_t nranks, uint32_
 bool kvf_tp_piece_next(const struct kvf_tp_plan *pl, uint32_t pos, uint32_t ndst, uint32_t *x,
                        uint32_t *dpos)
 {
+        if (!pl->npieces)
+                return false;
         const uint32_t sb = pos % pl->src_per_group;
         const uint32_t d0 = pos / pl->src_per_group * pl->dst_per_group;
         for (; *x < pl->npieces; (*x)++) {

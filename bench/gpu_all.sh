@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# gpu_all.sh OUTDIR: the whole GPU run in one command, on a machine with a GPU (about 10
-# minutes): the GPU tests (gpu_copy_test, tests/gpu_e2e_test.sh), then every benchmark
+# gpu_all.sh OUTDIR: the whole GPU run in one command, on a machine with a GPU (about 15
+# minutes): the GPU tests (gpu_copy_test, tests/gpu_e2e_test.sh, tests/gpu_tp_test.sh), then every benchmark
 # (bench/gpu_e2e_bench.sh OUTDIR/bench). The test programs run directly, not through ctest: a
 # build carried from another machine has that machine's paths in its CTest files.
 #
@@ -39,16 +39,17 @@ echo "gpu_all: $(date -u +%FT%TZ) on $(hostname), build $KVFERRY_BUILD, commit $
   tee -a "$OUT/summary.txt"
 part gpu_copy_test 200 "$KVFERRY_BUILD/gpu/gpu_copy_test"
 part gpu_e2e_test 900 "$ROOT/tests/gpu_e2e_test.sh"
+part gpu_tp_test 600 "$ROOT/tests/gpu_tp_test.sh"
 part gpu_e2e_bench 600 "$HERE/gpu_e2e_bench.sh" "$OUT/bench"
 {
   echo
   echo "--- tests"
-  grep -h -E "^ok:|^FAIL|^skipped|PASS|all passed" "$OUT/gpu_copy_test.txt" "$OUT/gpu_e2e_test.txt" 2>/dev/null
+  grep -h -E "^ok:|^FAIL|^skipped|PASS|all passed" "$OUT/gpu_copy_test.txt" "$OUT/gpu_e2e_test.txt" "$OUT/gpu_tp_test.txt" 2>/dev/null
   echo
   echo "--- benchmarks ($OUT/bench/summary.txt)"
   cat "$OUT/bench/summary.txt" 2>/dev/null
 } >>"$OUT/summary.txt"
 echo "gpu_all: $FAILS part(s) failed, $SKIPS skipped; $OUT/summary.txt" | tee -a "$OUT/summary.txt"
 [ $FAILS = 0 ] || exit 1
-[ $SKIPS = 3 ] && exit 77
+[ $SKIPS = 4 ] && exit 77
 exit 0

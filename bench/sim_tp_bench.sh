@@ -9,19 +9,30 @@
 # second of kvf-sim's run (the same requests, so the same tokens, in every row); ratio = the
 # row's over the mean of the two references', so >= 1 is faster. Tasks per request: prefill rank -> decode rank
 # pairs (each a task, a notice and an arrival).
-# Usage: bench/sim_tp_bench.sh [--requests N] [--transport ipc|tcp]
+# --gpu: the GPU path: every instance's cache on GPU 0 (--backend cuda, the demo's default
+# device), kvf-sim in GPU mode (layer kernels write, check kernels verify every byte on the GPU),
+# rows 1 -> 2 and 2 -> 8 against 1 -> 1 (the same split: whole blocks) first and last;
+# --executor E (engine, sender, auto) says where same-host copies run.
+# Usage: bench/sim_tp_bench.sh [--requests N] [--transport ipc|tcp] [--gpu [--executor E]]
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 REQ=200
 TR=ipc
+GPU=0
+EXEC=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --requests) REQ=$2; shift 2 ;;
     --transport) TR=$2; shift 2 ;;
-    -h|--help) sed -n '2,12p' "$0"; exit 0 ;;
-    *) echo "sim_tp_bench.sh: unknown option '$1' (--requests N, --transport ipc|tcp)" >&2; exit 2 ;;
+    --gpu) GPU=1; shift ;;
+    --executor) EXEC=(--executor "$2"); shift 2 ;;
+    -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
+    *) echo "sim_tp_bench.sh: unknown option '$1' (--requests N, --transport ipc|tcp, --gpu, --executor E)" >&2; exit 2 ;;
   esac
 done
+[ $GPU = 1 ] || [ ${#EXEC[@]} = 0 ] || { echo "sim_tp_bench.sh: --executor is for --gpu" >&2; exit 2; }
+BACKEND=(--backend host)
+[ $GPU = 1 ] && BACKEND=(--backend cuda "${EXEC[@]}" --gpu)
 OUT=$(mktemp -d /tmp/sim_tp_bench.XXXXXX)
 trap 'rm -rf "$OUT"' EXIT
 
@@ -30,21 +41,30 @@ one() {
   local label=$1 j=$OUT/$1.json
   shift
   "$ROOT/tools/kvferry" demo --requests "$REQ" --cache-mib 512 --layer-us 0 --max-tokens 1024 \
-    --prefix-pct 0 --late-pct 0 --verify sample --transport "$TR" --quiet --json "$j" "$@" \
+    --prefix-pct 0 --late-pct 0 --verify sample --transport "$TR" --quiet --json "$j" "${BACKEND[@]}" "$@" \
     >"$OUT/$label.txt" 2>&1 || { cat "$OUT/$label.txt" >&2; echo "sim_tp_bench.sh: $label failed" >&2; exit 1; }
   /usr/bin/python3 -c 'import json,sys; d=json.load(open(sys.argv[1]))
 assert d["ok"] and d["finished"] == d["requests"] and d["corrupt"] == 0, "not every request verified"
-print(sys.argv[2], d["seconds"], d["requests_per_s"], d["tasks_per_request"])' "$j" "$label"
+assert d["gpu"] == (sys.argv[3] == "1"), "kvf-sim ran in the wrong mode"
+print(sys.argv[2], d["seconds"], d["requests_per_s"], d["tasks_per_request"])' "$j" "$label" "$GPU"
 }
 
 lscpu | grep 'Model name' || true
-echo "requests: $REQ over $TR, llama-3.1-8b, prompts clipped to 1024 tokens, no compute time"
+echo "requests: $REQ over $TR, llama-3.1-8b, prompts clipped to 1024 tokens, no compute time, $([ $GPU = 1 ] && echo "GPU caches (GPU 0) ${EXEC[*]}" || echo "host caches")"
+if [ $GPU = 1 ]; then
+  nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n1 || true
+  rows=("$(one 1-1_first --prefill-tp 1 --decode-tp 1)")
+  rows+=("$(one 1-2 --prefill-tp 1 --decode-tp 2)")
+  rows+=("$(one 2-8 --prefill-tp 2 --decode-tp 8)")
+  rows+=("$(one 1-1_last --prefill-tp 1 --decode-tp 1)")
+else
 rows=("$(one 2-2_first --prefill-tp 2 --decode-tp 2)")
 rows+=("$(one 2-4 --prefill-tp 2 --decode-tp 4)")
 rows+=("$(one 4-2 --prefill-tp 4 --decode-tp 2)")
 rows+=("$(one 1-2 --prefill-tp 1 --decode-tp 2)")
 [ "$TR" = ipc ] && rows+=("$(one 1-2_bs16-64 --prefill-tp 1 --decode-tp 2 --prefill-block-tokens 16 --decode-block-tokens 64)")
 rows+=("$(one 2-2_last --prefill-tp 2 --decode-tp 2)")
+fi
 printf '%s\n' "${rows[@]}" | awk '
   { l[NR] = $1; s[NR] = $2; r[NR] = $3; t[NR] = $4 }
   END {

@@ -46,6 +46,7 @@
 #include "doorbell.h"
 #include "err.h"
 #include "layout.h"
+#include "tpsplit.h"
 
 int kvf_set_layer_signal(struct kvf_client *c, int method)
 {
@@ -95,6 +96,7 @@ struct speer {
         uint64_t created_ns;
         struct kvf_ctl ctl;     /* its segment, read-only */
         struct kvf_cache cache; /* its cache, opened for our device */
+        struct kvf_tp_plan plan; /* another split or block size: the pieces (else npieces 0) */
         bool used;
 };
 
@@ -166,6 +168,7 @@ static void stream_free(struct kvf_client *c, struct kvf_stream *st)
                 if (st->peers[i].used) {
                         kvf_cache_unmap(&st->peers[i].cache);
                         kvf_ctl_detach(&st->peers[i].ctl);
+                        kvf_tp_plan_free(&st->peers[i].plan);
                 }
         free(st->runs);
         free(st->mine);
@@ -252,6 +255,7 @@ static int peer_get(struct kvf_client *c, struct kvf_stream *st, const char *nam
                 drain(st);
                 kvf_cache_unmap(&p->cache);
                 kvf_ctl_detach(&p->ctl);
+                kvf_tp_plan_free(&p->plan);
                 memset(p, 0, sizeof(*p));
                 if (!freep)
                         freep = p;
@@ -261,7 +265,9 @@ static int peer_get(struct kvf_client *c, struct kvf_stream *st, const char *nam
                 return -1;
         }
         struct speer *p = freep;
-        char diff[160];
+        int rc;
+        char diff[400];
+        const struct kvf_ctl_header *me = c->ctl.hdr;
         if (kvf_ctl_attach(name, false, &p->ctl) < 0) {
                 snprintf(why, whylen, "engine executor: %s", kvf_err_msg());
                 return -1;
@@ -271,8 +277,11 @@ static int peer_get(struct kvf_client *c, struct kvf_stream *st, const char *nam
                 snprintf(why, whylen, "engine executor: peer '%s' was started again", name);
         else if (h->backend != KVF_BACKEND_CUDA)
                 snprintf(why, whylen, "engine executor: peer '%s' keeps its cache in host memory", name);
-        else if (kvf_layout_compatible(&c->ctl.hdr->layout, &h->layout, diff, sizeof(diff)) < 0)
-                snprintf(why, whylen, "engine executor: peer layout mismatch with '%s': %s", name, diff);
+        else if ((rc = kvf_tp_pair_plan(&me->layout, me->nranks, me->rank, &h->layout, h->nranks,
+                                        h->rank, &p->plan, diff, sizeof(diff))) < 0)
+                snprintf(why, whylen, rc == -EXDEV ? "engine executor: peer layout mismatch with '%s': %s"
+                                                   : "engine executor: peer '%s': %s",
+                         name, diff);
         else if (kvf_cache_map_peer(h, true, &c->cache, &p->cache) < 0)
                 snprintf(why, whylen, "engine executor: peer '%s': %s", name, kvf_err_msg());
         else {
@@ -282,6 +291,7 @@ static int peer_get(struct kvf_client *c, struct kvf_stream *st, const char *nam
                 return (int)(p - st->peers);
         }
         kvf_ctl_detach(&p->ctl);
+        kvf_tp_plan_free(&p->plan);
         memset(p, 0, sizeof(*p));
         return -1;
 }
@@ -310,6 +320,75 @@ static int grow_runs(struct kvf_stream *st, size_t more)
         return 0;
 }
 
+static uint32_t dst_region(struct kvf_stream *st, int pi)
+{
+        uint32_t di = 0;
+        while (di < st->ndst && st->dst_peer[di] != (uint32_t)pi)
+                di++;
+        if (di == st->ndst) {
+                st->dst_peer[di] = (uint32_t)pi;
+                st->dst[di] = (struct kvf_gpu_region){.base = (uint64_t)(uintptr_t)st->peers[pi].cache.base,
+                                                      .bytes = st->peers[pi].cache.bytes};
+                st->ndst++;
+        }
+        return di;
+}
+
+/*
+ * The runs of a peer of another tensor-parallel split or block size: the plan's pieces of each
+ * send-block (kvf_tp_piece_next, the walk the sender's copies make), into the request's
+ * destination blocks: n_dst of them (the peer's block size), or n_send. 0, or -1 with `why`.
+ */
+static int add_pieces(struct kvf_client *c, struct kvf_stream *st, uint32_t slot, const struct kvf_plan_entry *e,
+                      int pi, uint32_t l0, uint32_t l1, char *why, size_t whylen)
+{
+        const struct kvf_ctl_header *h = c->ctl.hdr;
+        const struct kvf_cache_layout *L = &h->layout, *PL = &st->peers[pi].cache.layout;
+        const struct kvf_tp_plan *pl = &st->peers[pi].plan;
+        const uint32_t *src = kvf_slot_blocks(&c->ctl, slot) + e->src_first;
+        const uint32_t *dst = kvf_slot_blocks(&c->ctl, slot) + h->max_blocks;
+        const struct kvf_req_slot *r = &c->ctl.reqtab[slot];
+        /* Written with the task, before the sender opened the entry (the acquire load of its
+         * ctl word orders them); fixed until the request is freed, which closes the entry. */
+        uint32_t ndst = r->n_dst ? r->n_dst : r->n_send, tensors = kvf_layout_tensors(L), dpos;
+
+        if (ndst > h->max_blocks) {
+                snprintf(why, whylen, "engine executor: %u destination blocks (at most %u)", ndst, h->max_blocks);
+                return -1;
+        }
+        for (uint32_t i = e->b0; i < e->b1; i++) {
+                if (src[i] >= L->num_blocks) {
+                        snprintf(why, whylen, "engine executor: source block %u is outside the cache (%u blocks)",
+                                 src[i], L->num_blocks);
+                        return -1;
+                }
+                for (uint32_t x = 0; kvf_tp_piece_next(pl, i, ndst, &x, &dpos); x++)
+                        if (dst[dpos] >= PL->num_blocks) {
+                                snprintf(why, whylen, "engine executor: block %u -> %u is outside the peer's cache "
+                                         "(%u blocks)", src[i], dst[dpos], PL->num_blocks);
+                                return -1;
+                        }
+        }
+        uint32_t di = dst_region(st, pi);
+        if (grow_runs(st, (size_t)(l1 - l0 + 1) * tensors * (e->b1 - e->b0) * pl->npieces) < 0) {
+                snprintf(why, whylen, "engine executor: out of memory for the runs");
+                return -1;
+        }
+        for (uint32_t l = l0; l <= l1; l++)
+                for (uint32_t t = 0; t < tensors; t++)
+                        for (uint32_t i = e->b0; i < e->b1; i++)
+                                for (uint32_t x = 0; kvf_tp_piece_next(pl, i, ndst, &x, &dpos); x++) {
+                                        const struct kvf_tp_piece *pc = &pl->pieces[x];
+                                        st->runs[st->nruns++] = (struct kvf_gpu_run){
+                                                .src_off = kvf_layout_offset(L, l, t, src[i]) + pc->soff,
+                                                .dst_off = kvf_layout_offset(PL, l, t, dst[dpos]) + pc->doff,
+                                                .bytes = pc->bytes,
+                                                .src_region = 0,
+                                                .dst_region = di};
+                                }
+        return 0;
+}
+
 /*
  * Add the runs of layers [l0, l1] of a claimed entry (a snapshot of it) to the
  * batch. 0, or -1 with `why` (nothing added).
@@ -323,21 +402,15 @@ static int add_runs(struct kvf_client *c, struct kvf_stream *st, uint32_t slot, 
         const uint32_t *dst = kvf_slot_blocks(&c->ctl, slot) + h->max_blocks;
         uint32_t tensors = kvf_layout_tensors(L);
 
+        if (st->peers[pi].plan.npieces)
+                return add_pieces(c, st, slot, e, pi, l0, l1, why, whylen);
         for (uint32_t i = e->b0; i < e->b1; i++)
                 if (src[i] >= L->num_blocks || dst[i] >= PL->num_blocks) {
                         snprintf(why, whylen, "engine executor: block %u -> %u is outside the caches (%u, %u blocks)",
                                  src[i], dst[i], L->num_blocks, PL->num_blocks);
                         return -1;
                 }
-        uint32_t di = 0;
-        while (di < st->ndst && st->dst_peer[di] != (uint32_t)pi)
-                di++;
-        if (di == st->ndst) {
-                st->dst_peer[di] = (uint32_t)pi;
-                st->dst[di] = (struct kvf_gpu_region){.base = (uint64_t)(uintptr_t)st->peers[pi].cache.base,
-                                                      .bytes = st->peers[pi].cache.bytes};
-                st->ndst++;
-        }
+        uint32_t di = dst_region(st, pi);
         if (grow_runs(st, (size_t)(l1 - l0 + 1) * tensors * (e->b1 - e->b0)) < 0) {
                 snprintf(why, whylen, "engine executor: out of memory for the runs");
                 return -1;
@@ -390,7 +463,7 @@ static void exec_layer(struct kvf_client *c, struct kvf_stream *st, void *stream
 {
         struct kvf_ctl *ctl = &c->ctl;
         uint32_t hi = kvf_load_acquire(&ctl->exec->hi);
-        char why[160];
+        char why[400];
 
         if (hi > ctl->hdr->plan_slots)
                 hi = ctl->hdr->plan_slots;

@@ -186,6 +186,59 @@ void kvf_tp_plan_free(struct kvf_tp_plan *plan)
         memset(plan, 0, sizeof(*plan));
 }
 
+int kvf_tp_pair_plan(const struct kvf_cache_layout *me, uint32_t nranks, uint32_t rank,
+                     const struct kvf_cache_layout *peer, uint32_t pnranks, uint32_t prank,
+                     struct kvf_tp_plan *out, char *why, size_t whylen)
+{
+        uint32_t heads;
+        char diff[400];
+        memset(out, 0, sizeof(*out));
+        nranks = nranks ? nranks : 1;
+        pnranks = pnranks ? pnranks : 1;
+        if (nranks == pnranks && kvf_layout_compatible(me, peer, diff, sizeof(diff)) == 0)
+                return 0;
+        if (kvf_tp_check(me, nranks, peer, pnranks, 0, &heads, diff, sizeof(diff)) < 0) {
+                snprintf(why, whylen, "%s", diff);
+                return -EXDEV;
+        }
+        int rc = kvf_tp_plan(me, nranks, rank, peer, pnranks, prank, heads, out);
+        if (rc < 0) {
+                snprintf(why, whylen, "%s", kvf_err_msg());
+                return rc;
+        }
+        if (out->npieces == 0) {
+                snprintf(why, whylen,
+                         "it is decode rank %u of %u: prefill rank %u of %u sends it none of its "
+                         "heads (%u kv heads; decode rank j gets each head from the prefill rank "
+                         "that holds it, the (j mod replicas)-th where it is replicated)",
+                         prank, pnranks, rank, nranks, heads);
+                kvf_tp_plan_free(out);
+                return -ENOENT;
+        }
+        const struct kvf_tp_piece *w = out->pieces;
+        if (out->npieces == 1 && w->soff == 0 && w->doff == 0 && w->bytes == me->block_bytes &&
+            w->bytes == peer->block_bytes)
+                kvf_tp_plan_free(out); /* whole blocks after all (a replicated head, MLA) */
+        return 0;
+}
+
+bool kvf_tp_piece_next(const struct kvf_tp_plan *pl, uint32_t pos, uint32_t ndst, uint32_t *x,
+                       uint32_t *dpos)
+{
+        if (!pl->npieces)
+                return false;
+        const uint32_t sb = pos % pl->src_per_group;
+        const uint32_t d0 = pos / pl->src_per_group * pl->dst_per_group;
+        for (; *x < pl->npieces; (*x)++) {
+                const struct kvf_tp_piece *c = &pl->pieces[*x];
+                if (c->sblk != sb || d0 + c->dblk >= ndst)
+                        continue;
+                *dpos = d0 + c->dblk;
+                return true;
+        }
+        return false;
+}
+
 uint32_t kvf_tp_dst_blocks(uint32_t n_src, uint32_t src_bsize, uint32_t dst_bsize)
 {
         uint64_t tokens = (uint64_t)n_src * src_bsize;

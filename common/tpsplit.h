@@ -35,6 +35,7 @@
 #ifndef KVF_TPSPLIT_H
 #define KVF_TPSPLIT_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -96,6 +97,31 @@ int kvf_tp_plan(const struct kvf_cache_layout *pl, uint32_t p, uint32_t prank,
                 const struct kvf_cache_layout *dl, uint32_t d, uint32_t drank, uint32_t heads,
                 struct kvf_tp_plan *out);
 void kvf_tp_plan_free(struct kvf_tp_plan *plan);
+
+/*
+ * The plan between this rank (layout `me`, rank `rank` of a group of `nranks`) as prefill and a
+ * peer rank (layout `peer`, rank `prank` of `pnranks`) as decode, as both executors of same-host
+ * copies use it (the sender's copies, sender/peers.c; the engine's, client/stream.c): 0 with
+ * out->npieces 0 for whole blocks (equal layouts and groups, or a plan whose one piece is the
+ * whole block: a replicated head, MLA); 0 with the plan's pieces; -EXDEV with `why` when the
+ * layouts are not one split of one model (both named, kvf_tp_check's text); -ENOENT with `why`
+ * when this rank sends the peer none of its heads; -ENOMEM.
+ */
+int kvf_tp_pair_plan(const struct kvf_cache_layout *me, uint32_t nranks, uint32_t rank,
+                     const struct kvf_cache_layout *peer, uint32_t pnranks, uint32_t prank,
+                     struct kvf_tp_plan *out, char *why, size_t whylen);
+
+/*
+ * The piece walk of a request: its send position `pos` (the pos-th block it sends; one source
+ * block) with plan `pl` (npieces > 0) gives the pieces x with pieces[x].sblk == pos %
+ * src_per_group, each into destination position *dpos = pos / src_per_group * dst_per_group +
+ * dblk (an index into the request's destination blocks); a piece whose destination position is
+ * `ndst` or beyond (tokens past the request's, in the receiver's last block group) is left out.
+ * Start with *x = 0; true with the next piece's index in *x (then call again with *x + 1), false
+ * when none is left. Both executors build their copy runs with it, so they move the same bytes.
+ */
+bool kvf_tp_piece_next(const struct kvf_tp_plan *pl, uint32_t pos, uint32_t ndst, uint32_t *x,
+                       uint32_t *dpos);
 
 /*
  * The one head slice of each block prefill rank `prank` (layout pl, group p) sends decode rank

@@ -158,17 +158,13 @@ int sender_copies_add(struct sender *s, uint32_t slot, uint32_t l0, uint32_t l1,
                                         continue;
                                 }
                                 for (uint32_t b = 0; b < runs[k + 2]; b++) {
-                                        const uint32_t pos = runs[k + 1] + b;
-                                        const uint32_t sb = pos % pl->src_per_group;
-                                        const uint32_t d0 = pos / pl->src_per_group * pl->dst_per_group;
-                                        for (uint32_t x = 0; x < pl->npieces; x++) {
+                                        uint32_t dpos;
+                                        for (uint32_t x = 0; kvf_tp_piece_next(pl, runs[k + 1] + b, ndst, &x, &dpos); x++) {
                                                 const struct kvf_tp_piece *c = &pl->pieces[x];
-                                                if (c->sblk != sb || d0 + c->dblk >= ndst)
-                                                        continue;
                                                 s->cp.runs[s->cp.nruns++] = (struct kvf_copy_run){
                                                         .dst = di,
                                                         .src_off = kvf_layout_offset(L, l, t, runs[k] + b) + c->soff,
-                                                        .dst_off = kvf_layout_offset(PL, l, t, dst[d0 + c->dblk]) + c->doff,
+                                                        .dst_off = kvf_layout_offset(PL, l, t, dst[dpos]) + c->doff,
                                                         .bytes = c->bytes};
                                                 bytes += c->bytes;
                                         }

@@ -53,42 +53,22 @@ static int check_split(struct sender *s, struct ipc_peer *p, const char *name, c
 {
         const struct kvf_ctl_header *me = s->ctl.hdr, *h = p->ctl.hdr;
         char diff[400];
-        uint32_t heads;
-        if (me->nranks == h->nranks &&
-            kvf_layout_compatible(s->layout, &h->layout, diff, sizeof(diff)) == 0)
-                return 0;
-        if (kvf_tp_check(s->layout, me->nranks, &h->layout, h->nranks, 0, &heads, diff,
-                         sizeof(diff)) < 0) {
+        int rc = kvf_tp_pair_plan(s->layout, me->nranks, me->rank, &h->layout, h->nranks, h->rank,
+                                  &p->plan, diff, sizeof(diff));
+        if (rc == -EXDEV) {
                 snprintf(why, whylen, "peer layout mismatch with '%s': %s", name, diff);
                 return -EXDEV;
         }
-        if (s->plan_on) {
-                snprintf(why, whylen,
-                         "peer layout mismatch with '%s': it is another tensor-parallel split, whose "
-                         "head slices the engine executor does not copy (use --executor sender)", name);
+        if (rc < 0) {
+                snprintf(why, whylen, "peer '%s': %s", name, diff);
                 return -EXDEV;
         }
-        if (kvf_tp_plan(s->layout, me->nranks, me->rank, &h->layout, h->nranks, h->rank, heads,
-                        &p->plan) < 0) {
-                snprintf(why, whylen, "peer '%s': %s", name, kvf_err_msg());
-                return -EXDEV;
-        }
-        if (p->plan.npieces == 0) {
-                snprintf(why, whylen,
-                         "peer '%s' is decode rank %u of %u: prefill rank %u of %u sends it none of "
-                         "its heads (%u kv heads; decode rank j gets each head from the prefill rank "
-                         "that holds it, the (j mod replicas)-th where it is replicated)", name,
-                         h->rank, h->nranks, me->rank, me->nranks, heads);
-                kvf_tp_plan_free(&p->plan);
-                return -EXDEV;
-        }
-        const struct kvf_tp_piece *w = p->plan.pieces;
-        if (p->plan.npieces == 1 && w->soff == 0 && w->doff == 0 &&
-            w->bytes == s->layout->block_bytes && w->bytes == h->layout.block_bytes)
-                kvf_tp_plan_free(&p->plan); /* whole blocks after all (a replicated head, MLA) */
-        kvf_info("peer '%s' is rank %u of %u, this is rank %u of %u (%u kv heads), %u tokens/block "
+        if (!p->plan.npieces && me->nranks == h->nranks &&
+            kvf_layout_compatible(s->layout, &h->layout, diff, sizeof(diff)) == 0)
+                return 0;
+        kvf_info("peer '%s' is rank %u of %u, this is rank %u of %u, %u tokens/block "
                  "there, %u here: %u piece(s) per group of %u source block(s)",
-                 name, h->rank, h->nranks, me->rank, me->nranks, heads, h->layout.block_size,
+                 name, h->rank, h->nranks, me->rank, me->nranks, h->layout.block_size,
                  s->layout->block_size, p->plan.npieces ? p->plan.npieces : 1,
                  p->plan.npieces ? p->plan.src_per_group : 1);
         return 0;

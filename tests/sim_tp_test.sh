@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The demo (and kvf-sim under it) between tensor-parallel groups of different sizes and block
-# sizes, with real instances started by the supervisor: --prefill-tp/--decode-tp start one
-# instance per rank, each prefill rank sends each decode rank its heads, and kvf-sim checks every
-# head of every token on every decode rank. The verified byte count must be exactly the prompts'
+# sizes, with real instances started by the supervisor (host caches unless KVFERRY_TEST_BACKEND
+# says cuda; tests/gpu_tp_test.sh runs the ratios on GPU caches with both executors):
+# --prefill-tp/--decode-tp start one instance per rank, each prefill rank sends each decode rank
+# its heads, and kvf-sim checks every head of every token on every decode rank. The verified byte count must be exactly the prompts'
 # tokens x the model's heads x layers x tensors x one head's row, and the usage errors say why.
 source "$(dirname "$0")/lib.sh"
 cd "$ROOT"
@@ -107,8 +108,10 @@ usage_case "block sizes 64 and 48" "one must divide the other" \
   tools/kvferry demo --prefill-tp 2 --decode-block-tokens 48
 usage_case "block sizes 32 and 16 over tcp" "regrouped into other block sizes over ipc only" \
   tools/kvferry demo --prefill-tp 2 --prefill-block-tokens 32 --decode-block-tokens 16 --transport tcp
-usage_case "--backend cuda with different groups" "kvf-sim's GPU mode runs equal groups" \
-  tools/kvferry demo --prefill-tp 2 --decode-tp 4 --backend cuda
+usage_case "--executor engine on host caches" "--backend host puts the caches in host memory" \
+  tools/kvferry demo --prefill-tp 2 --decode-tp 4 --backend host --executor engine
+usage_case "--executor bogus" "--executor is auto, sender or engine, not 'bogus'" \
+  tools/kvferry demo --prefill-tp 2 --decode-tp 4 --executor bogus
 usage_case "kvf-sim --prefill-tp 2, one name" "give 2 names separated by commas" \
   "$B/kvf-sim" --prefill a --decode b,c --prefill-tp 2 --check-options
 echo "sim_tp_test: ok"

@@ -3,8 +3,9 @@
  * request's whole KV content is defined per (head, token, byte); every prefill
  * rank's cache is filled with its heads in its block size, every (prefill
  * rank, decode rank) plan is applied byte by byte, and every decode rank must
- * then hold exactly its heads, every byte written exactly once. Refusals name
- * both layouts.
+ * then hold exactly its heads, every byte written exactly once (walked with
+ * kvf_tp_piece_next, as both executors of same-host copies walk it). Refusals
+ * name both layouts; kvf_tp_pair_plan gives whole blocks, pieces or its refusal.
  */
 #include <errno.h>
 #include <stdint.h>
@@ -101,13 +102,15 @@ static uint64_t run_case(uint32_t heads, uint32_t key_only, uint32_t p, uint32_t
                          * block may hold tokens of no destination block */
                         uint32_t ndst = D[j].nblocks;
                         CHECK(ndst <= kvf_tp_dst_blocks(nsrc, bs, bd));
-                        for (uint32_t g = 0; g * pl.src_per_group < nsrc; g++)
-                                for (uint32_t x = 0; x < pl.npieces; x++) {
+                        /* the walk both executors make (kvf_tp_piece_next): each source block's
+                         * pieces into the request's destination blocks */
+                        for (uint32_t sb = 0; sb < nsrc; sb++)
+                                for (uint32_t x = 0, db; kvf_tp_piece_next(&pl, sb, ndst, &x, &db);
+                                     x++) {
                                         const struct kvf_tp_piece *c = &pl.pieces[x];
-                                        uint32_t sb = g * pl.src_per_group + c->sblk;
-                                        uint32_t db = g * pl.dst_per_group + c->dblk;
-                                        if (sb >= nsrc || db >= ndst)
-                                                continue;
+                                        CHECK(c->sblk == sb % pl.src_per_group && db < ndst &&
+                                              db == sb / pl.src_per_group * pl.dst_per_group +
+                                                        c->dblk);
                                         pieces++;
                                         for (uint32_t l = 0; l < 2; l++)
                                                 for (uint32_t z = 0;
@@ -194,6 +197,38 @@ int main(void)
         CHECK(kvf_tp_heads(8, 3, 0, &f, &n) == -EINVAL);
         CHECK_EQ(kvf_tp_source(1, 4, 8, 6, 0), 2); /* MLA: decode rank j from prefill j mod p */
         CHECK_EQ(kvf_tp_sources(8, 8, 2, 1), 4);   /* 8 -> 2: four parts per decode rank */
+
+        /* a pair as the executors plan it from the two segments' headers */
+        {
+                struct kvf_cache_layout a, b;
+                struct kvf_tp_plan pl;
+                char why[512];
+                CHECK_EQ(kvf_layout_make(&a, 2, 0, 64, 4, 16, 8, KVF_DTYPE_BF16, 0), 0);
+                CHECK_EQ(kvf_layout_make(&b, 2, 0, 64, 4, 16, 8, KVF_DTYPE_BF16, 0), 0);
+                CHECK_EQ(kvf_tp_pair_plan(&a, 2, 1, &b, 2, 1, &pl, why, sizeof(why)), 0);
+                CHECK_EQ(pl.npieces, 0); /* equal: whole blocks */
+                CHECK_EQ(kvf_layout_make(&b, 2, 0, 64, 1, 16, 8, KVF_DTYPE_BF16, 0), 0);
+                CHECK_EQ(kvf_tp_pair_plan(&a, 2, 1, &b, 8, 5, &pl, why, sizeof(why)), 0);
+                CHECK(pl.npieces == 1 && pl.pieces[0].soff == 1 * 16 * 8 * 2 &&
+                      pl.pieces[0].doff == 0 && pl.pieces[0].bytes == b.block_bytes);
+                uint32_t x = 0, db = 0;
+                CHECK(kvf_tp_piece_next(&pl, 3, 4, &x, &db) && x == 0 && db == 3);
+                x = 1;
+                CHECK(!kvf_tp_piece_next(&pl, 3, 4, &x, &db));
+                x = 0;
+                CHECK(!kvf_tp_piece_next(&pl, 4, 4, &x, &db)); /* past the destination blocks */
+                kvf_tp_plan_free(&pl);
+                CHECK_EQ(kvf_tp_pair_plan(&a, 2, 1, &b, 8, 1, &pl, why, sizeof(why)), -ENOENT);
+                CHECK(strstr(why, "sends it none of its heads") && !pl.npieces);
+                CHECK_EQ(kvf_layout_make(&b, 2, 0, 64, 3, 16, 8, KVF_DTYPE_BF16, 0), 0);
+                CHECK_EQ(kvf_tp_pair_plan(&a, 2, 1, &b, 2, 1, &pl, why, sizeof(why)), -EXDEV);
+                CHECK(strstr(why, "prefill 4 kv head(s) x tp 2") && !pl.npieces);
+                /* MLA, 2 -> 8: the latent whole, whole blocks */
+                CHECK_EQ(kvf_layout_make(&a, 2, 0, 64, 1, 16, 8, KVF_DTYPE_BF16, 1), 0);
+                CHECK_EQ(kvf_layout_make(&b, 2, 0, 64, 1, 16, 8, KVF_DTYPE_BF16, 1), 0);
+                CHECK_EQ(kvf_tp_pair_plan(&a, 2, 1, &b, 8, 3, &pl, why, sizeof(why)), 0);
+                CHECK_EQ(pl.npieces, 0);
+        }
 
         static const struct {
                 uint32_t heads, key_only, p, bs, d, bd;

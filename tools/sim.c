@@ -297,22 +297,15 @@ static int gpu_setup(struct sim *s)
                         s->ndec);
                 return -1;
         }
-        if ((s->o.gpu || ngpu) && s->mixed) {
-                fprintf(stderr,
-                        "%s: %s runs equal groups and layouts; prefill tp %u (%u tokens/block) into "
-                        "decode tp %u (%u tokens/block) runs with host caches\n",
-                        prog, s->o.gpu ? "--gpu" : "GPU mode (the caches are on GPUs)", s->o.ranks,
-                        s->L.block_size, s->o.dranks, s->Ld.block_size);
-                return -1;
-        }
-        if ((s->o.gpu || ngpu) && ngpu != 2 * (int)s->o.ranks) {
+        if ((s->o.gpu || ngpu) && ngpu != (int)(s->o.ranks + s->o.dranks)) {
                 fprintf(stderr,
                         "%s: %s: every instance's cache must be on a GPU (start them with "
                         "--backend cuda)\n",
                         prog, s->o.gpu ? "--gpu" : "GPU mode");
                 return -1;
         }
-        if (ngpu && sim_gpu_open(&s->sg, s->o.ranks, pdev, ddev, s->o.layer_us, s->o.gpu_default_stream, !!s->o.timeline) < 0)
+        if (ngpu && sim_gpu_open(&s->sg, s->o.ranks, s->o.dranks, pdev, ddev, s->o.layer_us,
+                                 s->o.gpu_default_stream, !!s->o.timeline) < 0)
                 return -1;
         if (s->sg && !s->o.quiet)
                 fprintf(stderr, "%s: GPU mode: prefill on GPU %d, decode on GPU %d\n", prog, pdev[0],

@@ -33,8 +33,10 @@
 #define SPIN_TIMEOUT_NS 2000000000ull
 #define PATTERN_STEP 0x9e3779b97f4a7c15ull /* tools/sim_verify.c pattern(): word k = key + k * this */
 
+/* words from ptr; row r (of rw words each; rw == words: one row) holds the pattern of
+ * key + r * SIM_GPU_ROW_STEP (the mixed mode's rows, tools/sim_tp.c) */
 struct desc {
-        unsigned long long ptr, words, key;
+        unsigned long long ptr, words, key, rw;
 };
 
 struct side {
@@ -51,7 +53,7 @@ struct side {
 };
 
 struct sim_gpu {
-        unsigned ranks, layer_us;
+        unsigned ranks, dranks, layer_us; /* prefill ranks, decode ranks */
         struct side pre[MAX_RANKS], dec[MAX_RANKS];
         /* clock: a GPU time g and the host time h it corresponds to (prefill rank 0's GPU) */
         uint32_t *clk_host, *clk_dev;
@@ -99,9 +101,13 @@ __global__ void __launch_bounds__(1024, 2)
         unsigned long long t0 = gtimer();
         for (unsigned i = blockIdx.x; i < n; i += gridDim.x) {
                 unsigned long long *w = (unsigned long long *)d[i].ptr;
-                unsigned long long key = d[i].key, words = d[i].words;
-                for (unsigned long long k = threadIdx.x; k < words; k += blockDim.x)
-                        w[k] = key + k * PATTERN_STEP;
+                unsigned long long key = d[i].key, words = d[i].words, rw = d[i].rw;
+                if (rw == words)
+                        for (unsigned long long k = threadIdx.x; k < words; k += blockDim.x)
+                                w[k] = key + k * PATTERN_STEP;
+                else
+                        for (unsigned long long k = threadIdx.x; k < words; k += blockDim.x)
+                                w[k] = key + (k / rw) * SIM_GPU_ROW_STEP + (k % rw) * PATTERN_STEP;
         }
         while (gtimer() - t0 < block_ns) {
         }
@@ -114,10 +120,14 @@ __global__ void check_kernel(const struct desc *d, unsigned n, unsigned long lon
 {
         for (unsigned i = blockIdx.x; i < n; i += gridDim.x) {
                 const unsigned long long *w = (const unsigned long long *)d[i].ptr;
-                unsigned long long key = d[i].key, words = d[i].words;
+                unsigned long long key = d[i].key, words = d[i].words, rw = d[i].rw;
                 int bad = 0;
-                for (unsigned long long k = threadIdx.x; k < words; k += blockDim.x)
-                        bad |= w[k] != key + k * PATTERN_STEP;
+                if (rw == words)
+                        for (unsigned long long k = threadIdx.x; k < words; k += blockDim.x)
+                                bad |= w[k] != key + k * PATTERN_STEP;
+                else
+                        for (unsigned long long k = threadIdx.x; k < words; k += blockDim.x)
+                                bad |= w[k] != key + (k / rw) * SIM_GPU_ROW_STEP + (k % rw) * PATTERN_STEP;
                 if (__syncthreads_or(bad) && threadIdx.x == 0) {
                         atomicAdd(&res[0], 1ull);
                         atomicMin(&res[1], (unsigned long long)i);
@@ -217,22 +227,23 @@ static void side_free(struct side *x)
         memset(x, 0, sizeof(*x));
 }
 
-extern "C" int sim_gpu_open(struct sim_gpu **out, unsigned ranks, const int *prefill_dev, const int *decode_dev,
-                            unsigned layer_us, bool default_stream, bool timeline)
+extern "C" int sim_gpu_open(struct sim_gpu **out, unsigned ranks, unsigned dranks, const int *prefill_dev,
+                            const int *decode_dev, unsigned layer_us, bool default_stream, bool timeline)
 {
         struct sim_gpu *g = (struct sim_gpu *)calloc(1, sizeof(*g));
         *out = NULL;
-        if (!g || ranks > MAX_RANKS) {
+        if (!g || ranks > MAX_RANKS || dranks > MAX_RANKS) {
                 free(g);
                 fprintf(stderr, "kvf-sim: GPU mode: out of memory or too many ranks\n");
                 return -1;
         }
         g->ranks = ranks;
+        g->dranks = dranks;
         g->layer_us = layer_us;
         g->timeline = timeline;
-        for (unsigned k = 0; k < ranks; k++)
-                if (side_init(&g->pre[k], prefill_dev[k], true, default_stream) < 0 ||
-                    side_init(&g->dec[k], decode_dev[k], false, false) < 0) {
+        for (unsigned k = 0; k < ranks || k < dranks; k++)
+                if ((k < ranks && side_init(&g->pre[k], prefill_dev[k], true, default_stream) < 0) ||
+                    (k < dranks && side_init(&g->dec[k], decode_dev[k], false, false) < 0)) {
                         sim_gpu_close(g);
                         return -1;
                 }
@@ -308,17 +319,28 @@ static int room(struct side *x)
         return 0;
 }
 
-static int queue(struct side *x, const void *ptr, uint64_t bytes, uint64_t key)
+static int queue(struct side *x, const void *ptr, uint64_t bytes, uint64_t key, uint64_t row_bytes)
 {
         if (room(x) < 0)
                 return -1;
-        x->host[x->used++] = (struct desc){(unsigned long long)(uintptr_t)ptr, bytes / 8, key};
+        x->host[x->used++] = (struct desc){(unsigned long long)(uintptr_t)ptr, bytes / 8, key, row_bytes / 8};
         return 0;
 }
 
 extern "C" int sim_gpu_fill(struct sim_gpu *g, unsigned rank, void *ptr, uint64_t bytes, uint64_t key)
 {
-        return queue(&g->pre[rank], ptr, bytes, key);
+        return queue(&g->pre[rank], ptr, bytes, key, bytes);
+}
+
+extern "C" int sim_gpu_fill_rows(struct sim_gpu *g, unsigned rank, void *ptr, uint32_t rows, uint64_t row_bytes,
+                                 uint64_t key)
+{
+        if (!rows || !row_bytes || row_bytes % 8) {
+                fprintf(stderr, "kvf-sim: GPU: rows of %llu bytes (a multiple of 8 is needed)\n",
+                        (unsigned long long)row_bytes);
+                return -1;
+        }
+        return queue(&g->pre[rank], ptr, (uint64_t)rows * row_bytes, key, row_bytes);
 }
 
 extern "C" int sim_gpu_layer(struct sim_gpu *g, unsigned rank, struct kvf_client *c, uint64_t step, uint32_t layer,
@@ -380,7 +402,18 @@ extern "C" uint64_t sim_gpu_clock_drift(const struct sim_gpu *g)
 
 extern "C" int sim_gpu_expect(struct sim_gpu *g, unsigned rank, const void *ptr, uint64_t bytes, uint64_t key)
 {
-        return queue(&g->dec[rank], ptr, bytes, key);
+        return queue(&g->dec[rank], ptr, bytes, key, bytes);
+}
+
+extern "C" int sim_gpu_expect_rows(struct sim_gpu *g, unsigned rank, const void *ptr, uint32_t rows,
+                                   uint64_t row_bytes, uint64_t key)
+{
+        if (!rows || !row_bytes || row_bytes % 8) {
+                fprintf(stderr, "kvf-sim: GPU: rows of %llu bytes (a multiple of 8 is needed)\n",
+                        (unsigned long long)row_bytes);
+                return -1;
+        }
+        return queue(&g->dec[rank], ptr, (uint64_t)rows * row_bytes, key, row_bytes);
 }
 
 extern "C" long sim_gpu_check(struct sim_gpu *g, unsigned rank, uint64_t *first_bad)

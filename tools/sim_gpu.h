@@ -13,6 +13,10 @@
  * engine does before sampling.
  * Decode: sim_gpu_expect queues blocks with their keys, sim_gpu_check
  * compares every byte on the GPU and counts the blocks that differ.
+ * Mixed mode (other tensor-parallel sizes or block sizes on the two sides):
+ * the same kernels, with a queue entry per head of a block whose rows (one per
+ * token) are keyed by token (sim_gpu_fill_rows, sim_gpu_expect_rows), so the
+ * content is what host mixed mode writes and checks, whichever rank holds it.
  *
  * Single-threaded (kvf-sim's main thread). Functions return >= 0, or -1
  * after printing why on stderr.
@@ -31,10 +35,14 @@ extern "C" {
 
 struct sim_gpu;
 
-/* GPUs of the prefill and decode members (kvf_cache_device of each), ranks of each. default_stream:
- * the prefill side's work goes on the legacy default stream (NULL) instead of a stream of its own. */
-int sim_gpu_open(struct sim_gpu **out, unsigned ranks, const int *prefill_dev, const int *decode_dev,
-                 unsigned layer_us, bool default_stream, bool timeline);
+/* The key step from one token's row to the next in mixed mode (tools/sim_tp.c row_key). */
+#define SIM_GPU_ROW_STEP 0xd1342543de82ef95ull
+
+/* GPUs of the prefill and decode members (kvf_cache_device of each): `ranks` prefill ranks,
+ * `dranks` decode ranks (other sizes in mixed mode). default_stream: the prefill side's work goes
+ * on the legacy default stream (NULL) instead of a stream of its own. */
+int sim_gpu_open(struct sim_gpu **out, unsigned ranks, unsigned dranks, const int *prefill_dev,
+                 const int *decode_dev, unsigned layer_us, bool default_stream, bool timeline);
 /* With `timeline`: after sim_gpu_step_end, when rank 0's last layer was launched (after its
  * kvf_layer_done_on_stream returned) and when a host function queued after it ran. */
 void sim_gpu_step_times(const struct sim_gpu *g, uint64_t *launched_ns, uint64_t *hostfn_ns);
@@ -42,6 +50,11 @@ void sim_gpu_close(struct sim_gpu *g);
 
 /* Prefill: block `ptr` (device memory) of `bytes` gets the pattern of `key` in rank's next layer. */
 int sim_gpu_fill(struct sim_gpu *g, unsigned rank, void *ptr, uint64_t bytes, uint64_t key);
+/* Mixed mode (tools/sim_tp.c): `rows` consecutive rows of row_bytes (a multiple of 8) from ptr,
+ * row r with the pattern of key + r * SIM_GPU_ROW_STEP (one head's rows of consecutive tokens:
+ * each token's key is the head's key + its position * SIM_GPU_ROW_STEP). */
+int sim_gpu_fill_rows(struct sim_gpu *g, unsigned rank, void *ptr, uint32_t rows, uint64_t row_bytes,
+                      uint64_t key);
 /* Launch rank's layer kernel (what sim_gpu_fill queued), keeping every SM busy for layer_ns, then
  * kvf_layer_done_on_stream(c, step, layer). */
 int sim_gpu_layer(struct sim_gpu *g, unsigned rank, struct kvf_client *c, uint64_t step, uint32_t layer,
@@ -55,6 +68,9 @@ int sim_gpu_step_end(struct sim_gpu *g, uint64_t *last_ns);
  * how far a GPU end time may be off. */
 uint64_t sim_gpu_clock_drift(const struct sim_gpu *g);
 int sim_gpu_expect(struct sim_gpu *g, unsigned rank, const void *ptr, uint64_t bytes, uint64_t key);
+/* Decode, mixed mode: rows expected as sim_gpu_fill_rows writes them. */
+int sim_gpu_expect_rows(struct sim_gpu *g, unsigned rank, const void *ptr, uint32_t rows,
+                        uint64_t row_bytes, uint64_t key);
 /* Compare what rank's queue holds, on the GPU: the number of blocks that differ (the queue is
  * emptied), *first_bad the queue index of the first of them. */
 long sim_gpu_check(struct sim_gpu *g, unsigned rank, uint64_t *first_bad);

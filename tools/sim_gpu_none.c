@@ -3,9 +3,10 @@
 
 #include "sim_gpu.h"
 
-int sim_gpu_open(struct sim_gpu **out, unsigned ranks, const int *prefill_dev, const int *decode_dev,
-                 unsigned layer_us, bool default_stream, bool timeline)
+int sim_gpu_open(struct sim_gpu **out, unsigned ranks, unsigned dranks, const int *prefill_dev,
+                 const int *decode_dev, unsigned layer_us, bool default_stream, bool timeline)
 {
+        (void)dranks;
         (void)default_stream;
         (void)timeline;
         (void)ranks;
@@ -14,6 +15,20 @@ int sim_gpu_open(struct sim_gpu **out, unsigned ranks, const int *prefill_dev, c
         (void)layer_us;
         *out = NULL;
         fprintf(stderr, "kvf-sim: this build has no CUDA (nvcc was not found when it was built): no --gpu\n");
+        return -1;
+}
+
+int sim_gpu_fill_rows(struct sim_gpu *g, unsigned rank, void *ptr, uint32_t rows, uint64_t row_bytes,
+                      uint64_t key)
+{
+        (void)g, (void)rank, (void)ptr, (void)rows, (void)row_bytes, (void)key;
+        return -1;
+}
+
+int sim_gpu_expect_rows(struct sim_gpu *g, unsigned rank, const void *ptr, uint32_t rows,
+                        uint64_t row_bytes, uint64_t key)
+{
+        (void)g, (void)rank, (void)ptr, (void)rows, (void)row_bytes, (void)key;
         return -1;
 }
 

@@ -7,12 +7,16 @@
  * head index, the token's position in the prompt, the layer and the tensor,
  * so the content does not depend on which rank holds it or on the block
  * size), and the check of every head of every token on every decode rank.
+ * GPU mode (s->sg): the same rows, written by the prefill ranks' layer kernels
+ * and checked by the decode ranks' check kernels, one queue entry per head of
+ * a block (its rows' keys follow the token: tools/sim_gpu.h).
  */
 #include <stdio.h>
 #include <string.h>
 
 #include "layout.h"
 #include "sim.h"
+#include "sim_gpu.h"
 #include "tpsplit.h"
 
 static uint64_t mix(uint64_t x)
@@ -35,7 +39,7 @@ static uint64_t head_key(uint32_t seq, uint32_t head, uint32_t l, uint32_t t, bo
 
 static inline uint64_t row_key(uint64_t hk, uint32_t token)
 {
-        return hk + (uint64_t)token * 0xd1342543de82ef95ull;
+        return hk + (uint64_t)token * SIM_GPU_ROW_STEP;
 }
 
 /*
@@ -138,6 +142,20 @@ void kvf_sim_tp_write(struct sim *s, const struct sim_req *r, unsigned rank, uin
         for (uint32_t h = 0; h < s->pcount[rank]; h++) {
                 uint64_t hk = head_key(r->seq, s->pfirst[rank] + h, l, t, false),
                          hp = head_key(r->seq, s->pfirst[rank] + h, l, t, true);
+                if (s->sg) {
+                        /* GPU mode: the head's rows of the chunk's tokens, then (a block the
+                         * chunk leaves incomplete) the rest with the partial key, every word */
+                        uint32_t t0 = j * L->block_size, x1 = L->block_size;
+                        if (!last && to < t0 + L->block_size)
+                                x1 = to > t0 ? to - t0 : 0;
+                        uint8_t *row0 = block + (uint64_t)h * L->block_size * rb;
+                        if (x1)
+                                sim_gpu_fill_rows(s->sg, rank, row0, x1, rb, row_key(hk, t0));
+                        if (x1 < L->block_size)
+                                sim_gpu_fill_rows(s->sg, rank, row0 + (uint64_t)x1 * rb,
+                                                  L->block_size - x1, rb, row_key(hp, t0 + x1));
+                        continue;
+                }
                 for (uint32_t x = 0; x < L->block_size; x++) {
                         uint32_t token = j * L->block_size + x;
                         if (s->o.sample_only && !sampled(s, r, token))
@@ -149,8 +167,61 @@ void kvf_sim_tp_write(struct sim *s, const struct sim_req *r, unsigned rank, uin
         }
 }
 
+/* GPU mode: every row of every head of every destination block, on each decode rank's GPU. */
+static bool verify_gpu(struct sim *s, const struct sim_req *r)
+{
+        const struct kvf_layout_info *L = &s->Ld;
+        const uint64_t rb = row_bytes(L);
+        for (unsigned j = 0; j < s->o.dranks; j++) {
+                struct kvf_client *c = kvf_group_member(s->dec[r->di].g, j);
+                uint64_t bytes = 0;
+                for (uint32_t l = 0; l < s->layers; l++)
+                        for (uint32_t t = 0; t < s->tensors; t++) {
+                                const uint8_t *base = kvf_cache_tensor(c, l, (int)t);
+                                for (uint32_t b = 0; b < r->n_dst; b++)
+                                        for (uint32_t h = 0; h < s->dcount[j]; h++) {
+                                                uint32_t t0 = (r->first + b) * L->block_size;
+                                                if (t0 >= r->tokens)
+                                                        break;
+                                                uint32_t rows = r->tokens - t0 < L->block_size
+                                                                    ? r->tokens - t0
+                                                                    : L->block_size;
+                                                uint64_t hk = head_key(r->seq, s->dfirst[j] + h, l,
+                                                                       t, false);
+                                                sim_gpu_expect_rows(
+                                                    s->sg, j,
+                                                    base + (uint64_t)r->dst[b] * L->block_bytes +
+                                                        (uint64_t)h * L->block_size * rb,
+                                                    rows, rb, row_key(hk, t0));
+                                                bytes += rows * rb;
+                                        }
+                        }
+                uint64_t first = 0;
+                long bad = sim_gpu_check(s->sg, j, &first);
+                if (bad != 0) {
+                        /* the queue's order: layer, tensor, block, head (every block full but
+                         * perhaps the last: the index tells them apart only roughly then) */
+                        uint64_t per_lt = (uint64_t)r->n_dst * s->dcount[j];
+                        uint64_t lt = first / per_lt, bh = first % per_lt;
+                        fprintf(stderr,
+                                "%s: request %s: decode rank %u: %ld head(s) of blocks differ, the "
+                                "first about layer %llu tensor %llu dest block #%llu head %llu%s\n",
+                                KVF_SIM_PROG, r->id, j, bad, (unsigned long long)(lt / s->tensors),
+                                (unsigned long long)(lt % s->tensors),
+                                (unsigned long long)(bh / s->dcount[j]),
+                                (unsigned long long)(s->dfirst[j] + bh % s->dcount[j]),
+                                bad < 0 ? " (the check itself failed)" : "");
+                        return false;
+                }
+                s->verified_bytes += bytes;
+        }
+        return true;
+}
+
 bool kvf_sim_tp_verify(struct sim *s, const struct sim_req *r)
 {
+        if (s->sg)
+                return verify_gpu(s, r);
         const struct kvf_layout_info *L = &s->Ld;
         const uint64_t rb = row_bytes(L);
         /* r->first counts destination blocks the peer already held (equal block sizes only) */

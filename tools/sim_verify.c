@@ -228,12 +228,12 @@ static void verify_gpu(struct sim *s, struct sim_req *r)
 static void verify(struct sim *s, struct sim_req *r)
 {
         const struct kvf_layout_info *L = &s->L;
-        if (s->sg) {
-                verify_gpu(s, r);
+        if (s->mixed) { /* (GPU mode too: its rows are keyed by head and token) */
+                r->verified = kvf_sim_tp_verify(s, r);
                 return;
         }
-        if (s->mixed) {
-                r->verified = kvf_sim_tp_verify(s, r);
+        if (s->sg) {
+                verify_gpu(s, r);
                 return;
         }
         r->verified = true;

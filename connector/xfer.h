@@ -30,7 +30,8 @@ enum { F_QUEUED = 0, F_FLIGHT = 1, F_SENT = 2 };
 
 struct frame {
         struct xfer *x;
-        uint32_t layer, index, nblocks; /* index: first block's position in x->dst */
+        uint32_t layer, index, nblocks; /* index: first block's position in x->dst (regrouped:
+                                         * the first source block's position) */
         uint16_t tensor;
         uint8_t state;
         int8_t conn; /* the data connection that carried it last, or -1 */
@@ -46,6 +47,9 @@ struct xfer {
         bool id_bin; /* the request id is bytes (msgpack bin): every record about it says so */
         uint32_t *dst;
         uint32_t n_dst;
+        /* Regrouped into the peer's block size (OPEN's `blocks`): the source blocks, every one
+         * sent, frames indexed by source position; 0: frames indexed by destination position. */
+        uint32_t n_src;
         struct frame **fr;
         uint32_t nfr, capfr;
         uint64_t first_ns;

@@ -399,6 +399,9 @@ static inline uint64_t sender_request_bytes(const struct sender *s, const struct
 /* tcp peers: note the decode engine session a peer's connector told of; look it up (0 unknown). */
 void sender_net_peer_note(struct sender *s, const char *peer, uint64_t session);
 uint64_t sender_net_peer_session(struct sender *s, const char *peer);
+/* tcp peers on this host (named by instance): the tokens per block of its cache, from its
+ * segment; 0 when not known (a peer on another host, or not up). */
+uint32_t sender_net_peer_block_size(struct sender *s, const char *peer);
 void sender_net_peers_close(struct sender *s);
 /* The engine session of the engine->sender record at `pos` (inside a ring handler). */
 uint64_t sender_record_session(struct sender *s, uint64_t pos);

@@ -110,6 +110,15 @@ uint64_t sender_net_peer_session(struct sender *s, const char *peer)
         return p->mapped ? kvf_engine_session(&p->ctl, false) : p->session;
 }
 
+uint32_t sender_net_peer_block_size(struct sender *s, const char *peer)
+{
+        if (strchr(peer, ':'))
+                return 0; /* on another host: its layout is its connector's to know */
+        sender_net_peer_session(s, peer); /* maps its segment */
+        struct net_peer *p = net_peer_slot(s, peer);
+        return p->mapped ? p->ctl.hdr->layout.block_size : 0;
+}
+
 void sender_net_peers_close(struct sender *s)
 {
         for (uint32_t i = 0; i < SENDER_NET_PEERS; i++)

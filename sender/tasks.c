@@ -116,9 +116,10 @@ static int verdict(char *why, size_t whylen, int status, const char *fmt, ...)
  * `why`. Changes nothing but the peer's name when FastDeploy named it by its
  * device or address, and the sender's cache of peer mappings.
  */
-/* A tcp task's peer is on this host with another block size: that size (tokens regrouped into
- * its blocks, docs/ARCHITECTURE.md 7b); else 0 (equal, or not known: a peer on another host,
- * whose data connection then refuses the transfer if the sizes differ). */
+/* A tcp task's peer has another block size: that size (tokens regrouped into its blocks,
+ * docs/ARCHITECTURE.md 7b); else 0 (equal, or not known yet: a peer on another host that its
+ * connector has not reached, whose data connection then fails the transfer if the sizes
+ * differ). */
 static uint32_t net_regroup_block_size(struct sender *s, const struct kvf_record *t)
 {
         if (t->transport != KVF_TRANSPORT_TCP)
@@ -475,7 +476,7 @@ int sender_on_connector_record(void *ctx, uint16_t type, const uint8_t *p, uint3
                 }
         } else if (type == KVF_RT_PEER_STATE) {
                 if (r.up)
-                        sender_net_peer_note(s, r.peer, r.session);
+                        sender_net_peer_note(s, r.peer, r.session, (uint32_t)r.lay_bsize);
                 kvf_info("peer '%s' is %s%s%s (decode engine session %llu)", r.peer, r.up ? "up" : "down",
                          r.reason[0] ? ": " : "", r.reason, (unsigned long long)r.session);
         }

@@ -507,7 +507,8 @@ static int serve_datar(struct rx *rx, struct io_uring *ring, int fd, struct rbuf
         }
         for (unsigned i = 0, k; i < n; i += k) {
                 uint64_t bytes = 0;
-                for (k = 0; i + k < n && k < KVF_STAGE_RUNS && bytes + rx->pio[i + k].len <= KVF_STAGE_BYTES; k++)
+                for (k = 0; i + k < n && (k == 0 || (k < KVF_STAGE_RUNS &&
+                                                     bytes + rx->pio[i + k].len <= KVF_STAGE_BYTES)); k++)
                         bytes += rx->pio[i + k].len;
                 uint64_t part = 0;
                 for (unsigned j = 0; j < k; j++)

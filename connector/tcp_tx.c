@@ -37,6 +37,7 @@ struct data_conn {
         struct kvf_tp_plan plan;
         uint32_t plan_bytes; /* a group's pieces' bytes */
         uint32_t peer_bsize; /* the peer's tokens per block (from its handshake) */
+        uint32_t blocks_max; /* regrouped: source blocks a frame, so its pieces fit a frame */
 };
 
 /* The peer's tcp state (xp->tp); nconns and the threads' start under xp->mu. */
@@ -447,6 +448,10 @@ static int take(struct data_conn *dc, struct batch *b, bool wait, bool staged, b
                         xfer_fail_one(xp, xp->qhead->x, KVF_STATUS_LAYOUT_MISMATCH, why);
                         continue; /* (its frames left the queue) */
                 }
+                if (dc->plan.npieces && xfer_split_head(xp, dc->blocks_max) < 0) {
+                        xfer_fail_one(xp, xp->qhead->x, KVF_STATUS_CONNECTION, "the connector is out of memory");
+                        continue;
+                }
                 struct frame *f = xfer_dequeue(xp, (int)dc->idx);
                 struct tcp_xfer *tx = f->x->tp;
                 b->sb[n] = (struct sendbuf){0};
@@ -575,13 +580,16 @@ static int regroup_plan(struct data_conn *dc, struct batch *bs[2], const struct 
         if (!dc->plan.npieces)
                 rc = kvf_err_set(-EXDEV, "prefill rank %u of %u sends decode rank %u of %u none of its heads",
                                  me->rank, me->nranks, id->rank, id->nranks);
-        else if ((uint64_t)most * KVF_DATAS_BLOCKS_MAX > KVF_DATAR_PIECES_MAX)
-                rc = kvf_err_set(-EXDEV, "%u pieces per source block (%u tokens/block here, %u there): a "
-                                 "frame of %u blocks would need more than %u vectors", most,
-                                 me->layout.block_size, id->layout.block_size, KVF_DATAS_BLOCKS_MAX,
-                                 KVF_DATAR_PIECES_MAX);
+        else if (most > KVF_DATAR_PIECES_MAX)
+                rc = kvf_err_set(-EXDEV, "%u pieces per source block (%u tokens/block here, %u there): "
+                                 "more than a frame's %u vectors", most, me->layout.block_size,
+                                 id->layout.block_size, KVF_DATAR_PIECES_MAX);
+        /* Frames of more source blocks than this are split as they are taken (xfer_split_head). */
+        dc->blocks_max = most ? KVF_DATAR_PIECES_MAX / most : 1;
+        if (dc->blocks_max > KVF_DATAS_BLOCKS_MAX)
+                dc->blocks_max = KVF_DATAS_BLOCKS_MAX;
         for (int k = 0; k < 2 && rc == 0; k++) {
-                size_t per = (size_t)most * KVF_DATAS_BLOCKS_MAX;
+                size_t per = (size_t)most * dc->blocks_max;
                 if (bs[k]->riov_per < per) {
                         struct iovec *v = realloc(bs[k]->riov, BATCH_FRAMES * (1 + per) * sizeof(*v));
                         if (!v) {

@@ -131,6 +131,28 @@ void xfer_enqueue(struct xfer_peer *xp, struct frame *f, bool front)
         f->x->queued++;
 }
 
+int xfer_split_head(struct xfer_peer *xp, uint32_t k)
+{
+        struct frame *f = xp->qhead, *g;
+        if (!f || k == 0 || k >= f->nblocks)
+                return 0;
+        if (!(g = malloc(sizeof(*g))) || add_frame(f->x, g) < 0) {
+                free(g);
+                return -ENOMEM;
+        }
+        *g = *f;
+        g->index += k;
+        g->nblocks -= k;
+        g->src_off += (uint64_t)k * xp->p->cn->ctl.hdr->layout.block_bytes; /* a run of source blocks */
+        f->nblocks = k;
+        g->qnext = f->qnext;
+        f->qnext = g;
+        if (xp->qtail == f)
+                xp->qtail = g;
+        f->x->queued++; /* (the queue's bytes are the same) */
+        return 0;
+}
+
 struct frame *xfer_dequeue(struct xfer_peer *xp, int conn)
 {
         struct frame *f = xp->qhead;

@@ -132,6 +132,9 @@ uint64_t xfer_frame_bytes(const struct xfer_peer *xp, const struct frame *f);
 void xfer_wait(struct xfer_peer *xp);
 /* xp->mu held: the next queued frame, now F_FLIGHT on data connection `conn`, or NULL. */
 struct frame *xfer_dequeue(struct xfer_peer *xp, int conn);
+/* xp->mu held: split the queue's first frame after k of its blocks (a data path that carries
+ * fewer a frame for this peer); the rest follows it. 0, or -ENOMEM. */
+int xfer_split_head(struct xfer_peer *xp, uint32_t k);
 /* xp->mu held: put f back in the queue (at the front: it goes first). */
 void xfer_enqueue(struct xfer_peer *xp, struct frame *f, bool front);
 /* xp->mu held: frames back from a data path, sent or to be sent again (front of the queue). */

@@ -102,6 +102,13 @@ int conn_landing_open(struct connector *cn, const char *peer, uint64_t gen, cons
          * unless the transfer is regrouped; an XOPEN's is 0 unless it is. */
         const uint32_t n_src = o->blocks && o->blocks != o->n_dst ? (uint32_t)o->blocks
                                : o->type == KVF_RT_XOPEN ? (uint32_t)o->blocks : 0;
+        if ((uint64_t)n_src > (uint64_t)o->n_dst * L->block_size) {
+                /* (each source block holds a token at least, each of ours block_size at most) */
+                pthread_mutex_unlock(&cn->rxmu);
+                snprintf(why, whylen, "%s for %s names %u source blocks for %u blocks here",
+                         kvf_rec_type_name(o->type), o->request_id, n_src, o->n_dst);
+                return -EPROTO;
+        }
         if (x && x->dst && x->got && n_src && !x->n_src && n_src == x->n_dst)
                 x->n_src = n_src; /* opened by its notice, which cannot tell: the same map */
         if (x && x->dst && x->got && n_src && x->n_src != n_src) {

@@ -405,7 +405,8 @@ static bool regroup_mismatch(const struct data_conn *dc, const struct xfer *x, c
         else if (dc->plan.npieces && !x->n_src)
                 snprintf(why, whylen, "req %s to '%s': peer layout mismatch: %u tokens/block there, %u "
                          "here, and the task was accepted for blocks of one size (the sender regroups "
-                         "tokens only for a peer whose segment it sees on this host)", x->request_id,
+                         "tokens for a peer whose block size it knows: on this host, or reached by "
+                         "this connector before the task)", x->request_id,
                          dc->xp->p->name, bd, bs);
         else if (dc->plan.npieces && (x->n_dst < (uint32_t)((uint64_t)(x->n_src - 1) * bs / bd) + 1 ||
                                       x->n_dst > kvf_tp_dst_blocks(x->n_src, bs, bd)))

@@ -268,6 +268,9 @@ static int mismatches(void)
         uint64_t t0 = kvf_now_ns();
         refused(P.name[0], D.name[7], KVF_TRANSPORT_TCP, "sends it none of its heads");
         refused(P.name[0], F.name[0], KVF_TRANSPORT_TCP, "block sizes 16 and 24 do not divide");
+        /* 16 -> 32 tokens/block over tcp to a peer the sender has not heard of yet: accepted
+         * for one block size, then failed by the data connection, which knows the peer's */
+        refused(P.name[0], G.name[0], KVF_TRANSPORT_TCP, "accepted for blocks of one size");
         /* 16 -> 32 tokens/block over tcp: the sender knows the peer's block size from its
          * connector (connected first), and checks the counts as over ipc */
         refused_as(P.name[0], G.name[0], KVF_TRANSPORT_TCP, "fill 2 to 2 blocks", 3, 1,

@@ -10,7 +10,8 @@
 #   8->2  each decode rank gathers its 4 heads from 4 prefill ranks
 #   4->4  the same split on both sides (whole blocks), as a second reference
 #   4->4 bs 32/16  the same split, 32 tokens per prefill block regrouped into 16-token blocks
-#                  (ipc only: tcp refuses other block sizes)
+#                  (ipc: copy runs of the plan's pieces; tcp: DATAR frames of them); also
+#                  judged against the 4->4 row of its transport (same split, one block size)
 # Every run is tests/mixed_tp_test (built in $KVFERRY_BUILD, default build/): the same requests
 # (1 to 4 source blocks of 16 tokens, every third one's last block half full, 3 layers, K and V,
 # 8 kv heads of --head-dim, bf16), every byte of every head checked on every decode rank after
@@ -77,6 +78,20 @@ if [ "$TCP" = 1 ]; then
   tref1=$(one 1 1 tcp)
   trows=()
   for pd in "1 2" "2 8" "8 2" "4 4"; do trows+=("${pd/ /->} $(one $pd tcp)"); done
+  trows+=("4->4_bs_32/16 $(one 4 4 tcp bs=32/16)")
   tref2=$(one 1 1 tcp)
   table "tcp (frames per request)" "$tref1" "$tref2" "${trows[@]}"
 fi
+# regrouped against the same split with one block size, per transport: throughput ratio
+same() { # ROWS...: the "4->4" and "4->4_bs_32/16" rows' MiB/s ratio
+  local a b r
+  for r in "$@"; do
+    set -- $r
+    [ "$1" = "4->4" ] && a="$2 $3"
+    [ "$1" = "4->4_bs_32/16" ] && b="$2 $3"
+  done
+  awk -v a="$a" -v b="$b" 'BEGIN { split(a, x); split(b, y); printf "%.2f", (y[2] / y[1]) / (x[2] / x[1]) }'
+}
+echo "4->4 bs 32/16 over 4->4 (same block size), throughput: ipc $(same "${rows[@]}")"
+[ "$TCP" = 1 ] && echo "4->4 bs 32/16 over 4->4 (same block size), throughput: tcp $(same "${trows[@]}")"
+true

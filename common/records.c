@@ -156,12 +156,13 @@ static const struct spec specs[KVF_RT_WIRE_MAX + 1] = {
                                       {BYTES, 0}),
                                  false},
         [KVF_RT_PEER_STATE] = {"peer state",
-                               USES({PEER, R}, {UP, R}, {GENERATION, 0}, {REASON, 0}, {SESSION, 0}),
+                               USES({PEER, R}, {UP, R}, {GENERATION, 0}, {REASON, 0}, {SESSION, 0},
+                                    {L_BSIZE, Z}),
                                false},
         [KVF_RT_DISCONNECT] = {"disconnect", USES({PEER, R}), false},
         [KVF_RT_OPEN] = {"open",
                          USES({KEY, R}, {REQUEST_ID, R}, {PEER, R}, {PROTOCOL, R}, {DST, R},
-                              {BYTES, 0}, {SESSION, 0}),
+                              {BYTES, 0}, {SESSION, 0}, {BLOCKS, Z}),
                          false},
         [KVF_RT_HELLO] = {"hello", USES({PROTO, R}, {NONCE, R}, {PURPOSE, R}), false},
         [KVF_RT_CHALLENGE] = {"challenge", USES({NONCE, R}, {PROOF, R}), false},
@@ -184,7 +185,8 @@ static const struct spec specs[KVF_RT_WIRE_MAX + 1] = {
                         false},
         [KVF_RT_PING] = {"ping", NULL, 0, false},
         [KVF_RT_PONG] = {"pong", USES({SESSION, 0}), false},
-        [KVF_RT_XOPEN] = {"xopen", USES({KEY, R}, {REQUEST_ID, R}, {DST, R}, {SESSION, 0}), false},
+        [KVF_RT_XOPEN] = {"xopen", USES({KEY, R}, {REQUEST_ID, R}, {DST, R}, {SESSION, 0}, {BLOCKS, Z}),
+                          false},
 };
 
 const char *kvf_rec_type_name(int type)

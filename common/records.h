@@ -77,6 +77,7 @@ enum kvf_rec_type {
         KVF_RT_DATA = 48,
         KVF_RT_DATAV = 49, /* several runs of one transfer gathered in one frame */
         KVF_RT_DATAS = 50, /* head slices of blocks, to a rank of another tensor-parallel split */
+        KVF_RT_DATAR = 51, /* source blocks' pieces regrouped into another block size */
 };
 
 _Static_assert((int)KVF_REC_ARRIVAL < (int)KVF_RT_WRITE_BATCH, "the engine's record types come first");

@@ -152,6 +152,7 @@ struct peer {
         int hs_fd, hs_rc, hs_status;
         char hs_why[KVF_REASON_MAX];
         char hs_instance[KVF_INSTANCE_MAX];
+        uint32_t hs_block_size; /* the peer's tokens per block (its handshake) */
         char host[128];
         uint16_t port;
         uint64_t due, retry_at, conn_deadline, last_rx, last_tx, backoff_ms, last_fail_check;

@@ -18,8 +18,10 @@
 #include "log.h"
 #include "transport.h"
 
-/* 2: tcp data connections may carry gathered frames (KVF_RT_DATAV, connector/tcp.h). */
-#define PROTO_VERSION 2u
+/* 2: tcp data connections may carry gathered frames (KVF_RT_DATAV, connector/tcp.h).
+ * 3: and regrouped frames (KVF_RT_DATAR) to a rank of another block size; OPEN and XOPEN carry
+ *    the source block count of such a transfer (`blocks`). */
+#define PROTO_VERSION 3u
 
 int conn_send_record(int fd, const struct kvf_record *r, unsigned timeout_ms)
 {
@@ -115,9 +117,9 @@ static int check_token_order(const struct kvf_ctl_header *h, uint64_t theirs, co
  * May a prefill instance of layout `pl` (rank pr of p) send to a decode instance of layout `dl`
  * (rank dr of d)? Equal layouts and groups: yes. Another tensor-parallel split of the same
  * model (common/tpsplit.h): on a control connection (same-host copies, whose notices it
- * carries, block sizes that divide one another too) and on a tcp data connection (frames of
- * head slices, equal block sizes) when the prefill rank sends that decode rank some heads;
- * never on an rdma connection, whose writes carry whole blocks.
+ * carries) and on a tcp data connection (frames of head slices; block sizes that divide one
+ * another: frames of the plan's pieces) when the prefill rank sends that decode rank some
+ * heads; never on an rdma connection, whose writes carry whole blocks.
  * 0, or -EXDEV with `why`.
  */
 static int check_split(const struct kvf_cache_layout *pl, uint32_t pr, uint32_t p,
@@ -134,18 +136,18 @@ static int check_split(const struct kvf_cache_layout *pl, uint32_t pr, uint32_t 
                 snprintf(why, whylen, "%s", diff);
                 return -EXDEV;
         }
+        if (pl->block_size != dl->block_size && strcmp(purpose, "control") && strcmp(purpose, "data")) {
+                snprintf(why, whylen, "%u tokens/block here, %u there: a '%s' connection carries "
+                         "whole blocks; tokens are regrouped into other block sizes over ipc and tcp "
+                         "only", pl->block_size, dl->block_size, purpose);
+                return -EXDEV;
+        }
         if (strcmp(purpose, "control") && strcmp(purpose, "data")) {
                 snprintf(why, whylen,
                          "prefill %u kv head(s) x tp %u, %u tokens/block; decode %u kv head(s) x tp %u, "
                          "%u tokens/block: a '%s' connection moves whole blocks of equal layouts; "
                          "other splits move over ipc and tcp only", pl->kv_heads, p, pl->block_size,
                          dl->kv_heads, d, dl->block_size, purpose);
-                return -EXDEV;
-        }
-        if (pl->block_size != dl->block_size && strcmp(purpose, "control")) {
-                snprintf(why, whylen, "%u tokens/block here, %u there: tcp frames carry one head "
-                         "slice per block; tokens are regrouped into other block sizes over ipc only",
-                         pl->block_size, dl->block_size);
                 return -EXDEV;
         }
         if (pr >= p || dr >= d || kvf_tp_sources(heads, p, d, dr) == 0) {

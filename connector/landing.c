@@ -17,6 +17,7 @@
 #include "landing.h"
 #include "layout.h"
 #include "log.h"
+#include "tpsplit.h"
 
 struct rx_xfer {
         char peer[KVF_INSTANCE_MAX];
@@ -25,7 +26,10 @@ struct rx_xfer {
         char request_id[KVF_REQ_ID_MAX];
         uint32_t *dst;
         uint32_t n_dst;
-        uint8_t *got; /* bit per (layer, tensor, index); NULL once complete by its transport */
+        /* Regrouped into this cache's block size (its open's `blocks`): the source blocks, and
+         * the map is per source position; 0: per destination position. */
+        uint32_t n_src;
+        uint8_t *got; /* bit per (layer, tensor, position); NULL once complete by its transport */
         uint64_t need, have;
         bool waiting; /* a finish notice waits for the data */
         bool closed;  /* published or aborted: late data for it is drained, not written */
@@ -94,6 +98,25 @@ int conn_landing_open(struct connector *cn, const char *peer, uint64_t gen, cons
                 pthread_mutex_unlock(&cn->rxmu);
                 return 0;
         }
+        /* A notice's `blocks` is the sender's send count, which equals the destination count
+         * unless the transfer is regrouped; an XOPEN's is 0 unless it is. */
+        const uint32_t n_src = o->blocks && o->blocks != o->n_dst ? (uint32_t)o->blocks
+                               : o->type == KVF_RT_XOPEN ? (uint32_t)o->blocks : 0;
+        if ((uint64_t)n_src > (uint64_t)o->n_dst * L->block_size) {
+                /* (each source block holds a token at least, each of ours block_size at most) */
+                pthread_mutex_unlock(&cn->rxmu);
+                snprintf(why, whylen, "%s for %s names %u source blocks for %u blocks here",
+                         kvf_rec_type_name(o->type), o->request_id, n_src, o->n_dst);
+                return -EPROTO;
+        }
+        if (x && x->dst && x->got && n_src && !x->n_src && n_src == x->n_dst)
+                x->n_src = n_src; /* opened by its notice, which cannot tell: the same map */
+        if (x && x->dst && x->got && n_src && x->n_src != n_src) {
+                pthread_mutex_unlock(&cn->rxmu);
+                snprintf(why, whylen, "XOPEN for %s changes the source block count of an open transfer",
+                         o->request_id);
+                return -EPROTO;
+        }
         if (x && x->dst && (x->n_dst != o->n_dst || memcmp(x->dst, o->dst, o->n_dst * sizeof(uint32_t)))) {
                 /* Same key, other blocks: cannot be a resend. */
                 pthread_mutex_unlock(&cn->rxmu);
@@ -112,7 +135,8 @@ int conn_landing_open(struct connector *cn, const char *peer, uint64_t gen, cons
                 snprintf(x->request_id, sizeof(x->request_id), "%s", o->request_id);
         }
         if (!x) {
-                uint64_t bits = (uint64_t)kvf_layout_layers(L) * kvf_layout_tensors(L) * o->n_dst;
+                uint64_t bits = (uint64_t)kvf_layout_layers(L) * kvf_layout_tensors(L) *
+                                (n_src ? n_src : o->n_dst);
                 x = calloc(1, sizeof(*x));
                 if (x) {
                         x->dst = malloc((o->n_dst ? o->n_dst : 1) * sizeof(uint32_t));
@@ -132,6 +156,7 @@ int conn_landing_open(struct connector *cn, const char *peer, uint64_t gen, cons
                 x->key = o->key;
                 memcpy(x->dst, o->dst, o->n_dst * sizeof(uint32_t));
                 x->n_dst = o->n_dst;
+                x->n_src = n_src;
                 x->need = bits;
                 rx_insert(cn, x);
         }
@@ -160,6 +185,9 @@ int conn_landing_check(struct connector *cn, const char *peer, uint64_t gen, con
         else if (h->layer >= layers || h->tensor >= tensors)
                 snprintf(why, whylen, "data for layer %u tensor %u: this cache has %u layers, %u tensors",
                          h->layer, h->tensor, layers, tensors);
+        else if (x->n_src)
+                snprintf(why, whylen, "whole blocks or slices for %s, whose tokens are regrouped",
+                         x->request_id);
         else if (h->nblocks == 0 || (uint64_t)h->index + h->nblocks > x->n_dst)
                 snprintf(why, whylen, "data for blocks [%u, +%u) of %s, which has %u", h->index,
                          h->nblocks, x->request_id, x->n_dst);
@@ -185,6 +213,68 @@ int conn_landing_check(struct connector *cn, const char *peer, uint64_t gen, con
         return rc;
 }
 
+int conn_landing_pieces(struct connector *cn, const char *peer, uint64_t gen, const struct landing_run *h,
+                        const struct kvf_tp_plan *pl, struct kvf_io_run *io, struct landing_run *marks,
+                        unsigned max, unsigned *n, char *why, size_t whylen)
+{
+        const struct kvf_cache_layout *L = &cn->ctl.hdr->layout;
+        uint32_t layers = kvf_layout_layers(L), tensors = kvf_layout_tensors(L);
+        int rc = -EPROTO;
+        *n = 0;
+
+        uint64_t live = conn_engine_session(cn);
+        pthread_mutex_lock(&cn->rxmu);
+        struct rx_xfer *x = rx_find(cn, peer, gen, h->key);
+        if (x && x->closed)
+                rc = 1;
+        else if (x && x->eng_session && x->eng_session != live)
+                rc = 1;
+        else if (!x || !x->dst)
+                snprintf(why, whylen, "data for transfer %016llx, which was never opened",
+                         (unsigned long long)h->key);
+        else if (!x->n_src)
+                snprintf(why, whylen, "regrouped data for %s, which was opened without its source blocks",
+                         x->request_id);
+        else if (h->layer >= layers || h->tensor >= tensors)
+                snprintf(why, whylen, "data for layer %u tensor %u: this cache has %u layers, %u tensors",
+                         h->layer, h->tensor, layers, tensors);
+        else if (h->nblocks == 0 || (uint64_t)h->index + h->nblocks > x->n_src)
+                snprintf(why, whylen, "data for source blocks [%u, +%u) of %s, which has %u", h->index,
+                         h->nblocks, x->request_id, x->n_src);
+        else {
+                rc = 0;
+                for (uint32_t b = 0; b < h->nblocks && rc == 0; b++) {
+                        uint32_t pos = h->index + b, grp = pos / pl->src_per_group;
+                        unsigned first = *n;
+                        for (uint32_t i = 0; i < pl->npieces; i++) {
+                                const struct kvf_tp_piece *pc = &pl->pieces[i];
+                                uint64_t d = (uint64_t)grp * pl->dst_per_group + pc->dblk;
+                                if (pc->sblk != pos % pl->src_per_group || d >= x->n_dst)
+                                        continue;
+                                if (*n == max) {
+                                        snprintf(why, whylen, "more than %u pieces in one frame", max);
+                                        rc = -EPROTO;
+                                        break;
+                                }
+                                io[*n] = (struct kvf_io_run){
+                                    .off = kvf_layout_offset(L, h->layer, h->tensor, x->dst[d]) + pc->doff,
+                                    .len = pc->bytes};
+                                marks[(*n)++] = (struct landing_run){.key = h->key, .layer = h->layer,
+                                                                     .tensor = h->tensor, .index = pos};
+                        }
+                        if (rc == 0 && *n == first) {
+                                snprintf(why, whylen, "source block %u of %s lands in none of its %u "
+                                         "destination blocks", pos, x->request_id, x->n_dst);
+                                rc = -EPROTO;
+                        }
+                        if (rc == 0)
+                                marks[*n - 1].nblocks = 1; /* its last piece marks the block */
+                }
+        }
+        pthread_mutex_unlock(&cn->rxmu);
+        return rc;
+}
+
 bool conn_landing_mark(struct connector *cn, const char *peer, uint64_t gen, const struct landing_run *h)
 {
         const struct kvf_cache_layout *L = &cn->ctl.hdr->layout;
@@ -194,7 +284,8 @@ bool conn_landing_mark(struct connector *cn, const char *peer, uint64_t gen, con
         /* Closed while its payload was being received (the lock is not held across
          * it): an abort, or its engine session ended; its bitmap is gone. */
         if (x && !x->closed && x->got && x->have < x->need) {
-                uint64_t base = ((uint64_t)h->layer * kvf_layout_tensors(L) + h->tensor) * x->n_dst;
+                uint64_t base = ((uint64_t)h->layer * kvf_layout_tensors(L) + h->tensor) *
+                                (x->n_src ? x->n_src : x->n_dst);
                 for (uint32_t i = 0; i < h->nblocks; i++) {
                         uint64_t bit = base + h->index + i;
                         if (!(x->got[bit / 8] & (1u << (bit % 8)))) {

@@ -56,7 +56,21 @@ int conn_landing_open(struct connector *cn, const char *peer, uint64_t gen, cons
  */
 int conn_landing_check(struct connector *cn, const char *peer, uint64_t gen, const struct landing_run *h,
                        uint64_t bytes, uint64_t *dst_off, char *why, size_t whylen);
-/* The run's blocks are in: mark them. True when this run made the transfer complete: the
+/*
+ * A run of a regrouped transfer (index: the first source position; nblocks: source blocks)
+ * before a byte of it is received: checked as conn_landing_check, then each source block's
+ * pieces of plan `pl` (the one this peer's and this rank's identities give) whose destination
+ * position is below the transfer's count, in plan order: where each lands (io[i].off, .len)
+ * and a mark per piece (nblocks 1 on a block's last piece, 0 on the others), *n of them, at
+ * most max. 0; 1 drain (closed, or its session is over); -EPROTO with why.
+ */
+struct kvf_tp_plan;
+struct kvf_io_run;
+int conn_landing_pieces(struct connector *cn, const char *peer, uint64_t gen, const struct landing_run *h,
+                        const struct kvf_tp_plan *pl, struct kvf_io_run *io, struct landing_run *marks,
+                        unsigned max, unsigned *n, char *why, size_t whylen);
+/* The run's blocks are in: mark them (index is a source position for a regrouped transfer;
+ * nblocks 0 marks nothing). True when this run made the transfer complete: the
  * caller posts its data-done event (conn_post_data_done). */
 bool conn_landing_mark(struct connector *cn, const char *peer, uint64_t gen, const struct landing_run *h);
 /*

@@ -153,6 +153,7 @@ static void post_state(struct peer *p, bool up, const char *reason)
         ev->rec.type = KVF_RT_PEER_STATE;
         ev->rec.up = up;
         ev->rec.session = p->remote_session;
+        ev->rec.lay_bsize = up ? p->hs_block_size : 0; /* the sender regroups tokens by it */
         snprintf(ev->rec.peer, sizeof(ev->rec.peer), "%s", p->name);
         snprintf(ev->rec.reason, sizeof(ev->rec.reason), "%s", reason ? reason : "");
         conn_post(p->cn, ev);
@@ -1098,6 +1099,7 @@ static void handshake(struct peer *p)
                 return;
         }
         snprintf(p->hs_instance, sizeof(p->hs_instance), "%s", id.instance);
+        p->hs_block_size = id.layout.block_size;
         p->hs_fd = fd;
         p->hs_rc = 0;
 }

@@ -28,6 +28,18 @@
  * kvf_datav_run entries, then for each run's blocks in order the slice's
  * bytes (nblocks * len per run; at most KVF_DATAS_BLOCKS_MAX blocks a frame).
  * The receiver writes each slice at offset `dst` of its block.
+ *
+ * To a decode rank of another block size (one dividing the other) tokens are
+ * regrouped (kvf_tp_plan): the transfer's XOPEN carries its source block
+ * count (`blocks`), every source block goes, and frames are indexed by source
+ * position. Such frames are DATAR: a 24-byte kvf_datas_hdr (nruns 1; `dst`
+ * the plan's pieces per group, `len` their bytes, both checked against the
+ * receiver's own plan), one kvf_datav_run (layer, tensor, first source
+ * position, source blocks), then for each source block in order its plan
+ * pieces whose destination position is below the transfer's destination
+ * count, each piece's bytes (at most KVF_DATAR_PIECES_MAX pieces a frame).
+ * Both sides derive every piece's offsets from the plan: nothing on the wire
+ * says where a byte goes but the run.
  */
 #ifndef KVF_TCP_H
 #define KVF_TCP_H
@@ -77,6 +89,7 @@ _Static_assert(sizeof(struct kvf_datas_hdr) == 24, "datas header size");
 #define KVF_DATAV_RUNS_MAX 64u        /* runs in one gathered frame */
 #define KVF_DATAS_BLOCKS_MAX 64u      /* blocks of one DATAS frame (one receive vector each) */
 #define KVF_XOPEN_MAX (1u << 20)      /* bytes of an XOPEN record */
+#define KVF_DATAR_PIECES_MAX 1024u    /* pieces of one DATAR frame (one vector each; IOV_MAX) */
 
 /* tcp_tx.c: the prefill side's ops */
 int tcp_peer_init(struct xfer_peer *xp);

@@ -201,6 +201,15 @@ struct rx {
         /* The head slice of each block this peer sends (another tensor-parallel split): len
          * bytes at off; len 0: whole blocks. */
         uint32_t slice_off, slice_len;
+        /* This peer's blocks are of another size: tokens regrouped by this plan (DATAR frames),
+         * plan_bytes a group's pieces' bytes; plan.npieces 0: not regrouped. The frame's
+         * pieces: where each lands, its mark, its receive vector. */
+        struct kvf_tp_plan plan;
+        uint32_t plan_bytes;
+        uint32_t peer_bsize;
+        struct kvf_io_run pio[KVF_DATAR_PIECES_MAX];
+        struct landing_run pmark[KVF_DATAR_PIECES_MAX];
+        struct iovec piov[KVF_DATAR_PIECES_MAX];
 };
 
 /* The connection ends for a failure of ours (kvf_err says which): logged. */
@@ -455,6 +464,77 @@ static int serve_datas(struct rx *rx, struct io_uring *ring, int fd, struct rbuf
         return receive_runs(rx, ring, fd, st, plen, to, drop, io, iov, runs, nb);
 }
 
+/*
+ * A DATAR frame (tokens regrouped into this cache's block size, tcp.h) whose frame header is
+ * in the read-ahead buffer: its header must name this rank's plan of this peer, and its run
+ * a transfer this peer opened; each source block's pieces (from the plan, not the wire) are
+ * received straight into their places, staged in groups of at most KVF_STAGE_RUNS pieces.
+ * 0; 1 the connection ends; -EPROTO a violation (why).
+ */
+static int serve_datar(struct rx *rx, struct io_uring *ring, int fd, struct rbuf *st, uint32_t len, unsigned to,
+                       char *why, size_t whylen)
+{
+        struct kvf_datas_hdr h;
+        struct kvf_datav_run w;
+        const uint32_t hl = sizeof(h) + sizeof(w);
+        if (!rx->plan.npieces) {
+                snprintf(why, whylen, "regrouped data frame from a peer of this block size");
+                return -EPROTO;
+        }
+        if (len < hl) {
+                snprintf(why, whylen, "regrouped data frame of %u bytes", len);
+                return -EPROTO;
+        }
+        if (rbuf_fill(rx->cn, ring, fd, st, KVF_FRAME_HDR + hl, to) < 0)
+                return 1;
+        memcpy(&h, st->b + st->off + KVF_FRAME_HDR, sizeof(h));
+        memcpy(&w, st->b + st->off + KVF_FRAME_HDR + sizeof(h), sizeof(w));
+        st->off += KVF_FRAME_HDR + hl;
+        uint32_t npieces = ntohl(h.dst), gbytes = ntohl(h.len);
+        if (ntohl(h.nruns) != 1 || npieces != rx->plan.npieces || gbytes != rx->plan_bytes) {
+                snprintf(why, whylen,
+                         "regrouped data frame of %u run(s), %u pieces of %u bytes a group, where this "
+                         "peer sends this rank one run, %u pieces of %u bytes", ntohl(h.nruns), npieces,
+                         gbytes, rx->plan.npieces, rx->plan_bytes);
+                return -EPROTO;
+        }
+        struct landing_run run = {.key = be64toh(h.key), .layer = ntohl(w.layer), .tensor = ntohs(w.tensor),
+                                  .index = ntohl(w.index), .nblocks = ntohl(w.nblocks)};
+        uint64_t plen = len - hl, sum = 0;
+        if (run.nblocks > KVF_DATAS_BLOCKS_MAX) {
+                snprintf(why, whylen, "regrouped data frame of %u blocks (at most %u)", run.nblocks,
+                         KVF_DATAS_BLOCKS_MAX);
+                return -EPROTO;
+        }
+        unsigned n;
+        int rc = conn_landing_pieces(rx->cn, rx->peer, rx->gen, &run, &rx->plan, rx->pio, rx->pmark,
+                                     KVF_DATAR_PIECES_MAX, &n, why, whylen);
+        if (rc < 0)
+                return -EPROTO;
+        if (rc == 1)
+                return receive_runs(rx, ring, fd, st, plen, to, true, NULL, NULL, NULL, 0);
+        for (unsigned i = 0; i < n; i++)
+                sum += rx->pio[i].len;
+        if (sum != plen) {
+                snprintf(why, whylen, "regrouped data frame of %llu payload bytes for pieces of %llu",
+                         (unsigned long long)plen, (unsigned long long)sum);
+                return -EPROTO;
+        }
+        for (unsigned i = 0, k; i < n; i += k) {
+                uint64_t bytes = 0;
+                for (k = 0; i + k < n && (k == 0 || (k < KVF_STAGE_RUNS &&
+                                                     bytes + rx->pio[i + k].len <= KVF_STAGE_BYTES)); k++)
+                        bytes += rx->pio[i + k].len;
+                uint64_t part = 0;
+                for (unsigned j = 0; j < k; j++)
+                        part += rx->pio[i + j].len;
+                rc = receive_runs(rx, ring, fd, st, part, to, false, rx->pio + i, rx->piov + i, rx->pmark + i, k);
+                if (rc != 0)
+                        return rc;
+        }
+        return 0;
+}
+
 /* Before waiting for the network: the copies of what was received land first (a transfer
  * whose last frame is in must not wait for more data to be marked), unless more data comes
  * within about a copy's time: then it is received while the copies run. 0, or -EIO. */
@@ -473,6 +553,50 @@ static int settle_if_idle(struct rx *rx, const struct rbuf *st, int fd)
         if (ppoll(&pf, 1, &ts, NULL) == 1)
                 return 0;
         return pend_settle(rx, true);
+}
+
+/* The plan of a peer of another block size (none for one of this size). 0, or -EXDEV. */
+static int regroup_plan(struct rx *rx, const struct peer_identity *id)
+{
+        const struct kvf_ctl_header *me = rx->cn->ctl.hdr;
+        const uint32_t p = id->nranks ? id->nranks : 1, d = me->nranks ? me->nranks : 1;
+        char why[400];
+        uint32_t heads;
+        rx->peer_bsize = id->layout.block_size;
+        if (id->layout.block_size == me->layout.block_size)
+                return 0;
+        if (kvf_tp_check(&id->layout, p, &me->layout, d, 0, &heads, why, sizeof(why)) < 0)
+                return kvf_err_set(-EXDEV, "%s", why);
+        if (kvf_tp_plan(&id->layout, p, id->rank, &me->layout, d, me->rank, heads, &rx->plan) < 0)
+                return kvf_err_set(-EXDEV, "%s", kvf_err_msg());
+        if (!rx->plan.npieces)
+                return kvf_err_set(-EXDEV, "prefill rank %u of %u sends decode rank %u of %u none of its heads",
+                                   id->rank, p, me->rank, d);
+        for (uint32_t i = 0; i < rx->plan.npieces; i++)
+                rx->plan_bytes += rx->plan.pieces[i].bytes;
+        return 0;
+}
+
+/* An XOPEN from this peer: a regrouped transfer (another block size) names its source blocks,
+ * whose tokens its destination blocks hold; any other names none. 0, or -EPROTO with why. */
+static int xopen_check(const struct rx *rx, const struct kvf_record *o, char *why, size_t whylen)
+{
+        const uint32_t bd = rx->cn->ctl.hdr->layout.block_size, bs = rx->peer_bsize;
+        if (!rx->plan.npieces) {
+                if (!o->blocks)
+                        return 0;
+                snprintf(why, whylen, "XOPEN for %s names %llu source blocks to regroup, from a peer of "
+                         "this block size", o->request_id, (unsigned long long)o->blocks);
+                return -EPROTO;
+        }
+        if (!o->blocks || o->blocks > UINT32_MAX || o->n_dst == 0 ||
+            o->n_dst < (uint64_t)(o->blocks - 1) * bs / bd + 1 ||
+            o->n_dst > kvf_tp_dst_blocks((uint32_t)o->blocks, bs, bd)) {
+                snprintf(why, whylen, "XOPEN for %s: %u destination blocks of %u tokens for %llu source "
+                         "blocks of %u", o->request_id, o->n_dst, bd, (unsigned long long)o->blocks, bs);
+                return -EPROTO;
+        }
+        return 0;
 }
 
 void tcp_serve(struct connector *cn, int fd, const struct peer_identity *id, const char *remote,
@@ -503,14 +627,18 @@ void tcp_serve(struct connector *cn, int fd, const struct peer_identity *id, con
         rx->peer = id->instance;
         rx->remote = remote;
         rx->gen = id->created_ns;
-        /* The handshake accepted the peer's split (handshake.c), so this only says which slice. */
+        /* The handshake accepted the peer's split (handshake.c), so this only says which slice,
+         * or which plan. */
         uint32_t soff;
-        if (kvf_tp_slice(&id->layout, id->nranks, id->rank, &cn->ctl.hdr->layout, cn->ctl.hdr->nranks,
-                         cn->ctl.hdr->rank, &soff, &rx->slice_off, &rx->slice_len) < 0) {
+        if (regroup_plan(rx, id) < 0 ||
+            (!rx->plan.npieces && kvf_tp_slice(&id->layout, id->nranks, id->rank, &cn->ctl.hdr->layout,
+                                               cn->ctl.hdr->nranks, cn->ctl.hdr->rank, &soff, &rx->slice_off,
+                                               &rx->slice_len) < 0)) {
                 kvf_errlog(&cn->ctl, KVF_ROLE_CONNECTOR, "data connection from '%s': %s", id->instance,
                            kvf_err_msg());
                 kvf_stager_close(rx->sg);
                 io_uring_queue_exit(&ring);
+                kvf_tp_plan_free(&rx->plan);
                 free(rx);
                 free(st.b);
                 return;
@@ -541,6 +669,10 @@ void tcp_serve(struct connector *cn, int fd, const struct peer_identity *id, con
                                 kvf_record_free(&o);
                                 goto violation;
                         }
+                        if (xopen_check(rx, &o, why, sizeof(why)) < 0) {
+                                kvf_record_free(&o);
+                                goto violation;
+                        }
                         rc = conn_landing_open(cn, peer, gen, &o, why, sizeof(why));
                         kvf_record_free(&o);
                         if (rc == -EPROTO)
@@ -548,6 +680,21 @@ void tcp_serve(struct connector *cn, int fd, const struct peer_identity *id, con
                         if (rc < 0)
                                 break;
                         continue;
+                }
+                if (type == KVF_RT_DATAR) {
+                        int rc = serve_datar(rx, &ring, fd, &st, len, to, why, sizeof(why));
+                        if (rc == -EPROTO)
+                                goto violation;
+                        if (rc != 0)
+                                break;
+                        continue;
+                }
+                if (rx->plan.npieces) {
+                        snprintf(why, sizeof(why),
+                                 "a frame of type %u from a peer of %u tokens/block, whose tokens are "
+                                 "regrouped into this cache's %u", type, rx->peer_bsize,
+                                 cn->ctl.hdr->layout.block_size);
+                        goto violation;
                 }
                 if (type == KVF_RT_DATAS) {
                         int rc = serve_datas(rx, &ring, fd, &st, len, to, why, sizeof(why));
@@ -615,6 +762,7 @@ out:
         pend_settle(rx, true); /* what was received in full lands, and is marked */
         io_uring_queue_exit(&ring);
         kvf_stager_close(rx->sg);
+        kvf_tp_plan_free(&rx->plan);
         free(rx);
         free(st.b);
 }

@@ -32,6 +32,12 @@ struct data_conn {
          * block, only slen bytes at soff go, to doff of its block (DATAS frames). slen 0:
          * whole blocks. Set before serve(), for this connection's life. */
         uint32_t soff, doff, slen;
+        /* The peer's blocks are of another size (one dividing the other): tokens regrouped into
+         * them by this plan (DATAR frames; plan.npieces 0: not regrouped). Set before serve(). */
+        struct kvf_tp_plan plan;
+        uint32_t plan_bytes; /* a group's pieces' bytes */
+        uint32_t peer_bsize; /* the peer's tokens per block (from its handshake) */
+        uint32_t blocks_max; /* regrouped: source blocks a frame, so its pieces fit a frame */
 };
 
 /* The peer's tcp state (xp->tp); nconns and the threads' start under xp->mu. */
@@ -55,7 +61,7 @@ int tcp_xfer_open(struct xfer_peer *xp, struct xfer *x)
         if (!tx)
                 return -ENOMEM;
         struct kvf_record r = {.type = KVF_RT_XOPEN, .key = x->key, .dst = x->dst, .n_dst = x->n_dst,
-                               .session = x->session, .id_bin = x->id_bin};
+                               .session = x->session, .blocks = x->n_src, .id_bin = x->id_bin};
         snprintf(r.request_id, sizeof(r.request_id), "%s", x->request_id);
         size_t cap = kvf_record_encoded_max(&r);
         uint8_t *b = malloc(KVF_FRAME_HDR + cap);
@@ -106,7 +112,7 @@ _Static_assert(sizeof(struct kvf_datas_hdr) >= sizeof(struct kvf_datav_hdr), "th
 _Static_assert(KVF_DATAS_BLOCKS_MAX <= KVF_DATAV_RUNS_MAX, "a DATAS frame's vectors fit a wire's");
 struct wire {
         uint8_t hdr[WIRE_HDR_MAX];
-        struct iovec iov[1 + KVF_DATAV_RUNS_MAX];
+        struct iovec iov[1 + KVF_DATAV_RUNS_MAX]; /* (regrouped: the batch's riov) */
         struct msghdr mh;
         struct iovec xiov;
         struct msghdr xmh;
@@ -123,11 +129,46 @@ struct batch {
         struct sendbuf sb[BATCH_FRAMES];
         struct kvf_io_run io[BATCH_FRAMES];
         struct wire w[BATCH_FRAMES];
+        /* Regrouped (dc->plan): each frame's header and pieces, 1 + riov_per vectors a frame. */
+        struct iovec *riov;
+        size_t riov_per;
 };
+
+/*
+ * The pieces of regrouped frame f that go (destination position below the transfer's count):
+ * their number, and their bytes in *bytes; with src (the frame's source blocks in host
+ * memory), their vectors in iov.
+ */
+static unsigned frame_pieces(const struct data_conn *dc, const struct frame *f, uint8_t *src,
+                             struct iovec *iov, uint64_t *bytes)
+{
+        const struct kvf_tp_plan *pl = &dc->plan;
+        const uint64_t bb = dc->xp->p->cn->ctl.hdr->layout.block_bytes;
+        unsigned n = 0;
+        *bytes = 0;
+        for (uint32_t b = 0; b < f->nblocks; b++) {
+                uint32_t pos = f->index + b, grp = pos / pl->src_per_group, sb = pos % pl->src_per_group;
+                for (uint32_t i = 0; i < pl->npieces; i++) {
+                        const struct kvf_tp_piece *pc = &pl->pieces[i];
+                        if (pc->sblk != sb || (uint64_t)grp * pl->dst_per_group + pc->dblk >= f->x->n_dst)
+                                continue;
+                        if (iov)
+                                iov[n] = (struct iovec){src + b * bb + pc->soff, pc->bytes};
+                        n++;
+                        *bytes += pc->bytes;
+                }
+        }
+        return n;
+}
 
 /* The payload bytes frame f puts on the wire: its blocks, or their head slices. */
 static uint64_t wire_bytes(const struct data_conn *dc, const struct frame *f)
 {
+        uint64_t bytes;
+        if (dc->plan.npieces) {
+                frame_pieces(dc, f, NULL, NULL, &bytes);
+                return bytes;
+        }
         return dc->slen ? (uint64_t)f->nblocks * dc->slen : xfer_frame_bytes(dc->xp, f);
 }
 
@@ -143,6 +184,24 @@ static uint64_t wire_frame(const struct data_conn *dc, struct batch *b, unsigned
         for (unsigned k = i; k < j; k++)
                 payload += wire_bytes(dc, b->fs[k]);
         size_t hl;
+        if (dc->plan.npieces) {
+                /* One source run per frame (gather_end): its pieces, as the plan says. */
+                const struct frame *f = b->fs[i];
+                struct kvf_datas_hdr h = {.key = htobe64(f->x->key), .nruns = htonl(1),
+                                          .dst = htonl(dc->plan.npieces), .len = htonl(dc->plan_bytes)};
+                struct kvf_datav_run run = {.layer = htonl(f->layer), .tensor = htons(f->tensor),
+                                            .index = htonl(f->index), .nblocks = htonl(f->nblocks)};
+                hl = KVF_FRAME_HDR + sizeof(h) + sizeof(run);
+                kvf_net_put_hdr(w->hdr, (uint32_t)(hl - KVF_FRAME_HDR + payload), KVF_RT_DATAR, 0);
+                memcpy(w->hdr + KVF_FRAME_HDR, &h, sizeof(h));
+                memcpy(w->hdr + KVF_FRAME_HDR + sizeof(h), &run, sizeof(run));
+                struct iovec *v = b->riov + (size_t)i * (1 + b->riov_per);
+                uint64_t bytes;
+                v[0] = (struct iovec){w->hdr, hl};
+                unsigned np = frame_pieces(dc, f, b->sb[i].src, v + 1, &bytes);
+                w->mh = (struct msghdr){.msg_iov = v, .msg_iovlen = 1 + np};
+                return hl + payload;
+        }
         if (dc->slen) {
                 struct kvf_datas_hdr h = {.key = htobe64(b->fs[i]->x->key), .nruns = htonl(j - i),
                                           .dst = htonl(dc->doff), .len = htonl(dc->slen)};
@@ -196,6 +255,8 @@ static unsigned gather_end(const struct data_conn *dc, const struct batch *b, un
         uint64_t bytes = wire_bytes(dc, b->fs[i]);
         uint32_t blocks = b->fs[i]->nblocks;
         unsigned j = i + 1;
+        if (dc->plan.npieces)
+                return j; /* a DATAR frame carries one run */
         while (j < n && j - i < KVF_DATAV_RUNS_MAX && b->fs[j]->x == b->fs[i]->x && !b->sb[j].xopen &&
                bytes + wire_bytes(dc, b->fs[j]) <= KVF_DATA_FRAME_MAX &&
                (!dc->slen || blocks + b->fs[j]->nblocks <= KVF_DATAS_BLOCKS_MAX)) {
@@ -342,6 +403,33 @@ static bool closed_by_peer(int fd)
 }
 
 /*
+ * Transfer x was opened for other block sizes than this connection's peer has (the sender
+ * saw another peer, or none: a peer on another host), or with destination blocks its source
+ * blocks cannot fill: true with why. xp->mu held.
+ */
+static bool regroup_mismatch(const struct data_conn *dc, const struct xfer *x, char *why, size_t whylen)
+{
+        const struct kvf_cache_layout *L = &dc->xp->p->cn->ctl.hdr->layout;
+        const uint32_t bs = L->block_size, bd = dc->peer_bsize;
+        if (!dc->plan.npieces && x->n_src)
+                snprintf(why, whylen, "req %s to '%s': opened to be regrouped into another block size, "
+                         "but the peer's blocks are of %u tokens as here", x->request_id, dc->xp->p->name, bd);
+        else if (dc->plan.npieces && !x->n_src)
+                snprintf(why, whylen, "req %s to '%s': peer layout mismatch: %u tokens/block there, %u "
+                         "here, and the task was accepted for blocks of one size (the sender regroups "
+                         "tokens for a peer whose block size it knows: on this host, or reached by "
+                         "this connector before the task)", x->request_id,
+                         dc->xp->p->name, bd, bs);
+        else if (dc->plan.npieces && (x->n_dst < (uint32_t)((uint64_t)(x->n_src - 1) * bs / bd) + 1 ||
+                                      x->n_dst > kvf_tp_dst_blocks(x->n_src, bs, bd)))
+                snprintf(why, whylen, "req %s to '%s': %u destination blocks of %u tokens for %u source "
+                         "blocks of %u", x->request_id, dc->xp->p->name, x->n_dst, bd, x->n_src, bs);
+        else
+                return false;
+        return true;
+}
+
+/*
  * Take frames off the peer's queue into the free batch b, waiting for some
  * when `wait`. A staged batch stays within one staging group's bytes. The
  * frames taken (0: none; the connector stops when *stopping), or -1 when the
@@ -367,6 +455,16 @@ static int take(struct data_conn *dc, struct batch *b, bool wait, bool staged, b
         }
         while (xp->qhead && n < BATCH_FRAMES && bytes < BATCH_BYTES &&
                (!staged || n == 0 || bytes + xfer_frame_bytes(xp, xp->qhead) <= BATCH_BYTES)) {
+                char why[KVF_REASON_MAX];
+                if (regroup_mismatch(dc, xp->qhead->x, why, sizeof(why))) {
+                        kvf_errlog(&xp->p->cn->ctl, KVF_ROLE_CONNECTOR, "%s", why);
+                        xfer_fail_one(xp, xp->qhead->x, KVF_STATUS_LAYOUT_MISMATCH, why);
+                        continue; /* (its frames left the queue) */
+                }
+                if (dc->plan.npieces && xfer_split_head(xp, dc->blocks_max) < 0) {
+                        xfer_fail_one(xp, xp->qhead->x, KVF_STATUS_CONNECTION, "the connector is out of memory");
+                        continue;
+                }
                 struct frame *f = xfer_dequeue(xp, (int)dc->idx);
                 struct tcp_xfer *tx = f->x->tp;
                 b->sb[n] = (struct sendbuf){0};
@@ -439,9 +537,12 @@ static bool serve(struct data_conn *dc, struct io_uring *ring, struct batch *bs[
                         rc = send_reap(dc, ring, (unsigned)ops, &all);
                 /* the bytes of frames sent once before, on a connection that was lost (read
                  * before the frames go back: a transfer may then be freed) */
-                uint64_t again = 0;
-                for (unsigned i = 0; i < b->n; i++)
-                        again += b->fs[i]->again ? wire_bytes(dc, b->fs[i]) : 0;
+                uint64_t again = 0, wire = 0;
+                for (unsigned i = 0; i < b->n; i++) {
+                        uint64_t k = wire_bytes(dc, b->fs[i]);
+                        wire += k;
+                        again += b->fs[i]->again ? k : 0;
+                }
                 /* (not all reaped: the staging memory stays with the kernel's sends, not done) */
                 give_back(dc, all ? st : NULL, b, rc == 0);
                 if (rc < 0) {
@@ -452,11 +553,71 @@ static bool serve(struct data_conn *dc, struct io_uring *ring, struct batch *bs[
                 }
                 uint64_t blocks = b->bytes / cn->ctl.hdr->layout.block_bytes;
                 kvf_count(&cn->ctl, KVF_CTR_FRAMES_TCP, nwire);
-                kvf_count(&cn->ctl, KVF_CTR_BYTES_TCP, dc->slen ? blocks * dc->slen : b->bytes);
+                kvf_count(&cn->ctl, KVF_CTR_BYTES_TCP, wire);
                 kvf_count(&cn->ctl, KVF_CTR_BYTES_TCP_RESENT, again);
                 kvf_count(&cn->ctl, KVF_CTR_BLOCKS_TCP, blocks);
                 cur = !cur;
         }
+}
+
+/*
+ * The plan of a connection to a peer of another block size (tokens regrouped), and the
+ * batches' vectors for it; no plan for a peer of the same block size. 0, or -EXDEV / -ENOMEM
+ * (kvf_err says why).
+ */
+static int regroup_plan(struct data_conn *dc, struct batch *bs[2], const struct peer_identity *id)
+{
+        const struct kvf_ctl_header *me = dc->xp->p->cn->ctl.hdr;
+        char why[400];
+        uint32_t heads;
+        kvf_tp_plan_free(&dc->plan);
+        dc->plan_bytes = 0;
+        dc->soff = dc->doff = dc->slen = 0;
+        dc->peer_bsize = id->layout.block_size;
+        if (id->layout.block_size == me->layout.block_size)
+                return 0;
+        if (kvf_tp_check(&me->layout, me->nranks ? me->nranks : 1, &id->layout, id->nranks ? id->nranks : 1, 0,
+                         &heads, why, sizeof(why)) < 0)
+                return kvf_err_set(-EXDEV, "%s", why);
+        if (kvf_tp_plan(&me->layout, me->nranks ? me->nranks : 1, me->rank, &id->layout,
+                        id->nranks ? id->nranks : 1, id->rank, heads, &dc->plan) < 0)
+                return kvf_err_set(-EXDEV, "%s", kvf_err_msg());
+        uint32_t most = 0; /* pieces of one source block, at most */
+        for (uint32_t sb = 0; sb < dc->plan.src_per_group; sb++) {
+                uint32_t n = 0;
+                for (uint32_t i = 0; i < dc->plan.npieces; i++) {
+                        n += dc->plan.pieces[i].sblk == sb;
+                        dc->plan_bytes += dc->plan.pieces[i].sblk == sb ? dc->plan.pieces[i].bytes : 0;
+                }
+                most = n > most ? n : most;
+        }
+        int rc = 0;
+        if (!dc->plan.npieces)
+                rc = kvf_err_set(-EXDEV, "prefill rank %u of %u sends decode rank %u of %u none of its heads",
+                                 me->rank, me->nranks, id->rank, id->nranks);
+        else if (most > KVF_DATAR_PIECES_MAX)
+                rc = kvf_err_set(-EXDEV, "%u pieces per source block (%u tokens/block here, %u there): "
+                                 "more than a frame's %u vectors", most, me->layout.block_size,
+                                 id->layout.block_size, KVF_DATAR_PIECES_MAX);
+        /* Frames of more source blocks than this are split as they are taken (xfer_split_head). */
+        dc->blocks_max = most ? KVF_DATAR_PIECES_MAX / most : 1;
+        if (dc->blocks_max > KVF_DATAS_BLOCKS_MAX)
+                dc->blocks_max = KVF_DATAS_BLOCKS_MAX;
+        for (int k = 0; k < 2 && rc == 0; k++) {
+                size_t per = (size_t)most * dc->blocks_max;
+                if (bs[k]->riov_per < per) {
+                        struct iovec *v = realloc(bs[k]->riov, BATCH_FRAMES * (1 + per) * sizeof(*v));
+                        if (!v) {
+                                rc = kvf_err_set(-ENOMEM, "out of memory for regrouped frames");
+                                break;
+                        }
+                        bs[k]->riov = v;
+                        bs[k]->riov_per = per;
+                }
+        }
+        if (rc < 0)
+                kvf_tp_plan_free(&dc->plan);
+        return rc;
 }
 
 static void *conn_main(void *arg)
@@ -470,7 +631,7 @@ static void *conn_main(void *arg)
         char host[128];
         uint16_t port;
 
-        struct batch *bs[2] = {malloc(sizeof(struct batch)), malloc(sizeof(struct batch))};
+        struct batch *bs[2] = {calloc(1, sizeof(struct batch)), calloc(1, sizeof(struct batch))};
         struct kvf_stager *st = NULL;
         const char *why = !bs[0] || !bs[1] ? "out of memory" : NULL;
         if (!why && kvf_stager_open(&cn->cache, &st) < 0)
@@ -527,8 +688,9 @@ static void *conn_main(void *arg)
                         continue;
                 }
                 const struct kvf_ctl_header *me = cn->ctl.hdr;
-                if (rc >= 0 && kvf_tp_slice(&me->layout, me->nranks, me->rank, &id.layout, id.nranks, id.rank,
-                                            &dc->soff, &dc->doff, &dc->slen) < 0) {
+                if (regroup_plan(dc, bs, &id) < 0 ||
+                    (!dc->plan.npieces && kvf_tp_slice(&me->layout, me->nranks, me->rank, &id.layout, id.nranks,
+                                                       id.rank, &dc->soff, &dc->doff, &dc->slen) < 0)) {
                         /* (The peer's handshake refuses what this refuses; this holds against one
                          * that does not.) */
                         char refusal[KVF_REASON_MAX];
@@ -541,6 +703,11 @@ static void *conn_main(void *arg)
                         backoff_ms = backoff_ms * 2 > 1000 ? 1000 : backoff_ms * 2;
                         continue;
                 }
+                if (dc->plan.npieces && dc->idx == 0)
+                        kvf_info("tcp to '%s' (rank %u of %u, %u tokens/block; this is rank %u of %u, %u): "
+                                 "tokens regrouped, %u piece(s) per group of %u source block(s)", p->name,
+                                 id.rank, id.nranks, id.layout.block_size, me->rank, me->nranks,
+                                 me->layout.block_size, dc->plan.npieces, dc->plan.src_per_group);
                 if (dc->slen && dc->idx == 0)
                         kvf_info("tcp to '%s' (rank %u of %u; this is rank %u of %u): %u of each block's "
                                  "%llu bytes, at %u, to %u of its blocks", p->name, id.rank, id.nranks, me->rank,
@@ -572,6 +739,9 @@ static void *conn_main(void *arg)
         }
         io_uring_queue_exit(&ring);
         kvf_stager_close(st);
+        kvf_tp_plan_free(&dc->plan);
+        free(bs[0]->riov);
+        free(bs[1]->riov);
         free(bs[0]);
         free(bs[1]);
         return NULL;

@@ -131,6 +131,28 @@ void xfer_enqueue(struct xfer_peer *xp, struct frame *f, bool front)
         f->x->queued++;
 }
 
+int xfer_split_head(struct xfer_peer *xp, uint32_t k)
+{
+        struct frame *f = xp->qhead, *g;
+        if (!f || k == 0 || k >= f->nblocks)
+                return 0;
+        if (!(g = malloc(sizeof(*g))) || add_frame(f->x, g) < 0) {
+                free(g);
+                return -ENOMEM;
+        }
+        *g = *f;
+        g->index += k;
+        g->nblocks -= k;
+        g->src_off += (uint64_t)k * xp->p->cn->ctl.hdr->layout.block_bytes; /* a run of source blocks */
+        f->nblocks = k;
+        g->qnext = f->qnext;
+        f->qnext = g;
+        if (xp->qtail == f)
+                xp->qtail = g;
+        f->x->queued++; /* (the queue's bytes are the same) */
+        return 0;
+}
+
 struct frame *xfer_dequeue(struct xfer_peer *xp, int conn)
 {
         struct frame *f = xp->qhead;
@@ -367,6 +389,7 @@ int conn_xfer_open(struct peer *p, const struct kvf_record *o, char *why, size_t
                 x->session = o->session;
                 x->dst = dst;
                 x->n_dst = o->n_dst;
+                x->n_src = (uint32_t)o->blocks;
                 x->first_ns = kvf_now_ns();
                 snprintf(x->request_id, sizeof(x->request_id), "%s", o->request_id);
                 x->id_bin = o->id_bin;
@@ -418,7 +441,7 @@ int conn_xfer_batch(struct peer *p, const struct kvf_record *w)
         bool valid = (uint64_t)w->layer + w->layer_count <= layers && w->n_runs % 3 == 0;
         for (uint32_t r = 0; valid && r < w->n_runs; r += 3)
                 valid = (uint64_t)w->runs[r] + w->runs[r + 2] <= L->num_blocks &&
-                        (uint64_t)w->runs[r + 1] + w->runs[r + 2] <= x->n_dst;
+                        (uint64_t)w->runs[r + 1] + w->runs[r + 2] <= (x->n_src ? x->n_src : x->n_dst);
         if (!valid) { /* checked whole, so a bad batch queues nothing */
                 pthread_mutex_unlock(&xp->mu);
                 return -EINVAL;

@@ -30,7 +30,8 @@ enum { F_QUEUED = 0, F_FLIGHT = 1, F_SENT = 2 };
 
 struct frame {
         struct xfer *x;
-        uint32_t layer, index, nblocks; /* index: first block's position in x->dst */
+        uint32_t layer, index, nblocks; /* index: first block's position in x->dst (regrouped:
+                                         * the first source block's position) */
         uint16_t tensor;
         uint8_t state;
         int8_t conn; /* the data connection that carried it last, or -1 */
@@ -46,6 +47,9 @@ struct xfer {
         bool id_bin; /* the request id is bytes (msgpack bin): every record about it says so */
         uint32_t *dst;
         uint32_t n_dst;
+        /* Regrouped into the peer's block size (OPEN's `blocks`): the source blocks, every one
+         * sent, frames indexed by source position; 0: frames indexed by destination position. */
+        uint32_t n_src;
         struct frame **fr;
         uint32_t nfr, capfr;
         uint64_t first_ns;
@@ -128,6 +132,9 @@ uint64_t xfer_frame_bytes(const struct xfer_peer *xp, const struct frame *f);
 void xfer_wait(struct xfer_peer *xp);
 /* xp->mu held: the next queued frame, now F_FLIGHT on data connection `conn`, or NULL. */
 struct frame *xfer_dequeue(struct xfer_peer *xp, int conn);
+/* xp->mu held: split the queue's first frame after k of its blocks (a data path that carries
+ * fewer a frame for this peer); the rest follows it. 0, or -ENOMEM. */
+int xfer_split_head(struct xfer_peer *xp, uint32_t k);
 /* xp->mu held: put f back in the queue (at the front: it goes first). */
 void xfer_enqueue(struct xfer_peer *xp, struct frame *f, bool front);
 /* xp->mu held: frames back from a data path, sent or to be sent again (front of the queue). */

@@ -93,6 +93,9 @@ int sender_post_open(struct sender *s, uint32_t slot)
                                .n_dst = r->n_dst ? r->n_dst : r->n_send,
                                .bytes = sender_request_bytes(s, r),
                                .session = r->peer_session,
+                               /* regrouped into another block size: the source blocks, each
+                                * sent whole to the connector's plan (0: not regrouped) */
+                               .blocks = r->n_dst ? r->n_send : 0,
                                .id_bin = r->flags & KVF_REQF_ID_BIN};
         memcpy(o.request_id, r->request_id, sizeof(o.request_id));
         memcpy(o.peer, r->peer, sizeof(o.peer));

@@ -99,6 +99,7 @@ struct net_peer {
         char name[KVF_PEER_MAX];
         uint64_t session;
         uint64_t seen_ns;
+        uint32_t block_size; /* its tokens per block, as its connector last told (0 unknown) */
         /* a peer named by instance is on this host: its segment, read-only, says it exactly */
         struct kvf_ctl ctl;
         ino_t ino;
@@ -397,8 +398,11 @@ static inline uint64_t sender_request_bytes(const struct sender *s, const struct
 
 /* sessions.c */
 /* tcp peers: note the decode engine session a peer's connector told of; look it up (0 unknown). */
-void sender_net_peer_note(struct sender *s, const char *peer, uint64_t session);
+void sender_net_peer_note(struct sender *s, const char *peer, uint64_t session, uint32_t block_size);
 uint64_t sender_net_peer_session(struct sender *s, const char *peer);
+/* A tcp peer's tokens per block: on this host (named by instance) from its segment, else as
+ * the connector told when the peer's control connection came up; 0 when not known. */
+uint32_t sender_net_peer_block_size(struct sender *s, const char *peer);
 void sender_net_peers_close(struct sender *s);
 /* The engine session of the engine->sender record at `pos` (inside a ring handler). */
 uint64_t sender_record_session(struct sender *s, uint64_t pos);

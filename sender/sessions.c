@@ -81,10 +81,12 @@ static struct net_peer *net_peer_slot(struct sender *s, const char *peer)
         return slot;
 }
 
-void sender_net_peer_note(struct sender *s, const char *peer, uint64_t session)
+void sender_net_peer_note(struct sender *s, const char *peer, uint64_t session, uint32_t block_size)
 {
         struct net_peer *p = net_peer_slot(s, peer);
         p->session = session;
+        if (block_size)
+                p->block_size = block_size;
         p->seen_ns = kvf_now_ns();
 }
 
@@ -108,6 +110,13 @@ uint64_t sender_net_peer_session(struct sender *s, const char *peer)
                 p->ino = fstat(p->ctl.fd, &st) == 0 ? st.st_ino : 0;
         }
         return p->mapped ? kvf_engine_session(&p->ctl, false) : p->session;
+}
+
+uint32_t sender_net_peer_block_size(struct sender *s, const char *peer)
+{
+        sender_net_peer_session(s, peer); /* maps its segment (a peer on this host) */
+        struct net_peer *p = net_peer_slot(s, peer);
+        return p->mapped ? p->ctl.hdr->layout.block_size : p->block_size;
 }
 
 void sender_net_peers_close(struct sender *s)

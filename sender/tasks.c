@@ -116,6 +116,18 @@ static int verdict(char *why, size_t whylen, int status, const char *fmt, ...)
  * `why`. Changes nothing but the peer's name when FastDeploy named it by its
  * device or address, and the sender's cache of peer mappings.
  */
+/* A tcp task's peer has another block size: that size (tokens regrouped into its blocks,
+ * docs/ARCHITECTURE.md 7b); else 0 (equal, or not known yet: a peer on another host that its
+ * connector has not reached, whose data connection then fails the transfer if the sizes
+ * differ). */
+static uint32_t net_regroup_block_size(struct sender *s, const struct kvf_record *t)
+{
+        if (t->transport != KVF_TRANSPORT_TCP)
+                return 0;
+        uint32_t bd = sender_net_peer_block_size(s, t->peer);
+        return bd && bd != s->layout->block_size ? bd : 0;
+}
+
 static int validate_task(struct sender *s, struct kvf_record *t, uint32_t *pidx, char *why, size_t whylen)
 {
         const struct kvf_ctl_header *h = s->ctl.hdr;
@@ -208,7 +220,25 @@ static int validate_task(struct sender *s, struct kvf_record *t, uint32_t *pidx,
                                               "dest_block_ids[%u] = %u is out of range: peer '%s' has %u blocks",
                                               i, t->dst[i], t->peer, peer_blocks);
         }
-        if (t->n_dst > t->n_src && (*pidx == UINT32_MAX || s->layout->block_size == s->peers[*pidx].ctl.hdr->layout.block_size))
+        const uint32_t nbd = net_regroup_block_size(s, t);
+        if (nbd) {
+                /* A tcp peer on this host of another block size (its segment says): regrouped
+                 * as over ipc, the receiver's connector checks the same counts. */
+                const uint32_t bs = s->layout->block_size;
+                if (bs % nbd && nbd % bs)
+                        return verdict(why, whylen, KVF_STATUS_LAYOUT_MISMATCH,
+                                      "block sizes %u and %u do not divide one another (peer '%s')",
+                                      bs, nbd, t->peer);
+                uint32_t hi = kvf_tp_dst_blocks(t->n_src, bs, nbd);
+                uint32_t lo = (uint32_t)((uint64_t)(t->n_src - 1) * bs / nbd) + 1;
+                if (t->n_dst < lo || t->n_dst > hi)
+                        return verdict(why, whylen, KVF_STATUS_BAD_TASK,
+                                      "dest_block_ids has %u entries: %u source blocks of %u tokens "
+                                      "fill %u to %u blocks of %u tokens at peer '%s'",
+                                      t->n_dst, t->n_src, bs, lo, hi, nbd, t->peer);
+        }
+        if (t->n_dst > t->n_src && !nbd &&
+            (*pidx == UINT32_MAX || s->layout->block_size == s->peers[*pidx].ctl.hdr->layout.block_size))
                 return verdict(why, whylen, KVF_STATUS_BAD_TASK,
                               "dest_block_ids has %u entries, more than the %u of src_block_ids",
                               t->n_dst, t->n_src);
@@ -272,6 +302,10 @@ static int accept_task(struct sender *s, struct kvf_record *t, const struct task
         r->n_dst = 0;
         if (pidx != UINT32_MAX && s->peers[pidx].plan.src_per_group != s->peers[pidx].plan.dst_per_group) {
                 r->n_send = t->n_src; /* another block size: every source block, regrouped */
+                r->n_dst = t->n_dst;
+        }
+        if (pidx == UINT32_MAX && net_regroup_block_size(s, t)) {
+                r->n_send = t->n_src; /* a tcp peer of another block size: the same */
                 r->n_dst = t->n_dst;
         }
         r->sent_full = 0;
@@ -442,7 +476,7 @@ int sender_on_connector_record(void *ctx, uint16_t type, const uint8_t *p, uint3
                 }
         } else if (type == KVF_RT_PEER_STATE) {
                 if (r.up)
-                        sender_net_peer_note(s, r.peer, r.session);
+                        sender_net_peer_note(s, r.peer, r.session, (uint32_t)r.lay_bsize);
                 kvf_info("peer '%s' is %s%s%s (decode engine session %llu)", r.peer, r.up ? "up" : "down",
                          r.reason[0] ? ": " : "", r.reason, (unsigned long long)r.session);
         }

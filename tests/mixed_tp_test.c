@@ -10,13 +10,14 @@
  * mixed_tp_test P D HEADS [key-only] [tcp|both] [staged] [bs=P/D]   a transfer, every byte
  *                                      checked (both: over ipc, then over tcp on the same
  *                                      instances; bs=P/D: P tokens per prefill block, D per
- *                                      decode block, tokens regrouped; tcp:
+ *                                      decode block, tokens regrouped, over ipc or tcp; tcp:
  *                                      over the connectors' tcp data connections, frames of head
  *                                      slices; staged: caches on the host-async backend, whose
  *                                      frames go through staging memory as a GPU cache's do)
  * mixed_tp_test mismatch               the refusals
- * mixed_tp_test kill P D HEADS          decode rank D-1 goes down mid-transfer: every task has
- *                                      exactly one completion, those to the other ranks finish
+ * mixed_tp_test kill P D HEADS [tcp] [bs=P/D]   decode rank D-1 goes down mid-transfer: every
+ *                                      task has exactly one completion, those to the other ranks
+ *                                      finish (tcp: over the connectors; bs: tokens regrouped)
  * $MIXED_TP_REQUESTS sets the requests (default 12); the summary line gives the time from the
  * first layer-done to the last completion (bench/mixed_tp_bench.sh reads it).
  */
@@ -141,6 +142,26 @@ static struct kvf_event wait_event(struct kvf_client *c, int type)
         }
 }
 
+/* Prefill instance client c connects to decode peer `peer` (host:port) and hears it is up: its
+ * connector then told the sender the peer's block size (tokens regrouped over tcp). */
+static void connect_to(struct kvf_client *c, const char *peer)
+{
+        char id[160];
+        snprintf(id, sizeof(id), "connect-%s", peer);
+        CHECK_EQ(kvf_submit_connect(c, id, peer), 0);
+        for (;;) {
+                struct kvf_event ev = wait_event(c, KVF_EVENT_CONNECT_RESULT);
+                if (strcmp(ev.request_id, id))
+                        continue;
+                if (ev.status != KVF_STATUS_FINISHED) {
+                        fprintf(stderr, "connect to %s: %s: %s\n", peer, kvf_status_name(ev.status),
+                                ev.reason);
+                        exit(1);
+                }
+                return;
+        }
+}
+
 /* A task of ns source blocks and nd destination blocks from prefill instance `from` to decode
  * instance `to` ends with `status` and a reason that holds `needle`. */
 static void refused_as(const char *from, const char *to, int transport, const char *needle,
@@ -150,8 +171,12 @@ static void refused_as(const char *from, const char *to, int transport, const ch
         char peer[128];
         CHECK_EQ(kvf_attach(from, 10000, &c), 0);
         snprintf(peer, sizeof(peer), "%s", to);
-        if (transport == KVF_TRANSPORT_TCP)
+        if (transport == KVF_TRANSPORT_TCP) {
                 t_connector_addr(to, peer, sizeof(peer));
+                /* a bad task for a peer's block size: the sender must know it (connected) */
+                if (status == KVF_STATUS_BAD_TASK)
+                        connect_to(c, peer);
+        }
         uint32_t sb[4] = {3, 4, 5, 6}, db[4] = {7, 9, 11, 13};
         CHECK(ns <= 4 && nd <= 4);
         struct kvf_task t = {.request_id = "refused",
@@ -243,7 +268,13 @@ static int mismatches(void)
         uint64_t t0 = kvf_now_ns();
         refused(P.name[0], D.name[7], KVF_TRANSPORT_TCP, "sends it none of its heads");
         refused(P.name[0], F.name[0], KVF_TRANSPORT_TCP, "block sizes 16 and 24 do not divide");
-        refused(P.name[0], G.name[0], KVF_TRANSPORT_TCP, "regrouped into other block sizes over ipc only");
+        /* 16 -> 32 tokens/block over tcp to a peer the sender has not heard of yet: accepted
+         * for one block size, then failed by the data connection, which knows the peer's */
+        refused(P.name[0], G.name[0], KVF_TRANSPORT_TCP, "accepted for blocks of one size");
+        /* 16 -> 32 tokens/block over tcp: the sender knows the peer's block size from its
+         * connector (connected first), and checks the counts as over ipc */
+        refused_as(P.name[0], G.name[0], KVF_TRANSPORT_TCP, "fill 2 to 2 blocks", 3, 1,
+                   KVF_STATUS_BAD_TASK);
         CHECK(kvf_now_ns() - t0 < 10000000000ull);
         detach_all(&P), detach_all(&D), detach_all(&E), detach_all(&F), detach_all(&G);
         return 0;
@@ -251,12 +282,22 @@ static int mismatches(void)
 
 /* Decode rank d-1 goes down after layer 0 of 40 requests: every task gets exactly one
  * completion; those to the other decode ranks finish, and those ranks get their arrivals. */
-static int kill_one(uint32_t p, uint32_t d, uint32_t heads)
+static int kill_one(uint32_t p, uint32_t d, uint32_t heads, int tcp)
 {
         struct side P = {0}, D = {0};
-        const uint32_t nreq = 40;
+        const uint32_t nreq = 40, ndst = 4 * BP / BD; /* 4 whole source blocks */
+        CHECK(ndst <= 16);
         start(&D, "d", "decode", d, heads, 0, 16 * nreq);
         start(&P, "p", "prefill", p, heads, 0, 16 * nreq);
+        char daddr[MAXR][128];
+        for (uint32_t j = 0; j < d; j++) {
+                snprintf(daddr[j], sizeof(daddr[j]), "%s", D.name[j]);
+                if (tcp) {
+                        t_connector_addr(D.name[j], daddr[j], sizeof(daddr[j]));
+                        for (uint32_t i = 0; BP != BD && i < p; i++)
+                                connect_to(P.c[i], daddr[j]);
+                }
+        }
         uint64_t step = 0;
         for (uint32_t i = 0; i < p; i++)
                 if (kvf_last_step(P.c[i]) > step)
@@ -264,9 +305,9 @@ static int kill_one(uint32_t p, uint32_t d, uint32_t heads)
         step++;
         uint32_t tasks[MAXR] = {0}, to_dead[MAXR] = {0};
         for (uint32_t q = 0; q < nreq; q++) {
-                uint32_t src[4] = {4 * q, 4 * q + 1, 4 * q + 2, 4 * q + 3}, dst[4];
-                for (uint32_t b = 0; b < 4; b++)
-                        dst[b] = 16 * nreq - 1 - 4 * q - b;
+                uint32_t src[4] = {4 * q, 4 * q + 1, 4 * q + 2, 4 * q + 3}, dst[16];
+                for (uint32_t b = 0; b < ndst; b++)
+                        dst[b] = 16 * nreq - 1 - ndst * q - b;
                 for (uint32_t j = 0; j < d; j++)
                         for (uint32_t i = 0; i < p; i++) {
                                 int sends = 0;
@@ -280,10 +321,11 @@ static int kill_one(uint32_t p, uint32_t d, uint32_t heads)
                                                      .src_block_ids = src,
                                                      .n_src = 4,
                                                      .dest_block_ids = dst,
-                                                     .n_dest = 4,
+                                                     .n_dest = ndst,
                                                      .current_id = step,
-                                                     .transport = KVF_TRANSPORT_IPC,
-                                                     .peer = D.name[j]};
+                                                     .transport = tcp ? KVF_TRANSPORT_TCP
+                                                                      : KVF_TRANSPORT_IPC,
+                                                     .peer = daddr[j]};
                                 CHECK_EQ(kvf_submit_task(P.c[i], &t), 0);
                                 tasks[i]++;
                                 to_dead[i] += j == d - 1;
@@ -350,9 +392,20 @@ int main(int argc, char **argv)
 {
         if (argc == 2 && !strcmp(argv[1], "mismatch"))
                 return mismatches();
-        if (argc == 5 && !strcmp(argv[1], "kill"))
+        if (argc >= 5 && !strcmp(argv[1], "kill")) {
+                int tcp = 0;
+                for (int a = 5; a < argc; a++) {
+                        if (!strcmp(argv[a], "tcp"))
+                                tcp = 1;
+                        else if (sscanf(argv[a], "bs=%u/%u", &BP, &BD) == 2)
+                                CHECK(BP >= 2 && BD >= 2 && (BP % BD == 0 || BD % BP == 0) &&
+                                      4 * BP / BD >= 1 && 4 * BP % BD == 0);
+                        else
+                                return fprintf(stderr, "mixed_tp_test: unknown option '%s'\n", argv[a]), 2;
+                }
                 return kill_one((uint32_t)atoi(argv[2]), (uint32_t)atoi(argv[3]),
-                                (uint32_t)atoi(argv[4]));
+                                (uint32_t)atoi(argv[4]), tcp);
+        }
         if (argc < 4)
                 return fprintf(stderr, "usage: mixed_tp_test P D HEADS [key-only] [tcp|both] [staged] [bs=P/D]\n"), 2;
         uint32_t p = (uint32_t)atoi(argv[1]), d = (uint32_t)atoi(argv[2]),
@@ -405,6 +458,9 @@ int main(int argc, char **argv)
                         snprintf(daddr[j], sizeof(daddr[j]), "%s", D.name[j]);
                         if (tcp)
                                 t_connector_addr(D.name[j], daddr[j], sizeof(daddr[j]));
+                        /* another block size: the sender learns the peer's from its connector */
+                        for (uint32_t i = 0; tcp && BP != BD && i < p; i++)
+                                connect_to(P.c[i], daddr[j]);
                 }
                 const uint32_t tensors = key_only ? 1 : 2;
                 uint64_t step = 0;

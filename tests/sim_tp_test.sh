@@ -73,6 +73,15 @@ j=$(demo "tp 1 -> 2, 16 -> 64 tokens/block" 24 c $LLAMA 256 --prefill-tp 1 --dec
   fail "16 -> 64: the JSON's block sizes"
 pass "tp 1 -> 2, 16 -> 64 tokens/block over ipc: $(json_get "$j" verified_bytes) bytes verified"
 
+# The same regrouping over tcp: 4 -> 4 at 32 -> 16 tokens per block (chunked prefill), and 1 -> 2
+# at 16 -> 64 on host-async caches (frames through staging memory): every byte verified.
+j=$(demo "tp 4 -> 4, 32 -> 16 tokens/block (tcp, chunked)" 16 c2 $LLAMA 256 --prefill-tp 4 --decode-tp 4 \
+  --prefill-block-tokens 32 --decode-block-tokens 16 --transport tcp --chunk-tokens 256)
+pass "tp 4 -> 4, 32 -> 16 tokens/block over tcp, chunked: $(json_get "$j" verified_bytes) bytes verified"
+j=$(demo "tp 1 -> 2, 16 -> 64 tokens/block (tcp, staged)" 16 c3 $LLAMA 256 --prefill-tp 1 --decode-tp 2 \
+  --prefill-block-tokens 16 --decode-block-tokens 64 --transport tcp --backend host-async)
+pass "tp 1 -> 2, 16 -> 64 tokens/block over tcp, host-async: $(json_get "$j" verified_bytes) bytes verified"
+
 # MLA 2 -> 4: the latent is on every rank; decode rank j receives it from prefill rank j mod 2.
 j=$(demo "deepseek-v3-mla tp 2 -> 4" 12 d $MLA4 512 --model deepseek-v3-mla --prefill-tp 2 --decode-tp 4)
 [ "$(json_get "$j" tasks_per_request)" = 4 ] || fail "MLA 2 -> 4: $(json_get "$j" tasks_per_request) tasks per request, not 4"
@@ -106,8 +115,10 @@ usage_case "--decode-tp 3" "--decode-tp 3 does not fit llama-3.1-8b's 8 kv heads
   tools/kvferry demo --prefill-tp 2 --decode-tp 3
 usage_case "block sizes 64 and 48" "one must divide the other" \
   tools/kvferry demo --prefill-tp 2 --decode-block-tokens 48
-usage_case "block sizes 32 and 16 over tcp" "regrouped into other block sizes over ipc only" \
-  tools/kvferry demo --prefill-tp 2 --prefill-block-tokens 32 --decode-block-tokens 16 --transport tcp
+usage_case "block sizes 32 and 16 over rdma" "regrouped into other block sizes over ipc and tcp only" \
+  tools/kvferry demo --prefill-tp 2 --prefill-block-tokens 32 --decode-block-tokens 16 --transport rdma
+usage_case "block sizes 64 and 48 over tcp" "one must divide the other" \
+  tools/kvferry demo --prefill-tp 2 --decode-block-tokens 48 --transport tcp
 usage_case "--executor engine on host caches" "--backend host puts the caches in host memory" \
   tools/kvferry demo --prefill-tp 2 --decode-tp 4 --backend host --executor engine
 usage_case "--executor bogus" "--executor is auto, sender or engine, not 'bogus'" \

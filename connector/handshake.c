@@ -115,10 +115,9 @@ static int check_token_order(const struct kvf_ctl_header *h, uint64_t theirs, co
  * May a prefill instance of layout `pl` (rank pr of p) send to a decode instance of layout `dl`
  * (rank dr of d)? Equal layouts and groups: yes. Another tensor-parallel split of the same
  * model (common/tpsplit.h): on a control connection (same-host copies, whose notices it
- * carries, block sizes that divide one another too) and on a tcp data connection (frames of
- * head slices, equal block sizes) when the prefill rank sends that decode rank some heads;
- * never on an rdma connection, whose writes carry whole blocks.
- * 0, or -EXDEV with `why`.
+ * carries, block sizes that divide one another too), and on a tcp data connection (frames of
+ * head slices) or an rdma one (a work request per head slice) with equal block sizes, when the
+ * prefill rank sends that decode rank some heads. 0, or -EXDEV with `why`.
  */
 static int check_split(const struct kvf_cache_layout *pl, uint32_t pr, uint32_t p,
                        const struct kvf_cache_layout *dl, uint32_t dr, uint32_t d,
@@ -134,27 +133,29 @@ static int check_split(const struct kvf_cache_layout *pl, uint32_t pr, uint32_t 
                 snprintf(why, whylen, "%s", diff);
                 return -EXDEV;
         }
-        if (strcmp(purpose, "control") && strcmp(purpose, "data")) {
+        bool ctl = !strcmp(purpose, "control"), rdma = !strcmp(purpose, "rdma");
+        if (!ctl && !rdma && strcmp(purpose, "data")) {
                 snprintf(why, whylen,
                          "prefill %u kv head(s) x tp %u, %u tokens/block; decode %u kv head(s) x tp %u, "
                          "%u tokens/block: a '%s' connection moves whole blocks of equal layouts; "
-                         "other splits move over ipc and tcp only", pl->kv_heads, p, pl->block_size,
+                         "other splits move over ipc, tcp and rdma only", pl->kv_heads, p, pl->block_size,
                          dl->kv_heads, d, dl->block_size, purpose);
                 return -EXDEV;
         }
-        if (pl->block_size != dl->block_size && strcmp(purpose, "control")) {
-                snprintf(why, whylen, "%u tokens/block here, %u there: tcp frames carry one head "
+        if (pl->block_size != dl->block_size && !ctl) {
+                snprintf(why, whylen, "%u tokens/block here, %u there: %s carry one head "
                          "slice per block; tokens are regrouped into other block sizes over ipc only",
-                         pl->block_size, dl->block_size);
+                         pl->block_size, dl->block_size, rdma ? "rdma work requests" : "tcp frames");
                 return -EXDEV;
         }
         if (pr >= p || dr >= d || kvf_tp_sources(heads, p, d, dr) == 0) {
                 snprintf(why, whylen, "rank %u of %u to rank %u of %u", pr, p, dr, d);
                 return -EXDEV;
         }
-        if (!strcmp(purpose, "data")) {
-                /* Frames carry the heads this prefill rank sends; a rank that sends none has
-                 * nothing to carry (the control connection still carries other ranks' notices). */
+        if (!ctl) {
+                /* Frames and work requests carry the heads this prefill rank sends; a rank that
+                 * sends none has nothing to carry (the control connection still carries other
+                 * ranks' notices). */
                 uint32_t f, n, h, sends = 0;
                 if (kvf_tp_heads(heads, d, dr, &f, &n) == 0)
                         for (h = f; h < f + n; h++)

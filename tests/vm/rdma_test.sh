@@ -17,6 +17,8 @@
 #      both sides; the next one finishes over a new connection
 #   6. the decode connector killed mid-transfer (its supervisor held): "connection error"; it
 #      comes back, a new request finishes
+#   7. another tensor-parallel split (1 -> 2, 2 -> 4 ranks) of a GQA shape and of an MLA one:
+#      every head verified, the work requests exactly what the head slices imply
 #   --bench: also the work requests per request for the models of data/model-shapes.json, ours
 #      against one per block, and the throughput (EMULATED: qemu TCG + soft-RoCE)
 source "$(dirname "$0")/../lib.sh"
@@ -112,6 +114,86 @@ done
 # 6. The decode connector killed mid-transfer.
 "$B/rdma_transport_test" --prefill $TAG-p --decode $TAG-d --case killmid --blocks 32 \
   --supervisor "$(sup_pid $TAG-d)" --timeout-ms 30000 || fail "decode connector killed"
+
+# 7. Another tensor-parallel split: prefill and decode groups of different sizes (one instance
+# per rank, --rank/--nranks), kvf-sim in mixed mode, every head of every token verified on every
+# decode rank. A GQA shape (8 kv heads, llama's head dim, 4 layers) and an MLA one (key-only
+# latent of 576, the same on every rank). GQA: each decode rank gets a head slice of every block
+# from its one source, never contiguous across blocks, so exactly one RDMA WRITE per (layer,
+# tensor, block) per decode rank (against equal groups of the same shape, measured first). MLA:
+# whole blocks, merged into runs as for equal groups: at most that many, at least one per
+# (layer, tensor, request, decode rank). The bytes written are
+# exactly the heads: all of them once (GQA), the latent once per decode rank (MLA).
+MREQ=4 MTOK=256 MBS=16
+# Six instances keep the emulated VM busy enough that soft-RoCE resends for seconds: a queue pair
+# given up for "no completion" would send its frames again (verified, but not the exact count).
+MPT=30000
+# blocks of the first MREQ prompts of the trace, clipped to MTOK tokens (as kvf-sim reads them)
+mblocks=$(awk -v n=$MREQ -v cap=$MTOK -v b=$MBS '{ if (c == n) exit;
+  if (match($0, /"input_length": *[0-9]+/)) { v = substr($0, RSTART, RLENGTH); sub(/.*: */, "", v); v += 0;
+    if (v > 0) { c++; if (v > cap) v = cap; t += int((v + b - 1) / b) } } } END { print t }' \
+  "$ROOT/data/mooncake-conversation-2000.jsonl")
+[ "${mblocks:-0}" -gt 0 ] || fail "mixed: no prompts read from the trace"
+mixed() { # mixed KIND P D: KIND gqa or mla, P prefill ranks -> D decode ranks
+  local kind=$1 p=$2 d=$3 shape tensors bpt k names_p="" names_d="" w=0 b=0 by=0 port
+  # bpt: one token's bytes of one tensor, all the model's heads
+  if [ $kind = gqa ]; then
+    shape="--layers 4 --kv-heads 8 --head-dim 128" tensors=2 bpt=$((8 * 128 * 2))
+  else
+    shape="--layers 4 --kv-heads 1 --head-dim 576 --key-only" tensors=1 bpt=$((576 * 2))
+  fi
+  for k in $(seq 0 $((d - 1))); do
+    port=$((7110 + k))
+    up $TAG-m${kind}d$k --role decode $shape --block-size $MBS --tp $d --rank $k --nranks $d --cache-mib 16 \
+      --listen "$DIP:$port" --peer-timeout-ms $MPT
+    names_d=${names_d:+$names_d,}$TAG-m${kind}d$k
+  done
+  for k in $(seq 0 $((p - 1))); do
+    up $TAG-m${kind}p$k --role prefill $shape --block-size $MBS --tp $p --rank $k --nranks $p --cache-mib 16 \
+      --listen "$A:0" --peer-timeout-ms $MPT
+    names_p=${names_p:+$names_p,}$TAG-m${kind}p$k
+  done
+  sim mixed --prefill $names_p --decode $names_d --prefill-tp $p --decode-tp $d --transport rdma \
+    --requests $MREQ --max-tokens $MTOK --prefix-pct 0 --layer-us 50 --timeout-s 120 ||
+    { cat "$KVFERRY_RUN_DIR/mixed.txt"; fail "$kind tp $p -> $d over rdma"; }
+  [ "$(json_get "$KVFERRY_RUN_DIR/mixed.json" finished)" = $MREQ ] &&
+    [ "$(json_get "$KVFERRY_RUN_DIR/mixed.json" corrupt)" = 0 ] ||
+    { cat "$KVFERRY_RUN_DIR/mixed.txt"; fail "$kind tp $p -> $d: not all $MREQ finished and verified"; }
+  [ $p = $d ] || grep -q "every head of every token checked on every decode rank" "$KVFERRY_RUN_DIR/mixed.txt" ||
+    { cat "$KVFERRY_RUN_DIR/mixed.txt"; fail "$kind tp $p -> $d: kvf-sim did not check every head"; }
+  for k in $(seq 0 $((p - 1))); do
+    w=$((w + $(counter $TAG-m${kind}p$k rdma_write_requests)))
+    b=$((b + $(counter $TAG-m${kind}p$k blocks_sent_rdma)))
+    by=$((by + $(counter $TAG-m${kind}p$k bytes_sent_rdma)))
+  done
+  local slices=$((d * 4 * tensors * mblocks)) want_by
+  if [ $kind = gqa ] && [ $p != $d ]; then
+    want_by=$((4 * tensors * mblocks * MBS * bpt))
+    [ $w = $slices ] || fail "$kind tp $p -> $d: $w RDMA WRITEs, not $slices (one per layer, tensor, block, decode rank)"
+    grep -q "a work request per block" "$KVFERRY_RUN_DIR/$TAG-m${kind}p0/connector.log" ||
+      fail "$kind tp $p -> $d: the prefill connector does not say it sends head slices"
+  else
+    # whole blocks (MLA, or the reference: equal groups), every head once per decode rank
+    want_by=$((d * 4 * tensors * mblocks * MBS * bpt))
+    [ $kind = mla ] || want_by=$((4 * tensors * mblocks * MBS * bpt))
+    [ $w -le $slices ] && [ $w -ge $((d * 4 * MREQ)) ] ||
+      fail "$kind tp $p -> $d: $w RDMA WRITEs, not between $((d * 4 * MREQ)) and $slices"
+  fi
+  [ $b = $slices ] || fail "$kind tp $p -> $d: $b blocks written, not $slices"
+  [ $by = $want_by ] || fail "$kind tp $p -> $d: $by bytes written, not $want_by (every head once per decode rank that holds it)"
+  [ "$(counter $TAG-m${kind}p0 rdma_post_errors)" = 0 ] || fail "$kind tp $p -> $d: post errors"
+  pass "$kind tp $p -> $d over rdma: $MREQ requests, every head of every token verified" \
+    "($(json_get "$KVFERRY_RUN_DIR/mixed.json" verified_bytes) bytes); $w RDMA WRITEs ($((w / MREQ)) per request)" \
+    "for $b blocks x layers x tensors x decode ranks, $by bytes written"
+  echo "MIXED $kind $p $d writes_per_request $((w / MREQ)) blocks_per_request $((b / MREQ))" >>"$KVFERRY_RUN_DIR/mixed-rows.txt"
+  for k in $(seq 0 $((p - 1))); do down $TAG-m${kind}p$k; done
+  for k in $(seq 0 $((d - 1))); do down $TAG-m${kind}d$k; done
+}
+mixed gqa 1 1 # the reference: equal groups, the same shape, whole-block runs
+mixed gqa 1 2
+mixed gqa 2 4
+mixed mla 1 2
+mixed mla 2 4
 
 # No role died but the connector killed on purpose, and (an ASan build) no sanitizer report,
 # also at exit: stop everything first.

@@ -142,17 +142,24 @@ mixed() { # mixed KIND P D: KIND gqa or mla, P prefill ranks -> D decode ranks
   else
     shape="--layers 4 --kv-heads 1 --head-dim 576 --key-only" tensors=1 bpt=$((576 * 2))
   fi
+  # The group's instances start together (one at a time costs seconds each in the VM).
+  local pids=() pid
   for k in $(seq 0 $((d - 1))); do
     port=$((7110 + k))
     up $TAG-m${kind}d$k --role decode $shape --block-size $MBS --tp $d --rank $k --nranks $d --cache-mib 16 \
-      --listen "$DIP:$port" --peer-timeout-ms $MPT
+      --listen "$DIP:$port" --peer-timeout-ms $MPT &
+    pids+=($!)
+    STARTED+=($TAG-m${kind}d$k) # (up's own entry is its subshell's)
     names_d=${names_d:+$names_d,}$TAG-m${kind}d$k
   done
   for k in $(seq 0 $((p - 1))); do
     up $TAG-m${kind}p$k --role prefill $shape --block-size $MBS --tp $p --rank $k --nranks $p --cache-mib 16 \
-      --listen "$A:0" --peer-timeout-ms $MPT
+      --listen "$A:0" --peer-timeout-ms $MPT &
+    pids+=($!)
+    STARTED+=($TAG-m${kind}p$k)
     names_p=${names_p:+$names_p,}$TAG-m${kind}p$k
   done
+  for pid in "${pids[@]}"; do wait $pid || fail "$kind tp $p -> $d: an instance did not start"; done
   sim mixed --prefill $names_p --decode $names_d --prefill-tp $p --decode-tp $d --transport rdma \
     --requests $MREQ --max-tokens $MTOK --prefix-pct 0 --layer-us 50 --timeout-s 120 ||
     { cat "$KVFERRY_RUN_DIR/mixed.txt"; fail "$kind tp $p -> $d over rdma"; }
@@ -186,8 +193,10 @@ mixed() { # mixed KIND P D: KIND gqa or mla, P prefill ranks -> D decode ranks
     "($(json_get "$KVFERRY_RUN_DIR/mixed.json" verified_bytes) bytes); $w RDMA WRITEs ($((w / MREQ)) per request)" \
     "for $b blocks x layers x tensors x decode ranks, $by bytes written"
   echo "MIXED $kind $p $d writes_per_request $((w / MREQ)) blocks_per_request $((b / MREQ))" >>"$KVFERRY_RUN_DIR/mixed-rows.txt"
-  for k in $(seq 0 $((p - 1))); do down $TAG-m${kind}p$k; done
-  for k in $(seq 0 $((d - 1))); do down $TAG-m${kind}d$k; done
+  pids=()
+  for k in $(seq 0 $((p - 1))); do down $TAG-m${kind}p$k & pids+=($!); done
+  for k in $(seq 0 $((d - 1))); do down $TAG-m${kind}d$k & pids+=($!); done
+  for pid in "${pids[@]}"; do wait $pid || fail "$kind tp $p -> $d: an instance did not stop"; done
 }
 mixed gqa 1 1 # the reference: equal groups, the same shape, whole-block runs
 mixed gqa 1 2

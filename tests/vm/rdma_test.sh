@@ -18,7 +18,8 @@
 #   6. the decode connector killed mid-transfer (its supervisor held): "connection error"; it
 #      comes back, a new request finishes
 #   7. another tensor-parallel split (1 -> 2, 2 -> 4 ranks) of a GQA shape and of an MLA one:
-#      every head verified, the work requests exactly what the head slices imply
+#      every head verified, the work requests exactly what the head slices imply; a prefill rank
+#      that sends a decode rank none of its heads: refused
 #   --bench: also the work requests per request for the models of data/model-shapes.json, ours
 #      against one per block, and the throughput (EMULATED: qemu TCG + soft-RoCE)
 source "$(dirname "$0")/../lib.sh"
@@ -135,7 +136,7 @@ mblocks=$(awk -v n=$MREQ -v cap=$MTOK -v b=$MBS '{ if (c == n) exit;
   "$ROOT/data/mooncake-conversation-2000.jsonl")
 [ "${mblocks:-0}" -gt 0 ] || fail "mixed: no prompts read from the trace"
 mixed() { # mixed KIND P D: KIND gqa or mla, P prefill ranks -> D decode ranks
-  local kind=$1 p=$2 d=$3 shape tensors bpt k names_p="" names_d="" w=0 b=0 by=0 port
+  local kind=$1 p=$2 d=$3 shape tensors bpt k names_p="" names_d="" w=0 b=0 by=0 port t0=$SECONDS
   # bpt: one token's bytes of one tensor, all the model's heads
   if [ $kind = gqa ]; then
     shape="--layers 4 --kv-heads 8 --head-dim 128" tensors=2 bpt=$((8 * 128 * 2))
@@ -191,8 +192,16 @@ mixed() { # mixed KIND P D: KIND gqa or mla, P prefill ranks -> D decode ranks
   [ "$(counter $TAG-m${kind}p0 rdma_post_errors)" = 0 ] || fail "$kind tp $p -> $d: post errors"
   pass "$kind tp $p -> $d over rdma: $MREQ requests, every head of every token verified" \
     "($(json_get "$KVFERRY_RUN_DIR/mixed.json" verified_bytes) bytes); $w RDMA WRITEs ($((w / MREQ)) per request)" \
-    "for $b blocks x layers x tensors x decode ranks, $by bytes written"
-  echo "MIXED $kind $p $d writes_per_request $((w / MREQ)) blocks_per_request $((b / MREQ))" >>"$KVFERRY_RUN_DIR/mixed-rows.txt"
+    "for $b blocks x layers x tensors x decode ranks, $by bytes written ($((SECONDS - t0)) s with the instances' start)"
+  if [ $kind = gqa ] && [ $p = 2 ] && [ $d = 4 ]; then
+    # Decode rank 0's heads (0 and 1) come from prefill rank 0: rank 1 sends it none, and the
+    # rdma data connection's handshake refuses the pair with both ranks in the reason.
+    "$B/rdma_transport_test" --prefill $TAG-mgqap1 --decode $TAG-mgqad0 --case one --blocks 2 \
+      --expect "peer layout mismatch" --timeout-ms 30000 >"$KVFERRY_RUN_DIR/none.txt" 2>&1 &&
+      grep -q "prefill rank 1 of 2 sends it none of its heads" "$KVFERRY_RUN_DIR/none.txt" ||
+      { cat "$KVFERRY_RUN_DIR/none.txt"; fail "prefill rank 1 -> decode rank 0 of 4 over rdma: not refused so"; }
+    pass "prefill rank 1 of 2 -> decode rank 0 of 4 over rdma: $(grep -o "peer layout mismatch.*" "$KVFERRY_RUN_DIR/none.txt" | head -n 1)"
+  fi
   pids=()
   for k in $(seq 0 $((p - 1))); do down $TAG-m${kind}p$k & pids+=($!); done
   for k in $(seq 0 $((d - 1))); do down $TAG-m${kind}d$k & pids+=($!); done

@@ -353,7 +353,8 @@ static bool check_write(struct rconn *c, struct frame *f)
                 }
         uint64_t end;
         if (c->slen)
-                end = kvf_layout_offset(&c->rlay, f->layer, f->tensor, d0 + f->nblocks - 1) + c->doff + c->slen;
+                end = kvf_layout_offset(&c->rlay, f->layer, f->tensor, d0 + f->nblocks - 1) + c->doff +
+                      c->slen;
         else
                 end = kvf_layout_offset(&c->rlay, f->layer, f->tensor, d0) + xfer_frame_bytes(xp, f);
         if (d0 + (uint64_t)f->nblocks > c->rlay.num_blocks || end > c->rlen ||
@@ -438,9 +439,10 @@ static int post_some(struct rconn *c)
                 uint64_t seq = c->next_seq + n;
                 struct slot *sl = &c->slots[seq % c->depth];
                 struct frame *f = c->cur;
-                if (f && (f->x->dead || ((struct rdma_xfer *)f->x->tp)->fail_status || xfer_session_over(xp, f->x))) {
-                        /* Its transfer ended or failed, or its engine went, between two of its slices:
-                         * the rest is not written (as below). */
+                if (f && (f->x->dead || ((struct rdma_xfer *)f->x->tp)->fail_status ||
+                          xfer_session_over(xp, f->x))) {
+                        /* Its transfer ended or failed, or its engine went, between two of its
+                         * slices: the rest is not written (as below). */
                         xfer_give_back(xp, &c->cur, 1, true);
                         c->cur = NULL;
                         continue;
@@ -760,7 +762,12 @@ static void *rdma_main(void *arg)
                                  * opened after them at their open (until the peer is
                                  * connected anew), not after the request's timeout. */
                                 kvf_errlog(&cn->ctl, KVF_ROLE_CONNECTOR, "%s", why);
-                                conn_xfer_refuse(xp, status, why);
+                                if (status == KVF_STATUS_LAYOUT_MISMATCH)
+                                        /* (Another split this pair cannot carry, as for tcp: no
+                                         * byte can land, so noticed transfers fail too.) */
+                                        conn_xfer_refuse_all(xp, status, why);
+                                else
+                                        conn_xfer_refuse(xp, status, why);
                         } else if (kvf_elapsed(now, failing_since) > kvf_ms(cn->cfg.peer_timeout_ms)) {
                                 kvf_errlog(&cn->ctl, KVF_ROLE_CONNECTOR, "%s", why);
                                 conn_xfer_fail_transport(xp, status, why, kvf_ms(cn->cfg.peer_timeout_ms));

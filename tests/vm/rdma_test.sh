@@ -200,7 +200,7 @@ mixed() { # mixed KIND P D: KIND gqa or mla, P prefill ranks -> D decode ranks
       --expect "peer layout mismatch" --timeout-ms 30000 >"$KVFERRY_RUN_DIR/none.txt" 2>&1 &&
       grep -q "prefill rank 1 of 2 sends it none of its heads" "$KVFERRY_RUN_DIR/none.txt" ||
       { cat "$KVFERRY_RUN_DIR/none.txt"; fail "prefill rank 1 -> decode rank 0 of 4 over rdma: not refused so"; }
-    pass "prefill rank 1 of 2 -> decode rank 0 of 4 over rdma: $(grep -o "peer layout mismatch.*" "$KVFERRY_RUN_DIR/none.txt" | head -n 1)"
+    pass "prefill rank 1 of 2 -> decode rank 0 of 4 over rdma: $(grep -o "refused: peer layout mismatch.*" "$KVFERRY_RUN_DIR/none.txt" | head -n 1)"
   fi
   pids=()
   for k in $(seq 0 $((p - 1))); do down $TAG-m${kind}p$k & pids+=($!); done

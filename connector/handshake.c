@@ -117,9 +117,9 @@ static int check_token_order(const struct kvf_ctl_header *h, uint64_t theirs, co
  * May a prefill instance of layout `pl` (rank pr of p) send to a decode instance of layout `dl`
  * (rank dr of d)? Equal layouts and groups: yes. Another tensor-parallel split of the same
  * model (common/tpsplit.h): on a control connection (same-host copies, whose notices it
- * carries) and on a tcp data connection (frames of head slices; block sizes that divide one
- * another: frames of the plan's pieces) when the prefill rank sends that decode rank some
- * heads; never on an rdma connection, whose writes carry whole blocks.
+ * carries), on a tcp data connection (frames of head slices; block sizes that divide one
+ * another: frames of the plan's pieces) and on an rdma one (a work request per head slice,
+ * equal block sizes), when the prefill rank sends that decode rank some heads.
  * 0, or -EXDEV with `why`.
  */
 static int check_split(const struct kvf_cache_layout *pl, uint32_t pr, uint32_t p,
@@ -136,17 +136,19 @@ static int check_split(const struct kvf_cache_layout *pl, uint32_t pr, uint32_t 
                 snprintf(why, whylen, "%s", diff);
                 return -EXDEV;
         }
-        if (pl->block_size != dl->block_size && strcmp(purpose, "control") && strcmp(purpose, "data")) {
-                snprintf(why, whylen, "%u tokens/block here, %u there: a '%s' connection carries "
-                         "whole blocks; tokens are regrouped into other block sizes over ipc and tcp "
-                         "only", pl->block_size, dl->block_size, purpose);
+        bool ctl = !strcmp(purpose, "control"), rdma = !strcmp(purpose, "rdma");
+        if (pl->block_size != dl->block_size && !ctl && strcmp(purpose, "data")) {
+                snprintf(why, whylen, "%u tokens/block here, %u there: %s; tokens are regrouped into "
+                         "other block sizes over ipc and tcp only", pl->block_size, dl->block_size,
+                         rdma ? "an rdma work request carries one head slice of one block"
+                              : "this connection carries whole blocks");
                 return -EXDEV;
         }
-        if (strcmp(purpose, "control") && strcmp(purpose, "data")) {
+        if (!ctl && !rdma && strcmp(purpose, "data")) {
                 snprintf(why, whylen,
                          "prefill %u kv head(s) x tp %u, %u tokens/block; decode %u kv head(s) x tp %u, "
                          "%u tokens/block: a '%s' connection moves whole blocks of equal layouts; "
-                         "other splits move over ipc and tcp only", pl->kv_heads, p, pl->block_size,
+                         "other splits move over ipc, tcp and rdma only", pl->kv_heads, p, pl->block_size,
                          dl->kv_heads, d, dl->block_size, purpose);
                 return -EXDEV;
         }
@@ -154,9 +156,10 @@ static int check_split(const struct kvf_cache_layout *pl, uint32_t pr, uint32_t 
                 snprintf(why, whylen, "rank %u of %u to rank %u of %u", pr, p, dr, d);
                 return -EXDEV;
         }
-        if (!strcmp(purpose, "data")) {
-                /* Frames carry the heads this prefill rank sends; a rank that sends none has
-                 * nothing to carry (the control connection still carries other ranks' notices). */
+        if (!ctl) {
+                /* Frames and work requests carry the heads this prefill rank sends; a rank that
+                 * sends none has nothing to carry (the control connection still carries other
+                 * ranks' notices). */
                 uint32_t f, n, h, sends = 0;
                 if (kvf_tp_heads(heads, d, dr, &f, &n) == 0)
                         for (h = f; h < f + n; h++)

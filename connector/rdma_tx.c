@@ -22,6 +22,7 @@
 #include "log.h"
 #include "rdma.h"
 #include "rdma_state.h"
+#include "tpsplit.h"
 #include "xfer.h"
 
 /* A transfer's rdma state (x->tp). */
@@ -44,10 +45,14 @@ struct rdma_peer {
         struct rdma_xfer *noticed; /* transfers whose done message may be due */
 };
 
-/* One work request in the send queue. */
+/* One work request in the send queue: the write of frame f (the whole frame, or its last
+ * block's head slice: the slot owns the frame); a head slice of f's blocks before its last
+ * (part: f's transfer held as x, the frame owned by a later slot or c->cur); or x's done
+ * message (f NULL, x held). */
 struct slot {
-        struct frame *f; /* a write, or NULL: */
-        struct xfer *x;  /* the done message of this transfer (held: inflight) */
+        struct frame *f;
+        struct xfer *x;
+        bool part;
 };
 
 /* One rdma connection to the peer (the data thread's). */
@@ -74,6 +79,15 @@ struct rconn {
         uint64_t raddr, rlen;
         uint32_t rkey;
         struct kvf_cache_layout rlay;
+        /* The peer is a rank of another tensor-parallel split (the handshake's identities): of
+         * each block, slen bytes at soff go to doff of its destination block, one work request
+         * per block. slen 0: whole blocks, one work request per frame (a run contiguous on both
+         * sides). */
+        uint32_t soff, doff, slen;
+        /* A frame whose head slices are partly posted (the send queue was full): cur_k of its
+         * blocks are. Owned here until its last slice is posted. */
+        struct frame *cur;
+        uint32_t cur_k;
 };
 
 static void wake(struct rdma_peer *rp)
@@ -200,6 +214,19 @@ static int rconn_open(struct rconn *c, int *status)
         c->rlen = w.rdma_len;
         c->rkey = (uint32_t)w.rdma_rkey;
         c->rlay = id.layout;
+        const struct kvf_ctl_header *me = cn->ctl.hdr;
+        if (kvf_tp_slice(&me->layout, me->nranks, me->rank, &id.layout, id.nranks, id.rank, &c->soff,
+                         &c->doff, &c->slen) < 0) {
+                /* (The peer's handshake refuses what this refuses; this holds against one that
+                 * does not.) */
+                *status = KVF_STATUS_LAYOUT_MISMATCH;
+                return kvf_err_set(-EPROTO, "peer layout mismatch: %s", kvf_err_msg());
+        }
+        if (c->slen)
+                kvf_info("rdma to '%s' (rank %u of %u; this is rank %u of %u): %u of each block's %llu "
+                         "bytes, at %u, to %u of its blocks: a work request per block",
+                         p->name, id.rank, id.nranks, me->rank, me->nranks, c->slen,
+                         (unsigned long long)me->layout.block_bytes, c->soff, c->doff);
 
         /* rdma_cm to the address the anchor reached, from the address it left from (the
          * route's interface), or from --rdma-device's. */
@@ -310,15 +337,13 @@ static struct xfer *done_due(struct rconn *c)
         return NULL;
 }
 
-/* xp->mu held: fill work request i for frame f; false if f cannot go (its transfer failed). */
-static bool fill_write(struct rconn *c, unsigned i, struct frame *f)
+/* xp->mu held: may frame f go? One-sided: nothing on the other side checks a write, so every
+ * one is checked here: a run contiguous in destination ids, inside the peer's region (a head
+ * slice's bytes inside the last block's). False if not (its transfer failed). */
+static bool check_write(struct rconn *c, struct frame *f)
 {
         struct xfer_peer *xp = c->xp;
-        struct connector *cn = xp->p->cn;
         struct xfer *x = f->x;
-        uint64_t len = xfer_frame_bytes(xp, f);
-        /* One-sided: nothing on the other side checks this write, so it is checked here: a
-         * run contiguous in destination ids, inside the peer's region. */
         uint32_t d0 = x->dst[f->index];
         for (uint32_t k = 1; k < f->nblocks; k++)
                 if (x->dst[f->index + k] != d0 + k) {
@@ -326,17 +351,39 @@ static bool fill_write(struct rconn *c, unsigned i, struct frame *f)
                                       "a run over destination blocks that are not contiguous");
                         return false;
                 }
-        uint64_t roff = kvf_layout_offset(&c->rlay, f->layer, f->tensor, d0);
-        if (d0 + (uint64_t)f->nblocks > c->rlay.num_blocks || roff + len > c->rlen) {
+        uint64_t end;
+        if (c->slen)
+                end = kvf_layout_offset(&c->rlay, f->layer, f->tensor, d0 + f->nblocks - 1) + c->doff +
+                      c->slen;
+        else
+                end = kvf_layout_offset(&c->rlay, f->layer, f->tensor, d0) + xfer_frame_bytes(xp, f);
+        if (d0 + (uint64_t)f->nblocks > c->rlay.num_blocks || end > c->rlen ||
+            (c->slen && (uint64_t)c->doff + c->slen > c->rlay.block_bytes)) {
                 xfer_fail_one(xp, x, KVF_STATUS_BLOCK_RANGE, "destination blocks beyond the peer's cache");
                 return false;
         }
-        c->sges[i] = (struct ibv_sge){.addr = (uintptr_t)(cn->cache.base + f->src_off),
-                                      .length = (uint32_t)len, .lkey = c->lkey};
+        return true;
+}
+
+/* xp->mu held: fill work request i with the write of frame f (checked): the whole run, or, to
+ * a rank of another split, block k's head slice. */
+static void fill_write(struct rconn *c, unsigned i, struct frame *f, uint32_t k)
+{
+        struct connector *cn = c->xp->p->cn;
+        uint32_t d0 = f->x->dst[f->index];
+        uint64_t src = f->src_off, len = xfer_frame_bytes(c->xp, f);
+        uint64_t roff = kvf_layout_offset(&c->rlay, f->layer, f->tensor, d0);
+        if (c->slen) {
+                /* A frame's blocks are consecutive in the source and (checked) the destination. */
+                src += (uint64_t)k * cn->ctl.hdr->layout.block_bytes + c->soff;
+                roff += (uint64_t)k * c->rlay.block_bytes + c->doff;
+                len = c->slen;
+        }
+        c->sges[i] = (struct ibv_sge){.addr = (uintptr_t)(cn->cache.base + src), .length = (uint32_t)len,
+                                      .lkey = c->lkey};
         c->wrs[i] = (struct ibv_send_wr){.opcode = IBV_WR_RDMA_WRITE, .sg_list = &c->sges[i], .num_sge = 1};
         c->wrs[i].wr.rdma.remote_addr = c->raddr + roff;
         c->wrs[i].wr.rdma.rkey = c->rkey;
-        return true;
 }
 
 /* xp->mu held: fill work request i with x's done message (slot s). */
@@ -357,7 +404,9 @@ static void slot_end(struct rconn *c, uint64_t seq, bool sent)
 {
         struct xfer_peer *xp = c->xp;
         struct slot *sl = &c->slots[seq % c->depth];
-        if (sl->f) {
+        if (sl->part) {
+                xfer_release(xp, sl->x); /* (the frame's last slice decides what becomes of it) */
+        } else if (sl->f) {
                 xfer_give_back(xp, &sl->f, 1, sent);
         } else if (sl->x) {
                 struct rdma_xfer *rx = sl->x->tp;
@@ -389,8 +438,16 @@ static int post_some(struct rconn *c)
         while (n < room) {
                 uint64_t seq = c->next_seq + n;
                 struct slot *sl = &c->slots[seq % c->depth];
-                struct frame *f = xp->qhead ? xfer_dequeue(xp, 0) : NULL;
-                if (f) {
+                struct frame *f = c->cur;
+                if (f && (f->x->dead || ((struct rdma_xfer *)f->x->tp)->fail_status ||
+                          xfer_session_over(xp, f->x))) {
+                        /* Its transfer ended or failed, or its engine went, between two of its
+                         * slices: the rest is not written (as below). */
+                        xfer_give_back(xp, &c->cur, 1, true);
+                        c->cur = NULL;
+                        continue;
+                }
+                if (!f && (f = xp->qhead ? xfer_dequeue(xp, 0) : NULL)) {
                         if (((struct rdma_xfer *)f->x->tp)->fail_status) {
                                 /* A write of it failed after its notice went out: nothing more
                                  * of it is written (the decode engine frees its blocks on the
@@ -405,13 +462,35 @@ static int post_some(struct rconn *c)
                                 xfer_give_back(xp, &f, 1, true);
                                 continue;
                         }
-                        if (!fill_write(c, n, f)) {
+                        if (!check_write(c, f)) {
                                 xfer_give_back(xp, &f, 1, true); /* (its transfer failed: freed) */
                                 continue;
                         }
-                        sl->f = f;
+                        if (c->slen) {
+                                c->cur = f;
+                                c->cur_k = 0;
+                        }
+                }
+                if (f) {
+                        if (!c->slen) {
+                                fill_write(c, n, f, 0);
+                                sl->f = f;
+                                blocks += f->nblocks;
+                        } else {
+                                /* One work request per block's head slice: slices of consecutive
+                                 * blocks are never contiguous (a slice shorter than its block). */
+                                fill_write(c, n, f, c->cur_k++);
+                                sl->f = f;
+                                if (c->cur_k == f->nblocks) {
+                                        c->cur = NULL; /* the last: this slot owns the frame */
+                                } else {
+                                        sl->part = true;
+                                        sl->x = f->x;
+                                        xfer_hold(f->x);
+                                }
+                                blocks++;
+                        }
                         bytes += c->sges[n].length;
-                        blocks += f->nblocks;
                         writes++;
                 } else {
                         struct xfer *x = done_due(c);
@@ -448,6 +527,14 @@ static int post_some(struct rconn *c)
                 /* Never expected (the queue's room is counted): what was not taken goes back. */
                 posted = bad ? (unsigned)(bad - c->wrs) : 0;
                 kvf_count(&cn->ctl, KVF_CTR_RDMA_POST_ERRORS, 1);
+                pthread_mutex_lock(&xp->mu);
+                if (c->cur) {
+                        /* Slices of it may be among those not taken: all of it goes again (after
+                         * the frames before it, given back below to the queue's front). */
+                        xfer_give_back(xp, &c->cur, 1, false);
+                        c->cur = NULL;
+                }
+                pthread_mutex_unlock(&xp->mu);
                 kvf_errlog(&cn->ctl, KVF_ROLE_CONNECTOR,
                            "rdma to '%s': ibv_post_send took %u of %u work requests: %s (%d outstanding of %u)",
                            xp->p->name, posted, n, strerror(rc), (int)(c->next_seq - c->done_seq), c->depth);
@@ -622,6 +709,11 @@ static void give_all_back(struct rconn *c)
 {
         struct xfer_peer *xp = c->xp;
         pthread_mutex_lock(&xp->mu);
+        if (c->cur) {
+                /* Partly posted: all of it goes again, after what was posted before it. */
+                xfer_give_back(xp, &c->cur, 1, false);
+                c->cur = NULL;
+        }
         while (c->next_seq != c->done_seq)
                 slot_end(c, --c->next_seq, false); /* (last first: the queue keeps its order) */
         xfer_requeue_conn(xp, 0);
@@ -670,7 +762,12 @@ static void *rdma_main(void *arg)
                                  * opened after them at their open (until the peer is
                                  * connected anew), not after the request's timeout. */
                                 kvf_errlog(&cn->ctl, KVF_ROLE_CONNECTOR, "%s", why);
-                                conn_xfer_refuse(xp, status, why);
+                                if (status == KVF_STATUS_LAYOUT_MISMATCH)
+                                        /* (Another split this pair cannot carry, as for tcp: no
+                                         * byte can land, so noticed transfers fail too.) */
+                                        conn_xfer_refuse_all(xp, status, why);
+                                else
+                                        conn_xfer_refuse(xp, status, why);
                         } else if (kvf_elapsed(now, failing_since) > kvf_ms(cn->cfg.peer_timeout_ms)) {
                                 kvf_errlog(&cn->ctl, KVF_ROLE_CONNECTOR, "%s", why);
                                 conn_xfer_fail_transport(xp, status, why, kvf_ms(cn->cfg.peer_timeout_ms));

@@ -17,6 +17,9 @@
 #      both sides; the next one finishes over a new connection
 #   6. the decode connector killed mid-transfer (its supervisor held): "connection error"; it
 #      comes back, a new request finishes
+#   7. another tensor-parallel split (1 -> 2, 2 -> 4 ranks) of a GQA shape and of an MLA one:
+#      every head verified, the work requests exactly what the head slices imply; a prefill rank
+#      that sends a decode rank none of its heads: refused
 #   --bench: also the work requests per request for the models of data/model-shapes.json, ours
 #      against one per block, and the throughput (EMULATED: qemu TCG + soft-RoCE)
 source "$(dirname "$0")/../lib.sh"
@@ -38,7 +41,9 @@ sim() { # sim NAME ARGS...: kvf-sim with a JSON summary in $KVFERRY_RUN_DIR/NAME
 sup_pid() { cat "$KVFERRY_RUN_DIR/$1/supervisor.pid"; }
 
 A=${KVF_VM_CLIENT_IP:?} DIP=${KVF_VM_SERVER_IP:?}
-PT=2000
+# Peer timeout: also how long an rdma connection may go without a completion. Emulated RDMA on a
+# busy host resends for seconds (soft-RoCE's counters below), so 2 s dropped healthy connections.
+PT=8000
 L="--model llama-3.1-8b --tp 8 --cache-mib 64"
 up $TAG-d --role decode $L --listen "$DIP:7100" --peer-timeout-ms $PT --keepalive-ms 250 --rdma-test-dereg
 up $TAG-p --role prefill $L --listen "$A:0" --peer-timeout-ms $PT --keepalive-ms 250
@@ -112,6 +117,103 @@ done
 # 6. The decode connector killed mid-transfer.
 "$B/rdma_transport_test" --prefill $TAG-p --decode $TAG-d --case killmid --blocks 32 \
   --supervisor "$(sup_pid $TAG-d)" --timeout-ms 30000 || fail "decode connector killed"
+
+# 7. Another tensor-parallel split: prefill and decode groups of different sizes (one instance
+# per rank, --rank/--nranks), kvf-sim in mixed mode, every head of every token verified on every
+# decode rank. A GQA shape (8 kv heads, llama's head dim, 4 layers) and an MLA one (key-only
+# latent of 576, the same on every rank). GQA: each decode rank gets a head slice of every block
+# from its one source, never contiguous across blocks, so exactly one RDMA WRITE per (layer,
+# tensor, block) per decode rank (against equal groups of the same shape, measured first). MLA:
+# whole blocks, merged into runs as for equal groups: at most that many, at least one per
+# (layer, tensor, request, decode rank). The bytes written are
+# exactly the heads: all of them once (GQA), the latent once per decode rank (MLA).
+MREQ=4 MTOK=256 MBS=16
+# Six instances keep the emulated VM busy enough that soft-RoCE resends for seconds: a queue pair
+# given up for "no completion" would send its frames again (verified, but not the exact count).
+MPT=30000
+# blocks of the first MREQ prompts of the trace, clipped to MTOK tokens (as kvf-sim reads them)
+mblocks=$(awk -v n=$MREQ -v cap=$MTOK -v b=$MBS '{ if (c == n) exit;
+  if (match($0, /"input_length": *[0-9]+/)) { v = substr($0, RSTART, RLENGTH); sub(/.*: */, "", v); v += 0;
+    if (v > 0) { c++; if (v > cap) v = cap; t += int((v + b - 1) / b) } } } END { print t }' \
+  "$ROOT/data/mooncake-conversation-2000.jsonl")
+[ "${mblocks:-0}" -gt 0 ] || fail "mixed: no prompts read from the trace"
+mixed() { # mixed KIND P D: KIND gqa or mla, P prefill ranks -> D decode ranks
+  local kind=$1 p=$2 d=$3 shape tensors bpt k names_p="" names_d="" w=0 b=0 by=0 port t0=$SECONDS
+  # bpt: one token's bytes of one tensor, all the model's heads
+  if [ $kind = gqa ]; then
+    shape="--layers 4 --kv-heads 8 --head-dim 128" tensors=2 bpt=$((8 * 128 * 2))
+  else
+    shape="--layers 4 --kv-heads 1 --head-dim 576 --key-only" tensors=1 bpt=$((576 * 2))
+  fi
+  # The group's instances start together (one at a time costs seconds each in the VM).
+  local pids=() pid
+  for k in $(seq 0 $((d - 1))); do
+    port=$((7110 + k))
+    up $TAG-m${kind}d$k --role decode $shape --block-size $MBS --tp $d --rank $k --nranks $d --cache-mib 16 \
+      --listen "$DIP:$port" --peer-timeout-ms $MPT &
+    pids+=($!)
+    STARTED+=($TAG-m${kind}d$k) # (up's own entry is its subshell's)
+    names_d=${names_d:+$names_d,}$TAG-m${kind}d$k
+  done
+  for k in $(seq 0 $((p - 1))); do
+    up $TAG-m${kind}p$k --role prefill $shape --block-size $MBS --tp $p --rank $k --nranks $p --cache-mib 16 \
+      --listen "$A:0" --peer-timeout-ms $MPT &
+    pids+=($!)
+    STARTED+=($TAG-m${kind}p$k)
+    names_p=${names_p:+$names_p,}$TAG-m${kind}p$k
+  done
+  for pid in "${pids[@]}"; do wait $pid || fail "$kind tp $p -> $d: an instance did not start"; done
+  sim mixed --prefill $names_p --decode $names_d --prefill-tp $p --decode-tp $d --transport rdma \
+    --requests $MREQ --max-tokens $MTOK --prefix-pct 0 --layer-us 50 --timeout-s 120 ||
+    { cat "$KVFERRY_RUN_DIR/mixed.txt"; fail "$kind tp $p -> $d over rdma"; }
+  [ "$(json_get "$KVFERRY_RUN_DIR/mixed.json" finished)" = $MREQ ] &&
+    [ "$(json_get "$KVFERRY_RUN_DIR/mixed.json" corrupt)" = 0 ] ||
+    { cat "$KVFERRY_RUN_DIR/mixed.txt"; fail "$kind tp $p -> $d: not all $MREQ finished and verified"; }
+  [ $p = $d ] || grep -q "every head of every token checked on every decode rank" "$KVFERRY_RUN_DIR/mixed.txt" ||
+    { cat "$KVFERRY_RUN_DIR/mixed.txt"; fail "$kind tp $p -> $d: kvf-sim did not check every head"; }
+  for k in $(seq 0 $((p - 1))); do
+    w=$((w + $(counter $TAG-m${kind}p$k rdma_write_requests)))
+    b=$((b + $(counter $TAG-m${kind}p$k blocks_sent_rdma)))
+    by=$((by + $(counter $TAG-m${kind}p$k bytes_sent_rdma)))
+  done
+  local slices=$((d * 4 * tensors * mblocks)) want_by
+  if [ $kind = gqa ] && [ $p != $d ]; then
+    want_by=$((4 * tensors * mblocks * MBS * bpt))
+    [ $w = $slices ] || fail "$kind tp $p -> $d: $w RDMA WRITEs, not $slices (one per layer, tensor, block, decode rank)"
+    grep -q "a work request per block" "$KVFERRY_RUN_DIR/$TAG-m${kind}p0/connector.log" ||
+      fail "$kind tp $p -> $d: the prefill connector does not say it sends head slices"
+  else
+    # whole blocks (MLA, or the reference: equal groups), every head once per decode rank
+    want_by=$((d * 4 * tensors * mblocks * MBS * bpt))
+    [ $kind = mla ] || want_by=$((4 * tensors * mblocks * MBS * bpt))
+    [ $w -le $slices ] && [ $w -ge $((d * 4 * MREQ)) ] ||
+      fail "$kind tp $p -> $d: $w RDMA WRITEs, not between $((d * 4 * MREQ)) and $slices"
+  fi
+  [ $b = $slices ] || fail "$kind tp $p -> $d: $b blocks written, not $slices"
+  [ $by = $want_by ] || fail "$kind tp $p -> $d: $by bytes written, not $want_by (every head once per decode rank that holds it)"
+  [ "$(counter $TAG-m${kind}p0 rdma_post_errors)" = 0 ] || fail "$kind tp $p -> $d: post errors"
+  pass "$kind tp $p -> $d over rdma: $MREQ requests, every head of every token verified" \
+    "($(json_get "$KVFERRY_RUN_DIR/mixed.json" verified_bytes) bytes); $w RDMA WRITEs ($((w / MREQ)) per request)" \
+    "for $b blocks x layers x tensors x decode ranks, $by bytes written ($((SECONDS - t0)) s with the instances' start)"
+  if [ $kind = gqa ] && [ $p = 2 ] && [ $d = 4 ]; then
+    # Decode rank 0's heads (0 and 1) come from prefill rank 0: rank 1 sends it none, and the
+    # rdma data connection's handshake refuses the pair with both ranks in the reason.
+    "$B/rdma_transport_test" --prefill $TAG-mgqap1 --decode $TAG-mgqad0 --case one --blocks 2 \
+      --expect "peer layout mismatch" --timeout-ms 30000 >"$KVFERRY_RUN_DIR/none.txt" 2>&1 &&
+      grep -q "prefill rank 1 of 2 sends it none of its heads" "$KVFERRY_RUN_DIR/none.txt" ||
+      { cat "$KVFERRY_RUN_DIR/none.txt"; fail "prefill rank 1 -> decode rank 0 of 4 over rdma: not refused so"; }
+    pass "prefill rank 1 of 2 -> decode rank 0 of 4 over rdma: $(grep -o "refused: peer layout mismatch.*" "$KVFERRY_RUN_DIR/none.txt" | head -n 1)"
+  fi
+  pids=()
+  for k in $(seq 0 $((p - 1))); do down $TAG-m${kind}p$k & pids+=($!); done
+  for k in $(seq 0 $((d - 1))); do down $TAG-m${kind}d$k & pids+=($!); done
+  for pid in "${pids[@]}"; do wait $pid || fail "$kind tp $p -> $d: an instance did not stop"; done
+}
+mixed gqa 1 1 # the reference: equal groups, the same shape, whole-block runs
+mixed gqa 1 2
+mixed gqa 2 4
+mixed mla 1 2
+mixed mla 2 4
 
 # No role died but the connector killed on purpose, and (an ASan build) no sanitizer report,
 # also at exit: stop everything first.

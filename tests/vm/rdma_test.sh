@@ -17,16 +17,24 @@
 #      both sides; the next one finishes over a new connection
 #   6. the decode connector killed mid-transfer (its supervisor held): "connection error"; it
 #      comes back, a new request finishes
-#   7. another tensor-parallel split (1 -> 2, 2 -> 4 ranks) of a GQA shape and of an MLA one:
-#      every head verified, the work requests exactly what the head slices imply; a prefill rank
-#      that sends a decode rank none of its heads: refused
+#   7. another tensor-parallel split (GQA 1 -> 2 and 2 -> 4 ranks, MLA 2 -> 4; MLA 1 -> 2 with
+#      --bench) against equal groups: every head verified, the work requests exactly what the
+#      head slices imply; a prefill rank that sends a decode rank none of its heads: refused
+#   --part transport runs 0 to 6, --part mixed runs 7 (the ctest runs them as two commands of
+#      one VM, each within its own time limit); neither: all.
 #   --bench: also the work requests per request for the models of data/model-shapes.json, ours
 #      against one per block, and the throughput (EMULATED: qemu TCG + soft-RoCE)
 source "$(dirname "$0")/../lib.sh"
 cd "$ROOT"
 [ -n "${KVF_VM:-}" ] || { echo "SKIP: rdma_test.sh runs inside tests/vm/run.sh"; exit 77; }
-BENCH=0
-[ "${1:-}" = --bench ] && BENCH=1
+BENCH=0 PART=all # --part transport: cases 0 to 6; --part mixed: case 7 (each its own VM command)
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --bench) BENCH=1; shift ;;
+    --part) PART=$2; shift 2 ;;
+    *) fail "rdma_test.sh: unknown argument $1" ;;
+  esac
+done
 
 # No python in the VM: the flat keys of the simulator's summary and of ring-dump's counters.
 json_get() { sed -n "s/.*\"$2\":\([^,}]*\).*/\1/p" "$1" | head -n 1; }
@@ -41,6 +49,7 @@ sim() { # sim NAME ARGS...: kvf-sim with a JSON summary in $KVFERRY_RUN_DIR/NAME
 sup_pid() { cat "$KVFERRY_RUN_DIR/$1/supervisor.pid"; }
 
 A=${KVF_VM_CLIENT_IP:?} DIP=${KVF_VM_SERVER_IP:?}
+if [ $PART != mixed ]; then
 # Peer timeout: also how long an rdma connection may go without a completion. Emulated RDMA on a
 # busy host resends for seconds (soft-RoCE's counters below), so 2 s dropped healthy connections.
 PT=8000
@@ -118,6 +127,9 @@ done
 "$B/rdma_transport_test" --prefill $TAG-p --decode $TAG-d --case killmid --blocks 32 \
   --supervisor "$(sup_pid $TAG-d)" --timeout-ms 30000 || fail "decode connector killed"
 
+fi # cases 0 to 6
+
+if [ $PART != transport ]; then
 # 7. Another tensor-parallel split: prefill and decode groups of different sizes (one instance
 # per rank, --rank/--nranks), kvf-sim in mixed mode, every head of every token verified on every
 # decode rank. A GQA shape (8 kv heads, llama's head dim, 4 layers) and an MLA one (key-only
@@ -212,12 +224,13 @@ mixed() { # mixed KIND P D: KIND gqa or mla, P prefill ranks -> D decode ranks
 mixed gqa 1 1 # the reference: equal groups, the same shape, whole-block runs
 mixed gqa 1 2
 mixed gqa 2 4
-mixed mla 1 2
+[ $BENCH = 0 ] || mixed mla 1 2 # (2 -> 4 below covers MLA; this one with --bench)
 mixed mla 2 4
+fi # case 7
 
 # No role died but the connector killed on purpose, and (an ASan build) no sanitizer report,
 # also at exit: stop everything first.
-for n in d p sd sp wd xd; do down $TAG-$n; done
+[ $PART = mixed ] || for n in d p sd sp wd xd; do down $TAG-$n; done
 died=$(grep -h "exited with status" "$KVFERRY_RUN_DIR"/*/supervisor.log | grep -v "$TAG-d/supervisor connector" || true)
 [ -z "$died" ] || fail "roles died: $died"
 if grep -l -E "AddressSanitizer|LeakSanitizer|runtime error:" "$KVFERRY_RUN_DIR"/*/*.log; then

@@ -246,8 +246,15 @@ static void case_killed(struct kvf_client *dc, int transport, bool detach)
         zero_dst(dc, dx, 4);
         zero_dst(dc, dy, 4);
         uint64_t sa;
+        int64_t gone = t_counter(P, KVF_CTR_FAILED_ENGINE_GONE);
         pid_t a = engine_child(x, 1, sx, dx, 4, transport, 7, detach, false, &sa);
         kill_child(a);
+        /* A detached: B attaches once the sender has ended X for that (else, on a busy machine,
+         * the sender may see B before A's detach, and say so: "another engine attached"). */
+        if (detach)
+                CHECK_EQ(t_wait_counter(P, KVF_CTR_FAILED_ENGINE_GONE, (uint64_t)gone + 1, 10000,
+                                        "the sender to end X for its engine's detach"),
+                         0);
 
         struct kvf_client *b;
         CHECK_EQ(kvf_attach(P, 5000, &b), 0);

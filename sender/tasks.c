@@ -110,12 +110,21 @@ static int verdict(char *why, size_t whylen, int status, const char *fmt, ...)
         return status;
 }
 
-/*
- * Can this task be accepted? KVF_STATUS_FINISHED if so (an ipc peer is then
- * open at *pidx), else the status it is rejected with and the reason in
- * `why`. Changes nothing but the peer's name when FastDeploy named it by its
- * device or address, and the sender's cache of peer mappings.
- */
+/* Tokens regrouped from blocks of bs into the peer's of bd: the whole request goes, and its
+ * destination blocks hold its tokens, the last one at least one of the last source block's.
+ * 0, or KVF_STATUS_BAD_TASK with `why`. */
+static int regroup_count(const struct kvf_record *t, uint32_t bs, uint32_t bd, char *why, size_t whylen)
+{
+        uint32_t hi = kvf_tp_dst_blocks(t->n_src, bs, bd);
+        uint32_t lo = (uint32_t)((uint64_t)(t->n_src - 1) * bs / bd) + 1;
+        if (t->n_dst < lo || t->n_dst > hi)
+                return verdict(why, whylen, KVF_STATUS_BAD_TASK,
+                               "dest_block_ids has %u entries: %u source blocks of %u tokens "
+                               "fill %u to %u blocks of %u tokens at peer '%s'",
+                               t->n_dst, t->n_src, bs, lo, hi, bd, t->peer);
+        return 0;
+}
+
 /* A tcp task's peer has another block size: that size (tokens regrouped into its blocks,
  * docs/ARCHITECTURE.md 7b); else 0 (equal, or not known yet: a peer on another host that its
  * connector has not reached, whose data connection then fails the transfer if the sizes
@@ -128,6 +137,12 @@ static uint32_t net_regroup_block_size(struct sender *s, const struct kvf_record
         return bd && bd != s->layout->block_size ? bd : 0;
 }
 
+/*
+ * Can this task be accepted? KVF_STATUS_FINISHED if so (an ipc peer is then
+ * open at *pidx), else the status it is rejected with and the reason in
+ * `why`. Changes nothing but the peer's name when FastDeploy named it by its
+ * device or address, and the sender's cache of peer mappings.
+ */
 static int validate_task(struct sender *s, struct kvf_record *t, uint32_t *pidx, char *why, size_t whylen)
 {
         const struct kvf_ctl_header *h = s->ctl.hdr;
@@ -196,17 +211,10 @@ static int validate_task(struct sender *s, struct kvf_record *t, uint32_t *pidx,
                                       "decode_tp_size is %llu, but peer '%s' is rank %u of a group of %u",
                                       (unsigned long long)t->decode_tp, t->peer, ph->rank, ph->nranks);
                 const uint32_t bs = s->layout->block_size, bd = ph->layout.block_size;
-                if (bs != bd) {
-                        /* Tokens regrouped into the peer's blocks (common/tpsplit.h): the whole
-                         * request goes, and its destination blocks hold its tokens, the last one
-                         * at least one of the last source block's. */
-                        uint32_t hi = kvf_tp_dst_blocks(t->n_src, bs, bd);
-                        uint32_t lo = (uint32_t)((uint64_t)(t->n_src - 1) * bs / bd) + 1;
-                        if (t->n_dst < lo || t->n_dst > hi)
-                                return verdict(why, whylen, KVF_STATUS_BAD_TASK,
-                                              "dest_block_ids has %u entries: %u source blocks of %u tokens "
-                                              "fill %u to %u blocks of %u tokens at peer '%s'",
-                                              t->n_dst, t->n_src, bs, lo, hi, bd, t->peer);
+                if (bs != bd) { /* tokens regrouped into the peer's blocks (common/tpsplit.h) */
+                        int st = regroup_count(t, bs, bd, why, whylen);
+                        if (st)
+                                return st;
                 }
                 rc = sender_caches_check(s, *pidx, UINT32_MAX, why, whylen);
                 if (rc == -EXDEV)
@@ -229,13 +237,9 @@ static int validate_task(struct sender *s, struct kvf_record *t, uint32_t *pidx,
                         return verdict(why, whylen, KVF_STATUS_LAYOUT_MISMATCH,
                                       "block sizes %u and %u do not divide one another (peer '%s')",
                                       bs, nbd, t->peer);
-                uint32_t hi = kvf_tp_dst_blocks(t->n_src, bs, nbd);
-                uint32_t lo = (uint32_t)((uint64_t)(t->n_src - 1) * bs / nbd) + 1;
-                if (t->n_dst < lo || t->n_dst > hi)
-                        return verdict(why, whylen, KVF_STATUS_BAD_TASK,
-                                      "dest_block_ids has %u entries: %u source blocks of %u tokens "
-                                      "fill %u to %u blocks of %u tokens at peer '%s'",
-                                      t->n_dst, t->n_src, bs, lo, hi, nbd, t->peer);
+                int st = regroup_count(t, bs, nbd, why, whylen);
+                if (st)
+                        return st;
         }
         if (t->n_dst > t->n_src && !nbd &&
             (*pidx == UINT32_MAX || s->layout->block_size == s->peers[*pidx].ctl.hdr->layout.block_size))

@@ -9,6 +9,9 @@
 #   2->8  each of 2 prefill ranks sends 4 decode ranks one head each
 #   8->2  each decode rank gathers its 4 heads from 4 prefill ranks
 #   4->4  the same split on both sides (whole blocks), as a second reference
+#   2->2, 8->8  the same split into the decode groups of 1->2 and 2->8 (the same decode ranks,
+#         the same tasks per request): the last lines give 1->2 over 2->2, 2->8 over 8->8 and
+#         8->2 over 2->2, what the other split costs beside the same-TP transfer of that group
 #   4->4 bs 32/16  the same split, 32 tokens per prefill block regrouped into 16-token blocks
 #                  (ipc: copy runs of the plan's pieces; tcp: DATAR frames of them); also
 #                  judged against the 4->4 row of its transport (same split, one block size)
@@ -32,7 +35,7 @@ while [ $# -gt 0 ]; do
     --requests) REQ=$2; shift 2 ;;
     --head-dim) HDIM=$2; shift 2 ;;
     --no-tcp) TCP=0; shift ;;
-    -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,26p' "$0"; exit 0 ;;
     *) echo "mixed_tp_bench.sh: unknown option '$1' (--requests N, --head-dim N, --no-tcp)" >&2; exit 2 ;;
   esac
 done
@@ -70,28 +73,34 @@ lscpu | grep 'Model name' || true
 echo "requests: $REQ, head dim $HDIM, 8 kv heads, 16 tokens/block, 3 layers, K and V, bf16"
 ref1=$(one 1 1)
 rows=()
-for pd in "1 2" "2 8" "8 2" "4 4"; do rows+=("${pd/ /->} $(one $pd)"); done
+for pd in "2 2" "1 2" "8 8" "2 8" "8 2" "4 4"; do rows+=("${pd/ /->} $(one $pd)"); done
 rows+=("4->4_bs_32/16 $(one 4 4 bs=32/16)")
 ref2=$(one 1 1)
 table "ipc (copy runs per request)" "$ref1" "$ref2" "${rows[@]}"
 if [ "$TCP" = 1 ]; then
   tref1=$(one 1 1 tcp)
   trows=()
-  for pd in "1 2" "2 8" "8 2" "4 4"; do trows+=("${pd/ /->} $(one $pd tcp)"); done
+  for pd in "2 2" "1 2" "8 8" "2 8" "8 2" "4 4"; do trows+=("${pd/ /->} $(one $pd tcp)"); done
   trows+=("4->4_bs_32/16 $(one 4 4 tcp bs=32/16)")
   tref2=$(one 1 1 tcp)
   table "tcp (frames per request)" "$tref1" "$tref2" "${trows[@]}"
 fi
-# regrouped against the same split with one block size, per transport: throughput ratio
-same() { # ROWS...: the "4->4" and "4->4_bs_32/16" rows' MiB/s ratio
-  local a b r
+# one row against another of the same transport, throughput ratio: OVER A B ROWS... (A's MiB/s over B's)
+over() {
+  local a=$1 b=$2 x="" y="" r
+  shift 2
   for r in "$@"; do
     set -- $r
-    [ "$1" = "4->4" ] && a="$2 $3"
-    [ "$1" = "4->4_bs_32/16" ] && b="$2 $3"
+    [ "$1" = "$a" ] && x="$2 $3"
+    [ "$1" = "$b" ] && y="$2 $3"
   done
-  awk -v a="$a" -v b="$b" 'BEGIN { split(a, x); split(b, y); printf "%.2f", (y[2] / y[1]) / (x[2] / x[1]) }'
+  awk -v a="$x" -v b="$y" 'BEGIN { split(a, x); split(b, y); printf "%.2f", (x[2] / x[1]) / (y[2] / y[1]) }'
 }
-echo "4->4 bs 32/16 over 4->4 (same block size), throughput: ipc $(same "${rows[@]}")"
-[ "$TCP" = 1 ] && echo "4->4 bs 32/16 over 4->4 (same block size), throughput: tcp $(same "${trows[@]}")"
+# against the same split into the same decode group (the same decode ranks, the same tasks per
+# request), and regrouped against the same split with one block size
+for t in ipc tcp; do
+  [ $t = tcp ] && { [ "$TCP" = 1 ] || continue; r=("${trows[@]}"); } || r=("${rows[@]}")
+  echo "$t: 1->2 over 2->2 $(over "1->2" "2->2" "${r[@]}"), 2->8 over 8->8 $(over "2->8" "8->8" "${r[@]}")," \
+    "8->2 over 2->2 $(over "8->2" "2->2" "${r[@]}"), 4->4 bs 32/16 over 4->4 $(over "4->4_bs_32/16" "4->4" "${r[@]}") (throughput)"
+done
 true

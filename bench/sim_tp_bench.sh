@@ -1,17 +1,20 @@
 #!/usr/bin/env bash
 # The user-facing path between tensor-parallel groups of different sizes: tools/kvferry demo
 # (kvf-sim driving real instances like engines) with --prefill-tp/--decode-tp, against the same
-# split on both sides (2 -> 2, kvf-sim's path for equal groups: one task per rank pair) run
-# first and last in the same invocation. Each row moves the same requests (llama-3.1-8b, the
-# conversation trace clipped to --max-tokens, no decode-side prefix, no compute time) and checks
-# every head of every token on every decode rank (--verify sample: the first and last 64 bytes
-# of each row of the mixed rows, of each block of the reference's). Throughput = requests per
-# second of kvf-sim's run (the same requests, so the same tokens, in every row); ratio = the
-# row's over the mean of the two references', so >= 1 is faster. Tasks per request: prefill rank -> decode rank
-# pairs (each a task, a notice and an arrival).
+# split on both sides (d -> d, kvf-sim's path for equal groups: one task per rank pair), each
+# reference run before and after the rows it judges, in the same invocation. Each row moves the
+# same requests (llama-3.1-8b, the conversation trace clipped to --max-tokens, no decode-side
+# prefix, no compute time) and checks every head of every token on every decode rank (--verify
+# sample: the first and last 64 bytes of each row of the mixed rows, of each block of the
+# reference's). Throughput = requests per second of kvf-sim's run (the same requests, so the
+# same tokens, in every row). Two ratios, >= 1 faster: "ratio" over the mean of the first and
+# last rows (2 -> 2 on host caches, 1 -> 1 on GPUs), and "same-d" over the mean of the rows
+# of the same split into the same decode group (2 -> 8 against 8 -> 8: the same decode ranks,
+# the same tasks per request, so what is left is what the other split costs). Tasks per
+# request: prefill rank -> decode rank pairs (each a task, a notice and an arrival).
 # --gpu: the GPU path: every instance's cache on GPU 0 (--backend cuda, the demo's default
 # device), kvf-sim in GPU mode (layer kernels write, check kernels verify every byte on the GPU),
-# rows 1 -> 2 and 2 -> 8 against 1 -> 1 (the same split: whole blocks) first and last;
+# rows 1 -> 2 and 2 -> 8 against 1 -> 1, 2 -> 2 and 8 -> 8;
 # --executor E (engine, sender, auto) says where same-host copies run.
 # Usage: bench/sim_tp_bench.sh [--requests N] [--transport ipc|tcp] [--gpu [--executor E]]
 set -euo pipefail
@@ -26,7 +29,7 @@ while [ $# -gt 0 ]; do
     --transport) TR=$2; shift 2 ;;
     --gpu) GPU=1; shift ;;
     --executor) EXEC=(--executor "$2"); shift 2 ;;
-    -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
     *) echo "sim_tp_bench.sh: unknown option '$1' (--requests N, --transport ipc|tcp, --gpu, --executor E)" >&2; exit 2 ;;
   esac
 done
@@ -53,23 +56,30 @@ lscpu | grep 'Model name' || true
 echo "requests: $REQ over $TR, llama-3.1-8b, prompts clipped to 1024 tokens, no compute time, $([ $GPU = 1 ] && echo "GPU caches (GPU 0) ${EXEC[*]}" || echo "host caches")"
 if [ $GPU = 1 ]; then
   nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n1 || true
-  rows=("$(one 1-1_first --prefill-tp 1 --decode-tp 1)")
-  rows+=("$(one 1-2 --prefill-tp 1 --decode-tp 2)")
-  rows+=("$(one 2-8 --prefill-tp 2 --decode-tp 8)")
-  rows+=("$(one 1-1_last --prefill-tp 1 --decode-tp 1)")
+  order=(1-1_first 2-2_first 8-8_first 1-2 2-8 8-8_last 2-2_last 1-1_last)
 else
-rows=("$(one 2-2_first --prefill-tp 2 --decode-tp 2)")
-rows+=("$(one 2-4 --prefill-tp 2 --decode-tp 4)")
-rows+=("$(one 4-2 --prefill-tp 4 --decode-tp 2)")
-rows+=("$(one 1-2 --prefill-tp 1 --decode-tp 2)")
-[ "$TR" = ipc ] && rows+=("$(one 1-2_bs16-64 --prefill-tp 1 --decode-tp 2 --prefill-block-tokens 16 --decode-block-tokens 64)")
-rows+=("$(one 2-2_last --prefill-tp 2 --decode-tp 2)")
+  order=(2-2_first 8-8_first 2-4 4-2 1-2 1-2_bs16-64 2-8 8-8_last 2-2_last)
+  [ "$TR" = ipc ] || order=("${order[@]/1-2_bs16-64}")
 fi
+rows=()
+for label in "${order[@]}"; do
+  [ -n "$label" ] || continue
+  pd=${label%%_*} x=()
+  [ "$label" = 1-2_bs16-64 ] && x=(--prefill-block-tokens 16 --decode-block-tokens 64)
+  rows+=("$(one "$label" --prefill-tp "${pd%-*}" --decode-tp "${pd#*-}" "${x[@]}")")
+done
+# ratio: over the mean of the base rows (the first and last rows: 1 -> 1 on GPUs, 2 -> 2 on
+# host caches); same-d: over the mean of the rows of the same split with the row's decode group
+# (d -> d: the same decode ranks, the same tasks per request), where the run has them.
 printf '%s\n' "${rows[@]}" | awk '
-  { l[NR] = $1; s[NR] = $2; r[NR] = $3; t[NR] = $4 }
+  { l[NR] = $1; s[NR] = $2; r[NR] = $3; t[NR] = $4
+    split($1, a, "_"); split(a[1], pd, "-"); p[NR] = pd[1]; d[NR] = pd[2]
+    if (pd[1] == pd[2]) { sum[pd[2]] += $3; n[pd[2]]++ } }
   END {
-    ref = (r[1] + r[NR]) / 2
-    printf "%-16s %9s %10s %7s %10s\n", "tp", "s", "req/s", "ratio", "tasks/req"
-    for (i = 1; i <= NR; i++)
-      printf "%-16s %9.3f %10.1f %7.2f %10d\n", l[i], s[i], r[i], r[i] / ref, t[i]
+    base = (r[1] + r[NR]) / 2
+    printf "%-16s %9s %10s %7s %7s %10s\n", "tp", "s", "req/s", "ratio", "same-d", "tasks/req"
+    for (i = 1; i <= NR; i++) {
+      sd = (d[i] in n && p[i] != d[i]) ? sprintf("%7.2f", r[i] / (sum[d[i]] / n[d[i]])) : sprintf("%7s", "-")
+      printf "%-16s %9.3f %10.1f %7.2f %s %10d\n", l[i], s[i], r[i], r[i] / base, sd, t[i]
+    }
   }'

@@ -118,8 +118,8 @@ static int check_token_order(const struct kvf_ctl_header *h, uint64_t theirs, co
  * (rank dr of d)? Equal layouts and groups: yes. Another tensor-parallel split of the same
  * model (common/tpsplit.h): on a control connection (same-host copies, whose notices it
  * carries), on a tcp data connection (frames of head slices; block sizes that divide one
- * another: frames of the plan's pieces) and on an rdma one (a work request per head slice,
- * equal block sizes), when the prefill rank sends that decode rank some heads.
+ * another: frames of the plan's pieces) and on an rdma one (a work request per head slice, or
+ * per piece of the plan), when the prefill rank sends that decode rank some heads.
  * 0, or -EXDEV with `why`.
  */
 static int check_split(const struct kvf_cache_layout *pl, uint32_t pr, uint32_t p,
@@ -137,11 +137,10 @@ static int check_split(const struct kvf_cache_layout *pl, uint32_t pr, uint32_t 
                 return -EXDEV;
         }
         bool ctl = !strcmp(purpose, "control"), rdma = !strcmp(purpose, "rdma");
-        if (pl->block_size != dl->block_size && !ctl && strcmp(purpose, "data")) {
-                snprintf(why, whylen, "%u tokens/block here, %u there: %s; tokens are regrouped into "
-                         "other block sizes over ipc and tcp only", pl->block_size, dl->block_size,
-                         rdma ? "an rdma work request carries one head slice of one block"
-                              : "this connection carries whole blocks");
+        if (pl->block_size != dl->block_size && !ctl && !rdma && strcmp(purpose, "data")) {
+                snprintf(why, whylen, "%u tokens/block here, %u there: this connection carries whole "
+                         "blocks; tokens are regrouped into other block sizes over ipc, tcp and rdma only",
+                         pl->block_size, dl->block_size);
                 return -EXDEV;
         }
         if (!ctl && !rdma && strcmp(purpose, "data")) {

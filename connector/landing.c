@@ -165,46 +165,61 @@ int conn_landing_open(struct connector *cn, const char *peer, uint64_t gen, cons
         return 0;
 }
 
+/* rxmu held: the open transfer run h's data is for, checked for this cache's layers and tensors:
+ * 0 with *out; 1 when the data is to be drained (closed, or its engine session `live` is over:
+ * the blocks are not its any more); -EPROTO with why. */
+static int rx_for_data(struct connector *cn, const char *peer, uint64_t gen, const struct landing_run *h,
+                       uint64_t live, struct rx_xfer **out, char *why, size_t whylen)
+{
+        const struct kvf_cache_layout *L = &cn->ctl.hdr->layout;
+        uint32_t layers = kvf_layout_layers(L), tensors = kvf_layout_tensors(L);
+        struct rx_xfer *x = rx_find(cn, peer, gen, h->key);
+        *out = x;
+        if (x && (x->closed || (x->eng_session && x->eng_session != live)))
+                return 1;
+        if (!x || !x->dst) {
+                snprintf(why, whylen, "data for transfer %016llx, which was never opened",
+                         (unsigned long long)h->key);
+                return -EPROTO;
+        }
+        if (h->layer >= layers || h->tensor >= tensors) {
+                snprintf(why, whylen, "data for layer %u tensor %u: this cache has %u layers, %u tensors",
+                         h->layer, h->tensor, layers, tensors);
+                return -EPROTO;
+        }
+        return 0;
+}
+
 int conn_landing_check(struct connector *cn, const char *peer, uint64_t gen, const struct landing_run *h,
                        uint64_t bytes, uint64_t *dst_off, char *why, size_t whylen)
 {
         const struct kvf_cache_layout *L = &cn->ctl.hdr->layout;
-        uint32_t layers = kvf_layout_layers(L), tensors = kvf_layout_tensors(L);
-        int rc = -EPROTO;
-
         uint64_t live = conn_engine_session(cn);
+        struct rx_xfer *x;
+
         pthread_mutex_lock(&cn->rxmu);
-        struct rx_xfer *x = rx_find(cn, peer, gen, h->key);
-        if (x && x->closed)
-                rc = 1;
-        else if (x && x->eng_session && x->eng_session != live)
-                rc = 1; /* its engine session is over: the blocks are not its any more */
-        else if (!x || !x->dst)
-                snprintf(why, whylen, "data for transfer %016llx, which was never opened",
-                         (unsigned long long)h->key);
-        else if (h->layer >= layers || h->tensor >= tensors)
-                snprintf(why, whylen, "data for layer %u tensor %u: this cache has %u layers, %u tensors",
-                         h->layer, h->tensor, layers, tensors);
-        else if (x->n_src)
-                snprintf(why, whylen, "whole blocks or slices for %s, whose tokens are regrouped",
-                         x->request_id);
-        else if (h->nblocks == 0 || (uint64_t)h->index + h->nblocks > x->n_dst)
-                snprintf(why, whylen, "data for blocks [%u, +%u) of %s, which has %u", h->index,
-                         h->nblocks, x->request_id, x->n_dst);
-        else if (h->len && (h->nblocks != 1 || h->len != bytes ||
-                            (uint64_t)h->off + h->len > L->block_bytes))
-                snprintf(why, whylen, "a slice of %u bytes at %u of %u block(s) of %llu bytes", h->len,
-                         h->off, h->nblocks, (unsigned long long)L->block_bytes);
-        else if (!h->len && bytes != (uint64_t)h->nblocks * L->block_bytes)
-                snprintf(why, whylen, "%llu bytes of data for %u blocks of %llu bytes",
-                         (unsigned long long)bytes, h->nblocks, (unsigned long long)L->block_bytes);
-        else {
-                rc = 0;
-                for (uint32_t i = 1; i < h->nblocks; i++)
+        int rc = rx_for_data(cn, peer, gen, h, live, &x, why, whylen);
+        if (rc == 0) {
+                rc = -EPROTO;
+                if (x->n_src)
+                        snprintf(why, whylen, "whole blocks or slices for %s, whose tokens are regrouped",
+                                 x->request_id);
+                else if (h->nblocks == 0 || (uint64_t)h->index + h->nblocks > x->n_dst)
+                        snprintf(why, whylen, "data for blocks [%u, +%u) of %s, which has %u", h->index,
+                                 h->nblocks, x->request_id, x->n_dst);
+                else if (h->len && (h->nblocks != 1 || h->len != bytes ||
+                                    (uint64_t)h->off + h->len > L->block_bytes))
+                        snprintf(why, whylen, "a slice of %u bytes at %u of %u block(s) of %llu bytes", h->len,
+                                 h->off, h->nblocks, (unsigned long long)L->block_bytes);
+                else if (!h->len && bytes != (uint64_t)h->nblocks * L->block_bytes)
+                        snprintf(why, whylen, "%llu bytes of data for %u blocks of %llu bytes",
+                                 (unsigned long long)bytes, h->nblocks, (unsigned long long)L->block_bytes);
+                else
+                        rc = 0;
+                for (uint32_t i = 1; rc == 0 && i < h->nblocks; i++)
                         if (x->dst[h->index + i] != x->dst[h->index] + i) {
                                 snprintf(why, whylen, "data run over destination blocks that are not contiguous");
                                 rc = -EPROTO;
-                                break;
                         }
                 if (rc == 0)
                         *dst_off = kvf_layout_offset(L, h->layer, h->tensor, x->dst[h->index]) + h->off;
@@ -218,58 +233,46 @@ int conn_landing_pieces(struct connector *cn, const char *peer, uint64_t gen, co
                         unsigned max, unsigned *n, char *why, size_t whylen)
 {
         const struct kvf_cache_layout *L = &cn->ctl.hdr->layout;
-        uint32_t layers = kvf_layout_layers(L), tensors = kvf_layout_tensors(L);
-        int rc = -EPROTO;
+        uint64_t live = conn_engine_session(cn);
+        struct rx_xfer *x;
         *n = 0;
 
-        uint64_t live = conn_engine_session(cn);
         pthread_mutex_lock(&cn->rxmu);
-        struct rx_xfer *x = rx_find(cn, peer, gen, h->key);
-        if (x && x->closed)
-                rc = 1;
-        else if (x && x->eng_session && x->eng_session != live)
-                rc = 1;
-        else if (!x || !x->dst)
-                snprintf(why, whylen, "data for transfer %016llx, which was never opened",
-                         (unsigned long long)h->key);
-        else if (!x->n_src)
+        int rc = rx_for_data(cn, peer, gen, h, live, &x, why, whylen);
+        if (rc == 0 && !x->n_src) {
                 snprintf(why, whylen, "regrouped data for %s, which was opened without its source blocks",
                          x->request_id);
-        else if (h->layer >= layers || h->tensor >= tensors)
-                snprintf(why, whylen, "data for layer %u tensor %u: this cache has %u layers, %u tensors",
-                         h->layer, h->tensor, layers, tensors);
-        else if (h->nblocks == 0 || (uint64_t)h->index + h->nblocks > x->n_src)
+                rc = -EPROTO;
+        } else if (rc == 0 && (h->nblocks == 0 || (uint64_t)h->index + h->nblocks > x->n_src)) {
                 snprintf(why, whylen, "data for source blocks [%u, +%u) of %s, which has %u", h->index,
                          h->nblocks, x->request_id, x->n_src);
-        else {
-                rc = 0;
-                for (uint32_t b = 0; b < h->nblocks && rc == 0; b++) {
-                        uint32_t pos = h->index + b, grp = pos / pl->src_per_group;
-                        unsigned first = *n;
-                        for (uint32_t i = 0; i < pl->npieces; i++) {
-                                const struct kvf_tp_piece *pc = &pl->pieces[i];
-                                uint64_t d = (uint64_t)grp * pl->dst_per_group + pc->dblk;
-                                if (pc->sblk != pos % pl->src_per_group || d >= x->n_dst)
-                                        continue;
-                                if (*n == max) {
-                                        snprintf(why, whylen, "more than %u pieces in one frame", max);
-                                        rc = -EPROTO;
-                                        break;
-                                }
-                                io[*n] = (struct kvf_io_run){
-                                    .off = kvf_layout_offset(L, h->layer, h->tensor, x->dst[d]) + pc->doff,
-                                    .len = pc->bytes};
-                                marks[(*n)++] = (struct landing_run){.key = h->key, .layer = h->layer,
-                                                                     .tensor = h->tensor, .index = pos};
-                        }
-                        if (rc == 0 && *n == first) {
-                                snprintf(why, whylen, "source block %u of %s lands in none of its %u "
-                                         "destination blocks", pos, x->request_id, x->n_dst);
+                rc = -EPROTO;
+        }
+        /* Each source block's pieces that land (kvf_tp_piece_next, the walk the sender's copies
+         * and the engine executor make): a piece past the last destination block does not. */
+        for (uint32_t b = 0; rc == 0 && b < h->nblocks; b++) {
+                uint32_t pos = h->index + b, d;
+                unsigned first = *n;
+                for (uint32_t i = 0; rc == 0 && kvf_tp_piece_next(pl, pos, x->n_dst, &i, &d); i++) {
+                        const struct kvf_tp_piece *pc = &pl->pieces[i];
+                        if (*n == max) {
+                                snprintf(why, whylen, "more than %u pieces in one frame", max);
                                 rc = -EPROTO;
+                                break;
                         }
-                        if (rc == 0)
-                                marks[*n - 1].nblocks = 1; /* its last piece marks the block */
+                        io[*n] = (struct kvf_io_run){
+                            .off = kvf_layout_offset(L, h->layer, h->tensor, x->dst[d]) + pc->doff,
+                            .len = pc->bytes};
+                        marks[(*n)++] = (struct landing_run){.key = h->key, .layer = h->layer,
+                                                             .tensor = h->tensor, .index = pos};
                 }
+                if (rc == 0 && *n == first) {
+                        snprintf(why, whylen, "source block %u of %s lands in none of its %u "
+                                 "destination blocks", pos, x->request_id, x->n_dst);
+                        rc = -EPROTO;
+                }
+                if (rc == 0)
+                        marks[*n - 1].nblocks = 1; /* its last piece marks the block */
         }
         pthread_mutex_unlock(&cn->rxmu);
         return rc;

@@ -25,6 +25,9 @@
 #include "tpsplit.h"
 #include "xfer.h"
 
+/* Pieces merged into one work request: at most this many bytes (a length is 32 bits). */
+#define RDMA_WRITE_MAX (1ull << 30)
+
 /* A transfer's rdma state (x->tp). */
 struct rdma_xfer {
         struct xfer *x;
@@ -84,10 +87,14 @@ struct rconn {
          * per block. slen 0: whole blocks, one work request per frame (a run contiguous on both
          * sides). */
         uint32_t soff, doff, slen;
-        /* A frame whose head slices are partly posted (the send queue was full): cur_k of its
-         * blocks are. Owned here until its last slice is posted. */
+        /* The peer's blocks hold another number of tokens: the plan's pieces of each source
+         * block into the destination blocks (frames indexed by source position, x->n_src), a
+         * work request per piece; npieces 0 otherwise. */
+        struct kvf_tp_plan plan;
+        /* A frame whose slices or pieces are partly posted (the send queue was full): the
+         * next is block cur_k's (and its piece cur_x). Owned here until its last is posted. */
         struct frame *cur;
-        uint32_t cur_k;
+        uint32_t cur_k, cur_x;
 };
 
 static void wake(struct rdma_peer *rp)
@@ -169,10 +176,33 @@ static void rconn_close(struct rconn *c)
         free(c->slots);
         free(c->wrs);
         free(c->sges);
+        kvf_tp_plan_free(&c->plan);
         rdma_id_destroy(c->id, c->ec);
         if (c->fd >= 0)
                 close(c->fd);
         /* (the protection domain and the cache's registration stay: rdma_local_mr's) */
+}
+
+/* The peer's blocks hold another number of tokens: the plan of this rank's pieces towards it
+ * (common/tpsplit.h). 0, or -EXDEV with kvf_err set. */
+static int regroup_plan(struct rconn *c, const struct peer_identity *id)
+{
+        const struct kvf_ctl_header *me = c->xp->p->cn->ctl.hdr;
+        const uint32_t p = me->nranks ? me->nranks : 1, d = id->nranks ? id->nranks : 1;
+        char why[400];
+        uint32_t heads;
+        if (kvf_tp_check(&me->layout, p, &id->layout, d, 0, &heads, why, sizeof(why)) < 0)
+                return kvf_err_set(-EXDEV, "%s", why);
+        if (kvf_tp_plan(&me->layout, p, me->rank, &id->layout, d, id->rank, heads, &c->plan) < 0)
+                return kvf_err_set(-EXDEV, "%s", kvf_err_msg());
+        if (!c->plan.npieces)
+                return kvf_err_set(-EXDEV, "prefill rank %u of %u sends decode rank %u of %u none of its heads",
+                                   me->rank, p, id->rank, d);
+        kvf_info("rdma to '%s' (rank %u of %u, %u tokens/block; this is rank %u of %u, %u tokens/block): "
+                 "tokens regrouped, %u pieces per %u source blocks, a work request per piece",
+                 c->xp->p->name, id->rank, d, id->layout.block_size, me->rank, p, me->layout.block_size,
+                 c->plan.npieces, c->plan.src_per_group);
+        return 0;
 }
 
 /*
@@ -215,8 +245,13 @@ static int rconn_open(struct rconn *c, int *status)
         c->rkey = (uint32_t)w.rdma_rkey;
         c->rlay = id.layout;
         const struct kvf_ctl_header *me = cn->ctl.hdr;
-        if (kvf_tp_slice(&me->layout, me->nranks, me->rank, &id.layout, id.nranks, id.rank, &c->soff,
-                         &c->doff, &c->slen) < 0) {
+        if (id.layout.block_size != me->layout.block_size) {
+                if ((rc = regroup_plan(c, &id)) < 0) {
+                        *status = KVF_STATUS_LAYOUT_MISMATCH;
+                        return kvf_err_set(-EPROTO, "peer layout mismatch: %s", kvf_err_msg());
+                }
+        } else if (kvf_tp_slice(&me->layout, me->nranks, me->rank, &id.layout, id.nranks, id.rank, &c->soff,
+                                &c->doff, &c->slen) < 0) {
                 /* (The peer's handshake refuses what this refuses; this holds against one that
                  * does not.) */
                 *status = KVF_STATUS_LAYOUT_MISMATCH;
@@ -337,6 +372,36 @@ static struct xfer *done_due(struct rconn *c)
         return NULL;
 }
 
+/* xp->mu held: each piece of regrouped frame f (its source blocks at positions index..) lands
+ * inside the peer's block it goes to. False if not (its transfer failed). */
+static bool check_pieces(struct rconn *c, struct frame *f)
+{
+        struct xfer *x = f->x;
+        uint32_t dpos;
+        for (uint32_t k = 0; k < f->nblocks; k++)
+                for (uint32_t i = 0; kvf_tp_piece_next(&c->plan, f->index + k, x->n_dst, &i, &dpos); i++) {
+                        const struct kvf_tp_piece *pc = &c->plan.pieces[i];
+                        uint32_t d = x->dst[dpos];
+                        if (d >= c->rlay.num_blocks || (uint64_t)pc->doff + pc->bytes > c->rlay.block_bytes ||
+                            kvf_layout_offset(&c->rlay, f->layer, f->tensor, d) + pc->doff + pc->bytes > c->rlen) {
+                                xfer_fail_one(c->xp, x, KVF_STATUS_BLOCK_RANGE,
+                                              "destination blocks beyond the peer's cache");
+                                return false;
+                        }
+                }
+        return true;
+}
+
+/* Regrouped frame f: from block cur_k's piece cur_x on, the next piece that goes (true, with
+ * cur_k, cur_x and its destination position in *dpos), or none is left. */
+static bool piece_at(struct rconn *c, const struct frame *f, uint32_t *dpos)
+{
+        for (; c->cur_k < f->nblocks; c->cur_k++, c->cur_x = 0)
+                if (kvf_tp_piece_next(&c->plan, f->index + c->cur_k, f->x->n_dst, &c->cur_x, dpos))
+                        return true;
+        return false;
+}
+
 /* xp->mu held: may frame f go? One-sided: nothing on the other side checks a write, so every
  * one is checked here: a run contiguous in destination ids, inside the peer's region (a head
  * slice's bytes inside the last block's). False if not (its transfer failed). */
@@ -344,6 +409,14 @@ static bool check_write(struct rconn *c, struct frame *f)
 {
         struct xfer_peer *xp = c->xp;
         struct xfer *x = f->x;
+        char why[KVF_REASON_MAX];
+        if (xfer_regroup_mismatch(xp, x, c->rlay.block_size, c->plan.npieces != 0, why, sizeof(why))) {
+                kvf_errlog(&xp->p->cn->ctl, KVF_ROLE_CONNECTOR, "%s", why);
+                xfer_fail_one(xp, x, KVF_STATUS_LAYOUT_MISMATCH, why);
+                return false;
+        }
+        if (c->plan.npieces)
+                return check_pieces(c, f);
         uint32_t d0 = x->dst[f->index];
         for (uint32_t k = 1; k < f->nblocks; k++)
                 if (x->dst[f->index + k] != d0 + k) {
@@ -365,15 +438,32 @@ static bool check_write(struct rconn *c, struct frame *f)
         return true;
 }
 
-/* xp->mu held: fill work request i with the write of frame f (checked): the whole run, or, to
- * a rank of another split, block k's head slice. */
-static void fill_write(struct rconn *c, unsigned i, struct frame *f, uint32_t k)
+/* xp->mu held: fill work request i with the write of frame f (checked): the whole run; to a
+ * rank of another split, block k's head slice; to a peer of another block size, piece cur_x of
+ * block k into the destination block at position dpos. */
+/* Regrouped frame f: piece cur_x of its source block k (consecutive in the source) into the
+ * destination block at position dpos: the local address, the remote one and the length. */
+static void piece_addr(const struct rconn *c, const struct frame *f, uint32_t k, uint32_t dpos, uint64_t *src,
+                       uint64_t *raddr, uint64_t *len)
+{
+        const struct connector *cn = c->xp->p->cn;
+        const struct kvf_tp_piece *pc = &c->plan.pieces[c->cur_x];
+        *src = (uintptr_t)cn->cache.base + f->src_off + (uint64_t)k * cn->ctl.hdr->layout.block_bytes + pc->soff;
+        *raddr = c->raddr + kvf_layout_offset(&c->rlay, f->layer, f->tensor, f->x->dst[dpos]) + pc->doff;
+        *len = pc->bytes;
+}
+
+static void fill_write(struct rconn *c, unsigned i, struct frame *f, uint32_t k, uint32_t dpos)
 {
         struct connector *cn = c->xp->p->cn;
-        uint32_t d0 = f->x->dst[f->index];
         uint64_t src = f->src_off, len = xfer_frame_bytes(c->xp, f);
-        uint64_t roff = kvf_layout_offset(&c->rlay, f->layer, f->tensor, d0);
-        if (c->slen) {
+        uint64_t roff = kvf_layout_offset(&c->rlay, f->layer, f->tensor, f->x->dst[f->index]);
+        if (c->plan.npieces) {
+                uint64_t a, r;
+                piece_addr(c, f, k, dpos, &a, &r, &len);
+                src = a - (uintptr_t)cn->cache.base;
+                roff = r - c->raddr;
+        } else if (c->slen) {
                 /* A frame's blocks are consecutive in the source and (checked) the destination. */
                 src += (uint64_t)k * cn->ctl.hdr->layout.block_bytes + c->soff;
                 roff += (uint64_t)k * c->rlay.block_bytes + c->doff;
@@ -466,20 +556,56 @@ static int post_some(struct rconn *c)
                                 xfer_give_back(xp, &f, 1, true); /* (its transfer failed: freed) */
                                 continue;
                         }
-                        if (c->slen) {
+                        if (c->slen || c->plan.npieces) {
                                 c->cur = f;
-                                c->cur_k = 0;
+                                c->cur_k = c->cur_x = 0;
                         }
                 }
-                if (f) {
+                uint32_t dpos = 0;
+                if (f && c->plan.npieces && !piece_at(c, f, &dpos)) {
+                        /* No piece of it goes (its blocks hold no token of the request's
+                         * destination blocks): done, as if written. */
+                        xfer_give_back(xp, &c->cur, 1, true);
+                        c->cur = NULL;
+                        continue;
+                }
+                if (f && c->plan.npieces) {
+                        /* A work request per piece, and the pieces after it that continue it
+                         * on both sides (a head's rows whose next piece follows it in both
+                         * caches: one head per rank, MLA's latent, consecutive block ids). */
+                        fill_write(c, n, f, c->cur_k, dpos);
+                        c->cur_x++;
+                        sl->f = f;
+                        uint64_t src, roff, len;
+                        while (piece_at(c, f, &dpos)) {
+                                piece_addr(c, f, c->cur_k, dpos, &src, &roff, &len);
+                                if (src != c->sges[n].addr + c->sges[n].length ||
+                                    roff != c->wrs[n].wr.rdma.remote_addr + c->sges[n].length ||
+                                    c->sges[n].length + len > RDMA_WRITE_MAX)
+                                        break;
+                                c->sges[n].length += (uint32_t)len;
+                                blocks++;
+                                c->cur_x++;
+                        }
+                        if (!piece_at(c, f, &dpos)) {
+                                c->cur = NULL; /* the last: this slot owns the frame */
+                        } else {
+                                sl->part = true;
+                                sl->x = f->x;
+                                xfer_hold(f->x);
+                        }
+                        blocks++;
+                        bytes += c->sges[n].length;
+                        writes++;
+                } else if (f) {
                         if (!c->slen) {
-                                fill_write(c, n, f, 0);
+                                fill_write(c, n, f, 0, 0);
                                 sl->f = f;
                                 blocks += f->nblocks;
                         } else {
                                 /* One work request per block's head slice: slices of consecutive
                                  * blocks are never contiguous (a slice shorter than its block). */
-                                fill_write(c, n, f, c->cur_k++);
+                                fill_write(c, n, f, c->cur_k++, 0);
                                 sl->f = f;
                                 if (c->cur_k == f->nblocks) {
                                         c->cur = NULL; /* the last: this slot owns the frame */

@@ -403,33 +403,6 @@ static bool closed_by_peer(int fd)
 }
 
 /*
- * Transfer x was opened for other block sizes than this connection's peer has (the sender
- * saw another peer, or none: a peer on another host), or with destination blocks its source
- * blocks cannot fill: true with why. xp->mu held.
- */
-static bool regroup_mismatch(const struct data_conn *dc, const struct xfer *x, char *why, size_t whylen)
-{
-        const struct kvf_cache_layout *L = &dc->xp->p->cn->ctl.hdr->layout;
-        const uint32_t bs = L->block_size, bd = dc->peer_bsize;
-        if (!dc->plan.npieces && x->n_src)
-                snprintf(why, whylen, "req %s to '%s': opened to be regrouped into another block size, "
-                         "but the peer's blocks are of %u tokens as here", x->request_id, dc->xp->p->name, bd);
-        else if (dc->plan.npieces && !x->n_src)
-                snprintf(why, whylen, "req %s to '%s': peer layout mismatch: %u tokens/block there, %u "
-                         "here, and the task was accepted for blocks of one size (the sender regroups "
-                         "tokens for a peer whose block size it knows: on this host, or reached by "
-                         "this connector before the task)", x->request_id,
-                         dc->xp->p->name, bd, bs);
-        else if (dc->plan.npieces && (x->n_dst < (uint32_t)((uint64_t)(x->n_src - 1) * bs / bd) + 1 ||
-                                      x->n_dst > kvf_tp_dst_blocks(x->n_src, bs, bd)))
-                snprintf(why, whylen, "req %s to '%s': %u destination blocks of %u tokens for %u source "
-                         "blocks of %u", x->request_id, dc->xp->p->name, x->n_dst, bd, x->n_src, bs);
-        else
-                return false;
-        return true;
-}
-
-/*
  * Take frames off the peer's queue into the free batch b, waiting for some
  * when `wait`. A staged batch stays within one staging group's bytes. The
  * frames taken (0: none; the connector stops when *stopping), or -1 when the
@@ -456,7 +429,7 @@ static int take(struct data_conn *dc, struct batch *b, bool wait, bool staged, b
         while (xp->qhead && n < BATCH_FRAMES && bytes < BATCH_BYTES &&
                (!staged || n == 0 || bytes + xfer_frame_bytes(xp, xp->qhead) <= BATCH_BYTES)) {
                 char why[KVF_REASON_MAX];
-                if (regroup_mismatch(dc, xp->qhead->x, why, sizeof(why))) {
+                if (xfer_regroup_mismatch(xp, xp->qhead->x, dc->peer_bsize, dc->plan.npieces != 0, why, sizeof(why))) {
                         kvf_errlog(&xp->p->cn->ctl, KVF_ROLE_CONNECTOR, "%s", why);
                         xfer_fail_one(xp, xp->qhead->x, KVF_STATUS_LAYOUT_MISMATCH, why);
                         continue; /* (its frames left the queue) */

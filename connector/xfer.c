@@ -13,6 +13,7 @@
 #include "err.h"
 #include "layout.h"
 #include "log.h"
+#include "tpsplit.h"
 #include "xfer.h"
 
 uint64_t xfer_frame_bytes(const struct xfer_peer *xp, const struct frame *f)
@@ -610,4 +611,25 @@ void conn_xfer_free(struct peer *p)
                 free(xp);
                 p->xfers[i] = NULL;
         }
+}
+
+bool xfer_regroup_mismatch(const struct xfer_peer *xp, const struct xfer *x, uint32_t peer_bsize, bool regrouped,
+                           char *why, size_t whylen)
+{
+        const uint32_t bs = xp->p->cn->ctl.hdr->layout.block_size, bd = peer_bsize;
+        if (!regrouped && x->n_src)
+                snprintf(why, whylen, "req %s to '%s': opened to be regrouped into another block size, "
+                         "but the peer's blocks are of %u tokens as here", x->request_id, xp->p->name, bd);
+        else if (regrouped && !x->n_src)
+                snprintf(why, whylen, "req %s to '%s': peer layout mismatch: %u tokens/block there, %u "
+                         "here, and the task was accepted for blocks of one size (the sender regroups "
+                         "tokens for a peer whose block size it knows: on this host, or reached by "
+                         "this connector before the task)", x->request_id, xp->p->name, bd, bs);
+        else if (regrouped && (x->n_dst < (uint32_t)((uint64_t)(x->n_src - 1) * bs / bd) + 1 ||
+                               x->n_dst > kvf_tp_dst_blocks(x->n_src, bs, bd)))
+                snprintf(why, whylen, "req %s to '%s': %u destination blocks of %u tokens for %u source "
+                         "blocks of %u", x->request_id, xp->p->name, x->n_dst, bd, x->n_src, bs);
+        else
+                return false;
+        return true;
 }

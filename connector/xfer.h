@@ -158,6 +158,12 @@ void conn_xfer_refuse(struct xfer_peer *xp, int status, const char *reason);
 void conn_xfer_refuse_all(struct xfer_peer *xp, int status, const char *reason);
 /* xp->mu held: end transfer x now with `status` (a write error its data path met). */
 void xfer_fail_one(struct xfer_peer *xp, struct xfer *x, int status, const char *reason);
+/* Transfer x cannot go to a peer of peer_bsize tokens per block (this side's layout: ours):
+ * opened to be regrouped (x->n_src) for a peer whose blocks are ours, or for blocks of one size
+ * to a peer of another (`regrouped`: this data path moves the plan's pieces), or with
+ * destination blocks its source blocks cannot fill. True with why. xp->mu held. */
+bool xfer_regroup_mismatch(const struct xfer_peer *xp, const struct xfer *x, uint32_t peer_bsize, bool regrouped,
+                           char *why, size_t whylen);
 /* xp->mu held: keep x allocated while a data path refers to it outside a frame (rdma: its
  * done message in the send queue); xfer_release gives it up (and frees a dead one). */
 void xfer_hold(struct xfer *x);

@@ -125,13 +125,13 @@ static int regroup_count(const struct kvf_record *t, uint32_t bs, uint32_t bd, c
         return 0;
 }
 
-/* A tcp task's peer has another block size: that size (tokens regrouped into its blocks,
+/* A tcp or rdma task's peer has another block size: that size (tokens regrouped into its blocks,
  * docs/ARCHITECTURE.md 7b); else 0 (equal, or not known yet: a peer on another host that its
  * connector has not reached, whose data connection then fails the transfer if the sizes
  * differ). */
 static uint32_t net_regroup_block_size(struct sender *s, const struct kvf_record *t)
 {
-        if (t->transport != KVF_TRANSPORT_TCP)
+        if (t->transport != KVF_TRANSPORT_TCP && t->transport != KVF_TRANSPORT_RDMA)
                 return 0;
         uint32_t bd = sender_net_peer_block_size(s, t->peer);
         return bd && bd != s->layout->block_size ? bd : 0;
@@ -230,7 +230,7 @@ static int validate_task(struct sender *s, struct kvf_record *t, uint32_t *pidx,
         }
         const uint32_t nbd = net_regroup_block_size(s, t);
         if (nbd) {
-                /* A tcp peer on this host of another block size (its segment says): regrouped
+                /* A tcp or rdma peer of another block size (its segment or its connector says): regrouped
                  * as over ipc, the receiver's connector checks the same counts. */
                 const uint32_t bs = s->layout->block_size;
                 if (bs % nbd && nbd % bs)
@@ -309,7 +309,7 @@ static int accept_task(struct sender *s, struct kvf_record *t, const struct task
                 r->n_dst = t->n_dst;
         }
         if (pidx == UINT32_MAX && net_regroup_block_size(s, t)) {
-                r->n_send = t->n_src; /* a tcp peer of another block size: the same */
+                r->n_send = t->n_src; /* a tcp or rdma peer of another block size: the same */
                 r->n_dst = t->n_dst;
         }
         r->sent_full = 0;

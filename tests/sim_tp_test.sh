@@ -115,8 +115,8 @@ usage_case "--decode-tp 3" "--decode-tp 3 does not fit llama-3.1-8b's 8 kv heads
   tools/kvferry demo --prefill-tp 2 --decode-tp 3
 usage_case "block sizes 64 and 48" "one must divide the other" \
   tools/kvferry demo --prefill-tp 2 --decode-block-tokens 48
-usage_case "block sizes 32 and 16 over rdma" "regrouped into other block sizes over ipc and tcp only" \
-  tools/kvferry demo --prefill-tp 2 --prefill-block-tokens 32 --decode-block-tokens 16 --transport rdma
+usage_case "block sizes 64 and 48 over rdma" "one must divide the other" \
+  tools/kvferry demo --prefill-tp 2 --decode-block-tokens 48 --transport rdma
 usage_case "block sizes 64 and 48 over tcp" "one must divide the other" \
   tools/kvferry demo --prefill-tp 2 --decode-block-tokens 48 --transport tcp
 usage_case "--executor engine on host caches" "--backend host puts the caches in host memory" \

@@ -19,7 +19,9 @@
 #      comes back, a new request finishes
 #   7. another tensor-parallel split (GQA 1 -> 2 and 2 -> 4 ranks, MLA 2 -> 4; MLA 1 -> 2 with
 #      --bench) against equal groups: every head verified, the work requests exactly what the
-#      head slices imply; a prefill rank that sends a decode rank none of its heads: refused
+#      head slices imply; a prefill rank that sends a decode rank none of its heads: refused;
+#      tokens regrouped from 32-token prefill blocks into 16-token decode blocks (GQA 1 -> 2,
+#      MLA 2 -> 4): one work request per piece, the bytes exactly the pieces
 #   --part transport runs 0 to 6, --part mixed runs 7 (the ctest runs them as two commands of
 #      one VM, each within its own time limit); neither: all.
 #   --bench: also the work requests per request for the models of data/model-shapes.json, ours
@@ -149,8 +151,9 @@ mblocks=$(awk -v n=$MREQ -v cap=$MTOK -v b=$MBS '{ if (c == n) exit;
     if (v > 0) { c++; if (v > cap) v = cap; t += int((v + b - 1) / b) } } } END { print t }' \
   "$ROOT/data/mooncake-conversation-2000.jsonl")
 [ "${mblocks:-0}" -gt 0 ] || fail "mixed: no prompts read from the trace"
-mixed() { # mixed KIND P D: KIND gqa or mla, P prefill ranks -> D decode ranks
-  local kind=$1 p=$2 d=$3 shape tensors bpt k names_p="" names_d="" w=0 b=0 by=0 port t0=$SECONDS
+mixed() { # mixed KIND P D [PBS]: KIND gqa or mla, P prefill ranks -> D decode ranks; PBS: tokens
+  # per prefill block (MBS by default; the decode side's are MBS)
+  local kind=$1 p=$2 d=$3 pbs=${4:-$MBS} shape tensors bpt k names_p="" names_d="" w=0 b=0 by=0 port t0=$SECONDS
   # bpt: one token's bytes of one tensor, all the model's heads
   if [ $kind = gqa ]; then
     shape="--layers 4 --kv-heads 8 --head-dim 128" tensors=2 bpt=$((8 * 128 * 2))
@@ -168,7 +171,7 @@ mixed() { # mixed KIND P D: KIND gqa or mla, P prefill ranks -> D decode ranks
     names_d=${names_d:+$names_d,}$TAG-m${kind}d$k
   done
   for k in $(seq 0 $((p - 1))); do
-    up $TAG-m${kind}p$k --role prefill $shape --block-size $MBS --tp $p --rank $k --nranks $p --cache-mib 16 \
+    up $TAG-m${kind}p$k --role prefill $shape --block-size $pbs --tp $p --rank $k --nranks $p --cache-mib 16 \
       --listen "$A:0" --peer-timeout-ms $MPT &
     pids+=($!)
     STARTED+=($TAG-m${kind}p$k)
@@ -188,8 +191,29 @@ mixed() { # mixed KIND P D: KIND gqa or mla, P prefill ranks -> D decode ranks
     b=$((b + $(counter $TAG-m${kind}p$k blocks_sent_rdma)))
     by=$((by + $(counter $TAG-m${kind}p$k bytes_sent_rdma)))
   done
-  local slices=$((d * 4 * tensors * mblocks)) want_by
-  if [ $kind = gqa ] && [ $p != $d ]; then
+  local slices=$((d * 4 * tensors * mblocks)) want_by what="tp $p -> $d"
+  [ $pbs = $MBS ] || what="$what, $pbs -> $MBS tokens/block"
+  if [ $pbs != $MBS ]; then
+    # Tokens regrouped: the plan's pieces that land, a head's rows of one source block inside
+    # one decode block, so per decode block (mblocks of them: the decode side's size), layer and
+    # tensor, one per head it holds: the model's 8 heads over all decode ranks (GQA), the latent
+    # once per decode rank (MLA); the bytes are those rows. A work request per piece, merged
+    # with the next where both sides continue (MLA's latent into consecutive blocks; never a
+    # head of several).
+    local heads=8
+    [ $kind = mla ] && heads=$d
+    slices=$((heads * 4 * tensors * mblocks))
+    want_by=$((4 * tensors * mblocks * MBS * bpt))
+    [ $kind = gqa ] || want_by=$((d * want_by))
+    if [ $kind = gqa ]; then
+      [ $w = $slices ] || fail "$kind $what: $w RDMA WRITEs, not $slices (one per layer, tensor, decode block, head)"
+    else
+      [ $w -lt $slices ] && [ $w -ge $((d * 4 * MREQ)) ] ||
+        fail "$kind $what: $w RDMA WRITEs, not fewer than the $slices pieces and at least $((d * 4 * MREQ))"
+    fi
+    grep -q "tokens regrouped" "$KVFERRY_RUN_DIR/$TAG-m${kind}p0/connector.log" ||
+      fail "$kind $what: the prefill connector does not say it regroups tokens"
+  elif [ $kind = gqa ] && [ $p != $d ]; then
     want_by=$((4 * tensors * mblocks * MBS * bpt))
     [ $w = $slices ] || fail "$kind tp $p -> $d: $w RDMA WRITEs, not $slices (one per layer, tensor, block, decode rank)"
     grep -q "a work request per block" "$KVFERRY_RUN_DIR/$TAG-m${kind}p0/connector.log" ||
@@ -204,7 +228,7 @@ mixed() { # mixed KIND P D: KIND gqa or mla, P prefill ranks -> D decode ranks
   [ $b = $slices ] || fail "$kind tp $p -> $d: $b blocks written, not $slices"
   [ $by = $want_by ] || fail "$kind tp $p -> $d: $by bytes written, not $want_by (every head once per decode rank that holds it)"
   [ "$(counter $TAG-m${kind}p0 rdma_post_errors)" = 0 ] || fail "$kind tp $p -> $d: post errors"
-  pass "$kind tp $p -> $d over rdma: $MREQ requests, every head of every token verified" \
+  pass "$kind $what over rdma: $MREQ requests, every head of every token verified" \
     "($(json_get "$KVFERRY_RUN_DIR/mixed.json" verified_bytes) bytes); $w RDMA WRITEs ($((w / MREQ)) per request)" \
     "for $b blocks x layers x tensors x decode ranks, $by bytes written ($((SECONDS - t0)) s with the instances' start)"
   if [ $kind = gqa ] && [ $p = 2 ] && [ $d = 4 ]; then
@@ -226,6 +250,9 @@ mixed gqa 1 2
 mixed gqa 2 4
 [ $BENCH = 0 ] || mixed mla 1 2 # (2 -> 4 below covers MLA; this one with --bench)
 mixed mla 2 4
+# Tokens regrouped into the decode side's blocks: 32-token prefill blocks into 16-token ones.
+mixed gqa 1 2 32
+mixed mla 2 4 32
 fi # case 7
 
 # No role died but the connector killed on purpose, and (an ASan build) no sanitizer report,

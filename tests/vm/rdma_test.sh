@@ -240,6 +240,17 @@ mixed() { # mixed KIND P D [PBS]: KIND gqa or mla, P prefill ranks -> D decode r
       { cat "$KVFERRY_RUN_DIR/none.txt"; fail "prefill rank 1 -> decode rank 0 of 4 over rdma: not refused so"; }
     pass "prefill rank 1 of 2 -> decode rank 0 of 4 over rdma: $(grep -o "refused: peer layout mismatch.*" "$KVFERRY_RUN_DIR/none.txt" | head -n 1)"
   fi
+  if [ $kind = gqa ] && [ $pbs != $MBS ]; then
+    # A task to the decode rank named by its address, which this sender has not heard of: it
+    # cannot know the peer's block size, so it sends whole blocks; the connector, which knows,
+    # fails the transfer before any write (a one-sided write of 32-token blocks into 16-token
+    # ones would land wrong) and both sides say so.
+    "$B/rdma_transport_test" --prefill $TAG-mgqap0 --decode $TAG-mgqad0 --peer "$DIP:7110" --case one --blocks 2 \
+      --expect "peer layout mismatch" --timeout-ms 30000 >"$KVFERRY_RUN_DIR/bs.txt" 2>&1 &&
+      grep -q "tokens/block there, $pbs here, and the task was accepted for blocks of one size" "$KVFERRY_RUN_DIR/bs.txt" ||
+      { cat "$KVFERRY_RUN_DIR/bs.txt"; fail "$kind $what: a task of whole blocks to a peer of unknown block size not refused so"; }
+    pass "$kind $what: whole blocks to a peer whose block size the sender did not know: $(sed -n 's/^ok: one request over rdma: //p' "$KVFERRY_RUN_DIR/bs.txt" | head -n 1)"
+  fi
   pids=()
   for k in $(seq 0 $((p - 1))); do down $TAG-m${kind}p$k & pids+=($!); done
   for k in $(seq 0 $((d - 1))); do down $TAG-m${kind}d$k & pids+=($!); done

@@ -23,24 +23,31 @@
 # first layer-done to the last completion on the prefill side; ratio = the row's throughput over
 # the reference's (the mean 1->1 time), so >= 1 is faster. Descriptors per request: copy
 # runs (ipc) or tcp frames sent (DATA/DATAV/DATAS). Target: >= 0.9 x the reference.
-# Usage: bench/mixed_tp_bench.sh [--requests N] [--head-dim N] [--no-tcp]
+# --rounds N: everything N times (each round its own references); the last lines then give each
+# ratio's median over the rounds (one round's ratios move by 0.3 or more on a shared VM).
+# Usage: bench/mixed_tp_bench.sh [--requests N] [--head-dim N] [--no-tcp] [--rounds N]
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 BUILD=${KVFERRY_BUILD:-$ROOT/build}
 REQ=400
 HDIM=128
 TCP=1
+ROUNDS=1
 while [ $# -gt 0 ]; do
   case "$1" in
     --requests) REQ=$2; shift 2 ;;
     --head-dim) HDIM=$2; shift 2 ;;
     --no-tcp) TCP=0; shift ;;
-    -h|--help) sed -n '2,26p' "$0"; exit 0 ;;
-    *) echo "mixed_tp_bench.sh: unknown option '$1' (--requests N, --head-dim N, --no-tcp)" >&2; exit 2 ;;
+    --rounds) ROUNDS=$2; shift 2 ;;
+    -h|--help) sed -n '2,28p' "$0"; exit 0 ;;
+    *) echo "mixed_tp_bench.sh: unknown option '$1' (--requests N, --head-dim N, --no-tcp, --rounds N)" >&2; exit 2 ;;
   esac
 done
 BIN=$BUILD/tests/mixed_tp_1_2_8_both
 [ -x "$BIN" ] || { echo "mixed_tp_bench.sh: $BIN is not built (cmake --build build)" >&2; exit 1; }
+[[ "$ROUNDS" =~ ^[1-9][0-9]?$ ]] || { echo "mixed_tp_bench.sh: --rounds takes 1 to 99" >&2; exit 2; }
+RATIOS=$(mktemp /tmp/mixed_tp_bench.XXXXXX)
+trap 'rm -f "$RATIOS"' EXIT
 export KVFERRY_BUILD=$BUILD MIXED_TP_REQUESTS=$REQ MIXED_TP_HEAD_DIM=$HDIM
 
 # one P D [options]: prints "ms bytes descriptors_per_request"
@@ -66,25 +73,13 @@ table() {
     awk -v l="$1" -v ms="$2" -v by="$3" -v desc="$4" -v ref="$refms" -v refby="$refby" 'BEGIN {
       printf "%-16s %10.1f %12.1f %10.1f %8.2f %12.1f\n", l, ms, by / 1048576,
              by / 1048576 / (ms / 1000), (by / ms) / (refby / ref), desc }'
+    awk -v t="${name%% *}" -v l="$1" -v ms="$2" -v by="$3" -v ref="$refms" -v refby="$refby" \
+      'BEGIN { printf "%s %s %.4f\n", t, l, (by / ms) / (refby / ref) }' >>"$RATIOS"
   done
 }
 
 lscpu | grep 'Model name' || true
-echo "requests: $REQ, head dim $HDIM, 8 kv heads, 16 tokens/block, 3 layers, K and V, bf16"
-ref1=$(one 1 1)
-rows=()
-for pd in "2 2" "1 2" "8 8" "2 8" "8 2" "4 4"; do rows+=("${pd/ /->} $(one $pd)"); done
-rows+=("4->4_bs_32/16 $(one 4 4 bs=32/16)")
-ref2=$(one 1 1)
-table "ipc (copy runs per request)" "$ref1" "$ref2" "${rows[@]}"
-if [ "$TCP" = 1 ]; then
-  tref1=$(one 1 1 tcp)
-  trows=()
-  for pd in "2 2" "1 2" "8 8" "2 8" "8 2" "4 4"; do trows+=("${pd/ /->} $(one $pd tcp)"); done
-  trows+=("4->4_bs_32/16 $(one 4 4 tcp bs=32/16)")
-  tref2=$(one 1 1 tcp)
-  table "tcp (frames per request)" "$tref1" "$tref2" "${trows[@]}"
-fi
+echo "requests: $REQ, head dim $HDIM, 8 kv heads, 16 tokens/block, 3 layers, K and V, bf16, $ROUNDS round(s)"
 # one row against another of the same transport, throughput ratio: OVER A B ROWS... (A's MiB/s over B's)
 over() {
   local a=$1 b=$2 x="" y="" r
@@ -96,11 +91,47 @@ over() {
   done
   awk -v a="$x" -v b="$y" 'BEGIN { split(a, x); split(b, y); printf "%.2f", (x[2] / x[1]) / (y[2] / y[1]) }'
 }
-# against the same split into the same decode group (the same decode ranks, the same tasks per
-# request), and regrouped against the same split with one block size
-for t in ipc tcp; do
-  [ $t = tcp ] && { [ "$TCP" = 1 ] || continue; r=("${trows[@]}"); } || r=("${rows[@]}")
-  echo "$t: 1->2 over 2->2 $(over "1->2" "2->2" "${r[@]}"), 2->8 over 8->8 $(over "2->8" "8->8" "${r[@]}")," \
-    "8->2 over 2->2 $(over "8->2" "2->2" "${r[@]}"), 4->4 bs 32/16 over 4->4 $(over "4->4_bs_32/16" "4->4" "${r[@]}") (throughput)"
+for ((round = 1; round <= ROUNDS; round++)); do
+  [ "$ROUNDS" = 1 ] || echo "-- round $round of $ROUNDS"
+  ref1=$(one 1 1)
+  rows=()
+  for pd in "2 2" "1 2" "8 8" "2 8" "8 2" "4 4"; do rows+=("${pd/ /->} $(one $pd)"); done
+  rows+=("4->4_bs_32/16 $(one 4 4 bs=32/16)")
+  ref2=$(one 1 1)
+  table "ipc (copy runs per request)" "$ref1" "$ref2" "${rows[@]}"
+  if [ "$TCP" = 1 ]; then
+    tref1=$(one 1 1 tcp)
+    trows=()
+    for pd in "2 2" "1 2" "8 8" "2 8" "8 2" "4 4"; do trows+=("${pd/ /->} $(one $pd tcp)"); done
+    trows+=("4->4_bs_32/16 $(one 4 4 tcp bs=32/16)")
+    tref2=$(one 1 1 tcp)
+    table "tcp (frames per request)" "$tref1" "$tref2" "${trows[@]}"
+  fi
+  # against the same split into the same decode group (the same decode ranks, the same tasks per
+  # request), and regrouped against the same split with one block size
+  for t in ipc tcp; do
+    [ $t = tcp ] && { [ "$TCP" = 1 ] || continue; r=("${trows[@]}"); } || r=("${rows[@]}")
+    o=("1->2 2->2" "2->8 8->8" "8->2 2->2" "4->4_bs_32/16 4->4")
+    line="$t:"
+    for x in "${o[@]}"; do
+      v=$(over ${x% *} ${x#* } "${r[@]}")
+      line="$line ${x% *} over ${x#* } $v,"
+      echo "$t ${x% *}/${x#* } $v" >>"$RATIOS"
+    done
+    echo "${line%,} (throughput)"
+  done
 done
+if [ "$ROUNDS" -gt 1 ]; then
+  echo "== medians over $ROUNDS rounds (ratio against 1->1 of the round; a/b: row a over row b of the round)"
+  awk '{ k = $1 " " $2; v[k, ++n[k]] = $3; if (!(k in seen)) { seen[k] = 1; order[++m] = k } }
+    END {
+      for (i = 1; i <= m; i++) {
+        k = order[i]; c = n[k]
+        for (a = 1; a <= c; a++) x[a] = v[k, a]
+        for (a = 1; a <= c; a++) for (b = a + 1; b <= c; b++) if (x[b] < x[a]) { t = x[a]; x[a] = x[b]; x[b] = t }
+        med = c % 2 ? x[(c + 1) / 2] : (x[c / 2] + x[c / 2 + 1]) / 2
+        printf "%-28s median %5.2f  (min %5.2f, max %5.2f, %d rounds)\n", k, med, x[1], x[c], c
+      }
+    }' "$RATIOS"
+fi
 true

@@ -64,6 +64,10 @@ class Caches:
                 t = kvferry.host_buffer(2 * nb * bb).view(np.float16).reshape((nb, 2) + shape_blk)
                 entry = t
                 get = lambda v, b, t=t: t[b, v]
+            elif kind == "key_only":  # one [blocks, ...] tensor a layer (MLA's latent)
+                k = kvferry.host_buffer(nb * bb).view(np.float16).reshape((nb,) + shape_blk)
+                entry = (k,)
+                get = lambda v, b, k=k: k[b]
             elif kind == "shared":
                 entry = all_[layer]
                 get = lambda v, b, t=all_[layer]: t[v, b]
@@ -374,9 +378,31 @@ def shrunk_files(pre, pc, dec, dc, pname, dname):
     print("ok: no role died (pids %r); registered again, ipc and tcp finished" % after)
 
 
+def key_only(pname, dname):
+    """Key-only caches (one tensor a layer) registered on both sides, moved over ipc and tcp."""
+    dec = kvferry.Client(dname)
+    pre = kvferry.Client(pname)
+    if not pre.layout.key_only or pre.layout.tensors != 1:
+        fail("%s is not a key-only instance: %r" % (pname, pre.layout))
+    pc, dc = Caches(pre.layout, "key_only"), Caches(dec.layout, "key_only")
+    pre.register_caches(pc.entries)
+    dec.register_caches(dc.entries)
+    for tag, transport in ((40, "ipc"), (41, "tcp")):
+        transfer(pre, pc, dec, dc, dname, tag, [3, 4, 9, 5], [7, 8, 20, 2], transport=transport)
+        transfer(pre, pc, dec, dc, dname, tag + 10, list(range(10, 26)), list(range(0, 16)),
+                 transport=transport)
+        print("ok: key-only %s: 4 scattered and 16 contiguous blocks x %d layers verified"
+              % (transport, pre.layout.num_layers))
+    pre.close()
+    dec.close()
+
+
 def main():
     if sys.argv[1] == "--child":
         child(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))
+        return
+    if sys.argv[1] == "--key-only":
+        key_only(sys.argv[2], sys.argv[3])
         return
     pname, dname, oname = sys.argv[1:4]
     dec = kvferry.Client(dname)

@@ -32,3 +32,9 @@ up $TAG-ro --role mixed $L
 KVF_RINGDUMP="$KVFERRY_BUILD/kvf-ringdump" PYTHONPATH="$ROOT/python" "$ROOT/tests/python_run.sh" \
   "$ROOT/tests/register_engine.py" $TAG-rp $TAG-rd $TAG-ro || fail "register engine"
 pass "engine caches: registered, refused, moved and verified, dropped when the engine died"
+# Key-only caches (MLA's latent: one tensor a layer), registered on both sides, over ipc and tcp.
+up $TAG-kd --role decode --caches engine $L --key-only
+up $TAG-kp --role prefill --caches engine $L --key-only
+PYTHONPATH="$ROOT/python" "$ROOT/tests/python_run.sh" "$ROOT/tests/register_engine.py" --key-only $TAG-kp $TAG-kd ||
+  fail "key-only engine caches"
+pass "key-only engine caches: registered, moved over ipc and tcp, verified"

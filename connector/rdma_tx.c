@@ -438,9 +438,6 @@ static bool check_write(struct rconn *c, struct frame *f)
         return true;
 }
 
-/* xp->mu held: fill work request i with the write of frame f (checked): the whole run; to a
- * rank of another split, block k's head slice; to a peer of another block size, piece cur_x of
- * block k into the destination block at position dpos. */
 /* Regrouped frame f: piece cur_x of its source block k (consecutive in the source) into the
  * destination block at position dpos: the local address, the remote one and the length. */
 static void piece_addr(const struct rconn *c, const struct frame *f, uint32_t k, uint32_t dpos, uint64_t *src,
@@ -453,6 +450,9 @@ static void piece_addr(const struct rconn *c, const struct frame *f, uint32_t k,
         *len = pc->bytes;
 }
 
+/* xp->mu held: fill work request i with the write of frame f (checked): the whole run; to a
+ * rank of another split, block k's head slice; to a peer of another block size, piece cur_x of
+ * block k into the destination block at position dpos. */
 static void fill_write(struct rconn *c, unsigned i, struct frame *f, uint32_t k, uint32_t dpos)
 {
         struct connector *cn = c->xp->p->cn;

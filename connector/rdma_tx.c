@@ -190,14 +190,9 @@ static int regroup_plan(struct rconn *c, const struct peer_identity *id)
         const struct kvf_ctl_header *me = c->xp->p->cn->ctl.hdr;
         const uint32_t p = me->nranks ? me->nranks : 1, d = id->nranks ? id->nranks : 1;
         char why[400];
-        uint32_t heads;
-        if (kvf_tp_check(&me->layout, p, &id->layout, d, 0, &heads, why, sizeof(why)) < 0)
+        /* (Block sizes differ: never whole blocks, so a plan has pieces or is refused.) */
+        if (kvf_tp_pair_plan(&me->layout, p, me->rank, &id->layout, d, id->rank, &c->plan, why, sizeof(why)) < 0)
                 return kvf_err_set(-EXDEV, "%s", why);
-        if (kvf_tp_plan(&me->layout, p, me->rank, &id->layout, d, id->rank, heads, &c->plan) < 0)
-                return kvf_err_set(-EXDEV, "%s", kvf_err_msg());
-        if (!c->plan.npieces)
-                return kvf_err_set(-EXDEV, "prefill rank %u of %u sends decode rank %u of %u none of its heads",
-                                   me->rank, p, id->rank, d);
         kvf_info("rdma to '%s' (rank %u of %u, %u tokens/block; this is rank %u of %u, %u tokens/block): "
                  "tokens regrouped, %u pieces per %u source blocks, a work request per piece",
                  c->xp->p->name, id->rank, d, id->layout.block_size, me->rank, p, me->layout.block_size,
@@ -489,6 +484,20 @@ static void fill_done(struct rconn *c, unsigned i, unsigned s, struct xfer *x)
         c->wrs[i] = (struct ibv_send_wr){.opcode = IBV_WR_SEND, .sg_list = &c->sges[i], .num_sge = 1};
 }
 
+/* xp->mu held: slot sl holds a write of c->cur's frame f, the last of it (the slot owns the
+ * frame) or one before its last (f's transfer held; the frame stays c->cur's). */
+static void slot_own(struct rconn *c, struct slot *sl, struct frame *f, bool last)
+{
+        sl->f = f;
+        if (last) {
+                c->cur = NULL;
+        } else {
+                sl->part = true;
+                sl->x = f->x;
+                xfer_hold(f->x);
+        }
+}
+
 /* xp->mu held: slot s is finished: its frame sent (or given back), its done message let go. */
 static void slot_end(struct rconn *c, uint64_t seq, bool sent)
 {
@@ -575,7 +584,6 @@ static int post_some(struct rconn *c)
                          * caches: one head per rank, MLA's latent, consecutive block ids). */
                         fill_write(c, n, f, c->cur_k, dpos);
                         c->cur_x++;
-                        sl->f = f;
                         uint64_t src, roff, len;
                         while (piece_at(c, f, &dpos)) {
                                 piece_addr(c, f, c->cur_k, dpos, &src, &roff, &len);
@@ -587,13 +595,7 @@ static int post_some(struct rconn *c)
                                 blocks++;
                                 c->cur_x++;
                         }
-                        if (!piece_at(c, f, &dpos)) {
-                                c->cur = NULL; /* the last: this slot owns the frame */
-                        } else {
-                                sl->part = true;
-                                sl->x = f->x;
-                                xfer_hold(f->x);
-                        }
+                        slot_own(c, sl, f, !piece_at(c, f, &dpos));
                         blocks++;
                         bytes += c->sges[n].length;
                         writes++;
@@ -606,14 +608,7 @@ static int post_some(struct rconn *c)
                                 /* One work request per block's head slice: slices of consecutive
                                  * blocks are never contiguous (a slice shorter than its block). */
                                 fill_write(c, n, f, c->cur_k++, 0);
-                                sl->f = f;
-                                if (c->cur_k == f->nblocks) {
-                                        c->cur = NULL; /* the last: this slot owns the frame */
-                                } else {
-                                        sl->part = true;
-                                        sl->x = f->x;
-                                        xfer_hold(f->x);
-                                }
+                                slot_own(c, sl, f, c->cur_k == f->nblocks);
                                 blocks++;
                         }
                         bytes += c->sges[n].length;

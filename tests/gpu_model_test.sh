@@ -25,11 +25,12 @@ for model in ${KVF_HF_MODELS:-llama qwen2 deepseek-v3}; do
   read -r -a SHAPE <<<"$("$PY" examples/hf/run.py --model "$model" --instance-flags)"
   # KVF_HF_UP_ARGS: more `up` options for both instances (e.g. --executor sender).
   # KVF_HF_CACHES=engine: the engines allocate their caches with PyTorch and register them.
+  # KVF_HF_TRANSPORTS: the transports to run (default "ipc tcp").
   # shellcheck disable=SC2086
   up $TAG-$model-d --role decode --backend cuda "${SHAPE[@]}" --blocks 512 --caches ${KVF_HF_CACHES:-own} ${KVF_HF_UP_ARGS:-}
   # shellcheck disable=SC2086
   up $TAG-$model-p --role prefill --backend cuda "${SHAPE[@]}" --blocks 512 --caches ${KVF_HF_CACHES:-own} ${KVF_HF_UP_ARGS:-}
-  for tr in ipc tcp; do
+  for tr in ${KVF_HF_TRANSPORTS:-ipc tcp}; do
     out=$KVFERRY_RUN_DIR/hf-$model-$tr.txt
     "$PY" examples/hf/run.py --model "$model" --transport $tr --prompts "${KVF_HF_PROMPTS:-20}" --caches "${KVF_HF_CACHES:-own}" \
       --prefill $TAG-$model-p --decode $TAG-$model-d >"$out" 2>&1 ||

@@ -244,6 +244,12 @@ static inline uint64_t kvf_cache_contig(const struct kvf_cache *c, uint64_t off)
  * Any other backend: 0.
  */
 int kvf_cache_refresh(struct kvf_cache *c);
+/*
+ * Keep c's mapping as it is between these two (the engine's caches: no refresh replaces it
+ * meanwhile; the lock of the staged copies, held for reading). Any other backend: nothing.
+ */
+void kvf_cache_hold(struct kvf_cache *c);
+void kvf_cache_release(struct kvf_cache *c);
 
 /* Host memory on both sides: copy a batch's runs with the CPU, each run split where either
  * cache's memory is not contiguous. 0, or -EIO (a cache not mapped there: kvf_err says). */

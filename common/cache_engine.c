@@ -41,6 +41,18 @@ int kvf_cache_refresh(struct kvf_cache *c)
         return rc;
 }
 
+void kvf_cache_hold(struct kvf_cache *c)
+{
+        if (c->be && c->be->id == KVF_BACKEND_ENGINE)
+                pthread_rwlock_rdlock(&map_lock);
+}
+
+void kvf_cache_release(struct kvf_cache *c)
+{
+        if (c->be && c->be->id == KVF_BACKEND_ENGINE)
+                pthread_rwlock_unlock(&map_lock);
+}
+
 static int engine_create(struct kvf_ctl_header *h, const struct kvf_cache_opts *o)
 {
         (void)o;

@@ -31,7 +31,7 @@ enum fid {
         PROOF, LAYER_COUNT, L_LAYERS, L_EXTRA, L_BLOCKS, L_HEADS, L_BSIZE, L_HDIM, L_DTYPE, L_KEYONLY,
         L_RANK, L_NRANKS, L_TOKEN_MAJOR, DECODE_TP,
         SESSION, WITHDRAW, DEVICE_IDS, PEER_SESSION, RDMA_PORT, RDMA_ADDR, RDMA_LEN, RDMA_RKEY,
-        RDMA_TICKET, NFIELDS
+        RDMA_TICKET, RDMA_PARTS, NFIELDS
 };
 
 static const struct field fields[NFIELDS] = {
@@ -91,6 +91,7 @@ static const struct field fields[NFIELDS] = {
         [RDMA_LEN] = FU("rdma_len", rdma_len),
         [RDMA_RKEY] = FU("rdma_rkey", rdma_rkey),
         [RDMA_TICKET] = {"rdma_ticket", F_BIN32, offsetof(struct kvf_record, rdma_ticket), 32},
+        [RDMA_PARTS] = FI("rdma_parts", rdma_parts, n_rdma_parts),
 };
 _Static_assert(NFIELDS <= 64, "fields are tracked in a 64-bit mask");
 
@@ -173,7 +174,7 @@ static const struct spec specs[KVF_RT_WIRE_MAX + 1] = {
         [KVF_RT_WELCOME] = {"welcome",
                             USES({INSTANCE, R}, {ROLE, R}, {GENERATION, R}, {BOOT_ID, R},
                                  LAYOUT_USES, {RDMA_PORT, Z}, {RDMA_ADDR, Z}, {RDMA_LEN, Z},
-                                 {RDMA_RKEY, Z}, {RDMA_TICKET, Z}),
+                                 {RDMA_RKEY, Z}, {RDMA_TICKET, Z}, {RDMA_PARTS, Z}),
                             false},
         [KVF_RT_REFUSE] = {"refuse", USES({STATUS, R}, {REASON, 0}), false},
         [KVF_RT_NOTICE] = {"notice",
@@ -214,8 +215,9 @@ void kvf_record_free(struct kvf_record *r)
         free(r->src);
         free(r->dst);
         free(r->runs);
-        r->src = r->dst = r->runs = NULL;
-        r->n_src = r->n_dst = r->n_runs = 0;
+        free(r->rdma_parts);
+        r->src = r->dst = r->runs = r->rdma_parts = NULL;
+        r->n_src = r->n_dst = r->n_runs = r->n_rdma_parts = 0;
 }
 
 /* ---- decoding ---- */
@@ -719,7 +721,7 @@ int kvf_record_encode(const struct kvf_record *r, void *buf, size_t cap)
 
 size_t kvf_record_encoded_max(const struct kvf_record *r)
 {
-        return 1024 + ((size_t)r->n_src + r->n_dst + r->n_runs) * 5;
+        return 1024 + ((size_t)r->n_src + r->n_dst + r->n_runs + r->n_rdma_parts) * 5;
 }
 
 int kvf_record_encode_alloc(const struct kvf_record *r, uint8_t **buf, size_t *len)

@@ -132,6 +132,10 @@ struct kvf_record {
          * ticket the peer's rdma_cm connect must carry (binds it to this handshake) */
         uint64_t rdma_port, rdma_addr, rdma_len, rdma_rkey;
         uint8_t rdma_ticket[32];
+        /* ... and a cache in parts (one allocation per tensor, or the engine's views): per
+         * (layer, tensor) in kvf_layout_offset order, RDMA_PART_WORDS words (rdma.h) */
+        uint32_t *rdma_parts;
+        uint32_t n_rdma_parts;
         uint64_t layer;
         uint64_t layer_count; /* write batch: layers [layer, layer + layer_count) */
         uint64_t blocks;

@@ -20,8 +20,9 @@
 
 /* 2: tcp data connections may carry gathered frames (KVF_RT_DATAV, connector/tcp.h).
  * 3: and regrouped frames (KVF_RT_DATAR) to a rank of another block size; OPEN and XOPEN carry
- *    the source block count of such a transfer (`blocks`). */
-#define PROTO_VERSION 3u
+ *    the source block count of such a transfer (`blocks`).
+ * 4: the welcome of an rdma data connection to a cache in parts carries its table (`rdma_parts`). */
+#define PROTO_VERSION 4u
 
 int conn_send_record(int fd, const struct kvf_record *r, unsigned timeout_ms)
 {
@@ -41,7 +42,7 @@ int conn_send_record(int fd, const struct kvf_record *r, unsigned timeout_ms)
 /* Receive a record of type `want`; a REFUSE becomes -EACCES with its reason and *status. */
 static int recv_record(int fd, int want, struct kvf_record *r, unsigned timeout_ms, int *status)
 {
-        static _Thread_local uint8_t buf[16384];
+        static _Thread_local uint8_t buf[65536]; /* (an rdma welcome's table: 25 bytes a tensor) */
         struct kvf_frame_hdr h;
         int rc = kvf_net_recv_frame(fd, &h, buf, sizeof(buf), timeout_ms);
         memset(r, 0, sizeof(*r));
@@ -336,10 +337,12 @@ int conn_handshake_server(struct connector *cn, int fd, struct peer_identity *ou
         /* The transport's own fields (rdma: where its writes go, and the key). */
         if (t && t->welcome && (rc = t->welcome(cn, out, &r, tstate)) < 0) {
                 snprintf(reason, sizeof(reason), "%s", kvf_err_msg());
-                refuse(fd, KVF_STATUS_CONNECTION, reason, to);
+                refuse(fd, rc == -ENODATA ? KVF_STATUS_ENGINE_GONE : KVF_STATUS_CONNECTION, reason, to);
                 return kvf_err_set(rc, "handshake with '%s': %s", out->instance, reason);
         }
-        if ((rc = conn_send_record(fd, &r, to)) < 0) {
+        rc = conn_send_record(fd, &r, to);
+        kvf_record_free(&r); /* (the transport's tables) */
+        if (rc < 0) {
                 if (*tstate && t->welcome_undo)
                         t->welcome_undo(cn, *tstate);
                 *tstate = NULL;

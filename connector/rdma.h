@@ -79,11 +79,51 @@ int rdma_device_addr(const char *name, struct sockaddr_in *out);
  * memory as it is, GPU memory through a dma-buf, else as peer memory. The
  * region, and in *how (may be NULL) which way it went; NULL with kvf_err
  * saying why (both reasons for GPU memory, and what would make it work).
+ * A cache in one allocation only (c->parts NULL).
  */
 struct ibv_mr *rdma_reg_cache(struct ibv_pd *pd, struct kvf_cache *c, int access, const char **how);
+
+/*
+ * A cache registered with one protection domain, whatever its shape: one
+ * memory region for a cache in one allocation; for a cache in parts (one GPU
+ * allocation per tensor, or the engine's registered views) a region per span
+ * of memory its parts cover (parts that overlap, as blocks-first views do, or
+ * that follow each other in host memory, share one), and the region of each
+ * part. Registering pins the pages: a registration of the engine's caches
+ * holds the memory of the generation it was made of (reg_gen) until freed.
+ */
+struct rdma_mrs {
+        uint32_t n;
+        struct ibv_mr **mr;
+        uint32_t *part_mr;   /* a cache in parts: part i's region is mr[part_mr[i]]; else NULL */
+        uint32_t n_parts;
+        uint64_t part_bytes; /* the cache's, for the lookups */
+        uint64_t reg_gen;    /* the cache's reg_gen when registered (0: not the engine's caches) */
+        unsigned refs;       /* rdma_dev.c's sharing of the sending side's registration */
+};
+/* 0 and *out, or -errno with kvf_err set (nothing left registered). */
+int rdma_reg_mrs(struct ibv_pd *pd, struct kvf_cache *c, int access, struct rdma_mrs **out, const char **how);
+void rdma_mrs_free(struct rdma_mrs *m);
+/* The region holding byte `off` of the cache (in kvf_layout_offset order, checked by the caller). */
+static inline const struct ibv_mr *rdma_mrs_at(const struct rdma_mrs *m, uint64_t off)
+{
+        return m->mr[m->part_mr ? m->part_mr[off / m->part_bytes] : 0];
+}
+
+/* The welcome's rdma_parts: per part, its address (high and low words), its block stride
+ * (high, low) and its region's remote key. */
+#define RDMA_PART_WORDS 5u
+/* The table of cache c registered as m: 0 and *words (malloc'd, *n of them), or -ENOMEM. */
+int rdma_mrs_table(const struct kvf_cache *c, const struct rdma_mrs *m, uint32_t **words, uint32_t *n);
+
 /* The registration of this instance's own cache on `ctx` (prefill side: the source of
- * writes), made once per device and kept: its lkey in *lkey, its PD in *pd. */
-int rdma_local_mr(struct connector *cn, struct ibv_context *ctx, struct ibv_pd **pd, uint32_t *lkey);
+ * writes), made once per device and per registration of the engine's caches, shared by the
+ * connections (a reference each: rdma_local_mrs_put): its PD in *pd. 0, or -errno (kvf_err). */
+int rdma_local_mrs(struct connector *cn, struct ibv_context *ctx, struct ibv_pd **pd, struct rdma_mrs **out);
+void rdma_local_mrs_put(struct connector *cn, struct rdma_mrs *m);
+/* The engine's caches: can rdma carry them now? 0 (any other cache too); -ENODATA not
+ * registered yet (or any more), -EPROTONOSUPPORT GPU memory; why says it. */
+int rdma_engine_caches_why(struct connector *cn, char *why, size_t whylen);
 /* Wait (at most timeout_ms) for the next event on channel ec; it must be `want`. 0 and *ev
  * (the caller acks it), or -errno with kvf_err set. */
 int rdma_cm_wait(struct rdma_event_channel *ec, enum rdma_cm_event_type want, unsigned timeout_ms,

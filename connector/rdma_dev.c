@@ -12,8 +12,10 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "atomics.h"
 #include "clock.h"
 #include "err.h"
+#include "layout.h"
 #include "log.h"
 #include "rdma.h"
 #include "rdma_state.h"
@@ -78,10 +80,53 @@ int rdma_device_addr(const char *name, struct sockaddr_in *out)
         return 0;
 }
 
-int rdma_local_mr(struct connector *cn, struct ibv_context *ctx, struct ibv_pd **pd, uint32_t *lkey)
+/* st->mu held: drop a reference; the last one deregisters. */
+static void mrs_put_locked(struct rdma_mrs *m)
+{
+        if (m && --m->refs == 0)
+                rdma_mrs_free(m);
+}
+
+void rdma_local_mrs_put(struct connector *cn, struct rdma_mrs *m)
 {
         struct rdma_state *st = rdma_state(cn);
+        if (!m)
+                return;
+        pthread_mutex_lock(&st->mu);
+        mrs_put_locked(m);
+        pthread_mutex_unlock(&st->mu);
+}
+
+int rdma_engine_caches_why(struct connector *cn, char *why, size_t whylen)
+{
+        const struct kvf_ctl_header *h = cn->ctl.hdr;
+        why[0] = 0;
+        if (cn->cache.be->id != KVF_BACKEND_ENGINE)
+                return 0;
+        if (h->reg_gpu) {
+                snprintf(why, whylen, "rdma needs the engine's caches in host memory; those of '%s' are GPU "
+                         "memory (tcp carries them)", h->instance);
+                return -EPROTONOSUPPORT;
+        }
+        if (!(kvf_load_acquire(&h->reg_generation) & 1)) {
+                snprintf(why, whylen, "instance '%s' is waiting for the engine's caches: register them first "
+                         "(kvf_register_caches, Client.register_caches)", h->instance);
+                return -ENODATA;
+        }
+        return 0;
+}
+
+int rdma_local_mrs(struct connector *cn, struct ibv_context *ctx, struct ibv_pd **pd, struct rdma_mrs **out)
+{
+        struct rdma_state *st = rdma_state(cn);
+        char why[KVF_REASON_MAX];
         int rc = 0;
+        /* The engine's caches: the registration mapped now (one the engine made since the last
+         * use replaces the old mapping here, and its memory gets its own regions below). */
+        if (kvf_cache_refresh(&cn->cache) < 0)
+                return kvf_err_ctx(-EIO, "rdma: the engine's caches");
+        if ((rc = rdma_engine_caches_why(cn, why, sizeof(why))) < 0)
+                return kvf_err_set(rc, "%s", why);
         pthread_mutex_lock(&st->mu);
         struct rdma_dev *d = st->devs;
         while (d && d->ctx != ctx)
@@ -89,30 +134,45 @@ int rdma_local_mr(struct connector *cn, struct ibv_context *ctx, struct ibv_pd *
         if (!d) {
                 d = calloc(1, sizeof(*d));
                 if (!d) {
-                        rc = -ENOMEM;
+                        rc = kvf_err_set(-ENOMEM, "rdma: out of memory");
                         goto out;
                 }
                 d->ctx = ctx;
-                d->pd = ibv_alloc_pd(ctx);
-                /* The source of writes only: no remote access at all. */
-                const char *how = NULL;
-                d->mr = d->pd ? rdma_reg_cache(d->pd, &cn->cache, IBV_ACCESS_LOCAL_WRITE, &how) : NULL;
-                if (!d->mr) {
-                        rc = d->pd ? kvf_err_ctx(-EIO, "rdma")
-                                   : kvf_err_set(-EIO, "rdma: no protection domain on %s",
-                                                 ibv_get_device_name(ctx->device));
-                        if (d->pd)
-                                ibv_dealloc_pd(d->pd);
+                if (!(d->pd = ibv_alloc_pd(ctx))) {
+                        rc = kvf_err_set(-EIO, "rdma: no protection domain on %s", ibv_get_device_name(ctx->device));
                         free(d);
                         goto out;
                 }
-                kvf_info("rdma: this cache (%llu bytes, %s) registered on %s for sending",
-                         (unsigned long long)cn->cache.bytes, how, ibv_get_device_name(ctx->device));
                 d->next = st->devs;
                 st->devs = d;
         }
+        kvf_cache_hold(&cn->cache);
+        if (d->mrs && d->mrs->reg_gen != cn->cache.reg_gen) {
+                /* Registered anew: new connections use the new memory; the old regions go with
+                 * the last connection that used them. */
+                mrs_put_locked(d->mrs);
+                d->mrs = NULL;
+        }
+        if (!d->mrs) {
+                /* The source of writes only: no remote access at all. */
+                const char *how = NULL;
+                struct rdma_mrs *m;
+                if ((rc = rdma_reg_mrs(d->pd, &cn->cache, IBV_ACCESS_LOCAL_WRITE, &m, &how)) < 0) {
+                        kvf_cache_release(&cn->cache);
+                        rc = kvf_err_ctx(rc, "rdma");
+                        goto out;
+                }
+                m->refs = 1; /* the device's own */
+                d->mrs = m;
+                kvf_info("rdma: this cache (%llu bytes, %s) registered on %s for sending: %u region%s",
+                         (unsigned long long)kvf_layout_offset(&cn->ctl.hdr->layout,
+                                                               kvf_layout_layers(&cn->ctl.hdr->layout), 0, 0),
+                         how, ibv_get_device_name(ctx->device), m->n, m->n == 1 ? "" : "s");
+        }
+        kvf_cache_release(&cn->cache);
+        d->mrs->refs++;
         *pd = d->pd;
-        *lkey = d->mr->lkey;
+        *out = d->mrs;
 out:
         pthread_mutex_unlock(&st->mu);
         return rc;
@@ -201,7 +261,17 @@ static int rdma_init(struct connector *cn)
         cn->transport[conn_transport_index(&conn_rdma_transport)] = st;
         /* One-sided writes need the cache's own memory, registered: host memory, or GPU
          * memory a NIC can reach (rdma_mr.c). */
-        if (!cn->cache.host && !cn->cache.be->dmabuf) {
+        if (cn->cache.be->id == KVF_BACKEND_ENGINE) {
+                /* The engine's caches: their memory is known once registered, at each use
+                 * (rdma_engine_caches_why); GPU memory is known now. */
+                if (cn->ctl.hdr->reg_gpu)
+                        rdma_engine_caches_why(cn, st->no_cache, sizeof(st->no_cache));
+                if (st->no_cache[0]) {
+                        snprintf(st->unavailable, sizeof(st->unavailable), "%s", st->no_cache);
+                        kvf_info("rdma: %s", st->no_cache);
+                        return 0;
+                }
+        } else if (!cn->cache.host && !cn->cache.be->dmabuf) {
                 snprintf(st->no_cache, sizeof(st->no_cache),
                          "rdma needs a host cache used in place; this one (backend %s) is not",
                          cn->cache.be->name);
@@ -209,7 +279,10 @@ static int rdma_init(struct connector *cn)
                 kvf_info("rdma: %s", st->no_cache);
                 return 0;
         }
-        if (!cn->cache.host) { /* GPU memory: say now whether a NIC can be given it */
+        if (cn->cache.parts && !cn->cache.host) {
+                kvf_info("rdma: the GPU cache is one allocation per tensor: NICs register each as peer memory "
+                         "(nvidia_peermem)");
+        } else if (!cn->cache.host && cn->cache.be->dmabuf) { /* GPU memory: can a NIC be given it? */
                 int fd;
                 uint64_t len;
                 if (cn->cache.be->dmabuf(&cn->cache, &fd, &len) == 0) {
@@ -272,7 +345,7 @@ static void rdma_fini(struct connector *cn)
         while (st->devs) {
                 struct rdma_dev *d = st->devs;
                 st->devs = d->next;
-                ibv_dereg_mr(d->mr);
+                mrs_put_locked(d->mrs); /* (connections are gone: the last reference) */
                 ibv_dealloc_pd(d->pd);
                 free(d);
         }

@@ -8,10 +8,16 @@
  * works where the nvidia_peermem module is loaded); where neither works the
  * message gives both reasons and the way out. Kept apart from the transport
  * so that a program can register a cache without a connector
- * (tests/gpu_rdma_reg_test.c).
+ * (tests/rdma_reg_test.c).
+ *
+ * A cache in parts (rdma_reg_mrs) is registered a span at a time: the
+ * parts' extents sorted by address and merged where they overlap (the
+ * engine's blocks-first views interleave) or, in host memory, touch; GPU
+ * spans are registered as peer memory, each allocation on its own.
  */
 #include <errno.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 
@@ -24,9 +30,8 @@ struct ibv_mr *rdma_reg_cache(struct ibv_pd *pd, struct kvf_cache *c, int access
         struct ibv_mr *mr;
         char dmabuf_why[200] = "";
 
-        if (c->parts) { /* one allocation per tensor: a region here would span unrelated memory */
-                kvf_err_set(-EOPNOTSUPP, "the cache on %s is one GPU allocation per tensor (made for "
-                            "FastDeploy's workers): rdma needs one; tcp carries it", dev);
+        if (c->parts) { /* a region over base would span unrelated memory */
+                kvf_err_set(-EINVAL, "the cache on %s is in parts: register it with rdma_reg_mrs", dev);
                 return NULL;
         }
         if (c->host || !c->be->dmabuf) {
@@ -71,4 +76,133 @@ struct ibv_mr *rdma_reg_cache(struct ibv_pd *pd, struct kvf_cache *c, int access
             "meanwhile",
             (unsigned long long)c->bytes, c->be->name, dev, dmabuf_why, strerror(e));
         return NULL;
+}
+
+/* The bytes from part i's address to the end of its last block. */
+static uint64_t part_extent(const struct kvf_cache *c, uint32_t i)
+{
+        const uint64_t bb = c->layout.block_bytes, nb = c->layout.num_blocks;
+        if (!c->strides || !nb)
+                return c->part_bytes;
+        return (nb - 1) * c->strides[i] + bb;
+}
+
+struct extent {
+        uintptr_t a, e;
+        uint32_t part;
+};
+
+static int by_addr(const void *x, const void *y)
+{
+        const struct extent *p = x, *q = y;
+        return p->a < q->a ? -1 : p->a > q->a;
+}
+
+void rdma_mrs_free(struct rdma_mrs *m)
+{
+        if (!m)
+                return;
+        for (uint32_t i = 0; i < m->n; i++)
+                ibv_dereg_mr(m->mr[i]);
+        free(m->mr);
+        free(m->part_mr);
+        free(m);
+}
+
+static int reg_parts(struct ibv_pd *pd, struct kvf_cache *c, int access, struct rdma_mrs *m)
+{
+        const char *dev = ibv_get_device_name(pd->context->device);
+        const uint32_t np = c->n_parts;
+        struct extent *x = calloc(np, sizeof(*x));
+        m->part_mr = calloc(np, sizeof(*m->part_mr));
+        m->mr = calloc(np, sizeof(*m->mr));
+        if (!x || !m->part_mr || !m->mr) {
+                free(x);
+                return kvf_err_set(-ENOMEM, "out of memory");
+        }
+        m->n_parts = np;
+        for (uint32_t i = 0; i < np; i++) {
+                if (!c->parts[i]) {
+                        free(x);
+                        return kvf_err_set(-EINVAL, "part %u of the cache is not mapped", i);
+                }
+                x[i] = (struct extent){.a = (uintptr_t)c->parts[i], .e = (uintptr_t)c->parts[i] + part_extent(c, i),
+                                       .part = i};
+        }
+        qsort(x, np, sizeof(*x), by_addr);
+        int rc = 0;
+        for (uint32_t i = 0, j; i < np && rc == 0; i = j) {
+                uintptr_t end = x[i].e;
+                /* GPU allocations never merge (a region may not cross one); host memory does */
+                for (j = i + 1; j < np && (x[j].a < end || (c->host && x[j].a == end)); j++)
+                        if (x[j].e > end)
+                                end = x[j].e;
+                struct ibv_mr *mr = ibv_reg_mr(pd, (void *)x[i].a, end - x[i].a, access);
+                if (!mr) {
+                        int e = errno ? errno : EIO;
+                        if (c->host)
+                                rc = kvf_err_set(-e, "registering the cache's memory at %#llx (%llu bytes, parts of "
+                                                 "%u tensors) on %s: %s",
+                                                 (unsigned long long)x[i].a, (unsigned long long)(end - x[i].a),
+                                                 j - i, dev, strerror(e));
+                        else
+                                rc = kvf_err_set(-EOPNOTSUPP, "registering the GPU cache's allocation at %#llx (%llu "
+                                                 "bytes) on %s as peer memory: %s. A GPU cache in parts (one "
+                                                 "allocation per tensor) is registered as peer memory only: it "
+                                                 "needs the nvidia_peermem module; tcp carries it meanwhile",
+                                                 (unsigned long long)x[i].a, (unsigned long long)(end - x[i].a),
+                                                 dev, strerror(e));
+                        break;
+                }
+                for (uint32_t k = i; k < j; k++)
+                        m->part_mr[x[k].part] = m->n;
+                m->mr[m->n++] = mr;
+        }
+        free(x);
+        return rc;
+}
+
+int rdma_reg_mrs(struct ibv_pd *pd, struct kvf_cache *c, int access, struct rdma_mrs **out, const char **how)
+{
+        struct rdma_mrs *m = calloc(1, sizeof(*m));
+        if (!m)
+                return kvf_err_set(-ENOMEM, "out of memory");
+        m->reg_gen = c->reg_gen;
+        m->part_bytes = c->part_bytes;
+        int rc = 0;
+        if (!c->parts) {
+                if (!(m->mr = calloc(1, sizeof(*m->mr))))
+                        rc = kvf_err_set(-ENOMEM, "out of memory");
+                else if (!(m->mr[0] = rdma_reg_cache(pd, c, access, how)))
+                        rc = -EIO; /* (kvf_err says why) */
+                else
+                        m->n = 1;
+        } else if ((rc = reg_parts(pd, c, access, m)) == 0 && how) {
+                *how = c->host ? "host memory, in parts" : "GPU memory in parts, as peer memory (nvidia_peermem)";
+        }
+        if (rc < 0) {
+                rdma_mrs_free(m);
+                return rc;
+        }
+        *out = m;
+        return 0;
+}
+
+int rdma_mrs_table(const struct kvf_cache *c, const struct rdma_mrs *m, uint32_t **words, uint32_t *n)
+{
+        uint32_t *w = calloc((size_t)c->n_parts * RDMA_PART_WORDS, sizeof(*w));
+        if (!w)
+                return kvf_err_set(-ENOMEM, "out of memory");
+        for (uint32_t i = 0; i < c->n_parts; i++) {
+                uint64_t a = (uintptr_t)c->parts[i], st = c->strides ? c->strides[i] : c->layout.block_bytes;
+                uint32_t *p = w + (size_t)i * RDMA_PART_WORDS;
+                p[0] = (uint32_t)(a >> 32);
+                p[1] = (uint32_t)a;
+                p[2] = (uint32_t)(st >> 32);
+                p[3] = (uint32_t)st;
+                p[4] = m->mr[m->part_mr[i]]->rkey;
+        }
+        *words = w;
+        *n = c->n_parts * RDMA_PART_WORDS;
+        return 0;
 }

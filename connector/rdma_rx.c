@@ -26,6 +26,7 @@
 #include "clock.h"
 #include "err.h"
 #include "landing.h"
+#include "layout.h"
 #include "log.h"
 #include "rdma.h"
 #include "rdma_state.h"
@@ -38,7 +39,7 @@ struct rx_conn {
         uint64_t gen;
         uint8_t ticket[RDMA_TICKET_LEN];
         struct ibv_pd *pd;
-        struct ibv_mr *mr; /* the peer's region: the cache, remote write */
+        struct rdma_mrs *mrs; /* the peer's regions: the cache, remote write */
         struct rdma_cm_id *id; /* the peer's connect, set by the listener (st->mu) */
         struct rdma_event_channel *ec;
         struct ibv_comp_channel *cc;
@@ -209,8 +210,7 @@ static void conn_free(struct rdma_state *st, struct rx_conn *c)
         if (c->buf_mr)
                 ibv_dereg_mr(c->buf_mr);
         free(c->bufs);
-        if (c->mr)
-                ibv_dereg_mr(c->mr);
+        rdma_mrs_free(c->mrs);
         rdma_id_destroy(c->id, c->ec);
         if (c->pd)
                 ibv_dealloc_pd(c->pd);
@@ -230,21 +230,35 @@ int rdma_welcome(struct connector *cn, const struct peer_identity *id, struct kv
         snprintf(c->peer, sizeof(c->peer), "%s", id->instance);
         c->gen = id->created_ns;
         /* The peer's own region: its own protection domain, so its key is worth nothing on
-         * any other peer's queue pair, and it goes when this connection ends. */
-        c->pd = ibv_alloc_pd(st->ctx);
-        c->mr = c->pd ? rdma_reg_cache(c->pd, &cn->cache, IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE, NULL)
-                      : NULL;
-        if (!c->mr || kvf_random(c->ticket, sizeof(c->ticket)) < 0) {
-                int e = errno ? errno : EIO;
+         * any other peer's queue pair, and it goes when this connection ends. The engine's
+         * caches: those registered now, and the connection ends when they are registered
+         * anew (rdma_serve). */
+        char why[KVF_REASON_MAX];
+        int rc = kvf_cache_refresh(&cn->cache) < 0 ? kvf_err_ctx(-EIO, "rdma: the engine's caches") : 0;
+        if (rc == 0 && (rc = rdma_engine_caches_why(cn, why, sizeof(why))) < 0)
+                rc = kvf_err_set(rc, "rdma into '%s': %s", cn->ctl.hdr->instance, why); /* (-ENODATA: for now) */
+        if (rc == 0 && !(c->pd = ibv_alloc_pd(st->ctx)))
+                rc = kvf_err_set(-EIO, "rdma: no protection domain for peer '%s'", id->instance);
+        if (rc == 0) {
+                kvf_cache_hold(&cn->cache);
+                rc = rdma_reg_mrs(c->pd, &cn->cache, IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE, &c->mrs, NULL);
+                if (rc < 0)
+                        rc = kvf_err_ctx(rc, "rdma: cannot register the cache for peer '%s'", id->instance);
+                else if (cn->cache.parts)
+                        rc = rdma_mrs_table(&cn->cache, c->mrs, &w->rdma_parts, &w->n_rdma_parts);
+                w->rdma_addr = cn->cache.parts ? 0 : (uint64_t)(uintptr_t)cn->cache.base; /* (parts: the table) */
+                kvf_cache_release(&cn->cache);
+        }
+        if (rc == 0 && kvf_random(c->ticket, sizeof(c->ticket)) < 0)
+                rc = kvf_err_set(-EIO, "rdma: no random ticket for peer '%s'", id->instance);
+        if (rc < 0) {
                 conn_free(st, c);
-                return c->pd && !c->mr ? kvf_err_ctx(-EIO, "rdma: cannot register the cache for peer '%s'", id->instance)
-                                       : kvf_err_set(-e, "rdma: cannot register the cache for peer '%s': %s",
-                                                     id->instance, strerror(e));
+                return rc;
         }
         w->rdma_port = st->port;
-        w->rdma_addr = (uint64_t)(uintptr_t)cn->cache.base;
-        w->rdma_len = cn->cache.bytes;
-        w->rdma_rkey = c->mr->rkey;
+        /* (the peer's cache as its layout says: a cache in parts has its table besides) */
+        w->rdma_len = kvf_layout_offset(&cn->ctl.hdr->layout, kvf_layout_layers(&cn->ctl.hdr->layout), 0, 0);
+        w->rdma_rkey = c->mrs->mr[0]->rkey;
         memcpy(w->rdma_ticket, c->ticket, RDMA_TICKET_LEN);
         pthread_mutex_lock(&st->mu);
         c->next = st->pending;
@@ -316,6 +330,15 @@ static int accept_conn(struct rdma_state *st, struct rx_conn *c, int fd)
         return 0;
 }
 
+/* The engine's caches were registered anew since this connection registered them: what the
+ * peer writes lands in memory that is no longer the cache. */
+static bool regions_stale(const struct rx_conn *c)
+{
+        const struct connector *cn = c->cn;
+        return cn->cache.be->id == KVF_BACKEND_ENGINE && c->mrs &&
+               c->mrs->reg_gen != kvf_load_acquire(&cn->ctl.hdr->reg_generation);
+}
+
 /* Take what the completion queue has. 0 while the connection is fine; < 0 (why) when it ends. */
 static int take_completions(struct rx_conn *c, char *why, size_t whylen)
 {
@@ -345,14 +368,22 @@ static int take_completions(struct rx_conn *c, char *why, size_t whylen)
                         /* Every write of the transfer before this SEND has landed (RC order). */
                         char fwhy[KVF_REASON_MAX] = "";
                         int status = ntohs(m.status);
-                        if (status)
+                        if (status && ntohs(m.wc_status))
                                 snprintf(fwhy, sizeof(fwhy), "the prefill side's rdma write of this request failed: %s",
                                          rdma_wc_str((enum ibv_wc_status)ntohs(m.wc_status)));
+                        else if (status) /* (given up before its writes: the prefill engine's caches went) */
+                                snprintf(fwhy, sizeof(fwhy), "the prefill side gave it up: %s", kvf_status_name(status));
                         /* GPU memory: what the NIC wrote is made visible to the GPU work after it
                          * (the engine's kernels) before the arrival can be published. */
                         else if (cn->cache.be->rdma_flush && cn->cache.be->rdma_flush(&cn->cache) < 0) {
                                 status = KVF_STATUS_WRITE;
                                 snprintf(fwhy, sizeof(fwhy), "%s", kvf_err_msg());
+                        } else if (regions_stale(c)) {
+                                status = KVF_STATUS_ENGINE_GONE;
+                                snprintf(fwhy, sizeof(fwhy), "the engine's caches of '%s' were %s during the "
+                                         "transfer: its bytes went to the old ones", cn->ctl.hdr->instance,
+                                         kvf_load_acquire(&cn->ctl.hdr->reg_generation) & 1 ? "registered anew"
+                                                                                           : "dropped");
                         }
                         int crc = conn_landing_complete(cn, c->peer, c->gen, be64toh(m.key),
                                                         be64toh(m.session), status, fwhy);
@@ -398,12 +429,20 @@ void rdma_serve(struct connector *cn, int fd, const struct peer_identity *id, co
                         break;
                 }
                 unsigned d = __atomic_load_n(&dereg_signals, __ATOMIC_RELAXED);
-                if (d != seen && c->mr) {
+                if (d != seen && c->mrs) {
                         /* Test hook (--rdma-test-dereg): the peer's writes now fail remotely. */
                         seen = d;
-                        ibv_dereg_mr(c->mr);
-                        c->mr = NULL;
+                        rdma_mrs_free(c->mrs);
+                        c->mrs = NULL;
                         kvf_warn("rdma: test: the region of peer '%s' deregistered (SIGUSR2)", id->instance);
+                }
+                if (regions_stale(c)) {
+                        /* Its regions pin the old memory: they go now (what completed before
+                         * is answered first, "engine gone"); the peer connects again and
+                         * registers the new memory. */
+                        if (take_completions(c, why, sizeof(why)) == 0)
+                                snprintf(why, sizeof(why), "the engine's caches were registered anew");
+                        break;
                 }
                 if (n <= 0)
                         continue;

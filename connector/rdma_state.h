@@ -7,11 +7,12 @@
 
 #include "rdma.h"
 
-/* This cache's registration on one device, for sending (prefill side). */
+/* This cache's registration on one device, for sending (prefill side): of the engine's
+ * caches, the registration's newest (older ones live as long as connections use them). */
 struct rdma_dev {
         struct ibv_context *ctx;
         struct ibv_pd *pd;
-        struct ibv_mr *mr;
+        struct rdma_mrs *mrs; /* a reference of its own; NULL until the first connection */
         struct rdma_dev *next;
 };
 

@@ -66,7 +66,7 @@ struct rconn {
         struct rdma_event_channel *ec;
         struct rdma_cm_id *id;
         struct ibv_pd *pd;
-        uint32_t lkey;
+        struct rdma_mrs *lm; /* this cache's registration (a reference to rdma_local_mrs's) */
         struct ibv_comp_channel *cc;
         struct ibv_cq *cq;
         unsigned cq_events;
@@ -78,15 +78,23 @@ struct rconn {
         unsigned depth, sig;
         uint64_t next_seq, done_seq; /* posted [done_seq, next_seq) not yet completed */
         uint64_t last_done_ns;
-        /* the peer's region and layout */
+        /* the peer's region and layout; a cache in parts: each (layer, tensor)'s address,
+         * block stride and key (rparts, nrparts of rpart_bytes each) */
         uint64_t raddr, rlen;
         uint32_t rkey;
         struct kvf_cache_layout rlay;
+        struct rpart {
+                uint64_t addr, stride;
+                uint32_t rkey;
+        } *rparts;
+        uint32_t nrparts;
+        uint64_t rpart_bytes;
         /* The peer is a rank of another tensor-parallel split (the handshake's identities): of
          * each block, slen bytes at soff go to doff of its destination block, one work request
          * per block. slen 0: whole blocks, one work request per frame (a run contiguous on both
          * sides). */
         uint32_t soff, doff, slen;
+        bool rstrided; /* the peer's blocks are not back to back (its table says so) */
         /* The peer's blocks hold another number of tokens: the plan's pieces of each source
          * block into the destination blocks (frames indexed by source position, x->n_src), a
          * work request per piece; npieces 0 otherwise. */
@@ -177,10 +185,67 @@ static void rconn_close(struct rconn *c)
         free(c->wrs);
         free(c->sges);
         kvf_tp_plan_free(&c->plan);
+        free(c->rparts);
+        /* (the protection domain stays: rdma_local_mrs's) */
+        rdma_local_mrs_put(c->xp->p->cn, c->lm);
         rdma_id_destroy(c->id, c->ec);
         if (c->fd >= 0)
                 close(c->fd);
-        /* (the protection domain and the cache's registration stay: rdma_local_mr's) */
+}
+
+/* The welcome's table of a peer's cache in parts (rdma.h RDMA_PART_WORDS a part): every part
+ * where its blocks fit, each block inside the part's own extent. 0, or -EPROTO (kvf_err). */
+static int remote_parts(struct rconn *c, const struct kvf_record *w, const char *peer)
+{
+        const struct kvf_cache_layout *L = &c->rlay;
+        const uint32_t np = kvf_layout_layers(L) * kvf_layout_tensors(L);
+        const uint64_t bb = L->block_bytes, nb = L->num_blocks;
+        if (!w->n_rdma_parts)
+                return 0;
+        if (w->n_rdma_parts != np * RDMA_PART_WORDS || !nb)
+                return kvf_err_set(-EPROTO, "peer '%s' offers an rdma table of %u words for %u tensors: refused",
+                                   peer, w->n_rdma_parts, np);
+        if (!(c->rparts = calloc(np, sizeof(*c->rparts))))
+                return kvf_err_set(-ENOMEM, "out of memory");
+        for (uint32_t i = 0; i < np; i++) {
+                const uint32_t *q = w->rdma_parts + (size_t)i * RDMA_PART_WORDS;
+                struct rpart *r = &c->rparts[i];
+                r->addr = (uint64_t)q[0] << 32 | q[1];
+                r->stride = (uint64_t)q[2] << 32 | q[3];
+                r->rkey = q[4];
+                if (!r->addr || r->stride < bb || r->stride > UINT64_MAX / nb ||
+                    r->addr + (nb - 1) * r->stride + bb < r->addr)
+                        return kvf_err_set(-EPROTO, "peer '%s' offers an rdma table whose tensor %u (at %#llx, blocks "
+                                           "%llu bytes apart) does not hold its blocks: refused", peer, i,
+                                           (unsigned long long)r->addr, (unsigned long long)r->stride);
+                c->rstrided |= r->stride != bb;
+        }
+        c->nrparts = np;
+        c->rpart_bytes = nb * bb;
+        return 0;
+}
+
+/* Blocks of this cache that are not back to back (the engine's strided views). */
+static bool strided(const struct kvf_cache *cache)
+{
+        if (cache->strides)
+                for (uint32_t i = 0; i < cache->n_parts; i++)
+                        if (cache->strides[i] != cache->layout.block_bytes)
+                                return true;
+        return false;
+}
+
+/* The peer's address of byte roff of its cache (in its layout's order), and its key. */
+static uint64_t remote_at(const struct rconn *c, uint64_t roff, uint32_t *rkey)
+{
+        if (!c->nrparts) {
+                *rkey = c->rkey;
+                return c->raddr + roff;
+        }
+        const uint64_t bb = c->rlay.block_bytes, r = roff % c->rpart_bytes;
+        const struct rpart *p = &c->rparts[roff / c->rpart_bytes];
+        *rkey = p->rkey;
+        return p->addr + r / bb * p->stride + r % bb;
 }
 
 /* The peer's blocks hold another number of tokens: the plan of this rank's pieces towards it
@@ -239,6 +304,10 @@ static int rconn_open(struct rconn *c, int *status)
         c->rlen = w.rdma_len;
         c->rkey = (uint32_t)w.rdma_rkey;
         c->rlay = id.layout;
+        rc = remote_parts(c, &w, id.instance);
+        kvf_record_free(&w);
+        if (rc < 0)
+                return rc;
         const struct kvf_ctl_header *me = cn->ctl.hdr;
         if (id.layout.block_size != me->layout.block_size) {
                 if ((rc = regroup_plan(c, &id)) < 0) {
@@ -301,8 +370,18 @@ static int rconn_open(struct rconn *c, int *status)
                 return kvf_err_ctx(rc, "rdma to %s", host);
         rdma_ack_cm_event(ev);
         struct ibv_context *ctx = c->id->verbs;
-        if ((rc = rdma_local_mr(cn, ctx, &c->pd, &c->lkey)) < 0)
+        if ((rc = rdma_local_mrs(cn, ctx, &c->pd, &c->lm)) < 0)
                 return rc;
+        /* Blocks not back to back on either side (the engine's blocks-first views): a work
+         * request per block, as for head slices, each its whole block. */
+        kvf_cache_hold(&cn->cache);
+        bool lstrided = strided(&cn->cache);
+        kvf_cache_release(&cn->cache);
+        if (!c->slen && !c->plan.npieces && (lstrided || c->rstrided)) {
+                c->slen = (uint32_t)me->layout.block_bytes;
+                kvf_info("rdma to '%s': the blocks of %s are not back to back: a work request per block",
+                         p->name, c->rstrided ? "the peer's cache" : "this cache");
+        }
 
         /* The send queue: as deep as asked, as deep as the device allows. */
         struct ibv_device_attr da;
@@ -434,41 +513,62 @@ static bool check_write(struct rconn *c, struct frame *f)
 }
 
 /* Regrouped frame f: piece cur_x of its source block k (consecutive in the source) into the
- * destination block at position dpos: the local address, the remote one and the length. */
+ * destination block at position dpos: its byte in this cache, in the peer's, and its length. */
 static void piece_addr(const struct rconn *c, const struct frame *f, uint32_t k, uint32_t dpos, uint64_t *src,
-                       uint64_t *raddr, uint64_t *len)
+                       uint64_t *roff, uint64_t *len)
 {
         const struct connector *cn = c->xp->p->cn;
         const struct kvf_tp_piece *pc = &c->plan.pieces[c->cur_x];
-        *src = (uintptr_t)cn->cache.base + f->src_off + (uint64_t)k * cn->ctl.hdr->layout.block_bytes + pc->soff;
-        *raddr = c->raddr + kvf_layout_offset(&c->rlay, f->layer, f->tensor, f->x->dst[dpos]) + pc->doff;
+        *src = f->src_off + (uint64_t)k * cn->ctl.hdr->layout.block_bytes + pc->soff;
+        *roff = kvf_layout_offset(&c->rlay, f->layer, f->tensor, f->x->dst[dpos]) + pc->doff;
         *len = pc->bytes;
 }
 
+/* Work request i: the write of len bytes from byte src of this cache to byte roff of the
+ * peer's (both in their layouts' order, checked, contiguous on both sides), with the keys of
+ * the regions that hold them. The cache's mapping is held (post_some). */
+static void set_write(struct rconn *c, unsigned i, uint64_t src, uint64_t roff, uint64_t len)
+{
+        struct connector *cn = c->xp->p->cn;
+        uint32_t rkey;
+        c->sges[i] = (struct ibv_sge){.addr = (uintptr_t)kvf_cache_addr(&cn->cache, src), .length = (uint32_t)len,
+                                      .lkey = rdma_mrs_at(c->lm, src)->lkey};
+        c->wrs[i] = (struct ibv_send_wr){.opcode = IBV_WR_RDMA_WRITE, .sg_list = &c->sges[i], .num_sge = 1};
+        c->wrs[i].wr.rdma.remote_addr = remote_at(c, roff, &rkey);
+        c->wrs[i].wr.rdma.rkey = rkey;
+}
+
+/* Does the write of len bytes from src to roff continue work request i on both sides (same
+ * regions, the bytes right after its own)? */
+static bool continues(const struct rconn *c, unsigned i, uint64_t src, uint64_t roff, uint64_t len)
+{
+        const struct connector *cn = c->xp->p->cn;
+        uint32_t rkey;
+        uint64_t ra = remote_at(c, roff, &rkey);
+        return (uintptr_t)kvf_cache_addr(&cn->cache, src) == c->sges[i].addr + c->sges[i].length &&
+               rdma_mrs_at(c->lm, src)->lkey == c->sges[i].lkey &&
+               ra == c->wrs[i].wr.rdma.remote_addr + c->sges[i].length && rkey == c->wrs[i].wr.rdma.rkey &&
+               c->sges[i].length + len <= RDMA_WRITE_MAX;
+}
+
 /* xp->mu held: fill work request i with the write of frame f (checked): the whole run; to a
- * rank of another split, block k's head slice; to a peer of another block size, piece cur_x of
- * block k into the destination block at position dpos. */
+ * rank of another split (or blocks not back to back), block k's head slice (its whole block);
+ * to a peer of another block size, piece cur_x of block k into the destination block at
+ * position dpos. */
 static void fill_write(struct rconn *c, unsigned i, struct frame *f, uint32_t k, uint32_t dpos)
 {
         struct connector *cn = c->xp->p->cn;
         uint64_t src = f->src_off, len = xfer_frame_bytes(c->xp, f);
         uint64_t roff = kvf_layout_offset(&c->rlay, f->layer, f->tensor, f->x->dst[f->index]);
         if (c->plan.npieces) {
-                uint64_t a, r;
-                piece_addr(c, f, k, dpos, &a, &r, &len);
-                src = a - (uintptr_t)cn->cache.base;
-                roff = r - c->raddr;
+                piece_addr(c, f, k, dpos, &src, &roff, &len);
         } else if (c->slen) {
                 /* A frame's blocks are consecutive in the source and (checked) the destination. */
                 src += (uint64_t)k * cn->ctl.hdr->layout.block_bytes + c->soff;
                 roff += (uint64_t)k * c->rlay.block_bytes + c->doff;
                 len = c->slen;
         }
-        c->sges[i] = (struct ibv_sge){.addr = (uintptr_t)(cn->cache.base + src), .length = (uint32_t)len,
-                                      .lkey = c->lkey};
-        c->wrs[i] = (struct ibv_send_wr){.opcode = IBV_WR_RDMA_WRITE, .sg_list = &c->sges[i], .num_sge = 1};
-        c->wrs[i].wr.rdma.remote_addr = c->raddr + roff;
-        c->wrs[i].wr.rdma.rkey = c->rkey;
+        set_write(c, i, src, roff, len);
 }
 
 /* xp->mu held: fill work request i with x's done message (slot s). */
@@ -518,6 +618,16 @@ static void slot_end(struct rconn *c, uint64_t seq, bool sent)
         *sl = (struct slot){0};
 }
 
+/* The engine's caches were registered anew since this connection registered them (or this
+ * process has not mapped the new ones yet): its regions are not the cache's memory now. */
+static bool local_stale(const struct rconn *c)
+{
+        const struct connector *cn = c->xp->p->cn;
+        return cn->cache.be->id == KVF_BACKEND_ENGINE &&
+               (c->lm->reg_gen != cn->cache.reg_gen ||
+                c->lm->reg_gen != kvf_load_acquire(&cn->ctl.hdr->reg_generation));
+}
+
 /*
  * Post what fits in the send queue as one chain: queued frames first, then
  * the done messages now due. Signalled: every sig-th work request, and the
@@ -533,6 +643,12 @@ static int post_some(struct rconn *c)
         unsigned room = c->depth - (unsigned)(c->next_seq - c->done_seq), n = 0, writes = 0;
         uint64_t bytes = 0, blocks = 0;
 
+        /* The addresses come from the cache's mapping: the one this connection registered. */
+        kvf_cache_hold(&cn->cache);
+        if (local_stale(c)) {
+                kvf_cache_release(&cn->cache);
+                return -ESTALE;
+        }
         pthread_mutex_lock(&xp->mu);
         while (n < room) {
                 uint64_t seq = c->next_seq + n;
@@ -587,9 +703,7 @@ static int post_some(struct rconn *c)
                         uint64_t src, roff, len;
                         while (piece_at(c, f, &dpos)) {
                                 piece_addr(c, f, c->cur_k, dpos, &src, &roff, &len);
-                                if (src != c->sges[n].addr + c->sges[n].length ||
-                                    roff != c->wrs[n].wr.rdma.remote_addr + c->sges[n].length ||
-                                    c->sges[n].length + len > RDMA_WRITE_MAX)
+                                if (!continues(c, n, src, roff, len))
                                         break;
                                 c->sges[n].length += (uint32_t)len;
                                 blocks++;
@@ -629,6 +743,7 @@ static int post_some(struct rconn *c)
         }
         bool qroom = xfer_has_room(xp);
         pthread_mutex_unlock(&xp->mu);
+        kvf_cache_release(&cn->cache);
         xfer_room(xp, qroom);
         if (n == 0)
                 return 0;
@@ -751,6 +866,30 @@ static int take_completions(struct rconn *c, char *why, size_t whylen)
         return rc < 0 ? rc : total;
 }
 
+/* This instance's engine caches were registered anew: what is not yet written would come
+ * from memory that holds no request's computation. Every transfer the peer has not had whole
+ * ends "engine gone": now, or (its notice out) by its done message, which tells the peer to
+ * answer so; nothing more of it is written. (One whose done message completed stays
+ * finished: its bytes came from the memory it was computed in.) */
+static void give_up_stale(struct rconn *c, const char *why)
+{
+        struct xfer_peer *xp = c->xp;
+        pthread_mutex_lock(&xp->mu);
+        for (struct xfer *x = xp->xfers, *nx; x; x = nx) {
+                nx = x->next;
+                struct rdma_xfer *rx = x->tp;
+                if (x->dead || rx->done_ok)
+                        continue;
+                if (!x->noticed) {
+                        xfer_fail_one(xp, x, KVF_STATUS_ENGINE_GONE, why);
+                } else if (!rx->fail_status) {
+                        rx->fail_status = KVF_STATUS_ENGINE_GONE;
+                        rx->fail_wc = 0;
+                }
+        }
+        pthread_mutex_unlock(&xp->mu);
+}
+
 /* Connected: post, complete, wait. Returns why it ended. */
 static int serve(struct rconn *c, char *why, size_t whylen)
 {
@@ -764,6 +903,13 @@ static int serve(struct rconn *c, char *why, size_t whylen)
                 if (c->next_seq == c->done_seq)
                         c->last_done_ns = kvf_now_ns();
                 int posted = post_some(c);
+                if (posted == -ESTALE) {
+                        /* (The connection goes; the next registers the new memory.) */
+                        snprintf(why, whylen, "the engine's caches of '%s' were registered anew during the "
+                                 "transfer", cn->ctl.hdr->instance);
+                        give_up_stale(c, why);
+                        return posted;
+                }
                 if (posted < 0) {
                         snprintf(why, whylen, "ibv_post_send: %s", strerror(-posted));
                         return posted;
@@ -878,7 +1024,13 @@ static void *rdma_main(void *arg)
                          * control connection handles the rest (as for tcp). */
                         bool permanent = status != KVF_STATUS_CONNECTION || rc == -EACCES ||
                                          rc == -EPROTONOSUPPORT || rc == -EPROTO || rc == -ENODEV;
-                        if (permanent) {
+                        if (status == KVF_STATUS_ENGINE_GONE || rc == -ENODATA) {
+                                /* The engine's caches, here or there, are not registered: no
+                                 * byte of any transfer can land, those noticed included; for
+                                 * now only: later ones try again. */
+                                kvf_errlog(&cn->ctl, KVF_ROLE_CONNECTOR, "%s", why);
+                                conn_xfer_fail_all(xp, KVF_STATUS_ENGINE_GONE, why);
+                        } else if (permanent) {
                                 /* Retrying will not help: fail the transfers, and those
                                  * opened after them at their open (until the peer is
                                  * connected anew), not after the request's timeout. */

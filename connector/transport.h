@@ -72,7 +72,10 @@ struct conn_transport {
 
         /* ---- handshake fields of its own, on its data connections ---- */
         /* Server side (decode): add fields to the WELCOME about to go out to the peer
-         * `id`; *state is handed to serve. NULL: none. -errno refuses the peer with kvf_err. */
+         * `id`; *state is handed to serve. NULL: none. -errno refuses the peer with kvf_err:
+         * -ENODATA for now only (nothing to receive into yet: the engine's caches are not
+         * registered), which fails its transfers "engine gone" and lets it try again; any
+         * other for good ("connection error"). */
         int (*welcome)(struct connector *cn, const struct peer_identity *id, struct kvf_record *w,
                        void **state);
         /* The WELCOME could not be sent: release what welcome made (serve never runs). */

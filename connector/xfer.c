@@ -539,19 +539,31 @@ void conn_xfer_refuse(struct xfer_peer *xp, int status, const char *reason)
         conn_xfer_fail_transport(xp, status, reason, 0);
 }
 
-void conn_xfer_refuse_all(struct xfer_peer *xp, int status, const char *reason)
+static void fail_all(struct xfer_peer *xp, int status, const char *reason, bool sticky)
 {
         /* Noticed ones too: the peer refuses every data connection, so no byte of them can land
          * and it can never publish them finished; failing them here cannot disagree with it. */
         pthread_mutex_lock(&xp->mu);
-        xp->refused_status = status;
-        snprintf(xp->refused, sizeof(xp->refused), "%s", reason);
+        if (sticky) {
+                xp->refused_status = status;
+                snprintf(xp->refused, sizeof(xp->refused), "%s", reason);
+        }
         for (struct xfer *x = xp->xfers, *nx; x; x = nx) {
                 nx = x->next;
                 fail_xfer(xp, x, status, reason);
                 drop(xp, x);
         }
         pthread_mutex_unlock(&xp->mu);
+}
+
+void conn_xfer_refuse_all(struct xfer_peer *xp, int status, const char *reason)
+{
+        fail_all(xp, status, reason, true);
+}
+
+void conn_xfer_fail_all(struct xfer_peer *xp, int status, const char *reason)
+{
+        fail_all(xp, status, reason, false);
 }
 
 void conn_xfer_fail(struct peer *p, int status, const char *reason, uint64_t older_than)

@@ -156,6 +156,8 @@ void conn_xfer_refuse(struct xfer_peer *xp, int status, const char *reason);
 /* As conn_xfer_refuse, and transfers whose notice is out fail too: for a refusal of every data
  * connection (the peer's layout is one this transport cannot carry), where nothing can land. */
 void conn_xfer_refuse_all(struct xfer_peer *xp, int status, const char *reason);
+/* As conn_xfer_refuse_all, for a refusal that holds for now only: later transfers try again. */
+void conn_xfer_fail_all(struct xfer_peer *xp, int status, const char *reason);
 /* xp->mu held: end transfer x now with `status` (a write error its data path met). */
 void xfer_fail_one(struct xfer_peer *xp, struct xfer *x, int status, const char *reason);
 /* Transfer x cannot go to a peer of peer_bsize tokens per block (this side's layout: ours):

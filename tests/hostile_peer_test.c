@@ -83,7 +83,7 @@ static int dial(const char *purpose, const uint8_t *tok, size_t tl)
         int fd = kvf_net_connect(host, (uint16_t)port, 2000);
         CHECK(fd >= 0);
         uint8_t nc[32], ns[32], want[32];
-        struct kvf_record r = {.type = KVF_RT_HELLO, .proto = 3};
+        struct kvf_record r = {.type = KVF_RT_HELLO, .proto = 4};
         kvf_random(nc, 32);
         memcpy(r.nonce, nc, 32);
         snprintf(r.purpose, sizeof(r.purpose), "%s", purpose);

@@ -9,6 +9,12 @@
  *   - the same backend with no dma-buf: registered as peer memory;
  *   - neither (no dma-buf, and an address range no device can pin): refused
  *     with both reasons and the way out in the message;
+ *   - caches in parts (rdma_reg_mrs): host parts that interleave (blocks-first
+ *     views) or follow each other share a region, a part elsewhere has its
+ *     own, every part's region covers its blocks and its key is in the
+ *     welcome's table; "GPU" parts that touch are never merged (a region
+ *     may not cross an allocation); a part whose pages cannot be pinned is
+ *     refused with the way out;
  *   - with --instance NAME, that instance's real cache (a GPU cache on a GPU
  *     machine): its dma-buf export (the file's size must be the cache's) and,
  *     where an RDMA device is, its registration.
@@ -79,6 +85,78 @@ static void check_mr(struct ibv_mr *mr, const struct kvf_cache *c, const char *h
         printf("ok: %s: %llu bytes registered (%s), lkey %#x rkey %#x\n", what,
                (unsigned long long)mr->length, how, mr->lkey, mr->rkey);
         CHECK_EQ(ibv_dereg_mr(mr), 0);
+}
+
+/* Every part's blocks inside its region; the welcome's table says each part's address,
+ * stride and key. */
+static void check_parts(const struct kvf_cache *c, const struct rdma_mrs *m)
+{
+        uint32_t *w, nw;
+        CHECK_EQ(rdma_mrs_table(c, m, &w, &nw), 0);
+        CHECK_EQ(nw, c->n_parts * RDMA_PART_WORDS);
+        for (uint32_t i = 0; i < c->n_parts; i++) {
+                const struct ibv_mr *mr = m->mr[m->part_mr[i]];
+                uint64_t st = c->strides ? c->strides[i] : c->layout.block_bytes;
+                uintptr_t a = (uintptr_t)c->parts[i], e = a + (c->layout.num_blocks - 1) * st + c->layout.block_bytes;
+                CHECK(a >= (uintptr_t)mr->addr && e <= (uintptr_t)mr->addr + mr->length);
+                CHECK(rdma_mrs_at(m, (uint64_t)i * c->part_bytes + c->part_bytes - 1) == mr);
+                const uint32_t *q = w + (size_t)i * RDMA_PART_WORDS;
+                CHECK_EQ((uint64_t)q[0] << 32 | q[1], (uint64_t)a);
+                CHECK_EQ((uint64_t)q[2] << 32 | q[3], st);
+                CHECK_EQ(q[4], mr->rkey);
+        }
+        free(w);
+}
+
+/* Caches in parts, as the engine's registrations and FastDeploy's tensors make them. */
+static void parts_cases(struct ibv_pd *pd)
+{
+        enum { NB = 16, BB = 4096, PB = NB * BB };
+        /* One mapping, so that what lies between the parts is known: a gap after each group. */
+        uint8_t *all = mmap(NULL, 7 * PB, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        CHECK(all != MAP_FAILED);
+        uint8_t *a = all, *b = all + 3 * PB, *c1 = all + 6 * PB;
+        /* parts 0, 1: blocks-first in a (K and V of a block side by side); 2, 3: back to back
+         * in b; 4: alone in c1 */
+        uint8_t *parts[5] = {a, a + BB, b, b + PB, c1};
+        uint64_t strides[5] = {2 * BB, 2 * BB, BB, BB, BB};
+        struct kvf_cache hc = {.be = &kvf_cache_host, .host = true, .device = -1, .parts = parts, .n_parts = 5,
+                               .part_bytes = PB, .strides = strides};
+        hc.layout.num_blocks = NB;
+        hc.layout.block_bytes = BB;
+        struct rdma_mrs *m = NULL;
+        const char *how = "";
+        CHECK_EQ(rdma_reg_mrs(pd, &hc, IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE, &m, &how), 0);
+        CHECK_EQ(m->n, 3);
+        CHECK(m->part_mr[0] == m->part_mr[1] && m->part_mr[2] == m->part_mr[3] && m->part_mr[0] != m->part_mr[2] &&
+              m->part_mr[4] != m->part_mr[0] && m->part_mr[4] != m->part_mr[2]);
+        check_parts(&hc, m);
+        printf("ok: host memory in 5 parts (2 interleaved, 2 back to back, 1 apart): %u regions (%s)\n", m->n, how);
+        rdma_mrs_free(m);
+
+        /* "GPU" parts (the stand-in backend): the two back to back in b stay apart. */
+        uint8_t *gparts[2] = {b, b + PB};
+        struct kvf_cache gc = {.be = &fake, .host = false, .device = 0, .parts = gparts, .n_parts = 2,
+                               .part_bytes = PB};
+        gc.layout.num_blocks = NB;
+        gc.layout.block_bytes = BB;
+        CHECK_EQ(rdma_reg_mrs(pd, &gc, IBV_ACCESS_LOCAL_WRITE, &m, &how), 0);
+        CHECK_EQ(m->n, 2);
+        CHECK(strstr(how, "peer memory"));
+        check_parts(&gc, m);
+        printf("ok: device memory in 2 parts that touch: %u regions, never one across them (%s)\n", m->n, how);
+        rdma_mrs_free(m);
+
+        /* A part nobody can pin: refused, nothing left registered. */
+        uint8_t *none = mmap(NULL, PB, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        CHECK(none != MAP_FAILED);
+        gparts[1] = none;
+        m = NULL;
+        CHECK(rdma_reg_mrs(pd, &gc, IBV_ACCESS_LOCAL_WRITE, &m, &how) < 0 && m == NULL);
+        CHECK(strstr(kvf_err_msg(), "nvidia_peermem") && strstr(kvf_err_msg(), "tcp carries it"));
+        printf("ok: a part that cannot be pinned: refused: %s\n", kvf_err_msg());
+        munmap(none, PB);
+        munmap(all, 7 * PB);
 }
 
 /* The instance's real cache: its dma-buf (checked through /proc/self/fdinfo) and, on pd, its
@@ -210,6 +288,7 @@ int main(int argc, char **argv)
         CHECK(strstr(m, "stand-in backend: no dma-buf here") && strstr(m, "as peer memory:") &&
               strstr(m, "nvidia_peermem") && strstr(m, "tcp carries GPU caches"));
         printf("ok: neither a dma-buf nor peer memory: refused: %s\n", m);
+        parts_cases(pd);
 
         int rc = instance ? check_instance(instance, pd) : 0;
         ibv_dealloc_pd(pd);

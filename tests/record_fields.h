@@ -60,6 +60,7 @@
         BIN(rdma_ticket)                                                                           \
         IDS(src, n_src, "src_block_ids")                                                           \
         IDS(dst, n_dst, "dest_block_ids")                                                          \
-        IDS(runs, n_runs, "runs")
+        IDS(runs, n_runs, "runs")                                                                  \
+        IDS(rdma_parts, n_rdma_parts, "rdma_parts")
 
 #endif

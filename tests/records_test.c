@@ -267,6 +267,14 @@ static void test_wire_round_trips(void)
                          "instance,role,generation,boot_id,%s,rdma_port,rdma_addr,rdma_len,rdma_rkey,rdma_ticket",
                          layout_keys);
                 round_trip("welcome (rdma)", &r, keys);
+                /* ... of a cache in parts: a table of words per (layer, tensor). */
+                r.rdma_parts = make_ids(r.n_rdma_parts = 62 * 5, 0x9e3779b1u);
+                snprintf(keys, sizeof(keys),
+                         "instance,role,generation,boot_id,%s,rdma_port,rdma_addr,rdma_len,rdma_rkey,rdma_ticket,"
+                         "rdma_parts",
+                         layout_keys);
+                round_trip("welcome (rdma, in parts)", &r, keys);
+                kvf_record_free(&r);
         }
         for (int st = 0; st < KVF_STATUS_COUNT; st++) {
                 struct kvf_record r = {.type = KVF_RT_REFUSE, .status = st};

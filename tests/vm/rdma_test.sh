@@ -22,7 +22,10 @@
 #      head slices imply; a prefill rank that sends a decode rank none of its heads: refused;
 #      tokens regrouped from 32-token prefill blocks into 16-token decode blocks (GQA 1 -> 2,
 #      MLA 2 -> 4): one work request per piece, the bytes exactly the pieces
-#   --part transport runs 0 to 6, --part mixed runs 7 (the ctest runs them as two commands of
+#   8. the engine's own caches (--caches engine), registered host memory on both sides, one of
+#      them blocks-first: verified, the work requests counted; registered anew on either side
+#      mid-run; the decode side's registration gone: refused for now, then finished again
+#   --part transport runs 0 to 6 and 8, --part mixed runs 7 (the ctest runs them as two commands of
 #      one VM, each within its own time limit); neither: all.
 #   --bench: also the work requests per request for the models of data/model-shapes.json, ours
 #      against one per block, and the throughput (EMULATED: qemu TCG + soft-RoCE)
@@ -128,6 +131,19 @@ done
 # 6. The decode connector killed mid-transfer.
 "$B/rdma_transport_test" --prefill $TAG-p --decode $TAG-d --case killmid --blocks 32 \
   --supervisor "$(sup_pid $TAG-d)" --timeout-ms 30000 || fail "decode connector killed"
+
+# 8. The engine's own caches (--caches engine) over rdma: host memory the test registers for
+# both sides (every prefill layer in one file; the decode side's blocks-first, blocks not back to
+# back), a region per file in each connection, registered anew when the engine registers new
+# memory; a decode side with nothing registered refuses for now, naming it.
+E="--layers 4 --kv-heads 2 --head-dim 64 --block-size 16 --dtype fp16 --blocks 64"
+up $TAG-ed --role decode --caches engine $E --listen "$DIP:7104" --peer-timeout-ms $PT
+up $TAG-ep --role prefill --caches engine $E --listen "$A:0" --peer-timeout-ms $PT
+"$B/rdma_transport_test" --prefill $TAG-ep --decode $TAG-ed --case engine --blocks 12 || fail "engine caches over rdma"
+grep -q "registered on rxe0 for sending: 1 region" "$KVFERRY_RUN_DIR/$TAG-ep/connector.log" ||
+  fail "the prefill engine's one file is not one region: $(grep 'for sending' "$KVFERRY_RUN_DIR/$TAG-ep/connector.log")"
+pass "the engine's caches over rdma: registered host memory on both sides, blocks-first on decode" \
+  "(a write per block), registered anew on either side, unregistered: refused for now"
 
 fi # cases 0 to 6
 
@@ -268,7 +284,7 @@ fi # case 7
 
 # No role died but the connector killed on purpose, and (an ASan build) no sanitizer report,
 # also at exit: stop everything first.
-[ $PART = mixed ] || for n in d p sd sp wd xd; do down $TAG-$n; done
+[ $PART = mixed ] || for n in d p sd sp wd xd ed ep; do down $TAG-$n; done
 died=$(grep -h "exited with status" "$KVFERRY_RUN_DIR"/*/supervisor.log | grep -v "$TAG-d/supervisor connector" || true)
 [ -z "$died" ] || fail "roles died: $died"
 if grep -l -E "AddressSanitizer|LeakSanitizer|runtime error:" "$KVFERRY_RUN_DIR"/*/*.log; then

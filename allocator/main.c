@@ -309,10 +309,15 @@ int main(int argc, char **argv)
                 }
                 if (engine_gpu && p.device == KVF_DEVICE_NONE)
                         p.device = 0;
-                if (!strcmp(executor, "engine"))
-                        kvf_opt_die(prog, "--executor engine copies between kvferry's own GPU caches; on the "
-                                    "engine's registered caches same-host copies run in the sender's "
-                                    "context (leave --executor out, or say sender, and run MPS)");
+                /* The engine's GPU caches: copies run in the sender's context unless the engine
+                 * executor is asked for (kvf_layer_done_on_stream copies from the engine's own
+                 * views into the peers' caches). */
+                if (!strcmp(executor, "engine") && !engine_gpu)
+                        kvf_opt_die(prog, "--executor engine runs copies in the engine's GPU context: the "
+                                    "engine's caches must be GPU memory (--backend cuda); host caches are "
+                                    "copied by the sender");
+                p.executor = !strcmp(executor, "engine") ? KVF_EXEC_ENGINE
+                                                        : engine_gpu ? KVF_EXEC_SENDER : KVF_EXEC_NONE;
                 backend_auto = false;
                 p.backend = KVF_BACKEND_ENGINE;
         }

@@ -42,6 +42,10 @@ struct kvf_client {
         int signal_method;        /* enum kvf_layer_signal chosen (0: not yet) */
         struct kvf_stream *stream; /* created at the first kvf_layer_done_on_stream */
         bool registered;           /* this client registered the engine's caches (register.c) */
+        /* The engine's GPU caches as this process registered them: its own views (parts and
+         * strides in layout order), the engine executor's source; n_parts 0 when none.
+         * Under stream_mu. */
+        struct kvf_cache reg_own;
 };
 
 /* kvferry.c: 0 in the process that attached c, else -EBADF with kvf_err saying why (a child

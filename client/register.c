@@ -105,6 +105,43 @@ static int gpu_regions(const struct kvf_registration *r,
 #endif
 }
 
+/* stream_mu held: forget the views kept for the engine executor. */
+static void drop_views_locked(struct kvf_client *c)
+{
+        free(c->reg_own.parts);
+        free(c->reg_own.strides);
+        memset(&c->reg_own, 0, sizeof(c->reg_own));
+}
+
+/* GPU memory: keep the views as this process addresses them (the allocator checked that each
+ * (layer, tensor) is there once), for the engine executor's copies (stream.c). */
+static void keep_views(struct kvf_client *c, const struct kvf_registration *r)
+{
+        const struct kvf_cache_layout *L = &c->ctl.hdr->layout;
+        const uint32_t nt = kvf_layout_tensors(L), n = kvf_layout_layers(L) * nt;
+        uint8_t **parts = calloc(n, sizeof(*parts));
+        uint64_t *strides = calloc(n, sizeof(*strides));
+        pthread_mutex_lock(&c->stream_mu);
+        drop_views_locked(c);
+        if (parts && strides) {
+                for (uint32_t i = 0; i < r->n_views; i++) {
+                        uint64_t k = (uint64_t)r->views[i].layer * nt + r->views[i].tensor;
+                        if (k < n) {
+                                parts[k] = r->views[i].addr;
+                                strides[k] = r->views[i].block_stride;
+                        }
+                }
+                c->reg_own = (struct kvf_cache){.layout = *L, .base = parts[0], .host = false, .device = r->device,
+                                                .parts = parts, .strides = strides, .n_parts = n,
+                                                .part_bytes = (uint64_t)L->num_blocks * L->block_bytes};
+                parts = NULL;
+                strides = NULL;
+        }
+        pthread_mutex_unlock(&c->stream_mu);
+        free(parts);
+        free(strides);
+}
+
 int kvf_register_caches_sized(struct kvf_client *c, const struct kvf_registration *r, size_t r_size)
 {
         int rc =
@@ -192,6 +229,8 @@ int kvf_register_caches_sized(struct kvf_client *c, const struct kvf_registratio
         if (a.err < 0)
                 return kvf_err_set(a.err, "register caches with '%s': %s", h->instance, a.why);
         c->registered = true;
+        if (gpu)
+                keep_views(c, r);
         return 0;
 }
 
@@ -206,5 +245,8 @@ int kvf_unregister_caches(struct kvf_client *c)
         if (a.err < 0)
                 return kvf_err_set(a.err, "unregister caches: %s", a.why);
         c->registered = false;
+        pthread_mutex_lock(&c->stream_mu);
+        drop_views_locked(c);
+        pthread_mutex_unlock(&c->stream_mu);
         return 0;
 }

@@ -32,6 +32,14 @@
  * changes identity (the instance was started again), after the copies in
  * flight have landed.
  *
+ * The engine's caches (--caches engine --backend cuda): the source is the
+ * engine's own views as it registered them (kvf_client.reg_own, this
+ * process's pointers); a peer of the engine's caches is its registration,
+ * opened anew (after the copies in flight landed) when its engine registers
+ * again, and an entry whose blocks were reserved in another generation of it
+ * (kvf_plan_entry.peer_reg_gen) fails. Runs are cut where either side's
+ * blocks are not back to back, each tensor its own region.
+ *
  * One thread at a time (stream_mu); the host function touches only the
  * word and the progress word.
  */
@@ -46,6 +54,7 @@
 #include "doorbell.h"
 #include "err.h"
 #include "layout.h"
+#include "registration.h"
 #include "tpsplit.h"
 
 int kvf_set_layer_signal(struct kvf_client *c, int method)
@@ -116,6 +125,11 @@ struct kvf_stream {
         size_t nruns, cap_runs;
         struct kvf_gpu_region dst[MAX_PEERS];
         uint32_t dst_peer[MAX_PEERS], ndst;
+        /* caches in parts (the engine's): the runs cut, and every region of both sides */
+        struct kvf_gpu_run *cut;
+        uint32_t cap_cut;
+        struct kvf_gpu_region *regions;
+        uint32_t cap_regions;
         uint32_t *mine; /* entries claimed for this batch */
         uint32_t nmine;
 };
@@ -171,6 +185,8 @@ static void stream_free(struct kvf_client *c, struct kvf_stream *st)
                         kvf_tp_plan_free(&st->peers[i].plan);
                 }
         free(st->runs);
+        free(st->cut);
+        free(st->regions);
         free(st->mine);
         free(st);
         (void)c;
@@ -186,7 +202,7 @@ static int stream_init(struct kvf_client *c)
                 free(st);
                 return kvf_err_set(-ENOMEM, "out of memory");
         }
-        st->device = kvf_cache_device(c);
+        st->device = h->backend == KVF_BACKEND_ENGINE && c->reg_own.n_parts ? c->reg_own.device : kvf_cache_device(c);
         if (st->device < 0 && (st->device = kvf_gpu_current_device()) < 0) {
                 free(st->mine);
                 free(st);
@@ -202,7 +218,8 @@ static int stream_init(struct kvf_client *c)
                 rc = gpu_err(rc, "layer-done signal");
                 goto fail;
         }
-        st->exec = h->backend == KVF_BACKEND_CUDA && h->executor == KVF_EXEC_ENGINE;
+        st->exec = (h->backend == KVF_BACKEND_CUDA || (h->backend == KVF_BACKEND_ENGINE && h->reg_gpu)) &&
+                   h->executor == KVF_EXEC_ENGINE;
         if (st->exec) {
                 struct kvf_gpu_copier_opts o = {.arena_chunks = ARENA_CHUNKS};
                 if ((rc = kvf_gpu_copier_create(st->device, 0, &o, &st->copier)) < 0 ||
@@ -273,16 +290,17 @@ static int peer_get(struct kvf_client *c, struct kvf_stream *st, const char *nam
                 return -1;
         }
         const struct kvf_ctl_header *h = p->ctl.hdr;
+        const struct kvf_cache near = {.device = st->device};
         if (h->created_ns != created_ns)
                 snprintf(why, whylen, "engine executor: peer '%s' was started again", name);
-        else if (h->backend != KVF_BACKEND_CUDA)
+        else if (h->backend != KVF_BACKEND_CUDA && !(h->backend == KVF_BACKEND_ENGINE && h->reg_gpu))
                 snprintf(why, whylen, "engine executor: peer '%s' keeps its cache in host memory", name);
         else if ((rc = kvf_tp_pair_plan(&me->layout, me->nranks, me->rank, &h->layout, h->nranks,
                                         h->rank, &p->plan, diff, sizeof(diff))) < 0)
                 snprintf(why, whylen, rc == -EXDEV ? "engine executor: peer layout mismatch with '%s': %s"
                                                    : "engine executor: peer '%s': %s",
                          name, diff);
-        else if (kvf_cache_map_peer(h, true, &c->cache, &p->cache) < 0)
+        else if (kvf_cache_map_peer(h, true, &near, &p->cache) < 0)
                 snprintf(why, whylen, "engine executor: peer '%s': %s", name, kvf_err_msg());
         else {
                 snprintf(p->name, sizeof(p->name), "%s", name);
@@ -294,6 +312,44 @@ static int peer_get(struct kvf_client *c, struct kvf_stream *st, const char *nam
         kvf_tp_plan_free(&p->plan);
         memset(p, 0, sizeof(*p));
         return -1;
+}
+
+/* The engine's caches: open anew every peer whose engine registered again since it was
+ * opened, once the copies in flight (into its old memory) have landed. Before any entry of
+ * a layer is claimed, so that no run of one batch meets two generations of a peer. */
+static void peers_refresh(struct kvf_stream *st)
+{
+        bool drained = false;
+        for (unsigned i = 0; i < MAX_PEERS; i++) {
+                struct speer *p = &st->peers[i];
+                if (!p->used || p->ctl.hdr->backend != KVF_BACKEND_ENGINE || !kvf_reg_stale(p->ctl.hdr, &p->cache))
+                        continue;
+                if (!drained)
+                        drain(st);
+                drained = true;
+                kvf_cache_unmap(&p->cache);
+                const struct kvf_cache near = {.device = st->device};
+                if (kvf_cache_map_peer(p->ctl.hdr, true, &near, &p->cache) < 0)
+                        memset(&p->cache, 0, sizeof(p->cache)); /* (its entries fail: not mapped) */
+        }
+}
+
+/* A peer of the engine's caches: mapped (its engine registered them), and in the generation
+ * the entry's blocks were reserved in. 0, or -1 with `why`. */
+static int peer_gen_check(const struct speer *p, const struct kvf_plan_entry *e, char *why, size_t whylen)
+{
+        if (p->ctl.hdr->backend != KVF_BACKEND_ENGINE)
+                return 0;
+        if (!p->cache.parts) {
+                snprintf(why, whylen, "engine executor: peer '%s' is waiting for its engine's caches", p->name);
+                return -1;
+        }
+        if (e->peer_reg_gen && p->cache.reg_gen != e->peer_reg_gen) {
+                snprintf(why, whylen, "engine executor: the engine's caches of peer '%s' were registered anew "
+                         "during the transfer: its blocks are not the ones reserved", p->name);
+                return -1;
+        }
+        return 0;
 }
 
 /* The claimed entry cannot be copied: the sender fails its request ("write error"). */
@@ -432,6 +488,39 @@ static int add_runs(struct kvf_client *c, struct kvf_stream *st, uint32_t slot, 
         return 0;
 }
 
+/* Caches in parts (the engine's, either side): the batch's runs cut where either side is not
+ * contiguous, each tensor its own region (own's, then each destination peer's). 0, or -ENOMEM. */
+static int cut_runs(struct kvf_stream *st, const struct kvf_cache *own, struct kvf_gpu_batch *b, uint32_t *ncut)
+{
+        uint32_t nsrc = kvf_cache_cuda_regions(own, NULL), ndr = 0, dfirst[MAX_PEERS];
+        for (uint32_t d = 0; d < st->ndst; d++) {
+                dfirst[d] = ndr;
+                ndr += kvf_cache_cuda_regions(&st->peers[st->dst_peer[d]].cache, NULL);
+        }
+        if (nsrc + ndr > st->cap_regions) {
+                struct kvf_gpu_region *r = realloc(st->regions, (size_t)(nsrc + ndr) * sizeof(*r));
+                if (!r)
+                        return -ENOMEM;
+                st->regions = r;
+                st->cap_regions = nsrc + ndr;
+        }
+        kvf_cache_cuda_regions(own, st->regions);
+        for (uint32_t d = 0; d < st->ndst; d++)
+                kvf_cache_cuda_regions(&st->peers[st->dst_peer[d]].cache, st->regions + nsrc + dfirst[d]);
+        *ncut = 0;
+        for (size_t i = 0; i < st->nruns; i++) {
+                const struct kvf_gpu_run *r = &st->runs[i];
+                if (kvf_cache_cuda_cut(own, 0, r->src_off, &st->peers[st->dst_peer[r->dst_region]].cache,
+                                       dfirst[r->dst_region], r->dst_off, r->bytes, &st->cut, &st->cap_cut, ncut) < 0)
+                        return -ENOMEM;
+        }
+        b->src = st->regions;
+        b->n_src = nsrc;
+        b->dst = st->regions + nsrc;
+        b->n_dst = ndr;
+        return 0;
+}
+
 /* Submit runs [0, n); larger than the arena: in halves (one stream: they land in order). */
 static int submit(struct kvf_stream *st, struct kvf_gpu_batch *b, const struct kvf_gpu_run *runs, size_t n)
 {
@@ -468,6 +557,11 @@ static void exec_layer(struct kvf_client *c, struct kvf_stream *st, void *stream
         if (hi > ctl->hdr->plan_slots)
                 hi = ctl->hdr->plan_slots;
         st->nruns = st->ndst = st->nmine = 0;
+        /* The source: the cache this instance's allocator made, or the engine's own views. */
+        const bool engine = ctl->hdr->backend == KVF_BACKEND_ENGINE;
+        const struct kvf_cache *own = engine ? &c->reg_own : &c->cache;
+        if (engine)
+                peers_refresh(st);
         for (uint32_t i = 0; i < hi; i++) {
                 struct kvf_plan_entry *e = &ctl->plan[i];
                 /* Acquire: pairs with the sender's release store that opened the entry; its
@@ -508,19 +602,35 @@ static void exec_layer(struct kvf_client *c, struct kvf_stream *st, void *stream
                         entry_fail(c, e, why);
                         continue;
                 }
+                if (engine && !own->n_parts) {
+                        snprintf(why, sizeof(why), "engine executor: this engine's caches are not registered "
+                                 "(kvf_register_caches)");
+                        entry_fail(c, e, why);
+                        continue;
+                }
+                if (peer_gen_check(&st->peers[pi], &snap, why, sizeof(why)) < 0) {
+                        entry_fail(c, e, why);
+                        continue;
+                }
                 if (add_runs(c, st, i, &snap, pi, from, layer, why, sizeof(why)) < 0)
                         entry_fail(c, e, why);
         }
         if (!st->nmine)
                 return;
         if (st->nruns) {
-                struct kvf_gpu_region src = {.base = (uint64_t)(uintptr_t)c->cache.base, .bytes = c->cache.bytes};
+                struct kvf_gpu_region src = {.base = (uint64_t)(uintptr_t)own->base, .bytes = own->bytes};
                 struct kvf_gpu_batch b = {.src = &src, .n_src = 1, .dst = st->dst, .n_dst = st->ndst,
                                           .after_stream = stream, .after = true};
-                int rc = submit(st, &b, st->runs, st->nruns);
+                bool parts = own->parts != NULL;
+                for (uint32_t d = 0; d < st->ndst && !parts; d++)
+                        parts = st->peers[st->dst_peer[d]].cache.parts != NULL;
+                uint32_t ncut = 0;
+                int rc = parts ? cut_runs(st, own, &b, &ncut) : 0;
+                if (rc == 0)
+                        rc = parts ? submit(st, &b, st->cut, ncut) : submit(st, &b, st->runs, st->nruns);
                 if (rc < 0) {
                         snprintf(why, sizeof(why), "engine executor: GPU copy of layer %u: %s", layer,
-                                 kvf_gpu_err_msg());
+                                 rc == -ENOMEM ? "out of memory for the runs" : kvf_gpu_err_msg());
                         for (uint32_t k = 0; k < st->nmine; k++)
                                 if (!kvf_load_relaxed(&ctl->plan[st->mine[k]].err))
                                         entry_fail(c, &ctl->plan[st->mine[k]], why);

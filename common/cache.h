@@ -308,6 +308,17 @@ void kvf_cache_cuda_reg_unmap(struct kvf_cache *c);
 int kvf_cache_cuda_reg_hold(int device, const uint8_t *handles, uint32_t nr, void **opened,
                             char *why, size_t whylen);
 void kvf_cache_cuda_reg_close(int device, void **opened, uint32_t nr);
+/* The GPU copier's regions of cache c (its one allocation, or one per tensor) into r (NULL:
+ * only count them): how many. */
+struct kvf_gpu_region;
+struct kvf_gpu_run;
+uint32_t kvf_cache_cuda_regions(const struct kvf_cache *c, struct kvf_gpu_region *r);
+/* The copier's runs of `bytes` from byte src_off of cache src (its regions numbered from
+ * src_first) to dst_off of dst (from dst_first), cut wherever either side is not contiguous,
+ * appended at (*out)[*n] (grown: *cap). 0, or -ENOMEM. */
+int kvf_cache_cuda_cut(const struct kvf_cache *src, uint32_t src_first, uint64_t src_off,
+                       const struct kvf_cache *dst, uint32_t dst_first, uint64_t dst_off, uint64_t bytes,
+                       struct kvf_gpu_run **out, uint32_t *cap, uint32_t *n);
 /* The connector's staging for the engine's GPU caches: the cuda backend's staging ops, which
  * take the regions of the mapping anew when it was replaced since the last copy. */
 extern const struct kvf_stage_ops kvf_cache_cuda_stage_ops;

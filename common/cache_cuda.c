@@ -439,6 +439,22 @@ static int cut_run(const struct kvf_copy_run *r, const struct side *src, const s
         return 0;
 }
 
+uint32_t kvf_cache_cuda_regions(const struct kvf_cache *c, struct kvf_gpu_region *r)
+{
+        if (r)
+                put_regions(c, r);
+        return cache_regions(c);
+}
+
+int kvf_cache_cuda_cut(const struct kvf_cache *src, uint32_t src_first, uint64_t src_off,
+                       const struct kvf_cache *dst, uint32_t dst_first, uint64_t dst_off, uint64_t bytes,
+                       struct kvf_gpu_run **out, uint32_t *cap, uint32_t *n)
+{
+        const struct kvf_copy_run r = {.src_off = src_off, .dst_off = dst_off, .bytes = bytes};
+        const struct side s = {src, src_first}, d = {dst, dst_first};
+        return cut_run(&r, &s, &d, out, cap, n);
+}
+
 /* A cache the copier may address on GPU `device`: a cuda mapping, or the engine's caches in
  * GPU memory (kvf_cache_cuda_reg_map). */
 static bool gpu_mapped(const struct kvf_cache *c, int device)

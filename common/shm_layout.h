@@ -408,7 +408,10 @@ struct kvf_plan_entry {
         uint32_t err;        /* the engine could not copy a layer it claimed: `why` says why */
         uint32_t pad;
         char peer[KVF_INSTANCE_MAX];
-        char why[152];
+        /* The peer's caches are the engine's: the generation of its registration the
+         * request's blocks were reserved in (0: its own caches). A copy into another fails. */
+        uint64_t peer_reg_gen;
+        char why[144];
 };
 
 /* The engine executor's shared words. */

@@ -37,7 +37,8 @@
 int sender_plan_init(struct sender *s)
 {
         uint32_t n = s->ctl.hdr->reqtab_slots;
-        s->plan_on = s->own.be->id == KVF_BACKEND_CUDA && s->ctl.hdr->executor == KVF_EXEC_ENGINE;
+        s->plan_on = (s->own.be->id == KVF_BACKEND_CUDA || s->own.be->id == KVF_BACKEND_ENGINE) &&
+                     s->ctl.hdr->executor == KVF_EXEC_ENGINE;
         if (!s->plan_on)
                 return 0;
         if (!(s->pl_step = malloc(n * sizeof(*s->pl_step))))
@@ -95,7 +96,13 @@ int sender_plan_offer(struct sender *s, uint32_t slot)
         int rc;
         if ((v & KVF_PLAN_OPEN) && (rc = close_entry(s, slot)) < 0) /* (closed at the end of every step; never here) */
                 return rc;
+        /* The engine's caches: the registrations the request is bound to (its first copy's,
+         * whoever makes it), checked here as before the sender's own copies. */
+        char why[KVF_REASON_MAX];
+        if (sender_caches_check(s, r->peer_idx, slot, why, sizeof(why)) < 0)
+                return 0; /* (the sender's own copy meets it and fails the request) */
         const struct ipc_peer *p = &s->peers[r->peer_idx];
+        e->peer_reg_gen = r->peer_reg_gen;
         e->step = m->step;
         e->b0 = r->sent_full;
         e->b1 = m->block_end;

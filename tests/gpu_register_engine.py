@@ -6,6 +6,11 @@ bench/gpu_register_bench.sh). Instances started with --caches engine --backend c
                          tensors (decode), transfers over ipc and tcp verified on the GPU, the
                          engine killed mid-transfer (its GPU memory freed, by cudaMemGetInfo),
                          a new engine registering, expandable segments (refused or working)
+  exec  PRE DEC         the engine executor (instances of --executor engine): per-layer K/V
+                         tensors (prefill) into stacked tensors (decode), layers signalled with
+                         layer_done_on_stream, the copies the engine's own (its claims counted,
+                         no error), every byte verified on the GPU; the decode engine registers
+                         new tensors and the next request lands there
   bench PRE DEC OWNP OWND OUT
                          registration time (64 layers x K/V: one allocation, 128 allocations,
                          and 128 registrations of one allocation each as the per-tensor
@@ -71,7 +76,7 @@ class Caches:
         return self.t[layer][v][b]
 
 
-def transfer(pre, pc, dec, dc, dname, tag, src, dst, transport):
+def transfer(pre, pc, dec, dc, dname, tag, src, dst, transport, on_stream=False):
     lo = pre.layout
     nl, bb = lo.num_layers + lo.extra_layers, lo.block_bytes
     for layer in range(nl):
@@ -86,8 +91,12 @@ def transfer(pre, pc, dec, dc, dname, tag, src, dst, transport):
     pre.submit_task({"request_id": rid, "src_block_ids": src, "dest_block_ids": dst,
                      "current_id": step, "transfer_protocol": transport, "peer": dname,
                      "peer_session": dec.session})
+    stream = torch.cuda.current_stream().cuda_stream
     for layer in range(nl):
-        pre.layer_done(step, layer)
+        if on_stream:
+            pre.layer_done_on_stream(stream, step, layer)
+        else:
+            pre.layer_done(step, layer)
     done, arrived = wait_events(pre, dec, rid)
     if done is None or done["status"] != "finished":
         fail("%s: completion %r" % (rid, done))
@@ -259,6 +268,64 @@ def test(pname, dname, out):
     print(json.dumps(summary))
 
 
+def executor_counts(name):
+    """The engine executor's counters of instance `name` (kvf-ringdump --json)."""
+    rd = os.environ.get("KVF_RINGDUMP", "kvf-ringdump")
+    d = json.loads(subprocess.run([rd, "--instance", name, "--json"], check=True,
+                                  capture_output=True, text=True).stdout)
+    found = {}
+
+    def walk(o):
+        if isinstance(o, dict):
+            for k, v in o.items():
+                if k in ("layers_claimed", "copy_kernels", "copy_errors") and isinstance(v, int):
+                    found[k] = v
+                walk(v)
+        elif isinstance(o, list):
+            for v in o:
+                walk(v)
+    walk(d)
+    if "layers_claimed" not in found:
+        fail("kvf-ringdump of %s shows no engine executor counters" % name)
+    return found
+
+
+def exec_test(pname, dname):
+    dec = kvferry.Client(dname)
+    lo = dec.layout
+    nb, nl = lo.num_blocks, lo.num_layers + lo.extra_layers
+    dc = Caches(lo, "stacked", "cuda")
+    dec.register_caches(dc.entries)
+    pre = kvferry.Client(pname)
+    pc = Caches(lo, "kv", "cuda")
+    pre.register_caches(pc.entries)
+    c0 = executor_counts(pname)
+    transfer(pre, pc, dec, dc, dname, 21, [0, 1, 2, 5], [7, 3, 9, 4], "ipc", on_stream=True)
+    transfer(pre, pc, dec, dc, dname, 22, list(range(nb // 2)), list(range(nb // 2, nb)), "ipc",
+             on_stream=True)
+    c1 = executor_counts(pname)
+    claimed = c1["layers_claimed"] - c0["layers_claimed"]
+    print("ok: the engine executor: %d layers claimed, %d copy kernels, %d errors for 2 requests of %d "
+          "layers" % (claimed, c1.get("copy_kernels", 0) - c0.get("copy_kernels", 0),
+                      c1.get("copy_errors", 0) - c0.get("copy_errors", 0), nl), flush=True)
+    if claimed < nl:
+        fail("the engine executor claimed %d layers: the sender copied them instead" % claimed)
+    if c1.get("copy_errors", 0) != c0.get("copy_errors", 0):
+        fail("the engine executor met errors (the sender's log says which)")
+    # The decode engine registers new tensors: the executor opens them, the request lands there.
+    dc2 = Caches(lo, "stacked", "cuda")
+    dec.register_caches(dc2.entries)
+    del dc
+    time.sleep(0.3)
+    transfer(pre, pc, dec, dc2, dname, 23, [3, 4, 8], [10, 11, 12], "ipc", on_stream=True)
+    c2 = executor_counts(pname)
+    if c2["layers_claimed"] - c1["layers_claimed"] < nl:
+        fail("after the decode engine registered anew the sender copied the request")
+    print("ok: the decode engine registered new tensors: the engine executor copied into them", flush=True)
+    pre.close()
+    dec.close()
+
+
 def timed_register(c, entries, reps=5):
     ts = []
     for _ in range(reps):
@@ -354,6 +421,8 @@ if __name__ == "__main__":
         child(sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5])
     elif sys.argv[1] == "test":
         test(*sys.argv[2:5])
+    elif sys.argv[1] == "exec":
+        exec_test(*sys.argv[2:4])
     elif sys.argv[1] == "bench":
         bench(*sys.argv[2:8])
     else:

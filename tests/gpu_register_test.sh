@@ -30,3 +30,10 @@ up $TAG-gp --role prefill --caches engine --backend cuda $L
 KVF_PYTHON=$PY PYTHONPATH="$ROOT/python" "$ROOT/tests/python_run.sh" \
   "$ROOT/tests/gpu_register_engine.py" test $TAG-gp $TAG-gd "$OUT" || fail "gpu register engine"
 pass "GPU engine caches: registered from PyTorch, moved over ipc and tcp, verified on the GPU, freed when the engine died"
+down $TAG-gp; down $TAG-gd
+# The engine executor on registered caches: the copies run in the prefill engine's context.
+up $TAG-xd --role decode --caches engine --backend cuda $L
+up $TAG-xp --role prefill --caches engine --backend cuda --executor engine $L
+KVF_RINGDUMP="$KVFERRY_BUILD/kvf-ringdump" KVF_PYTHON=$PY PYTHONPATH="$ROOT/python" "$ROOT/tests/python_run.sh" \
+  "$ROOT/tests/gpu_register_engine.py" exec $TAG-xp $TAG-xd || fail "gpu register engine: the engine executor"
+pass "GPU engine caches with the engine executor: copies in the engine's context, verified on the GPU, a decode re-registration followed"

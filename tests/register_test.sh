@@ -14,10 +14,10 @@ out=$("$ROOT/tools/kvferry" up --instance $TAG-bad --role decode --backend host-
   fail "--caches engine --backend host-async was taken"
 grep -q "caches engine takes the engine's host memory .* or GPU memory" <<<"$out" ||
   fail "--caches engine --backend host-async: $out"
-out=$("$ROOT/tools/kvferry" up --instance $TAG-bad --role decode --backend cuda --caches engine --executor engine $L 2>&1) &&
-  fail "--caches engine --executor engine was taken"
-grep -q "executor engine copies between kvferry's own GPU caches.*leave --executor out" <<<"$out" ||
-  fail "--caches engine --executor engine: $out"
+out=$("$ROOT/tools/kvferry" up --instance $TAG-bad --role decode --backend host --caches engine --executor engine $L 2>&1) &&
+  fail "--caches engine --executor engine was taken for host caches"
+grep -q "executor engine runs copies in the engine's GPU context: with --caches engine give --backend cuda" <<<"$out" ||
+  fail "--caches engine --backend host --executor engine: $out"
 if [ "$("$KVFERRY_BUILD/kvf-ctl" gpus 2>/dev/null || echo 0)" = 0 ]; then
   # GPU engine caches where no GPU is visible: refused when the instance starts, with why
   out=$("$ROOT/tools/kvferry" up --instance $TAG-bad --role decode --backend cuda --caches engine $L 2>&1) &&

@@ -102,6 +102,11 @@ int sender_plan_offer(struct sender *s, uint32_t slot)
         if (sender_caches_check(s, r->peer_idx, slot, why, sizeof(why)) < 0)
                 return 0; /* (the sender's own copy meets it and fails the request) */
         const struct ipc_peer *p = &s->peers[r->peer_idx];
+        /* Both instances' caches registered by one process: CUDA opens no IPC handle of a
+         * process's own memory there, so these copies stay the sender's. */
+        int32_t mine = kvf_load_acquire(&s->ctl.hdr->reg_pid), theirs = kvf_load_acquire(&p->ctl.hdr->reg_pid);
+        if (s->ctl.hdr->reg_gpu && mine > 0 && mine == theirs)
+                return 0;
         e->peer_reg_gen = r->peer_reg_gen;
         e->step = m->step;
         e->b0 = r->sent_full;

@@ -35,9 +35,18 @@ for model in ${KVF_HF_MODELS:-llama qwen2 deepseek-v3}; do
     "$PY" examples/hf/run.py --model "$model" --transport $tr --prompts "${KVF_HF_PROMPTS:-20}" --caches "${KVF_HF_CACHES:-own}" \
       --prefill $TAG-$model-p --decode $TAG-$model-d >"$out" 2>&1 ||
       { grep '^FAIL' "$out" >&2; echo "FAIL: $model over $tr" >&2; FAILED+=("$model/$tr"); continue; }
-    pass "$(grep '^ok:' "$out" | sed 's/^ok: //')"
+    claims=""
+    if [ $tr = ipc ] && [[ " ${KVF_HF_UP_ARGS:-} " == *" --executor engine "* ]]; then
+      # The copies must have run in the prefill engine's context (its claims), not the sender's.
+      claims=$("$B0/kvf-ringdump" --instance $TAG-$model-p --json | tr ',{}' '\n\n\n' |
+        sed -n 's/^ *"layers_claimed": *\([0-9]*\).*/\1/p' | head -n1)
+      [ "${claims:-0}" -gt 0 ] ||
+        { echo "FAIL: $model over ipc: the engine executor claimed no layer" >&2; FAILED+=("$model/exec"); continue; }
+      claims="; the engine executor claimed $claims layers"
+    fi
+    pass "$(grep '^ok:' "$out" | sed 's/^ok: //')$claims"
   done
   down $TAG-$model-p; down $TAG-$model-d
 done
 [ ${#FAILED[@]} = 0 ] || fail "gpu model test: not token-exact: ${FAILED[*]}"
-pass "gpu model test: every model, both transports, token-exact"
+pass "gpu model test: every model, every transport run (${KVF_HF_TRANSPORTS:-ipc tcp}), token-exact"

@@ -76,7 +76,7 @@ class Caches:
         return self.t[layer][v][b]
 
 
-def transfer(pre, pc, dec, dc, dname, tag, src, dst, transport, on_stream=False):
+def transfer(pre, pc, dec, dc, dname, tag, src, dst, transport):
     lo = pre.layout
     nl, bb = lo.num_layers + lo.extra_layers, lo.block_bytes
     for layer in range(nl):
@@ -91,12 +91,8 @@ def transfer(pre, pc, dec, dc, dname, tag, src, dst, transport, on_stream=False)
     pre.submit_task({"request_id": rid, "src_block_ids": src, "dest_block_ids": dst,
                      "current_id": step, "transfer_protocol": transport, "peer": dname,
                      "peer_session": dec.session})
-    stream = torch.cuda.current_stream().cuda_stream
     for layer in range(nl):
-        if on_stream:
-            pre.layer_done_on_stream(stream, step, layer)
-        else:
-            pre.layer_done(step, layer)
+        pre.layer_done(step, layer)
     done, arrived = wait_events(pre, dec, rid)
     if done is None or done["status"] != "finished":
         fail("%s: completion %r" % (rid, done))
@@ -152,9 +148,9 @@ def child(pname, dname, dsession, mode):
     time.sleep(60)
 
 
-def spawn(args, env=None):
+def spawn(args, env=None, stdin=None):
     return subprocess.Popen([sys.executable, os.path.abspath(__file__), "--child"] + args,
-                            stdout=subprocess.PIPE, text=True, env=env)
+                            stdout=subprocess.PIPE, stdin=stdin, text=True, env=env)
 
 
 def free_bytes():
@@ -278,7 +274,7 @@ def executor_counts(name):
     def walk(o):
         if isinstance(o, dict):
             for k, v in o.items():
-                if k in ("layers_claimed", "copy_kernels", "copy_errors") and isinstance(v, int):
+                if k in ("layers_claimed", "copy_kernels", "copy_errors", "plans_open") and isinstance(v, int):
                     found[k] = v
                 walk(v)
         elif isinstance(o, list):
@@ -290,19 +286,80 @@ def executor_counts(name):
     return found
 
 
+def exec_child(pname, dname, dsession):
+    """The prefill engine of the engine executor test, in its own process (CUDA opens no IPC
+    handle of memory of its own process): registers per-layer K/V tensors, then for each line
+    [tag, src, dst] on stdin writes the pattern, submits the task, waits for the sender's plan,
+    signals every layer on its stream and prints the completion."""
+    pre = kvferry.Client(pname)
+    lo = pre.layout
+    nl, bb = lo.num_layers + lo.extra_layers, lo.block_bytes
+    pc = Caches(lo, "kv", "cuda")
+    pre.register_caches(pc.entries)
+    print("registered", flush=True)
+    stream = torch.cuda.current_stream().cuda_stream
+    for line in sys.stdin:
+        tag, src, dst = json.loads(line)
+        for layer in range(nl):
+            for v in range(2):
+                for i, b in enumerate(src):
+                    pc.block(layer, v, b).copy_(pattern(bb, tag, layer, v, i, "cuda"))
+        torch.cuda.synchronize()
+        rid = "greg-x%d" % tag
+        step = pre.last_step + 1
+        pre.submit_task({"request_id": rid, "src_block_ids": src, "dest_block_ids": dst,
+                         "current_id": step, "transfer_protocol": "ipc", "peer": dname,
+                         "peer_session": dsession})
+        # As an engine's forward pass gives it time to: the plan is out before the layers
+        # (a layer signalled before it is the sender's to copy).
+        end = time.monotonic() + 5
+        while executor_counts(pname).get("plans_open", 0) == 0 and time.monotonic() < end:
+            time.sleep(0.005)
+        for layer in range(nl):
+            pre.layer_done_on_stream(stream, step, layer)
+        done, _ = wait_events(pre, None, rid)
+        print(json.dumps(done), flush=True)
+
+
 def exec_test(pname, dname):
     dec = kvferry.Client(dname)
     lo = dec.layout
-    nb, nl = lo.num_blocks, lo.num_layers + lo.extra_layers
+    nb, nl, bb = lo.num_blocks, lo.num_layers + lo.extra_layers, lo.block_bytes
     dc = Caches(lo, "stacked", "cuda")
     dec.register_caches(dc.entries)
-    pre = kvferry.Client(pname)
-    pc = Caches(lo, "kv", "cuda")
-    pre.register_caches(pc.entries)
+    p = spawn([pname, dname, str(dec.session), "exec"], stdin=subprocess.PIPE)
+    if p.stdout.readline().strip() != "registered":
+        fail("the prefill engine did not register")
+
+    def xfer(tag, src, dst, dc):
+        for layer in range(nl):
+            for v in range(2):
+                for b in dst:
+                    dc.block(layer, v, b).zero_()
+        torch.cuda.synchronize()
+        p.stdin.write(json.dumps([tag, src, dst]) + "\n")
+        p.stdin.flush()
+        done = json.loads(p.stdout.readline())
+        rid = "greg-x%d" % tag
+        arrived = None
+        end = time.monotonic() + 30
+        while arrived is None and time.monotonic() < end:
+            ev = dec.poll(timeout_ms=20)
+            if ev is not None and ev.get("request_id") == rid:
+                arrived = ev
+        if not done or done["status"] != "finished" or not arrived or arrived["status"] != "finished":
+            fail("%s: completion %r, arrival %r" % (rid, done, arrived))
+        torch.cuda.synchronize()
+        bad = sum(not torch.equal(dc.block(layer, v, b), pattern(bb, tag, layer, v, i, "cuda"))
+                  for layer in range(nl) for v in range(2) for i, b in enumerate(dst))
+        if bad:
+            fail("%s: %d blocks differ on the GPU" % (rid, bad))
+        print("ok: %s: %d blocks x %d layers x K/V, every byte equal on the GPU" % (rid, len(src), nl),
+              flush=True)
+
     c0 = executor_counts(pname)
-    transfer(pre, pc, dec, dc, dname, 21, [0, 1, 2, 5], [7, 3, 9, 4], "ipc", on_stream=True)
-    transfer(pre, pc, dec, dc, dname, 22, list(range(nb // 2)), list(range(nb // 2, nb)), "ipc",
-             on_stream=True)
+    xfer(21, [0, 1, 2, 5], [7, 3, 9, 4], dc)
+    xfer(22, list(range(nb // 2)), list(range(nb // 2, nb)), dc)
     c1 = executor_counts(pname)
     claimed = c1["layers_claimed"] - c0["layers_claimed"]
     print("ok: the engine executor: %d layers claimed, %d copy kernels, %d errors for 2 requests of %d "
@@ -315,14 +372,15 @@ def exec_test(pname, dname):
     # The decode engine registers new tensors: the executor opens them, the request lands there.
     dc2 = Caches(lo, "stacked", "cuda")
     dec.register_caches(dc2.entries)
-    del dc
     time.sleep(0.3)
-    transfer(pre, pc, dec, dc2, dname, 23, [3, 4, 8], [10, 11, 12], "ipc", on_stream=True)
+    xfer(23, [3, 4, 8], [10, 11, 12], dc2)
     c2 = executor_counts(pname)
-    if c2["layers_claimed"] - c1["layers_claimed"] < nl:
-        fail("after the decode engine registered anew the sender copied the request")
+    if c2["layers_claimed"] - c1["layers_claimed"] < nl or c2.get("copy_errors", 0) != c1.get("copy_errors", 0):
+        fail("after the decode engine registered anew the engine executor did not copy the request")
     print("ok: the decode engine registered new tensors: the engine executor copied into them", flush=True)
-    pre.close()
+    p.stdin.close()
+    p.wait()
+    del dc
     dec.close()
 
 
@@ -417,7 +475,9 @@ def bench(pname, dname, opname, odname, out, hname=None):
 
 
 if __name__ == "__main__":
-    if sys.argv[1] == "--child":
+    if sys.argv[1] == "--child" and sys.argv[5] == "exec":
+        exec_child(sys.argv[2], sys.argv[3], int(sys.argv[4]))
+    elif sys.argv[1] == "--child":
         child(sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5])
     elif sys.argv[1] == "test":
         test(*sys.argv[2:5])

@@ -74,7 +74,8 @@ static void drop(const char *why)
                 R.gpu = false;
         }
         for (uint32_t i = 0; i < R.nr && R.fds[i] >= 0; i++) {
-                munmap(R.map[i], R.maplen[i]);
+                if (R.map[i]) /* (GPU memory: a dma-buf, never mapped here) */
+                        munmap(R.map[i], R.maplen[i]);
                 close(R.fds[i]);
         }
         if (R.pidfd >= 0)
@@ -114,8 +115,9 @@ static void do_register(int c, pid_t pid, const uint8_t *buf, size_t n, int *fds
         size_t need = sizeof(q) + (size_t)q.n_regions * sizeof(struct kvf_reg_wire_region) +
                       (size_t)q.n_views * sizeof(struct kvf_reg_wire_view) +
                       (gpu ? (size_t)q.n_regions * KVF_REG_HANDLE_SIZE : 0);
+        /* (GPU memory: each allocation's dma-buf comes along when the engine could export it) */
         if (q.n_regions > KVF_FDPASS_MAX || q.n_views > KVF_REG_MAX_VIEWS || n != need ||
-            nfds != (gpu ? 0 : q.n_regions)) {
+            (nfds != q.n_regions && !(gpu && nfds == 0))) {
                 snprintf(
                     why, sizeof(why),
                     "a malformed registration: %u regions, %u descriptors, %u views in %zu bytes",
@@ -132,11 +134,20 @@ static void do_register(int c, pid_t pid, const uint8_t *buf, size_t n, int *fds
                 rc = -EBUSY;
                 goto out;
         }
+        bool dmabufs = gpu && nfds > 0;
         for (uint32_t i = 0; i < q.n_regions && gpu; i++) {
                 const struct kvf_reg_wire_region *g =
                     (const struct kvf_reg_wire_region *)(buf + sizeof(q)) + i;
                 /* An allocation is named by its handle from its start: no offset into it. */
                 size[i] = g->fd_offset ? 0 : g->bytes;
+                /* Its dma-buf (for NICs): the allocation's size at least, or none is kept. */
+                off_t end = dmabufs ? lseek(fds[i], 0, SEEK_END) : -1;
+                if (dmabufs && (end < 0 || (uint64_t)end < g->bytes)) {
+                        kvf_warn("engine caches: the dma-buf of allocation %u is %lld bytes, not %llu: "
+                                 "the registration keeps none (NICs register the memory as peer memory)",
+                                 i, (long long)end, (unsigned long long)g->bytes);
+                        dmabufs = false;
+                }
         }
         for (uint32_t i = 0; i < q.n_regions && !gpu; i++) {
                 struct stat st;
@@ -244,8 +255,8 @@ static void do_register(int c, pid_t pid, const uint8_t *buf, size_t n, int *fds
         R.handles = hcopy;
         for (uint32_t i = 0; i < q.n_regions; i++) {
                 R.opened[i] = gpu ? opened[i] : NULL;
-                R.fds[i] = gpu ? -1 : fds[i];
-                if (!gpu)
+                R.fds[i] = gpu && !dmabufs ? -1 : fds[i];
+                if (!gpu || dmabufs)
                         fds[i] = -1; /* kept */
                 R.map[i] = map[i];
                 R.maplen[i] = len[i];
@@ -256,9 +267,10 @@ static void do_register(int c, pid_t pid, const uint8_t *buf, size_t n, int *fds
         R.nplaced = want;
         publish(true, pid, bytes, q.token_major, strided);
         kvf_info("engine caches: registered by pid %d: %u regions (%u sealed against shrinking), %llu "
-                 "bytes, %u views%s%s, generation %llu",
+                 "bytes, %u views%s%s%s, generation %llu",
                  (int)pid, q.n_regions, sealed, (unsigned long long)bytes, q.n_views,
                  strided ? ", strided blocks" : "", q.token_major ? ", token-major blocks" : "",
+                 !gpu ? "" : dmabufs ? ", each allocation's dma-buf kept for NICs" : ", no dma-buf",
                  (unsigned long long)R.ctl->hdr->reg_generation);
 out:
         if (rc < 0)
@@ -292,7 +304,8 @@ static void do_fetch(int c)
                R.nplaced * sizeof(struct kvf_reg_placed));
         if (R.gpu)
                 memcpy(buf + n - R.nr * KVF_REG_HANDLE_SIZE, R.handles, R.nr * KVF_REG_HANDLE_SIZE);
-        (void)kvf_fdpass_send(c, buf, n, R.gpu ? NULL : R.fds, R.gpu ? 0 : R.nr);
+        bool fds = !R.gpu || R.fds[0] >= 0; /* (GPU memory: the dma-bufs, when kept) */
+        (void)kvf_fdpass_send(c, buf, n, fds ? R.fds : NULL, fds ? R.nr : 0);
         free(buf);
 }
 

@@ -3,7 +3,9 @@
  * with `--caches engine` (common/registration.h says what goes where). The
  * allocator checks them and holds the registration; this file only packs it.
  */
+#include <dirent.h>
 #include <errno.h>
+#include <stdbool.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
@@ -142,6 +144,47 @@ static void keep_views(struct kvf_client *c, const struct kvf_registration *r)
         free(strides);
 }
 
+#ifdef KVF_HAVE_CUDA
+/* Export dma-bufs at registration? KVFERRY_DMABUF=always or never; by default (auto) where
+ * this host has an RDMA device, the only users of them. */
+static bool want_dmabufs(void)
+{
+        const char *e = getenv("KVFERRY_DMABUF");
+        if (e && !strcmp(e, "always"))
+                return true;
+        if (e && !strcmp(e, "never"))
+                return false;
+        DIR *d = opendir("/sys/class/infiniband");
+        bool any = false;
+        for (struct dirent *de; d && !any && (de = readdir(d));)
+                any = de->d_name[0] != '.';
+        if (d)
+                closedir(d);
+        return any;
+}
+#endif
+
+/* GPU memory: each allocation's dma-buf, which only this process can export (the driver
+ * refuses for IPC-opened memory), for the instance's NICs (GPUDirect RDMA). All of them, or
+ * none (where the driver or the kernel has no dma-buf: NICs then use peer memory). */
+static unsigned gpu_dmabufs(int device, const struct kvf_reg_wire_region *rg, uint32_t nr, int *fds)
+{
+#ifdef KVF_HAVE_CUDA
+        if (!want_dmabufs())
+                return 0;
+        for (uint32_t i = 0; i < nr; i++)
+                if (kvf_cache_cuda_dmabuf_export(device, (void *)(uintptr_t)rg[i].addr, rg[i].bytes, &fds[i]) < 0) {
+                        while (i--)
+                                close(fds[i]);
+                        return 0;
+                }
+        return nr;
+#else
+        (void)device, (void)rg, (void)nr, (void)fds;
+        return 0;
+#endif
+}
+
 int kvf_register_caches_sized(struct kvf_client *c, const struct kvf_registration *r, size_t r_size)
 {
         int rc =
@@ -186,6 +229,7 @@ int kvf_register_caches_sized(struct kvf_client *c, const struct kvf_registratio
                                 .n_views = r->n_views,
                                 .token_major = r->token_major ? 1 : 0,
                                 .device = gpu ? r->device : -1};
+        unsigned nfds = gpu ? 0 : nr;
         if (gpu) {
                 if (!(handles = malloc((size_t)KVF_FDPASS_MAX * KVF_REG_HANDLE_SIZE)))
                         return kvf_err_set(-ENOMEM, "out of memory");
@@ -193,6 +237,7 @@ int kvf_register_caches_sized(struct kvf_client *c, const struct kvf_registratio
                         free(handles);
                         return rc;
                 }
+                nfds = gpu_dmabufs(r->device, grg, nr, fds);
         }
         q.n_regions = nr;
         size_t len = sizeof(struct kvf_reg_msg) + nr * sizeof(struct kvf_reg_wire_region) +
@@ -222,8 +267,10 @@ int kvf_register_caches_sized(struct kvf_client *c, const struct kvf_registratio
                                                   .addr = (uint64_t)(uintptr_t)r->views[i].addr,
                                                   .stride = r->views[i].block_stride};
         struct kvf_reg_msg a = {0};
-        rc = ask(c, buf, len, fds, gpu ? 0 : nr, &a);
+        rc = ask(c, buf, len, fds, nfds, &a);
         free(buf);
+        for (unsigned i = 0; gpu && i < nfds; i++)
+                close(fds[i]); /* (the allocator has its own) */
         if (rc < 0)
                 return kvf_err_ctx(rc, "register caches with '%s'", h->instance);
         if (a.err < 0)

@@ -299,7 +299,15 @@ struct kvf_reg_wire_region;
 struct kvf_reg_placed;
 int kvf_cache_cuda_reg_map(const struct kvf_ctl_header *h, int near, const uint8_t *handles,
                            const struct kvf_reg_wire_region *rg, uint32_t nr,
-                           const struct kvf_reg_placed *pl, uint32_t want, struct kvf_cache *out);
+                           const struct kvf_reg_placed *pl, uint32_t want, const int *dmabufs,
+                           struct kvf_cache *out);
+/* dmabufs (NULL: none): the dma-buf of each allocation, as its engine exported it (the driver
+ * exports only from the allocating process); the mapping keeps duplicates, for NICs. The one
+ * holding [addr, addr + len) of mapping c: its descriptor (the mapping's) and addr's offset in
+ * it; -ENOENT (kvf_err) when there is none. */
+int kvf_cache_cuda_dmabuf_at(const struct kvf_cache *c, uint64_t addr, uint64_t len, int *fd, uint64_t *off);
+/* The engine, at registration: a dma-buf of its allocation at base (kvf_gpu_dmabuf_export). */
+int kvf_cache_cuda_dmabuf_export(int device, void *base, uint64_t bytes, int *fd);
 /* Close what kvf_cache_cuda_reg_map opened, after every copy of this process on that GPU
  * (the connector's staging copies run on streams of their own) has finished. */
 void kvf_cache_cuda_reg_unmap(struct kvf_cache *c);

@@ -39,9 +39,11 @@
  * launch. The thread waits for a group's copy only when it needs the bytes.
  */
 #include <errno.h>
+#include <fcntl.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "cache.h"
 #include "clock.h"
@@ -63,6 +65,8 @@ struct cuda_map {
         uint32_t n_parts;
         void **opens;    /* the engine's caches: each registered allocation's open */
         uint32_t n_opens;
+        int *dmabufs;     /* ... and its dma-buf (the engine exported it), -1 none */
+        uint64_t *dmabuf_bytes;
         struct kvf_gpu_copier *copier; /* created at the first copy from this cache */
         struct kvf_gpu_run *runs;
         uint32_t cap_runs;
@@ -733,9 +737,49 @@ void kvf_cache_cuda_reg_close(int device, void **opened, uint32_t nr)
                         kvf_gpu_ipc_close(device, opened[i]);
 }
 
+/* The engine's dma-bufs of the registration (one per allocation, or NULL): kept, duplicated. */
+static void keep_dmabufs(struct cuda_map *m, const int *dmabufs, const struct kvf_reg_wire_region *rg,
+                         uint32_t nr)
+{
+        if (!dmabufs || !(m->dmabufs = malloc(nr * sizeof(int))) ||
+            !(m->dmabuf_bytes = malloc(nr * sizeof(uint64_t)))) {
+                free(m->dmabufs);
+                m->dmabufs = NULL;
+                return;
+        }
+        for (uint32_t i = 0; i < nr; i++) {
+                m->dmabufs[i] = dmabufs[i] >= 0 ? fcntl(dmabufs[i], F_DUPFD_CLOEXEC, 3) : -1;
+                m->dmabuf_bytes[i] = rg[i].bytes;
+        }
+}
+
+int kvf_cache_cuda_dmabuf_at(const struct kvf_cache *c, uint64_t addr, uint64_t len, int *fd, uint64_t *off)
+{
+        const struct cuda_map *m = c->priv;
+        if (!m || !m->dmabufs || c->be->id != KVF_BACKEND_ENGINE)
+                return kvf_err_set(-ENOENT, "no dma-buf of the engine's allocations here (its engine exported "
+                                   "none)");
+        for (uint32_t i = 0; i < m->n_opens; i++) {
+                uint64_t b = (uint64_t)(uintptr_t)m->opens[i];
+                if (addr >= b && addr + len <= b + m->dmabuf_bytes[i] && m->dmabufs[i] >= 0) {
+                        *fd = m->dmabufs[i];
+                        *off = addr - b;
+                        return 0;
+                }
+        }
+        return kvf_err_set(-ENOENT, "no dma-buf of the engine's allocation at %#llx", (unsigned long long)addr);
+}
+
+int kvf_cache_cuda_dmabuf_export(int device, void *base, uint64_t bytes, int *fd)
+{
+        int rc = kvf_gpu_dmabuf_export(device, base, bytes, fd);
+        return rc < 0 ? gpu_err(rc, "dma-buf export") : 0;
+}
+
 int kvf_cache_cuda_reg_map(const struct kvf_ctl_header *h, int near, const uint8_t *handles,
                            const struct kvf_reg_wire_region *rg, uint32_t nr,
-                           const struct kvf_reg_placed *pl, uint32_t want, struct kvf_cache *out)
+                           const struct kvf_reg_placed *pl, uint32_t want, const int *dmabufs,
+                           struct kvf_cache *out)
 {
         const struct kvf_cache_layout *L = &h->layout;
         char u[48];
@@ -796,6 +840,7 @@ int kvf_cache_cuda_reg_map(const struct kvf_ctl_header *h, int near, const uint8
         out->host = false;
         out->device = m->device;
         out->priv = m;
+        keep_dmabufs(m, dmabufs, rg, nr);
         return 0;
 }
 
@@ -812,6 +857,11 @@ void kvf_cache_cuda_reg_unmap(struct kvf_cache *c)
                 kvf_warn("the engine's caches: waiting for GPU %d before closing them: %s", m->device,
                          kvf_gpu_err_msg());
         kvf_cache_cuda_reg_close(m->device, m->opens, m->n_opens);
+        for (uint32_t i = 0; m->dmabufs && i < m->n_opens; i++)
+                if (m->dmabufs[i] >= 0)
+                        close(m->dmabufs[i]);
+        free(m->dmabufs);
+        free(m->dmabuf_bytes);
         free(m->opens);
         free(m->runs);
         free(m->dst);

@@ -269,6 +269,22 @@ static const struct kvf_stage_ops stage_ops = {
     .poll = stage_poll,
 };
 
+/* GPU memory a NIC wrote (its engine's dma-bufs, or peer memory): visible to the GPU work
+ * after it before the arrival is published, as for the cuda backend's own caches. */
+static int engine_rdma_flush(struct kvf_cache *c)
+{
+        int rc = 0;
+#ifdef KVF_HAVE_CUDA
+        pthread_rwlock_rdlock(&map_lock);
+        if (on_gpu(c))
+                rc = kvf_cache_cuda.rdma_flush(c);
+        pthread_rwlock_unlock(&map_lock);
+#else
+        (void)c;
+#endif
+        return rc;
+}
+
 const struct kvf_cache_backend kvf_cache_engine = {
     .name = "engine",
     .id = KVF_BACKEND_ENGINE,
@@ -279,4 +295,5 @@ const struct kvf_cache_backend kvf_cache_engine = {
     .copy_submit = engine_copy_submit,
     .copy_poll = engine_copy_poll,
     .stage = &stage_ops,
+    .rdma_flush = engine_rdma_flush,
 };

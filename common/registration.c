@@ -319,7 +319,8 @@ int kvf_reg_map(const struct kvf_ctl_header *h, bool writable, struct kvf_cache 
         size_t need = sizeof(a) + (size_t)a.n_regions * sizeof(struct kvf_reg_wire_region) +
                       (size_t)want * sizeof(struct kvf_reg_placed) +
                       (gpu ? (size_t)a.n_regions * KVF_REG_HANDLE_SIZE : 0);
-        if (a.n_regions == 0 || a.n_regions > KVF_FDPASS_MAX || nfds != (gpu ? 0u : a.n_regions) ||
+        /* (GPU memory: the allocations' dma-bufs come along when its engine exported them) */
+        if (a.n_regions == 0 || a.n_regions > KVF_FDPASS_MAX || (nfds != a.n_regions && !(gpu && nfds == 0)) ||
             a.n_views != want || (size_t)n != need) {
                 rc = kvf_err_set(
                     -EPROTO,
@@ -346,7 +347,8 @@ int kvf_reg_map(const struct kvf_ctl_header *h, bool writable, struct kvf_cache 
                 m = NULL;
 #ifdef KVF_HAVE_CUDA
                 const uint8_t *handles = (const uint8_t *)(pl + want);
-                if ((rc = kvf_cache_cuda_reg_map(h, near, handles, rg, a.n_regions, pl, want, out)) == 0)
+                if ((rc = kvf_cache_cuda_reg_map(h, near, handles, rg, a.n_regions, pl, want, nfds ? fds : NULL,
+                                                 out)) == 0)
                         out->reg_gen = a.generation;
 #else
                 (void)near;

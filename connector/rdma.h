@@ -99,6 +99,7 @@ struct rdma_mrs {
         uint32_t n_parts;
         uint64_t part_bytes; /* the cache's, for the lookups */
         uint64_t reg_gen;    /* the cache's reg_gen when registered (0: not the engine's caches) */
+        uint32_t dmabufs;    /* regions registered through a dma-buf */
         unsigned refs;       /* rdma_dev.c's sharing of the sending side's registration */
 };
 /* 0 and *out, or -errno with kvf_err set (nothing left registered). */
@@ -122,7 +123,7 @@ int rdma_mrs_table(const struct kvf_cache *c, const struct rdma_mrs *m, uint32_t
 int rdma_local_mrs(struct connector *cn, struct ibv_context *ctx, struct ibv_pd **pd, struct rdma_mrs **out);
 void rdma_local_mrs_put(struct connector *cn, struct rdma_mrs *m);
 /* The engine's caches: can rdma carry them now? 0 (any other cache too); -ENODATA not
- * registered yet (or any more), -EPROTONOSUPPORT GPU memory; why says it. */
+ * registered yet (or any more); why says it. */
 int rdma_engine_caches_why(struct connector *cn, char *why, size_t whylen);
 /* Wait (at most timeout_ms) for the next event on channel ec; it must be `want`. 0 and *ev
  * (the caller acks it), or -errno with kvf_err set. */

@@ -103,11 +103,6 @@ int rdma_engine_caches_why(struct connector *cn, char *why, size_t whylen)
         why[0] = 0;
         if (cn->cache.be->id != KVF_BACKEND_ENGINE)
                 return 0;
-        if (h->reg_gpu) {
-                snprintf(why, whylen, "rdma needs the engine's caches in host memory; those of '%s' are GPU "
-                         "memory (tcp carries them)", h->instance);
-                return -EPROTONOSUPPORT;
-        }
         if (!(kvf_load_acquire(&h->reg_generation) & 1)) {
                 snprintf(why, whylen, "instance '%s' is waiting for the engine's caches: register them first "
                          "(kvf_register_caches, Client.register_caches)", h->instance);
@@ -262,15 +257,12 @@ static int rdma_init(struct connector *cn)
         /* One-sided writes need the cache's own memory, registered: host memory, or GPU
          * memory a NIC can reach (rdma_mr.c). */
         if (cn->cache.be->id == KVF_BACKEND_ENGINE) {
-                /* The engine's caches: their memory is known once registered, at each use
-                 * (rdma_engine_caches_why); GPU memory is known now. */
+                /* The engine's caches: their memory is known once registered, and registered
+                 * with a NIC at each connection (rdma_engine_caches_why, rdma_reg_mrs). */
                 if (cn->ctl.hdr->reg_gpu)
-                        rdma_engine_caches_why(cn, st->no_cache, sizeof(st->no_cache));
-                if (st->no_cache[0]) {
-                        snprintf(st->unavailable, sizeof(st->unavailable), "%s", st->no_cache);
-                        kvf_info("rdma: %s", st->no_cache);
-                        return 0;
-                }
+                        kvf_info("rdma: the engine's GPU caches are registered with NICs through the dma-buf "
+                                 "of each allocation its engine exported, else as peer memory "
+                                 "(nvidia_peermem)");
         } else if (!cn->cache.host && !cn->cache.be->dmabuf) {
                 snprintf(st->no_cache, sizeof(st->no_cache),
                          "rdma needs a host cache used in place; this one (backend %s) is not",

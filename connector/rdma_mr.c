@@ -137,7 +137,27 @@ static int reg_parts(struct ibv_pd *pd, struct kvf_cache *c, int access, struct 
                 for (j = i + 1; j < np && (x[j].a < end || (c->host && x[j].a == end)); j++)
                         if (x[j].e > end)
                                 end = x[j].e;
-                struct ibv_mr *mr = ibv_reg_mr(pd, (void *)x[i].a, end - x[i].a, access);
+                struct ibv_mr *mr = NULL;
+                char dmabuf_why[200] = "";
+#ifdef KVF_HAVE_CUDA
+                int fd;
+                uint64_t off;
+                /* The engine's GPU caches: the allocation's dma-buf its engine exported, first. */
+                if (!c->host && c->be->id == KVF_BACKEND_ENGINE) {
+                        if (kvf_cache_cuda_dmabuf_at(c, x[i].a, end - x[i].a, &fd, &off) == 0) {
+                                mr = ibv_reg_dmabuf_mr(pd, off, end - x[i].a, x[i].a, fd, access);
+                                if (!mr)
+                                        snprintf(dmabuf_why, sizeof(dmabuf_why), "ibv_reg_dmabuf_mr: %s",
+                                                 strerror(errno ? errno : EIO));
+                                else
+                                        m->dmabufs++;
+                        } else {
+                                snprintf(dmabuf_why, sizeof(dmabuf_why), "%s", kvf_err_msg());
+                        }
+                }
+#endif
+                if (!mr)
+                        mr = ibv_reg_mr(pd, (void *)x[i].a, end - x[i].a, access);
                 if (!mr) {
                         int e = errno ? errno : EIO;
                         if (c->host)
@@ -147,11 +167,13 @@ static int reg_parts(struct ibv_pd *pd, struct kvf_cache *c, int access, struct 
                                                  j - i, dev, strerror(e));
                         else
                                 rc = kvf_err_set(-EOPNOTSUPP, "registering the GPU cache's allocation at %#llx (%llu "
-                                                 "bytes) on %s as peer memory: %s. A GPU cache in parts (one "
-                                                 "allocation per tensor) is registered as peer memory only: it "
-                                                 "needs the nvidia_peermem module; tcp carries it meanwhile",
+                                                 "bytes) on %s%s%s; as peer memory: %s. RDMA from a GPU cache "
+                                                 "in parts needs a dma-buf of each allocation (the engine's "
+                                                 "caches, where its driver exports one) or the nvidia_peermem "
+                                                 "module; tcp carries it meanwhile",
                                                  (unsigned long long)x[i].a, (unsigned long long)(end - x[i].a),
-                                                 dev, strerror(e));
+                                                 dev, dmabuf_why[0] ? ": through a dma-buf: " : "", dmabuf_why,
+                                                 strerror(e));
                         break;
                 }
                 for (uint32_t k = i; k < j; k++)
@@ -178,7 +200,9 @@ int rdma_reg_mrs(struct ibv_pd *pd, struct kvf_cache *c, int access, struct rdma
                 else
                         m->n = 1;
         } else if ((rc = reg_parts(pd, c, access, m)) == 0 && how) {
-                *how = c->host ? "host memory, in parts" : "GPU memory in parts, as peer memory (nvidia_peermem)";
+                *how = c->host       ? "host memory, in parts"
+                       : m->dmabufs ? "GPU memory in parts, through the engine's dma-bufs"
+                                    : "GPU memory in parts, as peer memory (nvidia_peermem)";
         }
         if (rc < 0) {
                 rdma_mrs_free(m);

@@ -186,6 +186,17 @@ def test(pname, dname, out):
     summary["prefill_segments"], summary["prefill_tensors"] = segments(pc)
     print("ok: registered %d tensors in %d segments of PyTorch's allocator (%.1f ms)"
           % (summary["prefill_tensors"], summary["prefill_segments"], summary["register_ms"]))
+    # Each allocation's dma-buf, exported by this process at registration, reaches the roles
+    # (for NICs): rdma_reg_test maps each instance as a role does and finds every tensor in one.
+    rr = os.environ.get("KVF_RDMA_REG_TEST", "")
+    if rr and os.path.exists(rr):
+        for n in (pname, dname):
+            r = subprocess.run([rr, "--instance", n], capture_output=True, text=True)
+            line = [x for x in r.stdout.splitlines() if "the engine's GPU caches" in x]
+            if r.returncode != 0 or not line:
+                fail("the dma-bufs of %s: rc %d: %s %s" % (n, r.returncode, r.stdout[-600:], r.stderr[-600:]))
+            print(line[0], flush=True)
+        summary["dmabufs_checked"] = True
     transfer(pre, pc, dec, dc, dname, 1, [0, 1, 2, 5], [7, 3, 9, 4], "ipc")
     transfer(pre, pc, dec, dc, dname, 2, list(range(nb // 2)), list(range(nb // 2, nb)), "ipc")
     transfer(pre, pc, dec, dc, dname, 3, [1, 4, 6], [2, 8, 0], "tcp")

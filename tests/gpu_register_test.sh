@@ -27,7 +27,7 @@ mkdir -p "$OUT"
 L="--layers 8 --kv-heads 2 --head-dim 64 --block-size 16 --dtype fp16 --blocks 2048"
 up $TAG-gd --role decode --caches engine --backend cuda $L
 up $TAG-gp --role prefill --caches engine --backend cuda $L
-KVF_PYTHON=$PY PYTHONPATH="$ROOT/python" "$ROOT/tests/python_run.sh" \
+KVFERRY_DMABUF=always KVF_RDMA_REG_TEST="$KVFERRY_BUILD/tests/rdma_reg_test" KVF_PYTHON=$PY PYTHONPATH="$ROOT/python" "$ROOT/tests/python_run.sh" \
   "$ROOT/tests/gpu_register_engine.py" test $TAG-gp $TAG-gd "$OUT" || fail "gpu register engine"
 pass "GPU engine caches: registered from PyTorch, moved over ipc and tcp, verified on the GPU, freed when the engine died"
 down $TAG-gp; down $TAG-gd

@@ -17,7 +17,9 @@
  *     refused with the way out;
  *   - with --instance NAME, that instance's real cache (a GPU cache on a GPU
  *     machine): its dma-buf export (the file's size must be the cache's) and,
- *     where an RDMA device is, its registration.
+ *     where an RDMA device is, its registration; for the engine's GPU caches
+ *     (--caches engine --backend cuda, registered), every tensor inside the
+ *     dma-buf of an allocation its engine exported.
  * Runs inside the soft-RoCE VM (tests/vm/rdma_test.sh) and on the GPU machine
  * (tests/gpu_e2e_test.sh). Exit 0 pass, 1 fail, 77 no RDMA device and no
  * instance to check.
@@ -199,7 +201,38 @@ static int check_instance(const char *name, struct ibv_pd *pd)
                                name, kvf_err_msg());
                 }
         }
-        if (pd) {
+#ifdef KVF_HAVE_CUDA
+        if (c.be->id == KVF_BACKEND_ENGINE && !c.host && c.parts) {
+                /* (its engine exported them: registered with KVFERRY_DMABUF=always, or on a host
+                 * with an RDMA device) */
+                uint32_t inside = 0;
+                for (uint32_t i = 0; i < c.n_parts; i++) {
+                        uint64_t st = c.strides ? c.strides[i] : c.layout.block_bytes, off;
+                        uint64_t ext = (c.layout.num_blocks - 1) * st + c.layout.block_bytes;
+                        int fd;
+                        if (kvf_cache_cuda_dmabuf_at(&c, (uintptr_t)c.parts[i], ext, &fd, &off) < 0) {
+                                fprintf(stderr, "tensor %u of the engine's GPU caches: %s\n", i, kvf_err_msg());
+                                return 1;
+                        }
+                        off_t size = lseek(fd, 0, SEEK_END);
+                        CHECK(size >= 0 && off + ext <= (uint64_t)size);
+                        inside++;
+                }
+                printf("ok: instance %s: the engine's GPU caches: all %u tensors inside the dma-bufs its engine "
+                       "exported\n", name, inside);
+        }
+#endif
+        if (pd && c.parts) {
+                struct rdma_mrs *m;
+                const char *how = "";
+                if (rdma_reg_mrs(pd, &c, IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE, &m, &how) == 0) {
+                        printf("ok: the instance's cache in %u parts registered: %u regions (%s)\n", c.n_parts, m->n,
+                               how);
+                        rdma_mrs_free(m);
+                } else {
+                        printf("ok: the instance's cache is not registrable here, said clearly: %s\n", kvf_err_msg());
+                }
+        } else if (pd) {
                 const char *how;
                 struct ibv_mr *mr = reg(pd, &c, &how);
                 if (mr)

@@ -193,6 +193,14 @@ static void refuse(int fd, int status, const char *reason, unsigned timeout_ms)
         conn_send_record(fd, &r, timeout_ms);
 }
 
+/* The handshake failed after the welcome came: its arrays go (the caller gets none). */
+static int welcome_fail(struct kvf_record *welcome, int rc)
+{
+        if (welcome)
+                kvf_record_free(welcome);
+        return rc;
+}
+
 int conn_handshake_client(struct connector *cn, int fd, const char *purpose,
                           struct peer_identity *out, struct kvf_record *welcome, int *status)
 {
@@ -229,7 +237,9 @@ int conn_handshake_client(struct connector *cn, int fd, const char *purpose,
         if ((rc = recv_record(fd, KVF_RT_WELCOME, &r, to, status)) < 0)
                 return kvf_err_ctx(rc, "handshake");
         if (welcome)
-                *welcome = r; /* (no arrays in a welcome: nothing to free) */
+                *welcome = r; /* (its arrays, rdma's table, are the caller's: kvf_record_free) */
+        else
+                kvf_record_free(&r);
         snprintf(out->instance, sizeof(out->instance), "%s", r.instance);
         out->created_ns = r.generation;
         out->rank = (uint32_t)r.lay_rank;
@@ -238,21 +248,21 @@ int conn_handshake_client(struct connector *cn, int fd, const char *purpose,
          * too; this holds against a server that does not). */
         if (r.role != KVF_IROLE_DECODE && r.role != KVF_IROLE_MIXED) {
                 *status = KVF_STATUS_PEER_ROLE;
-                return kvf_err_set(-EPERM,
+                return welcome_fail(welcome, kvf_err_set(-EPERM,
                                    "handshake: peer '%s' is a %s instance: only a decode or mixed instance receives KV caches",
-                                   out->instance, kvf_irole_name((uint32_t)r.role));
+                                   out->instance, kvf_irole_name((uint32_t)r.role)));
         }
         if ((rc = rec_to_layout(&r, &out->layout)) < 0)
-                return kvf_err_ctx(rc, "handshake");
+                return welcome_fail(welcome, kvf_err_ctx(rc, "handshake"));
         if (check_split(&h->layout, h->rank, h->nranks, &out->layout, (uint32_t)r.lay_rank,
                         (uint32_t)r.lay_nranks, purpose, why, sizeof(why)) < 0) {
                 *status = KVF_STATUS_LAYOUT_MISMATCH;
-                return kvf_err_set(-EXDEV, "handshake: peer layout mismatch with '%s': %s",
-                                   out->instance, why);
+                return welcome_fail(welcome, kvf_err_set(-EXDEV, "handshake: peer layout mismatch with '%s': %s",
+                                                         out->instance, why));
         }
         if (check_token_order(h, r.lay_token_major, out->instance, why, sizeof(why)) < 0) {
                 *status = KVF_STATUS_LAYOUT_MISMATCH;
-                return kvf_err_set(-EXDEV, "handshake: %s", why);
+                return welcome_fail(welcome, kvf_err_set(-EXDEV, "handshake: %s", why));
         }
         *status = KVF_STATUS_FINISHED;
         return 0;
@@ -336,6 +346,7 @@ int conn_handshake_server(struct connector *cn, int fd, struct peer_identity *ou
         identity_rec(&r, KVF_RT_WELCOME, h);
         /* The transport's own fields (rdma: where its writes go, and the key). */
         if (t && t->welcome && (rc = t->welcome(cn, out, &r, tstate)) < 0) {
+                kvf_record_free(&r);
                 snprintf(reason, sizeof(reason), "%s", kvf_err_msg());
                 refuse(fd, rc == -ENODATA ? KVF_STATUS_ENGINE_GONE : KVF_STATUS_CONNECTION, reason, to);
                 return kvf_err_set(rc, "handshake with '%s': %s", out->instance, reason);

@@ -295,11 +295,13 @@ static int rconn_open(struct rconn *c, int *status)
          * handshake against ours): every write's remote address is computed from it. */
         uint64_t want = kvf_layout_offset(&id.layout, kvf_layout_layers(&id.layout), 0, 0);
         if (!w.rdma_rkey || w.rdma_rkey > UINT32_MAX || !w.rdma_port || w.rdma_port > 65535 ||
-            w.rdma_len != want || w.rdma_addr + w.rdma_len < w.rdma_addr)
+            w.rdma_len != want || w.rdma_addr + w.rdma_len < w.rdma_addr) {
+                kvf_record_free(&w);
                 return kvf_err_set(-EPROTO, "peer '%s' offers an rdma region of %llu bytes (its cache has %llu), "
                                             "port %llu, key %llu: refused",
                                    id.instance, (unsigned long long)w.rdma_len, (unsigned long long)want,
                                    (unsigned long long)w.rdma_port, (unsigned long long)w.rdma_rkey);
+        }
         c->raddr = w.rdma_addr;
         c->rlen = w.rdma_len;
         c->rkey = (uint32_t)w.rdma_rkey;

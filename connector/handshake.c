@@ -125,7 +125,7 @@ static int check_token_order(const struct kvf_ctl_header *h, uint64_t theirs, co
  */
 static int check_split(const struct kvf_cache_layout *pl, uint32_t pr, uint32_t p,
                        const struct kvf_cache_layout *dl, uint32_t dr, uint32_t d,
-                       const char *purpose, char *why, size_t whylen)
+                       const char *purpose, bool token_major, char *why, size_t whylen)
 {
         char diff[400];
         uint32_t heads;
@@ -133,6 +133,16 @@ static int check_split(const struct kvf_cache_layout *pl, uint32_t pr, uint32_t 
         d = d ? d : 1;
         if (p == d && kvf_layout_compatible(pl, dl, why, whylen) == 0)
                 return 0;
+        /* Head slices and regrouped tokens are cut from [heads, block_size, head_dim] blocks;
+         * in token-major blocks ([block_size, heads, head_dim]) those bytes lie elsewhere. One
+         * head a block is the same either way. */
+        if (token_major && (pl->kv_heads > 1 || dl->kv_heads > 1) && strcmp(purpose, "control")) {
+                snprintf(why, whylen, "token-major blocks [block_size, heads, head_dim] (the engines' "
+                         "token_major) move between equal layouts only: prefill %u kv head(s) x tp %u, "
+                         "%u tokens/block; decode %u kv head(s) x tp %u, %u tokens/block",
+                         pl->kv_heads, p, pl->block_size, dl->kv_heads, d, dl->block_size);
+                return -EXDEV;
+        }
         if (kvf_tp_check(pl, p, dl, d, 0, &heads, diff, sizeof(diff)) < 0) {
                 snprintf(why, whylen, "%s", diff);
                 return -EXDEV;
@@ -255,7 +265,8 @@ int conn_handshake_client(struct connector *cn, int fd, const char *purpose,
         if ((rc = rec_to_layout(&r, &out->layout)) < 0)
                 return welcome_fail(welcome, kvf_err_ctx(rc, "handshake"));
         if (check_split(&h->layout, h->rank, h->nranks, &out->layout, (uint32_t)r.lay_rank,
-                        (uint32_t)r.lay_nranks, purpose, why, sizeof(why)) < 0) {
+                        (uint32_t)r.lay_nranks, purpose, token_major(h) || r.lay_token_major, why,
+                        sizeof(why)) < 0) {
                 *status = KVF_STATUS_LAYOUT_MISMATCH;
                 return welcome_fail(welcome, kvf_err_set(-EXDEV, "handshake: peer layout mismatch with '%s': %s",
                                                          out->instance, why));
@@ -332,7 +343,8 @@ int conn_handshake_server(struct connector *cn, int fd, struct peer_identity *ou
                 return kvf_err_ctx(rc, "handshake with '%s'", out->instance);
         }
         if (check_split(&out->layout, (uint32_t)r.lay_rank, (uint32_t)r.lay_nranks, &h->layout,
-                        h->rank, h->nranks, purpose, why, sizeof(why)) < 0) {
+                        h->rank, h->nranks, purpose, token_major(h) || r.lay_token_major, why,
+                        sizeof(why)) < 0) {
                 snprintf(reason, sizeof(reason), "peer layout mismatch (as seen by '%s'): %s",
                          h->instance, why);
                 refuse(fd, KVF_STATUS_LAYOUT_MISMATCH, reason, to);

@@ -140,11 +140,15 @@ def transfer(pre, pc, dec, dc, dname, tag, src, dst, transport="ipc", timeout_s=
     return done
 
 
-def refused(pre, dname, dsession, want):
+def refused(pre, dname, dsession, want, transport="ipc"):
     rid = "reg-refused-%d-%d" % (pre.session, time.monotonic_ns())
+    step = pre.last_step + 1
     pre.submit_task({"request_id": rid, "src_block_ids": [1], "dest_block_ids": [1],
-                     "current_id": pre.last_step + 1, "transfer_protocol": "ipc", "peer": dname,
+                     "current_id": step, "transfer_protocol": transport, "peer": dname,
                      "peer_session": dsession})
+    if transport != "ipc":
+        for layer in range(pre.layout.num_layers + pre.layout.extra_layers):
+            pre.layer_done(step, layer)
     end = time.monotonic() + 10
     while time.monotonic() < end:
         ev = pre.poll(timeout_ms=100)
@@ -397,7 +401,28 @@ def key_only(pname, dname):
     dec.close()
 
 
+def token_split(pname, dname):
+    """Token-major blocks between another tensor-parallel split (its head slices are cut from
+    head-major blocks): refused at the data connection's handshake over tcp, naming it."""
+    dec = kvferry.Client(dname)
+    pre = kvferry.Client(pname)
+    if pre.layout.kv_heads == dec.layout.kv_heads:
+        fail("%s and %s are not of another split: %r %r" % (pname, dname, pre.layout, dec.layout))
+    pc, dc = Caches(pre.layout, "pair"), Caches(dec.layout, "pair")
+    pre.register_caches(pc.entries, token_major=True)
+    dec.register_caches(dc.entries, token_major=True)
+    ev = refused(pre, dname, dec.session, "token-major blocks", transport="tcp")
+    if ev["status"] != "peer layout mismatch":
+        fail("token-major blocks to another split: %r" % ev)
+    print("ok: token-major blocks to another split over tcp ended %r: %s" % (ev["status"], ev["reason"]))
+    pre.close()
+    dec.close()
+
+
 def main():
+    if sys.argv[1] == "--token-split":
+        token_split(sys.argv[2], sys.argv[3])
+        return
     if sys.argv[1] == "--child":
         child(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))
         return

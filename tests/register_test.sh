@@ -38,3 +38,10 @@ up $TAG-kp --role prefill --caches engine $L --key-only
 PYTHONPATH="$ROOT/python" "$ROOT/tests/python_run.sh" "$ROOT/tests/register_engine.py" --key-only $TAG-kp $TAG-kd ||
   fail "key-only engine caches"
 pass "key-only engine caches: registered, moved over ipc and tcp, verified"
+# Token-major blocks between another split: refused by the data connection's handshake.
+T="--layers 4 --head-dim 64 --block-size 16 --dtype fp16 --blocks 32"
+up $TAG-td --role decode --caches engine $T --kv-heads 2 --rank 0 --nranks 2
+up $TAG-tp --role prefill --caches engine $T --kv-heads 4
+PYTHONPATH="$ROOT/python" "$ROOT/tests/python_run.sh" "$ROOT/tests/register_engine.py" --token-split $TAG-tp $TAG-td ||
+  fail "token-major blocks to another split"
+pass "token-major blocks to another tensor-parallel split: refused, naming it"

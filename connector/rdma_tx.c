@@ -758,6 +758,15 @@ static int post_some(struct rconn *c)
                 }
         }
         c->wrs[n - 1].next = NULL;
+        /* Counted before the post: once posted, the transfer may complete (and its engine read
+         * these counters) before this thread runs again. (A post that takes fewer, never
+         * expected, leaves them counted: rdma_post_errors says so.) */
+        kvf_count(&cn->ctl, KVF_CTR_RDMA_POSTS, 1);
+        kvf_count(&cn->ctl, KVF_CTR_RDMA_WRITES, writes);
+        kvf_count(&cn->ctl, KVF_CTR_RDMA_SENDS, n - writes);
+        kvf_count(&cn->ctl, KVF_CTR_RDMA_SIGNALLED, signalled);
+        kvf_count(&cn->ctl, KVF_CTR_BYTES_RDMA, bytes);
+        kvf_count(&cn->ctl, KVF_CTR_BLOCKS_RDMA, blocks);
         struct ibv_send_wr *bad = NULL;
         int rc = ibv_post_send(c->id->qp, c->wrs, &bad);
         unsigned posted = n;
@@ -782,12 +791,6 @@ static int post_some(struct rconn *c)
                 pthread_mutex_unlock(&xp->mu);
         }
         c->next_seq += posted;
-        kvf_count(&cn->ctl, KVF_CTR_RDMA_POSTS, 1);
-        kvf_count(&cn->ctl, KVF_CTR_RDMA_WRITES, writes);
-        kvf_count(&cn->ctl, KVF_CTR_RDMA_SENDS, n - writes);
-        kvf_count(&cn->ctl, KVF_CTR_RDMA_SIGNALLED, signalled);
-        kvf_count(&cn->ctl, KVF_CTR_BYTES_RDMA, bytes);
-        kvf_count(&cn->ctl, KVF_CTR_BLOCKS_RDMA, blocks);
         if (rc && posted == 0)
                 return -rc;
         return (int)posted;

@@ -111,6 +111,10 @@ static inline const struct ibv_mr *rdma_mrs_at(const struct rdma_mrs *m, uint64_
         return m->mr[m->part_mr ? m->part_mr[off / m->part_bytes] : 0];
 }
 
+/* The engine's caches were registered anew (or dropped) since m was registered: m pins memory
+ * that is no longer the cache. False for any other cache. */
+bool rdma_mrs_stale(const struct connector *cn, const struct rdma_mrs *m);
+
 /* The welcome's rdma_parts: per part, its address (high and low words), its block stride
  * (high, low) and its region's remote key. */
 #define RDMA_PART_WORDS 5u

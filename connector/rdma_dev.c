@@ -80,6 +80,12 @@ int rdma_device_addr(const char *name, struct sockaddr_in *out)
         return 0;
 }
 
+bool rdma_mrs_stale(const struct connector *cn, const struct rdma_mrs *m)
+{
+        return cn->cache.be->id == KVF_BACKEND_ENGINE && m &&
+               m->reg_gen != kvf_load_acquire(&cn->ctl.hdr->reg_generation);
+}
+
 /* st->mu held: drop a reference; the last one deregisters. */
 static void mrs_put_locked(struct rdma_mrs *m)
 {

@@ -330,15 +330,6 @@ static int accept_conn(struct rdma_state *st, struct rx_conn *c, int fd)
         return 0;
 }
 
-/* The engine's caches were registered anew since this connection registered them: what the
- * peer writes lands in memory that is no longer the cache. */
-static bool regions_stale(const struct rx_conn *c)
-{
-        const struct connector *cn = c->cn;
-        return cn->cache.be->id == KVF_BACKEND_ENGINE && c->mrs &&
-               c->mrs->reg_gen != kvf_load_acquire(&cn->ctl.hdr->reg_generation);
-}
-
 /* Take what the completion queue has. 0 while the connection is fine; < 0 (why) when it ends. */
 static int take_completions(struct rx_conn *c, char *why, size_t whylen)
 {
@@ -378,7 +369,7 @@ static int take_completions(struct rx_conn *c, char *why, size_t whylen)
                         else if (cn->cache.be->rdma_flush && cn->cache.be->rdma_flush(&cn->cache) < 0) {
                                 status = KVF_STATUS_WRITE;
                                 snprintf(fwhy, sizeof(fwhy), "%s", kvf_err_msg());
-                        } else if (regions_stale(c)) {
+                        } else if (rdma_mrs_stale(c->cn, c->mrs)) {
                                 status = KVF_STATUS_ENGINE_GONE;
                                 snprintf(fwhy, sizeof(fwhy), "the engine's caches of '%s' were %s during the "
                                          "transfer: its bytes went to the old ones", cn->ctl.hdr->instance,
@@ -436,7 +427,7 @@ void rdma_serve(struct connector *cn, int fd, const struct peer_identity *id, co
                         c->mrs = NULL;
                         kvf_warn("rdma: test: the region of peer '%s' deregistered (SIGUSR2)", id->instance);
                 }
-                if (regions_stale(c)) {
+                if (rdma_mrs_stale(c->cn, c->mrs)) {
                         /* Its regions pin the old memory: they go now (what completed before
                          * is answered first, "engine gone"); the peer connects again and
                          * registers the new memory. */

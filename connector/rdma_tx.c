@@ -78,23 +78,19 @@ struct rconn {
         unsigned depth, sig;
         uint64_t next_seq, done_seq; /* posted [done_seq, next_seq) not yet completed */
         uint64_t last_done_ns;
-        /* the peer's region and layout; a cache in parts: each (layer, tensor)'s address,
-         * block stride and key (rparts, nrparts of rpart_bytes each) */
+        /* the peer's region and layout; its cache as addressed in the peer's process (rcache:
+         * base, or a cache in parts with each (layer, tensor)'s address and block stride, the
+         * key of each part in rkeys), for kvf_cache_addr */
         uint64_t raddr, rlen;
         uint32_t rkey;
         struct kvf_cache_layout rlay;
-        struct rpart {
-                uint64_t addr, stride;
-                uint32_t rkey;
-        } *rparts;
-        uint32_t nrparts;
-        uint64_t rpart_bytes;
+        struct kvf_cache rcache;
+        uint32_t *rkeys;
         /* The peer is a rank of another tensor-parallel split (the handshake's identities): of
          * each block, slen bytes at soff go to doff of its destination block, one work request
          * per block. slen 0: whole blocks, one work request per frame (a run contiguous on both
          * sides). */
         uint32_t soff, doff, slen;
-        bool rstrided; /* the peer's blocks are not back to back (its table says so) */
         /* The peer's blocks hold another number of tokens: the plan's pieces of each source
          * block into the destination blocks (frames indexed by source position, x->n_src), a
          * work request per piece; npieces 0 otherwise. */
@@ -185,7 +181,9 @@ static void rconn_close(struct rconn *c)
         free(c->wrs);
         free(c->sges);
         kvf_tp_plan_free(&c->plan);
-        free(c->rparts);
+        free(c->rcache.parts);
+        free(c->rcache.strides);
+        free(c->rkeys);
         /* (the protection domain stays: rdma_local_mrs's) */
         rdma_local_mrs_put(c->xp->p->cn, c->lm);
         rdma_id_destroy(c->id, c->ec);
@@ -200,28 +198,29 @@ static int remote_parts(struct rconn *c, const struct kvf_record *w, const char 
         const struct kvf_cache_layout *L = &c->rlay;
         const uint32_t np = kvf_layout_layers(L) * kvf_layout_tensors(L);
         const uint64_t bb = L->block_bytes, nb = L->num_blocks;
+        struct kvf_cache *rc = &c->rcache;
+        *rc = (struct kvf_cache){.layout = *L, .base = (uint8_t *)(uintptr_t)c->raddr, .bytes = c->rlen};
         if (!w->n_rdma_parts)
                 return 0;
         if (w->n_rdma_parts != np * RDMA_PART_WORDS || !nb)
                 return kvf_err_set(-EPROTO, "peer '%s' offers an rdma table of %u words for %u tensors: refused",
                                    peer, w->n_rdma_parts, np);
-        if (!(c->rparts = calloc(np, sizeof(*c->rparts))))
+        if (!(rc->parts = calloc(np, sizeof(*rc->parts))) || !(rc->strides = calloc(np, sizeof(*rc->strides))) ||
+            !(c->rkeys = calloc(np, sizeof(*c->rkeys))))
                 return kvf_err_set(-ENOMEM, "out of memory");
         for (uint32_t i = 0; i < np; i++) {
                 const uint32_t *q = w->rdma_parts + (size_t)i * RDMA_PART_WORDS;
-                struct rpart *r = &c->rparts[i];
-                r->addr = (uint64_t)q[0] << 32 | q[1];
-                r->stride = (uint64_t)q[2] << 32 | q[3];
-                r->rkey = q[4];
-                if (!r->addr || r->stride < bb || r->stride > UINT64_MAX / nb ||
-                    r->addr + (nb - 1) * r->stride + bb < r->addr)
+                uint64_t a = (uint64_t)q[0] << 32 | q[1], st = (uint64_t)q[2] << 32 | q[3];
+                if (!a || st < bb || st > UINT64_MAX / nb || a + (nb - 1) * st + bb < a)
                         return kvf_err_set(-EPROTO, "peer '%s' offers an rdma table whose tensor %u (at %#llx, blocks "
                                            "%llu bytes apart) does not hold its blocks: refused", peer, i,
-                                           (unsigned long long)r->addr, (unsigned long long)r->stride);
-                c->rstrided |= r->stride != bb;
+                                           (unsigned long long)a, (unsigned long long)st);
+                rc->parts[i] = (uint8_t *)(uintptr_t)a;
+                rc->strides[i] = st;
+                c->rkeys[i] = q[4];
         }
-        c->nrparts = np;
-        c->rpart_bytes = nb * bb;
+        rc->n_parts = np;
+        rc->part_bytes = nb * bb;
         return 0;
 }
 
@@ -238,14 +237,8 @@ static bool strided(const struct kvf_cache *cache)
 /* The peer's address of byte roff of its cache (in its layout's order), and its key. */
 static uint64_t remote_at(const struct rconn *c, uint64_t roff, uint32_t *rkey)
 {
-        if (!c->nrparts) {
-                *rkey = c->rkey;
-                return c->raddr + roff;
-        }
-        const uint64_t bb = c->rlay.block_bytes, r = roff % c->rpart_bytes;
-        const struct rpart *p = &c->rparts[roff / c->rpart_bytes];
-        *rkey = p->rkey;
-        return p->addr + r / bb * p->stride + r % bb;
+        *rkey = c->rkeys ? c->rkeys[roff / c->rcache.part_bytes] : c->rkey;
+        return (uintptr_t)kvf_cache_addr(&c->rcache, roff);
 }
 
 /* The peer's blocks hold another number of tokens: the plan of this rank's pieces towards it
@@ -379,10 +372,11 @@ static int rconn_open(struct rconn *c, int *status)
         kvf_cache_hold(&cn->cache);
         bool lstrided = strided(&cn->cache);
         kvf_cache_release(&cn->cache);
-        if (!c->slen && !c->plan.npieces && (lstrided || c->rstrided)) {
+        bool rstrided = strided(&c->rcache);
+        if (!c->slen && !c->plan.npieces && (lstrided || rstrided)) {
                 c->slen = (uint32_t)me->layout.block_bytes;
                 kvf_info("rdma to '%s': the blocks of %s are not back to back: a work request per block",
-                         p->name, c->rstrided ? "the peer's cache" : "this cache");
+                         p->name, rstrided ? "the peer's cache" : "this cache");
         }
 
         /* The send queue: as deep as asked, as deep as the device allows. */
@@ -625,9 +619,8 @@ static void slot_end(struct rconn *c, uint64_t seq, bool sent)
 static bool local_stale(const struct rconn *c)
 {
         const struct connector *cn = c->xp->p->cn;
-        return cn->cache.be->id == KVF_BACKEND_ENGINE &&
-               (c->lm->reg_gen != cn->cache.reg_gen ||
-                c->lm->reg_gen != kvf_load_acquire(&cn->ctl.hdr->reg_generation));
+        return rdma_mrs_stale(cn, c->lm) ||
+               (cn->cache.be->id == KVF_BACKEND_ENGINE && c->lm->reg_gen != cn->cache.reg_gen);
 }
 
 /*
@@ -871,19 +864,21 @@ static int take_completions(struct rconn *c, char *why, size_t whylen)
         return rc < 0 ? rc : total;
 }
 
-/* This instance's engine caches were registered anew: what is not yet written would come
- * from memory that holds no request's computation. Every transfer the peer has not had whole
- * ends "engine gone": now, or (its notice out) by its done message, which tells the peer to
- * answer so; nothing more of it is written. (One whose done message completed stays
- * finished: its bytes came from the memory it was computed in.) */
+/* This instance's engine caches were registered anew: what is not yet written of a transfer
+ * opened before would come from memory that holds no request's computation. Every such
+ * transfer the peer has not had whole ends "engine gone": now, or (its notice out) by its done
+ * message, which tells the peer to answer so; nothing more of it is written. (One whose done
+ * message completed stays finished: its bytes came from the memory it was computed in. One
+ * opened since goes on the next connection, which registers the new memory.) */
 static void give_up_stale(struct rconn *c, const char *why)
 {
         struct xfer_peer *xp = c->xp;
+        const uint64_t now = kvf_load_acquire(&xp->p->cn->ctl.hdr->reg_generation);
         pthread_mutex_lock(&xp->mu);
         for (struct xfer *x = xp->xfers, *nx; x; x = nx) {
                 nx = x->next;
                 struct rdma_xfer *rx = x->tp;
-                if (x->dead || rx->done_ok)
+                if (x->dead || rx->done_ok || x->reg_gen == now)
                         continue;
                 if (!x->noticed) {
                         xfer_fail_one(xp, x, KVF_STATUS_ENGINE_GONE, why);

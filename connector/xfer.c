@@ -388,6 +388,7 @@ int conn_xfer_open(struct peer *p, const struct kvf_record *o, char *why, size_t
                 memcpy(dst, o->dst, o->n_dst * sizeof(uint32_t));
                 x->key = o->key;
                 x->session = o->session;
+                x->reg_gen = kvf_load_acquire(&cn->ctl.hdr->reg_generation);
                 x->dst = dst;
                 x->n_dst = o->n_dst;
                 x->n_src = (uint32_t)o->blocks;

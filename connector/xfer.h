@@ -59,6 +59,8 @@ struct xfer {
         bool checked; /* dst ids checked against the peer's block count */
         bool noticed; /* the finish notice is out: only its outcome ends the transfer */
         uint64_t session; /* the decode engine session it is bound to (0 unknown) */
+        uint64_t reg_gen; /* this instance's registration of the engine's caches when it opened
+                           * (its bytes are in that memory; 0: kvferry's own caches) */
         void *tp;         /* the transport's (xfer_open) */
         struct xfer *next;
 };

@@ -30,15 +30,19 @@ static const char *shm_dir(void)
         return d && d[0] ? d : "/dev/shm";
 }
 
-/* FastDeploy's name; with FD_IPC_APPEND_SUFFIX set (FastDeploy's own variable, for two
- * instances on one GPU) ".<suffix>" follows. */
+/* FastDeploy's name of handle i (kvf_layout_offset order: every layer's K/V, then their scale
+ * tensors, key_cache_scales_{layer}_... and value_cache_scales_...); with FD_IPC_APPEND_SUFFIX
+ * set (FastDeploy's own variable, for two instances on one GPU) ".<suffix>" follows. */
 static void record_name(const struct kvf_ctl_header *h, uint32_t i, char *out, size_t len)
 {
-        uint32_t t = kvf_layout_tensors(&h->layout);
+        uint32_t t = kvf_layout_tensors(&h->layout), kv = kvf_layout_layers(&h->layout) * t;
+        bool scale = i >= kv;
         const char *sfx = getenv("FD_IPC_APPEND_SUFFIX");
         bool dot = sfx && sfx[0] && !strchr(sfx, '/');
-        snprintf(out, len, "%s_caches_%u_rank%u.device%u%s%s", i % t ? "value" : "key", i / t,
-                 h->rank, h->device, dot ? "." : "", dot ? sfx : "");
+        if (scale)
+                i -= kv;
+        snprintf(out, len, "%s_cache%s_%u_rank%u.device%u%s%s", i % t ? "value" : "key",
+                 scale ? "_scales" : "s", i / t, h->rank, h->device, dot ? "." : "", dot ? sfx : "");
 }
 
 static const uint8_t *handle_of(const struct kvf_ctl_header *h, uint32_t i)

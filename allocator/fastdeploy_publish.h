@@ -5,7 +5,9 @@
  * FastDeploy's model worker attaches each layer's K and V tensor by name: a
  * POSIX shared-memory object key_caches_{layer}_rank{rank}.device{device}
  * (value_caches_... for V) holding struct { size_t nprocesses;
- * cudaIpcMemHandle_t handle; }, and uses the opened pointer as the tensor.
+ * cudaIpcMemHandle_t handle; }, and uses the opened pointer as the tensor;
+ * with block_wise_fp8 caches also each tensor's per-block scales,
+ * key_cache_scales_{layer}_rank{rank}.device{device} (value_cache_scales_...).
  * The handles are the ones the cuda backend put in the control segment, in
  * kvf_layout_offset order. Called by the allocator only, which owns them.
  */

@@ -56,6 +56,8 @@ static void usage(void)
                "  --head-dim N           head dimension\n"
                "  --dtype T              bf16, fp16, fp8 or uint8 (default bf16)\n"
                "  --key-only             one tensor per layer (MLA)\n"
+               "  --scale-dtype T        per-block scale tensors of T beside K and V, [blocks, kv heads,\n"
+               "                         block size] each (FastDeploy's block_wise_fp8; default none)\n"
                "  --block-size N         tokens per block (default 64)\n"
                "  --blocks N             blocks per layer tensor\n"
                "  --cache-mib N          or: size the cache to N MiB and derive --blocks\n"
@@ -148,7 +150,7 @@ int main(int argc, char **argv)
 {
         enum { O_ROLE = 1000, O_MODEL, O_TP, O_LAYERS, O_EXTRA, O_HEADS, O_HDIM, O_DTYPE, O_KEYONLY,
                O_BSIZE, O_BLOCKS, O_MIB, O_RANK, O_NRANKS, O_DEVICE, O_MAXREQ, O_MAXBLK, O_RING, O_HB,
-               O_ADOPT, O_HUGE, O_VERSION, O_BACKEND, O_EXECUTOR, O_FASTDEPLOY, O_CACHES };
+               O_ADOPT, O_HUGE, O_VERSION, O_BACKEND, O_EXECUTOR, O_FASTDEPLOY, O_CACHES, O_SCALE };
         static const struct option opts[] = {
                 {"instance", required_argument, 0, 'i'},  {"role", required_argument, 0, O_ROLE},
                 {"model", required_argument, 0, O_MODEL}, {"tp", required_argument, 0, O_TP},
@@ -157,6 +159,7 @@ int main(int argc, char **argv)
                 {"kv-heads", required_argument, 0, O_HEADS},
                 {"head-dim", required_argument, 0, O_HDIM}, {"dtype", required_argument, 0, O_DTYPE},
                 {"key-only", no_argument, 0, O_KEYONLY},
+                {"scale-dtype", required_argument, 0, O_SCALE},
                 {"block-size", required_argument, 0, O_BSIZE},
                 {"blocks", required_argument, 0, O_BLOCKS},
                 {"cache-mib", required_argument, 0, O_MIB}, {"rank", required_argument, 0, O_RANK},
@@ -175,7 +178,7 @@ int main(int argc, char **argv)
                 {0, 0, 0, 0}};
         struct kvf_ctl_params p = {.backend = KVF_BACKEND_HOST, .instance_role = KVF_IROLE_MIXED,
                                    .nranks = 1, .device = KVF_DEVICE_NONE};
-        uint32_t layers = 0, extra = 0, heads = 0, hdim = 0, dtype = KVF_DTYPE_BF16, key_only = 0;
+        uint32_t layers = 0, extra = 0, heads = 0, hdim = 0, dtype = KVF_DTYPE_BF16, key_only = 0, sdtype = 0;
         uint32_t bsize = 64, blocks = 0, tp = 1;
         uint64_t mib = 0;
         struct kvf_ctl ctl;
@@ -220,6 +223,13 @@ int main(int argc, char **argv)
                         break;
                 }
                 case O_KEYONLY: key_only = 1; break;
+                case O_SCALE: {
+                        int d = kvf_dtype_from_name(optarg);
+                        if (d < 0)
+                                kvf_opt_die(prog, "--scale-dtype is bf16, fp16, fp32, fp8 or uint8, not '%s'", optarg);
+                        sdtype = (uint32_t)d;
+                        break;
+                }
                 case O_BSIZE: bsize = (uint32_t)kvf_opt_u64("block-size", optarg, 1, 65536); break;
                 case O_BLOCKS: blocks = (uint32_t)kvf_opt_u64("blocks", optarg, 1, 1u << 30); break;
                 case O_MIB: mib = kvf_opt_u64("cache-mib", optarg, 1, 1ull << 30); break;
@@ -303,6 +313,9 @@ int main(int argc, char **argv)
                 if ((!backend_auto && p.backend != KVF_BACKEND_HOST && !engine_gpu) || fastdeploy)
                         kvf_opt_die(prog, "--caches engine: the engine's caches are host memory (--backend "
                                     "host or auto) or GPU memory (--backend cuda), and no --fastdeploy");
+                if (sdtype)
+                        kvf_opt_die(prog, "--caches engine: the engine registers its K/V tensors only; "
+                                    "--scale-dtype is for kvferry's own caches");
                 if (engine_gpu && kvf_cache_gpus() <= 0) {
                         kvf_error("--caches engine --backend cuda: %s", kvf_err_msg());
                         return 1;
@@ -368,7 +381,8 @@ int main(int argc, char **argv)
                 heads = heads / tp ? heads / tp : 1;
                 if (!blocks && mib) {
                         struct kvf_cache_layout one;
-                        if (kvf_layout_make(&one, layers, extra, 1, heads, bsize, hdim, dtype, key_only) < 0)
+                        if (kvf_layout_make(&one, layers, extra, 1, heads, bsize, hdim, dtype, key_only) < 0 ||
+                            kvf_layout_set_scales(&one, sdtype) < 0)
                                 kvf_opt_die(prog, "%s", kvf_err_msg());
                         blocks = (uint32_t)((mib << 20) / one.cache_bytes);
                         if (!blocks)
@@ -379,10 +393,11 @@ int main(int argc, char **argv)
                 if (!blocks)
                         kvf_opt_die(prog, "give --blocks or --cache-mib");
                 if (kvf_layout_make(&p.layout, layers, extra, blocks, heads, bsize, hdim, dtype,
-                                    key_only) < 0)
+                                    key_only) < 0 ||
+                    kvf_layout_set_scales(&p.layout, sdtype) < 0)
                         kvf_opt_die(prog, "%s", kvf_err_msg());
                 if (fastdeploy && p.backend == KVF_BACKEND_CUDA)
-                        p.cuda_handles = kvf_layout_layers(&p.layout) * kvf_layout_tensors(&p.layout);
+                        p.cuda_handles = kvf_layout_parts(&p.layout);
                 if ((rc = kvf_ctl_create(&p, &ctl)) < 0) {
                         kvf_error("%s", kvf_err_msg());
                         return 1;
@@ -439,10 +454,14 @@ int main(int argc, char **argv)
                                  p.executor == KVF_EXEC_ENGINE ? "engine" : "sender");
                 else
                         snprintf(where, sizeof(where), "%s cache", kvf_cache_backend(p.backend)->name);
-                kvf_info("ready: %u+%u layers x %u tensors x %u blocks x %llu bytes = %s %s, "
+                char scales[96] = "";
+                if (l->scale_bytes)
+                        snprintf(scales, sizeof(scales), " + as many scale tensors of %llu-byte blocks (%s)",
+                                 (unsigned long long)l->scale_bytes, kvf_dtype_name(l->scale_dtype));
+                kvf_info("ready: %u+%u layers x %u tensors x %u blocks x %llu bytes%s = %s %s, "
                          "%u kv heads, block size %u, head dim %u, %s%s",
                          l->num_layers, l->extra_layers, kvf_layout_tensors(l), l->num_blocks,
-                         (unsigned long long)l->block_bytes,
+                         (unsigned long long)l->block_bytes, scales,
                          kvf_fmt_bytes(l->cache_bytes, sz, sizeof(sz)), where, l->kv_heads, l->block_size,
                          l->head_dim, kvf_dtype_name(l->dtype), l->key_only ? ", key only" : "");
         }

@@ -103,6 +103,8 @@ static const struct abi_entry abi_table[] = {
         FIELD(kvf_layout_info, block_size), FIELD(kvf_layout_info, head_dim),
         FIELD(kvf_layout_info, dtype), FIELD(kvf_layout_info, key_only),
         FIELD(kvf_layout_info, block_bytes), FIELD(kvf_layout_info, cache_bytes),
+        FIELD(kvf_layout_info, scale_dtype), FIELD(kvf_layout_info, reserved),
+        FIELD(kvf_layout_info, scale_bytes),
         SIZE(kvf_reg_region),
         FIELD(kvf_reg_region, addr), FIELD(kvf_reg_region, bytes), FIELD(kvf_reg_region, fd),
         FIELD(kvf_reg_region, pad), FIELD(kvf_reg_region, fd_offset),

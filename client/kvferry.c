@@ -189,7 +189,7 @@ void *kvf_cache_tensor(struct kvf_client *c, uint32_t layer, int v)
                             "engine addresses its tensors itself", c->ctl.hdr->instance);
                 return NULL;
         }
-        if (!c->cache.base || layer >= kvf_layout_layers(l) || v < 0 || (uint32_t)v >= kvf_layout_tensors(l))
+        if (!c->cache.base || layer >= kvf_layout_layers(l) || v < 0 || (uint32_t)v >= kvf_layout_all_tensors(l))
                 return NULL;
         return kvf_cache_addr(&c->cache, kvf_layout_offset(l, layer, (uint32_t)v, 0));
 }

@@ -134,8 +134,7 @@ static void keep_views(struct kvf_client *c, const struct kvf_registration *r)
                         }
                 }
                 c->reg_own = (struct kvf_cache){.layout = *L, .base = parts[0], .host = false, .device = r->device,
-                                                .parts = parts, .strides = strides, .n_parts = n,
-                                                .part_bytes = (uint64_t)L->num_blocks * L->block_bytes};
+                                                .parts = parts, .strides = strides, .n_parts = n};
                 parts = NULL;
                 strides = NULL;
         }

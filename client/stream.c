@@ -456,7 +456,7 @@ static int add_runs(struct kvf_client *c, struct kvf_stream *st, uint32_t slot, 
         const struct kvf_cache_layout *L = &h->layout, *PL = &st->peers[pi].cache.layout;
         const uint32_t *src = kvf_slot_blocks(&c->ctl, slot) + e->src_first;
         const uint32_t *dst = kvf_slot_blocks(&c->ctl, slot) + h->max_blocks;
-        uint32_t tensors = kvf_layout_tensors(L);
+        uint32_t tensors = kvf_layout_all_tensors(L); /* (scale tensors: equal layouts only, no plan) */
 
         if (st->peers[pi].plan.npieces)
                 return add_pieces(c, st, slot, e, pi, l0, l1, why, whylen);
@@ -480,7 +480,7 @@ static int add_runs(struct kvf_client *c, struct kvf_stream *st, uint32_t slot, 
                                 st->runs[st->nruns++] = (struct kvf_gpu_run){
                                         .src_off = kvf_layout_offset(L, l, t, src[i]),
                                         .dst_off = kvf_layout_offset(PL, l, t, dst[i]),
-                                        .bytes = (uint64_t)k * L->block_bytes,
+                                        .bytes = (uint64_t)k * kvf_layout_tensor_bytes(L, t),
                                         .src_region = 0,
                                         .dst_region = di};
                                 i += k;

@@ -26,6 +26,7 @@
 #include <stdbool.h>
 #include <stdint.h>
 
+#include "layout.h"
 #include "shm_layout.h"
 
 struct kvf_cache_backend;
@@ -44,10 +45,10 @@ struct kvf_cache {
         void *priv;       /* the backend's */
         /* cuda, one allocation per tensor (an instance made for FastDeploy's workers, which
          * attach each tensor by its own IPC handle): the n_parts tensors' addresses in
-         * kvf_layout_offset order, part_bytes each, base being the first; NULL when the cache
-         * is one allocation. A run never crosses a tensor, so it stays in one part. */
+         * kvf_layout_offset order (kvf_layout_part: which holds an offset, kvf_layout_part_bytes:
+         * its size), base being the first; NULL when the cache is one allocation. A run never
+         * crosses a tensor, so it stays in one part. */
         uint8_t **parts;
-        uint64_t part_bytes;
         uint32_t n_parts;
         /* The engine's caches (cache_engine.c): parts are the (layer, tensor) views of the
          * registration, and strides[i] the bytes between part i's blocks (NULL: every part's
@@ -212,11 +213,14 @@ void kvf_cache_unmap(struct kvf_cache *c);
 static inline void *kvf_cache_addr(const struct kvf_cache *c, uint64_t off)
 {
         if (c->parts) {
-                uint64_t i = off / c->part_bytes, r = off % c->part_bytes, bb = c->layout.block_bytes;
+                uint64_t r;
+                uint32_t i = kvf_layout_part(&c->layout, off, &r);
                 if (i >= c->n_parts)
                         return (void *)0;
-                if (c->strides)
+                if (c->strides) {
+                        uint64_t bb = kvf_layout_part_block_bytes(&c->layout, i);
                         return c->parts[i] + r / bb * c->strides[i] + r % bb;
+                }
                 return c->parts[i] + r;
         }
         return c->base && off < c->bytes ? c->base + off : (void *)0;
@@ -227,12 +231,14 @@ static inline void *kvf_cache_addr(const struct kvf_cache *c, uint64_t off)
 static inline uint64_t kvf_cache_contig(const struct kvf_cache *c, uint64_t off)
 {
         if (c->parts) {
-                uint64_t i = off / c->part_bytes, r = off % c->part_bytes, bb = c->layout.block_bytes;
+                uint64_t r;
+                uint32_t i = kvf_layout_part(&c->layout, off, &r);
                 if (i >= c->n_parts)
                         return 0;
+                uint64_t bb = kvf_layout_part_block_bytes(&c->layout, i);
                 if (c->strides && c->strides[i] != bb)
                         return bb - r % bb;
-                return c->part_bytes - r;
+                return kvf_layout_part_bytes(&c->layout, i) - r;
         }
         return c->base && off < c->bytes ? c->bytes - off : 0;
 }

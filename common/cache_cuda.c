@@ -123,10 +123,11 @@ static void uuid_str(const uint8_t u[16], char *out, size_t len)
                  u[14], u[15]);
 }
 
-/* Tensors of the layout: the handle count of an instance with one allocation per tensor. */
+/* Tensors of the layout (scale tensors included): the handle count of an instance with one
+ * allocation per tensor. */
 static uint32_t layout_parts(const struct kvf_cache_layout *l)
 {
-        return kvf_layout_layers(l) * kvf_layout_tensors(l);
+        return kvf_layout_parts(l);
 }
 
 static uint64_t round_2m(uint64_t b)
@@ -139,14 +140,14 @@ static int create_parts(struct kvf_ctl_header *h, int dev)
 {
         const struct kvf_cache_layout *l = &h->layout;
         uint32_t n = h->cuda_handles_count;
-        uint64_t tb = (uint64_t)l->num_blocks * l->block_bytes;
         char need[32];
         void **p = calloc(n, sizeof(*p));
         int rc = 0;
         if (!p)
                 return kvf_err_set(-ENOMEM, "out of memory");
-        kvf_fmt_bytes(tb, need, sizeof(need));
         for (uint32_t i = 0; i < n; i++) {
+                uint64_t tb = kvf_layout_part_bytes(l, i);
+                kvf_fmt_bytes(tb, need, sizeof(need));
                 if ((rc = kvf_gpu_alloc(dev, round_2m(tb), &p[i])) < 0) {
                         rc = kvf_err_set(rc, "allocate tensor %u of %u (%s) on GPU %d: %s%s", i, n, need, dev,
                                          kvf_gpu_err_msg(), rc == -ENOMEM ? "; use fewer --blocks" : "");
@@ -270,7 +271,6 @@ static int cuda_map(const struct kvf_ctl_header *h, bool writable, struct kvf_ca
         if (m->parts) {
                 out->parts = m->parts;
                 out->n_parts = m->n_parts;
-                out->part_bytes = (uint64_t)h->layout.num_blocks * h->layout.block_bytes;
         }
         out->host = false;
         out->device = m->device;
@@ -363,11 +363,12 @@ static void put_regions(const struct kvf_cache *c, struct kvf_gpu_region *r)
                 r[0] = (struct kvf_gpu_region){.base = (uint64_t)(uintptr_t)c->base, .bytes = c->bytes};
                 return;
         }
-        uint64_t bb = c->layout.block_bytes, nb = c->layout.num_blocks;
+        uint64_t nb = c->layout.num_blocks;
         for (uint32_t i = 0; i < c->n_parts; i++)
                 r[i] = (struct kvf_gpu_region){
                     .base = (uint64_t)(uintptr_t)c->parts[i],
-                    .bytes = c->strides ? (nb - 1) * c->strides[i] + bb : c->part_bytes};
+                    .bytes = c->strides ? (nb - 1) * c->strides[i] + kvf_layout_part_block_bytes(&c->layout, i)
+                                        : kvf_layout_part_bytes(&c->layout, i)};
 }
 
 /* An offset of cache c as (region, offset in it), region counted from `first`. An offset past
@@ -380,8 +381,10 @@ static void split_off(const struct kvf_cache *c, uint32_t first, uint64_t off, u
                 *rest = off;
                 return;
         }
-        uint64_t i = off / c->part_bytes, r = off % c->part_bytes, bb = c->layout.block_bytes;
-        *region = i < c->n_parts ? first + (uint32_t)i : UINT32_MAX;
+        uint64_t r;
+        uint32_t i = kvf_layout_part(&c->layout, off, &r);
+        uint64_t bb = i < c->n_parts ? kvf_layout_part_block_bytes(&c->layout, i) : 1;
+        *region = i < c->n_parts ? first + i : UINT32_MAX;
         *rest = i < c->n_parts && c->strides ? r / bb * c->strides[i] + r % bb : r;
 }
 
@@ -835,7 +838,6 @@ int kvf_cache_cuda_reg_map(const struct kvf_ctl_header *h, int near, const uint8
                 out->strides = NULL;
         }
         out->n_parts = want;
-        out->part_bytes = (uint64_t)L->num_blocks * L->block_bytes;
         out->base = out->parts[0];
         out->host = false;
         out->device = m->device;

@@ -463,7 +463,8 @@ int kvf_ctl_validate(void *base, uint64_t size, uid_t uid, struct kvf_ctl *out)
                 const struct kvf_cache_layout *l = &h->layout;
                 struct kvf_cache_layout want;
                 if (kvf_layout_make(&want, l->num_layers, l->extra_layers, l->num_blocks, l->kv_heads,
-                                    l->block_size, l->head_dim, l->dtype, l->key_only) < 0)
+                                    l->block_size, l->head_dim, l->dtype, l->key_only) < 0 ||
+                    kvf_layout_set_scales(&want, l->scale_dtype) < 0)
                         return bad("cache layout: %s", kvf_err_msg());
                 if (memcmp(&want, l, sizeof(want)))
                         return bad("cache layout: block or cache size does not follow from its shape");

@@ -14,27 +14,30 @@ static const struct {
 } dtypes[] = {[KVF_DTYPE_BF16] = {"bf16", 2},
               [KVF_DTYPE_FP16] = {"fp16", 2},
               [KVF_DTYPE_FP8] = {"fp8", 1},
-              [KVF_DTYPE_UINT8] = {"uint8", 1}};
+              [KVF_DTYPE_UINT8] = {"uint8", 1},
+              [KVF_DTYPE_FP32] = {"fp32", 4}};
 
 uint32_t kvf_dtype_size(uint32_t dtype)
 {
-        return dtype >= KVF_DTYPE_BF16 && dtype <= KVF_DTYPE_UINT8 ? dtypes[dtype].size : 0;
+        return dtype >= KVF_DTYPE_BF16 && dtype <= KVF_DTYPE_FP32 ? dtypes[dtype].size : 0;
 }
 
 const char *kvf_dtype_name(uint32_t dtype)
 {
-        return dtype >= KVF_DTYPE_BF16 && dtype <= KVF_DTYPE_UINT8 ? dtypes[dtype].name : "?";
+        return dtype >= KVF_DTYPE_BF16 && dtype <= KVF_DTYPE_FP32 ? dtypes[dtype].name : "?";
 }
 
 int kvf_dtype_from_name(const char *s)
 {
-        for (int d = KVF_DTYPE_BF16; d <= KVF_DTYPE_UINT8; d++)
+        for (int d = KVF_DTYPE_BF16; d <= KVF_DTYPE_FP32; d++)
                 if (!strcmp(s, dtypes[d].name))
                         return d;
         if (!strcmp(s, "bfloat16"))
                 return KVF_DTYPE_BF16;
         if (!strcmp(s, "float16"))
                 return KVF_DTYPE_FP16;
+        if (!strcmp(s, "float32"))
+                return KVF_DTYPE_FP32;
         return -1;
 }
 
@@ -51,7 +54,7 @@ int kvf_layout_make(struct kvf_cache_layout *l, uint32_t layers, uint32_t extra_
                                    "blocks (%u), kv heads (%u), block size (%u) and head dim (%u) must all be positive",
                                    blocks, kv_heads, block_size, head_dim);
         if (kvf_dtype_size(dtype) == 0)
-                return kvf_err_set(-EINVAL, "unknown dtype %u (bf16, fp16, fp8, uint8)", dtype);
+                return kvf_err_set(-EINVAL, "unknown dtype %u (bf16, fp16, fp8, uint8, fp32)", dtype);
         uint64_t bb = (uint64_t)kv_heads * block_size * head_dim * kvf_dtype_size(dtype);
         if (bb > (1ull << 32))
                 return kvf_err_set(-EINVAL, "a block of %llu bytes is too large",
@@ -66,6 +69,17 @@ int kvf_layout_make(struct kvf_cache_layout *l, uint32_t layers, uint32_t extra_
         l->key_only = key_only ? 1 : 0;
         l->block_bytes = bb;
         l->cache_bytes = (uint64_t)kvf_layout_layers(l) * kvf_layout_tensors(l) * blocks * bb;
+        return 0;
+}
+
+int kvf_layout_set_scales(struct kvf_cache_layout *l, uint32_t dtype)
+{
+        if (dtype != 0 && kvf_dtype_size(dtype) == 0)
+                return kvf_err_set(-EINVAL, "unknown scale dtype %u (bf16, fp16, fp8, uint8, fp32)", dtype);
+        l->scale_dtype = dtype;
+        l->scale_bytes = dtype ? (uint64_t)l->kv_heads * l->block_size * kvf_dtype_size(dtype) : 0;
+        l->cache_bytes = kvf_layout_kv_bytes(l) +
+                         (uint64_t)kvf_layout_layers(l) * kvf_layout_tensors(l) * l->num_blocks * l->scale_bytes;
         return 0;
 }
 
@@ -85,12 +99,16 @@ void kvf_layout_to_info(const struct kvf_cache_layout *l, struct kvf_layout_info
         out->key_only = l->key_only;
         out->block_bytes = l->block_bytes;
         out->cache_bytes = l->cache_bytes;
+        out->scale_dtype = l->scale_dtype;
+        out->reserved = 0;
+        out->scale_bytes = l->scale_bytes;
 }
 
 int kvf_layout_from_info(struct kvf_cache_layout *l, const struct kvf_layout_info *in)
 {
-        return kvf_layout_make(l, in->num_layers, in->extra_layers, in->num_blocks, in->kv_heads,
-                               in->block_size, in->head_dim, in->dtype, in->key_only);
+        int rc = kvf_layout_make(l, in->num_layers, in->extra_layers, in->num_blocks, in->kv_heads,
+                                 in->block_size, in->head_dim, in->dtype, in->key_only);
+        return rc < 0 ? rc : kvf_layout_set_scales(l, in->scale_dtype);
 }
 
 void kvf_layout_to_record(const struct kvf_cache_layout *l, struct kvf_record *r)
@@ -103,6 +121,7 @@ void kvf_layout_to_record(const struct kvf_cache_layout *l, struct kvf_record *r
         r->lay_hdim = l->head_dim;
         r->lay_dtype = l->dtype;
         r->lay_keyonly = l->key_only;
+        r->lay_scale_dtype = l->scale_dtype;
 }
 
 int kvf_layout_from_record(struct kvf_cache_layout *l, const struct kvf_record *r)
@@ -110,12 +129,13 @@ int kvf_layout_from_record(struct kvf_cache_layout *l, const struct kvf_record *
         /* Hostile input: every count must fit its 32-bit field before kvf_layout_make checks it. */
         if (r->lay_layers > KVF_MAX_LAYERS || r->lay_extra > KVF_MAX_LAYERS ||
             r->lay_blocks > UINT32_MAX || r->lay_heads > UINT32_MAX || r->lay_bsize > UINT32_MAX ||
-            r->lay_hdim > UINT32_MAX || r->lay_dtype > UINT32_MAX)
+            r->lay_hdim > UINT32_MAX || r->lay_dtype > UINT32_MAX || r->lay_scale_dtype > UINT32_MAX)
                 return kvf_err_set(-EPROTO, "peer sent an impossible layout");
-        return kvf_layout_make(l, (uint32_t)r->lay_layers, (uint32_t)r->lay_extra,
-                               (uint32_t)r->lay_blocks, (uint32_t)r->lay_heads,
-                               (uint32_t)r->lay_bsize, (uint32_t)r->lay_hdim,
-                               (uint32_t)r->lay_dtype, r->lay_keyonly ? 1 : 0);
+        int rc = kvf_layout_make(l, (uint32_t)r->lay_layers, (uint32_t)r->lay_extra,
+                                 (uint32_t)r->lay_blocks, (uint32_t)r->lay_heads,
+                                 (uint32_t)r->lay_bsize, (uint32_t)r->lay_hdim,
+                                 (uint32_t)r->lay_dtype, r->lay_keyonly ? 1 : 0);
+        return rc < 0 ? rc : kvf_layout_set_scales(l, (uint32_t)r->lay_scale_dtype);
 }
 
 int kvf_layout_compatible(const struct kvf_cache_layout *a, const struct kvf_cache_layout *b,
@@ -136,6 +156,12 @@ int kvf_layout_compatible(const struct kvf_cache_layout *a, const struct kvf_cac
         if (a->dtype != b->dtype) {
                 snprintf(why, whylen, "dtype %s here, %s there", kvf_dtype_name(a->dtype),
                          kvf_dtype_name(b->dtype));
+                return -EPROTO;
+        }
+        if (a->scale_dtype != b->scale_dtype) {
+                snprintf(why, whylen, "%s scale tensors here, %s there",
+                         a->scale_dtype ? kvf_dtype_name(a->scale_dtype) : "no",
+                         b->scale_dtype ? kvf_dtype_name(b->scale_dtype) : "no");
                 return -EPROTO;
         }
         if (a->block_bytes != b->block_bytes) {

@@ -29,7 +29,7 @@ enum fid {
         CHUNKED, SRC, DST, RUNS, KEY, LAYER, STATUS, PROTOCOL, BYTES, BLOCKS, ACCEPT_NS,
         LAST_LAYER_NS, DONE_NS, GENERATION, UP, INSTANCE, PURPOSE, ROLE, PROTO, BOOT_ID, NONCE,
         PROOF, LAYER_COUNT, L_LAYERS, L_EXTRA, L_BLOCKS, L_HEADS, L_BSIZE, L_HDIM, L_DTYPE, L_KEYONLY,
-        L_RANK, L_NRANKS, L_TOKEN_MAJOR, DECODE_TP,
+        L_RANK, L_NRANKS, L_TOKEN_MAJOR, L_SCALE_DTYPE, DECODE_TP,
         SESSION, WITHDRAW, DEVICE_IDS, PEER_SESSION, RDMA_PORT, RDMA_ADDR, RDMA_LEN, RDMA_RKEY,
         RDMA_TICKET, RDMA_PARTS, NFIELDS
 };
@@ -82,6 +82,7 @@ static const struct field fields[NFIELDS] = {
         [L_RANK] = FU("rank", lay_rank),
         [L_NRANKS] = FU("nranks", lay_nranks),
         [L_TOKEN_MAJOR] = FU("token_major", lay_token_major),
+        [L_SCALE_DTYPE] = FU("scale_dtype", lay_scale_dtype),
         [DECODE_TP] = FU("decode_tp_size", decode_tp),
         [SESSION] = FU("session", session),
         [WITHDRAW] = FB("withdraw", withdraw),
@@ -115,7 +116,7 @@ struct spec {
 
 #define LAYOUT_USES {L_LAYERS, R}, {L_EXTRA, R}, {L_BLOCKS, R}, {L_HEADS, R}, {L_BSIZE, R}, \
                 {L_HDIM, R}, {L_DTYPE, R}, {L_KEYONLY, R}, {L_RANK, Z}, {L_NRANKS, Z}, \
-                {L_TOKEN_MAJOR, Z}
+                {L_TOKEN_MAJOR, Z}, {L_SCALE_DTYPE, Z}
 
 static const struct spec specs[KVF_RT_WIRE_MAX + 1] = {
         [KVF_REC_TASK] = {"task",

@@ -35,16 +35,29 @@ static inline uint64_t kvf_frame_max(int transport)
         return transport == KVF_TRANSPORT_RDMA ? KVF_FRAME_MAX_RDMA : KVF_FRAME_MAX_TCP;
 }
 
-/* The units (descriptors) a write batch of `layers` layers, `tensors` tensors and these runs
- * (n_runs words) becomes on a transport whose unit holds at most frame_max bytes. */
-static inline uint64_t kvf_batch_frames(const uint32_t *runs, uint32_t n_runs, uint32_t layers,
-                                        uint32_t tensors, uint64_t block_bytes, uint64_t frame_max)
+/* The units of one tensor's runs (n_runs words) in blocks of block_bytes, at most frame_max
+ * bytes a unit. */
+static inline uint64_t kvf_runs_frames(const uint32_t *runs, uint32_t n_runs, uint64_t block_bytes,
+                                       uint64_t frame_max)
 {
         uint64_t per = block_bytes ? frame_max / block_bytes : 1, n = 0;
         if (per == 0)
                 per = 1;
         for (uint32_t r = 0; r + 2 < n_runs; r += 3)
                 n += (runs[r + 2] + per - 1) / per;
+        return n;
+}
+
+/* The units (descriptors) a write batch of `layers` layers, `tensors` K/V tensors (and as
+ * many scale tensors when scale_bytes) and these runs (n_runs words) becomes on a transport
+ * whose unit holds at most frame_max bytes. */
+static inline uint64_t kvf_batch_frames(const uint32_t *runs, uint32_t n_runs, uint32_t layers,
+                                        uint32_t tensors, uint64_t block_bytes, uint64_t scale_bytes,
+                                        uint64_t frame_max)
+{
+        uint64_t n = kvf_runs_frames(runs, n_runs, block_bytes, frame_max);
+        if (scale_bytes)
+                n += kvf_runs_frames(runs, n_runs, scale_bytes, frame_max);
         return n * layers * tensors;
 }
 
@@ -127,6 +140,7 @@ struct kvf_record {
         uint64_t lay_rank, lay_nranks; /* the instance's tensor-parallel rank and group size
                                         * (omitted when zero; absent: rank 0 of 1) */
         uint64_t lay_token_major; /* the engine's caches: 1 when a block is [block_size, heads, head_dim] */
+        uint64_t lay_scale_dtype; /* the layout's scale tensors' dtype (omitted when none) */
         /* welcome of an rdma data connection (omitted when zero): the decode connector's
          * rdma_cm port, its region for this peer (address, length, remote key), and the
          * ticket the peer's rdma_cm connect must carry (binds it to this handshake) */

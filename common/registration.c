@@ -392,7 +392,6 @@ int kvf_reg_map(const struct kvf_ctl_header *h, bool writable, struct kvf_cache 
                 out->strides = NULL;
         }
         out->n_parts = want;
-        out->part_bytes = (uint64_t)L->num_blocks * L->block_bytes;
         out->priv = m;
         out->host = true;
         out->reg_gen = a.generation;

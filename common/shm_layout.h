@@ -43,8 +43,8 @@
  * descs; counters notices_failed and the peer gauges; prewakes and prewakes_met gone (the sender
  * no longer prewakes its connector); the engine's caches (backend "engine", the header's
  * reg_* fields, a request's own_reg_gen and peer_reg_gen); a request's n_dst. 10: the counter
- * bytes_resent_tcp. */
-#define KVF_LAYOUT_VERSION 10u
+ * bytes_resent_tcp. 11: the layout's scale tensors (scale_dtype, scale_bytes). */
+#define KVF_LAYOUT_VERSION 11u
 #define KVF_CACHE_LINE 64u
 #define KVF_HEADER_SIZE 4096u
 
@@ -104,6 +104,7 @@ enum kvf_dtype {
         KVF_DTYPE_FP16 = 2,
         KVF_DTYPE_FP8 = 3,
         KVF_DTYPE_UINT8 = 4,
+        KVF_DTYPE_FP32 = 5, /* scale tensors (FastDeploy's float32 default dtype) */
 };
 
 enum kvf_backend {
@@ -140,7 +141,12 @@ struct kvf_cache_layout {
         uint32_t dtype; /* enum kvf_dtype */
         uint32_t key_only;     /* 1: one tensor per layer (MLA) */
         uint64_t block_bytes;  /* kv_heads * block_size * head_dim * elem */
-        uint64_t cache_bytes;  /* whole cache: layers * tensors * blocks * block_bytes */
+        uint64_t cache_bytes;  /* whole cache: layers * tensors * blocks * (block_bytes + scale_bytes) */
+        /* Per-block scale tensors (FastDeploy's block_wise_fp8): one per K/V tensor, [num_blocks,
+         * kv_heads, block_size] of scale_dtype, stored after every layer's K/V (layout.h). */
+        uint32_t scale_dtype; /* enum kvf_dtype; 0: none */
+        uint32_t reserved;
+        uint64_t scale_bytes; /* kv_heads * block_size * scale elem; 0: none */
 };
 
 /* One per role, on its own cache line. */
@@ -562,10 +568,10 @@ struct kvf_ctl_header {
          * --backend cuda), registered as CUDA IPC handles; 0: host memory. Set at creation. */
         uint32_t reg_gpu;
         uint32_t reg_pad;
-        uint8_t reserved[3704 - 8 - KVF_CACHE_PATH_MAX - KVF_CACHE_NOTE_MAX - 40 - 16 - 32 - 8];
+        uint8_t reserved[3704 - 8 - KVF_CACHE_PATH_MAX - KVF_CACHE_NOTE_MAX - 40 - 16 - 32 - 8 - 16];
 };
 
-_Static_assert(sizeof(struct kvf_cache_layout) == 48, "layout size");
+_Static_assert(sizeof(struct kvf_cache_layout) == 64, "layout size");
 _Static_assert(sizeof(struct kvf_role_slot) == KVF_CACHE_LINE, "role slot size");
 _Static_assert(sizeof(struct kvf_doorbell) == 2 * KVF_CACHE_LINE, "doorbell size");
 _Static_assert(offsetof(struct kvf_doorbell, sleeps) == KVF_CACHE_LINE, "doorbell consumer line");
@@ -588,14 +594,14 @@ _Static_assert(sizeof(struct kvf_notice_slot) == 3 * KVF_CACHE_LINE + 2 * KVF_CA
                                2 * 3 * KVF_CACHE_LINE, "notice slot size");
 _Static_assert(offsetof(struct kvf_notice_slot, owner) == KVF_CACHE_LINE, "notice slot owner");
 _Static_assert(offsetof(struct kvf_notice_slot, reply_bell) == 3 * KVF_CACHE_LINE, "notice slot bell");
-_Static_assert(offsetof(struct kvf_ctl_header, notice_off) == 760, "notice offset");
+_Static_assert(offsetof(struct kvf_ctl_header, notice_off) == 776, "notice offset");
 _Static_assert(offsetof(struct kvf_ctl_header, version) == 8, "version offset");
 _Static_assert(offsetof(struct kvf_ctl_header, instance) == 48, "instance offset");
 _Static_assert(offsetof(struct kvf_ctl_header, layout) == 96, "layout offset");
-_Static_assert(offsetof(struct kvf_ctl_header, cache_path) == 400, "cache path offset");
-_Static_assert(offsetof(struct kvf_ctl_header, cuda_uuid) == 720, "cuda uuid offset");
-_Static_assert(offsetof(struct kvf_ctl_header, exec_off) == 744, "exec offset");
-_Static_assert(offsetof(struct kvf_ctl_header, reg_generation) == 776, "registration offset");
+_Static_assert(offsetof(struct kvf_ctl_header, cache_path) == 416, "cache path offset");
+_Static_assert(offsetof(struct kvf_ctl_header, cuda_uuid) == 736, "cuda uuid offset");
+_Static_assert(offsetof(struct kvf_ctl_header, exec_off) == 760, "exec offset");
+_Static_assert(offsetof(struct kvf_ctl_header, reg_generation) == 792, "registration offset");
 _Static_assert(sizeof(struct kvf_ctl_header) == KVF_HEADER_SIZE, "header size");
 
 #endif

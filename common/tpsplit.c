@@ -103,6 +103,17 @@ int kvf_tp_check(const struct kvf_cache_layout *pl, uint32_t p, const struct kvf
         DIFF(key_only, "key-only flag");
         DIFF(dtype, "dtype");
 #undef DIFF
+        if (pl->scale_dtype != dl->scale_dtype) {
+                snprintf(why, whylen, "%s: %s scale tensors here, %s there", what,
+                         pl->scale_dtype ? kvf_dtype_name(pl->scale_dtype) : "no",
+                         dl->scale_dtype ? kvf_dtype_name(dl->scale_dtype) : "no");
+                return -EPROTO;
+        }
+        if (pl->scale_dtype) {
+                snprintf(why, whylen, "%s: caches with scale tensors move between equal tensor-parallel "
+                         "splits and block sizes only", what);
+                return -EPROTO;
+        }
         if (p == 0 || d == 0) {
                 snprintf(why, whylen, "%s: a group of 0 ranks", what);
                 return -EPROTO;

@@ -136,8 +136,7 @@ int conn_publish_arrival(struct connector *cn, const struct kvf_record *n, uint6
         /* Every byte of a finished arrival landed: its blocks in every layer and tensor
          * (the notice's own count is the sender's, which does not count tcp bytes). */
         uint64_t bytes = status == KVF_STATUS_FINISHED
-                                 ? (uint64_t)n->n_dst * kvf_layout_layers(L) * kvf_layout_tensors(L) *
-                                           L->block_bytes
+                                 ? (uint64_t)n->n_dst * kvf_layout_layers(L) * kvf_layout_layer_block_bytes(L)
                                  : n->bytes;
         struct kvf_record a = {.type = KVF_RT_ARRIVAL, .status = status, .bytes = bytes,
                                .blocks = n->n_dst, .dst = n->dst, .n_dst = n->n_dst,

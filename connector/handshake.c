@@ -73,18 +73,6 @@ static uint32_t token_major(const struct kvf_ctl_header *h)
         return h->backend == KVF_BACKEND_ENGINE && kvf_load_acquire(&h->reg_token_major) ? 1u : 0u;
 }
 
-static void layout_to_rec(struct kvf_record *r, const struct kvf_cache_layout *l)
-{
-        r->lay_layers = l->num_layers;
-        r->lay_extra = l->extra_layers;
-        r->lay_blocks = l->num_blocks;
-        r->lay_heads = l->kv_heads;
-        r->lay_bsize = l->block_size;
-        r->lay_hdim = l->head_dim;
-        r->lay_dtype = l->dtype;
-        r->lay_keyonly = l->key_only;
-}
-
 /* A record of `type` that names this instance: who it is, which incarnation, its layout. */
 static void identity_rec(struct kvf_record *r, uint32_t type, const struct kvf_ctl_header *h)
 {
@@ -94,7 +82,7 @@ static void identity_rec(struct kvf_record *r, uint32_t type, const struct kvf_c
         r->role = h->instance_role;
         r->generation = h->created_ns;
         r->boot_id = h->boot_id;
-        layout_to_rec(r, &h->layout);
+        kvf_layout_to_record(&h->layout, r);
         r->lay_rank = h->rank;
         r->lay_nranks = h->nranks;
         r->lay_token_major = token_major(h);
@@ -184,18 +172,6 @@ static int check_split(const struct kvf_cache_layout *pl, uint32_t pr, uint32_t 
         return 0;
 }
 
-static int rec_to_layout(const struct kvf_record *r, struct kvf_cache_layout *l)
-{
-        if (r->lay_layers > KVF_MAX_LAYERS || r->lay_extra > KVF_MAX_LAYERS ||
-            r->lay_blocks > UINT32_MAX || r->lay_heads > UINT32_MAX || r->lay_bsize > UINT32_MAX ||
-            r->lay_hdim > UINT32_MAX || r->lay_dtype > UINT32_MAX)
-                return kvf_err_set(-EPROTO, "peer sent an impossible layout");
-        return kvf_layout_make(l, (uint32_t)r->lay_layers, (uint32_t)r->lay_extra,
-                               (uint32_t)r->lay_blocks, (uint32_t)r->lay_heads,
-                               (uint32_t)r->lay_bsize, (uint32_t)r->lay_hdim,
-                               (uint32_t)r->lay_dtype, r->lay_keyonly ? 1 : 0);
-}
-
 static void refuse(int fd, int status, const char *reason, unsigned timeout_ms)
 {
         struct kvf_record r = {.type = KVF_RT_REFUSE, .status = status};
@@ -262,7 +238,7 @@ int conn_handshake_client(struct connector *cn, int fd, const char *purpose,
                                    "handshake: peer '%s' is a %s instance: only a decode or mixed instance receives KV caches",
                                    out->instance, kvf_irole_name((uint32_t)r.role)));
         }
-        if ((rc = rec_to_layout(&r, &out->layout)) < 0)
+        if ((rc = kvf_layout_from_record(&out->layout, &r)) < 0)
                 return welcome_fail(welcome, kvf_err_ctx(rc, "handshake"));
         if (check_split(&h->layout, h->rank, h->nranks, &out->layout, (uint32_t)r.lay_rank,
                         (uint32_t)r.lay_nranks, purpose, token_major(h) || r.lay_token_major, why,
@@ -338,7 +314,7 @@ int conn_handshake_server(struct connector *cn, int fd, struct peer_identity *ou
                 refuse(fd, KVF_STATUS_PEER_ROLE, reason, to);
                 return kvf_err_set(-EPERM, "handshake with '%s': refused: %s", out->instance, reason);
         }
-        if ((rc = rec_to_layout(&r, &out->layout)) < 0) {
+        if ((rc = kvf_layout_from_record(&out->layout, &r)) < 0) {
                 refuse(fd, KVF_STATUS_LAYOUT_MISMATCH, kvf_err_msg(), to);
                 return kvf_err_ctx(rc, "handshake with '%s'", out->instance);
         }

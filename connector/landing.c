@@ -135,7 +135,7 @@ int conn_landing_open(struct connector *cn, const char *peer, uint64_t gen, cons
                 snprintf(x->request_id, sizeof(x->request_id), "%s", o->request_id);
         }
         if (!x) {
-                uint64_t bits = (uint64_t)kvf_layout_layers(L) * kvf_layout_tensors(L) *
+                uint64_t bits = (uint64_t)kvf_layout_layers(L) * kvf_layout_all_tensors(L) *
                                 (n_src ? n_src : o->n_dst);
                 x = calloc(1, sizeof(*x));
                 if (x) {
@@ -172,7 +172,7 @@ static int rx_for_data(struct connector *cn, const char *peer, uint64_t gen, con
                        uint64_t live, struct rx_xfer **out, char *why, size_t whylen)
 {
         const struct kvf_cache_layout *L = &cn->ctl.hdr->layout;
-        uint32_t layers = kvf_layout_layers(L), tensors = kvf_layout_tensors(L);
+        uint32_t layers = kvf_layout_layers(L), tensors = kvf_layout_all_tensors(L);
         struct rx_xfer *x = rx_find(cn, peer, gen, h->key);
         *out = x;
         if (x && (x->closed || (x->eng_session && x->eng_session != live)))
@@ -208,12 +208,13 @@ int conn_landing_check(struct connector *cn, const char *peer, uint64_t gen, con
                         snprintf(why, whylen, "data for blocks [%u, +%u) of %s, which has %u", h->index,
                                  h->nblocks, x->request_id, x->n_dst);
                 else if (h->len && (h->nblocks != 1 || h->len != bytes ||
-                                    (uint64_t)h->off + h->len > L->block_bytes))
+                                    (uint64_t)h->off + h->len > kvf_layout_tensor_bytes(L, h->tensor)))
                         snprintf(why, whylen, "a slice of %u bytes at %u of %u block(s) of %llu bytes", h->len,
-                                 h->off, h->nblocks, (unsigned long long)L->block_bytes);
-                else if (!h->len && bytes != (uint64_t)h->nblocks * L->block_bytes)
+                                 h->off, h->nblocks, (unsigned long long)kvf_layout_tensor_bytes(L, h->tensor));
+                else if (!h->len && bytes != (uint64_t)h->nblocks * kvf_layout_tensor_bytes(L, h->tensor))
                         snprintf(why, whylen, "%llu bytes of data for %u blocks of %llu bytes",
-                                 (unsigned long long)bytes, h->nblocks, (unsigned long long)L->block_bytes);
+                                 (unsigned long long)bytes, h->nblocks,
+                                 (unsigned long long)kvf_layout_tensor_bytes(L, h->tensor));
                 else
                         rc = 0;
                 for (uint32_t i = 1; rc == 0 && i < h->nblocks; i++)
@@ -287,7 +288,7 @@ bool conn_landing_mark(struct connector *cn, const char *peer, uint64_t gen, con
         /* Closed while its payload was being received (the lock is not held across
          * it): an abort, or its engine session ended; its bitmap is gone. */
         if (x && !x->closed && x->got && x->have < x->need) {
-                uint64_t base = ((uint64_t)h->layer * kvf_layout_tensors(L) + h->tensor) *
+                uint64_t base = ((uint64_t)h->layer * kvf_layout_all_tensors(L) + h->tensor) *
                                 (x->n_src ? x->n_src : x->n_dst);
                 for (uint32_t i = 0; i < h->nblocks; i++) {
                         uint64_t bit = base + h->index + i;

@@ -97,7 +97,7 @@ struct rdma_mrs {
         struct ibv_mr **mr;
         uint32_t *part_mr;   /* a cache in parts: part i's region is mr[part_mr[i]]; else NULL */
         uint32_t n_parts;
-        uint64_t part_bytes; /* the cache's, for the lookups */
+        struct kvf_cache_layout layout; /* the cache's, for the lookups (kvf_layout_part) */
         uint64_t reg_gen;    /* the cache's reg_gen when registered (0: not the engine's caches) */
         uint32_t dmabufs;    /* regions registered through a dma-buf */
         unsigned refs;       /* rdma_dev.c's sharing of the sending side's registration */
@@ -108,7 +108,8 @@ void rdma_mrs_free(struct rdma_mrs *m);
 /* The region holding byte `off` of the cache (in kvf_layout_offset order, checked by the caller). */
 static inline const struct ibv_mr *rdma_mrs_at(const struct rdma_mrs *m, uint64_t off)
 {
-        return m->mr[m->part_mr ? m->part_mr[off / m->part_bytes] : 0];
+        uint64_t rest;
+        return m->mr[m->part_mr ? m->part_mr[kvf_layout_part(&m->layout, off, &rest)] : 0];
 }
 
 /* The engine's caches were registered anew (or dropped) since m was registered: m pins memory

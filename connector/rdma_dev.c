@@ -166,8 +166,7 @@ int rdma_local_mrs(struct connector *cn, struct ibv_context *ctx, struct ibv_pd 
                 m->refs = 1; /* the device's own */
                 d->mrs = m;
                 kvf_info("rdma: this cache (%llu bytes, %s) registered on %s for sending: %u region%s",
-                         (unsigned long long)kvf_layout_offset(&cn->ctl.hdr->layout,
-                                                               kvf_layout_layers(&cn->ctl.hdr->layout), 0, 0),
+                         (unsigned long long)cn->ctl.hdr->layout.cache_bytes,
                          how, ibv_get_device_name(ctx->device), m->n, m->n == 1 ? "" : "s");
         }
         kvf_cache_release(&cn->cache);

@@ -81,10 +81,10 @@ struct ibv_mr *rdma_reg_cache(struct ibv_pd *pd, struct kvf_cache *c, int access
 /* The bytes from part i's address to the end of its last block. */
 static uint64_t part_extent(const struct kvf_cache *c, uint32_t i)
 {
-        const uint64_t bb = c->layout.block_bytes, nb = c->layout.num_blocks;
+        const uint64_t nb = c->layout.num_blocks;
         if (!c->strides || !nb)
-                return c->part_bytes;
-        return (nb - 1) * c->strides[i] + bb;
+                return kvf_layout_part_bytes(&c->layout, i);
+        return (nb - 1) * c->strides[i] + kvf_layout_part_block_bytes(&c->layout, i);
 }
 
 struct extent {
@@ -190,7 +190,7 @@ int rdma_reg_mrs(struct ibv_pd *pd, struct kvf_cache *c, int access, struct rdma
         if (!m)
                 return kvf_err_set(-ENOMEM, "out of memory");
         m->reg_gen = c->reg_gen;
-        m->part_bytes = c->part_bytes;
+        m->layout = c->layout;
         int rc = 0;
         if (!c->parts) {
                 if (!(m->mr = calloc(1, sizeof(*m->mr))))
@@ -218,7 +218,7 @@ int rdma_mrs_table(const struct kvf_cache *c, const struct rdma_mrs *m, uint32_t
         if (!w)
                 return kvf_err_set(-ENOMEM, "out of memory");
         for (uint32_t i = 0; i < c->n_parts; i++) {
-                uint64_t a = (uintptr_t)c->parts[i], st = c->strides ? c->strides[i] : c->layout.block_bytes;
+                uint64_t a = (uintptr_t)c->parts[i], st = c->strides ? c->strides[i] : kvf_layout_part_block_bytes(&c->layout, i);
                 uint32_t *p = w + (size_t)i * RDMA_PART_WORDS;
                 p[0] = (uint32_t)(a >> 32);
                 p[1] = (uint32_t)a;

@@ -257,7 +257,7 @@ int rdma_welcome(struct connector *cn, const struct peer_identity *id, struct kv
         }
         w->rdma_port = st->port;
         /* (the peer's cache as its layout says: a cache in parts has its table besides) */
-        w->rdma_len = kvf_layout_offset(&cn->ctl.hdr->layout, kvf_layout_layers(&cn->ctl.hdr->layout), 0, 0);
+        w->rdma_len = cn->ctl.hdr->layout.cache_bytes;
         w->rdma_rkey = c->mrs->mr[0]->rkey;
         memcpy(w->rdma_ticket, c->ticket, RDMA_TICKET_LEN);
         pthread_mutex_lock(&st->mu);

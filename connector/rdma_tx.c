@@ -196,8 +196,8 @@ static void rconn_close(struct rconn *c)
 static int remote_parts(struct rconn *c, const struct kvf_record *w, const char *peer)
 {
         const struct kvf_cache_layout *L = &c->rlay;
-        const uint32_t np = kvf_layout_layers(L) * kvf_layout_tensors(L);
-        const uint64_t bb = L->block_bytes, nb = L->num_blocks;
+        const uint32_t np = kvf_layout_parts(L);
+        const uint64_t nb = L->num_blocks;
         struct kvf_cache *rc = &c->rcache;
         *rc = (struct kvf_cache){.layout = *L, .base = (uint8_t *)(uintptr_t)c->raddr, .bytes = c->rlen};
         if (!w->n_rdma_parts)
@@ -211,6 +211,7 @@ static int remote_parts(struct rconn *c, const struct kvf_record *w, const char 
         for (uint32_t i = 0; i < np; i++) {
                 const uint32_t *q = w->rdma_parts + (size_t)i * RDMA_PART_WORDS;
                 uint64_t a = (uint64_t)q[0] << 32 | q[1], st = (uint64_t)q[2] << 32 | q[3];
+                uint64_t bb = kvf_layout_part_block_bytes(L, i);
                 if (!a || st < bb || st > UINT64_MAX / nb || a + (nb - 1) * st + bb < a)
                         return kvf_err_set(-EPROTO, "peer '%s' offers an rdma table whose tensor %u (at %#llx, blocks "
                                            "%llu bytes apart) does not hold its blocks: refused", peer, i,
@@ -220,7 +221,6 @@ static int remote_parts(struct rconn *c, const struct kvf_record *w, const char 
                 c->rkeys[i] = q[4];
         }
         rc->n_parts = np;
-        rc->part_bytes = nb * bb;
         return 0;
 }
 
@@ -229,7 +229,7 @@ static bool strided(const struct kvf_cache *cache)
 {
         if (cache->strides)
                 for (uint32_t i = 0; i < cache->n_parts; i++)
-                        if (cache->strides[i] != cache->layout.block_bytes)
+                        if (cache->strides[i] != kvf_layout_part_block_bytes(&cache->layout, i))
                                 return true;
         return false;
 }
@@ -237,7 +237,8 @@ static bool strided(const struct kvf_cache *cache)
 /* The peer's address of byte roff of its cache (in its layout's order), and its key. */
 static uint64_t remote_at(const struct rconn *c, uint64_t roff, uint32_t *rkey)
 {
-        *rkey = c->rkeys ? c->rkeys[roff / c->rcache.part_bytes] : c->rkey;
+        uint64_t rest;
+        *rkey = c->rkeys ? c->rkeys[kvf_layout_part(&c->rcache.layout, roff, &rest)] : c->rkey;
         return (uintptr_t)kvf_cache_addr(&c->rcache, roff);
 }
 
@@ -286,7 +287,7 @@ static int rconn_open(struct rconn *c, int *status)
         *status = KVF_STATUS_CONNECTION;
         /* The region must be the peer's whole cache as its layout says (checked in the
          * handshake against ours): every write's remote address is computed from it. */
-        uint64_t want = kvf_layout_offset(&id.layout, kvf_layout_layers(&id.layout), 0, 0);
+        uint64_t want = id.layout.cache_bytes;
         if (!w.rdma_rkey || w.rdma_rkey > UINT32_MAX || !w.rdma_port || w.rdma_port > 65535 ||
             w.rdma_len != want || w.rdma_addr + w.rdma_len < w.rdma_addr) {
                 kvf_record_free(&w);
@@ -515,7 +516,7 @@ static void piece_addr(const struct rconn *c, const struct frame *f, uint32_t k,
 {
         const struct connector *cn = c->xp->p->cn;
         const struct kvf_tp_piece *pc = &c->plan.pieces[c->cur_x];
-        *src = f->src_off + (uint64_t)k * cn->ctl.hdr->layout.block_bytes + pc->soff;
+        *src = f->src_off + (uint64_t)k * kvf_layout_tensor_bytes(&cn->ctl.hdr->layout, f->tensor) + pc->soff;
         *roff = kvf_layout_offset(&c->rlay, f->layer, f->tensor, f->x->dst[dpos]) + pc->doff;
         *len = pc->bytes;
 }
@@ -560,8 +561,8 @@ static void fill_write(struct rconn *c, unsigned i, struct frame *f, uint32_t k,
                 piece_addr(c, f, k, dpos, &src, &roff, &len);
         } else if (c->slen) {
                 /* A frame's blocks are consecutive in the source and (checked) the destination. */
-                src += (uint64_t)k * cn->ctl.hdr->layout.block_bytes + c->soff;
-                roff += (uint64_t)k * c->rlay.block_bytes + c->doff;
+                src += (uint64_t)k * kvf_layout_tensor_bytes(&cn->ctl.hdr->layout, f->tensor) + c->soff;
+                roff += (uint64_t)k * kvf_layout_tensor_bytes(&c->rlay, f->tensor) + c->doff;
                 len = c->slen;
         }
         set_write(c, i, src, roff, len);

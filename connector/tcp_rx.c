@@ -344,7 +344,7 @@ static int serve_datav(struct rx *rx, struct io_uring *ring, int fd, struct rbuf
                        char *why, size_t whylen)
 {
         struct connector *cn = rx->cn;
-        const uint64_t bb = cn->ctl.hdr->layout.block_bytes;
+        const struct kvf_cache_layout *L = &cn->ctl.hdr->layout;
         struct landing_run runs[KVF_DATAV_RUNS_MAX];
         struct kvf_io_run io[KVF_DATAV_RUNS_MAX];
         struct iovec iov[KVF_DATAV_RUNS_MAX];
@@ -373,7 +373,8 @@ static int serve_datav(struct rx *rx, struct io_uring *ring, int fd, struct rbuf
                 memcpy(&w, t + i * sizeof(w), sizeof(w));
                 runs[i] = (struct landing_run){.key = key, .layer = ntohl(w.layer), .tensor = ntohs(w.tensor),
                                                .index = ntohl(w.index), .nblocks = ntohl(w.nblocks)};
-                runs_bytes += runs[i].nblocks * bb;
+                /* (a tensor out of range is refused by conn_landing_check below) */
+                runs_bytes += runs[i].nblocks * kvf_layout_tensor_bytes(L, runs[i].tensor);
         }
         st->off += KVF_FRAME_HDR + (uint32_t)table;
         if (runs_bytes != plen || plen > KVF_DATA_FRAME_MAX) {
@@ -383,7 +384,7 @@ static int serve_datav(struct rx *rx, struct io_uring *ring, int fd, struct rbuf
         }
         bool drop = false;
         for (uint32_t i = 0; i < n; i++) {
-                io[i].len = runs[i].nblocks * bb;
+                io[i].len = runs[i].nblocks * kvf_layout_tensor_bytes(L, runs[i].tensor);
                 int rc = conn_landing_check(cn, rx->peer, rx->gen, &runs[i], io[i].len, &io[i].off, why, whylen);
                 if (rc < 0)
                         return -EPROTO;

@@ -143,7 +143,7 @@ static unsigned frame_pieces(const struct data_conn *dc, const struct frame *f, 
                              struct iovec *iov, uint64_t *bytes)
 {
         const struct kvf_tp_plan *pl = &dc->plan;
-        const uint64_t bb = dc->xp->p->cn->ctl.hdr->layout.block_bytes;
+        const uint64_t bb = kvf_layout_tensor_bytes(&dc->xp->p->cn->ctl.hdr->layout, f->tensor);
         unsigned n = 0;
         *bytes = 0;
         for (uint32_t b = 0; b < f->nblocks; b++) {
@@ -236,10 +236,11 @@ static uint64_t wire_frame(const struct data_conn *dc, struct batch *b, unsigned
         if (dc->slen) {
                 /* Each block's slice: blocks of a frame are consecutive in the source (staged as
                  * one run), and the slice is at the same offset in each. */
-                const uint64_t bb = xp->p->cn->ctl.hdr->layout.block_bytes;
-                for (unsigned k = i; k < j; k++)
+                for (unsigned k = i; k < j; k++) {
+                        const uint64_t bb = kvf_layout_tensor_bytes(&xp->p->cn->ctl.hdr->layout, b->fs[k]->tensor);
                         for (uint32_t n = 0; n < b->fs[k]->nblocks; n++)
                                 w->iov[v++] = (struct iovec){b->sb[k].src + n * bb + dc->soff, dc->slen};
+                }
         } else {
                 for (unsigned k = i; k < j; k++)
                         w->iov[v++] = (struct iovec){b->sb[k].src, xfer_frame_bytes(xp, b->fs[k])};
@@ -510,9 +511,10 @@ static bool serve(struct data_conn *dc, struct io_uring *ring, struct batch *bs[
                         rc = send_reap(dc, ring, (unsigned)ops, &all);
                 /* the bytes of frames sent once before, on a connection that was lost (read
                  * before the frames go back: a transfer may then be freed) */
-                uint64_t again = 0, wire = 0;
+                uint64_t again = 0, wire = 0, blocks = 0;
                 for (unsigned i = 0; i < b->n; i++) {
                         uint64_t k = wire_bytes(dc, b->fs[i]);
+                        blocks += b->fs[i]->nblocks;
                         wire += k;
                         again += b->fs[i]->again ? k : 0;
                 }
@@ -524,7 +526,6 @@ static bool serve(struct data_conn *dc, struct io_uring *ring, struct batch *bs[
                         kvf_warn("data connection %u to '%s' lost: %s", dc->idx, xp->p->name, strerror(-rc));
                         return all;
                 }
-                uint64_t blocks = b->bytes / cn->ctl.hdr->layout.block_bytes;
                 kvf_count(&cn->ctl, KVF_CTR_FRAMES_TCP, nwire);
                 kvf_count(&cn->ctl, KVF_CTR_BYTES_TCP, wire);
                 kvf_count(&cn->ctl, KVF_CTR_BYTES_TCP_RESENT, again);

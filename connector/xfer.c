@@ -18,7 +18,7 @@
 
 uint64_t xfer_frame_bytes(const struct xfer_peer *xp, const struct frame *f)
 {
-        return (uint64_t)f->nblocks * xp->p->cn->ctl.hdr->layout.block_bytes;
+        return (uint64_t)f->nblocks * kvf_layout_tensor_bytes(&xp->p->cn->ctl.hdr->layout, f->tensor);
 }
 
 static void post_result(struct connector *cn, const struct xfer *x, int status, const char *reason)
@@ -144,7 +144,8 @@ int xfer_split_head(struct xfer_peer *xp, uint32_t k)
         *g = *f;
         g->index += k;
         g->nblocks -= k;
-        g->src_off += (uint64_t)k * xp->p->cn->ctl.hdr->layout.block_bytes; /* a run of source blocks */
+        /* a run of source blocks */
+        g->src_off += (uint64_t)k * kvf_layout_tensor_bytes(&xp->p->cn->ctl.hdr->layout, f->tensor);
         f->nblocks = k;
         g->qnext = f->qnext;
         f->qnext = g;
@@ -424,10 +425,6 @@ int conn_xfer_batch(struct peer *p, const struct kvf_record *w)
         struct xfer_peer *xp = xfer_peer(p, t);
         if (!xp)
                 return -ENOMEM;
-        uint64_t per64 = t->frame_max / L->block_bytes;
-        uint32_t per = per64 == 0 ? 1 : per64 > UINT32_MAX ? UINT32_MAX : (uint32_t)per64;
-        if (t->frame_blocks_max && per > t->frame_blocks_max)
-                per = t->frame_blocks_max;
         pthread_mutex_lock(&xp->mu);
         if (xp->qbytes > XFER_QUEUE_LIMIT) {
                 pthread_mutex_unlock(&xp->mu);
@@ -439,7 +436,7 @@ int conn_xfer_batch(struct peer *p, const struct kvf_record *w)
                 pthread_mutex_unlock(&xp->mu);
                 return -ENOENT; /* forgotten (failed) or never opened */
         }
-        uint32_t layers = kvf_layout_layers(L), tensors = kvf_layout_tensors(L);
+        uint32_t layers = kvf_layout_layers(L), tensors = kvf_layout_all_tensors(L);
         bool valid = (uint64_t)w->layer + w->layer_count <= layers && w->n_runs % 3 == 0;
         for (uint32_t r = 0; valid && r < w->n_runs; r += 3)
                 valid = (uint64_t)w->runs[r] + w->runs[r + 2] <= L->num_blocks &&
@@ -449,7 +446,12 @@ int conn_xfer_batch(struct peer *p, const struct kvf_record *w)
                 return -EINVAL;
         }
         for (uint64_t l = w->layer; l < w->layer + w->layer_count; l++)
-                for (uint32_t tn = 0; tn < tensors; tn++)
+                for (uint32_t tn = 0; tn < tensors; tn++) {
+                        /* blocks a frame holds: as many as frame_max bytes of this tensor's */
+                        uint64_t per64 = t->frame_max / kvf_layout_tensor_bytes(L, tn);
+                        uint32_t per = per64 == 0 ? 1 : per64 > UINT32_MAX ? UINT32_MAX : (uint32_t)per64;
+                        if (t->frame_blocks_max && per > t->frame_blocks_max)
+                                per = t->frame_blocks_max;
                         for (uint32_t r = 0; r < w->n_runs; r += 3) {
                                 uint32_t src = w->runs[r], idx = w->runs[r + 1], n = w->runs[r + 2];
                                 for (uint32_t off = 0; off < n; off += per) {
@@ -469,6 +471,7 @@ int conn_xfer_batch(struct peer *p, const struct kvf_record *w)
                                         xfer_enqueue(xp, f, false);
                                 }
                         }
+                }
 out:
         pthread_cond_broadcast(&xp->cv);
         pthread_mutex_unlock(&xp->mu);

@@ -91,10 +91,17 @@ struct kvf_layout_info {
         uint32_t kv_heads;
         uint32_t block_size;
         uint32_t head_dim;
-        uint32_t dtype;    /* 1 bf16, 2 fp16, 3 fp8, 4 uint8 */
+        uint32_t dtype;    /* 1 bf16, 2 fp16, 3 fp8, 4 uint8, 5 fp32 */
         uint32_t key_only; /* 1: one tensor per layer (MLA) */
         uint64_t block_bytes;
-        uint64_t cache_bytes;
+        uint64_t cache_bytes; /* K/V of every layer, then the scale tensors when there are any */
+        /* Per-block scale tensors (FastDeploy's block_wise_fp8 caches), one per K/V tensor of
+         * each layer, [num_blocks, kv_heads, block_size] of scale_dtype, after every layer's
+         * K/V (K/V offsets are those of a layout without them). 0 and 0: none. An engine built
+         * against a header without these fields gets the struct up to cache_bytes. */
+        uint32_t scale_dtype;
+        uint32_t reserved;
+        uint64_t scale_bytes;
 };
 
 /* One request to move (FastDeploy's task dict, typed). */
@@ -187,7 +194,9 @@ int kvf_get_layout_sized(struct kvf_client *c, struct kvf_layout_info *out, size
 #define kvf_get_layout(c, out) kvf_get_layout_sized((c), (out), sizeof(*(out)))
 /*
  * The tensor of `layer` (0 = K, 1 = V), [num_blocks, heads, block_size, head_dim],
- * contiguous: host memory for a host instance, a device pointer (on the GPU
+ * contiguous; in a layout with scale tensors (scale_dtype) the next numbers are their
+ * scales (2 = K's, 3 = V's; 1 = K's when key_only), [num_blocks, heads, block_size] of
+ * scale_dtype: host memory for a host instance, a device pointer (on the GPU
  * kvf_cache_device() names) for a cuda instance. NULL for a layer or tensor
  * out of range, or for an instance of the engine's own caches (--caches engine,
  * kvf_register_caches below). The caches are the allocator's: they outlive the engine, so

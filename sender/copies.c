@@ -127,7 +127,7 @@ int sender_copies_add(struct sender *s, uint32_t slot, uint32_t l0, uint32_t l1,
         const struct ipc_peer *p = &s->peers[r->peer_idx];
         const struct kvf_cache_layout *L = s->layout, *PL = &p->cache.layout;
         const uint32_t *dst = kvf_slot_blocks(&s->ctl, slot) + s->ctl.hdr->max_blocks;
-        uint64_t bb = L->block_bytes, blocks = 0;
+        uint64_t blocks = 0;
 
         uint32_t di = dst_index(s, r->peer_idx), nruns = nwords / 3;
         const struct kvf_tp_plan *pl = &p->plan;
@@ -147,6 +147,7 @@ int sender_copies_add(struct sender *s, uint32_t slot, uint32_t l0, uint32_t l1,
         for (uint32_t l = l0; l < l1; l++)
                 for (uint32_t t = 0; t < s->tensors; t++)
                         for (uint32_t k = 0; k < nwords; k += 3) {
+                                uint64_t bb = kvf_layout_tensor_bytes(L, t);
                                 if (!pl->npieces) {
                                         s->cp.runs[s->cp.nruns++] = (struct kvf_copy_run){
                                                 .dst = di,

@@ -79,8 +79,9 @@ static int post_batch(struct sender *s, uint32_t slot, uint32_t l0, uint32_t l1,
         /* Its descriptors: the frames (tcp) or work requests (rdma) the connector makes of
          * this batch (common/records.h); a batch handed again after a restart counts again. */
         if (rc == 0)
-                r->descs += kvf_batch_frames(w.runs, w.n_runs, w.layer_count, s->tensors,
-                                             s->layout->block_bytes, kvf_frame_max(w.transport));
+                r->descs += kvf_batch_frames(w.runs, w.n_runs, w.layer_count, kvf_layout_tensors(s->layout),
+                                             s->layout->block_bytes, s->layout->scale_bytes,
+                                             kvf_frame_max(w.transport));
         return rc;
 }
 
@@ -276,7 +277,7 @@ enum sender_adv sender_advance(struct sender *s, uint32_t slot, bool net_blocked
                                 if (!r->xfer_start_ns)
                                         r->xfer_start_ns = s->progress_ns ? s->progress_ns : kvf_now_ns();
                         }
-                        uint64_t block = (uint64_t)s->tensors * s->layout->block_bytes;
+                        uint64_t block = kvf_layout_layer_block_bytes(s->layout);
                         uint64_t per_layer = (uint64_t)(m->block_end > r->sent_full ? m->block_end - r->sent_full : 0) * block;
                         if (cut_ok && per_layer > SENDER_SLICE_BYTES_SYNC && ready - from >= 2) {
                                 /* A backlog whose one layer is more than a slice: copy it in

@@ -111,7 +111,7 @@ struct sender {
         uint64_t gen;
         const struct kvf_cache_layout *layout;
         uint32_t layers;  /* layers + extra layers */
-        uint32_t tensors; /* 1 (key only) or 2 */
+        uint32_t tensors; /* every tensor of a layer (kvf_layout_all_tensors): K (and V), then their scales */
         struct kvf_cache own; /* own cache, read-only */
 
         /* request id -> slot: open addressing, 2x the slots, UINT32_MAX = empty */
@@ -373,7 +373,6 @@ void sender_count_status(struct sender *s, int status);
  * tensor-parallel split, only the head slices this rank sends it). */
 static inline uint64_t sender_request_bytes(const struct sender *s, const struct kvf_req_slot *r)
 {
-        uint64_t per_block = s->layout->block_bytes;
         if (r->transport == KVF_TRANSPORT_IPC && r->peer_idx < SENDER_MAX_PEERS &&
             s->peers[r->peer_idx].plan.npieces) {
                 const struct kvf_tp_plan *pl = &s->peers[r->peer_idx].plan;
@@ -389,11 +388,12 @@ static inline uint64_t sender_request_bytes(const struct sender *s, const struct
                                                 sum += pl->pieces[i].bytes;
                         return sum * s->layers * s->tensors;
                 }
-                per_block = 0;
+                uint64_t per_block = 0;
                 for (uint32_t i = 0; i < pl->npieces; i++)
                         per_block += pl->pieces[i].bytes;
+                return (uint64_t)r->n_send * s->layers * s->tensors * per_block;
         }
-        return (uint64_t)r->n_send * s->layers * s->tensors * per_block;
+        return (uint64_t)r->n_send * s->layers * kvf_layout_layer_block_bytes(s->layout);
 }
 
 /* sessions.c */

@@ -20,7 +20,7 @@ int sender_open(struct sender *s, const char *instance, const struct sender_opts
                 return rc;
         s->layout = &s->ctl.hdr->layout;
         s->layers = kvf_layout_layers(s->layout);
-        s->tensors = kvf_layout_tensors(s->layout);
+        s->tensors = kvf_layout_all_tensors(s->layout);
         s->request_timeout_ns = o->request_timeout_ns;
         s->notice_rings = o->notice_rings;
         for (uint32_t i = 0; i < SENDER_MAX_PEERS; i++)

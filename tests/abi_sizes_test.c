@@ -50,9 +50,14 @@ int main(void)
         struct kvf_layout_info li;
         CHECK_EQ(kvf_get_layout(c, &li), 0);
         memset(buf, CANARY, sizeof(buf));
-        CHECK_EQ(kvf_get_layout_sized(c, (struct kvf_layout_info *)(void *)buf, sizeof(li) - 8), -EINVAL);
+        CHECK_EQ(kvf_get_layout_sized(c, (struct kvf_layout_info *)(void *)buf, 40), -EINVAL);
         CHECK(strstr(kvf_last_error(), "struct kvf_layout_info of 40 bytes") != NULL);
         CHECK(all(buf, sizeof(buf), CANARY));
+        /* An engine built before the scale fields: the 48 bytes it knows, nothing after them. */
+        CHECK_EQ(kvf_get_layout_sized(c, (struct kvf_layout_info *)(void *)buf, 48), 0);
+        CHECK(!memcmp(buf, &li, 48));
+        CHECK(all(buf + 48, sizeof(buf) - 48, CANARY));
+        memset(buf, CANARY, sizeof(buf));
         CHECK_EQ(kvf_get_layout_sized(c, (struct kvf_layout_info *)(void *)buf, sizeof(li) + PAD / 2), 0);
         CHECK(!memcmp(buf, &li, sizeof(li)));
         CHECK(all(buf + sizeof(li), PAD / 2, 0));

@@ -27,7 +27,7 @@ def fail(msg, *insts):
 class Run:
     def __init__(self, a):
         self.a = a
-        self.shape = dep.Shape(extra=1 if a.older else 0)
+        self.shape = dep.Shape(extra=1 if a.older else 0, scales=a.scales)
         tag = "kvfemu%d%s" % (os.getpid(), a.mode[4])
         base = 1000 + (os.getpid() % 500) * 8  # device labels no other run on this host uses
         pdev = [base + r for r in range(a.tp)]
@@ -142,10 +142,10 @@ class Run:
         for r in range(self.a.tp):
             for q in plan:
                 for layer in range(sh.all_layers):
-                    for v in (0, 1):
+                    for v, bb in sh.tensors():
                         t = self.dec.caches[r].tensor(layer, v)
                         for d in q["dst"]:
-                            t[d * sh.block_bytes:(d + 1) * sh.block_bytes] = b"\xa5" * sh.block_bytes
+                            t[d * bb:(d + 1) * bb] = b"\xa5" * bb
         per_chunk = self.a.mode == "per_chunk"
         self.drain()
         if not per_chunk:
@@ -177,13 +177,13 @@ class Run:
                     self.raise_signal(r, s.begin_step)
             for layer in range(sh.all_layers):
                 for r in range(self.a.tp):
-                    for v in (0, 1):
+                    for v, bb in sh.tensors():
                         t = self.pre.caches[r].tensor(layer, v)
                         for q, b, n in chunk:
                             for bi in range(b // bs, -(-(b + n) // bs)):
                                 blk = q["src"][bi]
-                                self.write(r, t, blk * sh.block_bytes,
-                                           dep.pattern(q["rid"], layer, v, bi, r, sh.block_bytes))
+                                self.write(r, t, blk * bb,
+                                           dep.pattern(q["rid"], layer, v, bi, r, bb))
                     sg = self.pre.signals[r]
                     if per_chunk:
                         trip = [(q["slot"], b, n) for q, b, n in chunk]
@@ -207,11 +207,11 @@ class Run:
                 continue
             for r in range(self.a.tp):
                 for layer in range(sh.all_layers):
-                    for v in (0, 1):
+                    for v, bb in sh.tensors():
                         t = self.dec.caches[r].tensor(layer, v)
                         for i, d in enumerate(q["dst"]):
-                            want = dep.pattern(q["rid"], layer, v, i + q["held"], r, sh.block_bytes)
-                            if t[d * sh.block_bytes:(d + 1) * sh.block_bytes] != want:
+                            want = dep.pattern(q["rid"], layer, v, i + q["held"], r, bb)
+                            if t[d * bb:(d + 1) * bb] != want:
                                 fail("%s: rank %d layer %d tensor %d block %d (dest %d) differs"
                                      % (q["rid"], r, layer, v, i, d), *self.insts)
         for q in plan:
@@ -238,9 +238,10 @@ class Run:
             if bad:
                 fail("trace requests failed: %r" % bad, *self.insts)
         print("ok: %d trace requests (%s, %s, %d ranks) finished and verified byte for byte on "
-              "every decode rank: %d blocks x %d layers x 2 tensors, %d batches with decode's "
+              "every decode rank: %d blocks x %d layers x %s, %d batches with decode's "
               "halves after the layers, %.1f s"
-              % (n, self.a.mode, self.a.protocol, self.a.tp, blocks, self.shape.all_layers, lates,
+              % (n, self.a.mode, self.a.protocol, self.a.tp, blocks, self.shape.all_layers,
+                 "(K, V, K scales, V scales)" if self.shape.scale_bytes else "2 tensors", lates,
                  time.monotonic() - t0))
 
     # -- failures, bad input, connect tasks --
@@ -510,24 +511,21 @@ class Run:
             fail("statuses %r" % st, *self.insts)
 
 
-def refused_fp8():
-    """A block_wise_fp8 cache: the messager names FastDeploy's scale tensors it would have to
-    move, and refuses with status 2 before it starts anything."""
+def refused_scale_dtype():
+    """A block_wise_fp8 cache whose scales would be of a dtype FastDeploy does not give them:
+    refused with status 2, with the reason, before anything starts."""
     import subprocess
     argv = [sys.executable, "-m", "kvferry.fastdeploy", "--splitwise_role", "prefill",
             "--rank", "1", "--mp_num", "2", "--device_id", "7", "--num_layers", "3",
             "--key_cache_shape", "64,2,16,128", "--value_cache_shape", "64,2,16,128",
-            "--cache_dtype", "block_wise_fp8", "--default_dtype", "bfloat16",
+            "--cache_dtype", "block_wise_fp8", "--default_dtype", "int8",
             "--speculative_config", '{"method": "mtp"}', "--kvf-instance", "never-started"]
     env = dict(os.environ, PYTHONPATH=os.path.join(dep.ROOT, "python"))
     p = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=30)
-    want = ("--cache_dtype block_wise_fp8: FastDeploy allocates a scale tensor per layer per K/V "
-            "beside the uint8 caches (8 tensors: key_cache_scales_0_rank1.device7 ... "
-            "value_cache_scales_3_rank1.device7, each [64, 2, 16] of bfloat16); kvferry does not "
-            "move scale tensors yet")
+    want = "--default_dtype int8: the scale tensors of block_wise_fp8 are bfloat16, float16 or float32"
     if p.returncode != 2 or want not in p.stderr:
-        fail("block_wise_fp8: exit %d, %r" % (p.returncode, p.stderr[-600:]))
-    print("ok: block_wise_fp8 refused with status 2, naming its 8 scale tensors")
+        fail("block_wise_fp8 with int8 scales: exit %d, %r" % (p.returncode, p.stderr[-600:]))
+    print("ok: block_wise_fp8 with --default_dtype int8 refused with status 2: %s" % want)
 
 
 def main():
@@ -543,12 +541,15 @@ def main():
     p.add_argument("--bench", type=int, default=0, metavar="N",
                    help="only N one-at-a-time requests, timed (bench/fastdeploy_gpu_bench.sh)")
     p.add_argument("--bench-blocks", type=int, default=8)
+    p.add_argument("--scales", action="store_true",
+                   help="block_wise_fp8 caches: uint8 K/V and a bfloat16 scale tensor beside each, "
+                        "written, moved and verified like the caches")
     p.add_argument("--older", action="store_true",
                    help="the older argv (--engine_pid, --num_hidden_layers, --num_gpu_blocks ...), "
                         "the queue on a unix socket, and an MTP layer (--speculative_config)")
     a = p.parse_args()
     if not a.bench:
-        refused_fp8()
+        refused_scale_dtype()
     r = Run(a)
     try:
         r.ready()

@@ -98,10 +98,15 @@ static void check_parts(const struct kvf_cache *c, const struct rdma_mrs *m)
         CHECK_EQ(nw, c->n_parts * RDMA_PART_WORDS);
         for (uint32_t i = 0; i < c->n_parts; i++) {
                 const struct ibv_mr *mr = m->mr[m->part_mr[i]];
-                uint64_t st = c->strides ? c->strides[i] : c->layout.block_bytes;
-                uintptr_t a = (uintptr_t)c->parts[i], e = a + (c->layout.num_blocks - 1) * st + c->layout.block_bytes;
+                uint64_t bb = kvf_layout_part_block_bytes(&c->layout, i);
+                uint64_t st = c->strides ? c->strides[i] : bb;
+                uintptr_t a = (uintptr_t)c->parts[i], e = a + (c->layout.num_blocks - 1) * st + bb;
                 CHECK(a >= (uintptr_t)mr->addr && e <= (uintptr_t)mr->addr + mr->length);
-                CHECK(rdma_mrs_at(m, (uint64_t)i * c->part_bytes + c->part_bytes - 1) == mr);
+                /* the last byte of part i, in kvf_layout_offset order */
+                uint64_t last = 0;
+                for (uint32_t k = 0; k <= i; k++)
+                        last += kvf_layout_part_bytes(&c->layout, k);
+                CHECK(rdma_mrs_at(m, last - 1) == mr);
                 const uint32_t *q = w + (size_t)i * RDMA_PART_WORDS;
                 CHECK_EQ((uint64_t)q[0] << 32 | q[1], (uint64_t)a);
                 CHECK_EQ((uint64_t)q[2] << 32 | q[3], st);
@@ -123,9 +128,10 @@ static void parts_cases(struct ibv_pd *pd)
         uint8_t *parts[5] = {a, a + BB, b, b + PB, c1};
         uint64_t strides[5] = {2 * BB, 2 * BB, BB, BB, BB};
         struct kvf_cache hc = {.be = &kvf_cache_host, .host = true, .device = -1, .parts = parts, .n_parts = 5,
-                               .part_bytes = PB, .strides = strides};
-        hc.layout.num_blocks = NB;
-        hc.layout.block_bytes = BB;
+                               .strides = strides};
+        /* five layers of K only, blocks of 1 x 16 x 128 fp16 = BB */
+        CHECK_EQ(kvf_layout_make(&hc.layout, 5, 0, NB, 1, 16, 128, KVF_DTYPE_FP16, 1), 0);
+        CHECK_EQ(hc.layout.block_bytes, BB);
         struct rdma_mrs *m = NULL;
         const char *how = "";
         CHECK_EQ(rdma_reg_mrs(pd, &hc, IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE, &m, &how), 0);
@@ -138,15 +144,31 @@ static void parts_cases(struct ibv_pd *pd)
 
         /* "GPU" parts (the stand-in backend): the two back to back in b stay apart. */
         uint8_t *gparts[2] = {b, b + PB};
-        struct kvf_cache gc = {.be = &fake, .host = false, .device = 0, .parts = gparts, .n_parts = 2,
-                               .part_bytes = PB};
-        gc.layout.num_blocks = NB;
-        gc.layout.block_bytes = BB;
+        struct kvf_cache gc = {.be = &fake, .host = false, .device = 0, .parts = gparts, .n_parts = 2};
+        CHECK_EQ(kvf_layout_make(&gc.layout, 1, 0, NB, 1, 16, 128, KVF_DTYPE_FP16, 0), 0);
         CHECK_EQ(rdma_reg_mrs(pd, &gc, IBV_ACCESS_LOCAL_WRITE, &m, &how), 0);
         CHECK_EQ(m->n, 2);
         CHECK(strstr(how, "peer memory"));
         check_parts(&gc, m);
         printf("ok: device memory in 2 parts that touch: %u regions, never one across them (%s)\n", m->n, how);
+        rdma_mrs_free(m);
+
+        /* Scale tensors (FastDeploy's block_wise_fp8): K, V, then their scales, a part of
+         * another size each; K and the V scales back to back, V and the K scales apart. */
+        struct kvf_cache sc = {.be = &kvf_cache_host, .host = true, .device = -1, .n_parts = 4};
+        CHECK_EQ(kvf_layout_make(&sc.layout, 1, 0, NB, 2, 16, 128, KVF_DTYPE_UINT8, 0), 0);
+        CHECK_EQ(kvf_layout_set_scales(&sc.layout, KVF_DTYPE_BF16), 0);
+        CHECK_EQ(sc.layout.block_bytes, BB);
+        CHECK_EQ(sc.layout.scale_bytes, 2 * 16 * 2);
+        CHECK_EQ(kvf_layout_parts(&sc.layout), 4);
+        uint8_t *sparts[4] = {a, b, b + 2 * PB, a + PB};
+        sc.parts = sparts;
+        CHECK_EQ(rdma_reg_mrs(pd, &sc, IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE, &m, &how), 0);
+        CHECK_EQ(m->n, 3);
+        CHECK(m->part_mr[0] == m->part_mr[3] && m->part_mr[1] != m->part_mr[0] && m->part_mr[2] != m->part_mr[0] &&
+              m->part_mr[1] != m->part_mr[2]);
+        check_parts(&sc, m);
+        printf("ok: K/V and their scale tensors in 4 parts of 2 sizes: %u regions\n", m->n);
         rdma_mrs_free(m);
 
         /* A part nobody can pin: refused, nothing left registered. */

@@ -188,7 +188,6 @@ int main(void)
                                .bytes = total,
                                .parts = parts,
                                .n_parts = 2 * NL,
-                               .part_bytes = NB * BB,
                                .strides = strides,
                                .host = true};
         struct kvf_cache fc = {.layout = L, .bytes = total, .base = flat, .host = true};

@@ -473,6 +473,8 @@ static void print_header(struct dump *d)
                 j_bool(d, "key_only", l->key_only != 0);
                 j_u64(d, "block_bytes", l->block_bytes);
                 j_u64(d, "cache_bytes", l->cache_bytes);
+                j_cstr(d, "scale_dtype", l->scale_dtype ? dtype_name(l->scale_dtype) : "none");
+                j_u64(d, "scale_bytes", l->scale_bytes);
                 j_close(d, '}');
                 if (h->backend == KVF_BACKEND_HOST) {
                         j_open(d, "cache", '{');
@@ -544,6 +546,9 @@ static void print_header(struct dump *d)
             l->num_layers, l->extra_layers, l->num_blocks, l->kv_heads, l->block_size, l->head_dim,
             dtype_name(l->dtype), l->key_only ? "key only" : "key+value", l->block_bytes,
             l->cache_bytes, human_bytes(b2, sizeof(b2), l->cache_bytes));
+        if (l->scale_bytes)
+                fprintf(d->f, "          scale tensors: %s, %" PRIu64 " bytes a block, after every layer's K/V\n",
+                        dtype_name(l->scale_dtype), l->scale_bytes);
         if (h->backend == KVF_BACKEND_CUDA) {
                 char u[48], hx[2 * 64 + 1];
                 uuid_text(u, sizeof(u), h->cuda_uuid);

@@ -38,7 +38,7 @@ __all__ = ["Client", "KvferryError", "RingFull", "Layout", "DeviceTensor", "STAT
 
 ABI = 1  # KVFERRY_ABI of the kvferry.h this package repeats
 VERSION = "0.1.0"  # KVFERRY_VERSION of that header
-_DTYPES = {1: ("bf16", 2), 2: ("fp16", 2), 3: ("fp8", 1), 4: ("uint8", 1)}
+_DTYPES = {1: ("bf16", 2), 2: ("fp16", 2), 3: ("fp8", 1), 4: ("uint8", 1), 5: ("fp32", 4)}
 
 
 class KvferryError(OSError):
@@ -54,7 +54,9 @@ class _Layout(ctypes.Structure):
                 ("num_blocks", ctypes.c_uint32), ("kv_heads", ctypes.c_uint32),
                 ("block_size", ctypes.c_uint32), ("head_dim", ctypes.c_uint32),
                 ("dtype", ctypes.c_uint32), ("key_only", ctypes.c_uint32),
-                ("block_bytes", ctypes.c_uint64), ("cache_bytes", ctypes.c_uint64)]
+                ("block_bytes", ctypes.c_uint64), ("cache_bytes", ctypes.c_uint64),
+                ("scale_dtype", ctypes.c_uint32), ("reserved", ctypes.c_uint32),
+                ("scale_bytes", ctypes.c_uint64)]
 
 
 class _Event(ctypes.Structure):
@@ -395,6 +397,16 @@ class Layout:
     def tensor_bytes(self):
         return self.num_blocks * self.block_bytes
 
+    @property
+    def scale_dtype_name(self):
+        """The scale tensors' dtype ("bf16", "fp32", ...), None when the layout has none."""
+        return _DTYPES.get(self.scale_dtype, ("unknown", 1))[0] if self.scale_bytes else None
+
+    @property
+    def scale_shape(self):
+        """One scale tensor: [num_blocks, kv_heads, block_size] (a block's row scales it)."""
+        return (self.num_blocks, self.kv_heads, self.block_size)
+
     def __repr__(self):
         return ("Layout(%d+%d layers x %d tensor(s), %d blocks of %d x %d x %d %s, %d bytes "
                 "per block)" % (self.num_layers, self.extra_layers, self.tensors,
@@ -407,19 +419,21 @@ class DeviceTensor:
     that torch.as_tensor(t, device="cuda") or cupy.asarray(t) see it without a copy. bf16 is
     given as raw 16-bit words ("<i2"; .view(torch.bfloat16)), fp8 as bytes."""
 
-    _TYPESTR = {1: "<i2", 2: "<f2", 3: "|u1", 4: "|u1"}
+    _TYPESTR = {1: "<i2", 2: "<f2", 3: "|u1", 4: "|u1", 5: "<f4"}
 
-    def __init__(self, ptr, layout, device, client):
+    def __init__(self, ptr, layout, device, client, scale=False):
         self.ptr, self.layout, self.device = ptr, layout, device
+        self.shape = layout.scale_shape if scale else layout.shape
+        self._dtype = layout.scale_dtype if scale else layout.dtype
         self._client = client  # the mapping lives while this does (torch keeps it alive too)
 
     @property
     def __cuda_array_interface__(self):
-        return {"shape": self.layout.shape, "typestr": self._TYPESTR.get(self.layout.dtype, "|u1"),
+        return {"shape": self.shape, "typestr": self._TYPESTR.get(self._dtype, "|u1"),
                 "data": (self.ptr, False), "version": 3, "strides": None}
 
     def __repr__(self):
-        return "DeviceTensor(0x%x on GPU %d, %r)" % (self.ptr, self.device, self.layout.shape)
+        return "DeviceTensor(0x%x on GPU %d, %r)" % (self.ptr, self.device, self.shape)
 
 
 def _event_dict(ev):
@@ -555,19 +569,33 @@ class Client:
         memoryview of its bytes (numpy.frombuffer takes it as it is), for a GPU instance a
         DeviceTensor. A view keeps the caches mapped in this process (see the class). Extra
         layers follow the model's layers."""
+        return self._tensor(layer, v, False)
+
+    def scale_tensor(self, layer, v=0):
+        """The per-block scales of layer `layer`'s K (v=0) or V (v=1) tensor, in an instance
+        whose layout has scale tensors (`up --scale-dtype`; FastDeploy's block_wise_fp8
+        caches): [num_blocks, kv_heads, block_size] of layout.scale_dtype_name, moved with
+        their blocks. A memoryview (host) or a DeviceTensor (GPU), as tensor()."""
+        if not self.layout.scale_bytes:
+            raise KvferryError(_errno.ERANGE, "kvferry: the layout has no scale tensors (%r)"
+                               % (self.layout,))
+        return self._tensor(layer, v, True)
+
+    def _tensor(self, layer, v, scale):
         lo = self.layout
         if not (0 <= layer < lo.num_layers + lo.extra_layers) or v not in (0, 1) or \
                 (v and lo.key_only):
-            raise KvferryError(_errno.ERANGE, "kvferry: no tensor %d of layer %d (%r)"
-                               % (v, layer, lo))
+            raise KvferryError(_errno.ERANGE, "kvferry: no %stensor %d of layer %d (%r)"
+                               % ("scale " if scale else "", v, layer, lo))
         with self._lock:  # the view is registered before another thread's close() can unmap
-            ptr = self._call(_lib.kvf_cache_tensor, layer, v)
+            ptr = self._call(_lib.kvf_cache_tensor, layer, v + (lo.tensors if scale else 0))
             if not ptr:
                 _check(-_errno.ERANGE, "tensor %d of layer %d" % (v, layer))
             if self.device is not None:
-                mem = DeviceTensor(ptr, lo, self.device, self)
+                mem = DeviceTensor(ptr, lo, self.device, self, scale)
             else:
-                mem = (ctypes.c_ubyte * lo.tensor_bytes).from_address(ptr)
+                mem = (ctypes.c_ubyte * (lo.num_blocks * lo.scale_bytes if scale
+                                         else lo.tensor_bytes)).from_address(ptr)
                 mem._client = self  # the mapping lives while the view does
             ref = weakref.ref(mem, self._view_gone)
             self._views[id(ref)] = ref

@@ -39,7 +39,7 @@ _CONNECT_STATUSES = {"unknown peer", "connection error", "authentication failed"
 
 _DTYPES = {"bfloat16": "bf16", "bf16": "bf16", "float16": "fp16", "fp16": "fp16",
            "uint8": "uint8", "int8": "uint8", "fp8": "fp8", "float8_e4m3fn": "fp8",
-           "int4_zp": "uint8"}
+           "int4_zp": "uint8", "block_wise_fp8": "uint8"}
 
 RECORD_MAGIC = b"KVFHOST1"
 RECORD_FMT = "<8sQQQ256s"  # magic, offset, bytes, pid of the publisher, path (NUL padded)
@@ -138,6 +138,8 @@ def parser():
 SCALED_DTYPES = ("block_wise_fp8",)
 # Element sizes of the scale tensors' dtype (FastDeploy's default dtype, --default_dtype).
 _SCALE_DTYPES = {"bfloat16": 2, "float16": 2, "float32": 4}
+# ... and kvferry's name of it (`up --scale-dtype`).
+_SCALE_KVF = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 
 
 def scale_tensors(cache_dtype, layers, rank, device, key_shape, key_only, default_dtype):
@@ -202,16 +204,11 @@ class Config:
                                  "kvferry needs K and V of one shape" %
                                  (ns.value_cache_shape, k))
         self.blocks, self.heads, self.block_size, self.head_dim = k
+        # block_wise_fp8: a scale tensor per layer per K/V beside the uint8 caches, which the
+        # instance holds as its layout's scale tensors and moves with their blocks.
         self.scales = scale_tensors(ns.cache_dtype, self.layers + self.extra, self.rank,
                                     self.device, k, self.key_only, ns.default_dtype)
-        if self.scales:
-            raise ValueError(
-                "--cache_dtype %s: FastDeploy allocates a scale tensor per layer per K/V beside "
-                "the uint8 caches (%d tensors: %s ... %s, each [%d, %d, %d] of %s); kvferry does "
-                "not move scale tensors yet, so it refuses this cache rather than send blocks "
-                "without their scales" %
-                (ns.cache_dtype, len(self.scales), self.scales[0][0], self.scales[-1][0],
-                 self.blocks, self.heads, self.block_size, self.scales[0][2]))
+        self.scale_dtype = _SCALE_KVF[ns.default_dtype] if self.scales else None
         if ns.cache_dtype not in _DTYPES:
             raise ValueError("--cache_dtype %s: kvferry takes %s" %
                              (ns.cache_dtype, ", ".join(sorted(_DTYPES))))
@@ -381,16 +378,18 @@ def _mapping_of(addr):
 
 
 def record_names(cfg):
-    """FastDeploy's names of this rank's tensors (".<FD_IPC_APPEND_SUFFIX>" after them when
-    that is set, as FastDeploy does for two instances on one GPU)."""
+    """FastDeploy's names of this rank's tensors, as (name, layer, v, scale): every layer's K
+    (and V), then their scale tensors when the cache dtype has them (".<FD_IPC_APPEND_SUFFIX>"
+    after each when that is set, as FastDeploy does for two instances on one GPU)."""
     sfx = os.environ.get("FD_IPC_APPEND_SUFFIX", "")
     sfx = "." + sfx if sfx and "/" not in sfx else ""
     names = []
-    for layer in range(cfg.layers + cfg.extra):
-        names.append(("key_caches_%d_rank%d.device%d%s" % (layer, cfg.rank, cfg.device, sfx), layer, 0))
-        if not cfg.key_only:
-            names.append(("value_caches_%d_rank%d.device%d%s" % (layer, cfg.rank, cfg.device, sfx),
-                          layer, 1))
+    for scale in ((False, True) if cfg.scales else (False,)):
+        kind = "cache_scales" if scale else "caches"
+        for layer in range(cfg.layers + cfg.extra):
+            for v, t in enumerate(("key",) if cfg.key_only else ("key", "value")):
+                names.append(("%s_%s_%d_rank%d.device%d%s" % (t, kind, layer, cfg.rank, cfg.device,
+                                                              sfx), layer, v, scale))
     return names
 
 
@@ -400,7 +399,7 @@ def publish_records(client, cfg, shm_dir="/dev/shm"):
     if client.device is not None:
         # GPU caches: the allocator made one allocation per tensor and published FastDeploy's
         # own records (kvf-allocator --fastdeploy); they must all be there.
-        for name, _, _ in record_names(cfg):
+        for name, _, _, _ in record_names(cfg):
             p = os.path.join(shm_dir, name)
             try:
                 size = os.stat(p).st_size
@@ -414,8 +413,8 @@ def publish_records(client, cfg, shm_dir="/dev/shm"):
                                cfg.instance))
         return []
     done = []
-    for name, layer, v in record_names(cfg):
-        t = client.tensor(layer, v)
+    for name, layer, v, scale in record_names(cfg):
+        t = client.scale_tensor(layer, v) if scale else client.tensor(layer, v)
         addr = ctypes.addressof(ctypes.c_char.from_buffer(t))
         path, off = _mapping_of(addr)
         if not path or not path.startswith("/"):
@@ -767,6 +766,8 @@ class Messager:
             a += ["--extra-layers", str(c.extra)]
         if c.key_only:
             a.append("--key-only")
+        if c.scale_dtype:
+            a += ["--scale-dtype", c.scale_dtype]
         if c.ns.kvf_backend:
             a += ["--backend", c.ns.kvf_backend]
         if c.role in ("decode", "mixed"):

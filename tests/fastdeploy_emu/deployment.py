@@ -28,16 +28,26 @@ def free_port():
 
 
 class Shape:
+    """scales: FastDeploy's block_wise_fp8 caches, uint8 K/V and a bfloat16 scale tensor
+    [blocks, heads, block_size] beside each."""
+
     def __init__(self, layers=4, blocks=256, heads=2, block_size=16, head_dim=32, dtype="bfloat16",
-                 extra=0):
+                 extra=0, scales=False):
         self.layers, self.blocks, self.heads = layers, blocks, heads
         self.extra, self.all_layers = extra, layers + extra
-        self.block_size, self.head_dim, self.dtype = block_size, head_dim, dtype
-        self.block_bytes = heads * block_size * head_dim * 2
+        self.block_size, self.head_dim = block_size, head_dim
+        self.dtype = "block_wise_fp8" if scales else dtype
+        self.block_bytes = heads * block_size * head_dim * (1 if scales else 2)
+        self.scale_bytes = heads * block_size * 2 if scales else 0
 
     @property
     def shape(self):
         return "%d,%d,%d,%d" % (self.blocks, self.heads, self.block_size, self.head_dim)
+
+    def tensors(self):
+        """Each tensor of a layer as (v, bytes of one block): K, V, then their scales."""
+        kv = [(0, self.block_bytes), (1, self.block_bytes)]
+        return kv + ([(2, self.scale_bytes), (3, self.scale_bytes)] if self.scale_bytes else [])
 
 
 class Instance:
@@ -119,7 +129,9 @@ class Instance:
                                (self.role, timeout, self.log_tail()))
         self.caches = [worker.Caches(r, self.devices[r], self.shape.all_layers,
                                      tensor_bytes=self.shape.blocks * self.shape.block_bytes,
-                                     suffix=self.name_suffix) for r in range(self.tp)]
+                                     suffix=self.name_suffix,
+                                     scale_bytes=self.shape.blocks * self.shape.scale_bytes)
+                       for r in range(self.tp)]
         if self.role == "prefill":
             for r in range(self.tp):
                 if self.mode == "per_chunk":

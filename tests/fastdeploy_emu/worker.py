@@ -246,16 +246,24 @@ def attach_tensor(name, shm_dir="/dev/shm", device=None, size=None):
 
 
 class Caches:
-    def __init__(self, rank, device, layers, key_only=False, tensor_bytes=None, suffix=""):
+    """A rank's caches by FastDeploy's names: tensor(layer, v) is K (0) or V (1), and with
+    scale_bytes (block_wise_fp8) their scale tensors key_cache_scales_... (2) and
+    value_cache_scales_... (3)."""
+
+    def __init__(self, rank, device, layers, key_only=False, tensor_bytes=None, suffix="",
+                 scale_bytes=0):
         self.t = {}
-        kw = {"device": device, "size": tensor_bytes}
         sfx = "." + suffix if suffix else ""
+        kinds = [(0, "key_caches", tensor_bytes), (1, "value_caches", tensor_bytes)]
+        if scale_bytes:
+            kinds += [(2, "key_cache_scales", scale_bytes), (3, "value_cache_scales", scale_bytes)]
         for layer in range(layers):
-            self.t[(layer, 0)] = attach_tensor("key_caches_%d_rank%d.device%d%s" % (layer, rank, device, sfx),
-                                               **kw)
-            if not key_only:
-                self.t[(layer, 1)] = attach_tensor("value_caches_%d_rank%d.device%d%s"
-                                                   % (layer, rank, device, sfx), **kw)
+            for v, kind, size in kinds:
+                if key_only and v % 2:
+                    continue
+                self.t[(layer, v)] = attach_tensor("%s_%d_rank%d.device%d%s"
+                                                   % (kind, layer, rank, device, sfx),
+                                                   device=device, size=size)
 
     def tensor(self, layer, v):
         return self.t[(layer, v)]

@@ -104,9 +104,10 @@ int kvf_tp_check(const struct kvf_cache_layout *pl, uint32_t p, const struct kvf
         DIFF(dtype, "dtype");
 #undef DIFF
         if (pl->scale_dtype != dl->scale_dtype) {
-                snprintf(why, whylen, "%s: %s scale tensors here, %s there", what,
-                         pl->scale_dtype ? kvf_dtype_name(pl->scale_dtype) : "no",
-                         dl->scale_dtype ? kvf_dtype_name(dl->scale_dtype) : "no");
+                /* (first and short: the split does not matter to it, and reasons are cut at 240) */
+                snprintf(why, whylen, "scale tensors: %s on prefill, %s on decode",
+                         pl->scale_dtype ? kvf_dtype_name(pl->scale_dtype) : "none",
+                         dl->scale_dtype ? kvf_dtype_name(dl->scale_dtype) : "none");
                 return -EPROTO;
         }
         if (pl->scale_dtype) {

@@ -127,6 +127,29 @@ j=$(case_run "key-only" mla --prefill $TAG-mp0 --decode $TAG-md0 --requests 10 -
 pass "key-only (MLA) layout: 61 layers x 1 tensor moved and verified"
 down $TAG-mp0; down $TAG-md0
 
+# Scale tensors (FastDeploy's block_wise_fp8): uint8 K/V with a bf16 scale tensor beside each,
+# chunked prefill over ipc and tcp, every block verified with its scales; an instance without
+# scales is refused as a peer on both, naming the difference.
+S="--layers 4 --kv-heads 2 --head-dim 64 --dtype uint8 --block-size 16 --blocks 2048"
+up $TAG-xd0 --role decode $S --scale-dtype bf16
+up $TAG-xp0 --role prefill $S --scale-dtype bf16
+up $TAG-xn0 --role decode $S
+"$B/kvf-ringdump" --instance $TAG-xp0 | grep -q "scale tensors: bf16, 64 bytes a block" ||
+  fail "scale tensors: ring-dump does not show them"
+for t in ipc tcp; do
+  j=$(case_run "scale tensors ($t)" sc-$t --prefill $TAG-xp0 --decode $TAG-xd0 --requests 30 --max-tokens 4096 \
+        --layer-us 50 --chunk-tokens 1000 --step-tokens 3000 --transport $t)
+  [ "$(json_get "$j" finished)" = 30 ] || fail "scale tensors ($t): not all 30 finished"
+  grep -q "every block verified with its scales" "$KVFERRY_RUN_DIR/sc-$t.txt" || fail "scale tensors ($t): not verified with them"
+  "$B/kvf-sim" --json "$KVFERRY_RUN_DIR/scn-$t.json" --timeout-s 30 --prefill $TAG-xp0 --decode $TAG-xn0 \
+    --requests 3 --layer-us 50 --transport $t >"$KVFERRY_RUN_DIR/scn-$t.txt" 2>&1 || true
+  [ "$(json_get "$KVFERRY_RUN_DIR/scn-$t.json" finished)" = 0 ] || fail "scale tensors ($t): a peer without them took a request"
+  grep -q "peer layout mismatch.*scale tensors: bf16 on prefill, none on decode" "$KVFERRY_RUN_DIR/scn-$t.txt" ||
+    { cat "$KVFERRY_RUN_DIR/scn-$t.txt" >&2; fail "scale tensors ($t): the refusal does not name them"; }
+done
+pass "scale tensors (block_wise_fp8): 30 chunked requests over ipc and over tcp, every block verified with its scales; a peer without them refused on both"
+down $TAG-xp0; down $TAG-xd0; down $TAG-xn0
+
 # A second cache backend (common/cache_host_async.c): host memory whose copies complete later, on
 # a worker thread, as a GPU kernel's do. Requests go FINISHING only once their last batch has
 # landed; a failed batch fails exactly the requests it carried, never one reported finished.

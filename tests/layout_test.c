@@ -131,7 +131,7 @@ int main(void)
         /* two instances must agree on their scales */
         CHECK_EQ(kvf_layout_compatible(&sc, &sc, why, sizeof(why)), 0);
         CHECK_EQ(kvf_layout_compatible(&plain, &sc, why, sizeof(why)), -EPROTO);
-        CHECK(strstr(why, "no scale tensors here, bf16 there"));
+        CHECK(strstr(why, "no scale tensors here, bf16 there")); /* (kvf_layout_compatible) */
         x = plain;
         CHECK_EQ(kvf_layout_set_scales(&x, KVF_DTYPE_FP32), 0);
         CHECK_EQ(kvf_layout_compatible(&x, &sc, why, sizeof(why)), -EPROTO);
@@ -145,7 +145,7 @@ int main(void)
         CHECK_EQ(kvf_tp_check(&sc, 1, &half, 2, 0, &heads, why, sizeof(why)), -EPROTO);
         CHECK(strstr(why, "scale tensors move between equal tensor-parallel splits"));
         CHECK_EQ(kvf_tp_check(&plain, 1, &half, 2, 0, &heads, why, sizeof(why)), -EPROTO);
-        CHECK(strstr(why, "no scale tensors here, bf16 there"));
+        CHECK(strstr(why, "scale tensors: none on prefill, bf16 on decode"));
         struct kvf_tp_plan plan;
         CHECK_EQ(kvf_tp_pair_plan(&sc, 1, 0, &sc, 1, 0, &plan, why, sizeof(why)), 0);
         CHECK_EQ(plan.npieces, 0); /* equal layouts: whole blocks */

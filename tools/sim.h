@@ -167,7 +167,7 @@ struct sim {
         unsigned npre, ndec;
         struct kvf_layout_info L;  /* the (first) prefill instance's layout */
         struct kvf_layout_info Ld; /* the (first) decode instance's layout */
-        uint32_t layers, tensors;
+        uint32_t layers, tensors; /* tensors: every tensor of a layer, scale tensors included */
         /* Mixed mode (sim_tp.c): the groups differ in size, heads per rank or block size. */
         bool mixed;
         uint32_t heads;  /* the model's kv heads (kvf_tp_check) */
@@ -236,6 +236,11 @@ static inline uint64_t kvf_sim_word(uint64_t key, uint64_t k)
 }
 /* Stamp a block with key: every word, or with sample_only both ends. */
 void kvf_sim_fill(uint8_t *p, uint64_t bytes, uint64_t key, bool sample_only);
+/* Bytes of one block of tensor t of layout L (K/V, then the scale tensors when it has them). */
+static inline uint64_t kvf_sim_tensor_bytes(const struct kvf_layout_info *L, uint32_t t)
+{
+        return t < (L->key_only ? 1u : 2u) ? L->block_bytes : L->scale_bytes;
+}
 /* Whether p holds what kvf_sim_fill(p, bytes, key, sample_only) wrote. */
 bool kvf_sim_check(const uint8_t *p, uint64_t bytes, uint64_t key, bool sample_only);
 /* Take every completion and arrival there is, waiting up to timeout_ms for the first

@@ -164,9 +164,13 @@ int kvf_sim_setup(struct sim *s)
         *L = s->pre[0].L;
         s->Ld = s->dec[0].L;
         s->layers = L->num_layers + L->extra_layers;
-        s->tensors = L->key_only ? 1 : 2;
+        s->tensors = (L->key_only ? 1 : 2) * (L->scale_bytes ? 2 : 1);
         if (kvf_sim_tp_setup(s) < 0)
                 return -1;
+        if (s->mixed && L->scale_bytes) {
+                fprintf(stderr, "%s: caches with scale tensors move between equal layouts only\n", KVF_SIM_PROG);
+                return -1;
+        }
         /* The largest prompt every cache (and one request's block limit) can hold at once: half
          * of the smallest cache of each side, in that side's blocks. */
         uint64_t cap_tok = 4096ull * L->block_size;
@@ -321,6 +325,7 @@ static void write_layer(struct sim *s, struct sim_req *r, uint32_t l, uint32_t f
                 struct kvf_client *c = kvf_group_member(s->pre[r->pi].g, k);
                 for (uint32_t t = 0; t < s->tensors; t++) {
                         uint8_t *base = kvf_cache_tensor(c, l, (int)t);
+                        uint64_t tb = kvf_sim_tensor_bytes(L, t);
                         for (uint32_t j = j0; s->mixed && j < j1 && j < r->n_src; j++)
                                 kvf_sim_tp_write(s, r, k, l, t, j, to, last);
                         for (uint32_t j = j0; !s->mixed && j < j1 && j < r->n_src; j++) {
@@ -328,11 +333,11 @@ static void write_layer(struct sim *s, struct sim_req *r, uint32_t l, uint32_t f
                                  * before the chunk that completes it would show up in verify. */
                                 bool partial = !last && (uint64_t)(j + 1) * L->block_size > to;
                                 uint64_t key = kvf_sim_block_key(r->seq, k, l, t, j, partial);
-                                uint8_t *p = base + (uint64_t)r->src[j] * L->block_bytes;
+                                uint8_t *p = base + (uint64_t)r->src[j] * tb;
                                 if (s->sg) /* GPU mode: written by the layer's kernel */
-                                        sim_gpu_fill(s->sg, k, p, L->block_bytes, key);
+                                        sim_gpu_fill(s->sg, k, p, tb, key);
                                 else
-                                        kvf_sim_fill(p, L->block_bytes, key, s->o.sample_only);
+                                        kvf_sim_fill(p, tb, key, s->o.sample_only);
                         }
                 }
         }

@@ -249,6 +249,10 @@ static void print_text(const struct sim *s, const struct figures *g)
                L->num_layers, L->extra_layers, s->tensors, L->kv_heads, L->block_size, L->head_dim,
                kvf_dtype_name(L->dtype), kvf_fmt_bytes(L->block_bytes, gib, sizeof(gib)),
                s->o.ranks);
+        if (L->scale_bytes)
+                printf("  scales       a %s scale tensor per K/V tensor, %llu bytes a block, every block "
+                       "verified with its scales\n",
+                       kvf_dtype_name(L->scale_dtype), (unsigned long long)L->scale_bytes);
         if (s->mixed)
                 printf("  tp           prefill tp %u (%u kv head(s), %u tokens/block) -> decode tp %u "
                        "(%u kv head(s), %u tokens/block) of %u kv heads: %u tasks per request; "
@@ -435,7 +439,8 @@ bool kvf_sim_report(struct sim *s)
                         n++;
                 }
         avg_send /= n ? n : 1;
-        g.layer_bytes = avg_send * s->tensors * (double)s->L.block_bytes * s->o.ranks;
+        g.layer_bytes = avg_send * (s->L.key_only ? 1 : 2) * (double)(s->L.block_bytes + s->L.scale_bytes) *
+                        s->o.ranks;
         g.tf = tail_figures(s, g.base);
         g.rps = g.secs > 0 ? (double)s->finished / g.secs : 0;
         g.unaccounted = kvf_sim_counted(s) - (unsigned)s->done_reqs;

@@ -120,8 +120,8 @@ static void maybe_done(struct sim *s, struct sim_req *r)
                                     .ns = r->arrival_ns - r->last_layer_ns,
                                     .cns = r->completion_ns - r->last_layer_ns,
                                     .left = r->late_task ? r->bytes
-                                                         : (uint64_t)r->last_blocks * s->tensors *
-                                                               s->L.block_bytes * s->o.ranks,
+                                                         : (uint64_t)r->last_blocks * (s->L.key_only ? 1 : 2) *
+                                                               (s->L.block_bytes + s->L.scale_bytes) * s->o.ranks,
                                     .late = r->late_task,
                                     .seen_ns = r->sender_last_ns ? (int64_t)(r->sender_last_ns - r->last_layer_ns) : 0,
                                     .seq = r->seq,
@@ -198,12 +198,11 @@ static void verify_gpu(struct sim *s, struct sim_req *r)
                 for (uint32_t l = 0; l < s->layers; l++)
                         for (uint32_t t = 0; t < s->tensors; t++) {
                                 const uint8_t *base = kvf_cache_tensor(c, l, (int)t);
+                                uint64_t tb = kvf_sim_tensor_bytes(L, t);
                                 for (uint32_t i = 0; i < r->n_dst; i++) {
                                         uint64_t key =
                                             kvf_sim_block_key(r->seq, k, l, t, r->first + i, false);
-                                        sim_gpu_expect(s->sg, k,
-                                                       base + (uint64_t)r->dst[i] * L->block_bytes,
-                                                       L->block_bytes, key);
+                                        sim_gpu_expect(s->sg, k, base + (uint64_t)r->dst[i] * tb, tb, key);
                                 }
                         }
                 uint64_t first = 0;
@@ -218,8 +217,8 @@ static void verify_gpu(struct sim *s, struct sim_req *r)
                                 (unsigned long long)i, bad < 0 ? " (the check itself failed)" : "");
                         r->verified = false;
                 } else {
-                        s->verified_bytes +=
-                            (uint64_t)s->layers * s->tensors * r->n_dst * L->block_bytes;
+                        s->verified_bytes += (uint64_t)s->layers * r->n_dst * (L->key_only ? 1 : 2) *
+                                             (L->block_bytes + L->scale_bytes);
                 }
         }
 }
@@ -242,11 +241,12 @@ static void verify(struct sim *s, struct sim_req *r)
                 for (uint32_t l = 0; l < s->layers && r->verified; l++)
                         for (uint32_t t = 0; t < s->tensors && r->verified; t++) {
                                 const uint8_t *base = kvf_cache_tensor(c, l, (int)t);
+                                uint64_t tb = kvf_sim_tensor_bytes(L, t);
                                 for (uint32_t i = 0; i < r->n_dst; i++) {
                                         uint64_t key =
                                             kvf_sim_block_key(r->seq, k, l, t, r->first + i, false);
-                                        if (!kvf_sim_check(base + (uint64_t)r->dst[i] * L->block_bytes,
-                                                   L->block_bytes, key, s->o.sample_only)) {
+                                        if (!kvf_sim_check(base + (uint64_t)r->dst[i] * tb, tb, key,
+                                                           s->o.sample_only)) {
                                                 fprintf(stderr,
                                                         "%s: request %s: rank %u layer %u "
                                                         "tensor %u dest block %u (#%u) differs\n",
@@ -254,7 +254,7 @@ static void verify(struct sim *s, struct sim_req *r)
                                                 r->verified = false;
                                                 break;
                                         }
-                                        s->verified_bytes += L->block_bytes;
+                                        s->verified_bytes += tb;
                                 }
                         }
         }

@@ -7,7 +7,7 @@
 #
 #   0. the registration of caches (rdma_reg_test): host memory, device memory through a dma-buf
 #      or as peer memory, neither (refused with both reasons)
-#   1. kvf-sim end to end over rdma, every byte verified, blocks in runs
+#   1. kvf-sim end to end over rdma, every byte verified, blocks in runs; caches with scale tensors
 #   2. the work requests: one RDMA WRITE per run of blocks contiguous on both sides, per
 #      (layer, tensor), and one done message per request (the connector's counters); a request
 #      to the peer named by its address
@@ -81,6 +81,19 @@ grep -q "rdma to '$TAG-d' (instance $TAG-d) on rxe0" "$KVFERRY_RUN_DIR/$TAG-p/co
 w=$(counter $TAG-p rdma_write_requests) b=$(counter $TAG-p blocks_sent_rdma)
 pass "kvf-sim over rdma (rxe0 -> rxe1 across the veth pair): 12 requests, every byte verified;" \
   "$w RDMA WRITEs for $b blocks x layers x tensors"
+# ... and caches with scale tensors (FastDeploy's block_wise_fp8): each block's scales written
+# beside it, from the part of the region after every layer's K/V; verified with them.
+X="--layers 4 --kv-heads 2 --head-dim 64 --dtype uint8 --scale-dtype bf16 --block-size 16 --blocks 1024"
+up $TAG-qd --role decode $X --listen "$DIP:7105" --peer-timeout-ms $PT
+up $TAG-qp --role prefill $X --listen "$A:0" --peer-timeout-ms $PT
+sim scales --prefill $TAG-qp --decode $TAG-qd --transport rdma --requests 8 --max-tokens 2048 --layer-us 200 \
+  --timeout-s 120 || { cat "$KVFERRY_RUN_DIR/scales.txt"; fail "scale tensors over rdma"; }
+[ "$(json_get "$KVFERRY_RUN_DIR/scales.json" finished)" = 8 ] && [ "$(json_get "$KVFERRY_RUN_DIR/scales.json" corrupt)" = 0 ] ||
+  { cat "$KVFERRY_RUN_DIR/scales.txt"; fail "scale tensors over rdma: not all 8 finished and verified"; }
+grep -q "every block verified with its scales" "$KVFERRY_RUN_DIR/scales.txt" || fail "scale tensors: not verified with them"
+pass "caches with scale tensors over rdma: 8 requests, every block verified with its scales;" \
+  "$(counter $TAG-qp rdma_write_requests) RDMA WRITEs"
+down $TAG-qp; down $TAG-qd
 
 # 2. Work requests, exactly. Then the peer named by its address (FastDeploy's ip with
 # rdma_ports become "ip:port"): the control connection is tcp too.

@@ -408,10 +408,12 @@ class Layout:
         return (self.num_blocks, self.kv_heads, self.block_size)
 
     def __repr__(self):
+        scales = (", %s scale tensors of %d bytes per block" % (self.scale_dtype_name, self.scale_bytes)
+                  if self.scale_bytes else "")
         return ("Layout(%d+%d layers x %d tensor(s), %d blocks of %d x %d x %d %s, %d bytes "
-                "per block)" % (self.num_layers, self.extra_layers, self.tensors,
-                                self.num_blocks, self.kv_heads, self.block_size, self.head_dim,
-                                self.dtype_name, self.block_bytes))
+                "per block%s)" % (self.num_layers, self.extra_layers, self.tensors,
+                                  self.num_blocks, self.kv_heads, self.block_size, self.head_dim,
+                                  self.dtype_name, self.block_bytes, scales))
 
 
 class DeviceTensor:

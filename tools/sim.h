@@ -64,6 +64,8 @@ struct sim_req {
         int completion; /* -1 until known */
         int arrival;    /* -1 until known */
         bool verified;
+        bool verify_pending; /* GPU mode: its blocks are queued for the next batch check */
+        uint64_t verify_bytes; /* ... and what that check covers */
         /* mixed mode: the tasks (bit 8 i + j: prefill rank i -> decode rank j) whose completion
          * and arrival came, and the first status other than finished of each side */
         uint64_t cparts, aparts;
@@ -184,6 +186,10 @@ struct sim {
         unsigned oldest;   /* no request below it waits for its completion (sim_verify.c) */
         uint64_t rng_state;
 
+        /* GPU mode: finished arrivals whose blocks wait for one batch check (sim_verify.c). */
+        struct sim_req **vq;
+        unsigned nvq, vcap;
+
         /* The accounting (sim_verify.c). */
         uint64_t corrupt, verified_bytes, moved_bytes, done_reqs, finished, failed,
             bad_status_pairs;
@@ -261,6 +267,9 @@ void kvf_sim_tp_write(struct sim *s, const struct sim_req *r, unsigned rank, uin
 /* Check every head of every token of r's destination blocks on every decode rank; adds to
  * verified_bytes. True when all match (otherwise one message, the first that differs). */
 bool kvf_sim_tp_verify(struct sim *s, const struct sim_req *r);
+/* GPU mode: queue the rows of r's destination blocks on decode rank j's check queue (checked
+ * by the next sim_gpu_check of j); their bytes. */
+uint64_t kvf_sim_tp_expect_gpu(struct sim *s, const struct sim_req *r, unsigned j);
 /* The prefill rank of r's instance called `name`, or -1. */
 int kvf_sim_tp_prefill_rank(const struct sim *s, const struct sim_req *r, const char *name);
 

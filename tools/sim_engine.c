@@ -734,5 +734,6 @@ void kvf_sim_free(struct sim *s)
                 free(s->reqs[i].dst);
         }
         free(s->reqs);
+        free(s->vq);
         free(s->tails);
 }

@@ -168,34 +168,40 @@ void kvf_sim_tp_write(struct sim *s, const struct sim_req *r, unsigned rank, uin
 }
 
 /* GPU mode: every row of every head of every destination block, on each decode rank's GPU. */
-static bool verify_gpu(struct sim *s, const struct sim_req *r)
+uint64_t kvf_sim_tp_expect_gpu(struct sim *s, const struct sim_req *r, unsigned j)
 {
         const struct kvf_layout_info *L = &s->Ld;
         const uint64_t rb = row_bytes(L);
+        struct kvf_client *c = kvf_group_member(s->dec[r->di].g, j);
+        uint64_t bytes = 0;
+        for (uint32_t l = 0; l < s->layers; l++)
+                for (uint32_t t = 0; t < s->tensors; t++) {
+                        const uint8_t *base = kvf_cache_tensor(c, l, (int)t);
+                        for (uint32_t b = 0; b < r->n_dst; b++)
+                                for (uint32_t h = 0; h < s->dcount[j]; h++) {
+                                        uint32_t t0 = (r->first + b) * L->block_size;
+                                        if (t0 >= r->tokens)
+                                                break;
+                                        uint32_t rows = r->tokens - t0 < L->block_size
+                                                            ? r->tokens - t0
+                                                            : L->block_size;
+                                        uint64_t hk = head_key(r->seq, s->dfirst[j] + h, l,
+                                                               t, false);
+                                        sim_gpu_expect_rows(
+                                            s->sg, j,
+                                            base + (uint64_t)r->dst[b] * L->block_bytes +
+                                                (uint64_t)h * L->block_size * rb,
+                                            rows, rb, row_key(hk, t0));
+                                        bytes += rows * rb;
+                                }
+                }
+        return bytes;
+}
+
+static bool verify_gpu(struct sim *s, const struct sim_req *r)
+{
         for (unsigned j = 0; j < s->o.dranks; j++) {
-                struct kvf_client *c = kvf_group_member(s->dec[r->di].g, j);
-                uint64_t bytes = 0;
-                for (uint32_t l = 0; l < s->layers; l++)
-                        for (uint32_t t = 0; t < s->tensors; t++) {
-                                const uint8_t *base = kvf_cache_tensor(c, l, (int)t);
-                                for (uint32_t b = 0; b < r->n_dst; b++)
-                                        for (uint32_t h = 0; h < s->dcount[j]; h++) {
-                                                uint32_t t0 = (r->first + b) * L->block_size;
-                                                if (t0 >= r->tokens)
-                                                        break;
-                                                uint32_t rows = r->tokens - t0 < L->block_size
-                                                                    ? r->tokens - t0
-                                                                    : L->block_size;
-                                                uint64_t hk = head_key(r->seq, s->dfirst[j] + h, l,
-                                                                       t, false);
-                                                sim_gpu_expect_rows(
-                                                    s->sg, j,
-                                                    base + (uint64_t)r->dst[b] * L->block_bytes +
-                                                        (uint64_t)h * L->block_size * rb,
-                                                    rows, rb, row_key(hk, t0));
-                                                bytes += rows * rb;
-                                        }
-                        }
+                uint64_t bytes = kvf_sim_tp_expect_gpu(s, r, j);
                 uint64_t first = 0;
                 long bad = sim_gpu_check(s->sg, j, &first);
                 if (bad != 0) {

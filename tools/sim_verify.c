@@ -79,8 +79,8 @@ static void free_dst(struct sim *s, struct sim_req *r)
  * transfer ran out): free its blocks and count it, once. */
 static void maybe_done(struct sim *s, struct sim_req *r)
 {
-        if (r->completion < 0)
-                return;
+        if (r->completion < 0 || r->verify_pending)
+                return; /* (its blocks stay reserved until the batch check read them) */
         bool finished_ok = r->completion == KVF_STATUS_FINISHED;
         if (finished_ok && r->arrival < 0)
                 return; /* the arrival is on its way */
@@ -188,23 +188,31 @@ static bool from_source(const struct sim *s, const struct sim_req *r, const char
         return false;
 }
 
-/* GPU mode: every byte of every destination block compared on the decode GPU. */
-static void verify_gpu(struct sim *s, struct sim_req *r)
+/* GPU mode: queue r's destination blocks on decode rank k's check queue (checked by the next
+ * sim_gpu_check of k); their bytes. */
+static uint64_t expect_gpu(struct sim *s, const struct sim_req *r, unsigned k)
 {
         const struct kvf_layout_info *L = &s->L;
+        struct kvf_client *c = kvf_group_member(s->dec[r->di].g, k);
+        for (uint32_t l = 0; l < s->layers; l++)
+                for (uint32_t t = 0; t < s->tensors; t++) {
+                        const uint8_t *base = kvf_cache_tensor(c, l, (int)t);
+                        uint64_t tb = kvf_sim_tensor_bytes(L, t);
+                        for (uint32_t i = 0; i < r->n_dst; i++) {
+                                uint64_t key = kvf_sim_block_key(r->seq, k, l, t, r->first + i, false);
+                                sim_gpu_expect(s->sg, k, base + (uint64_t)r->dst[i] * tb, tb, key);
+                        }
+                }
+        return (uint64_t)s->layers * r->n_dst * (L->key_only ? 1 : 2) * (L->block_bytes + L->scale_bytes);
+}
+
+/* GPU mode: every byte of every destination block compared on the decode GPU, one request at a
+ * time (after a batch check found a difference: which request, and where). */
+static void verify_gpu(struct sim *s, struct sim_req *r)
+{
         r->verified = true;
         for (unsigned k = 0; k < s->o.ranks && r->verified; k++) {
-                struct kvf_client *c = kvf_group_member(s->dec[r->di].g, k);
-                for (uint32_t l = 0; l < s->layers; l++)
-                        for (uint32_t t = 0; t < s->tensors; t++) {
-                                const uint8_t *base = kvf_cache_tensor(c, l, (int)t);
-                                uint64_t tb = kvf_sim_tensor_bytes(L, t);
-                                for (uint32_t i = 0; i < r->n_dst; i++) {
-                                        uint64_t key =
-                                            kvf_sim_block_key(r->seq, k, l, t, r->first + i, false);
-                                        sim_gpu_expect(s->sg, k, base + (uint64_t)r->dst[i] * tb, tb, key);
-                                }
-                        }
+                uint64_t bytes = expect_gpu(s, r, k);
                 uint64_t first = 0;
                 long bad = sim_gpu_check(s->sg, k, &first);
                 if (bad != 0) {
@@ -217,8 +225,7 @@ static void verify_gpu(struct sim *s, struct sim_req *r)
                                 (unsigned long long)i, bad < 0 ? " (the check itself failed)" : "");
                         r->verified = false;
                 } else {
-                        s->verified_bytes += (uint64_t)s->layers * r->n_dst * (L->key_only ? 1 : 2) *
-                                             (L->block_bytes + L->scale_bytes);
+                        s->verified_bytes += bytes;
                 }
         }
 }
@@ -347,6 +354,65 @@ static void on_completion_part(struct sim *s, unsigned p, unsigned i, const stru
 
 static void arrived(struct sim *s, struct sim_req *r, int status);
 
+/*
+ * GPU mode: finished arrivals are checked in batches. Each check is a kernel and a wait for
+ * it on every decode rank; one per request and rank put the simulator's own waits on the
+ * path it measures, growing with the decode ranks (a 2 -> 8 split: eight per request). So a
+ * request's blocks are queued on each rank's check queue as it arrives, and one check per
+ * rank reads up to VERIFY_BATCH requests; its blocks stay reserved until then. A batch with a
+ * difference is checked again one request at a time, which says where. The batch is checked
+ * when it is full and whenever the simulator waits (kvf_sim_poll_events with a timeout), so
+ * no request waits on a batch that is not filling.
+ */
+#define VERIFY_BATCH 64
+
+/* Queue r for the batch check: true, or false (no room: verify it now). */
+static bool queue_verify(struct sim *s, struct sim_req *r)
+{
+        if (s->nvq == s->vcap) {
+                unsigned cap = s->vcap ? 2 * s->vcap : VERIFY_BATCH;
+                struct sim_req **q = realloc(s->vq, cap * sizeof(*q));
+                if (!q)
+                        return false;
+                s->vq = q;
+                s->vcap = cap;
+        }
+        uint64_t bytes = 0;
+        unsigned ranks = s->mixed ? s->o.dranks : s->o.ranks;
+        for (unsigned k = 0; k < ranks; k++)
+                bytes += s->mixed ? kvf_sim_tp_expect_gpu(s, r, k) : expect_gpu(s, r, k);
+        r->verify_pending = true;
+        r->verify_bytes = bytes;
+        s->vq[s->nvq++] = r;
+        return true;
+}
+
+/* Check the batch on every decode rank; then each of its requests is done. */
+static void flush_verify(struct sim *s)
+{
+        if (!s->nvq)
+                return;
+        unsigned ranks = s->mixed ? s->o.dranks : s->o.ranks, n = s->nvq;
+        bool clean = true;
+        for (unsigned k = 0; k < ranks; k++) {
+                uint64_t first;
+                if (sim_gpu_check(s->sg, k, &first) != 0)
+                        clean = false;
+        }
+        s->nvq = 0;
+        for (unsigned i = 0; i < n; i++) {
+                struct sim_req *r = s->vq[i];
+                r->verify_pending = false;
+                if (clean) {
+                        r->verified = true;
+                        s->verified_bytes += r->verify_bytes;
+                } else {
+                        verify(s, r); /* one at a time: which, and where */
+                }
+                maybe_done(s, r);
+        }
+}
+
 /* An arrival on decode instance d. */
 static void on_arrival(struct sim *s, unsigned d, const struct kvf_event *ev)
 {
@@ -385,6 +451,8 @@ static void arrived(struct sim *s, struct sim_req *r, int status)
                 s->bad_status_pairs++;
         }
         r->arrival = status;
+        if (status == KVF_STATUS_FINISHED && !r->dst_freed && s->sg && queue_verify(s, r))
+                return; /* maybe_done once the batch is checked */
         if (status == KVF_STATUS_FINISHED && !r->dst_freed)
                 verify(s, r);
         maybe_done(s, r);
@@ -482,6 +550,7 @@ static void poll_parts(struct sim *s, int timeout_ms)
 void kvf_sim_poll_events(struct sim *s, int timeout_ms)
 {
         struct kvf_event ev;
+        const bool waits = timeout_ms > 0; /* the simulator waits for something: check the batch */
         if (kvf_now_ns() - s->last_sweep > 100000000ull) {
                 /* failed network transfers whose grace period ran out */
                 s->last_sweep = kvf_now_ns();
@@ -495,6 +564,8 @@ void kvf_sim_poll_events(struct sim *s, int timeout_ms)
                 simlog_previous(s->dec[i].g, true, s->o.dranks);
         if (s->mixed) {
                 poll_parts(s, timeout_ms);
+                if (s->nvq >= VERIFY_BATCH || (s->nvq && waits))
+                        flush_verify(s);
                 return;
         }
         /* One doorbell per instance and no way to sleep on several: wait on the prefill
@@ -510,4 +581,6 @@ void kvf_sim_poll_events(struct sim *s, int timeout_ms)
         for (unsigned d = 0; d < s->ndec; d++)
                 while (kvf_group_poll(s->dec[d].g, &ev, 0) > 0)
                         on_arrival(s, d, &ev);
+        if (s->nvq >= VERIFY_BATCH || (s->nvq && waits))
+                flush_verify(s);
 }

@@ -42,6 +42,10 @@ struct slot {
         uint64_t prev_step, prev_end, last_step, last_end;
 };
 
+/* per_query: how long a layer value read with a new step must stand before it counts as the
+ * new step's (the loop below says why). */
+#define STALE_STAND_NS 100000000ull
+
 struct kvf_fd_bridge {
         struct kvf_client *c;
         struct kvf_fd_bridge_config cfg;
@@ -297,9 +301,13 @@ static void *query_thread(void *arg)
         int32_t last_raw = __atomic_load_n(b->step_word, __ATOMIC_RELAXED);
         int32_t last_layer = __atomic_load_n(b->layer_word, __ATOMIC_RELAXED);
         /* After a step change, a layer value other than -1 read with the change may be the old
-         * step's (the engine writes the step and then the -1, microseconds apart): it counts
-         * once a -1 or another value has been read, or once it has stood for 1 ms (the engine
-         * would have written its -1 long before). */
+         * step's (the engine writes the step and then the -1): it counts once a -1 or another
+         * value has been read, or once it has stood for STALE_STAND_NS. Only a whole step
+         * written between two reads of this loop (50 µs apart at most) and nothing after it
+         * needs the stand; an old value taken for the new step's sends blocks not written
+         * yet, so the stand is long: an engine thread held up between its two stores (1 ms
+         * was once the stand, and a test's engine, descheduled, outlasted it) must not pass
+         * for a finished step. */
         bool trusted = true;
         uint64_t change_ns = 0;
         int32_t published = -1;
@@ -344,7 +352,7 @@ static void *query_thread(void *arg)
                         last_layer = l;
                         changed = true;
                         b->st.signals++;
-                } else if (!trusted && now_ns() - change_ns > 1000000) {
+                } else if (!trusted && now_ns() - change_ns > STALE_STAND_NS) {
                         trusted = true;
                         changed = true;
                 }

@@ -48,6 +48,7 @@ class Run:
         self.fd_step = None
         self.slots_free = list(range(64))
         self.hook = None  # called once, mid-batch, after layer 1 is signalled
+        self.step_stall_s = 0.0  # per_query: a stall between a step's two stores (stalled_steps)
         self.writers = []  # GPU caches: prefill rank r's stream (worker.GpuLayerWriter)
         self.host_fired = {}
 
@@ -174,7 +175,7 @@ class Run:
                     chunk.append((q, b, n))
             if not per_chunk:
                 for r, s in enumerate(self.pre.signals):
-                    self.raise_signal(r, s.begin_step)
+                    self.raise_signal(r, lambda s=s: s.begin_step(self.step_stall_s))
             for layer in range(sh.all_layers):
                 for r in range(self.a.tp):
                     for v, bb in sh.tensors():
@@ -321,6 +322,20 @@ class Run:
             fail(str(e), *self.insts)
         self.trace(8)
         print("ok: the queue server went away and came back: the messagers reconnected and served")
+
+    def stalled_steps(self, n=12, stall_s=0.03):
+        """per_query: the engine held up between writing a new step and its -1, for longer than
+        the bridge's polls, with the old step's last layer still in the layer value. That value
+        must not be taken for the new step's: its requests would be sent before their layers
+        are written, and the byte-for-byte check says so."""
+        self.step_stall_s = stall_s
+        try:
+            self.trace(n)
+        finally:
+            self.step_stall_s = 0.0
+        print("ok: per_query: a %d ms stall between a step's value and its -1 (the old step's last "
+              "layer standing beside the new step): no layer sent early, every byte verified"
+              % int(stall_s * 1000))
 
     def latency(self, n=30):
         """From a layer's signal to its bytes in the decode cache (rank 0, host caches): the
@@ -563,6 +578,8 @@ def main():
             r.trace(a.requests)
             if not a.gpu:
                 r.latency()
+            if a.mode == "per_query":
+                r.stalled_steps()
             if a.faults:
                 r.faults()
             if a.kill:

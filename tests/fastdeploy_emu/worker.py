@@ -321,10 +321,14 @@ class PerQuerySignal:
     def step(self):
         return struct.unpack("<i", self.m["step"][:4])[0]
 
-    def begin_step(self):
-        """A forward step starts: the counter moves on, the layer goes back to -1."""
+    def begin_step(self, stall_s=0.0):
+        """A forward step starts: the counter moves on, the layer goes back to -1 (stall_s
+        between the two: an engine thread held up there, the old step's last layer still
+        standing beside the new step)."""
         s = (self.step() + 1) % STEP_MODULO
         struct.pack_into("<i", self.m["step"], 0, s)
+        if stall_s:
+            time.sleep(stall_s)
         struct.pack_into("<i", self.m["layer"], 0, -1)
         return s
 

@@ -73,10 +73,12 @@ void kvf_cache_destroy(const struct kvf_ctl_header *h)
                 be->destroy(h);
 }
 
-static int map_for(const struct kvf_ctl_header *h, bool writable, int device, struct kvf_cache *out)
+static int map_for(const struct kvf_ctl_header *h, bool writable, int device, bool lazy,
+                   struct kvf_cache *out)
 {
         memset(out, 0, sizeof(*out));
         out->device = device;
+        out->lazy = lazy;
         const struct kvf_cache_backend *be = kvf_cache_backend(h->backend);
         if (!be)
                 return kvf_err_ctx(-EPROTO, "instance '%s'", h->instance);
@@ -92,13 +94,13 @@ static int map_for(const struct kvf_ctl_header *h, bool writable, int device, st
 
 int kvf_cache_map(const struct kvf_ctl_header *h, bool writable, struct kvf_cache *out)
 {
-        return map_for(h, writable, -1, out);
+        return map_for(h, writable, -1, false, out);
 }
 
 int kvf_cache_map_peer(const struct kvf_ctl_header *h, bool writable, const struct kvf_cache *near,
                        struct kvf_cache *out)
 {
-        return map_for(h, writable, near ? near->device : -1, out);
+        return map_for(h, writable, near ? near->device : -1, true, out);
 }
 
 void kvf_cache_unmap(struct kvf_cache *c)

@@ -39,6 +39,10 @@ struct kvf_cache {
         uint8_t *base;    /* the address this process uses: host memory, or a device pointer */
         uint64_t bytes;
         bool writable;
+        bool lazy;        /* set for a same-host peer's cache (kvf_cache_map_peer): mapped without
+                           * faulting all of it in first, which for a large host cache takes
+                           * seconds on the path of the first task to that peer; the host
+                           * backends fault it in from a thread of their own meanwhile */
         bool host;        /* base is host memory the CPU may touch */
         int device;       /* GPU backends: the CUDA device (as this process numbers them) whose
                            * kernels use this mapping; -1 for host memory */

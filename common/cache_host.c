@@ -7,7 +7,9 @@
  */
 #include <errno.h>
 #include <fcntl.h>
+#include <pthread.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -97,12 +99,12 @@ static int cache_open(const struct kvf_ctl_header *h, bool writable, char *path,
  * place the mapping on the boundary inside, and give back the rest. hugetlbfs mappings
  * are aligned by the kernel.
  */
-static void *cache_mmap(int fd, uint64_t bytes, bool writable, uint32_t backing)
+static void *cache_mmap(int fd, uint64_t bytes, bool writable, uint32_t backing, bool populate)
 {
         int prot = PROT_READ | (writable ? PROT_WRITE : 0);
 
         if (backing != KVF_CACHE_SHM_THP)
-                return mmap(NULL, bytes, prot, MAP_SHARED | MAP_POPULATE, fd, 0);
+                return mmap(NULL, bytes, prot, MAP_SHARED | (populate ? MAP_POPULATE : 0), fd, 0);
         uint64_t span = bytes + KVF_HUGE_PAGE_SIZE;
         uintptr_t mask = (uintptr_t)KVF_HUGE_PAGE_SIZE - 1;
         uint8_t *r = mmap(NULL, span, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1,
@@ -123,7 +125,7 @@ static void *cache_mmap(int fd, uint64_t bytes, bool writable, uint32_t backing)
                 munmap(a + bytes, (size_t)(r + span - (a + bytes)));
         /* A mount with huge=advise faults them in only where advised; else it is a no-op. */
         madvise(p, bytes, MADV_HUGEPAGE);
-        if (madvise(p, bytes, MADV_POPULATE_READ) < 0 && errno != EINVAL) {
+        if (populate && madvise(p, bytes, MADV_POPULATE_READ) < 0 && errno != EINVAL) {
                 int e = errno;
                 munmap(p, bytes);
                 errno = e;
@@ -132,14 +134,14 @@ static void *cache_mmap(int fd, uint64_t bytes, bool writable, uint32_t backing)
         return p;
 }
 
-int kvf_host_cache_map_raw(const struct kvf_ctl_header *h, bool writable, uint8_t **out)
+static int map_file(const struct kvf_ctl_header *h, bool writable, bool populate, uint8_t **out)
 {
         char path[KVF_CACHE_PATH_MAX + 16];
         uint64_t want = h->layout.cache_bytes;
         int fd = cache_open(h, writable, path, sizeof(path));
         if (fd < 0)
                 return fd;
-        void *p = cache_mmap(fd, want, writable, h->cache_backing);
+        void *p = cache_mmap(fd, want, writable, h->cache_backing, populate);
         int e = errno;
         close(fd);
         if (p == MAP_FAILED)
@@ -147,6 +149,47 @@ int kvf_host_cache_map_raw(const struct kvf_ctl_header *h, bool writable, uint8_
                                    (unsigned long long)want, strerror(e));
         *out = p;
         return 0;
+}
+
+int kvf_host_cache_map_raw(const struct kvf_ctl_header *h, bool writable, uint8_t **out)
+{
+        return map_file(h, writable, true, out);
+}
+
+/* A lazily mapped peer's cache, faulted in by a thread of its own. */
+struct fault_in {
+        uint8_t *p;
+        uint64_t bytes;
+};
+
+static void *fault_in(void *arg)
+{
+        struct fault_in f = *(struct fault_in *)arg;
+        free(arg);
+        /* In 64 MiB steps, so that a mapping unmapped meanwhile (the peer went away) ends it at
+         * the next step: madvise then fails (ENOMEM), or faults in pages of whatever is mapped
+         * there now, which only reads them. */
+        for (uint64_t off = 0; off < f.bytes; off += 64ull << 20) {
+                uint64_t n = f.bytes - off < (64ull << 20) ? f.bytes - off : 64ull << 20;
+                if (madvise(f.p + off, n, MADV_POPULATE_READ) < 0)
+                        break;
+        }
+        return NULL;
+}
+
+static void start_fault_in(uint8_t *p, uint64_t bytes)
+{
+        struct fault_in *f = malloc(sizeof(*f));
+        pthread_t t;
+        pthread_attr_t a;
+        if (!f)
+                return; /* (the copies fault their pages in as they go) */
+        *f = (struct fault_in){p, bytes};
+        pthread_attr_init(&a);
+        pthread_attr_setdetachstate(&a, PTHREAD_CREATE_DETACHED);
+        if (pthread_create(&t, &a, fault_in, f) != 0)
+                free(f);
+        pthread_attr_destroy(&a);
 }
 
 void kvf_host_cache_unmap_raw(uint8_t *p, uint64_t bytes)
@@ -159,7 +202,9 @@ void kvf_host_cache_unmap_raw(uint8_t *p, uint64_t bytes)
 
 static int host_map(const struct kvf_ctl_header *h, bool writable, struct kvf_cache *out)
 {
-        int rc = kvf_host_cache_map_raw(h, writable, &out->base);
+        int rc = map_file(h, writable, !out->lazy, &out->base);
+        if (rc == 0 && out->lazy)
+                start_fault_in(out->base, h->layout.cache_bytes);
         out->host = rc == 0;
         out->device = -1; /* host memory, whichever device the mapping was asked for */
         return rc;

@@ -528,7 +528,14 @@ int kvf_ctl_validate(void *base, uint64_t size, uid_t uid, struct kvf_ctl *out)
         return 0;
 }
 
+static int attach_path(const char *path, bool writable, bool populate, struct kvf_ctl *out);
+
 int kvf_ctl_attach_path(const char *path, bool writable, struct kvf_ctl *out)
+{
+        return attach_path(path, writable, writable, out);
+}
+
+static int attach_path(const char *path, bool writable, bool populate, struct kvf_ctl *out)
 {
         struct stat st;
         int rc;
@@ -565,9 +572,10 @@ int kvf_ctl_attach_path(const char *path, bool writable, struct kvf_ctl *out)
         }
         /* A role or an engine (writable) takes its page-table entries now, not on its hot
          * path (see kvf_ctl_create); a reader (ringdump, a peer's lookup, wait-ready's
-         * polling) touches a few fields and does not pay for the whole segment. */
+         * polling) or a peer's role (its notice slots, a doorbell) touches a few fields and
+         * does not pay for the whole segment. */
         void *base = mmap(NULL, (size_t)st.st_size, PROT_READ | (writable ? PROT_WRITE : 0),
-                          MAP_SHARED | (writable ? MAP_POPULATE : 0), fd, 0);
+                          MAP_SHARED | (populate ? MAP_POPULATE : 0), fd, 0);
         if (base == MAP_FAILED) {
                 rc = -errno;
                 close(fd);
@@ -587,7 +595,7 @@ int kvf_ctl_attach_path(const char *path, bool writable, struct kvf_ctl *out)
         return 0;
 }
 
-int kvf_ctl_attach(const char *name, bool writable, struct kvf_ctl *out)
+static int attach_name(const char *name, bool writable, bool populate, struct kvf_ctl *out)
 {
         char shm[96], path[128];
         int rc;
@@ -596,11 +604,21 @@ int kvf_ctl_attach(const char *name, bool writable, struct kvf_ctl *out)
                 return rc;
         kvf_ctl_shm_name(name, shm, sizeof(shm));
         snprintf(path, sizeof(path), "/dev/shm%s", shm);
-        rc = kvf_ctl_attach_path(path, writable, out);
+        rc = attach_path(path, writable, populate, out);
         if (rc == -ENOENT)
                 return kvf_err_set(rc, "no instance '%s' on this host (%s does not exist)", name,
                                    path);
         return rc;
+}
+
+int kvf_ctl_attach(const char *name, bool writable, struct kvf_ctl *out)
+{
+        return attach_name(name, writable, writable, out);
+}
+
+int kvf_ctl_attach_peer(const char *name, bool writable, struct kvf_ctl *out)
+{
+        return attach_name(name, writable, false, out);
 }
 
 int kvf_ctl_attach_wait(const char *name, bool writable, unsigned wait_ms, struct kvf_ctl *out)

@@ -96,6 +96,11 @@ void kvf_ctl_publish(struct kvf_ctl *c);
  * kvf_err says exactly what is wrong.
  */
 int kvf_ctl_attach(const char *name, bool writable, struct kvf_ctl *out);
+/* The same for another instance's segment that a role uses only in part (a peer's notice
+ * slots, a doorbell): writable or not, its pages are faulted in as they are touched, not
+ * all of them first (a writable attach does that, and it is milliseconds on the path of the
+ * first task to a peer). */
+int kvf_ctl_attach_peer(const char *name, bool writable, struct kvf_ctl *out);
 /* Same, waiting up to wait_ms while it is missing or not ready. */
 int kvf_ctl_attach_wait(const char *name, bool writable, unsigned wait_ms, struct kvf_ctl *out);
 /* Attach to a file by path (tools, tests). */

@@ -54,7 +54,7 @@ static void holder_bell(struct connector *cn, uint32_t s, const char *owner, uin
         }
         v->reply.bell = &cn->ctl.notices[s].reply_bell;
         v->holder_gen = gen;
-        if (kvf_ctl_attach(owner, true, &v->holder) < 0) {
+        if (kvf_ctl_attach_peer(owner, true, &v->holder) < 0) {
                 kvf_warn("notice slot %u: cannot map '%s' to wake its sender: %s", s, owner, kvf_err_msg());
                 return;
         }

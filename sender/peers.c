@@ -79,7 +79,7 @@ static int open_peer(struct sender *s, struct ipc_peer *p, const char *name, cha
 {
         struct stat st;
         /* Read-write only for the notice slots (same user, mode 0600, as for the cache). */
-        int rc = kvf_ctl_attach(name, s->notice_rings, &p->ctl);
+        int rc = kvf_ctl_attach_peer(name, s->notice_rings, &p->ctl);
 
         if (rc < 0) {
                 snprintf(why, whylen, "%s", kvf_err_msg());

@@ -109,6 +109,15 @@ static void log_cache(const struct kvf_ctl *ctl, uint8_t *cache)
                  (long long)(huge_bytes > 0 ? huge_bytes >> 20 : 0));
 }
 
+/* --NAME's dtype (kvf_dtype_from_name), or exit with the ones it takes. */
+static uint32_t dtype_opt(const char *name, const char *takes, const char *arg)
+{
+        int d = kvf_dtype_from_name(arg);
+        if (d < 0)
+                kvf_opt_die(prog, "--%s is %s, not '%s'", name, takes, arg);
+        return (uint32_t)d;
+}
+
 /* The cuda backend's parameters: the device, one IPC handle, where copies run. With
  * --fastdeploy (one allocation per tensor) copies run in the sender's context: the engine
  * executor's plans address one allocation. */
@@ -215,21 +224,9 @@ int main(int argc, char **argv)
                 case O_EXTRA: extra = (uint32_t)kvf_opt_u64("extra-layers", optarg, 0, KVF_MAX_LAYERS); break;
                 case O_HEADS: heads = (uint32_t)kvf_opt_u64("kv-heads", optarg, 1, 65536); break;
                 case O_HDIM: hdim = (uint32_t)kvf_opt_u64("head-dim", optarg, 1, 65536); break;
-                case O_DTYPE: {
-                        int d = kvf_dtype_from_name(optarg);
-                        if (d < 0)
-                                kvf_opt_die(prog, "--dtype is bf16, fp16, fp8 or uint8, not '%s'", optarg);
-                        dtype = (uint32_t)d;
-                        break;
-                }
+                case O_DTYPE: dtype = dtype_opt("dtype", "bf16, fp16, fp8 or uint8", optarg); break;
                 case O_KEYONLY: key_only = 1; break;
-                case O_SCALE: {
-                        int d = kvf_dtype_from_name(optarg);
-                        if (d < 0)
-                                kvf_opt_die(prog, "--scale-dtype is bf16, fp16, fp32, fp8 or uint8, not '%s'", optarg);
-                        sdtype = (uint32_t)d;
-                        break;
-                }
+                case O_SCALE: sdtype = dtype_opt("scale-dtype", "bf16, fp16, fp32, fp8 or uint8", optarg); break;
                 case O_BSIZE: bsize = (uint32_t)kvf_opt_u64("block-size", optarg, 1, 65536); break;
                 case O_BLOCKS: blocks = (uint32_t)kvf_opt_u64("blocks", optarg, 1, 1u << 30); break;
                 case O_MIB: mib = kvf_opt_u64("cache-mib", optarg, 1, 1ull << 30); break;

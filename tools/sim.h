@@ -242,10 +242,22 @@ static inline uint64_t kvf_sim_word(uint64_t key, uint64_t k)
 }
 /* Stamp a block with key: every word, or with sample_only both ends. */
 void kvf_sim_fill(uint8_t *p, uint64_t bytes, uint64_t key, bool sample_only);
+/* Layout L's K/V tensors of a layer (scale tensors not counted), as layout.h counts them. */
+static inline uint32_t kvf_sim_kv_tensors(const struct kvf_layout_info *L)
+{
+        return L->key_only ? 1u : 2u;
+}
+
 /* Bytes of one block of tensor t of layout L (K/V, then the scale tensors when it has them). */
 static inline uint64_t kvf_sim_tensor_bytes(const struct kvf_layout_info *L, uint32_t t)
 {
-        return t < (L->key_only ? 1u : 2u) ? L->block_bytes : L->scale_bytes;
+        return t < kvf_sim_kv_tensors(L) ? L->block_bytes : L->scale_bytes;
+}
+
+/* Bytes of one block across every tensor of a layer (its scales included). */
+static inline uint64_t kvf_sim_layer_block_bytes(const struct kvf_layout_info *L)
+{
+        return (uint64_t)kvf_sim_kv_tensors(L) * (L->block_bytes + L->scale_bytes);
 }
 /* Whether p holds what kvf_sim_fill(p, bytes, key, sample_only) wrote. */
 bool kvf_sim_check(const uint8_t *p, uint64_t bytes, uint64_t key, bool sample_only);

@@ -164,7 +164,7 @@ int kvf_sim_setup(struct sim *s)
         *L = s->pre[0].L;
         s->Ld = s->dec[0].L;
         s->layers = L->num_layers + L->extra_layers;
-        s->tensors = (L->key_only ? 1 : 2) * (L->scale_bytes ? 2 : 1);
+        s->tensors = kvf_sim_kv_tensors(L) * (L->scale_bytes ? 2 : 1);
         if (kvf_sim_tp_setup(s) < 0)
                 return -1;
         if (s->mixed && L->scale_bytes) {

@@ -439,8 +439,7 @@ bool kvf_sim_report(struct sim *s)
                         n++;
                 }
         avg_send /= n ? n : 1;
-        g.layer_bytes = avg_send * (s->L.key_only ? 1 : 2) * (double)(s->L.block_bytes + s->L.scale_bytes) *
-                        s->o.ranks;
+        g.layer_bytes = avg_send * (double)kvf_sim_layer_block_bytes(&s->L) * s->o.ranks;
         g.tf = tail_figures(s, g.base);
         g.rps = g.secs > 0 ? (double)s->finished / g.secs : 0;
         g.unaccounted = kvf_sim_counted(s) - (unsigned)s->done_reqs;

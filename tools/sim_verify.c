@@ -120,8 +120,8 @@ static void maybe_done(struct sim *s, struct sim_req *r)
                                     .ns = r->arrival_ns - r->last_layer_ns,
                                     .cns = r->completion_ns - r->last_layer_ns,
                                     .left = r->late_task ? r->bytes
-                                                         : (uint64_t)r->last_blocks * (s->L.key_only ? 1 : 2) *
-                                                               (s->L.block_bytes + s->L.scale_bytes) * s->o.ranks,
+                                                         : (uint64_t)r->last_blocks *
+                                                               kvf_sim_layer_block_bytes(&s->L) * s->o.ranks,
                                     .late = r->late_task,
                                     .seen_ns = r->sender_last_ns ? (int64_t)(r->sender_last_ns - r->last_layer_ns) : 0,
                                     .seq = r->seq,
@@ -203,7 +203,7 @@ static uint64_t expect_gpu(struct sim *s, const struct sim_req *r, unsigned k)
                                 sim_gpu_expect(s->sg, k, base + (uint64_t)r->dst[i] * tb, tb, key);
                         }
                 }
-        return (uint64_t)s->layers * r->n_dst * (L->key_only ? 1 : 2) * (L->block_bytes + L->scale_bytes);
+        return (uint64_t)s->layers * r->n_dst * kvf_sim_layer_block_bytes(L);
 }
 
 /* GPU mode: every byte of every destination block compared on the decode GPU, one request at a
@@ -366,6 +366,12 @@ static void arrived(struct sim *s, struct sim_req *r, int status);
  */
 #define VERIFY_BATCH 64
 
+/* The decode ranks a request lands on: the decode group's (mixed mode), else the run's. */
+static unsigned decode_ranks(const struct sim *s)
+{
+        return s->mixed ? s->o.dranks : s->o.ranks;
+}
+
 /* Queue r for the batch check: true, or false (no room: verify it now). */
 static bool queue_verify(struct sim *s, struct sim_req *r)
 {
@@ -378,8 +384,7 @@ static bool queue_verify(struct sim *s, struct sim_req *r)
                 s->vcap = cap;
         }
         uint64_t bytes = 0;
-        unsigned ranks = s->mixed ? s->o.dranks : s->o.ranks;
-        for (unsigned k = 0; k < ranks; k++)
+        for (unsigned k = 0; k < decode_ranks(s); k++)
                 bytes += s->mixed ? kvf_sim_tp_expect_gpu(s, r, k) : expect_gpu(s, r, k);
         r->verify_pending = true;
         r->verify_bytes = bytes;
@@ -392,7 +397,7 @@ static void flush_verify(struct sim *s)
 {
         if (!s->nvq)
                 return;
-        unsigned ranks = s->mixed ? s->o.dranks : s->o.ranks, n = s->nvq;
+        unsigned ranks = decode_ranks(s), n = s->nvq;
         bool clean = true;
         for (unsigned k = 0; k < ranks; k++) {
                 uint64_t first;

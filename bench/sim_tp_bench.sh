@@ -16,21 +16,31 @@
 # device), kvf-sim in GPU mode (layer kernels write, check kernels verify every byte on the GPU),
 # rows 1 -> 2 and 2 -> 8 against 1 -> 1, 2 -> 2 and 8 -> 8;
 # --executor E (engine, sender, auto) says where same-host copies run.
-# Usage: bench/sim_tp_bench.sh [--requests N] [--transport ipc|tcp] [--gpu [--executor E]]
+# --max-tokens N clips the prompts (default 1024: small requests, where the cost per task sets
+# the rate; larger ones move more bytes per task). GiB/s: the bytes moved per second of the run;
+# sim cpu: kvf-sim's CPU time over the run's (1.0: the one thread that drives every rank of
+# every instance was never idle, so the simulator, not kvferry, set the rate).
+# --cache-mib N: each rank's cache (default 512; large prompts need room for a few in flight).
+# Usage: bench/sim_tp_bench.sh [--requests N] [--max-tokens N] [--cache-mib N] [--transport ipc|tcp]
+#                              [--gpu [--executor E]]
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 REQ=200
+MAXTOK=1024
+CMIB=512
 TR=ipc
 GPU=0
 EXEC=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --requests) REQ=$2; shift 2 ;;
+    --max-tokens) MAXTOK=$2; shift 2 ;;
+    --cache-mib) CMIB=$2; shift 2 ;;
     --transport) TR=$2; shift 2 ;;
     --gpu) GPU=1; shift ;;
     --executor) EXEC=(--executor "$2"); shift 2 ;;
-    -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
-    *) echo "sim_tp_bench.sh: unknown option '$1' (--requests N, --transport ipc|tcp, --gpu, --executor E)" >&2; exit 2 ;;
+    -h|--help) sed -n '2,26p' "$0"; exit 0 ;;
+    *) echo "sim_tp_bench.sh: unknown option '$1' (--requests N, --max-tokens N, --cache-mib N, --transport ipc|tcp, --gpu, --executor E)" >&2; exit 2 ;;
   esac
 done
 [ $GPU = 1 ] || [ ${#EXEC[@]} = 0 ] || { echo "sim_tp_bench.sh: --executor is for --gpu" >&2; exit 2; }
@@ -39,21 +49,22 @@ BACKEND=(--backend host)
 OUT=$(mktemp -d /tmp/sim_tp_bench.XXXXXX)
 trap 'rm -rf "$OUT"' EXIT
 
-# one LABEL [demo options]: prints "label seconds requests_per_s tasks_per_request"
+# one LABEL [demo options]: prints "label seconds requests_per_s tasks_per_request GiB_per_s sim_cpu"
 one() {
   local label=$1 j=$OUT/$1.json
   shift
-  "$ROOT/tools/kvferry" demo --requests "$REQ" --cache-mib 512 --layer-us 0 --max-tokens 1024 \
+  "$ROOT/tools/kvferry" demo --requests "$REQ" --cache-mib "$CMIB" --layer-us 0 --max-tokens "$MAXTOK" \
     --prefix-pct 0 --late-pct 0 --verify sample --transport "$TR" --quiet --json "$j" "${BACKEND[@]}" "$@" \
     >"$OUT/$label.txt" 2>&1 || { cat "$OUT/$label.txt" >&2; echo "sim_tp_bench.sh: $label failed" >&2; exit 1; }
   /usr/bin/python3 -c 'import json,sys; d=json.load(open(sys.argv[1]))
 assert d["ok"] and d["finished"] == d["requests"] and d["corrupt"] == 0, "not every request verified"
 assert d["gpu"] == (sys.argv[3] == "1"), "kvf-sim ran in the wrong mode"
-print(sys.argv[2], d["seconds"], d["requests_per_s"], d["tasks_per_request"])' "$j" "$label" "$GPU"
+print(sys.argv[2], d["seconds"], d["requests_per_s"], d["tasks_per_request"], d["rate_bps"] / 2**30,
+      d["sim_cpu_s"] / d["seconds"])' "$j" "$label" "$GPU"
 }
 
 lscpu | grep 'Model name' || true
-echo "requests: $REQ over $TR, llama-3.1-8b, prompts clipped to 1024 tokens, no compute time, $([ $GPU = 1 ] && echo "GPU caches (GPU 0) ${EXEC[*]}" || echo "host caches")"
+echo "requests: $REQ over $TR, llama-3.1-8b, prompts clipped to $MAXTOK tokens, no compute time, $([ $GPU = 1 ] && echo "GPU caches (GPU 0) ${EXEC[*]}" || echo "host caches")"
 if [ $GPU = 1 ]; then
   nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n1 || true
   order=(1-1_first 2-2_first 8-8_first 1-2 2-8 8-8_last 2-2_last 1-1_last)
@@ -72,14 +83,14 @@ done
 # host caches); same-d: over the mean of the rows of the same split with the row's decode group
 # (d -> d: the same decode ranks, the same tasks per request), where the run has them.
 printf '%s\n' "${rows[@]}" | awk '
-  { l[NR] = $1; s[NR] = $2; r[NR] = $3; t[NR] = $4
+  { l[NR] = $1; s[NR] = $2; r[NR] = $3; t[NR] = $4; g[NR] = $5; c[NR] = $6
     split($1, a, "_"); split(a[1], pd, "-"); p[NR] = pd[1]; d[NR] = pd[2]
     if (pd[1] == pd[2]) { sum[pd[2]] += $3; n[pd[2]]++ } }
   END {
     base = (r[1] + r[NR]) / 2
-    printf "%-16s %9s %10s %7s %7s %10s\n", "tp", "s", "req/s", "ratio", "same-d", "tasks/req"
+    printf "%-16s %9s %10s %8s %7s %7s %10s %8s\n", "tp", "s", "req/s", "GiB/s", "ratio", "same-d", "tasks/req", "sim cpu"
     for (i = 1; i <= NR; i++) {
       sd = (d[i] in n && p[i] != d[i]) ? sprintf("%7.2f", r[i] / (sum[d[i]] / n[d[i]])) : sprintf("%7s", "-")
-      printf "%-16s %9.3f %10.1f %7.2f %s %10d\n", l[i], s[i], r[i], r[i] / base, sd, t[i]
+      printf "%-16s %9.3f %10.1f %8.2f %7.2f %s %10d %8.2f\n", l[i], s[i], r[i], g[i], r[i] / base, sd, t[i], c[i]
     }
   }'

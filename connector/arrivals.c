@@ -140,7 +140,9 @@ int conn_publish_arrival(struct connector *cn, const struct kvf_record *n, uint6
                                  : n->bytes;
         struct kvf_record a = {.type = KVF_RT_ARRIVAL, .status = status, .bytes = bytes,
                                .blocks = n->n_dst, .dst = n->dst, .n_dst = n->n_dst,
-                               .done_ns = kvf_now_ns(), .session = session, .id_bin = n->id_bin};
+                               .done_ns = kvf_now_ns(), .session = session, .id_bin = n->id_bin,
+                               /* Same host, one clock: when the sender posted the notice. */
+                               .accept_ns = n->transport == KVF_TRANSPORT_IPC ? n->done_ns : 0};
         snprintf(a.request_id, sizeof(a.request_id), "%s", n->request_id);
         snprintf(a.peer, sizeof(a.peer), "%s", n->peer);
         snprintf(a.reason, sizeof(a.reason), "%s",

@@ -137,7 +137,8 @@ struct kvf_event {
         uint64_t bytes;       /* bytes moved */
         uint32_t blocks;      /* destination blocks written */
         uint32_t rank;        /* group member that produced it (kvf_group_poll) */
-        uint64_t accept_ns;     /* completion: task accepted (CLOCK_MONOTONIC) */
+        uint64_t accept_ns;     /* completion: task accepted (CLOCK_MONOTONIC); arrival over ipc:
+                                 * the prefill sender posted its finish notice (0 otherwise) */
         uint64_t last_layer_ns; /* completion: the request's last layer became ready */
         uint64_t done_ns;       /* completion: status decided; arrival: published */
         /* arrival: the destination blocks written, valid until the next poll on this client

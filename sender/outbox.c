@@ -17,6 +17,7 @@
 
 #include "atomics.h"
 #include "clock.h"
+#include "doorbell.h"
 #include "err.h"
 #include "log.h"
 #include "sender.h"
@@ -92,10 +93,37 @@ static int post_to_ring(struct sender *s, struct ipc_peer *p, struct kvf_record 
         if (rc < 0)
                 return rc;
         rc = kvf_ring_write(&p->nend.notice, KVF_RT_NOTICE, s->scratch, (uint32_t)len, NULL);
+        if (rc >= 0) /* rung: a connector still polling for it (sender_expect_notice) may sleep */
+                kvf_doorbell_expect(p->nend.notice.bell, 0);
         if (rc == -EMSGSIZE)
                 return kvf_err_set(rc, "a %zu-byte notice can never fit the notice ring of '%s' (%llu bytes)",
                                    len, p->name, (unsigned long long)p->nend.notice.capacity);
         return rc < 0 ? rc : 1;
+}
+
+/* A/B switch of bench/gpu_tail_ab.sh and tail_ab.sh: KVF_AB_NO_NOTICE_EXPECT=1 leaves the
+ * decode connector to sleep until the notice rings it. */
+static bool ab_no_expect;
+
+__attribute__((constructor)) static void ab_switches(void)
+{
+        const char *v = getenv("KVF_AB_NO_NOTICE_EXPECT");
+        ab_no_expect = v && !strcmp(v, "1");
+}
+
+void sender_expect_notice(struct sender *s, uint32_t slot, uint64_t bytes)
+{
+        const struct kvf_req_slot *r = &s->ctl.reqtab[slot];
+        if (ab_no_expect || r->transport != KVF_TRANSPORT_IPC || r->peer_idx >= SENDER_MAX_PEERS)
+                return;
+        struct ipc_peer *p = &s->peers[r->peer_idx];
+        if (!p->in_use || !p->nend.slot || !kvf_notice_held(&p->nend))
+                return;
+        kvf_doorbell_expect(p->nend.notice.bell,
+                            kvf_now_ns() + SENDER_NOTICE_EXPECT_NS + bytes / SENDER_NOTICE_EXPECT_BPNS);
+        /* A connector asleep now would not see the expectation: wake it (a system call only
+         * when it sleeps), so that its wake-up runs beside the copies instead of after them. */
+        kvf_doorbell_ring(p->nend.notice.bell);
 }
 
 int sender_post_notice(struct sender *s, uint32_t slot, enum sender_notice kind)
@@ -113,7 +141,8 @@ int sender_post_notice(struct sender *s, uint32_t slot, enum sender_notice kind)
                                .n_dst = r->n_dst ? r->n_dst : r->n_send,
                                .session = r->peer_session,
                                .withdraw = kind == SENDER_NOTICE_WITHDRAW,
-                               .id_bin = r->flags & KVF_REQF_ID_BIN};
+                               .id_bin = r->flags & KVF_REQF_ID_BIN,
+                               .done_ns = kvf_now_ns()};
 
         memcpy(f.request_id, r->request_id, sizeof(f.request_id));
         memcpy(f.peer, r->peer, sizeof(f.peer));

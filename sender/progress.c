@@ -301,6 +301,9 @@ enum sender_adv sender_advance(struct sender *s, uint32_t slot, bool net_blocked
                         uint32_t upto = ready;
                         if (fit < ready - from)
                                 upto = from + (fit ? (uint32_t)fit : 1);
+                        if (from < upto && upto == s->layers && r->last_chunk_seen &&
+                            r->chunk_head + 1 == r->chunk_tail && m->block_end >= r->n_send)
+                                sender_expect_notice(s, slot, per_layer * (upto - from)); /* its last */
                         if (from < upto &&
                             (rc = send_range(s, slot, from, upto, r->sent_full, m->block_end, net_blocked, status)) < 0)
                                 /* a full ring: again from the same place later */

@@ -176,7 +176,6 @@ struct sender {
         /* plan.c: the engine executor */
         bool plan_on;
         uint64_t *pl_step; /* per slot: the step its plan entry was last published for, or ~0 */
-        bool stream_writes; /* progress words come from the GPU (stream writes): poll for them */
         struct net_peer net_peers[SENDER_NET_PEERS];
         uint8_t *scratch; /* encode buffer */
         size_t scratch_cap;
@@ -360,6 +359,19 @@ enum sender_notice {
 /* 0: posted to our connector; 1: committed to the peer's notice ring (ipc, --notice-rings);
  * < 0 as sender_post. */
 int sender_post_notice(struct sender *s, uint32_t slot, enum sender_notice kind);
+/*
+ * A same-host request's last copies (`bytes` of them) are starting, or are out and the engine
+ * makes them: its finish notice goes into the peer's notice ring as they land. The decode
+ * connector, woken now if it sleeps, polls for it until then (kvf_doorbell_expect): its
+ * wake-up from a futex comes tens of microseconds after the ring (55 µs p50 on a 2-vCPU VM; on
+ * the H200's host the notice → arrival stage was 50 to 84 µs at p50), so it happens while the
+ * copies run instead of after them. The window: SENDER_NOTICE_EXPECT_NS plus the bytes at SENDER_NOTICE_EXPECT_BPNS bytes
+ * per ns (slower than any copy here, so rather too long), at most
+ * KVF_DOORBELL_EXPECT_MAX_NS; withdrawn as the notice is posted.
+ */
+#define SENDER_NOTICE_EXPECT_NS 100000ull
+#define SENDER_NOTICE_EXPECT_BPNS 4ull
+void sender_expect_notice(struct sender *s, uint32_t slot, uint64_t bytes);
 /* Answers in the notice slots' reply rings (peers.c): true if any was read. */
 bool sender_read_replies(struct sender *s);
 /* Whether some reply ring has an answer to read (the loop's wait). */

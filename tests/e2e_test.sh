@@ -33,6 +33,11 @@ up $TAG-p0 --role prefill $L
 j=$(case_run "per-query" pq --prefill $TAG-p0 --decode $TAG-d0 --requests 40 --layer-us 100 --late-pct 25 --prefix-pct 30)
 [ "$(json_get "$j" finished)" = 40 ] || fail "per-query: not all 40 finished"
 pass "per-query prefill: 40 requests finished and verified (25% of tasks after their layers, 30% prefix hits)"
+# A same-host arrival says when the prefill sender posted its finish notice (accept_ns, one
+# clock on one host): never after the arrival was published; a network one does not.
+[ "$(json_get "$j" notice_n)" -ge 1 ] || fail "per-query: no arrival carried its notice's time"
+[ "$(json_get "$j" notice_bad)" = 0 ] || fail "per-query: $(json_get "$j" notice_bad) notices stamped after their arrival"
+pass "same-host arrivals carry their notice's time ($(json_get "$j" notice_n) requests in time, p50 $(json_get "$j" notice_p50_ns) ns after the last layer, none after the arrival)"
 # Notice rings (the default; KVFERRY_NOTICE_RINGS=0 turns them off): ipc notices go into the
 # decode segment's notice slots, so the unix control connection carries none of them. The socket
 # path (tcp and rdma notices; an ipc peer that got no slot) is checked below on instances started
@@ -140,6 +145,7 @@ for t in ipc tcp; do
   j=$(case_run "scale tensors ($t)" sc-$t --prefill $TAG-xp0 --decode $TAG-xd0 --requests 30 --max-tokens 4096 \
         --layer-us 50 --chunk-tokens 1000 --step-tokens 3000 --transport $t)
   [ "$(json_get "$j" finished)" = 30 ] || fail "scale tensors ($t): not all 30 finished"
+  [ $t = ipc ] || [ "$(json_get "$j" notice_n)" = 0 ] || fail "scale tensors (tcp): an arrival over tcp carried a notice time"
   grep -q "every block verified with its scales" "$KVFERRY_RUN_DIR/sc-$t.txt" || fail "scale tensors ($t): not verified with them"
   "$B/kvf-sim" --json "$KVFERRY_RUN_DIR/scn-$t.json" --timeout-s 30 --prefill $TAG-xp0 --decode $TAG-xn0 \
     --requests 3 --layer-us 50 --transport $t >"$KVFERRY_RUN_DIR/scn-$t.txt" 2>&1 || true
@@ -157,6 +163,8 @@ up $TAG-ad0 --role decode $L --backend host-async
 KVFERRY_ASYNC_DELAY_US=300 up $TAG-ap0 --role prefill $L --backend host-async
 j=$(case_run "async copies" as --prefill $TAG-ap0 --decode $TAG-ad0 --requests 30 --layer-us 100 --late-pct 20)
 [ "$(json_get "$j" finished)" = 30 ] || fail "async copies: not all 30 finished"
+[ "$(json_get "$j" notice_n)" -ge 1 ] && [ "$(json_get "$j" notice_bad)" = 0 ] ||
+  fail "async copies: notice times missing or after their arrivals"
 j=$(case_run "async copies, chunked" asc --prefill $TAG-ap0 --decode $TAG-ad0 --requests 15 --layer-us 50 --chunk-tokens 1000 --step-tokens 3000)
 [ "$(json_get "$j" finished)" = 15 ] || fail "async copies, chunked: not all 15 finished"
 grep -q "host-async" <("$B/kvf-ringdump" --instance $TAG-ap0) || fail "ring-dump does not name the backend"

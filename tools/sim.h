@@ -72,6 +72,7 @@ struct sim_req {
         int cstat, astat;
         uint64_t bytes, arrival_ns, completion_ns, completion_seen_ns;
         uint64_t sender_last_ns; /* the completion's last_layer_ns: when the sender saw its last layer */
+        uint64_t notice_ns; /* the arrival's accept_ns (same host): the sender posted its notice */
         bool src_freed, dst_freed;
         char reason[240];
 };
@@ -140,6 +141,8 @@ struct sim_tail {
         bool late;     /* its task came after its last layer */
         int64_t seen_ns; /* last layer-done -> the sender saw it (its completion's last_layer_ns;
                           * GPU mode: from the kernel's end, so the signal's delay shows) */
+        int64_t notice_ns; /* last layer-done -> the sender posted its notice (same host; 0 not
+                            * known): the rest of the tail is the decode connector's */
         uint32_t seq;    /* the request (for the slowest tails' list) */
         uint64_t at_ns;  /* its last layer-done, from the run's start */
 };
@@ -205,11 +208,15 @@ struct sim {
         uint64_t last_sweep; /* when kvf_sim_poll_events last looked for expired grace periods */
 
         uint64_t t_start;  /* the first step */
+        double cpu_start_s; /* kvf_sim_cpu_s() at t_start */
         double secs;       /* t_start to the last request accounted for (or given up on) */
         int stop; /* SIGTERM/SIGINT (kvf_opt_signals: read with kvf_load_relaxed): admit no more,
                    * let what was admitted finish */
         bool stopped; /* the run admitted no more after a stop */
 };
+
+/* This process's CPU time so far, user + system, in seconds (sim_report.c). */
+double kvf_sim_cpu_s(void);
 
 /* The requests that count: all of them, or after a stop those admitted. */
 static inline unsigned kvf_sim_counted(const struct sim *s)

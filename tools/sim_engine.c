@@ -635,6 +635,7 @@ int kvf_sim_run(struct sim *s)
         if (o->warm_caches)
                 warm_caches(s);
         s->t_start = kvf_now_ns();
+        s->cpu_start_s = kvf_sim_cpu_s();
         for (unsigned p = 0; p < s->npre; p++) {
                 struct engine *e = &eng[p];
                 /* Steps grow for the life of an instance: continue after the last one published. */

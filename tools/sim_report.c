@@ -7,6 +7,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 
 #include "clock.h"
 #include "ctl.h"
@@ -52,6 +53,8 @@ static struct spread spread_of(double *v, unsigned n)
 struct tail_figures {
         struct spread all, in_time, late, completion;
         struct spread seen; /* in time: last layer-done -> the sender saw it (negative as 0) */
+        struct spread notice; /* in time, same host: last layer-done -> the notice posted */
+        unsigned notice_bad; /* notices stamped after their arrival's publication (never: one clock) */
         struct spread
             norm; /* tail / (2 x its bytes left at memcpy rate + 50 us); with a baseline */
 };
@@ -69,9 +72,10 @@ static struct tail_figures tail_figures(const struct sim *s, double memcpy_bps)
         double *all = calloc(m, sizeof(double)), *in_time = calloc(m, sizeof(double));
         double *late = calloc(m, sizeof(double)), *comp = calloc(m, sizeof(double));
         double *norm = calloc(m, sizeof(double)), *seen = calloc(m, sizeof(double));
+        double *notice = calloc(m, sizeof(double));
 
-        if (all && in_time && late && comp && norm && seen) {
-                unsigned n_in = 0, n_late = 0;
+        if (all && in_time && late && comp && norm && seen && notice) {
+                unsigned n_in = 0, n_late = 0, n_notice = 0;
                 for (unsigned i = 0; i < s->ntails; i++) {
                         const struct sim_tail *t = &s->tails[i];
                         all[i] = (double)t->ns;
@@ -80,6 +84,9 @@ static struct tail_figures tail_figures(const struct sim *s, double memcpy_bps)
                                 late[n_late++] = (double)t->ns;
                         } else {
                                 seen[n_in] = t->seen_ns > 0 ? (double)t->seen_ns : 0;
+                                if (t->notice_ns > 0)
+                                        notice[n_notice++] = (double)t->notice_ns;
+                                f.notice_bad += t->notice_ns > 0 && (uint64_t)t->notice_ns > t->ns;
                                 in_time[n_in++] = (double)t->ns;
                         }
                         if (memcpy_bps > 0)
@@ -91,6 +98,7 @@ static struct tail_figures tail_figures(const struct sim *s, double memcpy_bps)
                 f.late = spread_of(late, n_late);
                 f.completion = spread_of(comp, s->ntails);
                 f.seen = spread_of(seen, n_in); /* a late task's layers were ready before it */
+                f.notice = spread_of(notice, n_notice);
                 if (memcpy_bps > 0)
                         f.norm = spread_of(norm, s->ntails);
         }
@@ -100,6 +108,7 @@ static struct tail_figures tail_figures(const struct sim *s, double memcpy_bps)
         free(comp);
         free(norm);
         free(seen);
+        free(notice);
         return f;
 }
 
@@ -294,6 +303,10 @@ static void print_text(const struct sim *s, const struct figures *g)
                tf->completion.p50 / 1e3, tf->completion.p99 / 1e3);
         printf("               last layer-done -> the sender saw it: p50 %.1f us, p99 %.1f us\n",
                tf->seen.p50 / 1e3, tf->seen.p99 / 1e3);
+        if (tf->notice.n)
+                printf("               last layer-done -> the sender posted its notice (same host, %u "
+                       "requests): p50 %.1f us, p99 %.1f us\n",
+                       tf->notice.n, tf->notice.p50 / 1e3, tf->notice.p99 / 1e3);
         printf("  copy start   layer-done -> copy start: p50 %.1f us, p99 %.1f us\n",
                (double)g->h50[KVF_HIST_LAYER_TO_COPY] / 1e3, (double)g->h99[KVF_HIST_LAYER_TO_COPY] / 1e3);
         if (s->o.warm_caches)
@@ -353,6 +366,18 @@ static void slowest_json(const struct sim *s, FILE *f, bool in_time)
         }
 }
 
+/* This process's CPU time so far (user + system). The JSON's sim_cpu_s is the run's share
+ * (from its first step to the report): how much of the run the simulator, which drives every
+ * rank of every instance from one thread, kept a CPU busy. */
+double kvf_sim_cpu_s(void)
+{
+        struct rusage ru;
+        if (getrusage(RUSAGE_SELF, &ru) < 0)
+                return 0;
+        return (double)(ru.ru_utime.tv_sec + ru.ru_stime.tv_sec) +
+               (double)(ru.ru_utime.tv_usec + ru.ru_stime.tv_usec) / 1e6;
+}
+
 static void write_json(const struct sim *s, const struct figures *g, const char *path)
 {
         const struct tail_figures *tf = &g->tf;
@@ -389,7 +414,8 @@ static void write_json(const struct sim *s, const struct figures *g, const char 
                 "\"ok\":%s,\"cancelled\":%llu,\"cancels_sent\":%llu,\"timed_out\":%llu,"
                 "\"connection_errors\":%llu,\"finished_but_failed_pairs\":%llu,\"warm_bytes\":%llu,"
                 "\"warm_ns\":%llu,\"gpu\":%s,\"requests_per_s\":%.1f,\"unexpected_failures\":%llu,"
-                "\"strict\":%s,\"seen_p50_ns\":%.0f,\"seen_p99_ns\":%.0f,\"slowest\":[",
+                "\"strict\":%s,\"seen_p50_ns\":%.0f,\"seen_p99_ns\":%.0f,\"notice_p50_ns\":%.0f,"
+                "\"notice_p99_ns\":%.0f,\"notice_n\":%u,\"notice_bad\":%u,\"slowest\":[",
                 kvf_sim_counted(s), (unsigned long long)s->finished, (unsigned long long)s->failed,
                 g->unaccounted, (unsigned long long)s->corrupt, (unsigned long long)s->moved_bytes,
                 (unsigned long long)s->verified_bytes, g->secs, g->rate, tf->all.p50, tf->all.p99,
@@ -407,15 +433,17 @@ static void write_json(const struct sim *s, const struct figures *g, const char 
                 (unsigned long long)s->bad_status_pairs, (unsigned long long)s->warm_bytes,
                 (unsigned long long)s->warm_ns, s->sg ? "true" : "false", g->rps,
                 (unsigned long long)s->unexpected_failures, g->strict ? "true" : "false", tf->seen.p50,
-                tf->seen.p99);
+                tf->seen.p99, tf->notice.p50, tf->notice.p99, tf->notice.n, tf->notice_bad);
         slowest_json(s, f, false);
         fprintf(f, "],\"slowest_in_time\":[");
         slowest_json(s, f, true);
         fprintf(f,
                 "],\"gpu_clock_drift_max_ns\":%llu,\"prefill_tp\":%u,\"decode_tp\":%u,"
-                "\"prefill_block_tokens\":%u,\"decode_block_tokens\":%u,\"tasks_per_request\":%u}\n",
+                "\"prefill_block_tokens\":%u,\"decode_block_tokens\":%u,\"tasks_per_request\":%u,"
+                "\"sim_cpu_s\":%.3f}\n",
                 s->sg ? (unsigned long long)sim_gpu_clock_drift(s->sg) : 0ull, s->o.ranks,
-                s->o.dranks, s->L.block_size, s->Ld.block_size, s->mixed ? s->ntasks : s->o.ranks);
+                s->o.dranks, s->L.block_size, s->Ld.block_size, s->mixed ? s->ntasks : s->o.ranks,
+                kvf_sim_cpu_s() - s->cpu_start_s);
         fclose(f);
 }
 

@@ -124,6 +124,7 @@ static void maybe_done(struct sim *s, struct sim_req *r)
                                                                kvf_sim_layer_block_bytes(&s->L) * s->o.ranks,
                                     .late = r->late_task,
                                     .seen_ns = r->sender_last_ns ? (int64_t)(r->sender_last_ns - r->last_layer_ns) : 0,
+                                    .notice_ns = r->notice_ns ? (int64_t)(r->notice_ns - r->last_layer_ns) : 0,
                                     .seq = r->seq,
                                     .at_ns = r->last_layer_ns > s->t_start ? r->last_layer_ns - s->t_start : 0};
                         }
@@ -441,6 +442,7 @@ static void on_arrival(struct sim *s, unsigned d, const struct kvf_event *ev)
                 return;
         }
         r->arrival_ns = ev->done_ns;
+        r->notice_ns = ev->accept_ns;
         arrived(s, r, ev->status);
 }
 

@@ -457,6 +457,8 @@ def _event_dict(ev):
                  done_ns=int(ev.done_ns))
     elif ev.type == _C["KVF_EVENT_ARRIVAL"]:
         d["done_ns"] = int(ev.done_ns)
+        if ev.accept_ns:  # same host: when the prefill sender posted its finish notice
+            d["accept_ns"] = int(ev.accept_ns)
         # valid only until the next poll: copied out here
         d["dest_block_ids"] = [ev.dest_block_ids[j] for j in range(ev.n_dest)] \
             if ev.dest_block_ids else []

@@ -235,11 +235,14 @@ def attach_tensor(name, shm_dir="/dev/shm", device=None, size=None):
         raise AttachError("%s is not a kvferry host-cache record (%d bytes)" % (name, len(rec)))
     _, off, size, _pid, p = struct.unpack(RECORD_FMT, rec)
     p = p.rstrip(b"\0").decode()
-    page = mmap.ALLOCATIONGRANULARITY
-    start = off - off % page
     fd = os.open(p, os.O_RDWR)
     try:
-        m = mmap.mmap(fd, size + off - start, offset=start)
+        # The file's own page size: 2 MiB on hugetlbfs, where a mapping's offset and length
+        # must be whole pages (mmap says EINVAL otherwise)
+        page = max(mmap.ALLOCATIONGRANULARITY, os.fstat(fd).st_blksize)
+        start = off - off % page
+        length = -(-(size + off - start) // page) * page
+        m = mmap.mmap(fd, length, offset=start)
     finally:
         os.close(fd)
     return memoryview(m)[off - start:off - start + size]

@@ -218,8 +218,6 @@ static int stream_init(struct kvf_client *c)
                 rc = gpu_err(rc, "layer-done signal");
                 goto fail;
         }
-        kvf_store_relaxed(&c->ctl.exec->signal,
-                          st->method == KVF_SIGNAL_HOSTFN ? KVF_EXEC_SIGNAL_HOSTFN : KVF_EXEC_SIGNAL_GPU);
         st->exec = (h->backend == KVF_BACKEND_CUDA || (h->backend == KVF_BACKEND_ENGINE && h->reg_gpu)) &&
                    h->executor == KVF_EXEC_ENGINE;
         if (st->exec) {

@@ -421,8 +421,6 @@ struct kvf_plan_entry {
 };
 
 /* The engine executor's shared words. */
-#define KVF_EXEC_SIGNAL_HOSTFN 1u /* CUDA host functions, on the driver's callback thread */
-#define KVF_EXEC_SIGNAL_GPU 2u    /* words the GPU writes itself */
 struct kvf_exec {
         /* line 0: the engine */
         uint64_t landed;  /* PACK(step, layers): every copy the engine launched for a layer of
@@ -430,9 +428,7 @@ struct kvf_exec {
         uint64_t batches; /* copy kernels the engine launched (statistics) */
         uint64_t claims;  /* layers it claimed, summed over entries (statistics) */
         uint64_t errors;  /* claimed layers it could not copy (statistics) */
-        uint32_t signal;  /* how its stream signals layers and landed copies: KVF_EXEC_SIGNAL_*
-                           * (0: no stream yet) */
-        uint8_t pad0[28];
+        uint8_t pad0[32];
         /* line 1: the sender */
         uint32_t hi;        /* entries [0, hi) may be open: the engine scans only those */
         uint32_t pad1;

@@ -173,6 +173,8 @@ static bool handle_progress(struct sender *s, struct pace *pc)
         if (kvf_load_relaxed(&s->ctl.progress->enqueued) >= w)
                 pub = t;
         pace_event(pc, pub < t ? pub : t); /* (an engine's clock is ours: never later than now) */
+        uint64_t lo, hi;
+        s->layer_gap_ns = pace_window(pc, &lo, &hi) ? hi : 0; /* (progress.c's early prewake) */
         pc->seen_ns = t;
         /* After the word's acquire load: an engine's generation is stored before its
          * first layer-done, so a word of a new engine session is never applied to

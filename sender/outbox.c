@@ -101,26 +101,30 @@ static int post_to_ring(struct sender *s, struct ipc_peer *p, struct kvf_record 
         return rc < 0 ? rc : 1;
 }
 
-/* A/B switch of bench/gpu_tail_ab.sh and tail_ab.sh: KVF_AB_NO_NOTICE_EXPECT=1 leaves the
- * decode connector to sleep until the notice rings it. */
-static bool ab_no_expect;
+/* A/B switches of bench/gpu_tail_ab.sh and tail_ab.sh: KVF_AB_NO_NOTICE_EXPECT=1 leaves the
+ * decode connector to sleep until the notice rings it; KVF_AB_NO_EARLY_PREWAKE=1 wakes it at
+ * the last layer only. */
+static bool ab_no_expect, ab_no_early;
 
 __attribute__((constructor)) static void ab_switches(void)
 {
         const char *v = getenv("KVF_AB_NO_NOTICE_EXPECT");
         ab_no_expect = v && !strcmp(v, "1");
+        v = getenv("KVF_AB_NO_EARLY_PREWAKE");
+        ab_no_early = v && !strcmp(v, "1");
 }
 
-void sender_expect_notice(struct sender *s, uint32_t slot, uint64_t bytes)
+void sender_expect_notice(struct sender *s, uint32_t slot, uint64_t lead_ns, uint64_t bytes)
 {
         const struct kvf_req_slot *r = &s->ctl.reqtab[slot];
-        if (ab_no_expect || r->transport != KVF_TRANSPORT_IPC || r->peer_idx >= SENDER_MAX_PEERS)
+        if (ab_no_expect || (lead_ns && ab_no_early) || r->transport != KVF_TRANSPORT_IPC ||
+            r->peer_idx >= SENDER_MAX_PEERS)
                 return;
         struct ipc_peer *p = &s->peers[r->peer_idx];
         if (!p->in_use || !p->nend.slot || !kvf_notice_held(&p->nend))
                 return;
         kvf_doorbell_expect(p->nend.notice.bell,
-                            kvf_now_ns() + SENDER_NOTICE_EXPECT_NS + bytes / SENDER_NOTICE_EXPECT_BPNS);
+                            kvf_now_ns() + lead_ns + SENDER_NOTICE_EXPECT_NS + bytes / SENDER_NOTICE_EXPECT_BPNS);
         /* A connector asleep now would not see the expectation: wake it (a system call only
          * when it sleeps), so that its wake-up runs beside the copies instead of after them. */
         kvf_doorbell_ring(p->nend.notice.bell);

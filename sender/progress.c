@@ -253,6 +253,14 @@ enum sender_adv sender_advance(struct sender *s, uint32_t slot, bool net_blocked
                         ready = done < s->layers ? done : s->layers;
                 else
                         break;
+                /* Its last mark, one layer from the end, with the engine's layers close
+                 * together: its notice follows the next layer-done (sender.h). */
+                if (ready + 1 == s->layers && m->step == step && r->last_chunk_seen &&
+                    r->chunk_head + 1 == r->chunk_tail && m->block_end >= r->n_send &&
+                    s->layer_gap_ns && s->layer_gap_ns <= SENDER_EARLY_PREWAKE_GAP_NS)
+                        sender_expect_notice(s, slot, s->layer_gap_ns,
+                                             (uint64_t)(m->block_end > r->sent_full ? m->block_end - r->sent_full : 0) *
+                                                 kvf_layout_layer_block_bytes(s->layout));
                 if (ready > r->cur_layers) {
                         /* When the layers that are its last so far became ready (the first
                          * word that made them so, or the task's arrival if they were ready
@@ -303,7 +311,7 @@ enum sender_adv sender_advance(struct sender *s, uint32_t slot, bool net_blocked
                                 upto = from + (fit ? (uint32_t)fit : 1);
                         if (from < upto && upto == s->layers && r->last_chunk_seen &&
                             r->chunk_head + 1 == r->chunk_tail && m->block_end >= r->n_send)
-                                sender_expect_notice(s, slot, per_layer * (upto - from)); /* its last */
+                                sender_expect_notice(s, slot, 0, per_layer * (upto - from)); /* its last */
                         if (from < upto &&
                             (rc = send_range(s, slot, from, upto, r->sent_full, m->block_end, net_blocked, status)) < 0)
                                 /* a full ring: again from the same place later */

@@ -170,13 +170,8 @@ static void all_sent(struct sender *s, uint32_t slot)
         sender_disarm(s, slot);
         if (sender_copies_busy(s, slot)) {
                 set_state(s, slot, SREQ_LANDING);
-                /* The engine's copies of its last layer (about one layer of it), unless CUDA
-                 * host functions say when they land: with a connector polling meanwhile, that
-                 * row's p99 on the H200 was 6 to 15 ms in three runs of three, against 0.4 to
-                 * 0.5 ms in six of seven without (docs/BENCHMARKS.md section 16). */
-                if (!sender_copies_owing(s, slot) ||
-                    kvf_load_relaxed(&s->ctl.exec->signal) != KVF_EXEC_SIGNAL_HOSTFN)
-                        sender_expect_notice(s, slot, sender_request_bytes(s, &s->ctl.reqtab[slot]) / s->layers);
+                /* (its copies out: about one layer of it) */
+                sender_expect_notice(s, slot, 0, sender_request_bytes(s, &s->ctl.reqtab[slot]) / s->layers);
                 return;
         }
         to_notice(s, slot);

@@ -125,6 +125,8 @@ struct sender {
         struct layer_cut *cut; /* per slot: a layer copied in slices (sender_advance) */
         bool sync_copies;      /* same-host copies run on this thread (host backend) */
         bool spin_layers;      /* --layer-wait: poll while requests wait for layers (main.c) */
+        uint64_t layer_gap_ns; /* the engine's pace: the next layer-done at most this long after
+                                * the last (main.c; 0: no pace yet) */
         uint32_t *runs;   /* scratch: (src, dst index, count) triples of one write batch */
         uint32_t *idset;  /* scratch: open-addressing set of block ids (id + 1; 0 = empty) */
         struct bucket *buckets; /* sorted by step */
@@ -371,7 +373,16 @@ int sender_post_notice(struct sender *s, uint32_t slot, enum sender_notice kind)
  */
 #define SENDER_NOTICE_EXPECT_NS 100000ull
 #define SENDER_NOTICE_EXPECT_BPNS 4ull
-void sender_expect_notice(struct sender *s, uint32_t slot, uint64_t bytes);
+/*
+ * Earlier still: when the engine's layers come at most SENDER_EARLY_PREWAKE_GAP_NS apart
+ * (layer_gap_ns) and a request is one layer from its end, the wake-up is started then, with
+ * `lead_ns` (the gap) added to the window: a connector's wake-up can take longer than the
+ * last layer's copies (the H200's host: 35 to 45 µs of the tail were still the connector's
+ * with the wake-up started at the last layer). Slower engines are left to the wake-up at the
+ * last layer: the window would pass the 1 ms a connector ever polls.
+ */
+#define SENDER_EARLY_PREWAKE_GAP_NS 500000ull
+void sender_expect_notice(struct sender *s, uint32_t slot, uint64_t lead_ns, uint64_t bytes);
 /* Answers in the notice slots' reply rings (peers.c): true if any was read. */
 bool sender_read_replies(struct sender *s);
 /* Whether some reply ring has an answer to read (the loop's wait). */

@@ -70,7 +70,8 @@
         X(PEERS_CONNECTED, "peers_connected")                                                      \
         X(PEERS_CONNECTING, "peers_connecting")                                                    \
         X(PEERS_FAILED, "peers_failed")                                                            \
-        X(BYTES_TCP_RESENT, "bytes_resent_tcp")
+        X(BYTES_TCP_RESENT, "bytes_resent_tcp")                                                    \
+        X(NOTICE_PREWAKES, "notice_prewakes")
 
 enum kvf_counter_id {
 #define KVF_COUNTER_ENUM(id, name) KVF_CTR_##id,

@@ -43,8 +43,9 @@
  * descs; counters notices_failed and the peer gauges; prewakes and prewakes_met gone (the sender
  * no longer prewakes its connector); the engine's caches (backend "engine", the header's
  * reg_* fields, a request's own_reg_gen and peer_reg_gen); a request's n_dst. 10: the counter
- * bytes_resent_tcp. 11: the layout's scale tensors (scale_dtype, scale_bytes). */
-#define KVF_LAYOUT_VERSION 11u
+ * bytes_resent_tcp. 11: the layout's scale tensors (scale_dtype, scale_bytes). 12: the counter
+ * notice_prewakes. */
+#define KVF_LAYOUT_VERSION 12u
 #define KVF_CACHE_LINE 64u
 #define KVF_HEADER_SIZE 4096u
 

@@ -46,6 +46,8 @@ static void usage(void)
                "                            of the decode instance's segment, answered there, instead of\n"
                "                            through both connectors (the default)\n"
                "  --no-notice-rings         same-host finish notices go through both connectors' sockets\n"
+               "  --notice-prewake MODE     on, off or auto (on from 4 CPUs, and 2 per rank): wake a same-host\n"
+               "                            decode connector while a request's last copies run (default auto)\n"
                "  --layer-wait MODE         while requests wait for the engine's layers: spin (poll without\n"
                "                            sleeping until 20 ms pass without a layer or a new task), paced\n"
                "                            (sleep, waking ahead of the engine's pace), or auto (default):\n"
@@ -299,16 +301,22 @@ static int run(struct sender *s, uint64_t spin_ns)
 }
 
 /* --layer-wait: spin_for_layers on or off, said in the log with why. */
-static void layer_wait_mode(struct sender *s, const char *mode)
+static void layer_wait_mode(struct sender *s, const char *mode, const char *prewake)
 {
+        const char *why;
+        unsigned cpus = kvf_usable_cpus(&why);
+        unsigned ranks = s->ctl.hdr->nranks ? s->ctl.hdr->nranks : 1;
+        /* The notice prewake (sender.h) has a decode connector poll beside this sender and
+         * the engine: auto from 4 CPUs, and 2 per rank. */
+        s->prewake = strcmp(prewake, "auto") ? !strcmp(prewake, "on") : cpus >= 4 && cpus >= 2 * ranks;
+        kvf_info("notice prewake: %s (--notice-prewake %s; %u CPUs for a group of %u ranks, auto: on from "
+                 "4, and 2 per rank)",
+                 s->prewake ? "on" : "off", prewake, cpus, ranks);
         if (strcmp(mode, "auto")) {
                 s->spin_layers = !strcmp(mode, "spin");
                 kvf_info("layer wait: %s (--layer-wait %s)", mode, mode);
                 return;
         }
-        const char *why;
-        unsigned cpus = kvf_usable_cpus(&why);
-        unsigned ranks = s->ctl.hdr->nranks ? s->ctl.hdr->nranks : 1;
         s->spin_layers = cpus >= 2 * ranks;
         kvf_info("layer wait: %s (--layer-wait auto: %u CPUs for a group of %u ranks, spin from 2 per "
                  "rank; CPUs by %s, ranks by --nranks)",
@@ -317,7 +325,8 @@ static void layer_wait_mode(struct sender *s, const char *mode)
 
 int main(int argc, char **argv)
 {
-        enum { O_TIMEOUT = 1000, O_SPIN, O_SLICE, O_LAYER_WAIT, O_NOTICE_RINGS, O_NO_NOTICE_RINGS, O_VERSION };
+        enum { O_TIMEOUT = 1000, O_SPIN, O_SLICE, O_LAYER_WAIT, O_NOTICE_RINGS, O_NO_NOTICE_RINGS, O_VERSION,
+               O_PREWAKE };
         static const struct option opts[] = {{"instance", required_argument, 0, 'i'},
                                              {"request-timeout-ms", required_argument, 0, O_TIMEOUT},
                                              {"spin-us", required_argument, 0, O_SPIN},
@@ -325,6 +334,7 @@ int main(int argc, char **argv)
                                              {"no-notice-rings", no_argument, 0, O_NO_NOTICE_RINGS},
                                              {"slice-us", required_argument, 0, O_SLICE},
                                              {"layer-wait", required_argument, 0, O_LAYER_WAIT},
+                                             {"notice-prewake", required_argument, 0, O_PREWAKE},
                                              {"help", no_argument, 0, 'h'},
                                              {"version", no_argument, 0, O_VERSION},
                                              {0, 0, 0, 0}};
@@ -332,7 +342,7 @@ int main(int argc, char **argv)
         uint64_t timeout_ms = 60000, spin_us = 50;
         bool notice_rings = true;
         uint32_t slice_us = KVF_SLICE_US_DEFAULT;
-        const char *layer_wait = "auto";
+        const char *layer_wait = "auto", *prewake = "auto";
         int c;
 
         while ((c = getopt_long(argc, argv, "i:h", opts, NULL)) != -1) {
@@ -347,6 +357,11 @@ int main(int argc, char **argv)
                         if (strcmp(optarg, "auto") && strcmp(optarg, "spin") && strcmp(optarg, "paced"))
                                 kvf_opt_die(prog, "--layer-wait is auto, spin or paced");
                         layer_wait = optarg;
+                        break;
+                case O_PREWAKE:
+                        if (strcmp(optarg, "auto") && strcmp(optarg, "on") && strcmp(optarg, "off"))
+                                kvf_opt_die(prog, "--notice-prewake is auto, on or off");
+                        prewake = optarg;
                         break;
                 case 'h': usage(); return 0;
                 case O_VERSION: printf("%s %s\n", prog, KVFERRY_VERSION); return 0;
@@ -370,7 +385,7 @@ int main(int argc, char **argv)
                 kvf_error("%s", kvf_err_msg());
                 return 1;
         }
-        layer_wait_mode(&s, layer_wait); /* before the claim: up returns once we are claimed */
+        layer_wait_mode(&s, layer_wait, prewake); /* before the claim: up returns once we are claimed */
         if (sender_start(&s) < 0) {
                 kvf_error("%s", kvf_err_msg());
                 return 1;

@@ -117,7 +117,7 @@ __attribute__((constructor)) static void ab_switches(void)
 void sender_expect_notice(struct sender *s, uint32_t slot, uint64_t lead_ns, uint64_t bytes)
 {
         const struct kvf_req_slot *r = &s->ctl.reqtab[slot];
-        if (ab_no_expect || (lead_ns && ab_no_early) || r->transport != KVF_TRANSPORT_IPC ||
+        if (!s->prewake || ab_no_expect || (lead_ns && ab_no_early) || r->transport != KVF_TRANSPORT_IPC ||
             r->peer_idx >= SENDER_MAX_PEERS)
                 return;
         struct ipc_peer *p = &s->peers[r->peer_idx];
@@ -128,6 +128,7 @@ void sender_expect_notice(struct sender *s, uint32_t slot, uint64_t lead_ns, uin
         /* A connector asleep now would not see the expectation: wake it (a system call only
          * when it sleeps), so that its wake-up runs beside the copies instead of after them. */
         kvf_doorbell_ring(p->nend.notice.bell);
+        kvf_count(&s->ctl, KVF_CTR_NOTICE_PREWAKES, 1);
 }
 
 int sender_post_notice(struct sender *s, uint32_t slot, enum sender_notice kind)

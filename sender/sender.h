@@ -125,6 +125,7 @@ struct sender {
         struct layer_cut *cut; /* per slot: a layer copied in slices (sender_advance) */
         bool sync_copies;      /* same-host copies run on this thread (host backend) */
         bool spin_layers;      /* --layer-wait: poll while requests wait for layers (main.c) */
+        bool prewake;          /* the notice prewake: CPUs to spare for it (main.c, outbox.c) */
         uint64_t layer_gap_ns; /* the engine's pace: the next layer-done at most this long after
                                 * the last (main.c; 0: no pace yet) */
         uint32_t *runs;   /* scratch: (src, dst index, count) triples of one write batch */
@@ -380,6 +381,9 @@ int sender_post_notice(struct sender *s, uint32_t slot, enum sender_notice kind)
  * last layer's copies (the H200's host: 35 to 45 µs of the tail were still the connector's
  * with the wake-up started at the last layer). Slower engines are left to the wake-up at the
  * last layer: the window would pass the 1 ms a connector ever polls.
+ * Either only with CPUs to spare (prewake: at least 4, and 2 per rank): on 2 vCPUs the
+ * connector's polling took the CPU the sender and the engine needed (200 µs layers: p50 0.64x
+ * with both wake-ups, but p99 1.4 to 10.6x; with the last layer's alone p99 2.7 to 7.8x).
  */
 #define SENDER_EARLY_PREWAKE_GAP_NS 500000ull
 void sender_expect_notice(struct sender *s, uint32_t slot, uint64_t lead_ns, uint64_t bytes);

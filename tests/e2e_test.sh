@@ -55,6 +55,22 @@ grep -q "peer '$TAG-d0' (instance $TAG-d0, same host) connected over a unix sock
 pass "same-host peers: the connectors' control connection is a unix socket"
 fi
 
+# The notice prewake (sender.h), forced on (auto leaves it off on fewer than 4 CPUs): the sender
+# wakes the decode connector as a request's last layer but one is done (layers 100 us apart) and
+# as its last copies start; every request still finishes and verifies, and the arrivals' notice
+# times stay before the arrivals.
+up $TAG-wd0 --role decode $L
+up $TAG-wp0 --role prefill $L --notice-prewake on
+grep -q "notice prewake: on (--notice-prewake on" "$KVFERRY_RUN_DIR/$TAG-wp0/sender.log" ||
+  fail "--notice-prewake on: the sender does not say so"
+j=$(case_run "notice prewake" pw --prefill $TAG-wp0 --decode $TAG-wd0 --requests 40 --layer-us 100 --late-pct 10 --step-tokens 1)
+[ "$(json_get "$j" finished)" = 40 ] || fail "notice prewake: not all 40 finished"
+[ "$(json_get "$j" notice_bad)" = 0 ] || fail "notice prewake: notices stamped after their arrivals"
+w=$(counter $TAG-wp0 notice_prewakes)
+[ "$w" -ge 36 ] || fail "notice prewake: the sender woke the decode connector $w times for 36 or more requests in time"
+pass "notice prewake (forced on): 40 requests verified, the decode connector woken $w times ahead of their notices"
+down $TAG-wp0; down $TAG-wd0
+
 # A late task whose one layer is more than a slice (sender_advance): two requests of 8192 tokens
 # (128 blocks x K and V x 16 KiB = 4 MiB per layer), every layer done before the task comes.
 # The sender copies each layer in 1 MiB pieces, the loop's progress check between them: at

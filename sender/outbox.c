@@ -92,9 +92,9 @@ static int post_to_ring(struct sender *s, struct ipc_peer *p, struct kvf_record 
         int rc = sender_encode(s, f, &len);
         if (rc < 0)
                 return rc;
+        /* (A prewake's expectation is left to run out, never withdrawn here: other requests'
+         * notices may be due under it, sender_expect_notice.) */
         rc = kvf_ring_write(&p->nend.notice, KVF_RT_NOTICE, s->scratch, (uint32_t)len, NULL);
-        if (rc >= 0) /* rung: a connector still polling for it (sender_expect_notice) may sleep */
-                kvf_doorbell_expect(p->nend.notice.bell, 0);
         if (rc == -EMSGSIZE)
                 return kvf_err_set(rc, "a %zu-byte notice can never fit the notice ring of '%s' (%llu bytes)",
                                    len, p->name, (unsigned long long)p->nend.notice.capacity);
@@ -123,8 +123,14 @@ void sender_expect_notice(struct sender *s, uint32_t slot, uint64_t lead_ns, uin
         struct ipc_peer *p = &s->peers[r->peer_idx];
         if (!p->in_use || !p->nend.slot || !kvf_notice_held(&p->nend))
                 return;
-        kvf_doorbell_expect(p->nend.notice.bell,
-                            kvf_now_ns() + lead_ns + SENDER_NOTICE_EXPECT_NS + bytes / SENDER_NOTICE_EXPECT_BPNS);
+        /* One deadline per doorbell, for every request expected: extended, never shortened
+         * (a race with another sender's store costs a wake-up, never a notice). */
+        uint64_t now = kvf_now_ns();
+        uint64_t until = now + lead_ns + SENDER_NOTICE_EXPECT_NS + bytes / SENDER_NOTICE_EXPECT_BPNS;
+        uint64_t was = kvf_load_relaxed(&p->nend.notice.bell->expect_until);
+        if (was > until && was <= now + KVF_DOORBELL_EXPECT_MAX_NS)
+                until = was;
+        kvf_doorbell_expect(p->nend.notice.bell, until);
         /* A connector asleep now would not see the expectation: wake it (a system call only
          * when it sleeps), so that its wake-up runs beside the copies instead of after them. */
         kvf_doorbell_ring(p->nend.notice.bell);

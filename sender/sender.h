@@ -370,7 +370,9 @@ int sender_post_notice(struct sender *s, uint32_t slot, enum sender_notice kind)
  * the H200's host the notice → arrival stage was 50 to 84 µs at p50), so it happens while the
  * copies run instead of after them. The window: SENDER_NOTICE_EXPECT_NS plus the bytes at SENDER_NOTICE_EXPECT_BPNS bytes
  * per ns (slower than any copy here, so rather too long), at most
- * KVF_DOORBELL_EXPECT_MAX_NS; withdrawn as the notice is posted.
+ * KVF_DOORBELL_EXPECT_MAX_NS; one deadline per doorbell covers every request expected, so it is
+ * only extended, and left to run out rather than withdrawn as a notice is posted (withdrawn, it
+ * left the next notices of a step to a sleeping connector).
  */
 #define SENDER_NOTICE_EXPECT_NS 100000ull
 #define SENDER_NOTICE_EXPECT_BPNS 4ull

@@ -44,7 +44,7 @@ struct slot {
 
 /* per_query: how long a layer value read with a new step must stand before it counts as the
  * new step's (the loop below says why). */
-#define STALE_STAND_NS 100000000ull
+#define STALE_STAND_NS 1000000000ull
 
 struct kvf_fd_bridge {
         struct kvf_client *c;
@@ -305,9 +305,9 @@ static void *query_thread(void *arg)
          * value has been read, or once it has stood for STALE_STAND_NS. Only a whole step
          * written between two reads of this loop (50 µs apart at most) and nothing after it
          * needs the stand; an old value taken for the new step's sends blocks not written
-         * yet, so the stand is long: an engine thread held up between its two stores (1 ms
-         * was once the stand, and a test's engine, descheduled, outlasted it) must not pass
-         * for a finished step. */
+         * yet, so the stand is long: an engine thread held up between its two stores (1 ms,
+         * then 100 ms were the stand, and a test's engine, descheduled, outlasted both) must
+         * not pass for a finished step. */
         bool trusted = true;
         uint64_t change_ns = 0;
         int32_t published = -1;

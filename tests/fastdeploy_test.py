@@ -323,7 +323,7 @@ class Run:
         self.trace(8)
         print("ok: the queue server went away and came back: the messagers reconnected and served")
 
-    def stalled_steps(self, n=12, stall_s=0.03):
+    def stalled_steps(self, n=12, stall_s=0.15):
         """per_query: the engine held up between writing a new step and its -1, for longer than
         the bridge's polls, with the old step's last layer still in the layer value. That value
         must not be taken for the new step's: its requests would be sent before their layers

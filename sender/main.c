@@ -300,8 +300,9 @@ static int run(struct sender *s, uint64_t spin_ns)
         return 0;
 }
 
-/* --layer-wait: spin_for_layers on or off, said in the log with why. */
-static void layer_wait_mode(struct sender *s, const char *mode, const char *prewake)
+/* What the CPUs this sender may use allow: --layer-wait (spin_for_layers on or off) and
+ * --notice-prewake, each said in the log with why. */
+static void cpu_modes(struct sender *s, const char *mode, const char *prewake)
 {
         const char *why;
         unsigned cpus = kvf_usable_cpus(&why);
@@ -385,7 +386,7 @@ int main(int argc, char **argv)
                 kvf_error("%s", kvf_err_msg());
                 return 1;
         }
-        layer_wait_mode(&s, layer_wait, prewake); /* before the claim: up returns once we are claimed */
+        cpu_modes(&s, layer_wait, prewake); /* before the claim: up returns once we are claimed */
         if (sender_start(&s) < 0) {
                 kvf_error("%s", kvf_err_msg());
                 return 1;

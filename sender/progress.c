@@ -255,9 +255,9 @@ enum sender_adv sender_advance(struct sender *s, uint32_t slot, bool net_blocked
                         break;
                 /* Its last mark, one layer from the end, with the engine's layers close
                  * together: its notice follows the next layer-done (sender.h). */
-                if (ready + 1 == s->layers && m->step == step && r->last_chunk_seen &&
-                    r->chunk_head + 1 == r->chunk_tail && m->block_end >= r->n_send &&
-                    s->layer_gap_ns && s->layer_gap_ns <= SENDER_EARLY_PREWAKE_GAP_NS)
+                const bool last = sender_last_mark(r) == m;
+                if (last && ready + 1 == s->layers && m->step == step && s->layer_gap_ns &&
+                    s->layer_gap_ns <= SENDER_EARLY_PREWAKE_GAP_NS)
                         sender_expect_notice(s, slot, s->layer_gap_ns,
                                              (uint64_t)(m->block_end > r->sent_full ? m->block_end - r->sent_full : 0) *
                                                  kvf_layout_layer_block_bytes(s->layout));
@@ -309,8 +309,7 @@ enum sender_adv sender_advance(struct sender *s, uint32_t slot, bool net_blocked
                         uint32_t upto = ready;
                         if (fit < ready - from)
                                 upto = from + (fit ? (uint32_t)fit : 1);
-                        if (from < upto && upto == s->layers && r->last_chunk_seen &&
-                            r->chunk_head + 1 == r->chunk_tail && m->block_end >= r->n_send)
+                        if (last && from < upto && upto == s->layers)
                                 sender_expect_notice(s, slot, 0, per_layer * (upto - from)); /* its last */
                         if (from < upto &&
                             (rc = send_range(s, slot, from, upto, r->sent_full, m->block_end, net_blocked, status)) < 0)

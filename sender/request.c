@@ -537,12 +537,10 @@ void sender_req_copies(struct sender *s, bool flush)
  * covering every block, and it is of this step. */
 static bool finishes_now(const struct sender *s, uint32_t slot, uint64_t step)
 {
-        const struct kvf_req_slot *r = &s->ctl.reqtab[slot];
-        if (sender_req_state(s, slot) != SREQ_MOVING || !r->last_chunk_seen ||
-            r->chunk_tail - r->chunk_head != 1)
+        if (sender_req_state(s, slot) != SREQ_MOVING)
                 return false;
-        const struct kvf_chunk_mark *m = &r->chunks[r->chunk_head % KVF_CHUNKS_MAX];
-        return m->step == step && m->block_end >= r->n_send;
+        const struct kvf_chunk_mark *m = sender_last_mark(&s->ctl.reqtab[slot]);
+        return m && m->step == step;
 }
 
 void sender_req_progress(struct sender *s, uint64_t word, uint64_t publish_ns)

@@ -398,6 +398,16 @@ bool sender_replies_readable(struct sender *s);
 int sender_post_completion(struct sender *s, uint32_t slot);
 void sender_count_status(struct sender *s, int status);
 
+/* The request's front chunk mark if it is its last one and covers every block (its layers
+ * then finish the request), else NULL. */
+static inline const struct kvf_chunk_mark *sender_last_mark(const struct kvf_req_slot *r)
+{
+        if (!r->last_chunk_seen || r->chunk_tail - r->chunk_head != 1)
+                return NULL;
+        const struct kvf_chunk_mark *m = &r->chunks[r->chunk_head % KVF_CHUNKS_MAX];
+        return m->block_end >= r->n_send ? m : NULL;
+}
+
 /* Every byte a request moves: its send-blocks in every layer and tensor (to a peer of another
  * tensor-parallel split, only the head slices this rank sends it). */
 static inline uint64_t sender_request_bytes(const struct sender *s, const struct kvf_req_slot *r)

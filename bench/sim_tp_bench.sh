@@ -14,12 +14,15 @@
 # request: prefill rank -> decode rank pairs (each a task, a notice and an arrival).
 # --gpu: the GPU path: every instance's cache on GPU 0 (--backend cuda, the demo's default
 # device), kvf-sim in GPU mode (layer kernels write, check kernels verify every byte on the GPU),
-# rows 1 -> 2 and 2 -> 8 against 1 -> 1, 2 -> 2 and 8 -> 8;
+# rows 1 -> 2 and 2 -> 8 against 1 -> 1, 2 -> 2 and 8 -> 8, and against 1 -> 1 with --per-head
+# (kvf-sim's content per head and token, its way for every other split);
 # --executor E (engine, sender, auto) says where same-host copies run.
 # --max-tokens N clips the prompts (default 1024: small requests, where the cost per task sets
 # the rate; larger ones move more bytes per task). GiB/s: the bytes moved per second of the run;
-# sim cpu: kvf-sim's CPU time over the run's (1.0: the one thread that drives every rank of
-# every instance was never idle, so the simulator, not kvferry, set the rate).
+# sim cpu: kvf-sim's CPU time over the run's (its one thread drives every rank of every
+# instance; CUDA spins in its waits, so 1.0 alone does not say the thread was the limit); ev
+# wait: the share of the run it waited in kvf_poll for a completion or an arrival (the
+# transfer); gpu wait: the share it waited for its own GPU work (layer and check kernels).
 # --cache-mib N: each rank's cache (default 512; large prompts need room for a few in flight).
 # Usage: bench/sim_tp_bench.sh [--requests N] [--max-tokens N] [--cache-mib N] [--transport ipc|tcp]
 #                              [--gpu [--executor E]]
@@ -39,7 +42,7 @@ while [ $# -gt 0 ]; do
     --transport) TR=$2; shift 2 ;;
     --gpu) GPU=1; shift ;;
     --executor) EXEC=(--executor "$2"); shift 2 ;;
-    -h|--help) sed -n '2,26p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,28p' "$0"; exit 0 ;;
     *) echo "sim_tp_bench.sh: unknown option '$1' (--requests N, --max-tokens N, --cache-mib N, --transport ipc|tcp, --gpu, --executor E)" >&2; exit 2 ;;
   esac
 done
@@ -49,7 +52,8 @@ BACKEND=(--backend host)
 OUT=$(mktemp -d /tmp/sim_tp_bench.XXXXXX)
 trap 'rm -rf "$OUT"' EXIT
 
-# one LABEL [demo options]: prints "label seconds requests_per_s tasks_per_request GiB_per_s sim_cpu"
+# one LABEL [demo options]: prints "label seconds requests_per_s tasks_per_request GiB_per_s sim_cpu
+# event_wait gpu_wait" (the last three as shares of the run)
 one() {
   local label=$1 j=$OUT/$1.json
   shift
@@ -60,14 +64,14 @@ one() {
 assert d["ok"] and d["finished"] == d["requests"] and d["corrupt"] == 0, "not every request verified"
 assert d["gpu"] == (sys.argv[3] == "1"), "kvf-sim ran in the wrong mode"
 print(sys.argv[2], d["seconds"], d["requests_per_s"], d["tasks_per_request"], d["rate_bps"] / 2**30,
-      d["sim_cpu_s"] / d["seconds"])' "$j" "$label" "$GPU"
+      d["sim_cpu_s"] / d["seconds"], d["sim_event_wait_s"] / d["seconds"], d["sim_gpu_wait_s"] / d["seconds"])' "$j" "$label" "$GPU"
 }
 
 lscpu | grep 'Model name' || true
 echo "requests: $REQ over $TR, llama-3.1-8b, prompts clipped to $MAXTOK tokens, no compute time, $([ $GPU = 1 ] && echo "GPU caches (GPU 0) ${EXEC[*]}" || echo "host caches")"
 if [ $GPU = 1 ]; then
   nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n1 || true
-  order=(1-1_first 2-2_first 8-8_first 1-2 2-8 8-8_last 2-2_last 1-1_last)
+  order=(1-1_first 1-1_ph_first 2-2_first 8-8_first 1-2 2-8 8-8_last 2-2_last 1-1_ph_last 1-1_last)
 else
   order=(2-2_first 8-8_first 2-4 4-2 1-2 1-2_bs16-64 2-8 8-8_last 2-2_last)
   [ "$TR" = ipc ] || order=("${order[@]/1-2_bs16-64}")
@@ -77,20 +81,26 @@ for label in "${order[@]}"; do
   [ -n "$label" ] || continue
   pd=${label%%_*} x=()
   [ "$label" = 1-2_bs16-64 ] && x=(--prefill-block-tokens 16 --decode-block-tokens 64)
+  case $label in *_ph_*) x=(--per-head) ;; esac
   rows+=("$(one "$label" --prefill-tp "${pd%-*}" --decode-tp "${pd#*-}" "${x[@]}")")
 done
 # ratio: over the mean of the base rows (the first and last rows: 1 -> 1 on GPUs, 2 -> 2 on
 # host caches); same-d: over the mean of the rows of the same split with the row's decode group
-# (d -> d: the same decode ranks, the same tasks per request), where the run has them.
+# (d -> d: the same decode ranks, the same tasks per request), where the run has them;
+# per-head (GPU rows): over the mean of the 1 -> 1 rows run with --per-head (kvf-sim writing and
+# checking a row per head and token as it does for every other split, so the same simulator work
+# per byte on both sides: what is left is the transfer's).
 printf '%s\n' "${rows[@]}" | awk '
-  { l[NR] = $1; s[NR] = $2; r[NR] = $3; t[NR] = $4; g[NR] = $5; c[NR] = $6
+  { l[NR] = $1; s[NR] = $2; r[NR] = $3; t[NR] = $4; g[NR] = $5; c[NR] = $6; ew[NR] = $7; gw[NR] = $8
     split($1, a, "_"); split(a[1], pd, "-"); p[NR] = pd[1]; d[NR] = pd[2]
-    if (pd[1] == pd[2]) { sum[pd[2]] += $3; n[pd[2]]++ } }
+    if ($1 ~ /_ph_/) { phs += $3; phn++ }
+    else if (pd[1] == pd[2]) { sum[pd[2]] += $3; n[pd[2]]++ } }
   END {
     base = (r[1] + r[NR]) / 2
-    printf "%-16s %9s %10s %8s %7s %7s %10s %8s\n", "tp", "s", "req/s", "GiB/s", "ratio", "same-d", "tasks/req", "sim cpu"
+    printf "%-16s %9s %10s %8s %7s %7s %8s %10s %8s %8s %8s\n", "tp", "s", "req/s", "GiB/s", "ratio", "same-d", "per-head", "tasks/req", "sim cpu", "ev wait", "gpu wait"
     for (i = 1; i <= NR; i++) {
       sd = (d[i] in n && p[i] != d[i]) ? sprintf("%7.2f", r[i] / (sum[d[i]] / n[d[i]])) : sprintf("%7s", "-")
-      printf "%-16s %9.3f %10.1f %8.2f %7.2f %s %10d %8.2f\n", l[i], s[i], r[i], g[i], r[i] / base, sd, t[i], c[i]
+      ph = (phn && p[i] != d[i]) ? sprintf("%8.2f", r[i] / (phs / phn)) : sprintf("%8s", "-")
+      printf "%-16s %9.3f %10.1f %8.2f %7.2f %s %s %10d %8.2f %8.2f %8.2f\n", l[i], s[i], r[i], g[i], r[i] / base, sd, ph, t[i], c[i], ew[i], gw[i]
     }
   }'

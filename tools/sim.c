@@ -117,6 +117,9 @@ static void usage(void)
                "                      this process's mappings, as a long-running engine has (timed, reported)\n"
                "  --verify MODE       full (every byte, default) or sample (both ends of every block)\n"
                "  --scatter           hand out blocks in random order: no contiguous runs\n"
+               "  --per-head          mixed mode's way even for equal groups: a task per rank pair and content\n"
+               "                      per head and token, written and checked as for other splits (the\n"
+               "                      like-for-like reference for them: the same simulator work per byte)\n"
                "  --json FILE         write the summary as JSON too\n"
                "  --session-log FILE  log submissions, completions, arrivals, and the events of earlier\n"
                "                      engine sessions (tools/sim_sessions.h; the fault test reads it)\n"
@@ -149,7 +152,7 @@ static void usage(void)
 static bool parse_opts(int argc, char **argv, struct sim_opts *o)
 {
         enum { O_P = 1000, O_D, O_N, O_TRACE, O_MAXTOK, O_LUS, O_STEP, O_CHUNK, O_PREFIX, O_LATE,
-               O_CANCEL, O_TRANSPORT, O_SEED, O_TO, O_BASE, O_JSON, O_QUIET, O_VERSION, O_PEERMAP, O_VERIFY, O_SCATTER, O_CHECK, O_WARM,
+               O_CANCEL, O_TRANSPORT, O_SEED, O_TO, O_BASE, O_JSON, O_QUIET, O_VERSION, O_PEERMAP, O_VERIFY, O_SCATTER, O_PER_HEAD, O_CHECK, O_WARM,
                O_SLOG, O_DRAIN, O_GPU, O_STRICT, O_GPUDEF, O_LNPT, O_TIMELINE, O_PTP, O_DTP };
         static const struct option lo[] = {
                 {"prefill", required_argument, 0, O_P},  {"decode", required_argument, 0, O_D},
@@ -166,6 +169,7 @@ static bool parse_opts(int argc, char **argv, struct sim_opts *o)
                 {"peer-map", required_argument, 0, O_PEERMAP},
                 {"verify", required_argument, 0, O_VERIFY},
                 {"scatter", no_argument, 0, O_SCATTER},
+                {"per-head", no_argument, 0, O_PER_HEAD},
                 {"seed", required_argument, 0, O_SEED}, {"timeout-s", required_argument, 0, O_TO},
                 {"baseline", no_argument, 0, O_BASE},    {"json", required_argument, 0, O_JSON},
                 {"warm-caches", no_argument, 0, O_WARM},
@@ -221,6 +225,7 @@ static bool parse_opts(int argc, char **argv, struct sim_opts *o)
                 case O_SEED: o->seed = kvf_opt_u64("seed", optarg, 0, UINT64_MAX); break;
                 case O_PEERMAP: peermap = optarg; break;
                 case O_SCATTER: o->scatter = true; break;
+                case O_PER_HEAD: o->per_head = true; break;
                 case O_VERIFY:
                         if (strcmp(optarg, "full") && strcmp(optarg, "sample"))
                                 kvf_opt_die(prog, "--verify is full or sample");

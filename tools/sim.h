@@ -122,6 +122,7 @@ struct sim_opts {
          */
         bool sample_only;
         bool scatter; /* --scatter: block ids in random order, so no two are contiguous */
+        bool per_head; /* --per-head: mixed mode for equal groups too */
         bool gpu;     /* --gpu: GPU mode asked for (it is also chosen when the caches are on GPUs) */
         bool gpu_default_stream; /* --gpu-default-stream: the engine works on the legacy default stream */
         /* --strict: the run fails unless every request finished, verified (or ended 'cancelled'
@@ -209,6 +210,11 @@ struct sim {
 
         uint64_t t_start;  /* the first step */
         double cpu_start_s; /* kvf_sim_cpu_s() at t_start */
+        /* Where the run's time went besides the simulator's own work: waiting in kvf_poll or
+         * kvf_group_poll for an event (a completion or an arrival: the transfer), and waiting
+         * for the GPU (sim_gpu_wait_ns: the layer and check kernels, CUDA's copies) */
+        uint64_t event_wait_ns, gpu_wait_start_ns;
+        double event_wait_s, gpu_wait_s; /* ... over the run (t_start to secs) */
         double secs;       /* t_start to the last request accounted for (or given up on) */
         int stop; /* SIGTERM/SIGINT (kvf_opt_signals: read with kvf_load_relaxed): admit no more,
                    * let what was admitted finish */

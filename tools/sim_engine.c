@@ -636,6 +636,8 @@ int kvf_sim_run(struct sim *s)
                 warm_caches(s);
         s->t_start = kvf_now_ns();
         s->cpu_start_s = kvf_sim_cpu_s();
+        s->event_wait_ns = 0;
+        s->gpu_wait_start_ns = s->sg ? sim_gpu_wait_ns(s->sg) : 0;
         for (unsigned p = 0; p < s->npre; p++) {
                 struct engine *e = &eng[p];
                 /* Steps grow for the life of an instance: continue after the last one published. */
@@ -709,6 +711,8 @@ int kvf_sim_run(struct sim *s)
         while (s->done_reqs < kvf_sim_counted(s) && kvf_now_ns() < end)
                 kvf_sim_poll_events(s, 10);
         s->secs = (double)(kvf_now_ns() - s->t_start) / 1e9;
+        s->event_wait_s = (double)s->event_wait_ns / 1e9;
+        s->gpu_wait_s = s->sg ? (double)(sim_gpu_wait_ns(s->sg) - s->gpu_wait_start_ns) / 1e9 : 0;
         drain_previous(s);
         if (!o->quiet)
                 kvf_sim_progress_line(s, true);

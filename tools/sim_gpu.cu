@@ -59,6 +59,7 @@ struct sim_gpu {
         uint32_t *clk_host, *clk_dev;
         unsigned long long clk_g, clk_h, clk_rtt, clk_at;
         unsigned long long clk_drift_max; /* the largest correction a recalibration made */
+        unsigned long long wait_ns;       /* spent in stream synchronizations (sync()) */
         bool timeline;
         uint64_t launched_ns;         /* rank 0's latest layer, launched */
         volatile uint64_t hostfn_ns;  /* ... and a host function queued after it ran */
@@ -69,6 +70,15 @@ static unsigned long long now_ns(void)
         struct timespec ts;
         clock_gettime(CLOCK_MONOTONIC, &ts);
         return (unsigned long long)ts.tv_sec * 1000000000ull + (unsigned long long)ts.tv_nsec;
+}
+
+/* A stream synchronization, its wait counted in g->wait_ns. */
+static cudaError_t sync(struct sim_gpu *g, cudaStream_t s)
+{
+        unsigned long long t0 = now_ns();
+        cudaError_t e = cudaStreamSynchronize(s);
+        g->wait_ns += now_ns() - t0;
+        return e;
 }
 
 static int cuda_fail(cudaError_t e, const char *what)
@@ -92,6 +102,41 @@ __device__ static inline unsigned long long gtimer(void)
 }
 
 /*
+ * Rows of rw words (mixed mode): word k holds key + (k / rw) * SIM_GPU_ROW_STEP + (k % rw) *
+ * PATTERN_STEP. A thread visits k = threadIdx.x, + blockDim.x, ...: it divides once for its
+ * first word, then steps its column (and row, on a wrap) by blockDim.x words: an add or two per
+ * word, as the equal layouts' pattern costs, where a 64-bit division and remainder per word
+ * cost tens of instructions and would charge the simulator's work to the rows of other splits.
+ */
+struct row_walk {
+        unsigned long long v;     /* the current word's value */
+        unsigned col, rw, scol;   /* its column, the row's words, the column step */
+        unsigned long long dstep; /* the value's step without a wrap */
+};
+
+__device__ static inline struct row_walk walk_start(unsigned long long key, unsigned long long rw)
+{
+        struct row_walk a;
+        unsigned r = (unsigned)rw, srow = blockDim.x / r;
+        a.rw = r;
+        a.col = threadIdx.x % r;
+        a.scol = blockDim.x % r;
+        a.v = key + (unsigned long long)(threadIdx.x / r) * SIM_GPU_ROW_STEP + a.col * PATTERN_STEP;
+        a.dstep = srow * SIM_GPU_ROW_STEP + a.scol * PATTERN_STEP;
+        return a;
+}
+
+__device__ static inline void walk_next(struct row_walk *a)
+{
+        a->v += a->dstep;
+        a->col += a->scol;
+        if (a->col >= a->rw) { /* into the next row: one row on, rw columns back */
+                a->col -= a->rw;
+                a->v += SIM_GPU_ROW_STEP - (unsigned long long)a->rw * PATTERN_STEP;
+        }
+}
+
+/*
  * One wave's block: write a share of the layer's blocks, then stay on its SM
  * until block_ns after it started; the layer's end is the last block's end.
  */
@@ -102,12 +147,14 @@ __global__ void __launch_bounds__(1024, 2)
         for (unsigned i = blockIdx.x; i < n; i += gridDim.x) {
                 unsigned long long *w = (unsigned long long *)d[i].ptr;
                 unsigned long long key = d[i].key, words = d[i].words, rw = d[i].rw;
-                if (rw == words)
+                if (rw == words) {
                         for (unsigned long long k = threadIdx.x; k < words; k += blockDim.x)
                                 w[k] = key + k * PATTERN_STEP;
-                else
-                        for (unsigned long long k = threadIdx.x; k < words; k += blockDim.x)
-                                w[k] = key + (k / rw) * SIM_GPU_ROW_STEP + (k % rw) * PATTERN_STEP;
+                } else {
+                        struct row_walk a = walk_start(key, rw);
+                        for (unsigned long long k = threadIdx.x; k < words; k += blockDim.x, walk_next(&a))
+                                w[k] = a.v;
+                }
         }
         while (gtimer() - t0 < block_ns) {
         }
@@ -122,12 +169,14 @@ __global__ void check_kernel(const struct desc *d, unsigned n, unsigned long lon
                 const unsigned long long *w = (const unsigned long long *)d[i].ptr;
                 unsigned long long key = d[i].key, words = d[i].words, rw = d[i].rw;
                 int bad = 0;
-                if (rw == words)
+                if (rw == words) {
                         for (unsigned long long k = threadIdx.x; k < words; k += blockDim.x)
                                 bad |= w[k] != key + k * PATTERN_STEP;
-                else
-                        for (unsigned long long k = threadIdx.x; k < words; k += blockDim.x)
-                                bad |= w[k] != key + (k / rw) * SIM_GPU_ROW_STEP + (k % rw) * PATTERN_STEP;
+                } else {
+                        struct row_walk a = walk_start(key, rw);
+                        for (unsigned long long k = threadIdx.x; k < words; k += blockDim.x, walk_next(&a))
+                                bad |= w[k] != a.v;
+                }
                 if (__syncthreads_or(bad) && threadIdx.x == 0) {
                         atomicAdd(&res[0], 1ull);
                         atomicMin(&res[1], (unsigned long long)i);
@@ -294,12 +343,12 @@ static void CUDART_CB stamp_hostfn(void *arg)
 
 /* Room for one more descriptor in x's arena; when full, wait for the stream (its kernels read
  * the arena) and start over, carrying the batch being built; grow if that batch fills it. */
-static int room(struct side *x)
+static int room(struct sim_gpu *g, struct side *x)
 {
         if (x->used < x->cap)
                 return 0;
         CK(cudaSetDevice(x->dev), "cudaSetDevice");
-        CK(cudaStreamSynchronize(x->s), "cudaStreamSynchronize");
+        CK(sync(g, x->s), "cudaStreamSynchronize");
         size_t n = x->used - x->start;
         if (x->start) {
                 memmove(x->host, x->host + x->start, n * sizeof(struct desc));
@@ -319,9 +368,9 @@ static int room(struct side *x)
         return 0;
 }
 
-static int queue(struct side *x, const void *ptr, uint64_t bytes, uint64_t key, uint64_t row_bytes)
+static int queue(struct sim_gpu *g, struct side *x, const void *ptr, uint64_t bytes, uint64_t key, uint64_t row_bytes)
 {
-        if (room(x) < 0)
+        if (room(g, x) < 0)
                 return -1;
         x->host[x->used++] = (struct desc){(unsigned long long)(uintptr_t)ptr, bytes / 8, key, row_bytes / 8};
         return 0;
@@ -329,7 +378,7 @@ static int queue(struct side *x, const void *ptr, uint64_t bytes, uint64_t key, 
 
 extern "C" int sim_gpu_fill(struct sim_gpu *g, unsigned rank, void *ptr, uint64_t bytes, uint64_t key)
 {
-        return queue(&g->pre[rank], ptr, bytes, key, bytes);
+        return queue(g, &g->pre[rank], ptr, bytes, key, bytes);
 }
 
 extern "C" int sim_gpu_fill_rows(struct sim_gpu *g, unsigned rank, void *ptr, uint32_t rows, uint64_t row_bytes,
@@ -340,7 +389,7 @@ extern "C" int sim_gpu_fill_rows(struct sim_gpu *g, unsigned rank, void *ptr, ui
                         (unsigned long long)row_bytes);
                 return -1;
         }
-        return queue(&g->pre[rank], ptr, (uint64_t)rows * row_bytes, key, row_bytes);
+        return queue(g, &g->pre[rank], ptr, (uint64_t)rows * row_bytes, key, row_bytes);
 }
 
 extern "C" int sim_gpu_layer(struct sim_gpu *g, unsigned rank, struct kvf_client *c, uint64_t step, uint32_t layer,
@@ -380,7 +429,7 @@ extern "C" int sim_gpu_step_end(struct sim_gpu *g, uint64_t *last_ns)
         for (unsigned k = 0; k < g->ranks; k++) {
                 struct side *x = &g->pre[k];
                 CK(cudaSetDevice(x->dev), "cudaSetDevice");
-                CK(cudaStreamSynchronize(x->s), "the step's kernels");
+                CK(sync(g, x->s), "the step's kernels");
                 x->start = x->used = 0;
         }
         struct side *p = &g->pre[0];
@@ -395,6 +444,11 @@ extern "C" int sim_gpu_step_end(struct sim_gpu *g, uint64_t *last_ns)
         return 0;
 }
 
+extern "C" uint64_t sim_gpu_wait_ns(const struct sim_gpu *g)
+{
+        return g->wait_ns;
+}
+
 extern "C" uint64_t sim_gpu_clock_drift(const struct sim_gpu *g)
 {
         return g->clk_drift_max;
@@ -402,7 +456,7 @@ extern "C" uint64_t sim_gpu_clock_drift(const struct sim_gpu *g)
 
 extern "C" int sim_gpu_expect(struct sim_gpu *g, unsigned rank, const void *ptr, uint64_t bytes, uint64_t key)
 {
-        return queue(&g->dec[rank], ptr, bytes, key, bytes);
+        return queue(g, &g->dec[rank], ptr, bytes, key, bytes);
 }
 
 extern "C" int sim_gpu_expect_rows(struct sim_gpu *g, unsigned rank, const void *ptr, uint32_t rows,
@@ -413,7 +467,7 @@ extern "C" int sim_gpu_expect_rows(struct sim_gpu *g, unsigned rank, const void 
                         (unsigned long long)row_bytes);
                 return -1;
         }
-        return queue(&g->dec[rank], ptr, (uint64_t)rows * row_bytes, key, row_bytes);
+        return queue(g, &g->dec[rank], ptr, (uint64_t)rows * row_bytes, key, row_bytes);
 }
 
 extern "C" long sim_gpu_check(struct sim_gpu *g, unsigned rank, uint64_t *first_bad)
@@ -431,7 +485,7 @@ extern "C" long sim_gpu_check(struct sim_gpu *g, unsigned rank, uint64_t *first_
         CK(cudaGetLastError(), "check kernel launch");
         CK(cudaMemcpyAsync(x->h_words, x->d_words, 2 * sizeof(unsigned long long), cudaMemcpyDeviceToHost, x->s),
            "cudaMemcpy");
-        CK(cudaStreamSynchronize(x->s), "the check kernel");
+        CK(sync(g, x->s), "the check kernel");
         x->start = x->used = 0;
         *first_bad = x->h_words[1];
         return (long)x->h_words[0];

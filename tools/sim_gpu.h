@@ -67,6 +67,8 @@ int sim_gpu_step_end(struct sim_gpu *g, uint64_t *last_ns);
 /* The largest correction of the GPU clock's mapping to ours at a recalibration (every second):
  * how far a GPU end time may be off. */
 uint64_t sim_gpu_clock_drift(const struct sim_gpu *g);
+/* The time this process spent waiting for the GPU so far (stream synchronizations), ns. */
+uint64_t sim_gpu_wait_ns(const struct sim_gpu *g);
 int sim_gpu_expect(struct sim_gpu *g, unsigned rank, const void *ptr, uint64_t bytes, uint64_t key);
 /* Decode, mixed mode: rows expected as sim_gpu_fill_rows writes them. */
 int sim_gpu_expect_rows(struct sim_gpu *g, unsigned rank, const void *ptr, uint32_t rows,

@@ -88,7 +88,7 @@ int kvf_sim_tp_setup(struct sim *s)
 {
         const struct kvf_layout_info *P = &s->L, *D = &s->Ld;
         const unsigned p = s->o.ranks, d = s->o.dranks;
-        s->mixed = p != d || P->kv_heads != D->kv_heads || P->block_size != D->block_size;
+        s->mixed = s->o.per_head || p != d || P->kv_heads != D->kv_heads || P->block_size != D->block_size;
         if (!s->mixed)
                 return 0;
         struct kvf_cache_layout pl, dl;

@@ -542,7 +542,10 @@ static void poll_parts(struct sim *s, int timeout_ms)
                                            (k - s->npre * s->o.ranks) % s->o.dranks);
                 struct kvf_event ev;
                 /* (an event found here is handled at once, by the rank's own handler) */
-                if (kvf_poll(c, &ev, 1) > 0) {
+                uint64_t t0 = kvf_now_ns();
+                int got = kvf_poll(c, &ev, 1);
+                s->event_wait_ns += kvf_now_ns() - t0;
+                if (got > 0) {
                         if (k < s->npre * s->o.ranks)
                                 on_completion_part(s, k / s->o.ranks, k % s->o.ranks, &ev);
                         else
@@ -578,7 +581,13 @@ void kvf_sim_poll_events(struct sim *s, int timeout_ms)
         /* One doorbell per instance and no way to sleep on several: wait on the prefill
          * instance whose completion is likely next, then take what every one has. */
         unsigned w = s->npre > 1 && timeout_ms ? likely_next(s) : 0;
-        while (kvf_group_poll(s->pre[w].g, &ev, timeout_ms) > 0) {
+        for (;;) {
+                uint64_t t0 = kvf_now_ns();
+                int got = kvf_group_poll(s->pre[w].g, &ev, timeout_ms);
+                if (timeout_ms)
+                        s->event_wait_ns += kvf_now_ns() - t0;
+                if (got <= 0)
+                        break;
                 timeout_ms = 0;
                 on_completion(s, w, &ev);
         }

@@ -655,6 +655,43 @@ static int fold(struct kvf_group *g, unsigned rank, struct kvf_event *ev)
         return 1;
 }
 
+struct members {
+        struct kvf_client *const *m;
+        unsigned n;
+};
+
+static bool members_have_work(void *arg)
+{
+        const struct members *ms = arg;
+        for (unsigned i = 0; i < ms->n; i++)
+                if (engine_has_work(ms->m[i]))
+                        return true;
+        return false;
+}
+
+/*
+ * Sleep until one of n instances has an event for the engine, or `left` ns (at most a
+ * heartbeat: the caller's poll_event() beats between waits). On every engine doorbell at once
+ * where the kernel has futex_waitv; else on each in turn (*turn) for at most a millisecond.
+ */
+static void wait_members(struct kvf_client *const *m, unsigned n, unsigned *turn, uint64_t left)
+{
+        uint64_t beat = kvf_ms(m[0]->ctl.hdr->heartbeat_ms);
+        if (left > beat)
+                left = beat;
+        if (n <= KVF_DOORBELL_ANY_MAX) {
+                struct kvf_doorbell *bells[KVF_DOORBELL_ANY_MAX];
+                for (unsigned i = 0; i < n; i++)
+                        bells[i] = &m[i]->ctl.bells[KVF_BELL_ENGINE];
+                struct members ms = {m, n};
+                if (kvf_doorbell_wait_any(bells, n, members_have_work, &ms, 0, left) != -ENOSYS)
+                        return;
+        }
+        struct kvf_client *c = m[(*turn)++ % n];
+        kvf_doorbell_wait(&c->ctl.bells[KVF_BELL_ENGINE], engine_has_work, c, 0,
+                          left < 1000000ull ? left : 1000000ull);
+}
+
 static int group_poll(struct kvf_group *g, struct kvf_event *ev, int timeout_ms)
 {
         uint64_t end = timeout_ms < 0 ? UINT64_MAX : kvf_now_ns() + kvf_ms(timeout_ms);
@@ -683,14 +720,49 @@ static int group_poll(struct kvf_group *g, struct kvf_event *ev, int timeout_ms)
                 uint64_t now = kvf_now_ns();
                 if (now >= end)
                         return 0;
-                /* One doorbell per instance and no way to sleep on several:
-                 * sleep on each in turn for at most a millisecond. */
-                unsigned i = g->next++ % g->n;
-                uint64_t left = end - now;
-                struct kvf_client *c = g->m[i];
-                kvf_doorbell_wait(&c->ctl.bells[KVF_BELL_ENGINE], engine_has_work, c, 0,
-                                  left < 1000000ull ? left : 1000000ull);
+                wait_members(g->m, g->n, &g->next, end - now);
         }
+}
+
+/* Served in turn across calls (per thread): a busy client cannot starve the others. */
+static _Thread_local unsigned any_turn;
+
+static int poll_any(struct kvf_client *const *cs, unsigned n, struct kvf_event *ev, int timeout_ms)
+{
+        if (!cs || n == 0 || n > KVF_DOORBELL_ANY_MAX)
+                return kvf_err_set(-EINVAL, "kvf_poll_any: 1 to %u clients, not %u", KVF_DOORBELL_ANY_MAX, n);
+        for (unsigned i = 0; i < n; i++)
+                if (!cs[i])
+                        return kvf_err_set(-EINVAL, "kvf_poll_any: client %u is NULL", i);
+        uint64_t end = timeout_ms < 0 ? UINT64_MAX : kvf_now_ns() + kvf_ms(timeout_ms);
+        for (;;) {
+                for (unsigned k = 0; k < n; k++) {
+                        unsigned i = (any_turn + k) % n;
+                        int rc = poll_event(cs[i], ev, 0);
+                        if (rc < 0)
+                                return kvf_err_ctx(rc, "client %u", i);
+                        if (rc > 0) {
+                                ev->rank = i;
+                                any_turn = i + 1;
+                                return 1;
+                        }
+                }
+                uint64_t now = kvf_now_ns();
+                if (now >= end)
+                        return 0;
+                wait_members(cs, n, &any_turn, end - now);
+        }
+}
+
+int kvf_poll_any_sized(struct kvf_client *const *cs, unsigned n, struct kvf_event *ev, size_t ev_size,
+                       int timeout_ms)
+{
+        struct kvf_event e;
+        int rc = kvf_abi_size_check(ev_size, KVF_EVENT_SIZE_ABI1, "struct kvf_event");
+        if (rc < 0 || (rc = poll_any(cs, n, &e, timeout_ms)) <= 0)
+                return rc;
+        kvf_abi_copy_out(ev, ev_size, &e, sizeof(e));
+        return rc;
 }
 
 int kvf_group_poll_sized(struct kvf_group *g, struct kvf_event *ev, size_t ev_size, int timeout_ms)

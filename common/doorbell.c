@@ -274,6 +274,76 @@ static int poll_expected(struct kvf_doorbell *bell, bool (*has_work)(void *ctx),
         return 0;
 }
 
+#ifndef SYS_futex_waitv
+#define SYS_futex_waitv 449 /* the generic and x86-64 number (Linux 5.16) */
+#endif
+#ifndef FUTEX2_SIZE_U32
+#define FUTEX2_SIZE_U32 0x02
+#endif
+
+/* The vector futex_waitv(2) takes (linux/futex.h's struct futex_waitv, kept here for headers
+ * older than 5.16). */
+struct waitv {
+        uint64_t val;
+        uint64_t uaddr;
+        uint32_t flags;
+        uint32_t reserved;
+};
+
+static int waitv_missing; /* futex_waitv refused once: every later call says -ENOSYS */
+
+int kvf_doorbell_wait_any(struct kvf_doorbell *const *bells, unsigned n, bool (*has_work)(void *ctx),
+                          void *ctx, unsigned spins, uint64_t timeout_ns)
+{
+        if (n == 0 || n > KVF_DOORBELL_ANY_MAX)
+                return -EINVAL;
+        if (kvf_load_relaxed(&waitv_missing))
+                return -ENOSYS;
+        for (unsigned i = 0; i < spins; i++) {
+                if (has_work(ctx))
+                        return 1;
+                kvf_cpu_relax();
+        }
+        for (unsigned i = 0; i < n; i++)
+                if (poll_expected(bells[i], has_work, ctx))
+                        return 2;
+        struct waitv w[KVF_DOORBELL_ANY_MAX];
+        bool shorter = false;
+        for (unsigned i = 0; i < n; i++) {
+                uint32_t seq = kvf_doorbell_prepare(bells[i]);
+                shorter |= short_sleep;
+                /* shared futexes (no FUTEX_PRIVATE_FLAG): the words are in MAP_SHARED
+                 * mappings, woken by the producers' FUTEX_WAKE on the same key */
+                w[i] = (struct waitv){.val = seq, .uaddr = (uint64_t)(uintptr_t)futex_word(bells[i]),
+                                      .flags = FUTEX2_SIZE_U32};
+        }
+        if (has_work(ctx)) {
+                for (unsigned i = 0; i < n; i++)
+                        kvf_doorbell_cancel(bells[i], (uint32_t)w[i].val);
+                return 1;
+        }
+        if (shorter && timeout_ns > SHORT_SLEEP_NS)
+                timeout_ns = SHORT_SLEEP_NS;
+        /* an absolute CLOCK_MONOTONIC deadline */
+        uint64_t until = kvf_now_ns() + timeout_ns;
+        struct timespec ts = {.tv_sec = (time_t)(until / 1000000000ull), .tv_nsec = (long)(until % 1000000000ull)};
+        long rc = syscall(SYS_futex_waitv, w, n, 0, &ts, CLOCK_MONOTONIC);
+        int err = rc < 0 ? errno : 0;
+        /* Withdraw every announcement a wake did not (a bell whose seq moved was bumped,
+         * and the bump withdrew it). */
+        for (unsigned i = 0; i < n; i++) {
+                kvf_doorbell_cancel(bells[i], (uint32_t)w[i].val);
+                kvf_store_relaxed(&bells[i]->sleeps, kvf_load_relaxed(&bells[i]->sleeps) + 1);
+        }
+        /* woken (rc: which), a word already moved (EAGAIN), a timeout or a signal: a round;
+         * anything else (ENOSYS, a seccomp filter's EPERM) says the call is not there */
+        if (err && err != EAGAIN && err != ETIMEDOUT && err != EINTR) {
+                kvf_store_relaxed(&waitv_missing, 1);
+                return -ENOSYS;
+        }
+        return 0;
+}
+
 int kvf_doorbell_wait(struct kvf_doorbell *bell, bool (*has_work)(void *ctx), void *ctx,
                       unsigned spins, uint64_t timeout_ns)
 {

@@ -94,4 +94,16 @@ void kvf_doorbell_expect(struct kvf_doorbell *bell, uint64_t until_ns);
 int kvf_doorbell_wait(struct kvf_doorbell *bell, bool (*has_work)(void *ctx), void *ctx,
                       unsigned spins, uint64_t timeout_ns);
 
+/*
+ * kvf_doorbell_wait() on up to KVF_DOORBELL_ANY_MAX doorbells at once (one thread consuming
+ * several instances' rings: a group of ranks, kvf_poll_any): has_work(ctx) looks at all of
+ * them; the sleep is one futex_waitv(2) (Linux 5.16) on every bell, so whichever rings wakes
+ * it at once. Returns as kvf_doorbell_wait(), or -ENOSYS where the kernel or a seccomp filter
+ * refuses futex_waitv (remembered for the process): the caller then sleeps on one bell at a
+ * time, bounded, as before; -EINVAL for n of 0 or over the maximum.
+ */
+#define KVF_DOORBELL_ANY_MAX 64u
+int kvf_doorbell_wait_any(struct kvf_doorbell *const *bells, unsigned n, bool (*has_work)(void *ctx),
+                          void *ctx, unsigned spins, uint64_t timeout_ns);
+
 #endif

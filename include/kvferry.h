@@ -136,7 +136,8 @@ struct kvf_event {
         char reason[240];     /* empty when finished */
         uint64_t bytes;       /* bytes moved */
         uint32_t blocks;      /* destination blocks written */
-        uint32_t rank;        /* group member that produced it (kvf_group_poll) */
+        uint32_t rank;        /* group member that produced it (kvf_group_poll); the client's
+                               * index in the array kvf_poll_any() took */
         uint64_t accept_ns;     /* completion: task accepted (CLOCK_MONOTONIC); arrival over ipc:
                                  * the prefill sender posted its finish notice (0 otherwise) */
         uint64_t last_layer_ns; /* completion: the request's last layer became ready */
@@ -325,6 +326,19 @@ int kvf_set_layer_signal(struct kvf_client *c, int method);
 /* Next event (ev_size: the caller's sizeof(*ev), see KVFERRY_ABI): 1 = *ev filled, 0 = none within timeout_ms (-1 waits forever), < 0 error. */
 int kvf_poll_sized(struct kvf_client *c, struct kvf_event *ev, size_t ev_size, int timeout_ms);
 #define kvf_poll(c, ev, timeout_ms) kvf_poll_sized((c), (ev), sizeof(*(ev)), (timeout_ms))
+
+/*
+ * The next event of any of n clients (1 to 64), for one thread that drives several instances
+ * and takes their events one by one (the ranks of a group without kvf_group_poll's folding,
+ * or instances of different groups): 1 = *ev filled and ev->rank = its client's index in cs,
+ * 0 = none within timeout_ms (-1 waits forever), < 0 error (kvf_last_error() names the
+ * client). Clients are served in turn, so a busy one cannot starve the rest. The wait sleeps
+ * on every client's doorbell at once (futex_waitv, Linux 5.16 and later), so an event on any
+ * of them ends it; where the kernel lacks that call, on each in turn for at most 1 ms.
+ */
+int kvf_poll_any_sized(struct kvf_client *const *cs, unsigned n, struct kvf_event *ev, size_t ev_size,
+                       int timeout_ms);
+#define kvf_poll_any(cs, n, ev, timeout_ms) kvf_poll_any_sized((cs), (n), (ev), sizeof(*(ev)), (timeout_ms))
 
 /*
  * A group of instances, one per tensor-parallel rank. kvf_group_poll()

@@ -523,34 +523,46 @@ static int take_parts(struct sim *s)
         return any;
 }
 
-/* Mixed mode: take every event there is; when there is none, wait up to timeout_ms for one.
- * One doorbell per rank and no way to sleep on several: sleep on each rank of each instance
- * in turn, at most a millisecond at a time, as kvf_group_poll does. */
+/* Mixed mode: rank k of every rank of every instance, prefill ranks first. */
+static struct kvf_client *part_client(struct sim *s, unsigned k)
+{
+        const unsigned np = s->npre * s->o.ranks;
+        return k < np ? kvf_group_member(s->pre[k / s->o.ranks].g, k % s->o.ranks)
+                      : kvf_group_member(s->dec[(k - np) / s->o.dranks].g, (k - np) % s->o.dranks);
+}
+
+static void on_part(struct sim *s, unsigned k, const struct kvf_event *ev)
+{
+        const unsigned np = s->npre * s->o.ranks;
+        if (k < np)
+                on_completion_part(s, k / s->o.ranks, k % s->o.ranks, ev);
+        else
+                on_arrival_part(s, (k - np) / s->o.dranks, (k - np) % s->o.dranks, ev);
+}
+
+/* Mixed mode: take every event there is; when there is none, wait up to timeout_ms for one,
+ * on every rank's doorbell at once (kvf_poll_any); with more ranks than it takes, on each in
+ * turn, at most a millisecond at a time. */
 static void poll_parts(struct sim *s, int timeout_ms)
 {
         const unsigned n = s->npre * s->o.ranks + s->ndec * s->o.dranks;
         uint64_t end = kvf_now_ns() + (uint64_t)timeout_ms * 1000000ull;
+        struct kvf_client *cs[64];
+        for (unsigned k = 0; k < n && n <= 64; k++)
+                cs[k] = part_client(s, k);
         while (!take_parts(s) && timeout_ms > 0) {
                 uint64_t now = kvf_now_ns();
                 if (now >= end)
                         return;
-                unsigned k = s->poll_turn++ % n;
-                struct kvf_client *c =
-                    k < s->npre * s->o.ranks
-                        ? kvf_group_member(s->pre[k / s->o.ranks].g, k % s->o.ranks)
-                        : kvf_group_member(s->dec[(k - s->npre * s->o.ranks) / s->o.dranks].g,
-                                           (k - s->npre * s->o.ranks) % s->o.dranks);
                 struct kvf_event ev;
-                /* (an event found here is handled at once, by the rank's own handler) */
+                unsigned k = n <= 64 ? 0 : s->poll_turn++ % n;
+                int left_ms = (int)((end - now + 999999) / 1000000);
                 uint64_t t0 = kvf_now_ns();
-                int got = kvf_poll(c, &ev, 1);
+                int got = n <= 64 ? kvf_poll_any(cs, n, &ev, left_ms) : kvf_poll(part_client(s, k), &ev, 1);
                 s->event_wait_ns += kvf_now_ns() - t0;
                 if (got > 0) {
-                        if (k < s->npre * s->o.ranks)
-                                on_completion_part(s, k / s->o.ranks, k % s->o.ranks, &ev);
-                        else
-                                on_arrival_part(s, (k - s->npre * s->o.ranks) / s->o.dranks,
-                                                (k - s->npre * s->o.ranks) % s->o.dranks, &ev);
+                        /* (an event found here is handled at once, by the rank's own handler) */
+                        on_part(s, n <= 64 ? ev.rank : k, &ev);
                         take_parts(s);
                         return;
                 }

@@ -168,6 +168,7 @@ struct sim {
         /* GPU mode (tools/sim_gpu.h): the caches are on GPUs, each layer is a kernel, the
          * checks run on the GPU. NULL in host mode. */
         struct sim_gpu *sg;
+        bool gpu_content_checked; /* mixed GPU mode: one block read back and checked on the host */
         FILE *timeline; /* --timeline, open while the run goes */
         struct sim_inst pre[KVF_SIM_MAX_INSTANCES], dec[KVF_SIM_MAX_INSTANCES];
         unsigned npre, ndec;
@@ -295,6 +296,9 @@ bool kvf_sim_tp_verify(struct sim *s, const struct sim_req *r);
 /* GPU mode: queue the rows of r's destination blocks on decode rank j's check queue (checked
  * by the next sim_gpu_check of j); their bytes. */
 uint64_t kvf_sim_tp_expect_gpu(struct sim *s, const struct sim_req *r, unsigned j);
+/* GPU mode, once a run: a verified request's first block read back and checked on the host
+ * against the host's keys (false: it differs, said on stderr). */
+bool kvf_sim_tp_gpu_content(struct sim *s, const struct sim_req *r);
 /* The prefill rank of r's instance called `name`, or -1. */
 int kvf_sim_tp_prefill_rank(const struct sim *s, const struct sim_req *r, const char *name);
 

@@ -33,10 +33,12 @@
 #define SPIN_TIMEOUT_NS 2000000000ull
 #define PATTERN_STEP 0x9e3779b97f4a7c15ull /* tools/sim_verify.c pattern(): word k = key + k * this */
 
-/* words from ptr; row r (of rw words each; rw == words: one row) holds the pattern of
- * key + r * SIM_GPU_ROW_STEP (the mixed mode's rows, tools/sim_tp.c) */
+/* heads 0: words from ptr hold the pattern of key (equal layouts); heads > 0: a block's heads
+ * (struct sim_gpu_heads, mixed mode), `words` words each in rows of rw, one after the other from
+ * ptr, their keys made on the GPU (key unused) */
 struct desc {
         unsigned long long ptr, words, key, rw;
+        unsigned seq, head0, heads, layer, tensor, split, t0, pad;
 };
 
 struct side {
@@ -48,9 +50,12 @@ struct side {
         struct desc *dmap;  /* its device alias */
         size_t cap, used;   /* descriptors; [start, used) is the current batch */
         size_t start;
+        bool heads;         /* the batch is heads entries (mixed mode: heads_kernel writes them) */
         unsigned long long *d_words; /* device: [0] layer end stamp (prefill) / bad count, [1] first bad */
         unsigned long long *h_words; /* pinned copy */
 };
+
+static int keys_agree(void);
 
 struct sim_gpu {
         unsigned ranks, dranks, layer_us; /* prefill ranks, decode ranks */
@@ -114,16 +119,23 @@ struct row_walk {
         unsigned long long dstep; /* the value's step without a wrap */
 };
 
-__device__ static inline struct row_walk walk_start(unsigned long long key, unsigned long long rw)
+/* The walk from word k0 (< 2^32) of rows keyed from `key`. */
+__device__ static inline struct row_walk walk_start(unsigned long long key, unsigned rw, unsigned k0)
 {
         struct row_walk a;
-        unsigned r = (unsigned)rw, srow = blockDim.x / r;
-        a.rw = r;
-        a.col = threadIdx.x % r;
-        a.scol = blockDim.x % r;
-        a.v = key + (unsigned long long)(threadIdx.x / r) * SIM_GPU_ROW_STEP + a.col * PATTERN_STEP;
-        a.dstep = srow * SIM_GPU_ROW_STEP + a.scol * PATTERN_STEP;
+        a.rw = rw;
+        a.col = k0 % rw;
+        a.scol = blockDim.x % rw;
+        a.v = key + (unsigned long long)(k0 / rw) * SIM_GPU_ROW_STEP + a.col * PATTERN_STEP;
+        a.dstep = (unsigned long long)(blockDim.x / rw) * SIM_GPU_ROW_STEP + a.scol * PATTERN_STEP;
         return a;
+}
+
+/* This thread's first word at or after `from` (its words are threadIdx.x + j * blockDim.x). */
+__device__ static inline unsigned first_word(unsigned from)
+{
+        return from <= threadIdx.x ? threadIdx.x
+                                   : threadIdx.x + (from - threadIdx.x + blockDim.x - 1) / blockDim.x * blockDim.x;
 }
 
 __device__ static inline void walk_next(struct row_walk *a)
@@ -136,6 +148,39 @@ __device__ static inline void walk_next(struct row_walk *a)
         }
 }
 
+/* tools/sim_tp.c's head key (kvf_sim_head_key), on the GPU: sim_gpu_open checks that the two
+ * agree. */
+__device__ static inline unsigned long long dmix(unsigned long long x)
+{
+        x ^= x >> 33;
+        x *= 0xff51afd7ed558ccdull;
+        x ^= x >> 33;
+        x *= 0xc4ceb9fe1a85ec53ull;
+        x ^= x >> 33;
+        return x;
+}
+
+__device__ static inline unsigned long long dhead_key(unsigned seq, unsigned head, unsigned l, unsigned t, bool partial)
+{
+        unsigned long long b = dmix(((unsigned long long)seq << 20) ^ ((unsigned long long)head << 56) ^
+                                    ((unsigned long long)l << 40) ^ ((unsigned long long)t << 39) ^
+                                    ((unsigned long long)partial << 62));
+        return dmix(b ^ 0x5851f42d4c957f2dull);
+}
+
+/* The key of head h of a heads entry's first row (token t0), full or partial. */
+__device__ static inline unsigned long long entry_key(const struct desc *d, unsigned h, bool partial)
+{
+        return dhead_key(d->seq, d->head0 + h, d->layer, d->tensor, partial) +
+               (unsigned long long)d->t0 * SIM_GPU_ROW_STEP;
+}
+
+__global__ void head_key_kernel(const unsigned *in, unsigned n, unsigned long long *out)
+{
+        for (unsigned i = 0; i < n; i++)
+                out[i] = dhead_key(in[5 * i], in[5 * i + 1], in[5 * i + 2], in[5 * i + 3], in[5 * i + 4] != 0);
+}
+
 /*
  * One wave's block: write a share of the layer's blocks, then stay on its SM
  * until block_ns after it started; the layer's end is the last block's end.
@@ -146,15 +191,9 @@ __global__ void __launch_bounds__(1024, 2)
         unsigned long long t0 = gtimer();
         for (unsigned i = blockIdx.x; i < n; i += gridDim.x) {
                 unsigned long long *w = (unsigned long long *)d[i].ptr;
-                unsigned long long key = d[i].key, words = d[i].words, rw = d[i].rw;
-                if (rw == words) {
-                        for (unsigned long long k = threadIdx.x; k < words; k += blockDim.x)
-                                w[k] = key + k * PATTERN_STEP;
-                } else {
-                        struct row_walk a = walk_start(key, rw);
-                        for (unsigned long long k = threadIdx.x; k < words; k += blockDim.x, walk_next(&a))
-                                w[k] = a.v;
-                }
+                unsigned long long key = d[i].key, words = d[i].words;
+                for (unsigned long long k = threadIdx.x; k < words; k += blockDim.x)
+                        w[k] = key + k * PATTERN_STEP;
         }
         while (gtimer() - t0 < block_ns) {
         }
@@ -163,19 +202,49 @@ __global__ void __launch_bounds__(1024, 2)
                 atomicMax(end, gtimer());
 }
 
+/*
+ * Mixed mode's layer content: heads entries (each head's rows below split with its key, the rest
+ * with its partial key; an entry's words < 2^32: a block), in a kernel of its own ahead of the
+ * layer kernel, which then only keeps the SMs busy (its register budget, 32 a thread for two
+ * 1024-thread blocks per SM, leaves no room for the keys).
+ */
+__global__ void heads_kernel(const struct desc *d, unsigned n)
+{
+        for (unsigned i = blockIdx.x; i < n; i += gridDim.x) {
+                unsigned long long *w = (unsigned long long *)d[i].ptr;
+                unsigned hw = (unsigned)d[i].words, rw = (unsigned)d[i].rw, sw = d[i].split * rw;
+                for (unsigned h = 0; h < d[i].heads; h++, w += hw) {
+                        struct row_walk a = walk_start(entry_key(&d[i], h, false), rw, threadIdx.x);
+                        unsigned k = threadIdx.x;
+                        for (; k < sw; k += blockDim.x, walk_next(&a))
+                                w[k] = a.v;
+                        a = walk_start(entry_key(&d[i], h, true), rw, first_word(sw));
+                        for (k = first_word(sw); k < hw; k += blockDim.x, walk_next(&a))
+                                w[k] = a.v;
+                }
+        }
+}
+
 __global__ void check_kernel(const struct desc *d, unsigned n, unsigned long long *res)
 {
         for (unsigned i = blockIdx.x; i < n; i += gridDim.x) {
                 const unsigned long long *w = (const unsigned long long *)d[i].ptr;
                 unsigned long long key = d[i].key, words = d[i].words, rw = d[i].rw;
                 int bad = 0;
-                if (rw == words) {
+                if (d[i].heads) {
+                        unsigned hw = (unsigned)words, sw = d[i].split * (unsigned)rw;
+                        for (unsigned h = 0; h < d[i].heads; h++, w += hw) {
+                                struct row_walk a = walk_start(entry_key(&d[i], h, false), (unsigned)rw, threadIdx.x);
+                                unsigned k = threadIdx.x;
+                                for (; k < sw; k += blockDim.x, walk_next(&a))
+                                        bad |= w[k] != a.v;
+                                a = walk_start(entry_key(&d[i], h, true), (unsigned)rw, first_word(sw));
+                                for (k = first_word(sw); k < hw; k += blockDim.x, walk_next(&a))
+                                        bad |= w[k] != a.v;
+                        }
+                } else {
                         for (unsigned long long k = threadIdx.x; k < words; k += blockDim.x)
                                 bad |= w[k] != key + k * PATTERN_STEP;
-                } else {
-                        struct row_walk a = walk_start(key, rw);
-                        for (unsigned long long k = threadIdx.x; k < words; k += blockDim.x, walk_next(&a))
-                                bad |= w[k] != a.v;
                 }
                 if (__syncthreads_or(bad) && threadIdx.x == 0) {
                         atomicAdd(&res[0], 1ull);
@@ -300,7 +369,8 @@ extern "C" int sim_gpu_open(struct sim_gpu **out, unsigned ranks, unsigned drank
          * process's other CUDA work (the layer-done host functions too) for milliseconds; an
          * engine that serves has long done so. */
         const void *const kernels[] = {(const void *)layer_kernel, (const void *)check_kernel,
-                                       (const void *)clock_kernel};
+                                       (const void *)clock_kernel, (const void *)head_key_kernel,
+                                       (const void *)heads_kernel};
         for (unsigned i = 0; i < sizeof(kernels) / sizeof(kernels[0]); i++) {
                 struct cudaFuncAttributes a;
                 if (cudaFuncGetAttributes(&a, kernels[i]) != cudaSuccess) {
@@ -312,7 +382,7 @@ extern "C" int sim_gpu_open(struct sim_gpu **out, unsigned ranks, unsigned drank
         cudaError_t e = cudaHostAlloc((void **)&g->clk_host, 64, cudaHostAllocMapped | cudaHostAllocPortable);
         if (e == cudaSuccess)
                 e = cudaHostGetDevicePointer((void **)&g->clk_dev, g->clk_host, 0);
-        if (e != cudaSuccess || calibrate(g) < 0) {
+        if (e != cudaSuccess || keys_agree() < 0 || calibrate(g) < 0) {
                 if (e != cudaSuccess)
                         cuda_fail(e, "clock words");
                 sim_gpu_close(g);
@@ -368,28 +438,78 @@ static int room(struct sim_gpu *g, struct side *x)
         return 0;
 }
 
-static int queue(struct sim_gpu *g, struct side *x, const void *ptr, uint64_t bytes, uint64_t key, uint64_t row_bytes)
+static int queue(struct sim_gpu *g, struct side *x, const void *ptr, uint64_t bytes, uint64_t key)
 {
         if (room(g, x) < 0)
                 return -1;
-        x->host[x->used++] = (struct desc){(unsigned long long)(uintptr_t)ptr, bytes / 8, key, row_bytes / 8};
+        x->host[x->used++] = (struct desc){(unsigned long long)(uintptr_t)ptr, bytes / 8, key, bytes / 8};
+        return 0;
+}
+
+/* A heads entry (sim_gpu_fill_heads, sim_gpu_expect_heads). */
+static int queue_heads(struct sim_gpu *g, struct side *x, void *ptr, const struct sim_gpu_heads *h)
+{
+        if (!h->heads || !h->rows || !h->row_bytes || h->row_bytes % 8 || h->split > h->rows) {
+                fprintf(stderr, "kvf-sim: GPU: %u heads of %u rows of %llu bytes, %u full (rows of a "
+                                "multiple of 8 bytes, at least one head and row, at most every row full)\n",
+                        h->heads, h->rows, (unsigned long long)h->row_bytes, h->split);
+                return -1;
+        }
+        if (room(g, x) < 0)
+                return -1;
+        struct desc d = {};
+        d.ptr = (unsigned long long)(uintptr_t)ptr;
+        d.rw = h->row_bytes / 8;
+        d.words = (unsigned long long)h->rows * d.rw;
+        d.seq = h->seq;
+        d.head0 = h->head0;
+        d.heads = h->heads;
+        d.layer = h->layer;
+        d.tensor = h->tensor;
+        d.split = h->split;
+        d.t0 = h->t0;
+        x->host[x->used++] = d;
+        x->heads = true;
+        return 0;
+}
+
+extern "C" int sim_gpu_fill_heads(struct sim_gpu *g, unsigned rank, void *ptr, const struct sim_gpu_heads *h)
+{
+        return queue_heads(g, &g->pre[rank], ptr, h);
+}
+
+extern "C" int sim_gpu_expect_heads(struct sim_gpu *g, unsigned rank, const void *ptr, const struct sim_gpu_heads *h)
+{
+        return queue_heads(g, &g->dec[rank], (void *)ptr, h);
+}
+
+/* The GPU's head keys against tools/sim_tp.c's, for a few inputs: 0, or -1 saying they differ. */
+static int keys_agree(void)
+{
+        static const unsigned in[] = {0, 0, 0, 0, 0, 7, 3, 31, 1, 1, 123456, 63, 5, 0, 0, 4000000, 1, 60, 1, 1};
+        const unsigned n = sizeof(in) / sizeof(in[0]) / 5;
+        unsigned *din = NULL;
+        unsigned long long *dout = NULL, out[sizeof(in) / sizeof(in[0]) / 5];
+        CK(cudaMalloc((void **)&din, sizeof(in)), "cudaMalloc");
+        CK(cudaMalloc((void **)&dout, sizeof(out)), "cudaMalloc");
+        CK(cudaMemcpy(din, in, sizeof(in), cudaMemcpyHostToDevice), "cudaMemcpy");
+        head_key_kernel<<<1, 1>>>(din, n, dout);
+        CK(cudaGetLastError(), "head key kernel");
+        CK(cudaMemcpy(out, dout, sizeof(out), cudaMemcpyDeviceToHost), "cudaMemcpy");
+        cudaFree(din);
+        cudaFree(dout);
+        for (unsigned i = 0; i < n; i++)
+                if (out[i] != kvf_sim_head_key(in[5 * i], in[5 * i + 1], in[5 * i + 2], in[5 * i + 3], in[5 * i + 4])) {
+                        fprintf(stderr, "kvf-sim: GPU mode: the GPU's head key of (%u, %u, %u, %u, %u) differs from "
+                                        "the host's\n", in[5 * i], in[5 * i + 1], in[5 * i + 2], in[5 * i + 3], in[5 * i + 4]);
+                        return -1;
+                }
         return 0;
 }
 
 extern "C" int sim_gpu_fill(struct sim_gpu *g, unsigned rank, void *ptr, uint64_t bytes, uint64_t key)
 {
-        return queue(g, &g->pre[rank], ptr, bytes, key, bytes);
-}
-
-extern "C" int sim_gpu_fill_rows(struct sim_gpu *g, unsigned rank, void *ptr, uint32_t rows, uint64_t row_bytes,
-                                 uint64_t key)
-{
-        if (!rows || !row_bytes || row_bytes % 8) {
-                fprintf(stderr, "kvf-sim: GPU: rows of %llu bytes (a multiple of 8 is needed)\n",
-                        (unsigned long long)row_bytes);
-                return -1;
-        }
-        return queue(g, &g->pre[rank], ptr, (uint64_t)rows * row_bytes, key, row_bytes);
+        return queue(g, &g->pre[rank], ptr, bytes, key);
 }
 
 extern "C" int sim_gpu_layer(struct sim_gpu *g, unsigned rank, struct kvf_client *c, uint64_t step, uint32_t layer,
@@ -399,12 +519,18 @@ extern "C" int sim_gpu_layer(struct sim_gpu *g, unsigned rank, struct kvf_client
         unsigned long long us = layer_ns / 1000;
         unsigned waves = us / BLOCK_US ? (unsigned)(us / BLOCK_US) : 1;
         unsigned long long block_ns = layer_ns / waves;
+        unsigned n = (unsigned)(x->used - x->start);
         CK(cudaSetDevice(x->dev), "cudaSetDevice");
+        if (x->heads && n) {
+                heads_kernel<<<n < 8u * (unsigned)x->sms ? n : 8u * (unsigned)x->sms, 512, 0, x->s>>>(x->dmap + x->start, n);
+                CK(cudaGetLastError(), "heads kernel launch");
+                n = 0;
+        }
         /* Two 1024-thread blocks per SM fill every thread slot; `waves` of them in a row. */
-        layer_kernel<<<waves * 2u * (unsigned)x->sms, 1024, 0, x->s>>>(x->dmap + x->start, (unsigned)(x->used - x->start),
-                                                                     block_ns, x->d_words);
+        layer_kernel<<<waves * 2u * (unsigned)x->sms, 1024, 0, x->s>>>(x->dmap + x->start, n, block_ns, x->d_words);
         CK(cudaGetLastError(), "layer kernel launch");
         x->start = x->used;
+        x->heads = false;
         if (kvf_layer_done_on_stream(c, (void *)x->s, step, layer) < 0) {
                 fprintf(stderr, "kvf-sim: kvf_layer_done_on_stream(step %llu, layer %u): %s\n",
                         (unsigned long long)step, layer, kvf_last_error());
@@ -456,18 +582,15 @@ extern "C" uint64_t sim_gpu_clock_drift(const struct sim_gpu *g)
 
 extern "C" int sim_gpu_expect(struct sim_gpu *g, unsigned rank, const void *ptr, uint64_t bytes, uint64_t key)
 {
-        return queue(g, &g->dec[rank], ptr, bytes, key, bytes);
+        return queue(g, &g->dec[rank], ptr, bytes, key);
 }
 
-extern "C" int sim_gpu_expect_rows(struct sim_gpu *g, unsigned rank, const void *ptr, uint32_t rows,
-                                   uint64_t row_bytes, uint64_t key)
+extern "C" int sim_gpu_read(struct sim_gpu *g, unsigned rank, const void *ptr, uint64_t bytes, void *out)
 {
-        if (!rows || !row_bytes || row_bytes % 8) {
-                fprintf(stderr, "kvf-sim: GPU: rows of %llu bytes (a multiple of 8 is needed)\n",
-                        (unsigned long long)row_bytes);
-                return -1;
-        }
-        return queue(g, &g->dec[rank], ptr, (uint64_t)rows * row_bytes, key, row_bytes);
+        struct side *x = &g->dec[rank];
+        CK(cudaSetDevice(x->dev), "cudaSetDevice");
+        CK(cudaMemcpy(out, ptr, bytes, cudaMemcpyDeviceToHost), "cudaMemcpy (a block, to the host)");
+        return 0;
 }
 
 extern "C" long sim_gpu_check(struct sim_gpu *g, unsigned rank, uint64_t *first_bad)

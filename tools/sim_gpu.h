@@ -14,9 +14,10 @@
  * Decode: sim_gpu_expect queues blocks with their keys, sim_gpu_check
  * compares every byte on the GPU and counts the blocks that differ.
  * Mixed mode (other tensor-parallel sizes or block sizes on the two sides):
- * the same kernels, with a queue entry per head of a block whose rows (one per
- * token) are keyed by token (sim_gpu_fill_rows, sim_gpu_expect_rows), so the
- * content is what host mixed mode writes and checks, whichever rank holds it.
+ * the same kernels, with a queue entry per block for the rank's heads, each
+ * head's rows (one per token) keyed by head and token on the GPU
+ * (sim_gpu_fill_heads, sim_gpu_expect_heads), so the content is what host
+ * mixed mode writes and checks, whichever rank holds it.
  *
  * Single-threaded (kvf-sim's main thread). Functions return >= 0, or -1
  * after printing why on stderr.
@@ -50,11 +51,22 @@ void sim_gpu_close(struct sim_gpu *g);
 
 /* Prefill: block `ptr` (device memory) of `bytes` gets the pattern of `key` in rank's next layer. */
 int sim_gpu_fill(struct sim_gpu *g, unsigned rank, void *ptr, uint64_t bytes, uint64_t key);
-/* Mixed mode (tools/sim_tp.c): `rows` consecutive rows of row_bytes (a multiple of 8) from ptr,
- * row r with the pattern of key + r * SIM_GPU_ROW_STEP (one head's rows of consecutive tokens:
- * each token's key is the head's key + its position * SIM_GPU_ROW_STEP). */
-int sim_gpu_fill_rows(struct sim_gpu *g, unsigned rank, void *ptr, uint32_t rows, uint64_t row_bytes,
-                      uint64_t key);
+/* Mixed mode, one entry per block: `heads` heads of the model from head0 (the rank's), each
+ * `rows` rows (tokens) of row_bytes, one after another from ptr; head h's row r holds the
+ * pattern of kvf_sim_head_key(seq, head0 + h, layer, tensor, r >= split) + (t0 + r) *
+ * SIM_GPU_ROW_STEP (word k of a row: + k * the pattern's step), the keys made on the GPU (one
+ * entry per block, not per head: the host's work per block is that of equal layouts). Rows of
+ * a multiple of 8 bytes. */
+struct sim_gpu_heads {
+        uint32_t seq, head0, heads, layer, tensor;
+        uint32_t rows, split, t0;
+        uint64_t row_bytes;
+};
+int sim_gpu_fill_heads(struct sim_gpu *g, unsigned rank, void *ptr, const struct sim_gpu_heads *h);
+int sim_gpu_expect_heads(struct sim_gpu *g, unsigned rank, const void *ptr, const struct sim_gpu_heads *h);
+/* tools/sim_tp.c: the key of one head's rows (the GPU makes the same: sim_gpu_open checks). */
+uint64_t kvf_sim_head_key(uint32_t seq, uint32_t head, uint32_t l, uint32_t t, bool partial);
+
 /* Launch rank's layer kernel (what sim_gpu_fill queued), keeping every SM busy for layer_ns, then
  * kvf_layer_done_on_stream(c, step, layer). */
 int sim_gpu_layer(struct sim_gpu *g, unsigned rank, struct kvf_client *c, uint64_t step, uint32_t layer,
@@ -70,9 +82,8 @@ uint64_t sim_gpu_clock_drift(const struct sim_gpu *g);
 /* The time this process spent waiting for the GPU so far (stream synchronizations), ns. */
 uint64_t sim_gpu_wait_ns(const struct sim_gpu *g);
 int sim_gpu_expect(struct sim_gpu *g, unsigned rank, const void *ptr, uint64_t bytes, uint64_t key);
-/* Decode, mixed mode: rows expected as sim_gpu_fill_rows writes them. */
-int sim_gpu_expect_rows(struct sim_gpu *g, unsigned rank, const void *ptr, uint32_t rows,
-                        uint64_t row_bytes, uint64_t key);
+/* Copy `bytes` of decode rank's device memory at ptr into out (host): 0 or -1. */
+int sim_gpu_read(struct sim_gpu *g, unsigned rank, const void *ptr, uint64_t bytes, void *out);
 /* Compare what rank's queue holds, on the GPU: the number of blocks that differ (the queue is
  * emptied), *first_bad the queue index of the first of them. */
 long sim_gpu_check(struct sim_gpu *g, unsigned rank, uint64_t *first_bad);

@@ -18,20 +18,6 @@ int sim_gpu_open(struct sim_gpu **out, unsigned ranks, unsigned dranks, const in
         return -1;
 }
 
-int sim_gpu_fill_rows(struct sim_gpu *g, unsigned rank, void *ptr, uint32_t rows, uint64_t row_bytes,
-                      uint64_t key)
-{
-        (void)g, (void)rank, (void)ptr, (void)rows, (void)row_bytes, (void)key;
-        return -1;
-}
-
-int sim_gpu_expect_rows(struct sim_gpu *g, unsigned rank, const void *ptr, uint32_t rows,
-                        uint64_t row_bytes, uint64_t key)
-{
-        (void)g, (void)rank, (void)ptr, (void)rows, (void)row_bytes, (void)key;
-        return -1;
-}
-
 void sim_gpu_close(struct sim_gpu *g)
 {
         (void)g;
@@ -92,4 +78,22 @@ void sim_gpu_step_times(const struct sim_gpu *g, uint64_t *launched_ns, uint64_t
 {
         (void)g;
         *launched_ns = *hostfn_ns = 0;
+}
+
+int sim_gpu_fill_heads(struct sim_gpu *g, unsigned rank, void *ptr, const struct sim_gpu_heads *h)
+{
+        (void)g, (void)rank, (void)ptr, (void)h;
+        return -1;
+}
+
+int sim_gpu_expect_heads(struct sim_gpu *g, unsigned rank, const void *ptr, const struct sim_gpu_heads *h)
+{
+        (void)g, (void)rank, (void)ptr, (void)h;
+        return -1;
+}
+
+int sim_gpu_read(struct sim_gpu *g, unsigned rank, const void *ptr, uint64_t bytes, void *out)
+{
+        (void)g, (void)rank, (void)ptr, (void)bytes, (void)out;
+        return -1;
 }

@@ -12,6 +12,7 @@
  * a block (its rows' keys follow the token: tools/sim_gpu.h).
  */
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "layout.h"
@@ -32,10 +33,12 @@ static uint64_t mix(uint64_t x)
 /* The key of one head's rows: each token's row is keyed head_key + token * an odd constant, so
  * two tokens' rows differ in every word (and heads, layers, tensors, requests, and rows a chunk
  * left unfinished, by their mixed head key). */
-static uint64_t head_key(uint32_t seq, uint32_t head, uint32_t l, uint32_t t, bool partial)
+uint64_t kvf_sim_head_key(uint32_t seq, uint32_t head, uint32_t l, uint32_t t, bool partial)
 {
         return mix(kvf_sim_block_key(seq, head, l, t, 0, partial) ^ 0x5851f42d4c957f2dull);
 }
+
+#define head_key kvf_sim_head_key
 
 static inline uint64_t row_key(uint64_t hk, uint32_t token)
 {
@@ -139,23 +142,22 @@ void kvf_sim_tp_write(struct sim *s, const struct sim_req *r, unsigned rank, uin
         uint8_t *block = (uint8_t *)kvf_cache_tensor(kvf_group_member(s->pre[r->pi].g, rank), l,
                                                      (int)t) +
                          (uint64_t)r->src[j] * L->block_bytes;
+        if (s->sg) {
+                /* GPU mode: the rank's heads of the block in one entry, the chunk's tokens with
+                 * each head's key and (a block the chunk leaves incomplete) the rest with its
+                 * partial key, every word */
+                uint32_t t0 = j * L->block_size, x1 = L->block_size;
+                if (!last && to < t0 + L->block_size)
+                        x1 = to > t0 ? to - t0 : 0;
+                struct sim_gpu_heads hd = {.seq = r->seq, .head0 = s->pfirst[rank], .heads = s->pcount[rank],
+                                           .layer = l, .tensor = t, .rows = L->block_size, .split = x1,
+                                           .t0 = t0, .row_bytes = rb};
+                sim_gpu_fill_heads(s->sg, rank, block, &hd);
+                return;
+        }
         for (uint32_t h = 0; h < s->pcount[rank]; h++) {
                 uint64_t hk = head_key(r->seq, s->pfirst[rank] + h, l, t, false),
                          hp = head_key(r->seq, s->pfirst[rank] + h, l, t, true);
-                if (s->sg) {
-                        /* GPU mode: the head's rows of the chunk's tokens, then (a block the
-                         * chunk leaves incomplete) the rest with the partial key, every word */
-                        uint32_t t0 = j * L->block_size, x1 = L->block_size;
-                        if (!last && to < t0 + L->block_size)
-                                x1 = to > t0 ? to - t0 : 0;
-                        uint8_t *row0 = block + (uint64_t)h * L->block_size * rb;
-                        if (x1)
-                                sim_gpu_fill_rows(s->sg, rank, row0, x1, rb, row_key(hk, t0));
-                        if (x1 < L->block_size)
-                                sim_gpu_fill_rows(s->sg, rank, row0 + (uint64_t)x1 * rb,
-                                                  L->block_size - x1, rb, row_key(hp, t0 + x1));
-                        continue;
-                }
                 for (uint32_t x = 0; x < L->block_size; x++) {
                         uint32_t token = j * L->block_size + x;
                         if (s->o.sample_only && !sampled(s, r, token))
@@ -177,25 +179,101 @@ uint64_t kvf_sim_tp_expect_gpu(struct sim *s, const struct sim_req *r, unsigned 
         for (uint32_t l = 0; l < s->layers; l++)
                 for (uint32_t t = 0; t < s->tensors; t++) {
                         const uint8_t *base = kvf_cache_tensor(c, l, (int)t);
-                        for (uint32_t b = 0; b < r->n_dst; b++)
-                                for (uint32_t h = 0; h < s->dcount[j]; h++) {
-                                        uint32_t t0 = (r->first + b) * L->block_size;
-                                        if (t0 >= r->tokens)
-                                                break;
-                                        uint32_t rows = r->tokens - t0 < L->block_size
-                                                            ? r->tokens - t0
-                                                            : L->block_size;
-                                        uint64_t hk = head_key(r->seq, s->dfirst[j] + h, l,
-                                                               t, false);
-                                        sim_gpu_expect_rows(
-                                            s->sg, j,
-                                            base + (uint64_t)r->dst[b] * L->block_bytes +
-                                                (uint64_t)h * L->block_size * rb,
-                                            rows, rb, row_key(hk, t0));
-                                        bytes += rows * rb;
+                        for (uint32_t b = 0; b < r->n_dst; b++) {
+                                uint32_t t0 = (r->first + b) * L->block_size;
+                                if (t0 >= r->tokens)
+                                        break;
+                                uint32_t rows = r->tokens - t0 < L->block_size ? r->tokens - t0
+                                                                                : L->block_size;
+                                /* the rank's heads of the block, each head's rows of the tokens
+                                 * it holds (a head's rows are block_size apart) */
+                                for (uint32_t h = 0; h < s->dcount[j] && rows < L->block_size; h++) {
+                                        struct sim_gpu_heads hd = {
+                                            .seq = r->seq, .head0 = s->dfirst[j] + h, .heads = 1, .layer = l,
+                                            .tensor = t, .rows = rows, .split = rows, .t0 = t0, .row_bytes = rb};
+                                        sim_gpu_expect_heads(s->sg, j,
+                                                             base + (uint64_t)r->dst[b] * L->block_bytes +
+                                                                 (uint64_t)h * L->block_size * rb,
+                                                             &hd);
                                 }
+                                if (rows == L->block_size) {
+                                        struct sim_gpu_heads hd = {
+                                            .seq = r->seq, .head0 = s->dfirst[j], .heads = s->dcount[j],
+                                            .layer = l, .tensor = t, .rows = rows, .split = rows, .t0 = t0,
+                                            .row_bytes = rb};
+                                        sim_gpu_expect_heads(s->sg, j, base + (uint64_t)r->dst[b] * L->block_bytes,
+                                                             &hd);
+                                }
+                                bytes += (uint64_t)rows * rb * s->dcount[j];
+                        }
                 }
         return bytes;
+}
+
+/*
+ * Once a run, after a request verified on the GPU: its first destination block of layer 0,
+ * tensor 0 on decode rank 0, read back and checked on the host, every word of every head's rows,
+ * against the host's keys (row_key, kvf_sim_word). The GPU's fill and check kernels agree with
+ * each other by construction; this says they also agree with host mixed mode's content. True
+ * when it holds (or could not be read: said on stderr, not counted against the request).
+ */
+bool kvf_sim_tp_gpu_content(struct sim *s, const struct sim_req *r)
+{
+        const struct kvf_layout_info *L = &s->Ld;
+        const uint64_t rb = row_bytes(L);
+        const uint32_t t0 = r->first * L->block_size;
+        if (s->gpu_content_checked || !r->n_dst || t0 >= r->tokens)
+                return true;
+        s->gpu_content_checked = true;
+        uint32_t rows = r->tokens - t0 < L->block_size ? r->tokens - t0 : L->block_size;
+        uint8_t *buf = malloc(L->block_bytes);
+        const uint8_t *src = (const uint8_t *)kvf_cache_tensor(kvf_group_member(s->dec[r->di].g, 0), 0, 0) +
+                             (uint64_t)r->dst[0] * L->block_bytes;
+        if (!buf || sim_gpu_read(s->sg, 0, src, L->block_bytes, buf) < 0) {
+                fprintf(stderr, "%s: GPU mode: could not read a block back to check it on the host\n", KVF_SIM_PROG);
+                free(buf);
+                return true;
+        }
+        for (uint32_t h = 0; h < s->dcount[0]; h++) {
+                uint64_t hk = head_key(r->seq, s->dfirst[0] + h, 0, 0, false);
+                for (uint32_t x = 0; x < rows; x++)
+                        if (!row_check(buf + ((uint64_t)h * L->block_size + x) * rb, rb / 8, row_key(hk, t0 + x),
+                                       false)) {
+                                fprintf(stderr,
+                                        "%s: request %s: decode rank 0 layer 0 tensor 0 dest block %u head %u "
+                                        "token %u: the GPU's content differs from the host's keys\n",
+                                        KVF_SIM_PROG, r->id, r->dst[0], s->dfirst[0] + h, t0 + x);
+                                free(buf);
+                                return false;
+                        }
+        }
+        free(buf);
+        return true;
+}
+
+/* Which entry of kvf_sim_tp_expect_gpu's queue index `k` is (the order it queues them in). */
+struct expect_at {
+        uint32_t l, t, b, h;
+        bool one_head; /* a partial block's entry: head h alone; else the rank's heads from h */
+};
+
+static struct expect_at expect_entry(const struct sim *s, const struct sim_req *r, unsigned j, uint64_t k)
+{
+        const uint32_t bs = s->Ld.block_size;
+        struct expect_at at = {0};
+        for (at.l = 0; at.l < s->layers; at.l++)
+                for (at.t = 0; at.t < s->tensors; at.t++)
+                        for (at.b = 0; at.b < r->n_dst && (r->first + at.b) * bs < r->tokens; at.b++) {
+                                bool partial = r->tokens - (r->first + at.b) * bs < bs;
+                                uint64_t n = partial ? s->dcount[j] : 1;
+                                if (k < n) {
+                                        at.one_head = partial;
+                                        at.h = s->dfirst[j] + (uint32_t)k;
+                                        return at;
+                                }
+                                k -= n;
+                        }
+        return (struct expect_at){0}; /* (not an index it queued) */
 }
 
 static bool verify_gpu(struct sim *s, const struct sim_req *r)
@@ -205,23 +283,18 @@ static bool verify_gpu(struct sim *s, const struct sim_req *r)
                 uint64_t first = 0;
                 long bad = sim_gpu_check(s->sg, j, &first);
                 if (bad != 0) {
-                        /* the queue's order: layer, tensor, block, head (every block full but
-                         * perhaps the last: the index tells them apart only roughly then) */
-                        uint64_t per_lt = (uint64_t)r->n_dst * s->dcount[j];
-                        uint64_t lt = first / per_lt, bh = first % per_lt;
+                        struct expect_at at = expect_entry(s, r, j, first);
                         fprintf(stderr,
-                                "%s: request %s: decode rank %u: %ld head(s) of blocks differ, the "
-                                "first about layer %llu tensor %llu dest block #%llu head %llu%s\n",
-                                KVF_SIM_PROG, r->id, j, bad, (unsigned long long)(lt / s->tensors),
-                                (unsigned long long)(lt % s->tensors),
-                                (unsigned long long)(bh / s->dcount[j]),
-                                (unsigned long long)(s->dfirst[j] + bh % s->dcount[j]),
+                                "%s: request %s: decode rank %u: %ld block(s) differ, the first layer %u "
+                                "tensor %u dest block %u (#%u) %s %u%s\n",
+                                KVF_SIM_PROG, r->id, j, bad, at.l, at.t, r->dst[at.b], at.b,
+                                at.one_head ? "head" : "heads from", at.h,
                                 bad < 0 ? " (the check itself failed)" : "");
                         return false;
                 }
                 s->verified_bytes += bytes;
         }
-        return true;
+        return kvf_sim_tp_gpu_content(s, r);
 }
 
 bool kvf_sim_tp_verify(struct sim *s, const struct sim_req *r)

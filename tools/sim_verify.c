@@ -410,8 +410,8 @@ static void flush_verify(struct sim *s)
                 struct sim_req *r = s->vq[i];
                 r->verify_pending = false;
                 if (clean) {
-                        r->verified = true;
-                        s->verified_bytes += r->verify_bytes;
+                        r->verified = !s->mixed || kvf_sim_tp_gpu_content(s, r);
+                        s->verified_bytes += r->verified ? r->verify_bytes : 0;
                 } else {
                         verify(s, r); /* one at a time: which, and where */
                 }

@@ -64,7 +64,11 @@ one() {
 assert d["ok"] and d["finished"] == d["requests"] and d["corrupt"] == 0, "not every request verified"
 assert d["gpu"] == (sys.argv[3] == "1"), "kvf-sim ran in the wrong mode"
 print(sys.argv[2], d["seconds"], d["requests_per_s"], d["tasks_per_request"], d["rate_bps"] / 2**30,
-      d["sim_cpu_s"] / d["seconds"], d["sim_event_wait_s"] / d["seconds"], d["sim_gpu_wait_s"] / d["seconds"])' "$j" "$label" "$GPU"
+      d["sim_cpu_s"] / d["seconds"], d["sim_event_wait_s"] / d["seconds"], d["sim_gpu_wait_s"] / d["seconds"])
+ph = d["sim_phase_s"]
+with open(sys.argv[4], "a") as f:
+    print(sys.argv[2], *("%.2f" % (ph[k] / d["seconds"]) for k in ("write", "layer", "step_end", "submit", "poll")), file=f)
+' "$j" "$label" "$GPU" "$OUT/phases.txt"
 }
 
 lscpu | grep 'Model name' || true
@@ -104,3 +108,7 @@ printf '%s\n' "${rows[@]}" | awk '
       printf "%-16s %9.3f %10.1f %8.2f %7.2f %s %s %10d %8.2f %8.2f %8.2f\n", l[i], s[i], r[i], g[i], r[i] / base, sd, ph, t[i], c[i], ew[i], gw[i]
     }
   }'
+echo "where kvf-sim's thread went, as shares of each run: writing or queueing layers' content, layer-done"
+echo "calls (with the engine executor its copies' plans and launches), waiting for a step's kernels,"
+echo "task records, events and verification (with their waits):"
+awk '{ printf "%-16s write %5s  layer %5s  step end %5s  submit %5s  poll %5s\n", $1, $2, $3, $4, $5, $6 }' "$OUT/phases.txt"

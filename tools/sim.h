@@ -46,6 +46,17 @@
 #define KVF_SIM_MAX_RANKS 8
 #define KVF_SIM_MAX_INSTANCES 16u /* per side */
 
+/* What kvf-sim's thread is doing (struct sim's phase_ns; the JSON's sim_phase_s). */
+enum sim_phase {
+        SIM_PH_WRITE,      /* queueing or writing a layer's content */
+        SIM_PH_LAYER,      /* layer-done calls (GPU mode: the layer's kernels and
+                            * kvf_layer_done_on_stream, with the engine executor its copies) */
+        SIM_PH_STEP_END,   /* GPU mode: waiting for a step's kernels */
+        SIM_PH_SUBMIT,     /* task records */
+        SIM_PH_POLL,       /* kvf_sim_poll_events: events, verification, their waits */
+        SIM_PHASES
+};
+
 /* One request, prefill and decode side. Indexed by its number: its id is "r<seq>". */
 struct sim_req {
         uint32_t seq;
@@ -215,6 +226,10 @@ struct sim {
          * kvf_group_poll for an event (a completion or an arrival: the transfer), and waiting
          * for the GPU (sim_gpu_wait_ns: the layer and check kernels, CUDA's copies) */
         uint64_t event_wait_ns, gpu_wait_start_ns;
+        /* ... and where the simulator's thread spent the run, by what it was doing (wall time;
+         * a phase includes the waits inside it: kvf_sim_poll_events its event waits, the step's
+         * end its GPU wait) */
+        uint64_t phase_ns[SIM_PHASES];
         double event_wait_s, gpu_wait_s; /* ... over the run (t_start to secs) */
         double secs;       /* t_start to the last request accounted for (or given up on) */
         int stop; /* SIGTERM/SIGINT (kvf_opt_signals: read with kvf_load_relaxed): admit no more,

@@ -279,7 +279,17 @@ static int cancel_one(struct sim *s, struct kvf_client *c, const char *id, void 
         return 0;
 }
 
+static int submit_task_(struct sim *s, struct sim_req *r, uint64_t step);
+
 static int submit_task(struct sim *s, struct sim_req *r, uint64_t step)
+{
+        uint64_t t0 = kvf_now_ns();
+        int rc = submit_task_(s, r, step);
+        s->phase_ns[SIM_PH_SUBMIT] += kvf_now_ns() - t0;
+        return rc;
+}
+
+static int submit_task_(struct sim *s, struct sim_req *r, uint64_t step)
 {
         const struct sim_inst *pre = &s->pre[r->pi], *dec = &s->dec[r->di];
         for (unsigned k = 0; s->mixed && k < s->o.ranks; k++)
@@ -318,6 +328,7 @@ static int submit_task(struct sim *s, struct sim_req *r, uint64_t step)
 /* Write layer l of request r's blocks covered by tokens [from, to) (all ranks). */
 static void write_layer(struct sim *s, struct sim_req *r, uint32_t l, uint32_t from, uint32_t to)
 {
+        const uint64_t t0 = kvf_now_ns();
         const struct kvf_layout_info *L = &s->L;
         uint32_t j0 = from / L->block_size, j1 = (to + L->block_size - 1) / L->block_size;
         bool last = to >= r->tokens;
@@ -341,6 +352,7 @@ static void write_layer(struct sim *s, struct sim_req *r, uint32_t l, uint32_t f
                         }
                 }
         }
+        s->phase_ns[SIM_PH_WRITE] += kvf_now_ns() - t0;
 }
 
 /* The tokens of r one step prefills: a chunk, or all it has left. */
@@ -462,11 +474,13 @@ static int start_step(struct sim *s, struct engine *e)
 static int end_layer(struct sim *s, struct engine *e)
 {
         uint32_t l = e->layer;
+        uint64_t t0 = kvf_now_ns();
         for (unsigned k = 0; k < s->o.ranks; k++)
                 if (!s->sg)
                         kvf_layer_done(kvf_group_member(e->in->g, k), e->step, l);
                 else if (sim_gpu_layer(s->sg, k, kvf_group_member(e->in->g, k), e->step, l, sim_layer_ns(s, e)) < 0)
                         return -1;               /* GPU mode: a kernel, layer-done on its stream */
+        s->phase_ns[SIM_PH_LAYER] += kvf_now_ns() - t0;
         uint64_t pub = s->sg ? 0 : kvf_now_ns(); /* GPU mode: known at the step's end */
         if (l == s->layers / 2)
                 for (unsigned i = 0; i < e->nactive; i++) {
@@ -492,9 +506,10 @@ static int end_layer(struct sim *s, struct engine *e)
                 return 0;
         }
         if (s->sg) { /* GPU mode: the step's end, and when its last layer ended */
-                uint64_t end_ns;
+                uint64_t end_ns, t1 = kvf_now_ns();
                 if (sim_gpu_step_end(s->sg, &end_ns) < 0)
                         return -1;
+                s->phase_ns[SIM_PH_STEP_END] += kvf_now_ns() - t1;
                 for (unsigned i = 0; i < e->nactive; i++)
                         if (e->to[i] >= e->active[i]->tokens && !e->active[i]->last_layer_ns)
                                 e->active[i]->last_layer_ns = end_ns;
@@ -637,6 +652,7 @@ int kvf_sim_run(struct sim *s)
         s->t_start = kvf_now_ns();
         s->cpu_start_s = kvf_sim_cpu_s();
         s->event_wait_ns = 0;
+        memset(s->phase_ns, 0, sizeof(s->phase_ns));
         s->gpu_wait_start_ns = s->sg ? sim_gpu_wait_ns(s->sg) : 0;
         for (unsigned p = 0; p < s->npre; p++) {
                 struct engine *e = &eng[p];

@@ -440,10 +440,15 @@ static void write_json(const struct sim *s, const struct figures *g, const char 
         fprintf(f,
                 "],\"gpu_clock_drift_max_ns\":%llu,\"prefill_tp\":%u,\"decode_tp\":%u,"
                 "\"prefill_block_tokens\":%u,\"decode_block_tokens\":%u,\"tasks_per_request\":%u,"
-                "\"sim_cpu_s\":%.3f,\"sim_event_wait_s\":%.3f,\"sim_gpu_wait_s\":%.3f}\n",
+                "\"sim_cpu_s\":%.3f,\"sim_event_wait_s\":%.3f,\"sim_gpu_wait_s\":%.3f,"
+                "\"sim_phase_s\":{\"write\":%.3f,\"layer\":%.3f,\"step_end\":%.3f,\"submit\":%.3f,"
+                "\"poll\":%.3f}}\n",
                 s->sg ? (unsigned long long)sim_gpu_clock_drift(s->sg) : 0ull, s->o.ranks,
                 s->o.dranks, s->L.block_size, s->Ld.block_size, s->mixed ? s->ntasks : s->o.ranks,
-                kvf_sim_cpu_s() - s->cpu_start_s, s->event_wait_s, s->gpu_wait_s);
+                kvf_sim_cpu_s() - s->cpu_start_s, s->event_wait_s, s->gpu_wait_s,
+                (double)s->phase_ns[SIM_PH_WRITE] / 1e9, (double)s->phase_ns[SIM_PH_LAYER] / 1e9,
+                (double)s->phase_ns[SIM_PH_STEP_END] / 1e9, (double)s->phase_ns[SIM_PH_SUBMIT] / 1e9,
+                (double)s->phase_ns[SIM_PH_POLL] / 1e9);
         fclose(f);
 }
 

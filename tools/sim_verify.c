@@ -569,7 +569,16 @@ static void poll_parts(struct sim *s, int timeout_ms)
         }
 }
 
+static void poll_events(struct sim *s, int timeout_ms);
+
 void kvf_sim_poll_events(struct sim *s, int timeout_ms)
+{
+        uint64_t t0 = kvf_now_ns();
+        poll_events(s, timeout_ms);
+        s->phase_ns[SIM_PH_POLL] += kvf_now_ns() - t0;
+}
+
+static void poll_events(struct sim *s, int timeout_ms)
 {
         struct kvf_event ev;
         const bool waits = timeout_ms > 0; /* the simulator waits for something: check the batch */

@@ -25,27 +25,32 @@
 # runs (ipc) or tcp frames sent (DATA/DATAV/DATAS). Target: >= 0.9 x the reference.
 # --rounds N: everything N times (each round its own references); the last lines then give each
 # ratio's median over the rounds (one round's ratios move by 0.3 or more on a shared VM).
-# Usage: bench/mixed_tp_bench.sh [--requests N] [--head-dim N] [--no-tcp] [--rounds N]
+# --block-tokens N: N tokens per block on both sides (default 16, vLLM's default; the llama shape
+# of data/model-shapes.json is 64), the regrouped row 2N into N.
+# Usage: bench/mixed_tp_bench.sh [--requests N] [--head-dim N] [--block-tokens N] [--no-tcp] [--rounds N]
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 BUILD=${KVFERRY_BUILD:-$ROOT/build}
 REQ=400
 HDIM=128
+BT=16
 TCP=1
 ROUNDS=1
 while [ $# -gt 0 ]; do
   case "$1" in
     --requests) REQ=$2; shift 2 ;;
     --head-dim) HDIM=$2; shift 2 ;;
+    --block-tokens) BT=$2; shift 2 ;;
     --no-tcp) TCP=0; shift ;;
     --rounds) ROUNDS=$2; shift 2 ;;
     -h|--help) sed -n '2,28p' "$0"; exit 0 ;;
-    *) echo "mixed_tp_bench.sh: unknown option '$1' (--requests N, --head-dim N, --no-tcp, --rounds N)" >&2; exit 2 ;;
+    *) echo "mixed_tp_bench.sh: unknown option '$1' (--requests N, --head-dim N, --block-tokens N, --no-tcp, --rounds N)" >&2; exit 2 ;;
   esac
 done
 BIN=$BUILD/tests/mixed_tp_1_2_8_both
 [ -x "$BIN" ] || { echo "mixed_tp_bench.sh: $BIN is not built (cmake --build build)" >&2; exit 1; }
 [[ "$ROUNDS" =~ ^[1-9][0-9]?$ ]] || { echo "mixed_tp_bench.sh: --rounds takes 1 to 99" >&2; exit 2; }
+[[ "$BT" =~ ^(2|4|8|16|32|64|128)$ ]] || { echo "mixed_tp_bench.sh: --block-tokens takes a power of two, 2 to 128" >&2; exit 2; }
 RATIOS=$(mktemp /tmp/mixed_tp_bench.XXXXXX)
 trap 'rm -f "$RATIOS"' EXIT
 export KVFERRY_BUILD=$BUILD MIXED_TP_REQUESTS=$REQ MIXED_TP_HEAD_DIM=$HDIM
@@ -54,7 +59,9 @@ export KVFERRY_BUILD=$BUILD MIXED_TP_REQUESTS=$REQ MIXED_TP_HEAD_DIM=$HDIM
 one() {
   local out p=$1 d=$2
   shift 2
-  out=$("$ROOT/tests/own_run_dir.sh" "$BIN" "$p" "$d" 8 "$@" 2>/dev/null | grep '^tp ') || {
+  local bs="bs=$BT/$BT"
+  [[ " $* " == *" bs="* ]] && bs=""
+  out=$("$ROOT/tests/own_run_dir.sh" "$BIN" "$p" "$d" 8 $bs "$@" 2>/dev/null | grep '^tp ') || {
     echo "mixed_tp_bench.sh: tp $p->$d $* failed" >&2; exit 1; }
   echo "$out" | sed -n 's/.* \([0-9]*\) bytes sent in \([0-9.]*\) ms.*; \([0-9.]*\) \(copy runs\|tcp frames\) per request/\2 \1 \3/p'
 }
@@ -79,7 +86,7 @@ table() {
 }
 
 lscpu | grep 'Model name' || true
-echo "requests: $REQ, head dim $HDIM, 8 kv heads, 16 tokens/block, 3 layers, K and V, bf16, $ROUNDS round(s)"
+echo "requests: $REQ, head dim $HDIM, 8 kv heads, $BT tokens/block, 3 layers, K and V, bf16, $ROUNDS round(s)"
 # one row against another of the same transport, throughput ratio: OVER A B ROWS... (A's MiB/s over B's)
 over() {
   local a=$1 b=$2 x="" y="" r
@@ -96,14 +103,14 @@ for ((round = 1; round <= ROUNDS; round++)); do
   ref1=$(one 1 1)
   rows=()
   for pd in "2 2" "1 2" "8 8" "2 8" "8 2" "4 4"; do rows+=("${pd/ /->} $(one $pd)"); done
-  rows+=("4->4_bs_32/16 $(one 4 4 bs=32/16)")
+  rows+=("4->4_bs_$((2 * BT))/$BT $(one 4 4 bs=$((2 * BT))/$BT)")
   ref2=$(one 1 1)
   table "ipc (copy runs per request)" "$ref1" "$ref2" "${rows[@]}"
   if [ "$TCP" = 1 ]; then
     tref1=$(one 1 1 tcp)
     trows=()
     for pd in "2 2" "1 2" "8 8" "2 8" "8 2" "4 4"; do trows+=("${pd/ /->} $(one $pd tcp)"); done
-    trows+=("4->4_bs_32/16 $(one 4 4 tcp bs=32/16)")
+    trows+=("4->4_bs_$((2 * BT))/$BT $(one 4 4 tcp bs=$((2 * BT))/$BT)")
     tref2=$(one 1 1 tcp)
     table "tcp (frames per request)" "$tref1" "$tref2" "${trows[@]}"
   fi
@@ -111,7 +118,7 @@ for ((round = 1; round <= ROUNDS; round++)); do
   # request), and regrouped against the same split with one block size
   for t in ipc tcp; do
     [ $t = tcp ] && { [ "$TCP" = 1 ] || continue; r=("${trows[@]}"); } || r=("${rows[@]}")
-    o=("1->2 2->2" "2->8 8->8" "8->2 2->2" "4->4_bs_32/16 4->4")
+    o=("1->2 2->2" "2->8 8->8" "8->2 2->2" "4->4_bs_$((2 * BT))/$BT 4->4")
     line="$t:"
     for x in "${o[@]}"; do
       v=$(over ${x% *} ${x#* } "${r[@]}")

@@ -27,7 +27,11 @@
 # ratio's median over the rounds (one round's ratios move by 0.3 or more on a shared VM).
 # --block-tokens N: N tokens per block on both sides (default 16, vLLM's default; the llama shape
 # of data/model-shapes.json is 64), the regrouped row 2N into N.
-# Usage: bench/mixed_tp_bench.sh [--requests N] [--head-dim N] [--block-tokens N] [--no-tcp] [--rounds N]
+# --warm: every row moves its requests twice and times the second pass (the senders have mapped
+# and touched their peers' caches by then, as a deployment past its first requests has; a first
+# pass also pays each new mapping's page faults, more of them the more peers a sender maps).
+# Usage: bench/mixed_tp_bench.sh [--requests N] [--head-dim N] [--block-tokens N] [--warm] [--no-tcp]
+#                                [--rounds N]
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 BUILD=${KVFERRY_BUILD:-$ROOT/build}
@@ -41,10 +45,11 @@ while [ $# -gt 0 ]; do
     --requests) REQ=$2; shift 2 ;;
     --head-dim) HDIM=$2; shift 2 ;;
     --block-tokens) BT=$2; shift 2 ;;
+    --warm) export MIXED_TP_WARMUP=1; shift ;;
     --no-tcp) TCP=0; shift ;;
     --rounds) ROUNDS=$2; shift 2 ;;
-    -h|--help) sed -n '2,28p' "$0"; exit 0 ;;
-    *) echo "mixed_tp_bench.sh: unknown option '$1' (--requests N, --head-dim N, --block-tokens N, --no-tcp, --rounds N)" >&2; exit 2 ;;
+    -h|--help) sed -n '2,34p' "$0"; exit 0 ;;
+    *) echo "mixed_tp_bench.sh: unknown option '$1' (--requests N, --head-dim N, --block-tokens N, --warm, --no-tcp, --rounds N)" >&2; exit 2 ;;
   esac
 done
 BIN=$BUILD/tests/mixed_tp_1_2_8_both
@@ -86,7 +91,7 @@ table() {
 }
 
 lscpu | grep 'Model name' || true
-echo "requests: $REQ, head dim $HDIM, 8 kv heads, $BT tokens/block, 3 layers, K and V, bf16, $ROUNDS round(s)"
+echo "requests: $REQ, head dim $HDIM, 8 kv heads, $BT tokens/block, 3 layers, K and V, bf16, $ROUNDS round(s)$([ -n "${MIXED_TP_WARMUP:-}" ] && echo ", warm (second pass timed)")"
 # one row against another of the same transport, throughput ratio: OVER A B ROWS... (A's MiB/s over B's)
 over() {
   local a=$1 b=$2 x="" y="" r

@@ -300,10 +300,12 @@ void kvf_sim_poll_events(struct sim *s, int timeout_ms);
 int kvf_sim_tp_setup(struct sim *s);
 /* The task id of r towards decode rank j ("r<seq>.d<j>"). */
 void kvf_sim_tp_task_id(const struct sim_req *r, unsigned j, char *buf, size_t n);
-/* Write layer l, tensor t of r's source block j on prefill rank `rank`: each head's row of
- * each token, stamped per (request, head, token, layer, tensor); rows of tokens at or past
- * `to` are stamped `partial` unless `last`. */
-void kvf_sim_tp_write(struct sim *s, const struct sim_req *r, unsigned rank, uint32_t l,
+/* Write layer l, tensor t of r's source block j on prefill rank `rank` (base: that rank's
+ * kvf_cache_tensor(l, t), looked up once per layer and tensor: the call checks the process,
+ * a system call, too dear per block): each head's row of each token, stamped per (request,
+ * head, token, layer, tensor); rows of tokens at or past `to` are stamped `partial` unless
+ * `last`. */
+void kvf_sim_tp_write(struct sim *s, const struct sim_req *r, unsigned rank, uint8_t *base, uint32_t l,
                       uint32_t t, uint32_t j, uint32_t to, bool last);
 /* Check every head of every token of r's destination blocks on every decode rank; adds to
  * verified_bytes. True when all match (otherwise one message, the first that differs). */

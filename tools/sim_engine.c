@@ -338,7 +338,7 @@ static void write_layer(struct sim *s, struct sim_req *r, uint32_t l, uint32_t f
                         uint8_t *base = kvf_cache_tensor(c, l, (int)t);
                         uint64_t tb = kvf_sim_tensor_bytes(L, t);
                         for (uint32_t j = j0; s->mixed && j < j1 && j < r->n_src; j++)
-                                kvf_sim_tp_write(s, r, k, l, t, j, to, last);
+                                kvf_sim_tp_write(s, r, k, base, l, t, j, to, last);
                         for (uint32_t j = j0; !s->mixed && j < j1 && j < r->n_src; j++) {
                                 /* A block the chunk leaves incomplete gets other bytes: sending it
                                  * before the chunk that completes it would show up in verify. */

@@ -134,14 +134,12 @@ void kvf_sim_tp_task_id(const struct sim_req *r, unsigned j, char *buf, size_t n
         snprintf(buf, n, "%s.d%u", r->id, j);
 }
 
-void kvf_sim_tp_write(struct sim *s, const struct sim_req *r, unsigned rank, uint32_t l,
+void kvf_sim_tp_write(struct sim *s, const struct sim_req *r, unsigned rank, uint8_t *base, uint32_t l,
                       uint32_t t, uint32_t j, uint32_t to, bool last)
 {
         const struct kvf_layout_info *L = &s->L;
         const uint64_t rb = row_bytes(L);
-        uint8_t *block = (uint8_t *)kvf_cache_tensor(kvf_group_member(s->pre[r->pi].g, rank), l,
-                                                     (int)t) +
-                         (uint64_t)r->src[j] * L->block_bytes;
+        uint8_t *block = base + (uint64_t)r->src[j] * L->block_bytes;
         if (s->sg) {
                 /* GPU mode: the rank's heads of the block in one entry, the chunk's tokens with
                  * each head's key and (a block the chunk leaves incomplete) the rest with its

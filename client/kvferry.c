@@ -680,7 +680,7 @@ static void wait_members(struct kvf_client *const *m, unsigned n, unsigned *turn
         if (left > beat)
                 left = beat;
         if (n <= KVF_DOORBELL_ANY_MAX) {
-                struct kvf_doorbell *bells[KVF_DOORBELL_ANY_MAX];
+                struct kvf_doorbell *bells[KVF_DOORBELL_ANY_MAX] = {0}; /* (n of them set) */
                 for (unsigned i = 0; i < n; i++)
                         bells[i] = &m[i]->ctl.bells[KVF_BELL_ENGINE];
                 struct members ms = {m, n};

@@ -41,6 +41,7 @@
 
 #include "kvferry.h"
 #include "shm_layout.h"
+#include "sim_keys.h"
 
 #define KVF_SIM_PROG "kvf-sim"
 #define KVF_SIM_MAX_RANKS 8
@@ -260,10 +261,7 @@ void kvf_sim_pool_give(struct sim_pool *p, const uint32_t *ids, uint32_t n);
 void kvf_sim_free(struct sim *s);
 
 /* sim_verify.c */
-/* The content of block j (in request token order) of one tensor; `partial` for a block a chunk
- * leaves unfinished. */
-uint64_t kvf_sim_block_key(uint32_t seq, unsigned rank, uint32_t layer, uint32_t t, uint32_t j,
-                           bool partial);
+/* (kvf_sim_block_key and kvf_sim_head_key: tools/sim_keys.h) */
 /* Word k of a block (or, mixed mode, of a head's row of a token) stamped with key. */
 static inline uint64_t kvf_sim_word(uint64_t key, uint64_t k)
 {

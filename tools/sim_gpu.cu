@@ -24,6 +24,7 @@
 #include <cuda_runtime.h>
 
 #include "sim_gpu.h"
+#include "sim_keys.h"
 
 #define MAX_RANKS 8
 #define BLOCK_US 10u       /* how long one block of a busy layer lives */
@@ -54,8 +55,6 @@ struct side {
         unsigned long long *d_words; /* device: [0] layer end stamp (prefill) / bad count, [1] first bad */
         unsigned long long *h_words; /* pinned copy */
 };
-
-static int keys_agree(void);
 
 struct sim_gpu {
         unsigned ranks, dranks, layer_us; /* prefill ranks, decode ranks */
@@ -148,37 +147,11 @@ __device__ static inline void walk_next(struct row_walk *a)
         }
 }
 
-/* tools/sim_tp.c's head key (kvf_sim_head_key), on the GPU: sim_gpu_open checks that the two
- * agree. */
-__device__ static inline unsigned long long dmix(unsigned long long x)
-{
-        x ^= x >> 33;
-        x *= 0xff51afd7ed558ccdull;
-        x ^= x >> 33;
-        x *= 0xc4ceb9fe1a85ec53ull;
-        x ^= x >> 33;
-        return x;
-}
-
-__device__ static inline unsigned long long dhead_key(unsigned seq, unsigned head, unsigned l, unsigned t, bool partial)
-{
-        unsigned long long b = dmix(((unsigned long long)seq << 20) ^ ((unsigned long long)head << 56) ^
-                                    ((unsigned long long)l << 40) ^ ((unsigned long long)t << 39) ^
-                                    ((unsigned long long)partial << 62));
-        return dmix(b ^ 0x5851f42d4c957f2dull);
-}
-
 /* The key of head h of a heads entry's first row (token t0), full or partial. */
 __device__ static inline unsigned long long entry_key(const struct desc *d, unsigned h, bool partial)
 {
-        return dhead_key(d->seq, d->head0 + h, d->layer, d->tensor, partial) +
+        return kvf_sim_head_key(d->seq, d->head0 + h, d->layer, d->tensor, partial) +
                (unsigned long long)d->t0 * SIM_GPU_ROW_STEP;
-}
-
-__global__ void head_key_kernel(const unsigned *in, unsigned n, unsigned long long *out)
-{
-        for (unsigned i = 0; i < n; i++)
-                out[i] = dhead_key(in[5 * i], in[5 * i + 1], in[5 * i + 2], in[5 * i + 3], in[5 * i + 4] != 0);
 }
 
 /*
@@ -369,8 +342,7 @@ extern "C" int sim_gpu_open(struct sim_gpu **out, unsigned ranks, unsigned drank
          * process's other CUDA work (the layer-done host functions too) for milliseconds; an
          * engine that serves has long done so. */
         const void *const kernels[] = {(const void *)layer_kernel, (const void *)check_kernel,
-                                       (const void *)clock_kernel, (const void *)head_key_kernel,
-                                       (const void *)heads_kernel};
+                                       (const void *)clock_kernel, (const void *)heads_kernel};
         for (unsigned i = 0; i < sizeof(kernels) / sizeof(kernels[0]); i++) {
                 struct cudaFuncAttributes a;
                 if (cudaFuncGetAttributes(&a, kernels[i]) != cudaSuccess) {
@@ -382,7 +354,7 @@ extern "C" int sim_gpu_open(struct sim_gpu **out, unsigned ranks, unsigned drank
         cudaError_t e = cudaHostAlloc((void **)&g->clk_host, 64, cudaHostAllocMapped | cudaHostAllocPortable);
         if (e == cudaSuccess)
                 e = cudaHostGetDevicePointer((void **)&g->clk_dev, g->clk_host, 0);
-        if (e != cudaSuccess || keys_agree() < 0 || calibrate(g) < 0) {
+        if (e != cudaSuccess || calibrate(g) < 0) {
                 if (e != cudaSuccess)
                         cuda_fail(e, "clock words");
                 sim_gpu_close(g);
@@ -481,30 +453,6 @@ extern "C" int sim_gpu_fill_heads(struct sim_gpu *g, unsigned rank, void *ptr, c
 extern "C" int sim_gpu_expect_heads(struct sim_gpu *g, unsigned rank, const void *ptr, const struct sim_gpu_heads *h)
 {
         return queue_heads(g, &g->dec[rank], (void *)ptr, h);
-}
-
-/* The GPU's head keys against tools/sim_tp.c's, for a few inputs: 0, or -1 saying they differ. */
-static int keys_agree(void)
-{
-        static const unsigned in[] = {0, 0, 0, 0, 0, 7, 3, 31, 1, 1, 123456, 63, 5, 0, 0, 4000000, 1, 60, 1, 1};
-        const unsigned n = sizeof(in) / sizeof(in[0]) / 5;
-        unsigned *din = NULL;
-        unsigned long long *dout = NULL, out[sizeof(in) / sizeof(in[0]) / 5];
-        CK(cudaMalloc((void **)&din, sizeof(in)), "cudaMalloc");
-        CK(cudaMalloc((void **)&dout, sizeof(out)), "cudaMalloc");
-        CK(cudaMemcpy(din, in, sizeof(in), cudaMemcpyHostToDevice), "cudaMemcpy");
-        head_key_kernel<<<1, 1>>>(din, n, dout);
-        CK(cudaGetLastError(), "head key kernel");
-        CK(cudaMemcpy(out, dout, sizeof(out), cudaMemcpyDeviceToHost), "cudaMemcpy");
-        cudaFree(din);
-        cudaFree(dout);
-        for (unsigned i = 0; i < n; i++)
-                if (out[i] != kvf_sim_head_key(in[5 * i], in[5 * i + 1], in[5 * i + 2], in[5 * i + 3], in[5 * i + 4])) {
-                        fprintf(stderr, "kvf-sim: GPU mode: the GPU's head key of (%u, %u, %u, %u, %u) differs from "
-                                        "the host's\n", in[5 * i], in[5 * i + 1], in[5 * i + 2], in[5 * i + 3], in[5 * i + 4]);
-                        return -1;
-                }
-        return 0;
 }
 
 extern "C" int sim_gpu_fill(struct sim_gpu *g, unsigned rank, void *ptr, uint64_t bytes, uint64_t key)

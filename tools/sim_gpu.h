@@ -64,8 +64,6 @@ struct sim_gpu_heads {
 };
 int sim_gpu_fill_heads(struct sim_gpu *g, unsigned rank, void *ptr, const struct sim_gpu_heads *h);
 int sim_gpu_expect_heads(struct sim_gpu *g, unsigned rank, const void *ptr, const struct sim_gpu_heads *h);
-/* tools/sim_tp.c: the key of one head's rows (the GPU makes the same: sim_gpu_open checks). */
-uint64_t kvf_sim_head_key(uint32_t seq, uint32_t head, uint32_t l, uint32_t t, bool partial);
 
 /* Launch rank's layer kernel (what sim_gpu_fill queued), keeping every SM busy for layer_ns, then
  * kvf_layer_done_on_stream(c, step, layer). */

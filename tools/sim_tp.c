@@ -20,25 +20,7 @@
 #include "sim_gpu.h"
 #include "tpsplit.h"
 
-static uint64_t mix(uint64_t x)
-{
-        x ^= x >> 33;
-        x *= 0xff51afd7ed558ccdull;
-        x ^= x >> 33;
-        x *= 0xc4ceb9fe1a85ec53ull;
-        x ^= x >> 33;
-        return x;
-}
-
-/* The key of one head's rows: each token's row is keyed head_key + token * an odd constant, so
- * two tokens' rows differ in every word (and heads, layers, tensors, requests, and rows a chunk
- * left unfinished, by their mixed head key). */
-uint64_t kvf_sim_head_key(uint32_t seq, uint32_t head, uint32_t l, uint32_t t, bool partial)
-{
-        return mix(kvf_sim_block_key(seq, head, l, t, 0, partial) ^ 0x5851f42d4c957f2dull);
-}
-
-#define head_key kvf_sim_head_key
+#define head_key kvf_sim_head_key /* (sim_keys.h) */
 
 static inline uint64_t row_key(uint64_t hk, uint32_t token)
 {

@@ -16,23 +16,6 @@
 #include "sim_gpu.h" /* GPU mode */
 #include "sim_sessions.h"
 
-static uint64_t mix(uint64_t x)
-{
-        x ^= x >> 33;
-        x *= 0xff51afd7ed558ccdull;
-        x ^= x >> 33;
-        x *= 0xc4ceb9fe1a85ec53ull;
-        x ^= x >> 33;
-        return x;
-}
-
-uint64_t kvf_sim_block_key(uint32_t seq, unsigned rank, uint32_t layer, uint32_t t, uint32_t j,
-                           bool partial)
-{
-        return mix(((uint64_t)seq << 20) ^ ((uint64_t)rank << 56) ^ ((uint64_t)layer << 40) ^
-                   ((uint64_t)t << 39) ^ j ^ ((uint64_t)partial << 62));
-}
-
 #define pattern kvf_sim_word
 
 /* The words of an n-word block that fill() and check() visit: all, or with --verify sample
@@ -545,28 +528,31 @@ static void on_part(struct sim *s, unsigned k, const struct kvf_event *ev)
  * turn, at most a millisecond at a time. */
 static void poll_parts(struct sim *s, int timeout_ms)
 {
+        if (take_parts(s) || timeout_ms <= 0)
+                return;
         const unsigned n = s->npre * s->o.ranks + s->ndec * s->o.dranks;
         uint64_t end = kvf_now_ns() + (uint64_t)timeout_ms * 1000000ull;
+        const bool any = n <= 64; /* what kvf_poll_any takes */
         struct kvf_client *cs[64];
-        for (unsigned k = 0; k < n && n <= 64; k++)
+        for (unsigned k = 0; any && k < n; k++)
                 cs[k] = part_client(s, k);
-        while (!take_parts(s) && timeout_ms > 0) {
+        do {
                 uint64_t now = kvf_now_ns();
                 if (now >= end)
                         return;
                 struct kvf_event ev;
-                unsigned k = n <= 64 ? 0 : s->poll_turn++ % n;
+                unsigned k = any ? 0 : s->poll_turn++ % n;
                 int left_ms = (int)((end - now + 999999) / 1000000);
                 uint64_t t0 = kvf_now_ns();
-                int got = n <= 64 ? kvf_poll_any(cs, n, &ev, left_ms) : kvf_poll(part_client(s, k), &ev, 1);
+                int got = any ? kvf_poll_any(cs, n, &ev, left_ms) : kvf_poll(part_client(s, k), &ev, 1);
                 s->event_wait_ns += kvf_now_ns() - t0;
                 if (got > 0) {
                         /* (an event found here is handled at once, by the rank's own handler) */
-                        on_part(s, n <= 64 ? ev.rank : k, &ev);
+                        on_part(s, any ? ev.rank : k, &ev);
                         take_parts(s);
                         return;
                 }
-        }
+        } while (!take_parts(s));
 }
 
 static void poll_events(struct sim *s, int timeout_ms);

@@ -132,7 +132,9 @@ pass "tcp: 20 more transfers observed, $fd descriptors (frames), kvferry_peers{s
 # (Through the connectors' sockets: a same-host notice in a notice ring is counted failed in
 # sender_logic_test.)
 P3=$TAG-u
-up "$P3" --role prefill $L --metrics 127.0.0.1:0 --peer-timeout-ms 300 --connect-timeout-ms 200 --no-notice-rings
+# (A request timeout of 2 s: a finish notice in doubt when its peer died is given up after two.)
+up "$P3" --role prefill $L --metrics 127.0.0.1:0 --peer-timeout-ms 300 --connect-timeout-ms 200 --no-notice-rings \
+  --request-timeout-ms 2000
 dead=$(/usr/bin/python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
 "$B/kvf-sim" --prefill "$P3" --decode "$D" --transport tcp --peer-map "$D=127.0.0.1:$dead" --requests 2 \
   --layer-us 100 --quiet --json "$R/simdead.json" >"$R/simdead.out" 2>&1 || true
@@ -155,18 +157,33 @@ acc0=$(counter "$P3" tasks_accepted) nf0=$(counter "$P3" notices_failed)
 ks=$!
 PIDS+=("$ks")
 wait_counter "$P3" tasks_accepted $((acc0 + 3)) 10000 || fail "no transfer to $D2 started"
+# Its connector frozen first, so that a finish notice is outstanding when it dies: a request
+# whose bytes all landed waits for the answer ('finishing' in the request table). Without the
+# freeze the kill may fall between notices; the requests then fail while moving, with no
+# notice to count. A notice that reached the peer is in doubt (the peer may have published
+# the arrival, and a restarted one answers from its journal): it fails, and counts, once the
+# withdrawal goes unanswered for a request timeout too.
+cp=$(pid_of connector "$D2") || fail "no connector for $D2"
+kill -STOP "$cp"
+finishing() { "$B/kvf-ringdump" --instance "$P3" --json --records 0 | grep -o '"state":"finishing"' | wc -l; }
+for _ in $(seq 100); do [ "$(finishing)" -ge 1 ] && break; sleep 0.1; done
+[ "$(finishing)" -ge 1 ] || fail "no request to $D2 waiting for its notice's answer after its connector froze"
 kp=$(cat "$R/$D2/supervisor.pid")
 kill -KILL "$kp"
 for r in allocator connector sender; do p=$(pid_of $r "$D2") && kill -KILL "$p"; done
-wait_counter "$P3" notices_failed $((nf0 + 1)) 10000 ||
+kill -KILL "$cp" 2>/dev/null || true
+wait_counter "$P3" notices_failed $((nf0 + 1)) 15000 ||
   fail "no failed notification counted after $D2 was killed mid-transfer"
 kill "$ks" 2>/dev/null || true
 wait "$ks" 2>/dev/null || true
+for _ in $(seq 100); do grep -q "never confirmed or denied the arrival" "$R/$P3/sender.log" && break; sleep 0.1; done
+grep -q "never confirmed or denied the arrival" "$R/$P3/sender.log" ||
+  fail "the request whose notice was in doubt did not end 'timed out ... in doubt'"
 t=$(scrape "$P3")
 [ "$(value "$t" "kvferry_num_failed_notifications_total{instance=\"$P3\"}")" -gt "$nf0" ] ||
   fail "kvferry_num_failed_notifications_total did not grow after $D2 was killed"
 "$ROOT/tools/kvferry" down --instance "$D2" >/dev/null 2>&1 || true # (its leftover shared memory)
-pass "a decode instance killed mid-transfer: $(( $(counter "$P3" notices_failed) - nf0 )) failed notifications counted"
+pass "a decode instance killed mid-transfer: $(( $(counter "$P3" notices_failed) - nf0 )) failed notifications counted (the one in doubt once its withdrawal went unanswered)"
 
 # Every family on the page is documented.
 for f in $(sed -n 's/^# TYPE \([a-z_]*\) .*/\1/p' <<<"$tp" | sort -u); do

@@ -151,6 +151,7 @@ struct sender {
         bool sliced;  /* a backlog left a slice for the next turn of the loop */
         bool engine_blocked; /* the next task waits (table full, or its rejection has no room) */
         uint64_t engine_retry_ns; /* ...and is tried again then, or when a slot is freed */
+        uint64_t held_pos; /* 1 + the ring position of the task counted as held back (table full) */
 
         struct ipc_peer peers[SENDER_MAX_PEERS];
         /* copies.c: the batch being gathered, and batches in flight */

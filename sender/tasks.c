@@ -273,8 +273,20 @@ static int accept_task(struct sender *s, struct kvf_record *t, const struct task
                 return reject(s, ref, t->peer, st, "%s", why);
 
         slot = sender_slot_alloc(s);
-        if (slot == UINT32_MAX)
-                return -EAGAIN; /* table full: back-pressure, the task waits in its ring */
+        if (slot == UINT32_MAX) {
+                /* Table full: back-pressure, the task waits in its ring. Counted and said once
+                 * per task held (it is tried again as slots free). */
+                if (s->held_pos != pos + 1) {
+                        s->held_pos = pos + 1;
+                        kvf_count(&s->ctl, KVF_CTR_TASKS_HELD_BACK, 1);
+                        kvf_info("request table full (%u slots, --max-requests): tasks wait in the "
+                                 "engine's ring until requests end; a prefill rank takes one slot "
+                                 "per task, so one per decode rank it sends to under another "
+                                 "tensor-parallel split",
+                                 h->reqtab_slots);
+                }
+                return -EAGAIN;
+        }
 
         struct kvf_req_slot *r = &s->ctl.reqtab[slot];
         uint32_t *blocks = kvf_slot_blocks(&s->ctl, slot);

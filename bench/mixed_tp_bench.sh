@@ -30,8 +30,11 @@
 # --warm: every row moves its requests twice and times the second pass (the senders have mapped
 # and touched their peers' caches by then, as a deployment past its first requests has; a first
 # pass also pays each new mapping's page faults, more of them the more peers a sender maps).
+# --passes N: every row times N passes of its requests on the same instances (after the untimed
+# one of --warm), each verified, and takes their median time (one pass of 500 requests moves by
+# 1.3x between passes on a shared 2-vCPU VM; the median of 7 by a few percent).
 # Usage: bench/mixed_tp_bench.sh [--requests N] [--head-dim N] [--block-tokens N] [--warm] [--no-tcp]
-#                                [--rounds N]
+#                                [--rounds N] [--passes N]
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 BUILD=${KVFERRY_BUILD:-$ROOT/build}
@@ -48,13 +51,15 @@ while [ $# -gt 0 ]; do
     --warm) export MIXED_TP_WARMUP=1; shift ;;
     --no-tcp) TCP=0; shift ;;
     --rounds) ROUNDS=$2; shift 2 ;;
-    -h|--help) sed -n '2,34p' "$0"; exit 0 ;;
-    *) echo "mixed_tp_bench.sh: unknown option '$1' (--requests N, --head-dim N, --block-tokens N, --warm, --no-tcp, --rounds N)" >&2; exit 2 ;;
+    --passes) export MIXED_TP_PASSES=$2; shift 2 ;;
+    -h|--help) sed -n '2,37p' "$0"; exit 0 ;;
+    *) echo "mixed_tp_bench.sh: unknown option '$1' (--requests N, --head-dim N, --block-tokens N, --warm, --no-tcp, --rounds N, --passes N)" >&2; exit 2 ;;
   esac
 done
 BIN=$BUILD/tests/mixed_tp_1_2_8_both
 [ -x "$BIN" ] || { echo "mixed_tp_bench.sh: $BIN is not built (cmake --build build)" >&2; exit 1; }
 [[ "$ROUNDS" =~ ^[1-9][0-9]?$ ]] || { echo "mixed_tp_bench.sh: --rounds takes 1 to 99" >&2; exit 2; }
+[[ "${MIXED_TP_PASSES:-1}" =~ ^([1-9]|1[0-5])$ ]] || { echo "mixed_tp_bench.sh: --passes takes 1 to 15" >&2; exit 2; }
 [[ "$BT" =~ ^(2|4|8|16|32|64|128)$ ]] || { echo "mixed_tp_bench.sh: --block-tokens takes a power of two, 2 to 128" >&2; exit 2; }
 RATIOS=$(mktemp /tmp/mixed_tp_bench.XXXXXX)
 trap 'rm -f "$RATIOS"' EXIT
@@ -91,7 +96,7 @@ table() {
 }
 
 lscpu | grep 'Model name' || true
-echo "requests: $REQ, head dim $HDIM, 8 kv heads, $BT tokens/block, 3 layers, K and V, bf16, $ROUNDS round(s)$([ -n "${MIXED_TP_WARMUP:-}" ] && echo ", warm (second pass timed)")"
+echo "requests: $REQ, head dim $HDIM, 8 kv heads, $BT tokens/block, 3 layers, K and V, bf16, $ROUNDS round(s)$([ -n "${MIXED_TP_WARMUP:-}" ] && echo ", warm (a first pass untimed)")$([ "${MIXED_TP_PASSES:-1}" -gt 1 ] && echo ", median of $MIXED_TP_PASSES timed passes")"
 # one row against another of the same transport, throughput ratio: OVER A B ROWS... (A's MiB/s over B's)
 over() {
   local a=$1 b=$2 x="" y="" r

@@ -1,6 +1,7 @@
 /*
  * For the C tests that start instances with the real supervisor: t_up()
- * starts one (tools/kvferry up) and fails the test when it does not come up;
+ * starts one (tools/kvferry up) and fails the test when it does not come up
+ * (t_up_start() and t_up_wait(): several side by side);
  * every instance started is stopped at exit; t_connector_addr() reads where
  * an instance's connector listens; t_counter() and t_wait_counter() read an
  * instance's counters (those kvf-ringdump shows) through a read-only mapping
@@ -13,9 +14,12 @@
 
 #include <errno.h>
 #include <stdarg.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include "atomics.h"
 #include "check.h"
@@ -39,8 +43,9 @@ static void t_down_all(void)
 }
 
 /* tools/kvferry up --instance NAME ARGS...; the test fails if it does not come up. */
-static void t_up(const char *name, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-static void t_up(const char *name, const char *fmt, ...)
+__attribute__((unused)) static void t_up(const char *name, const char *fmt, ...)
+    __attribute__((format(printf, 2, 3)));
+__attribute__((unused)) static void t_up(const char *name, const char *fmt, ...)
 {
         char args[1024], cmd[2048];
         va_list ap;
@@ -57,6 +62,57 @@ static void t_up(const char *name, const char *fmt, ...)
                 fprintf(stderr, "command failed: %s\n", cmd);
                 exit(1);
         }
+}
+
+/*
+ * t_up_start() begins what t_up() does and returns at once; t_up_wait() waits for every one
+ * begun and fails the test if one did not come up. A tensor-parallel group's instances start
+ * side by side this way (each `up` mostly waits for its roles to be ready).
+ */
+static pid_t t_starting[T_MAX_INSTANCES];
+static char t_start_cmd[T_MAX_INSTANCES][2048];
+static unsigned t_nstarting;
+
+__attribute__((unused)) static void t_up_start(const char *name, const char *fmt, ...)
+    __attribute__((format(printf, 2, 3)));
+__attribute__((unused)) static void t_up_start(const char *name, const char *fmt, ...)
+{
+        char args[1024];
+        va_list ap;
+        va_start(ap, fmt);
+        vsnprintf(args, sizeof(args), fmt, ap);
+        va_end(ap);
+        if (t_ninstances == 0)
+                atexit(t_down_all);
+        CHECK(t_ninstances < T_MAX_INSTANCES && t_nstarting < T_MAX_INSTANCES);
+        snprintf(t_names[t_ninstances++], sizeof(t_names[0]), "%s", name);
+        char *cmd = t_start_cmd[t_nstarting];
+        snprintf(cmd, sizeof(t_start_cmd[0]), "%s/tools/kvferry up --instance %s %s >/dev/null",
+                 KVF_SOURCE_DIR, name, args);
+        fflush(NULL);
+        pid_t pid = fork();
+        CHECK(pid >= 0);
+        if (pid == 0) {
+                execl("/bin/sh", "sh", "-c", cmd, (char *)NULL);
+                _exit(127);
+        }
+        t_starting[t_nstarting++] = pid;
+}
+
+__attribute__((unused)) static void t_up_wait(void)
+{
+        bool failed = false;
+        for (unsigned i = 0; i < t_nstarting; i++) {
+                int st = 0;
+                CHECK_EQ(waitpid(t_starting[i], &st, 0), t_starting[i]);
+                if (!WIFEXITED(st) || WEXITSTATUS(st) != 0) {
+                        fprintf(stderr, "command failed: %s\n", t_start_cmd[i]);
+                        failed = true;
+                }
+        }
+        t_nstarting = 0;
+        if (failed)
+                exit(1);
 }
 
 /* "host:port" where the connector of instance `name` listens. */

@@ -219,10 +219,10 @@ static int by_src(const void *a, const void *b)
  */
 static int submit(struct sender *s, uint64_t *ticket)
 {
-        bool host = s->own.host;
+        bool host = s->cp.ndst > 1 && s->own.host;
         for (uint32_t i = 0; host && i < s->cp.ndst; i++)
                 host = s->cp.dst[i]->host;
-        if (host && s->cp.ndst > 1)
+        if (host)
                 qsort(s->cp.runs, s->cp.nruns, sizeof(s->cp.runs[0]), by_src);
         struct kvf_copy_batch b = {.src = &s->own, .dst = s->cp.dst, .ndst = s->cp.ndst,
                                    .runs = s->cp.runs, .nruns = s->cp.nruns};

@@ -42,46 +42,20 @@ static void t_down_all(void)
                 fprintf(stderr, "cleanup: %s failed\n", cmd);
 }
 
-/* tools/kvferry up --instance NAME ARGS...; the test fails if it does not come up. */
-__attribute__((unused)) static void t_up(const char *name, const char *fmt, ...)
-    __attribute__((format(printf, 2, 3)));
-__attribute__((unused)) static void t_up(const char *name, const char *fmt, ...)
-{
-        char args[1024], cmd[2048];
-        va_list ap;
-        va_start(ap, fmt);
-        vsnprintf(args, sizeof(args), fmt, ap);
-        va_end(ap);
-        if (t_ninstances == 0)
-                atexit(t_down_all);
-        CHECK(t_ninstances < T_MAX_INSTANCES);
-        snprintf(t_names[t_ninstances++], sizeof(t_names[0]), "%s", name);
-        snprintf(cmd, sizeof(cmd), "%s/tools/kvferry up --instance %s %s >/dev/null", KVF_SOURCE_DIR, name,
-                 args);
-        if (system(cmd) != 0) {
-                fprintf(stderr, "command failed: %s\n", cmd);
-                exit(1);
-        }
-}
-
 /*
- * t_up_start() begins what t_up() does and returns at once; t_up_wait() waits for every one
- * begun and fails the test if one did not come up. A tensor-parallel group's instances start
- * side by side this way (each `up` mostly waits for its roles to be ready).
+ * t_up_start(NAME, ARGS...) begins `tools/kvferry up --instance NAME ARGS...` and returns at once;
+ * t_up_wait() waits for every one begun and fails the test if one did not come up. A
+ * tensor-parallel group's instances start side by side this way (each `up` mostly waits for its
+ * roles to be ready); t_up() is one of them, waited for.
  */
 static pid_t t_starting[T_MAX_INSTANCES];
 static char t_start_cmd[T_MAX_INSTANCES][2048];
 static unsigned t_nstarting;
 
-__attribute__((unused)) static void t_up_start(const char *name, const char *fmt, ...)
-    __attribute__((format(printf, 2, 3)));
-__attribute__((unused)) static void t_up_start(const char *name, const char *fmt, ...)
+static void t_vup_start(const char *name, const char *fmt, va_list ap)
 {
         char args[1024];
-        va_list ap;
-        va_start(ap, fmt);
         vsnprintf(args, sizeof(args), fmt, ap);
-        va_end(ap);
         if (t_ninstances == 0)
                 atexit(t_down_all);
         CHECK(t_ninstances < T_MAX_INSTANCES && t_nstarting < T_MAX_INSTANCES);
@@ -99,7 +73,17 @@ __attribute__((unused)) static void t_up_start(const char *name, const char *fmt
         t_starting[t_nstarting++] = pid;
 }
 
-__attribute__((unused)) static void t_up_wait(void)
+__attribute__((unused)) static void t_up_start(const char *name, const char *fmt, ...)
+    __attribute__((format(printf, 2, 3)));
+__attribute__((unused)) static void t_up_start(const char *name, const char *fmt, ...)
+{
+        va_list ap;
+        va_start(ap, fmt);
+        t_vup_start(name, fmt, ap);
+        va_end(ap);
+}
+
+static void t_up_wait(void)
 {
         bool failed = false;
         for (unsigned i = 0; i < t_nstarting; i++) {
@@ -113,6 +97,18 @@ __attribute__((unused)) static void t_up_wait(void)
         t_nstarting = 0;
         if (failed)
                 exit(1);
+}
+
+/* tools/kvferry up --instance NAME ARGS...; the test fails if it does not come up. */
+__attribute__((unused)) static void t_up(const char *name, const char *fmt, ...)
+    __attribute__((format(printf, 2, 3)));
+__attribute__((unused)) static void t_up(const char *name, const char *fmt, ...)
+{
+        va_list ap;
+        va_start(ap, fmt);
+        t_vup_start(name, fmt, ap);
+        va_end(ap);
+        t_up_wait();
 }
 
 /* "host:port" where the connector of instance `name` listens. */

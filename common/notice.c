@@ -114,6 +114,7 @@ static int take(struct kvf_ctl *c, uint32_t s, int32_t cur, const char *owner,
         kvf_store_release(&ns->state, KVF_STATE_RUNNING);
         out->slot = ns;
         out->idx = s;
+        out->pid = me;
         out->generation = gen;
         out->peer_created_ns = c->hdr->created_ns;
         return (int)s;
@@ -169,7 +170,7 @@ void kvf_notice_heartbeat(struct kvf_notice_end *e)
 
 bool kvf_notice_held(const struct kvf_notice_end *e)
 {
-        return e->slot && kvf_load_acquire(&e->slot->pid) == (int32_t)getpid() &&
+        return e->slot && kvf_load_acquire(&e->slot->pid) == e->pid &&
                kvf_load_acquire(&e->slot->generation) == e->generation &&
                e->peer->hdr->created_ns == e->peer_created_ns;
 }
@@ -180,7 +181,7 @@ void kvf_notice_release(struct kvf_notice_end *e)
                 e->slot = NULL;
                 return;
         }
-        int32_t me = (int32_t)getpid();
+        int32_t me = e->pid;
         kvf_store_release(&e->slot->state, KVF_STATE_STOPPED);
         kvf_cas_acq_rel(&e->slot->pid, &me, 0);
         e->slot = NULL;

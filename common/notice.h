@@ -32,6 +32,7 @@ struct kvf_notice_end {
         uint32_t idx;
         uint64_t generation;          /* ours, as stored in the slot */
         uint64_t peer_created_ns;     /* the decode segment's identity when claimed */
+        int32_t pid;                  /* the process that claimed it (asked once, not per notice) */
         struct kvf_ring notice;       /* we produce */
         struct kvf_ring reply;        /* we consume */
 };

@@ -267,6 +267,7 @@ static void control_loop(struct connector *cn)
                         conn_landing_expire(cn, LANDING_OPEN_MAX_NS, LANDING_CLOSED_KEEP_NS);
                         next = now + beat;
                 }
+                conn_ring_bells(cn);
                 if (worked && !cn->deferred && !kvf_load_acquire(&cn->tx_blocked) && !cn->notices_blocked)
                         continue;
                 kvf_count(&cn->ctl, KVF_CTR_WAKEUPS_CONNECTOR, 1);

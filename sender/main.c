@@ -269,6 +269,7 @@ static int run(struct sender *s, uint64_t spin_ns)
                 /* The connector's records first: a peer's state (its block size) posted before
                  * the engine heard the peer is connected is known to the task that follows. */
                 worked |= sender_read_connector(s);
+                sender_ring_bells(s);
                 worked |= sender_read_engine(s, beat);
                 worked |= stream_words_due(s);
                 sender_ring_bells(s);

@@ -211,7 +211,7 @@ static void fail_batch(struct sender *s, const char *why)
  * passes. A step's batch of 500 requests into 2 -> 8 is 30,000 runs: qsort's merge sort of
  * them was a tenth of the sender's time. -ENOMEM: left unsorted (only slower).
  */
-static int sort_by_src(struct sender *s)
+int sender_copies_sort(struct sender *s)
 {
         enum { BITS = 11, DIGITS = 1u << BITS };
         uint32_t n = s->cp.nruns;
@@ -259,7 +259,7 @@ static int submit(struct sender *s, uint64_t *ticket)
         for (uint32_t i = 0; host && i < s->cp.ndst; i++)
                 host = s->cp.dst[i]->host;
         if (host && s->cp.nruns > 1)
-                sort_by_src(s);
+                sender_copies_sort(s);
         struct kvf_copy_batch b = {.src = &s->own, .dst = s->cp.dst, .ndst = s->cp.ndst,
                                    .runs = s->cp.runs, .nruns = s->cp.nruns};
         return kvf_cache_copy_submit(&b, ticket);

@@ -477,6 +477,9 @@ int sender_copies_add(struct sender *s, uint32_t slot, uint32_t l0, uint32_t l1,
                       uint32_t nwords);
 /* Submit what was gathered (one batch), then poll. */
 void sender_copies_flush(struct sender *s);
+/* The gathered runs (cp.runs, cp.nruns of them) in source-offset order, stable (a host batch
+ * into several peers is copied so); 0, or -ENOMEM with the runs as they were. */
+int sender_copies_sort(struct sender *s);
 /*
  * The engine's caches: map the registration that is there now, ours (own) and the peer's
  * (peer_idx, or UINT32_MAX for none), when the mapping is behind it. 0, or -errno with why:

@@ -215,6 +215,38 @@ int kvf_ring_write(struct kvf_ring *r, uint16_t type, const void *payload, uint3
         return 0;
 }
 
+void kvf_bells_publish(struct kvf_bells *b, struct kvf_ring *r, uint64_t pos)
+{
+        kvf_ring_publish(r, pos);
+        for (uint32_t i = 0; i < b->n; i++)
+                if (b->r[i] == r)
+                        return;
+        if (b->n == KVF_BELLS_MAX)
+                kvf_bells_ring(b);
+        b->r[b->n++] = r;
+}
+
+void kvf_bells_ring(struct kvf_bells *b)
+{
+        for (uint32_t i = 0; i < b->n; i++)
+                kvf_ring_notify(b->r[i]);
+        b->n = 0;
+}
+
+int kvf_bells_write(struct kvf_bells *b, struct kvf_ring *r, uint16_t type, const void *payload,
+                    uint32_t len)
+{
+        void *p;
+        uint64_t pos;
+        int rc = kvf_ring_claim(r, type, len, &p, &pos);
+        if (rc < 0)
+                return rc;
+        if (len)
+                memcpy(p, payload, len);
+        kvf_bells_publish(b, r, pos);
+        return 0;
+}
+
 /* A claimed record left behind by a producer generation that is gone. */
 static bool is_abandoned(struct kvf_ring *r, uint64_t pos, uint64_t w)
 {

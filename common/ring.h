@@ -88,6 +88,25 @@ int kvf_ring_write(struct kvf_ring *r, uint16_t type, const void *payload, uint3
                    uint64_t *pos);
 
 /*
+ * Bells owed, one thread's: a producer that writes several rings in a turn of its loop
+ * publishes with kvf_bells_publish() (or kvf_bells_write: claim, copy, publish) and, after each
+ * batch, rings each of those rings' consumers once for all it published to it with
+ * kvf_bells_ring(). A burst of records into one consumer (a step's finish notices into a
+ * decode connector) then wakes it once, not once per record. More rings than KVF_BELLS_MAX
+ * are rung early, never lost.
+ */
+#define KVF_BELLS_MAX 72u
+struct kvf_bells {
+        struct kvf_ring *r[KVF_BELLS_MAX];
+        uint32_t n;
+};
+void kvf_bells_publish(struct kvf_bells *b, struct kvf_ring *r, uint64_t pos);
+void kvf_bells_ring(struct kvf_bells *b);
+/* 0, or kvf_ring_claim's error (nothing written). */
+int kvf_bells_write(struct kvf_bells *b, struct kvf_ring *r, uint16_t type, const void *payload,
+                    uint32_t len);
+
+/*
  * A handler sees one committed record. Returning -EAGAIN stops the read and
  * leaves that record (and the rest) in the ring; any other value consumes it.
  */

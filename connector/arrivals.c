@@ -183,7 +183,7 @@ int conn_publish_arrival(struct connector *cn, const struct kvf_record *n, uint6
                 jidx_rebuild(cn);
         memcpy(p, buf, len);
         free(buf);
-        conn_publish(cn, ring, pos);
+        kvf_bells_publish(&cn->bells, ring, pos);
         kvf_count(&cn->ctl, KVF_CTR_ARRIVALS, 1);
         if (session && session != conn_engine_session(cn))
                 kvf_count(&cn->ctl, KVF_CTR_ARRIVALS_STALE, 1);

@@ -261,9 +261,9 @@ struct connector {
         uint32_t tx_blocked;       /* a write batch waits for room in a peer's send queue */
         void *transport[CONN_MAX_TRANSPORTS]; /* each transport's own state (its init) */
         uint64_t acks_dropped; /* atomic: answers for a session that had closed (session.c) */
-        /* rings with records published and their consumers not yet rung (control thread) */
-        struct kvf_ring *bells[KVF_NOTICE_SLOTS + 2];
-        uint32_t nbells;
+        /* rings with records published and their consumers not yet rung (control thread):
+         * connector->engine, connector->sender, the notice slots' reply rings (main.c) */
+        struct kvf_bells bells;
 };
 
 static inline bool conn_stopping(const struct connector *cn)
@@ -315,17 +315,6 @@ void conn_post_data_done(struct connector *cn, const char *peer, uint64_t gen, u
 /* events.c: what an event does, on the control thread only */
 /* Control thread: handle what is queued (and what a full ring held back before). */
 void conn_events_run(struct connector *cn);
-/*
- * Control thread: publish the record claimed at `pos` of ring `r` (connector->engine,
- * connector->sender, a notice slot's reply ring); conn_ring_bells() rings each such ring's
- * consumer once for all published since, at the end of the control loop's turn: the arrivals
- * and answers of a burst of notices wake the engine and each sender once.
- */
-void conn_publish(struct connector *cn, struct kvf_ring *r, uint64_t pos);
-void conn_ring_bells(struct connector *cn);
-/* Control thread: claim, copy, conn_publish: 0, or kvf_ring_claim's error. */
-int conn_ring_write(struct connector *cn, struct kvf_ring *r, uint16_t type, const void *payload,
-                    uint32_t len);
 
 /* handshake.c: 0 with the peer's identity in *out, or -errno with kvf_err set and (client)
  * *status (enum kvf_status) saying what kind of failure it was. */

@@ -20,37 +20,6 @@
 #include "err.h"
 #include "log.h"
 
-void conn_publish(struct connector *cn, struct kvf_ring *r, uint64_t pos)
-{
-        kvf_ring_publish(r, pos);
-        for (uint32_t i = 0; i < cn->nbells; i++)
-                if (cn->bells[i] == r)
-                        return;
-        if (cn->nbells == sizeof(cn->bells) / sizeof(cn->bells[0]))
-                conn_ring_bells(cn); /* (more rings than the control thread writes: never) */
-        cn->bells[cn->nbells++] = r;
-}
-
-void conn_ring_bells(struct connector *cn)
-{
-        for (uint32_t i = 0; i < cn->nbells; i++)
-                kvf_ring_notify(cn->bells[i]);
-        cn->nbells = 0;
-}
-
-int conn_ring_write(struct connector *cn, struct kvf_ring *r, uint16_t type, const void *payload,
-                    uint32_t len)
-{
-        void *p;
-        uint64_t pos;
-        int rc = kvf_ring_claim(r, type, len, &p, &pos);
-        if (rc < 0)
-                return rc;
-        memcpy(p, payload, len);
-        conn_publish(cn, r, pos);
-        return 0;
-}
-
 /*
  * Write a record to one of the connector's outbound rings. -EAGAIN: the ring
  * is full, or memory ran out: keep the event and try again. A record that can
@@ -64,7 +33,7 @@ static int ring_write_record(struct connector *cn, int ring, struct kvf_record *
         for (;;) {
                 if (kvf_record_encode_alloc(r, &buf, &len) < 0)
                         return -EAGAIN;
-                int rc = conn_ring_write(cn, &cn->ctl.rings[ring], r->type, buf, (uint32_t)len);
+                int rc = kvf_bells_write(&cn->bells, &cn->ctl.rings[ring], r->type, buf, (uint32_t)len);
                 free(buf);
                 if (rc != -EMSGSIZE)
                         return rc;

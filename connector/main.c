@@ -239,15 +239,15 @@ static void control_loop(struct connector *cn)
                 }
                 /* Retried at least every millisecond while blocked (the wait below). */
                 kvf_store_release(&cn->tx_blocked, 0);
-                /* Each batch's records are rung for as it ends (conn_ring_bells), so that an
+                /* Each batch's records are rung for as it ends (kvf_bells_ring), so that an
                  * arrival waits for nothing but the notices read with it. */
                 int n = kvf_ring_read(&cn->ctl.rings[KVF_RING_SENDER_TO_CONNECTOR], on_sender_record, cn, 256);
                 worked |= n > 0;
                 n = kvf_ring_read(&cn->ctl.rings[KVF_RING_ENGINE_TO_CONNECTOR], on_engine_record, cn, 64);
                 worked |= n > 0;
-                conn_ring_bells(cn);
+                kvf_bells_ring(&cn->bells);
                 worked |= conn_notices_read(cn);
-                conn_ring_bells(cn);
+                kvf_bells_ring(&cn->bells);
                 if (kvf_load_acquire(&cn->nevents) > 0 || cn->deferred) {
                         conn_events_run(cn);
                         worked = true;
@@ -271,7 +271,7 @@ static void control_loop(struct connector *cn)
                         conn_landing_expire(cn, LANDING_OPEN_MAX_NS, LANDING_CLOSED_KEEP_NS);
                         next = now + beat;
                 }
-                conn_ring_bells(cn);
+                kvf_bells_ring(&cn->bells);
                 if (worked && !cn->deferred && !kvf_load_acquire(&cn->tx_blocked) && !cn->notices_blocked)
                         continue;
                 kvf_count(&cn->ctl, KVF_CTR_WAKEUPS_CONNECTOR, 1);

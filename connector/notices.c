@@ -150,7 +150,7 @@ int conn_notice_reply(struct connector *cn, uint32_t s, const struct kvf_record 
                 return -EINVAL;
         if (kvf_record_encode_alloc(ack, &buf, &len) < 0)
                 return -EAGAIN;
-        int rc = conn_ring_write(cn, &cn->nslots[s].reply, KVF_RT_ACK, buf, (uint32_t)len);
+        int rc = kvf_bells_write(&cn->bells, &cn->nslots[s].reply, KVF_RT_ACK, buf, (uint32_t)len);
         free(buf);
         if (rc == -EAGAIN) {
                 cn->notices_blocked = true;

@@ -265,14 +265,14 @@ static int run(struct sender *s, uint64_t spin_ns)
         while (!kvf_load_relaxed(&stop)) {
                 bool worked = check_engine(s);
                 worked |= handle_progress(s, &pc);
-                sender_ring_bells(s); /* (the notices of this turn's copies, at once) */
+                kvf_bells_ring(&s->bells); /* (the notices of this turn's copies, at once) */
                 /* The connector's records first: a peer's state (its block size) posted before
                  * the engine heard the peer is connected is known to the task that follows. */
                 worked |= sender_read_connector(s);
-                sender_ring_bells(s);
+                kvf_bells_ring(&s->bells);
                 worked |= sender_read_engine(s, beat);
                 worked |= stream_words_due(s);
-                sender_ring_bells(s);
+                kvf_bells_ring(&s->bells);
 
                 uint64_t now = kvf_now_ns();
                 if (now >= next_tick) {

@@ -41,37 +41,6 @@ int sender_encode(struct sender *s, const struct kvf_record *r, size_t *len)
         return 0;
 }
 
-void sender_publish(struct sender *s, struct kvf_ring *r, uint64_t pos)
-{
-        kvf_ring_publish(r, pos);
-        for (uint32_t i = 0; i < s->nbells; i++)
-                if (s->bells[i] == r)
-                        return;
-        if (s->nbells == sizeof(s->bells) / sizeof(s->bells[0]))
-                sender_ring_bells(s); /* (more rings than the sender writes: never, but safe) */
-        s->bells[s->nbells++] = r;
-}
-
-void sender_ring_bells(struct sender *s)
-{
-        for (uint32_t i = 0; i < s->nbells; i++)
-                kvf_ring_notify(s->bells[i]);
-        s->nbells = 0;
-}
-
-/* Claim, copy the scratch buffer in, publish (rung by sender_ring_bells). */
-static int write_scratch(struct sender *s, struct kvf_ring *r, uint16_t type, size_t len)
-{
-        void *p;
-        uint64_t pos;
-        int rc = kvf_ring_claim(r, type, (uint32_t)len, &p, &pos);
-        if (rc < 0)
-                return rc;
-        memcpy(p, s->scratch, len);
-        sender_publish(s, r, pos);
-        return 0;
-}
-
 int sender_post(struct sender *s, const struct kvf_record *r)
 {
         size_t len = 0; /* set when sender_encode succeeds */
@@ -79,7 +48,7 @@ int sender_post(struct sender *s, const struct kvf_record *r)
         if (rc < 0)
                 return rc;
         struct kvf_ring *ring = &s->ctl.rings[KVF_RING_SENDER_TO_CONNECTOR];
-        rc = write_scratch(s, ring, (uint16_t)r->type, len);
+        rc = kvf_bells_write(&s->bells, ring, (uint16_t)r->type, s->scratch, (uint32_t)len);
         if (rc == -EMSGSIZE)
                 return kvf_err_set(rc, "a %zu-byte %s record can never fit ring sender->connector (%llu bytes)",
                                    len, kvf_rec_type_name(r->type), (unsigned long long)ring->capacity);
@@ -125,7 +94,7 @@ static int post_to_ring(struct sender *s, struct ipc_peer *p, struct kvf_record 
                 return rc;
         /* (A prewake's expectation is left to run out, never withdrawn here: other requests'
          * notices may be due under it, sender_expect_notice.) */
-        rc = write_scratch(s, &p->nend.notice, KVF_RT_NOTICE, len);
+        rc = kvf_bells_write(&s->bells, &p->nend.notice, KVF_RT_NOTICE, s->scratch, (uint32_t)len);
         if (rc == -EMSGSIZE)
                 return kvf_err_set(rc, "a %zu-byte notice can never fit the notice ring of '%s' (%llu bytes)",
                                    len, p->name, (unsigned long long)p->nend.notice.capacity);
@@ -230,7 +199,7 @@ int sender_post_completion(struct sender *s, uint32_t slot)
          * this record was committed. */
         kvf_store_release(&r->completion_pos, pos);
         memcpy(p, s->scratch, len);
-        sender_publish(s, ring, pos);
+        kvf_bells_publish(&s->bells, ring, pos);
         sender_count_status(s, (int)r->status);
         if (r->status == KVF_STATUS_FINISHED) {
                 if (r->last_layer_ns && c.done_ns > r->last_layer_ns)

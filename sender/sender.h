@@ -185,9 +185,9 @@ struct sender {
         struct net_peer net_peers[SENDER_NET_PEERS];
         uint8_t *scratch; /* encode buffer */
         size_t scratch_cap;
-        /* outbox.c: rings with records published and their consumers not yet rung */
-        struct kvf_ring *bells[SENDER_MAX_PEERS + 2];
-        uint32_t nbells;
+        /* rings with records published and their consumers not yet rung: the engine's, the
+         * connector's, the peers' notice rings (rung after each batch of the loop, main.c) */
+        struct kvf_bells bells;
 };
 
 /*
@@ -354,16 +354,6 @@ int sender_encode(struct sender *s, const struct kvf_record *r, size_t *len);
 /* Encode and write to ring sender->connector: 0, -EAGAIN (full), -ENOMEM, or a permanent error
  * (-EMSGSIZE: never fits; an encoding error), kvf_err set. */
 int sender_post(struct sender *s, const struct kvf_record *r);
-/*
- * A record claimed at `pos` of ring `r` (ours to the engine or the connector, or a peer's
- * notice ring) is published now and its consumer rung by sender_ring_bells(), once for every
- * record published to it since: a step's notices into one decode connector wake it once, not
- * once each (on a small host each wake-up is a context switch).
- */
-void sender_publish(struct sender *s, struct kvf_ring *r, uint64_t pos);
-/* Ring every consumer owed a ring since the last call: the main loop calls it after each turn's
- * copies and before anything that may wait. */
-void sender_ring_bells(struct sender *s);
 /* A failed post's rc: true = back-pressure (full ring, no memory: try again later); false = the
  * record can never be posted (kvf_err says why). */
 static inline bool sender_post_again(int rc)

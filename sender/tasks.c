@@ -63,7 +63,7 @@ static int reject(struct sender *s, const struct task_ref *t, const char *peer, 
         kvf_store_release(&a->reject_completion_pos, pos);
         kvf_store_release(&a->reject_task_pos, task_pos);
         memcpy(p, s->scratch, len);
-        sender_publish(s, ring, pos);
+        kvf_bells_publish(&s->bells, ring, pos);
         kvf_count(&s->ctl, KVF_CTR_TASKS_REJECTED, 1);
         sender_count_status(s, status);
         kvf_errlog(&s->ctl, KVF_ROLE_SENDER, "req %s: task rejected: %s: %s", c.request_id,

@@ -198,17 +198,27 @@ void kvf_ring_commit(struct kvf_ring *r, uint64_t pos)
         kvf_doorbell_ring(r->bell);
 }
 
-int kvf_ring_write(struct kvf_ring *r, uint16_t type, const void *payload, uint32_t len,
-                   uint64_t *pos)
+/* Claim and fill a record, not yet published. */
+static int claim_copy(struct kvf_ring *r, uint16_t type, const void *payload, uint32_t len, uint64_t *at)
 {
         void *p;
-        uint64_t at;
-        int rc = kvf_ring_claim(r, type, len, &p, &at);
+        int rc = kvf_ring_claim(r, type, len, &p, at);
 
         if (rc < 0)
                 return rc;
         if (len)
                 memcpy(p, payload, len);
+        return 0;
+}
+
+int kvf_ring_write(struct kvf_ring *r, uint16_t type, const void *payload, uint32_t len,
+                   uint64_t *pos)
+{
+        uint64_t at;
+        int rc = claim_copy(r, type, payload, len, &at);
+
+        if (rc < 0)
+                return rc;
         kvf_ring_commit(r, at);
         if (pos)
                 *pos = at;
@@ -236,13 +246,10 @@ void kvf_bells_ring(struct kvf_bells *b)
 int kvf_bells_write(struct kvf_bells *b, struct kvf_ring *r, uint16_t type, const void *payload,
                     uint32_t len)
 {
-        void *p;
         uint64_t pos;
-        int rc = kvf_ring_claim(r, type, len, &p, &pos);
+        int rc = claim_copy(r, type, payload, len, &pos);
         if (rc < 0)
                 return rc;
-        if (len)
-                memcpy(p, payload, len);
         kvf_bells_publish(b, r, pos);
         return 0;
 }

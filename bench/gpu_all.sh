@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # gpu_all.sh OUTDIR: the whole GPU run in one command, on a machine with a GPU (about 15
 # minutes): the GPU tests (gpu_copy_test, tests/gpu_e2e_test.sh, tests/gpu_tp_test.sh), then every benchmark
-# (bench/gpu_e2e_bench.sh OUTDIR/bench). The test programs run directly, not through ctest: a
+# (bench/gpu_e2e_bench.sh OUTDIR/bench, bench/gpu_tp_bench.sh for each executor). The test programs run directly, not through ctest: a
 # build carried from another machine has that machine's paths in its CTest files.
 #
 #   KVFERRY_BUILD   the build (default build/ of this repository), made where nvcc is
@@ -41,6 +41,8 @@ part gpu_copy_test 200 "$KVFERRY_BUILD/gpu/gpu_copy_test"
 part gpu_e2e_test 900 "$ROOT/tests/gpu_e2e_test.sh"
 part gpu_tp_test 600 "$ROOT/tests/gpu_tp_test.sh"
 part gpu_e2e_bench 600 "$HERE/gpu_e2e_bench.sh" "$OUT/bench"
+part gpu_tp_engine 300 "$HERE/gpu_tp_bench.sh" --executor engine
+part gpu_tp_sender 300 "$HERE/gpu_tp_bench.sh" --executor sender
 {
   echo
   echo "--- tests"
@@ -48,8 +50,11 @@ part gpu_e2e_bench 600 "$HERE/gpu_e2e_bench.sh" "$OUT/bench"
   echo
   echo "--- benchmarks ($OUT/bench/summary.txt)"
   cat "$OUT/bench/summary.txt" 2>/dev/null
+  echo
+  echo "--- tensor-parallel splits, one engine process per rank (bench/gpu_tp_bench.sh)"
+  tail -n 10 "$OUT/gpu_tp_engine.txt" "$OUT/gpu_tp_sender.txt" 2>/dev/null
 } >>"$OUT/summary.txt"
 echo "gpu_all: $FAILS part(s) failed, $SKIPS skipped; $OUT/summary.txt" | tee -a "$OUT/summary.txt"
 [ $FAILS = 0 ] || exit 1
-[ $SKIPS = 4 ] && exit 77
+[ $SKIPS = 6 ] && exit 77
 exit 0

@@ -515,9 +515,6 @@ int main(int argc, char **argv)
         for (uint32_t i = 0; i < o.p; i++)
                 for (uint32_t j = 0; j < o.d; j++)
                         pairs += (uint32_t)sends(i, j);
-        int64_t batches0 = 0;
-        for (uint32_t i = 0; i < o.p; i++)
-                batches0 += t_counter(pname[i], KVF_CTR_COPY_BATCHES);
         uint64_t times[MAXPASS];
         for (uint32_t pass = 0; pass < o.warm + o.passes; pass++) {
                 for (uint32_t j = 0; j < o.d; j++)
@@ -570,9 +567,6 @@ int main(int argc, char **argv)
                 if (pass >= o.warm)
                         times[pass - o.warm] = last - first;
         }
-        int64_t batches = -batches0;
-        for (uint32_t i = 0; i < o.p; i++)
-                batches += t_counter(pname[i], KVF_CTR_COPY_BATCHES);
         for (uint32_t i = 0; i < o.p; i++)
                 tell(&P[i], "X");
         for (uint32_t j = 0; j < o.d; j++)
@@ -588,9 +582,9 @@ int main(int argc, char **argv)
         uint64_t med = times[o.passes / 2];
         printf("tp %u->%u, %u kv heads, %u/%u tokens/block, %u layers, %s caches, executor %s%s: %u requests, "
                "%" PRIu64 " bytes in %.3f ms (median of %u passes, %.3f to %.3f), %.2f GiB/s, %" PRIu64
-               " bytes of tokens verified a pass; %.1f copy runs, %.0f tasks, %.2f sender copy batches per request\n",
+               " bytes of tokens verified a pass; %.1f copy runs, %.0f tasks per request\n",
                o.p, o.d, o.heads, o.bp, o.bd, o.layers, o.backend, !strcmp(o.backend, "host") ? "sender" : o.executor, o.mps ? " under MPS" : "", o.nreq, want, med / 1e6,
                o.passes, times[0] / 1e6, times[o.passes - 1] / 1e6, want / (med / 1e9) / (1 << 30), tokens,
-               (double)runs / o.nreq, (double)pairs, (double)batches / ((o.warm + o.passes) * (double)o.nreq));
+               (double)runs / o.nreq, (double)pairs);
         return 0;
 }

@@ -45,6 +45,9 @@ done
 BIN=$BUILD/bench/gpu_tp_bench
 [ -x "$BIN" ] || { echo "gpu_tp_bench.sh: $BIN is not built (a build with CUDA: cmake --build build)" >&2; exit 1; }
 export KVFERRY_BUILD=$BUILD
+if [ "$BACKEND" = cuda ] && ! [ "$("$BUILD/kvf-ctl" gpus 2>/dev/null || echo 0)" -ge 1 ] 2>/dev/null; then
+  echo "gpu_tp_bench.sh: no GPU visible (--backend host runs the same on host caches)"; exit 77
+fi
 lscpu | grep 'Model name' || true
 [ "$BACKEND" = cuda ] && { nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n1 || true; }
 echo "executor $EXEC${MPS:+ under MPS}, $REQ requests of up to $TOK tokens, $BACKEND caches, median of $PASSES passes"
@@ -54,18 +57,18 @@ for r in $ROWS; do
            --tokens "$TOK" --passes "$PASSES" --warm --backend "$BACKEND" "${MPS[@]}" 2>&1 | grep -v '^kvferry:') || {
     echo "$line" >&2; echo "gpu_tp_bench.sh: $r failed" >&2; exit 1; }
   echo "$line"
-  out+=("$r $(echo "$line" | sed -n 's/.* bytes in \([0-9.]*\) ms.*, \([0-9.]*\) GiB\/s.*; \([0-9.]*\) copy runs, \([0-9]*\) tasks, \([0-9.]*\) sender.*/\1 \2 \3 \4 \5/p')")
+  out+=("$r $(echo "$line" | sed -n 's/.* bytes in \([0-9.]*\) ms.*, \([0-9.]*\) GiB\/s.*; \([0-9.]*\) copy runs, \([0-9]*\) tasks.*/\1 \2 \3 \4/p')")
 done
 printf '%s\n' "${out[@]}" | awk '
-  { l[NR] = $1; ms[NR] = $2; g[NR] = $3; runs[NR] = $4; t[NR] = $5; b[NR] = $6
+  { l[NR] = $1; ms[NR] = $2; g[NR] = $3; runs[NR] = $4; t[NR] = $5
     split($1, pd, "-"); p[NR] = pd[1]; d[NR] = pd[2]
     if (p[NR] == d[NR]) { sum[d[NR]] += $3; n[d[NR]]++ } }
   END {
     base = sum[1] / n[1]
-    printf "%-6s %9s %8s %7s %7s %7s %10s %6s %14s\n", "tp", "ms", "GiB/s", "ratio", "same-d", "same-p", "runs/req", "tasks", "batches/req"
+    printf "%-6s %9s %8s %7s %7s %7s %10s %6s\n", "tp", "ms", "GiB/s", "ratio", "same-d", "same-p", "runs/req", "tasks"
     for (i = 1; i <= NR; i++) {
       sd = (d[i] in n && p[i] != d[i]) ? sprintf("%7.2f", g[i] / (sum[d[i]] / n[d[i]])) : sprintf("%7s", "-")
       sp = (p[i] in n && p[i] != d[i]) ? sprintf("%7.2f", g[i] / (sum[p[i]] / n[p[i]])) : sprintf("%7s", "-")
-      printf "%-6s %9.3f %8.2f %7.2f %s %s %10.1f %6d %14.2f\n", l[i], ms[i], g[i], g[i] / base, sd, sp, runs[i], t[i], b[i]
+      printf "%-6s %9.3f %8.2f %7.2f %s %s %10.1f %6d\n", l[i], ms[i], g[i], g[i] / base, sd, sp, runs[i], t[i]
     }
   }'

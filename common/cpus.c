@@ -1,12 +1,18 @@
-/* The CPUs this process may use (cpus.h). */
+/* The CPUs this process may use, and the spin seats (cpus.h). */
 #include "cpus.h"
 
 #include <errno.h>
+#include <fcntl.h>
 #include <sched.h>
 #include <stdbool.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
+#include <sys/file.h>
+#include <sys/stat.h>
 #include <unistd.h>
+
+#include "err.h"
 
 /* A whole number from the first line of `path`; false when it has none ("max", "-1", none). */
 static bool read_u64(const char *path, unsigned long long *v, unsigned long long *second)
@@ -106,4 +112,43 @@ unsigned kvf_usable_cpus(const char **why)
         if (f)
                 fclose(f);
         return n;
+}
+
+int kvf_spin_seat_take(struct kvf_spin_seat *s, unsigned seats)
+{
+        if (s->held)
+                return 1;
+        const char *env = getenv("KVFERRY_SPIN_SEATS");
+        char prefix[200], path[240];
+        if (env && *env)
+                snprintf(prefix, sizeof(prefix), "%s", env);
+        else
+                snprintf(prefix, sizeof(prefix), "/dev/shm/kvferry-spin-%u", (unsigned)getuid());
+        for (unsigned k = 0; k < seats; k++) {
+                snprintf(path, sizeof(path), "%s.%u", prefix, k);
+                int fd = open(path, O_RDWR | O_CREAT | O_NOFOLLOW | O_CLOEXEC, 0600);
+                if (fd < 0)
+                        return kvf_err_set(-errno, "spin seat %s: %s", path, strerror(errno));
+                struct stat st;
+                if (fstat(fd, &st) < 0 || !S_ISREG(st.st_mode) || st.st_uid != getuid()) {
+                        close(fd);
+                        return kvf_err_set(-EPERM, "spin seat %s is not this user's own file", path);
+                }
+                if (flock(fd, LOCK_EX | LOCK_NB) == 0) {
+                        *s = (struct kvf_spin_seat){.fd = fd, .seat = (int)k, .held = true};
+                        return 1;
+                }
+                int e = errno;
+                close(fd);
+                if (e != EWOULDBLOCK)
+                        return kvf_err_set(-e, "spin seat %s: flock: %s", path, strerror(e));
+        }
+        return 0;
+}
+
+void kvf_spin_seat_drop(struct kvf_spin_seat *s)
+{
+        if (s->held)
+                close(s->fd); /* the lock goes with the last descriptor of its open file */
+        *s = (struct kvf_spin_seat){0};
 }

@@ -51,9 +51,10 @@ static void usage(void)
                "  --layer-wait MODE         while requests wait for the engine's layers: spin (poll without\n"
                "                            sleeping until 20 ms pass without a layer or a new task), paced\n"
                "                            (sleep, waking ahead of the engine's pace), or auto (default):\n"
-               "                            spin when this process may run on at least 2 CPUs (its\n"
-               "                            affinity, or a cgroup's CPU quota) per rank of the instance's\n"
-               "                            group (--nranks), else paced\n"
+               "                            spin while holding one of the host's spin seats, one per 2 CPUs\n"
+               "                            (its affinity, or a cgroup's CPU quota) shared by this user's\n"
+               "                            senders ($KVFERRY_SPIN_SEATS, default /dev/shm/kvferry-spin-UID),\n"
+               "                            else paced\n"
                KVF_SLICE_USAGE
                "  --help, --version\n",
                prog);
@@ -224,6 +225,36 @@ static bool spin_for_layers(struct sender *s, struct pace *pc, uint64_t now)
         return true;
 }
 
+/* --layer-wait auto: requests wait for layers and no spin seat is held: take a free one (one
+ * try per SENDER_SEAT_RETRY_NS at most, so that a host whose seats are all held costs each of
+ * its seatless senders a few system calls a period, not a few a layer). */
+static void seat_want(struct sender *s, uint64_t now)
+{
+        if (!s->seat_auto || s->seat.held || !s->nbuckets || now - s->seat_try_ns < SENDER_SEAT_RETRY_NS)
+                return;
+        s->seat_try_ns = now;
+        if (kvf_spin_seat_take(&s->seat, s->seats) == 1) {
+                kvf_debug("layer wait: spin (spin seat %d taken)", s->seat.seat);
+                s->spin_layers = true;
+        }
+}
+
+/* --layer-wait auto, each heartbeat: give the seat back to the host's other senders after
+ * SENDER_SEAT_IDLE_NS with no request waiting for layers; take one if they wait. */
+static void seat_tick(struct sender *s, uint64_t now)
+{
+        if (!s->seat_auto)
+                return;
+        if (s->nbuckets)
+                s->seat_busy_ns = now;
+        if (s->seat.held && now - s->seat_busy_ns > SENDER_SEAT_IDLE_NS) {
+                kvf_debug("layer wait: paced (idle: spin seat %d given back)", s->seat.seat);
+                kvf_spin_seat_drop(&s->seat);
+                s->spin_layers = false;
+        }
+        seat_want(s, now);
+}
+
 /*
  * Nothing to do: sleep on the doorbell until the next heartbeat, or less.
  * Requests wait for layers: with --layer-wait spin, poll (spin_for_layers);
@@ -238,6 +269,7 @@ static bool idle_wait(struct sender *s, struct pace *pc, uint64_t now, uint64_t 
         if ((s->pending || s->engine_blocked) && wait > 1000000)
                 wait = 1000000; /* a full ring drains on the engine's time, poll it */
         pc->poll_until = 0;
+        seat_want(s, now);
         if (s->spin_layers) {
                 if (spin_for_layers(s, pc, now))
                         return false;
@@ -283,6 +315,7 @@ static int run(struct sender *s, uint64_t spin_ns)
                                 _exit(1);
                         }
                         sender_tick(s, now);
+                        seat_tick(s, now);
                         next_tick = now + beat;
                 }
                 if (worked) {
@@ -321,10 +354,33 @@ static void cpu_modes(struct sender *s, const char *mode, const char *prewake)
                 kvf_info("layer wait: %s (--layer-wait %s)", mode, mode);
                 return;
         }
-        s->spin_layers = cpus >= 2 * ranks;
-        kvf_info("layer wait: %s (--layer-wait auto: %u CPUs for a group of %u ranks, spin from 2 per "
-                 "rank; CPUs by %s, ranks by --nranks)",
-                 s->spin_layers ? "spin" : "paced", cpus, ranks, why);
+        /* One spin seat per 2 CPUs, shared by every sender of this host (common/cpus.h): where
+         * eight prefill instances of one rank each share 2 CPUs, one spins, not eight. */
+        s->seats = cpus / 2;
+        /* A decode instance's sender never waits for layers: it takes none unless it must */
+        int rc = s->ctl.hdr->instance_role == KVF_IROLE_DECODE ? 0 : kvf_spin_seat_take(&s->seat, s->seats);
+        if (rc < 0) { /* no seats here: the group's own count, as if its ranks were all there are */
+                s->spin_layers = cpus >= 2 * ranks;
+                kvf_warn("layer wait: %s (--layer-wait auto without spin seats: %s; %u CPUs for a group of %u "
+                         "ranks, spin from 2 per rank)",
+                         s->spin_layers ? "spin" : "paced", kvf_err_msg(), cpus, ranks);
+                return;
+        }
+        s->seat_auto = true;
+        s->spin_layers = rc == 1;
+        s->seat_busy_ns = kvf_now_ns();
+        if (rc == 1)
+                kvf_info("layer wait: spin (--layer-wait auto: spin seat %d of %u: one per 2 of %u CPUs (by %s), "
+                         "shared by this host's senders)",
+                         s->seat.seat, s->seats, cpus, why);
+        else
+                kvf_info("layer wait: paced (--layer-wait auto: %u CPUs (by %s) make %u spin seats; %s)", cpus, why,
+                         s->seats,
+                         !s->seats ? "fewer than 2 CPUs"
+                         : s->ctl.hdr->instance_role == KVF_IROLE_DECODE
+                             ? "a decode instance takes one only when requests wait for layers"
+                             : "all held by other senders of this host: one is taken when requests wait for "
+                               "layers and one is free");
 }
 
 int main(int argc, char **argv)

@@ -26,6 +26,7 @@
 #include <sys/types.h>
 
 #include "cache.h"
+#include "cpus.h"
 #include "ctl.h"
 #include "notice.h"
 #include "records.h"
@@ -125,6 +126,13 @@ struct sender {
         struct layer_cut *cut; /* per slot: a layer copied in slices (sender_advance) */
         bool sync_copies;      /* same-host copies run on this thread (host backend) */
         bool spin_layers;      /* --layer-wait: poll while requests wait for layers (main.c) */
+        /* --layer-wait auto: spin only while holding one of the host's spin seats (common/cpus.h),
+         * taken when requests wait for layers, given back after SENDER_SEAT_IDLE_NS without */
+        bool seat_auto;
+        unsigned seats;
+        struct kvf_spin_seat seat;
+        uint64_t seat_busy_ns; /* when requests last waited for layers (a tick saw them) */
+        uint64_t seat_try_ns;  /* the last try for a seat (main.c seat_want) */
         bool prewake;          /* the notice prewake: CPUs to spare for it (main.c, outbox.c) */
         uint64_t layer_gap_ns; /* the engine's pace: the next layer-done at most this long after
                                 * the last (main.c; 0: no pace yet) */
@@ -394,6 +402,11 @@ int sender_post_notice(struct sender *s, uint32_t slot, enum sender_notice kind)
  * with both wake-ups, but p99 1.4 to 10.6x; with the last layer's alone p99 2.7 to 7.8x).
  */
 #define SENDER_EARLY_PREWAKE_GAP_NS 500000ull
+/* --layer-wait auto: a spin seat held this long with no request waiting for layers goes back
+ * to the host's other senders (main.c seat_tick). */
+#define SENDER_SEAT_IDLE_NS 2000000000ull
+/* ... and a sender without one, whose requests wait for layers, tries for one this often. */
+#define SENDER_SEAT_RETRY_NS 10000000ull
 void sender_expect_notice(struct sender *s, uint32_t slot, uint64_t lead_ns, uint64_t bytes);
 /* Answers in the notice slots' reply rings (peers.c): true if any was read. */
 bool sender_read_replies(struct sender *s);

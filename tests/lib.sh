@@ -10,6 +10,9 @@ if [ -z "${KVFERRY_RUN_DIR:-}" ]; then
 fi
 export KVFERRY_RUN_DIR
 export KVFERRY_TOKEN_FILE=${KVFERRY_TOKEN_FILE:-$KVFERRY_RUN_DIR/token}
+# The senders' spin seats (--layer-wait auto) of this test's own: which of its instances spin
+# does not depend on what other tests run beside it (common/cpus.h).
+export KVFERRY_SPIN_SEATS=${KVFERRY_SPIN_SEATS:-$KVFERRY_RUN_DIR/spin-seat}
 # Instances keep their caches in host memory unless a test says otherwise (`up` defaults to auto:
 # a GPU where one is visible). KVFERRY_TEST_BACKEND=cuda runs the kvf-sim tests on GPU caches.
 export KVFERRY_BACKEND=${KVFERRY_TEST_BACKEND:-host}

@@ -6,6 +6,8 @@ set -uo pipefail
 KVFERRY_RUN_DIR=$(mktemp -d /tmp/kvferry-test.XXXXXX) || exit 1
 export KVFERRY_RUN_DIR
 export KVFERRY_TOKEN_FILE=${KVFERRY_TOKEN_FILE:-$KVFERRY_RUN_DIR/token}
+# the senders' spin seats (--layer-wait auto) of this test's own (common/cpus.h)
+export KVFERRY_SPIN_SEATS=${KVFERRY_SPIN_SEATS:-$KVFERRY_RUN_DIR/spin-seat}
 # The C tests read and write caches with the CPU: host memory, also where a GPU is visible.
 export KVFERRY_BACKEND=host
 "$@"

@@ -206,7 +206,7 @@ static bool stream_words_due(struct sender *s)
  */
 static bool spin_for_layers(struct sender *s, struct pace *pc, uint64_t now)
 {
-        if (!s->nbuckets) {
+        if (!s->nbuckets || (s->seat_auto && !s->armed_copies)) {
                 pc->nbuckets = 0;
                 return false;
         }
@@ -225,12 +225,14 @@ static bool spin_for_layers(struct sender *s, struct pace *pc, uint64_t now)
         return true;
 }
 
-/* --layer-wait auto: requests wait for layers and no spin seat is held: take a free one (one
- * try per SENDER_SEAT_RETRY_NS at most, so that a host whose seats are all held costs each of
- * its seatless senders a few system calls a period, not a few a layer). */
+/* --layer-wait auto: same-host requests wait for layers (their bytes are this sender's to copy;
+ * over tcp and rdma the connector moves them, and a spinning sender would only take its CPU) and
+ * no spin seat is held: take a free one (one try per SENDER_SEAT_RETRY_NS at most, so that a host
+ * whose seats are all held costs each of its seatless senders a few system calls a period, not a
+ * few a layer). */
 static void seat_want(struct sender *s, uint64_t now)
 {
-        if (!s->seat_auto || s->seat.held || !s->nbuckets || now - s->seat_try_ns < SENDER_SEAT_RETRY_NS)
+        if (!s->seat_auto || s->seat.held || !s->armed_copies || now - s->seat_try_ns < SENDER_SEAT_RETRY_NS)
                 return;
         s->seat_try_ns = now;
         if (kvf_spin_seat_take(&s->seat, s->seats) == 1) {
@@ -240,12 +242,12 @@ static void seat_want(struct sender *s, uint64_t now)
 }
 
 /* --layer-wait auto, each heartbeat: give the seat back to the host's other senders after
- * SENDER_SEAT_IDLE_NS with no request waiting for layers; take one if they wait. */
+ * SENDER_SEAT_IDLE_NS with no same-host request waiting for layers; take one if they wait. */
 static void seat_tick(struct sender *s, uint64_t now)
 {
         if (!s->seat_auto)
                 return;
-        if (s->nbuckets)
+        if (s->armed_copies)
                 s->seat_busy_ns = now;
         if (s->seat.held && now - s->seat_busy_ns > SENDER_SEAT_IDLE_NS) {
                 kvf_debug("layer wait: paced (idle: spin seat %d given back)", s->seat.seat);
@@ -270,7 +272,9 @@ static bool idle_wait(struct sender *s, struct pace *pc, uint64_t now, uint64_t 
                 wait = 1000000; /* a full ring drains on the engine's time, poll it */
         pc->poll_until = 0;
         seat_want(s, now);
-        if (s->spin_layers) {
+        /* (auto with a seat, and only tcp or rdma requests waiting: paced, as without one) */
+        const bool spin = s->spin_layers && (!s->seat_auto || s->armed_copies);
+        if (spin) {
                 if (spin_for_layers(s, pc, now))
                         return false;
         } else if (s->nbuckets && pace_window(pc, &lo, &hi)) {

@@ -8,7 +8,7 @@
  *   - instances (--layer-wait auto): the first prefill instance takes a seat at start, a decode
  *     instance none, each saying so in its log; with requests waiting for layers on three
  *     prefill instances min(3, CPUs / 2) seats are held, and all are free again once they have
- *     waited for none for 2 s.
+ *     waited for none for 2 s; over tcp (the connectors move the bytes) none is taken.
  * $KVFERRY_SPIN_SEATS points every part at a folder of its own.
  */
 #include <errno.h>
@@ -209,6 +209,31 @@ static void instances(void)
         printf("%u CPUs, %u spin seats: the first prefill instance took one at start, the decode instance "
                "none; with requests waiting on three, %u held; all %u free again %.1f s after the run\n",
                cpus, seats, busy, back, (double)(kvf_now_ns() - t0) / 1e9);
+        /* Over tcp the connectors move the bytes: a sender would spin for nothing, and takes none. */
+        snprintf(cmd, sizeof(cmd),
+                 "%s/kvf-sim --quiet --transport tcp --prefill %s --prefill %s --prefill %s --decode %s "
+                 "--requests 60 --layer-us 1500 --step-tokens 1 --late-pct 0 >/dev/null",
+                 getenv("KVFERRY_BUILD") ? getenv("KVFERRY_BUILD") : KVF_SOURCE_DIR "/build", name[0], name[1],
+                 name[2], name[3]);
+        fflush(NULL);
+        sim = fork();
+        CHECK(sim >= 0);
+        if (sim == 0) {
+                execl("/bin/sh", "sh", "-c", cmd, (char *)NULL);
+                _exit(127);
+        }
+        least = seats;
+        unsigned probes = 0;
+        while (waitpid(sim, &st, WNOHANG) == 0) {
+                unsigned f = free_seats(seats);
+                least = f < least ? f : least;
+                probes++;
+                usleep(20000);
+        }
+        CHECK(WIFEXITED(st) && WEXITSTATUS(st) == 0);
+        CHECK(probes >= 10);
+        CHECK_EQ(least, seats);
+        printf("over tcp, with requests waiting on three for %u probes, no seat taken\n", probes);
 }
 
 int main(void)

@@ -133,8 +133,11 @@ static void fail(struct eng *e, const char *fmt, ...)
         _exit(1);
 }
 
-static void eng_open(struct eng *e, const char *name, uint32_t n, uint32_t k)
+/* Attach to instance `name`, rank k of a group of n, with room for `blocks` descriptors. */
+static void eng_open(struct eng *e, const char *name, uint32_t n, uint32_t k, uint32_t blocks)
 {
+        e->descs = calloc(blocks, sizeof(*e->descs));
+        CHECK(e->descs);
         if (kvf_attach(name, 10000, &e->c) < 0)
                 fail(e, "attach %s: %s", name, kvf_last_error());
         if (kvf_get_layout(e->c, &e->L) < 0)
@@ -203,12 +206,24 @@ static char *next_line(struct eng *e, char *buf, size_t n)
         return buf;
 }
 
+/* The next event of `type` (event n of `of`), which must say finished: its bytes. */
+static uint64_t finished(struct eng *e, int type, const char *what, uint32_t n, uint32_t of)
+{
+        struct kvf_event ev;
+        do {
+                int rc = kvf_poll(e->c, &ev, 60000);
+                if (rc != 1)
+                        fail(e, "%s %u of %u: %s", what, n, of, rc ? kvf_last_error() : "none in 60 s");
+        } while (ev.type != type);
+        if (ev.status != KVF_STATUS_FINISHED)
+                fail(e, "%s: %s: %s", ev.request_id, kvf_status_name(ev.status), ev.reason);
+        return ev.bytes;
+}
+
 static void prefill_engine(uint32_t i, FILE *in, FILE *out)
 {
         struct eng e = {.in = in, .out = out};
-        eng_open(&e, pname[i], o.p, i);
-        e.descs = calloc(src_blocks, sizeof(*e.descs));
-        CHECK(e.descs);
+        eng_open(&e, pname[i], o.p, i, src_blocks);
         for (uint32_t q = 0; q < o.nreq; q++)
                 for (uint32_t b = 0; b < nsrc[q]; b++)
                         e.descs[e.ndesc++] = (struct gtp_desc){src0[q] + b, q, b * o.bp, o.bp};
@@ -261,19 +276,8 @@ static void prefill_engine(uint32_t i, FILE *in, FILE *out)
                                 fail(&e, "layer %u: %s", l, kvf_last_error());
                 }
                 uint64_t bytes = 0;
-                for (uint32_t n = 0; n < tasks; n++) {
-                        struct kvf_event ev;
-                        int rc = kvf_poll(e.c, &ev, 60000);
-                        if (rc != 1)
-                                fail(&e, "completion %u of %u: %s", n, tasks, rc ? kvf_last_error() : "none in 60 s");
-                        if (ev.type != KVF_EVENT_COMPLETION) {
-                                n--;
-                                continue;
-                        }
-                        if (ev.status != KVF_STATUS_FINISHED)
-                                fail(&e, "%s: %s: %s", ev.request_id, kvf_status_name(ev.status), ev.reason);
-                        bytes += ev.bytes;
-                }
+                for (uint32_t n = 0; n < tasks; n++)
+                        bytes += finished(&e, KVF_EVENT_COMPLETION, "completion", n, tasks);
                 say(&e, "D %" PRIu64 " %" PRIu64 " %" PRIu64 " %u", t0, kvf_now_ns(), bytes, tasks);
         }
         if (e.dev >= 0)
@@ -285,9 +289,7 @@ static void prefill_engine(uint32_t i, FILE *in, FILE *out)
 static void decode_engine(uint32_t j, FILE *in, FILE *out)
 {
         struct eng e = {.in = in, .out = out};
-        eng_open(&e, dname[j], o.d, j);
-        e.descs = calloc(dst_blocks, sizeof(*e.descs));
-        CHECK(e.descs);
+        eng_open(&e, dname[j], o.d, j, dst_blocks);
         for (uint32_t q = 0; q < o.nreq; q++)
                 for (uint32_t b = 0; b < ndst[q]; b++) {
                         uint32_t left = tok[q] - b * o.bd;
@@ -317,19 +319,8 @@ static void decode_engine(uint32_t j, FILE *in, FILE *out)
                         continue;
                 }
                 /* W: every request's arrival from each source, then every word checked */
-                for (uint32_t n = 0; n < o.nreq * sources; n++) {
-                        struct kvf_event ev;
-                        int rc = kvf_poll(e.c, &ev, 60000);
-                        if (rc != 1)
-                                fail(&e, "arrival %u of %u: %s", n, o.nreq * sources,
-                                     rc ? kvf_last_error() : "none in 60 s");
-                        if (ev.type != KVF_EVENT_ARRIVAL) {
-                                n--;
-                                continue;
-                        }
-                        if (ev.status != KVF_STATUS_FINISHED)
-                                fail(&e, "%s: %s: %s", ev.request_id, kvf_status_name(ev.status), ev.reason);
-                }
+                for (uint32_t n = 0; n < o.nreq * sources; n++)
+                        finished(&e, KVF_EVENT_ARRIVAL, "arrival", n, o.nreq * sources);
                 uint64_t t = kvf_now_ns(), bad = content(&e, 1), words = 0;
                 for (uint32_t x = 0; x < e.ndesc; x++)
                         words += (uint64_t)e.descs[x].ntok * e.g.heads * e.g.row_words * o.layers * 2;

@@ -119,8 +119,8 @@ struct sender {
         uint32_t *map;
         uint32_t map_cap;
         uint64_t *armed;  /* per slot: the step it is armed at, or UINT64_MAX */
-        uint8_t *armed_copy;   /* per slot: armed, and its bytes this sender's to copy (ipc) */
-        uint32_t armed_copies; /* how many are: what --layer-wait auto spins for (main.c) */
+        uint32_t armed_copies; /* armed slots whose bytes this sender copies (ipc): what
+                                * --layer-wait auto spins for (main.c) */
         uint8_t *rq;      /* per slot: enum sender_req_state (request.c writes it, and only it) */
         uint8_t *flags;   /* per slot: SLOT_* below, what it owes the rings (request.c) */
         uint32_t *tmp;    /* scratch list of slots */

@@ -16,7 +16,6 @@ int sender_table_init(struct sender *s)
                 s->map_cap <<= 1;
         s->map = malloc(s->map_cap * sizeof(*s->map));
         s->armed = malloc(n * sizeof(*s->armed));
-        s->armed_copy = calloc(n, 1);
         s->rq = calloc(n, 1);
         s->flags = calloc(n, 1);
         s->tmp = malloc(n * sizeof(*s->tmp));
@@ -27,7 +26,7 @@ int sender_table_init(struct sender *s)
         while (idset_cap < 2 * s->ctl.hdr->max_blocks)
                 idset_cap <<= 1;
         s->idset = calloc(idset_cap, sizeof(*s->idset));
-        if (!s->map || !s->armed || !s->armed_copy || !s->rq || !s->flags || !s->tmp || !s->resend || !s->cut || !s->runs || !s->idset)
+        if (!s->map || !s->armed || !s->rq || !s->flags || !s->tmp || !s->resend || !s->cut || !s->runs || !s->idset)
                 return kvf_err_set(-ENOMEM, "out of memory for a %u-slot request table", n);
         memset(s->map, 0xff, s->map_cap * sizeof(*s->map));
         for (uint32_t i = 0; i < n; i++)
@@ -44,7 +43,6 @@ void sender_table_free(struct sender *s)
         s->nbuckets = s->capbuckets = 0;
         free(s->map);
         free(s->armed);
-        free(s->armed_copy);
         free(s->rq);
         free(s->flags);
         free(s->tmp);
@@ -54,7 +52,7 @@ void sender_table_free(struct sender *s)
         free(s->idset);
         s->map = NULL;
         s->armed = NULL;
-        s->rq = s->flags = s->armed_copy = NULL;
+        s->rq = s->flags = NULL;
         s->armed_copies = 0;
         s->tmp = s->resend = s->runs = s->idset = NULL;
         s->cut = NULL;
@@ -152,8 +150,7 @@ void sender_disarm(struct sender *s, uint32_t slot)
         if (step == UINT64_MAX)
                 return;
         s->armed[slot] = UINT64_MAX;
-        s->armed_copies -= s->armed_copy[slot];
-        s->armed_copy[slot] = 0;
+        s->armed_copies -= s->ctl.reqtab[slot].transport == KVF_TRANSPORT_IPC;
         struct bucket *b = find_bucket(s, step, false);
         if (!b)
                 return;
@@ -195,7 +192,7 @@ void sender_arm(struct sender *s, uint32_t slot)
         }
         b->slots[b->n++] = slot;
         s->armed[slot] = step;
-        /* same host: this sender moves its bytes itself, as soon as it sees the layers */
-        s->armed_copy[slot] = r->transport == KVF_TRANSPORT_IPC;
-        s->armed_copies += s->armed_copy[slot];
+        /* same host: this sender moves its bytes itself, as soon as it sees the layers (a slot's
+         * transport is its request's while it is armed: a slot is freed only disarmed) */
+        s->armed_copies += r->transport == KVF_TRANSPORT_IPC;
 }

@@ -146,12 +146,51 @@ static unsigned free_seats(unsigned seats)
         return n;
 }
 
+/* Wait until every seat is free, 6 s at most: the seconds it took. */
+static double wait_all_free(unsigned seats)
+{
+        uint64_t t0 = kvf_now_ns();
+        while (free_seats(seats) < seats && kvf_now_ns() - t0 < 6000000000ull)
+                usleep(50000);
+        return (double)(kvf_now_ns() - t0) / 1e9;
+}
+
+/* kvf-sim moves `requests` requests over `transport` from prefill instances name[0..2] into
+ * name[3], a request a step, while this process looks at the seats every 20 ms: the fewest it
+ * found free (*probes: how often it looked). */
+static unsigned sim_probing(const char *transport, unsigned requests, char name[4][64], unsigned seats,
+                            unsigned *probes)
+{
+        char cmd[1024];
+        snprintf(cmd, sizeof(cmd),
+                 "%s/kvf-sim --quiet --transport %s --prefill %s --prefill %s --prefill %s --decode %s "
+                 "--requests %u --layer-us 1500 --step-tokens 1 --late-pct 0 >/dev/null",
+                 getenv("KVFERRY_BUILD") ? getenv("KVFERRY_BUILD") : KVF_SOURCE_DIR "/build", transport,
+                 name[0], name[1], name[2], name[3], requests);
+        fflush(NULL);
+        pid_t sim = fork();
+        CHECK(sim >= 0);
+        if (sim == 0) {
+                execl("/bin/sh", "sh", "-c", cmd, (char *)NULL);
+                _exit(127);
+        }
+        unsigned least = seats;
+        int st = 0;
+        for (*probes = 0; waitpid(sim, &st, WNOHANG) == 0; ++*probes) {
+                unsigned f = free_seats(seats);
+                least = f < least ? f : least;
+                usleep(20000);
+        }
+        CHECK(WIFEXITED(st) && WEXITSTATUS(st) == 0);
+        return least;
+}
+
 static void instances(void)
 {
         set_prefix("inst");
         const char *why;
         unsigned cpus = kvf_usable_cpus(&why), seats = cpus / 2, busy = seats < 3 ? seats : 3;
-        char name[4][64], cmd[1024];
+        char name[4][64];
         /* the decode instance first, so that a seat it took would be missing below */
         static const int order[] = {3, 0, 1, 2};
         for (int x = 0; x < 4; x++) {
@@ -177,60 +216,18 @@ static void instances(void)
         /* Idle for 2 s, the first gives its seat back; then requests waiting for layers on all
          * three: within a heartbeat or two each takes a seat while one is free, so min(seats, 3)
          * are held while they run; after 2 s with none waiting they are given back again. */
-        uint64_t t0 = kvf_now_ns();
-        while (free_seats(seats) < seats && kvf_now_ns() - t0 < 6000000000ull)
-                usleep(50000);
+        wait_all_free(seats);
         CHECK_EQ(free_seats(seats), seats);
-        snprintf(cmd, sizeof(cmd),
-                 "%s/kvf-sim --quiet --prefill %s --prefill %s --prefill %s --decode %s --requests 90 "
-                 "--layer-us 1500 --step-tokens 1 --late-pct 0 >/dev/null",
-                 getenv("KVFERRY_BUILD") ? getenv("KVFERRY_BUILD") : KVF_SOURCE_DIR "/build", name[0], name[1], name[2], name[3]);
-        fflush(NULL);
-        pid_t sim = fork();
-        CHECK(sim >= 0);
-        if (sim == 0) {
-                execl("/bin/sh", "sh", "-c", cmd, (char *)NULL);
-                _exit(127);
-        }
-        unsigned least = seats;
-        int st = 0;
-        while (waitpid(sim, &st, WNOHANG) == 0) {
-                unsigned f = free_seats(seats);
-                least = f < least ? f : least;
-                usleep(20000);
-        }
-        CHECK(WIFEXITED(st) && WEXITSTATUS(st) == 0);
+        unsigned probes, least = sim_probing("ipc", 90, name, seats, &probes);
         CHECK_EQ(least, seats - busy);
-        t0 = kvf_now_ns();
-        while (free_seats(seats) < seats && kvf_now_ns() - t0 < 6000000000ull)
-                usleep(50000);
+        double after = wait_all_free(seats);
         unsigned back = free_seats(seats);
         CHECK_EQ(back, seats);
         printf("%u CPUs, %u spin seats: the first prefill instance took one at start, the decode instance "
                "none; with requests waiting on three, %u held; all %u free again %.1f s after the run\n",
-               cpus, seats, busy, back, (double)(kvf_now_ns() - t0) / 1e9);
+               cpus, seats, busy, back, after);
         /* Over tcp the connectors move the bytes: a sender would spin for nothing, and takes none. */
-        snprintf(cmd, sizeof(cmd),
-                 "%s/kvf-sim --quiet --transport tcp --prefill %s --prefill %s --prefill %s --decode %s "
-                 "--requests 60 --layer-us 1500 --step-tokens 1 --late-pct 0 >/dev/null",
-                 getenv("KVFERRY_BUILD") ? getenv("KVFERRY_BUILD") : KVF_SOURCE_DIR "/build", name[0], name[1],
-                 name[2], name[3]);
-        fflush(NULL);
-        sim = fork();
-        CHECK(sim >= 0);
-        if (sim == 0) {
-                execl("/bin/sh", "sh", "-c", cmd, (char *)NULL);
-                _exit(127);
-        }
-        least = seats;
-        unsigned probes = 0;
-        while (waitpid(sim, &st, WNOHANG) == 0) {
-                unsigned f = free_seats(seats);
-                least = f < least ? f : least;
-                probes++;
-                usleep(20000);
-        }
-        CHECK(WIFEXITED(st) && WEXITSTATUS(st) == 0);
+        least = sim_probing("tcp", 60, name, seats, &probes);
         CHECK(probes >= 10);
         CHECK_EQ(least, seats);
         printf("over tcp, with requests waiting on three for %u probes, no seat taken\n", probes);

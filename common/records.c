@@ -406,6 +406,12 @@ fail:
         return -EBADMSG;
 }
 
+/* A per-rank list (rdma_ports, device_ids) that stops before this rank's entry. */
+static int no_rank_entry(const char *name, uint32_t n, uint32_t rank)
+{
+        return kvf_err_set(-EBADMSG, "field '%s' has %u entries, none for rank %u", name, n, rank);
+}
+
 static int dec_field(struct kvf_mp *m, const struct field *f, struct kvf_record *r, uint32_t rank)
 {
         char *base = (char *)r;
@@ -477,6 +483,7 @@ static int dec_field(struct kvf_mp *m, const struct field *f, struct kvf_record 
         }
         case F_PORTS: {
                 /* One entry per rank, integers or decimal strings; only ours is kept. */
+                bool dev = f->off == offsetof(struct kvf_record, device);
                 uint32_t np = 0;
                 if (kvf_mp_peek(m) != KVF_MP_ARRAY)
                         return type_err(f->name, "an array", m);
@@ -491,17 +498,23 @@ static int dec_field(struct kvf_mp *m, const struct field *f, struct kvf_record 
                         if (v > UINT32_MAX)
                                 return kvf_err_set(-EBADMSG, "field '%s'[%u] = %llu does not fit 32 bits",
                                                    f->name, i, (unsigned long long)v);
+                        /* Instances take --device 0 to 65535; above is no device, and 2^32 - 1
+                         * is what an instance without --device says it uses (KVF_DEVICE_NONE). */
+                        if (dev && v > 65535)
+                                return kvf_err_set(-EBADMSG,
+                                                   "field '%s'[%u] = %llu is not a device (0 to 65535)",
+                                                   f->name, i, (unsigned long long)v);
                         if (i == rank)
                                 *(uint64_t *)(void *)(base + f->off) = v;
                 }
-                if (rank >= np && f->off == offsetof(struct kvf_record, device)) {
+                if (rank >= np && dev) {
                         /* Needed only by an ipc task without a peer (checked there). */
-                        *(uint64_t *)(void *)(base + f->off) = UINT64_MAX;
+                        r->device = UINT64_MAX;
+                        r->n_device_ids = np;
                         return 0;
                 }
                 if (rank >= np)
-                        return kvf_err_set(-EBADMSG, "field '%s' has %u entries, none for rank %u",
-                                           f->name, np, rank);
+                        return no_rank_entry(f->name, np, rank);
                 return 0;
         }
         }
@@ -562,9 +575,21 @@ int kvf_record_decode(int type, const void *buf, size_t len, uint32_t rank,
                 if (out->present & (1ull << fid))
                         return kvf_err_set(-EBADMSG, "%s record: field '%s' appears twice", sp->name,
                                            f->name);
+                uint64_t before = out->port;
                 if ((rc = dec_field(&m, f, out, rank)) < 0)
                         return kvf_err_ctx(rc, "%s record", sp->name);
                 out->present |= 1ull << fid;
+                /* port and rdma_ports[rank] both fill `port`: FastDeploy may send both, but
+                 * two different ports name no peer (and map order must not pick one). */
+                const uint64_t both = (1ull << PORT) | (1ull << RDMA_PORTS);
+                if ((fid == PORT || fid == RDMA_PORTS) && (out->present & both) == both &&
+                    out->port != before) {
+                        uint64_t p = fid == PORT ? out->port : before;
+                        uint64_t rp = fid == PORT ? before : out->port;
+                        return kvf_err_set(-EBADMSG,
+                                           "%s record: fields 'port' (%llu) and 'rdma_ports'[%u] (%llu) disagree",
+                                           sp->name, (unsigned long long)p, rank, (unsigned long long)rp);
+                }
         }
         if (m.p != m.end)
                 return kvf_err_set(-EBADMSG, "%s record: %zu trailing bytes after the map", sp->name,
@@ -579,8 +604,13 @@ int kvf_record_decode(int type, const void *buf, size_t len, uint32_t rank,
                 bool have_ip = out->present & (1ull << IP);
                 /* FastDeploy's ipc tasks name the peer by its device alone: the sender finds it. */
                 if ((out->present & (1ull << DEVICE_IDS)) && out->transport == KVF_TRANSPORT_IPC &&
-                    !(have_ip && have_port))
+                    !(have_ip && have_port)) {
+                        if (!out->device_given) {
+                                rc = no_rank_entry("device_ids", out->n_device_ids, rank);
+                                return kvf_err_ctx(rc, "%s record", sp->name);
+                        }
                         return 0;
+                }
                 if (!have_ip || !have_port)
                         return kvf_err_set(-EBADMSG,
                                            "%s record: missing field 'peer' (or 'ip' with 'port' or 'rdma_ports'%s)",

@@ -163,6 +163,7 @@ struct kvf_record {
         bool id_bin;   /* request_id / task_id came (and goes back) as msgpack bin, not str */
         bool peer_formed; /* decode only: `peer` was built from ip and port, not given */
         bool device_given; /* decode only: device_ids was present (`device` holds our rank's) */
+        uint32_t n_device_ids; /* decode only: device_ids's entries, when none is our rank's */
         uint32_t *src; /* src_block_ids */
         uint32_t n_src;
         uint32_t *dst; /* dest_block_ids */

@@ -198,6 +198,23 @@ void kvf_tp_plan_free(struct kvf_tp_plan *plan)
         memset(plan, 0, sizeof(*plan));
 }
 
+int kvf_tp_equal_pair(const struct kvf_cache_layout *l, uint32_t n, uint32_t prank, uint32_t drank,
+                      char *why, size_t whylen)
+{
+        n = n ? n : 1;
+        if (prank < n && drank < n && (prank == drank || l->key_only))
+                return 0;
+        const uint32_t k = l->kv_heads;
+        if (prank >= n || drank >= n)
+                snprintf(why, whylen, "prefill rank %u and decode rank %u of groups of %u", prank, drank, n);
+        else
+                snprintf(why, whylen,
+                         "prefill rank %u of %u holds kv heads %u to %u, decode rank %u of %u heads %u "
+                         "to %u: between equal groups rank r sends to rank r",
+                         prank, n, prank * k, prank * k + k - 1, drank, n, drank * k, drank * k + k - 1);
+        return -EXDEV;
+}
+
 int kvf_tp_pair_plan(const struct kvf_cache_layout *me, uint32_t nranks, uint32_t rank,
                      const struct kvf_cache_layout *peer, uint32_t pnranks, uint32_t prank,
                      struct kvf_tp_plan *out, char *why, size_t whylen)
@@ -208,7 +225,7 @@ int kvf_tp_pair_plan(const struct kvf_cache_layout *me, uint32_t nranks, uint32_
         nranks = nranks ? nranks : 1;
         pnranks = pnranks ? pnranks : 1;
         if (nranks == pnranks && kvf_layout_compatible(me, peer, diff, sizeof(diff)) == 0)
-                return 0;
+                return kvf_tp_equal_pair(me, nranks, rank, prank, why, whylen);
         if (kvf_tp_check(me, nranks, peer, pnranks, 0, &heads, diff, sizeof(diff)) < 0) {
                 snprintf(why, whylen, "%s", diff);
                 return -EXDEV;
@@ -251,10 +268,15 @@ bool kvf_tp_piece_next(const struct kvf_tp_plan *pl, uint32_t pos, uint32_t ndst
         return false;
 }
 
-uint32_t kvf_tp_dst_blocks(uint32_t n_src, uint32_t src_bsize, uint32_t dst_bsize)
+uint64_t kvf_tp_dst_blocks(uint32_t n_src, uint32_t src_bsize, uint32_t dst_bsize)
 {
         uint64_t tokens = (uint64_t)n_src * src_bsize;
-        return (uint32_t)((tokens + dst_bsize - 1) / dst_bsize);
+        return (tokens + dst_bsize - 1) / dst_bsize;
+}
+
+uint64_t kvf_tp_dst_blocks_min(uint32_t n_src, uint32_t src_bsize, uint32_t dst_bsize)
+{
+        return n_src ? (uint64_t)(n_src - 1) * src_bsize / dst_bsize + 1 : 0;
 }
 
 int kvf_tp_slice(const struct kvf_cache_layout *pl, uint32_t p, uint32_t prank,
@@ -268,7 +290,9 @@ int kvf_tp_slice(const struct kvf_cache_layout *pl, uint32_t p, uint32_t prank,
         p = p ? p : 1;
         d = d ? d : 1;
         if (p == d && kvf_layout_compatible(pl, dl, why, sizeof(why)) == 0)
-                return 0;
+                return kvf_tp_equal_pair(pl, p, prank, drank, why, sizeof(why)) < 0
+                           ? kvf_err_set(-EXDEV, "%s", why)
+                           : 0;
         if (kvf_tp_check(pl, p, dl, d, 0, &heads, why, sizeof(why)) < 0)
                 return kvf_err_set(-EXDEV, "%s", why);
         if (pl->block_size != dl->block_size)

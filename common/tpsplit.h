@@ -99,10 +99,22 @@ int kvf_tp_plan(const struct kvf_cache_layout *pl, uint32_t p, uint32_t prank,
 void kvf_tp_plan_free(struct kvf_tp_plan *plan);
 
 /*
+ * Between equal groups with equal layouts (layout l, n ranks each), may prefill rank `prank`
+ * send its whole blocks to decode rank `drank`? Only to the rank that holds the same heads:
+ * rank r's heads go to rank r (whatever the model's total, which equal layouts do not tell);
+ * a key-only (MLA) latent is the same on every rank, so any pair. 0, or -EXDEV with `why`
+ * naming both ranks and their heads: another pair would land one rank's heads in another's
+ * cache.
+ */
+int kvf_tp_equal_pair(const struct kvf_cache_layout *l, uint32_t n, uint32_t prank, uint32_t drank,
+                      char *why, size_t whylen);
+
+/*
  * The plan between this rank (layout `me`, rank `rank` of a group of `nranks`) as prefill and a
  * peer rank (layout `peer`, rank `prank` of `pnranks`) as decode, as both executors of same-host
  * copies use it (the sender's copies, sender/peers.c; the engine's, client/stream.c): 0 with
- * out->npieces 0 for whole blocks (equal layouts and groups, or a plan whose one piece is the
+ * out->npieces 0 for whole blocks (equal layouts and groups, rank to its like:
+ * kvf_tp_equal_pair, else -EXDEV; or a plan whose one piece is the
  * whole block: a replicated head, MLA); 0 with the plan's pieces; -EXDEV with `why` when the
  * layouts are not one split of one model (both named, kvf_tp_check's text); -ENOENT with `why`
  * when this rank sends the peer none of its heads; -ENOMEM.
@@ -126,8 +138,8 @@ bool kvf_tp_piece_next(const struct kvf_tp_plan *pl, uint32_t pos, uint32_t ndst
 /*
  * The one head slice of each block prefill rank `prank` (layout pl, group p) sends decode rank
  * `drank` (layout dl, group d), for transports that move one contiguous range per block (tcp
- * frames): equal block sizes. 0 with *len 0: whole blocks (equal layouts and groups, or a
- * slice that is the whole block: a replicated head, MLA); 0 with *soff, *doff, *len: that
+ * frames): equal block sizes. 0 with *len 0: whole blocks (equal layouts and groups, rank to its like, else
+ * -EXDEV; or a slice that is the whole block: a replicated head, MLA); 0 with *soff, *doff, *len: that
  * slice; -EXDEV (kvf_err says why): not one split of one model, different block sizes, or
  * this prefill rank sends that decode rank no head.
  */
@@ -136,7 +148,10 @@ int kvf_tp_slice(const struct kvf_cache_layout *pl, uint32_t p, uint32_t prank,
                  uint32_t *doff, uint32_t *len);
 
 /* Destination blocks a request of n_src source blocks fills (n_src * Bs / Bd,
- * rounded up when the last source block is partly used by the receiver's). */
-uint32_t kvf_tp_dst_blocks(uint32_t n_src, uint32_t src_bsize, uint32_t dst_bsize);
+ * rounded up when the last source block is partly used by the receiver's): at most, and at
+ * least (the last source block holding one token). 64 bits: 65536 source blocks of 65536
+ * tokens into blocks of one fill more than 2^32. */
+uint64_t kvf_tp_dst_blocks(uint32_t n_src, uint32_t src_bsize, uint32_t dst_bsize);
+uint64_t kvf_tp_dst_blocks_min(uint32_t n_src, uint32_t src_bsize, uint32_t dst_bsize);
 
 #endif

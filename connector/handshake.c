@@ -120,7 +120,8 @@ static int check_split(const struct kvf_cache_layout *pl, uint32_t pr, uint32_t 
         p = p ? p : 1;
         d = d ? d : 1;
         if (p == d && kvf_layout_compatible(pl, dl, why, whylen) == 0)
-                return 0;
+                /* (the control connection carries every rank's notices) */
+                return strcmp(purpose, "control") ? kvf_tp_equal_pair(pl, p, pr, dr, why, whylen) : 0;
         /* Head slices and regrouped tokens are cut from [heads, block_size, head_dim] blocks;
          * in token-major blocks ([block_size, heads, head_dim]) those bytes lie elsewhere. One
          * head a block is the same either way. */

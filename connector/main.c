@@ -134,9 +134,10 @@ static int on_sender_record(void *ctx, uint16_t type, const uint8_t *pl, uint32_
                 break;
         case KVF_RT_OPEN: {
                 char why[KVF_REASON_MAX];
+                int status = KVF_STATUS_CONNECTION;
                 struct peer *p = conn_peer_get(cn, r.peer, why, sizeof(why));
-                if (!p || conn_xfer_open(p, &r, why, sizeof(why)) < 0)
-                        conn_post_write_result(cn, r.key, r.request_id, r.id_bin, KVF_STATUS_CONNECTION, why);
+                if (!p || conn_xfer_open(p, &r, &status, why, sizeof(why)) < 0)
+                        conn_post_write_result(cn, r.key, r.request_id, r.id_bin, status, why);
                 else
                         conn_peer_kick(p); /* its control connection carries the notice later */
                 break;

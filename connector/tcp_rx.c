@@ -591,7 +591,7 @@ static int xopen_check(const struct rx *rx, const struct kvf_record *o, char *wh
                 return -EPROTO;
         }
         if (!o->blocks || o->blocks > UINT32_MAX || o->n_dst == 0 ||
-            o->n_dst < (uint64_t)(o->blocks - 1) * bs / bd + 1 ||
+            o->n_dst < kvf_tp_dst_blocks_min((uint32_t)o->blocks, bs, bd) ||
             o->n_dst > kvf_tp_dst_blocks((uint32_t)o->blocks, bs, bd)) {
                 snprintf(why, whylen, "XOPEN for %s: %u destination blocks of %u tokens for %llu source "
                          "blocks of %u", o->request_id, o->n_dst, bd, (unsigned long long)o->blocks, bs);

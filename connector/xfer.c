@@ -346,9 +346,10 @@ static const struct conn_transport *transport_for(const struct kvf_record *r, ch
         return t;
 }
 
-int conn_xfer_open(struct peer *p, const struct kvf_record *o, char *why, size_t whylen)
+int conn_xfer_open(struct peer *p, const struct kvf_record *o, int *status, char *why, size_t whylen)
 {
         struct connector *cn = p->cn;
+        *status = KVF_STATUS_CONNECTION;
         const struct conn_transport *t = transport_for(o, why, whylen);
         if (!t)
                 return -EPROTONOSUPPORT;
@@ -370,9 +371,9 @@ int conn_xfer_open(struct peer *p, const struct kvf_record *o, char *why, size_t
                 if (cannot)
                         snprintf(why, whylen, "%s is not available at '%s': %s", t->name,
                                  cn->ctl.hdr->instance, no);
-                else
-                        snprintf(why, whylen, "%s", xp->refused);
-                remember_failed(xp, o->key, KVF_STATUS_CONNECTION, why);
+                else /* with the peer's status: a layout it refused is no connection error */
+                        snprintf(why, whylen, "%s", xp->refused), *status = xp->refused_status;
+                remember_failed(xp, o->key, *status, why);
                 pthread_mutex_unlock(&xp->mu);
                 return -EPROTONOSUPPORT;
         }
@@ -641,7 +642,7 @@ bool xfer_regroup_mismatch(const struct xfer_peer *xp, const struct xfer *x, uin
                          "here, and the task was accepted for blocks of one size (the sender regroups "
                          "tokens for a peer whose block size it knows: on this host, or reached by "
                          "this connector before the task)", x->request_id, xp->p->name, bd, bs);
-        else if (regrouped && (x->n_dst < (uint32_t)((uint64_t)(x->n_src - 1) * bs / bd) + 1 ||
+        else if (regrouped && (x->n_dst < kvf_tp_dst_blocks_min(x->n_src, bs, bd) ||
                                x->n_dst > kvf_tp_dst_blocks(x->n_src, bs, bd)))
                 snprintf(why, whylen, "req %s to '%s': %u destination blocks of %u tokens for %u source "
                          "blocks of %u", x->request_id, xp->p->name, x->n_dst, bd, x->n_src, bs);

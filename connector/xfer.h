@@ -101,8 +101,8 @@ struct xfer_peer {
 /* ---- for the connector (main.c, peer.c): control thread, except where noted ---- */
 
 /* A transfer to peer p begins (OPEN). 0 (the caller then kicks the peer, conn_peer_kick), or
- * -errno with why. */
-int conn_xfer_open(struct peer *p, const struct kvf_record *open, char *why, size_t whylen);
+ * -errno with why and the request's status (the one the peer refused with, when it did). */
+int conn_xfer_open(struct peer *p, const struct kvf_record *open, int *status, char *why, size_t whylen);
 /* Queue a write batch: 0; -EAGAIN back-pressure (leave it in the ring); -ENOENT the transfer
  * is gone (failed, its result went out); -EINVAL a bad batch; -ENOMEM. */
 int conn_xfer_batch(struct peer *p, const struct kvf_record *batch);

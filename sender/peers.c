@@ -308,18 +308,30 @@ static bool local_address(const char *ip)
         return found;
 }
 
+/* Does any of the instance's roles run? A segment outlives its processes when they are killed. */
+static bool instance_running(const struct kvf_ctl *c)
+{
+        for (int r = 0; r < KVF_ROLE_COUNT; r++)
+                if (kvf_role_process_alive(c, (enum kvf_role_id)r))
+                        return true;
+        return false;
+}
+
 /*
  * The same-host receiving instances (decode or mixed, ours, not this one)
  * that match: by device when by_device, else by the connector's port (the
  * address being one of this host's). Names of the first matches go in
- * names[]; returns how many matched.
+ * names[]; returns how many matched. A match none of whose roles runs is
+ * left out, its name in dead[] (KVF_INSTANCE_MAX bytes; "" when none) so the
+ * caller can say why nothing matched.
  */
 static unsigned scan_local(struct sender *s, bool by_device, uint64_t want, char names[][KVF_INSTANCE_MAX],
-                           unsigned cap)
+                           unsigned cap, char *dead)
 {
         DIR *d = opendir("/dev/shm");
         struct dirent *e;
         unsigned n = 0;
+        dead[0] = '\0';
         if (!d)
                 return 0;
         while ((e = readdir(d))) {
@@ -342,8 +354,11 @@ static unsigned scan_local(struct sender *s, bool by_device, uint64_t want, char
                         uint32_t port;
                         match = kvf_connector_info_read(&c, host, sizeof(host), &port) == 0 && port == want;
                 }
+                bool running = match && instance_running(&c);
                 kvf_ctl_detach(&c);
-                if (!match)
+                if (match && !running && !dead[0])
+                        snprintf(dead, KVF_INSTANCE_MAX, "%s", nm);
+                if (!running)
                         continue;
                 if (n < cap)
                         snprintf(names[n], KVF_INSTANCE_MAX, "%s", nm);
@@ -377,17 +392,20 @@ int sender_peer_resolve(struct sender *s, struct kvf_record *t, char *why, size_
                         return -ENOENT;
                 }
         }
-        char names[4][KVF_INSTANCE_MAX];
+        char names[4][KVF_INSTANCE_MAX], dead[KVF_INSTANCE_MAX], also[KVF_INSTANCE_MAX + 48] = "";
         uint64_t want = by_device ? t->device : port;
-        unsigned n = scan_local(s, by_device, want, names, 4);
+        unsigned n = scan_local(s, by_device, want, names, 4, dead);
         if (n == 0) {
+                if (dead[0])
+                        snprintf(also, sizeof(also), " (instance '%s' does, but it is not running)",
+                                 dead);
                 if (by_device)
-                        snprintf(why, whylen, "no decode instance on this host uses device %llu",
-                                 (unsigned long long)want);
+                        snprintf(why, whylen, "no decode instance on this host uses device %llu%s",
+                                 (unsigned long long)want, also);
                 else
                         snprintf(why, whylen,
-                                 "transfer_protocol ipc needs a same-host instance: no decode instance of this host listens on %s",
-                                 t->peer);
+                                 "transfer_protocol ipc needs a same-host instance: no decode instance of this host listens on %s%s",
+                                 t->peer, also);
                 return -ENOENT;
         }
         if (n > 1) {

@@ -458,7 +458,7 @@ static inline uint64_t sender_request_bytes(const struct sender *s, const struct
 
 /* sessions.c */
 /* tcp peers: note the decode engine session a peer's connector told of; look it up (0 unknown). */
-void sender_net_peer_note(struct sender *s, const char *peer, uint64_t session, uint32_t block_size);
+void sender_net_peer_note(struct sender *s, const char *peer, bool up, uint64_t session, uint32_t block_size);
 uint64_t sender_net_peer_session(struct sender *s, const char *peer);
 /* A tcp peer's tokens per block: on this host (named by instance) from its segment, else as
  * the connector told when the peer's control connection came up; 0 when not known. */

@@ -81,9 +81,15 @@ static struct net_peer *net_peer_slot(struct sender *s, const char *peer)
         return slot;
 }
 
-void sender_net_peer_note(struct sender *s, const char *peer, uint64_t session, uint32_t block_size)
+void sender_net_peer_note(struct sender *s, const char *peer, bool up, uint64_t session, uint32_t block_size)
 {
         struct net_peer *p = net_peer_slot(s, peer);
+        if (!up) {
+                /* What comes back at its address may be another instance, of another block
+                 * size: unknown until its connector reaches it again. */
+                p->block_size = 0;
+                return;
+        }
         p->session = session;
         if (block_size)
                 p->block_size = block_size;

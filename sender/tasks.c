@@ -115,26 +115,36 @@ static int verdict(char *why, size_t whylen, int status, const char *fmt, ...)
  * 0, or KVF_STATUS_BAD_TASK with `why`. */
 static int regroup_count(const struct kvf_record *t, uint32_t bs, uint32_t bd, char *why, size_t whylen)
 {
-        uint32_t hi = kvf_tp_dst_blocks(t->n_src, bs, bd);
-        uint32_t lo = (uint32_t)((uint64_t)(t->n_src - 1) * bs / bd) + 1;
+        uint64_t hi = kvf_tp_dst_blocks(t->n_src, bs, bd), lo = kvf_tp_dst_blocks_min(t->n_src, bs, bd);
         if (t->n_dst < lo || t->n_dst > hi)
                 return verdict(why, whylen, KVF_STATUS_BAD_TASK,
                                "dest_block_ids has %u entries: %u source blocks of %u tokens "
-                               "fill %u to %u blocks of %u tokens at peer '%s'",
-                               t->n_dst, t->n_src, bs, lo, hi, bd, t->peer);
+                               "fill %llu to %llu blocks of %u tokens at peer '%s'",
+                               t->n_dst, t->n_src, bs, (unsigned long long)lo, (unsigned long long)hi, bd,
+                               t->peer);
         return 0;
 }
 
-/* A tcp or rdma task's peer has another block size: that size (tokens regrouped into its blocks,
- * docs/ARCHITECTURE.md 7b); else 0 (equal, or not known yet: a peer on another host that its
- * connector has not reached, whose data connection then fails the transfer if the sizes
- * differ). */
-static uint32_t net_regroup_block_size(struct sender *s, const struct kvf_record *t)
+/*
+ * Is a tcp or rdma task's request regrouped into its peer's blocks (docs/ARCHITECTURE.md 7b)?
+ * Yes when the peer has another block size (*bd: that size, from its segment or its connector);
+ * and when its size is not known yet (a peer on another host that the connector has not
+ * reached, or that went down and may come back another instance) and the task names more
+ * destination blocks than source blocks, which only smaller blocks there explain (*bd 0: the
+ * connector checks the counts once its data connection knows the size). No when the sizes are
+ * equal, or not known with no more destination blocks than source blocks: taken as equal (the
+ * data connection fails the request, saying so, if they are not).
+ */
+static bool net_regrouped(struct sender *s, const struct kvf_record *t, uint32_t *bd)
 {
+        *bd = 0;
         if (t->transport != KVF_TRANSPORT_TCP && t->transport != KVF_TRANSPORT_RDMA)
-                return 0;
-        uint32_t bd = sender_net_peer_block_size(s, t->peer);
-        return bd && bd != s->layout->block_size ? bd : 0;
+                return false;
+        uint32_t b = sender_net_peer_block_size(s, t->peer);
+        if (!b)
+                return t->n_dst > t->n_src;
+        *bd = b != s->layout->block_size ? b : 0;
+        return *bd != 0;
 }
 
 /*
@@ -228,7 +238,8 @@ static int validate_task(struct sender *s, struct kvf_record *t, uint32_t *pidx,
                                               "dest_block_ids[%u] = %u is out of range: peer '%s' has %u blocks",
                                               i, t->dst[i], t->peer, peer_blocks);
         }
-        const uint32_t nbd = net_regroup_block_size(s, t);
+        uint32_t nbd;
+        const bool regrouped = net_regrouped(s, t, &nbd);
         if (nbd) {
                 /* A tcp or rdma peer of another block size (its segment or its connector says): regrouped
                  * as over ipc, the receiver's connector checks the same counts. */
@@ -241,7 +252,7 @@ static int validate_task(struct sender *s, struct kvf_record *t, uint32_t *pidx,
                 if (st)
                         return st;
         }
-        if (t->n_dst > t->n_src && !nbd &&
+        if (t->n_dst > t->n_src && !regrouped &&
             (*pidx == UINT32_MAX || s->layout->block_size == s->peers[*pidx].ctl.hdr->layout.block_size))
                 return verdict(why, whylen, KVF_STATUS_BAD_TASK,
                               "dest_block_ids has %u entries, more than the %u of src_block_ids",
@@ -320,7 +331,8 @@ static int accept_task(struct sender *s, struct kvf_record *t, const struct task
                 r->n_send = t->n_src; /* another block size: every source block, regrouped */
                 r->n_dst = t->n_dst;
         }
-        if (pidx == UINT32_MAX && net_regroup_block_size(s, t)) {
+        uint32_t nbd;
+        if (pidx == UINT32_MAX && net_regrouped(s, t, &nbd)) {
                 r->n_send = t->n_src; /* a tcp or rdma peer of another block size: the same */
                 r->n_dst = t->n_dst;
         }
@@ -491,8 +503,7 @@ int sender_on_connector_record(void *ctx, uint16_t type, const uint8_t *p, uint3
                                                                      .status = r.status, .reason = r.reason});
                 }
         } else if (type == KVF_RT_PEER_STATE) {
-                if (r.up)
-                        sender_net_peer_note(s, r.peer, r.session, (uint32_t)r.lay_bsize);
+                sender_net_peer_note(s, r.peer, r.up, r.session, (uint32_t)r.lay_bsize);
                 kvf_info("peer '%s' is %s%s%s (decode engine session %llu)", r.peer, r.up ? "up" : "down",
                          r.reason[0] ? ": " : "", r.reason, (unsigned long long)r.session);
         }

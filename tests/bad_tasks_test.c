@@ -18,8 +18,34 @@
 #include "instances.h"
 #include "kvferry.h"
 
-static char P[64], P2[64], D[64], DX[64];
+static char P[64], P2[64], D[64], DX[64], G5[64], GX[64];
 static struct kvf_client *c;
+
+static void stale_cleanup(void)
+{
+        kvf_ctl_unlink(G5);
+        kvf_ctl_unlink(GX);
+}
+
+/*
+ * What an instance killed outright leaves in /dev/shm: its segment, its roles
+ * still marked running under pids that are gone.
+ */
+static void stale_segment(const char *name, uint32_t device)
+{
+        struct kvf_ctl_params p = {.instance = name, .instance_role = KVF_IROLE_DECODE,
+                                   .backend = KVF_BACKEND_HOST, .device = device, .reqtab_slots = 8,
+                                   .max_blocks = 16};
+        struct kvf_ctl sc;
+        kvf_ctl_unlink(name);
+        CHECK_EQ(kvf_ctl_create(&p, &sc), 0);
+        kvf_ctl_publish(&sc);
+        for (int r = 0; r < KVF_ROLE_ENGINE; r++) {
+                kvf_role_begin(&sc, (enum kvf_role_id)r);
+                sc.roles[r].pid = 0x7ffffff0; /* above any pid_max: no such process */
+        }
+        kvf_ctl_detach(&sc);
+}
 
 
 /* ---- building task records ---- */
@@ -115,14 +141,16 @@ static void expect(const char *what, const char *id, int status, const char *nee
 
 /*
  * A task as FastDeploy builds it for a same-host (ipc) peer: no "peer", the
- * peer named by device_ids[rank] or by ip and port (numbers as strings when
- * port_str), the request id as msgpack bin when id_bin.
+ * peer named by device_ids (ndev entries; ndev < 0 leaves it out) or by ip and
+ * rdma_ports [port] (numbers as strings when port_str), with "port": also_port
+ * before them when also_port >= 0, the request id as msgpack bin when id_bin.
  */
-static void fd_task(struct pk *k, const char *id, bool id_bin, const long *dst, int nd, long device,
-                    const char *ip, long port, bool port_str)
+static void fd_task(struct pk *k, const char *id, bool id_bin, const long *dst, int nd,
+                    const long *dev, int ndev, const char *ip, long port, bool port_str,
+                    long also_port)
 {
         static const long src[] = {0, 1, 2};
-        int n = 5 + (device >= 0) + 2 * (ip != NULL);
+        int n = 5 + (ndev >= 0) + 2 * (ip != NULL) + (also_port >= 0);
         pk_init(k);
         msgpack_pack_map(&k->p, (size_t)n);
         str(k, "request_id");
@@ -140,12 +168,18 @@ static void fd_task(struct pk *k, const char *id, bool id_bin, const long *dst, 
         msgpack_pack_uint64(&k->p, 1000000);
         str(k, "transfer_protocol");
         str(k, "ipc");
-        if (device >= 0) {
-                char dev[16];
-                snprintf(dev, sizeof(dev), "%ld", device);
+        if (ndev >= 0) {
                 str(k, "device_ids");
-                msgpack_pack_array(&k->p, 1);
-                str(k, dev); /* FastDeploy reads them with int(): strings happen */
+                msgpack_pack_array(&k->p, (size_t)ndev);
+                for (int i = 0; i < ndev; i++) {
+                        char d[24];
+                        snprintf(d, sizeof(d), "%ld", dev[i]);
+                        str(k, d); /* FastDeploy reads them with int(): strings happen */
+                }
+        }
+        if (also_port >= 0) {
+                str(k, "port");
+                msgpack_pack_int64(&k->p, also_port);
         }
         if (ip) {
                 str(k, "ip");
@@ -191,6 +225,9 @@ int main(void)
         snprintf(D, sizeof(D), "bt%d-d", (int)getpid());
         snprintf(DX, sizeof(DX), "bt%d-dx", (int)getpid());
         snprintf(P2, sizeof(P2), "bt%d-p2", (int)getpid());
+        snprintf(G5, sizeof(G5), "bt%d-g5", (int)getpid());
+        snprintf(GX, sizeof(GX), "bt%d-gx", (int)getpid());
+        atexit(stale_cleanup);
         const char *L = "--model llama-3.1-8b --tp 8 --blocks 64";
         /* --device: FastDeploy names an ipc peer by the GPU it serves */
         t_up(D, "--role decode %s --device 5", L);
@@ -283,25 +320,60 @@ int main(void)
          * this host, numbers as strings, the request id as bytes (echoed back). The dest
          * ids are out of range on purpose: the message names the instance it resolved. */
         {
+                static const long dev5[] = {5}, dev9[] = {9}, devnone[] = {4294967295};
                 struct pk k;
-                fd_task(&k, "fd-dev", true, dbig, 3, 5, NULL, 0, false);
+                fd_task(&k, "fd-dev", true, dbig, 3, dev5, 1, NULL, 0, false, -1);
                 submit_pk(&k);
                 char want[96];
                 snprintf(want, sizeof(want), "peer '%s' has 64 blocks", D);
                 expect("ipc peer by device_ids (id as bin)", "fd-dev", KVF_STATUS_BLOCK_RANGE, want);
-                fd_task(&k, "fd-nodev", false, d3, 3, 9, NULL, 0, false);
+                fd_task(&k, "fd-nodev", false, d3, 3, dev9, 1, NULL, 0, false, -1);
                 submit_pk(&k);
                 expect("ipc peer by an unused device", "fd-nodev", KVF_STATUS_UNKNOWN_PEER,
                        "no decode instance on this host uses device 9");
+                /* This instance is rank 0: a list without entry 0 names no peer. */
+                fd_task(&k, "fd-devs0", false, d3, 3, NULL, 0, NULL, 0, false, -1);
+                submit_pk(&k);
+                expect("device_ids, none for this rank", "fd-devs0", KVF_STATUS_BAD_TASK,
+                       "field 'device_ids' has 0 entries, none for rank 0");
+                /* 2^32 - 1 is what an instance without --device (DX) says it uses. */
+                fd_task(&k, "fd-devnone", false, d3, 3, devnone, 1, NULL, 0, false, -1);
+                submit_pk(&k);
+                expect("device_ids [4294967295]", "fd-devnone", KVF_STATUS_BAD_TASK,
+                       "field 'device_ids'[0] = 4294967295 is not a device (0 to 65535)");
+                /* Segments of killed instances: one beside D on its device, one alone on a
+                 * device no other test's instance uses. Neither is a peer. */
+                const long gdev[] = {1000 + getpid() % 60000};
+                stale_segment(G5, 5);
+                stale_segment(GX, (uint32_t)gdev[0]);
+                fd_task(&k, "fd-dev-stale", false, dbig, 3, dev5, 1, NULL, 0, false, -1);
+                submit_pk(&k);
+                expect("device_ids, a dead instance beside D", "fd-dev-stale", KVF_STATUS_BLOCK_RANGE,
+                       want);
+                fd_task(&k, "fd-dead", false, d3, 3, gdev, 1, NULL, 0, false, -1);
+                submit_pk(&k);
+                char dead[128];
+                snprintf(dead, sizeof(dead), "(instance '%s' does, but it is not running)", GX);
+                expect("device_ids of a dead instance only", "fd-dead", KVF_STATUS_UNKNOWN_PEER,
+                       dead);
                 char host[64];
                 uint32_t port = 0;
                 struct kvf_ctl dc;
                 CHECK_EQ(kvf_ctl_attach(D, false, &dc), 0);
                 CHECK_EQ(kvf_connector_info_read(&dc, host, sizeof(host), &port), 0);
                 kvf_ctl_detach(&dc);
-                fd_task(&k, "fd-ip", false, dbig, 3, -1, "127.0.0.1", port, true);
+                fd_task(&k, "fd-ip", false, dbig, 3, NULL, -1, "127.0.0.1", port, true, -1);
                 submit_pk(&k);
                 expect("ipc peer by ip + rdma_ports (strings)", "fd-ip", KVF_STATUS_BLOCK_RANGE, want);
+                /* port and rdma_ports may both come: equal, one peer; else none, whatever
+                 * their order in the map (rdma_ports, naming D, comes last). */
+                fd_task(&k, "fd-ports", false, dbig, 3, NULL, -1, "127.0.0.1", port, false, port);
+                submit_pk(&k);
+                expect("port and rdma_ports, equal", "fd-ports", KVF_STATUS_BLOCK_RANGE, want);
+                fd_task(&k, "fd-ports2", false, dbig, 3, NULL, -1, "127.0.0.1", port, false, 1);
+                submit_pk(&k);
+                expect("port and rdma_ports that disagree", "fd-ports2", KVF_STATUS_BAD_TASK,
+                       "fields 'port' (1) and 'rdma_ports'[0]");
         }
         /* Engine bugs are refused at once, never left to time out. */
         {

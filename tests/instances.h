@@ -26,7 +26,7 @@
 #include "clock.h"
 #include "ctl.h"
 
-#define T_MAX_INSTANCES 16
+#define T_MAX_INSTANCES 24
 
 static char t_names[T_MAX_INSTANCES][64];
 static unsigned t_ninstances;
@@ -59,7 +59,11 @@ static void t_vup_start(const char *name, const char *fmt, va_list ap)
         if (t_ninstances == 0)
                 atexit(t_down_all);
         CHECK(t_ninstances < T_MAX_INSTANCES && t_nstarting < T_MAX_INSTANCES);
-        snprintf(t_names[t_ninstances++], sizeof(t_names[0]), "%s", name);
+        unsigned known = 0; /* (an instance started again under its name is stopped once) */
+        while (known < t_ninstances && strcmp(t_names[known], name))
+                known++;
+        if (known == t_ninstances)
+                snprintf(t_names[t_ninstances++], sizeof(t_names[0]), "%s", name);
         char *cmd = t_start_cmd[t_nstarting];
         snprintf(cmd, sizeof(t_start_cmd[0]), "%s/tools/kvferry up --instance %s %s >/dev/null",
                  KVF_SOURCE_DIR, name, args);

@@ -212,6 +212,59 @@ static void refused(const char *from, const char *to, int transport, const char 
         refused_as(from, to, transport, needle, 1, 1, KVF_STATUS_LAYOUT_MISMATCH);
 }
 
+/*
+ * Over tcp to a peer whose block size the sender does not know yet (never reached): a task with
+ * more destination blocks than source blocks is regrouped, its counts checked by the connector
+ * once it knows the size (a wrong count refused there, naming both sizes; a right one finishes).
+ * Then the peer goes down and another instance, of another block size, comes up at its address:
+ * the size learnt before is forgotten with the peer's going down, so a task for the new one's
+ * equal blocks finishes (tried for up to 10 s, as the prefill side may hear of the restart late),
+ * never refused for the old size for good.
+ */
+static void unknown_block_size(const char *from)
+{
+        char name[64], addr[128];
+        snprintf(name, sizeof(name), "mtp%dh", (int)getpid());
+        const char *args = "--role decode --layers %d --kv-heads 8 --head-dim %u --dtype bf16 --tp 2 "
+                           "--rank 0 --nranks 2 --block-size %u --blocks 64 %s";
+        t_up(name, args, LAYERS, HDIM, BSIZE / 2, "");
+        t_connector_addr(name, addr, sizeof(addr));
+        /* 1 source block of 16 tokens fills 1 to 2 blocks of 8: 3 is wrong, 2 right */
+        refused_as(from, name, KVF_TRANSPORT_TCP, "3 destination blocks of 8 tokens for 1 source blocks of 16",
+                   1, 3, KVF_STATUS_LAYOUT_MISMATCH);
+        refused_as(from, name, KVF_TRANSPORT_TCP, "", 1, 2, KVF_STATUS_FINISHED);
+        char cmd[512], listen[160];
+        snprintf(cmd, sizeof(cmd), "%s/tools/kvferry down --instance %s >/dev/null 2>&1", KVF_SOURCE_DIR, name);
+        CHECK_EQ(system(cmd), 0);
+        snprintf(listen, sizeof(listen), "--listen %s", addr);
+        t_up(name, args, LAYERS, HDIM, BSIZE, listen);
+        uint64_t until = kvf_now_ns() + 10000000000ull;
+        unsigned tries = 0;
+        for (;; tries++) {
+                struct kvf_client *c;
+                CHECK_EQ(kvf_attach(from, 10000, &c), 0);
+                uint32_t sb = 3, db = 7;
+                struct kvf_task t = {.request_id = "restarted", .src_block_ids = &sb, .n_src = 1,
+                                     .dest_block_ids = &db, .n_dest = 1,
+                                     .current_id = kvf_last_step(c) + 1,
+                                     .transport = KVF_TRANSPORT_TCP, .peer = addr};
+                CHECK_EQ(kvf_submit_task(c, &t), 0);
+                CHECK_EQ(kvf_layer_done(c, t.current_id, LAYERS - 1), 0);
+                struct kvf_event ev = wait_event(c, KVF_EVENT_COMPLETION);
+                kvf_detach(c);
+                if (ev.status == KVF_STATUS_FINISHED)
+                        break;
+                printf("try %u: %s: %s\n", tries, kvf_status_name(ev.status), ev.reason);
+                if (kvf_now_ns() > until) {
+                        fprintf(stderr, "%s -> %s restarted with equal blocks: %s: \"%s\"\n", from, addr,
+                                kvf_status_name(ev.status), ev.reason);
+                        exit(1);
+                }
+                usleep(200000);
+        }
+        printf("a peer restarted with another block size at its address: its equal blocks taken\n");
+}
+
 /* An ipc task whose decode_tp_size is not the peer's group: refused, naming both. */
 static void refused_tp(const char *from, const char *to, unsigned decode_tp)
 {
@@ -254,8 +307,9 @@ static void refused_tp(const char *from, const char *to, unsigned decode_tp)
 
 static int mismatches(void)
 {
-        struct side P = {0}, D = {0}, E = {0}, F = {0}, G = {0};
+        struct side P = {0}, D = {0}, E = {0}, F = {0}, G = {0}, Q = {0};
         start(&P, "p", "prefill", 2, 8, 0, 64); /* 8 heads, 4 per rank */
+        start_with(&Q, "q", "decode", 2, 8, 0, HDIM, BSIZE, 64); /* P's own split */
         start(&D, "d", "decode", 8, 8, 0, 64);  /* 8 heads, 1 per rank */
         start_with(&E, "e", "decode", 2, 4, 0, HDIM, BSIZE,
                    64); /* 4 heads, 2 per rank: another model */
@@ -270,11 +324,16 @@ static int mismatches(void)
         refused_as(P.name[0], G.name[0], KVF_TRANSPORT_IPC, "fill 2 to 2 blocks", 3, 3,
                    KVF_STATUS_BAD_TASK);
         refused(P.name[0], D.name[7], KVF_TRANSPORT_IPC, "sends it none of its heads");
+        /* equal groups, the other rank: its cache holds heads 4 to 7, not rank 0's */
+        refused(P.name[0], Q.name[1], KVF_TRANSPORT_IPC, "between equal groups rank r sends to rank r");
         refused_tp(P.name[0], D.name[0], 4);
         /* Over tcp, at once (the data connection's handshake), not at the request's timeout:
          * a rank that gets none of this rank's heads, and block sizes that do not divide. */
         uint64_t t0 = kvf_now_ns();
         refused(P.name[0], D.name[7], KVF_TRANSPORT_TCP, "sends it none of its heads");
+        /* and again: the peer's refusal stands, with its status (no 'connection error') */
+        refused(P.name[0], D.name[7], KVF_TRANSPORT_TCP, "sends it none of its heads");
+        refused(P.name[1], Q.name[0], KVF_TRANSPORT_TCP, "between equal groups rank r sends to rank r");
         refused(P.name[0], F.name[0], KVF_TRANSPORT_TCP, "block sizes 16 and 24 do not divide");
         /* 16 -> 32 tokens/block over tcp to a peer the sender has not heard of yet: accepted
          * for one block size, then failed by the data connection, which knows the peer's */
@@ -284,7 +343,8 @@ static int mismatches(void)
         refused_as(P.name[0], G.name[0], KVF_TRANSPORT_TCP, "fill 2 to 2 blocks", 3, 1,
                    KVF_STATUS_BAD_TASK);
         CHECK(kvf_now_ns() - t0 < 10000000000ull);
-        detach_all(&P), detach_all(&D), detach_all(&E), detach_all(&F), detach_all(&G);
+        unknown_block_size(P.name[0]);
+        detach_all(&P), detach_all(&D), detach_all(&E), detach_all(&F), detach_all(&G), detach_all(&Q);
         return 0;
 }
 

@@ -454,6 +454,49 @@ static void case_bad_tasks(struct sender *s)
         CHECK_STATE(s, slot, SREQ_FREE, KVF_REQ_FREE);
 }
 
+static void peer_state(struct inst *in, const char *peer, bool up, uint32_t block_size)
+{
+        struct kvf_record r = {.type = KVF_RT_PEER_STATE, .up = up, .session = 1, .lay_bsize = block_size};
+        snprintf(r.peer, sizeof(r.peer), "%s", peer);
+        put(&in->ctl.rings[KVF_RING_CONNECTOR_TO_SENDER], &r);
+}
+
+/* A task opened to the connector (then cancelled, as nothing answers for the peer). */
+static void check_opened(struct sender *s, const char *id)
+{
+        CHECK(find(to_connector(&P), KVF_RT_OPEN, id));
+        cancel(&P, id);
+        turn(s);
+        CHECK_DONE(completions(&P), id, KVF_STATUS_CANCELLED, "cancelled by the engine");
+        const struct rec *a = find(to_connector(&P), KVF_RT_FINISH, id);
+        CHECK(a && a->status == KVF_STATUS_CANCELLED); /* its abort notice */
+}
+
+/*
+ * tcp peers' block sizes (4 tokens here): one whose connector told of blocks of 2 has its
+ * tasks' counts checked here; one not reached yet takes a task of more destination blocks than
+ * source blocks as regrouped (its connector checks the counts once it knows the size); one
+ * that went down is not known any more (what comes back at its address may have other blocks).
+ */
+static void case_net_block_size(struct sender *s)
+{
+        const char *known = "192.0.2.8:7100", *fresh = "192.0.2.9:7100";
+        const uint32_t src[2] = {1, 2}, dst[4] = {3, 4, 5, 6};
+        uint64_t st = next_step();
+        peer_state(&P, known, true, 2);
+        turn(s);
+        task(&P, "bs-known", known, KVF_TRANSPORT_TCP, src, 2, dst, 2, st, false);
+        task(&P, "bs-fresh", fresh, KVF_TRANSPORT_TCP, src, 2, dst, 4, st, false);
+        turn(s);
+        CHECK_DONE(completions(&P), "bs-known", KVF_STATUS_BAD_TASK, "fill 3 to 4 blocks of 2 tokens");
+        check_opened(s, "bs-fresh");
+        peer_state(&P, known, false, 0);
+        turn(s);
+        task(&P, "bs-gone", known, KVF_TRANSPORT_TCP, src, 2, dst, 2, next_step(), false);
+        turn(s);
+        check_opened(s, "bs-gone");
+}
+
 /* Cancel before every byte (moving: cancelled, abort notice) and after (landed: no effect). */
 static void case_cancel(struct sender *s)
 {
@@ -1242,6 +1285,7 @@ int main(void)
         case_engine_gone(&S);
         case_peer_gone(&S);
         case_full_rings(&S);
+        case_net_block_size(&S);
         for (uint32_t i = 0; i < SLOTS; i++)
                 CHECK_STATE(&S, i, SREQ_FREE, KVF_REQ_FREE);
         sender_close(&S);

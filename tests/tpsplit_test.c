@@ -207,6 +207,12 @@ int main(void)
                 CHECK_EQ(kvf_layout_make(&b, 2, 0, 64, 4, 16, 8, KVF_DTYPE_BF16, 0), 0);
                 CHECK_EQ(kvf_tp_pair_plan(&a, 2, 1, &b, 2, 1, &pl, why, sizeof(why)), 0);
                 CHECK_EQ(pl.npieces, 0); /* equal: whole blocks */
+                /* equal groups, another rank: rank 0's heads would land in rank 1's cache */
+                CHECK_EQ(kvf_tp_pair_plan(&a, 2, 0, &b, 2, 1, &pl, why, sizeof(why)), -EXDEV);
+                CHECK(strstr(why, "prefill rank 0 of 2 holds kv heads 0 to 3, decode rank 1 of 2 heads 4 to 7") &&
+                      !pl.npieces);
+                CHECK_EQ(kvf_tp_pair_plan(&a, 2, 1, &b, 2, 2, &pl, why, sizeof(why)), -EXDEV);
+                CHECK(strstr(why, "groups of 2"));
                 CHECK_EQ(kvf_layout_make(&b, 2, 0, 64, 1, 16, 8, KVF_DTYPE_BF16, 0), 0);
                 CHECK_EQ(kvf_tp_pair_plan(&a, 2, 1, &b, 8, 5, &pl, why, sizeof(why)), 0);
                 CHECK(pl.npieces == 1 && pl.pieces[0].soff == 1 * 16 * 8 * 2 &&
@@ -227,6 +233,9 @@ int main(void)
                 CHECK_EQ(kvf_layout_make(&a, 2, 0, 64, 1, 16, 8, KVF_DTYPE_BF16, 1), 0);
                 CHECK_EQ(kvf_layout_make(&b, 2, 0, 64, 1, 16, 8, KVF_DTYPE_BF16, 1), 0);
                 CHECK_EQ(kvf_tp_pair_plan(&a, 2, 1, &b, 8, 3, &pl, why, sizeof(why)), 0);
+                CHECK_EQ(pl.npieces, 0);
+                /* MLA between equal groups: the same latent on every rank, any pair */
+                CHECK_EQ(kvf_tp_pair_plan(&a, 2, 1, &b, 2, 0, &pl, why, sizeof(why)), 0);
                 CHECK_EQ(pl.npieces, 0);
         }
 
@@ -280,6 +289,10 @@ int main(void)
                 CHECK(kvf_layout_make(&m, 4, 0, 16, 1, 16, 512, KVF_DTYPE_BF16, 1) == 0);
                 /* equal layouts and groups (block counts aside): whole blocks */
                 CHECK(kvf_tp_slice(&p8, 1, 0, &p8, 1, 0, &so, &dof, &len) == 0 && len == 0);
+                CHECK(kvf_tp_slice(&p8, 2, 1, &p8, 2, 1, &so, &dof, &len) == 0 && len == 0);
+                CHECK(kvf_tp_slice(&p8, 2, 1, &p8, 2, 0, &so, &dof, &len) == -EXDEV);
+                CHECK(strstr(kvf_err_msg(), "between equal groups rank r sends to rank r"));
+                CHECK(kvf_tp_slice(&m, 2, 1, &m, 2, 0, &so, &dof, &len) == 0 && len == 0);
                 /* 1 -> 2 over 8 heads: rank 1 gets heads 4..7, at 0 of its blocks */
                 CHECK(kvf_tp_slice(&p8, 1, 0, &d4, 2, 1, &so, &dof, &len) == 0);
                 CHECK(so == 4 * head && dof == 0 && len == 4 * head);

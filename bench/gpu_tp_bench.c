@@ -379,6 +379,22 @@ static int cmp_u64(const void *a, const void *b)
         return x < y ? -1 : x > y;
 }
 
+/* Begin the n instances of a group (their names into names[]); with MPS the very first is waited
+ * for, as it starts the MPS daemon that the others then find. */
+static void start_group(char names[][64], const char *role, uint32_t n, uint32_t bsize,
+                        uint32_t blocks, uint32_t table, const char *exec)
+{
+        for (uint32_t k = 0; k < n; k++) {
+                snprintf(names[k], 64, "gtp%d%c%u", (int)getpid(), role[0], k);
+                t_up_start(names[k],
+                           "--role %s --layers %u --kv-heads %u --head-dim %u --dtype bf16 --tp %u --rank %u "
+                           "--nranks %u --block-size %u --blocks %u --max-requests %u --backend %s %s",
+                           role, o.layers, o.heads, o.hdim, n, k, n, bsize, blocks, table, o.backend, exec);
+                if (o.mps && t_ninstances == 1)
+                        t_up_wait();
+        }
+}
+
 static void usage(void)
 {
         fprintf(stderr, "usage: gpu_tp_bench P D [--heads N] [--head-dim N] [--layers N] [--bs P/D] "
@@ -437,22 +453,8 @@ int main(int argc, char **argv)
         char exec[64] = "";
         if (!strcmp(o.backend, "cuda"))
                 snprintf(exec, sizeof(exec), "--executor %s%s", o.executor, o.mps ? " --mps" : "");
-        for (uint32_t k = 0; k < o.d; k++) {
-                snprintf(dname[k], sizeof(dname[k]), "gtp%dd%u", (int)getpid(), k);
-                t_up_start(dname[k],
-                           "--role decode --layers %u --kv-heads %u --head-dim %u --dtype bf16 --tp %u --rank %u "
-                           "--nranks %u --block-size %u --blocks %u --max-requests %u --backend %s %s",
-                           o.layers, o.heads, o.hdim, o.d, k, o.d, o.bd, dst_blocks, table, o.backend, exec);
-                if (o.mps && k == 0)
-                        t_up_wait(); /* the first starts the MPS daemon; the others find it */
-        }
-        for (uint32_t k = 0; k < o.p; k++) {
-                snprintf(pname[k], sizeof(pname[k]), "gtp%dp%u", (int)getpid(), k);
-                t_up_start(pname[k],
-                           "--role prefill --layers %u --kv-heads %u --head-dim %u --dtype bf16 --tp %u --rank %u "
-                           "--nranks %u --block-size %u --blocks %u --max-requests %u --backend %s %s",
-                           o.layers, o.heads, o.hdim, o.p, k, o.p, o.bp, src_blocks, table, o.backend, exec);
-        }
+        start_group(dname, "decode", o.d, o.bd, dst_blocks, table, exec);
+        start_group(pname, "prefill", o.p, o.bp, src_blocks, table, exec);
         t_up_wait();
         /* no CUDA in this process: the engines fork from it */
         struct child P[MAXR], D[MAXR];

@@ -9,31 +9,16 @@
 
 #include <stdint.h>
 
-#ifdef __CUDACC__
-#define GTP_HD __host__ __device__
-#else
-#define GTP_HD
-#endif
+#include "sim_keys.h" /* (kvf_sim_mix, SIM_HD: the host's and the GPU's) */
 
-static inline GTP_HD uint32_t gtp_mix(uint32_t x)
-{
-        x ^= x >> 16;
-        x *= 0x7feb352du;
-        x ^= x >> 15;
-        x *= 0x846ca68bu;
-        x ^= x >> 16;
-        return x;
-}
-
-/* Word w of the row of `token` of `head` in (layer l, tensor z) of request q. Each field goes
- * through the mix in turn, so two rows that differ in any field differ in every word. */
-static inline GTP_HD uint32_t gtp_word(uint32_t q, uint32_t head, uint32_t token, uint32_t w,
+/* Word w of the row of `token` of `head` in (layer l, tensor z) of request q: two rows that
+ * differ in any field differ in every word. */
+static inline SIM_HD uint32_t gtp_word(uint32_t q, uint32_t head, uint32_t token, uint32_t w,
                                        uint32_t l, uint32_t z)
 {
-        uint32_t x = gtp_mix(q + 0x9e3779b9u);
-        x = gtp_mix(x ^ (head * 0x85ebca6bu + l));
-        x = gtp_mix(x ^ (token * 0xc2b2ae35u + z));
-        return gtp_mix(x ^ w);
+        uint64_t x = kvf_sim_mix((uint64_t)q << 32 | head);
+        x = kvf_sim_mix(x ^ ((uint64_t)token << 32 | w));
+        return (uint32_t)kvf_sim_mix(x ^ ((uint64_t)l << 32 | z));
 }
 
 /* One block of one request: its id in the cache, the request, the request's token its first

@@ -207,7 +207,7 @@ static bool stream_words_due(struct sender *s)
  */
 static bool spin_for_layers(struct sender *s, struct pace *pc, uint64_t now)
 {
-        if (!s->nbuckets || (s->seat_auto && !s->armed_copies)) {
+        if (!s->nbuckets) {
                 pc->nbuckets = 0;
                 return false;
         }

@@ -170,10 +170,11 @@ static void connect_to(struct kvf_client *c, const char *peer)
         }
 }
 
-/* A task of ns source blocks and nd destination blocks from prefill instance `from` to decode
- * instance `to` ends with `status` and a reason that holds `needle`. */
-static void refused_as(const char *from, const char *to, int transport, const char *needle,
-                       uint32_t ns, uint32_t nd, int status)
+/* The completion of a task of ns source blocks and nd destination blocks from prefill instance
+ * `from` to decode instance `to` (over tcp, to its connector's address; `connect`: connected
+ * first, so that the sender knows the peer's block size). */
+static struct kvf_event one_task(const char *from, const char *to, int transport, uint32_t ns,
+                                 uint32_t nd, bool connect)
 {
         struct kvf_client *c;
         char peer[128];
@@ -181,8 +182,7 @@ static void refused_as(const char *from, const char *to, int transport, const ch
         snprintf(peer, sizeof(peer), "%s", to);
         if (transport == KVF_TRANSPORT_TCP) {
                 t_connector_addr(to, peer, sizeof(peer));
-                /* a bad task for a peer's block size: the sender must know it (connected) */
-                if (status == KVF_STATUS_BAD_TASK)
+                if (connect)
                         connect_to(c, peer);
         }
         uint32_t sb[4] = {3, 4, 5, 6}, db[4] = {7, 9, 11, 13};
@@ -198,13 +198,23 @@ static void refused_as(const char *from, const char *to, int transport, const ch
         CHECK_EQ(kvf_submit_task(c, &t), 0);
         CHECK_EQ(kvf_layer_done(c, t.current_id, LAYERS - 1), 0);
         struct kvf_event ev = wait_event(c, KVF_EVENT_COMPLETION);
+        kvf_detach(c);
+        return ev;
+}
+
+/* A task of ns source blocks and nd destination blocks from prefill instance `from` to decode
+ * instance `to` ends with `status` and a reason that holds `needle`. */
+static void refused_as(const char *from, const char *to, int transport, const char *needle,
+                       uint32_t ns, uint32_t nd, int status)
+{
+        /* a bad task for a peer's block size: the sender must know it (connected) */
+        struct kvf_event ev = one_task(from, to, transport, ns, nd, status == KVF_STATUS_BAD_TASK);
         if (ev.status != status || !strstr(ev.reason, needle)) {
                 fprintf(stderr, "%s -> %s: %s: \"%s\", wanted %s with \"%s\"\n", from, to,
                         kvf_status_name(ev.status), ev.reason, kvf_status_name(status), needle);
                 exit(1);
         }
         printf("refused as it should be: %s -> %s: %s\n", from, to, ev.reason);
-        kvf_detach(c);
 }
 
 static void refused(const char *from, const char *to, int transport, const char *needle)
@@ -241,17 +251,7 @@ static void unknown_block_size(const char *from)
         uint64_t until = kvf_now_ns() + 10000000000ull;
         unsigned tries = 0;
         for (;; tries++) {
-                struct kvf_client *c;
-                CHECK_EQ(kvf_attach(from, 10000, &c), 0);
-                uint32_t sb = 3, db = 7;
-                struct kvf_task t = {.request_id = "restarted", .src_block_ids = &sb, .n_src = 1,
-                                     .dest_block_ids = &db, .n_dest = 1,
-                                     .current_id = kvf_last_step(c) + 1,
-                                     .transport = KVF_TRANSPORT_TCP, .peer = addr};
-                CHECK_EQ(kvf_submit_task(c, &t), 0);
-                CHECK_EQ(kvf_layer_done(c, t.current_id, LAYERS - 1), 0);
-                struct kvf_event ev = wait_event(c, KVF_EVENT_COMPLETION);
-                kvf_detach(c);
+                struct kvf_event ev = one_task(from, name, KVF_TRANSPORT_TCP, 1, 1, false);
                 if (ev.status == KVF_STATUS_FINISHED)
                         break;
                 printf("try %u: %s: %s\n", tries, kvf_status_name(ev.status), ev.reason);

@@ -21,6 +21,9 @@
 #include "err.h"
 
 #define QUEUE 256u
+/* A full queue waits for the worker this long before the batch is refused, as the GPU copier's
+ * full slots do (cache_cuda.c): a worker thread the scheduler holds up is no failed copy. */
+#define FULL_WAIT_NS 2000000000ull
 
 struct job {
         struct kvf_copy_run *runs;
@@ -136,10 +139,16 @@ static int queue_job(struct async *a, uint8_t *src, uint8_t *const *dst, uint32_
         pthread_mutex_lock(&a->mu);
         if (!a->started && pthread_create(&a->worker, NULL, worker, a) == 0)
                 a->started = true;
+        for (uint64_t until = kvf_now_ns() + FULL_WAIT_NS;
+             a->started && a->submitted - a->done >= QUEUE - 1 && kvf_now_ns() < until;) {
+                pthread_mutex_unlock(&a->mu);
+                kvf_sleep_ns(10000);
+                pthread_mutex_lock(&a->mu);
+        }
         if (!a->started || a->submitted - a->done >= QUEUE - 1) {
                 pthread_mutex_unlock(&a->mu);
                 free(runs);
-                return kvf_err_set(-EAGAIN, "host-async: %s", a->started ? "queue full" : "no worker thread");
+                return kvf_err_set(-EAGAIN, "host-async: %s", a->started ? "queue full for 2 s" : "no worker thread");
         }
         uint64_t t = ++a->submitted;
         struct job *j = &a->q[t % QUEUE];

@@ -4,7 +4,7 @@
  *
  *   gpu_tp_bench P D [--heads N] [--head-dim N] [--layers N] [--bs P/D] [--tokens N]
  *                    [--requests N] [--passes N] [--warm] [--executor sender|engine]
- *                    [--backend cuda|host] [--mps]
+ *                    [--backend cuda|host] [--mps] [--stats]
  *
  * Starts D decode and P prefill instances (tools/kvferry up, --tp/--rank/--nranks, one GPU),
  * then forks one engine process per rank before any CUDA call: each attaches to its own
@@ -21,7 +21,9 @@
  * --mps: the instances start under NVIDIA's MPS (up --mps starts its daemon if none answers), so
  * every process's kernels, the engines' too, share the GPU side by side instead of taking turns.
  * --backend host runs the same on host caches (the content written and checked by the CPU), so
- * the driver itself is tested where there is no GPU. Exit 0 all verified, 1 a failure.
+ * the driver itself is tested where there is no GPU. --stats adds a line per prefill rank: its
+ * sender's copy batches, time submitting them and CPU time, per pass (the untimed one counted).
+ * Exit 0 all verified, 1 a failure.
  */
 #include <errno.h>
 #include <inttypes.h>
@@ -43,7 +45,7 @@
 #define MAXPASS 16
 
 static struct {
-        uint32_t p, d, heads, hdim, layers, bp, bd, tokens, nreq, passes, warm, mps;
+        uint32_t p, d, heads, hdim, layers, bp, bd, tokens, nreq, passes, warm, mps, stats;
         const char *executor, *backend;
 } o = {.heads = 8, .hdim = 128, .layers = 32, .bp = 64, .bd = 64, .tokens = 2048, .nreq = 100,
        .passes = 5, .executor = "engine", .backend = "cuda"};
@@ -395,11 +397,54 @@ static void start_group(char names[][64], const char *role, uint32_t n, uint32_t
         }
 }
 
+/* The sender's CPU time (utime + stime) in ms, from /proc; -1 when it cannot be read. */
+static double cpu_ms(int pid)
+{
+        char path[64], buf[1024];
+        snprintf(path, sizeof(path), "/proc/%d/stat", pid);
+        FILE *f = fopen(path, "r");
+        size_t n = f ? fread(buf, 1, sizeof(buf) - 1, f) : 0;
+        if (f)
+                fclose(f);
+        buf[n] = 0;
+        char *p = strrchr(buf, ')');
+        unsigned long ut, st;
+        if (!p || sscanf(p + 2, "%*c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %lu %lu", &ut, &st) != 2)
+                return -1;
+        return (ut + st) * 1000.0 / (double)sysconf(_SC_CLK_TCK);
+}
+
+/* --stats: what each prefill sender did, per pass (the untimed one included): its copy batches
+ * (with the sender's executor, one kernel each), its time submitting them (building the runs'
+ * descriptors and launching, kvf-ringdump's copy_batch_ns), and its CPU time. */
+static void sender_stats(uint32_t npasses)
+{
+        for (uint32_t i = 0; i < o.p; i++) {
+                struct kvf_ctl c;
+                if (kvf_ctl_attach(pname[i], false, &c) < 0) {
+                        printf("stats %s: %s\n", pname[i], kvf_err_msg());
+                        continue;
+                }
+                struct kvf_histogram h;
+                memcpy(&h, &c.sender->hist[KVF_HIST_COPY], sizeof(h));
+                int pid = (int)kvf_load_relaxed(&c.roles[KVF_ROLE_SENDER].pid);
+                uint64_t descs = kvf_load_relaxed(&c.counters[KVF_CTR_BLOCKS_IPC].value);
+                uint64_t slices = kvf_load_relaxed(&c.counters[KVF_CTR_COPY_SLICES].value);
+                kvf_ctl_detach(&c);
+                double cpu = cpu_ms(pid);
+                printf("stats prefill rank %u: %.1f copy batches a pass, %.3f ms submitting them "
+                       "(%.1f us each, max %.1f us), %.1f backlog slices, %.0f blocks; sender CPU %.1f ms a pass\n",
+                       i, (double)h.count / npasses, h.sum / 1e6 / npasses,
+                       h.count ? h.sum / 1e3 / (double)h.count : 0.0, h.max / 1e3, (double)slices / npasses,
+                       (double)descs / npasses, cpu < 0 ? -1.0 : cpu / npasses);
+        }
+}
+
 static void usage(void)
 {
         fprintf(stderr, "usage: gpu_tp_bench P D [--heads N] [--head-dim N] [--layers N] [--bs P/D] "
                         "[--tokens N] [--requests N] [--passes N] [--warm] [--executor sender|engine] "
-                        "[--backend cuda|host] [--mps]\n");
+                        "[--backend cuda|host] [--mps] [--stats]\n");
         exit(2);
 }
 
@@ -410,8 +455,8 @@ int main(int argc, char **argv)
         o.p = (uint32_t)atoi(argv[1]), o.d = (uint32_t)atoi(argv[2]);
         for (int a = 3; a < argc; a++) {
                 const char *v = a + 1 < argc ? argv[a + 1] : NULL;
-                if (!strcmp(argv[a], "--warm") || !strcmp(argv[a], "--mps")) {
-                        *(argv[a][2] == 'w' ? &o.warm : &o.mps) = 1;
+                if (!strcmp(argv[a], "--warm") || !strcmp(argv[a], "--mps") || !strcmp(argv[a], "--stats")) {
+                        *(argv[a][2] == 'w' ? &o.warm : argv[a][2] == 'm' ? &o.mps : &o.stats) = 1;
                         continue;
                 }
                 if (!v)
@@ -560,6 +605,8 @@ int main(int argc, char **argv)
                 if (pass >= o.warm)
                         times[pass - o.warm] = last - first;
         }
+        if (o.stats)
+                sender_stats(o.warm + o.passes);
         for (uint32_t i = 0; i < o.p; i++)
                 tell(&P[i], "X");
         for (uint32_t j = 0; j < o.d; j++)

@@ -47,6 +47,21 @@ static uint64_t run_piece(uint64_t bytes, uint32_t chunk)
         return (per + 15) & ~(uint64_t)15;  /* <= chunk: chunk is a multiple of 16 */
 }
 
+/* run_piece and the piece count of the last run size seen (bytes 0: none yet). */
+struct piece_memo {
+        uint64_t bytes, piece, k;
+};
+
+static const struct piece_memo *piece_of(struct piece_memo *m, uint64_t bytes, uint32_t chunk)
+{
+        if (bytes != m->bytes) {
+                m->bytes = bytes;
+                m->piece = run_piece(bytes, chunk);
+                m->k = (bytes - 1) / m->piece + 1;
+        }
+        return m;
+}
+
 static int check_regions(const struct kvf_gpu_region *r, uint32_t n, const char *side)
 {
         for (uint32_t i = 0; i < n; i++) {
@@ -81,6 +96,11 @@ extern "C" int kvf_gpu_plan(const struct kvf_gpu_run *runs, size_t n_runs,
             (rc = check_regions(dst, n_dst, "destination")) < 0)
                 return rc;
 
+        /* A batch's runs mostly have one size (a block, or a head slice of one): the
+         * piece and count are worked out once per size met, not with three divisions a
+         * run in each pass. */
+        struct piece_memo m = {0, 0, 0};
+
         /* Pass 1: check everything and count, so a bad run leaves `out` untouched
          * by a half-written plan and the caller learns the size it needs. */
         for (size_t i = 0; i < n_runs; i++) {
@@ -107,8 +127,7 @@ extern "C" int kvf_gpu_plan(const struct kvf_gpu_run *runs, size_t n_runs,
                                                i, (unsigned long long)r->dst_off,
                                                (unsigned long long)r->bytes, r->dst_region,
                                                (unsigned long long)d->bytes);
-                uint64_t piece = run_piece(r->bytes, chunk_bytes);
-                uint64_t k = (r->bytes - 1) / piece + 1;
+                uint64_t k = piece_of(&m, r->bytes, chunk_bytes)->k;
                 if (k > SIZE_MAX - total)
                         return kvf_gpu_err_set(-E2BIG, "run %zu: chunk count overflows", i);
                 total += (size_t)k;
@@ -128,7 +147,7 @@ extern "C" int kvf_gpu_plan(const struct kvf_gpu_run *runs, size_t n_runs,
                         continue;
                 uint64_t s = src[r->src_region].base + r->src_off;
                 uint64_t d = dst[r->dst_region].base + r->dst_off;
-                uint64_t piece = run_piece(r->bytes, chunk_bytes);
+                const uint64_t piece = piece_of(&m, r->bytes, chunk_bytes)->piece;
                 for (uint64_t off = 0; off < r->bytes; off += piece) {
                         uint64_t len = r->bytes - off < piece ? r->bytes - off : piece;
                         out[o].src = s + off;

@@ -26,6 +26,9 @@ struct kvf_stream; /* stream.c: signals on CUDA streams, the engine executor */
 struct kvf_client {
         struct kvf_ctl ctl;
         uint64_t session; /* the engine role generation this attach claimed */
+        /* The progress word when this session began (its role slot's session_base): steps up
+         * to its step are earlier sessions'; this one numbers its steps above it. 0: none. */
+        uint64_t base_word;
         /* The process that attached. A child forked from it shares its mappings of the
          * segment and the caches but is not the engine the session belongs to: what it
          * submitted or polled would go into (or be taken from) the parent's session. */
@@ -51,6 +54,9 @@ struct kvf_client {
 /* kvferry.c: 0 in the process that attached c, else -EBADF with kvf_err saying why (a child
  * after fork()). Every public call that touches the segment or the caches starts with it. */
 int kvf_client_owned(const struct kvf_client *c);
+/* kvferry.c: `step` is this session's to use (`what`, a task, chunk or layer-done, names it in
+ * the message): above the last one published before the session began; else -EINVAL. */
+int kvf_client_step_check(struct kvf_client *c, uint64_t step, const char *what);
 /* kvferry.c: a layer-done event is valid (layer in range, steps not going back): 0 or -EINVAL. */
 int kvf_client_layer_check(struct kvf_client *c, uint64_t step, uint32_t layer);
 /* kvferry.c: publish progress word `want` (monotonic max) and ring the sender's doorbell.

@@ -105,6 +105,7 @@ int kvf_attach(const char *name, unsigned wait_ms, struct kvf_client **out)
                 goto fail;
         }
         c->session = (uint64_t)gen;
+        c->base_word = kvf_load_acquire(&ctl->roles[KVF_ROLE_ENGINE].session_base);
         c->pid = getpid();
         if ((rc = map_cache(c)) < 0) {
                 kvf_err_ctx(rc, "attach to instance '%s'", name);
@@ -148,9 +149,13 @@ void kvf_detach(struct kvf_client *c)
                 return;
         }
         kvf_stream_detach(c); /* (its copies and signals reference the cache and us) */
-        if (c->registered)
+        /* A session another engine took over ends nothing: the slot and the registration are
+         * the new session's now. */
+        bool live = kvf_load_acquire(&c->ctl.roles[KVF_ROLE_ENGINE].generation) == c->session;
+        if (c->registered && live)
                 (void)kvf_unregister_caches(c); /* (a failure: the allocator sees us end anyway) */
-        kvf_role_end(&c->ctl, KVF_ROLE_ENGINE);
+        if (live)
+                kvf_role_end(&c->ctl, KVF_ROLE_ENGINE);
         /* The session is over: the sender ends its requests now, not at its next tick. */
         kvf_doorbell_ring(&c->ctl.bells[KVF_BELL_SENDER]);
         kvf_doorbell_ring(&c->ctl.bells[KVF_BELL_CONNECTOR]);
@@ -264,6 +269,10 @@ int kvf_client_submit_task(struct kvf_client *c, const struct kvf_task *caller, 
         r.peer_session = t->peer_session;
         if (kvf_transport_name(r.transport)[0] == '?')
                 return kvf_err_set(-EINVAL, "transport %d is not ipc, tcp or rdma", t->transport);
+        /* (a chunked task's steps come with its chunks) */
+        if (!r.chunked && ((rc = kvf_client_owned(c)) < 0 ||
+                           (rc = kvf_client_step_check(c, r.current_id, "task")) < 0))
+                return rc;
         return submit_record(c, KVF_RING_ENGINE_TO_SENDER, &r);
 }
 
@@ -279,6 +288,8 @@ int kvf_submit_chunk(struct kvf_client *c, const char *request_id, uint64_t step
         struct kvf_record r = {.type = KVF_REC_CHUNK, .current_id = step, .tokens = tokens_done,
                                .last = last != 0};
         int rc = copy_str(r.request_id, sizeof(r.request_id), request_id, "request_id");
+        if (rc == 0 && (rc = kvf_client_owned(c)) == 0)
+                rc = kvf_client_step_check(c, step, "chunk");
         return rc < 0 ? rc : submit_record(c, KVF_RING_ENGINE_TO_SENDER, &r);
 }
 
@@ -312,6 +323,19 @@ int kvf_submit_raw(struct kvf_client *c, int target, int record_type, const void
                             record_type, msgpack, len);
 }
 
+int kvf_client_step_check(struct kvf_client *c, uint64_t step, const char *what)
+{
+        if (c->base_word && step <= KVF_PROGRESS_STEP(c->base_word))
+                return kvf_err_set(-EINVAL,
+                                   "%s for step %llu: steps up to %llu were published by an earlier engine "
+                                   "session of this instance, so their layers count as done: number this "
+                                   "session's steps from %llu (kvf_last_step() + 1 at attach)",
+                                   what, (unsigned long long)step,
+                                   (unsigned long long)KVF_PROGRESS_STEP(c->base_word),
+                                   (unsigned long long)KVF_PROGRESS_STEP(c->base_word) + 1);
+        return 0;
+}
+
 int kvf_client_layer_check(struct kvf_client *c, uint64_t step, uint32_t layer)
 {
         int rc = kvf_client_owned(c);
@@ -323,6 +347,18 @@ int kvf_client_layer_check(struct kvf_client *c, uint64_t step, uint32_t layer)
                                    kvf_layout_layers(l));
         if (step >= (1ull << (64 - KVF_PROGRESS_LAYER_BITS)))
                 return kvf_err_set(-EINVAL, "step %llu is too large", (unsigned long long)step);
+        /* A session another engine took over publishes nothing: its words would count as
+         * the new session's layers. (A word published between this check and the store can
+         * still slip through; the sender ends the old session's requests either way.) */
+        uint64_t live = kvf_load_acquire(&c->ctl.roles[KVF_ROLE_ENGINE].generation);
+        if (live != c->session)
+                return kvf_err_set(-ESTALE,
+                                   "layer-done: engine session %llu of instance '%s' ended (session %llu "
+                                   "holds it now): attach again",
+                                   (unsigned long long)c->session, c->ctl.hdr->instance,
+                                   (unsigned long long)live);
+        if ((rc = kvf_client_step_check(c, step, "layer-done")) < 0)
+                return rc;
         uint64_t cur = kvf_load_relaxed(&c->ctl.progress->word);
         if (step < KVF_PROGRESS_STEP(cur))
                 return kvf_err_set(-EINVAL,

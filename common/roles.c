@@ -67,7 +67,11 @@ uint64_t kvf_role_begin(struct kvf_ctl *c, enum kvf_role_id role)
                 if (role != KVF_ROLE_ENGINE)
                         kvf_count(c, KVF_CTR_RESTARTS, 1);
         }
-        /* Release: peers that see the new generation see the new pid too. */
+        /* An engine session's steps start above the last one published before it
+         * (kvf_client_layer_check, the sender's task check). */
+        kvf_store_relaxed(&s->session_base,
+                          role == KVF_ROLE_ENGINE ? kvf_load_acquire(&c->progress->word) : 0);
+        /* Release: peers that see the new generation see the new pid (and base) too. */
         kvf_store_release(&s->generation, gen);
         kvf_store_release(&s->state, KVF_STATE_RUNNING);
         return gen;

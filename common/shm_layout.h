@@ -45,7 +45,7 @@
  * reg_* fields, a request's own_reg_gen and peer_reg_gen); a request's n_dst. 10: the counter
  * bytes_resent_tcp. 11: the layout's scale tensors (scale_dtype, scale_bytes). 12: the counter
  * notice_prewakes. 13: the counter tasks_held_back. */
-#define KVF_LAYOUT_VERSION 13u
+#define KVF_LAYOUT_VERSION 14u
 #define KVF_CACHE_LINE 64u
 #define KVF_HEADER_SIZE 4096u
 
@@ -161,7 +161,11 @@ struct kvf_role_slot {
         uint64_t restarts;        /* starts after the first */
         uint32_t slice_us;        /* the scheduler slice its threads asked for and got (sched_slice.h);
                                    * 0: the kernel's default */
-        uint8_t pad[12];
+        uint32_t pad;
+        uint64_t session_base;    /* the engine's slot: the progress word when this session claimed
+                                   * it (kvf_attach); steps up to its step were published by earlier
+                                   * sessions, so none of this session's tasks may wait for them.
+                                   * 0: none before. Other roles: 0 */
 };
 
 /* The futex word and the waiter count in one word, then a line of the consumers' own. */

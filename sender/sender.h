@@ -468,6 +468,9 @@ void sender_net_peers_close(struct sender *s);
 uint64_t sender_record_session(struct sender *s, uint64_t pos);
 /* The engine session live now (0 none); check_process reads /proc and remembers a dead one. */
 uint64_t sender_session_live(struct sender *s, bool check_process);
+/* The progress word when engine session `session` began (steps up to its step are earlier
+ * sessions'), while that session is the live one; 0 otherwise or when none came before. */
+uint64_t sender_session_base(struct sender *s, uint64_t session);
 /* How session `old` ended, in words, for the reason of its requests. */
 void sender_session_why_ended(struct sender *s, uint64_t old, uint64_t live, char *buf, size_t len);
 

@@ -64,6 +64,16 @@ uint64_t sender_session_live(struct sender *s, bool check_process)
         return live;
 }
 
+uint64_t sender_session_base(struct sender *s, uint64_t session)
+{
+        const struct kvf_role_slot *e = &s->ctl.roles[KVF_ROLE_ENGINE];
+        if (kvf_load_acquire(&e->generation) != session)
+                return 0; /* ended, or not begun: the session check answers for its records */
+        uint64_t base = kvf_load_acquire(&e->session_base);
+        /* The base read is the session's only if no other session began meanwhile. */
+        return kvf_load_acquire(&e->generation) == session ? base : 0;
+}
+
 static struct net_peer *net_peer_slot(struct sender *s, const char *peer)
 {
         struct net_peer *slot = &s->net_peers[0];

@@ -279,6 +279,15 @@ static int accept_task(struct sender *s, struct kvf_record *t, const struct task
         if (slot != UINT32_MAX)
                 return reject(s, ref, t->peer, KVF_STATUS_BAD_TASK,
                               "duplicate request_id '%s': a request with this id is in flight", id);
+        /* A step an earlier engine session published would count a new engine's unwritten
+         * blocks as done (the client library refuses it too; raw records come here). */
+        uint64_t base = sender_session_base(s, ref->session);
+        if (!t->chunked && base && t->current_id <= KVF_PROGRESS_STEP(base))
+                return reject(s, ref, t->peer, KVF_STATUS_BAD_TASK,
+                              "step %llu: steps up to %llu were published by an earlier engine session, so "
+                              "their layers count as done: number this session's steps from %llu",
+                              (unsigned long long)t->current_id, (unsigned long long)KVF_PROGRESS_STEP(base),
+                              (unsigned long long)KVF_PROGRESS_STEP(base) + 1);
         int st = validate_task(s, t, &pidx, why, sizeof(why));
         if (st != KVF_STATUS_FINISHED)
                 return reject(s, ref, t->peer, st, "%s", why);
@@ -369,6 +378,17 @@ static void on_chunk(struct sender *s, const struct kvf_record *c)
         struct kvf_req_slot *r = &s->ctl.reqtab[slot];
         if (sender_req_state(s, slot) != SREQ_MOVING || r->last_chunk_seen)
                 return; /* already complete (or a re-read after restart) */
+        uint64_t base = sender_session_base(s, r->session);
+        if (base && c->current_id <= KVF_PROGRESS_STEP(base)) {
+                kvf_errlog(&s->ctl, KVF_ROLE_SENDER, "req %s: chunk for step %llu, published by an earlier engine "
+                           "session: request failed", r->request_id, (unsigned long long)c->current_id);
+                sender_fail(s, slot, KVF_STATUS_BAD_TASK,
+                            "chunk for step %llu: steps up to %llu were published by an earlier engine session, "
+                            "so their layers count as done: number this session's steps from %llu",
+                            (unsigned long long)c->current_id, (unsigned long long)KVF_PROGRESS_STEP(base),
+                            (unsigned long long)KVF_PROGRESS_STEP(base) + 1);
+                return;
+        }
         uint64_t full = c->tokens / s->layout->block_size;
         uint64_t first = r->n_src - r->n_send; /* prefix the peer already holds */
         uint32_t end = c->last ? r->n_send

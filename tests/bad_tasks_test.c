@@ -464,6 +464,75 @@ int main(void)
                         CHECK(ev.status == KVF_STATUS_FINISHED);
                 got++;
         }
+
+        /* A new engine session may not use the steps of the one before: their layers count as
+         * done, and its blocks would go as they are, unwritten by it. The session it took over
+         * publishes nothing more, and its detach leaves the new one alone. */
+        {
+                uint64_t last = kvf_last_step(c);
+                struct kvf_client *old = c;
+                CHECK_EQ(kvf_attach(P, 5000, &c), 0);
+                CHECK_EQ(kvf_layer_done(old, last + 1, 0), -ESTALE);
+                CHECK(strstr(kvf_last_error(), "ended (session") != NULL);
+                printf("  %-34s -> %-22s \"%s\"\n", "layer-done of a session taken over", "-ESTALE",
+                       kvf_last_error());
+                kvf_detach(old);
+                uint32_t s1[2] = {40, 41}, d1[2] = {40, 41};
+                struct kvf_task ot = {.request_id = "old-step", .src_block_ids = s1, .n_src = 2,
+                                      .dest_block_ids = d1, .n_dest = 2, .current_id = last,
+                                      .transport = KVF_TRANSPORT_IPC, .peer = D};
+                CHECK_EQ(kvf_submit_task(c, &ot), -EINVAL);
+                CHECK(strstr(kvf_last_error(), "published by an earlier engine session") != NULL);
+                printf("  %-34s -> %-22s \"%s\"\n", "task for an earlier session's step", "-EINVAL",
+                       kvf_last_error());
+                CHECK_EQ(kvf_layer_done(c, last, 0), -EINVAL);
+                CHECK_EQ(kvf_submit_chunk(c, "old-step", last, 64, 0), -EINVAL);
+                /* The same as raw records, which only the sender checks. */
+                struct pk k;
+                pk_init(&k);
+                msgpack_pack_map(&k.p, 6);
+                str(&k, "request_id");
+                str(&k, "old-step-raw");
+                str(&k, "transfer_protocol");
+                str(&k, "ipc");
+                str(&k, "src_block_ids");
+                ids(&k, (const long[]){40, 41}, 2);
+                str(&k, "dest_block_ids");
+                ids(&k, (const long[]){40, 41}, 2);
+                str(&k, "current_id");
+                msgpack_pack_uint64(&k.p, last);
+                str(&k, "peer");
+                str(&k, D);
+                submit_pk(&k);
+                expect("raw task, an earlier session's step", "old-step-raw", KVF_STATUS_BAD_TASK,
+                       "published by an earlier engine session");
+                struct kvf_task ct = {.request_id = "old-chunk", .src_block_ids = s1, .n_src = 2,
+                                      .dest_block_ids = d1, .n_dest = 2, .current_id = last + 1,
+                                      .transport = KVF_TRANSPORT_IPC, .peer = D, .chunked = 1};
+                CHECK_EQ(kvf_submit_task(c, &ct), 0);
+                pk_init(&k);
+                msgpack_pack_map(&k.p, 3);
+                str(&k, "request_id");
+                str(&k, "old-chunk");
+                str(&k, "current_id");
+                msgpack_pack_uint64(&k.p, last);
+                str(&k, "tokens_done");
+                msgpack_pack_uint64(&k.p, 64);
+                CHECK_EQ(kvf_submit_raw(c, KVF_TO_SENDER, KVF_REC_CHUNK, k.sb.data, k.sb.size), 0);
+                msgpack_sbuffer_destroy(&k.sb);
+                expect("raw chunk, an earlier session's step", "old-chunk", KVF_STATUS_BAD_TASK,
+                       "chunk for step");
+                /* The new session's own steps work. */
+                struct kvf_task nt = ot;
+                nt.request_id = "new-step";
+                nt.current_id = last + 1;
+                CHECK_EQ(kvf_submit_task(c, &nt), 0);
+                struct kvf_layout_info nl;
+                kvf_get_layout(c, &nl);
+                for (uint32_t l = 0; l < nl.num_layers; l++)
+                        CHECK_EQ(kvf_layer_done(c, last + 1, l), 0);
+                expect("the new session's own step", "new-step", KVF_STATUS_FINISHED, "");
+        }
         kvf_detach(c);
         printf("bad_tasks_test: %d cases, each with its status and message; the good request finished\n", ncase);
         return 0;

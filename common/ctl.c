@@ -528,19 +528,22 @@ int kvf_ctl_validate(void *base, uint64_t size, uid_t uid, struct kvf_ctl *out)
         return 0;
 }
 
-static int attach_path(const char *path, bool writable, bool populate, struct kvf_ctl *out);
+static int attach_path(const char *path, bool writable, bool populate, bool nofollow,
+                       struct kvf_ctl *out);
 
 int kvf_ctl_attach_path(const char *path, bool writable, struct kvf_ctl *out)
 {
-        return attach_path(path, writable, writable, out);
+        return attach_path(path, writable, writable, false, out);
 }
 
-static int attach_path(const char *path, bool writable, bool populate, struct kvf_ctl *out)
+static int attach_path(const char *path, bool writable, bool populate, bool nofollow,
+                       struct kvf_ctl *out)
 {
         struct stat st;
         int rc;
         /* O_NONBLOCK: a FIFO at this path must not hang us (it is refused below). */
-        int fd = open(path, (writable ? O_RDWR : O_RDONLY) | O_CLOEXEC | O_NONBLOCK);
+        int fd = open(path, (writable ? O_RDWR : O_RDONLY) | O_CLOEXEC | O_NONBLOCK |
+                                (nofollow ? O_NOFOLLOW : 0));
 
         memset(out, 0, sizeof(*out));
         out->fd = -1;
@@ -548,6 +551,9 @@ static int attach_path(const char *path, bool writable, bool populate, struct kv
                 rc = -errno;
                 if (rc == -ENOENT)
                         return kvf_err_set(rc, "%s does not exist", path);
+                if (rc == -ELOOP && nofollow)
+                        return kvf_err_set(-EPERM, "%s is a symbolic link: refusing it (an instance's "
+                                           "segment is a file of its own)", path);
                 return kvf_err_set(rc, "open %s: %s", path, strerror(-rc));
         }
         if (fstat(fd, &st) < 0) {
@@ -604,10 +610,19 @@ static int attach_name(const char *name, bool writable, bool populate, struct kv
                 return rc;
         kvf_ctl_shm_name(name, shm, sizeof(shm));
         snprintf(path, sizeof(path), "/dev/shm%s", shm);
-        rc = attach_path(path, writable, populate, out);
+        /* Never through a link, and only the segment of that name: a link (or a copy)
+         * under another name would make this name reach another instance. */
+        rc = attach_path(path, writable, populate, true, out);
         if (rc == -ENOENT)
                 return kvf_err_set(rc, "no instance '%s' on this host (%s does not exist)", name,
                                    path);
+        if (rc == 0 && strncmp(out->hdr->instance, name, sizeof(out->hdr->instance))) {
+                char was[sizeof(out->hdr->instance) + 1];
+                snprintf(was, sizeof(was), "%.*s", (int)sizeof(out->hdr->instance), out->hdr->instance);
+                kvf_ctl_detach(out);
+                return kvf_err_set(-EPERM, "%s is the segment of instance '%s', not of '%s': refusing it",
+                                   path, was, name);
+        }
         return rc;
 }
 

@@ -132,6 +132,25 @@ int main(void)
         CHECK_ERR_HAS("already exists");
         CHECK_EQ(kvf_ctl_attach("t-ctl-nosuch", false, &c2), -ENOENT);
         CHECK_ERR_HAS("no instance 't-ctl-nosuch' on this host");
+        /* Another name for this segment (a link anyone may make in /dev/shm, or a copy) reaches
+         * nothing: attaching by name is to that instance's own segment only. */
+        {
+                char alias[64], apath[128];
+                snprintf(alias, sizeof(alias), "%s-alias", inst);
+                snprintf(apath, sizeof(apath), "/dev/shm/kvferry.%s", alias);
+                unlink(apath);
+                CHECK(symlink(path, apath) == 0);
+                CHECK_EQ(kvf_ctl_attach(alias, false, &c2), -EPERM);
+                CHECK_ERR_HAS("is a symbolic link: refusing it");
+                printf("  %-28s -> %s\n", "a link to a segment", kvf_err_msg());
+                CHECK_EQ(kvf_ctl_attach_peer(alias, false, &c2), -EPERM);
+                unlink(apath);
+                CHECK(link(path, apath) == 0);
+                CHECK_EQ(kvf_ctl_attach(alias, false, &c2), -EPERM);
+                CHECK_ERR_HAS("is the segment of instance 't-ctl-");
+                printf("  %-28s -> %s\n", "another name for a segment", kvf_err_msg());
+                unlink(apath);
+        }
 
         printf("refused segments:\n");
         expect_refused("wrong magic", bad_magic, -EPROTO, "not a kvferry control segment");

@@ -92,6 +92,8 @@ struct notice {
         uint32_t len;
         uint64_t first_ns; /* when the connector got it */
         bool abort_notice; /* fire and forget */
+        uint64_t peer_gen; /* the peer incarnation its transfer was bound to: never sent to another
+                            * (0: not bound) */
         bool withdraw;     /* the sender withdraws a finish notice: the ack says what the peer did */
         /* Sent on some connection at least once: the peer may have published the arrival,
          * so only the peer's answer may end it (in doubt), never a timeout here. */
@@ -135,6 +137,10 @@ struct peer {
         unsigned nconnect;
         unsigned failures; /* connection attempts failed in a row */
         uint64_t remote_session; /* the decode engine session the peer last told us of (I/O thread) */
+        /* The peer instance's incarnation (its segment's created_ns) its control connection
+         * last proved; 0 before the first (written by the I/O thread, read by the control
+         * thread at a transfer's open: atomic). A transfer is bound to one incarnation. */
+        uint64_t remote_gen;
         bool up;
         bool stop; /* atomic (kvf_store_release / kvf_load_acquire): the peer is retired */
         /* per transport (transport.h: conn_transports[]), created on first use; set under mu */
@@ -153,6 +159,7 @@ struct peer {
         char hs_why[KVF_REASON_MAX];
         char hs_instance[KVF_INSTANCE_MAX];
         uint32_t hs_block_size; /* the peer's tokens per block (its handshake) */
+        uint64_t hs_gen;        /* the peer's incarnation (its handshake) */
         char host[128];
         uint16_t port;
         uint64_t due, retry_at, conn_deadline, last_rx, last_tx, backoff_ms, last_fail_check;

@@ -72,6 +72,8 @@ static void on_finish(struct connector *cn, struct kvf_record *f)
                            f->request_id, f->peer, why);
                 return;
         }
+        /* The incarnation of the peer its blocks were reserved in: the notice goes to no other. */
+        uint64_t gen = conn_transport_of(f->transport) ? conn_xfer_gen(p, f->key) : 0;
         /* An abort: stop sending the transfer's blocks now (the notice fences off, on
          * the decode side, those already in flight). */
         if (aborting && conn_transport_of(f->transport))
@@ -102,6 +104,7 @@ static void on_finish(struct connector *cn, struct kvf_record *f)
         n->len = (uint32_t)len;
         n->key = f->key;
         n->abort_notice = aborting;
+        n->peer_gen = gen;
         n->withdraw = f->withdraw;
         n->first_ns = kvf_now_ns();
         snprintf(n->request_id, sizeof(n->request_id), "%s", f->request_id);

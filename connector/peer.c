@@ -500,6 +500,21 @@ static int send_queued(struct peer_io *io, struct peer *p, char *why, size_t why
         while (p->olen - p->ooff < OBUF_HIGH) {
                 pthread_mutex_lock(&p->mu);
                 struct notice *n = p->queue;
+                uint64_t gen = kvf_load_relaxed(&p->remote_gen);
+                if (n && n->peer_gen && n->peer_gen != gen) {
+                        /* Its blocks were reserved in an incarnation of the peer that is gone:
+                         * this one never heard of the request. */
+                        p->queue = n->next;
+                        if (!p->queue)
+                                p->queue_tail = NULL;
+                        post_result(p->cn, n, KVF_STATUS_CONNECTION,
+                                    "the peer was re-created during the transfer: the blocks reserved were "
+                                    "in the incarnation before");
+                        kvf_count(&p->cn->ctl, KVF_CTR_NOTICES_FAILED, 1);
+                        free_notice(n);
+                        pthread_mutex_unlock(&p->mu);
+                        continue;
+                }
                 if (n && obuf_put(p, KVF_RT_NOTICE, n->frame, n->len) == 0) {
                         p->queue = n->next;
                         if (!p->queue)
@@ -686,6 +701,20 @@ static void hs_done(struct peer_io *io, struct peer *p)
         }
         p->backoff_ms = 50;
         kvf_count(&cn->ctl, KVF_CTR_PEER_CONNECTS, 1);
+        uint64_t was = kvf_load_relaxed(&p->remote_gen);
+        if (was && was != p->hs_gen) {
+                /* Another incarnation answers at the peer's address (it was stopped and started
+                 * again): the blocks of every notice and transfer so far were reserved in the one
+                 * before, and its engine is gone. None of them may reach the new one. */
+                char why[KVF_REASON_MAX];
+                snprintf(why, sizeof(why), "peer '%s' was re-created during the transfer (instance %s at "
+                         "its address is another incarnation): the blocks reserved were in the one before",
+                         p->name, p->hs_instance);
+                kvf_warn("%s", why);
+                fail_queued(p, KVF_STATUS_CONNECTION, why, 0, true);
+                conn_xfer_fail_every(p, KVF_STATUS_CONNECTION, why);
+        }
+        kvf_store_release(&p->remote_gen, p->hs_gen);
         if (p->hs_local)
                 kvf_info("peer '%s' (instance %s, same host) connected over a unix socket", p->name,
                          p->hs_instance);
@@ -1100,6 +1129,7 @@ static void handshake(struct peer *p)
         }
         snprintf(p->hs_instance, sizeof(p->hs_instance), "%s", id.instance);
         p->hs_block_size = id.layout.block_size;
+        p->hs_gen = id.created_ns;
         p->hs_fd = fd;
         p->hs_rc = 0;
 }

@@ -300,6 +300,7 @@ static int rconn_open(struct rconn *c, int *status)
         c->rlen = w.rdma_len;
         c->rkey = (uint32_t)w.rdma_rkey;
         c->rlay = id.layout;
+        xfer_check_gen(xp, id.created_ns); /* (nothing was written yet on this connection) */
         rc = remote_parts(c, &w, id.instance);
         kvf_record_free(&w);
         if (rc < 0)

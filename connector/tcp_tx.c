@@ -688,6 +688,7 @@ static void *conn_main(void *arg)
                                  me->nranks, dc->slen, (unsigned long long)me->layout.block_bytes, dc->soff,
                                  dc->doff);
                 backoff_ms = 50;
+                xfer_check_gen(xp, id.created_ns);
                 uint64_t bit = 1ull << dc->idx;
                 pthread_mutex_lock(&xp->mu);
                 dc->fd = fd; /* under xp->mu: tcp_stop shuts it down */

@@ -27,17 +27,19 @@ static void post_result(struct connector *cn, const struct xfer *x, int status, 
 }
 
 /* xp->mu held: x is failed here (its result is posted): remember it for conn_xfer_noticed. */
-static void remember_failed(struct xfer_peer *xp, uint64_t key, int status, const char *reason)
+static void remember_failed(struct xfer_peer *xp, uint64_t key, uint64_t gen, int status,
+                            const char *reason)
 {
         struct xfer_failed *f = &xp->failed[xp->nfailed++ % XFER_FAILED_KEPT];
         f->key = key;
+        f->peer_gen = gen;
         f->status = status;
         snprintf(f->reason, sizeof(f->reason), "%s", reason);
 }
 
 static void fail_xfer(struct xfer_peer *xp, const struct xfer *x, int status, const char *reason)
 {
-        remember_failed(xp, x->key, status, reason);
+        remember_failed(xp, x->key, x->peer_gen, status, reason);
         post_result(xp->p->cn, x, status, reason);
 }
 
@@ -373,7 +375,7 @@ int conn_xfer_open(struct peer *p, const struct kvf_record *o, int *status, char
                                  cn->ctl.hdr->instance, no);
                 else /* with the peer's status: a layout it refused is no connection error */
                         snprintf(why, whylen, "%s", xp->refused), *status = xp->refused_status;
-                remember_failed(xp, o->key, *status, why);
+                remember_failed(xp, o->key, 0, *status, why);
                 pthread_mutex_unlock(&xp->mu);
                 return -EPROTONOSUPPORT;
         }
@@ -390,6 +392,7 @@ int conn_xfer_open(struct peer *p, const struct kvf_record *o, int *status, char
                 memcpy(dst, o->dst, o->n_dst * sizeof(uint32_t));
                 x->key = o->key;
                 x->session = o->session;
+                x->peer_gen = kvf_load_acquire(&p->remote_gen);
                 x->reg_gen = kvf_load_acquire(&cn->ctl.hdr->reg_generation);
                 x->dst = dst;
                 x->n_dst = o->n_dst;
@@ -569,6 +572,55 @@ void conn_xfer_refuse_all(struct xfer_peer *xp, int status, const char *reason)
 void conn_xfer_fail_all(struct xfer_peer *xp, int status, const char *reason)
 {
         fail_all(xp, status, reason, false);
+}
+
+uint64_t conn_xfer_gen(struct peer *p, uint64_t key)
+{
+        uint64_t gen = 0;
+        for (unsigned i = 0; i < conn_ntransports && !gen; i++) {
+                struct xfer_peer *xp = xfer_peer_get(p, i);
+                if (!xp)
+                        continue;
+                pthread_mutex_lock(&xp->mu);
+                struct xfer *x = find(xp, key);
+                if (x) {
+                        gen = x->peer_gen;
+                } else {
+                        unsigned n = xp->nfailed < XFER_FAILED_KEPT ? xp->nfailed : XFER_FAILED_KEPT;
+                        for (unsigned k = 0; k < n; k++)
+                                if (xp->failed[k].key == key)
+                                        gen = xp->failed[k].peer_gen;
+                }
+                pthread_mutex_unlock(&xp->mu);
+        }
+        return gen;
+}
+
+void conn_xfer_fail_every(struct peer *p, int status, const char *reason)
+{
+        for (unsigned i = 0; i < conn_ntransports; i++) {
+                struct xfer_peer *xp = xfer_peer_get(p, i);
+                if (xp)
+                        fail_all(xp, status, reason, false);
+        }
+}
+
+void xfer_check_gen(struct xfer_peer *xp, uint64_t gen)
+{
+        char why[KVF_REASON_MAX];
+        snprintf(why, sizeof(why), "peer '%s' was re-created during the transfer (another incarnation "
+                 "answers at its address): the blocks reserved were in the one before", xp->p->name);
+        pthread_mutex_lock(&xp->mu);
+        for (struct xfer *x = xp->xfers, *nx; x; x = nx) {
+                nx = x->next;
+                if (!x->peer_gen)
+                        x->peer_gen = gen;
+                else if (x->peer_gen != gen) {
+                        fail_xfer(xp, x, KVF_STATUS_CONNECTION, why);
+                        drop(xp, x);
+                }
+        }
+        pthread_mutex_unlock(&xp->mu);
 }
 
 void conn_xfer_fail(struct peer *p, int status, const char *reason, uint64_t older_than)

@@ -59,6 +59,8 @@ struct xfer {
         bool checked; /* dst ids checked against the peer's block count */
         bool noticed; /* the finish notice is out: only its outcome ends the transfer */
         uint64_t session; /* the decode engine session it is bound to (0 unknown) */
+        uint64_t peer_gen; /* the peer incarnation it is bound to: its control connection's at the
+                            * open, else its first data connection's (0 not yet) */
         uint64_t reg_gen; /* this instance's registration of the engine's caches when it opened
                            * (its bytes are in that memory; 0: kvferry's own caches) */
         void *tp;         /* the transport's (xfer_open) */
@@ -90,6 +92,7 @@ struct xfer_peer {
          * then go to the peer as an abort (conn_xfer_noticed). A ring of the latest. */
         struct xfer_failed {
                 uint64_t key;
+                uint64_t peer_gen; /* the incarnation it was bound to (0: none yet) */
                 int status;
                 char reason[KVF_REASON_MAX];
         } failed[XFER_FAILED_KEPT];
@@ -100,6 +103,13 @@ struct xfer_peer {
 
 /* ---- for the connector (main.c, peer.c): control thread, except where noted ---- */
 
+/* The peer incarnation transfer `key` is (or was, when it failed) bound to; 0 when not known. */
+uint64_t conn_xfer_gen(struct peer *p, uint64_t key);
+/* Every transfer to p fails with status and reason, noticed ones too (they can land nowhere). */
+void conn_xfer_fail_every(struct peer *p, int status, const char *reason);
+/* Data paths, after their handshake proved the peer's incarnation `gen`: transfers not bound yet
+ * are bound to it; those bound to another fail ("peer re-created") before anything is sent. */
+void xfer_check_gen(struct xfer_peer *xp, uint64_t gen);
 /* A transfer to peer p begins (OPEN). 0 (the caller then kicks the peer, conn_peer_kick), or
  * -errno with why and the request's status (the one the peer refused with, when it did). */
 int conn_xfer_open(struct peer *p, const struct kvf_record *open, int *status, char *why, size_t whylen);

@@ -46,6 +46,25 @@ if [ "$("$B/kvf-ctl" gpus 2>/dev/null)" = 0 ]; then
 fi
 pass "demo --gpu without GPU caches is refused before anything starts"
 
+# ---- token: never through a link or into another user's file ----
+mkdir -p "$R/tok"
+ln -s "$R/tok/elsewhere" "$R/tok/link"
+try token-link "$K" token --file "$R/tok/link"
+want_rc 1 "token --file LINK"
+has "is a symbolic link: refusing it" "token --file LINK"
+[ ! -e "$R/tok/elsewhere" ] || fail "token --file LINK wrote where the link points"
+if [ "$EUID" = 0 ]; then
+  : >"$R/tok/theirs"; chmod 666 "$R/tok/theirs"; chown 12345 "$R/tok/theirs"
+  try token-foreign "$K" token --file "$R/tok/theirs"
+  want_rc 1 "token --file a file of another user's"
+  has "belongs to" "token --file a file of another user's"
+  [ ! -s "$R/tok/theirs" ] || fail "token --file wrote the token into another user's file"
+fi
+try token-new "$K" token --file "$R/tok/new"
+want_rc 0 "token --file NEW"
+[ "$(stat -c %a "$R/tok/new")" = 600 ] && [ "$(wc -c <"$R/tok/new")" = 64 ] || fail "token --file NEW: not 64 characters, mode 0600"
+pass "token refuses a link and another user's file, and makes a new one 0600"
+
 # ---- up: refused before anything starts ----
 N=$R/never # a run directory that must not be made
 for args in "--model llama-3.1-8b --tp 3 --cache-mib 64|--tp 3 does not fit llama-3.1-8b's 8 kv heads" \

@@ -277,6 +277,8 @@ bool kvf_ring_readable(struct kvf_ring *r)
         uint64_t w = kvf_load_acquire(word_at(r, head));
         int32_t len = KVF_REC_LEN(w);
 
+        if (r->bad && r->bad_pos == head && r->bad_word == w)
+                return false; /* the corrupt record kvf_ring_read reported, still there */
         return len > 0 || (len < 0 && is_abandoned(r, head, w));
 }
 
@@ -314,6 +316,11 @@ int kvf_ring_read(struct kvf_ring *r, kvf_ring_handler fn, void *ctx, unsigned m
                  * every record would bounce it between the two cores. */
                 if ((uint32_t)len < KVF_REC_HDR_SIZE || off + size > r->capacity ||
                     pos + size - head > r->capacity) {
+                        if (r->bad && r->bad_pos == pos && r->bad_word == w)
+                                break; /* (said already) */
+                        r->bad = true;
+                        r->bad_pos = pos;
+                        r->bad_word = w;
                         rc = kvf_err_set(-EBADMSG,
                                          "ring %u: corrupt record header at position %llu (length %d)",
                                          h->id, (unsigned long long)pos, len);

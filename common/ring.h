@@ -48,6 +48,10 @@ struct kvf_ring {
         uint64_t head_cache;       /* producer: last head seen */
         uint16_t gen16;            /* producer: generation stamped on records */
         uint64_t *full_ctr;        /* also counted here when a claim finds the ring full (or NULL) */
+        /* consumer: a corrupt record header met at bad_pos (its word bad_word), reported once;
+         * while it is there the ring reads as empty (a consumer waits instead of spinning on it) */
+        bool bad;
+        uint64_t bad_pos, bad_word;
 };
 
 /* Format a ring header (the allocator, before the segment is published). */
@@ -117,6 +121,9 @@ typedef int (*kvf_ring_handler)(void *ctx, uint16_t type, const uint8_t *payload
  * Hand up to `max` committed records to fn, then zero them and move head.
  * Returns the number of records handed to fn (>= 0), or -EBADMSG when the
  * ring holds a header that cannot be right (the ring is then left as is).
+ * A corrupt header is reported once: while it stays at head the ring reads as
+ * empty (kvf_ring_readable false, kvf_ring_read 0), so its consumer sleeps on
+ * its doorbell instead of spinning on it.
  */
 int kvf_ring_read(struct kvf_ring *r, kvf_ring_handler fn, void *ctx, unsigned max);
 

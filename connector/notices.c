@@ -103,6 +103,15 @@ static int on_notice(void *ctx, uint16_t type, const uint8_t *pl, uint32_t len, 
         return 0;
 }
 
+/* A notice nobody can be answered for (its slot's holder is no instance): dropped, counted. */
+static int drop_notice(void *ctx, uint16_t type, const uint8_t *p, uint32_t len, uint64_t pos)
+{
+        struct connector *cn = ctx;
+        (void)type, (void)p, (void)len, (void)pos;
+        kvf_count(&cn->ctl, KVF_CTR_BAD_RECORDS, 1);
+        return 0;
+}
+
 bool conn_notices_read(struct connector *cn)
 {
         bool worked = false;
@@ -120,8 +129,13 @@ bool conn_notices_read(struct connector *cn)
                 x.owner[sizeof(x.owner) - 1] = '\0';
                 x.owner_gen = kvf_load_relaxed(&ns->owner_created_ns);
                 if (kvf_instance_name_check(x.owner) < 0) {
+                        /* Dropped, not left in the ring: left, they would keep the control
+                         * thread from ever sleeping. Its sender, if any, hears nothing and
+                         * falls back as for a lost notice (the request's own timeout). */
+                        int n = kvf_ring_read(&v->notice, drop_notice, cn, 64);
                         kvf_errlog(&cn->ctl, KVF_ROLE_CONNECTOR,
-                                   "notice slot %u: its holder's name is not an instance name: notices left unread", s);
+                                   "notice slot %u: its holder's name is not an instance name: %d notice(s) dropped",
+                                   s, n);
                         continue;
                 }
                 holder_bell(cn, s, x.owner, x.owner_gen, gen);

@@ -308,6 +308,32 @@ static void test_consumer_repair(void)
         cleanup();
 }
 
+/* A record header that cannot be right (another process wrote over the ring): reported once,
+ * then the ring reads as empty while it is there, so a consumer waits instead of spinning. */
+static void test_corrupt_header(void)
+{
+        struct kvf_ctl c;
+        make_segment(&c, 4096);
+        struct kvf_ring *r = &c.rings[KVF_RING_ENGINE_TO_SENDER];
+        uint64_t seqs[64] = {0}, pos;
+
+        kvf_ring_producer_attach(r, 1);
+        uint64_t one = 1;
+        CHECK_EQ(kvf_ring_write(r, 7, &one, 8, &pos), 0);
+        /* The next record's header says it is longer than the ring. */
+        uint64_t *w = (uint64_t *)(void *)(r->data + ((pos + 16) & r->mask));
+        *w = (uint64_t)7 << 32 | 100000u;
+        CHECK(kvf_ring_readable(r));
+        CHECK_EQ(kvf_ring_read(r, collect, seqs, 10), -EBADMSG);
+        CHECK(strstr(kvf_err_msg(), "corrupt record header") != NULL);
+        CHECK_EQ(seqs[0], 1); /* the good record before it was handed over */
+        CHECK(!kvf_ring_readable(r));
+        CHECK_EQ(kvf_ring_read(r, collect, seqs, 10), 0);
+        CHECK(!kvf_ring_readable(r));
+        kvf_ctl_detach(&c);
+        cleanup();
+}
+
 static void test_timeout(void)
 {
         struct kvf_ctl c;
@@ -528,6 +554,7 @@ int main(int argc, char **argv)
         test_wrap_and_full();
         test_abandoned_claim();
         test_consumer_repair();
+        test_corrupt_header();
         test_timeout();
         test_doorbell_count();
         test_doorbell_expect();

@@ -206,6 +206,25 @@ int kvf_sim_setup(struct sim *s)
         return 0;
 }
 
+/* The engine's ring is full: take events meanwhile (room comes as requests end). -ECANCELED
+ * once stopped (a signal), -ETIMEDOUT after --timeout-s with no room: a wedged instance must not
+ * hold the simulator (and whoever waits for it) forever. */
+static int ring_full_wait(struct sim *s, uint64_t *since, const char *id)
+{
+        uint64_t now = kvf_now_ns();
+        if (!*since)
+                *since = now;
+        if (kvf_load_relaxed(&s->stop))
+                return -ECANCELED;
+        if (now - *since > (uint64_t)s->o.timeout_s * 1000000000ull) {
+                fprintf(stderr, "%s: %s: the engine's ring stayed full for %u s: giving up\n", KVF_SIM_PROG, id,
+                        s->o.timeout_s);
+                return -ETIMEDOUT;
+        }
+        kvf_sim_poll_events(s, 1);
+        return 0;
+}
+
 /* Mixed mode: prefill rank k's tasks of r, one per decode rank it sends to. */
 static int submit_mixed(struct sim *s, struct sim_req *r, uint64_t step, unsigned k)
 {
@@ -226,8 +245,10 @@ static int submit_mixed(struct sim *s, struct sim_req *r, uint64_t step, unsigne
                                      .chunked = s->o.chunk_tokens > 0,
                                      .peer_session = kvf_session(kvf_group_member(dec->g, j))};
                 int rc;
+                uint64_t since = 0;
                 while ((rc = kvf_submit_task(kvf_group_member(pre->g, k), &t)) == -EAGAIN)
-                        kvf_sim_poll_events(s, 1);
+                        if ((rc = ring_full_wait(s, &since, id)) < 0)
+                                return rc;
                 if (rc < 0) {
                         fprintf(stderr, "%s: submit %s to %s: %s\n", KVF_SIM_PROG, id,
                                 pre->o->name[k], kvf_last_error());
@@ -244,9 +265,11 @@ static void each_task(struct sim *s, const struct sim_req *r, unsigned k,
                       int (*fn)(struct sim *, struct kvf_client *, const char *, void *), void *arg)
 {
         struct kvf_client *c = kvf_group_member(s->pre[r->pi].g, k);
+        uint64_t since = 0;
         if (!s->mixed) {
                 while (fn(s, c, r->id, arg) == -EAGAIN)
-                        kvf_sim_poll_events(s, 1);
+                        if (ring_full_wait(s, &since, r->id) < 0)
+                                return;
                 return;
         }
         for (unsigned j = 0; j < s->o.dranks; j++) {
@@ -254,8 +277,10 @@ static void each_task(struct sim *s, const struct sim_req *r, unsigned k,
                 if (!s->sends[k][j])
                         continue;
                 kvf_sim_tp_task_id(r, j, id, sizeof(id));
+                since = 0;
                 while (fn(s, c, id, arg) == -EAGAIN)
-                        kvf_sim_poll_events(s, 1);
+                        if (ring_full_wait(s, &since, id) < 0)
+                                return;
         }
 }
 
@@ -312,8 +337,10 @@ static int submit_task_(struct sim *s, struct sim_req *r, uint64_t step)
                                       * until its connector has told) */
                                      .peer_session = kvf_session(kvf_group_member(dec->g, k))};
                 int rc;
+                uint64_t since = 0;
                 while ((rc = kvf_submit_task(kvf_group_member(pre->g, k), &t)) == -EAGAIN)
-                        kvf_sim_poll_events(s, 1);
+                        if ((rc = ring_full_wait(s, &since, r->id)) < 0)
+                                return rc;
                 if (rc < 0) {
                         fprintf(stderr, "%s: submit %s to %s: %s\n", KVF_SIM_PROG, r->id,
                                 pre->o->name[k], kvf_last_error());

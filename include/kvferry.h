@@ -292,7 +292,10 @@ int kvf_submit_raw(struct kvf_client *c, int target, int record_type, const void
  * Steps only grow for the life of the instance: an engine that (re)attaches
  * numbers its steps from kvf_last_step() + 1, or its tasks would look as if
  * their layers were done already. A step below the last one published is an
- * engine bug: -EINVAL, nothing published (kvf_last_error() says which steps).
+ * engine bug: -EINVAL, nothing published (kvf_last_error() says which steps);
+ * so is a step up to the last one published before this attach (a task or
+ * chunk of such a step: -EINVAL too). After another engine attached to the
+ * instance, -ESTALE: this session is over.
  */
 int kvf_layer_done(struct kvf_client *c, uint64_t step, uint32_t layer);
 /* The last step with a published layer-done event (0 if none). */

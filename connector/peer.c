@@ -508,8 +508,10 @@ static int send_queued(struct peer_io *io, struct peer *p, char *why, size_t why
                         if (!p->queue)
                                 p->queue_tail = NULL;
                         post_result(p->cn, n, KVF_STATUS_CONNECTION,
-                                    "the peer was re-created during the transfer: the blocks reserved were "
-                                    "in the incarnation before");
+                                    n->sent ? "the peer was re-created during the transfer: the blocks reserved "
+                                              "were in the incarnation before (in doubt: the notice had reached it)"
+                                            : "the peer was re-created during the transfer: the blocks reserved "
+                                              "were in the incarnation before");
                         kvf_count(&p->cn->ctl, KVF_CTR_NOTICES_FAILED, 1);
                         free_notice(n);
                         pthread_mutex_unlock(&p->mu);
@@ -702,19 +704,15 @@ static void hs_done(struct peer_io *io, struct peer *p)
         p->backoff_ms = 50;
         kvf_count(&cn->ctl, KVF_CTR_PEER_CONNECTS, 1);
         uint64_t was = kvf_load_relaxed(&p->remote_gen);
-        if (was && was != p->hs_gen) {
-                /* Another incarnation answers at the peer's address (it was stopped and started
-                 * again): the blocks of every notice and transfer so far were reserved in the one
-                 * before, and its engine is gone. None of them may reach the new one. */
-                char why[KVF_REASON_MAX];
-                snprintf(why, sizeof(why), "peer '%s' was re-created during the transfer (instance %s at "
-                         "its address is another incarnation): the blocks reserved were in the one before",
-                         p->name, p->hs_instance);
-                kvf_warn("%s", why);
-                fail_queued(p, KVF_STATUS_CONNECTION, why, 0, true);
-                conn_xfer_fail_every(p, KVF_STATUS_CONNECTION, why);
-        }
+        if (was && was != p->hs_gen)
+                kvf_warn("peer '%s' was re-created (instance %s at its address is another incarnation): "
+                         "transfers and notices bound to the one before fail", p->name, p->hs_instance);
+        /* Another incarnation answers at the peer's address (it was stopped and started
+         * again): the transfers bound to the one before fail now (their blocks were reserved
+         * there, by an engine that is gone), and their notices are never sent (send_queued);
+         * those not bound yet are this one's. */
         kvf_store_release(&p->remote_gen, p->hs_gen);
+        conn_xfer_check_gen(p, p->hs_gen);
         if (p->hs_local)
                 kvf_info("peer '%s' (instance %s, same host) connected over a unix socket", p->name,
                          p->hs_instance);

@@ -596,15 +596,6 @@ uint64_t conn_xfer_gen(struct peer *p, uint64_t key)
         return gen;
 }
 
-void conn_xfer_fail_every(struct peer *p, int status, const char *reason)
-{
-        for (unsigned i = 0; i < conn_ntransports; i++) {
-                struct xfer_peer *xp = xfer_peer_get(p, i);
-                if (xp)
-                        fail_all(xp, status, reason, false);
-        }
-}
-
 void xfer_check_gen(struct xfer_peer *xp, uint64_t gen)
 {
         char why[KVF_REASON_MAX];
@@ -613,14 +604,26 @@ void xfer_check_gen(struct xfer_peer *xp, uint64_t gen)
         pthread_mutex_lock(&xp->mu);
         for (struct xfer *x = xp->xfers, *nx; x; x = nx) {
                 nx = x->next;
-                if (!x->peer_gen)
+                if (!x->peer_gen) {
                         x->peer_gen = gen;
-                else if (x->peer_gen != gen) {
-                        fail_xfer(xp, x, KVF_STATUS_CONNECTION, why);
+                } else if (x->peer_gen != gen) {
+                        /* A noticed one ends with its notice, which is never sent to this
+                         * incarnation (send_queued answers it): one result per request. */
+                        if (!x->noticed)
+                                fail_xfer(xp, x, KVF_STATUS_CONNECTION, why);
                         drop(xp, x);
                 }
         }
         pthread_mutex_unlock(&xp->mu);
+}
+
+void conn_xfer_check_gen(struct peer *p, uint64_t gen)
+{
+        for (unsigned i = 0; i < conn_ntransports; i++) {
+                struct xfer_peer *xp = xfer_peer_get(p, i);
+                if (xp)
+                        xfer_check_gen(xp, gen);
+        }
 }
 
 void conn_xfer_fail(struct peer *p, int status, const char *reason, uint64_t older_than)

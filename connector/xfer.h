@@ -105,11 +105,12 @@ struct xfer_peer {
 
 /* The peer incarnation transfer `key` is (or was, when it failed) bound to; 0 when not known. */
 uint64_t conn_xfer_gen(struct peer *p, uint64_t key);
-/* Every transfer to p fails with status and reason, noticed ones too (they can land nowhere). */
-void conn_xfer_fail_every(struct peer *p, int status, const char *reason);
-/* Data paths, after their handshake proved the peer's incarnation `gen`: transfers not bound yet
- * are bound to it; those bound to another fail ("peer re-created") before anything is sent. */
+/* After a handshake proved the peer's incarnation `gen` (a data path's: xfer_check_gen on its
+ * own transport; the control connection's: conn_xfer_check_gen on every transport): transfers
+ * not bound yet are bound to it; those bound to another fail ("peer re-created"), noticed ones
+ * too, before anything is sent to it. */
 void xfer_check_gen(struct xfer_peer *xp, uint64_t gen);
+void conn_xfer_check_gen(struct peer *p, uint64_t gen);
 /* A transfer to peer p begins (OPEN). 0 (the caller then kicks the peer, conn_peer_kick), or
  * -errno with why and the request's status (the one the peer refused with, when it did). */
 int conn_xfer_open(struct peer *p, const struct kvf_record *open, int *status, char *why, size_t whylen);

@@ -44,7 +44,7 @@
  * no longer prewakes its connector); the engine's caches (backend "engine", the header's
  * reg_* fields, a request's own_reg_gen and peer_reg_gen); a request's n_dst. 10: the counter
  * bytes_resent_tcp. 11: the layout's scale tensors (scale_dtype, scale_bytes). 12: the counter
- * notice_prewakes. 13: the counter tasks_held_back. */
+ * notice_prewakes. 13: the counter tasks_held_back. 14: the role slot's session_base. */
 #define KVF_LAYOUT_VERSION 14u
 #define KVF_CACHE_LINE 64u
 #define KVF_HEADER_SIZE 4096u

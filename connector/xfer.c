@@ -37,6 +37,17 @@ static void remember_failed(struct xfer_peer *xp, uint64_t key, uint64_t gen, in
         snprintf(f->reason, sizeof(f->reason), "%s", reason);
 }
 
+/* xp->mu held: the failed transfer of `key` this connector still remembers, or NULL. */
+static const struct xfer_failed *failed_of(const struct xfer_peer *xp, uint64_t key)
+{
+        const struct xfer_failed *f = NULL;
+        unsigned n = xp->nfailed < XFER_FAILED_KEPT ? xp->nfailed : XFER_FAILED_KEPT;
+        for (unsigned k = 0; k < n; k++)
+                if (xp->failed[k].key == key)
+                        f = &xp->failed[k];
+        return f;
+}
+
 static void fail_xfer(struct xfer_peer *xp, const struct xfer *x, int status, const char *reason)
 {
         remember_failed(xp, x->key, x->peer_gen, status, reason);
@@ -512,12 +523,11 @@ int conn_xfer_noticed(struct peer *p, uint64_t key, char *why, size_t whylen)
                         if (xp->t->noticed)
                                 xp->t->noticed(xp, x);
                 } else {
-                        unsigned n = xp->nfailed < XFER_FAILED_KEPT ? xp->nfailed : XFER_FAILED_KEPT;
-                        for (unsigned k = 0; k < n; k++)
-                                if (xp->failed[k].key == key) {
-                                        status = xp->failed[k].status;
-                                        snprintf(why, whylen, "%s", xp->failed[k].reason);
-                                }
+                        const struct xfer_failed *f = failed_of(xp, key);
+                        if (f) {
+                                status = f->status;
+                                snprintf(why, whylen, "%s", f->reason);
+                        }
                 }
                 pthread_mutex_unlock(&xp->mu);
         }
@@ -583,14 +593,8 @@ uint64_t conn_xfer_gen(struct peer *p, uint64_t key)
                         continue;
                 pthread_mutex_lock(&xp->mu);
                 struct xfer *x = find(xp, key);
-                if (x) {
-                        gen = x->peer_gen;
-                } else {
-                        unsigned n = xp->nfailed < XFER_FAILED_KEPT ? xp->nfailed : XFER_FAILED_KEPT;
-                        for (unsigned k = 0; k < n; k++)
-                                if (xp->failed[k].key == key)
-                                        gen = xp->failed[k].peer_gen;
-                }
+                const struct xfer_failed *f = x ? NULL : failed_of(xp, key);
+                gen = x ? x->peer_gen : f ? f->peer_gen : 0;
                 pthread_mutex_unlock(&xp->mu);
         }
         return gen;

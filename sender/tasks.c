@@ -262,6 +262,22 @@ static int validate_task(struct sender *s, struct kvf_record *t, uint32_t *pidx,
         return KVF_STATUS_FINISHED;
 }
 
+/* `step` (of a `what`) of engine session `session` was published by an earlier session: its
+ * layers would count as done for a new engine's unwritten blocks. True, with why. */
+static bool earlier_step(struct sender *s, uint64_t session, uint64_t step, const char *what, char *why,
+                         size_t whylen)
+{
+        uint64_t base = sender_session_base(s, session);
+        if (!base || step > KVF_PROGRESS_STEP(base))
+                return false;
+        snprintf(why, whylen,
+                 "%s %llu: steps up to %llu were published by an earlier engine session, so their layers "
+                 "count as done: number this session's steps from %llu",
+                 what, (unsigned long long)step, (unsigned long long)KVF_PROGRESS_STEP(base),
+                 (unsigned long long)KVF_PROGRESS_STEP(base) + 1);
+        return true;
+}
+
 static int accept_task(struct sender *s, struct kvf_record *t, const struct task_ref *ref)
 {
         const struct kvf_ctl_header *h = s->ctl.hdr;
@@ -279,15 +295,9 @@ static int accept_task(struct sender *s, struct kvf_record *t, const struct task
         if (slot != UINT32_MAX)
                 return reject(s, ref, t->peer, KVF_STATUS_BAD_TASK,
                               "duplicate request_id '%s': a request with this id is in flight", id);
-        /* A step an earlier engine session published would count a new engine's unwritten
-         * blocks as done (the client library refuses it too; raw records come here). */
-        uint64_t base = sender_session_base(s, ref->session);
-        if (!t->chunked && base && t->current_id <= KVF_PROGRESS_STEP(base))
-                return reject(s, ref, t->peer, KVF_STATUS_BAD_TASK,
-                              "step %llu: steps up to %llu were published by an earlier engine session, so "
-                              "their layers count as done: number this session's steps from %llu",
-                              (unsigned long long)t->current_id, (unsigned long long)KVF_PROGRESS_STEP(base),
-                              (unsigned long long)KVF_PROGRESS_STEP(base) + 1);
+        /* (the client library refuses it too; raw records come here) */
+        if (!t->chunked && earlier_step(s, ref->session, t->current_id, "step", why, sizeof(why)))
+                return reject(s, ref, t->peer, KVF_STATUS_BAD_TASK, "%s", why);
         int st = validate_task(s, t, &pidx, why, sizeof(why));
         if (st != KVF_STATUS_FINISHED)
                 return reject(s, ref, t->peer, st, "%s", why);
@@ -378,15 +388,10 @@ static void on_chunk(struct sender *s, const struct kvf_record *c)
         struct kvf_req_slot *r = &s->ctl.reqtab[slot];
         if (sender_req_state(s, slot) != SREQ_MOVING || r->last_chunk_seen)
                 return; /* already complete (or a re-read after restart) */
-        uint64_t base = sender_session_base(s, r->session);
-        if (base && c->current_id <= KVF_PROGRESS_STEP(base)) {
-                kvf_errlog(&s->ctl, KVF_ROLE_SENDER, "req %s: chunk for step %llu, published by an earlier engine "
-                           "session: request failed", r->request_id, (unsigned long long)c->current_id);
-                sender_fail(s, slot, KVF_STATUS_BAD_TASK,
-                            "chunk for step %llu: steps up to %llu were published by an earlier engine session, "
-                            "so their layers count as done: number this session's steps from %llu",
-                            (unsigned long long)c->current_id, (unsigned long long)KVF_PROGRESS_STEP(base),
-                            (unsigned long long)KVF_PROGRESS_STEP(base) + 1);
+        char why[KVF_REASON_MAX];
+        if (earlier_step(s, r->session, c->current_id, "chunk for step", why, sizeof(why))) {
+                kvf_errlog(&s->ctl, KVF_ROLE_SENDER, "req %s: %s: request failed", r->request_id, why);
+                sender_fail(s, slot, KVF_STATUS_BAD_TASK, "%s", why);
                 return;
         }
         uint64_t full = c->tokens / s->layout->block_size;

@@ -282,11 +282,17 @@ bool kvf_ring_readable(struct kvf_ring *r)
         return len > 0 || (len < 0 && is_abandoned(r, head, w));
 }
 
-int kvf_ring_read(struct kvf_ring *r, kvf_ring_handler fn, void *ctx, unsigned max)
+/*
+ * Hand the committed records from *posp on (a record boundary at or after head) to fn, up to
+ * `max` of them and within one lap of head; *posp ends after the last one handled, *np says how
+ * many. `consume`: kvf_ring_read's walk (abandoned records counted, a corrupt header reported:
+ * -EBADMSG); otherwise a look ahead that leaves the ring as it is. Returns 0 or -EBADMSG.
+ */
+static int walk(struct kvf_ring *r, uint64_t head, uint64_t *posp, int *np, kvf_ring_handler fn,
+                void *ctx, unsigned max, bool consume)
 {
         struct kvf_ring_hdr *h = r->hdr;
-        uint64_t head = kvf_load_relaxed(&h->head);
-        uint64_t pos = head;
+        uint64_t pos = *posp;
         int n = 0, rc = 0;
 
         /* Stop after one lap: bytes handled in this call are not zeroed yet,
@@ -305,8 +311,10 @@ int kvf_ring_read(struct kvf_ring *r, kvf_ring_handler fn, void *ctx, unsigned m
                 if (len < 0) {
                         if (!is_abandoned(r, pos, w))
                                 break;
-                        kvf_store_relaxed(&h->abandoned_pos, pos);
-                        kvf_fetch_add_relaxed(&h->abandoned, 1);
+                        if (consume) {
+                                kvf_store_relaxed(&h->abandoned_pos, pos);
+                                kvf_fetch_add_relaxed(&h->abandoned, 1);
+                        }
                         pos += kvf_ring_align((uint64_t)-(int64_t)len);
                         continue;
                 }
@@ -316,8 +324,8 @@ int kvf_ring_read(struct kvf_ring *r, kvf_ring_handler fn, void *ctx, unsigned m
                  * every record would bounce it between the two cores. */
                 if ((uint32_t)len < KVF_REC_HDR_SIZE || off + size > r->capacity ||
                     pos + size - head > r->capacity) {
-                        if (r->bad && r->bad_pos == pos && r->bad_word == w)
-                                break; /* (said already) */
+                        if (!consume || (r->bad && r->bad_pos == pos && r->bad_word == w))
+                                break; /* (said already, or kvf_ring_read's to say) */
                         r->bad = true;
                         r->bad_pos = pos;
                         r->bad_word = w;
@@ -335,6 +343,18 @@ int kvf_ring_read(struct kvf_ring *r, kvf_ring_handler fn, void *ctx, unsigned m
                 }
                 pos += size;
         }
+        *posp = pos;
+        *np = n;
+        return rc;
+}
+
+int kvf_ring_read(struct kvf_ring *r, kvf_ring_handler fn, void *ctx, unsigned max)
+{
+        struct kvf_ring_hdr *h = r->hdr;
+        uint64_t head = kvf_load_relaxed(&h->head);
+        uint64_t pos = head;
+        int n, rc = walk(r, head, &pos, &n, fn, ctx, max, true);
+
         if (pos != head) {
                 /* Crash window: records [head, pos) are handled. Say so before
                  * zeroing, so a successor finishes the zeroing instead of
@@ -346,6 +366,16 @@ int kvf_ring_read(struct kvf_ring *r, kvf_ring_handler fn, void *ctx, unsigned m
                 kvf_store_release(&h->head, pos);
         }
         return rc < 0 ? rc : n;
+}
+
+int kvf_ring_peek(struct kvf_ring *r, uint64_t *from, kvf_ring_handler fn, void *ctx, unsigned max)
+{
+        uint64_t head = kvf_load_relaxed(&r->hdr->head);
+        int n;
+        if (*from < head)
+                *from = head;
+        walk(r, head, from, &n, fn, ctx, max, false);
+        return n;
 }
 
 uint16_t kvf_ring_record_gen(const struct kvf_ring *r, uint64_t pos)

@@ -128,6 +128,15 @@ typedef int (*kvf_ring_handler)(void *ctx, uint16_t type, const uint8_t *payload
 int kvf_ring_read(struct kvf_ring *r, kvf_ring_handler fn, void *ctx, unsigned max);
 
 /*
+ * The consumer's look ahead: hand the committed records from *from on (a position an earlier
+ * peek returned, or anything at or below head, which means head) to fn without consuming them,
+ * up to `max`; *from ends after the last record handled, so the next peek goes on from there.
+ * fn returning -EAGAIN stops it before that record. Returns the number handled. The records
+ * stay in the ring for kvf_ring_read, which hands them over again.
+ */
+int kvf_ring_peek(struct kvf_ring *r, uint64_t *from, kvf_ring_handler fn, void *ctx, unsigned max);
+
+/*
  * Inside a handler: the low 16 bits of the generation of the producer that
  * wrote the record at `pos` (the engine session of an engine's record).
  */

@@ -44,8 +44,10 @@
  * no longer prewakes its connector); the engine's caches (backend "engine", the header's
  * reg_* fields, a request's own_reg_gen and peer_reg_gen); a request's n_dst. 10: the counter
  * bytes_resent_tcp. 11: the layout's scale tensors (scale_dtype, scale_bytes). 12: the counter
- * notice_prewakes. 13: the counter tasks_held_back. 14: the role slot's session_base. */
-#define KVF_LAYOUT_VERSION 14u
+ * notice_prewakes. 13: the counter tasks_held_back. 14: the role slot's session_base. 15: the
+ * journal's pending entries (ring_pos KVF_JOURNAL_PENDING, skips) and the counter
+ * arrivals_withdrawn_waiting. */
+#define KVF_LAYOUT_VERSION 15u
 #define KVF_CACHE_LINE 64u
 #define KVF_HEADER_SIZE 4096u
 
@@ -348,11 +350,13 @@ struct kvf_req_slot {
  * re-sent after a crash is acknowledged without a second arrival record.
  */
 #define KVF_JOURNAL_ENTRIES 4096u
+#define KVF_JOURNAL_PENDING (~0ull)
 struct kvf_journal_entry {
         uint64_t key_hash; /* hash of (prefill instance, slot, incarnation); 0 = unused */
-        uint64_t ring_pos; /* where the arrival record was claimed */
+        uint64_t ring_pos; /* where the arrival record was claimed; KVF_JOURNAL_PENDING: decided,
+                            * not yet published (a withdrawal answered while the ring was full) */
         uint32_t status;   /* the arrival's status: what a repeated or withdrawn notice is told */
-        uint32_t pad;
+        uint32_t skips;    /* a pending entry: how often the journal's writer passed it over */
         uint64_t session;  /* the decode engine session the arrival was published for */
 };
 

@@ -63,13 +63,17 @@ static uint32_t jidx_find(const struct connector *cn, uint64_t h)
         }
 }
 
-/* Rebuild the index from the journal; entries overwritten later are stale and skipped. */
+/* Rebuild the index from the journal; entries overwritten later are stale and skipped. A key
+ * with a published entry and a pending one (a crash as the pending one was published) is
+ * indexed by the published one: the pending ones go in first. */
 static void jidx_rebuild(struct connector *cn)
 {
         memset(cn->jidx, 0xff, cn->jidx_cap * sizeof(uint32_t));
-        for (uint32_t e = 0; e < KVF_JOURNAL_ENTRIES; e++)
-                if (cn->ctl.journal[e].key_hash)
-                        jidx_put(cn, cn->ctl.journal[e].key_hash, e);
+        for (int published = 0; published < 2; published++)
+                for (uint32_t e = 0; e < KVF_JOURNAL_ENTRIES; e++)
+                        if (cn->ctl.journal[e].key_hash &&
+                            (cn->ctl.journal[e].ring_pos != KVF_JOURNAL_PENDING) == published)
+                                jidx_put(cn, cn->ctl.journal[e].key_hash, e);
 }
 
 void conn_journal_init(struct connector *cn)
@@ -96,20 +100,88 @@ bool conn_arrival_published(struct connector *cn, const struct kvf_record *n, ui
                                                  cn->ctl.journal[e].ring_pos);
 }
 
+/*
+ * Decided ahead of its arrival: a withdrawal that came while the engine's ring was full is
+ * answered at once (conn_publish_arrival) and its status kept here, pending, until the arrival
+ * can be published; the notice it withdrew, still waiting, is then published with that status,
+ * never as it came. Without this the withdrawal waited behind the notice, the sender ended the
+ * request "in doubt" and the notice later arrived `finished`.
+ */
+static struct kvf_journal_entry *journal_pending(struct connector *cn, uint64_t key)
+{
+        uint32_t e = jidx_find(cn, key);
+        if (e == JEMPTY || kvf_load_relaxed(&cn->ctl.journal[e].ring_pos) != KVF_JOURNAL_PENDING)
+                return NULL;
+        return &cn->ctl.journal[e];
+}
+
+/*
+ * A pending entry is passed over by the journal's writer while its notice is still to come
+ * back (it waits for room, first in its line); one whose notice never does (a socket notice
+ * lost with a connector that died) is overwritten after JOURNAL_SKIPS laps of the journal.
+ */
+#define JOURNAL_SKIPS 4u
+
+static uint32_t journal_slot(struct connector *cn)
+{
+        for (uint32_t i = 0;; i++) {
+                uint32_t slot = cn->jnext;
+                struct kvf_journal_entry *je = &cn->ctl.journal[slot];
+                cn->jnext = (cn->jnext + 1) % KVF_JOURNAL_ENTRIES;
+                if (!je->key_hash || je->ring_pos != KVF_JOURNAL_PENDING || i >= KVF_JOURNAL_ENTRIES)
+                        return slot;
+                if (je->skips >= JOURNAL_SKIPS) {
+                        kvf_errlog(&cn->ctl, KVF_ROLE_CONNECTOR,
+                                   "a withdrawn arrival ('%s') was never published: its notice did not come back in %u laps of the journal",
+                                   kvf_status_name((int)je->status), JOURNAL_SKIPS);
+                        return slot;
+                }
+                je->skips++;
+        }
+}
+
+/* Write a journal entry (key last, so a reader never pairs a key with another's fields). */
+static void journal_put(struct connector *cn, uint32_t slot, uint64_t key, uint64_t pos, int status,
+                        uint64_t session)
+{
+        struct kvf_journal_entry *je = &cn->ctl.journal[slot];
+        kvf_store_relaxed(&je->key_hash, 0);
+        kvf_store_relaxed(&je->ring_pos, pos);
+        kvf_store_relaxed(&je->status, (uint32_t)status);
+        kvf_store_relaxed(&je->skips, 0);
+        kvf_store_relaxed(&je->session, session);
+        kvf_store_release(&je->key_hash, key);
+        /* The overwritten entry's index position now points at the new key's
+         * entry or at a stale hash; rebuild lazily when the index fills up. */
+        jidx_put(cn, key, slot);
+        if ((cn->jnext & 1023) == 0)
+                jidx_rebuild(cn);
+}
+
 /* Control thread only: it is the one producer of connector->engine and the one writer of the
  * journal, so the two move together without a lock. */
 int conn_publish_arrival(struct connector *cn, const struct kvf_record *n, uint64_t src_gen,
                          int status, const char *why, uint64_t session, char *reason,
-                         size_t reasonlen)
+                         size_t reasonlen, bool *owed)
 {
         const struct kvf_ctl_header *h = cn->ctl.hdr;
         const struct kvf_cache_layout *L = &h->layout;
         struct kvf_ring *ring = &cn->ctl.rings[KVF_RING_CONNECTOR_TO_ENGINE];
         uint64_t key = journal_key(n, src_gen);
         uint32_t e = jidx_find(cn, key);
+        struct kvf_journal_entry *pend = journal_pending(cn, key);
 
         reason[0] = '\0';
-        if (e != JEMPTY && kvf_ring_delivered(ring, cn->ctl.journal[e].ring_pos)) {
+        *owed = false;
+        if (pend) {
+                /* Withdrawn while it waited: published as the withdrawal was answered. */
+                status = (int)pend->status;
+                session = pend->session;
+                why = "withdrawn by the prefill side at its deadline while this arrival waited for room in the engine's ring";
+                if (!n->withdraw)
+                        snprintf(reason, reasonlen, "the arrival was decided as '%s' already",
+                                 kvf_status_name(status));
+        } else if (e != JEMPTY && kvf_ring_delivered(ring, cn->ctl.journal[e].ring_pos)) {
                 /* Published already: say how, so the sender's side agrees with ours. */
                 kvf_count(&cn->ctl, KVF_CTR_ARRIVALS_DEDUPED, 1);
                 int was = (int)cn->ctl.journal[e].status;
@@ -159,28 +231,34 @@ int conn_publish_arrival(struct connector *cn, const struct kvf_record *n, uint6
                 if (rc == 0)
                         break;
                 free(buf);
-                if (rc != -EMSGSIZE || !a.n_dst)
-                        return -EAGAIN; /* full: the notice waits */
+                if (rc != -EMSGSIZE || !a.n_dst) {
+                        if (!n->withdraw)
+                                return -EAGAIN; /* full: the notice waits */
+                        /* A withdrawal is answered now, the arrival owed (journal_pending). */
+                        if (!pend)
+                                journal_put(cn, journal_slot(cn), key, KVF_JOURNAL_PENDING, status,
+                                            session);
+                        snprintf(reason, reasonlen,
+                                 "the decode engine is not reading its arrivals (ring full): it ends '%s' on both sides, the engine hears so when it reads again",
+                                 kvf_status_name(status));
+                        if (!pend)
+                                kvf_count(&cn->ctl, KVF_CTR_ARRIVALS_PENDING, 1);
+                        *owed = true;
+                        return status;
+                }
                 /* Never fits this ring with its block list (optional): publish it without. */
                 kvf_errlog(&cn->ctl, KVF_ROLE_CONNECTOR,
                            "req %s: the arrival's %u block ids do not fit ring connector->engine: sent without them",
                            n->request_id, a.n_dst);
                 a.n_dst = 0;
         }
-        /* Journal before commit: a successor can then ask the ring whether it landed. */
-        uint32_t slot = cn->jnext;
-        cn->jnext = (cn->jnext + 1) % KVF_JOURNAL_ENTRIES;
-        struct kvf_journal_entry *je = &cn->ctl.journal[slot];
-        kvf_store_relaxed(&je->key_hash, 0);
-        kvf_store_relaxed(&je->ring_pos, pos);
-        kvf_store_relaxed(&je->status, (uint32_t)status);
-        kvf_store_relaxed(&je->session, session);
-        kvf_store_release(&je->key_hash, key);
-        /* The overwritten entry's index position now points at the new key's
-         * entry or at a stale hash; rebuild lazily when the index fills up. */
-        jidx_put(cn, key, slot);
-        if ((cn->jnext & 1023) == 0)
-                jidx_rebuild(cn);
+        /* Journal before commit: a successor can then ask the ring whether it landed. The
+         * pending entry goes once the published one is in (the journal's order is its
+         * writes'; a successor continues after the newest). */
+        uint32_t slot = journal_slot(cn);
+        journal_put(cn, slot, key, pos, status, session);
+        if (pend && slot != e)
+                kvf_store_release(&pend->key_hash, 0);
         memcpy(p, buf, len);
         free(buf);
         kvf_bells_publish(&cn->bells, ring, pos);
@@ -240,12 +318,15 @@ int conn_arrival_notice(struct connector *cn, struct event *ev)
                 status = KVF_STATUS_ENGINE_GONE;
                 why = gone;
         }
+        /* Withdrawn while it waited for room: published as the withdrawal was answered
+         * (conn_publish_arrival), its data no longer waited for. */
+        bool decided = journal_pending(cn, journal_key(n, ev->src_gen)) != NULL;
         /* An aborted (or withdrawn) network transfer: fence off its late frames before the
          * engine hears of it, so blocks it frees on the error arrival stay untouched. */
-        if (net && status != KVF_STATUS_FINISHED)
+        if (net && (status != KVF_STATUS_FINISHED || decided))
                 conn_landing_close(cn, n->peer, ev->src_gen, n->key);
         int landed = KVF_STATUS_FINISHED;
-        if (net && status == KVF_STATUS_FINISHED && !conn_arrival_published(cn, n, ev->src_gen) &&
+        if (net && status == KVF_STATUS_FINISHED && !decided && !conn_arrival_published(cn, n, ev->src_gen) &&
             !conn_landing_notice(cn, n, ev->src_gen, ev->session, &landed, gone, sizeof(gone)))
                 return 0; /* the data is not all in: the arrival waits for it */
         if (landed != KVF_STATUS_FINISHED) {
@@ -258,9 +339,13 @@ int conn_arrival_notice(struct connector *cn, struct event *ev)
                 why = gone;
                 conn_landing_close(cn, n->peer, ev->src_gen, n->key);
         }
-        int st = conn_publish_arrival(cn, n, ev->src_gen, status, why, bound, reason, sizeof(reason));
+        bool owed;
+        int st = conn_publish_arrival(cn, n, ev->src_gen, status, why, bound, reason, sizeof(reason),
+                                      &owed);
         if (st == -EAGAIN)
                 return -EAGAIN;
+        if (ev->answered)
+                return owed ? -EAGAIN : 0; /* answered ahead of its turn (events.c, notices.c) */
         struct kvf_record ack = {.type = KVF_RT_ACK, .key = n->key,
                                  .status = st < 0 ? KVF_STATUS_WRITE : st, .id_bin = n->id_bin,
                                  .session = live};
@@ -285,6 +370,12 @@ int conn_arrival_notice(struct connector *cn, struct event *ev)
                 kvf_errlog(&cn->ctl, KVF_ROLE_CONNECTOR,
                            "req %s from %s: out of memory for its answer: the prefill side asks again",
                            n->request_id, n->peer);
+        }
+        if (owed) {
+                /* Answered; its arrival still to publish: the event (or the record in its
+                 * notice ring) stays, marked answered, and publishes once there is room. */
+                ev->answered = true;
+                return -EAGAIN;
         }
         if (net && status == KVF_STATUS_FINISHED)
                 conn_landing_close(cn, n->peer, ev->src_gen, n->key); /* aborts: above */

@@ -80,6 +80,7 @@ struct event {
         uint64_t src_gen; /* EV_NOTICE, EV_DATA_DONE: the sending instance's incarnation (the
                            * created_ns it proved in the handshake): transfer keys restart
                            * when a prefill instance is re-created under the same name */
+        bool answered; /* EV_NOTICE: a withdrawal answered while its arrival waits for room */
         struct kvf_record rec;
         struct event *next;
 };
@@ -214,6 +215,9 @@ struct conn_notice_slot {
         uint64_t holder_gen;   /* the slot generation `holder` was mapped for; 0 none */
         struct kvf_ctl holder; /* the holder's own segment, for its sender's doorbell */
         bool mapped;
+        /* Withdrawals behind a notice held by a full ring are answered ahead of their turn
+         * (notices.c): the records before `early_to` were looked at, in generation early_gen. */
+        uint64_t early_to, early_gen;
 };
 
 struct connector {
@@ -411,10 +415,13 @@ bool conn_arrival_published(struct connector *cn, const struct kvf_record *notic
  * notice's own for NULL) for the decode engine session `session`. Returns the
  * status to acknowledge with: for a repeat, the status the arrival was
  * published with (so a withdrawn notice learns what really happened);
- * -EAGAIN when the ring is full, -ENOMEM.
+ * -EAGAIN when the ring is full, -ENOMEM. A withdrawal is never told -EAGAIN:
+ * with the ring full its status is decided and kept pending in the journal,
+ * *owed set, and the arrival is published (by the notice it withdrew, or by
+ * the withdrawal itself) once there is room.
  */
 int conn_publish_arrival(struct connector *cn, const struct kvf_record *notice, uint64_t src_gen,
                          int status, const char *why, uint64_t session, char *reason,
-                         size_t reasonlen);
+                         size_t reasonlen, bool *owed);
 
 #endif

@@ -73,34 +73,74 @@ struct rd {
         uint32_t s;
         char owner[KVF_INSTANCE_MAX];
         uint64_t owner_gen;
+        bool held; /* a notice stayed in the ring for want of room */
 };
+
+/* The notice in a slot's record, named by the slot's holder; false: not one (counted and said
+ * when `say`, i.e. in its turn). */
+static bool notice_of(struct rd *x, uint16_t type, const uint8_t *pl, uint32_t len, struct event *ev,
+                      bool say)
+{
+        struct connector *cn = x->cn;
+        *ev = (struct event){.kind = EV_NOTICE, .ring_slot = x->s + 1, .src_gen = x->owner_gen};
+        if (type != KVF_RT_NOTICE || kvf_record_decode(KVF_RT_NOTICE, pl, len, 0, &ev->rec) < 0) {
+                if (type == KVF_RT_NOTICE)
+                        kvf_record_free(&ev->rec);
+                if (!say)
+                        return false;
+                kvf_count(&cn->ctl, KVF_CTR_BAD_RECORDS, 1);
+                kvf_errlog(&cn->ctl, KVF_ROLE_CONNECTOR, "notice slot %u: bad %s record: %s", x->s,
+                           kvf_rec_type_name(type), type == KVF_RT_NOTICE ? kvf_err_msg() : "unexpected type");
+                return false;
+        }
+        /* The notice names its source by the slot's holder, as a socket notice by the
+         * instance its handshake proved (a slot with notices left in it is never claimed by
+         * another instance: common/notice.c). */
+        snprintf(ev->rec.peer, sizeof(ev->rec.peer), "%s", x->owner);
+        return true;
+}
 
 static int on_notice(void *ctx, uint16_t type, const uint8_t *pl, uint32_t len, uint64_t pos)
 {
         struct rd *x = ctx;
         struct connector *cn = x->cn;
-        struct event ev = {.kind = EV_NOTICE, .ring_slot = x->s + 1, .src_gen = x->owner_gen};
-        (void)pos;
+        struct event ev;
 
-        if (type != KVF_RT_NOTICE || kvf_record_decode(KVF_RT_NOTICE, pl, len, 0, &ev.rec) < 0) {
-                kvf_count(&cn->ctl, KVF_CTR_BAD_RECORDS, 1);
-                kvf_errlog(&cn->ctl, KVF_ROLE_CONNECTOR, "notice slot %u: bad %s record: %s", x->s,
-                           kvf_rec_type_name(type), type == KVF_RT_NOTICE ? kvf_err_msg() : "unexpected type");
-                if (type == KVF_RT_NOTICE)
-                        kvf_record_free(&ev.rec);
+        if (!notice_of(x, type, pl, len, &ev, true))
                 return 0;
-        }
-        /* The notice names its source by the slot's holder, as a socket notice by the
-         * instance its handshake proved (a slot with notices left in it is never claimed by
-         * another instance: common/notice.c). */
-        snprintf(ev.rec.peer, sizeof(ev.rec.peer), "%s", x->owner);
+        ev.answered = ev.rec.withdraw && pos < cn->nslots[x->s].early_to;
         int rc = conn_arrival_notice(cn, &ev);
         kvf_record_free(&ev.rec);
         if (rc == -EAGAIN) {
                 cn->notices_blocked = true;
+                x->held = true;
                 return -EAGAIN;
         }
         return 0;
+}
+
+/*
+ * Behind a notice held for room: the withdrawals are answered now, not after it
+ * (conn_publish_arrival decides them while the engine's ring is full), so a sender that
+ * gave up on a request hears how it ended before its second deadline. They stay in the ring
+ * and are read in their turn, their answers not sent twice (early_to).
+ */
+static int on_early(void *ctx, uint16_t type, const uint8_t *pl, uint32_t len, uint64_t pos)
+{
+        struct rd *x = ctx;
+        struct event ev;
+        (void)pos;
+
+        if (!notice_of(x, type, pl, len, &ev, false))
+                return 0;
+        int rc = 0;
+        if (ev.rec.withdraw) {
+                rc = conn_arrival_notice(x->cn, &ev);
+                if (rc == -EAGAIN && ev.answered)
+                        rc = 0;
+        }
+        kvf_record_free(&ev.rec);
+        return rc; /* -EAGAIN: its answer found no room: looked at again next time */
 }
 
 /* A notice nobody can be answered for (its slot's holder is no instance): dropped, counted. */
@@ -139,11 +179,17 @@ bool conn_notices_read(struct connector *cn)
                         continue;
                 }
                 holder_bell(cn, s, x.owner, x.owner_gen, gen);
+                if (v->early_gen != gen) {
+                        v->early_gen = gen;
+                        v->early_to = 0;
+                }
                 int n = kvf_ring_read(&v->notice, on_notice, &x, 64);
                 if (n > 0)
                         worked = true;
                 else if (n < 0)
                         kvf_errlog(&cn->ctl, KVF_ROLE_CONNECTOR, "notice slot %u: %s", s, kvf_err_msg());
+                if (x.held)
+                        kvf_ring_peek(&v->notice, &v->early_to, on_early, &x, 256);
         }
         return worked;
 }

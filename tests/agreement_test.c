@@ -34,12 +34,13 @@
 #include "kvferry.h"
 
 #define PER 3 /* requests per scenario, one step */
-#define MAX_REQS 64
+#define MAX_REQS 128
+#define HELD 48 /* requests of the scenario whose decode engine stops reading */
 #define NONE (-1) /* no completion or arrival (yet) */
 #define PEER_TIMEOUT_MS 1000
 #define REQUEST_TIMEOUT_MS 3000
 
-static char P[64], D[64];
+static char P[64], D[64], E[64];
 static bool rings; /* not KVFERRY_NOTICE_RINGS=0 */
 static struct kvf_layout_info L;
 
@@ -225,6 +226,80 @@ static void grew(const char *inst, enum kvf_counter_id id, int64_t base, int64_t
 static const struct outcome FINISHED = {KVF_STATUS_FINISHED, KVF_STATUS_FINISHED};
 static const struct outcome TIMED_OUT = {KVF_STATUS_TIMEOUT, KVF_STATUS_TIMEOUT};
 
+/*
+ * 6. No process fails: the decode engine stops reading its arrivals (another decode instance, E,
+ *    whose rings hold a few dozen records) while HELD requests come. Its arrival ring fills, the
+ *    decode connector holds the rest of the notices, and at the requests' deadline the sender
+ *    withdraws them. Each withdrawal is answered at once, 'timed out', although it is behind a
+ *    held notice; so every request has its completion within the deadline plus a margin, never
+ *    "in doubt", and when the engine reads again each arrival says what its completion said:
+ *    'finished' for those published before the ring filled, 'timed out' for the others, never
+ *    'finished' for a request its prefill side ended 'timed out'.
+ */
+static void held_engine(struct kvf_client *pc)
+{
+        struct kvf_client *ec;
+        t_up(E, "--role decode --model llama-3.1-8b --tp 8 --blocks 64 --ring-kib 4");
+        CHECK_EQ(kvf_attach(E, 5000, &ec), 0); /* attached, and never polled until below */
+        CHECK(nreqs + HELD <= MAX_REQS);
+        struct req *r = &reqs[nreqs];
+        uint64_t step = kvf_last_step(pc) + 1, t0 = kvf_now_ns();
+        for (unsigned i = 0; i < HELD; i++) {
+                uint32_t b = i;
+                snprintf(r[i].id, sizeof(r[i].id), "held-%u", i);
+                r[i].c = r[i].a = NONE;
+                struct kvf_task t = {.request_id = r[i].id, .src_block_ids = &b, .n_src = 1,
+                                     .dest_block_ids = &b, .n_dest = 1, .current_id = step,
+                                     .transport = KVF_TRANSPORT_IPC, .peer = E};
+                CHECK_EQ(kvf_submit_task(pc, &t), 0);
+                nreqs++;
+        }
+        for (uint32_t l = 0; l < L.num_layers; l++)
+                CHECK_EQ(kvf_layer_done(pc, step, l), 0);
+        /* Every completion, the engine not reading: by the deadline plus a margin (the in-doubt
+         * bound, a second deadline, is not reached). */
+        uint64_t end = t0 + (uint64_t)(REQUEST_TIMEOUT_MS * 3 / 2) * 1000000ull;
+        unsigned open = HELD;
+        while (open && kvf_now_ns() < end) {
+                take(pc, 10);
+                open = 0;
+                for (unsigned i = 0; i < HELD; i++)
+                        open += r[i].c == NONE;
+        }
+        unsigned ms = (unsigned)((kvf_now_ns() - t0) / 1000000);
+        for (unsigned i = 0; i < HELD && open; i++)
+                if (r[i].c == NONE)
+                        fprintf(stderr, "%s: no completion within %u ms (deadline %u ms)\n", r[i].id,
+                                ms, REQUEST_TIMEOUT_MS);
+        CHECK_EQ(open, 0);
+        /* The engine reads again: every arrival. */
+        end = kvf_now_ns() + 10000000000ull;
+        while (open < HELD && kvf_now_ns() < end) {
+                take(ec, 10);
+                open = 0;
+                for (unsigned i = 0; i < HELD; i++)
+                        open += r[i].a != NONE;
+        }
+        unsigned fin = 0, tout = 0;
+        for (unsigned i = 0; i < HELD; i++) {
+                if (r[i].a == NONE || r[i].c != r[i].a ||
+                    (r[i].c != KVF_STATUS_FINISHED && r[i].c != KVF_STATUS_TIMEOUT) ||
+                    strstr(r[i].why, "in doubt")) {
+                        fprintf(stderr, "%s: completion %s (%s), arrival %s (%s)\n", r[i].id,
+                                sname(r[i].c), r[i].why, sname(r[i].a), r[i].awhy);
+                        exit(1);
+                }
+                fin += r[i].c == KVF_STATUS_FINISHED;
+                tout += r[i].c == KVF_STATUS_TIMEOUT;
+                r[i].judged = true;
+        }
+        printf("  the decode engine stopped reading (its arrival ring full), %u requests: %u "
+               "finished, %u timed out on both sides, every completion within %u ms\n",
+               HELD, fin, tout, ms);
+        CHECK(tout > 0); /* else its ring never filled: the scenario did not happen */
+        kvf_detach(ec);
+}
+
 int main(void)
 {
         setvbuf(stdout, NULL, _IOLBF, 0); /* in order with stderr in the test log */
@@ -233,6 +308,7 @@ int main(void)
                      : "notices through the connectors' sockets (--no-notice-rings)\n");
         snprintf(P, sizeof(P), "ag%d-p", (int)getpid());
         snprintf(D, sizeof(D), "ag%d-d", (int)getpid());
+        snprintf(E, sizeof(E), "ag%d-e", (int)getpid());
         const char *lay = "--model llama-3.1-8b --tp 8 --blocks 64";
         t_up(D, "--role decode %s --peer-timeout-ms %d", lay, PEER_TIMEOUT_MS);
         t_up(P,
@@ -376,6 +452,8 @@ int main(void)
              "the prefill side never tried to reach the stopped peer");
 
 after:
+        held_engine(pc);
+
         /* The connector continued: later requests reconnect and finish. */
         r = submit(pc, "after", 22);
         settle(pc, dc, r, true, 10000);

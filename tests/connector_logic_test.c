@@ -717,6 +717,98 @@ static void case_closed_session(struct connector *cn)
                "repeats on a new connection answered from the journal, no second arrival\n");
 }
 
+/*
+ * A decode engine that stops reading: the arrival ring fills, a finish notice waits in its slot,
+ * and the sender withdraws it at its deadline. The withdrawal is answered at once, `timed out`,
+ * although it is behind the held notice; the notice is then published `timed out`, never
+ * `finished`, when the engine reads again, also through a connector restart in between.
+ */
+static void case_withdraw_held_ring(void)
+{
+        struct connector *cn = &C2;
+        uint64_t p0 = counter(KVF_CTR_ARRIVALS_PENDING);
+        unsigned n = fill(&cn->ctl.rings[KVF_RING_CONNECTOR_TO_ENGINE], KVF_RT_ARRIVAL);
+        CHECK(n > 0);
+        finish("held-1", 701, 2);
+        finish("held-2", 702, 4);
+        notice("held-1", 701, KVF_STATUS_TIMEOUT, true, D.engine, D.ctl.hdr->created_ns, 2);
+        conn_notices_read(cn);
+        CHECK(cn->notices_blocked);
+        struct outs *o = replies();
+        CHECK_EQ(o->n, 1);
+        CHECK(o->r[0].key == 701 && o->r[0].status == KVF_STATUS_TIMEOUT);
+        CHECK(strstr(o->r[0].reason, "not reading its arrivals"));
+        CHECK_EQ(counter(KVF_CTR_ARRIVALS_PENDING), p0 + 1);
+        conn_notices_read(cn); /* read again while still full: not answered twice */
+        CHECK_EQ(replies()->n, 0);
+        CHECK_EQ(notices_left() > 0, 1);
+
+        connector_drop(cn); /* dies with the decision pending */
+        connector_up(&C1);
+        cn = &C1;
+        conn_notices_read(cn); /* its successor answers the same (the journal kept it) */
+        o = replies();
+        CHECK(o->n == 1 && o->r[0].key == 701 && o->r[0].status == KVF_STATUS_TIMEOUT);
+        CHECK_EQ(counter(KVF_CTR_ARRIVALS_PENDING), p0 + 1);
+
+        CHECK_EQ(arrivals()->n, n); /* the engine reads again */
+        CHECK(conn_notices_read(cn));
+        o = arrivals();
+        CHECK_EQ(o->n, 2);
+        CHECK(!strcmp(o->r[0].id, "held-1") && o->r[0].status == KVF_STATUS_TIMEOUT);
+        CHECK(strstr(o->r[0].reason, "withdrawn by the prefill side"));
+        CHECK(!strcmp(o->r[1].id, "held-2") && o->r[1].status == KVF_STATUS_FINISHED);
+        o = replies(); /* held-1's notice (decided already) and held-2's; the withdrawal's not again */
+        CHECK_EQ(o->n, 2);
+        CHECK(find(o, "held-1") && find(o, "held-1")->status == KVF_STATUS_TIMEOUT);
+        CHECK(find(o, "held-2") && find(o, "held-2")->status == KVF_STATUS_FINISHED);
+        CHECK_EQ(notices_left(), 0);
+        /* a repeat of the withdrawn notice later: answered from the journal, not published */
+        finish("held-1", 701, 2);
+        CHECK(conn_notices_read(cn));
+        CHECK_EQ(arrivals()->n, 0);
+        o = replies();
+        CHECK(o->n == 1 && o->r[0].status == KVF_STATUS_TIMEOUT);
+        printf("ok: a withdrawal behind a notice held by a full arrival ring answered at once "
+               "('timed out', once, again by a restarted connector); the notice then published "
+               "'timed out', never 'finished'\n");
+}
+
+/* The same over a socket session: the withdrawal behind the held notice answered at once; a
+ * withdrawal with nothing ahead of it for its key publishes its own arrival when there is room. */
+static void case_withdraw_held_socket(struct connector *cn)
+{
+        struct sock k;
+        sock_open(cn, &k);
+        unsigned n = fill(&cn->ctl.rings[KVF_RING_CONNECTOR_TO_ENGINE], KVF_RT_ARRIVAL);
+        CHECK(n > 0);
+        CHECK_EQ(conn_post_wait(cn, sock_notice(&k, "sheld-1", 801, 2)), 0);
+        for (uint64_t key = 801; key <= 802; key++) {
+                struct event *w = sock_notice(&k, key == 801 ? "sheld-1" : "sheld-2", key, 2 * (uint32_t)key % 30);
+                w->rec.withdraw = true;
+                w->rec.status = KVF_STATUS_TIMEOUT;
+                snprintf(w->rec.reason, sizeof(w->rec.reason), "the sender timed out");
+                CHECK_EQ(conn_post_wait(cn, w), 0);
+        }
+        conn_events_run(cn);
+        struct outs *o = sock_acks(cn, &k);
+        CHECK_EQ(o->n, 2);
+        CHECK(o->r[0].key == 801 && o->r[0].status == KVF_STATUS_TIMEOUT);
+        CHECK(o->r[1].key == 802 && o->r[1].status == KVF_STATUS_TIMEOUT);
+        conn_events_run(cn); /* still full: nothing answered twice */
+        CHECK_EQ(sock_acks(cn, &k)->n, 0);
+        CHECK_EQ(arrivals()->n, n); /* the engine reads again */
+        o = run_all(cn);
+        CHECK_EQ(o->n, 2);
+        CHECK(find(o, "sheld-1") && find(o, "sheld-1")->status == KVF_STATUS_TIMEOUT);
+        CHECK(find(o, "sheld-2") && find(o, "sheld-2")->status == KVF_STATUS_TIMEOUT);
+        o = sock_acks(cn, &k); /* the held notice's answer: what was decided */
+        CHECK(o->n == 1 && o->r[0].key == 801 && o->r[0].status == KVF_STATUS_TIMEOUT);
+        sock_close(cn, &k);
+        printf("ok: over a socket session, withdrawals behind a held notice answered at once; the "
+               "arrivals published 'timed out' once there was room\n");
+}
+
 int main(void)
 {
         setvbuf(stdout, NULL, _IOLBF, 0);
@@ -739,8 +831,10 @@ int main(void)
         case_threads(&C2);
         case_full_queue(&C2);
         case_closed_session(&C2);
+        case_withdraw_held_socket(&C2);
+        case_withdraw_held_ring(); /* C2 dies in it; C1 follows */
         kvf_notice_release(&slot);
-        connector_drop(&C2);
+        connector_drop(&C1);
         kvf_ctl_detach(&dview);
         printf("connector_logic_test: all cases passed\n");
         return 0;

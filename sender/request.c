@@ -113,6 +113,10 @@ static void decide(struct sender *s, uint32_t slot, int status, const char *reas
                 snprintf(r->reason, sizeof(r->reason), "%s", reason ? reason : "");
         r->completion_pos = ~0ull;
         sender_disarm(s, slot);
+        /* Ended, whatever the status: its destination blocks may go to another request. (The
+         * engines hear of the end, its abort notice and its completion, only once copies of
+         * it still in flight have landed: flush_slot.) */
+        sender_book_remove(s, slot);
         set_state(s, slot, SREQ_DECIDED);
         s->flags[slot] = 0;
         mark(s, slot, SLOT_NEEDS_COMPLETION);
@@ -365,6 +369,17 @@ static void noticed_timeout(struct sender *s, uint32_t i, uint64_t now)
         }
 }
 
+/* The request's destination blocks are booked while it lives (tasks.c refuses another request
+ * into them). Without memory for that it goes on unbooked: the check is there for an engine's
+ * mistake, never a reason to fail a good request. */
+static void book(struct sender *s, uint32_t slot)
+{
+        if (sender_book_add(s, slot) < 0)
+                kvf_warn(
+                    "req %s: %s: its destination blocks are not checked against other requests'",
+                    s->ctl.reqtab[slot].request_id, kvf_err_msg());
+}
+
 /* A restarted sender found the slot in the table: take it over (shared state in `st`). */
 static void adopt_slot(struct sender *s, uint32_t i)
 {
@@ -425,6 +440,7 @@ void sender_req_event(struct sender *s, uint32_t slot, const struct sender_ev *e
                         return;
                 set_state(s, slot, SREQ_MOVING); /* the slot is complete before it is seen active */
                 sender_map_insert(s, slot);
+                book(s, slot);
                 kvf_count(&s->ctl, KVF_CTR_TASKS_ACCEPTED, 1);
                 int rc;
                 if (r->transport != KVF_TRANSPORT_IPC && (rc = sender_post_open(s, slot)) < 0) {
@@ -722,6 +738,10 @@ void sender_adopt(struct sender *s)
                 adopted++;
                 sender_map_insert(s, i);
                 r->peer_idx = UINT32_MAX;
+                /* The bookings of the requests still live are rebuilt from the table (a
+                 * decided one's blocks are free already). */
+                if (live_state(sender_req_state(s, i)))
+                        book(s, i);
                 if (st > KVF_REQ_HANDED_OVER) {
                         decide(s, i, KVF_STATUS_WRITE, "request slot in an unknown state");
                         continue;

@@ -6,9 +6,9 @@
  *
  * Its request table lives in the control segment (struct kvf_req_slot), so a
  * restarted sender adopts every request in flight. What is kept only in
- * this process (the request-id map, the step buckets, peer mappings, a
- * request's in-process state and what it owes the rings) is rebuilt from the
- * table at start.
+ * this process (the request-id map, the step buckets, the destination blocks
+ * of live requests, peer mappings, a request's in-process state and what it
+ * owes the rings) is rebuilt from the table at start.
  *
  * Files call downward only: main.c -> tasks.c (records in) -> request.c (a
  * request's states and transitions) -> progress.c, copies.c, plan.c,
@@ -87,6 +87,12 @@ struct ipc_peer {
  * a restart of our connector does not lose it. Never a connector generation. */
 #define SENDER_NOTICE_GEN_RING UINT64_MAX
 
+/* One destination block of a live request: `block` of the peer whose name hashes to `tag`
+ * (kvf_req_slot.peer of `slot` says which exactly); slot UINT32_MAX: an empty entry. */
+struct booking {
+        uint32_t tag, block, slot;
+};
+
 /* Requests armed at a forward step: their front chunk completes in that step. */
 struct bucket {
         uint64_t step;
@@ -140,6 +146,12 @@ struct sender {
                                 * the last (main.c; 0: no pace yet) */
         uint32_t *runs;   /* scratch: (src, dst index, count) triples of one write batch */
         uint32_t *idset;  /* scratch: open-addressing set of block ids (id + 1; 0 = empty) */
+        /* The destination blocks of live requests, (peer, block) -> slot (table.c): a task that
+         * names one for another request is an engine's double booking. Open addressing,
+         * at most half full; grows with the blocks booked (at most reqtab_slots x max_blocks). */
+        struct booking *book;
+        uint32_t book_cap, book_n, book_shift;
+        uint8_t *booked;        /* per slot: its destination blocks are in `book` */
         struct bucket *buckets; /* sorted by step */
         uint32_t nbuckets, capbuckets;
 
@@ -209,7 +221,8 @@ struct sender {
  * process only and recomputed at adoption.
  *
  *   state          kvf_req_slot.state  meaning (invariants)
- *   SREQ_FREE      FREE                no request; no flags, not armed, not in the id map
+ *   SREQ_FREE      FREE                no request; no flags, not armed, not in the id map,
+ *                                      no destination blocks booked
  *   SREQ_MOVING    ACTIVE              accepted; some (layer, block) is not yet handed over
  *                                      (submitted to a copy batch, ipc; posted as a write
  *                                      batch, tcp/rdma). Armed at its front mark's step
@@ -229,7 +242,9 @@ struct sender {
  *                                      connector's write result says whether every byte
  *                                      was written and the arrival published.
  *   SREQ_DECIDED   COMPLETING          status and reason stored; the completion is owed, or
- *                                      was claimed at completion_pos; then FREE.
+ *                                      was claimed at completion_pos; then FREE. Its
+ *                                      destination blocks are no longer booked (the other
+ *                                      states book them: sender_book_*).
  *
  * A cancel, a timeout, an ended engine session or a lost peer fail MOVING and LANDING
  * (with an abort notice to the peer, after copies in flight land); in LANDED and HANDED
@@ -338,6 +353,18 @@ void sender_map_remove(struct sender *s, uint32_t slot);
 uint32_t sender_slot_alloc(struct sender *s); /* UINT32_MAX if full */
 void sender_arm(struct sender *s, uint32_t slot);
 void sender_disarm(struct sender *s, uint32_t slot);
+/*
+ * Destination blocks booked by live requests (accepted, not yet decided). sender_book_find:
+ * true when one of dst[0..n) of `peer` is booked by a live request of another id than
+ * `request_id` (its own id is the same request, never a double booking): *at is its index in
+ * dst, *owner that request's slot. O(n). sender_book_add books the slot's destination blocks
+ * (its kvf_req_slot and block arena say which): 0, or -ENOMEM (kvf_err set; nothing booked).
+ * sender_book_remove lets them go; nothing for a slot that holds none.
+ */
+bool sender_book_find(const struct sender *s, const char *peer, const uint32_t *dst, uint32_t n,
+                      const char *request_id, uint32_t *at, uint32_t *owner);
+int sender_book_add(struct sender *s, uint32_t slot);
+void sender_book_remove(struct sender *s, uint32_t slot);
 static inline uint64_t sender_key(uint32_t slot, uint64_t incarnation)
 {
         return ((uint64_t)slot << 40) | (incarnation & ((1ull << 40) - 1));

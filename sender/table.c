@@ -26,7 +26,9 @@ int sender_table_init(struct sender *s)
         while (idset_cap < 2 * s->ctl.hdr->max_blocks)
                 idset_cap <<= 1;
         s->idset = calloc(idset_cap, sizeof(*s->idset));
-        if (!s->map || !s->armed || !s->rq || !s->flags || !s->tmp || !s->resend || !s->cut || !s->runs || !s->idset)
+        s->booked = calloc(n, 1);
+        if (!s->map || !s->armed || !s->rq || !s->flags || !s->tmp || !s->resend || !s->cut ||
+            !s->runs || !s->idset || !s->booked)
                 return kvf_err_set(-ENOMEM, "out of memory for a %u-slot request table", n);
         memset(s->map, 0xff, s->map_cap * sizeof(*s->map));
         for (uint32_t i = 0; i < n; i++)
@@ -50,6 +52,11 @@ void sender_table_free(struct sender *s)
         free(s->cut);
         free(s->runs);
         free(s->idset);
+        free(s->book);
+        free(s->booked);
+        s->book = NULL;
+        s->booked = NULL;
+        s->book_cap = s->book_n = s->book_shift = 0;
         s->map = NULL;
         s->armed = NULL;
         s->rq = s->flags = NULL;
@@ -118,6 +125,142 @@ uint32_t sender_slot_alloc(struct sender *s)
                 }
         }
         return EMPTY;
+}
+
+/* ---- destination blocks of live requests ---- */
+
+static uint32_t peer_tag(const char *peer)
+{
+        return (uint32_t)kvf_hash64(peer, strnlen(peer, KVF_PEER_MAX), 11);
+}
+
+/* Fibonacci hashing: the top bits of the product, which every bit of the key reaches (a
+ * request's blocks are often consecutive ids). */
+static uint32_t book_home(const struct sender *s, uint32_t tag, uint32_t block)
+{
+        return (uint32_t)(((uint64_t)tag << 32 | block) * 0x9e3779b97f4a7c15ull >> s->book_shift);
+}
+
+/* The slot's destination blocks (what its task named): their count, 0 for a count the table
+ * cannot hold (a predecessor's table is read as it was left). */
+static uint32_t slot_dests(const struct sender *s, uint32_t slot, const uint32_t **dst)
+{
+        const struct kvf_req_slot *r = &s->ctl.reqtab[slot];
+        uint32_t n =
+            r->n_dst ? r->n_dst : r->n_send; /* (n_dst: regrouped into another block size) */
+        *dst = kvf_slot_blocks(&s->ctl, slot) + s->ctl.hdr->max_blocks;
+        return n <= s->ctl.hdr->max_blocks ? n : 0;
+}
+
+static void book_put(struct sender *s, struct booking b)
+{
+        uint32_t i = book_home(s, b.tag, b.block), mask = s->book_cap - 1;
+        while (s->book[i].slot != EMPTY)
+                i = (i + 1) & mask;
+        s->book[i] = b;
+}
+
+/* Room for `need` entries, at most half full. Bounded by the table: a live slot books at most
+ * max_blocks, so the index never holds more than reqtab_slots x max_blocks entries. */
+static int book_grow(struct sender *s, uint64_t need)
+{
+        uint32_t cap = 1024, shift = 64 - 10;
+        if (need > 1u << 30)
+                return kvf_err_set(-ENOMEM, "%llu destination blocks are too many to book",
+                                   (unsigned long long)need);
+        while (cap < 2 * need) {
+                cap <<= 1;
+                shift--;
+        }
+        if (cap <= s->book_cap)
+                return 0;
+        struct booking *old = s->book, *nb = malloc((size_t)cap * sizeof(*nb));
+        uint32_t oldcap = s->book_cap;
+        if (!nb)
+                return kvf_err_set(-ENOMEM, "out of memory for %u booked destination blocks",
+                                   cap / 2);
+        for (uint32_t i = 0; i < cap; i++)
+                nb[i].slot = EMPTY;
+        s->book = nb;
+        s->book_cap = cap;
+        s->book_shift = shift;
+        for (uint32_t i = 0; i < oldcap; i++)
+                if (old[i].slot != EMPTY)
+                        book_put(s, old[i]);
+        free(old);
+        return 0;
+}
+
+bool sender_book_find(const struct sender *s, const char *peer, const uint32_t *dst, uint32_t n,
+                      const char *request_id, uint32_t *at, uint32_t *owner)
+{
+        if (!s->book_n)
+                return false;
+        uint32_t tag = peer_tag(peer), mask = s->book_cap - 1;
+        for (uint32_t k = 0; k < n; k++)
+                for (uint32_t i = book_home(s, tag, dst[k]); s->book[i].slot != EMPTY;
+                     i = (i + 1) & mask) {
+                        const struct booking *b = &s->book[i];
+                        const struct kvf_req_slot *r = &s->ctl.reqtab[b->slot];
+                        if (b->block == dst[k] && b->tag == tag &&
+                            !strncmp(r->peer, peer, KVF_PEER_MAX) &&
+                            strncmp(r->request_id, request_id, KVF_REQ_ID_MAX)) {
+                                *at = k;
+                                *owner = b->slot;
+                                return true;
+                        }
+                }
+        return false;
+}
+
+int sender_book_add(struct sender *s, uint32_t slot)
+{
+        const uint32_t *dst;
+        uint32_t n = slot_dests(s, slot, &dst);
+        if (s->booked[slot])
+                return 0;
+        if (2ull * (s->book_n + n) > s->book_cap && book_grow(s, (uint64_t)s->book_n + n) < 0)
+                return -ENOMEM;
+        uint32_t tag = peer_tag(s->ctl.reqtab[slot].peer);
+        /* Blocks already booked under the same key (the same request id, or a predecessor's
+         * table) are booked again: each entry leaves with its own slot. */
+        for (uint32_t k = 0; k < n; k++)
+                book_put(s, (struct booking){.tag = tag, .block = dst[k], .slot = slot});
+        s->book_n += n;
+        s->booked[slot] = 1;
+        return 0;
+}
+
+void sender_book_remove(struct sender *s, uint32_t slot)
+{
+        const uint32_t *dst;
+        uint32_t n = slot_dests(s, slot, &dst), mask = s->book_cap - 1;
+        if (!s->booked[slot])
+                return;
+        s->booked[slot] = 0;
+        /* (the arena still holds what was booked: a slot's blocks change only when it is taken
+         * again, FREE) */
+        uint32_t tag = peer_tag(s->ctl.reqtab[slot].peer);
+        for (uint32_t k = 0; k < n; k++) {
+                uint32_t i = book_home(s, tag, dst[k]);
+                while (s->book[i].slot != EMPTY &&
+                       (s->book[i].slot != slot || s->book[i].block != dst[k] ||
+                        s->book[i].tag != tag))
+                        i = (i + 1) & mask;
+                if (s->book[i].slot == EMPTY)
+                        continue;
+                s->book_n--;
+                /* Backward-shift deletion, as for the id map. */
+                for (uint32_t j = (i + 1) & mask; s->book[j].slot != EMPTY; j = (j + 1) & mask) {
+                        uint32_t h = book_home(s, s->book[j].tag, s->book[j].block);
+                        bool stays = i <= j ? (i < h && h <= j) : (i < h || h <= j);
+                        if (!stays) {
+                                s->book[i] = s->book[j];
+                                i = j;
+                        }
+                }
+                s->book[i].slot = EMPTY;
+        }
 }
 
 static struct bucket *find_bucket(struct sender *s, uint64_t step, bool create)

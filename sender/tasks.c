@@ -257,6 +257,19 @@ static int validate_task(struct sender *s, struct kvf_record *t, uint32_t *pidx,
                 return verdict(why, whylen, KVF_STATUS_BAD_TASK,
                               "dest_block_ids has %u entries, more than the %u of src_block_ids",
                               t->n_dst, t->n_src);
+        /* Blocks another live request of this sender is writing into at the same peer: the
+         * engines booked them twice, and both requests would be reported finished with one's
+         * bytes in the other's blocks. Keyed by the peer's name: a tensor-parallel task goes
+         * to one decode rank's instance, and ranks are peers of their own. Other prefill
+         * instances' requests are theirs to check. */
+        uint32_t at, owner;
+        if (sender_book_find(s, t->peer, t->dst, t->n_dst, t->request_id, &at, &owner))
+                return verdict(why, whylen, KVF_STATUS_BAD_TASK,
+                               "dest_block_ids[%u] = %u of peer '%s' is already the destination of "
+                               "live request '%.*s'",
+                               at, t->dst[at], t->peer,
+                               (int)sizeof(s->ctl.reqtab[owner].request_id),
+                               s->ctl.reqtab[owner].request_id);
         /* tcp, rdma: the connector checks the peer (reachable, token, layout, block ids), and
          * fails the request with the reason when its build has no such transport. */
         return KVF_STATUS_FINISHED;

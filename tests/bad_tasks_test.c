@@ -18,7 +18,7 @@
 #include "instances.h"
 #include "kvferry.h"
 
-static char P[64], P2[64], D[64], DX[64], G5[64], GX[64];
+static char P[64], P2[64], D[64], D2[64], DX[64], G5[64], GX[64];
 static struct kvf_client *c;
 
 static void stale_cleanup(void)
@@ -120,6 +120,7 @@ static void next_completion(struct kvf_event *ev)
 }
 
 static int ncase, rejected;
+static uint64_t last_bytes; /* of the last completion expect() took */
 
 static void expect(const char *what, const char *id, int status, const char *needle)
 {
@@ -127,6 +128,7 @@ static void expect(const char *what, const char *id, int status, const char *nee
         next_completion(&ev);
         /* A rejection has no accept time: it never got a slot. */
         rejected += ev.accept_ns == 0;
+        last_bytes = ev.bytes;
         if (strcmp(ev.request_id, id) || ev.status != status || !strstr(ev.reason, needle)) {
                 fprintf(stderr,
                         "case '%s': got request '%s' status '%s' reason \"%s\"\n"
@@ -212,6 +214,113 @@ static void bad(const char *what, const char *id_expected, int status, const cha
         expect(what, id_expected, status, needle);
 }
 
+/* An ipc task of `n` blocks src -> dst to `peer` for step `step`. */
+static void ipc_task(const char *id, const uint32_t *src, const uint32_t *dst, uint32_t n,
+                     uint64_t step, const char *peer)
+{
+        struct kvf_task t = {.request_id = id,
+                             .src_block_ids = src,
+                             .n_src = n,
+                             .dest_block_ids = dst,
+                             .n_dest = n,
+                             .current_id = step,
+                             .transport = KVF_TRANSPORT_IPC,
+                             .peer = peer};
+        CHECK_EQ(kvf_submit_task(c, &t), 0);
+}
+
+/* Every layer of `step` is written. */
+static void publish(uint64_t step)
+{
+        struct kvf_layout_info li;
+        kvf_get_layout(c, &li);
+        for (uint32_t l = 0; l < li.num_layers + li.extra_layers; l++)
+                CHECK_EQ(kvf_layer_done(c, step, l), 0);
+}
+
+/* What `n` whole blocks of every layer and tensor come to. */
+static uint64_t blocks_bytes(uint32_t n)
+{
+        struct kvf_layout_info li;
+        kvf_get_layout(c, &li);
+        return (uint64_t)n * (li.num_layers + li.extra_layers) * (li.key_only ? 1 : 2) *
+               li.block_bytes;
+}
+
+/* The next two completions, in either order: `a` and `b` finished with n blocks each. */
+static void expect_two_finished(const char *what, const char *a, const char *b, uint32_t n)
+{
+        bool seen_a = false, seen_b = false;
+        for (int k = 0; k < 2; k++) {
+                struct kvf_event ev;
+                next_completion(&ev);
+                bool is_a = !strcmp(ev.request_id, a) && !seen_a,
+                     is_b = !strcmp(ev.request_id, b) && !seen_b;
+                if ((!is_a && !is_b) || ev.status != KVF_STATUS_FINISHED ||
+                    ev.bytes != blocks_bytes(n)) {
+                        fprintf(
+                            stderr,
+                            "case '%s': got request '%s' status '%s' (%llu bytes) reason \"%s\"\n"
+                            "         want '%s' and '%s' finished, %llu bytes each\n",
+                            what, ev.request_id, kvf_status_name(ev.status),
+                            (unsigned long long)ev.bytes, ev.reason, a, b,
+                            (unsigned long long)blocks_bytes(n));
+                        exit(1);
+                }
+                seen_a |= is_a;
+                seen_b |= is_b;
+                printf("  %-34s -> %-22s (%s, %llu bytes)\n", what, kvf_status_name(ev.status),
+                       ev.request_id, (unsigned long long)ev.bytes);
+        }
+        ncase++;
+}
+
+/*
+ * Two live requests of this instance that name the same block of the same peer: the engines
+ * booked it twice, and both would be reported finished with one's bytes in the other's block.
+ * The second is refused naming the block, the peer and the first; the first goes on; once it
+ * has ended its blocks may be booked again; the same blocks of another peer are that peer's.
+ */
+static void double_booking(void)
+{
+        const uint32_t sa[3] = {7, 8, 9}, da[3] = {50, 51, 52}, sb[2] = {10, 11}, db[2] = {53, 51},
+                       se[2] = {12, 13}, de[2] = {60, 61};
+        char want[160];
+
+        uint64_t step = kvf_last_step(c) + 1;
+        ipc_task("ov-a", sa, da, 3, step, D); /* live: its step is not yet written */
+        ipc_task("ov-b", sb, db, 2, step, D);
+        snprintf(
+            want, sizeof(want),
+            "dest_block_ids[1] = 51 of peer '%s' is already the destination of live request 'ov-a'",
+            D);
+        expect("dest block of a live request", "ov-b", KVF_STATUS_BAD_TASK, want);
+        publish(step);
+        expect("the live request goes on", "ov-a", KVF_STATUS_FINISHED, "");
+        CHECK_EQ(last_bytes, blocks_bytes(3));
+
+        /* ov-a has ended: its blocks are free for the next request. */
+        step++;
+        ipc_task("ov-c", sa, da, 3, step, D);
+        publish(step);
+        expect("its blocks once it has ended", "ov-c", KVF_STATUS_FINISHED, "");
+        CHECK_EQ(last_bytes, blocks_bytes(3));
+
+        /* The same blocks at two decode instances: no conflict. ov-g, refused, says ov-e was
+         * live when ov-f was read (tasks are read in order). */
+        step++;
+        ipc_task("ov-e", se, de, 2, step, D);
+        ipc_task("ov-f", se, de, 2, step, D2);
+        ipc_task("ov-g", se, de + 1, 1, step, D);
+        snprintf(
+            want, sizeof(want),
+            "dest_block_ids[0] = 61 of peer '%s' is already the destination of live request 'ov-e'",
+            D);
+        expect("the other peer's request is its own", "ov-g", KVF_STATUS_BAD_TASK, want);
+        publish(step);
+        expect_two_finished("the same blocks at another peer", "ov-e", "ov-f", 2);
+}
+
 int main(void)
 {
         static const long s3[] = {0, 1, 2}, s4[] = {3, 4, 5, 6}, d3[] = {10, 11, 12},
@@ -223,6 +332,7 @@ int main(void)
 
         snprintf(P, sizeof(P), "bt%d-p", (int)getpid());
         snprintf(D, sizeof(D), "bt%d-d", (int)getpid());
+        snprintf(D2, sizeof(D2), "bt%d-d2", (int)getpid());
         snprintf(DX, sizeof(DX), "bt%d-dx", (int)getpid());
         snprintf(P2, sizeof(P2), "bt%d-p2", (int)getpid());
         snprintf(G5, sizeof(G5), "bt%d-g5", (int)getpid());
@@ -231,6 +341,7 @@ int main(void)
         const char *L = "--model llama-3.1-8b --tp 8 --blocks 64";
         /* --device: FastDeploy names an ipc peer by the GPU it serves */
         t_up(D, "--role decode %s --device 5", L);
+        t_up(D2, "--role decode %s", L);
         t_up(P2, "--role prefill %s", L);
         t_up(DX, "--role decode --layers 28 --kv-heads 1 --head-dim 128 --blocks 64");
         t_up(P, "--role prefill %s --max-blocks-per-request 64", L);
@@ -408,6 +519,8 @@ int main(void)
                 CHECK_EQ(kvf_submit_cancel(c, "dup"), 0);
                 expect("cancel of the first one", "dup", KVF_STATUS_CANCELLED, "cancelled by the engine");
         }
+        double_booking();
+
         /* Records that have no completion to give: counted and logged, nothing else. */
         struct kvf_ctl ctl;
         CHECK_EQ(kvf_ctl_attach(P, false, &ctl), 0);

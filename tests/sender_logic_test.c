@@ -500,10 +500,10 @@ static void case_net_block_size(struct sender *s)
 /* Cancel before every byte (moving: cancelled, abort notice) and after (landed: no effect). */
 static void case_cancel(struct sender *s)
 {
-        const uint32_t src[2] = {4, 5}, dst[2] = {8, 9};
+        const uint32_t src[2] = {4, 5}, dst[2] = {8, 9}, dst2[2] = {18, 19};
         uint64_t st = next_step();
         task(&P, "cx-early", D.name, KVF_TRANSPORT_IPC, src, 2, dst, 2, st, false);
-        task(&P, "cx-late", D.name, KVF_TRANSPORT_IPC, src, 2, dst, 2, st + 1, false);
+        task(&P, "cx-late", D.name, KVF_TRANSPORT_IPC, src, 2, dst2, 2, st + 1, false);
         progress(&P, st, 2);
         turn(s);
         CHECK_STATE(s, slot_of(s, "cx-early"), SREQ_MOVING, KVF_REQ_ACTIVE);
@@ -530,12 +530,12 @@ static void case_cancel(struct sender *s)
 /* Timeout while moving (abort) and while landed (withdrawal, the peer's answer or doubt). */
 static void case_timeout(struct sender *s)
 {
-        const uint32_t src[1] = {7}, dst[1] = {11};
+        const uint32_t src[1] = {7}, dst[3] = {11, 12, 13};
         uint64_t st = next_step();
         struct figures f0 = figures(s);
         task(&P, "to-moving", D.name, KVF_TRANSPORT_IPC, src, 1, dst, 1, st + 5, false);
-        task(&P, "to-landed", D.name, KVF_TRANSPORT_IPC, src, 1, dst, 1, st, false);
-        task(&P, "to-answered", D.name, KVF_TRANSPORT_IPC, src, 1, dst, 1, st, false);
+        task(&P, "to-landed", D.name, KVF_TRANSPORT_IPC, src, 1, dst + 1, 1, st, false);
+        task(&P, "to-answered", D.name, KVF_TRANSPORT_IPC, src, 1, dst + 2, 1, st, false);
         progress(&P, st, LAYERS);
         turn(s);
         uint32_t m = slot_of(s, "to-moving"), l = slot_of(s, "to-landed"),
@@ -581,11 +581,12 @@ static void case_timeout(struct sender *s)
 /* tcp: open, write batches, handed over, notice; the connector's write result decides. */
 static void case_tcp(struct sender *s)
 {
-        const uint32_t src[3] = {1, 2, 9}, dst[3] = {3, 4, 5};
+        const uint32_t src[3] = {1, 2, 9}, dst[3] = {3, 4, 5}, dok[3] = {13, 14, 15},
+                       dfail[3] = {23, 24, 25};
         uint64_t st = next_step();
         struct figures f0 = figures(s);
-        task(&P, "tcp-ok", tcp_peer, KVF_TRANSPORT_TCP, src, 3, dst, 3, st, false);
-        task(&P, "tcp-fail", tcp_peer, KVF_TRANSPORT_TCP, src, 3, dst, 3, st, false);
+        task(&P, "tcp-ok", tcp_peer, KVF_TRANSPORT_TCP, src, 3, dok, 3, st, false);
+        task(&P, "tcp-fail", tcp_peer, KVF_TRANSPORT_TCP, src, 3, dfail, 3, st, false);
         task(&P, "tcp-cancel", tcp_peer, KVF_TRANSPORT_TCP, src, 3, dst, 3, st, false);
         turn(s);
         uint32_t ok = slot_of(s, "tcp-ok"), f = slot_of(s, "tcp-fail"),
@@ -671,10 +672,10 @@ static void case_chunks(struct sender *s)
  * a task the ended session left in the ring is rejected. */
 static void case_engine_gone(struct sender *s)
 {
-        const uint32_t src[1] = {3}, dst[1] = {30};
+        const uint32_t src[1] = {3}, dst[1] = {30}, dst2[1] = {29};
         uint64_t st = next_step();
         task(&P, "eg-moving", D.name, KVF_TRANSPORT_IPC, src, 1, dst, 1, st + 1, false);
-        task(&P, "eg-landed", D.name, KVF_TRANSPORT_IPC, src, 1, dst, 1, st, false);
+        task(&P, "eg-landed", D.name, KVF_TRANSPORT_IPC, src, 1, dst2, 1, st, false);
         progress(&P, st, LAYERS);
         turn(s);
         uint32_t l = slot_of(s, "eg-landed");
@@ -764,8 +765,9 @@ static void case_full_rings(struct sender *s)
 
         /* the connector's ring: write batches and notices wait, then go from where they stopped */
         for (int i = 0; i < 6; i++) {
+                const uint32_t d[2] = {3 + 2 * (uint32_t)i, 4 + 2 * (uint32_t)i}; /* each its own */
                 snprintf(id, sizeof(id), "fc-%02d-%0100d", i, 0);
-                task(&P, id, tcp_peer, KVF_TRANSPORT_TCP, src, 2, dst, 2, st, false);
+                task(&P, id, tcp_peer, KVF_TRANSPORT_TCP, src, 2, d, 2, st, false);
         }
         turn(s);
         for (uint32_t l = 1; l <= LAYERS; l++) {
@@ -806,8 +808,9 @@ static void case_full_rings(struct sender *s)
          * with no withdrawal, since the peer cannot have published anything */
         st = next_step();
         for (int i = 0; i < 6; i++) {
+                const uint32_t d[2] = {3 + 2 * (uint32_t)i, 4 + 2 * (uint32_t)i};
                 snprintf(id, sizeof(id), "fn-%02d-%0100d", i, 0);
-                task(&P, id, tcp_peer, KVF_TRANSPORT_TCP, src, 2, dst, 2, st, false);
+                task(&P, id, tcp_peer, KVF_TRANSPORT_TCP, src, 2, d, 2, st, false);
         }
         task(&P, "nt-owed", D.name, KVF_TRANSPORT_IPC, src, 2, dst, 2, st, false);
         for (uint32_t l = 1; l <= LAYERS; l++) {
@@ -874,15 +877,16 @@ static void slot_ack(struct slot_peer *sp, uint64_t key, const char *id, int sta
 
 static void case_notice_rings(void)
 {
-        const uint32_t src[2] = {3, 4}, dst[2] = {30, 31};
+        const uint32_t src[2] = {3, 4}, dst[2] = {30, 31}, d2[2] = {24, 25}, d3[2] = {26, 27},
+                       d4[2] = {28, 29};
         struct slot_peer sp;
         uint64_t st = next_step();
         step_now += 4;
         sender_up_with(&A, &P, true);
         task(&P, "nr-ok", D.name, KVF_TRANSPORT_IPC, src, 2, dst, 2, st, false);
-        task(&P, "nr-fail", D.name, KVF_TRANSPORT_IPC, src, 2, dst, 2, st, false);
-        task(&P, "nr-doubt", D.name, KVF_TRANSPORT_IPC, src, 2, dst, 2, st, false);
-        task(&P, "nr-withdrawn", D.name, KVF_TRANSPORT_IPC, src, 2, dst, 2, st, false);
+        task(&P, "nr-fail", D.name, KVF_TRANSPORT_IPC, src, 2, d2, 2, st, false);
+        task(&P, "nr-doubt", D.name, KVF_TRANSPORT_IPC, src, 2, d3, 2, st, false);
+        task(&P, "nr-withdrawn", D.name, KVF_TRANSPORT_IPC, src, 2, d4, 2, st, false);
         progress(&P, st, LAYERS);
         turn(&A);
         /* the peer was mapped and a slot claimed: the one this instance holds */
@@ -1045,16 +1049,18 @@ static void case_notice_rings(void)
 /* A sender dies (nothing more written) and a successor adopts the table, in each state. */
 static void case_restart(void)
 {
-        const uint32_t src[2] = {10, 11}, dst[2] = {12, 13}, dst2[2] = {16, 17};
+        const uint32_t src[2] = {10, 11}, dst[2] = {12, 13}, dst2[2] = {16, 17}, dtm[2] = {20, 21},
+                       ddl[2] = {22, 23}, dud[2] = {24, 25};
         uint64_t st = next_step();
         step_now++;
         sender_up(&A, &P);
+        /* (the same blocks at two peers: each peer's own) */
         task(&P, "rs-landed", D.name, KVF_TRANSPORT_IPC, src, 2, dst, 2, st, false);
         task(&P, "rs-handed", tcp_peer, KVF_TRANSPORT_TCP, src, 2, dst, 2, st, false);
         task(&P, "rs-moving", D.name, KVF_TRANSPORT_IPC, src, 2, dst2, 2, st + 1, false);
-        task(&P, "rs-tcp-moving", tcp_peer, KVF_TRANSPORT_TCP, src, 2, dst, 2, st + 1, false);
-        task(&P, "rs-delivered", tcp_peer, KVF_TRANSPORT_TCP, src, 2, dst, 2, st + 1, false);
-        task(&P, "rs-undelivered", tcp_peer, KVF_TRANSPORT_TCP, src, 2, dst, 2, st + 1, false);
+        task(&P, "rs-tcp-moving", tcp_peer, KVF_TRANSPORT_TCP, src, 2, dtm, 2, st + 1, false);
+        task(&P, "rs-delivered", tcp_peer, KVF_TRANSPORT_TCP, src, 2, ddl, 2, st + 1, false);
+        task(&P, "rs-undelivered", tcp_peer, KVF_TRANSPORT_TCP, src, 2, dud, 2, st + 1, false);
         progress(&P, st, LAYERS);
         turn(&A);
         progress(&P, st + 1, 2);
@@ -1116,6 +1122,26 @@ static void case_restart(void)
         CHECK(find(o, KVF_RT_OPEN, "rs-handed") && find(o, KVF_RT_FINISH, "rs-handed"));
         /* rs-handed: every layer of both blocks again; rs-tcp-moving: its two layers again */
         CHECK_EQ(count_type(o, KVF_RT_WRITE_BATCH), LAYERS + 2);
+        /* The successor knows whose blocks are whose: the live requests' bookings were rebuilt
+         * from the table; a decided one's blocks are free. */
+        task(&P, "rs-twice", D.name, KVF_TRANSPORT_IPC, src, 2, dst, 2, st + 1, false);
+        task(&P, "rs-twice-tcp", tcp_peer, KVF_TRANSPORT_TCP, src, 2, dtm, 2, st + 1, false);
+        task(&P, "rs-after-decided", tcp_peer, KVF_TRANSPORT_TCP, src, 2, dud, 2, st + 1, false);
+        turn(&B);
+        o = completions(&P);
+        CHECK_DONE(o, "rs-twice", KVF_STATUS_BAD_TASK,
+                   "is already the destination of live request 'rs-landed'");
+        CHECK_DONE(o, "rs-twice-tcp", KVF_STATUS_BAD_TASK,
+                   "dest_block_ids[0] = 20 of peer '192.0.2.7:7100' is already the destination of "
+                   "live request 'rs-tcp-moving'");
+        CHECK_EQ(o->n, 2);
+        uint32_t ad = slot_of(&B, "rs-after-decided");
+        CHECK_STATE(&B, ad, SREQ_MOVING, KVF_REQ_ACTIVE);
+        cancel(&P, "rs-after-decided");
+        turn(&B);
+        CHECK_DONE(completions(&P), "rs-after-decided", KVF_STATUS_CANCELLED, "cancelled");
+        o = to_connector(&P);
+        CHECK(find(o, KVF_RT_OPEN, "rs-after-decided"));
         progress(&P, st + 1, LAYERS);
         turn(&B);
         CHECK_STATE(&B, mv, SREQ_LANDED, KVF_REQ_FINISHING);
@@ -1141,6 +1167,7 @@ static void case_restart(void)
         o = completions(&P);
         for (int i = 0; i < 4; i++)
                 CHECK_DONE(o, ids[i], KVF_STATUS_FINISHED, "");
+        CHECK_EQ(B.book_n, 0); /* every ended request let its blocks go */
 }
 
 /* host-async copies land later: LANDING until they have; a failed batch is a write error; a
@@ -1255,6 +1282,63 @@ static void case_copy_sort(void)
         }
 }
 
+/* The index of booked destination blocks on its own, larger than a table of SLOTS makes it: it
+ * grows past its first size, and after removals (backward shifts across colliding entries)
+ * every block left is found, every one let go is not, and nothing is left at the end. */
+static void case_book(void)
+{
+        struct sender s;
+        struct kvf_ctl_header h;
+        memset(&s, 0, sizeof(s));
+        memset(&h, 0, sizeof(h));
+        h.reqtab_slots = 64;
+        h.max_blocks = 64;
+        s.ctl.hdr = &h;
+        s.ctl.reqtab = calloc(h.reqtab_slots, sizeof(*s.ctl.reqtab));
+        s.ctl.blocks = calloc((size_t)h.reqtab_slots * h.max_blocks * 2, sizeof(uint32_t));
+        CHECK(s.ctl.reqtab && s.ctl.blocks && sender_table_init(&s) == 0);
+        const char *peers[2] = {"d0", "d1"};
+        /* slot i: peer i % 2, blocks i / 2 * 64 + [0, 64) there, so every block of a peer once */
+        for (uint32_t i = 0; i < h.reqtab_slots; i++) {
+                struct kvf_req_slot *r = &s.ctl.reqtab[i];
+                snprintf(r->request_id, sizeof(r->request_id), "b%u", i);
+                snprintf(r->peer, sizeof(r->peer), "%s", peers[i % 2]);
+                r->n_send = h.max_blocks;
+                uint32_t *dst = kvf_slot_blocks(&s.ctl, i) + h.max_blocks;
+                for (uint32_t k = 0; k < h.max_blocks; k++)
+                        dst[k] = i / 2 * h.max_blocks + k;
+                CHECK_EQ(sender_book_add(&s, i), 0);
+        }
+        CHECK_EQ(s.book_n, h.reqtab_slots * h.max_blocks);
+        CHECK(s.book_cap >= 2 * s.book_n);
+        for (uint32_t i = 0; i < h.reqtab_slots; i += 4)
+                sender_book_remove(&s, i);
+        sender_book_remove(&s, 0); /* (twice: nothing more) */
+        CHECK_EQ(s.book_n, h.reqtab_slots * h.max_blocks * 3 / 4);
+        for (uint32_t i = 0; i < h.reqtab_slots; i++)
+                for (uint32_t k = 0; k < h.max_blocks; k++) {
+                        uint32_t b = i / 2 * h.max_blocks + k, at = 99, owner = 99;
+                        bool found =
+                            sender_book_find(&s, peers[i % 2], &b, 1, "other", &at, &owner);
+                        CHECK(found == (i % 4 != 0));
+                        CHECK(!found || (at == 0 && owner == i));
+                        /* its own id is the same request, never a double booking */
+                        CHECK(!sender_book_find(&s, peers[i % 2], &b, 1, s.ctl.reqtab[i].request_id,
+                                                &at, &owner));
+                }
+        uint32_t past = h.reqtab_slots / 2 * h.max_blocks, at, owner; /* no slot's block */
+        CHECK(!sender_book_find(&s, "d0", &past, 1, "other", &at, &owner));
+        CHECK(!sender_book_find(&s, "d2", (const uint32_t[]){70}, 1, "other", &at, &owner));
+        for (uint32_t i = 0; i < h.reqtab_slots; i++)
+                sender_book_remove(&s, i);
+        CHECK_EQ(s.book_n, 0);
+        for (uint32_t i = 0; i < s.book_cap; i++)
+                CHECK_EQ(s.book[i].slot, UINT32_MAX);
+        sender_table_free(&s);
+        free(s.ctl.reqtab);
+        free(s.ctl.blocks);
+}
+
 int main(void)
 {
         uint64_t t0 = kvf_now_ns();
@@ -1267,6 +1351,7 @@ int main(void)
         for (unsigned i = 0; i < sizeof(fatal) / sizeof(fatal[0]); i++)
                 signal(fatal[i], on_fatal);
         case_copy_sort();
+        case_book();
         inst_make(&P, "p", KVF_IROLE_PREFILL, KVF_BACKEND_HOST);
         inst_make(&D, "d", KVF_IROLE_DECODE, KVF_BACKEND_HOST);
         inst_make(&PA, "pa", KVF_IROLE_PREFILL, KVF_BACKEND_HOST_ASYNC);
@@ -1288,6 +1373,7 @@ int main(void)
         case_net_block_size(&S);
         for (uint32_t i = 0; i < SLOTS; i++)
                 CHECK_STATE(&S, i, SREQ_FREE, KVF_REQ_FREE);
+        CHECK_EQ(S.book_n, 0); /* every ended request let its blocks go */
         sender_close(&S);
         case_restart();
         sender_close(&B);

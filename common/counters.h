@@ -73,7 +73,8 @@
         X(BYTES_TCP_RESENT, "bytes_resent_tcp")                                                    \
         X(NOTICE_PREWAKES, "notice_prewakes")                                                      \
         X(TASKS_HELD_BACK, "tasks_held_back")                                                      \
-        X(ARRIVALS_PENDING, "arrivals_withdrawn_waiting")
+        X(ARRIVALS_PENDING, "arrivals_withdrawn_waiting")                                          \
+        X(CONNECTIONS_OVER_LIMIT, "connections_over_limit")
 
 enum kvf_counter_id {
 #define KVF_COUNTER_ENUM(id, name) KVF_CTR_##id,

@@ -45,8 +45,8 @@
  * reg_* fields, a request's own_reg_gen and peer_reg_gen); a request's n_dst. 10: the counter
  * bytes_resent_tcp. 11: the layout's scale tensors (scale_dtype, scale_bytes). 12: the counter
  * notice_prewakes. 13: the counter tasks_held_back. 14: the role slot's session_base. 15: the
- * journal's pending entries (ring_pos KVF_JOURNAL_PENDING, skips) and the counter
- * arrivals_withdrawn_waiting. */
+ * journal's pending entries (ring_pos KVF_JOURNAL_PENDING, skips), the counters
+ * arrivals_withdrawn_waiting and connections_over_limit. */
 #define KVF_LAYOUT_VERSION 15u
 #define KVF_CACHE_LINE 64u
 #define KVF_HEADER_SIZE 4096u

@@ -6,9 +6,10 @@
  *              arrivals (with the journal that de-duplicates them), retries
  *              what a full ring refused, heartbeats;
  *   listener - accepts connections and starts a session thread for each;
- *   session  - one per incoming connection: handshake as server, then reads
- *              notices and pings (control) or a transport's data connection
- *              (tcp_rx.c: block frames);
+ *   session  - one per incoming connection, at most --max-sessions (default
+ *              1024) at once: handshake as server, then reads notices and
+ *              pings (control) or a transport's data connection (tcp_rx.c:
+ *              block frames);
  *   peer I/O - a fixed pool (--peer-threads, default 2) for every outgoing
  *              peer's control connection: each thread owns an io_uring and
  *              the peers hashed to it, and multiplexes their non-blocking
@@ -60,6 +61,7 @@ struct conn_config {
         unsigned peer_idle_ms;    /* a peer without work this long is retired (sockets, data threads) */
         unsigned peer_threads;    /* I/O threads for the peers' control connections */
         unsigned handshake_threads; /* threads running client handshakes */
+        unsigned max_sessions;    /* incoming connections served at once; more are closed at accept */
         struct conn_tcp_config tcp;   /* the tcp transport's */
         struct conn_rdma_config rdma; /* the rdma transport's */
 };
@@ -205,6 +207,12 @@ struct session {
 #define CONN_POLL_MS 200
 /* How long a stopping connector waits for its session threads (conn_sessions_stop). */
 #define STOP_WAIT_MS 3000u
+/*
+ * Incoming connections served at once (--max-sessions): a decode instance serves a few hundred
+ * prefill ranks at most, each with a control connection and --streams tcp data connections
+ * (default 2; or an rdma connection's tcp anchor): 1024 is about 340 peers at the defaults.
+ */
+#define CONN_MAX_SESSIONS_DEFAULT 1024u
 
 struct rx_xfer;
 #define RX_BUCKETS 1024u /* landing.c's transfer table, hashed by (peer, key) */

@@ -173,6 +173,20 @@ static int check_split(const struct kvf_cache_layout *pl, uint32_t pr, uint32_t 
         return 0;
 }
 
+/*
+ * What a step of the server handshake may take before the peer has proven the token: the
+ * connect timeout, and no more than is left of the whole (conn_handshake_server's `until`).
+ * 0 past it: a step then takes only what the socket holds already.
+ */
+static unsigned step_ms(uint64_t until, unsigned to)
+{
+        uint64_t now = kvf_now_ns();
+        if (now >= until)
+                return 0;
+        uint64_t left = (until - now + KVF_NS_PER_MS - 1) / KVF_NS_PER_MS;
+        return left < to ? (unsigned)left : to;
+}
+
 static void refuse(int fd, int status, const char *reason, unsigned timeout_ms)
 {
         struct kvf_record r = {.type = KVF_RT_REFUSE, .status = status};
@@ -265,13 +279,18 @@ int conn_handshake_server(struct connector *cn, int fd, struct peer_identity *ou
         struct kvf_record r;
         char why[480], reason[KVF_REASON_MAX];
         int rc;
+        /* Until the peer proves the token it holds a session slot (--max-sessions) on our
+         * word alone: the hello and the proof come within twice the connect timeout, however
+         * slowly their bytes trickle in, or the connection ends. The client allows itself
+         * the connect timeout for each of the two. */
+        uint64_t until = kvf_now_ns() + 2 * kvf_ms(to);
 
-        if ((rc = recv_record(fd, KVF_RT_HELLO, &r, to, NULL)) < 0)
+        if ((rc = recv_record(fd, KVF_RT_HELLO, &r, step_ms(until, to), NULL)) < 0)
                 return kvf_err_ctx(rc, "handshake");
         if (r.proto != PROTO_VERSION) {
                 snprintf(reason, sizeof(reason), "protocol version %llu, this connector speaks %u",
                          (unsigned long long)r.proto, PROTO_VERSION);
-                refuse(fd, KVF_STATUS_CONNECTION, reason, to);
+                refuse(fd, KVF_STATUS_CONNECTION, reason, step_ms(until, to));
                 return kvf_err_set(-EPROTO, "handshake: %s", reason);
         }
         *tstate = NULL;
@@ -280,7 +299,7 @@ int conn_handshake_server(struct connector *cn, int fd, struct peer_identity *ou
                 char no[160];
                 snprintf(no, sizeof(no), "this connector has no transport for connection purpose '%.15s' (not built in)",
                          r.purpose);
-                refuse(fd, KVF_STATUS_CONNECTION, no, to);
+                refuse(fd, KVF_STATUS_CONNECTION, no, step_ms(until, to));
                 return kvf_err_set(-EPROTO, "handshake: unknown connection purpose '%s'", r.purpose);
         }
         snprintf(purpose, purposelen, "%s", r.purpose);
@@ -290,10 +309,10 @@ int conn_handshake_server(struct connector *cn, int fd, struct peer_identity *ou
         r.type = KVF_RT_CHALLENGE;
         memcpy(r.nonce, nonce_s, sizeof(nonce_s));
         kvf_auth_proof(cn->cfg.token, cn->cfg.token_len, "kvferry-server", nonce_c, nonce_s, r.proof);
-        if ((rc = conn_send_record(fd, &r, to)) < 0)
+        if ((rc = conn_send_record(fd, &r, step_ms(until, to))) < 0)
                 return kvf_err_ctx(rc, "handshake");
         int st = KVF_STATUS_CONNECTION;
-        if ((rc = recv_record(fd, KVF_RT_AUTH, &r, to, &st)) < 0) {
+        if ((rc = recv_record(fd, KVF_RT_AUTH, &r, step_ms(until, to), &st)) < 0) {
                 if (st == KVF_STATUS_AUTH)
                         kvf_count(&cn->ctl, KVF_CTR_AUTH_FAILURES, 1);
                 return kvf_err_ctx(rc, "handshake");
@@ -301,7 +320,7 @@ int conn_handshake_server(struct connector *cn, int fd, struct peer_identity *ou
         kvf_auth_proof(cn->cfg.token, cn->cfg.token_len, "kvferry-client", nonce_s, nonce_c, want);
         if (!kvf_auth_equal(want, r.proof, KVF_SHA256_LEN)) {
                 kvf_count(&cn->ctl, KVF_CTR_AUTH_FAILURES, 1);
-                refuse(fd, KVF_STATUS_AUTH, "authentication failed: wrong token", to);
+                refuse(fd, KVF_STATUS_AUTH, "authentication failed: wrong token", step_ms(until, to));
                 return kvf_err_set(-EACCES, "handshake: authentication failed: the peer sent a wrong proof (wrong token)");
         }
         snprintf(out->instance, sizeof(out->instance), "%s", r.instance);

@@ -33,13 +33,16 @@ static void usage(void)
                "  --listen HOST:PORT       where peers connect (default 127.0.0.1:0 = any free port)\n"
                "  --token-file PATH        shared secret of the peers (default $KVFERRY_TOKEN_FILE,\n"
                "                           else ~/.config/kvferry/token)\n"
-               "  --connect-timeout-ms N   (default 2000)\n"
+               "  --connect-timeout-ms N   a connect, and each step of a handshake; an incoming\n"
+               "                           connection has twice this to prove the token (default 2000)\n"
                "  --keepalive-ms N         ping a quiet peer this often (default 500)\n"
                "  --peer-timeout-ms N      a peer silent or unreachable this long is dead (default 5000)\n"
                "  --streams N              tcp data connections per peer (default 2)\n"
                "  --peer-idle-ms N         close a peer without work for this long (default 60000)\n"
                "  --peer-threads N         threads for every outgoing peer's control connection (default 2)\n"
                "  --handshake-threads N    threads running outgoing handshakes (default 2)\n"
+               "  --max-sessions N         incoming connections served at once, handshakes included;\n"
+               "                           more are closed at once and counted (default 1024)\n"
                "  --zerocopy               send data frames with zero-copy sends (io_uring send_zc)\n"
                "  --rdma-device NAME       the rdma device (its interface's address); default: the device\n"
                "                           of the listen address (decode), of the route (prefill)\n"
@@ -294,7 +297,8 @@ static int map_cache(struct connector *cn)
 int main(int argc, char **argv)
 {
         enum { O_LISTEN = 1000, O_TOKEN, O_CTO, O_KEEP, O_PTO, O_STREAMS, O_ZC, O_VERSION, O_IDLE,
-               O_RDEV, O_RSQ, O_RSIG, O_RACK, O_RDEREG, O_SLICE, O_PTHREADS, O_HSTHREADS };
+               O_RDEV, O_RSQ, O_RSIG, O_RACK, O_RDEREG, O_SLICE, O_PTHREADS, O_HSTHREADS,
+               O_MAXSESS };
         static const struct option opts[] = {{"instance", required_argument, 0, 'i'},
                                              {"listen", required_argument, 0, O_LISTEN},
                                              {"token-file", required_argument, 0, O_TOKEN},
@@ -305,6 +309,7 @@ int main(int argc, char **argv)
                                              {"peer-idle-ms", required_argument, 0, O_IDLE},
                                              {"peer-threads", required_argument, 0, O_PTHREADS},
                                              {"handshake-threads", required_argument, 0, O_HSTHREADS},
+                                             {"max-sessions", required_argument, 0, O_MAXSESS},
                                              {"zerocopy", no_argument, 0, O_ZC},
                                              {"rdma-device", required_argument, 0, O_RDEV},
                                              {"rdma-sq-depth", required_argument, 0, O_RSQ},
@@ -329,6 +334,7 @@ int main(int argc, char **argv)
         cn.cfg.peer_idle_ms = 60000;
         cn.cfg.peer_threads = 2;
         cn.cfg.handshake_threads = 2;
+        cn.cfg.max_sessions = CONN_MAX_SESSIONS_DEFAULT;
         cn.cfg.rdma.sq_depth = 256;
         cn.cfg.rdma.signal_every = 32;
         while ((c = getopt_long(argc, argv, "i:h", opts, NULL)) != -1) {
@@ -354,6 +360,7 @@ int main(int argc, char **argv)
                 case O_IDLE: cn.cfg.peer_idle_ms = (unsigned)kvf_opt_u64("peer-idle-ms", optarg, 100, 86400000); break;
                 case O_PTHREADS: cn.cfg.peer_threads = (unsigned)kvf_opt_u64("peer-threads", optarg, 1, 16); break;
                 case O_HSTHREADS: cn.cfg.handshake_threads = (unsigned)kvf_opt_u64("handshake-threads", optarg, 1, 16); break;
+                case O_MAXSESS: cn.cfg.max_sessions = (unsigned)kvf_opt_u64("max-sessions", optarg, 1, 65536); break;
                 case 'h': usage(); return 0;
                 case O_VERSION: printf("%s %s\n", prog, KVFERRY_VERSION); return 0;
                 default: kvf_opt_die(prog, "unknown option");

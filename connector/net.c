@@ -495,13 +495,18 @@ int kvf_net_send_frame(int fd, uint16_t type, const void *payload, uint32_t len,
 int kvf_net_recv_frame(int fd, struct kvf_frame_hdr *h, void *buf, uint32_t cap, unsigned timeout_ms)
 {
         uint8_t hdr[KVF_FRAME_HDR];
+        uint64_t end = kvf_now_ns() + kvf_ms(timeout_ms);
         int rc = kvf_net_read_all(fd, hdr, sizeof(hdr), timeout_ms);
         if (rc < 0)
                 return rc;
         kvf_net_get_hdr(hdr, h);
         if (h->len > cap)
                 return -EMSGSIZE;
-        return kvf_net_read_all(fd, buf, h->len, timeout_ms);
+        /* The payload gets what the header left of timeout_ms, not a timeout of its own: a peer
+         * that trickles a frame holds the reader for timeout_ms, never twice that. */
+        uint64_t now = kvf_now_ns();
+        unsigned left = now < end ? (unsigned)((end - now + KVF_NS_PER_MS - 1) / KVF_NS_PER_MS) : 0;
+        return kvf_net_read_all(fd, buf, h->len, left);
 }
 
 void kvf_net_peer_name(int fd, char *buf, size_t len)

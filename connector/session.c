@@ -3,6 +3,13 @@
  * (server side of the handshake, then notices and pings on a control
  * connection, or a transport's data path on a data connection).
  *
+ * At most --max-sessions session threads run at once; a connection beyond
+ * them is accepted and closed at once, counted (connections_over_limit) and
+ * said in the log once a second at most. A connection that has not proven the
+ * token within twice the connect timeout ends (handshake.c), so a flood of
+ * connections that never authenticate holds the slots for that long only;
+ * an authenticated session holds its slot for as long as it lasts.
+ *
  * A control session's thread is the only writer of its socket. It hands the
  * notices it reads to the control thread (evq.c), which publishes them and
  * puts the answers in the session's outbox, ringing its eventfd; the session
@@ -220,14 +227,19 @@ struct session_arg {
         struct session_arg *next; /* cn->threads, under cn->smu */
 };
 
-/* Listener: a session thread about to start. */
-static void thread_add(struct connector *cn, struct session_arg *sa)
+/* Listener: a session thread about to start, unless max_sessions are running: false then. The
+ * listener is the only thread that adds, so the count it checks cannot grow past the limit. */
+static bool thread_add(struct connector *cn, struct session_arg *sa)
 {
         pthread_mutex_lock(&cn->smu);
-        sa->next = cn->threads;
-        cn->threads = sa;
-        cn->nthreads++;
+        bool room = cn->nthreads < cn->cfg.max_sessions;
+        if (room) {
+                sa->next = cn->threads;
+                cn->threads = sa;
+                cn->nthreads++;
+        }
         pthread_mutex_unlock(&cn->smu);
+        return room;
 }
 
 /* Unlinked before its socket is closed: conn_sessions_stop shuts down only live sockets,
@@ -396,38 +408,90 @@ out_fd:
         return NULL;
 }
 
+/* Connections closed at accept because max_sessions were being served (listener only): how
+ * many since the last line that said so, and when that was (at first: the listener's start). */
+struct over_limit {
+        uint64_t closed;
+        uint64_t line_ns;
+};
+
+/* At most one line a second, however fast they come; each line's count is of those since the
+ * line before, so the lines add up to the counter. */
+static void over_limit_say(struct connector *cn, struct over_limit *ol, uint64_t now)
+{
+        if (!ol->closed || now - ol->line_ns < KVF_NS_PER_S)
+                return;
+        kvf_errlog(&cn->ctl, KVF_ROLE_CONNECTOR,
+                   "%llu incoming connection(s) closed at accept in the last %.1f s: %u sessions "
+                   "(--max-sessions) were being served", (unsigned long long)ol->closed,
+                   (double)(now - ol->line_ns) / 1e9, cn->cfg.max_sessions);
+        ol->closed = 0;
+        ol->line_ns = now;
+}
+
+/* One connection from listening socket lfd: a session thread for it, or closed at once. */
+static void accept_one(struct connector *cn, struct over_limit *ol, int lfd, bool from_unix)
+{
+        int fd = kvf_net_accept(lfd, !from_unix);
+        if (fd == -EMFILE || fd == -ENFILE) {
+                /* The connection stays in the backlog and poll says so again at once: wait for
+                 * descriptors instead of spinning on it. */
+                kvf_errlog(&cn->ctl, KVF_ROLE_CONNECTOR, "accept: %s: incoming connections wait",
+                           strerror(-fd));
+                poll(NULL, 0, CONN_POLL_MS / 4);
+                return;
+        }
+        if (fd < 0)
+                return;
+        struct session_arg *sa = malloc(sizeof(*sa));
+        pthread_t t;
+        pthread_attr_t at;
+        if (!sa) {
+                close(fd);
+                return;
+        }
+        sa->cn = cn;
+        sa->fd = fd;
+        sa->unix_socket = from_unix;
+        if (!thread_add(cn, sa)) {
+                /* Accepted and closed at once, not left in the backlog: a full backlog would
+                 * stall every peer's connect, the authenticated ones' too, for as long as the
+                 * flood lasts. */
+                close(fd);
+                free(sa);
+                kvf_count(&cn->ctl, KVF_CTR_CONNECTIONS_OVER_LIMIT, 1);
+                ol->closed++;
+                over_limit_say(cn, ol, kvf_now_ns());
+                return;
+        }
+        pthread_attr_init(&at);
+        pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED);
+        if (pthread_create(&t, &at, session_main, sa) != 0) {
+                thread_unlink(cn, sa);
+                close(fd);
+                free(sa);
+                thread_done(cn);
+        }
+        pthread_attr_destroy(&at);
+}
+
 void *conn_listener_main(void *arg)
 {
         struct connector *cn = arg;
+        struct over_limit ol = {.line_ns = kvf_now_ns()};
         while (!conn_stopping(cn)) {
                 struct pollfd pf[2] = {{.fd = cn->listen_fd, .events = POLLIN},
                                        {.fd = cn->unix_fd, .events = POLLIN}}; /* (-1: ignored) */
-                if (poll(pf, 2, CONN_POLL_MS) <= 0)
+                int n = poll(pf, 2, CONN_POLL_MS);
+                over_limit_say(cn, &ol, kvf_now_ns()); /* (the poll's timeout: within 1.2 s) */
+                if (n <= 0)
                         continue;
-                bool from_unix = !(pf[0].revents & POLLIN);
-                int fd = from_unix ? kvf_net_accept(cn->unix_fd, false) : kvf_net_accept(cn->listen_fd, true);
-                if (fd < 0)
-                        continue;
-                struct session_arg *sa = malloc(sizeof(*sa));
-                pthread_t t;
-                pthread_attr_t at;
-                if (!sa) {
-                        close(fd);
-                        continue;
-                }
-                sa->cn = cn;
-                sa->fd = fd;
-                sa->unix_socket = from_unix;
-                pthread_attr_init(&at);
-                pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED);
-                thread_add(cn, sa);
-                if (pthread_create(&t, &at, session_main, sa) != 0) {
-                        thread_unlink(cn, sa);
-                        close(fd);
-                        free(sa);
-                        thread_done(cn);
-                }
-                pthread_attr_destroy(&at);
+                /* One from each listener that has one: a tcp flood does not keep same-host
+                 * peers' connections waiting in the unix backlog. */
+                if (pf[0].revents & POLLIN)
+                        accept_one(cn, &ol, cn->listen_fd, false);
+                if (pf[1].revents & POLLIN)
+                        accept_one(cn, &ol, cn->unix_fd, true);
         }
         return NULL;
 }

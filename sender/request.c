@@ -113,9 +113,9 @@ static void decide(struct sender *s, uint32_t slot, int status, const char *reas
                 snprintf(r->reason, sizeof(r->reason), "%s", reason ? reason : "");
         r->completion_pos = ~0ull;
         sender_disarm(s, slot);
-        /* Ended, whatever the status: its destination blocks may go to another request. (The
-         * engines hear of the end, its abort notice and its completion, only once copies of
-         * it still in flight have landed: flush_slot.) */
+        /* Ended while moving, whatever the status: its destination blocks may go to another
+         * request. (The engines hear of the end, its abort notice and its completion, only
+         * once copies of it still in flight have landed: flush_slot.) */
         sender_book_remove(s, slot);
         set_state(s, slot, SREQ_DECIDED);
         s->flags[slot] = 0;
@@ -162,6 +162,10 @@ static void to_notice(struct sender *s, uint32_t slot)
                     s->progress_ns && s->progress_ns > r->accept_ns ? s->progress_ns : r->accept_ns;
         sender_disarm(s, slot);
         r->notice_gen = 0;
+        /* Its destination blocks are let go here, not when it is decided: nothing of this
+         * sender writes them any more, and once the arrival is published (before our answer
+         * comes back) the decode engine may give them to its next request at once. */
+        sender_book_remove(s, slot);
         set_state(s, slot, r->transport == KVF_TRANSPORT_IPC ? SREQ_LANDED : SREQ_HANDED);
         mark(s, slot, SLOT_NEEDS_NOTICE);
 }
@@ -738,9 +742,9 @@ void sender_adopt(struct sender *s)
                 adopted++;
                 sender_map_insert(s, i);
                 r->peer_idx = UINT32_MAX;
-                /* The bookings of the requests still live are rebuilt from the table (a
-                 * decided one's blocks are free already). */
-                if (live_state(sender_req_state(s, i)))
+                /* The bookings of the requests still moving are rebuilt from the table (the
+                 * blocks of one whose notice is owed or out are free already: to_notice). */
+                if (moving_state(sender_req_state(s, i)))
                         book(s, i);
                 if (st > KVF_REQ_HANDED_OVER) {
                         decide(s, i, KVF_STATUS_WRITE, "request slot in an unknown state");

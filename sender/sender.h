@@ -242,9 +242,10 @@ struct sender {
  *                                      connector's write result says whether every byte
  *                                      was written and the arrival published.
  *   SREQ_DECIDED   COMPLETING          status and reason stored; the completion is owed, or
- *                                      was claimed at completion_pos; then FREE. Its
- *                                      destination blocks are no longer booked (the other
- *                                      states book them: sender_book_*).
+ *                                      was claimed at completion_pos; then FREE.
+ *   Destination blocks are booked (sender_book_*) in MOVING and LANDING only: from LANDED or
+ *   HANDED on this sender writes them no more, and the decode engine may reuse them as soon
+ *   as the arrival is published, before the answer reaches us.
  *
  * A cancel, a timeout, an ended engine session or a lost peer fail MOVING and LANDING
  * (with an abort notice to the peer, after copies in flight land); in LANDED and HANDED
@@ -354,7 +355,8 @@ uint32_t sender_slot_alloc(struct sender *s); /* UINT32_MAX if full */
 void sender_arm(struct sender *s, uint32_t slot);
 void sender_disarm(struct sender *s, uint32_t slot);
 /*
- * Destination blocks booked by live requests (accepted, not yet decided). sender_book_find:
+ * Destination blocks booked by moving requests (accepted, not yet all landed or handed over,
+ * not decided). sender_book_find:
  * true when one of dst[0..n) of `peer` is booked by a live request of another id than
  * `request_id` (its own id is the same request, never a double booking): *at is its index in
  * dst, *owner that request's slot. O(n). sender_book_add books the slot's destination blocks

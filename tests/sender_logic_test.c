@@ -1122,24 +1122,30 @@ static void case_restart(void)
         CHECK(find(o, KVF_RT_OPEN, "rs-handed") && find(o, KVF_RT_FINISH, "rs-handed"));
         /* rs-handed: every layer of both blocks again; rs-tcp-moving: its two layers again */
         CHECK_EQ(count_type(o, KVF_RT_WRITE_BATCH), LAYERS + 2);
-        /* The successor knows whose blocks are whose: the live requests' bookings were rebuilt
-         * from the table; a decided one's blocks are free. */
-        task(&P, "rs-twice", D.name, KVF_TRANSPORT_IPC, src, 2, dst, 2, st + 1, false);
+        /* The successor knows whose blocks are whose: the moving requests' bookings were rebuilt
+         * from the table; a decided one's blocks are free, and so are those of one whose every
+         * byte has landed (its arrival may be out: the decode engine may reuse them now). */
+        task(&P, "rs-twice", D.name, KVF_TRANSPORT_IPC, src, 2, dst2, 2, st + 1, false);
         task(&P, "rs-twice-tcp", tcp_peer, KVF_TRANSPORT_TCP, src, 2, dtm, 2, st + 1, false);
         task(&P, "rs-after-decided", tcp_peer, KVF_TRANSPORT_TCP, src, 2, dud, 2, st + 1, false);
+        task(&P, "rs-after-landed", D.name, KVF_TRANSPORT_IPC, src, 2, dst, 2, st + 1, false);
         turn(&B);
         o = completions(&P);
         CHECK_DONE(o, "rs-twice", KVF_STATUS_BAD_TASK,
-                   "is already the destination of live request 'rs-landed'");
+                   "is already the destination of live request 'rs-moving'");
         CHECK_DONE(o, "rs-twice-tcp", KVF_STATUS_BAD_TASK,
                    "dest_block_ids[0] = 20 of peer '192.0.2.7:7100' is already the destination of "
                    "live request 'rs-tcp-moving'");
         CHECK_EQ(o->n, 2);
-        uint32_t ad = slot_of(&B, "rs-after-decided");
+        uint32_t ad = slot_of(&B, "rs-after-decided"), al = slot_of(&B, "rs-after-landed");
         CHECK_STATE(&B, ad, SREQ_MOVING, KVF_REQ_ACTIVE);
+        CHECK_STATE(&B, al, SREQ_MOVING, KVF_REQ_ACTIVE);
         cancel(&P, "rs-after-decided");
+        cancel(&P, "rs-after-landed");
         turn(&B);
-        CHECK_DONE(completions(&P), "rs-after-decided", KVF_STATUS_CANCELLED, "cancelled");
+        o = completions(&P);
+        CHECK_DONE(o, "rs-after-decided", KVF_STATUS_CANCELLED, "cancelled");
+        CHECK_DONE(o, "rs-after-landed", KVF_STATUS_CANCELLED, "cancelled");
         o = to_connector(&P);
         CHECK(find(o, KVF_RT_OPEN, "rs-after-decided"));
         progress(&P, st + 1, LAYERS);

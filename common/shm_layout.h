@@ -45,8 +45,8 @@
  * reg_* fields, a request's own_reg_gen and peer_reg_gen); a request's n_dst. 10: the counter
  * bytes_resent_tcp. 11: the layout's scale tensors (scale_dtype, scale_bytes). 12: the counter
  * notice_prewakes. 13: the counter tasks_held_back. 14: the role slot's session_base. 15: the
- * journal's pending entries (ring_pos KVF_JOURNAL_PENDING, skips), the counters
- * arrivals_withdrawn_waiting and connections_over_limit. */
+ * journal's pending entries (ring_pos KVF_JOURNAL_PENDING, skips) and its 16384 entries (was
+ * 4096), the counters arrivals_withdrawn_waiting and connections_over_limit. */
 #define KVF_LAYOUT_VERSION 15u
 #define KVF_CACHE_LINE 64u
 #define KVF_HEADER_SIZE 4096u
@@ -349,7 +349,7 @@ struct kvf_req_slot {
  * The decode-side connector's journal of published arrivals, so a notice
  * re-sent after a crash is acknowledged without a second arrival record.
  */
-#define KVF_JOURNAL_ENTRIES 4096u
+#define KVF_JOURNAL_ENTRIES 16384u
 #define KVF_JOURNAL_PENDING (~0ull)
 struct kvf_journal_entry {
         uint64_t key_hash; /* hash of (prefill instance, slot, incarnation); 0 = unused */

@@ -116,24 +116,22 @@ static struct kvf_journal_entry *journal_pending(struct connector *cn, uint64_t 
 }
 
 /*
- * A pending entry is passed over by the journal's writer while its notice is still to come
- * back (it waits for room, first in its line); one whose notice never does (a socket notice
- * lost with a connector that died) is overwritten after JOURNAL_SKIPS laps of the journal.
+ * A pending entry is passed over by the journal's writer: its notice is still in its slot's
+ * ring, and publishes it (at most a third of each of KVF_NOTICE_SLOTS rings of notices can be
+ * pending, far fewer than the journal's entries). Were every entry pending, the next is
+ * overwritten, and said.
  */
-#define JOURNAL_SKIPS 4u
-
 static uint32_t journal_slot(struct connector *cn)
 {
         for (uint32_t i = 0;; i++) {
                 uint32_t slot = cn->jnext;
                 struct kvf_journal_entry *je = &cn->ctl.journal[slot];
                 cn->jnext = (cn->jnext + 1) % KVF_JOURNAL_ENTRIES;
-                if (!je->key_hash || je->ring_pos != KVF_JOURNAL_PENDING || i >= KVF_JOURNAL_ENTRIES)
+                if (!je->key_hash || je->ring_pos != KVF_JOURNAL_PENDING)
                         return slot;
-                if (je->skips >= JOURNAL_SKIPS) {
+                if (i >= KVF_JOURNAL_ENTRIES) {
                         kvf_errlog(&cn->ctl, KVF_ROLE_CONNECTOR,
-                                   "a withdrawn arrival ('%s') was never published: its notice did not come back in %u laps of the journal",
-                                   kvf_status_name((int)je->status), JOURNAL_SKIPS);
+                                   "every journal entry is a withdrawn arrival not yet published: one is overwritten");
                         return slot;
                 }
                 je->skips++;
@@ -172,7 +170,8 @@ int conn_publish_arrival(struct connector *cn, const struct kvf_record *n, uint6
         struct kvf_journal_entry *pend = journal_pending(cn, key);
 
         reason[0] = '\0';
-        *owed = false;
+        if (owed)
+                *owed = false;
         if (pend) {
                 /* Withdrawn while it waited: published as the withdrawal was answered. */
                 status = (int)pend->status;
@@ -232,7 +231,7 @@ int conn_publish_arrival(struct connector *cn, const struct kvf_record *n, uint6
                         break;
                 free(buf);
                 if (rc != -EMSGSIZE || !a.n_dst) {
-                        if (!n->withdraw)
+                        if (!n->withdraw || !owed)
                                 return -EAGAIN; /* full: the notice waits */
                         /* A withdrawal is answered now, the arrival owed (journal_pending). */
                         if (!pend)
@@ -339,13 +338,20 @@ int conn_arrival_notice(struct connector *cn, struct event *ev)
                 why = gone;
                 conn_landing_close(cn, n->peer, ev->src_gen, n->key);
         }
-        bool owed;
+        /* Answered ahead of its turn (notices.c): the notice it withdrew, ahead of it in the
+         * same ring, has been published since; nothing more to do or to say. */
+        if (ev->answered && !decided)
+                return 0;
+        /* A withdrawal may be decided while the engine's ring is full only where its notice
+         * stays in a slot's ring until published (no socket notice is kept across a restart
+         * of this connector). */
+        bool owed = false;
         int st = conn_publish_arrival(cn, n, ev->src_gen, status, why, bound, reason, sizeof(reason),
-                                      &owed);
+                                      ev->ring_slot ? &owed : NULL);
         if (st == -EAGAIN)
                 return -EAGAIN;
         if (ev->answered)
-                return owed ? -EAGAIN : 0; /* answered ahead of its turn (events.c, notices.c) */
+                return owed ? -EAGAIN : 0;
         struct kvf_record ack = {.type = KVF_RT_ACK, .key = n->key,
                                  .status = st < 0 ? KVF_STATUS_WRITE : st, .id_bin = n->id_bin,
                                  .session = live};
@@ -372,8 +378,8 @@ int conn_arrival_notice(struct connector *cn, struct event *ev)
                            n->request_id, n->peer);
         }
         if (owed) {
-                /* Answered; its arrival still to publish: the event (or the record in its
-                 * notice ring) stays, marked answered, and publishes once there is room. */
+                /* Answered; its arrival still to publish: the record stays in its notice ring,
+                 * behind the notice that publishes it once there is room. */
                 ev->answered = true;
                 return -EAGAIN;
         }

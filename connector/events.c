@@ -75,30 +75,6 @@ static int handle_event(struct connector *cn, struct event *ev)
         }
 }
 
-/*
- * Decode side, behind an event held for room: the withdrawals are answered now, not after it
- * (conn_publish_arrival decides them while the engine's ring is full), so a sender that gave
- * up on a request hears how it ended before its second deadline. One whose arrival is still
- * owed stays in its place, marked answered; one that needs nothing more leaves the list.
- * Returns how many left.
- */
-static uint64_t early_withdrawals(struct connector *cn, struct event *held)
-{
-        uint64_t n = 0;
-        for (struct event *prev = held, *ev = held->next; ev; ev = prev->next) {
-                if (ev->kind != EV_NOTICE || !ev->rec.withdraw || ev->answered ||
-                    handle_event(cn, ev) == -EAGAIN) {
-                        prev = ev;
-                        continue;
-                }
-                prev->next = ev->next;
-                kvf_record_free(&ev->rec);
-                free(ev);
-                n++;
-        }
-        return n;
-}
-
 void conn_events_run(struct connector *cn)
 {
         /* Deferred first, to keep order per ring. */
@@ -113,7 +89,6 @@ void conn_events_run(struct connector *cn)
                 struct event *next = ev->next;
                 if (handle_event(cn, ev) == -EAGAIN) {
                         /* keep this and everything after it */
-                        done += early_withdrawals(cn, ev);
                         cn->deferred = ev;
                         while (ev->next)
                                 ev = ev->next;

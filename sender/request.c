@@ -247,6 +247,8 @@ static int post_notice(struct sender *s, uint32_t slot, enum sender_notice kind)
         return 0;
 }
 
+#define ABORT_WAIT_NS 1000000000ull
+
 /* Post what one slot owes, in order; stop at the first ring that is full. */
 static void flush_slot(struct sender *s, uint32_t i)
 {
@@ -258,9 +260,21 @@ static void flush_slot(struct sender *s, uint32_t i)
                 return;
         int rc;
         if (*f & SLOT_ABORT_NOTICE) {
-                /* Best effort: one that can never be posted is given up (the peer times out). */
-                if ((rc = post_notice(s, i, SENDER_NOTICE_ABORT)) < 0 && sender_post_again(rc))
-                        return;
+                /* Best effort: one that can never be posted is given up (the peer times out),
+                 * and so is one whose ring stays full for ABORT_WAIT_NS: a decode side that
+                 * reads no notices (its engine not reading its arrivals) must not hold the
+                 * completion our engine waits for. */
+                if ((rc = post_notice(s, i, SENDER_NOTICE_ABORT)) < 0 && sender_post_again(rc)) {
+                        uint64_t now = kvf_now_ns();
+                        if (!s->abort_since[i])
+                                s->abort_since[i] = now;
+                        if (now - s->abort_since[i] < ABORT_WAIT_NS)
+                                return;
+                        rc = kvf_err_set(rc, "no room for it in %llu ms: given up (the peer "
+                                             "frees the blocks at its own timeout)",
+                                         (unsigned long long)(ABORT_WAIT_NS / 1000000));
+                }
+                s->abort_since[i] = 0;
                 if (rc < 0) {
                         kvf_count(&s->ctl, KVF_CTR_NOTICES_FAILED, 1);
                         kvf_errlog(&s->ctl, KVF_ROLE_SENDER, "req %s: abort notice: %s",

@@ -152,6 +152,7 @@ struct sender {
         struct booking *book;
         uint32_t book_cap, book_n, book_shift;
         uint8_t *booked;        /* per slot: its destination blocks are in `book` */
+        uint64_t *abort_since;  /* per slot: when its abort notice first found its ring full */
         struct bucket *buckets; /* sorted by step */
         uint32_t nbuckets, capbuckets;
 

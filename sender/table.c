@@ -27,8 +27,9 @@ int sender_table_init(struct sender *s)
                 idset_cap <<= 1;
         s->idset = calloc(idset_cap, sizeof(*s->idset));
         s->booked = calloc(n, 1);
+        s->abort_since = calloc(n, sizeof(*s->abort_since));
         if (!s->map || !s->armed || !s->rq || !s->flags || !s->tmp || !s->resend || !s->cut ||
-            !s->runs || !s->idset || !s->booked)
+            !s->runs || !s->idset || !s->booked || !s->abort_since)
                 return kvf_err_set(-ENOMEM, "out of memory for a %u-slot request table", n);
         memset(s->map, 0xff, s->map_cap * sizeof(*s->map));
         for (uint32_t i = 0; i < n; i++)
@@ -54,6 +55,8 @@ void sender_table_free(struct sender *s)
         free(s->idset);
         free(s->book);
         free(s->booked);
+        free(s->abort_since);
+        s->abort_since = NULL;
         s->book = NULL;
         s->booked = NULL;
         s->book_cap = s->book_n = s->book_shift = 0;

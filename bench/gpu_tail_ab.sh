@@ -5,11 +5,11 @@
 # signal method, ROUNDS times (default 2), each run on fresh instances. An arm is an environment
 # for its instances' roles: ENV_A and ENV_B (space-separated VAR=VALUE, e.g.
 # ENV_B="KVF_AB_NO_NOTICE_EXPECT=1"); A alone is empty. ROWS picks rows (default "engine-hostfn
-# engine-writevalue sender sender-mps"; sender-wv-mps: the sender's copies under MPS with the
-# layer-done word written by the GPU). Prints, per run and as medians per arm with the ratio
-# B / A: the in-time tail p50 and p99, and the stages of the p50: the signal (the last layer's
-# end -> the sender saw it) and the notice (-> the sender posted the finish notice; the rest of
-# the tail is the decode connector's).
+# engine-writevalue sender sender-mps"; sender-wv, sender-wv-mps: the sender's copies without
+# and under MPS with the layer-done word written by the GPU). Prints, per
+# run and as medians per arm with the ratio B / A: the in-time tail p50 and p99, and the stages
+# of the p50: the signal (the last layer's end -> the sender saw it) and the notice (-> the
+# sender posted the finish notice; the rest of the tail is the decode connector's).
 # Needs a GPU; binaries from $KVFERRY_BUILD (default build/). Raw output under OUTDIR.
 set -uo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
@@ -49,6 +49,7 @@ row() { # row NAME ARM
     engine-hostfn) run engine-hostfn engine "$2" KVFERRY_LAYER_SIGNAL=hostfn ;;
     engine-writevalue) run engine-writevalue engine "$2" KVFERRY_LAYER_SIGNAL=writevalue ;;
     sender) run sender sender "$2" KVFERRY_LAYER_SIGNAL=hostfn ;;
+    sender-wv) run sender-wv sender "$2" KVFERRY_LAYER_SIGNAL=writevalue ;;
     sender-mps|sender-wv-mps) # the sender's copies under MPS; the layer signal by host function
       # or written by the GPU
       [ -x "$MPSCTL" ] || { echo "$1: skipped (no nvidia-cuda-mps-control)"; return; }

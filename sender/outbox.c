@@ -92,14 +92,15 @@ static int post_to_ring(struct sender *s, struct ipc_peer *p, struct kvf_record 
         int rc = sender_encode(s, f, &len);
         if (rc < 0)
                 return rc;
-        /* A finish notice goes in only while the ring is at most a third full: what is left
-         * holds the withdrawal of every notice in it (a withdrawal, with its reason, is at
-         * most twice its notice), so a request whose notice is held there can always be
-         * withdrawn at its deadline, and the decode connector answers withdrawals while the
-         * notices ahead of them wait for room (connector/notices.c). */
-        if (f->status == KVF_STATUS_FINISHED && !f->withdraw &&
-            kvf_ring_used(p->nend.notice.hdr) + kvf_ring_align(KVF_REC_HDR_SIZE + len) >
-                p->nend.notice.capacity / 3)
+        /* Anything but a withdrawal (a finish notice, an abort) goes in only while the ring is
+         * at most a third full: what is left holds the withdrawal of every finish notice in it
+         * (a withdrawal, with its reason, is at most twice its notice), so a request whose
+         * notice is held there can always be withdrawn at its deadline, and the decode
+         * connector answers withdrawals while the notices ahead of them wait for room
+         * (connector/notices.c). An abort past the third would take that room: it waits (at
+         * most a second, flush_slot) like a finish notice. */
+        if (!f->withdraw && kvf_ring_used(p->nend.notice.hdr) + kvf_ring_align(KVF_REC_HDR_SIZE + len) >
+                                p->nend.notice.capacity / 3)
                 return -EAGAIN;
         /* (A prewake's expectation is left to run out, never withdrawn here: other requests'
          * notices may be due under it, sender_expect_notice.) */

@@ -34,7 +34,8 @@
 #include "kvferry.h"
 
 #define PER 3 /* requests per scenario, one step */
-#define MAX_REQS 256
+#define MAX_REQS 700
+#define CANCELLED 400 /* and of them cancelled while moving: abort notices */
 #define HELD 200 /* requests of the scenario whose decode engine stops reading */
 #define NONE (-1) /* no completion or arrival (yet) */
 #define PEER_TIMEOUT_MS 1000
@@ -246,7 +247,7 @@ static void held_engine(struct kvf_client *pc)
                 printf("  (the decode engine that stops reading: a scenario of the notice rings)\n");
                 return;
         }
-        t_up(E, "--role decode --model llama-3.1-8b --tp 8 --blocks 256 --ring-kib 4");
+        t_up(E, "--role decode --model llama-3.1-8b --tp 8 --blocks 1024 --ring-kib 4");
         CHECK_EQ(kvf_attach(E, 5000, &ec), 0); /* attached, and never polled until below */
         CHECK(nreqs + HELD <= MAX_REQS);
         struct req *r = &reqs[nreqs];
@@ -263,18 +264,40 @@ static void held_engine(struct kvf_client *pc)
         }
         for (uint32_t l = 0; l < L.num_layers; l++)
                 CHECK_EQ(kvf_layer_done(pc, step, l), 0);
+        /* And CANCELLED more for the next step, never published, cancelled while the notices
+         * above are held: their abort notices must not take the room the withdrawals need. */
+        struct req *x = &reqs[nreqs];
+        CHECK(nreqs + CANCELLED <= MAX_REQS);
+        for (unsigned i = 0; i < CANCELLED; i++) {
+                uint32_t b = HELD + i, src = i % 64;
+                snprintf(x[i].id, sizeof(x[i].id), "held-x%u", i);
+                x[i].c = x[i].a = NONE;
+                struct kvf_task t = {.request_id = x[i].id, .src_block_ids = &src, .n_src = 1,
+                                     .dest_block_ids = &b, .n_dest = 1, .current_id = step + 1,
+                                     .transport = KVF_TRANSPORT_IPC, .peer = E};
+                CHECK_EQ(kvf_submit_task(pc, &t), 0);
+                nreqs++;
+        }
+        usleep(300000);
+        for (unsigned i = 0; i < CANCELLED; i++)
+                CHECK_EQ(kvf_submit_cancel(pc, x[i].id), 0);
         /* Every completion, the engine not reading: by the deadline plus a margin (the in-doubt
          * bound, a second deadline, is not reached): a request never posted waits a second for
          * room for its abort notice, then its completion goes without it. */
         uint64_t end = t0 + (uint64_t)(REQUEST_TIMEOUT_MS * 3 / 2 + 1000) * 1000000ull;
-        unsigned open = HELD;
+        unsigned open = HELD + CANCELLED;
         while (open && kvf_now_ns() < end) {
                 take(pc, 10);
                 open = 0;
                 for (unsigned i = 0; i < HELD; i++)
                         open += r[i].c == NONE;
+                for (unsigned i = 0; i < CANCELLED; i++)
+                        open += x[i].c == NONE;
         }
         unsigned ms = (unsigned)((kvf_now_ns() - t0) / 1000000);
+        for (unsigned i = 0; i < CANCELLED && open; i++)
+                if (x[i].c == NONE)
+                        fprintf(stderr, "%s: no completion within %u ms\n", x[i].id, ms);
         for (unsigned i = 0; i < HELD && open; i++)
                 if (r[i].c == NONE)
                         fprintf(stderr, "%s: no completion within %u ms (deadline %u ms)\n", r[i].id,
@@ -295,6 +318,15 @@ static void held_engine(struct kvf_client *pc)
         }
         while (take(ec, 200)) { /* (and nothing more: a second arrival fails in take) */
         }
+        for (unsigned i = 0; i < CANCELLED; i++) {
+                if (x[i].c != KVF_STATUS_CANCELLED ||
+                    (x[i].a != NONE && x[i].a != KVF_STATUS_CANCELLED)) {
+                        fprintf(stderr, "%s: completion %s (%s), arrival %s (%s)\n", x[i].id,
+                                sname(x[i].c), x[i].why, sname(x[i].a), x[i].awhy);
+                        exit(1);
+                }
+                x[i].judged = true;
+        }
         unsigned fin = 0, tout = 0, unposted = 0;
         for (unsigned i = 0; i < HELD; i++) {
                 bool never = strstr(r[i].why, "before the finish notice") != NULL;
@@ -313,9 +345,9 @@ static void held_engine(struct kvf_client *pc)
                 r[i].judged = true;
         }
         printf("  the decode engine stopped reading (its arrival ring full), %u requests: %u "
-               "finished, %u timed out on both sides (%u of them never posted), "
-               "every completion within %u ms\n",
-               HELD, fin, tout, unposted, ms);
+               "finished, %u timed out on both sides (%u of them never posted), %u more "
+               "cancelled while moving, every completion within %u ms\n",
+               HELD, fin, tout, unposted, CANCELLED, ms);
         CHECK(tout > unposted); /* else its ring never filled: the scenario did not happen */
         CHECK(unposted > 0);    /* else its notice ring never filled */
         kvf_detach(ec);
@@ -333,7 +365,7 @@ int main(void)
         const char *lay = "--model llama-3.1-8b --tp 8 --blocks 64";
         t_up(D, "--role decode %s --peer-timeout-ms %d", lay, PEER_TIMEOUT_MS);
         t_up(P,
-             "--role prefill %s --max-requests 512 --peer-timeout-ms %d --connect-timeout-ms 500 --request-timeout-ms "
+             "--role prefill %s --max-requests 1024 --peer-timeout-ms %d --connect-timeout-ms 500 --request-timeout-ms "
              "%d",
              lay, PEER_TIMEOUT_MS, REQUEST_TIMEOUT_MS);
         struct kvf_client *pc, *dc;

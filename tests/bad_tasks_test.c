@@ -18,7 +18,7 @@
 #include "instances.h"
 #include "kvferry.h"
 
-static char P[64], P2[64], D[64], D2[64], DX[64], G5[64], GX[64];
+static char P[64], P2[64], P3[64], D[64], D2[64], DX[64], G5[64], GX[64];
 static struct kvf_client *c;
 
 static void stale_cleanup(void)
@@ -319,6 +319,51 @@ static void double_booking(void)
         expect("the other peer's request is its own", "ov-g", KVF_STATUS_BAD_TASK, want);
         publish(step);
         expect_two_finished("the same blocks at another peer", "ov-e", "ov-f", 2);
+}
+
+/*
+ * The decode engine gives a request's block to its next request as soon as the arrival says
+ * `finished`, before the prefill side has heard the answer: that next task is no double
+ * booking (the first request's bytes have all landed) and must go through, round after round.
+ * From a prefill instance whose notices go through the connectors' sockets, where the answer
+ * takes longest to come back (with the blocks held until it came, about every other round was
+ * refused).
+ */
+static void block_reuse(const char *L)
+{
+        enum { ROUNDS = 60 };
+        struct kvf_client *dc, *keep = c;
+        snprintf(P3, sizeof(P3), "bt%d-p3", (int)getpid());
+        t_up(P3, "--role prefill %s --no-notice-rings", L);
+        CHECK_EQ(kvf_attach(P3, 5000, &c), 0);
+        CHECK_EQ(kvf_attach(D2, 5000, &dc), 0);
+        const uint32_t src[1] = {14}, dst[1] = {40};
+        for (int i = 0; i < ROUNDS; i++) {
+                char id[32];
+                snprintf(id, sizeof(id), "reuse-%d", i);
+                uint64_t step = kvf_last_step(c) + 1;
+                ipc_task(id, src, dst, 1, step, D2);
+                publish(step);
+                struct kvf_event ev;
+                do { /* its arrival, then the next task into the same block at once */
+                        CHECK_EQ(kvf_poll(dc, &ev, 10000), 1);
+                } while (ev.type != KVF_EVENT_ARRIVAL || strcmp(ev.request_id, id));
+                CHECK_EQ(ev.status, KVF_STATUS_FINISHED);
+        }
+        for (int i = 0; i < ROUNDS; i++) {
+                struct kvf_event ev;
+                next_completion(&ev);
+                if (ev.status != KVF_STATUS_FINISHED) {
+                        fprintf(stderr, "block reuse: %s %s: %s\n", ev.request_id,
+                                kvf_status_name(ev.status), ev.reason);
+                        exit(1);
+                }
+        }
+        kvf_detach(dc);
+        kvf_detach(c);
+        c = keep;
+        printf("  %-34s -> %d of %d finished\n", "a block reused at each arrival", ROUNDS, ROUNDS);
+        ncase++;
 }
 
 int main(void)
@@ -646,6 +691,7 @@ int main(void)
                         CHECK_EQ(kvf_layer_done(c, last + 1, l), 0);
                 expect("the new session's own step", "new-step", KVF_STATUS_FINISHED, "");
         }
+        block_reuse(L);
         kvf_detach(c);
         printf("bad_tasks_test: %d cases, each with its status and message; the good request finished\n", ncase);
         return 0;

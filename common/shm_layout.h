@@ -45,7 +45,7 @@
  * reg_* fields, a request's own_reg_gen and peer_reg_gen); a request's n_dst. 10: the counter
  * bytes_resent_tcp. 11: the layout's scale tensors (scale_dtype, scale_bytes). 12: the counter
  * notice_prewakes. 13: the counter tasks_held_back. 14: the role slot's session_base. 15: the
- * journal's pending entries (ring_pos KVF_JOURNAL_PENDING, skips) and its 16384 entries (was
+ * journal's pending entries (ring_pos KVF_JOURNAL_PENDING) and its 16384 entries (was
  * 4096), the counters arrivals_withdrawn_waiting and connections_over_limit. */
 #define KVF_LAYOUT_VERSION 15u
 #define KVF_CACHE_LINE 64u
@@ -356,7 +356,7 @@ struct kvf_journal_entry {
         uint64_t ring_pos; /* where the arrival record was claimed; KVF_JOURNAL_PENDING: decided,
                             * not yet published (a withdrawal answered while the ring was full) */
         uint32_t status;   /* the arrival's status: what a repeated or withdrawn notice is told */
-        uint32_t skips;    /* a pending entry: how often the journal's writer passed it over */
+        uint32_t pad;
         uint64_t session;  /* the decode engine session the arrival was published for */
 };
 

@@ -134,7 +134,6 @@ static uint32_t journal_slot(struct connector *cn)
                                    "every journal entry is a withdrawn arrival not yet published: one is overwritten");
                         return slot;
                 }
-                je->skips++;
         }
 }
 
@@ -146,7 +145,6 @@ static void journal_put(struct connector *cn, uint32_t slot, uint64_t key, uint6
         kvf_store_relaxed(&je->key_hash, 0);
         kvf_store_relaxed(&je->ring_pos, pos);
         kvf_store_relaxed(&je->status, (uint32_t)status);
-        kvf_store_relaxed(&je->skips, 0);
         kvf_store_relaxed(&je->session, session);
         kvf_store_release(&je->key_hash, key);
         /* The overwritten entry's index position now points at the new key's

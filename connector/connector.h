@@ -82,7 +82,8 @@ struct event {
         uint64_t src_gen; /* EV_NOTICE, EV_DATA_DONE: the sending instance's incarnation (the
                            * created_ns it proved in the handshake): transfer keys restart
                            * when a prefill instance is re-created under the same name */
-        bool answered; /* EV_NOTICE: a withdrawal answered while its arrival waits for room */
+        bool answered; /* EV_NOTICE from a slot: a withdrawal answered ahead of its turn while
+                        * the notice it withdrew waits for room (notices.c) */
         struct kvf_record rec;
         struct event *next;
 };
@@ -423,10 +424,11 @@ bool conn_arrival_published(struct connector *cn, const struct kvf_record *notic
  * notice's own for NULL) for the decode engine session `session`. Returns the
  * status to acknowledge with: for a repeat, the status the arrival was
  * published with (so a withdrawn notice learns what really happened);
- * -EAGAIN when the ring is full, -ENOMEM. A withdrawal is never told -EAGAIN:
- * with the ring full its status is decided and kept pending in the journal,
- * *owed set, and the arrival is published (by the notice it withdrew, or by
- * the withdrawal itself) once there is room.
+ * -EAGAIN when the ring is full, -ENOMEM. With `owed` (a withdrawal read from a
+ * notice slot's ring, where the notice it withdrew stays until published), a
+ * full ring decides it instead: its status is kept pending in the journal,
+ * *owed set, and the notice ahead of it publishes that status once there is
+ * room. NULL `owed` (a socket notice): -EAGAIN as for any notice.
  */
 int conn_publish_arrival(struct connector *cn, const struct kvf_record *notice, uint64_t src_gen,
                          int status, const char *why, uint64_t session, char *reason,

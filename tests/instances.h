@@ -7,17 +7,21 @@
  * instance's counters (those kvf-ringdump shows) through a read-only mapping
  * of its control segment, so a test waits for the event it means instead of
  * sleeping. The repository is KVF_SOURCE_DIR; the build comes from
- * $KVFERRY_BUILD (tests/CMakeLists.txt sets both).
+ * $KVFERRY_BUILD (tests/CMakeLists.txt sets both). t_free_port() names a loopback port free
+ * a moment ago, for a --listen the test must know in advance.
  */
 #ifndef KVF_TEST_INSTANCES_H
 #define KVF_TEST_INSTANCES_H
 
+#include <arpa/inet.h>
 #include <errno.h>
+#include <netinet/in.h>
 #include <stdarg.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -125,6 +129,18 @@ __attribute__((unused)) static void t_connector_addr(const char *name, char *out
         CHECK_EQ(kvf_connector_info_read(&c, host, sizeof(host), &port), 0);
         kvf_ctl_detach(&c);
         snprintf(out, len, "%s:%u", host, port);
+}
+
+/* A loopback tcp port that was free a moment ago. */
+__attribute__((unused)) static unsigned t_free_port(void)
+{
+        int fd = socket(AF_INET, SOCK_STREAM, 0);
+        struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+        socklen_t len = sizeof(a);
+        CHECK(fd >= 0 && bind(fd, (struct sockaddr *)&a, sizeof(a)) == 0 &&
+              getsockname(fd, (struct sockaddr *)&a, &len) == 0);
+        close(fd);
+        return ntohs(a.sin_port);
 }
 
 /* The instance's counter `id` now; -1 if its segment cannot be attached. Safe in a forked child

@@ -24,17 +24,6 @@
 
 static char P[64], D[64];
 
-static unsigned free_port(void)
-{
-        int fd = socket(AF_INET, SOCK_STREAM, 0);
-        struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
-        socklen_t len = sizeof(a);
-        CHECK(fd >= 0 && bind(fd, (struct sockaddr *)&a, sizeof(a)) == 0 &&
-              getsockname(fd, (struct sockaddr *)&a, &len) == 0);
-        close(fd);
-        return ntohs(a.sin_port);
-}
-
 /* Every byte of blocks [0, 2 * NREQ) of every layer tensor: set to v, or checked against it. */
 static uint64_t blocks(struct kvf_client *c, unsigned char v, bool check)
 {
@@ -79,7 +68,7 @@ int main(void)
         snprintf(P, sizeof(P), "rp%d-p", (int)getpid());
         snprintf(D, sizeof(D), "rp%d-d", (int)getpid());
         const char *L = "--model llama-3.1-8b --tp 8 --blocks 64 --backend host";
-        unsigned port = free_port();
+        unsigned port = t_free_port();
         char addr[64], down[512];
         snprintf(addr, sizeof(addr), "127.0.0.1:%u", port);
         snprintf(down, sizeof(down), "%s/tools/kvferry down --instance %s >/dev/null 2>&1", KVF_SOURCE_DIR, D);

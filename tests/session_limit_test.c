@@ -43,17 +43,6 @@
 
 static char P[64], D[64];
 
-static unsigned free_port(void)
-{
-        int fd = socket(AF_INET, SOCK_STREAM, 0);
-        struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
-        socklen_t len = sizeof(a);
-        CHECK(fd >= 0 && bind(fd, (struct sockaddr *)&a, sizeof(a)) == 0 &&
-              getsockname(fd, (struct sockaddr *)&a, &len) == 0);
-        close(fd);
-        return ntohs(a.sin_port);
-}
-
 static unsigned threads_of(int pid)
 {
         char path[64];
@@ -240,7 +229,7 @@ int main(void)
         snprintf(P, sizeof(P), "sl%d-p", (int)getpid());
         snprintf(D, sizeof(D), "sl%d-d", (int)getpid());
         const char *L = "--layers 4 --kv-heads 2 --head-dim 64 --block-size 16 --blocks 64 --backend host";
-        unsigned port = free_port();
+        unsigned port = t_free_port();
         char addr[64];
         snprintf(addr, sizeof(addr), "127.0.0.1:%u", port);
         t_up_start(D, "--role decode %s --listen %s --max-sessions %u --connect-timeout-ms %u", L, addr,

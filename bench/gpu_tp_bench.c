@@ -277,10 +277,14 @@ static void prefill_engine(uint32_t i, FILE *in, FILE *out)
                         if (rc < 0)
                                 fail(&e, "layer %u: %s", l, kvf_last_error());
                 }
-                uint64_t bytes = 0;
-                for (uint32_t n = 0; n < tasks; n++)
+                uint64_t bytes = 0, tpub = kvf_now_ns(), tfirst = 0;
+                for (uint32_t n = 0; n < tasks; n++) {
                         bytes += finished(&e, KVF_EVENT_COMPLETION, "completion", n, tasks);
-                say(&e, "D %" PRIu64 " %" PRIu64 " %" PRIu64 " %u", t0, kvf_now_ns(), bytes, tasks);
+                        if (!n)
+                                tfirst = kvf_now_ns();
+                }
+                say(&e, "D %" PRIu64 " %" PRIu64 " %" PRIu64 " %u %" PRIu64 " %" PRIu64, t0, kvf_now_ns(), bytes,
+                    tasks, tpub, tfirst);
         }
         if (e.dev >= 0)
                 gtp_gpu_sync(e.stream, NULL);
@@ -414,6 +418,13 @@ static double cpu_ms(int pid)
         return (ut + st) * 1000.0 / (double)sysconf(_SC_CLK_TCK);
 }
 
+/* A histogram's p99, never above its max (a bucket's upper bound may be). */
+static double q99(const struct kvf_histogram *h)
+{
+        uint64_t q = kvf_hist_quantile(h, 0.99);
+        return (double)(q < h->max ? q : h->max);
+}
+
 /* --stats: what each prefill sender did, per pass (the untimed one included): its copy batches
  * (with the sender's executor, one kernel each), its time submitting them (building the runs'
  * descriptors and launching, kvf-ringdump's copy_batch_ns), and its CPU time. */
@@ -425,18 +436,25 @@ static void sender_stats(uint32_t npasses)
                         printf("stats %s: %s\n", pname[i], kvf_err_msg());
                         continue;
                 }
-                struct kvf_histogram h;
+                struct kvf_histogram h, lc, ld;
                 memcpy(&h, &c.sender->hist[KVF_HIST_COPY], sizeof(h));
+                memcpy(&lc, &c.sender->hist[KVF_HIST_LAYER_TO_COPY], sizeof(lc));
+                memcpy(&ld, &c.sender->hist[KVF_HIST_LAST_TO_DONE], sizeof(ld));
                 int pid = (int)kvf_load_relaxed(&c.roles[KVF_ROLE_SENDER].pid);
                 uint64_t descs = kvf_load_relaxed(&c.counters[KVF_CTR_BLOCKS_IPC].value);
                 uint64_t slices = kvf_load_relaxed(&c.counters[KVF_CTR_COPY_SLICES].value);
+                uint64_t reused = kvf_load_relaxed(&c.counters[KVF_CTR_COPY_BATCHES_REUSED].value);
                 kvf_ctl_detach(&c);
                 double cpu = cpu_ms(pid);
                 printf("stats prefill rank %u: %.1f copy batches a pass, %.3f ms submitting them "
-                       "(%.1f us each, max %.1f us), %.1f backlog slices, %.0f blocks; sender CPU %.1f ms a pass\n",
+                       "(%.1f us each, max %.1f us; %.1f ran the descriptors of the batch before), %.1f backlog slices, %.0f blocks; sender CPU %.1f ms a pass\n",
                        i, (double)h.count / npasses, h.sum / 1e6 / npasses,
-                       h.count ? h.sum / 1e3 / (double)h.count : 0.0, h.max / 1e3, (double)slices / npasses,
+                       h.count ? h.sum / 1e3 / (double)h.count : 0.0, h.max / 1e3, (double)reused / npasses, (double)slices / npasses,
                        (double)descs / npasses, cpu < 0 ? -1.0 : cpu / npasses);
+                printf("stats prefill rank %u: layer-done -> its copy started p50 %.1f us, p99 %.1f, max %.1f; a "
+                       "request's last layer -> its completion p50 %.1f us, p99 %.1f, max %.1f\n",
+                       i, kvf_hist_quantile(&lc, 0.5) / 1e3, q99(&lc) / 1e3, lc.max / 1e3,
+                       kvf_hist_quantile(&ld, 0.5) / 1e3, q99(&ld) / 1e3, ld.max / 1e3);
         }
 }
 
@@ -574,11 +592,16 @@ int main(int argc, char **argv)
                         tell(&P[i], "G");
                 uint64_t first = UINT64_MAX, last = 0, bytes = 0;
                 for (uint32_t i = 0; i < o.p; i++) {
-                        uint64_t t0, t1, b;
+                        uint64_t t0, t1, b, tpub, tfirst;
                         unsigned n;
                         snprintf(who, sizeof(who), "prefill rank %u", i);
                         hear(&P[i], who, 'D', line, sizeof(line));
-                        CHECK(sscanf(line + 2, "%" SCNu64 " %" SCNu64 " %" SCNu64 " %u", &t0, &t1, &b, &n) == 4);
+                        CHECK(sscanf(line + 2, "%" SCNu64 " %" SCNu64 " %" SCNu64 " %u %" SCNu64 " %" SCNu64, &t0, &t1,
+                                     &b, &n, &tpub, &tfirst) == 6);
+                        if (o.stats)
+                                printf("timeline pass %u prefill rank %u: layers published %.3f ms, first completion "
+                                       "%.3f ms, last %.3f ms (from its first layer-done)\n",
+                                       pass, i, (tpub - t0) / 1e6, (tfirst - t0) / 1e6, (t1 - t0) / 1e6);
                         first = t0 < first ? t0 : first;
                         last = t1 > last ? t1 : last;
                         bytes += b;

@@ -77,6 +77,9 @@ struct kvf_copy_batch {
         uint32_t ndst;
         const struct kvf_copy_run *runs;
         uint32_t nruns;
+        /* NULL, or where a GPU backend adds the kernel launches of this batch that ran the
+         * descriptors already on the device (the batch before, moved by a layer) */
+        uint64_t *reused;
 };
 
 /* What the allocator asks of a new cache. */

@@ -513,7 +513,13 @@ static int cuda_copy_submit(const struct kvf_copy_batch *b, uint64_t *ticket)
                 }
         }
         struct kvf_gpu_batch gb = {.src = m->src, .n_src = cache_regions(b->src), .dst = m->dst, .n_dst = ndr};
-        return submit(m->copier, &gb, m->runs, nruns, ticket);
+        uint64_t r0 = 0, r1 = 0;
+        kvf_gpu_copier_counts(m->copier, NULL, &r0);
+        rc = submit(m->copier, &gb, m->runs, nruns, ticket);
+        kvf_gpu_copier_counts(m->copier, NULL, &r1);
+        if (b->reused)
+                *b->reused += r1 - r0;
+        return rc;
 }
 
 static int cuda_copy_poll(struct kvf_cache *src, uint64_t ticket)

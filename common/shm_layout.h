@@ -46,8 +46,9 @@
  * bytes_resent_tcp. 11: the layout's scale tensors (scale_dtype, scale_bytes). 12: the counter
  * notice_prewakes. 13: the counter tasks_held_back. 14: the role slot's session_base. 15: the
  * journal's pending entries (ring_pos KVF_JOURNAL_PENDING) and its 16384 entries (was
- * 4096), the counters arrivals_withdrawn_waiting and connections_over_limit. */
-#define KVF_LAYOUT_VERSION 15u
+ * 4096), the counters arrivals_withdrawn_waiting and connections_over_limit. 16: the counter
+ * copy_batches_reused. */
+#define KVF_LAYOUT_VERSION 16u
 #define KVF_CACHE_LINE 64u
 #define KVF_HEADER_SIZE 4096u
 

@@ -260,9 +260,12 @@ static int submit(struct sender *s, uint64_t *ticket)
                 host = s->cp.dst[i]->host;
         if (host && s->cp.nruns > 1)
                 sender_copies_sort(s);
+        uint64_t reused = 0;
         struct kvf_copy_batch b = {.src = &s->own, .dst = s->cp.dst, .ndst = s->cp.ndst,
-                                   .runs = s->cp.runs, .nruns = s->cp.nruns};
-        return kvf_cache_copy_submit(&b, ticket);
+                                   .runs = s->cp.runs, .nruns = s->cp.nruns, .reused = &reused};
+        int rc = kvf_cache_copy_submit(&b, ticket);
+        kvf_count(&s->ctl, KVF_CTR_COPY_BATCHES_REUSED, reused);
+        return rc;
 }
 
 void sender_copies_flush(struct sender *s)

@@ -408,6 +408,11 @@ bool sender_copies_busy(const struct sender *s, uint32_t slot)
         return (s->cp.state[slot] & COPY_IN_BATCH) || s->cp.inflight[slot];
 }
 
+bool sender_copies_room(const struct sender *s, uint32_t slot)
+{
+        return !(s->cp.state[slot] & (COPY_IN_BATCH | COPY_FAILED)) && s->cp.inflight[slot] < SENDER_COPY_DEPTH;
+}
+
 void sender_copies_drain(struct sender *s, uint64_t timeout_ns)
 {
         sender_copies_flush(s);

@@ -239,8 +239,14 @@ enum sender_adv sender_advance(struct sender *s, uint32_t slot, bool net_blocked
          * (SENDER_ADV_AGAIN), after that turn's progress word: newly ready layers of
          * in-time requests go first. Copies this thread makes itself (host caches, same
          * host) go in slices of SENDER_SLICE_BYTES_SYNC, and a layer of a backlog larger
-         * than that is cut by blocks (copy_layer_piece); otherwise one layer is never split. */
+         * than that is cut by blocks (copy_layer_piece); otherwise one layer is never split.
+         * Copies that complete later (kernels on one GPU stream), while other requests move
+         * too: one layer a turn. Every request then moves by one layer from a turn's batch to
+         * the next, so the next batch is the one before moved by a layer, whose descriptors
+         * the copier runs again instead of writing new ones (gpu/copier.cu), and a batch is
+         * never more than one layer of each request (the descriptor arena's room). */
         const bool cut_ok = s->sync_copies && !s->plan_on && r->transport == KVF_TRANSPORT_IPC;
+        const bool layer_turns = !s->sync_copies && r->transport == KVF_TRANSPORT_IPC && s->armed_copies > 1;
         uint64_t budget = cut_ok ? SENDER_SLICE_BYTES_SYNC : SENDER_SLICE_BYTES;
         int rc;
 
@@ -305,7 +311,7 @@ enum sender_adv sender_advance(struct sender *s, uint32_t slot, bool net_blocked
                                 kvf_count(&s->ctl, KVF_CTR_COPY_SLICES, 1);
                                 return SENDER_ADV_AGAIN; /* the next slice */
                         }
-                        uint64_t fit = per_layer ? budget / per_layer : ready - from;
+                        uint64_t fit = layer_turns ? 1 : per_layer ? budget / per_layer : ready - from;
                         uint32_t upto = ready;
                         if (fit < ready - from)
                                 upto = from + (fit ? (uint32_t)fit : 1);

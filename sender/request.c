@@ -255,9 +255,15 @@ static void flush_slot(struct sender *s, uint32_t i)
         uint8_t *f = &s->flags[i];
         /* Copies of its still gathered or in flight: no notice, no completion before they
          * land (an abort notice lets the peer's engine reuse the blocks). Their news marks
-         * it pending again. */
-        if (sender_copies_busy(s, i))
+         * it pending again. More of a backlog may go behind them (copies.c's room). */
+        if (sender_copies_busy(s, i)) {
+                if ((*f & SLOT_NEEDS_ADVANCE) && !(*f & (SLOT_ABORT_NOTICE | SLOT_NEEDS_COMPLETION)) &&
+                    sender_copies_room(s, i)) {
+                        *f &= (uint8_t)~SLOT_NEEDS_ADVANCE;
+                        advance(s, i);
+                }
                 return;
+        }
         int rc;
         if (*f & SLOT_ABORT_NOTICE) {
                 /* Best effort: one that can never be posted is given up (the peer times out),

@@ -539,6 +539,14 @@ void sender_copies_poll(struct sender *s);
 bool sender_copies_news(struct sender *s, uint32_t *slot, bool *failed, char *why, size_t whylen);
 /* The slot has copies gathered or in flight: nothing may be said about it yet. */
 bool sender_copies_busy(const struct sender *s, uint32_t slot);
+/*
+ * The next slice of the slot's backlog may be gathered while its copies are out: none gathered
+ * now, none failed, fewer than SENDER_COPY_DEPTH of its batches in flight. Copies of one cache
+ * land in order; two slices queued keep the GPU copying while the sender plans the next,
+ * and a new layer of another request waits behind at most two slices of a backlog.
+ */
+#define SENDER_COPY_DEPTH 2u
+bool sender_copies_room(const struct sender *s, uint32_t slot);
 /* Flush, then wait up to timeout_ns for every batch in flight (a peer going, the sender stopping). */
 void sender_copies_drain(struct sender *s, uint64_t timeout_ns);
 /* The engine's context owes the slot copies that have landed once exec.landed >= word.

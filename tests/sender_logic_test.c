@@ -1243,6 +1243,65 @@ static void case_async(void)
         step_now += 3;
 }
 
+/* Copies that land later (kernels on a GPU stream) with several requests moving: a backlog goes
+ * one layer a turn for each, so each batch is the one before moved by a layer (the GPU copier
+ * runs its descriptors again); a request moving alone takes its backlog in one slice. */
+static void case_layer_turns(void)
+{
+        const uint32_t s1[2] = {4, 5}, d1[2] = {20, 21}, s2[2] = {6, 7}, d2[2] = {22, 23};
+        uint64_t st = next_step();
+        engine_attach(&PA);
+        connector_start(&PA);
+        setenv("KVFERRY_ASYNC_DELAY_US", "1000", 1);
+        sender_up(&A, &PA);
+        task(&PA, "lt-a", DA.name, KVF_TRANSPORT_IPC, s1, 2, d1, 2, st, false);
+        task(&PA, "lt-b", DA.name, KVF_TRANSPORT_IPC, s2, 2, d2, 2, st, false);
+        turn(&A);
+        uint32_t a = slot_of(&A, "lt-a"), b = slot_of(&A, "lt-b"), turns = 0, deepest = 0;
+        progress(&PA, st, LAYERS); /* every layer ready at once: a backlog for both */
+        turn(&A);
+        /* not the whole backlog at once: a layer a batch, SENDER_COPY_DEPTH batches out */
+        CHECK(sender_req_state(&A, a) == SREQ_MOVING && A.ctl.reqtab[a].cur_layers == SENDER_COPY_DEPTH);
+        while (sender_req_state(&A, a) == SREQ_MOVING && turns++ < 1000) {
+                /* both by the same layers a turn; at most SENDER_COPY_DEPTH batches of each out */
+                CHECK_EQ(A.ctl.reqtab[a].cur_layers, A.ctl.reqtab[b].cur_layers);
+                CHECK(A.cp.inflight[a] <= SENDER_COPY_DEPTH);
+                deepest = A.cp.inflight[a] > deepest ? A.cp.inflight[a] : deepest;
+                kvf_sleep_ns(100000);
+                turn(&A);
+        }
+        CHECK(sender_req_state(&A, b) != SREQ_MOVING);
+        /* the next slice went while one was still copying: the copies never wait on the planning */
+        CHECK_EQ(deepest, SENDER_COPY_DEPTH);
+        settle(&A);
+        struct outs *o = to_connector(&PA);
+        CHECK(find(o, KVF_RT_FINISH, "lt-a")->status == KVF_STATUS_FINISHED);
+        CHECK(find(o, KVF_RT_FINISH, "lt-b")->status == KVF_STATUS_FINISHED);
+        CHECK(landed(&PA, &DA, s1, d1, 2));
+        CHECK(landed(&PA, &DA, s2, d2, 2));
+        write_result(&PA, key_of(&A, a), "lt-a", KVF_STATUS_FINISHED, "");
+        write_result(&PA, key_of(&A, b), "lt-b", KVF_STATUS_FINISHED, "");
+        settle(&A);
+        struct outs *cd = completions(&PA);
+        CHECK_DONE(cd, "lt-a", KVF_STATUS_FINISHED, "");
+        CHECK_DONE(cd, "lt-b", KVF_STATUS_FINISHED, "");
+
+        /* alone: its whole backlog (a few KiB) in the first turn */
+        task(&PA, "lt-c", DA.name, KVF_TRANSPORT_IPC, s1, 2, d1, 2, st + 1, false);
+        turn(&A);
+        uint32_t c = slot_of(&A, "lt-c");
+        progress(&PA, st + 1, LAYERS);
+        turn(&A);
+        CHECK(A.ctl.reqtab[c].cur_layers == LAYERS || sender_req_state(&A, c) != SREQ_MOVING);
+        settle(&A);
+        CHECK(find(to_connector(&PA), KVF_RT_FINISH, "lt-c")->status == KVF_STATUS_FINISHED);
+        write_result(&PA, key_of(&A, c), "lt-c", KVF_STATUS_FINISHED, "");
+        settle(&A);
+        CHECK_DONE(completions(&PA), "lt-c", KVF_STATUS_FINISHED, "");
+        sender_close(&A);
+        step_now += 2;
+}
+
 /* A copy batch's runs in source order: sorted, stable, none lost or repeated, at every size a
  * step makes (one run; offsets of a few bits, where passes are skipped; offsets past 2^40). */
 static void case_copy_sort(void)
@@ -1385,6 +1444,7 @@ int main(void)
         sender_close(&B);
         case_notice_rings();
         case_async();
+        case_layer_turns();
 
         kvf_cache_unmap(&P.cache);
         kvf_cache_unmap(&D.cache);

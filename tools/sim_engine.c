@@ -352,9 +352,13 @@ static int submit_task_(struct sim *s, struct sim_req *r, uint64_t step)
         return 0;
 }
 
-/* Write layer l of request r's blocks covered by tokens [from, to) (all ranks). */
+/* Write layer l of request r's blocks covered by tokens [from, to) (all ranks). Not once the
+ * request has ended (cancelled, failed) and its blocks were given back: they may be another
+ * request's now, and an engine computes nothing more of a request it let go. */
 static void write_layer(struct sim *s, struct sim_req *r, uint32_t l, uint32_t from, uint32_t to)
 {
+        if (r->src_freed)
+                return;
         const uint64_t t0 = kvf_now_ns();
         const struct kvf_layout_info *L = &s->L;
         uint32_t j0 = from / L->block_size, j1 = (to + L->block_size - 1) / L->block_size;
@@ -558,7 +562,7 @@ static int end_layer(struct sim *s, struct engine *e)
                 r->done_tokens = e->to[i];
                 if (!r->submitted && submit_task(s, r, e->step) < 0)
                         return -1;
-                if (r->done_tokens < r->tokens)
+                if (r->done_tokens < r->tokens && !r->src_freed) /* (an ended one: no more steps) */
                         e->active[keep++] = r;
         }
         e->nactive = keep;

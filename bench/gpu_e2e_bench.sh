@@ -10,10 +10,12 @@
 #   2. kvf-sim --gpu end to end, GPU caches on one GPU: the transfer tail of whole requests
 #      (the last layer's end on the GPU -> the arrival on the decode side) against one layer's
 #      copy of an average request at the bulk cudaMemcpy rate (--baseline), per executor:
-#        engine-hostfn      executor 2, layer-done by host function (the default)
-#        engine-writevalue  executor 2, layer-done written by the GPU (cuStreamWriteValue64)
-#        sender             executor 1 without MPS (the case MPS exists for)
-#        sender-mps         executor 1 under MPS (tools/kvferry up --mps, a private daemon)
+#        engine-hostfn      executor 2, layer-done by host function
+#        engine-writevalue  executor 2, layer-done written by the GPU (cuStreamWriteValue64, the default)
+#        sender             executor 1 without MPS (the case MPS exists for), host function
+#                           (its default)
+#        sender-mps         executor 1 under MPS (tools/kvferry up --mps, a private daemon),
+#                           the GPU-written word (its default)
 #      for llama-3.1-8b at tp 1 (128 KiB blocks) with a busy GPU (every SM, 200 us per layer).
 #   3. tools/kvferry demo (backend auto: the GPU), as a user runs it.
 #
@@ -130,7 +132,7 @@ if [ -n "$MPSCTL" ]; then
   MPS_DIR=$(mktemp -d /tmp/kvf-mps.XXXXXX)
   export CUDA_MPS_PIPE_DIRECTORY=$MPS_DIR CUDA_MPS_LOG_DIRECTORY=$OUT/mps-log
   mkdir -p "$CUDA_MPS_LOG_DIRECTORY"
-  sim_step sender-mps 75 sender KVFERRY_LAYER_SIGNAL=hostfn
+  sim_step sender-mps 75 sender KVFERRY_LAYER_SIGNAL=writevalue
   cleanup
   unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
 else

@@ -6,7 +6,7 @@
 # for its instances' roles: ENV_A and ENV_B (space-separated VAR=VALUE, e.g.
 # ENV_B="KVF_AB_NO_NOTICE_EXPECT=1"); A alone is empty. ROWS picks rows (default "engine-hostfn
 # engine-writevalue sender sender-mps"; sender-wv, sender-wv-mps: the sender's copies without
-# and under MPS with the layer-done word written by the GPU). Prints, per
+# and under MPS with the layer-done word written by the GPU, the default signal). Prints, per
 # run and as medians per arm with the ratio B / A: the in-time tail p50 and p99, and the stages
 # of the p50: the signal (the last layer's end -> the sender saw it) and the notice (-> the
 # sender posted the finish notice; the rest of the tail is the decode connector's).

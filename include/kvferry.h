@@ -317,7 +317,9 @@ int kvf_layer_done_on_stream(struct kvf_client *c, void *stream, uint64_t step, 
 
 /* How kvf_layer_done_on_stream() signals the sender. */
 enum kvf_layer_signal {
-        KVF_SIGNAL_DEFAULT = 0,    /* $KVFERRY_LAYER_SIGNAL ("hostfn" or "writevalue"), else hostfn */
+        KVF_SIGNAL_DEFAULT = 0,    /* $KVFERRY_LAYER_SIGNAL ("hostfn" or "writevalue"), else
+                                    * writevalue (hostfn where the GPU cannot write the word,
+                                    * and where the sender's context copies without MPS) */
         KVF_SIGNAL_HOSTFN = 1,     /* a CUDA host function publishes the word and rings the
                                     * sender's doorbell (CUDA's callback thread does it) */
         KVF_SIGNAL_WRITEVALUE = 2, /* the GPU writes the word itself (cuStreamWriteValue64); no

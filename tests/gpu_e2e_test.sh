@@ -4,7 +4,7 @@
 # busy, signalled with kvf_layer_done_on_stream; every byte of every arrival checked on the GPU).
 #   - both executors (the engine's context; the sender's context): per-query with late tasks and
 #     prefix hits, chunked prefill, cancels; the engine executor must really have copied (its
-#     plan claims counted in the segment); the stream-write signal as well as the host function;
+#     plan claims counted in the segment); both layer signals (the GPU-written word, the host function);
 #     the engine working on the legacy default stream (stream 0, as PyTorch does);
 #   - key-only (MLA) and speculative extra layers, both executors;
 #   - GPU caches over tcp (staged io), contiguous and scattered, and a decode connector killed;
@@ -70,8 +70,11 @@ for ex in engine sender; do
   all_finished "$ex: chunked" "$j" 20
   j=$(sim "$ex: cancel" cx-$ex --prefill $p --decode $d --requests 30 --layer-us 300 --cancel-pct 40)
   [ "$(jv "$j" finished_but_failed_pairs)" = 0 ] || fail "$ex: a cancelled request also arrived finished"
-  j=$(KVFERRY_LAYER_SIGNAL=writevalue sim "$ex: stream-write signal" wv-$ex --prefill $p --decode $d --requests 20 --layer-us 100)
-  all_finished "$ex: stream-write signal" "$j" 20
+  # The signal the default does not pick for this executor (without MPS: the GPU-written word for
+  # the engine's, the host function for the sender's; include/kvferry.h)
+  other=hostfn; [ $ex = sender ] && other=writevalue
+  j=$(KVFERRY_LAYER_SIGNAL=$other sim "$ex: $other signal" sig-$ex --prefill $p --decode $d --requests 20 --layer-us 100)
+  all_finished "$ex: $other signal" "$j" 20
   # The engine on the legacy default stream (stream 0: PyTorch's current stream unless the
   # engine made its own), which the engine executor's non-blocking side stream does not
   # follow unless it waits for it explicitly.
@@ -83,7 +86,7 @@ for ex in engine sender; do
     [ "$(rdv $p copy_errors)" = 0 ] || fail "engine executor: the engine reported copy errors"
     pass "engine executor: $claimed layers copied in the engine's context ($(rdv $p copy_kernels) kernels, $(rdv $p plans_published) plans, $(rdv $p plans_taken_back) taken back by the sender)"
   fi
-  pass "$ex executor: per-query (late tasks, prefix hits), chunked, cancels, the stream-write signal and the legacy default stream, every byte verified on the GPU"
+  pass "$ex executor: per-query (late tasks, prefix hits), chunked, cancels, both layer signals and the legacy default stream, every byte verified on the GPU"
   down $p; down $d
 done
 

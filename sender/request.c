@@ -598,18 +598,24 @@ void sender_req_progress(struct sender *s, uint64_t word, uint64_t publish_ns)
         s->copy_timed = false;
         uint64_t step = KVF_PROGRESS_STEP(word);
 
-        /* Buckets move while we work (requests re-arm at later steps), so take the first
-         * bucket again after each request. */
+        /* Requests armed at earlier steps: all their layers are ready; each advances once
+         * here (buckets move while we work, so from a list taken first). One whose backlog is
+         * left re-arms at the same step and goes on from flush_pending in the next turns, a
+         * slice at a time as sender_advance cuts it, not all of it into this word's batch. */
+        uint32_t nold = 0;
+        for (uint32_t bi = 0; bi < s->nbuckets && s->buckets[bi].step < step; bi++)
+                for (uint32_t k = 0; k < s->buckets[bi].n; k++)
+                        s->tmp[nold++] = s->buckets[bi].slots[k];
+        for (uint32_t k = 0; k < nold; k++) {
+                uint32_t slot = s->tmp[k];
+                if (s->armed[slot] >= step)
+                        continue; /* (re-armed since: at this step or later) */
+                sender_disarm(s, slot);
+                sender_req_event(s, slot, &layers_ready);
+        }
         for (;;) {
-                if (s->nbuckets == 0 || s->buckets[0].step > step)
+                if (s->nbuckets == 0 || s->buckets[0].step != step)
                         break;
-                if (s->buckets[0].step < step) {
-                        /* every request here completes its mark and re-arms elsewhere */
-                        uint32_t slot = s->buckets[0].slots[0];
-                        sender_disarm(s, slot);
-                        sender_req_event(s, slot, &layers_ready);
-                        continue;
-                }
                 /* bucket == step: requests advance but may stay in it */
                 struct bucket *b = &s->buckets[0];
                 uint32_t n = b->n, nf = 0;

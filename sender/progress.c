@@ -246,7 +246,8 @@ enum sender_adv sender_advance(struct sender *s, uint32_t slot, bool net_blocked
          * the copier runs again instead of writing new ones (gpu/copier.cu), and a batch is
          * never more than one layer of each request (the descriptor arena's room). */
         const bool cut_ok = s->sync_copies && !s->plan_on && r->transport == KVF_TRANSPORT_IPC;
-        const bool layer_turns = !s->sync_copies && r->transport == KVF_TRANSPORT_IPC && s->armed_copies > 1;
+        const uint32_t others = s->armed_copies - (s->armed[slot] != UINT64_MAX); /* (this one disarmed or not) */
+        const bool layer_turns = !s->sync_copies && r->transport == KVF_TRANSPORT_IPC && others > 0;
         uint64_t budget = cut_ok ? SENDER_SLICE_BYTES_SYNC : SENDER_SLICE_BYTES;
         int rc;
 

@@ -614,10 +614,15 @@ void sender_req_progress(struct sender *s, uint64_t word, uint64_t publish_ns)
                 sender_req_event(s, slot, &layers_ready);
         }
         for (;;) {
-                if (s->nbuckets == 0 || s->buckets[0].step != step)
+                /* (after any bucket still left at an earlier step: those go on from
+                 * flush_pending) */
+                uint32_t bi = 0;
+                while (bi < s->nbuckets && s->buckets[bi].step < step)
+                        bi++;
+                if (bi == s->nbuckets || s->buckets[bi].step != step)
                         break;
                 /* bucket == step: requests advance but may stay in it */
-                struct bucket *b = &s->buckets[0];
+                struct bucket *b = &s->buckets[bi];
                 uint32_t n = b->n, nf = 0;
                 memcpy(s->tmp, b->slots, n * sizeof(uint32_t));
                 /* The step's last layer: the requests it completes go first, as a batch of

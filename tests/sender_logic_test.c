@@ -1298,8 +1298,33 @@ static void case_layer_turns(void)
         write_result(&PA, key_of(&A, c), "lt-c", KVF_STATUS_FINISHED, "");
         settle(&A);
         CHECK_DONE(completions(&PA), "lt-c", KVF_STATUS_FINISHED, "");
+
+        /* a backlog left at an earlier step does not hold up the next step's requests */
+        task(&PA, "lt-x", DA.name, KVF_TRANSPORT_IPC, s1, 2, d1, 2, st + 2, false);
+        task(&PA, "lt-y", DA.name, KVF_TRANSPORT_IPC, s2, 2, d2, 2, st + 3, false);
+        turn(&A);
+        uint32_t x = slot_of(&A, "lt-x"), y = slot_of(&A, "lt-y");
+        progress(&PA, st + 2, LAYERS);
+        turn(&A);
+        CHECK(sender_req_state(&A, x) == SREQ_MOVING); /* layers of it left */
+        progress(&PA, st + 3, 1);
+        turn(&A);
+        CHECK_EQ(A.ctl.reqtab[y].cur_layers, 1);
+        progress(&PA, st + 3, LAYERS);
+        settle(&A);
+        o = to_connector(&PA);
+        CHECK(find(o, KVF_RT_FINISH, "lt-x")->status == KVF_STATUS_FINISHED);
+        CHECK(find(o, KVF_RT_FINISH, "lt-y")->status == KVF_STATUS_FINISHED);
+        CHECK(landed(&PA, &DA, s1, d1, 2));
+        CHECK(landed(&PA, &DA, s2, d2, 2));
+        write_result(&PA, key_of(&A, x), "lt-x", KVF_STATUS_FINISHED, "");
+        write_result(&PA, key_of(&A, y), "lt-y", KVF_STATUS_FINISHED, "");
+        settle(&A);
+        cd = completions(&PA);
+        CHECK_DONE(cd, "lt-x", KVF_STATUS_FINISHED, "");
+        CHECK_DONE(cd, "lt-y", KVF_STATUS_FINISHED, "");
         sender_close(&A);
-        step_now += 2;
+        step_now += 4;
 }
 
 /* A copy batch's runs in source order: sorted, stable, none lost or repeated, at every size a

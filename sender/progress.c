@@ -243,8 +243,8 @@ enum sender_adv sender_advance(struct sender *s, uint32_t slot, bool net_blocked
          * Copies that complete later (kernels on one GPU stream), while other requests move
          * too: one layer a turn. Every request then moves by one layer from a turn's batch to
          * the next, so the next batch is the one before moved by a layer, whose descriptors
-         * the copier runs again instead of writing new ones (gpu/copier.cu), and a batch is
-         * never more than one layer of each request (the descriptor arena's room). */
+         * the copier runs again instead of writing new ones (gpu/copier.cu), and a batch holds
+         * a layer of each request, not its whole backlog (the descriptor arena's room). */
         const bool cut_ok = s->sync_copies && !s->plan_on && r->transport == KVF_TRANSPORT_IPC;
         const uint32_t others = s->armed_copies - (s->armed[slot] != UINT64_MAX); /* (this one disarmed or not) */
         const bool layer_turns = !s->sync_copies && r->transport == KVF_TRANSPORT_IPC && others > 0;

@@ -613,15 +613,12 @@ void sender_req_progress(struct sender *s, uint64_t word, uint64_t publish_ns)
                 sender_disarm(s, slot);
                 sender_req_event(s, slot, &layers_ready);
         }
-        for (;;) {
-                /* (after any bucket still left at an earlier step: those go on from
-                 * flush_pending) */
-                uint32_t bi = 0;
-                while (bi < s->nbuckets && s->buckets[bi].step < step)
-                        bi++;
-                if (bi == s->nbuckets || s->buckets[bi].step != step)
-                        break;
-                /* bucket == step: requests advance but may stay in it */
+        /* This step's bucket, after any still left at an earlier step (those go on from
+         * flush_pending): its requests advance but may stay in it. */
+        uint32_t bi = 0;
+        while (bi < s->nbuckets && s->buckets[bi].step < step)
+                bi++;
+        if (bi < s->nbuckets && s->buckets[bi].step == step) {
                 struct bucket *b = &s->buckets[bi];
                 uint32_t n = b->n, nf = 0;
                 memcpy(s->tmp, b->slots, n * sizeof(uint32_t));
@@ -643,7 +640,6 @@ void sender_req_progress(struct sender *s, uint64_t word, uint64_t publish_ns)
                                 sender_flush_slots(s, s->tmp, nf);
                         }
                 }
-                break;
         }
         sender_req_copies(s, true); /* the layer's copies of every request: one batch */
         /* Finish notices before new tasks: a request whose last layer was just copied waits

@@ -1243,6 +1243,25 @@ static void case_async(void)
         step_now += 3;
 }
 
+/* Two ipc requests of the host-async pair that moved every layer: both finish notices out, the
+ * bytes landed, the connector's results back, both completions 'finished'. */
+static void finish_two(const char *ia, uint32_t a, const uint32_t *sa, const uint32_t *da, const char *ib,
+                       uint32_t b, const uint32_t *sb, const uint32_t *db)
+{
+        settle(&A);
+        struct outs *o = to_connector(&PA);
+        CHECK(find(o, KVF_RT_FINISH, ia)->status == KVF_STATUS_FINISHED);
+        CHECK(find(o, KVF_RT_FINISH, ib)->status == KVF_STATUS_FINISHED);
+        CHECK(landed(&PA, &DA, sa, da, 2));
+        CHECK(landed(&PA, &DA, sb, db, 2));
+        write_result(&PA, key_of(&A, a), ia, KVF_STATUS_FINISHED, "");
+        write_result(&PA, key_of(&A, b), ib, KVF_STATUS_FINISHED, "");
+        settle(&A);
+        struct outs *cd = completions(&PA);
+        CHECK_DONE(cd, ia, KVF_STATUS_FINISHED, "");
+        CHECK_DONE(cd, ib, KVF_STATUS_FINISHED, "");
+}
+
 /* Copies that land later (kernels on a GPU stream) with several requests moving: a backlog goes
  * one layer a turn for each, so each batch is the one before moved by a layer (the GPU copier
  * runs its descriptors again); a request moving alone takes its backlog in one slice. */
@@ -1273,18 +1292,7 @@ static void case_layer_turns(void)
         CHECK(sender_req_state(&A, b) != SREQ_MOVING);
         /* the next slice went while one was still copying: the copies never wait on the planning */
         CHECK_EQ(deepest, SENDER_COPY_DEPTH);
-        settle(&A);
-        struct outs *o = to_connector(&PA);
-        CHECK(find(o, KVF_RT_FINISH, "lt-a")->status == KVF_STATUS_FINISHED);
-        CHECK(find(o, KVF_RT_FINISH, "lt-b")->status == KVF_STATUS_FINISHED);
-        CHECK(landed(&PA, &DA, s1, d1, 2));
-        CHECK(landed(&PA, &DA, s2, d2, 2));
-        write_result(&PA, key_of(&A, a), "lt-a", KVF_STATUS_FINISHED, "");
-        write_result(&PA, key_of(&A, b), "lt-b", KVF_STATUS_FINISHED, "");
-        settle(&A);
-        struct outs *cd = completions(&PA);
-        CHECK_DONE(cd, "lt-a", KVF_STATUS_FINISHED, "");
-        CHECK_DONE(cd, "lt-b", KVF_STATUS_FINISHED, "");
+        finish_two("lt-a", a, s1, d1, "lt-b", b, s2, d2);
 
         /* alone: its whole backlog (a few KiB) in the first turn */
         task(&PA, "lt-c", DA.name, KVF_TRANSPORT_IPC, s1, 2, d1, 2, st + 1, false);
@@ -1311,18 +1319,7 @@ static void case_layer_turns(void)
         turn(&A);
         CHECK_EQ(A.ctl.reqtab[y].cur_layers, 1);
         progress(&PA, st + 3, LAYERS);
-        settle(&A);
-        o = to_connector(&PA);
-        CHECK(find(o, KVF_RT_FINISH, "lt-x")->status == KVF_STATUS_FINISHED);
-        CHECK(find(o, KVF_RT_FINISH, "lt-y")->status == KVF_STATUS_FINISHED);
-        CHECK(landed(&PA, &DA, s1, d1, 2));
-        CHECK(landed(&PA, &DA, s2, d2, 2));
-        write_result(&PA, key_of(&A, x), "lt-x", KVF_STATUS_FINISHED, "");
-        write_result(&PA, key_of(&A, y), "lt-y", KVF_STATUS_FINISHED, "");
-        settle(&A);
-        cd = completions(&PA);
-        CHECK_DONE(cd, "lt-x", KVF_STATUS_FINISHED, "");
-        CHECK_DONE(cd, "lt-y", KVF_STATUS_FINISHED, "");
+        finish_two("lt-x", x, s1, d1, "lt-y", y, s2, d2);
         sender_close(&A);
         step_now += 4;
 }

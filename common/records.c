@@ -233,26 +233,61 @@ static int type_err(const char *field, const char *want, const struct kvf_mp *m)
  * Strings come back to engines (a completion echoes the request id), and a
  * Python engine decoding with raw=False fails on invalid UTF-8: refuse it here.
  */
+/* The length of the valid UTF-8 sequence at p[0..n), n > 0; 0 when it is not one. */
+static uint32_t utf8_seq(const uint8_t *p, uint32_t n)
+{
+        uint8_t c = p[0];
+        uint32_t len = c < 0x80 ? 1 : (c >> 5) == 6 ? 2 : (c >> 4) == 14 ? 3 : (c >> 3) == 30 ? 4 : 0;
+        if (!len || len > n)
+                return 0;
+        uint32_t cp = len == 1 ? c : c & (0x7f >> len);
+        for (uint32_t k = 1; k < len; k++) {
+                if ((p[k] & 0xc0) != 0x80)
+                        return 0;
+                cp = (cp << 6) | (p[k] & 0x3f);
+        }
+        /* no overlong forms, no surrogates, nothing past U+10FFFF */
+        static const uint32_t min[5] = {0, 0, 0x80, 0x800, 0x10000};
+        if (cp < min[len] || (cp >= 0xd800 && cp <= 0xdfff) || cp > 0x10ffff)
+                return 0;
+        return len;
+}
+
 static bool utf8_ok(const uint8_t *p, uint32_t n)
 {
-        for (uint32_t i = 0; i < n;) {
-                uint8_t c = p[i];
-                uint32_t len = c < 0x80 ? 1 : (c >> 5) == 6 ? 2 : (c >> 4) == 14 ? 3 : (c >> 3) == 30 ? 4 : 0;
-                if (!len || i + len > n)
+        for (uint32_t i = 0, len; i < n; i += len)
+                if (!(len = utf8_seq(p + i, n - i)))
                         return false;
-                uint32_t cp = len == 1 ? c : c & (0x7f >> len);
-                for (uint32_t k = 1; k < len; k++) {
-                        if ((p[i + k] & 0xc0) != 0x80)
-                                return false;
-                        cp = (cp << 6) | (p[i + k] & 0x3f);
-                }
-                /* no overlong forms, no surrogates, nothing past U+10FFFF */
-                static const uint32_t min[5] = {0, 0, 0x80, 0x800, 0x10000};
-                if (cp < min[len] || (cp >= 0xd800 && cp <= 0xdfff) || cp > 0x10ffff)
-                        return false;
-                i += len;
-        }
         return true;
+}
+
+size_t kvf_text_clean(char *dst, size_t cap, const char *src, size_t n)
+{
+        static const char hex[] = "0123456789abcdef";
+        const uint8_t *p = (const uint8_t *)src;
+        size_t o = 0;
+        if (!cap)
+                return 0;
+        for (size_t i = 0; i < n && p[i];) {
+                uint32_t len = utf8_seq(p + i, (uint32_t)(n - i < 4 ? n - i : 4));
+                if (len) {
+                        if (o + len >= cap)
+                                break; /* never half a character */
+                        memcpy(dst + o, p + i, len);
+                        o += len;
+                        i += len;
+                        continue;
+                }
+                if (o + 4 >= cap)
+                        break;
+                dst[o++] = '\\';
+                dst[o++] = 'x';
+                dst[o++] = hex[p[i] >> 4];
+                dst[o++] = hex[p[i] & 15];
+                i++;
+        }
+        dst[o] = '\0';
+        return o;
 }
 
 static int dec_str(struct kvf_mp *m, const struct field *f, char *dst, const char **raw,
@@ -281,6 +316,21 @@ static int dec_str(struct kvf_mp *m, const struct field *f, char *dst, const cha
                 return kvf_err_set(-EBADMSG, "field '%s' is not valid UTF-8", f->name);
         memcpy(dst, s, n);
         dst[n] = '\0';
+        return 0;
+}
+
+/* A reason: text for people, never refused for its bytes (a peer's reason may quote an id
+ * given as bytes, or be another build's): kept as valid UTF-8, other bytes as \\xNN, cut at
+ * a character's end when it does not fit. */
+static int dec_text(struct kvf_mp *m, const struct field *f, char *dst)
+{
+        const char *s;
+        uint32_t n;
+        if (kvf_mp_peek(m) != KVF_MP_STR)
+                return type_err(f->name, "a string", m);
+        if (kvf_mp_str(m, &s, &n) < 0)
+                return kvf_err_set(-EBADMSG, "field '%s': string runs past the end of the record", f->name);
+        kvf_text_clean(dst, f->aux, s, n);
         return 0;
 }
 
@@ -422,6 +472,8 @@ static int dec_field(struct kvf_mp *m, const struct field *f, struct kvf_record 
 
         switch (f->kind) {
         case F_STR:
+                if (f == &fields[REASON])
+                        return dec_text(m, f, base + f->off);
                 return dec_str(m, f, base + f->off, NULL, NULL);
         case F_ID:
                 return dec_id(m, f, r);
@@ -700,9 +752,19 @@ int kvf_record_encode(const struct kvf_record *r, void *buf, size_t cap)
                         continue;
                 pack_str(&pk, f->name);
                 switch (f->kind) {
-                case F_STR:
-                        pack_str(&pk, base + f->off);
+                case F_STR: {
+                        /* What kvferry writes is UTF-8 whatever it quotes (a reason names an id
+                         * given as bytes, or was cut mid-character): readers refuse other str. */
+                        const char *v = base + f->off;
+                        size_t vn = strnlen(v, f->aux);
+                        char clean[256]; /* (every str field is smaller: records.h) */
+                        if (!utf8_ok((const uint8_t *)v, (uint32_t)vn)) {
+                                kvf_text_clean(clean, f->aux < sizeof(clean) ? f->aux : sizeof(clean), v, vn);
+                                v = clean;
+                        }
+                        pack_str(&pk, v);
                         break;
+                }
                 case F_ID:
                         if (r->id_bin) {
                                 size_t idn = strlen(base + f->off);

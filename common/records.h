@@ -199,6 +199,11 @@ int kvf_record_peek_request_id(const void *buf, size_t len, char *out, size_t ca
  */
 int kvf_record_encode(const struct kvf_record *r, void *buf, size_t cap);
 
+/* src[0..n) (up to a NUL) as valid UTF-8 text into dst (cap bytes with the NUL): a byte that
+ * starts no valid sequence becomes \xNN; cut at a character's end when it does not fit.
+ * Returns the length written. What kvferry packs as str goes through it. */
+size_t kvf_text_clean(char *dst, size_t cap, const char *src, size_t n);
+
 /* Encode into a fresh malloc'd buffer; *len receives its length. */
 int kvf_record_encode_alloc(const struct kvf_record *r, uint8_t **buf, size_t *len);
 /* A buffer this large always holds the record's encoding. */

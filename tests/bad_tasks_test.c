@@ -321,6 +321,50 @@ static void double_booking(void)
         expect_two_finished("the same blocks at another peer", "ov-e", "ov-f", 2);
 }
 
+/* An ipc task of one block whose request id goes as msgpack bin (bytes, not UTF-8). */
+static void bin_task(const char *id, long src, long dst, uint64_t step, const char *peer)
+{
+        struct pk k;
+        pk_init(&k);
+        msgpack_pack_map(&k.p, 6);
+        str(&k, "request_id");
+        msgpack_pack_bin(&k.p, strlen(id));
+        msgpack_pack_bin_body(&k.p, id, strlen(id));
+        str(&k, "src_block_ids");
+        ids(&k, &src, 1);
+        str(&k, "dest_block_ids");
+        ids(&k, &dst, 1);
+        str(&k, "current_id");
+        msgpack_pack_uint64(&k.p, step);
+        str(&k, "transfer_protocol");
+        str(&k, "ipc");
+        str(&k, "peer");
+        str(&k, peer);
+        submit_pk(&k);
+}
+
+/*
+ * A reason that quotes an id given as bytes (here the live request's, in the double-booking
+ * refusal), and one cut where a character is longer than the room left: the completion still
+ * reaches the engine (readers refuse a str that is not UTF-8; the engine's poll failed with
+ * "field 'reason' is not valid UTF-8" and the refusal was lost), with the bytes as \xNN.
+ */
+static void reasons_as_text(void)
+{
+        char live[96], want[200];
+        uint64_t step = kvf_last_step(c) + 1;
+        /* 'é' is two bytes: at an odd offset the reason's 239-byte cut falls inside one. */
+        snprintf(live, sizeof(live), "bytes-\xff\xfe-");
+        for (size_t n = strlen(live); n + 2 < 90; n += 2)
+                strcat(live, "\xc3\xa9");
+        bin_task(live, 14, 40, step, D);
+        bin_task("bytes-\xff-second", 15, 40, step, D);
+        snprintf(want, sizeof(want), "is already the destination of live request 'bytes-\\xff\\xfe-\xc3\xa9");
+        expect("a reason quoting a bytes id", "bytes-\xff-second", KVF_STATUS_BAD_TASK, want);
+        publish(step);
+        expect("the bytes-id request goes on", live, KVF_STATUS_FINISHED, "");
+}
+
 /*
  * The decode engine gives a request's block to its next request as soon as the arrival says
  * `finished`, before the prefill side has heard the answer: that next task is no double
@@ -565,6 +609,7 @@ int main(void)
                 expect("cancel of the first one", "dup", KVF_STATUS_CANCELLED, "cancelled by the engine");
         }
         double_booking();
+        reasons_as_text();
 
         /* Records that have no completion to give: counted and logged, nothing else. */
         struct kvf_ctl ctl;

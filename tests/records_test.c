@@ -493,6 +493,57 @@ static void test_encode_errors(void)
         CHECK(kvf_record_encode(&r, buf, sizeof(buf)) > 0);
 }
 
+/* Reasons are text for people: what kvferry writes is UTF-8 whatever it quotes, and a reason of
+ * other bytes from a peer is kept as \xNN rather than the record refused. */
+static void test_reason_text(void)
+{
+        char out[16];
+        CHECK_EQ(kvf_text_clean(out, sizeof(out), "ok \xc3\xa9", 5), 5u);
+        CHECK_STREQ("valid text unchanged", out, "ok \xc3\xa9");
+        kvf_text_clean(out, sizeof(out), "a\xff" "b\xc0\xaf", 5);
+        CHECK_STREQ("bytes as \\xNN", out, "a\\xffb\\xc0\\xaf");
+        /* 15 bytes fit: 14 digits + 'é' would need 16 */
+        CHECK_EQ(kvf_text_clean(out, sizeof(out), "01234567890123\xc3\xa9", 16), 14u);
+        CHECK_STREQ("never half a character", out, "01234567890123");
+        CHECK_EQ(kvf_text_clean(out, sizeof(out), "0123456789012\xff", 14), 13u);
+        CHECK_STREQ("never half an escape", out, "0123456789012");
+        CHECK_EQ(kvf_text_clean(out, sizeof(out), "\xe2\x82", 2), 8u); /* a sequence cut short */
+        CHECK_STREQ("a cut sequence", out, "\\xe2\\x82");
+
+        /* encoded: a completion whose reason quotes bytes and was cut mid-character */
+        struct kvf_record r = {.type = KVF_REC_COMPLETION}, back;
+        uint8_t buf[1024];
+        fill(r.request_id, sizeof(r.request_id), "rq");
+        r.status = KVF_STATUS_BAD_TASK;
+        memset(r.reason, 'x', sizeof(r.reason) - 1);
+        memcpy(r.reason, "live '\xff'", 8);
+        r.reason[sizeof(r.reason) - 2] = '\xc3'; /* the first byte of 'é', cut */
+        r.reason[sizeof(r.reason) - 1] = '\0';
+        int n = kvf_record_encode(&r, buf, sizeof(buf));
+        CHECK(n > 0);
+        CHECK_EQ(kvf_record_decode(KVF_REC_COMPLETION, buf, (size_t)n, 0, &back), 0);
+        CHECK(!strncmp(back.reason, "live '\\xff'xxx", 14));
+        CHECK(strlen(back.reason) < sizeof(back.reason));
+        kvf_record_free(&back);
+
+        /* decoded: a peer's reason of other bytes is kept, not the record refused */
+        msgpack_sbuffer sb;
+        msgpack_packer pk;
+        msgpack_sbuffer_init(&sb);
+        msgpack_packer_init(&pk, &sb, msgpack_sbuffer_write);
+        msgpack_pack_map(&pk, 3);
+        msgpack_pack_str_with_body(&pk, "request_id", 10);
+        msgpack_pack_str_with_body(&pk, "rq", 2);
+        msgpack_pack_str_with_body(&pk, "status", 6);
+        msgpack_pack_str_with_body(&pk, "bad task", 8);
+        msgpack_pack_str_with_body(&pk, "reason", 6);
+        msgpack_pack_str_with_body(&pk, "caf\xe9", 4);
+        CHECK_EQ(kvf_record_decode(KVF_REC_COMPLETION, sb.data, sb.size, 0, &back), 0);
+        CHECK_STREQ("a peer's Latin-1 reason", back.reason, "caf\\xe9");
+        kvf_record_free(&back);
+        msgpack_sbuffer_destroy(&sb);
+}
+
 /* ---- malformed inputs ---- */
 
 static void v_int(msgpack_packer *pk) { msgpack_pack_int(pk, 5); }
@@ -1537,6 +1588,7 @@ int main(int argc, char **argv)
                 ntypes += covered[t];
         printf("ok: round trips of all %d record types\n", ntypes);
         test_encode_errors();
+        test_reason_text();
         test_malformed();
         test_partial_free();
         test_unknown_keys();

@@ -88,6 +88,19 @@ static void identity_rec(struct kvf_record *r, uint32_t type, const struct kvf_c
         r->lay_token_major = token_major(h);
 }
 
+/* The peer's place in its group, as its record gives it (64-bit fields): a rank of the group,
+ * whose size `up` allows (1 to 65536; 0 is an older peer's "one"). */
+static int check_rank(const struct kvf_record *r, const char *peer, char *why, size_t whylen)
+{
+        uint64_t n = r->lay_nranks ? r->lay_nranks : 1;
+        if (n <= 65536 && r->lay_rank < n)
+                return 0;
+        snprintf(why, whylen, "peer layout mismatch with '%s': it says it is rank %llu of a group of %llu, "
+                 "which is no rank of a group (1 to 65536 ranks)", peer, (unsigned long long)r->lay_rank,
+                 (unsigned long long)r->lay_nranks);
+        return -EXDEV;
+}
+
 /* Peers move whole blocks as they lie: both lay a block out the same way, or neither may send. */
 static int check_token_order(const struct kvf_ctl_header *h, uint64_t theirs, const char *peer, char *why,
                              size_t whylen)
@@ -243,6 +256,10 @@ int conn_handshake_client(struct connector *cn, int fd, const char *purpose,
                 kvf_record_free(&r);
         snprintf(out->instance, sizeof(out->instance), "%s", r.instance);
         out->created_ns = r.generation;
+        if (check_rank(&r, out->instance, why, sizeof(why)) < 0) {
+                *status = KVF_STATUS_LAYOUT_MISMATCH;
+                return welcome_fail(welcome, kvf_err_set(-EXDEV, "handshake: %s", why));
+        }
         out->rank = (uint32_t)r.lay_rank;
         out->nranks = r.lay_nranks ? (uint32_t)r.lay_nranks : 1;
         /* Only an instance that receives may be written into (the server refuses
@@ -325,6 +342,11 @@ int conn_handshake_server(struct connector *cn, int fd, struct peer_identity *ou
         }
         snprintf(out->instance, sizeof(out->instance), "%s", r.instance);
         out->created_ns = r.generation;
+        if (check_rank(&r, out->instance, why, sizeof(why)) < 0) {
+                snprintf(reason, sizeof(reason), "%s (as seen by '%s')", why, h->instance);
+                refuse(fd, KVF_STATUS_LAYOUT_MISMATCH, reason, to);
+                return kvf_err_set(-EXDEV, "handshake with '%s': %s", out->instance, reason);
+        }
         out->rank = (uint32_t)r.lay_rank;
         out->nranks = r.lay_nranks ? (uint32_t)r.lay_nranks : 1;
         if (h->instance_role != KVF_IROLE_DECODE && h->instance_role != KVF_IROLE_MIXED) {

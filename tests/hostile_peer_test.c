@@ -77,6 +77,9 @@ static int recv_rec(int fd, int want, struct kvf_record *r)
         return kvf_record_decode(want, buf, h.len, 0, r);
 }
 
+/* The rank fields dial() says it has (64-bit on the wire); 0 of 0 is one rank of one. */
+static uint64_t dial_rank, dial_nranks;
+
 /* Connect and authenticate as instance "evil" with our layout; -EACCES if refused. */
 static int dial(const char *purpose, const uint8_t *tok, size_t tl)
 {
@@ -101,6 +104,8 @@ static int dial(const char *purpose, const uint8_t *tok, size_t tl)
         struct kvf_cache_layout cl;
         CHECK(kvf_layout_from_info(&cl, &L) == 0);
         kvf_layout_to_record(&cl, &r);
+        r.lay_rank = dial_rank;
+        r.lay_nranks = dial_nranks;
         CHECK(send_rec(fd, &r) == 0);
         int rc = recv_rec(fd, KVF_RT_WELCOME, &r);
         if (rc < 0 || !server_ok) {
@@ -441,6 +446,18 @@ int main(void)
         /* Wrong token: refused before anything is accepted. */
         CHECK(dial("data", (const uint8_t *)"not-the-token-at-all", 20) == -EACCES);
         printf("  %-36s -> refused at the handshake\n", "wrong token");
+
+        /* A peer with the token whose rank fields are no rank of a group: they are 64-bit on the
+         * wire, and rank 2^32 of 2^32 + 1 was taken as rank 0 of 1. */
+        static const uint64_t ranks[][2] = {{1ull << 32, (1ull << 32) + 1}, {3, 2}, {0, 1ull << 40}};
+        for (unsigned i = 0; i < 3; i++) {
+                dial_rank = ranks[i][0];
+                dial_nranks = ranks[i][1];
+                CHECK(dial("data", token, toklen) == -EACCES);
+                printf("  %-36s -> refused at the handshake\n", i == 0 ? "rank 2^32 of 2^32 + 1"
+                                                                  : i == 1 ? "rank 3 of 2" : "rank 0 of 2^40");
+        }
+        dial_rank = dial_nranks = 0;
         ncase++;
 
         if (unix_other_user()) {

@@ -229,19 +229,14 @@ static int type_err(const char *field, const char *want, const struct kvf_mp *m)
                            kvf_mp_kind_name(kvf_mp_peek(m)));
 }
 
-/*
- * Strings come back to engines (a completion echoes the request id), and a
- * Python engine decoding with raw=False fails on invalid UTF-8: refuse it here.
- */
-/* The length of the valid UTF-8 sequence at p[0..n), n > 0; 0 when it is not one. */
-static uint32_t utf8_seq(const uint8_t *p, uint32_t n)
+size_t kvf_utf8_seq(const uint8_t *p, size_t n)
 {
         uint8_t c = p[0];
-        uint32_t len = c < 0x80 ? 1 : (c >> 5) == 6 ? 2 : (c >> 4) == 14 ? 3 : (c >> 3) == 30 ? 4 : 0;
+        size_t len = c < 0x80 ? 1 : (c >> 5) == 6 ? 2 : (c >> 4) == 14 ? 3 : (c >> 3) == 30 ? 4 : 0;
         if (!len || len > n)
                 return 0;
         uint32_t cp = len == 1 ? c : c & (0x7f >> len);
-        for (uint32_t k = 1; k < len; k++) {
+        for (size_t k = 1; k < len; k++) {
                 if ((p[k] & 0xc0) != 0x80)
                         return 0;
                 cp = (cp << 6) | (p[k] & 0x3f);
@@ -253,10 +248,14 @@ static uint32_t utf8_seq(const uint8_t *p, uint32_t n)
         return len;
 }
 
+/*
+ * Strings come back to engines (a completion echoes the request id), and a
+ * Python engine decoding with raw=False fails on invalid UTF-8: refuse it here.
+ */
 static bool utf8_ok(const uint8_t *p, uint32_t n)
 {
-        for (uint32_t i = 0, len; i < n; i += len)
-                if (!(len = utf8_seq(p + i, n - i)))
+        for (size_t i = 0, len; i < n; i += len)
+                if (!(len = kvf_utf8_seq(p + i, n - i)))
                         return false;
         return true;
 }
@@ -269,7 +268,7 @@ size_t kvf_text_clean(char *dst, size_t cap, const char *src, size_t n)
         if (!cap)
                 return 0;
         for (size_t i = 0; i < n && p[i];) {
-                uint32_t len = utf8_seq(p + i, (uint32_t)(n - i < 4 ? n - i : 4));
+                size_t len = kvf_utf8_seq(p + i, n - i);
                 if (len) {
                         if (o + len >= cap)
                                 break; /* never half a character */

@@ -199,6 +199,10 @@ int kvf_record_peek_request_id(const void *buf, size_t len, char *out, size_t ca
  */
 int kvf_record_encode(const struct kvf_record *r, void *buf, size_t cap);
 
+/* The length (1 to 4) of the valid UTF-8 sequence at p[0..n), n > 0; 0 when it is not one
+ * (overlong forms, surrogates and code points past U+10FFFF are not). */
+size_t kvf_utf8_seq(const uint8_t *p, size_t n);
+
 /* src[0..n) (up to a NUL) as valid UTF-8 text into dst (cap bytes with the NUL): a byte that
  * starts no valid sequence becomes \xNN; cut at a character's end when it does not fit.
  * Returns the length written. What kvferry packs as str goes through it. */

@@ -53,48 +53,13 @@ static const struct kvf_dump_opts default_opts = {.records = true, .check_pids =
 
 /* ---- strings ---- */
 
-/* Length of the valid UTF-8 sequence at s (1-4), or 0 if it is not one. */
-static size_t utf8_seq(const unsigned char *s, size_t n)
-{
-        unsigned c = s[0];
-        size_t len;
-        uint32_t cp;
-
-        if (c < 0x80)
-                return 1;
-        if (c >= 0xc2 && c <= 0xdf) {
-                len = 2;
-                cp = c & 0x1f;
-        } else if (c >= 0xe0 && c <= 0xef) {
-                len = 3;
-                cp = c & 0x0f;
-        } else if (c >= 0xf0 && c <= 0xf4) {
-                len = 4;
-                cp = c & 0x07;
-        } else {
-                return 0;
-        }
-        if (n < len)
-                return 0;
-        for (size_t i = 1; i < len; i++) {
-                if ((s[i] & 0xc0) != 0x80)
-                        return 0;
-                cp = (cp << 6) | (s[i] & 0x3f);
-        }
-        if (len == 3 && (cp < 0x800 || (cp >= 0xd800 && cp <= 0xdfff)))
-                return 0; /* overlong, or a surrogate */
-        if (len == 4 && (cp < 0x10000 || cp > 0x10ffff))
-                return 0;
-        return len;
-}
-
 void kvf_dump_json_str(FILE *out, const char *str, size_t n)
 {
         const unsigned char *s = (const unsigned char *)str;
 
         for (size_t i = 0; i < n;) {
                 unsigned c = s[i];
-                size_t k = utf8_seq(s + i, n - i);
+                size_t k = kvf_utf8_seq(s + i, n - i);
                 if (k == 0) {
                         fputs("\\ufffd", out);
                         i++;
@@ -150,7 +115,7 @@ static const char *esc_q(char *buf, size_t cap, const char *str, size_t n, bool 
         }
         /* Invariant: o <= cap - 4, so "...\0" always fits after the output. */
         for (size_t i = 0; i < n;) {
-                size_t k = utf8_seq(s + i, n - i);
+                size_t k = kvf_utf8_seq(s + i, n - i);
                 bool c1 = k == 2 && s[i] == 0xc2 && s[i + 1] < 0xa0;
                 char tmp[8];
                 size_t tn;

@@ -74,17 +74,23 @@ static void rx_free(struct rx_xfer *x)
 }
 
 int conn_landing_open(struct connector *cn, const char *peer, uint64_t gen, const struct kvf_record *o,
-                      char *why, size_t whylen)
+                      int *status, char *why, size_t whylen)
 {
         const struct kvf_cache_layout *L = &cn->ctl.hdr->layout;
+        int dummy;
+        status = status ? status : &dummy;
+        *status = KVF_STATUS_BAD_TASK;
         uint8_t *seen = calloc(L->num_blocks / 8 + 1, 1);
         if (!seen)
                 return -ENOMEM;
         for (uint32_t i = 0; i < o->n_dst; i++) {
                 uint32_t b = o->dst[i];
                 if (b >= L->num_blocks || (seen[b / 8] & (1u << (b % 8)))) {
-                        snprintf(why, whylen, "XOPEN for %s names block %u %s", o->request_id, b,
-                                 b >= L->num_blocks ? "beyond this cache" : "twice");
+                        snprintf(why, whylen, "%s for %s names block %u %s (this cache has %u blocks)",
+                                 kvf_rec_type_name(o->type), o->request_id, b,
+                                 b >= L->num_blocks ? "beyond this cache" : "twice", L->num_blocks);
+                        if (b >= L->num_blocks)
+                                *status = KVF_STATUS_BLOCK_RANGE;
                         free(seen);
                         return -EPROTO;
                 }
@@ -339,12 +345,21 @@ int conn_landing_complete(struct connector *cn, const char *peer, uint64_t gen, 
 int conn_landing_notice(struct connector *cn, const struct kvf_record *n, uint64_t gen, uint64_t session,
                         int *status, char *whyout, size_t whyoutlen)
 {
-        int ready = 0;
+        int ready = 0, refused;
         *status = KVF_STATUS_FINISHED;
         char why[KVF_REASON_MAX];
-        /* The notice can overtake the transfer's open: open it from the notice. */
-        if (conn_landing_open(cn, n->peer, gen, n, why, sizeof(why)) < 0)
-                kvf_errlog(&cn->ctl, KVF_ROLE_CONNECTOR, "notice from '%s': %s", n->peer, why);
+        /* The notice can overtake the transfer's open: open it from the notice. One whose
+         * blocks are not ours to give (the prefill side could not check them: it did not know
+         * this cache's size yet) is decided now, with the reason, and answered so: no data of
+         * it can ever be taken, and waiting would leave the decode engine without an arrival. */
+        int rc = conn_landing_open(cn, n->peer, gen, n, &refused, why, sizeof(why));
+        if (rc < 0) {
+                kvf_errlog(&cn->ctl, KVF_ROLE_CONNECTOR, "notice from '%s': %s", n->peer,
+                           rc == -ENOMEM ? "out of memory" : why);
+                *status = rc == -ENOMEM ? KVF_STATUS_WRITE : refused;
+                snprintf(whyout, whyoutlen, "%s", rc == -ENOMEM ? "out of memory for the transfer" : why);
+                return 1;
+        }
         pthread_mutex_lock(&cn->rxmu);
         struct rx_xfer *x = rx_find(cn, n->peer, gen, n->key);
         if (x && x->closed) {

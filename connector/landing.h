@@ -41,12 +41,13 @@ struct landing_run {
 
 /*
  * Register (or keep) a transfer, from its transport's open or its finish
- * notice. 0; -EPROTO (why says so) if its block ids are not ours to give
- * (beyond the cache, twice, or other blocks than those already open under
- * this key); -ENOMEM.
+ * notice. 0; -EPROTO (why says so, and *status the request's outcome when
+ * status is not NULL) if its block ids are not ours to give (beyond the cache:
+ * "block id out of range"; twice, or other blocks than those already open
+ * under this key: "bad task"); -ENOMEM.
  */
 int conn_landing_open(struct connector *cn, const char *peer, uint64_t gen, const struct kvf_record *o,
-                      char *why, size_t whylen);
+                      int *status, char *why, size_t whylen);
 /*
  * Check a run before a byte of it is received: the transfer is open, layer
  * and tensor in range, the run inside the transfer and contiguous in

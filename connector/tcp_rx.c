@@ -674,7 +674,7 @@ void tcp_serve(struct connector *cn, int fd, const struct peer_identity *id, con
                                 kvf_record_free(&o);
                                 goto violation;
                         }
-                        rc = conn_landing_open(cn, peer, gen, &o, why, sizeof(why));
+                        rc = conn_landing_open(cn, peer, gen, &o, NULL, why, sizeof(why));
                         kvf_record_free(&o);
                         if (rc == -EPROTO)
                                 goto violation;

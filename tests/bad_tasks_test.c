@@ -410,6 +410,67 @@ static void block_reuse(const char *L)
         ncase++;
 }
 
+/*
+ * The first tcp task to a peer whose block count this sender has not learnt yet, naming a block
+ * beyond that peer's cache: the sender cannot check it, and its finish notice can reach the
+ * decode connector before the prefill connector refuses the transfer. Both sides must end it
+ * `block id out of range`, the decode engine with an arrival (the refused notice used to be
+ * dropped: the decode engine heard nothing, in 5 of 6 fresh starts). A fresh prefill instance
+ * per round, so each round's task is its sender's first to that peer.
+ */
+static void tcp_block_beyond_unknown_size(const char *L)
+{
+        enum { ROUNDS = 3 };
+        struct kvf_client *dc, *keep = c;
+        char addr[128], cmd[512];
+        t_connector_addr(D2, addr, sizeof(addr));
+        CHECK_EQ(kvf_attach(D2, 5000, &dc), 0);
+        snprintf(P3, sizeof(P3), "bt%d-p4", (int)getpid());
+        for (int round = 0; round < ROUNDS; round++) {
+                t_up(P3, "--role prefill %s", L);
+                CHECK_EQ(kvf_attach(P3, 5000, &c), 0);
+                char id[32];
+                snprintf(id, sizeof(id), "beyond-%d", round);
+                static const uint32_t src[1] = {3}, dst[1] = {65}; /* D2 has 64 blocks */
+                uint64_t step = kvf_last_step(c) + 1;
+                struct kvf_task t = {.request_id = id,
+                                     .src_block_ids = src,
+                                     .n_src = 1,
+                                     .dest_block_ids = dst,
+                                     .n_dest = 1,
+                                     .current_id = step,
+                                     .transport = KVF_TRANSPORT_TCP,
+                                     .peer = addr};
+                CHECK_EQ(kvf_submit_task(c, &t), 0);
+                publish(step);
+                expect("tcp: block beyond a peer's cache", id, KVF_STATUS_BLOCK_RANGE, "65");
+                struct kvf_event ev;
+                do {
+                        int rc = kvf_poll(dc, &ev, 10000);
+                        if (rc != 1) {
+                                fprintf(stderr, "tcp block beyond the cache, round %d: the decode engine got no "
+                                        "arrival of '%s' in 10 s\n", round, id);
+                                exit(1);
+                        }
+                } while (ev.type != KVF_EVENT_ARRIVAL || strcmp(ev.request_id, id));
+                if (ev.status != KVF_STATUS_BLOCK_RANGE) {
+                        fprintf(stderr, "tcp block beyond the cache: arrival '%s' %s: %s\n", id,
+                                kvf_status_name(ev.status), ev.reason);
+                        exit(1);
+                }
+                printf("  %-34s -> arrival %-14s \"%s\"\n", "  ...and on the decode side", kvf_status_name(ev.status),
+                       ev.reason);
+                kvf_detach(c);
+                if (round + 1 < ROUNDS) { /* (the last one is stopped at exit) */
+                        snprintf(cmd, sizeof(cmd), "%s/tools/kvferry down --instance %s >/dev/null 2>&1",
+                                 KVF_SOURCE_DIR, P3);
+                        CHECK_EQ(system(cmd), 0);
+                }
+        }
+        kvf_detach(dc);
+        c = keep;
+}
+
 int main(void)
 {
         static const long s3[] = {0, 1, 2}, s4[] = {3, 4, 5, 6}, d3[] = {10, 11, 12},
@@ -737,6 +798,7 @@ int main(void)
                 expect("the new session's own step", "new-step", KVF_STATUS_FINISHED, "");
         }
         block_reuse(L);
+        tcp_block_beyond_unknown_size(L);
         kvf_detach(c);
         printf("bad_tasks_test: %d cases, each with its status and message; the good request finished\n", ncase);
         return 0;

@@ -83,7 +83,9 @@ static int open_peer(struct sender *s, struct ipc_peer *p, const char *name, cha
 
         if (rc < 0) {
                 snprintf(why, whylen, "%s", kvf_err_msg());
-                return rc == -ENOENT || rc == -EAGAIN ? -ENOENT : -EPROTO;
+                /* (a name no instance can have is no instance of this host: unknown, as over
+                 * tcp, not a connection error an engine would retry) */
+                return rc == -ENOENT || rc == -EAGAIN || rc == -EINVAL ? -ENOENT : -EPROTO;
         }
         const struct kvf_ctl_header *h = p->ctl.hdr;
         if (h->instance_role != KVF_IROLE_DECODE && h->instance_role != KVF_IROLE_MIXED) {

@@ -548,6 +548,10 @@ int main(void)
             twice, 3, "ipc", D, false);
         bad("unknown peer", "m12", KVF_STATUS_UNKNOWN_PEER, "no instance 'nosuch-peer' on this host",
             "m12", s3, 3, d3, 3, "ipc", "nosuch-peer", false);
+        /* a name no instance can have: unknown, as over tcp (it was a connection error, which
+         * an engine would retry) */
+        bad("peer name no instance can have", "m12b", KVF_STATUS_UNKNOWN_PEER,
+            "instance name 'bad name!': only letters", "m12b", s3, 3, d3, 3, "ipc", "bad name!", false);
         bad("peer layout mismatch", "m13", KVF_STATUS_LAYOUT_MISMATCH, "32 layers here, 28 there", "m13",
             s3, 3, d3, 3, "ipc", DX, false);
         bad("peer is this instance", "m14", KVF_STATUS_BAD_TASK, "is this instance itself", "m14", s3, 3,

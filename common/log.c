@@ -1,4 +1,5 @@
 #include "log.h"
+#include "records.h"
 
 #include <pthread.h>
 #include <stdarg.h>
@@ -57,6 +58,41 @@ static uint64_t mono_ns(void)
         return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 }
 
+/*
+ * msg into line[len..end) as one line of text: what a message quotes (a request id given as
+ * bytes, a peer's name) may hold a newline that would forge a line of its own, terminal
+ * escapes, or bytes that are not UTF-8; those go as \xNN (C0 and C1 controls, DEL, and each
+ * byte of no valid sequence). Cut at a character's end. Returns the new length.
+ */
+static size_t escape_into(char *line, size_t len, size_t end, const char *msg)
+{
+        static const char hex[] = "0123456789abcdef";
+        const uint8_t *p = (const uint8_t *)msg;
+        for (size_t i = 0, n = strlen(msg); i < n;) {
+                size_t k = kvf_utf8_seq(p + i, n - i);
+                bool ctl = k == 0 || (k == 1 && (p[i] < 0x20 || p[i] == 0x7f)) ||
+                           (k == 2 && p[i] == 0xc2 && p[i + 1] < 0xa0);
+                if (!ctl) {
+                        if (len + k > end)
+                                break;
+                        memcpy(line + len, p + i, k);
+                        len += k;
+                        i += k;
+                        continue;
+                }
+                for (size_t j = 0; j < (k ? k : 1); j++) {
+                        if (len + 4 > end)
+                                return len;
+                        line[len++] = '\\';
+                        line[len++] = 'x';
+                        line[len++] = hex[p[i + j] >> 4];
+                        line[len++] = hex[p[i + j] & 15];
+                }
+                i += k ? k : 1;
+        }
+        return len;
+}
+
 /* One write per line, so lines of several processes sharing a log do not interleave. The
  * suffix is never cut: a long message is. */
 static void emit(int level, const char *msg, const char *suffix)
@@ -75,9 +111,7 @@ static void emit(int level, const char *msg, const char *suffix)
         if (!suffix)
                 suffix = "";
         size_t sl = strlen(suffix);
-        size_t ml = strnlen(msg, sizeof(line) - 1 - sl - len);
-        memcpy(line + len, msg, ml);
-        len += ml;
+        len = escape_into(line, len, sizeof(line) - 1 - sl, msg);
         memcpy(line + len, suffix, sl);
         len += sl;
         line[len++] = '\n';

@@ -73,6 +73,9 @@ int main(void)
                 kvf_warn("cause C %d", i);
         for (int i = 0; i < 50; i++)
                 kvf_debug("cause D %d", i);
+        /* What a message quotes stays one line of text: a request id with a newline and a forged
+         * line after it, a terminal escape, bytes that are not UTF-8, a C1 control; UTF-8 kept. */
+        kvf_info("req %s: task rejected", "id\n2099-01-01T00:00:00.000Z logtest/test INFO forged\x1b[2J\xff\xc2\x9b\xc3\xa9");
         kvf_log_flush(); /* the window is not over: nothing to report yet */
         int early = lines_with("similar line", NULL, NULL);
         sleep(10);
@@ -96,6 +99,11 @@ int main(void)
         CHECK_EQ(lines_with("test WARN cause C", NULL, NULL), 11);
         CHECK_EQ(lines_with("cause C 29 (at ", "the last of 20 similar lines", NULL), 1);
         CHECK_EQ(lines_with("test DEBUG cause D", NULL, NULL), 50);
+        CHECK_EQ(lines_with("forged", NULL, NULL), 1);
+        CHECK_EQ(lines_with("INFO req id\\x0a2099-01-01T00:00:00.000Z logtest/test INFO forged\\x1b[2J\\xff\\xc2\\x9b\xc3\xa9: task "
+                            "rejected",
+                            NULL, NULL),
+                 1);
         printf("log_test: 100 lines of A from 4 threads -> 10 + a summary of 90 on its next line; 50 of B "
                "(one cause, 50 texts) -> 10 + a flushed summary of 40; 30 of C -> 10 + 20; 50 debug lines "
                "-> 50\n");

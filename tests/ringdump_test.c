@@ -382,7 +382,8 @@ static void build_segment(struct kvf_ctl *c)
         s = &c->reqtab[2];
         s->state = KVF_REQ_COMPLETING;
         s->status = KVF_STATUS_BAD_TASK;
-        strcpy(s->request_id, "weird\"id\x1b[31m\xff");
+        strcpy(s->request_id, "weird\"id\\\x1b[31m\xff"); /* a quote, a backslash, ESC, a byte not UTF-8 */
+        s->flags = KVF_REQF_ID_BIN;
         strcpy(s->reason, "bad");
 }
 
@@ -661,7 +662,9 @@ static const char json_script[] =
     "assert 57344<b['p50']<=65536 and 917504<b['p99']<=1048576, b\n"
     "assert h['request_descriptors']['sum']==128 and 56<h['request_descriptors']['p50']<=64, h\n"
     "assert h['copy_batch_ns']['count']==0 and h['copy_batch_ns']['p99']==0\n"
-    "assert lst[1]['request_id']=='weird\"id\\x1b[31m\\ufffd' and lst[1]['status']=='bad task'\n";
+    "assert lst[1]['request_id']=='weird\"id\\\\\\x1b[31m\\ufffd' and lst[1]['status']=='bad task'\n"
+    "assert bytes.fromhex(lst[1]['request_id_hex'])==b'weird\"id\\\\\\x1b[31m\\xff', lst[1]\n"
+    "assert lst[1]['request_id_bin'] is True and lst[0]['request_id_bin'] is False and 'request_id_hex' not in lst[0]\n";
 
 static void test_output(void)
 {
@@ -694,7 +697,7 @@ static void test_output(void)
         EXPECT_HAS(r.out, "@4096     arrival");
         EXPECT_HAS(r.out, "said \"no\"\\x01 then \\xff\\xfe");
         EXPECT_HAS(r.out, "requests: 4 slots, 2 in use: 1 active, 0 finishing, 1 completing");
-        EXPECT_HAS(r.out, "weird\"id\\x1b[31m\\xff");
+        EXPECT_HAS(r.out, "weird\\\"id\\\\\\x1b[31m\\xff"); /* quoted: the backslash doubled */
         for (size_t i = 0; i < r.outlen; i++)
                 CHECK(r.out[i] != '\033' && r.out[i] != '\001');
         result_free(&r);

@@ -116,8 +116,10 @@ static const char *esc_q(char *buf, size_t cap, const char *str, size_t n, bool 
         /* Invariant: o <= cap - 4, so "...\0" always fits after the output. */
         for (size_t i = 0; i < n;) {
                 size_t k = kvf_utf8_seq(s + i, n - i);
-                bool c1 = k == 2 && s[i] == 0xc2 && s[i + 1] < 0xa0;
-                char tmp[8];
+                /* C1 controls, and the line and paragraph separators U+2028/2029 */
+                bool c1 = (k == 2 && s[i] == 0xc2 && s[i + 1] < 0xa0) ||
+                          (k == 3 && s[i] == 0xe2 && s[i + 1] == 0x80 && (s[i + 2] == 0xa8 || s[i + 2] == 0xa9));
+                char tmp[16];
                 size_t tn;
                 if (quote && k == 1 && (s[i] == '"' || s[i] == '\\')) {
                         tmp[0] = '\\';
@@ -130,8 +132,10 @@ static const char *esc_q(char *buf, size_t cap, const char *str, size_t n, bool 
                         memcpy(tmp, s + i, k);
                         tn = k;
                 } else {
-                        k = 1;
-                        tn = (size_t)snprintf(tmp, sizeof(tmp), "\\x%02x", s[i]);
+                        k = c1 ? k : 1; /* (a separator: its three bytes) */
+                        tn = 0;
+                        for (size_t j = 0; j < k; j++)
+                                tn += (size_t)snprintf(tmp + tn, sizeof(tmp) - tn, "\\x%02x", s[i + j]);
                 }
                 if (o + tn > cap - 4) {
                         memcpy(buf + o, "...", 4);
@@ -330,6 +334,25 @@ static void j_str(struct dump *d, const char *k, const char *s, size_t n)
         fputc('"', d->f);
         kvf_dump_json_str(d->f, s, n);
         fputc('"', d->f);
+}
+
+/* The bytes as lowercase hex, as a JSON string. */
+static void j_hex(struct dump *d, const char *k, const char *s, size_t n)
+{
+        j_key(d, k);
+        fputc('"', d->f);
+        for (size_t i = 0; i < n; i++)
+                fprintf(d->f, "%02x", (unsigned char)s[i]);
+        fputc('"', d->f);
+}
+
+/* Valid UTF-8 throughout. */
+static bool ids_utf8(const char *s, size_t n)
+{
+        for (size_t i = 0, k; i < n; i += k)
+                if (!(k = kvf_utf8_seq((const uint8_t *)s + i, n - i)))
+                        return false;
+        return true;
 }
 
 static void j_cstr(struct dump *d, const char *k, const char *s)
@@ -1313,6 +1336,11 @@ static void print_request(struct dump *d, uint32_t i, const struct kvf_req_slot 
                 j_open(d, NULL, '{');
                 j_u64(d, "slot", i);
                 j_str(d, "request_id", s->request_id, idn);
+                /* JSON cannot carry bytes that are not UTF-8 (request_id shows each as U+FFFD):
+                 * the exact id as hex, and whether it came as bytes, to match an engine's id. */
+                j_bool(d, "request_id_bin", (s->flags & KVF_REQF_ID_BIN) != 0);
+                if (!s->request_id[0] || !ids_utf8(s->request_id, idn) || (s->flags & KVF_REQF_ID_BIN))
+                        j_hex(d, "request_id_hex", s->request_id, idn);
                 j_cstr(d, "state", req_state_name(s->state));
                 j_u64(d, "state_id", s->state);
                 j_str(d, "peer", s->peer, pn);
@@ -1346,8 +1374,9 @@ static void print_request(struct dump *d, uint32_t i, const struct kvf_req_slot 
                 snprintf(agebuf, sizeof(agebuf), "%" PRId64 " ms", age);
         else
                 snprintf(agebuf, sizeof(agebuf), "-");
+        /* (quoted escaping: the bytes 0xff and the text "\\xff" print apart) */
         fprintf(d->f, "  %5u %-24s %-10s %-22s %-4s %11s %12" PRIu64 " %10s", i,
-                esc(id, sizeof(id), s->request_id, idn), req_state_name(s->state),
+                esc_q(id, sizeof(id), s->request_id, idn, true), req_state_name(s->state),
                 esc(peer, sizeof(peer), s->peer, pn), kvf_transport_name((int)s->transport), blocks,
                 s->bytes, agebuf);
         if (s->state == KVF_REQ_COMPLETING)

@@ -49,6 +49,9 @@ int kvf_net_parse(const char *s, char *host, size_t hostlen, uint16_t *port)
         return 0;
 }
 
+/* "connect to [::1]:7100" as the address was given, brackets and all, for messages. */
+#define ADDR_FMT(host) (strchr(host, ':') ? "[" : ""), host, (strchr(host, ':') ? "]" : "")
+
 static int resolve(const char *host, uint16_t port, bool passive, struct addrinfo **res)
 {
         struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM,
@@ -352,7 +355,7 @@ int kvf_net_connect(const char *host, uint16_t port, unsigned timeout_ms)
         }
         freeaddrinfo(res);
         if (rc < 0)
-                return kvf_err_set(rc, "connect to %s:%u: %s", host, port,
+                return kvf_err_set(rc, "connect to %s%s%s:%u: %s", ADDR_FMT(host), port,
                                    rc == -ETIMEDOUT ? "no answer (timed out)" : strerror(-rc));
         fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) & ~O_NONBLOCK);
         tune(fd);
@@ -376,7 +379,7 @@ int kvf_net_connect_start(const char *host, uint16_t port, bool *done)
         if (rc < 0) {
                 if (fd >= 0)
                         close(fd);
-                return kvf_err_set(rc, "connect to %s:%u: %s", host, port, strerror(-rc));
+                return kvf_err_set(rc, "connect to %s%s%s:%u: %s", ADDR_FMT(host), port, strerror(-rc));
         }
         *done = rc == 0;
         return fd;
@@ -389,7 +392,7 @@ int kvf_net_connect_finish(int fd, const char *host, uint16_t port)
         if (getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &el) < 0)
                 err = errno;
         if (err)
-                return kvf_err_set(-err, "connect to %s:%u: %s", host, port, strerror(err));
+                return kvf_err_set(-err, "connect to %s%s%s:%u: %s", ADDR_FMT(host), port, strerror(err));
         tune(fd);
         return 0;
 }

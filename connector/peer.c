@@ -843,7 +843,8 @@ static void tick(struct peer_io *io, struct peer *p, uint64_t now)
                 disarm(io, p);
                 close(p->cfd);
                 p->cfd = -1;
-                snprintf(why, sizeof(why), "connect to %s:%u: no answer (timed out)", p->host, p->port);
+                snprintf(why, sizeof(why), "connect to %s%s%s:%u: no answer (timed out)",
+                         strchr(p->host, ':') ? "[" : "", p->host, strchr(p->host, ':') ? "]" : "", p->port);
                 failed(io, p, KVF_STATUS_CONNECTION, why);
                 break;
         case PS_HS:

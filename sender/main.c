@@ -178,7 +178,10 @@ static bool handle_progress(struct sender *s, struct pace *pc)
                 pub = t;
         pace_event(pc, pub < t ? pub : t); /* (an engine's clock is ours: never later than now) */
         uint64_t lo, hi;
-        s->layer_gap_ns = pace_window(pc, &lo, &hi) ? hi : 0; /* (progress.c's early prewake) */
+        bool paced = pace_window(pc, &lo, &hi);
+        s->layer_gap_ns = paced ? hi : 0; /* (progress.c's early prewake) */
+        s->layer_gap_lo_ns = paced ? lo : 0;
+        s->layer_event_ns = pc->last_event;
         pc->seen_ns = t;
         /* After the word's acquire load: an engine's generation is stored before its
          * first layer-done, so a word of a new engine session is never applied to
@@ -271,6 +274,10 @@ static bool idle_wait(struct sender *s, struct pace *pc, uint64_t now, uint64_t 
         uint64_t wait = next_tick > now ? next_tick - now : 0, lo, hi;
         if ((s->pending || s->engine_blocked) && wait > 1000000)
                 wait = 1000000; /* a full ring drains on the engine's time, poll it */
+        if (s->prewake_due_ns) { /* a prewake to start */
+                uint64_t left = s->prewake_due_ns > now ? s->prewake_due_ns - now : 0;
+                wait = left < wait ? left : wait;
+        }
         pc->poll_until = 0;
         seat_want(s, now);
         /* (auto with a seat, and only tcp or rdma requests waiting: paced, as without one) */
@@ -312,6 +319,7 @@ static int run(struct sender *s, uint64_t spin_ns)
                 kvf_bells_ring(&s->bells);
 
                 uint64_t now = kvf_now_ns();
+                sender_prewake_fire(s, now);
                 if (now >= next_tick) {
                         if (kvf_role_fenced(&s->ctl, KVF_ROLE_SENDER)) {
                                 /* A successor took over while we were stuck: touch nothing more. */

@@ -147,6 +147,38 @@ void sender_expect_notice(struct sender *s, uint32_t slot, uint64_t lead_ns, uin
         kvf_count(&s->ctl, KVF_CTR_NOTICE_PREWAKES, 1);
 }
 
+void sender_prewake_later(struct sender *s, uint32_t slot, uint64_t due, uint64_t lead_ns, uint64_t bytes)
+{
+        if (!s->prewake || ab_no_expect || ab_no_early)
+                return;
+        for (uint32_t i = 0; i < s->prewake_n; i++)
+                if (s->prewake_slot[i] == slot)
+                        return;
+        if (s->prewake_n == SENDER_PREWAKE_MAX)
+                return;
+        /* (one step's requests share the due time; a later one's wins, the window covers both) */
+        if (!s->prewake_due_ns || due < s->prewake_due_ns)
+                s->prewake_due_ns = due;
+        if (lead_ns > s->prewake_lead_ns)
+                s->prewake_lead_ns = lead_ns;
+        s->prewake_slot[s->prewake_n] = slot;
+        s->prewake_bytes[s->prewake_n++] = bytes;
+}
+
+void sender_prewake_fire(struct sender *s, uint64_t now)
+{
+        if (!s->prewake_due_ns || now < s->prewake_due_ns)
+                return;
+        for (uint32_t i = 0; i < s->prewake_n; i++) {
+                const struct kvf_req_slot *r = &s->ctl.reqtab[s->prewake_slot[i]];
+                /* (still moving: a request that finished or failed meanwhile needs none) */
+                if (kvf_load_relaxed(&r->state) == KVF_REQ_ACTIVE)
+                        sender_expect_notice(s, s->prewake_slot[i], s->prewake_lead_ns, s->prewake_bytes[i]);
+        }
+        s->prewake_due_ns = s->prewake_lead_ns = 0;
+        s->prewake_n = 0;
+}
+
 int sender_post_notice(struct sender *s, uint32_t slot, enum sender_notice kind)
 {
         struct kvf_req_slot *r = &s->ctl.reqtab[slot];

@@ -263,11 +263,18 @@ enum sender_adv sender_advance(struct sender *s, uint32_t slot, bool net_blocked
                 /* Its last mark, one layer from the end, with the engine's layers close
                  * together: its notice follows the next layer-done (sender.h). */
                 const bool last = sender_last_mark(r) == m;
-                if (last && ready + 1 == s->layers && m->step == step && s->layer_gap_ns &&
-                    s->layer_gap_ns <= SENDER_EARLY_PREWAKE_GAP_NS)
-                        sender_expect_notice(s, slot, s->layer_gap_ns,
-                                             (uint64_t)(m->block_end > r->sent_full ? m->block_end - r->sent_full : 0) *
-                                                 kvf_layout_layer_block_bytes(s->layout));
+                if (last && ready + 1 == s->layers && m->step == step && s->layer_gap_ns) {
+                        const uint64_t bytes = (uint64_t)(m->block_end > r->sent_full ? m->block_end - r->sent_full : 0) *
+                                               kvf_layout_layer_block_bytes(s->layout);
+                        const uint64_t spread = s->layer_gap_ns - s->layer_gap_lo_ns;
+                        if (s->layer_gap_ns <= SENDER_EARLY_PREWAKE_GAP_NS)
+                                sender_expect_notice(s, slot, s->layer_gap_ns, bytes);
+                        else if (spread <= SENDER_EARLY_PREWAKE_GAP_NS && s->layer_gap_lo_ns > SENDER_PREWAKE_LEAD_NS)
+                                /* a slower engine: started a lead before its last layer can come */
+                                sender_prewake_later(s, slot,
+                                                     s->layer_event_ns + s->layer_gap_lo_ns - SENDER_PREWAKE_LEAD_NS,
+                                                     spread + SENDER_PREWAKE_LEAD_NS, bytes);
+                }
                 if (ready > r->cur_layers) {
                         /* When the layers that are its last so far became ready (the first
                          * word that made them so, or the task's arrival if they were ready

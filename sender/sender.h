@@ -113,6 +113,8 @@ struct net_peer {
         bool mapped;
 };
 
+#define SENDER_PREWAKE_MAX 16u /* (prewakes started later: see SENDER_PREWAKE_LEAD_NS) */
+
 struct sender {
         struct kvf_ctl ctl;
         uint64_t gen;
@@ -144,6 +146,14 @@ struct sender {
         bool prewake;          /* the notice prewake: CPUs to spare for it (main.c, outbox.c) */
         uint64_t layer_gap_ns; /* the engine's pace: the next layer-done at most this long after
                                 * the last (main.c; 0: no pace yet) */
+        uint64_t layer_gap_lo_ns; /* ... and no sooner than this */
+        uint64_t layer_event_ns;  /* when the last layer-done was published (or seen) */
+        /* Prewakes started later, ahead of a slow engine's last layer (sender.h, progress.c): due
+         * at prewake_due_ns (0: none), for these slots (main.c fires them). */
+        uint64_t prewake_due_ns, prewake_lead_ns;
+        uint32_t prewake_n;
+        uint32_t prewake_slot[SENDER_PREWAKE_MAX];
+        uint64_t prewake_bytes[SENDER_PREWAKE_MAX];
         uint32_t *runs;   /* scratch: (src, dst index, count) triples of one write batch */
         uint32_t *idset;  /* scratch: open-addressing set of block ids (id + 1; 0 = empty) */
         /* The destination blocks of live requests, (peer, block) -> slot (table.c): a task that
@@ -434,12 +444,25 @@ int sender_post_notice(struct sender *s, uint32_t slot, enum sender_notice kind)
  * with both wake-ups, but p99 1.4 to 10.6x; with the last layer's alone p99 2.7 to 7.8x).
  */
 #define SENDER_EARLY_PREWAKE_GAP_NS 500000ull
+/*
+ * A slower engine (layers more than SENDER_EARLY_PREWAKE_GAP_NS apart): the wake-up is started
+ * SENDER_PREWAKE_LEAD_NS before the last layer can come (the last layer-done seen + the pace's
+ * shortest gap), with the pace's spread (longest gap - shortest) and the lead as its window, when
+ * that spread is at most SENDER_EARLY_PREWAKE_GAP_NS; the sender fires it from its loop
+ * (sender_prewake_fire). Up to SENDER_PREWAKE_MAX requests of a step (more: the first ones; one
+ * doorbell per peer serves them all).
+ */
+#define SENDER_PREWAKE_LEAD_NS 100000ull
 /* --layer-wait auto: a spin seat held this long with no request waiting for layers goes back
  * to the host's other senders (main.c seat_tick). */
 #define SENDER_SEAT_IDLE_NS 2000000000ull
 /* ... and a sender without one, whose requests wait for layers, tries for one this often. */
 #define SENDER_SEAT_RETRY_NS 10000000ull
 void sender_expect_notice(struct sender *s, uint32_t slot, uint64_t lead_ns, uint64_t bytes);
+/* A slower engine's request one layer from its end: its prewake at `due` (progress.c). */
+void sender_prewake_later(struct sender *s, uint32_t slot, uint64_t due, uint64_t lead_ns, uint64_t bytes);
+/* The prewakes due by `now`, started (main.c's loop). */
+void sender_prewake_fire(struct sender *s, uint64_t now);
 /* Answers in the notice slots' reply rings (peers.c): true if any was read. */
 bool sender_read_replies(struct sender *s);
 /* Whether some reply ring has an answer to read (the loop's wait). */

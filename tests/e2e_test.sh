@@ -71,6 +71,25 @@ w=$(counter $TAG-wp0 notice_prewakes)
 pass "notice prewake (forced on): 40 requests verified, the decode connector woken $w times ahead of their notices"
 down $TAG-wp0; down $TAG-wd0
 
+# A slower engine (layers 1 ms apart, more than the early prewake's 500 us): the wake-up is
+# started a lead before the last layer can come, from the sender's loop (sender.h,
+# SENDER_PREWAKE_LEAD_NS). Against the same run with the early prewakes switched off
+# (KVF_AB_NO_EARLY_PREWAKE=1: the wake-up at the last layer only): more prewakes, all verified.
+for arm in a b; do
+  up $TAG-wd$arm --role decode $L
+  [ $arm = b ] && export KVF_AB_NO_EARLY_PREWAKE=1
+  up $TAG-wp$arm --role prefill $L --notice-prewake on
+  unset KVF_AB_NO_EARLY_PREWAKE
+  j=$(case_run "slow engine's prewake $arm" pws$arm --prefill $TAG-wp$arm --decode $TAG-wd$arm --requests 40 --layer-us 1000 --step-tokens 1)
+  [ "$(json_get "$j" finished)" = 40 ] || fail "slow engine's prewake ($arm): not all 40 finished"
+  [ "$(json_get "$j" notice_bad)" = 0 ] || fail "slow engine's prewake ($arm): notices stamped after their arrivals"
+  eval "w$arm=$(counter $TAG-wp$arm notice_prewakes)"
+  down $TAG-wp$arm; down $TAG-wd$arm
+done
+[ "$wa" -ge $((wb + 10)) ] ||
+  fail "slow engine's prewake: $wa prewakes, $wb with the early ones off: none started ahead of the last layer"
+pass "slow engine's prewake (layers 1 ms apart): $wa prewakes against $wb at the last layer only; 40 + 40 requests verified"
+
 # A late task whose one layer is more than a slice (sender_advance): two requests of 8192 tokens
 # (128 blocks x K and V x 16 KiB = 4 MiB per layer), every layer done before the task comes.
 # The sender copies each layer in 1 MiB pieces, the loop's progress check between them: at

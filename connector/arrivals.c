@@ -321,7 +321,7 @@ int conn_arrival_notice(struct connector *cn, struct event *ev)
         /* An aborted (or withdrawn) network transfer: fence off its late frames before the
          * engine hears of it, so blocks it frees on the error arrival stay untouched. */
         if (net && (status != KVF_STATUS_FINISHED || decided))
-                conn_landing_close(cn, n->peer, ev->src_gen, n->key);
+                conn_landing_close(cn, n->peer, ev->src_gen, n->key, 0, NULL);
         int landed = KVF_STATUS_FINISHED;
         if (net && status == KVF_STATUS_FINISHED && !decided && !conn_arrival_published(cn, n, ev->src_gen) &&
             !conn_landing_notice(cn, n, ev->src_gen, ev->session, &landed, gone, sizeof(gone)))
@@ -334,7 +334,8 @@ int conn_arrival_notice(struct connector *cn, struct event *ev)
                                  kvf_transport_name(n->transport));
                 status = landed;
                 why = gone;
-                conn_landing_close(cn, n->peer, ev->src_gen, n->key);
+                /* (kept with it: a retry while the engine's ring is full is told the same) */
+                conn_landing_close(cn, n->peer, ev->src_gen, n->key, status, why);
         }
         /* Answered ahead of its turn (notices.c): the notice it withdrew, ahead of it in the
          * same ring, has been published since; nothing more to do or to say. */
@@ -382,7 +383,7 @@ int conn_arrival_notice(struct connector *cn, struct event *ev)
                 return -EAGAIN;
         }
         if (net && status == KVF_STATUS_FINISHED)
-                conn_landing_close(cn, n->peer, ev->src_gen, n->key); /* aborts: above */
+                conn_landing_close(cn, n->peer, ev->src_gen, n->key, 0, NULL); /* aborts: above */
         return 0;
 }
 

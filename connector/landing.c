@@ -363,7 +363,11 @@ int conn_landing_notice(struct connector *cn, const struct kvf_record *n, uint64
         pthread_mutex_lock(&cn->rxmu);
         struct rx_xfer *x = rx_find(cn, n->peer, gen, n->key);
         if (x && x->closed) {
-                ready = 1; /* the journal answers the repeat */
+                ready = 1; /* the journal answers the repeat, or what decided it here does */
+                if (x->status && x->status != KVF_STATUS_FINISHED) {
+                        *status = x->status;
+                        snprintf(whyout, whyoutlen, "%s", x->why ? x->why : "");
+                }
         } else if (x && x->have == x->need) {
                 ready = 1;
                 *status = x->status;
@@ -404,7 +408,8 @@ int conn_landing_take_ready(struct connector *cn, const char *peer, uint64_t gen
         return got;
 }
 
-void conn_landing_close(struct connector *cn, const char *peer, uint64_t gen, uint64_t key)
+void conn_landing_close(struct connector *cn, const char *peer, uint64_t gen, uint64_t key, int status,
+                        const char *why)
 {
         pthread_mutex_lock(&cn->rxmu);
         struct rx_xfer *x = rx_find(cn, peer, gen, key);
@@ -426,6 +431,11 @@ void conn_landing_close(struct connector *cn, const char *peer, uint64_t gen, ui
                 x->got = NULL;
                 x->n_dst = 0;
                 x->closed = true;
+        }
+        if (x && status && status != KVF_STATUS_FINISHED) {
+                x->status = status;
+                free(x->why);
+                x->why = why ? strdup(why) : NULL;
         }
         if (x)
                 x->touched_ns = kvf_now_ns();

@@ -94,11 +94,14 @@ int conn_landing_notice(struct connector *cn, const struct kvf_record *notice, u
 int conn_landing_take_ready(struct connector *cn, const char *peer, uint64_t gen, uint64_t key,
                             struct kvf_record *notice, uint64_t *session);
 /*
- * Control thread: the transfer's arrival is published, or it was aborted:
- * from now on its data is drained, never written (late resends, frames in
- * flight when it was aborted), until it expires.
+ * Control thread: the transfer's arrival is published, or it was aborted, or
+ * it is decided here (status not 0: not finished, with why): from now on its
+ * data is drained, never written (late resends, frames in flight when it was
+ * aborted), until it expires. A decided status answers its notice again
+ * (conn_landing_notice) while its arrival waits for room in the engine's ring.
  */
-void conn_landing_close(struct connector *cn, const char *peer, uint64_t gen, uint64_t key);
+void conn_landing_close(struct connector *cn, const char *peer, uint64_t gen, uint64_t key, int status,
+                        const char *why);
 /* Drop transfers open and silent longer than open_ns, closed ones after closed_ns. The
  * connector's: an incoming transfer silent for 5 minutes is not coming; a closed one is kept 2
  * minutes so that late frames and a resent notice still find it (and are refused). */

@@ -12,7 +12,9 @@
  * canary first and compared after), and a correct transfer still lands.
  * Then two notices the connector must answer at once, with a reason in the
  * ack and the arrival: a withdrawn transfer whose data never came, and an
- * rdma transfer to a connector that takes no rdma.
+ * rdma transfer to a connector that takes no rdma; and notices it refuses at
+ * once until the engine's arrival ring is full: the one that waits for room is
+ * still refused when the engine reads again.
  */
 #include <arpa/inet.h>
 #include <errno.h>
@@ -64,17 +66,23 @@ static int send_rec(int fd, struct kvf_record *r)
         return rc;
 }
 
-static int recv_rec(int fd, int want, struct kvf_record *r)
+/* A record of type `want` within `ms`; another frame's type as -(type) - 1000. */
+static int recv_rec_within(int fd, int want, struct kvf_record *r, unsigned ms)
 {
         static uint8_t buf[65536];
         struct kvf_frame_hdr h;
-        int rc = kvf_net_recv_frame(fd, &h, buf, sizeof(buf), 3000);
+        int rc = kvf_net_recv_frame(fd, &h, buf, sizeof(buf), ms);
         memset(r, 0, sizeof(*r));
         if (rc < 0)
                 return rc;
         if (h.type != want)
                 return -(int)h.type - 1000;
         return kvf_record_decode(want, buf, h.len, 0, r);
+}
+
+static int recv_rec(int fd, int want, struct kvf_record *r)
+{
+        return recv_rec_within(fd, want, r, 3000);
 }
 
 /* The rank fields dial() says it has (64-bit on the wire); 0 of 0 is one rank of one. */
@@ -570,6 +578,47 @@ int main(void)
         }
         printf("  a withdrawn transfer and an rdma one this connector cannot take: answered at once, "
                "with the same reason in the ack and the arrival\n");
+
+        /* Notices this connector refuses at once ('bad task': 1000 source blocks for one block
+         * of 16 tokens) while the engine reads nothing: once its arrival ring is full, the next
+         * one waits for room, and when the engine reads again it must still be 'bad task' in
+         * the ack and the arrival (its transfer closed at the refusal, the retry was taken for
+         * a repeat of a published one and told 'finished', with no byte ever sent). */
+        uint64_t key = 1000, waiting = 0;
+        for (; key < 1000 + 200000 && !waiting; key++) {
+                static uint32_t one[1];
+                one[0] = (uint32_t)(key % 60);
+                struct kvf_record b = {.type = KVF_RT_NOTICE, .key = key, .transport = KVF_TRANSPORT_TCP,
+                                       .status = KVF_STATUS_FINISHED, .dst = one, .n_dst = 1, .blocks = 1000};
+                snprintf(b.request_id, sizeof(b.request_id), "refused-%llu", (unsigned long long)key);
+                snprintf(b.peer, sizeof(b.peer), "evil");
+                CHECK(send_rec(cfd, &b) == 0);
+                do
+                        rc = recv_rec_within(cfd, KVF_RT_ACK, &ack, 500);
+                while (rc == -(KVF_RT_PING) - 1000 || rc == -(KVF_RT_PONG) - 1000);
+                if (rc < 0)
+                        waiting = key; /* (no answer: the engine's ring is full) */
+                else
+                        CHECK(ack.key == key && ack.status == KVF_STATUS_BAD_TASK);
+        }
+        CHECK(waiting);
+        unsigned drained = 0;
+        while (kvf_poll(eng, &ev, 1000) == 1) {
+                CHECK(ev.type != KVF_EVENT_ARRIVAL || ev.status == KVF_STATUS_BAD_TASK);
+                drained++;
+        }
+        do
+                rc = recv_rec_within(cfd, KVF_RT_ACK, &ack, 5000);
+        while (rc == -(KVF_RT_PING) - 1000 || rc == -(KVF_RT_PONG) - 1000);
+        CHECK(rc == 0 && ack.key == waiting);
+        if (ack.status != KVF_STATUS_BAD_TASK || !strstr(ack.reason, "1000 source blocks")) {
+                fprintf(stderr, "the refused notice that waited for room: ack '%s' \"%s\"\n",
+                        kvf_status_name(ack.status), ack.reason);
+                exit(1);
+        }
+        printf("  %llu refused notices, the last waiting for room in the engine's ring: 'bad task' in its ack "
+               "and in all %u arrivals\n",
+               (unsigned long long)(waiting - 1000 + 1), drained);
         close(dfd);
         close(cfd);
         printf("hostile_peer_test: %d cases refused; a correct transfer afterwards arrived\n", ncase);

@@ -274,10 +274,6 @@ static bool idle_wait(struct sender *s, struct pace *pc, uint64_t now, uint64_t 
         uint64_t wait = next_tick > now ? next_tick - now : 0, lo, hi;
         if ((s->pending || s->engine_blocked) && wait > 1000000)
                 wait = 1000000; /* a full ring drains on the engine's time, poll it */
-        if (s->prewake_due_ns) { /* a prewake to start */
-                uint64_t left = s->prewake_due_ns > now ? s->prewake_due_ns - now : 0;
-                wait = left < wait ? left : wait;
-        }
         pc->poll_until = 0;
         seat_want(s, now);
         /* (auto with a seat, and only tcp or rdma requests waiting: paced, as without one) */
@@ -294,6 +290,10 @@ static bool idle_wait(struct sender *s, struct pace *pc, uint64_t now, uint64_t 
                         pc->poll_until = end; /* due now: poll right away */
                         return false;
                 }
+        }
+        if (s->prewake_due_ns) { /* a prewake to start (after the pace's choice: it only shortens the sleep) */
+                uint64_t left = s->prewake_due_ns > now ? s->prewake_due_ns - now : 0;
+                wait = left < wait ? left : wait;
         }
         kvf_count(&s->ctl, KVF_CTR_WAKEUPS_SENDER, 1);
         kvf_doorbell_wait(&s->ctl.bells[KVF_BELL_SENDER], has_work, s, 0, wait);

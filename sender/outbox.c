@@ -149,14 +149,14 @@ void sender_expect_notice(struct sender *s, uint32_t slot, uint64_t lead_ns, uin
 
 void sender_prewake_later(struct sender *s, uint32_t slot, uint64_t due, uint64_t lead_ns, uint64_t bytes)
 {
-        if (!s->prewake || ab_no_expect || ab_no_early)
+        if (!s->prewake || ab_no_expect || ab_no_early || s->ctl.reqtab[slot].transport != KVF_TRANSPORT_IPC)
                 return;
         for (uint32_t i = 0; i < s->prewake_n; i++)
                 if (s->prewake_slot[i] == slot)
                         return;
         if (s->prewake_n == SENDER_PREWAKE_MAX)
                 return;
-        /* (one step's requests share the due time; a later one's wins, the window covers both) */
+        /* (one step's requests share the due time: the earliest is kept, the widest window) */
         if (!s->prewake_due_ns || due < s->prewake_due_ns)
                 s->prewake_due_ns = due;
         if (lead_ns > s->prewake_lead_ns)

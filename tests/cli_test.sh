@@ -114,6 +114,36 @@ has "runs under the run directory $R" "down from another run directory"
 [ "$(cat "$R/$TAG-slow/state")" = stopped ] || fail "state after down: $(cat "$R/$TAG-slow/state")"
 pass "down from another run directory finds the instance by its segment and stops it; state says stopped"
 
+# A careless `up` of a running name under another run directory (a service's instance and a
+# hand-run one): it fails, and must leave the running instance alone (its failure path used to
+# `down` the name, which found and stopped the other run directory's supervisor).
+up $TAG-o --role decode $L
+try up-other env KVFERRY_RUN_DIR="$R/elsewhere" "$K" up --instance $TAG-o --role decode $L
+want_rc 1 "up of a running name under another run directory"
+for role in allocator connector sender; do
+  "$B/kvf-ctl" alive --instance $TAG-o --role $role || fail "a failed up under another run directory stopped the running instance's $role"
+done
+[ "$(cat "$R/$TAG-o/state")" = running ] || fail "a failed up under another run directory: the running instance's state says $(cat "$R/$TAG-o/state")"
+down $TAG-o
+pass "a failed up of a running name under another run directory leaves that instance running"
+
+# Two `up`s of one name at once: one comes up, the other says so; nothing is left after down
+# (both used to fail, and an orphaned supervisor and allocator stayed 30 s, unseen by down).
+for i in 1 2; do
+  STARTED+=($TAG-race)
+  "$K" up --instance $TAG-race --role decode $L >"$R/race1.out" 2>&1 & a=$!
+  "$K" up --instance $TAG-race --role decode $L >"$R/race2.out" 2>&1 & b=$!
+  ra=0; rb=0; wait $a || ra=$?; wait $b || rb=$?
+  out=$(cat "$R/race1.out" "$R/race2.out")
+  [ $((ra + rb)) = 1 ] || fail "two ups at once, round $i: exit statuses $ra and $rb, want one 0 and one 1:"$'\n'"$out"
+  grep -qE "being started by another|already up" <<<"$out" || fail "two ups at once: the second does not say why:"$'\n'"$out"
+  down $TAG-race
+  sleep 0.2
+  ! pgrep -f "__supervise $TAG-race " >/dev/null || fail "two ups at once: a supervisor is left after down"
+  ! pgrep -f "kvf-allocator --instance $TAG-race " >/dev/null || fail "two ups at once: an allocator is left after down"
+done
+pass "two ups of one name at once: one comes up, the other says it is being started; nothing left after down"
+
 up $TAG-s --role decode $L
 down $TAG-s
 [ "$(cat "$R/$TAG-s/state")" = stopped ] || fail "state after down: $(cat "$R/$TAG-s/state")"

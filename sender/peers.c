@@ -74,6 +74,15 @@ static int check_split(struct sender *s, struct ipc_peer *p, const char *name, c
         return 0;
 }
 
+/* Does any of the instance's own roles run (not its engine: nobody would answer a notice)?
+ * Killed whole, its supervisor too, its segment stays in /dev/shm; a role its supervisor
+ * restarts leaves the others running. */
+static bool roles_running(const struct kvf_ctl *c)
+{
+        return kvf_role_process_alive(c, KVF_ROLE_ALLOCATOR) || kvf_role_process_alive(c, KVF_ROLE_CONNECTOR) ||
+               kvf_role_process_alive(c, KVF_ROLE_SENDER);
+}
+
 static int open_peer(struct sender *s, struct ipc_peer *p, const char *name, char *why,
                      size_t whylen)
 {
@@ -88,6 +97,14 @@ static int open_peer(struct sender *s, struct ipc_peer *p, const char *name, cha
                 return rc == -ENOENT || rc == -EAGAIN || rc == -EINVAL ? -ENOENT : -EPROTO;
         }
         const struct kvf_ctl_header *h = p->ctl.hdr;
+        if (!roles_running(&p->ctl)) {
+                snprintf(why, whylen,
+                         "instance '%s' is not running (none of its roles is alive; its shared memory is "
+                         "left from a kill: 'tools/kvferry down --instance %s' removes it)",
+                         name, name);
+                rc = -ENOENT;
+                goto fail;
+        }
         if (h->instance_role != KVF_IROLE_DECODE && h->instance_role != KVF_IROLE_MIXED) {
                 snprintf(why, whylen,
                          "peer '%s' is a %s instance: only a decode or mixed instance receives KV caches",
@@ -251,6 +268,10 @@ int sender_peer_check(struct sender *s, uint32_t i, uint64_t *live)
                 return 0;
         snprintf(path, sizeof(path), "/dev/shm/kvferry.%s", p->name);
         if (stat(path, &st) == 0 && st.st_ino == p->ino) {
+                /* Killed whole: nobody answers a notice; its requests would each wait out their
+                 * timeout, and new tasks would go on copying into it. */
+                if (!roles_running(&p->ctl))
+                        return -ESRCH;
                 *live = kvf_engine_session(&p->ctl, true);
                 if (s->notice_rings)
                         notice_slot_tick(s, p);

@@ -715,7 +715,11 @@ static void check_peers(struct sender *s)
                         }
                         continue;
                 }
-                kvf_warn("peer '%s' went away or was restarted: dropping its mapping", name);
+                if (rc == -ESRCH)
+                        kvf_warn("peer '%s': none of its roles runs any more (killed, its supervisor too): "
+                                 "dropping its mapping", name);
+                else
+                        kvf_warn("peer '%s' went away or was restarted: dropping its mapping", name);
                 sender_copies_drain(s, kvf_ms(1000)); /* never unmap under a copy in flight */
                 sender_req_copies(s, false);
                 for (uint32_t k = 0; k < n; k++) {
@@ -723,8 +727,10 @@ static void check_peers(struct sender *s)
                         if (moving_state(sender_req_state(s, k)) && r->peer_idx == i &&
                             r->transport == KVF_TRANSPORT_IPC)
                                 sender_fail(s, k, KVF_STATUS_CONNECTION,
-                                            "peer instance '%s' went away or was restarted during "
-                                            "the transfer",
+                                            rc == -ESRCH ? "peer instance '%s' stopped running during the "
+                                                           "transfer (none of its roles is alive)"
+                                                         : "peer instance '%s' went away or was restarted during "
+                                                           "the transfer",
                                             name);
                         /* Its notice is in the notice ring of a segment nobody reads any more:
                          * no answer comes, and the re-created instance (another incarnation)

@@ -386,7 +386,8 @@ static inline uint64_t sender_key(uint32_t slot, uint64_t incarnation)
 /* peers.c */
 int sender_peer_get(struct sender *s, const char *name, uint32_t *idx, char *why, size_t whylen);
 /* Peer i: 1 and its live engine session (0 none) while its segment is the one mapped,
- * 0 when the entry is not in use, -ENOENT when it went away or was replaced. */
+ * 0 when the entry is not in use, -ENOENT when it went away or was replaced, -ESRCH when
+ * none of its roles runs (killed whole, its segment left behind). */
 int sender_peer_check(struct sender *s, uint32_t i, uint64_t *live);
 void sender_peer_drop(struct sender *s, uint32_t i);
 /*

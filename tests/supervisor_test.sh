@@ -279,6 +279,29 @@ for n in $TAG-d $TAG-p; do
 done
 pass "a role killed is restarted, and the supervisor's log says only that"
 
+# ---- 8. a decode instance killed whole (its supervisor too): its segment stays in /dev/shm ----
+# The prefill sender must stop using it: its requests in flight end at once ('connection error'),
+# and new tasks 'unknown peer', naming the leftover. It used to copy each new request into the
+# dead cache and leave it to its request timeout ('timed out', 5 s here).
+up $TAG-kd --role decode $L
+up $TAG-kp --role prefill $L --request-timeout-ms 5000
+"$B/kvf-sim" --quiet --prefill $TAG-kp --decode $TAG-kd --requests 300 --layer-us 200 --timeout-s 60 \
+  --json "$R/killed.json" >"$R/killed.txt" 2>&1 &
+sim=$!
+sleep 1.5
+kill -9 "$(cat "$R/$TAG-kd/supervisor.pid")" $(pgrep -f -- "--instance $TAG-kd( |\$)") 2>/dev/null
+wait $sim || true
+[ "$(json_get "$R/killed.json" unaccounted)" = 0 ] || fail "decode instance killed whole: requests without a completion"
+[ "$(json_get "$R/killed.json" corrupt)" = 0 ] || fail "decode instance killed whole: a request reported finished with other bytes"
+[ "$(json_get "$R/killed.json" timed_out)" = 0 ] ||
+  fail "decode instance killed whole: $(json_get "$R/killed.json" timed_out) requests waited out their timeout"
+grep -q "unknown peer" "$R/killed.txt" || fail "decode instance killed whole: no later task ended 'unknown peer':"$'\n'"$(cat "$R/killed.txt")"
+grep -q "instance '$TAG-kd' is not running (none of its roles is alive" "$R/$TAG-kp/sender.log" ||
+  fail "decode instance killed whole: the sender does not say why it refuses it"
+down $TAG-kp
+"$K" down --instance $TAG-kd >/dev/null 2>&1 || true # (its leftover shared memory)
+pass "a decode instance killed whole: its requests in flight end at once, later tasks 'unknown peer' naming the leftover; none waits out its timeout"
+
 # ---- 11. the scheduler slice (common/sched_slice.h) ----
 # slices NAME: "role:slice_us:kernel" for sender, connector, allocator, where kernel is the se.slice
 # (us) every thread of the role has in /proc/PID/task/*/sched ("-" where that file is not

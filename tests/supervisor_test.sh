@@ -302,6 +302,105 @@ down $TAG-kp
 "$K" down --instance $TAG-kd >/dev/null 2>&1 || true # (its leftover shared memory)
 pass "a decode instance killed whole: its requests in flight end at once, later tasks 'unknown peer' naming the leftover; none waits out its timeout"
 
+# ---- 8b. a supervisor killed alone (kill -9, the OOM killer): its roles run on, unsupervised ----
+# down stops them itself, as the supervisor would, signalling only processes of ours running
+# kvf-ROLE --instance NAME; until then up of the name is refused, naming down; status says so. A
+# sleep stands for an unrelated process that down must never signal.
+# exited PID: the process is gone, or a zombie (its parent, init now, reaps it when it gets to it)
+exited() { ! kill -0 "$1" 2>/dev/null || [ "$(cut -d' ' -f3 "/proc/$1/stat" 2>/dev/null)" = Z ]; }
+# is_ours PID ROLE NAME: tools/kvferry's own check of a pid before down signals it
+is_ours() { bash -c 'source "$1"; shift; our_role "$@"' _ "$K" "$@"; }
+sleep 60 & bystander=$!
+AT_EXIT+=("kill $bystander 2>/dev/null")
+up $TAG-ks --role decode $L --metrics 127.0.0.1:0
+ks=()
+for role in allocator connector sender; do
+  p=$(pid_of $role $TAG-ks) || fail "supervisor killed: no $role of $TAG-ks running"
+  ks+=("$p")
+done
+mp=$(logged_running $TAG-ks | sed -n 's/^metrics://p')
+[ -n "$mp" ] || fail "supervisor killed: no metrics server of $TAG-ks running"
+sup=$(cat "$R/$TAG-ks/supervisor.pid")
+kill -KILL "$sup"
+for _ in $(seq 500); do exited "$sup" && break; sleep 0.01; done
+exited "$sup" || fail "supervisor killed: pid $sup still runs"
+for p in "${ks[@]}" "$mp"; do ! exited "$p" || fail "supervisor killed: its role pid $p went with it"; done
+try ks-status "$K" status --instance $TAG-ks
+want_rc 0 "status of an instance whose supervisor was killed"
+has "its supervisor (pid $sup) is gone (killed?)" "status of an instance whose supervisor was killed"
+# Its pid taken since by another process (here the sleep's: pid reuse, as after a long time): a
+# pid file is not enough to take a process for the supervisor, let alone to signal it.
+echo $bystander >"$R/$TAG-ks/supervisor.pid"
+try ks-up "$K" up --instance $TAG-ks --role decode $L
+want_rc 1 "up of a name whose supervisor was killed, its roles running"
+quick "up of a name whose supervisor was killed, its roles running"
+has "still running, but without its supervisor" "up of a name whose supervisor was killed"
+has "'tools/kvferry down --instance $TAG-ks' first" "up of a name whose supervisor was killed"
+grep -q "started metrics (pid $mp)" "$R/$TAG-ks/supervisor.log" || fail "the refused up replaced the last run's supervisor.log"
+for p in "${ks[@]}" "$mp"; do ! exited "$p" || fail "the refused up stopped role pid $p"; done
+# The check itself: the role it names, of this instance, alive, ours; nothing else.
+is_ours "${ks[2]}" sender $TAG-ks || fail "our_role: the sender of $TAG-ks (pid ${ks[2]}) is not taken for it"
+is_ours "$mp" metrics $TAG-ks || fail "our_role: the metrics server of $TAG-ks (pid $mp) is not taken for it"
+! is_ours "${ks[2]}" connector $TAG-ks || fail "our_role: a sender taken for a connector"
+! is_ours "${ks[2]}" sender $TAG-k || fail "our_role: the sender of $TAG-ks taken for one of $TAG-k"
+! is_ours $bystander sender $TAG-ks || fail "our_role: a sleep (pid $bystander) taken for a sender"
+if [ $ROOT_USER = 1 ]; then
+  # A process of another user that runs as kvf-sender --instance NAME: not ours, never signalled.
+  # (setpriv itself, not the function as_nobody: $! is then the stand-in's own pid)
+  setpriv --reuid=nobody --regid=nogroup --clear-groups \
+    bash -c 'cd / && exec -a kvf-sender /usr/bin/python3 -c "import time; time.sleep(60)" --instance "$0"' $TAG-ks &
+  np=$!
+  AT_EXIT+=("kill $np 2>/dev/null")
+  want="kvf-sender -c import time; time.sleep(60) --instance $TAG-ks "
+  for _ in $(seq 200); do [ "$(tr '\0' ' ' 2>/dev/null <"/proc/$np/cmdline")" = "$want" ] && break; sleep 0.01; done
+  [ "$(tr '\0' ' ' 2>/dev/null <"/proc/$np/cmdline")" = "$want" ] || fail "our_role: the stand-in does not run as '$want'"
+  [ "$(stat -c %U "/proc/$np")" = nobody ] || fail "our_role: the stand-in does not run as nobody"
+  ! is_ours $np sender $TAG-ks || fail "our_role: a process of user nobody taken for a sender of ours"
+  kill $np
+fi
+try ks-down "$K" down --instance $TAG-ks
+want_rc 0 "down of an instance whose supervisor was killed"
+quick "down of an instance whose supervisor was killed"
+has "instance '$TAG-ks': its supervisor (pid $bystander) is gone (killed?); stopped its roles directly (allocator pid ${ks[0]}, connector pid ${ks[1]}, sender pid ${ks[2]}, metrics pid $mp)" \
+  "down of an instance whose supervisor was killed"
+has "instance '$TAG-ks' is down" "down of an instance whose supervisor was killed"
+for _ in $(seq 100); do
+  left=""
+  for p in "${ks[@]}" "$mp"; do exited "$p" || left="$left $p"; done
+  [ -z "$left" ] && break
+  sleep 0.02
+done
+[ -z "$left" ] || fail "down of an instance whose supervisor was killed: role pids left running:$left"
+gone $TAG-ks
+[ "$(cat "$R/$TAG-ks/state")" = stopped ] || fail "state after down: $(cat "$R/$TAG-ks/state")"
+! exited $bystander || fail "down of an instance whose supervisor was killed stopped an unrelated sleep"
+up $TAG-ks --role decode $L
+try ks-down2 "$K" down --instance $TAG-ks
+want_rc 0 "down after a fresh up of the name"
+lacks "directly" "down after a fresh up of the name (its supervisor runs)"
+gone $TAG-ks
+# A live role that is some other program (an allocator run under a wrapper's name): down and up
+# refuse as before, and nothing is signalled.
+bash -c 'exec -a kvf-wrapped "$0" --instance "$1" --role decode --model llama-3.1-8b --tp 8 --cache-mib 64 --backend host' \
+  "$B/kvf-allocator" $TAG-kw >"$R/kw.log" 2>&1 &
+kw=$!
+AT_EXIT+=("kill $kw 2>/dev/null; wait $kw 2>/dev/null; '$B/kvf-ctl' unlink --instance $TAG-kw --force 2>/dev/null")
+"$B/kvf-ctl" wait-ready --instance $TAG-kw --roles allocator --timeout-ms 15000 || fail "a wrapped allocator: $(cat "$R/kw.log")"
+try kw-down "$K" down --instance $TAG-kw
+want_rc 1 "down of an instance whose allocator is another program"
+has "not under a supervisor of yours that down can find" "down of an instance whose allocator is another program"
+lacks "directly" "down of an instance whose allocator is another program"
+! exited $kw || fail "down stopped an allocator run under another program's name"
+try kw-up "$K" up --instance $TAG-kw --role decode $L
+want_rc 1 "up of a name an allocator of another program holds"
+has "not under a supervisor of yours" "up of a name an allocator of another program holds"
+! exited $kw || fail "up stopped an allocator run under another program's name"
+kill $kw; wait $kw 2>/dev/null || true
+"$K" down --instance $TAG-kw >/dev/null 2>&1 || true # (its shared memory)
+[ ! -e "/dev/shm/kvferry.$TAG-kw" ] || fail "a wrapped allocator's shared memory is left"
+kill $bystander
+pass "a supervisor killed alone: status says so, up is refused naming down, down stops its roles and metrics (pids checked: a sleep, in the supervisor's pid file too, another user's process, a role of another name or kind are not taken) and a fresh up works; a role that is another program is left alone"
+
 # ---- 11. the scheduler slice (common/sched_slice.h) ----
 # slices NAME: "role:slice_us:kernel" for sender, connector, allocator, where kernel is the se.slice
 # (us) every thread of the role has in /proc/PID/task/*/sched ("-" where that file is not

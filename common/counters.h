@@ -75,7 +75,8 @@
         X(TASKS_HELD_BACK, "tasks_held_back")                                                      \
         X(ARRIVALS_PENDING, "arrivals_withdrawn_waiting")                                          \
         X(CONNECTIONS_OVER_LIMIT, "connections_over_limit")                                        \
-        X(COPY_BATCHES_REUSED, "copy_batches_reused")
+        X(COPY_BATCHES_REUSED, "copy_batches_reused")                                              \
+        X(NOTICE_REHEARSALS, "notice_rehearsals")
 
 enum kvf_counter_id {
 #define KVF_COUNTER_ENUM(id, name) KVF_CTR_##id,

@@ -47,8 +47,8 @@
  * notice_prewakes. 13: the counter tasks_held_back. 14: the role slot's session_base. 15: the
  * journal's pending entries (ring_pos KVF_JOURNAL_PENDING) and its 16384 entries (was
  * 4096), the counters arrivals_withdrawn_waiting and connections_over_limit. 16: the counter
- * copy_batches_reused. */
-#define KVF_LAYOUT_VERSION 16u
+ * copy_batches_reused. 17: the counter notice_rehearsals. */
+#define KVF_LAYOUT_VERSION 17u
 #define KVF_CACHE_LINE 64u
 #define KVF_HEADER_SIZE 4096u
 

@@ -154,6 +154,34 @@ static void journal_put(struct connector *cn, uint32_t slot, uint64_t key, uint6
                 jidx_rebuild(cn);
 }
 
+/* The arrival record of notice n (a rehearsal's too: the same code, kept warm). */
+static void arrival_record(struct kvf_record *a, const struct kvf_record *n, int status, uint64_t bytes,
+                           uint64_t session, const char *why)
+{
+        *a = (struct kvf_record){.type = KVF_RT_ARRIVAL, .status = status, .bytes = bytes,
+                                 .blocks = n->n_dst, .dst = n->dst, .n_dst = n->n_dst,
+                                 .done_ns = kvf_now_ns(), .session = session, .id_bin = n->id_bin,
+                                 /* Same host, one clock: when the sender posted the notice. */
+                                 .accept_ns = n->transport == KVF_TRANSPORT_IPC ? n->done_ns : 0};
+        snprintf(a->request_id, sizeof(a->request_id), "%s", n->request_id);
+        snprintf(a->peer, sizeof(a->peer), "%s", n->peer);
+        snprintf(a->reason, sizeof(a->reason), "%s",
+                 why ? why : n->reason[0] || status == KVF_STATUS_FINISHED ? n->reason
+                                                                           : "the prefill side gave no reason");
+}
+
+/* The answer to notice n: its status (or a write error) and why. */
+static void ack_record(struct kvf_record *ack, const struct kvf_record *n, int st, uint64_t live,
+                       const char *reason, const char *why)
+{
+        *ack = (struct kvf_record){.type = KVF_RT_ACK, .key = n->key, .status = st < 0 ? KVF_STATUS_WRITE : st,
+                                   .id_bin = n->id_bin, .session = live};
+        snprintf(ack->request_id, sizeof(ack->request_id), "%s", n->request_id);
+        snprintf(ack->reason, sizeof(ack->reason), "%s",
+                 st < 0 ? "the decode connector could not publish the arrival"
+                        : reason[0] ? reason : why ? why : n->reason);
+}
+
 /* Control thread only: it is the one producer of connector->engine and the one writer of the
  * journal, so the two move together without a lock. */
 int conn_publish_arrival(struct connector *cn, const struct kvf_record *n, uint64_t src_gen,
@@ -207,16 +235,8 @@ int conn_publish_arrival(struct connector *cn, const struct kvf_record *n, uint6
         uint64_t bytes = status == KVF_STATUS_FINISHED
                                  ? (uint64_t)n->n_dst * kvf_layout_layers(L) * kvf_layout_layer_block_bytes(L)
                                  : n->bytes;
-        struct kvf_record a = {.type = KVF_RT_ARRIVAL, .status = status, .bytes = bytes,
-                               .blocks = n->n_dst, .dst = n->dst, .n_dst = n->n_dst,
-                               .done_ns = kvf_now_ns(), .session = session, .id_bin = n->id_bin,
-                               /* Same host, one clock: when the sender posted the notice. */
-                               .accept_ns = n->transport == KVF_TRANSPORT_IPC ? n->done_ns : 0};
-        snprintf(a.request_id, sizeof(a.request_id), "%s", n->request_id);
-        snprintf(a.peer, sizeof(a.peer), "%s", n->peer);
-        snprintf(a.reason, sizeof(a.reason), "%s",
-                 why ? why : n->reason[0] || status == KVF_STATUS_FINISHED ? n->reason
-                                                                           : "the prefill side gave no reason");
+        struct kvf_record a;
+        arrival_record(&a, n, status, bytes, session, why);
         uint8_t *buf;
         size_t len;
         void *p;
@@ -351,13 +371,8 @@ int conn_arrival_notice(struct connector *cn, struct event *ev)
                 return -EAGAIN;
         if (ev->answered)
                 return owed ? -EAGAIN : 0;
-        struct kvf_record ack = {.type = KVF_RT_ACK, .key = n->key,
-                                 .status = st < 0 ? KVF_STATUS_WRITE : st, .id_bin = n->id_bin,
-                                 .session = live};
-        snprintf(ack.request_id, sizeof(ack.request_id), "%s", n->request_id);
-        snprintf(ack.reason, sizeof(ack.reason), "%s",
-                 st < 0 ? "the decode connector could not publish the arrival"
-                        : reason[0] ? reason : why ? why : n->reason);
+        struct kvf_record ack;
+        ack_record(&ack, n, st, live, reason, why);
         if (ack.status != n->status)
                 kvf_errlog(&cn->ctl, KVF_ROLE_CONNECTOR, "req %s from %s: %s: %s", n->request_id,
                            n->peer, kvf_status_name(ack.status), ack.reason);
@@ -442,3 +457,28 @@ void conn_engine_check(struct connector *cn)
         conn_sessions_send_all(cn, &pong);
 }
 
+/*
+ * A finished same-host notice's handling without its effects (notices.c conn_notices_rehearse):
+ * the journal lookups, the checks, the arrival's and the answer's records encoded into `scratch`.
+ * Nothing is published, journaled or answered; the arrival of the notice rehearsed (published
+ * long since) is only looked up.
+ */
+void conn_arrival_rehearse(struct connector *cn, const struct kvf_record *n, uint64_t src_gen, uint8_t *scratch,
+                           size_t cap)
+{
+        const struct kvf_cache_layout *L = &cn->ctl.hdr->layout;
+        uint64_t key = journal_key(n, src_gen);
+        uint64_t live = conn_engine_session(cn);
+        /* (published long since: the real handling would answer from the journal) */
+        bool repeat = conn_arrival_published(cn, n, src_gen) || journal_pending(cn, key) != NULL;
+        int status = KVF_STATUS_FINISHED;
+        for (uint32_t i = 0; i < n->n_dst; i++)
+                if (n->dst[i] >= L->num_blocks)
+                        status = KVF_STATUS_BLOCK_RANGE;
+        struct kvf_record r;
+        arrival_record(&r, n, status, (uint64_t)n->n_dst * kvf_layout_layers(L) * kvf_layout_layer_block_bytes(L),
+                       live, NULL);
+        (void)kvf_record_encode(&r, scratch, cap);
+        ack_record(&r, n, status, live, repeat ? "" : "-", NULL);
+        (void)kvf_record_encode(&r, scratch, cap);
+}

@@ -218,6 +218,23 @@ struct session {
 struct rx_xfer;
 #define RX_BUCKETS 1024u /* landing.c's transfer table, hashed by (peer, key) */
 
+/*
+ * The last same-host notice read, rehearsed while the next is expected (notices.c
+ * conn_notices_rehearse): a notice record of at most CONN_REHEARSE_REC bytes, its source's
+ * incarnation, and a scratch buffer for the records the rehearsal encodes.
+ */
+#define CONN_REHEARSE_REC 1024u
+#define CONN_REHEARSE_NS 10000ull /* at most one rehearsal per this many ns of polling */
+struct conn_rehearsal {
+        uint8_t rec[CONN_REHEARSE_REC];
+        uint32_t len; /* 0: nothing to rehearse yet */
+        char owner[KVF_INSTANCE_MAX]; /* its source, as the slot named it */
+        uint64_t src_gen;
+        uint64_t at_ns; /* the last one */
+        bool off;       /* KVF_AB_NO_REHEARSAL=1 (an A/B switch) */
+        uint8_t scratch[4 * CONN_REHEARSE_REC];
+};
+
 /* A notice slot as the decode connector sees it (notices.c). */
 struct conn_notice_slot {
         struct kvf_ring notice, reply;
@@ -233,6 +250,7 @@ struct connector {
         struct kvf_ctl ctl;
         struct conn_notice_slot nslots[KVF_NOTICE_SLOTS];
         bool notices_blocked; /* a notice waits for room (arrival or reply ring): retry in 1 ms */
+        struct conn_rehearsal rehearsal; /* control thread (notices.c) */
         struct kvf_cache cache; /* own cache: sent from (prefill), landed into (decode) */
         pthread_mutex_t rxmu; /* landing.c's table */
         struct rx_xfer *rx[RX_BUCKETS];
@@ -407,6 +425,10 @@ bool conn_notices_read(struct connector *cn);
 bool conn_notices_readable(struct connector *cn);
 /* Answer a notice that came from slot s: 0, or -EAGAIN when its reply ring is full. */
 int conn_notice_reply(struct connector *cn, uint32_t s, const struct kvf_record *ack);
+/* While a prefill sender expects to post a notice here (the doorbell's expectation): handle the
+ * last notice read again without its effects, at most every CONN_REHEARSE_NS, so the next
+ * one's handling finds its code and data in the caches. Control thread, from its polling. */
+void conn_notices_rehearse(struct connector *cn);
 void conn_notices_close(struct connector *cn);
 
 /* arrivals.c: the decode side of a notice */
@@ -433,5 +455,9 @@ bool conn_arrival_published(struct connector *cn, const struct kvf_record *notic
 int conn_publish_arrival(struct connector *cn, const struct kvf_record *notice, uint64_t src_gen,
                          int status, const char *why, uint64_t session, char *reason,
                          size_t reasonlen, bool *owed);
+/* The handling of a finished notice without its effects: lookups, checks, records encoded into
+ * scratch (conn_notices_rehearse). Publishes, journals and answers nothing. */
+void conn_arrival_rehearse(struct connector *cn, const struct kvf_record *notice, uint64_t src_gen,
+                           uint8_t *scratch, size_t cap);
 
 #endif

@@ -222,6 +222,8 @@ static int on_engine_record(void *ctx, uint16_t type, const uint8_t *pl, uint32_
 static bool has_work(void *arg)
 {
         struct connector *cn = arg;
+        /* (also what the thread runs while it polls: a notice expected is rehearsed meanwhile) */
+        conn_notices_rehearse(cn);
         /* A write batch held back by a full send queue is no work until the data
          * threads make room (they ring us), or we would spin on it. */
         return kvf_load_acquire(&cn->nevents) > 0 ||

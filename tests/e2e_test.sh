@@ -68,7 +68,13 @@ j=$(case_run "notice prewake" pw --prefill $TAG-wp0 --decode $TAG-wd0 --requests
 [ "$(json_get "$j" notice_bad)" = 0 ] || fail "notice prewake: notices stamped after their arrivals"
 w=$(counter $TAG-wp0 notice_prewakes)
 [ "$w" -ge 36 ] || fail "notice prewake: the sender woke the decode connector $w times for 36 or more requests in time"
-pass "notice prewake (forced on): 40 requests verified, the decode connector woken $w times ahead of their notices"
+# While it polls for an expected notice, the decode connector rehearses the last one it handled
+# (connector/notices.c): never a second arrival, never one more answer.
+h=$(counter $TAG-wd0 notice_rehearsals)
+[ "$h" -ge 1 ] || fail "notice prewake: the decode connector never rehearsed a notice while it polled for one"
+[ "$(counter $TAG-wd0 arrivals)" = 40 ] || fail "notice prewake: $(counter $TAG-wd0 arrivals) arrivals published for 40 requests"
+[ "$(counter $TAG-wd0 arrivals_deduplicated)" = 0 ] || fail "notice prewake: notices answered as repeats"
+pass "notice prewake (forced on): 40 requests verified, the decode connector woken $w times ahead of their notices and $h rehearsals of the last one, 40 arrivals"
 down $TAG-wp0; down $TAG-wd0
 
 # A slower engine (layers 1 ms apart, more than the early prewake's 500 us): the wake-up is

@@ -8,8 +8,9 @@
 # engine-writevalue sender sender-mps"; sender-wv, sender-wv-mps: the sender's copies without
 # and under MPS with the layer-done word written by the GPU, the default signal). Prints, per
 # run and as medians per arm with the ratio B / A: the in-time tail p50 and p99, and the stages
-# of the p50: the signal (the last layer's end -> the sender saw it) and the notice (-> the
-# sender posted the finish notice; the rest of the tail is the decode connector's).
+# of the p50: the signal (the last layer's end -> the sender saw it), the notice (-> the
+# sender posted the finish notice) and the publication (per request, the notice posted -> the
+# decode connector published the arrival: its share of the tail).
 # Needs a GPU; binaries from $KVFERRY_BUILD (default build/). Raw output under OUTDIR.
 set -uo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
@@ -76,9 +77,9 @@ for f in sorted(glob.glob(os.path.join(sys.argv[1], "*-[AB]-*.json"))):
     name, arm, r = os.path.basename(f)[:-5].rsplit("-", 2)
     d = json.load(open(f))
     v = (d["tail_in_time_p50_ns"] / 1e3, d["tail_in_time_p99_ns"] / 1e3,
-         d.get("seen_p50_ns", 0) / 1e3, d.get("notice_p50_ns", 0) / 1e3)
+         d.get("seen_p50_ns", 0) / 1e3, d.get("notice_p50_ns", 0) / 1e3, d.get("published_p50_ns", 0) / 1e3)
     print(f"{name:18s} {arm} round {r}: tail p50 {v[0]:7.1f} us  p99 {v[1]:8.1f} us  "
-          f"seen p50 {v[2]:6.1f}  notice p50 {v[3]:7.1f}  finished {d['finished']}  ok {d['ok']}")
+          f"seen p50 {v[2]:6.1f}  notice p50 {v[3]:7.1f}  published p50 {v[4]:6.1f}  finished {d['finished']}  ok {d['ok']}")
     rows.setdefault((name, arm), []).append(v)
 print(f"\nmedians (A: '{os.environ['ENV_A']}', B: '{os.environ['ENV_B']}')")
 for name in sorted({n for n, _ in rows}):
@@ -88,5 +89,6 @@ for name in sorted({n for n, _ in rows}):
     m = lambda v, i: statistics.median(x[i] for x in v)
     print(f"{name:18s} p50 A {m(a,0):7.1f} B {m(b,0):7.1f} us (B/A {m(b,0)/m(a,0):.2f})  "
           f"p99 A {m(a,1):8.1f} B {m(b,1):8.1f} us (B/A {m(b,1)/m(a,1):.2f})  "
-          f"notice p50 A {m(a,3):6.1f} B {m(b,3):6.1f}  seen p50 A {m(a,2):5.1f} B {m(b,2):5.1f}")
+          f"notice p50 A {m(a,3):6.1f} B {m(b,3):6.1f}  published p50 A {m(a,4):5.1f} B {m(b,4):5.1f}  "
+          f"seen p50 A {m(a,2):5.1f} B {m(b,2):5.1f}")
 EOF

@@ -40,9 +40,10 @@ one() {
   /usr/bin/python3 -c "
 import json,sys; d=json.load(open(sys.argv[1]))
 print('tail, tasks in time: p50 %5.0f us p99 %6.0f us | late tasks %d | all: p50 %5.0f us p99 %6.0f us | '
-      'copy start p50 %5.1f us p99 %6.1f us | rate/memcpy %.2f | ok %s' % (
+      'copy start p50 %5.1f us p99 %6.1f us | published p50 %5.1f us | rate/memcpy %.2f | ok %s' % (
   d['tail_in_time_p50_ns']/1e3, d['tail_in_time_p99_ns']/1e3, d['late_tasks'], d['tail_p50_ns']/1e3,
   d['tail_p99_ns']/1e3, d['layer_to_copy_p50_ns']/1e3, d['layer_to_copy_p99_ns']/1e3,
+  d.get('published_p50_ns', 0)/1e3,
   d['rate_bps']/d['memcpy_bps'] if d['memcpy_bps'] else 0, d['ok']))" "$KVFERRY_RUN_DIR/o.json"
   cleanup
   CUR_T=

@@ -54,6 +54,7 @@ struct tail_figures {
         struct spread all, in_time, late, completion;
         struct spread seen; /* in time: last layer-done -> the sender saw it (negative as 0) */
         struct spread notice; /* in time, same host: last layer-done -> the notice posted */
+        struct spread published; /* the same requests: the notice posted -> the arrival published */
         unsigned notice_bad; /* notices stamped after their arrival's publication (never: one clock) */
         struct spread
             norm; /* tail / (2 x its bytes left at memcpy rate + 50 us); with a baseline */
@@ -72,9 +73,9 @@ static struct tail_figures tail_figures(const struct sim *s, double memcpy_bps)
         double *all = calloc(m, sizeof(double)), *in_time = calloc(m, sizeof(double));
         double *late = calloc(m, sizeof(double)), *comp = calloc(m, sizeof(double));
         double *norm = calloc(m, sizeof(double)), *seen = calloc(m, sizeof(double));
-        double *notice = calloc(m, sizeof(double));
+        double *notice = calloc(m, sizeof(double)), *published = calloc(m, sizeof(double));
 
-        if (all && in_time && late && comp && norm && seen && notice) {
+        if (all && in_time && late && comp && norm && seen && notice && published) {
                 unsigned n_in = 0, n_late = 0, n_notice = 0;
                 for (unsigned i = 0; i < s->ntails; i++) {
                         const struct sim_tail *t = &s->tails[i];
@@ -84,8 +85,10 @@ static struct tail_figures tail_figures(const struct sim *s, double memcpy_bps)
                                 late[n_late++] = (double)t->ns;
                         } else {
                                 seen[n_in] = t->seen_ns > 0 ? (double)t->seen_ns : 0;
-                                if (t->notice_ns > 0)
+                                if (t->notice_ns > 0) {
+                                        published[n_notice] = (double)t->ns - (double)t->notice_ns;
                                         notice[n_notice++] = (double)t->notice_ns;
+                                }
                                 f.notice_bad += t->notice_ns > 0 && (uint64_t)t->notice_ns > t->ns;
                                 in_time[n_in++] = (double)t->ns;
                         }
@@ -99,6 +102,7 @@ static struct tail_figures tail_figures(const struct sim *s, double memcpy_bps)
                 f.completion = spread_of(comp, s->ntails);
                 f.seen = spread_of(seen, n_in); /* a late task's layers were ready before it */
                 f.notice = spread_of(notice, n_notice);
+                f.published = spread_of(published, n_notice);
                 if (memcpy_bps > 0)
                         f.norm = spread_of(norm, s->ntails);
         }
@@ -109,6 +113,7 @@ static struct tail_figures tail_figures(const struct sim *s, double memcpy_bps)
         free(norm);
         free(seen);
         free(notice);
+        free(published);
         return f;
 }
 
@@ -307,6 +312,10 @@ static void print_text(const struct sim *s, const struct figures *g)
                 printf("               last layer-done -> the sender posted its notice (same host, %u "
                        "requests): p50 %.1f us, p99 %.1f us\n",
                        tf->notice.n, tf->notice.p50 / 1e3, tf->notice.p99 / 1e3);
+        if (tf->notice.n)
+                printf("               the notice posted -> the decode connector published the arrival: "
+                       "p50 %.1f us, p99 %.1f us\n",
+                       tf->published.p50 / 1e3, tf->published.p99 / 1e3);
         printf("  copy start   layer-done -> copy start: p50 %.1f us, p99 %.1f us\n",
                (double)g->h50[KVF_HIST_LAYER_TO_COPY] / 1e3, (double)g->h99[KVF_HIST_LAYER_TO_COPY] / 1e3);
         if (s->o.warm_caches)
@@ -415,7 +424,8 @@ static void write_json(const struct sim *s, const struct figures *g, const char 
                 "\"connection_errors\":%llu,\"finished_but_failed_pairs\":%llu,\"warm_bytes\":%llu,"
                 "\"warm_ns\":%llu,\"gpu\":%s,\"requests_per_s\":%.1f,\"unexpected_failures\":%llu,"
                 "\"strict\":%s,\"seen_p50_ns\":%.0f,\"seen_p99_ns\":%.0f,\"notice_p50_ns\":%.0f,"
-                "\"notice_p99_ns\":%.0f,\"notice_n\":%u,\"notice_bad\":%u,\"slowest\":[",
+                "\"notice_p99_ns\":%.0f,\"notice_n\":%u,\"notice_bad\":%u,\"published_p50_ns\":%.0f,"
+                "\"published_p99_ns\":%.0f,\"slowest\":[",
                 kvf_sim_counted(s), (unsigned long long)s->finished, (unsigned long long)s->failed,
                 g->unaccounted, (unsigned long long)s->corrupt, (unsigned long long)s->moved_bytes,
                 (unsigned long long)s->verified_bytes, g->secs, g->rate, tf->all.p50, tf->all.p99,
@@ -433,7 +443,8 @@ static void write_json(const struct sim *s, const struct figures *g, const char 
                 (unsigned long long)s->bad_status_pairs, (unsigned long long)s->warm_bytes,
                 (unsigned long long)s->warm_ns, s->sg ? "true" : "false", g->rps,
                 (unsigned long long)s->unexpected_failures, g->strict ? "true" : "false", tf->seen.p50,
-                tf->seen.p99, tf->notice.p50, tf->notice.p99, tf->notice.n, tf->notice_bad);
+                tf->seen.p99, tf->notice.p50, tf->notice.p99, tf->notice.n, tf->notice_bad,
+                tf->published.p50, tf->published.p99);
         slowest_json(s, f, false);
         fprintf(f, "],\"slowest_in_time\":[");
         slowest_json(s, f, true);

@@ -48,6 +48,9 @@ static void usage(void)
                "  --no-notice-rings         same-host finish notices go through both connectors' sockets\n"
                "  --notice-prewake MODE     on, off or auto (on from 4 CPUs, and 2 per rank): wake a same-host\n"
                "                            decode connector while a request's last copies run (default auto)\n"
+               "  --stop-drain-ms N         on SIGTERM or SIGINT (tools/kvferry down): refuse new tasks, give the\n"
+               "                            requests in flight up to N ms to finish, then end those left with a\n"
+               "                            completion saying so (0 to %u, default %u)\n"
                "  --layer-wait MODE         while requests wait for the engine's layers: spin (poll without\n"
                "                            sleeping until 20 ms pass without a layer or a new task), paced\n"
                "                            (sleep, waking ahead of the engine's pace), or auto (default):\n"
@@ -58,7 +61,7 @@ static void usage(void)
                "                            else paced\n"
                KVF_SLICE_USAGE
                "  --help, --version\n",
-               prog);
+               prog, SENDER_STOP_DRAIN_MS_MAX, SENDER_STOP_DRAIN_MS_DEFAULT);
 }
 
 static bool has_work(void *arg)
@@ -295,18 +298,45 @@ static bool idle_wait(struct sender *s, struct pace *pc, uint64_t now, uint64_t 
                 uint64_t left = s->prewake_due_ns > now ? s->prewake_due_ns - now : 0;
                 wait = left < wait ? left : wait;
         }
+        if (s->stop.at) { /* stopping: the window's end (or the next bound) is acted on in time */
+                uint64_t due = sender_stop_due(s), left = due > now ? due - now : 0;
+                wait = left < wait ? left : wait;
+        }
         kvf_count(&s->ctl, KVF_CTR_WAKEUPS_SENDER, 1);
         kvf_doorbell_wait(&s->ctl.bells[KVF_BELL_SENDER], has_work, s, 0, wait);
         return true;
 }
 
-static int run(struct sender *s, uint64_t spin_ns)
+/*
+ * SIGTERM or SIGINT: the loop goes on, refusing new tasks, until every request in flight has
+ * had its completion or the stop's bounds have passed (sender.h, struct sender_stop). The
+ * engine reads those completions after we exit: each is committed to the ring as it is posted
+ * (kvf_bells_publish), and run() rings the engine's doorbell before it returns.
+ */
+static void stop_begin(struct sender *s, uint64_t drain_ns)
+{
+        char why[KVF_REASON_MAX];
+        /* Short: it is also the reason of a withdrawn finish notice (outbox.c). */
+        snprintf(why, sizeof(why), "instance '%s' is stopping (tools/kvferry down)", s->ctl.hdr->instance);
+        sender_stop_begin(s, kvf_now_ns(), drain_ns, why);
+}
+
+static int run(struct sender *s, uint64_t spin_ns, uint64_t drain_ns)
 {
         uint64_t beat = kvf_ms(s->ctl.hdr->heartbeat_ms);
         uint64_t next_tick = 0, idle_since = 0;
         struct pace pc = {0};
 
-        while (!kvf_load_relaxed(&stop)) {
+        for (;;) {
+                if (kvf_load_relaxed(&stop) && !s->stop.at)
+                        stop_begin(s, drain_ns);
+                if (s->stop.at && sender_stop_step(s, kvf_now_ns())) {
+                        /* The tasks in the ring now are answered too, not left unread. */
+                        sender_read_engine(s, beat);
+                        if (s->pending)
+                                sender_flush_pending(s);
+                        break;
+                }
                 bool worked = check_engine(s);
                 worked |= handle_progress(s, &pc);
                 kvf_bells_ring(&s->bells); /* (the notices of this turn's copies, at once) */
@@ -346,6 +376,10 @@ static int run(struct sender *s, uint64_t spin_ns)
                 if (idle_wait(s, &pc, now, next_tick))
                         idle_since = 0;
         }
+        /* Every completion is committed (kvf_ring_publish in kvf_bells_publish) as it is
+         * posted: the engine reads them after we are gone. Its doorbell, now. */
+        kvf_bells_ring(&s->bells);
+        sender_stop_report(s, kvf_now_ns());
         return 0;
 }
 
@@ -399,7 +433,7 @@ static void cpu_modes(struct sender *s, const char *mode, const char *prewake)
 int main(int argc, char **argv)
 {
         enum { O_TIMEOUT = 1000, O_SPIN, O_SLICE, O_LAYER_WAIT, O_NOTICE_RINGS, O_NO_NOTICE_RINGS, O_VERSION,
-               O_PREWAKE };
+               O_PREWAKE, O_STOP_DRAIN };
         static const struct option opts[] = {{"instance", required_argument, 0, 'i'},
                                              {"request-timeout-ms", required_argument, 0, O_TIMEOUT},
                                              {"spin-us", required_argument, 0, O_SPIN},
@@ -408,11 +442,12 @@ int main(int argc, char **argv)
                                              {"slice-us", required_argument, 0, O_SLICE},
                                              {"layer-wait", required_argument, 0, O_LAYER_WAIT},
                                              {"notice-prewake", required_argument, 0, O_PREWAKE},
+                                             {"stop-drain-ms", required_argument, 0, O_STOP_DRAIN},
                                              {"help", no_argument, 0, 'h'},
                                              {"version", no_argument, 0, O_VERSION},
                                              {0, 0, 0, 0}};
         const char *instance = NULL;
-        uint64_t timeout_ms = 60000, spin_us = 50;
+        uint64_t timeout_ms = 60000, spin_us = 50, drain_ms = SENDER_STOP_DRAIN_MS_DEFAULT;
         bool notice_rings = true;
         uint32_t slice_us = KVF_SLICE_US_DEFAULT;
         const char *layer_wait = "auto", *prewake = "auto";
@@ -423,6 +458,7 @@ int main(int argc, char **argv)
                 case 'i': instance = optarg; break;
                 case O_TIMEOUT: timeout_ms = kvf_opt_u64("request-timeout-ms", optarg, 1, 86400000); break;
                 case O_SPIN: spin_us = kvf_opt_u64("spin-us", optarg, 0, 1000000); break;
+                case O_STOP_DRAIN: drain_ms = kvf_opt_u64("stop-drain-ms", optarg, 0, SENDER_STOP_DRAIN_MS_MAX); break;
                 case O_NOTICE_RINGS: notice_rings = true; break;
                 case O_NO_NOTICE_RINGS: notice_rings = false; break;
                 case O_SLICE: slice_us = kvf_sched_slice_opt(prog, optarg); break;
@@ -467,8 +503,7 @@ int main(int argc, char **argv)
         if (s.own.be->id == KVF_BACKEND_CUDA)
                 log_gpu(&s);
         kvf_info("running (generation %llu)", (unsigned long long)s.gen);
-        run(&s, spin_us * 1000);
-        kvf_info("stopping");
+        run(&s, spin_us * 1000, kvf_ms(drain_ms));
         sender_close(&s);
         return 0;
 }

@@ -182,10 +182,14 @@ void sender_prewake_fire(struct sender *s, uint64_t now)
 int sender_post_notice(struct sender *s, uint32_t slot, enum sender_notice kind)
 {
         struct kvf_req_slot *r = &s->ctl.reqtab[slot];
+        /* Withdrawn by a stop, not at a deadline: a peer that had not published the arrival
+         * publishes this status and reason (the instance stopping), and answers with them. */
+        const bool stopping = kind == SENDER_NOTICE_WITHDRAW && sender_stop_withdrawn(s, r);
         struct kvf_record f = {.type = KVF_RT_FINISH,
                                .key = sender_key(slot, r->incarnation),
                                .transport = (int)r->transport,
-                               .status = kind == SENDER_NOTICE_FINISH     ? KVF_STATUS_FINISHED
+                               .status = kind == SENDER_NOTICE_FINISH ? KVF_STATUS_FINISHED
+                                         : stopping                   ? KVF_STATUS_CONNECTION
                                          : kind == SENDER_NOTICE_WITHDRAW ? KVF_STATUS_TIMEOUT
                                                                           : (int)r->status,
                                .bytes = r->bytes,
@@ -201,6 +205,8 @@ int sender_post_notice(struct sender *s, uint32_t slot, enum sender_notice kind)
         memcpy(f.peer, r->peer, sizeof(f.peer));
         if (kind == SENDER_NOTICE_ABORT)
                 memcpy(f.reason, r->reason, sizeof(f.reason));
+        else if (stopping) /* (short: a withdrawal fits the room post_to_ring keeps for it) */
+                snprintf(f.reason, sizeof(f.reason), "%s", s->stop.why);
         else if (kind == SENDER_NOTICE_WITHDRAW)
                 snprintf(f.reason, sizeof(f.reason),
                          "timed out after %llu ms waiting for the peer to confirm the arrival",
@@ -243,6 +249,12 @@ int sender_post_completion(struct sender *s, uint32_t slot)
         memcpy(p, s->scratch, len);
         kvf_bells_publish(&s->bells, ring, pos);
         sender_count_status(s, (int)r->status);
+        if (s->stop.at) { /* (sender_stop_report) */
+                if (r->status == KVF_STATUS_FINISHED)
+                        s->stop.finished++;
+                else
+                        s->stop.failed++;
+        }
         if (r->status == KVF_STATUS_FINISHED) {
                 if (r->last_layer_ns && c.done_ns > r->last_layer_ns)
                         kvf_hist_add(&s->ctl.sender->hist[KVF_HIST_LAST_TO_DONE], c.done_ns - r->last_layer_ns);

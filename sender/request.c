@@ -274,7 +274,8 @@ static void flush_slot(struct sender *s, uint32_t i)
                         uint64_t now = kvf_now_ns();
                         if (!s->abort_since[i])
                                 s->abort_since[i] = now;
-                        if (now - s->abort_since[i] < ABORT_WAIT_NS)
+                        /* (a stopping sender's last phase waits for no ring: its completion) */
+                        if (now - s->abort_since[i] < ABORT_WAIT_NS && s->stop.phase != SENDER_STOP_LAST)
                                 return;
                         rc = kvf_err_set(rc, "no room for it in %llu ms: given up (the peer "
                                              "frees the blocks at its own timeout)",
@@ -393,6 +394,65 @@ static void noticed_timeout(struct sender *s, uint32_t i, uint64_t now)
         }
 }
 
+/*
+ * Stopping, the drain window over (SENDER_EV_STOP_WINDOW). A request still moving (or landing:
+ * its copies out) ends now, 'connection error', its peer told with an abort notice; both wait
+ * for its copies in flight (flush_slot), as for any failure. A notice that never reached a
+ * connector or the peer's ring cannot have been published: the request ends the same way. A
+ * notice out is withdrawn, as at a deadline (noticed_timeout): only the peer's answer decides,
+ * so both sides agree. One withdrawn at its deadline before the stop waits for its answer.
+ */
+static void stop_window(struct sender *s, uint32_t i)
+{
+        struct sender_stop *t = &s->stop;
+        struct kvf_req_slot *r = &s->ctl.reqtab[i];
+        enum sender_req_state st = sender_req_state(s, i);
+        unsigned long long ms = t->drain_ns / 1000000;
+        uint64_t w = s->progress;
+        char why[KVF_REASON_MAX];
+        if (st == SREQ_LANDING) {
+                snprintf(why, sizeof(why), "%s: its last copies had not landed at the end of its %llu ms drain window",
+                         t->why, ms);
+        } else if (st == SREQ_MOVING) {
+                snprintf(why, sizeof(why),
+                         "%s: still moving at the end of its %llu ms drain window (%u of %u blocks sent for every "
+                         "layer; progress is at step %llu layer %u)",
+                         t->why, ms, r->sent_full, r->n_send, (unsigned long long)KVF_PROGRESS_STEP(w),
+                         KVF_PROGRESS_LAYERS(w));
+        } else if (noticed_state(st) && !r->notice_gen) {
+                snprintf(why, sizeof(why),
+                         "%s: every byte had %s, but the finish notice had not reached the connector at the end of "
+                         "its %llu ms drain window",
+                         t->why, st == SREQ_LANDED ? "landed" : "been handed to the connector", ms);
+                kvf_count(&s->ctl, KVF_CTR_NOTICES_FAILED, 1); /* never delivered */
+        } else {
+                if (noticed_state(st) && !r->withdraw_ns) {
+                        r->withdraw_ns = t->window_end; /* (sender_stop_withdrawn) */
+                        mark(s, i, SLOT_NEEDS_NOTICE);  /* posted as a withdrawal (flush_slot) */
+                        t->withdrawn++;
+                }
+                return;
+        }
+        decide(s, i, KVF_STATUS_CONNECTION, why);
+        t->ended++;
+}
+
+/* Stopping, SENDER_STOP_ANSWER_NS after the window (SENDER_EV_STOP_ANSWERS): a withdrawal the peer
+ * has not answered leaves its request in doubt, as a deadline's second timeout does. */
+static void stop_answers(struct sender *s, uint32_t i)
+{
+        char why[KVF_REASON_MAX];
+        if (!noticed_state(sender_req_state(s, i)) || !s->ctl.reqtab[i].withdraw_ns)
+                return;
+        snprintf(why, sizeof(why),
+                 "%s: the peer had not answered the withdrawal of the finish notice %llu ms after the drain "
+                 "window (in doubt: it may have published the arrival)",
+                 s->stop.why, (unsigned long long)(SENDER_STOP_ANSWER_NS / 1000000));
+        kvf_count(&s->ctl, KVF_CTR_NOTICES_FAILED, 1); /* its answer never came */
+        decide(s, i, KVF_STATUS_TIMEOUT, why);
+        s->stop.doubt++;
+}
+
 /* The request's destination blocks are booked while it lives (tasks.c refuses another request
  * into them). Without memory for that it goes on unbooked: the check is there for an engine's
  * mistake, never a reason to fail a good request. */
@@ -489,15 +549,32 @@ void sender_req_event(struct sender *s, uint32_t slot, const struct sender_ev *e
                 if (sender_req_state(s, slot) == SREQ_LANDING)
                         to_notice(s, slot); /* its last bytes have landed */
                 return;
-        case SENDER_EV_WRITE_RESULT:
+        case SENDER_EV_WRITE_RESULT: {
                 /* Finished only once every byte has left us (LANDED, HANDED); an error (a
                  * network transfer that failed early) ends a moving one too. */
-                if (noticed_state(st) || (moving_state(st) && ev->status != KVF_STATUS_FINISHED))
-                        decide(s, slot, ev->status,
-                               ev->status == KVF_STATUS_FINISHED ? ""
-                               : ev->reason && ev->reason[0]     ? ev->reason
-                                                                 : "the connector gave no reason");
+                if (!noticed_state(st) && !(moving_state(st) && ev->status != KVF_STATUS_FINISHED))
+                        return;
+                const char *why = ev->status == KVF_STATUS_FINISHED ? ""
+                                  : ev->reason && ev->reason[0]     ? ev->reason
+                                                                    : "the connector gave no reason";
+                char both[KVF_REASON_MAX];
+                /* Withdrawn by the stop and not published as finished by the peer: the peer's
+                 * answer is the outcome (its status too), and the stop is why it came to that.
+                 * A peer that publishes our withdrawal answers with its reason, the stop's. */
+                if (noticed_state(st) && ev->status != KVF_STATUS_FINISHED && sender_stop_withdrawn(s, r)) {
+                        snprintf(both, sizeof(both),
+                                 "%s: its finish notice was withdrawn, unanswered at the end of the %llu ms drain "
+                                 "window; %s%s",
+                                 s->stop.why, (unsigned long long)(s->stop.drain_ns / 1000000),
+                                 strcmp(why, s->stop.why) ? "the peer's answer: " : "",
+                                 strcmp(why, s->stop.why) ? why
+                                                          : "the peer had not published the arrival, and publishes "
+                                                            "this failure");
+                        why = both;
+                }
+                decide(s, slot, ev->status, why);
                 return;
+        }
         case SENDER_EV_CANCEL:
                 /* LANDED, HANDED: the notice commits it; the completion says what the peer did. */
                 if (moving_state(st))
@@ -548,6 +625,13 @@ void sender_req_event(struct sender *s, uint32_t slot, const struct sender_ev *e
                 return;
         case SENDER_EV_ADOPT:
                 adopt_slot(s, slot);
+                return;
+        case SENDER_EV_STOP_WINDOW:
+                if (live_state(st))
+                        stop_window(s, slot);
+                return;
+        case SENDER_EV_STOP_ANSWERS:
+                stop_answers(s, slot);
                 return;
         case SENDER_EV_COUNT:
                 break;
@@ -828,4 +912,101 @@ void sender_tick(struct sender *s, uint64_t now)
                                          &(struct sender_ev){.type = SENDER_EV_CONNECTOR_NEW});
         }
         s->connector_gen = cgen;
+}
+
+/* ---- stopping (SIGTERM, SIGINT: sender.h, struct sender_stop) ---- */
+
+void sender_stop_begin(struct sender *s, uint64_t now, uint64_t drain_ns, const char *why)
+{
+        struct sender_stop *t = &s->stop;
+        if (t->at)
+                return;
+        uint32_t n = s->ctl.hdr->reqtab_slots;
+        t->at = now ? now : 1;
+        t->drain_ns = drain_ns;
+        t->window_end = t->at + drain_ns;
+        t->answers_end = t->window_end + SENDER_STOP_ANSWER_NS;
+        t->end = t->window_end + SENDER_STOP_LAST_NS;
+        t->phase = SENDER_STOP_DRAIN;
+        snprintf(t->why, sizeof(t->why), "%s", why);
+        for (uint32_t i = 0; i < n; i++)
+                t->in_flight += sender_req_state(s, i) != SREQ_FREE;
+        if (t->in_flight)
+                kvf_info("stopping: %u requests in flight get up to %llu ms to finish (--stop-drain-ms); "
+                         "new tasks are refused ('connection error': %s)",
+                         t->in_flight, (unsigned long long)(drain_ns / 1000000), t->why);
+}
+
+/* Every request in the table hears of the stop's next phase. */
+static void stop_event(struct sender *s, enum sender_ev_type type)
+{
+        uint32_t n = s->ctl.hdr->reqtab_slots;
+        for (uint32_t i = 0; i < n; i++)
+                if (sender_req_state(s, i) != SREQ_FREE)
+                        sender_req_event(s, i, &(struct sender_ev){.type = type});
+        if (s->pending)
+                sender_flush_pending(s);
+}
+
+bool sender_stop_step(struct sender *s, uint64_t now)
+{
+        struct sender_stop *t = &s->stop;
+        if (!t->at)
+                return false;
+        if (t->phase == SENDER_STOP_DRAIN && now >= t->window_end) {
+                t->phase = SENDER_STOP_ANSWERS;
+                stop_event(s, SENDER_EV_STOP_WINDOW);
+                if (t->ended || t->withdrawn)
+                        kvf_info("stopping: the %llu ms drain window is over: %u requests ended ('connection "
+                                 "error'), %u finish notices withdrawn (the peer's answer decides)",
+                                 (unsigned long long)(t->drain_ns / 1000000), t->ended, t->withdrawn);
+        }
+        if (t->phase == SENDER_STOP_ANSWERS && now >= t->answers_end) {
+                t->phase = SENDER_STOP_LAST;
+                stop_event(s, SENDER_EV_STOP_ANSWERS);
+        }
+        if (now >= t->end)
+                return true;
+        if (s->cp.flight || s->cp.nowes)
+                return false;
+        uint32_t n = s->ctl.hdr->reqtab_slots;
+        for (uint32_t i = 0; i < n; i++)
+                if (sender_req_state(s, i) != SREQ_FREE)
+                        return false;
+        return true;
+}
+
+uint64_t sender_stop_due(const struct sender *s)
+{
+        const struct sender_stop *t = &s->stop;
+        return t->phase == SENDER_STOP_DRAIN     ? t->window_end
+               : t->phase == SENDER_STOP_ANSWERS ? t->answers_end
+                                                 : t->end;
+}
+
+void sender_stop_report(struct sender *s, uint64_t now)
+{
+        const struct sender_stop *t = &s->stop;
+        if (!t->at)
+                return;
+        uint32_t n = s->ctl.hdr->reqtab_slots, left = 0, copying = 0;
+        for (uint32_t i = 0; i < n; i++)
+                if (sender_req_state(s, i) != SREQ_FREE) {
+                        left++;
+                        copying += sender_copies_busy(s, i);
+                }
+        char tail[160];
+        if (!left)
+                snprintf(tail, sizeof(tail), "every request has had its completion");
+        else
+                snprintf(tail, sizeof(tail),
+                         "%u requests left without a completion (%u with copies still in flight, the rest: the "
+                         "engine's ring full)",
+                         left, copying);
+        kvf_log(left ? KVF_LOG_WARN : KVF_LOG_INFO,
+                "stopped in %llu ms: of %u requests in flight, %u finished and %u failed (%u ended at the end of "
+                "the %llu ms drain window, %u finish notices withdrawn then, %u requests in doubt); %u new tasks "
+                "refused; %s",
+                (unsigned long long)((now - t->at) / 1000000), t->in_flight, t->finished, t->failed, t->ended,
+                (unsigned long long)(t->drain_ns / 1000000), t->withdrawn, t->doubt, t->refused, tail);
 }

@@ -115,6 +115,41 @@ struct net_peer {
 
 #define SENDER_PREWAKE_MAX 16u /* (prewakes started later: see SENDER_PREWAKE_LEAD_NS) */
 
+/*
+ * Stopping (SIGTERM or SIGINT: tools/kvferry down; request.c, docs/ARCHITECTURE.md 6, "Stopping").
+ * From `at` on, a task read is refused ('connection error', `why`); requests in flight go on as
+ * before until `window_end` (kvf-sender --stop-drain-ms). Then a request still moving ends
+ * 'connection error' (its peer told with an abort notice, its completion after its copies in
+ * flight), and a finish notice still unanswered is withdrawn (the peer's answer decides, as at
+ * a deadline). A withdrawal unanswered at `answers_end` leaves its request in doubt ('timed
+ * out'); at `end` the sender exits, whatever is left. Well within the supervisor's 5 s between
+ * TERM and KILL (tools/kvferry stop_all): the window is at most SENDER_STOP_DRAIN_MS_MAX, and
+ * `end` SENDER_STOP_LAST_NS after it.
+ */
+#define SENDER_STOP_DRAIN_MS_DEFAULT 2000u
+#define SENDER_STOP_DRAIN_MS_MAX 3000u
+#define SENDER_STOP_ANSWER_NS 500000000ull /* a live peer answers a withdrawal in microseconds */
+#define SENDER_STOP_LAST_NS 1000000000ull
+enum sender_stop_phase {
+        SENDER_STOP_NONE = 0, /* running */
+        SENDER_STOP_DRAIN,    /* requests in flight go on; new tasks are refused */
+        SENDER_STOP_ANSWERS,  /* what was in flight is ended or withdrawn: its answers, its copies */
+        SENDER_STOP_LAST,     /* withdrawals unanswered are in doubt: completions still owed go out */
+};
+struct sender_stop {
+        uint64_t at, window_end, answers_end, end; /* CLOCK_MONOTONIC ns; at 0: running */
+        uint64_t drain_ns;
+        uint8_t phase;           /* enum sender_stop_phase */
+        uint32_t in_flight;      /* requests in the table when it began */
+        uint32_t finished;       /* completions posted since it began: finished, */
+        uint32_t failed;         /* ... and failed (for whatever reason) */
+        uint32_t ended;          /* requests it ended at the window's end, */
+        uint32_t withdrawn;      /* ... finish notices it withdrew then, */
+        uint32_t doubt;          /* ... and withdrawals unanswered at answers_end */
+        uint32_t refused;        /* tasks refused since it began */
+        char why[KVF_REASON_MAX]; /* "instance 'P' is stopping (tools/kvferry down)" */
+};
+
 struct sender {
         struct kvf_ctl ctl;
         uint64_t gen;
@@ -221,6 +256,7 @@ struct sender {
         /* rings with records published and their consumers not yet rung: the engine's, the
          * connector's, the peers' notice rings (rung after each batch of the loop, main.c) */
         struct kvf_bells bells;
+        struct sender_stop stop; /* SIGTERM, SIGINT: the stop under way (request.c) */
 };
 
 /*
@@ -284,6 +320,8 @@ enum sender_ev_type {
         SENDER_EV_CONNECTOR_NEW, /* the connector restarted: what it held for us is lost */
         SENDER_EV_RETRY,         /* rings may have room: post what it owes (SLOT_*) */
         SENDER_EV_ADOPT,         /* a restarted sender found it in the table */
+        SENDER_EV_STOP_WINDOW,   /* stopping: the drain window is over (struct sender_stop) */
+        SENDER_EV_STOP_ANSWERS,  /* stopping: the time for withdrawals' answers is over */
         SENDER_EV_COUNT
 };
 
@@ -318,6 +356,25 @@ void sender_sessions_check(struct sender *s, bool check_process);
 void sender_adopt(struct sender *s);
 /* Every heartbeat: liveness, peers, deadlines, a restarted connector. */
 void sender_tick(struct sender *s, uint64_t now);
+/*
+ * Stopping (struct sender_stop). sender_stop_begin: the stop begins at `now` with a drain
+ * window of drain_ns and `why` as the reason its failures carry (a second call does nothing).
+ * sender_stop_step, on each turn of the loop: moves the stop on at `now` (the window's end, the
+ * answers' end); true once the sender may exit: every request has had its completion and no
+ * copy is in flight, or `end` has passed. sender_stop_due: when the next of those comes (the
+ * loop sleeps no longer). sender_stop_report: the one line saying how it went.
+ */
+void sender_stop_begin(struct sender *s, uint64_t now, uint64_t drain_ns, const char *why);
+bool sender_stop_step(struct sender *s, uint64_t now);
+uint64_t sender_stop_due(const struct sender *s);
+void sender_stop_report(struct sender *s, uint64_t now);
+/* A withdrawal the stop made: its notice and its request's completion say why. The window's
+ * sweep stamps withdraw_ns with window_end exactly (a deadline's withdrawal has its tick's
+ * time). */
+static inline bool sender_stop_withdrawn(const struct sender *s, const struct kvf_req_slot *r)
+{
+        return s->stop.at && r->withdraw_ns == s->stop.window_end;
+}
 
 /*
  * Work a slot still owes the rings, because a ring was full or the connector

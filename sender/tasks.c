@@ -305,6 +305,14 @@ static int accept_task(struct sender *s, struct kvf_record *t, const struct task
                 return reject(s, ref, t->peer, KVF_STATUS_ENGINE_GONE,
                               "engine session %llu ended before this task was read",
                               (unsigned long long)ref->session);
+        if (s->stop.at) {
+                /* Stopping: no new request, answered now rather than left in the ring for the
+                 * engine to wait out (request.c, sender_stop_begin). */
+                int rc = reject(s, ref, t->peer, KVF_STATUS_CONNECTION, "%s: it takes no new tasks", s->stop.why);
+                if (rc == 0)
+                        s->stop.refused++;
+                return rc;
+        }
         if (slot != UINT32_MAX)
                 return reject(s, ref, t->peer, KVF_STATUS_BAD_TASK,
                               "duplicate request_id '%s': a request with this id is in flight", id);

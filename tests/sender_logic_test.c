@@ -7,7 +7,8 @@
  * results, its generation), runs the sender's loop steps itself, and checks what
  * comes out: completions (status, reason), records to the connector (open, write
  * batch, finish notice, abort, withdrawal), the bytes in the peer's cache, and each
- * slot's state, in this process and in the shared table. A "restart" is a second
+ * slot's state, in this process and in the shared table; and a stop (SIGTERM: refusals, the
+ * drain window, withdrawals). A "restart" is a second
  * struct sender adopting the same segment after the first was dropped without a
  * word, as a crash would leave it.
  */
@@ -1324,6 +1325,142 @@ static void case_layer_turns(void)
         step_now += 4;
 }
 
+/* Stopping (SIGTERM: tools/kvferry down). New tasks are refused at once; requests in flight go on
+ * through the drain window; at its end one still moving ends 'connection error' (an abort tells
+ * the peer), and finish notices still unanswered are withdrawn: the peer's answer decides
+ * (finished if it had published), and a withdrawal never answered leaves its request in doubt.
+ * A request whose copies are out is reported only once they land. The sender may exit once
+ * every request has had its completion, or at the stop's end. */
+static void case_stop(void)
+{
+        const uint32_t src[1] = {5}, dfin[1] = {3}, dmov[1] = {4}, dwd[1] = {6}, dwf[1] = {7}, ddb[1] = {8},
+                       dtcp[1] = {9}, dlate[1] = {10};
+        const char *why = "instance 'x' is stopping (tools/kvferry down)";
+        const uint64_t drain = 1000000000ull;
+        uint64_t st = next_step();
+        step_now += 5;
+        sender_up(&A, &P);
+        task(&P, "sp-fin", D.name, KVF_TRANSPORT_IPC, src, 1, dfin, 1, st, false);
+        task(&P, "sp-moving", D.name, KVF_TRANSPORT_IPC, src, 1, dmov, 1, st + 5, false);
+        task(&P, "sp-wd", D.name, KVF_TRANSPORT_IPC, src, 1, dwd, 1, st - 1, false);
+        task(&P, "sp-wd-fin", D.name, KVF_TRANSPORT_IPC, src, 1, dwf, 1, st - 1, false);
+        task(&P, "sp-doubt", D.name, KVF_TRANSPORT_IPC, src, 1, ddb, 1, st - 1, false);
+        task(&P, "sp-tcp", tcp_peer, KVF_TRANSPORT_TCP, src, 1, dtcp, 1, st - 1, false);
+        progress(&P, st - 1, LAYERS);
+        turn(&A);
+        progress(&P, st, 2);
+        turn(&A);
+        uint32_t fin = slot_of(&A, "sp-fin"), mov = slot_of(&A, "sp-moving"), wd = slot_of(&A, "sp-wd"),
+                 wf = slot_of(&A, "sp-wd-fin"), db = slot_of(&A, "sp-doubt"), tc = slot_of(&A, "sp-tcp");
+        CHECK_STATE(&A, fin, SREQ_MOVING, KVF_REQ_ACTIVE);
+        CHECK_STATE(&A, wd, SREQ_LANDED, KVF_REQ_FINISHING);
+        CHECK_STATE(&A, tc, SREQ_HANDED, KVF_REQ_HANDED_OVER);
+        CHECK_EQ(count_type(to_connector(&P), KVF_RT_FINISH), 4); /* four notices out, unanswered */
+        CHECK_EQ(completions(&P)->n, 0);
+
+        uint64_t t0 = kvf_now_ns();
+        sender_stop_begin(&A, t0, drain, why);
+        CHECK_EQ(A.stop.in_flight, 6);
+        CHECK(!sender_stop_step(&A, t0 + 1));
+        CHECK_EQ(sender_stop_due(&A), t0 + drain);
+        /* a task read now is refused at once; a request in flight finishes as before */
+        task(&P, "sp-late", D.name, KVF_TRANSPORT_IPC, src, 1, dlate, 1, st + 1, false);
+        progress(&P, st, LAYERS);
+        turn(&A);
+        struct outs *o = completions(&P);
+        CHECK_EQ(o->n, 1);
+        CHECK_DONE(o, "sp-late", KVF_STATUS_CONNECTION, "is stopping (tools/kvferry down): it takes no new tasks");
+        CHECK_STATE(&A, fin, SREQ_LANDED, KVF_REQ_FINISHING);
+        CHECK(landed(&P, &D, src, dfin, 1));
+        write_result(&P, key_of(&A, fin), "sp-fin", KVF_STATUS_FINISHED, "");
+        turn(&A);
+        CHECK_DONE(completions(&P), "sp-fin", KVF_STATUS_FINISHED, "");
+        CHECK(!sender_stop_step(&A, t0 + drain - 1));
+        o = to_connector(&P);
+        CHECK(find(o, KVF_RT_FINISH, "sp-fin") && !find(o, KVF_RT_FINISH, "sp-wd"));
+
+        /* the window's end */
+        CHECK(!sender_stop_step(&A, t0 + drain));
+        CHECK_EQ(sender_stop_due(&A), t0 + drain + SENDER_STOP_ANSWER_NS);
+        o = completions(&P);
+        CHECK_EQ(o->n, 1);
+        CHECK_DONE(o, "sp-moving", KVF_STATUS_CONNECTION, "still moving at the end of its 1000 ms drain window");
+        CHECK(strstr(find(o, KVF_REC_COMPLETION, "sp-moving")->reason, why));
+        CHECK_STATE(&A, mov, SREQ_FREE, KVF_REQ_FREE);
+        o = to_connector(&P);
+        const struct rec *ab = find(o, KVF_RT_FINISH, "sp-moving");
+        CHECK(ab && ab->status == KVF_STATUS_CONNECTION && !ab->withdraw && strstr(ab->reason, why));
+        const char *wds[4] = {"sp-wd", "sp-wd-fin", "sp-doubt", "sp-tcp"};
+        for (unsigned i = 0; i < 4; i++) {
+                const struct rec *w = find(o, KVF_RT_FINISH, wds[i]);
+                CHECK(w && w->withdraw && w->status == KVF_STATUS_CONNECTION && !strcmp(w->reason, why));
+        }
+        CHECK_STATE(&A, wd, SREQ_LANDED, KVF_REQ_FINISHING); /* only the peer's answer decides */
+        /* the peer publishes our withdrawal (it had not published), or had published; a tcp
+         * notice that never left our connector is dropped there */
+        write_result(&P, key_of(&A, wd), "sp-wd", KVF_STATUS_CONNECTION, why);
+        write_result(&P, key_of(&A, wf), "sp-wd-fin", KVF_STATUS_FINISHED, "");
+        write_result(&P, key_of(&A, tc), "sp-tcp", KVF_STATUS_TIMEOUT,
+                     "timed out: the finish notice never reached the peer (withdrawn)");
+        turn(&A);
+        o = completions(&P);
+        CHECK_EQ(o->n, 3);
+        CHECK_DONE(o, "sp-wd", KVF_STATUS_CONNECTION, "the peer had not published the arrival, and publishes");
+        CHECK_DONE(o, "sp-wd-fin", KVF_STATUS_FINISHED, "");
+        CHECK_DONE(o, "sp-tcp", KVF_STATUS_TIMEOUT, "the peer's answer: timed out: the finish notice never reached");
+        CHECK(strstr(find(o, KVF_REC_COMPLETION, "sp-tcp")->reason, why));
+        CHECK(!sender_stop_step(&A, t0 + drain + SENDER_STOP_ANSWER_NS - 1));
+
+        CHECK_STATE(&A, db, SREQ_LANDED, KVF_REQ_FINISHING);
+        /* the answers' end: a withdrawal never answered is in doubt; then every request has had
+         * its completion, and the sender may exit */
+        CHECK(sender_stop_step(&A, t0 + drain + SENDER_STOP_ANSWER_NS));
+        o = completions(&P);
+        CHECK_EQ(o->n, 1);
+        CHECK_DONE(o, "sp-doubt", KVF_STATUS_TIMEOUT, "had not answered the withdrawal of the finish notice");
+        CHECK(strstr(find(o, KVF_REC_COMPLETION, "sp-doubt")->reason, "in doubt"));
+        CHECK_STATE(&A, db, SREQ_FREE, KVF_REQ_FREE);
+        CHECK_EQ(A.stop.finished, 2);
+        CHECK_EQ(A.stop.failed, 4);
+        CHECK_EQ(A.stop.ended, 1);
+        CHECK_EQ(A.stop.withdrawn, 4);
+        CHECK_EQ(A.stop.doubt, 1);
+        CHECK_EQ(A.stop.refused, 1);
+        sender_stop_report(&A, t0 + drain + SENDER_STOP_ANSWER_NS + 1);
+        to_connector(&P);
+        sender_close(&A);
+
+        /* copies in flight at the window's end: decided, but reported only once they land */
+        const uint32_t as[2] = {2, 3}, ad[2] = {16, 17};
+        uint64_t sa = next_step();
+        setenv("KVFERRY_ASYNC_DELAY_US", "200000", 1);
+        sender_up(&A, &PA);
+        task(&PA, "sp-landing", DA.name, KVF_TRANSPORT_IPC, as, 2, ad, 2, sa, false);
+        progress(&PA, sa, LAYERS);
+        turn(&A);
+        uint32_t ld = slot_of(&A, "sp-landing");
+        CHECK_STATE(&A, ld, SREQ_LANDING, KVF_REQ_ACTIVE);
+        t0 = kvf_now_ns();
+        sender_stop_begin(&A, t0, 0, why); /* --stop-drain-ms 0 */
+        CHECK(!sender_stop_step(&A, t0)); /* its copies are out */
+        CHECK_STATE(&A, ld, SREQ_DECIDED, KVF_REQ_COMPLETING);
+        CHECK_EQ(completions(&PA)->n, 0);
+        CHECK_EQ(to_connector(&PA)->n, 0); /* no abort either: the peer may not reuse the blocks yet */
+        settle(&A);
+        CHECK_DONE(completions(&PA), "sp-landing", KVF_STATUS_CONNECTION, "its last copies had not landed");
+        ab = find(to_connector(&PA), KVF_RT_FINISH, "sp-landing");
+        CHECK(ab && ab->status == KVF_STATUS_CONNECTION && !ab->withdraw);
+        CHECK(sender_stop_step(&A, kvf_now_ns()));
+        /* and a stop with nothing in flight may exit at once */
+        sender_close(&A);
+        sender_up(&A, &PA);
+        sender_stop_begin(&A, kvf_now_ns(), drain, why);
+        CHECK(sender_stop_step(&A, kvf_now_ns()));
+        sender_close(&A);
+        setenv("KVFERRY_ASYNC_DELAY_US", "1000", 1);
+        step_now += 2;
+}
+
 /* A copy batch's runs in source order: sorted, stable, none lost or repeated, at every size a
  * step makes (one run; offsets of a few bits, where passes are skipped; offsets past 2^40). */
 static void case_copy_sort(void)
@@ -1467,6 +1604,7 @@ int main(void)
         case_notice_rings();
         case_async();
         case_layer_turns();
+        case_stop();
 
         kvf_cache_unmap(&P.cache);
         kvf_cache_unmap(&D.cache);

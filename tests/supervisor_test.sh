@@ -302,6 +302,23 @@ down $TAG-kp
 "$K" down --instance $TAG-kd >/dev/null 2>&1 || true # (its leftover shared memory)
 pass "a decode instance killed whole: its requests in flight end at once, later tasks 'unknown peer' naming the leftover; none waits out its timeout"
 
+# ---- 8c. down of a prefill instance with requests in flight ----
+# Every request it accepted ends with one completion that says how. Its sender refuses new tasks
+# at once, gives those in flight up to --stop-drain-ms (2 s) to finish, ends the rest 'connection
+# error' saying the instance is stopping (the decode side's arrival says the same), and the
+# engine reads every completion after the sender has exited; down returns within the
+# supervisor's 5 s grace. (The sender used to exit on SIGTERM at once: no completion at all, and
+# the engine waited out its own timeout.) tests/stop_engine.py plays both engines and runs down.
+up $TAG-sd --role decode $L
+up $TAG-sp --role prefill $L
+PYTHONPATH="$ROOT/python" "$ROOT/tests/python_run.sh" "$ROOT/tests/stop_engine.py" $TAG-sp $TAG-sd >"$R/stop.txt" 2>&1 ||
+  fail "down of a prefill instance with requests in flight: $(cat "$R/stop.txt")"
+grep -q "stopped in [0-9]* ms: of 10 requests in flight, 6 finished and 4 failed (4 ended at the end of the 2000 ms drain window, 0 finish notices withdrawn then, 0 requests in doubt); 1 new tasks refused; every request has had its completion" \
+  "$R/$TAG-sp/sender.log" || fail "down of a prefill instance: the sender's last line: $(grep stop "$R/$TAG-sp/sender.log")"
+gone $TAG-sp
+down $TAG-sd
+pass "$(tail -n 1 "$R/stop.txt" | sed 's/^ok: //')"
+
 # ---- 8b. a supervisor killed alone (kill -9, the OOM killer): its roles run on, unsupervised ----
 # down stops them itself, as the supervisor would, signalling only processes of ours running
 # kvf-ROLE --instance NAME; until then up of the name is refused, naming down; status says so. A

@@ -212,9 +212,14 @@ class Run:
                         t = self.dec.caches[r].tensor(layer, v)
                         for i, d in enumerate(q["dst"]):
                             want = dep.pattern(q["rid"], layer, v, i + q["held"], r, bb)
-                            if t[d * bb:(d + 1) * bb] != want:
-                                fail("%s: rank %d layer %d tensor %d block %d (dest %d) differs"
-                                     % (q["rid"], r, layer, v, i, d), *self.insts)
+                            got_b = t[d * bb:(d + 1) * bb]
+                            if got_b != want:
+                                # Whose bytes are there (the pattern names its request, layer,
+                                # tensor, block and rank), or none: what went wrong, at a glance.
+                                fail("%s: rank %d layer %d tensor %d block %d (dest %d) differs: holds %r, "
+                                     "wants %r; the batch: %s"
+                                     % (q["rid"], r, layer, v, i, d, bytes(got_b[:40]), bytes(want[:40]),
+                                        {x["rid"]: got[x["rid"]][0] for x in plan}), *self.insts)
         for q in plan:
             self.free_p += q["src"]
             self.free_d += q["dst"]

@@ -44,7 +44,7 @@ struct slot {
 
 /* per_query: how long a layer value read with a new step must stand before it counts as the
  * new step's (the loop below says why). */
-#define STALE_STAND_NS 1000000000ull
+#define STALE_STAND_NS 5000000000ull
 
 struct kvf_fd_bridge {
         struct kvf_client *c;
@@ -306,8 +306,8 @@ static void *query_thread(void *arg)
          * written between two reads of this loop (50 µs apart at most) and nothing after it
          * needs the stand; an old value taken for the new step's sends blocks not written
          * yet, so the stand is long: an engine thread held up between its two stores (1 ms,
-         * then 100 ms were the stand, and a test's engine, descheduled, outlasted both) must
-         * not pass for a finished step. */
+         * then 100 ms, then 1 s were the stand, and a test's engine, descheduled, outlasted
+         * each) must not pass for a finished step. */
         bool trusted = true;
         uint64_t change_ns = 0;
         int32_t published = -1;

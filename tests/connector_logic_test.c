@@ -32,6 +32,7 @@
 #include "clock.h"
 #include "connector.h"
 #include "ctl.h"
+#include "doorbell.h"
 #include "layout.h"
 #include "net.h"
 #include "notice.h"
@@ -305,6 +306,60 @@ static void case_duplicates(void)
         CHECK(o->n == 1 && o->r[0].key == 103 && o->r[0].status == KVF_STATUS_WRITE);
         printf("ok: a repeated notice and a withdrawal answered from the journal without a second "
                "arrival; an unpublished withdrawal and an abort published with their status\n");
+}
+
+/* The rehearsal (notices.c): while a notice is expected, the last finished one read is handled
+ * again without its effects, at most every CONN_REHEARSE_NS: no arrival, no answer, the journal
+ * as it was; nothing without an expectation, nothing when switched off; the next notice as ever. */
+static void case_rehearsal(void)
+{
+        static struct kvf_journal_entry before[KVF_JOURNAL_ENTRIES];
+        struct kvf_doorbell *bell = &C1.ctl.bells[KVF_BELL_CONNECTOR];
+        memcpy(before, C1.ctl.journal, sizeof(before));
+        uint32_t jnext = C1.jnext;
+        uint64_t r0 = counter(KVF_CTR_NOTICE_REHEARSALS), a0 = counter(KVF_CTR_ARRIVALS);
+        uint64_t d0 = counter(KVF_CTR_ARRIVALS_DEDUPED);
+        CHECK(C1.rehearsal.len > 0); /* (pub-1, the last finished notice read) */
+        kvf_doorbell_expect(bell, 0);
+        for (int i = 0; i < 1000; i++)
+                conn_notices_rehearse(&C1);
+        CHECK_EQ(counter(KVF_CTR_NOTICE_REHEARSALS), r0); /* no expectation: nothing */
+        kvf_doorbell_expect(bell, kvf_now_ns() + 1000000000ull);
+        uint64_t t0 = kvf_now_ns();
+        while (counter(KVF_CTR_NOTICE_REHEARSALS) < r0 + 5 && kvf_now_ns() - t0 < 2000000000ull)
+                conn_notices_rehearse(&C1);
+        uint64_t n = counter(KVF_CTR_NOTICE_REHEARSALS) - r0;
+        uint64_t took = kvf_now_ns() - t0;
+        CHECK(n >= 5);
+        CHECK(took >= (n - 1) * CONN_REHEARSE_NS); /* at most one per CONN_REHEARSE_NS */
+        CHECK_EQ(arrivals()->n, 0);
+        CHECK_EQ(replies()->n, 0);
+        CHECK_EQ(counter(KVF_CTR_ARRIVALS), a0);
+        CHECK_EQ(counter(KVF_CTR_ARRIVALS_DEDUPED), d0);
+        CHECK(!memcmp(before, C1.ctl.journal, sizeof(before)));
+        CHECK_EQ(C1.jnext, jnext);
+        CHECK(!conn_notices_readable(&C1));
+        /* switched off (KVF_AB_NO_REHEARSAL=1): nothing, the expectation or not */
+        C1.rehearsal.off = true;
+        uint64_t r1 = counter(KVF_CTR_NOTICE_REHEARSALS);
+        t0 = kvf_now_ns();
+        while (kvf_now_ns() - t0 < 5 * CONN_REHEARSE_NS)
+                conn_notices_rehearse(&C1);
+        CHECK_EQ(counter(KVF_CTR_NOTICE_REHEARSALS), r1);
+        C1.rehearsal.off = false;
+        /* the next notice, read while still expected: published and answered once */
+        finish("reh-1", 104, 10);
+        conn_notices_rehearse(&C1);
+        CHECK(conn_notices_read(&C1));
+        struct outs *o = arrivals();
+        CHECK(o->n == 1 && !strcmp(o->r[0].id, "reh-1") && o->r[0].status == KVF_STATUS_FINISHED);
+        o = replies();
+        CHECK(o->n == 1 && o->r[0].key == 104 && o->r[0].status == KVF_STATUS_FINISHED);
+        kvf_doorbell_expect(bell, 0);
+        printf("ok: a notice rehearsed %llu times while expected (at most one per %llu us): no "
+               "arrival, no answer, the journal untouched; none without an expectation or switched "
+               "off; the next notice published and answered once\n",
+               (unsigned long long)n, CONN_REHEARSE_NS / 1000);
 }
 
 /* Notices the decode side must refuse: each an error arrival (or none) and an ack that says why. */
@@ -827,6 +882,7 @@ int main(void)
         CHECK(s >= 0);
         case_publish();
         case_duplicates();
+        case_rehearsal();
         case_failures();
         case_full_reply();
         case_full_arrivals();

@@ -264,6 +264,13 @@ static void seat_tick(struct sender *s, uint64_t now)
         seat_want(s, now);
 }
 
+/* A sleep of `wait` ns from `now`, ended no later than `due`. */
+static uint64_t wait_until(uint64_t wait, uint64_t now, uint64_t due)
+{
+        uint64_t left = due > now ? due - now : 0;
+        return left < wait ? left : wait;
+}
+
 /*
  * Nothing to do: sleep on the doorbell until the next heartbeat, or less.
  * Requests wait for layers: with --layer-wait spin, poll (spin_for_layers);
@@ -294,14 +301,11 @@ static bool idle_wait(struct sender *s, struct pace *pc, uint64_t now, uint64_t 
                         return false;
                 }
         }
-        if (s->prewake_due_ns) { /* a prewake to start (after the pace's choice: it only shortens the sleep) */
-                uint64_t left = s->prewake_due_ns > now ? s->prewake_due_ns - now : 0;
-                wait = left < wait ? left : wait;
-        }
-        if (s->stop.at) { /* stopping: the window's end (or the next bound) is acted on in time */
-                uint64_t due = sender_stop_due(s), left = due > now ? due - now : 0;
-                wait = left < wait ? left : wait;
-        }
+        /* (after the pace's choice: these only shorten the sleep) */
+        if (s->prewake_due_ns) /* a prewake to start */
+                wait = wait_until(wait, now, s->prewake_due_ns);
+        if (s->stop.at) /* stopping: the window's end (or the next bound) is acted on in time */
+                wait = wait_until(wait, now, sender_stop_due(s));
         kvf_count(&s->ctl, KVF_CTR_WAKEUPS_SENDER, 1);
         kvf_doorbell_wait(&s->ctl.bells[KVF_BELL_SENDER], has_work, s, 0, wait);
         return true;

@@ -21,7 +21,11 @@
  * on the client's copier stream (a side stream of the engine's context,
  * highest priority), ordered after the engine's stream by an event. Then a
  * signal on the side stream sets exec.landed to PACK(S, L + 1), which tells
- * the sender every copy queued so far has landed. A claim that cannot be
+ * the sender every copy queued so far has landed. The step's last layer is
+ * the exception, where several entries have runs: one kernel per entry, the
+ * smallest first, each followed by a write of the entry's own `landed` word,
+ * so that each request's finish waits only for its own bytes (and the smaller
+ * entries' queued before them); exec.landed still follows them all. A claim that cannot be
  * copied (a peer that cannot be mapped, a bad block id, CUDA refusing the
  * launch) sets the entry's `err` and `why`: the sender fails exactly that
  * request with "write error"; landed is still posted, so the sender knows
@@ -110,6 +114,14 @@ struct speer {
         bool used;
 };
 
+/* An entry claimed for this layer: its slot, the gen it was claimed under, its runs. */
+struct mine {
+        uint32_t slot, gen;
+        size_t r0, r1; /* st->runs[r0, r1) */
+        uint64_t bytes;
+        bool posted; /* its own landed word is queued */
+};
+
 struct kvf_stream {
         int device;
         int method; /* enum kvf_layer_signal, resolved */
@@ -131,8 +143,9 @@ struct kvf_stream {
         uint32_t cap_cut;
         struct kvf_gpu_region *regions;
         uint32_t cap_regions;
-        uint32_t *mine; /* entries claimed for this batch */
+        struct mine *mine; /* entries claimed for this layer */
         uint32_t nmine;
+        bool each; /* the landed signal may also store into each plan entry's own word */
 };
 
 /* On CUDA's callback thread, after the signal stored st->word: publish it. No CUDA call. */
@@ -170,6 +183,39 @@ static int make_signal(struct kvf_stream *st, uint64_t *word, void (*wake)(void 
         if (rc == -ENOSYS)
                 rc = kvf_gpu_signal_create(st->device, word, KVF_GPU_SIGNAL_KERNEL, NULL, NULL, out);
         return rc;
+}
+
+/*
+ * The engine executor's landed signal: exec.landed, and each plan entry's own landed word (one
+ * span from exec.landed to the last entry's word, so that every post is in one stream order).
+ * Where that span cannot be mapped for the GPU, exec.landed alone (st->each false): every entry
+ * then waits for the layer's last batch.
+ */
+static int make_landed(struct kvf_client *c, struct kvf_stream *st)
+{
+        struct kvf_ctl *ctl = &c->ctl;
+        uint64_t *first = &ctl->exec->landed;
+        uint32_t n = ctl->hdr->plan_slots;
+        const char *ab = getenv("KVF_AB_NO_OWN_LANDING"); /* an A/B switch of bench/gpu_tail_ab.sh */
+        if (n && !(ab && !strcmp(ab, "1"))) {
+                size_t span = (size_t)((char *)(&ctl->plan[n - 1].landed + 1) - (char *)first);
+                int rc = st->method == KVF_SIGNAL_HOSTFN
+                                 ? kvf_gpu_signal_create_span(st->device, first, span, KVF_GPU_SIGNAL_HOST_FN, NULL,
+                                                              NULL, &st->landed)
+                                 : kvf_gpu_signal_create_span(st->device, first, span, KVF_GPU_SIGNAL_WRITE_VALUE,
+                                                              NULL, NULL, &st->landed);
+                if (rc == -ENOSYS)
+                        rc = kvf_gpu_signal_create_span(st->device, first, span, KVF_GPU_SIGNAL_KERNEL, NULL, NULL,
+                                                        &st->landed);
+                if (rc == 0) {
+                        st->each = true;
+                        return 0;
+                }
+                kvf_warn("engine executor: the plan entries' landed words cannot be mapped for the GPU (%s): "
+                         "each layer's copies land together",
+                         kvf_gpu_err_msg());
+        }
+        return make_signal(st, first, NULL, NULL, &st->landed);
 }
 
 static void stream_free(struct kvf_client *c, struct kvf_stream *st)
@@ -246,7 +292,7 @@ static int stream_init(struct kvf_client *c)
         if (st->exec) {
                 struct kvf_gpu_copier_opts o = {.arena_chunks = ARENA_CHUNKS};
                 if ((rc = kvf_gpu_copier_create(st->device, 0, &o, &st->copier)) < 0 ||
-                    (rc = make_signal(st, &c->ctl.exec->landed, NULL, NULL, &st->landed)) < 0) {
+                    (rc = make_landed(c, st)) < 0) {
                         rc = gpu_err(rc, "the engine executor's copier");
                         goto fail;
                 }
@@ -511,9 +557,10 @@ static int add_runs(struct kvf_client *c, struct kvf_stream *st, uint32_t slot, 
         return 0;
 }
 
-/* Caches in parts (the engine's, either side): the batch's runs cut where either side is not
+/* Caches in parts (the engine's, either side): runs [0, n) cut where either side is not
  * contiguous, each tensor its own region (own's, then each destination peer's). 0, or -ENOMEM. */
-static int cut_runs(struct kvf_stream *st, const struct kvf_cache *own, struct kvf_gpu_batch *b, uint32_t *ncut)
+static int cut_runs(struct kvf_stream *st, const struct kvf_cache *own, struct kvf_gpu_batch *b,
+                    const struct kvf_gpu_run *runs, size_t n, uint32_t *ncut)
 {
         uint32_t nsrc = kvf_cache_cuda_regions(own, NULL), ndr = 0, dfirst[MAX_PEERS];
         for (uint32_t d = 0; d < st->ndst; d++) {
@@ -531,8 +578,8 @@ static int cut_runs(struct kvf_stream *st, const struct kvf_cache *own, struct k
         for (uint32_t d = 0; d < st->ndst; d++)
                 kvf_cache_cuda_regions(&st->peers[st->dst_peer[d]].cache, st->regions + nsrc + dfirst[d]);
         *ncut = 0;
-        for (size_t i = 0; i < st->nruns; i++) {
-                const struct kvf_gpu_run *r = &st->runs[i];
+        for (size_t i = 0; i < n; i++) {
+                const struct kvf_gpu_run *r = &runs[i];
                 if (kvf_cache_cuda_cut(own, 0, r->src_off, &st->peers[st->dst_peer[r->dst_region]].cache,
                                        dfirst[r->dst_region], r->dst_off, r->bytes, &st->cut, &st->cap_cut, ncut) < 0)
                         return -ENOMEM;
@@ -571,6 +618,35 @@ static int submit(struct kvf_stream *st, struct kvf_gpu_batch *b, const struct k
         }
 }
 
+/* Copy `n` runs on the side stream, after the engine's `stream` when `after`. 0 or < 0. */
+static int copy_runs(struct kvf_stream *st, const struct kvf_cache *own, void *stream, bool after,
+                     const struct kvf_gpu_run *runs, size_t n)
+{
+        struct kvf_gpu_region src = {.base = (uint64_t)(uintptr_t)own->base, .bytes = own->bytes};
+        struct kvf_gpu_batch b = {.src = &src, .n_src = 1, .dst = st->dst, .n_dst = st->ndst,
+                                  .after_stream = after ? stream : NULL, .after = after};
+        bool parts = own->parts != NULL;
+        for (uint32_t d = 0; d < st->ndst && !parts; d++)
+                parts = st->peers[st->dst_peer[d]].cache.parts != NULL;
+        if (!parts)
+                return submit(st, &b, runs, n);
+        uint32_t ncut = 0;
+        int rc = cut_runs(st, own, &b, runs, n, &ncut);
+        return rc < 0 ? rc : submit(st, &b, st->cut, ncut);
+}
+
+static void copy_failed(char *why, size_t len, uint32_t layer, int rc)
+{
+        snprintf(why, len, "engine executor: GPU copy of layer %u: %s", layer,
+                 rc == -ENOMEM ? "out of memory for the runs" : kvf_gpu_err_msg());
+}
+
+static int by_bytes(const void *a, const void *b)
+{
+        uint64_t x = ((const struct mine *)a)->bytes, y = ((const struct mine *)b)->bytes;
+        return x < y ? -1 : x > y;
+}
+
 static void exec_layer(struct kvf_client *c, struct kvf_stream *st, void *stream, uint64_t step, uint32_t layer)
 {
         struct kvf_ctl *ctl = &c->ctl;
@@ -600,7 +676,8 @@ static void exec_layer(struct kvf_client *c, struct kvf_stream *st, void *stream
                 if (!kvf_cas_acq_rel(&e->ctl, &v, KVF_PLAN_CTL(KVF_PLAN_GEN(v), 1, layer + 1)))
                         continue; /* the sender closed it first: the sender copies those layers */
                 kvf_fetch_add_relaxed(&ctl->exec->claims, layer + 1 - from);
-                st->mine[st->nmine++] = i;
+                struct mine *m = &st->mine[st->nmine++];
+                *m = (struct mine){.slot = i, .gen = KVF_PLAN_GEN(v), .r0 = st->nruns, .r1 = st->nruns};
                 snap.peer[sizeof(snap.peer) - 1] = '\0';
                 if (snap.b0 >= snap.b1 || snap.b1 > ctl->hdr->max_blocks ||
                     snap.src_first > ctl->hdr->max_blocks - snap.b1) {
@@ -635,33 +712,55 @@ static void exec_layer(struct kvf_client *c, struct kvf_stream *st, void *stream
                         entry_fail(c, e, why);
                         continue;
                 }
-                if (add_runs(c, st, i, &snap, pi, from, layer, why, sizeof(why)) < 0)
+                if (add_runs(c, st, i, &snap, pi, from, layer, why, sizeof(why)) < 0) {
                         entry_fail(c, e, why);
+                        continue;
+                }
+                m->r1 = st->nruns;
+                for (size_t r = m->r0; r < m->r1; r++)
+                        m->bytes += st->runs[r].bytes;
         }
         if (!st->nmine)
                 return;
-        if (st->nruns) {
-                struct kvf_gpu_region src = {.base = (uint64_t)(uintptr_t)own->base, .bytes = own->bytes};
-                struct kvf_gpu_batch b = {.src = &src, .n_src = 1, .dst = st->dst, .n_dst = st->ndst,
-                                          .after_stream = stream, .after = true};
-                bool parts = own->parts != NULL;
-                for (uint32_t d = 0; d < st->ndst && !parts; d++)
-                        parts = st->peers[st->dst_peer[d]].cache.parts != NULL;
-                uint32_t ncut = 0;
-                int rc = parts ? cut_runs(st, own, &b, &ncut) : 0;
-                if (rc == 0)
-                        rc = parts ? submit(st, &b, st->cut, ncut) : submit(st, &b, st->runs, st->nruns);
+        /* A step's last layer: each entry its own batch, the smallest first, and its own landed
+         * word after it, so a request's finish waits for its own bytes only (and for the smaller
+         * ones queued before it), not for the whole step's. */
+        uint32_t with_runs = 0;
+        for (uint32_t k = 0; k < st->nmine; k++)
+                with_runs += st->mine[k].r1 > st->mine[k].r0;
+        bool each = st->each && with_runs > 1 && layer + 1 == kvf_layout_layers(&ctl->hdr->layout);
+        if (each) {
+                qsort(st->mine, st->nmine, sizeof(*st->mine), by_bytes);
+                bool waited = false;
+                for (uint32_t k = 0; k < st->nmine; k++) {
+                        struct mine *m = &st->mine[k];
+                        struct kvf_plan_entry *e = &ctl->plan[m->slot];
+                        if (m->r1 == m->r0)
+                                continue;
+                        int rc = copy_runs(st, own, stream, !waited, st->runs + m->r0, m->r1 - m->r0);
+                        if (rc < 0) {
+                                copy_failed(why, sizeof(why), layer, rc);
+                                entry_fail(c, e, why);
+                                continue;
+                        }
+                        waited = true;
+                        kvf_fetch_add_relaxed(&ctl->exec->batches, 1);
+                        /* (Refused, e.g. HOST_FN's pending limit: exec.landed below says it.) */
+                        m->posted = kvf_gpu_signal_post_at(st->landed, kvf_gpu_copier_stream(st->copier), &e->landed,
+                                                           KVF_PLAN_CTL(m->gen, 0, layer + 1)) == 0;
+                }
+        } else if (st->nruns) {
+                int rc = copy_runs(st, own, stream, true, st->runs, st->nruns);
                 if (rc < 0) {
-                        snprintf(why, sizeof(why), "engine executor: GPU copy of layer %u: %s", layer,
-                                 rc == -ENOMEM ? "out of memory for the runs" : kvf_gpu_err_msg());
+                        copy_failed(why, sizeof(why), layer, rc);
                         for (uint32_t k = 0; k < st->nmine; k++)
-                                if (!kvf_load_relaxed(&ctl->plan[st->mine[k]].err))
-                                        entry_fail(c, &ctl->plan[st->mine[k]], why);
+                                if (!kvf_load_relaxed(&ctl->plan[st->mine[k].slot].err))
+                                        entry_fail(c, &ctl->plan[st->mine[k].slot], why);
                 } else {
                         kvf_fetch_add_relaxed(&ctl->exec->batches, 1);
                 }
         }
-        /* Everything queued on the side stream so far (this layer's batch, if it went) is
+        /* Everything queued on the side stream so far (this layer's batches, if they went) is
          * done when this lands; posted even when nothing went, so the sender waits for
          * nothing that will never come. */
         int rc = kvf_gpu_signal_post(st->landed, kvf_gpu_copier_stream(st->copier), KVF_PROGRESS_PACK(step, layer + 1));
@@ -670,10 +769,11 @@ static void exec_layer(struct kvf_client *c, struct kvf_stream *st, void *stream
                 rc = kvf_gpu_signal_post(st->landed, kvf_gpu_copier_stream(st->copier), KVF_PROGRESS_PACK(step, layer + 1));
         }
         if (rc < 0) {
+                /* An entry whose own landed word is on its way needs nothing more. */
                 snprintf(why, sizeof(why), "engine executor: the landed signal of layer %u: %s", layer, kvf_gpu_err_msg());
                 for (uint32_t k = 0; k < st->nmine; k++)
-                        if (!kvf_load_relaxed(&ctl->plan[st->mine[k]].err))
-                                entry_fail(c, &ctl->plan[st->mine[k]], why);
+                        if (!st->mine[k].posted && !kvf_load_relaxed(&ctl->plan[st->mine[k].slot].err))
+                                entry_fail(c, &ctl->plan[st->mine[k].slot], why);
         }
 }
 

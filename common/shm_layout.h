@@ -47,8 +47,8 @@
  * notice_prewakes. 13: the counter tasks_held_back. 14: the role slot's session_base. 15: the
  * journal's pending entries (ring_pos KVF_JOURNAL_PENDING) and its 16384 entries (was
  * 4096), the counters arrivals_withdrawn_waiting and connections_over_limit. 16: the counter
- * copy_batches_reused. 17: the counter notice_rehearsals. */
-#define KVF_LAYOUT_VERSION 17u
+ * copy_batches_reused. 17: the counter notice_rehearsals. 18: a plan entry's own landed word. */
+#define KVF_LAYOUT_VERSION 18u
 #define KVF_CACHE_LINE 64u
 #define KVF_HEADER_SIZE 4096u
 
@@ -399,7 +399,9 @@ enum kvf_hist_id {
  * of `ctl` from exactly L to L + 1 claimed layers, so the engine's layers are
  * always [0, claimed)), and launches one copy kernel for all of them on a
  * side stream ordered after the engine's stream; exec.landed tells the sender
- * when they have landed. The sender closes an entry (an exchange that keeps
+ * when they have landed. At a step's last layer each entry gets a kernel of
+ * its own, the smallest first, and its own `landed` word after it, so a
+ * request waits for its own bytes, not for the whole step's. The sender closes an entry (an exchange that keeps
  * the claimed count) when the step is over or as soon as a layer is ready that
  * the engine did not claim (the plan came late, or the engine signals on the
  * host): from then on the sender copies the rest itself. An entry is
@@ -427,7 +429,11 @@ struct kvf_plan_entry {
         /* The peer's caches are the engine's: the generation of its registration the
          * request's blocks were reserved in (0: its own caches). A copy into another fails. */
         uint64_t peer_reg_gen;
-        char why[144];
+        /* KVF_PLAN_CTL(gen, 0, claimed), written (by the GPU, in stream order) once every copy of
+         * the entry's claimed layers has landed, when the engine copied the step's last layer of
+         * the entry in a batch of its own; exec.landed says the same later, for every entry. */
+        uint64_t landed;
+        char why[136];
 };
 
 /* The engine executor's shared words. */

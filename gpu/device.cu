@@ -455,6 +455,7 @@ extern "C" int kvf_gpu_rdma_flush(int device)
 
 struct hostfn_slot {
         struct kvf_gpu_signal *s;
+        uint64_t *word;
         uint64_t value;
 };
 
@@ -462,8 +463,9 @@ struct kvf_gpu_signal {
         int device;
         int method;
         uint64_t *word;
+        size_t span;        /* bytes from `word` that posts may store into */
         uint64_t *dev_word; /* device address of the mapped word (WRITE_VALUE, KERNEL) */
-        void *registered;   /* page registered here, unregistered at destroy; or NULL */
+        void *registered;   /* pages registered here, unregistered at destroy; or NULL */
         void (*wake)(void *);
         void *wake_arg;
         write_value64_fn write64;
@@ -492,7 +494,7 @@ static void CUDART_CB signal_hostfn(void *arg)
         struct kvf_gpu_signal *s = slot->s;
         /* The stream's earlier work is complete when CUDA calls us. Release:
          * pairs with the waiter's acquire load of the word. */
-        kvf_store_release(s->word, slot->value);
+        kvf_store_release(slot->word, slot->value);
         if (s->wake)
                 s->wake(s->wake_arg);
         /* Release: the slot may be reused once the poster's acquire load of
@@ -510,28 +512,44 @@ __global__ void kvf_signal_kernel(uint64_t *word, uint64_t value)
 
 static int map_word(struct kvf_gpu_signal *s)
 {
-        long pg = sysconf(_SC_PAGESIZE);
-        void *page = (void *)((uintptr_t)s->word & ~(uintptr_t)(pg - 1));
-        cudaError_t e =
-            cudaHostRegister(page, (size_t)pg, cudaHostRegisterMapped | cudaHostRegisterPortable);
+        uintptr_t pg = (uintptr_t)sysconf(_SC_PAGESIZE);
+        uintptr_t first = (uintptr_t)s->word & ~(pg - 1);
+        uintptr_t end = ((uintptr_t)s->word + s->span + pg - 1) & ~(pg - 1);
+        void *page = (void *)first;
+        cudaError_t e = cudaHostRegister(page, (size_t)(end - first),
+                                         cudaHostRegisterMapped | cudaHostRegisterPortable);
         if (e == cudaSuccess) {
                 s->registered = page;
         } else if (e == cudaErrorHostMemoryAlreadyRegistered) {
                 (void)cudaGetLastError(); /* the caller registered it: use that */
         } else {
-                return kvf_gpu_err_cuda(e, "cudaHostRegister of the signal word's page");
+                return kvf_gpu_err_cuda(e, "cudaHostRegister of the signal word's pages");
         }
-        void *dp = NULL;
+        void *dp = NULL, *dl = NULL;
         e = cudaHostGetDevicePointer(&dp, s->word, 0);
         if (e != cudaSuccess)
                 return kvf_gpu_err_cuda(e, "cudaHostGetDevicePointer of the signal word "
                                            "(registered without cudaHostRegisterMapped?)");
+        /* A span the caller registered in pieces has no one device address range. */
+        uint64_t *last = s->word + (s->span / 8 - 1);
+        if (last != s->word && (cudaHostGetDevicePointer(&dl, last, 0) != cudaSuccess ||
+                                (char *)dl - (char *)dp != (char *)last - (char *)s->word)) {
+                (void)cudaGetLastError();
+                return kvf_gpu_err_set(-EINVAL, "signal: the %zu bytes of its words are not one registered mapping",
+                                       s->span);
+        }
         s->dev_word = (uint64_t *)dp;
         return 0;
 }
 
 extern "C" int kvf_gpu_signal_create(int device, uint64_t *word, int method, void (*wake)(void *),
                                      void *wake_arg, struct kvf_gpu_signal **out)
+{
+        return kvf_gpu_signal_create_span(device, word, sizeof(*word), method, wake, wake_arg, out);
+}
+
+extern "C" int kvf_gpu_signal_create_span(int device, uint64_t *word, size_t span, int method,
+                                          void (*wake)(void *), void *wake_arg, struct kvf_gpu_signal **out)
 {
         struct kvf_gpu_signal *s;
         int prev, rc;
@@ -541,6 +559,8 @@ extern "C" int kvf_gpu_signal_create(int device, uint64_t *word, int method, voi
         *out = NULL;
         if (!word || ((uintptr_t)word & 7u))
                 return kvf_gpu_err_set(-EINVAL, "signal: the word must be 8-byte aligned");
+        if (span < sizeof(*word) || span > ((size_t)1 << 40))
+                return kvf_gpu_err_set(-EINVAL, "signal: a span of %zu bytes", span);
         if (method != KVF_GPU_SIGNAL_HOST_FN && method != KVF_GPU_SIGNAL_WRITE_VALUE &&
             method != KVF_GPU_SIGNAL_KERNEL)
                 return kvf_gpu_err_set(-EINVAL, "signal: unknown method %d", method);
@@ -551,6 +571,7 @@ extern "C" int kvf_gpu_signal_create(int device, uint64_t *word, int method, voi
         s->device = device;
         s->method = method;
         s->word = word;
+        s->span = span & ~(size_t)7;
         s->wake = wake;
         s->wake_arg = wake_arg;
         for (unsigned i = 0; i < HOSTFN_SLOTS; i++)
@@ -594,7 +615,18 @@ fail:
 
 extern "C" int kvf_gpu_signal_post(struct kvf_gpu_signal *s, void *stream, uint64_t value)
 {
+        return kvf_gpu_signal_post_at(s, stream, s->word, value);
+}
+
+extern "C" int kvf_gpu_signal_post_at(struct kvf_gpu_signal *s, void *stream, uint64_t *word, uint64_t value)
+{
         cudaError_t e;
+        size_t off = (size_t)((uintptr_t)word - (uintptr_t)s->word);
+
+        if ((uintptr_t)word < (uintptr_t)s->word || off >= s->span || (off & 7u))
+                return kvf_gpu_err_set(-EINVAL, "signal: word %p is not one of its %zu bytes from %p", (void *)word,
+                                       s->span, (void *)s->word);
+        uint64_t *dev = (uint64_t *)((uintptr_t)s->dev_word + off); /* (WRITE_VALUE, KERNEL) */
 
         switch (s->method) {
         case KVF_GPU_SIGNAL_HOST_FN: {
@@ -604,6 +636,7 @@ extern "C" int kvf_gpu_signal_post(struct kvf_gpu_signal *s, void *stream, uint6
                         return kvf_gpu_err_set(-EAGAIN, "signal: %u host functions pending",
                                                HOSTFN_SLOTS);
                 struct hostfn_slot *slot = &s->slots[s->posted % HOSTFN_SLOTS];
+                slot->word = word;
                 slot->value = value;
                 e = cudaLaunchHostFunc((cudaStream_t)stream, signal_hostfn, slot);
                 if (e != cudaSuccess)
@@ -614,7 +647,7 @@ extern "C" int kvf_gpu_signal_post(struct kvf_gpu_signal *s, void *stream, uint6
         case KVF_GPU_SIGNAL_WRITE_VALUE: {
                 /* Default flags: a memory barrier precedes the write, so the
                  * stream's earlier writes are visible before the value is. */
-                CUresult r = s->write64((CUstream)stream, (CUdeviceptr)(uintptr_t)s->dev_word,
+                CUresult r = s->write64((CUstream)stream, (CUdeviceptr)(uintptr_t)dev,
                                         (cuuint64_t)value, CU_STREAM_WRITE_VALUE_DEFAULT);
                 if (r != CUDA_SUCCESS)
                         return kvf_gpu_err_set(-EIO,
@@ -624,7 +657,7 @@ extern "C" int kvf_gpu_signal_post(struct kvf_gpu_signal *s, void *stream, uint6
                 return 0;
         }
         case KVF_GPU_SIGNAL_KERNEL: {
-                uint64_t *w = s->dev_word;
+                uint64_t *w = dev;
                 void *args[] = {(void *)&w, (void *)&value};
                 e = cudaLaunchKernel((const void *)kvf_signal_kernel, dim3(1), dim3(1), args, 0,
                                      (cudaStream_t)stream);

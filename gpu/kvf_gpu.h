@@ -374,6 +374,14 @@ struct kvf_gpu_signal;
 int kvf_gpu_signal_create(int device, uint64_t *word, int method, void (*wake)(void *),
                           void *wake_arg, struct kvf_gpu_signal **out);
 /*
+ * The same, for the words of [word, word + span) (span bytes, at least 8):
+ * kvf_gpu_signal_post_at may store into any 8-byte aligned word of it. For
+ * WRITE_VALUE and KERNEL every page of the span is registered here, or must
+ * have been registered by the caller as one mapping (else -EINVAL).
+ */
+int kvf_gpu_signal_create_span(int device, uint64_t *word, size_t span, int method, void (*wake)(void *),
+                               void *wake_arg, struct kvf_gpu_signal **out);
+/*
  * When `stream` reaches this point (all work queued on it before has
  * finished), the word takes `value` (a release store: whoever reads the
  * value with an acquire load sees everything the stream did before it).
@@ -381,6 +389,9 @@ int kvf_gpu_signal_create(int device, uint64_t *word, int method, void (*wake)(v
  * -EAGAIN (HOST_FN) when 1024 host functions of this signal are pending.
  */
 int kvf_gpu_signal_post(struct kvf_gpu_signal *s, void *stream, uint64_t value);
+/* As kvf_gpu_signal_post, into `word` of the signal's span (-EINVAL outside it). Posts of one
+ * signal land in stream order whatever their words. */
+int kvf_gpu_signal_post_at(struct kvf_gpu_signal *s, void *stream, uint64_t *word, uint64_t value);
 /* HOST_FN: host functions posted that have not finished yet (0 for the other methods). */
 uint64_t kvf_gpu_signal_pending(struct kvf_gpu_signal *s);
 /* The caller has made sure no post is still pending (stream synchronised). */

@@ -350,9 +350,13 @@ static void poll_owes(struct sender *s)
         uint64_t live = kvf_engine_session(&s->ctl, false);
         for (uint32_t i = 0; i < s->cp.nowes;) {
                 struct copy_owe *o = &s->cp.owes[i];
+                const struct kvf_plan_entry *e = &s->ctl.plan[o->slot];
                 int rc = 1;
-                if (landed >= o->word) {
-                        const struct kvf_plan_entry *e = &s->ctl.plan[o->slot];
+                /* Or the entry's own landed word (the engine's batch of a step's last layer for
+                 * this entry alone): the same claimed layers of the same gen have landed. Acquire,
+                 * as for exec.landed. */
+                if (landed >= o->word ||
+                    kvf_load_acquire(&e->landed) == KVF_PLAN_CTL(o->gen, 0, KVF_PROGRESS_LAYERS(o->word))) {
                         /* Acquire: pairs with the engine's release store of err. */
                         if (KVF_PLAN_GEN(kvf_load_relaxed(&e->ctl)) == o->gen && kvf_load_acquire(&e->err))
                                 rc = kvf_err_set(-EIO, "%.*s", (int)sizeof(e->why), e->why);

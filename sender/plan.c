@@ -16,7 +16,8 @@
  *     from there itself, in its own context (as executor 1 would).
  * The engine's layers [first, claimed) of a closed entry are an "owe" (copies.c):
  * the request counts as having copies in flight until exec.landed reaches
- * PACK(step, claimed), so it goes FINISHING, and a failure is reported,
+ * PACK(step, claimed), or the entry's own landed word is (gen, claimed), so it
+ * goes FINISHING, and a failure is reported,
  * only once they have landed (or the engine session is over: its context,
  * and what it queued, is gone).
  *

@@ -170,6 +170,7 @@ struct sender {
         uint32_t *resend; /* per slot: SLOT_RESEND cursor (see sender_resend) */
         struct layer_cut *cut; /* per slot: a layer copied in slices (sender_advance) */
         bool sync_copies;      /* same-host copies run on this thread (host backend) */
+        bool own_landing;      /* a step's last layer: a copy batch per request (progress.c) */
         bool spin_layers;      /* --layer-wait: poll while requests wait for layers (main.c) */
         /* --layer-wait auto: spin only while holding one of the host's spin seats (common/cpus.h),
          * taken when requests wait for layers, given back after SENDER_SEAT_IDLE_NS without */

@@ -38,6 +38,11 @@ int sender_open(struct sender *s, const char *instance, const struct sender_opts
          * in GPU memory they are copied by kernels, which complete later) */
         s->sync_copies = s->own.be->stage == NULL ||
                          (s->own.be->id == KVF_BACKEND_ENGINE && !s->ctl.hdr->reg_gpu);
+        /* A step's last layer in a batch per request (progress.c copy_ipc), where copies land
+         * later than they are submitted; KVF_AB_NO_OWN_LANDING=1 (an A/B switch of
+         * bench/gpu_tail_ab.sh) keeps one batch for the whole step. */
+        const char *ab = getenv("KVF_AB_NO_OWN_LANDING");
+        s->own_landing = !s->sync_copies && !(ab && !strcmp(ab, "1"));
         return 0;
 }
 

@@ -1114,6 +1114,58 @@ static void test_signals(int dev)
         munmap(page, 4096);
 }
 
+/*
+ * A signal over a span of words (the engine executor's exec.landed and every plan entry's own
+ * landed word): three pages of MAP_SHARED memory, posts into words on each page, interleaved with
+ * kernels, land in stream order; a word outside the span, or not aligned, is refused.
+ */
+static void test_signal_span(int dev)
+{
+        const int methods[] = {KVF_GPU_SIGNAL_HOST_FN, KVF_GPU_SIGNAL_WRITE_VALUE,
+                               KVF_GPU_SIGNAL_KERNEL};
+        const size_t bytes = 3 * 4096;
+        uint64_t *pages =
+            (uint64_t *)mmap(NULL, bytes + 4096, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+        CHECK(pages != MAP_FAILED);
+        cudaStream_t st;
+        CHECK_CUDA(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+        /* The span starts mid-page and ends mid-page, as exec.landed and the plan do. */
+        uint64_t *first = pages + 100;
+        const size_t nwords = (bytes - 100 * 8 - 64) / 8;
+        uint64_t *word[3] = {first, first + nwords / 2, first + nwords - 1};
+        for (int m = 0; m < 3; m++) {
+                struct kvf_gpu_signal *s = NULL;
+                CHECK_RC(kvf_gpu_signal_create_span(dev, first, nwords * 8, methods[m], NULL, NULL, &s), 0);
+                for (int w = 0; w < 3; w++)
+                        __atomic_store_n(word[w], 0, __ATOMIC_RELEASE);
+                const int N = 30;
+                for (int i = 1; i <= N; i++) {
+                        spin_kernel<<<1, 32, 0, st>>>(5000);
+                        CHECK_CUDA(cudaGetLastError());
+                        CHECK_RC(kvf_gpu_signal_post_at(s, st, word[i % 3], (uint64_t)i), 0);
+                }
+                /* The last word posted (N % 3) takes N; when it does, every earlier post has landed. */
+                uint64_t until = now_ns() + POLL_TIMEOUT_NS;
+                while (__atomic_load_n(word[N % 3], __ATOMIC_ACQUIRE) != (uint64_t)N)
+                        CHECK(now_ns() < until);
+                for (int w = 0; w < 3; w++) {
+                        int last = N - ((N % 3 - w + 3) % 3); /* the last i with i % 3 == w */
+                        CHECK(__atomic_load_n(word[w], __ATOMIC_ACQUIRE) == (uint64_t)last);
+                }
+                CHECK_RC(kvf_gpu_signal_post_at(s, st, first - 1, 1), -EINVAL);
+                CHECK_RC(kvf_gpu_signal_post_at(s, st, first + nwords, 1), -EINVAL);
+                CHECK_RC(kvf_gpu_signal_post_at(s, st, (uint64_t *)((char *)word[1] + 4), 1), -EINVAL);
+                CHECK_CUDA(cudaStreamSynchronize(st));
+                kvf_gpu_signal_destroy(s);
+                printf("signal span: %s: %zu words over 3 pages, posts in order, outside refused ok\n",
+                       kvf_gpu_signal_method_name(methods[m]), nwords);
+        }
+        struct kvf_gpu_signal *s = NULL;
+        CHECK_RC(kvf_gpu_signal_create_span(dev, first, 4, KVF_GPU_SIGNAL_KERNEL, NULL, NULL, &s), -EINVAL);
+        CHECK_CUDA(cudaStreamDestroy(st));
+        munmap(pages, bytes + 4096);
+}
+
 /* ---------------------------------------------------------------- child processes */
 
 static void hex_encode(const uint8_t *b, size_t n, char *out)
@@ -1438,6 +1490,7 @@ int main(int argc, char **argv)
         world_free(&w, dev);
         test_big_offsets(&r, dev);
         test_signals(dev);
+        test_signal_span(dev);
         test_ipc(dev);
         test_errors(dev, mps > 0);
         test_peer(&r, n_dev);

@@ -1325,6 +1325,96 @@ static void case_layer_turns(void)
         step_now += 4;
 }
 
+/* The copy batches (histogram KVF_HIST_COPY counts one per batch submitted). */
+static uint64_t batches(struct sender *s)
+{
+        return kvf_load_relaxed(&s->ctl.sender->hist[KVF_HIST_COPY].count);
+}
+
+/* Copies that land later: the layers of a step before its last go in one batch for the requests
+ * of the step, the last layer in a batch per request, so that each request's finish waits for its
+ * own bytes (KVF_AB_NO_OWN_LANDING=1: one batch). Then the engine executor's side: an owe ends
+ * when the plan entry's own landed word names its gen and claimed layers, and not before. */
+static void case_own_landing(void)
+{
+        const uint32_t s1[2] = {4, 5}, d1[2] = {20, 21}, s2[2] = {6, 7}, d2[2] = {22, 23};
+        char ia[32], ib[32];
+        engine_attach(&PA);
+        connector_start(&PA);
+        setenv("KVFERRY_ASYNC_DELAY_US", "2000", 1);
+        for (int ab = 0; ab < 2; ab++) {
+                uint64_t st = next_step();
+                if (ab)
+                        setenv("KVF_AB_NO_OWN_LANDING", "1", 1);
+                sender_up(&A, &PA);
+                unsetenv("KVF_AB_NO_OWN_LANDING");
+                CHECK(A.own_landing == !ab);
+                snprintf(ia, sizeof(ia), "ol-a%d", ab);
+                snprintf(ib, sizeof(ib), "ol-b%d", ab);
+                task(&PA, ia, DA.name, KVF_TRANSPORT_IPC, s1, 2, d1, 2, st, false);
+                task(&PA, ib, DA.name, KVF_TRANSPORT_IPC, s2, 2, d2, 2, st, false);
+                turn(&A);
+                uint32_t a = slot_of(&A, ia), b = slot_of(&A, ib);
+                for (uint32_t l = 1; l < LAYERS; l++) {
+                        uint64_t n = batches(&A);
+                        progress(&PA, st, l);
+                        turn(&A);
+                        CHECK_EQ(batches(&A) - n, 1); /* one layer of both */
+                        settle(&A);
+                }
+                uint64_t n = batches(&A);
+                progress(&PA, st, LAYERS);
+                turn(&A);
+                CHECK_EQ(batches(&A) - n, ab ? 1u : 2u);
+                finish_two(ia, a, s1, d1, ib, b, s2, d2);
+                sender_close(&A);
+        }
+
+        /* The engine's own landed word for an owe of gen 7, its 4 layers claimed. */
+        sender_up(&A, &PA);
+        const uint32_t slot = SLOTS - 1;
+        struct kvf_plan_entry *e = &A.ctl.plan[slot];
+        struct kvf_req_slot *r = &A.ctl.reqtab[slot];
+        CHECK_STATE(&A, slot, SREQ_FREE, KVF_REQ_FREE);
+        r->session = kvf_engine_session(&A.ctl, false);
+        const uint64_t word = KVF_PROGRESS_PACK(next_step() + 1000, LAYERS); /* exec.landed is far below */
+        uint32_t got;
+        bool fail;
+        char why[KVF_REASON_MAX];
+        CHECK_EQ(sender_copies_owe(&A, slot, word, 7), 0);
+        const uint64_t wrong[] = {KVF_PLAN_CTL(6, 0, LAYERS), KVF_PLAN_CTL(7, 0, LAYERS - 1),
+                                  KVF_PLAN_CTL(8, 0, LAYERS), KVF_PLAN_CTL(7, 1, LAYERS)};
+        for (unsigned i = 0; i < sizeof(wrong) / sizeof(wrong[0]); i++) {
+                kvf_store_release(&e->landed, wrong[i]);
+                sender_copies_poll(&A);
+                CHECK(sender_copies_owing(&A, slot));
+                CHECK(!sender_copies_news(&A, &got, &fail, why, sizeof(why)));
+        }
+        kvf_store_release(&e->landed, KVF_PLAN_CTL(7, 0, LAYERS));
+        sender_copies_poll(&A);
+        CHECK(!sender_copies_owing(&A, slot));
+        CHECK(sender_copies_news(&A, &got, &fail, why, sizeof(why)));
+        CHECK(got == slot && !fail);
+        CHECK(!(r->flags & KVF_REQF_ENGINE_COPY));
+        /* the same with the engine's failure recorded in the entry: the owe ends failed, its reason */
+        e->ctl = KVF_PLAN_CTL(9, 0, LAYERS);
+        snprintf(e->why, sizeof(e->why), "engine executor: a test's failure");
+        kvf_store_release(&e->err, 1u);
+        CHECK_EQ(sender_copies_owe(&A, slot, word, 9), 0);
+        sender_copies_poll(&A);
+        CHECK(sender_copies_owing(&A, slot));
+        kvf_store_release(&e->landed, KVF_PLAN_CTL(9, 0, LAYERS));
+        sender_copies_poll(&A);
+        CHECK(!sender_copies_owing(&A, slot));
+        CHECK(sender_copies_news(&A, &got, &fail, why, sizeof(why)));
+        CHECK(got == slot && fail && strstr(why, "a test's failure"));
+        memset(e, 0, sizeof(*e));
+        r->session = 0;
+        r->flags = 0;
+        sender_close(&A);
+        step_now += 2;
+}
+
 /* Stopping (SIGTERM: tools/kvferry down). New tasks are refused at once; requests in flight go on
  * through the drain window; at its end one still moving ends 'connection error' (an abort tells
  * the peer), and finish notices still unanswered are withdrawn: the peer's answer decides
@@ -1604,6 +1694,7 @@ int main(void)
         case_notice_rings();
         case_async();
         case_layer_turns();
+        case_own_landing();
         case_stop();
 
         kvf_cache_unmap(&P.cache);

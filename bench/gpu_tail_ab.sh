@@ -6,7 +6,8 @@
 # for its instances' roles: ENV_A and ENV_B (space-separated VAR=VALUE, e.g.
 # ENV_B="KVF_AB_NO_NOTICE_EXPECT=1"); A alone is empty. ROWS picks rows (default "engine-hostfn
 # engine-writevalue sender sender-mps"; sender-wv, sender-wv-mps: the sender's copies without
-# and under MPS with the layer-done word written by the GPU, the default signal). Prints, per
+# and under MPS with the layer-done word written by the GPU, the default signal; engine-wv-mps: the
+# engine's copies, the GPU-written word, under MPS). Prints, per
 # run and as medians per arm with the ratio B / A: the in-time tail p50 and p99, and the stages
 # of the p50: the signal (the last layer's end -> the sender saw it), the notice (-> the
 # sender posted the finish notice) and the publication (per request, the notice posted -> the
@@ -51,15 +52,18 @@ row() { # row NAME ARM
     engine-writevalue) run engine-writevalue engine "$2" KVFERRY_LAYER_SIGNAL=writevalue ;;
     sender) run sender sender "$2" KVFERRY_LAYER_SIGNAL=hostfn ;;
     sender-wv) run sender-wv sender "$2" KVFERRY_LAYER_SIGNAL=writevalue ;;
-    sender-mps|sender-wv-mps) # the sender's copies under MPS; the layer signal by host function
-      # or written by the GPU
+    sender-mps|sender-wv-mps|engine-wv-mps) # under MPS: the sender's copies (the layer signal
+      # by host function or written by the GPU), or the engine's with the GPU-written word (the
+      # sender's own copies, of requests whose plan came too late, then run beside the engine's
+      # kernels instead of taking turns with them)
       [ -x "$MPSCTL" ] || { echo "$1: skipped (no nvidia-cuda-mps-control)"; return; }
       MPS_DIR=$(mktemp -d /tmp/kvf-mps.XXXXXX)
       export CUDA_MPS_PIPE_DIRECTORY=$MPS_DIR CUDA_MPS_LOG_DIRECTORY=$OUT/mps-log
       mkdir -p "$CUDA_MPS_LOG_DIRECTORY"
-      local sig=hostfn
-      [ "$1" = sender-wv-mps ] && sig=writevalue
-      run "$1" sender "$2" KVFERRY_LAYER_SIGNAL=$sig
+      local sig=hostfn ex=sender
+      [ "$1" != sender-mps ] && sig=writevalue
+      [ "$1" = engine-wv-mps ] && ex=engine
+      run "$1" $ex "$2" KVFERRY_LAYER_SIGNAL=$sig
       stop_mps ;;
     *) echo "gpu_tail_ab.sh: unknown row '$1'" >&2; exit 2 ;;
   esac
@@ -78,8 +82,12 @@ for f in sorted(glob.glob(os.path.join(sys.argv[1], "*-[AB]-*.json"))):
     d = json.load(open(f))
     v = (d["tail_in_time_p50_ns"] / 1e3, d["tail_in_time_p99_ns"] / 1e3,
          d.get("seen_p50_ns", 0) / 1e3, d.get("notice_p50_ns", 0) / 1e3, d.get("published_p50_ns", 0) / 1e3)
+    # the target: one layer of an average request at this run's bulk copy rate + 50 us
+    goal = d["avg_layer_bytes"] / d["memcpy_bps"] * 1e6 + 50 if d.get("memcpy_bps") else 0
+    met = "p50 met" if goal and v[0] <= goal else "p50 missed"
     print(f"{name:18s} {arm} round {r}: tail p50 {v[0]:7.1f} us  p99 {v[1]:8.1f} us  "
-          f"seen p50 {v[2]:6.1f}  notice p50 {v[3]:7.1f}  published p50 {v[4]:6.1f}  finished {d['finished']}  ok {d['ok']}")
+          f"seen p50 {v[2]:6.1f}  notice p50 {v[3]:7.1f}  published p50 {v[4]:6.1f}  finished {d['finished']}  "
+          f"ok {d['ok']}  target {goal:.1f} us ({met}, p99 {'met' if v[1] <= 1000 else 'missed'})")
     rows.setdefault((name, arm), []).append(v)
 print(f"\nmedians (A: '{os.environ['ENV_A']}', B: '{os.environ['ENV_B']}')")
 for name in sorted({n for n, _ in rows}):

@@ -350,7 +350,8 @@ static void print_text(const struct sim *s, const struct figures *g)
 
 /* The 10 slowest tails (of the requests whose task came in time, or of all), each split into
  * its stages (ns): [seq, tail, completion, seen, late, its last layer-done from the run's
- * start, bytes left to send at its last layer-done]. */
+ * start, bytes left to send at its last layer-done, the sender posted its notice (same host;
+ * 0: not known)]. */
 static void slowest_json(const struct sim *s, FILE *f, bool in_time)
 {
         unsigned pick[10], n = 0;
@@ -369,9 +370,10 @@ static void slowest_json(const struct sim *s, FILE *f, bool in_time)
         }
         for (unsigned k = 0; k < n; k++) {
                 const struct sim_tail *t = &s->tails[pick[k]];
-                fprintf(f, "%s[%u,%llu,%llu,%lld,%d,%llu,%llu]", k ? "," : "", t->seq,
+                fprintf(f, "%s[%u,%llu,%llu,%lld,%d,%llu,%llu,%lld]", k ? "," : "", t->seq,
                         (unsigned long long)t->ns, (unsigned long long)t->cns, (long long)t->seen_ns,
-                        t->late ? 1 : 0, (unsigned long long)t->at_ns, (unsigned long long)t->left);
+                        t->late ? 1 : 0, (unsigned long long)t->at_ns, (unsigned long long)t->left,
+                        (long long)t->notice_ns);
         }
 }
 

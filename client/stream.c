@@ -22,8 +22,9 @@
  * highest priority), ordered after the engine's stream by an event. Then a
  * signal on the side stream sets exec.landed to PACK(S, L + 1), which tells
  * the sender every copy queued so far has landed. The step's last layer is
- * the exception, where several entries have runs: one kernel per entry, the
- * smallest first, each followed by a write of the entry's own `landed` word,
+ * the exception, where several entries have runs and the GPU writes the
+ * words (not host functions): one kernel per entry, the smallest first, each
+ * followed by a write of the entry's own `landed` word,
  * so that each request's finish waits only for its own bytes (and the smaller
  * entries' queued before them); exec.landed still follows them all. A claim that cannot be
  * copied (a peer that cannot be mapped, a bad block id, CUDA refusing the
@@ -187,9 +188,11 @@ static int make_signal(struct kvf_stream *st, uint64_t *word, void (*wake)(void 
 
 /*
  * The engine executor's landed signal: exec.landed, and each plan entry's own landed word (one
- * span from exec.landed to the last entry's word, so that every post is in one stream order).
- * Where that span cannot be mapped for the GPU, exec.landed alone (st->each false): every entry
- * then waits for the layer's last batch.
+ * span from exec.landed to the last entry's word, so that every post is in one stream order),
+ * written by the GPU. Host functions (--layer-signal hostfn) run one after another on CUDA's
+ * callback thread, so one per entry made the step's later ones wait (the tail p50 1.25x to
+ * 1.4x longer, H100): they keep exec.landed alone, as where the span cannot be mapped for the
+ * GPU (st->each false: every entry then waits for the layer's last batch).
  */
 static int make_landed(struct kvf_client *c, struct kvf_stream *st)
 {
@@ -197,13 +200,10 @@ static int make_landed(struct kvf_client *c, struct kvf_stream *st)
         uint64_t *first = &ctl->exec->landed;
         uint32_t n = ctl->hdr->plan_slots;
         const char *ab = getenv("KVF_AB_NO_OWN_LANDING"); /* an A/B switch of bench/gpu_tail_ab.sh */
-        if (n && !(ab && !strcmp(ab, "1"))) {
+        if (n && st->method != KVF_SIGNAL_HOSTFN && !(ab && !strcmp(ab, "1"))) {
                 size_t span = (size_t)((char *)(&ctl->plan[n - 1].landed + 1) - (char *)first);
-                int rc = st->method == KVF_SIGNAL_HOSTFN
-                                 ? kvf_gpu_signal_create_span(st->device, first, span, KVF_GPU_SIGNAL_HOST_FN, NULL,
-                                                              NULL, &st->landed)
-                                 : kvf_gpu_signal_create_span(st->device, first, span, KVF_GPU_SIGNAL_WRITE_VALUE,
-                                                              NULL, NULL, &st->landed);
+                int rc = kvf_gpu_signal_create_span(st->device, first, span, KVF_GPU_SIGNAL_WRITE_VALUE, NULL, NULL,
+                                                    &st->landed);
                 if (rc == -ENOSYS)
                         rc = kvf_gpu_signal_create_span(st->device, first, span, KVF_GPU_SIGNAL_KERNEL, NULL, NULL,
                                                         &st->landed);

@@ -75,7 +75,7 @@ static void usage(void)
                "  --executor E           cuda: where same-host copies run: sender (the sender's own\n"
                "                         context; fast beside a busy engine only under MPS), engine\n"
                "                         (the engine's context, enqueued by kvf_layer_done_on_stream),\n"
-               "                         auto (default: sender when MPS is on, else engine)\n"
+               "                         auto (default: engine; sender with --fastdeploy)\n"
                "  --max-requests N       request table slots (default %u)\n"
                "  --max-blocks-per-request N  (default %u)\n"
                "  --ring-kib N           capacity of each ring in KiB, a power of two (default %u)\n"
@@ -142,10 +142,8 @@ static int setup_cuda(struct kvf_ctl_params *p, const char *executor, bool fastd
                                    "copies run in the sender's context");
         if (!strcmp(executor, "sender") || fastdeploy)
                 p->executor = KVF_EXEC_SENDER;
-        else if (!strcmp(executor, "engine"))
+        else /* engine, and auto: the shorter tail with MPS or without (docs/GPU.md, "Choices") */
                 p->executor = KVF_EXEC_ENGINE;
-        else
-                p->executor = mps > 0 ? KVF_EXEC_SENDER : KVF_EXEC_ENGINE;
         if (p->executor == KVF_EXEC_SENDER && mps <= 0)
                 kvf_warn("copies run in the sender's own context without MPS: while the engine computes, "
                          "each waits for a time slice (milliseconds); start MPS (tools/kvferry up --mps) "

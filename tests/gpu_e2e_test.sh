@@ -16,8 +16,8 @@
 #     has no torch or no msgpack);
 #   - a peer on another GPU of this host, through the same path with peer access (skipped with
 #     one GPU visible);
-#   - the sender's executor under MPS, started by `tools/kvferry up --mps` with a private pipe
-#     directory (skipped where nvidia-cuda-mps-control is not installed).
+#   - both executors under MPS (auto: the engine's), started by `tools/kvferry up --mps` with a
+#     private pipe directory (skipped where nvidia-cuda-mps-control is not installed).
 # Exit 77 (skipped) when no GPU is visible. Needs the build, the repository and the driver only
 # (no python: the JSON is read with sed).
 HERE=$(cd "$(dirname "$0")" && pwd)
@@ -247,8 +247,9 @@ else
   echo "skipped: a Python engine on GPU caches (python3 has no torch or no msgpack)"
 fi
 
-# The sender's executor under MPS, as `tools/kvferry up --mps` starts it (a private pipe directory,
-# so no other MPS user of this host is touched; stopped again at the end).
+# Under MPS, as `tools/kvferry up --mps` starts it (a private pipe directory, so no other MPS user
+# of this host is touched; stopped again at the end): --executor auto (the engine's context) and
+# --executor sender.
 MPSCTL=$(command -v nvidia-cuda-mps-control || true)
 [ -z "$MPSCTL" ] && [ -x /usr/local/nvidia/bin/nvidia-cuda-mps-control ] && MPSCTL=/usr/local/nvidia/bin/nvidia-cuda-mps-control
 if [ -n "$MPSCTL" ]; then
@@ -256,19 +257,26 @@ if [ -n "$MPSCTL" ]; then
   export CUDA_MPS_LOG_DIRECTORY=$KVFERRY_RUN_DIR/mps-log
   mkdir -p "$CUDA_MPS_LOG_DIRECTORY"
   mps_quit() { echo quit | timeout 20 "$MPSCTL" >/dev/null 2>&1 || true; rm -rf "$CUDA_MPS_PIPE_DIRECTORY"; }
-  AT_EXIT+=("down $TAG-md >/dev/null 2>&1; down $TAG-mp >/dev/null 2>&1; mps_quit")
-  up $TAG-md --role decode $L --mps
-  up $TAG-mp --role prefill $L --mps
-  "$B/kvf-ringdump" --instance $TAG-mp | grep -q "copies in the sender's context" ||
-    fail "under MPS, --executor auto did not choose the sender's context"
-  grep -q "under MPS" "$KVFERRY_RUN_DIR/$TAG-mp/sender.log" || fail "the sender does not see MPS: $(grep GPU "$KVFERRY_RUN_DIR/$TAG-mp/sender.log")"
-  j=$(sim "sender executor under MPS" mps --prefill $TAG-mp --decode $TAG-md --requests 40 --layer-us 200 --late-pct 20)
-  all_finished "sender executor under MPS" "$j" 40
-  down $TAG-mp; down $TAG-md
+  AT_EXIT+=("down $TAG-mdauto >/dev/null 2>&1; down $TAG-mpauto >/dev/null 2>&1; down $TAG-mdsender >/dev/null 2>&1; down $TAG-mpsender >/dev/null 2>&1; mps_quit")
+  for ex in auto sender; do
+    want=$ex
+    [ $ex = auto ] && want=engine
+    up $TAG-md$ex --role decode $L --mps --executor $ex
+    up $TAG-mp$ex --role prefill $L --mps --executor $ex
+    "$B/kvf-ringdump" --instance $TAG-mp$ex | grep -q "copies in the $want's context" ||
+      fail "under MPS, --executor $ex did not choose the $want's context"
+    if [ $want = sender ]; then
+      grep -q "under MPS" "$KVFERRY_RUN_DIR/$TAG-mp$ex/sender.log" ||
+        fail "the sender does not see MPS: $(grep GPU "$KVFERRY_RUN_DIR/$TAG-mp$ex/sender.log")"
+    fi
+    j=$(sim "$want executor under MPS" mps$ex --prefill $TAG-mp$ex --decode $TAG-md$ex --requests 40 --layer-us 200 --late-pct 20)
+    all_finished "$want executor under MPS" "$j" 40
+    down $TAG-mp$ex; down $TAG-md$ex
+  done
   mps_quit
   AT_EXIT=()
   unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
-  pass "up --mps started MPS; --executor auto chose the sender's context; 40 requests verified under MPS"
+  pass "up --mps started MPS; --executor auto chose the engine's context and --executor sender the sender's; 40 requests verified under MPS with each"
 else
   echo "skipped: MPS (nvidia-cuda-mps-control is not installed)"
 fi

@@ -24,10 +24,10 @@
  * the sender every copy queued so far has landed. The step's last layer is
  * the exception, where several entries have runs and the GPU writes the
  * words (not host functions): one kernel per entry, the smallest first, each
- * followed by a write of the entry's own `landed` word,
- * so that each request's finish waits only for its own bytes (and the smaller
- * entries' queued before them); exec.landed still follows them all. A claim that cannot be
- * copied (a peer that cannot be mapped, a bad block id, CUDA refusing the
+ * followed by a write of the entry's own `landed` word, so that each
+ * request's finish waits only for its own bytes (and the smaller entries'
+ * queued before them); exec.landed still follows them all. A claim that
+ * cannot be copied (a peer that cannot be mapped, a bad block id, CUDA refusing the
  * launch) sets the entry's `err` and `why`: the sender fails exactly that
  * request with "write error"; landed is still posted, so the sender knows
  * nothing of that layer is in flight.
@@ -745,7 +745,7 @@ static void exec_layer(struct kvf_client *c, struct kvf_stream *st, void *stream
                         }
                         waited = true;
                         kvf_fetch_add_relaxed(&ctl->exec->batches, 1);
-                        /* (Refused, e.g. HOST_FN's pending limit: exec.landed below says it.) */
+                        /* (Refused: exec.landed below says it for this entry too.) */
                         m->posted = kvf_gpu_signal_post_at(st->landed, kvf_gpu_copier_stream(st->copier), &e->landed,
                                                            KVF_PLAN_CTL(m->gen, 0, layer + 1)) == 0;
                 }

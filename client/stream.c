@@ -105,6 +105,8 @@ void kvf_stream_detach(struct kvf_client *c)
 #define ARENA_CHUNKS (1u << 18)
 #define AGAIN_WAIT_NS 5000000000ull
 #define DRAIN_WAIT_NS 5000000000ull
+/* A step's last layer: at most this many copy batches, each with its entries' landed words. */
+#define EACH_BATCHES 8u
 
 struct speer {
         char name[KVF_INSTANCE_MAX];
@@ -137,6 +139,8 @@ struct kvf_stream {
         struct speer peers[MAX_PEERS];
         struct kvf_gpu_run *runs;
         size_t nruns, cap_runs;
+        struct kvf_gpu_run *byent; /* the runs again, entry by entry, smallest entry first */
+        size_t cap_byent;
         struct kvf_gpu_region dst[MAX_PEERS];
         uint32_t dst_peer[MAX_PEERS], ndst;
         /* caches in parts (the engine's): the runs cut, and every region of both sides */
@@ -235,6 +239,7 @@ static void stream_free(struct kvf_client *c, struct kvf_stream *st)
                         kvf_tp_plan_free(&st->peers[i].plan);
                 }
         free(st->runs);
+        free(st->byent);
         free(st->cut);
         free(st->regions);
         free(st->mine);
@@ -722,32 +727,58 @@ static void exec_layer(struct kvf_client *c, struct kvf_stream *st, void *stream
         }
         if (!st->nmine)
                 return;
-        /* A step's last layer: each entry its own batch, the smallest first, and its own landed
-         * word after it, so a request's finish waits for its own bytes only (and for the smaller
-         * ones queued before it), not for the whole step's. */
+        /* A step's last layer: each entry its own batch (up to EACH_BATCHES), the smallest
+         * first, and its own landed word after it, so a request's finish waits for its own bytes
+         * only (and for the smaller ones queued before it), not for the whole step's. */
         uint32_t with_runs = 0;
         for (uint32_t k = 0; k < st->nmine; k++)
                 with_runs += st->mine[k].r1 > st->mine[k].r0;
         bool each = st->each && with_runs > 1 && layer + 1 == kvf_layout_layers(&ctl->hdr->layout);
+        if (each && st->cap_byent < st->nruns) {
+                struct kvf_gpu_run *r = realloc(st->byent, st->nruns * sizeof(*r));
+                if (r) {
+                        st->byent = r;
+                        st->cap_byent = st->nruns;
+                } else {
+                        each = false; /* (one batch for them all, as at other layers) */
+                }
+        }
         if (each) {
+                /* At most EACH_BATCHES batches: a step of many small requests is that many
+                 * groups of neighbours in size, not a kernel launch per request. */
                 qsort(st->mine, st->nmine, sizeof(*st->mine), by_bytes);
+                uint32_t per = (with_runs + EACH_BATCHES - 1) / EACH_BATCHES, k = 0;
                 bool waited = false;
-                for (uint32_t k = 0; k < st->nmine; k++) {
-                        struct mine *m = &st->mine[k];
-                        struct kvf_plan_entry *e = &ctl->plan[m->slot];
-                        if (m->r1 == m->r0)
-                                continue;
-                        int rc = copy_runs(st, own, stream, !waited, st->runs + m->r0, m->r1 - m->r0);
-                        if (rc < 0) {
-                                copy_failed(why, sizeof(why), layer, rc);
-                                entry_fail(c, e, why);
-                                continue;
+                while (k < st->nmine) {
+                        uint32_t k0 = k, in = 0;
+                        size_t n = 0;
+                        for (; k < st->nmine && in < per; k++) {
+                                struct mine *m = &st->mine[k];
+                                memcpy(st->byent + n, st->runs + m->r0, (m->r1 - m->r0) * sizeof(*st->byent));
+                                n += m->r1 - m->r0;
+                                in += m->r1 > m->r0;
                         }
-                        waited = true;
-                        kvf_fetch_add_relaxed(&ctl->exec->batches, 1);
-                        /* (Refused: exec.landed below says it for this entry too.) */
-                        m->posted = kvf_gpu_signal_post_at(st->landed, kvf_gpu_copier_stream(st->copier), &e->landed,
-                                                           KVF_PLAN_CTL(m->gen, 0, layer + 1)) == 0;
+                        if (!n)
+                                continue;
+                        int rc = copy_runs(st, own, stream, !waited, st->byent, n);
+                        if (rc < 0)
+                                copy_failed(why, sizeof(why), layer, rc);
+                        else
+                                kvf_fetch_add_relaxed(&ctl->exec->batches, 1);
+                        waited |= rc == 0;
+                        for (uint32_t j = k0; j < k; j++) {
+                                struct mine *m = &st->mine[j];
+                                struct kvf_plan_entry *e = &ctl->plan[m->slot];
+                                if (m->r1 == m->r0)
+                                        continue;
+                                if (rc < 0) {
+                                        entry_fail(c, e, why);
+                                        continue;
+                                }
+                                /* (Refused: exec.landed below says it for this entry too.) */
+                                m->posted = kvf_gpu_signal_post_at(st->landed, kvf_gpu_copier_stream(st->copier),
+                                                                   &e->landed, KVF_PLAN_CTL(m->gen, 0, layer + 1)) == 0;
+                        }
                 }
         } else if (st->nruns) {
                 int rc = copy_runs(st, own, stream, true, st->runs, st->nruns);

@@ -400,7 +400,8 @@ enum kvf_hist_id {
  * always [0, claimed)), and launches one copy kernel for all of them on a
  * side stream ordered after the engine's stream; exec.landed tells the sender
  * when they have landed. At a step's last layer each entry gets a kernel of
- * its own, the smallest first, and its own `landed` word after it (written by
+ * its own (up to 8 kernels: groups of neighbours in size beyond), the smallest
+ * first, and its own `landed` word after it (written by
  * the GPU; not with host-function signals), so a request waits for its own
  * bytes, not for the whole step's. The sender closes an entry (an exchange that keeps
  * the claimed count) when the step is over or as soon as a layer is ready that

@@ -54,15 +54,18 @@ static uint32_t build_runs(struct sender *s, uint32_t slot, uint32_t b0, uint32_
 
 /*
  * Copy layers [l0, l1) of send-blocks [b0, b1) of a same-host request (gathered: copies.c).
- * A step's last layer into GPU memory goes in a batch of the request's own: it lands, and its
- * finish goes, when its own bytes are in, not when the whole step's are.
+ * A step's last layer into GPU memory goes in a batch of the request's own (for the first
+ * SENDER_OWN_BATCHES requests of a progress word): it lands, and its finish goes, when its own
+ * bytes are in, not when the whole step's are.
  */
 static int copy_ipc(struct sender *s, uint32_t slot, uint32_t l0, uint32_t l1, uint32_t b0,
                     uint32_t b1)
 {
-        bool alone = l1 == s->layers && s->own_landing;
-        if (alone)
+        bool alone = l1 == s->layers && s->own_landing && s->own_left;
+        if (alone) {
+                s->own_left--;
                 sender_copies_flush(s);
+        }
         int rc = sender_copies_add(s, slot, l0, l1, s->runs, build_runs(s, slot, b0, b1));
         if (alone && rc == 0)
                 sender_copies_flush(s);

@@ -680,6 +680,7 @@ void sender_req_progress(struct sender *s, uint64_t word, uint64_t publish_ns)
         else
                 s->words_at = (s->words_at + 1) % SENDER_WORDS_SEEN;
         s->copy_timed = false;
+        s->own_left = s->own_batches;
         uint64_t step = KVF_PROGRESS_STEP(word);
 
         /* Requests armed at earlier steps: all their layers are ready; each advances once

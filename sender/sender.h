@@ -171,6 +171,8 @@ struct sender {
         struct layer_cut *cut; /* per slot: a layer copied in slices (sender_advance) */
         bool sync_copies;      /* same-host copies run on this thread (host backend) */
         bool own_landing;      /* a step's last layer: a copy batch per request (progress.c) */
+        uint32_t own_batches;  /* at most so many of them a progress word (SENDER_OWN_BATCHES) */
+        uint32_t own_left;     /* such batches left in this progress word's walk */
         bool spin_layers;      /* --layer-wait: poll while requests wait for layers (main.c) */
         /* --layer-wait auto: spin only while holding one of the host's spin seats (common/cpus.h),
          * taken when requests wait for layers, given back after SENDER_SEAT_IDLE_NS without */
@@ -628,6 +630,10 @@ bool sender_copies_busy(const struct sender *s, uint32_t slot);
  * and a new layer of another request waits behind at most two slices of a backlog.
  */
 #define SENDER_COPY_DEPTH 2u
+/* A step's last layer: at most this many requests a progress word copies in batches of their own
+ * (progress.c copy_ipc); the rest share one, so a step of many small requests is not a kernel
+ * launch each. */
+#define SENDER_OWN_BATCHES 8u
 bool sender_copies_room(const struct sender *s, uint32_t slot);
 /* Flush, then wait up to timeout_ns for every batch in flight (a peer going, the sender stopping). */
 void sender_copies_drain(struct sender *s, uint64_t timeout_ns);

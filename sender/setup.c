@@ -43,6 +43,7 @@ int sender_open(struct sender *s, const char *instance, const struct sender_opts
          * bench/gpu_tail_ab.sh) keeps one batch for the whole step. */
         const char *ab = getenv("KVF_AB_NO_OWN_LANDING");
         s->own_landing = !s->sync_copies && !(ab && !strcmp(ab, "1"));
+        s->own_batches = SENDER_OWN_BATCHES;
         return 0;
 }
 

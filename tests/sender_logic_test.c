@@ -1370,6 +1370,48 @@ static void case_own_landing(void)
                 sender_close(&A);
         }
 
+        /* At most own_batches requests of a progress word alone: four requests with room for
+         * two, so two batches of one and one of the other two; every byte lands. */
+        {
+                const uint32_t src[4][2] = {{4, 5}, {6, 7}, {8, 9}, {10, 11}};
+                const uint32_t dst[4][2] = {{20, 21}, {22, 23}, {24, 25}, {26, 27}};
+                uint32_t slot[4];
+                uint64_t st = next_step();
+                sender_up(&A, &PA);
+                A.own_batches = 2;
+                for (int i = 0; i < 4; i++) {
+                        snprintf(ia, sizeof(ia), "ol-cap%d", i);
+                        task(&PA, ia, DA.name, KVF_TRANSPORT_IPC, src[i], 2, dst[i], 2, st, false);
+                }
+                turn(&A);
+                for (int i = 0; i < 4; i++) {
+                        snprintf(ia, sizeof(ia), "ol-cap%d", i);
+                        slot[i] = slot_of(&A, ia);
+                }
+                progress(&PA, st, LAYERS - 1);
+                turn(&A);
+                settle(&A);
+                uint64_t n = batches(&A);
+                progress(&PA, st, LAYERS);
+                turn(&A);
+                CHECK_EQ(batches(&A) - n, 3);
+                settle(&A);
+                struct outs *o = to_connector(&PA);
+                for (int i = 0; i < 4; i++) {
+                        snprintf(ia, sizeof(ia), "ol-cap%d", i);
+                        CHECK(find(o, KVF_RT_FINISH, ia)->status == KVF_STATUS_FINISHED);
+                        CHECK(landed(&PA, &DA, src[i], dst[i], 2));
+                        write_result(&PA, key_of(&A, slot[i]), ia, KVF_STATUS_FINISHED, "");
+                }
+                settle(&A);
+                struct outs *cd = completions(&PA);
+                for (int i = 0; i < 4; i++) {
+                        snprintf(ia, sizeof(ia), "ol-cap%d", i);
+                        CHECK_DONE(cd, ia, KVF_STATUS_FINISHED, "");
+                }
+                sender_close(&A);
+        }
+
         /* The engine's own landed word for an owe of gen 7, its 4 layers claimed. */
         sender_up(&A, &PA);
         const uint32_t slot = SLOTS - 1;
@@ -1412,7 +1454,6 @@ static void case_own_landing(void)
         r->session = 0;
         r->flags = 0;
         sender_close(&A);
-        step_now += 2;
 }
 
 /* Stopping (SIGTERM: tools/kvferry down). New tasks are refused at once; requests in flight go on

@@ -734,7 +734,10 @@ static void exec_layer(struct kvf_client *c, struct kvf_stream *st, void *stream
         for (uint32_t k = 0; k < st->nmine; k++)
                 with_runs += st->mine[k].r1 > st->mine[k].r0;
         bool each = st->each && with_runs > 1 && layer + 1 == kvf_layout_layers(&ctl->hdr->layout);
-        if (each && st->cap_byent < st->nruns) {
+        /* At most EACH_BATCHES batches: a step of many small requests goes in that many groups of
+         * neighbours in size (their runs gathered in st->byent), not a kernel launch each. */
+        uint32_t per = (with_runs + EACH_BATCHES - 1) / EACH_BATCHES;
+        if (each && per > 1 && st->cap_byent < st->nruns) {
                 struct kvf_gpu_run *r = realloc(st->byent, st->nruns * sizeof(*r));
                 if (r) {
                         st->byent = r;
@@ -744,23 +747,28 @@ static void exec_layer(struct kvf_client *c, struct kvf_stream *st, void *stream
                 }
         }
         if (each) {
-                /* At most EACH_BATCHES batches: a step of many small requests is that many
-                 * groups of neighbours in size, not a kernel launch per request. */
                 qsort(st->mine, st->nmine, sizeof(*st->mine), by_bytes);
-                uint32_t per = (with_runs + EACH_BATCHES - 1) / EACH_BATCHES, k = 0;
                 bool waited = false;
-                while (k < st->nmine) {
+                for (uint32_t k = 0; k < st->nmine;) {
                         uint32_t k0 = k, in = 0;
+                        const struct kvf_gpu_run *runs = NULL;
                         size_t n = 0;
                         for (; k < st->nmine && in < per; k++) {
-                                struct mine *m = &st->mine[k];
-                                memcpy(st->byent + n, st->runs + m->r0, (m->r1 - m->r0) * sizeof(*st->byent));
+                                const struct mine *m = &st->mine[k];
+                                if (m->r1 == m->r0)
+                                        continue;
+                                if (per > 1) {
+                                        memcpy(st->byent + n, st->runs + m->r0, (m->r1 - m->r0) * sizeof(*st->byent));
+                                        runs = st->byent;
+                                } else {
+                                        runs = st->runs + m->r0; /* one entry: its runs as they are */
+                                }
                                 n += m->r1 - m->r0;
-                                in += m->r1 > m->r0;
+                                in++;
                         }
                         if (!n)
                                 continue;
-                        int rc = copy_runs(st, own, stream, !waited, st->byent, n);
+                        int rc = copy_runs(st, own, stream, !waited, runs, n);
                         if (rc < 0)
                                 copy_failed(why, sizeof(why), layer, rc);
                         else

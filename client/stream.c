@@ -177,16 +177,17 @@ static int method_from_env(void)
         return 0;
 }
 
-/* A signal by the chosen method into `word`; the stream write falls back to the
- * one-thread kernel (same semantics) where stream memory operations are missing. */
-static int make_signal(struct kvf_stream *st, uint64_t *word, void (*wake)(void *), void *arg,
+/* A signal by the chosen method into `word` (or any word of the `span` bytes from it); the
+ * stream write falls back to the one-thread kernel (same semantics) where stream memory
+ * operations are missing. */
+static int make_signal(struct kvf_stream *st, uint64_t *word, size_t span, void (*wake)(void *), void *arg,
                        struct kvf_gpu_signal **out)
 {
         if (st->method == KVF_SIGNAL_HOSTFN)
-                return kvf_gpu_signal_create(st->device, word, KVF_GPU_SIGNAL_HOST_FN, wake, arg, out);
-        int rc = kvf_gpu_signal_create(st->device, word, KVF_GPU_SIGNAL_WRITE_VALUE, NULL, NULL, out);
+                return kvf_gpu_signal_create_span(st->device, word, span, KVF_GPU_SIGNAL_HOST_FN, wake, arg, out);
+        int rc = kvf_gpu_signal_create_span(st->device, word, span, KVF_GPU_SIGNAL_WRITE_VALUE, NULL, NULL, out);
         if (rc == -ENOSYS)
-                rc = kvf_gpu_signal_create(st->device, word, KVF_GPU_SIGNAL_KERNEL, NULL, NULL, out);
+                rc = kvf_gpu_signal_create_span(st->device, word, span, KVF_GPU_SIGNAL_KERNEL, NULL, NULL, out);
         return rc;
 }
 
@@ -206,12 +207,7 @@ static int make_landed(struct kvf_client *c, struct kvf_stream *st)
         const char *ab = getenv("KVF_AB_NO_OWN_LANDING"); /* an A/B switch of bench/gpu_tail_ab.sh */
         if (n && st->method != KVF_SIGNAL_HOSTFN && !(ab && !strcmp(ab, "1"))) {
                 size_t span = (size_t)((char *)(&ctl->plan[n - 1].landed + 1) - (char *)first);
-                int rc = kvf_gpu_signal_create_span(st->device, first, span, KVF_GPU_SIGNAL_WRITE_VALUE, NULL, NULL,
-                                                    &st->landed);
-                if (rc == -ENOSYS)
-                        rc = kvf_gpu_signal_create_span(st->device, first, span, KVF_GPU_SIGNAL_KERNEL, NULL, NULL,
-                                                        &st->landed);
-                if (rc == 0) {
+                if (make_signal(st, first, span, NULL, NULL, &st->landed) == 0) {
                         st->each = true;
                         return 0;
                 }
@@ -219,7 +215,7 @@ static int make_landed(struct kvf_client *c, struct kvf_stream *st)
                          "each layer's copies land together",
                          kvf_gpu_err_msg());
         }
-        return make_signal(st, first, NULL, NULL, &st->landed);
+        return make_signal(st, first, sizeof(*first), NULL, NULL, &st->landed);
 }
 
 static void stream_free(struct kvf_client *c, struct kvf_stream *st)
@@ -278,7 +274,7 @@ static int stream_init(struct kvf_client *c)
         c->stream = st; /* the host function finds the word through it */
         rc = -EINVAL;
         if (st->method == KVF_SIGNAL_WRITEVALUE) {
-                rc = make_signal(st, &c->ctl.progress->word, NULL, NULL, &st->sig);
+                rc = make_signal(st, &c->ctl.progress->word, sizeof(uint64_t), NULL, NULL, &st->sig);
                 if (rc < 0 && !chosen) {
                         kvf_warn("layer-done signal: the GPU cannot write the progress word (%s): "
                                  "host functions instead",
@@ -287,7 +283,7 @@ static int stream_init(struct kvf_client *c)
                 }
         }
         if (st->method == KVF_SIGNAL_HOSTFN)
-                rc = make_signal(st, &st->word, on_hostfn, c, &st->sig);
+                rc = make_signal(st, &st->word, sizeof(st->word), on_hostfn, c, &st->sig);
         if (rc < 0) {
                 rc = gpu_err(rc, "layer-done signal");
                 goto fail;

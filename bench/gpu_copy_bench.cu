@@ -39,9 +39,6 @@
  *   x pb        per-block / k-e2e (target >= 50 at 16 KiB blocks); the
  *               target lines also give per-block / b-e2e, how far the limit
  *               itself gets on the same host clock.
- * A second table: the first layer's batch again with a mark per request
- * (kvf_gpu_batch.marks: each request's word written by the kernel as its last
- * chunk lands), GPU time against 'first' in the same run: what the marks cost.
  * Every kernel result is checked on the GPU (every byte of every run);
  * a mismatch fails the run (exit 1). Targets missed are reported, exit 0.
  *
@@ -77,7 +74,6 @@ struct row {
         size_t runs, chunks;
         double bulk_us, staged_us, first_us, next_us, submit_us, e2e_us, e2e_next_us, pb_us;
         double bulk_e2e_us;
-        double marked_us; /* the first layer's batch with a mark per request */
         uint64_t bad;
 };
 
@@ -481,16 +477,6 @@ int main(int argc, char **argv)
         BENCH_KVF(kvf_gpu_copier_create(o.device, o.hints, &co, &cr));
         cudaStream_t s = (cudaStream_t)kvf_gpu_copier_stream(cs);
         struct bench_gate *gate = bench_gate_create();
-        /* The marks' words: a page the GPU writes (a signal's span maps it). */
-        uint64_t *words = (uint64_t *)aligned_alloc(4096, 4096);
-        struct kvf_gpu_signal *wsig = NULL;
-        if (!words || o.requests > 4096 / 8)
-                bench_die("marks: at most %u requests", 4096 / 8);
-        memset(words, 0, 4096);
-        BENCH_KVF(kvf_gpu_signal_create_span(o.device, words, 4096, KVF_GPU_SIGNAL_KERNEL, NULL, NULL, &wsig));
-        struct kvf_gpu_mark *marks = (struct kvf_gpu_mark *)calloc(o.requests, sizeof(*marks));
-        if (!marks)
-                bench_die("out of memory");
 
         struct row *rows = (struct row *)calloc((size_t)n_shapes * o.n_sizes, sizeof(struct row));
         size_t n_rows = 0;
@@ -590,33 +576,6 @@ int main(int argc, char **argv)
                                         bench_die("copy failed: %s", kvf_gpu_err_msg());
                                 r->bad += bench_verify_runs(which[k]->runs, r->runs, &rs, 1, &rd, 1);
                         }
-                        /* A mark per request (runs split evenly), checked: bytes and words. */
-                        uint32_t nm = 0;
-                        for (uint32_t q = 0; q < o.requests; q++) {
-                                size_t end = (size_t)(q + 1) * r->runs / o.requests;
-                                if (end > (nm ? marks[nm - 1].run_end : 0)) {
-                                        marks[nm] = (struct kvf_gpu_mark){end, kvf_gpu_signal_dev_word(wsig, words + nm),
-                                                                          1000 + (uint64_t)si * 100 + zi};
-                                        nm++;
-                                }
-                        }
-                        struct kvf_gpu_batch bm = {runs, r->runs, &rs, 1, &rd, 1, NULL, NULL};
-                        bm.marks = marks;
-                        bm.n_marks = nm;
-                        {
-                                BENCH_CUDA(cudaMemsetAsync(dst, 0, cache, s));
-                                BENCH_CUDA(cudaStreamSynchronize(s));
-                                uint64_t tk = 0;
-                                BENCH_KVF(kvf_gpu_copy_submit(cr, &bm, &tk));
-                                int rc;
-                                while ((rc = kvf_gpu_copy_poll(cr, tk)) == 0) {
-                                }
-                                if (rc < 0)
-                                        bench_die("copy failed: %s", kvf_gpu_err_msg());
-                                r->bad += bench_verify_runs(runs, r->runs, &rs, 1, &rd, 1);
-                                for (uint32_t m = 0; m < nm; m++)
-                                        r->bad += __atomic_load_n(&words[m], __ATOMIC_ACQUIRE) != marks[m].value;
-                        }
                         uint64_t n_staged = 0, n_reused = 0;
                         kvf_gpu_copier_counts(cr, &n_staged, &n_reused);
                         if (!n_reused)
@@ -644,7 +603,6 @@ int main(int argc, char **argv)
                                           "%u next layers reused",
                                           n_rows, (unsigned long long)(u1 - u0),
                                           (unsigned long long)(u2 - u1), reps);
-                        r->marked_us = time_kernel(cr, &bm, NULL, reps, gate, NULL);
                         r->e2e_us = time_e2e(cr, &b, &brev, reps);
                         r->e2e_next_us = time_e2e(cr, &b, &b2, reps);
                         r->bulk_e2e_us = time_bulk_e2e(s, dst, src, r->bytes, reps);
@@ -681,19 +639,6 @@ int main(int argc, char **argv)
                 BENCH_KVF(kvf_gpu_free(o.device, src));
                 BENCH_KVF(kvf_gpu_free(o.device, dst));
         }
-
-        printf("\nthe first layer's batch with a mark per request (%u), GPU time (same gate):\n"
-               "%5s %6s %4s %8s %6s | %8s %8s %8s\n",
-               o.requests, "shape", "block", "tens", "batch", "runs", "first", "marked", "x first");
-        for (size_t i = 0; i < n_rows; i++) {
-                const struct row *r = &rows[i];
-                printf("%5s %6llu %4u %8.2f %6zu | %8.0f %8.0f %8.3f\n", "", (unsigned long long)(r->sh->block_bytes >> 10),
-                       r->sh->tensors, (double)r->bytes / (1 << 20), r->runs, gbps(r->bytes, r->first_us),
-                       gbps(r->bytes, r->marked_us), r->first_us / r->marked_us);
-        }
-        kvf_gpu_signal_destroy(wsig);
-        free(words);
-        free(marks);
 
         /* Targets. */
         unsigned t1 = 0, t1_ok = 0, t1_first = 0, t2 = 0, t2_ok = 0, t2_limit_ok = 0;

@@ -21,14 +21,12 @@
  * on the client's copier stream (a side stream of the engine's context,
  * highest priority), ordered after the engine's stream by an event. Then a
  * signal on the side stream sets exec.landed to PACK(S, L + 1), which tells
- * the sender every copy queued so far has landed. At the step's last layer,
- * where several entries have runs and the GPU writes the words (not host
- * functions), the kernel's runs go entry by entry, the smallest first, each
- * entry but the largest a mark (kvf_gpu_mark): the block that lands an
- * entry's last chunk writes the entry's own `landed` word, so that each
- * request's finish waits only for its own bytes (and mostly the smaller
- * entries' before them), in one launch; exec.landed follows the whole kernel
- * (and is the largest entry's). A claim that
+ * the sender every copy queued so far has landed. The step's last layer is
+ * the exception, where several entries have runs and the GPU writes the
+ * words (not host functions): one kernel per entry, the smallest first, each
+ * followed by a write of the entry's own `landed` word, so that each
+ * request's finish waits only for its own bytes (and the smaller entries'
+ * queued before them); exec.landed still follows them all. A claim that
  * cannot be copied (a peer that cannot be mapped, a bad block id, CUDA refusing the
  * launch) sets the entry's `err` and `why`: the sender fails exactly that
  * request with "write error"; landed is still posted, so the sender knows
@@ -107,6 +105,8 @@ void kvf_stream_detach(struct kvf_client *c)
 #define ARENA_CHUNKS (1u << 18)
 #define AGAIN_WAIT_NS 5000000000ull
 #define DRAIN_WAIT_NS 5000000000ull
+/* A step's last layer: at most this many copy batches, each with its entries' landed words. */
+#define EACH_BATCHES 8u
 
 struct speer {
         char name[KVF_INSTANCE_MAX];
@@ -122,7 +122,6 @@ struct mine {
         uint32_t slot, gen;
         size_t r0, r1; /* st->runs[r0, r1) */
         uint64_t bytes;
-        bool marked; /* its landed word is a mark of the layer's batch */
         bool posted; /* its own landed word is queued */
 };
 
@@ -142,8 +141,6 @@ struct kvf_stream {
         size_t nruns, cap_runs;
         struct kvf_gpu_run *byent; /* the runs again, entry by entry, smallest entry first */
         size_t cap_byent;
-        struct kvf_gpu_mark *marks; /* each entry's landed word, at the end of its runs in byent */
-        uint32_t cap_marks;
         struct kvf_gpu_region dst[MAX_PEERS];
         uint32_t dst_peer[MAX_PEERS], ndst;
         /* caches in parts (the engine's): the runs cut, and every region of both sides */
@@ -239,7 +236,6 @@ static void stream_free(struct kvf_client *c, struct kvf_stream *st)
                 }
         free(st->runs);
         free(st->byent);
-        free(st->marks);
         free(st->cut);
         free(st->regions);
         free(st->mine);
@@ -565,8 +561,7 @@ static int add_runs(struct kvf_client *c, struct kvf_stream *st, uint32_t slot, 
 /* Caches in parts (the engine's, either side): runs [0, n) cut where either side is not
  * contiguous, each tensor its own region (own's, then each destination peer's). 0, or -ENOMEM. */
 static int cut_runs(struct kvf_stream *st, const struct kvf_cache *own, struct kvf_gpu_batch *b,
-                    const struct kvf_gpu_run *runs, size_t n, struct kvf_gpu_mark *marks, uint32_t nmarks,
-                    uint32_t *ncut)
+                    const struct kvf_gpu_run *runs, size_t n, uint32_t *ncut)
 {
         uint32_t nsrc = kvf_cache_cuda_regions(own, NULL), ndr = 0, dfirst[MAX_PEERS];
         for (uint32_t d = 0; d < st->ndst; d++) {
@@ -584,13 +579,11 @@ static int cut_runs(struct kvf_stream *st, const struct kvf_cache *own, struct k
         for (uint32_t d = 0; d < st->ndst; d++)
                 kvf_cache_cuda_regions(&st->peers[st->dst_peer[d]].cache, st->regions + nsrc + dfirst[d]);
         *ncut = 0;
-        for (size_t i = 0, mi = 0; i < n; i++) {
+        for (size_t i = 0; i < n; i++) {
                 const struct kvf_gpu_run *r = &runs[i];
                 if (kvf_cache_cuda_cut(own, 0, r->src_off, &st->peers[st->dst_peer[r->dst_region]].cache,
                                        dfirst[r->dst_region], r->dst_off, r->bytes, &st->cut, &st->cap_cut, ncut) < 0)
                         return -ENOMEM;
-                for (; mi < nmarks && marks[mi].run_end == i + 1; mi++)
-                        marks[mi].run_end = *ncut; /* the same runs, cut */
         }
         b->src = st->regions;
         b->n_src = nsrc;
@@ -607,7 +600,7 @@ static int submit(struct kvf_stream *st, struct kvf_gpu_batch *b, const struct k
                 b->runs = runs;
                 b->n_runs = n;
                 int rc = kvf_gpu_copy_submit(st->copier, b, &st->last_ticket);
-                if (rc == -E2BIG && n > 1 && !b->marks) {
+                if (rc == -E2BIG && n > 1) {
                         if ((rc = submit(st, b, runs, n / 2)) < 0)
                                 return rc;
                         b->after_stream = NULL; /* the first half waits for the engine already */
@@ -626,22 +619,20 @@ static int submit(struct kvf_stream *st, struct kvf_gpu_batch *b, const struct k
         }
 }
 
-/* Copy `n` runs on the side stream, after the engine's `stream` when `after`, with `nmarks`
- * marks (their run_end may be rewritten). 0 or < 0. */
+/* Copy `n` runs on the side stream, after the engine's `stream` when `after`. 0 or < 0. */
 static int copy_runs(struct kvf_stream *st, const struct kvf_cache *own, void *stream, bool after,
-                     const struct kvf_gpu_run *runs, size_t n, struct kvf_gpu_mark *marks, uint32_t nmarks)
+                     const struct kvf_gpu_run *runs, size_t n)
 {
         struct kvf_gpu_region src = {.base = (uint64_t)(uintptr_t)own->base, .bytes = own->bytes};
         struct kvf_gpu_batch b = {.src = &src, .n_src = 1, .dst = st->dst, .n_dst = st->ndst,
-                                  .after_stream = after ? stream : NULL, .after = after,
-                                  .marks = nmarks ? marks : NULL, .n_marks = nmarks};
+                                  .after_stream = after ? stream : NULL, .after = after};
         bool parts = own->parts != NULL;
         for (uint32_t d = 0; d < st->ndst && !parts; d++)
                 parts = st->peers[st->dst_peer[d]].cache.parts != NULL;
         if (!parts)
                 return submit(st, &b, runs, n);
         uint32_t ncut = 0;
-        int rc = cut_runs(st, own, &b, runs, n, marks, nmarks, &ncut);
+        int rc = cut_runs(st, own, &b, runs, n, &ncut);
         return rc < 0 ? rc : submit(st, &b, st->cut, ncut);
 }
 
@@ -732,66 +723,82 @@ static void exec_layer(struct kvf_client *c, struct kvf_stream *st, void *stream
         }
         if (!st->nmine)
                 return;
-        /* A step's last layer: one batch whose runs go entry by entry, the smallest entry first,
-         * each entry but the largest a mark of its own: the kernel writes the entry's landed word as its
-         * last chunk lands, so a request's finish waits for its own bytes only (and, mostly, the
-         * smaller entries' before them), not for the whole step's. */
+        /* A step's last layer: each entry its own batch (up to EACH_BATCHES), the smallest
+         * first, and its own landed word after it, so a request's finish waits for its own bytes
+         * only (and for the smaller ones queued before it), not for the whole step's. */
         uint32_t with_runs = 0;
         for (uint32_t k = 0; k < st->nmine; k++)
-                with_runs += st->mine[k].bytes != 0;
+                with_runs += st->mine[k].r1 > st->mine[k].r0;
         bool each = st->each && with_runs > 1 && layer + 1 == kvf_layout_layers(&ctl->hdr->layout);
-        if (each && (st->cap_byent < st->nruns || st->cap_marks < st->nmine)) {
+        /* At most EACH_BATCHES batches: a step of many small requests goes in that many groups of
+         * neighbours in size (their runs gathered in st->byent), not a kernel launch each. */
+        uint32_t per = (with_runs + EACH_BATCHES - 1) / EACH_BATCHES;
+        if (each && per > 1 && st->cap_byent < st->nruns) {
                 struct kvf_gpu_run *r = realloc(st->byent, st->nruns * sizeof(*r));
                 if (r) {
                         st->byent = r;
                         st->cap_byent = st->nruns;
+                } else {
+                        each = false; /* (one batch for them all, as at other layers) */
                 }
-                struct kvf_gpu_mark *mk = realloc(st->marks, st->nmine * sizeof(*mk));
-                if (mk) {
-                        st->marks = mk;
-                        st->cap_marks = st->nmine;
-                }
-                each = r && mk; /* (else one batch for them all, as at other layers) */
         }
-        int rc = 0;
-        uint32_t nmarks = 0;
         if (each) {
                 qsort(st->mine, st->nmine, sizeof(*st->mine), by_bytes);
-                size_t n = 0;
-                /* The largest entry, last, has no mark: it lands as the kernel ends, and
-                 * exec.landed says so right after; its chunks skip the marks' ordered count. */
-                for (uint32_t k = 0, left = with_runs; k < st->nmine; k++) {
-                        const struct mine *m = &st->mine[k];
-                        if (!m->bytes)
+                bool waited = false;
+                for (uint32_t k = 0; k < st->nmine;) {
+                        uint32_t k0 = k, in = 0;
+                        const struct kvf_gpu_run *runs = NULL;
+                        size_t n = 0;
+                        for (; k < st->nmine && in < per; k++) {
+                                const struct mine *m = &st->mine[k];
+                                if (m->r1 == m->r0)
+                                        continue;
+                                if (per > 1) {
+                                        memcpy(st->byent + n, st->runs + m->r0, (m->r1 - m->r0) * sizeof(*st->byent));
+                                        runs = st->byent;
+                                } else {
+                                        runs = st->runs + m->r0; /* one entry: its runs as they are */
+                                }
+                                n += m->r1 - m->r0;
+                                in++;
+                        }
+                        if (!n)
                                 continue;
-                        memcpy(st->byent + n, st->runs + m->r0, (m->r1 - m->r0) * sizeof(*st->byent));
-                        n += m->r1 - m->r0;
-                        uint64_t w = kvf_gpu_signal_dev_word(st->landed, &ctl->plan[m->slot].landed);
-                        if ((st->mine[k].marked = --left && nmarks < KVF_GPU_MARKS_MAX && w))
-                                st->marks[nmarks++] = (struct kvf_gpu_mark){
-                                    .run_end = n, .word = w, .value = KVF_PLAN_CTL(m->gen, 0, layer + 1)};
+                        int rc = copy_runs(st, own, stream, !waited, runs, n);
+                        if (rc < 0)
+                                copy_failed(why, sizeof(why), layer, rc);
+                        else
+                                kvf_fetch_add_relaxed(&ctl->exec->batches, 1);
+                        waited |= rc == 0;
+                        for (uint32_t j = k0; j < k; j++) {
+                                struct mine *m = &st->mine[j];
+                                struct kvf_plan_entry *e = &ctl->plan[m->slot];
+                                if (m->r1 == m->r0)
+                                        continue;
+                                if (rc < 0) {
+                                        entry_fail(c, e, why);
+                                        continue;
+                                }
+                                /* (Refused: exec.landed below says it for this entry too.) */
+                                m->posted = kvf_gpu_signal_post_at(st->landed, kvf_gpu_copier_stream(st->copier),
+                                                                   &e->landed, KVF_PLAN_CTL(m->gen, 0, layer + 1)) == 0;
+                        }
                 }
-                rc = copy_runs(st, own, stream, true, st->byent, n, st->marks, nmarks);
-                if (rc == -E2BIG || rc == -EINVAL) /* (marks that do not fit: exec.landed for all) */
-                        rc = copy_runs(st, own, stream, true, st->byent, n, NULL, nmarks = 0);
         } else if (st->nruns) {
-                rc = copy_runs(st, own, stream, true, st->runs, st->nruns, NULL, 0);
-        }
-        if (rc < 0) {
-                copy_failed(why, sizeof(why), layer, rc);
-                for (uint32_t k = 0; k < st->nmine; k++)
-                        if (!kvf_load_relaxed(&ctl->plan[st->mine[k].slot].err))
-                                entry_fail(c, &ctl->plan[st->mine[k].slot], why);
-        } else if (st->nruns) {
-                kvf_fetch_add_relaxed(&ctl->exec->batches, 1);
-                /* The marked entries' own words are on their way. */
-                for (uint32_t k = 0; k < st->nmine && nmarks; k++)
-                        st->mine[k].posted = st->mine[k].marked;
+                int rc = copy_runs(st, own, stream, true, st->runs, st->nruns);
+                if (rc < 0) {
+                        copy_failed(why, sizeof(why), layer, rc);
+                        for (uint32_t k = 0; k < st->nmine; k++)
+                                if (!kvf_load_relaxed(&ctl->plan[st->mine[k].slot].err))
+                                        entry_fail(c, &ctl->plan[st->mine[k].slot], why);
+                } else {
+                        kvf_fetch_add_relaxed(&ctl->exec->batches, 1);
+                }
         }
         /* Everything queued on the side stream so far (this layer's batches, if they went) is
          * done when this lands; posted even when nothing went, so the sender waits for
          * nothing that will never come. */
-        rc = kvf_gpu_signal_post(st->landed, kvf_gpu_copier_stream(st->copier), KVF_PROGRESS_PACK(step, layer + 1));
+        int rc = kvf_gpu_signal_post(st->landed, kvf_gpu_copier_stream(st->copier), KVF_PROGRESS_PACK(step, layer + 1));
         for (uint64_t end = kvf_now_ns() + AGAIN_WAIT_NS; rc == -EAGAIN && kvf_now_ns() < end;) {
                 kvf_sleep_ns(20000);
                 rc = kvf_gpu_signal_post(st->landed, kvf_gpu_copier_stream(st->copier), KVF_PROGRESS_PACK(step, layer + 1));

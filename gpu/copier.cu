@@ -66,8 +66,6 @@ struct kvf_gpu_copier {
         uint64_t cap;                     /* chunks */
         uint64_t head, tail;
 
-        uint32_t *mark_counts; /* device, KVF_GPU_MARKS_MAX zeroed counters: at the first marks */
-
         uint64_t next_ticket; /* the next batch's ticket; tickets start at 1 */
         uint64_t retired;     /* every ticket <= retired has landed */
         int broken;           /* a CUDA error was seen: every unfinished batch fails */
@@ -117,8 +115,6 @@ static void release(struct kvf_gpu_copier *c)
                 (void)cudaEventDestroy(c->after_ev);
         if (c->dev_arena)
                 (void)cudaFree(c->dev_arena);
-        if (c->mark_counts)
-                (void)cudaFree(c->mark_counts);
         if (c->host_arena)
                 (void)cudaFreeHost(c->host_arena);
         if (c->own_stream && c->stream)
@@ -443,56 +439,6 @@ static const struct kvf_gpu_run *by_source(struct kvf_gpu_copier *c, const struc
         return c->sorted;
 }
 
-/*
- * Count a batch with marks, mark by mark (kvf_gpu_plan's check of each stretch of runs), and
- * make sure every mark fits: its own chunks at least one, at most what its tag holds. *k: all
- * the batch's chunks.
- */
-static int count_marked(const struct kvf_gpu_batch *b, uint32_t chunk, size_t *k)
-{
-        size_t r0 = 0, km = 0, total = 0;
-        int rc;
-
-        if (b->n_marks > KVF_GPU_MARKS_MAX)
-                return kvf_gpu_err_set(-EINVAL, "batch with %u marks, at most %u", b->n_marks,
-                                       KVF_GPU_MARKS_MAX);
-        for (uint32_t m = 0; m <= b->n_marks; m++) {
-                size_t r1 = m < b->n_marks ? b->marks[m].run_end : b->n_runs;
-                if (r1 < r0 || r1 > b->n_runs)
-                        return kvf_gpu_err_set(-EINVAL, "mark %u ends at run %zu (after run %zu, of %zu)", m,
-                                               r1, r0, b->n_runs);
-                if ((rc = kvf_gpu_plan(b->runs + r0, r1 - r0, b->src, b->n_src, b->dst, b->n_dst, chunk,
-                                       NULL, 0, &km)) < 0)
-                        return rc;
-                if (m < b->n_marks && !km)
-                        return kvf_gpu_err_set(-EINVAL, "mark %u covers no byte (runs %zu to %zu)", m, r0, r1);
-                if (m < b->n_marks && !kvf_gpu_mark_tag(m, km))
-                        return kvf_gpu_err_set(-E2BIG, "mark %u: %zu chunks, more than a mark counts", m, km);
-                total += km;
-                r0 = r1;
-        }
-        *k = total;
-        return 0;
-}
-
-/* Tag each mark's chunks (in `h`, planned from the runs in order) and write the marks' words and
- * values after the k chunks, where the kernel reads them. */
-static void write_marks(const struct kvf_gpu_batch *b, uint32_t chunk, struct kvf_gpu_chunk *h, size_t k)
-{
-        size_t r0 = 0, c0 = 0, km = 0;
-        for (uint32_t m = 0; m < b->n_marks; m++) {
-                size_t r1 = b->marks[m].run_end;
-                (void)kvf_gpu_plan(b->runs + r0, r1 - r0, b->src, b->n_src, b->dst, b->n_dst, chunk, NULL, 0,
-                                   &km); /* checked by count_marked */
-                uint32_t tag = kvf_gpu_mark_tag(m, km);
-                for (size_t i = c0; i < c0 + km; i++)
-                        h[i].reserved = tag;
-                h[k + m] = (struct kvf_gpu_chunk){b->marks[m].word, b->marks[m].value, 0, 0};
-                c0 += km;
-                r0 = r1;
-        }
-}
-
 extern "C" int kvf_gpu_copy_submit(struct kvf_gpu_copier *c, const struct kvf_gpu_batch *b,
                                    uint64_t *ticket)
 {
@@ -512,22 +458,17 @@ extern "C" int kvf_gpu_copy_submit(struct kvf_gpu_copier *c, const struct kvf_gp
         for (size_t i = 0; i < b->n_runs; i++)
                 total += b->runs ? b->runs[i].bytes : 0;
         uint32_t chunk = c->chunk_bytes ? c->chunk_bytes : kvf_gpu_chunk_bytes_for(total, c->sms);
-        const uint32_t nm = b->marks ? b->n_marks : 0;
-        /* A batch with marks is planned fresh and kept off the device buffer: its chunks carry
-         * tags that a shifted rerun must not. */
-        const int keep = !nm && !(c->flags & (KVF_GPU_COPIER_MAPPED_DESC | KVF_GPU_COPIER_STAGED_DESC));
+        const int keep = !(c->flags & (KVF_GPU_COPIER_MAPPED_DESC | KVF_GPU_COPIER_STAGED_DESC));
         /* A layer's batch is usually the last one shifted: then shift_of is the whole
          * check, and the count is the last one's (no division per run on the way to the
          * launch). Anything else is planned and checked in full. */
         if (keep && c->last.valid && c->last.k && b->runs && b->n_runs && (b->src || !b->n_src) &&
             (b->dst || !b->n_dst) && (reuse = shift_of(c, b, chunk, &ds, &dd)))
                 k = (size_t)c->last.k;
-        else if (nm && (rc = count_marked(b, chunk, &k)) < 0)
+        else if ((rc = kvf_gpu_plan(b->runs, b->n_runs, b->src, b->n_src, b->dst, b->n_dst, chunk,
+                                    NULL, 0, &k)) < 0)
                 return rc;
-        else if (!nm && (rc = kvf_gpu_plan(b->runs, b->n_runs, b->src, b->n_src, b->dst, b->n_dst, chunk,
-                                           NULL, 0, &k)) < 0)
-                return rc;
-        if (k + nm > c->cap)
+        if (k > c->cap)
                 return kvf_gpu_err_set(-E2BIG,
                                        "batch of %zu runs needs %zu chunks, the copier's arena "
                                        "holds %llu: split it",
@@ -541,7 +482,7 @@ extern "C" int kvf_gpu_copy_submit(struct kvf_gpu_copier *c, const struct kvf_gp
                         return kvf_gpu_err_set(-EAGAIN, "copier: %u batches in flight",
                                                KVF_GPU_MAX_INFLIGHT);
         }
-        if (k && !reuse && (rc = arena_take(c, k + nm, &start)) < 0)
+        if (k && !reuse && (rc = arena_take(c, k, &start)) < 0)
                 return rc;
         struct kvf_gpu_chunk *h = c->host_arena + start % c->cap;
         /* What the kernel reads, and where it leaves a copy for the next layers. */
@@ -551,34 +492,18 @@ extern "C" int kvf_gpu_copy_submit(struct kvf_gpu_copier *c, const struct kvf_gp
         struct kvf_gpu_chunk *save = k && !reuse && keep ? c->dev_arena : NULL;
         size_t k2 = 0;
         if (k && !reuse) {
-                /* (Marks: in the order given, so that earlier marks land first.) */
-                const struct kvf_gpu_run *emit = nm ? NULL : by_source(c, b);
+                const struct kvf_gpu_run *emit = by_source(c, b);
                 if ((rc = kvf_gpu_plan(emit ? emit : b->runs, b->n_runs, b->src, b->n_src, b->dst,
                                        b->n_dst, chunk, h, k, &k2)) < 0)
                         return rc;
-                if (nm)
-                        write_marks(b, chunk, h, k);
         }
         if ((rc = kvf_gpu_device_enter(c->device, &prev)) < 0)
                 return rc;
-        if (nm && !c->mark_counts) {
-                e = cudaMalloc((void **)&c->mark_counts, KVF_GPU_MARKS_MAX * sizeof(*c->mark_counts));
-                if (e == cudaSuccess)
-                        e = cudaMemsetAsync(c->mark_counts, 0, KVF_GPU_MARKS_MAX * sizeof(*c->mark_counts),
-                                            c->stream);
-                if (e != cudaSuccess) {
-                        if (c->mark_counts)
-                                (void)cudaFree(c->mark_counts);
-                        c->mark_counts = NULL;
-                        rc = kvf_gpu_err_cuda(e, "the copier's mark counters");
-                        goto out;
-                }
-        }
         if (save)
                 c->last.valid = 0; /* the device buffer is being rewritten */
         if (k && (c->flags & KVF_GPU_COPIER_STAGED_DESC)) {
                 /* Before the wait for the engine's stream: it needs nothing of it. */
-                e = cudaMemcpyAsync(c->dev_arena, h, (k + nm) * sizeof(*h), cudaMemcpyHostToDevice,
+                e = cudaMemcpyAsync(c->dev_arena, h, k * sizeof(*h), cudaMemcpyHostToDevice,
                                     c->stream);
                 if (e != cudaSuccess) {
                         rc = kvf_gpu_err_cuda(e, "staging the copy descriptors");
@@ -596,13 +521,9 @@ extern "C" int kvf_gpu_copy_submit(struct kvf_gpu_copier *c, const struct kvf_gp
                         goto out;
                 }
         }
-        if (nm)
-                rc = kvf_gpu_copy_launch_marked(from, (uint32_t)k, from + k, c->mark_counts,
-                                                !(c->flags & KVF_GPU_COPIER_PLAIN), c->stream, b->stamps);
-        else
-                rc = kvf_gpu_copy_launch_ex(from, (uint32_t)k, ds, dd, save, !(c->flags & KVF_GPU_COPIER_PLAIN),
-                                            c->stream, b->stamps);
-        if (rc < 0)
+        if ((rc = kvf_gpu_copy_launch_ex(from, (uint32_t)k, ds, dd, save,
+                                         !(c->flags & KVF_GPU_COPIER_PLAIN), c->stream,
+                                         b->stamps)) < 0)
                 goto out;
         if (save)
                 remember(c, b, chunk, k);
@@ -618,9 +539,9 @@ extern "C" int kvf_gpu_copy_submit(struct kvf_gpu_copier *c, const struct kvf_gp
                         goto out;
                 }
                 s->ticket = t;
-                s->arena_end = k && !reuse ? start + k + nm : c->head;
+                s->arena_end = k && !reuse ? start + k : c->head;
                 if (k && !reuse)
-                        c->head = start + k + nm;
+                        c->head = start + k;
                 c->next_ticket = t + 1;
                 *ticket = t;
         }

@@ -277,45 +277,15 @@ __device__ static inline unsigned long long globaltimer_ns(void)
  * `save`, if not NULL, receives a copy of every descriptor as read (device
  * memory): a batch read from mapped host memory leaves its descriptors on the
  * device for the next layers, with no copy of its own.
- * `marks`, if not NULL: the chunks carry marks (kvf_gpu_copy_launch_marked),
- * landed as each mark's last chunk lands (mark_landed).
  * __launch_bounds__(512, 4): 4 blocks per SM, the whole SM's 2048 threads,
  * which caps registers at 32 per thread (the body needs about 24). 512
  * threads per block measured 3 to 5 % faster than 256 on the H200 for
  * batches of 64 MiB and more (docs/GPU.md).
  */
-#define MARK_NEED_BITS 17u
-
-/*
- * Thread 0 of a block whose chunk of mark m has been copied (after the block's
- * barrier, so every thread's stores come before this in causality order):
- * count the chunk with an acquire-release add, which releases the block's
- * stores and acquires those of the blocks counted before it; the block that
- * counts the mark's last chunk zeroes the count for the next batch (the stream
- * runs batches one at a time) and stores the mark's value into its word with a
- * system-scope release, cumulative over every chunk of the mark (the
- * destination may be another GPU's memory). Whoever reads the value with an
- * acquire load sees every byte of the mark. One ordered add a chunk, as a
- * grid-wide barrier orders its block's threads, not a fence a thread.
- */
-__device__ static inline void mark_landed(const struct kvf_gpu_chunk *marks, uint32_t *counts,
-                                          uint32_t tag)
-{
-        uint32_t m = (tag >> MARK_NEED_BITS) - 1u, need = tag & ((1u << MARK_NEED_BITS) - 1u), before;
-        asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(before) : "l"(&counts[m]) : "memory");
-        if (before + 1u != need)
-                return;
-        counts[m] = 0;
-        uint64_t *word = (uint64_t *)(uintptr_t)__ldcg(&marks[m].src);
-        uint64_t value = __ldcg(&marks[m].dst);
-        asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(word), "l"(value) : "memory");
-}
-
 template <bool STAMP, bool EVICT_FIRST>
 __global__ void __launch_bounds__(KVF_GPU_THREADS, 2048 / KVF_GPU_THREADS)
     kvf_copy_kernel(const struct kvf_gpu_chunk *chunks, uint32_t n, uint64_t dsrc, uint64_t ddst,
-                    struct kvf_gpu_chunk *save, unsigned long long *stamps,
-                    const struct kvf_gpu_chunk *marks, uint32_t *counts)
+                    struct kvf_gpu_chunk *save, unsigned long long *stamps)
 {
         __shared__ struct kvf_gpu_chunk c;
 
@@ -336,18 +306,13 @@ __global__ void __launch_bounds__(KVF_GPU_THREADS, 2048 / KVF_GPU_THREADS)
                         c.src = src + dsrc;
                         c.dst = dst + ddst;
                         c.bytes = bytes;
-                        /* (Saved descriptors leave `reserved` unset: read only with marks.) */
-                        c.reserved = marks ? __ldcg(&chunks[i].reserved) : 0u;
                 }
                 __syncthreads();
                 copy_range<EVICT_FIRST>((unsigned char *)(uintptr_t)c.dst,
                            (const unsigned char *)(uintptr_t)c.src, c.bytes, threadIdx.x,
                            blockDim.x);
-                const uint32_t tag = c.reserved; /* the same for the whole block */
                 /* Nobody may still read `c` when thread 0 overwrites it. */
                 __syncthreads();
-                if (tag && threadIdx.x == 0)
-                        mark_landed(marks, counts, tag);
         }
         if (STAMP) {
                 /* The end stamp means "landed": make this thread's stores visible
@@ -367,15 +332,15 @@ extern "C" int kvf_gpu_copy_launch(const struct kvf_gpu_chunk *dev_chunks, uint3
         return kvf_gpu_copy_launch_ex(dev_chunks, n, 0, 0, NULL, 0, stream, stamps);
 }
 
-static int launch(const struct kvf_gpu_chunk *dev_chunks, uint32_t n, uint64_t dsrc, uint64_t ddst,
-                  struct kvf_gpu_chunk *save, int evict_first, void *stream, uint64_t *stamps,
-                  const struct kvf_gpu_chunk *marks, uint32_t *counts)
+extern "C" int kvf_gpu_copy_launch_ex(const struct kvf_gpu_chunk *dev_chunks, uint32_t n,
+                                      uint64_t dsrc, uint64_t ddst, struct kvf_gpu_chunk *save,
+                                      int evict_first, void *stream, uint64_t *stamps)
 {
         if (!n)
                 return 0;
         unsigned long long *st = (unsigned long long *)stamps;
-        void *args[] = {(void *)&dev_chunks, (void *)&n,  (void *)&dsrc,  (void *)&ddst,
-                        (void *)&save,       (void *)&st, (void *)&marks, (void *)&counts};
+        void *args[] = {(void *)&dev_chunks, (void *)&n,    (void *)&dsrc,
+                        (void *)&ddst,       (void *)&save, (void *)&st};
         static const void *const fns[2][2] = {
             {(const void *)kvf_copy_kernel<false, false>, (const void *)kvf_copy_kernel<false, true>},
             {(const void *)kvf_copy_kernel<true, false>, (const void *)kvf_copy_kernel<true, true>}};
@@ -385,31 +350,6 @@ static int launch(const struct kvf_gpu_chunk *dev_chunks, uint32_t n, uint64_t d
         if (e != cudaSuccess)
                 return kvf_gpu_err_cuda(e, "copy kernel launch");
         return 0;
-}
-
-extern "C" int kvf_gpu_copy_launch_ex(const struct kvf_gpu_chunk *dev_chunks, uint32_t n,
-                                      uint64_t dsrc, uint64_t ddst, struct kvf_gpu_chunk *save,
-                                      int evict_first, void *stream, uint64_t *stamps)
-{
-        return launch(dev_chunks, n, dsrc, ddst, save, evict_first, stream, stamps, NULL, NULL);
-}
-
-extern "C" int kvf_gpu_copy_launch_marked(const struct kvf_gpu_chunk *dev_chunks, uint32_t n,
-                                          const struct kvf_gpu_chunk *marks, uint32_t *counts,
-                                          int evict_first, void *stream, uint64_t *stamps)
-{
-        if (!marks || !counts)
-                return kvf_gpu_err_set(-EINVAL, "copy launch: marks need their words and counts");
-        return launch(dev_chunks, n, 0, 0, NULL, evict_first, stream, stamps, marks, counts);
-}
-
-/* A chunk's `reserved` for mark m of `need` chunks (kvf_gpu_copy_launch_marked); 0 if they do
- * not fit. */
-uint32_t kvf_gpu_mark_tag(uint32_t m, uint64_t need)
-{
-        if (m + 1u >= (1u << (32u - MARK_NEED_BITS)) || !need || need >= (1u << MARK_NEED_BITS))
-                return 0;
-        return (m + 1u) << MARK_NEED_BITS | (uint32_t)need;
 }
 
 /* Load the copy kernels' module now (CUDA loads modules lazily, at a kernel's first launch, and

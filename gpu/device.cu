@@ -669,14 +669,6 @@ extern "C" int kvf_gpu_signal_post_at(struct kvf_gpu_signal *s, void *stream, ui
         return kvf_gpu_err_set(-EINVAL, "signal: unknown method %d", s->method);
 }
 
-extern "C" uint64_t kvf_gpu_signal_dev_word(const struct kvf_gpu_signal *s, const uint64_t *word)
-{
-        size_t off = (size_t)((uintptr_t)word - (uintptr_t)s->word);
-        if (!s->dev_word || (uintptr_t)word < (uintptr_t)s->word || off >= s->span || (off & 7u))
-                return 0;
-        return (uint64_t)(uintptr_t)s->dev_word + off;
-}
-
 extern "C" uint64_t kvf_gpu_signal_pending(struct kvf_gpu_signal *s)
 {
         if (!s || s->method != KVF_GPU_SIGNAL_HOST_FN)

@@ -43,8 +43,4 @@ void kvf_gpu_device_leave(int prev);
  */
 int kvf_gpu_arena_fit(uint64_t *head, uint64_t *tail, uint64_t cap, uint64_t k, uint64_t *start);
 
-/* A chunk's `reserved` for mark m of a batch, whose runs make `need` chunks; 0 when m or need
- * does not fit the field (copy_kernel.cu). */
-uint32_t kvf_gpu_mark_tag(uint32_t m, uint64_t need);
-
 #endif

@@ -185,9 +185,7 @@ struct kvf_gpu_chunk {
         uint64_t src;
         uint64_t dst;
         uint32_t bytes;
-        /* 0, or in a batch with marks (kvf_gpu_batch.marks): the chunk's mark + 1
-         * (bits 17..31) and the number of chunks of that mark (bits 0..16). */
-        uint32_t reserved;
+        uint32_t reserved; /* 0 */
 };
 
 /* Largest chunk the planner makes; larger runs are cut into chunks. */
@@ -243,15 +241,6 @@ int kvf_gpu_copy_launch(const struct kvf_gpu_chunk *dev_chunks, uint32_t n, void
 int kvf_gpu_copy_launch_ex(const struct kvf_gpu_chunk *dev_chunks, uint32_t n, uint64_t dsrc,
                            uint64_t ddst, struct kvf_gpu_chunk *save, int evict_first,
                            void *stream, uint64_t *stamps);
-/* The same for chunks that carry marks in `reserved` (the copier writes them): `marks` (device
- * readable) holds each mark's word as `src` (a device address of mapped host memory) and its
- * value as `dst`; `counts` (device memory, one zeroed 32-bit counter per mark) counts each mark's
- * landed chunks and is zero again when the kernel ends. When the last chunk of a mark lands, the
- * block that copied it stores the value into the word (system-scope release, after every chunk
- * of the mark is visible device-wide). No dsrc/ddst/save: a batch with marks is planned fresh. */
-int kvf_gpu_copy_launch_marked(const struct kvf_gpu_chunk *dev_chunks, uint32_t n,
-                               const struct kvf_gpu_chunk *marks, uint32_t *counts, int evict_first,
-                               void *stream, uint64_t *stamps);
 
 /* The kernel's own code run on the host, thread by thread, over chunks with
  * host addresses: lets tests check the index arithmetic without a GPU.
@@ -310,23 +299,6 @@ void kvf_gpu_copier_counts(const struct kvf_gpu_copier *c, uint64_t *fresh, uint
 /* Most batches in flight (submitted, not yet seen complete by a poll). */
 #define KVF_GPU_MAX_INFLIGHT 256u
 
-/*
- * A mark of a batch: when every byte of runs [the previous mark's run_end (0 for the first),
- * run_end) has landed, the copy kernel itself stores `value` into the 64-bit word at device
- * address `word` (mapped host memory: kvf_gpu_signal_dev_word), a system-scope release store,
- * while the rest of the batch may still be copying. The batch's runs are then copied in the
- * order given (no reordering by source address), so earlier marks tend to land first. Marks
- * give a batch's requests their own completion in one launch; the batch's ticket still says
- * when all of it landed.
- */
-struct kvf_gpu_mark {
-        size_t run_end;
-        uint64_t word;
-        uint64_t value;
-};
-/* Most marks in one batch. */
-#define KVF_GPU_MARKS_MAX 4096u
-
 struct kvf_gpu_batch {
         const struct kvf_gpu_run *runs;
         size_t n_runs;
@@ -345,10 +317,6 @@ struct kvf_gpu_batch {
         /* NULL, or the stamps of kvf_gpu_copy_launch (benchmarks). */
         uint64_t *stamps;
         bool after;
-        /* Up to KVF_GPU_MARKS_MAX marks, run_end increasing, each covering at least one byte;
-         * runs after the last mark have none. */
-        const struct kvf_gpu_mark *marks;
-        uint32_t n_marks;
 };
 
 /*
@@ -360,9 +328,7 @@ struct kvf_gpu_batch {
  * Returns 0; -EINVAL/-ERANGE for a bad run (nothing queued: fail exactly the
  * requests of this batch); -EAGAIN when KVF_GPU_MAX_INFLIGHT batches are in
  * flight or the descriptor arena has no room yet (poll, then try again);
- * -E2BIG when the batch needs more chunks than the whole arena (split it),
- * or a mark more chunks than its count can hold (submit it without marks);
- * -EINVAL for marks out of order, covering no byte or too many;
+ * -E2BIG when the batch needs more chunks than the whole arena (split it);
  * -EIO when CUDA refused the work (the batch did not run).
  * An empty batch (no runs, or only empty ones) gets a ticket too.
  */
@@ -426,9 +392,6 @@ int kvf_gpu_signal_post(struct kvf_gpu_signal *s, void *stream, uint64_t value);
 /* As kvf_gpu_signal_post, into `word` of the signal's span (-EINVAL outside it). Posts of one
  * signal land in stream order whatever their words. */
 int kvf_gpu_signal_post_at(struct kvf_gpu_signal *s, void *stream, uint64_t *word, uint64_t value);
-/* WRITE_VALUE and KERNEL: the device address of `word` of the signal's span, for a copy batch's
- * marks (kvf_gpu_mark.word); 0 for HOST_FN or a word outside the span. */
-uint64_t kvf_gpu_signal_dev_word(const struct kvf_gpu_signal *s, const uint64_t *word);
 /* HOST_FN: host functions posted that have not finished yet (0 for the other methods). */
 uint64_t kvf_gpu_signal_pending(struct kvf_gpu_signal *s);
 /* The caller has made sure no post is still pending (stream synchronised). */

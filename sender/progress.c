@@ -55,14 +55,13 @@ static uint32_t build_runs(struct sender *s, uint32_t slot, uint32_t b0, uint32_
 /*
  * Copy layers [l0, l1) of send-blocks [b0, b1) of a same-host request (gathered: copies.c).
  * A step's last layer into GPU memory goes in a batch of the request's own (for the first
- * SENDER_OWN_BATCHES requests of a progress word whose layer has SENDER_OWN_MIN_BYTES): it lands,
- * and its finish goes, when its own bytes are in, not when the whole step's are.
+ * SENDER_OWN_BATCHES requests of a progress word): it lands, and its finish goes, when its own
+ * bytes are in, not when the whole step's are.
  */
 static int copy_ipc(struct sender *s, uint32_t slot, uint32_t l0, uint32_t l1, uint32_t b0,
                     uint32_t b1)
 {
-        bool alone = l1 == s->layers && s->own_landing && s->own_left &&
-                     (uint64_t)(b1 - b0) * kvf_layout_layer_block_bytes(s->layout) >= s->own_min_bytes;
+        bool alone = l1 == s->layers && s->own_landing && s->own_left;
         if (alone) {
                 s->own_left--;
                 sender_copies_flush(s);

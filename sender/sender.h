@@ -173,7 +173,6 @@ struct sender {
         bool own_landing;      /* a step's last layer: a copy batch per request (progress.c) */
         uint32_t own_batches;  /* at most so many of them a progress word (SENDER_OWN_BATCHES) */
         uint32_t own_left;     /* such batches left in this progress word's walk */
-        uint64_t own_min_bytes; /* ... for a request whose last layer is at least so many bytes */
         bool spin_layers;      /* --layer-wait: poll while requests wait for layers (main.c) */
         /* --layer-wait auto: spin only while holding one of the host's spin seats (common/cpus.h),
          * taken when requests wait for layers, given back after SENDER_SEAT_IDLE_NS without */
@@ -635,10 +634,6 @@ bool sender_copies_busy(const struct sender *s, uint32_t slot);
  * (progress.c copy_ipc); the rest share one, so a step of many small requests is not a kernel
  * launch each. */
 #define SENDER_OWN_BATCHES 8u
-/* ... and only for requests whose last layer is at least this many bytes: a batch of its own costs
- * a launch and an event, which a smaller request's copy does not pay back (a step of 256-token
- * requests, H100: tail p50 0.85x with a batch each). */
-#define SENDER_OWN_MIN_BYTES (8ull << 20)
 bool sender_copies_room(const struct sender *s, uint32_t slot);
 /* Flush, then wait up to timeout_ns for every batch in flight (a peer going, the sender stopping). */
 void sender_copies_drain(struct sender *s, uint64_t timeout_ns);

@@ -44,7 +44,6 @@ int sender_open(struct sender *s, const char *instance, const struct sender_opts
         const char *ab = getenv("KVF_AB_NO_OWN_LANDING");
         s->own_landing = !s->sync_copies && !(ab && !strcmp(ab, "1"));
         s->own_batches = SENDER_OWN_BATCHES;
-        s->own_min_bytes = SENDER_OWN_MIN_BYTES;
         return 0;
 }
 

@@ -22,11 +22,6 @@
  *               submit with a message, the copier still working afterwards;
  *   signals     layer-done words by host function, stream write and kernel:
  *               in order, all of them, and the host function's wake;
- *   marks       batches whose runs carry marks: each mark's word written by
- *               the kernel only once every byte of its runs is in place
- *               (the destination in mapped host memory, watched while the
- *               batch copies), every copier setup, counts reused across
- *               batches, bad marks refused;
  *   ipc         a second process opens this one's allocation by its IPC
  *               handle and copies into it;
  *   errors      a second process: an invalid IPC handle is refused and the
@@ -1171,174 +1166,6 @@ static void test_signal_span(int dev)
         munmap(pages, bytes + 4096);
 }
 
-/* ---------------------------------------------------------------- marks */
-
-#define MARK_WORDS 64u
-
-/*
- * Batches with marks: the destination is mapped host memory, so this thread sees each byte
- * as it lands; the moment a mark's word takes its value, every byte of that mark's runs must
- * be there (the kernel's fences), whatever the rest of the batch is doing. Every setup of the
- * copier, three rounds on one copier (the kernel zeroes its counts for the next batch), then
- * the refusals: marks out of order, covering nothing, past the runs, too many, too many chunks.
- */
-static void test_marks(struct rng *r, int dev)
-{
-        const uint64_t sbytes = 8u << 20, dbytes = 8u << 20;
-        uint8_t *hs = (uint8_t *)xcalloc(1, sbytes);
-        fill_random(r, hs, sbytes);
-        void *ds = dev_alloc_fill(dev, sbytes, hs);
-        uint8_t *hd = NULL;
-        void *dd = NULL;
-        CHECK_CUDA(cudaHostAlloc((void **)&hd, dbytes, cudaHostAllocMapped));
-        CHECK_CUDA(cudaHostGetDevicePointer(&dd, hd, 0));
-        struct kvf_gpu_region src = {(uint64_t)(uintptr_t)ds, sbytes}, dst = {(uint64_t)(uintptr_t)dd, dbytes};
-        /* The words in a shared mapping, as the plan entries are; a signal's span maps them. */
-        uint64_t *words = (uint64_t *)mmap(NULL, 4096, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
-        CHECK(words != MAP_FAILED);
-        struct kvf_gpu_signal *sig = NULL;
-        CHECK_RC(kvf_gpu_signal_create_span(dev, words, MARK_WORDS * 8, KVF_GPU_SIGNAL_KERNEL, NULL, NULL, &sig), 0);
-        CHECK(kvf_gpu_signal_dev_word(sig, words + MARK_WORDS) == 0);
-        CHECK(kvf_gpu_signal_dev_word(sig, words + 1) == kvf_gpu_signal_dev_word(sig, words) + 8);
-        static const struct {
-                const char *name;
-                unsigned flags;
-                uint32_t chunk, arena;
-        } setups[] = {{"default", 0, 0, 0},
-                      {"staged descriptors", KVF_GPU_COPIER_STAGED_DESC, 0, 0},
-                      {"mapped descriptors", KVF_GPU_COPIER_MAPPED_DESC, 0, 0},
-                      {"208-byte chunks", 0, 208, 1u << 18}};
-        struct kvf_gpu_run *runs = (struct kvf_gpu_run *)xcalloc(4096, sizeof(*runs));
-        struct kvf_gpu_mark marks[MARK_WORDS + 1];
-        for (unsigned su = 0; su < sizeof(setups) / sizeof(setups[0]); su++) {
-                struct kvf_gpu_copier_opts o = {NULL, setups[su].arena, setups[su].chunk};
-                struct kvf_gpu_copier *c = NULL;
-                CHECK_RC(kvf_gpu_copier_create(dev, setups[su].flags, &o, &c), 0);
-                unsigned early = 0, total = 0;
-                for (unsigned round = 0; round < 3; round++) {
-                        memset(hd, 0, dbytes);
-                        /* Runs of 1 byte to 64 KiB from anywhere, into the destination in order
-                         * with gaps that must stay zero. */
-                        size_t n = 0;
-                        for (uint64_t pos = rnd_below(r, 64); n < 4096;) {
-                                uint64_t len = 1 + rnd_below(r, 65536);
-                                if (pos + len > dbytes)
-                                        break;
-                                runs[n++] = (struct kvf_gpu_run){rnd_below(r, sbytes - len + 1), pos, len, 0, 0};
-                                pos += len + rnd_below(r, 256);
-                        }
-                        /* Marks: the runs cut at random places; the last stretch may have none. */
-                        uint32_t nm = 1 + (uint32_t)rnd_below(r, MARK_WORDS);
-                        if (nm > n)
-                                nm = (uint32_t)n;
-                        size_t end = 0;
-                        for (uint32_t m = 0; m < nm; m++) {
-                                size_t left = n - end - (nm - 1 - m); /* room for the marks after */
-                                end += m + 1 == nm && round != 1 ? left : 1 + rnd_below(r, left);
-                                marks[m] = (struct kvf_gpu_mark){end, kvf_gpu_signal_dev_word(sig, words + m),
-                                                                 (uint64_t)su << 40 | (uint64_t)round << 32 | (m + 1)};
-                                __atomic_store_n(&words[m], 0, __ATOMIC_RELEASE);
-                        }
-                        struct kvf_gpu_batch b = {runs, n, &src, 1, &dst, 1, NULL, NULL};
-                        b.marks = marks;
-                        b.n_marks = nm;
-                        uint64_t t = 0;
-                        CHECK_RC(kvf_gpu_copy_submit(c, &b, &t), 0);
-                        bool seen[MARK_WORDS] = {false};
-                        unsigned nseen = 0;
-                        uint64_t until = now_ns() + POLL_TIMEOUT_NS;
-                        while (nseen < nm) {
-                                CHECK(now_ns() < until);
-                                int done = kvf_gpu_copy_poll(c, t);
-                                CHECK(done >= 0);
-                                for (uint32_t m = 0; m < nm; m++) {
-                                        uint64_t v = __atomic_load_n(&words[m], __ATOMIC_ACQUIRE);
-                                        if (seen[m] || !v)
-                                                continue;
-                                        CHECK(v == marks[m].value);
-                                        /* Every byte of the mark is there the moment its word is. */
-                                        for (size_t i = m ? marks[m - 1].run_end : 0; i < marks[m].run_end; i++)
-                                                compare("a mark's bytes when its word is seen", hd + runs[i].dst_off,
-                                                        hs + runs[i].src_off, runs[i].bytes);
-                                        seen[m] = true;
-                                        nseen++;
-                                        early += !done;
-                                        total++;
-                                }
-                        }
-                        CHECK_RC(wait_ticket(c, t), 1);
-                        /* The whole destination: runs copied, gaps untouched. */
-                        uint8_t *want = (uint8_t *)xcalloc(1, dbytes);
-                        for (size_t i = 0; i < n; i++)
-                                memcpy(want + runs[i].dst_off, hs + runs[i].src_off, runs[i].bytes);
-                        compare("a batch with marks, after its ticket", hd, want, dbytes);
-                        free(want);
-                        /* An unmarked batch after it on the same copier (the kept descriptors are
-                         * the last unmarked batch's, not the marked one's). */
-                        memset(hd, 0, dbytes);
-                        b.marks = NULL;
-                        b.n_marks = 0;
-                        b.n_runs = n / 2;
-                        CHECK_RC(kvf_gpu_copy_submit(c, &b, &t), 0);
-                        CHECK_RC(wait_ticket(c, t), 1);
-                        for (size_t i = 0; i < n / 2; i++)
-                                compare("an unmarked batch after a marked one", hd + runs[i].dst_off,
-                                        hs + runs[i].src_off, runs[i].bytes);
-                        for (uint32_t m = 0; m < nm; m++)
-                                CHECK(__atomic_load_n(&words[m], __ATOMIC_ACQUIRE) == marks[m].value);
-                }
-                printf("marks: %s: 3 batches of up to %u marks, each mark's bytes in place when its word was "
-                       "seen (%u of %u seen before the batch's event)\n",
-                       setups[su].name, MARK_WORDS, early, total);
-                kvf_gpu_copier_destroy(c);
-        }
-        /* Refusals, nothing queued; the copier works afterwards. */
-        struct kvf_gpu_copier *c = NULL;
-        struct kvf_gpu_copier_opts tiny = {NULL, 1u << 18, 16};
-        CHECK_RC(kvf_gpu_copier_create(dev, 0, &tiny, &c), 0);
-        for (size_t i = 0; i < 8; i++)
-                runs[i] = (struct kvf_gpu_run){i * 1024, i * 4096, 1024, 0, 0};
-        struct kvf_gpu_batch b = {runs, 8, &src, 1, &dst, 1, NULL, NULL};
-        uint64_t w0 = kvf_gpu_signal_dev_word(sig, words), t = 0;
-        b.marks = marks;
-        marks[0] = (struct kvf_gpu_mark){4, w0, 1};
-        marks[1] = (struct kvf_gpu_mark){2, w0 + 8, 2};
-        b.n_marks = 2;
-        CHECK_RC(kvf_gpu_copy_submit(c, &b, &t), -EINVAL); /* out of order */
-        CHECK_MSG_HAS("mark 1 ends at run 2");
-        marks[1].run_end = 4;
-        CHECK_RC(kvf_gpu_copy_submit(c, &b, &t), -EINVAL); /* covers nothing */
-        CHECK_MSG_HAS("covers no byte");
-        marks[1].run_end = 9;
-        CHECK_RC(kvf_gpu_copy_submit(c, &b, &t), -EINVAL); /* past the runs */
-        b.n_marks = KVF_GPU_MARKS_MAX + 1;
-        CHECK_RC(kvf_gpu_copy_submit(c, &b, &t), -EINVAL); /* too many */
-        CHECK_MSG_HAS("at most");
-        runs[0].bytes = 2u << 20; /* 131072 chunks of 16 bytes: more than a mark counts */
-        marks[0].run_end = 1;
-        marks[1].run_end = 8;
-        b.n_marks = 2;
-        CHECK_RC(kvf_gpu_copy_submit(c, &b, &t), -E2BIG);
-        CHECK_MSG_HAS("more than a mark counts");
-        runs[0].bytes = 1024;
-        memset(hd, 0, dbytes);
-        words[0] = words[1] = 0;
-        CHECK_RC(kvf_gpu_copy_submit(c, &b, &t), 0);
-        CHECK_RC(wait_ticket(c, t), 1);
-        CHECK(__atomic_load_n(&words[0], __ATOMIC_ACQUIRE) == 1 && __atomic_load_n(&words[1], __ATOMIC_ACQUIRE) == 2);
-        for (size_t i = 0; i < 8; i++)
-                compare("marks of 16-byte chunks", hd + runs[i].dst_off, hs + runs[i].src_off, runs[i].bytes);
-        kvf_gpu_copier_destroy(c);
-        printf("marks: out of order, covering nothing, past the runs, too many, too many chunks refused; "
-               "then 16-byte chunks ok\n");
-        kvf_gpu_signal_destroy(sig);
-        munmap(words, 4096);
-        free(runs);
-        CHECK_CUDA(cudaFreeHost(hd));
-        kvf_gpu_free(dev, ds);
-        free(hs);
-}
-
 /* ---------------------------------------------------------------- child processes */
 
 static void hex_encode(const uint8_t *b, size_t n, char *out)
@@ -1664,7 +1491,6 @@ int main(int argc, char **argv)
         test_big_offsets(&r, dev);
         test_signals(dev);
         test_signal_span(dev);
-        test_marks(&r, dev);
         test_ipc(dev);
         test_errors(dev, mps > 0);
         test_peer(&r, n_dev);

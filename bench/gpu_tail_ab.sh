@@ -11,7 +11,9 @@
 # run and as medians per arm with the ratio B / A: the in-time tail p50 and p99, and the stages
 # of the p50: the signal (the last layer's end -> the sender saw it), the notice (-> the
 # sender posted the finish notice) and the publication (per request, the notice posted -> the
-# decode connector published the arrival: its share of the tail).
+# decode connector published the arrival: its share of the tail); per run also the engine
+# thread's time in its layer-done calls (kvf-sim's `layer` phase) and, from the prefill
+# instance's ring dump, the engine executor's plans and how many the sender took back.
 # Needs a GPU; binaries from $KVFERRY_BUILD (default build/). Raw output under OUTDIR.
 set -uo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
@@ -44,6 +46,7 @@ run() {
     timeout --kill-after=10 90 "$HERE/gpu_e2e_bench.sh" __run_sim "$name" "$ex" "$@" >"$OUT/$name-$arm-$r.txt" 2>&1
   local rc=$?
   mv "$OUT/sim-$name.json" "$OUT/$name-$arm-$r.json" 2>/dev/null
+  mv "$OUT/ringdump-$name.txt" "$OUT/$name-$arm-$r.ringdump.txt" 2>/dev/null
   echo "$name $arm round $r rc=$rc"
 }
 row() { # row NAME ARM
@@ -75,8 +78,14 @@ for ((r = 1; r <= ROUNDS; r++)); do
   done
 done
 ENV_A=${ENV_A:-} ENV_B=${ENV_B:-} python3 - "$OUT" <<'EOF'
-import glob, json, os, statistics, sys
+import glob, json, os, re, statistics, sys
 rows = {}
+def plans(f):  # the engine executor's plans: "published/taken back by the sender", from ringdump
+    try:
+        m = re.search(r"plans (\d+) published, (\d+) taken back", open(f[:-5] + ".ringdump.txt").read())
+    except OSError:
+        m = None
+    return f"  plans {m.group(1)}, taken back {m.group(2)}" if m else ""
 for f in sorted(glob.glob(os.path.join(sys.argv[1], "*-[AB]-*.json"))):
     name, arm, r = os.path.basename(f)[:-5].rsplit("-", 2)
     d = json.load(open(f))
@@ -87,7 +96,8 @@ for f in sorted(glob.glob(os.path.join(sys.argv[1], "*-[AB]-*.json"))):
     met = "p50 met" if goal and v[0] <= goal else "p50 missed"
     print(f"{name:18s} {arm} round {r}: tail p50 {v[0]:7.1f} us  p99 {v[1]:8.1f} us  "
           f"seen p50 {v[2]:6.1f}  notice p50 {v[3]:7.1f}  published p50 {v[4]:6.1f}  finished {d['finished']}  "
-          f"ok {d['ok']}  target {goal:.1f} us ({met}, p99 {'met' if v[1] <= 1000 else 'missed'})")
+          f"ok {d['ok']}  target {goal:.1f} us ({met}, p99 {'met' if v[1] <= 1000 else 'missed'})"
+          f"  engine's layer calls {d.get('sim_phase_s', {}).get('layer', 0):.3f} s{plans(f)}")
     rows.setdefault((name, arm), []).append(v)
 print(f"\nmedians (A: '{os.environ['ENV_A']}', B: '{os.environ['ENV_B']}')")
 for name in sorted({n for n, _ in rows}):

@@ -104,6 +104,9 @@ void kvf_stream_detach(struct kvf_client *c)
 #define MAX_PEERS 16u
 #define ARENA_CHUNKS (1u << 18)
 #define AGAIN_WAIT_NS 5000000000ull
+/* A step's first layer-done call waits at most this long for the sender to read the tasks this
+ * engine submitted before it (await_plans). */
+#define PLAN_WAIT_NS 200000ull
 #define DRAIN_WAIT_NS 5000000000ull
 /* A step's last layer: at most this many copy batches, each with its entries' landed words. */
 #define EACH_BATCHES 8u
@@ -136,6 +139,8 @@ struct kvf_stream {
         struct kvf_gpu_copier *copier;
         struct kvf_gpu_signal *landed;
         uint64_t last_ticket;
+        bool plan_wait;      /* await_plans on (KVF_AB_NO_PLAN_WAIT=1: off) */
+        uint64_t stuck_head; /* the task ring's head when a wait for it ran out (UINT64_MAX: none) */
         struct speer peers[MAX_PEERS];
         struct kvf_gpu_run *runs;
         size_t nruns, cap_runs;
@@ -291,6 +296,9 @@ static int stream_init(struct kvf_client *c)
         st->exec = (h->backend == KVF_BACKEND_CUDA || (h->backend == KVF_BACKEND_ENGINE && h->reg_gpu)) &&
                    h->executor == KVF_EXEC_ENGINE;
         if (st->exec) {
+                const char *ab = getenv("KVF_AB_NO_PLAN_WAIT"); /* an A/B switch of bench/gpu_tail_ab.sh */
+                st->plan_wait = !(ab && !strcmp(ab, "1"));
+                st->stuck_head = UINT64_MAX;
                 struct kvf_gpu_copier_opts o = {.arena_chunks = ARENA_CHUNKS};
                 if ((rc = kvf_gpu_copier_create(st->device, 0, &o, &st->copier)) < 0 ||
                     (rc = make_landed(c, st)) < 0) {
@@ -812,6 +820,33 @@ static void exec_layer(struct kvf_client *c, struct kvf_stream *st, void *stream
         }
 }
 
+/*
+ * The engine executor claims plan entries only in layer-done calls, and an engine's thread
+ * queues a whole step's layers at once, ahead of its GPU. A task submitted just before the step
+ * whose plan the sender opens after the step's last call is then copied by the sender in its
+ * own context (without MPS, in the GPU's time slices: milliseconds behind the layer). So a
+ * step's first call waits, at most PLAN_WAIT_NS, until the sender has read every task this
+ * engine submitted before it (the task ring's head reaches the tail seen here: the sender
+ * advances the head after a task's plan is open). A sender that did not read anything during a
+ * whole wait is not waited for again until it does.
+ */
+static void await_plans(struct kvf_client *c, struct kvf_stream *st)
+{
+        const struct kvf_ring_hdr *h = c->ctl.rings[KVF_RING_ENGINE_TO_SENDER].hdr;
+        /* Acquire: pairs with the sender's release store of head (its plans are open). */
+        uint64_t want = kvf_load_acquire(&h->tail), head = kvf_load_acquire(&h->head);
+        if (head >= want || head == st->stuck_head)
+                return;
+        for (uint64_t end = kvf_now_ns() + PLAN_WAIT_NS; (head = kvf_load_acquire(&h->head)) < want;) {
+                if (kvf_now_ns() > end) {
+                        st->stuck_head = head;
+                        return;
+                }
+                kvf_cpu_relax();
+        }
+        st->stuck_head = UINT64_MAX;
+}
+
 static int post(struct kvf_client *c, struct kvf_stream *st, void *stream, uint64_t want)
 {
         if (st->method != KVF_SIGNAL_HOSTFN) {
@@ -846,6 +881,8 @@ int kvf_layer_done_on_stream(struct kvf_client *c, void *stream, uint64_t step, 
                                  KVF_PROGRESS_LAYERS(st->last) - 1, (unsigned long long)KVF_PROGRESS_STEP(st->last));
                 goto out;
         }
+        if (st->exec && st->plan_wait && step != KVF_PROGRESS_STEP(st->last))
+                await_plans(c, st);
         if (st->exec)
                 exec_layer(c, st, stream, step, layer);
         if ((rc = post(c, st, stream, want)) == 0)

@@ -49,6 +49,18 @@ void kvf_doorbell_ring(struct kvf_doorbell *bell);
  * can be lost across the switches.
  */
 bool kvf_doorbell_asymmetric_supported(void);
+/*
+ * Register this process for the asymmetric barrier; a producer thread enters dense mode only in
+ * a registered process. Call it once at the process's start, before it starts threads: there
+ * the kernel registers at once, while in a process of several threads it waits for a grace
+ * period (milliseconds), which on the ring that entered dense mode held up a record's consumer
+ * that long. 0, or -ENOSYS where membarrier(2) refuses (dense mode stays off: every ring
+ * fences). A child of fork() is not registered until it calls this itself. The roles call it;
+ * the client library does not: an engine's thread rings at an engine's pace, where the fence
+ * costs nothing that shows, and an engine process that is not registered takes no membarrier
+ * IPIs on its CPUs.
+ */
+int kvf_doorbell_register(void);
 
 /*
  * Consumer side, in this order:

@@ -298,6 +298,8 @@ static int map_cache(struct connector *cn)
 
 int main(int argc, char **argv)
 {
+        /* Before any thread exists, where it costs nothing (doorbell.h). */
+        (void)kvf_doorbell_register();
         enum { O_LISTEN = 1000, O_TOKEN, O_CTO, O_KEEP, O_PTO, O_STREAMS, O_ZC, O_VERSION, O_IDLE,
                O_RDEV, O_RSQ, O_RSIG, O_RACK, O_RDEREG, O_SLICE, O_PTHREADS, O_HSTHREADS,
                O_MAXSESS };

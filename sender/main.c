@@ -436,6 +436,8 @@ static void cpu_modes(struct sender *s, const char *mode, const char *prewake)
 
 int main(int argc, char **argv)
 {
+        /* Before any thread exists, where it costs nothing (doorbell.h). */
+        (void)kvf_doorbell_register();
         enum { O_TIMEOUT = 1000, O_SPIN, O_SLICE, O_LAYER_WAIT, O_NOTICE_RINGS, O_NO_NOTICE_RINGS, O_VERSION,
                O_PREWAKE, O_STOP_DRAIN };
         static const struct option opts[] = {{"instance", required_argument, 0, 'i'},

@@ -98,7 +98,6 @@ int kvf_attach(const char *name, unsigned wait_ms, struct kvf_client **out)
                 free(c);
                 return rc;
         }
-
         struct kvf_ctl *ctl = &c->ctl;
         int64_t gen = kvf_role_claim(ctl, KVF_ROLE_ENGINE);
         if (gen < 0) {

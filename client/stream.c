@@ -23,7 +23,8 @@
  * signal on the side stream sets exec.landed to PACK(S, L + 1), which tells
  * the sender every copy queued so far has landed. The step's last layer is
  * the exception, where several entries have runs and the GPU writes the
- * words (not host functions): one kernel per entry, the smallest first, each
+ * words (not host functions): one kernel per entry, the smallest first (at most
+ * EACH_BATCHES: more entries go in that many groups of neighbours in size), each
  * followed by a write of the entry's own `landed` word, so that each
  * request's finish waits only for its own bytes (and the smaller entries'
  * queued before them); exec.landed still follows them all. A claim that
@@ -31,6 +32,9 @@
  * launch) sets the entry's `err` and `why`: the sender fails exactly that
  * request with "write error"; landed is still posted, so the sender knows
  * nothing of that layer is in flight.
+ *
+ * A step's first call waits briefly for the sender to read the tasks submitted before it
+ * (await_plans), so that their plans are open when the step's layers are claimed.
  *
  * Peers: each peer instance's cache is opened once (IPC handle, peer access
  * when it lives on another GPU) and kept until detach, or until its segment

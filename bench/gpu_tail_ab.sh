@@ -13,7 +13,8 @@
 # sender posted the finish notice) and the publication (per request, the notice posted -> the
 # decode connector published the arrival: its share of the tail); per run also the engine
 # thread's time in its layer-done calls (kvf-sim's `layer` phase) and, from the prefill
-# instance's ring dump, the engine executor's plans and how many the sender took back.
+# instance's ring dump, the engine executor's plans and how many the sender took back, and how
+# many of the 10 slowest requests had their arrival published over 1 ms after their notice.
 # Needs a GPU; binaries from $KVFERRY_BUILD (default build/). Raw output under OUTDIR.
 set -uo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
@@ -80,6 +81,8 @@ done
 ENV_A=${ENV_A:-} ENV_B=${ENV_B:-} python3 - "$OUT" <<'EOF'
 import glob, json, os, re, statistics, sys
 rows = {}
+def late_pub(d):  # of the 10 slowest in-time requests: arrival published > 1 ms after its notice
+    return sum(1 for x in d.get("slowest_in_time", []) if x[7] > 0 and x[1] - x[7] > 1e6)
 def plans(f):  # the engine executor's plans: "published/taken back by the sender", from ringdump
     try:
         m = re.search(r"plans (\d+) published, (\d+) taken back", open(f[:-5] + ".ringdump.txt").read())
@@ -97,7 +100,8 @@ for f in sorted(glob.glob(os.path.join(sys.argv[1], "*-[AB]-*.json"))):
     print(f"{name:18s} {arm} round {r}: tail p50 {v[0]:7.1f} us  p99 {v[1]:8.1f} us  "
           f"seen p50 {v[2]:6.1f}  notice p50 {v[3]:7.1f}  published p50 {v[4]:6.1f}  finished {d['finished']}  "
           f"ok {d['ok']}  target {goal:.1f} us ({met}, p99 {'met' if v[1] <= 1000 else 'missed'})"
-          f"  engine's layer calls {d.get('sim_phase_s', {}).get('layer', 0):.3f} s{plans(f)}")
+          f"  engine's layer calls {d.get('sim_phase_s', {}).get('layer', 0):.3f} s{plans(f)}"
+          f"  published > 1 ms after the notice: {late_pub(d)}")
     rows.setdefault((name, arm), []).append(v)
 print(f"\nmedians (A: '{os.environ['ENV_A']}', B: '{os.environ['ENV_B']}')")
 for name in sorted({n for n, _ in rows}):

@@ -113,11 +113,15 @@ __attribute__((constructor)) static void ab_switch(void)
 
 static void install_atfork(void);
 
+static void forget_dense(void);
+
 /* A child of fork() registers anew (kvf_doorbell_register) before it goes dense: its own
- * process, whatever the kernel kept of the parent's registration. */
+ * process, whatever the kernel kept of the parent's registration; the thread that forked starts
+ * the child fenced (the parent's count in each bell's `unfenced` is the parent's own). */
 static void forget_registration(void)
 {
         kvf_store_relaxed(&registered, 0);
+        forget_dense();
 }
 
 static int do_register(void)
@@ -151,6 +155,11 @@ static _Thread_local struct {
         uint32_t streak;
         bool dense;
 } mine[PRODUCER_SLOTS];
+
+static void forget_dense(void)
+{
+        memset(mine, 0, sizeof(mine));
+}
 
 /* Set by prepare() when its membarrier failed: that sleep is kept short. */
 static _Thread_local bool short_sleep;

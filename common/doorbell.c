@@ -101,6 +101,13 @@ bool kvf_doorbell_asymmetric_supported(void)
  * may be the first to try (registering twice is harmless: the call is idempotent). */
 static int registered;
 
+/* Per producer thread and bell. */
+static _Thread_local struct {
+        struct kvf_doorbell *bell;
+        uint32_t streak;
+        bool dense;
+} mine[PRODUCER_SLOTS];
+
 /* KVF_AB_LAZY_MEMBARRIER=1 (an A/B switch of bench/gpu_tail_ab.sh and tail_ab.sh): register on
  * the ring that enters dense mode, as before kvf_doorbell_register existed. */
 static bool ab_lazy;
@@ -111,17 +118,18 @@ __attribute__((constructor)) static void ab_switch(void)
         ab_lazy = v && !strcmp(v, "1");
 }
 
-static void install_atfork(void);
-
-static void forget_dense(void);
-
 /* A child of fork() registers anew (kvf_doorbell_register) before it goes dense: its own
  * process, whatever the kernel kept of the parent's registration; the thread that forked starts
  * the child fenced (the parent's count in each bell's `unfenced` is the parent's own). */
 static void forget_registration(void)
 {
         kvf_store_relaxed(&registered, 0);
-        forget_dense();
+        memset(mine, 0, sizeof(mine));
+}
+
+static void install_atfork(void)
+{
+        (void)pthread_atfork(NULL, NULL, forget_registration);
 }
 
 static int do_register(void)
@@ -137,28 +145,11 @@ static int do_register(void)
         return reg;
 }
 
-static void install_atfork(void)
-{
-        (void)pthread_atfork(NULL, NULL, forget_registration);
-}
-
 int kvf_doorbell_register(void)
 {
         if (ab_lazy)
                 return 0;
         return do_register() == 1 ? 0 : -ENOSYS;
-}
-
-/* Per producer thread and bell. */
-static _Thread_local struct {
-        struct kvf_doorbell *bell;
-        uint32_t streak;
-        bool dense;
-} mine[PRODUCER_SLOTS];
-
-static void forget_dense(void)
-{
-        memset(mine, 0, sizeof(mine));
 }
 
 /* Set by prepare() when its membarrier failed: that sleep is kept short. */
@@ -184,8 +175,9 @@ static bool no_waiter(struct kvf_doorbell *bell, unsigned me)
         if (me == PRODUCER_SLOTS || ++mine[me].streak < DENSE_AFTER)
                 return false;
         /* Registered at the process's start (kvf_doorbell_register), never here: in a process
-         * of several threads the registration waits for a grace period (9.5 ms measured,
-         * Linux 6.18, 2 CPUs), and on a ring that is a record's consumer waiting. */
+         * of several threads the registration waits for a grace period (8.8 to 13.3 ms,
+         * Linux 6.18, 2 CPUs: bench/dense_bench.c), and on a ring that is a record's consumer
+         * waiting. */
         int reg = ab_lazy ? do_register() : kvf_load_acquire(&registered);
         if (reg != 1) {
                 mine[me].streak = 0;

@@ -79,7 +79,7 @@ static int producer(struct kvf_ring *r, struct shared *sh)
 {
         uint64_t seq = 0, rnd = 0x9e3779b97f4a7c15ull;
 
-        /* A producer process registers at its start (the roles' main, kvf_attach); without
+        /* A producer process registers at its start (as the roles do in main); without
          * it the doorbell stays fenced, which would pass without testing anything. */
         if (kvf_doorbell_register() != 0)
                 return EXIT_SKIP;

@@ -47,7 +47,8 @@ up() {
 }
 
 down() {
-  "$ROOT/tools/kvferry" down --instance "$1" >/dev/null
+  "$ROOT/tools/kvferry" down --instance "$1" >/dev/null ||
+    fail "instance '$1' did not stop cleanly (its supervisor.log says where it was)"
 }
 
 fail() { echo "FAIL: $*" >&2; exit 1; }

@@ -257,7 +257,7 @@ if [ -n "$MPSCTL" ]; then
   export CUDA_MPS_LOG_DIRECTORY=$KVFERRY_RUN_DIR/mps-log
   mkdir -p "$CUDA_MPS_LOG_DIRECTORY"
   mps_quit() { echo quit | timeout 20 "$MPSCTL" >/dev/null 2>&1 || true; rm -rf "$CUDA_MPS_PIPE_DIRECTORY"; }
-  AT_EXIT+=("down $TAG-mdauto >/dev/null 2>&1; down $TAG-mpauto >/dev/null 2>&1; down $TAG-mdsender >/dev/null 2>&1; down $TAG-mpsender >/dev/null 2>&1; mps_quit")
+  AT_EXIT+=("'$ROOT/tools/kvferry' down --instance $TAG-mdauto --instance $TAG-mpauto --instance $TAG-mdsender --instance $TAG-mpsender >/dev/null 2>&1; mps_quit")
   for ex in auto sender; do
     want=$ex
     [ $ex = auto ] && want=engine

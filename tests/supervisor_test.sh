@@ -523,7 +523,7 @@ if [ $ROOT_USER = 1 ] && one_cpu_cgroup; then
   # (up runs in a subshell that joined the cgroup: the instance is recorded here, and whatever
   # happens the cgroup goes once its processes have)
   STARTED+=("$TAG-q")
-  AT_EXIT+=("down $TAG-q 2>/dev/null; for _ in 1 2 3 4 5 6 7 8 9 10; do rmdir $cg 2>/dev/null && break; sleep 0.2; done")
+  AT_EXIT+=("'$K' down --instance $TAG-q >/dev/null 2>&1; for _ in 1 2 3 4 5 6 7 8 9 10; do rmdir $cg 2>/dev/null && break; sleep 0.2; done")
   (echo $BASHPID >$cg/cgroup.procs && up $TAG-q --role prefill $L) || fail "up in a cgroup of one CPU"
   got_q=$(auto_ok $TAG-q 2)
   grep -q "layer wait: paced (--layer-wait auto: 1 CPUs" "$R/$TAG-q/sender.log" || fail "one CPU by quota: $got_q"

@@ -314,7 +314,9 @@ static void *query_thread(void *arg)
         unsigned idle = 0;
         while (!__atomic_load_n(&b->stop, __ATOMIC_ACQUIRE)) {
                 /* Relaxed: the values are FastDeploy's plain stores from a CUDA host callback;
-                 * the cache writes they announce were completed before the callback ran. */
+                 * the cache writes they announce were completed before the callback ran. Each
+                 * must be one store: a writer that clears the bytes first (Python's
+                 * struct.pack_into) passes through 0, which is a layer value (FASTDEPLOY.md). */
                 int32_t s1 = __atomic_load_n(b->step_word, __ATOMIC_ACQUIRE);
                 int32_t l = __atomic_load_n(b->layer_word, __ATOMIC_ACQUIRE);
                 int32_t s2 = __atomic_load_n(b->step_word, __ATOMIC_ACQUIRE);

@@ -217,14 +217,36 @@ class Run:
                                 # Whose bytes are there (the pattern names its request, layer,
                                 # tensor, block and rank), or none: what went wrong, at a glance.
                                 fail("%s: rank %d layer %d tensor %d block %d (dest %d) differs: holds %r, "
-                                     "wants %r; the batch: %s"
+                                     "wants %r; the batch: %s; %s"
                                      % (q["rid"], r, layer, v, i, d, bytes(got_b[:40]), bytes(want[:40]),
-                                        {x["rid"]: got[x["rid"]][0] for x in plan}), *self.insts)
+                                        {x["rid"]: got[x["rid"]][0] for x in plan}, self.wrong(q)),
+                                     *self.insts)
         for q in plan:
             self.free_p += q["src"]
             self.free_d += q["dst"]
             self.slots_free.append(q["slot"])
         return {rid: v[0] for rid, v in got.items()}, sum(len(q["dst"]) for q in plan)
+
+    def wrong(self, q):
+        """Every block of q that differs at the decode side, by (rank, layer): how many of its
+        blocks hold another request's bytes, and how many still the filler (never written)."""
+        sh = self.shape
+        out = []
+        for r in range(self.a.tp):
+            for layer in range(sh.all_layers):
+                other = filler = 0
+                for v, bb in sh.tensors():
+                    t = self.dec.caches[r].tensor(layer, v)
+                    for i, d in enumerate(q["dst"]):
+                        b = bytes(t[d * bb:(d + 1) * bb])
+                        if b != dep.pattern(q["rid"], layer, v, i + q["held"], r, bb):
+                            if b == b"\xa5" * bb:
+                                filler += 1
+                            else:
+                                other += 1
+                if other or filler:
+                    out.append("rank %d layer %d: %d foreign, %d unwritten" % (r, layer, other, filler))
+        return "of %d blocks a layer and tensor: %s" % (len(q["dst"]), ", ".join(out))
 
     def trace(self, n, per_batch=4):
         lengths = dep.trace_lengths(n)

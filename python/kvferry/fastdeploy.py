@@ -457,12 +457,15 @@ class IntArraySignal:
         finally:
             os.close(fd)
         self.n = n
+        # Each value in one aligned store, as FastDeploy's own writes: struct.pack_into clears
+        # its bytes before it writes them, and a reader in between sees 0.
+        self.v = memoryview(self.m).cast("i")
 
     def __getitem__(self, i):
-        return struct.unpack_from("<i", self.m, 4 * i)[0]
+        return self.v[i]
 
     def __setitem__(self, i, v):
-        struct.pack_into("<i", self.m, 4 * i, v)
+        self.v[i] = v
 
 
 # ---- the EngineWorkerQueue, client side -------------------------------------------------------

@@ -318,25 +318,28 @@ class PerQuerySignal:
                 os.ftruncate(fd, 4)
             self.m[what] = mmap.mmap(fd, 4)
             os.close(fd)
+        # One aligned store a value, as FastDeploy's C++ writes it: struct.pack_into clears the
+        # bytes first, and the messager, polling, would read that 0 as the layer value.
+        self.v = {what: memoryview(m).cast("i") for what, m in self.m.items()}
         self.paths = [os.path.join(shm_dir, "splitwise_complete_prefilled_%s_%d.%d" % (w, rank_id, device))
                       for w in ("step", "layer")]
 
     def step(self):
-        return struct.unpack("<i", self.m["step"][:4])[0]
+        return self.v["step"][0]
 
     def begin_step(self, stall_s=0.0):
         """A forward step starts: the counter moves on, the layer goes back to -1 (stall_s
         between the two: an engine thread held up there, the old step's last layer still
         standing beside the new step)."""
         s = (self.step() + 1) % STEP_MODULO
-        struct.pack_into("<i", self.m["step"], 0, s)
+        self.v["step"][0] = s
         if stall_s:
             time.sleep(stall_s)
-        struct.pack_into("<i", self.m["layer"], 0, -1)
+        self.v["layer"][0] = -1
         return s
 
     def layer(self, layer):
-        struct.pack_into("<i", self.m["layer"], 0, layer)
+        self.v["layer"][0] = layer
 
     def remove(self):
         for p in self.paths:

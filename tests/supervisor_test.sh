@@ -418,6 +418,27 @@ kill $kw; wait $kw 2>/dev/null || true
 kill $bystander
 pass "a supervisor killed alone: status says so, up is refused naming down, down stops its roles and metrics (pids checked: a sleep, in the supervisor's pid file too, another user's process, a role of another name or kind are not taken) and a fresh up works; a role that is another program is left alone"
 
+# ---- 10b. a role that does not stop: the logs say where it was ----
+# A stopped sender (SIGSTOP: it cannot act on TERM) is named with its state after 4 s and killed
+# after 5; a stopped supervisor is killed with its group by down after 10 s, each process named.
+up $TAG-hs --role prefill $L
+hp=$(pid_of sender $TAG-hs) || fail "no sender pid for $TAG-hs"
+kill -STOP "$hp"
+try hs-down "$K" down --instance $TAG-hs
+want_rc 0 "down of an instance whose sender is stopped"
+SL="$R/$TAG-hs/supervisor.log"
+grep -q "the sender has not stopped in 4 s: kvf-sender (pid $hp, state T" "$SL" ||
+  fail "the supervisor did not name the stopped sender: $(tail -n 4 "$SL")"
+grep -q "not stopped in 5 s, killing: kvf-sender (pid $hp, state T" "$SL" ||
+  fail "the supervisor did not name what it killed: $(tail -n 4 "$SL")"
+! kill -0 "$hp" 2>/dev/null || fail "the stopped sender (pid $hp) still runs after down"
+up $TAG-hs --role prefill $L
+kill -STOP "$(cat "$R/$TAG-hs/supervisor.pid")"
+try hs-down2 "$K" down --instance $TAG-hs
+has "supervisor did not stop in 10 s; killing its process group: bash (pid" "down of a stopped supervisor"
+has "kvf-sender (pid" "down of a stopped supervisor (its roles named)"
+pass "a role or supervisor that does not stop: the supervisor's log and down name each process left with its state and kernel wait, then kill it"
+
 # ---- 11. the scheduler slice (common/sched_slice.h) ----
 # slices NAME: "role:slice_us:kernel" for sender, connector, allocator, where kernel is the se.slice
 # (us) every thread of the role has in /proc/PID/task/*/sched ("-" where that file is not

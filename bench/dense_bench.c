@@ -1,9 +1,9 @@
 /*
  * kvf-bench-dense: what entering the doorbell's dense mode costs the producer thread that
  * enters it, and the records behind it, when its process registers for membarrier(2) at its
- * start (kvf_doorbell_register, as every role and kvf_attach do) against registering on the ring
- * that enters dense mode (KVF_AB_LAZY_MEMBARRIER=1, as before). Measured in one run, each arm in
- * a fresh process (a process registers once).
+ * start (kvf_doorbell_register, as every role does; the client library does not) against
+ * registering on the ring that enters dense mode (KVF_AB_LAZY_MEMBARRIER=1, as before).
+ * Measured in one run, each arm in a fresh process (a process registers once).
  *
  * An arm: a producer process that runs --threads idle threads besides its own (as a connector
  * or an engine does; a process of one thread registers at once either way) writes --records
